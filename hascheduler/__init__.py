@@ -1,0 +1,3 @@
+"""hascheduler: a highly available scheduler cluster."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""The ``hascheduler`` command: the one place that builds and wires components."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from . import logs
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535; 0 picks "
+                                         "a free one)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hascheduler", description=__doc__)
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dm = sub.add_parser("devmongo", help="run the MongoDB-wire-compatible development server "
+                                         "(single-node replica set, in memory)")
+    dm.add_argument("--host", default="127.0.0.1", help="address to listen on and advertise")
+    dm.add_argument("--port", type=_port, default=27017, help="TCP port (0: any free port)")
+    dm.add_argument("--replset", default="rs0", help="replica set name")
+    dm.add_argument("--oplog-size", type=_positive_int, default=1_000_000,
+                    help="change events kept for change streams to resume from")
+    dm.add_argument("--cursor-timeout", type=_positive_float, default=600.0,
+                    help="seconds before an idle cursor is killed")
+    dm.add_argument("--ttl-interval", type=_positive_float, default=1.0,
+                    help="seconds between TTL index sweeps (mongod: 60)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    if args.command == "devmongo":
+        from .devmongo import Settings, serve_forever
+
+        if not args.replset or any(c in args.replset for c in "/ ,"):
+            print(f"hascheduler devmongo: --replset {args.replset!r} is not a replica set "
+                  "name", file=sys.stderr)
+            return 2
+        settings = Settings(host=args.host, port=args.port, replset=args.replset,
+                            oplog_size=args.oplog_size, cursor_timeout_s=args.cursor_timeout,
+                            ttl_interval_s=args.ttl_interval)
+        try:
+            asyncio.run(serve_forever(settings))
+        except OSError as exc:
+            print(f"hascheduler devmongo: cannot listen on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
