@@ -101,8 +101,9 @@ class ChangeLog:
         self.capacity = capacity
         self._events: deque[ChangeEvent] = deque(maxlen=capacity)
         self._last_seq = 0
-        # Highest cluster time that fell off the ring: resuming at or before it lost history.
-        self._evicted_until: Timestamp | None = None
+        # History before the server started, or that fell off the ring, is lost: resuming
+        # at or before this cluster time answers 286, as a real oplog's start does.
+        self._history_starts_after: Timestamp = clock.tick()
         self._appended = asyncio.Event()
 
     @property
@@ -115,7 +116,7 @@ class ChangeLog:
 
     def append(self, db: str, coll: str | None, operation_type: str, **fields: Any) -> ChangeEvent:
         if len(self._events) == self.capacity:
-            self._evicted_until = self._events[0].cluster_time
+            self._history_starts_after = self._events[0].cluster_time
         self._last_seq += 1
         ts = self.clock.tick()
         wall = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
@@ -141,7 +142,7 @@ class ChangeLog:
 
         Raises 286 when events at or after ``ts`` fell off the ring.
         """
-        if self._evicted_until is not None and ts <= self._evicted_until:
+        if ts <= self._history_starts_after:
             raise MongoError(286, "Resume of change stream was not possible, as the resume "
                                   "point may no longer be in the oplog.",
                              errorLabels=["NonResumableChangeStreamError"])

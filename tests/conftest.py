@@ -1,0 +1,79 @@
+"""Fixtures: MongoDB-compatible servers in their own processes, and both async drivers.
+
+By default every test talks to the project's development server (``hascheduler devmongo``)
+started as a subprocess on a free port. Set HASCHEDULER_TEST_MONGODB_URI to a real MongoDB
+replica set started with ``--setParameter enableTestCommands=1`` to run the same tests
+against it; tests that need a server started with special options (a tiny change log, a
+short cursor timeout) are marked ``devmongo_only`` and are deselected there, and only
+there (see ``pytest_collection_modifyitems``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.drivers import DRIVERS, Driver
+from tests.servers import ServerProcess, external_uri, start_devmongo
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "devmongo_only: needs a development server started with special options")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if external_uri() is None:
+        return
+    # Against a real MongoDB, tests that start their own development server cannot run.
+    # This is the one place tests are deselected, and only when a real server is asked for.
+    kept = [i for i in items if i.get_closest_marker("devmongo_only") is None]
+    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+    items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def mongo_server() -> Iterator[ServerProcess]:
+    uri = external_uri()
+    if uri is not None:
+        yield ServerProcess(uri, None)
+        return
+    server = start_devmongo()
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, "devmongo did not stop cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="session")
+def mongo_uri(mongo_server: ServerProcess) -> str:
+    return mongo_server.uri
+
+
+@pytest.fixture(params=sorted(DRIVERS))
+def driver(request: pytest.FixtureRequest) -> Driver:
+    return DRIVERS[request.param]
+
+
+@pytest.fixture
+async def client(driver: Driver, mongo_uri: str) -> AsyncIterator[Any]:
+    c = driver.client(mongo_uri)
+    try:
+        yield c
+    finally:
+        await driver.close(c)
+
+
+@pytest.fixture
+def db_name() -> str:
+    return f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def db(client: Any, db_name: str) -> AsyncIterator[Any]:
+    database = client[db_name]
+    yield database
+    await client.drop_database(db_name)

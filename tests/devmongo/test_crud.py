@@ -1,0 +1,209 @@
+"""CRUD, indexes and catalog commands through real drivers over real sockets."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+from pymongo import ReturnDocument
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
+
+from tests.drivers import Driver
+from tests.waiting import wait_until
+
+
+async def test_insert_find_update_delete_round_trip(db: Any) -> None:
+    coll = db.things
+    result = await coll.insert_one({"name": "a", "n": 1, "when": datetime.datetime(2030, 1, 1)})
+    await coll.insert_many([{"name": "b", "n": 2}, {"name": "c", "n": 3, "tags": ["x", "y"]}])
+
+    got = await coll.find_one({"_id": result.inserted_id})
+    assert got == {"_id": result.inserted_id, "name": "a", "n": 1,
+                   "when": datetime.datetime(2030, 1, 1)}
+    assert [d["name"] async for d in coll.find({"n": {"$gte": 2}}).sort("n", -1)] == ["c", "b"]
+    assert [d["name"] async for d in coll.find({"tags": "y"})] == ["c"]
+    assert [d async for d in coll.find({}, {"_id": 0, "name": 1}).sort("n", 1).skip(1)] == [
+        {"name": "b"}, {"name": "c"}]
+
+    updated = await coll.update_many({"n": {"$lt": 3}}, {"$inc": {"n": 10}, "$set": {"k.v": 1}})
+    assert (updated.matched_count, updated.modified_count) == (2, 2)
+    assert sorted([d["n"] async for d in coll.find()]) == [3, 11, 12]
+    unchanged = await coll.update_one({"name": "c"}, {"$set": {"n": 3}})
+    assert (unchanged.matched_count, unchanged.modified_count) == (1, 0)
+
+    upserted = await coll.update_one({"name": "d"}, {"$setOnInsert": {"n": 4}}, upsert=True)
+    assert upserted.upserted_id is not None
+    assert (await coll.find_one({"name": "d"}))["n"] == 4
+
+    replaced = await coll.replace_one({"name": "d"}, {"name": "d", "replaced": True})
+    assert replaced.modified_count == 1
+    assert await coll.find_one({"name": "d"}, {"_id": 0}) == {"name": "d", "replaced": True}
+
+    assert (await coll.delete_one({"name": "a"})).deleted_count == 1
+    assert (await coll.delete_many({})).deleted_count == 3
+    assert await coll.count_documents({}) == 0
+
+
+async def test_update_pipeline_with_now_and_date_arithmetic(db: Any) -> None:
+    coll = db.pipes
+    await coll.insert_one({"_id": 1, "term": 4, "drop": "me"})
+    before = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+    await coll.update_one({"_id": 1}, [
+        {"$set": {"expires_at": {"$add": ["$$NOW", 10_000]}, "term": {"$add": ["$term", 1]}}},
+        {"$unset": "drop"},
+    ])
+    doc = await coll.find_one({"_id": 1})
+    assert doc["term"] == 5 and "drop" not in doc
+    delta = (doc["expires_at"] - before).total_seconds()
+    assert 9.0 <= delta <= 12.0, delta
+
+    await coll.update_one({"_id": 1}, [{"$replaceWith": {"_id": "$_id", "only": "$term"}}])
+    assert await coll.find_one({"_id": 1}) == {"_id": 1, "only": 5}
+
+
+async def test_expr_with_now_filters_on_server_clock(db: Any) -> None:
+    coll = db.leases
+    past = datetime.datetime(2000, 1, 1)
+    future = datetime.datetime(2100, 1, 1)
+    await coll.insert_many([{"_id": "expired", "expires_at": past},
+                            {"_id": "held", "expires_at": future},
+                            {"_id": "never-set"}])
+    expired = {d["_id"] async for d in coll.find(
+        {"$expr": {"$lt": ["$expires_at", "$$NOW"]}})}
+    # A missing field orders below every date, as in MongoDB.
+    assert expired == {"expired", "never-set"}
+
+
+async def test_find_one_and_update_variants(db: Any) -> None:
+    coll = db.fam
+    await coll.insert_many([{"_id": i, "group": "g", "rank": i} for i in range(5)])
+    before = await coll.find_one_and_update({"group": "g"}, {"$set": {"picked": True}},
+                                            sort=[("rank", -1)])
+    assert before["_id"] == 4 and "picked" not in before
+    after = await coll.find_one_and_update({"_id": 3}, {"$inc": {"rank": 10}},
+                                           projection={"rank": 1},
+                                           return_document=ReturnDocument.AFTER)
+    assert after == {"_id": 3, "rank": 13}
+    created = await coll.find_one_and_update({"_id": "new"}, {"$set": {"x": 1}}, upsert=True,
+                                             return_document=ReturnDocument.AFTER)
+    assert created == {"_id": "new", "x": 1}
+    removed = await coll.find_one_and_delete({"_id": 0})
+    assert removed["_id"] == 0 and await coll.find_one({"_id": 0}) is None
+    assert await coll.find_one_and_update({"_id": "absent"}, {"$set": {"x": 1}}) is None
+
+
+async def test_unique_index_violation_is_duplicate_key_error(db: Any) -> None:
+    coll = db.uniq
+    await coll.create_index([("tenant", 1), ("slug", 1)], unique=True, name="tenant_slug")
+    await coll.insert_one({"tenant": "t", "slug": "s"})
+    with pytest.raises(DuplicateKeyError) as caught:
+        await coll.insert_one({"tenant": "t", "slug": "s"})
+    assert caught.value.details["keyPattern"] == {"tenant": 1, "slug": 1}
+    assert caught.value.details["keyValue"] == {"tenant": "t", "slug": "s"}
+    with pytest.raises(DuplicateKeyError):
+        await coll.insert_one({"_id": (await coll.find_one())["_id"]})
+    # An update that would collide is refused and leaves the document as it was.
+    other = await coll.insert_one({"tenant": "t", "slug": "other"})
+    with pytest.raises(DuplicateKeyError):
+        await coll.update_one({"_id": other.inserted_id}, {"$set": {"slug": "s"}})
+    assert (await coll.find_one({"_id": other.inserted_id}))["slug"] == "other"
+    # Unordered bulk inserts keep going past the duplicate.
+    with pytest.raises(BulkWriteError) as bulk:
+        await coll.insert_many([{"tenant": "t", "slug": "s"}, {"tenant": "u", "slug": "s"}],
+                               ordered=False)
+    assert bulk.value.details["nInserted"] == 1
+    assert bulk.value.details["writeErrors"][0]["code"] == 11000
+    assert await coll.count_documents({}) == 3
+
+
+async def test_ttl_documents_disappear(db: Any) -> None:
+    coll = db.ttl
+    await coll.create_index("expire_at", expireAfterSeconds=0)
+    now = datetime.datetime.now(datetime.UTC)
+    await coll.insert_many([{"_id": "old", "expire_at": now - datetime.timedelta(seconds=5)},
+                            {"_id": "young", "expire_at": now + datetime.timedelta(hours=1)},
+                            {"_id": "no-date", "expire_at": "not a date"}])
+
+    async def only_survivors() -> bool:
+        return {d["_id"] async for d in coll.find()} == {"young", "no-date"}
+
+    # mongod's TTL monitor runs every 60 s; the development server sweeps every second.
+    await wait_until(only_survivors, 90.0, "the TTL monitor to delete the expired document")
+
+
+async def test_indexes_and_catalog_commands(db: Any, client: Any, db_name: str,
+                                             driver: Driver) -> None:
+    coll = db.cat
+    await db.create_collection("cat")
+    with pytest.raises(OperationFailure) as exists:
+        await db.command("create", "cat")
+    assert exists.value.code == 48
+    assert await coll.create_index([("a", 1)]) == "a_1"
+    assert await coll.create_index([("b", -1)], name="by_b", sparse=True) == "by_b"
+    names = {i["name"] for i in await driver.list_indexes(coll)}
+    assert names == {"_id_", "a_1", "by_b"}
+    await coll.drop_index("a_1")
+    assert {i["name"] for i in await driver.list_indexes(coll)} == {"_id_", "by_b"}
+    with pytest.raises(OperationFailure) as missing:
+        await coll.drop_index("nope")
+    assert missing.value.code == 27
+
+    assert "cat" in await db.list_collection_names()
+    dbs = await client.list_database_names()
+    assert db_name in dbs
+    await coll.drop()
+    assert "cat" not in await db.list_collection_names()
+
+
+async def test_count_distinct_aggregate(db: Any, driver: Driver) -> None:
+    coll = db.agg
+    await coll.insert_many([{"k": "a", "v": 1, "tags": ["x"]}, {"k": "a", "v": 2},
+                            {"k": "b", "v": 5, "tags": ["x", "z"]}])
+    assert await coll.count_documents({"k": "a"}) == 2
+    assert sorted(await coll.distinct("tags")) == ["x", "z"]
+    grouped = await driver.aggregate(coll, [{"$match": {"v": {"$gt": 0}}},
+                                            {"$group": {"_id": "$k", "total": {"$sum": "$v"}}},
+                                            {"$sort": {"_id": 1}}])
+    assert grouped == [{"_id": "a", "total": 3}, {"_id": "b", "total": 5}]
+
+
+async def test_cursor_batches_and_kill(db: Any) -> None:
+    coll = db.batches
+    await coll.insert_many([{"i": i} for i in range(250)])
+    seen = [d["i"] async for d in coll.find().sort("i", 1).batch_size(7)]
+    assert seen == list(range(250))
+    cursor = coll.find().batch_size(10)
+    first = await cursor.next()
+    assert first["i"] == 0
+    await cursor.close()
+
+
+async def test_transactions_get_a_clear_error(client: Any, db: Any, driver: Driver) -> None:
+    await db.tx.insert_one({"a": 1})
+    session = await driver.start_session(client)
+    try:
+        with pytest.raises(OperationFailure) as caught:
+            await driver.start_transaction(session)
+            await db.tx.insert_one({"a": 2}, session=session)
+        assert caught.value.code == 20
+        assert "transactions are not supported" in str(caught.value)
+    finally:
+        await driver.end_session(session)
+    assert await db.tx.count_documents({}) == 1
+
+
+async def test_bad_commands_get_mongod_error_shapes(db: Any) -> None:
+    with pytest.raises(OperationFailure) as unknown:
+        await db.command("noSuchCommand")
+    assert unknown.value.code == 59
+    with pytest.raises(OperationFailure) as bad_filter:
+        await db.c.find_one({"$bogus": 1})
+    assert bad_filter.value.code == 2
+    await db.c.insert_one({"_id": 1})
+    with pytest.raises(OperationFailure) as bad_update:
+        await db.c.update_one({"_id": 1}, {"$set": {"_id": 5}})
+    assert bad_update.value.code == 66
+    assert await db.c.find_one() == {"_id": 1}
+    # The connection survives every error above.
+    assert (await db.command("ping"))["ok"] == 1.0

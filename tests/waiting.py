@@ -1,0 +1,24 @@
+"""Deadline-bounded waits: tests wait for a condition, never for a fixed time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def wait_until(probe: Callable[[], Awaitable[T]], deadline_s: float,
+                     what: str, interval_s: float = 0.05) -> T:
+    """Poll ``probe`` until it returns a truthy value; fail the test at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
+                                 f"(last value {value!r})")
+        await asyncio.sleep(interval_s)
