@@ -207,3 +207,18 @@ async def test_bad_commands_get_mongod_error_shapes(db: Any) -> None:
     assert await db.c.find_one() == {"_id": 1}
     # The connection survives every error above.
     assert (await db.command("ping"))["ok"] == 1.0
+
+
+async def test_direct_connection_and_replica_set_discovery(mongo_uri: str,
+                                                           driver: Driver) -> None:
+    host = mongo_uri.split("//", 1)[1].split("/", 1)[0]
+    for uri in (mongo_uri, f"mongodb://{host}/?directConnection=true"):
+        client = driver.client(uri)
+        try:
+            hello = await client.admin.command("hello")
+            assert hello["isWritablePrimary"] is True
+            await client.t_direct.c.insert_one({"via": uri})
+            assert await client.t_direct.c.count_documents({"via": uri}) == 1
+        finally:
+            await client.drop_database("t_direct")
+            await driver.close(client)

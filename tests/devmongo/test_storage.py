@@ -1,0 +1,134 @@
+"""Storage, index planning and change log, in process (pure logic, no sockets)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+from bson import Int64, ObjectId, Timestamp
+
+from hascheduler.devmongo import engine
+from hascheduler.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
+from hascheduler.devmongo.errors import DuplicateKey, MongoError
+from hascheduler.devmongo.storage import Catalog, Collection
+from hascheduler.devmongo.values import key_of, sort_key
+
+
+def make_collection(n: int = 0, capacity: int = 10_000) -> Collection:
+    catalog = Catalog(ChangeLog(ClusterClock(), capacity))
+    coll = catalog.collection("db", "c")
+    for i in range(n):
+        coll.insert({"_id": i, "n": i, "tag": f"t{i % 10}", "at": datetime.datetime(2030, 1, 1)
+                     + datetime.timedelta(seconds=i)})
+    return coll
+
+
+def op() -> engine.Operation:
+    return engine.Operation(datetime.datetime(2030, 1, 1), Timestamp(1, 1))
+
+
+@pytest.mark.parametrize(("filter_", "narrowed_to"), [
+    ({"_id": 5}, 1),
+    ({"_id": {"$in": [1, 2, 3]}}, 3),
+    ({"tag": "t3"}, 100),
+    ({"n": {"$gte": 990}}, 10),
+    ({"n": {"$gt": 10, "$lte": 20}}, 10),
+    ({"$and": [{"tag": "t1"}, {"n": {"$lt": 50}}]}, 100),
+    ({"at": {"$lt": datetime.datetime(2030, 1, 1, 0, 0, 5)}}, 5),
+])
+def test_indexed_filters_do_not_scan(filter_: dict[str, Any], narrowed_to: int) -> None:
+    coll = make_collection(1000)
+    coll.create_index({"key": {"tag": 1}})
+    coll.create_index({"key": {"n": 1}})
+    coll.create_index({"key": {"at": 1}})
+    assert len(list(coll.candidates(filter_))) == narrowed_to
+    # The narrowed candidates give exactly what a full scan gives.
+    scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+    assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
+
+
+def test_range_respects_type_brackets_and_multikey_arrays() -> None:
+    coll = make_collection()
+    coll.create_index({"key": {"v": 1}})
+    for i, v in enumerate([1, 2.5, "3", True, None, [0, 9], datetime.datetime(2020, 1, 1)]):
+        coll.insert({"_id": i, "v": v})
+    found = sorted(doc["_id"] for _, doc in coll.find(op(), {"v": {"$gt": 1, "$lt": 5}}))
+    # 2.5 by value; [0, 9] because one element is > 1 and another < 5 (MongoDB semantics);
+    # never "3", True or the date.
+    assert found == [1, 5]
+
+
+def test_numbers_share_keys_booleans_do_not() -> None:
+    assert key_of(1) == key_of(1.0) == key_of(Int64(1))
+    assert key_of(True) != key_of(1)
+    assert sort_key(None) < sort_key(0) < sort_key("a") < sort_key({}) < sort_key(ObjectId())
+
+
+def test_unique_index_checks_every_array_element_and_rolls_back() -> None:
+    coll = make_collection()
+    coll.create_index({"key": {"tags": 1}, "unique": True})
+    coll.insert({"_id": 1, "tags": ["a", "b"]})
+    with pytest.raises(DuplicateKey) as caught:
+        coll.insert({"_id": 2, "tags": ["c", "b"]})
+    assert caught.value.extra["keyPattern"] == {"tags": 1}
+    assert len(coll.docs) == 1
+    assert coll.find(op(), {"tags": "c"}) == []  # no trace of the failed insert
+    coll.insert({"_id": 3, "tags": ["c"]})
+
+
+def test_creating_a_unique_index_over_duplicates_fails() -> None:
+    coll = make_collection()
+    coll.insert({"_id": 1, "k": 1})
+    coll.insert({"_id": 2, "k": 1})
+    with pytest.raises(DuplicateKey):
+        coll.create_index({"key": {"k": 1}, "unique": True})
+    assert set(coll.indexes) == {"_id_"}
+
+
+def test_ttl_index_finds_only_dates_past_expiry() -> None:
+    coll = make_collection()
+    coll.create_index({"key": {"exp": 1}, "expireAfterSeconds": 60})
+    now = datetime.datetime(2030, 1, 1, 12, 0)
+    coll.insert({"_id": "old", "exp": now - datetime.timedelta(seconds=61)})
+    coll.insert({"_id": "fresh", "exp": now - datetime.timedelta(seconds=59)})
+    coll.insert({"_id": "text", "exp": "2000-01-01"})
+    assert [coll.docs[rid]["_id"] for rid in coll.expired(now)] == ["old"]
+
+
+def test_update_description_uses_dotted_paths() -> None:
+    old = {"_id": 1, "a": {"b": 1, "c": 2}, "gone": True, "same": [1]}
+    new = {"_id": 1, "a": {"b": 5, "c": 2}, "same": [1], "added": 1}
+    assert describe_update(old, new) == {"updatedFields": {"a.b": 5, "added": 1},
+                                         "removedFields": ["gone"], "truncatedArrays": []}
+
+
+def test_tokens_order_like_events_and_the_ring_forgets_the_oldest() -> None:
+    log = ChangeLog(ClusterClock(), capacity=3)
+    events = [log.append("db", "c", "insert", document_key={"_id": i}) for i in range(5)]
+    tokens = [e.token["_data"] for e in events]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 5
+    assert [decode_token(e.token)[0] for e in events] == [1, 2, 3, 4, 5]
+    assert [e.seq for e in log.after(2)] == [3, 4, 5]
+    with pytest.raises(MongoError) as lost:
+        list(log.after(1))
+    assert lost.value.code == 286
+    with pytest.raises(MongoError) as bad:
+        decode_token({"_data": "nonsense"})
+    assert bad.value.code == 260
+
+
+def test_cluster_clock_strictly_increases() -> None:
+    clock = ClusterClock()
+    ticks = [clock.tick() for _ in range(1000)]
+    assert all(a < b for a, b in zip(ticks, ticks[1:], strict=False))
+
+
+def test_update_that_changes_nothing_emits_no_event() -> None:
+    coll = make_collection()
+    coll.insert({"_id": 1, "a": 1})
+    before = coll.changes.last_seq
+    rid = next(iter(coll.docs))
+    new = engine.apply_update(op(), coll.docs[rid], {"_id": 1}, {"$set": {"a": 1}}, False)
+    assert coll.replace(rid, new, replacement=False) is False
+    assert coll.changes.last_seq == before

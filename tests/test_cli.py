@@ -1,0 +1,56 @@
+"""The ``hascheduler`` command line: arguments, exit codes, signals."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from tests.servers import start_devmongo
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["devmongo", "--port", "http"], "not a port number"),
+    (["devmongo", "--port", "70000"], "not a port number"),
+    (["devmongo", "--oplog-size", "0"], "must be at least 1"),
+    (["devmongo", "--replset", "a b"], "is not a replica set name"),
+    (["nonsense"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_naming_the_setting(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("devmongo", "--port", str(port))
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.devmongo_only
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_devmongo_prints_its_uri_and_stops_cleanly_on_signal(sig: int) -> None:
+    server = start_devmongo("--replset", "rs7")
+    assert server.uri.endswith("/?replicaSet=rs7")
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(server.uri)
+    try:
+        hello = await client.admin.command("hello")
+        assert hello["setName"] == "rs7"
+        await client.t.c.insert_one({"ok": True})
+    finally:
+        await client.close()
+    assert server.stop(sig) == 0
