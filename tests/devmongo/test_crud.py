@@ -54,7 +54,8 @@ async def test_update_pipeline_with_now_and_date_arithmetic(db: Any) -> None:
         {"$unset": "drop"},
     ])
     doc = await coll.find_one({"_id": 1})
-    assert doc["term"] == 5 and "drop" not in doc
+    assert doc["term"] == 5
+    assert "drop" not in doc
     delta = (doc["expires_at"] - before).total_seconds()
     assert 9.0 <= delta <= 12.0, delta
 
@@ -80,7 +81,8 @@ async def test_find_one_and_update_variants(db: Any) -> None:
     await coll.insert_many([{"_id": i, "group": "g", "rank": i} for i in range(5)])
     before = await coll.find_one_and_update({"group": "g"}, {"$set": {"picked": True}},
                                             sort=[("rank", -1)])
-    assert before["_id"] == 4 and "picked" not in before
+    assert before["_id"] == 4
+    assert "picked" not in before
     after = await coll.find_one_and_update({"_id": 3}, {"$inc": {"rank": 10}},
                                            projection={"rank": 1},
                                            return_document=ReturnDocument.AFTER)
@@ -89,7 +91,8 @@ async def test_find_one_and_update_variants(db: Any) -> None:
                                              return_document=ReturnDocument.AFTER)
     assert created == {"_id": "new", "x": 1}
     removed = await coll.find_one_and_delete({"_id": 0})
-    assert removed["_id"] == 0 and await coll.find_one({"_id": 0}) is None
+    assert removed["_id"] == 0
+    assert await coll.find_one({"_id": 0}) is None
     assert await coll.find_one_and_update({"_id": "absent"}, {"$set": {"x": 1}}) is None
 
 
@@ -183,8 +186,8 @@ async def test_transactions_get_a_clear_error(client: Any, db: Any, driver: Driv
     await db.tx.insert_one({"a": 1})
     session = await driver.start_session(client)
     try:
+        await driver.start_transaction(session)  # client-side only; the server sees it next
         with pytest.raises(OperationFailure) as caught:
-            await driver.start_transaction(session)
             await db.tx.insert_one({"a": 2}, session=session)
         assert caught.value.code == 20
         assert "transactions are not supported" in str(caught.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 from typing import Any
 
 import pytest
@@ -107,7 +108,8 @@ def test_tokens_order_like_events_and_the_ring_forgets_the_oldest() -> None:
     log = ChangeLog(ClusterClock(), capacity=3)
     events = [log.append("db", "c", "insert", document_key={"_id": i}) for i in range(5)]
     tokens = [e.token["_data"] for e in events]
-    assert tokens == sorted(tokens) and len(set(tokens)) == 5
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == 5
     assert [decode_token(e.token)[0] for e in events] == [1, 2, 3, 4, 5]
     assert [e.seq for e in log.after(2)] == [3, 4, 5]
     with pytest.raises(MongoError) as lost:
@@ -121,7 +123,7 @@ def test_tokens_order_like_events_and_the_ring_forgets_the_oldest() -> None:
 def test_cluster_clock_strictly_increases() -> None:
     clock = ClusterClock()
     ticks = [clock.tick() for _ in range(1000)]
-    assert all(a < b for a, b in zip(ticks, ticks[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(ticks))
 
 
 def test_update_that_changes_nothing_emits_no_event() -> None:

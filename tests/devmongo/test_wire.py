@@ -67,10 +67,14 @@ def legacy_query(request_id: int, namespace: str, query: dict[str, Any]) -> byte
 async def test_legacy_op_query_handshake_is_answered_with_op_reply(raw: RawConnection) -> None:
     await raw.send(legacy_query(7, "admin.$cmd", {"isMaster": 1, "helloOk": True}))
     header, _, doc = await raw.reply()
-    assert header.op_code == wire.OP_REPLY and header.response_to == 7
-    assert doc["ismaster"] is True and doc["helloOk"] is True
-    assert doc["setName"] == "rs0" and doc["maxWireVersion"] == 21
-    assert doc["hosts"] == [doc["me"]] and doc["primary"] == doc["me"]
+    assert header.op_code == wire.OP_REPLY
+    assert header.response_to == 7
+    assert doc["ismaster"] is True
+    assert doc["helloOk"] is True
+    assert doc["setName"] == "rs0"
+    assert doc["maxWireVersion"] == 21
+    assert doc["hosts"] == [doc["me"]]
+    assert doc["primary"] == doc["me"]
     for field in ("setVersion", "electionId", "topologyVersion",
                   "logicalSessionTimeoutMinutes"):
         assert field in doc
@@ -79,13 +83,15 @@ async def test_legacy_op_query_handshake_is_answered_with_op_reply(raw: RawConne
 async def test_hello_and_cluster_time_on_every_reply(raw: RawConnection) -> None:
     rid = await raw.command({"hello": 1, "$db": "admin"})
     header, _, doc = await raw.reply()
-    assert header.op_code == wire.OP_MSG and header.response_to == rid
+    assert header.op_code == wire.OP_MSG
+    assert header.response_to == rid
     assert doc["isWritablePrimary"] is True
     await raw.command({"nope": 1, "$db": "admin"})
     _, _, err = await raw.reply()
     assert (err["ok"], err["code"], err["codeName"]) == (0.0, 59, "CommandNotFound")
     for reply in (doc, err):
-        assert "clusterTime" in reply["$clusterTime"] and "operationTime" in reply
+        assert "clusterTime" in reply["$clusterTime"]
+        assert "operationTime" in reply
 
 
 async def test_document_sequences_and_checksum_flag(raw: RawConnection) -> None:
@@ -93,7 +99,8 @@ async def test_document_sequences_and_checksum_flag(raw: RawConnection) -> None:
     await raw.command({"insert": "seq", "$db": "wiretest"}, sequences={"documents": docs},
                       flags=wire.FLAG_CHECKSUM_PRESENT)
     _, _, reply = await raw.reply()
-    assert reply["ok"] == 1.0 and reply["n"] == 3
+    assert reply["ok"] == 1.0
+    assert reply["n"] == 3
     await raw.command({"find": "seq", "$db": "wiretest"})
     _, _, found = await raw.reply()
     assert found["cursor"]["firstBatch"] == docs
@@ -134,8 +141,10 @@ async def test_awaitable_hello_waits_and_streams_with_more_to_come(
     waited = time.monotonic() - start
     header2, flags2, _ = await raw.reply()
     assert 0.25 <= waited < 2.0, "an awaitable hello holds its reply for maxAwaitTimeMS"
-    assert header1.response_to == rid and flags1 & wire.FLAG_MORE_TO_COME
-    assert header2.response_to == header1.request_id and flags2 & wire.FLAG_MORE_TO_COME
+    assert header1.response_to == rid
+    assert flags1 & wire.FLAG_MORE_TO_COME
+    assert header2.response_to == header1.request_id
+    assert flags2 & wire.FLAG_MORE_TO_COME
 
 
 def _cpu_seconds(pid: int) -> float:
