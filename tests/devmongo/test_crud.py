@@ -10,6 +10,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from tests.drivers import Driver
+from tests.servers import start_devmongo
 from tests.waiting import wait_until
 
 
@@ -225,3 +226,28 @@ async def test_direct_connection_and_replica_set_discovery(mongo_uri: str,
         finally:
             await client.drop_database("t_direct")
             await driver.close(client)
+
+
+@pytest.mark.devmongo_only
+async def test_idle_cursor_is_killed_after_the_cursor_timeout(driver: Driver) -> None:
+    server = start_devmongo("--cursor-timeout", "0.5")
+    client = driver.client(server.uri)
+    try:
+        coll = client.idle.c
+        await coll.insert_many([{"i": i} for i in range(10)])
+        reply = await client.idle.command({"find": "c", "batchSize": 2})
+        cursor_id = reply["cursor"]["id"]
+        assert cursor_id != 0
+
+        async def no_open_cursors() -> bool:
+            status = await client.admin.command("serverStatus")
+            return status["devmongo"]["openCursors"] == 0
+
+        # serverStatus does not touch the cursor, so it sits idle until the reaper kills it.
+        await wait_until(no_open_cursors, 15.0, "the idle cursor to be killed")
+        with pytest.raises(OperationFailure) as caught:
+            await client.idle.command({"getMore": cursor_id, "collection": "c"})
+        assert caught.value.code == 43
+    finally:
+        await driver.close(client)
+        assert server.stop() == 0
