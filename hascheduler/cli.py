@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
+from pymongo import uri_parser
+from pymongo.errors import ConfigurationError, InvalidURI
+
 from . import logs
+from .replica import ReplicaSettings, run_replica
 
 
 def _positive_int(text: str) -> int:
@@ -58,7 +64,42 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds before an idle cursor is killed")
     dm.add_argument("--ttl-interval", type=_positive_float, default=1.0,
                     help="seconds between TTL index sweeps (mongod: 60)")
+    sv = sub.add_parser("serve", help="run one scheduler replica (HTTP API + mirror)")
+    sv.add_argument("--mongodb-uri", default=_env("MONGODB_URI"),
+                    help="MongoDB replica set URI (env HASCHEDULER_MONGODB_URI)")
+    sv.add_argument("--http-host", default=_env("HTTP_HOST", "127.0.0.1"),
+                    help="address to serve the API on (env HASCHEDULER_HTTP_HOST)")
+    sv.add_argument("--http-port", default=_env("HTTP_PORT", "8080"),
+                    help="API port, 0 for any free one (env HASCHEDULER_HTTP_PORT)")
+    sv.add_argument("--replica-id", default=_env("REPLICA_ID") or os.environ.get("POD_NAME"),
+                    help="this replica's name (env HASCHEDULER_REPLICA_ID or POD_NAME; "
+                         "default host name and pid)")
     return parser
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"HASCHEDULER_{name}", default)
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the message names it. The CLI exits 2."""
+
+
+def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
+    if not args.mongodb_uri:
+        raise ConfigError("--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required")
+    try:
+        uri_parser.parse_uri(args.mongodb_uri)
+    except (InvalidURI, ValueError, ConfigurationError) as exc:
+        raise ConfigError(f"--mongodb-uri / HASCHEDULER_MONGODB_URI is not a MongoDB URI: "
+                          f"{exc}") from None
+    try:
+        port = _port(str(args.http_port))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"--http-port / HASCHEDULER_HTTP_PORT: {exc}") from None
+    replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    return ReplicaSettings(mongodb_uri=args.mongodb_uri, http_host=args.http_host,
+                           http_port=port, replica_id=replica_id)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"hascheduler devmongo: cannot listen on {args.host}:{args.port}: {exc}",
                   file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "serve":
+        try:
+            replica = replica_settings(args)
+        except ConfigError as exc:
+            print(f"hascheduler serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            asyncio.run(run_replica(replica))
+        except OSError as exc:
+            print(f"hascheduler serve: cannot serve on {replica.http_host}:"
+                  f"{replica.http_port}: {exc}", file=sys.stderr)
             return 1
         return 0
     return 2

@@ -1,0 +1,5 @@
+"""The HTTP API every replica serves (aiohttp)."""
+
+from .app import create_app
+
+__all__ = ["create_app"]

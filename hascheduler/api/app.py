@@ -1,0 +1,259 @@
+"""Routes: schedules CRUD, pause/resume, previews, health, readiness, OpenAPI."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from .. import models
+from ..constants import DEFAULT_PAGE, MAX_PAGE, MAX_PREVIEW, MAX_REQUEST_BYTES
+from ..mirror import Mirror
+from ..store import ScheduleStore
+from .errors import BadRequest, error_middleware, problem
+from .openapi import DOCS_PAGE, openapi_spec
+
+Clock = Callable[[], dt.datetime]
+
+STORE = web.AppKey("store", ScheduleStore)
+MIRROR = web.AppKey("mirror", Mirror)
+REPLICA = web.AppKey("replica_id", str)
+CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+
+_JSON_TYPES = {"application/json", "application/merge-patch+json"}
+
+
+def _json(model: BaseModel, status: int = 200, **headers: str) -> web.Response:
+    return web.Response(text=model.model_dump_json(), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def _schedule_response(schedule: models.Schedule, status: int = 200,
+                       **headers: str) -> web.Response:
+    return _json(schedule, status, ETag=f'"{schedule.revision}"', **headers)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if request.content_type not in _JSON_TYPES:
+        raise BadRequest(415, "Content-Type", "send the body as application/json")
+    raw = await request.read()
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(400, "body", f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(422, "body", "the body must be a JSON object")
+    return body
+
+
+def _expected_revision(request: web.Request) -> int | None:
+    header = request.headers.get("If-Match")
+    if header is None or header.strip() == "*":
+        return None
+    text = header.strip().removeprefix("W/").strip('"')
+    if not text.isdigit() or int(text) < 1:
+        raise BadRequest(400, "If-Match", "If-Match must be a schedule revision, as the "
+                                          "ETag header gives it (for example \"3\")")
+    return int(text)
+
+
+def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    if not text.lstrip("-").isdigit() or not low <= int(text) <= high:
+        raise BadRequest(422, name, f"{name} must be a whole number from {low} to {high}")
+    return int(text)
+
+
+def _bool_param(request: web.Request, name: str) -> bool | None:
+    text = request.query.get(name)
+    if text is None:
+        return None
+    if text.lower() not in {"true", "false"}:
+        raise BadRequest(422, name, f"{name} must be true or false")
+    return text.lower() == "true"
+
+
+def _time_param(request: web.Request, name: str, default: dt.datetime) -> dt.datetime:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise BadRequest(422, name, f"{name} must be an ISO-8601 time") from None
+    if moment.tzinfo is None:
+        raise BadRequest(422, name, f"{name} needs a time zone offset")
+    return moment
+
+
+def _now(request: web.Request) -> dt.datetime:
+    clock: Clock = request.app[CLOCK]
+    return clock()
+
+
+def _validate(model: type[models.ScheduleFields], data: dict[str, Any],
+              now: dt.datetime, stored_trigger: bool = False) -> Any:
+    return model.model_validate(data, context={"now": now, "stored": stored_trigger})
+
+
+async def create_schedule(request: web.Request) -> web.Response:
+    body = await _body(request)
+    now = _now(request)
+    new = _validate(models.ScheduleIn, body, now)
+    schedule = await request.app[STORE].create(new, now)
+    return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
+
+
+async def list_schedules(request: web.Request) -> web.Response:
+    labels: dict[str, str] = {}
+    for value in request.query.getall("label", []):
+        key, sep, text = value.partition("=")
+        if not sep or not key:
+            raise BadRequest(422, "label", "label filters look like label=key=value")
+        labels[key] = text
+    items, after = await request.app[STORE].list(
+        labels=labels, paused=_bool_param(request, "paused"),
+        after=request.query.get("after"),
+        limit=_int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
+    return _json(models.ScheduleList(items=items, next=after))
+
+
+async def get_schedule(request: web.Request) -> web.Response:
+    return _schedule_response(await request.app[STORE].get(request.match_info["id"]))
+
+
+async def put_schedule(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if "id" in body and body["id"] != request.match_info["id"]:
+        raise BadRequest(422, "id", "the id in the body differs from the one in the path")
+    body.pop("id", None)
+    now = _now(request)
+    fields = _validate(models.ScheduleFields, body, now)
+    schedule = await request.app[STORE].replace(request.match_info["id"], fields, now,
+                                                _expected_revision(request))
+    return _schedule_response(schedule)
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+async def patch_schedule(request: web.Request) -> web.Response:
+    patch = await _body(request)
+    schedule_id = request.match_info["id"]
+    for server_field in ("id", "created_at", "updated_at", "revision"):
+        if server_field in patch:
+            raise BadRequest(422, server_field, f"{server_field} is set by the server")
+    store = request.app[STORE]
+    expected = _expected_revision(request)
+    current = await store.get(schedule_id)
+    client_fields = set(models.ScheduleFields.model_fields)
+    merged = _merge_patch(current.model_dump(mode="json", include=client_fields), patch)
+    now = _now(request)
+    fields = _validate(models.ScheduleFields, merged, now,
+                       stored_trigger="trigger" not in patch)
+    # Without If-Match, the revision read above still guards against a lost update.
+    schedule = await store.replace(schedule_id, fields, now,
+                                   expected if expected is not None else current.revision)
+    return _schedule_response(schedule)
+
+
+async def delete_schedule(request: web.Request) -> web.Response:
+    await request.app[STORE].delete(request.match_info["id"], _expected_revision(request))
+    return web.Response(status=204)
+
+
+async def pause_schedule(request: web.Request) -> web.Response:
+    return await _set_paused(request, True)
+
+
+async def resume_schedule(request: web.Request) -> web.Response:
+    return await _set_paused(request, False)
+
+
+async def _set_paused(request: web.Request, paused: bool) -> web.Response:
+    schedule = await request.app[STORE].set_paused(
+        request.match_info["id"], paused, _now(request), _expected_revision(request))
+    return _schedule_response(schedule)
+
+
+async def next_fires(request: web.Request) -> web.Response:
+    count = _int_param(request, "count", 5, 1, MAX_PREVIEW)
+    after = _time_param(request, "after", _now(request))
+    schedule = await request.app[STORE].get(request.match_info["id"])
+    return _json(models.preview(schedule, after, count))
+
+
+async def mirror_entry(request: web.Request) -> web.Response:
+    """What this replica's mirror holds for one schedule (for comparing replicas)."""
+    schedule_id = request.match_info["id"]
+    mirror = request.app[MIRROR]
+    entry = mirror.entries.get(schedule_id)
+    if entry is None:
+        return problem(404, f"schedule {schedule_id!r} is not in this replica's mirror",
+                       replica_id=request.app[REPLICA])
+    now = _now(request)
+    nominal = entry.trigger.next_after(now)
+    return web.json_response({
+        "id": schedule_id, "revision": entry.revision, "paused": entry.paused,
+        "next_nominal": nominal.isoformat() if nominal else None,
+        "replica_id": request.app[REPLICA]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive", "replica_id": request.app[REPLICA]})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    status = request.app[MIRROR].status()
+    status["replica_id"] = request.app[REPLICA]
+    return web.json_response(status, status=200 if status["ready"] else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec())
+
+
+async def docs(request: web.Request) -> web.Response:
+    return web.Response(text=DOCS_PAGE, content_type="text/html")
+
+
+def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
+               clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
+    app[STORE] = store
+    app[MIRROR] = mirror
+    app[REPLICA] = replica_id
+    app[CLOCK] = clock
+    app.router.add_post("/schedules", create_schedule)
+    app.router.add_get("/schedules", list_schedules)
+    app.router.add_get("/schedules/{id}", get_schedule)
+    app.router.add_put("/schedules/{id}", put_schedule)
+    app.router.add_patch("/schedules/{id}", patch_schedule)
+    app.router.add_delete("/schedules/{id}", delete_schedule)
+    app.router.add_post("/schedules/{id}/pause", pause_schedule)
+    app.router.add_post("/schedules/{id}/resume", resume_schedule)
+    app.router.add_get("/schedules/{id}/next", next_fires)
+    app.router.add_get("/mirror/{id}", mirror_entry)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/docs", docs)
+    return app
+
+

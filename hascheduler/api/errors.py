@@ -1,0 +1,82 @@
+"""Every error the API can answer, mapped to its status in one place.
+
+Client mistakes get a 4xx whose body names the field; only a bug gives a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
+
+from ..errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+
+log = structlog.get_logger("hascheduler.api")
+
+
+class BadRequest(Exception):
+    """A request the API refuses; ``status`` and the named ``field`` go to the client."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.message = message
+
+
+def problem(status: int, title: str, errors: list[dict[str, str]] | None = None,
+            **extra: Any) -> web.Response:
+    body: dict[str, Any] = {"status": status, "title": title, **extra}
+    if errors is not None:
+        body["errors"] = errors
+    return web.json_response(body, status=status)
+
+
+def validation_errors(exc: ValidationError, prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    out = []
+    for err in exc.errors(include_url=False):
+        # Discriminated unions put the variant's tag in the path; users wrote no such key.
+        loc = [str(p) for p in (*prefix, *err["loc"])]
+        path = [p for i, p in enumerate(loc)
+                if p not in {"cron", "interval", "at"} or i == len(loc) - 1]
+        message = err["msg"].removeprefix("Value error, ")
+        out.append({"field": ".".join(path) or "body", "message": message})
+    return out
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return problem(exc.status, exc.message, [{"field": exc.field, "message": exc.message}])
+    except ValidationError as exc:
+        return problem(422, "the schedule is not valid", validation_errors(exc))
+    except ScheduleNotFound as exc:
+        return problem(404, str(exc))
+    except ScheduleExists as exc:
+        return problem(409, str(exc), [{"field": "id", "message": str(exc)}])
+    except RevisionConflict as exc:
+        return problem(409, str(exc), [{"field": "If-Match", "message": str(exc)}],
+                       current_revision=exc.current)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return problem(413, "the body is too large", [{"field": "body", "message": exc.text
+                                                         or "too large"}])
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return problem(exc.status, exc.reason)
+        raise
+    except PyMongoError as exc:
+        log.warning("database_unavailable", error=str(exc), path=request.path)
+        return problem(503, "the database is unavailable; retry later")
+    except json.JSONDecodeError as exc:
+        return problem(400, f"the body is not valid JSON: {exc.msg}",
+                       [{"field": "body", "message": exc.msg}])

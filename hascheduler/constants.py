@@ -1,0 +1,26 @@
+"""Names and limits shared across the package, each with the reason for its value."""
+
+from __future__ import annotations
+
+# MongoDB collections.
+SCHEDULES = "schedules"
+DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
+
+# A schedule's payload travels in every broker message; 64 KiB keeps a burst of 10k fires
+# well under a broker's per-batch limits and the mirror free of payloads.
+MAX_PAYLOAD_BYTES = 64 * 1024
+# Jitter beyond a day would reorder fires of a daily schedule.
+MAX_JITTER_S = 86_400.0
+# The HTTP body limit: a payload at its limit plus the schedule's other fields.
+MAX_REQUEST_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024
+# How many schedules one page of GET /schedules returns at most.
+MAX_PAGE = 500
+DEFAULT_PAGE = 100
+# GET /schedules/{id}/next?count=N: enough for a calendar view, bounded for the server.
+MAX_PREVIEW = 1000
+
+# Mirror: how long to wait before reopening a failed change stream (doubles up to max).
+STREAM_RETRY_INITIAL_S = 0.1
+STREAM_RETRY_MAX_S = 5.0
+# The awaitData wait of the mirror's change stream: short enough that shutdown is prompt.
+STREAM_MAX_AWAIT_MS = 500

@@ -1,0 +1,300 @@
+"""Every replica's in-memory copy of the schedules, kept current by a change stream.
+
+Order of operations (DESIGN invariant 2): open the change stream first and keep its start
+point, then load every schedule, then apply the stream's events in order. An event whose
+revision is not newer than the mirror's copy is ignored, so the replay of changes that
+the load already saw never moves a schedule backwards. A resumable error reopens the
+stream from the last token; history lost (286) or an invalidate triggers a full resync,
+which leaves unchanged entries alone. While not in sync the mirror is not ready.
+
+Entries are compact (no payload, name or labels): a trigger and the few fields firing needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
+from bson import Timestamp
+from pymongo.errors import OperationFailure, PyMongoError
+
+from . import triggers
+from .constants import STREAM_MAX_AWAIT_MS, STREAM_RETRY_INITIAL_S, STREAM_RETRY_MAX_S
+
+log = structlog.get_logger("hascheduler.mirror")
+
+HISTORY_LOST = 286
+INVALID_RESUME_TOKEN = 260
+
+
+@dataclass(slots=True)
+class Entry:
+    revision: int
+    paused: bool
+    trigger: triggers.Trigger
+    jitter: float
+    catchup: str
+    catchup_window: float
+    target: str
+
+
+def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
+    """A stored trigger document as a Trigger (stored documents were validated on write).
+
+    Raises InvalidTrigger, KeyError or TypeError for a document not written by us.
+    """
+    kind = spec["kind"]
+    if kind == "cron":
+        expression = sys.intern(spec["cron"])
+        timezone = sys.intern(spec.get("timezone", "UTC"))
+        triggers.cron_trigger(expression, timezone)  # validate once, interned
+        return _interned_cron(expression, timezone)
+    if kind == "interval":
+        return triggers.Interval(float(spec["every"]), _aware(spec["start_at"]),
+                                 _aware(spec["end_at"]) if spec.get("end_at") else None)
+    if kind == "at":
+        return triggers.At(tuple(_aware(t) for t in spec["at"]))
+    raise triggers.InvalidTrigger(f"unknown trigger kind {kind!r}")
+
+
+_crons: dict[tuple[str, str], triggers.Cron] = {}
+
+
+def _interned_cron(expression: str, timezone: str) -> triggers.Cron:
+    key = (expression, timezone)
+    cron = _crons.get(key)
+    if cron is None:
+        cron = _crons[key] = triggers.Cron(expression, timezone)
+    return cron
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
+def entry_from_document(doc: dict[str, Any]) -> Entry:
+    return Entry(revision=int(doc["revision"]), paused=bool(doc.get("paused", False)),
+                 trigger=compile_trigger(doc["trigger"]),
+                 jitter=float(doc.get("jitter", 0.0)),
+                 catchup=sys.intern(doc.get("catchup", "latest")),
+                 catchup_window=float(doc.get("catchup_window", 3600.0)),
+                 target=doc["target"])
+
+
+Action = tuple[Literal["upsert"], str, dict[str, Any]] | tuple[Literal["remove"], str, None] \
+    | tuple[Literal["ignore"], str, str]
+
+
+def decide(event: dict[str, Any], current_revision: int | None) -> Action:
+    """What one change event does to the mirror: pure, given the mirror's revision."""
+    op = event.get("operationType")
+    key = event.get("documentKey", {}).get("_id")
+    if op == "delete":
+        return ("remove", key, None)
+    if op in {"insert", "replace", "update"}:
+        doc = event.get("fullDocument")
+        if doc is None:
+            return ("ignore", key, "document gone before lookup; its delete follows")
+        if current_revision is not None and int(doc["revision"]) <= current_revision:
+            return ("ignore", key, "stale revision")
+        return ("upsert", key, doc)
+    return ("ignore", str(key), f"operation {op}")
+
+
+class StreamInvalidated(Exception):
+    """The change stream ended with an invalidate event (collection dropped or renamed)."""
+
+
+class Mirror:
+    """The mirror of one collection; ``run()`` keeps it in sync until cancelled."""
+
+    def __init__(self, collection: Any,
+                 on_change: Callable[[str, Entry | None], None] | None = None) -> None:
+        self._coll = collection
+        self._on_change = on_change
+        self.entries: dict[str, Entry] = {}
+        self.ready = False
+        self.last_applied: Timestamp | None = None
+        self.invalid: dict[str, str] = {}  # id -> why its stored document was refused
+        self.resyncs = 0
+        self.resumes = 0
+        self._digest: str | None = None
+        self._token: Any = None
+        self._ready_event = asyncio.Event()
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.entries)
+
+    @property
+    def digest(self) -> str:
+        """sha256 over the sorted (id, revision) pairs: equal digests, equal mirrors."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for schedule_id in sorted(self.entries):
+                h.update(f"{schedule_id}\0{self.entries[schedule_id].revision}\n".encode())
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def status(self) -> dict[str, Any]:
+        last = self.last_applied
+        return {
+            "ready": self.ready, "size": self.size, "digest": self.digest,
+            "last_applied_cluster_time": None if last is None else {
+                "t": last.time, "i": last.inc,
+                "at": dt.datetime.fromtimestamp(last.time, dt.UTC).isoformat()},
+            "resyncs": self.resyncs, "resumes": self.resumes, "invalid": len(self.invalid),
+        }
+
+    async def wait_ready(self) -> None:
+        await self._ready_event.wait()
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready != self.ready:
+            log.info("mirror_ready" if ready else "mirror_not_ready", size=self.size)
+        self.ready = ready
+        if ready:
+            self._ready_event.set()
+        else:
+            self._ready_event.clear()
+
+    def _put(self, schedule_id: str, doc: dict[str, Any]) -> None:
+        try:
+            entry = entry_from_document(doc)
+        except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
+            # A document written around the API: keep the replica alive, say so.
+            self.invalid[schedule_id] = str(exc)
+            log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
+            self._remove(schedule_id)
+            return
+        self.invalid.pop(schedule_id, None)
+        self.entries[schedule_id] = entry
+        self._digest = None
+        if self._on_change:
+            self._on_change(schedule_id, entry)
+
+    def _remove(self, schedule_id: str) -> None:
+        self.invalid.pop(schedule_id, None)
+        if self.entries.pop(schedule_id, None) is not None:
+            self._digest = None
+            if self._on_change:
+                self._on_change(schedule_id, None)
+
+    # -- applying -----------------------------------------------------------------------
+
+    def apply(self, event: dict[str, Any]) -> str:
+        """Apply one change event; returns what it did (upsert, remove or ignore)."""
+        key = event.get("documentKey", {}).get("_id")
+        current = self.entries.get(key) if key is not None else None
+        action, schedule_id, detail = decide(event, current.revision if current else None)
+        if action == "upsert":
+            assert isinstance(detail, dict)
+            self._put(schedule_id, detail)
+        elif action == "remove":
+            self._remove(schedule_id)
+        if isinstance(event.get("clusterTime"), Timestamp):
+            self.last_applied = event["clusterTime"]
+        return action
+
+    def load(self, docs: Iterable[dict[str, Any]]) -> tuple[int, int]:
+        """Replace the mirror's content with ``docs``, touching only what changed.
+
+        Returns (changed, removed).
+        """
+        seen: set[str] = set()
+        changed = 0
+        for doc in docs:
+            schedule_id = doc["_id"]
+            seen.add(schedule_id)
+            current = self.entries.get(schedule_id)
+            if current is None or current.revision != doc.get("revision"):
+                self._put(schedule_id, doc)
+                changed += 1
+        gone = [s for s in self.entries if s not in seen]
+        for schedule_id in gone:
+            self._remove(schedule_id)
+        return changed, len(gone)
+
+    # -- syncing ------------------------------------------------------------------------
+
+    async def _open(self, **options: Any) -> Any:
+        stream = self._coll.watch(full_document="updateLookup",
+                                  max_await_time_ms=STREAM_MAX_AWAIT_MS, **options)
+        if inspect.isawaitable(stream):  # PyMongo's async API; Motor opens lazily
+            stream = await stream
+        return stream
+
+    async def run(self) -> None:
+        """Sync forever (until cancelled): resume on errors, resync when history is lost."""
+        delay = STREAM_RETRY_INITIAL_S
+        while True:
+            try:
+                if self._token is None:
+                    await self._resync_and_follow()
+                else:
+                    await self._resume_and_follow()
+            except asyncio.CancelledError:
+                self._set_ready(False)
+                raise
+            except StreamInvalidated:
+                log.info("mirror_stream_invalidated")
+                self._token = None
+                delay = STREAM_RETRY_INITIAL_S
+                continue
+            except OperationFailure as exc:
+                if exc.code in {HISTORY_LOST, INVALID_RESUME_TOKEN} or \
+                        exc.has_error_label("NonResumableChangeStreamError"):
+                    log.warning("mirror_history_lost", code=exc.code, error=str(exc))
+                    self._token = None
+                else:
+                    log.warning("mirror_stream_failed", code=exc.code, error=str(exc))
+            except PyMongoError as exc:
+                log.warning("mirror_stream_failed", error=str(exc))
+            self._set_ready(False)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, STREAM_RETRY_MAX_S)
+
+    async def _resync_and_follow(self) -> None:
+        self._set_ready(False)
+        stream = await self._open()
+        async with stream:
+            # The stream is open, so nothing written from here on can be missed: keep its
+            # start point, then load.
+            self._token = stream.resume_token
+            docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0,
+                                                          "labels": 0})]
+            changed, removed = self.load(docs)
+            self.resyncs += 1
+            log.info("mirror_resynced", size=self.size, changed=changed, removed=removed)
+            self._set_ready(True)
+            await self._follow(stream)
+
+    async def _resume_and_follow(self) -> None:
+        stream = await self._open(resume_after=self._token)
+        async with stream:
+            self.resumes += 1
+            log.info("mirror_stream_resumed")
+            self._set_ready(True)
+            await self._follow(stream)
+
+    async def _follow(self, stream: Any) -> None:
+        while True:
+            event = await stream.try_next()
+            if event is not None:
+                if event.get("operationType") == "invalidate":
+                    raise StreamInvalidated
+                self.apply(event)
+            elif not stream.alive:
+                raise PyMongoError("the change stream closed")
+            token = stream.resume_token
+            if token is not None:
+                self._token = token

@@ -1,0 +1,241 @@
+"""The schedule as the API accepts it and as MongoDB stores it (pydantic v2).
+
+Validation needs "now" (instants must lie in the future): callers pass it in the
+validation context, ``{"now": datetime}``, so the rules stay pure and testable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from . import triggers
+from .constants import MAX_JITTER_S, MAX_PAYLOAD_BYTES
+
+_SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TARGET = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+def _stored(info: ValidationInfo) -> bool:
+    """Validating a schedule read back from MongoDB: its instants may have passed since."""
+    return bool((info.context or {}).get("stored"))
+
+
+def _now(info: ValidationInfo) -> dt.datetime:
+    context = info.context or {}
+    now = context.get("now")
+    return now if isinstance(now, dt.datetime) else dt.datetime.now(dt.UTC)
+
+
+def _utc(value: dt.datetime, field: str) -> dt.datetime:
+    if value.tzinfo is None:
+        raise ValueError(f"{field} needs a time zone offset (for example 'Z' or '+02:00')")
+    return value.astimezone(dt.UTC)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CronSpec(_Strict):
+    kind: Literal["cron"]
+    cron: str = Field(description="5 fields (minute first) or 6 (second first), crontab "
+                                  "syntax; day of week 0 or 7 = Sunday",
+                      examples=["0 9 * * mon", "*/5 * * * * *"])
+    timezone: str = Field("UTC", description="IANA time zone name")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        triggers.zone(value)
+        return value
+
+    @model_validator(mode="after")
+    def _parses(self) -> CronSpec:
+        triggers.cron_trigger(self.cron.strip(), self.timezone)
+        self.cron = " ".join(self.cron.split())
+        return self
+
+    def compile(self) -> triggers.Trigger:
+        return triggers.Cron(self.cron, self.timezone)
+
+
+class IntervalSpec(_Strict):
+    kind: Literal["interval"]
+    every: float | str = Field(description="seconds, or an ISO-8601 duration such as 'PT30S'",
+                               examples=[30, "PT1H"])
+    start_at: dt.datetime | None = Field(
+        None, description="anchor of the grid start_at + k * every; defaults to creation time")
+    end_at: dt.datetime | None = None
+
+    @field_validator("every")
+    @classmethod
+    def _positive(cls, value: float | str) -> float:
+        seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
+        if not seconds > 0:
+            raise ValueError("every must be greater than 0 seconds")
+        if seconds < 0.001:
+            raise ValueError("every must be at least 1 millisecond")
+        return seconds
+
+    @field_validator("start_at", "end_at")
+    @classmethod
+    def _aware(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
+        return None if value is None else _utc(value, info.field_name or "time")
+
+    @model_validator(mode="after")
+    def _window(self, info: ValidationInfo) -> IntervalSpec:
+        if self.end_at is not None:
+            if self.start_at is not None and self.end_at <= self.start_at:
+                raise ValueError("end_at must be after start_at")
+            if not _stored(info) and self.end_at <= _now(info):
+                raise ValueError("end_at must be in the future")
+        return self
+
+    def compile(self) -> triggers.Trigger:
+        assert self.start_at is not None, "start_at is set when the schedule is stored"
+        assert isinstance(self.every, float)
+        return triggers.Interval(self.every, self.start_at, self.end_at)
+
+
+class AtSpec(_Strict):
+    kind: Literal["at"]
+    at: dt.datetime | list[dt.datetime] = Field(
+        description="one instant or a list of instants, each in the future")
+
+    @field_validator("at")
+    @classmethod
+    def _future(cls, value: dt.datetime | list[dt.datetime],
+                info: ValidationInfo) -> list[dt.datetime]:
+        instants = value if isinstance(value, list) else [value]
+        if not instants:
+            raise ValueError("at needs at least one instant")
+        if len(instants) > 10_000:
+            raise ValueError("at holds at most 10000 instants")
+        now = _now(info)
+        out = []
+        for instant in instants:
+            utc = _utc(instant, "at")
+            if utc <= now and not _stored(info):
+                raise ValueError(f"instant {utc.isoformat()} is not in the future")
+            out.append(utc)
+        return sorted(set(out))
+
+    def compile(self) -> triggers.Trigger:
+        assert isinstance(self.at, list)
+        return triggers.At(tuple(self.at))
+
+
+TriggerSpec = Annotated[CronSpec | IntervalSpec | AtSpec, Field(discriminator="kind")]
+
+
+class ScheduleFields(_Strict):
+    """What a client writes: everything but the server-managed fields."""
+
+    name: str = Field(min_length=1, max_length=200)
+    trigger: TriggerSpec
+    jitter: float = Field(0.0, ge=0, le=MAX_JITTER_S,
+                          description="max seconds added to each fire, chosen "
+                                      "deterministically from (id, nominal time)")
+    paused: bool = False
+    catchup: Literal["latest", "all", "none"] = Field(
+        "latest", description="after downtime: fire only the latest missed time, all of "
+                              "them within catchup_window, or none")
+    catchup_window: float = Field(3600.0, gt=0, le=30 * 86400,
+                                  description="seconds of missed fires replayed with 'all'")
+    target: str = Field(min_length=1, max_length=200,
+                        description="broker subject suffix or routing key",
+                        examples=["reports.weekly"])
+    payload: dict[str, Any] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        if not _TARGET.match(value):
+            raise ValueError("target must be dot-separated tokens of letters, digits, '_' "
+                             "or '-'")
+        return value
+
+    @field_validator("payload")
+    @classmethod
+    def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
+        if size > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload is {size} bytes as JSON; the limit is "
+                             f"{MAX_PAYLOAD_BYTES}")
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 64:
+            raise ValueError("at most 64 labels")
+        for key, text in value.items():
+            if not _SLUG.match(key) or len(text) > 200:
+                raise ValueError(f"label {key!r}: keys are slugs, values at most 200 chars")
+        return value
+
+
+class ScheduleIn(ScheduleFields):
+    """A new schedule: the id is optional (the server makes one)."""
+
+    id: str | None = Field(None, description="a slug; generated when absent")
+
+    @field_validator("id")
+    @classmethod
+    def _slug(cls, value: str | None) -> str | None:
+        if value is not None and not _SLUG.match(value):
+            raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
+                             "with a letter or digit")
+        return value
+
+
+class Schedule(ScheduleFields):
+    """A stored schedule, as the API returns it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    revision: int = Field(ge=1)
+
+    def compile(self) -> triggers.Trigger:
+        return self.trigger.compile()
+
+
+class ScheduleList(BaseModel):
+    items: list[Schedule]
+    next: str | None = Field(None, description="pass as ?after= to get the next page")
+
+
+class FireTime(BaseModel):
+    nominal: dt.datetime
+    fire_at: dt.datetime = Field(description="nominal plus the deterministic jitter")
+    fire_id: str
+
+
+class Preview(BaseModel):
+    schedule_id: str
+    times: list[FireTime]
+
+
+def preview(schedule: Schedule, after: dt.datetime, count: int) -> Preview:
+    trigger = schedule.compile()
+    times = [FireTime(nominal=n, fire_at=n + triggers.jitter_offset(schedule.id, n,
+                                                                    schedule.jitter),
+                      fire_id=triggers.fire_id(schedule.id, n))
+             for n in triggers.fire_times(trigger, after, limit=count)]
+    return Preview(schedule_id=schedule.id, times=times)
