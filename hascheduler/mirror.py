@@ -172,9 +172,9 @@ class Mirror:
             entry = entry_from_document(doc)
         except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
             # A document written around the API: keep the replica alive, say so.
-            self.invalid[schedule_id] = str(exc)
             log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
             self._remove(schedule_id)
+            self.invalid[schedule_id] = str(exc)
             return
         self.invalid.pop(schedule_id, None)
         self.entries[schedule_id] = entry

@@ -44,6 +44,8 @@ def validation_errors(exc: ValidationError, prefix: tuple[str, ...] = ()) -> lis
         loc = [str(p) for p in (*prefix, *err["loc"])]
         path = [p for i, p in enumerate(loc)
                 if p not in {"cron", "interval", "at"} or i == len(loc) - 1]
+        if err["type"] in {"union_tag_invalid", "union_tag_not_found"}:
+            path.append("kind")  # the discriminator the client got wrong
         message = err["msg"].removeprefix("Value error, ")
         out.append({"field": ".".join(path) or "body", "message": message})
     return out

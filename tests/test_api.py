@@ -1,0 +1,228 @@
+"""HTTP API status codes and validation, against a real store on a MongoDB server."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pymongo import AsyncMongoClient
+
+from hascheduler.api import create_app
+from hascheduler.constants import MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES
+from hascheduler.mirror import Mirror
+from hascheduler.store import ScheduleStore
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def cron_schedule(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": "weekly report",
+        "trigger": {"kind": "cron", "cron": "0 9 * * mon", "timezone": "Europe/Paris"},
+        "target": "reports.weekly", "payload": {"format": "pdf"}, "labels": {"team": "ops"}}
+    body.update(overrides)
+    return body
+
+
+@pytest.fixture
+async def mongo(mongo_uri: str, db_name: str) -> AsyncIterator[Any]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    yield client[db_name]
+    await client.drop_database(db_name)
+    await client.close()
+
+
+@pytest.fixture
+async def api(mongo: Any) -> AsyncIterator[TestClient[Any, Any]]:
+    app = create_app(ScheduleStore(mongo.schedules), Mirror(mongo.schedules), "test",
+                     clock=lambda: NOW)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+async def stored_count(mongo: Any) -> int:
+    return int(await mongo.schedules.count_documents({}))
+
+
+async def test_create_get_and_location(api: TestClient[Any, Any]) -> None:
+    created = await api.post("/schedules", json=cron_schedule(id="weekly"))
+    assert created.status == 201
+    assert created.headers["Location"] == "/schedules/weekly"
+    assert created.headers["ETag"] == '"1"'
+    body = await created.json()
+    assert body["revision"] == 1
+    assert body["created_at"] == body["updated_at"] == "2030-01-01T12:00:00Z"
+    fetched = await api.get("/schedules/weekly")
+    assert fetched.status == 200
+    assert await fetched.json() == body
+    generated = await api.post("/schedules", json=cron_schedule())
+    assert generated.status == 201
+    assert (await generated.json())["id"]
+
+
+BAD_SCHEDULES = [
+    ("trigger.cron", {"trigger": {"kind": "cron", "cron": "61 * * * *"}}),
+    ("trigger.cron", {"trigger": {"kind": "cron", "cron": "* * *"}}),
+    ("trigger.timezone", {"trigger": {"kind": "cron", "cron": "* * * * *",
+                                      "timezone": "Mars/Base"}}),
+    ("trigger.every", {"trigger": {"kind": "interval", "every": 0}}),
+    ("trigger.every", {"trigger": {"kind": "interval", "every": -5}}),
+    ("trigger.every", {"trigger": {"kind": "interval", "every": "P1M"}}),
+    ("trigger.at", {"trigger": {"kind": "at", "at": "2029-12-31T00:00:00Z"}}),
+    ("trigger.at", {"trigger": {"kind": "at", "at": "2031-01-01T00:00:00"}}),
+    ("trigger.kind", {"trigger": {"kind": "sometimes"}}),
+    ("payload", {"payload": {"blob": "x" * (MAX_PAYLOAD_BYTES + 10)}}),
+    ("surprise", {"surprise": True}),
+    ("name", {"name": ""}),
+    ("target", {"target": "has spaces"}),
+    ("id", {"id": "no/slashes"}),
+    ("jitter", {"jitter": -1}),
+    ("catchup", {"catchup": "sometimes"}),
+]
+
+
+@pytest.mark.parametrize(("field", "change"), BAD_SCHEDULES,
+                         ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_SCHEDULES)])
+async def test_each_bad_schedule_is_422_naming_the_field_and_nothing_is_stored(
+        api: TestClient[Any, Any], mongo: Any, field: str, change: dict[str, Any]) -> None:
+    response = await api.post("/schedules", json=cron_schedule(**change))
+    assert response.status == 422
+    body = await response.json()
+    assert field in [e["field"] for e in body["errors"]], body
+    assert await stored_count(mongo) == 0
+
+
+async def test_body_problems_get_their_own_status(api: TestClient[Any, Any],
+                                                  mongo: Any) -> None:
+    wrong_type = await api.post("/schedules", data="name=x",
+                                headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert wrong_type.status == 415
+    broken = await api.post("/schedules", data="{not json",
+                            headers={"Content-Type": "application/json"})
+    assert broken.status == 400
+    not_object = await api.post("/schedules", json=[1, 2])
+    assert not_object.status == 422
+    huge = await api.post("/schedules", data="x" * (MAX_REQUEST_BYTES + 1),
+                          headers={"Content-Type": "application/json"})
+    assert huge.status == 413
+    assert await stored_count(mongo) == 0
+
+
+async def test_missing_ids_are_404_for_every_verb(api: TestClient[Any, Any]) -> None:
+    assert (await api.get("/schedules/nope")).status == 404
+    assert (await api.put("/schedules/nope", json=cron_schedule())).status == 404
+    assert (await api.patch("/schedules/nope", json={"name": "x"})).status == 404
+    assert (await api.delete("/schedules/nope")).status == 404
+    assert (await api.post("/schedules/nope/pause")).status == 404
+    assert (await api.post("/schedules/nope/resume")).status == 404
+    assert (await api.get("/schedules/nope/next")).status == 404
+
+
+async def test_conflicts_are_409(api: TestClient[Any, Any]) -> None:
+    assert (await api.post("/schedules", json=cron_schedule(id="a"))).status == 201
+    duplicate = await api.post("/schedules", json=cron_schedule(id="a"))
+    assert duplicate.status == 409
+    stale = await api.put("/schedules/a", json=cron_schedule(name="new"),
+                          headers={"If-Match": '"7"'})
+    assert stale.status == 409
+    assert (await stale.json())["current_revision"] == 1
+    bad_header = await api.delete("/schedules/a", headers={"If-Match": "yesterday"})
+    assert bad_header.status == 400
+
+
+async def test_concurrent_updates_with_the_same_revision_exactly_one_wins(
+        api: TestClient[Any, Any]) -> None:
+    await api.post("/schedules", json=cron_schedule(id="race"))
+    responses = await asyncio.gather(*(
+        api.put("/schedules/race", json=cron_schedule(name=f"writer {i}"),
+                headers={"If-Match": '"1"'}) for i in range(10)))
+    statuses = sorted(r.status for r in responses)
+    assert statuses == [200] + [409] * 9
+    final = await (await api.get("/schedules/race")).json()
+    assert final["revision"] == 2
+
+
+async def test_put_patch_pause_resume_delete_bump_the_revision(
+        api: TestClient[Any, Any]) -> None:
+    await api.post("/schedules", json=cron_schedule(id="s"))
+    put = await api.put("/schedules/s", json=cron_schedule(name="renamed"),
+                        headers={"If-Match": '"1"'})
+    assert (await put.json())["revision"] == 2
+    patched = await api.patch("/schedules/s", json={"jitter": 5, "labels": {"team": None,
+                                                                            "tier": "gold"}},
+                              headers={"Content-Type": "application/merge-patch+json"})
+    body = await patched.json()
+    assert (body["revision"], body["jitter"], body["labels"]) == (3, 5.0, {"tier": "gold"})
+    assert body["name"] == "renamed"
+    paused = await (await api.post("/schedules/s/pause")).json()
+    assert (paused["paused"], paused["revision"]) == (True, 4)
+    resumed = await (await api.post("/schedules/s/resume")).json()
+    assert (resumed["paused"], resumed["revision"]) == (False, 5)
+    bad_patch = await api.patch("/schedules/s", json={"trigger": {"kind": "interval",
+                                                                  "every": 0}})
+    assert bad_patch.status == 422
+    assert (await api.delete("/schedules/s", headers={"If-Match": '"5"'})).status == 204
+    assert (await api.get("/schedules/s")).status == 404
+
+
+async def test_list_filters_and_paginates(api: TestClient[Any, Any]) -> None:
+    for i in range(7):
+        await api.post("/schedules", json=cron_schedule(
+            id=f"s{i}", labels={"team": "a" if i % 2 else "b"}, paused=i == 3))
+    page = await (await api.get("/schedules?limit=3")).json()
+    assert [s["id"] for s in page["items"]] == ["s0", "s1", "s2"]
+    rest = await (await api.get(f"/schedules?limit=10&after={page['next']}")).json()
+    assert [s["id"] for s in rest["items"]] == ["s3", "s4", "s5", "s6"]
+    assert rest["next"] is None
+    team_a = await (await api.get("/schedules?label=team=a")).json()
+    assert [s["id"] for s in team_a["items"]] == ["s1", "s3", "s5"]
+    paused = await (await api.get("/schedules?paused=true")).json()
+    assert [s["id"] for s in paused["items"]] == ["s3"]
+    assert (await api.get("/schedules?limit=0")).status == 422
+    assert (await api.get("/schedules?paused=maybe")).status == 422
+
+
+async def test_next_fire_times_nominal_and_jittered(api: TestClient[Any, Any]) -> None:
+    await api.post("/schedules", json=cron_schedule(id="j", jitter=30))
+    preview = await (await api.get("/schedules/j/next?count=3")).json()
+    times = preview["times"]
+    assert [t["nominal"] for t in times] == [
+        "2030-01-07T08:00:00Z", "2030-01-14T08:00:00Z", "2030-01-21T08:00:00Z"]
+    for t in times:
+        assert t["fire_id"] == f"j@{t['nominal'][:-1]}.000Z"
+        offset = (dt.datetime.fromisoformat(t["fire_at"])
+                  - dt.datetime.fromisoformat(t["nominal"])).total_seconds()
+        assert 0 <= offset < 30
+    again = await (await api.get("/schedules/j/next?count=3")).json()
+    assert again == preview, "jitter is deterministic"
+    assert (await api.get("/schedules/j/next?count=0")).status == 422
+    assert (await api.get("/schedules/j/next?after=yesterday")).status == 422
+
+
+async def test_interval_start_defaults_to_creation_and_keeps_its_phase(
+        api: TestClient[Any, Any]) -> None:
+    created = await api.post("/schedules", json=cron_schedule(
+        id="i", trigger={"kind": "interval", "every": "PT90S"}))
+    body = await created.json()
+    assert body["trigger"]["start_at"] == "2030-01-01T12:00:00Z"
+    assert body["trigger"]["every"] == 90.0
+    preview = await (await api.get(
+        "/schedules/i/next?count=2&after=2030-01-01T13:00:10Z")).json()
+    assert [t["nominal"] for t in preview["times"]] == [
+        "2030-01-01T13:01:30Z", "2030-01-01T13:03:00Z"]
+
+
+async def test_health_openapi_and_docs(api: TestClient[Any, Any]) -> None:
+    assert (await (await api.get("/healthz")).json())["status"] == "alive"
+    not_ready = await api.get("/readyz")
+    assert not_ready.status == 503  # this app's mirror is not running
+    spec = await (await api.get("/openapi.json")).json()
+    assert spec["openapi"] == "3.1.0"
+    assert {"ScheduleIn", "Schedule", "Problem"} <= set(spec["components"]["schemas"])
+    docs = await api.get("/docs")
+    assert docs.status == 200
+    assert "openapi.json" in await docs.text()

@@ -1,0 +1,124 @@
+"""The mirror's decisions (pure) and its sync against a server in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from bson import Timestamp
+
+from hascheduler.mirror import Mirror, decide
+from tests.drivers import Driver
+from tests.waiting import wait_until
+
+
+def doc(schedule_id: str, revision: int, **extra: Any) -> dict[str, Any]:
+    return {"_id": schedule_id, "revision": revision, "paused": False, "jitter": 0.0,
+            "catchup": "latest", "catchup_window": 3600.0, "target": "t",
+            "trigger": {"kind": "cron", "cron": "*/5 * * * * *", "timezone": "UTC"}, **extra}
+
+
+def event(op: str, schedule_id: str, full: dict[str, Any] | None = None,
+          ts: int = 1) -> dict[str, Any]:
+    e: dict[str, Any] = {"operationType": op, "documentKey": {"_id": schedule_id},
+                         "clusterTime": Timestamp(ts, 1)}
+    if full is not None:
+        e["fullDocument"] = full
+    return e
+
+
+@pytest.mark.parametrize(("ev", "current", "action"), [
+    (event("insert", "a", doc("a", 1)), None, "upsert"),
+    (event("update", "a", doc("a", 3)), 2, "upsert"),
+    (event("update", "a", doc("a", 2)), 2, "ignore"),   # not newer
+    (event("replace", "a", doc("a", 1)), 5, "ignore"),  # older: a replayed event
+    (event("update", "a", None), 2, "ignore"),          # deleted before the lookup
+    (event("delete", "a"), 2, "remove"),
+    (event("delete", "a"), None, "remove"),
+    (event("drop", "a"), None, "ignore"),
+])
+def test_decide(ev: dict[str, Any], current: int | None, action: str) -> None:
+    assert decide(ev, current)[0] == action
+
+
+def test_events_in_order_converge_and_stale_ones_never_move_back() -> None:
+    mirror = Mirror(collection=None)
+    mirror.apply(event("insert", "a", doc("a", 1)))
+    mirror.apply(event("update", "a", doc("a", 3)))  # updateLookup saw a later state
+    mirror.apply(event("update", "a", doc("a", 2)))  # the replayed middle event
+    assert mirror.entries["a"].revision == 3
+    mirror.apply(event("delete", "a", ts=9))
+    assert "a" not in mirror.entries
+    assert mirror.last_applied == Timestamp(9, 1)
+
+
+def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
+    mirror = Mirror(collection=None)
+    mirror.load([doc("keep", 1), doc("change", 1), doc("gone", 1)])
+    kept = mirror.entries["keep"]
+    changed, removed = mirror.load([doc("keep", 1), doc("change", 2), doc("new", 1)])
+    assert (changed, removed) == (2, 1)
+    assert mirror.entries["keep"] is kept
+    assert set(mirror.entries) == {"keep", "change", "new"}
+
+
+def test_digest_depends_on_ids_and_revisions_only() -> None:
+    one, two = Mirror(collection=None), Mirror(collection=None)
+    one.load([doc("a", 1), doc("b", 2)])
+    two.load([doc("b", 2, target="elsewhere"), doc("a", 1)])
+    assert one.digest == two.digest
+    two.apply(event("update", "a", doc("a", 2)))
+    assert one.digest != two.digest
+
+
+def test_a_document_written_around_the_api_is_refused_not_fatal() -> None:
+    mirror = Mirror(collection=None)
+    mirror.load([doc("ok", 1), doc("junk", 1, trigger={"kind": "cron", "cron": "nope"})])
+    assert set(mirror.entries) == {"ok"}
+    assert "junk" in mirror.invalid
+
+
+@pytest.fixture
+async def collection(driver: Driver, mongo_uri: str, db_name: str) -> AsyncIterator[Any]:
+    client = driver.client(mongo_uri, tz_aware=True)
+    yield client[db_name].schedules
+    await client.drop_database(db_name)
+    await driver.close(client)
+
+
+@contextlib.asynccontextmanager
+async def running(mirror: Mirror) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(mirror.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -> None:
+    await collection.insert_many([doc(f"pre{i}", 1) for i in range(5)])
+    mirror = Mirror(collection)
+    async with running(mirror):
+        await asyncio.wait_for(mirror.wait_ready(), 10)
+        assert mirror.size == 5
+        await collection.insert_one(doc("live", 1))
+        await collection.update_one({"_id": "pre0"}, {"$set": {"paused": True},
+                                                      "$inc": {"revision": 1}})
+        await collection.delete_one({"_id": "pre1"})
+
+        async def caught_up() -> bool:
+            return (mirror.size == 5 and "live" in mirror.entries
+                    and mirror.entries["pre0"].paused)
+
+        await wait_until(caught_up, 10, "the mirror to apply the live changes")
+        assert "pre1" not in mirror.entries
+        now = dt.datetime.now(dt.UTC)
+        nxt = mirror.entries["live"].trigger.next_after(now)
+        assert nxt is not None
+        assert nxt.second % 5 == 0
