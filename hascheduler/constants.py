@@ -9,6 +9,8 @@ DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
 # A schedule's payload travels in every broker message; 64 KiB keeps a burst of 10k fires
 # well under a broker's per-batch limits and the mirror free of payloads.
 MAX_PAYLOAD_BYTES = 64 * 1024
+# Longer periods are almost certainly a unit mistake, and keep date arithmetic in range.
+MAX_INTERVAL_S = 10 * 365 * 86_400.0
 # Jitter beyond a day would reorder fires of a daily schedule.
 MAX_JITTER_S = 86_400.0
 # The HTTP body limit: a payload at its limit plus the schedule's other fields.

@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from . import triggers
-from .constants import MAX_JITTER_S, MAX_PAYLOAD_BYTES
+from .constants import MAX_INTERVAL_S, MAX_JITTER_S, MAX_PAYLOAD_BYTES
 
 _SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TARGET = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
@@ -42,6 +42,24 @@ def _utc(value: dt.datetime, field: str) -> dt.datetime:
     if value.tzinfo is None:
         raise ValueError(f"{field} needs a time zone offset (for example 'Z' or '+02:00')")
     return value.astimezone(dt.UTC)
+
+
+_INT64 = 2**63
+
+
+def _storable(value: Any, path: str) -> None:
+    """Refuse what JSON allows but BSON cannot store: NUL in keys, integers beyond 64 bits."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "\0" in key:
+                raise ValueError(f"{path}: field names cannot contain the NUL character")
+            _storable(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _storable(item, f"{path}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and \
+            not -_INT64 <= value < _INT64:
+        raise ValueError(f"{path}: integers must fit in 64 bits")
 
 
 class _Strict(BaseModel):
@@ -87,6 +105,8 @@ class IntervalSpec(_Strict):
             raise ValueError("every must be greater than 0 seconds")
         if seconds < 0.001:
             raise ValueError("every must be at least 1 millisecond")
+        if seconds > MAX_INTERVAL_S:
+            raise ValueError(f"every must be at most {MAX_INTERVAL_S:.0f} seconds (10 years)")
         return seconds
 
     @field_validator("start_at", "end_at")
@@ -175,6 +195,7 @@ class ScheduleFields(_Strict):
         if size > MAX_PAYLOAD_BYTES:
             raise ValueError(f"payload is {size} bytes as JSON; the limit is "
                              f"{MAX_PAYLOAD_BYTES}")
+        _storable(value, "payload")
         return value
 
     @field_validator("labels")

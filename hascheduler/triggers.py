@@ -182,7 +182,10 @@ def fire_times(trigger: Trigger, after: dt.datetime, until: dt.datetime | None =
     count = 0
     current = after
     while limit is None or count < limit:
-        nxt = trigger.next_after(current)
+        try:
+            nxt = trigger.next_after(current)
+        except OverflowError:
+            return  # past year 9999: the calendar ends before the next fire
         if nxt is None or (until is not None and nxt > until):
             return
         yield nxt

@@ -17,6 +17,7 @@ REAL_MONGODB_ENV = "HASCHEDULER_TEST_MONGODB_URI"
 class ServerProcess:
     uri: str
     process: subprocess.Popen[str] | None  # None: an external server we do not own
+    log_path: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -41,12 +42,23 @@ class ServerProcess:
 
 def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
     """Start ``hascheduler devmongo --port 0`` and read the URI it prints on one line."""
-    # stderr goes to a file: a pipe nobody reads would block the server once full.
+    return start_cli(["devmongo", "--port", "0", *args], "mongodb://", startup_s)
+
+
+def start_replica(mongodb_uri: str, replica_id: str, *args: str,
+                  startup_s: float = 30.0) -> ServerProcess:
+    """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL."""
+    return start_cli(["serve", "--mongodb-uri", mongodb_uri, "--http-port", "0",
+                      "--replica-id", replica_id, *args], "http://", startup_s)
+
+
+def start_cli(args: list[str], announces: str, startup_s: float) -> ServerProcess:
+    """Run ``hascheduler ARGS`` until it prints the line starting with ``announces``."""
+    # stderr goes to a file: a pipe nobody reads would block the process once full.
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
-        prefix="devmongo-", suffix=".log", delete=False)
+        prefix="hascheduler-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        [sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "devmongo",
-         "--port", "0", *args],
+        [sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args],
         stdout=subprocess.PIPE, stderr=log, text=True)
     log.close()
     assert process.stdout is not None
@@ -54,14 +66,22 @@ def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
     line = ""
     while time.monotonic() < deadline:
         line = process.stdout.readline().strip()
-        if line.startswith("mongodb://") or process.poll() is not None:
+        if line.startswith(announces) or process.poll() is not None:
             break
-    if not line.startswith("mongodb://"):
+    if not line.startswith(announces):
         process.kill()
         process.communicate(timeout=5)
         with open(log.name) as f:
-            raise RuntimeError(f"devmongo did not start: {line!r} {f.read()}")
-    return ServerProcess(line, process)
+            raise RuntimeError(f"{args[0]} did not start: {line!r} {f.read()}")
+    return ServerProcess(line, process, log.name)
+
+
+def with_database(uri: str, database: str) -> str:
+    """The same MongoDB URI naming ``database`` as its default database."""
+    head, _, query = uri.partition("?")
+    scheme, _, rest = head.partition("//")
+    hosts = rest.split("/", 1)[0]
+    return f"{scheme}//{hosts}/{database}" + (f"?{query}" if query else "")
 
 
 def external_uri() -> str | None:

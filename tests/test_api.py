@@ -226,3 +226,26 @@ async def test_health_openapi_and_docs(api: TestClient[Any, Any]) -> None:
     docs = await api.get("/docs")
     assert docs.status == 200
     assert "openapi.json" in await docs.text()
+
+
+@pytest.mark.parametrize(("field", "payload"), [
+    ("payload", {"bad\u0000key": 1}),
+    ("payload", {"deep": [{"n": 2**64}]}),
+])
+async def test_payloads_bson_cannot_store_are_422(api: TestClient[Any, Any], mongo: Any,
+                                                  field: str, payload: Any) -> None:
+    response = await api.post("/schedules", json=cron_schedule(payload=payload))
+    assert response.status == 422
+    assert field in [e["field"] for e in (await response.json())["errors"]]
+    assert await stored_count(mongo) == 0
+
+
+async def test_previews_past_the_calendars_end_stop_cleanly(api: TestClient[Any, Any]) -> None:
+    await api.post("/schedules", json=cron_schedule(
+        id="far", trigger={"kind": "interval", "every": 315_360_000}))
+    response = await api.get("/schedules/far/next?count=1000&after=9999-06-01T00:00:00Z")
+    assert response.status == 200
+    assert (await response.json())["times"] == []
+    too_long = await api.post("/schedules", json=cron_schedule(
+        trigger={"kind": "interval", "every": 1e300}))
+    assert too_long.status == 422

@@ -14,6 +14,7 @@ from .. import models
 from ..constants import DEFAULT_PAGE, MAX_PAGE, MAX_PREVIEW, MAX_REQUEST_BYTES
 from ..mirror import Mirror
 from ..store import ScheduleStore
+from ..triggers import fire_times
 from .errors import BadRequest, error_middleware, problem
 from .openapi import DOCS_PAGE, openapi_spec
 
@@ -207,8 +208,7 @@ async def mirror_entry(request: web.Request) -> web.Response:
     if entry is None:
         return problem(404, f"schedule {schedule_id!r} is not in this replica's mirror",
                        replica_id=request.app[REPLICA])
-    now = _now(request)
-    nominal = entry.trigger.next_after(now)
+    nominal = next(fire_times(entry.trigger, _now(request), limit=1), None)
     return web.json_response({
         "id": schedule_id, "revision": entry.revision, "paused": entry.paused,
         "next_nominal": nominal.isoformat() if nominal else None,
