@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pymongo import uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI
 
-from . import logs
+from . import logs, schedules_cli
 from .replica import ReplicaSettings, run_replica
 
 
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--replica-id", default=_env("REPLICA_ID") or os.environ.get("POD_NAME"),
                     help="this replica's name (env HASCHEDULER_REPLICA_ID or POD_NAME; "
                          "default host name and pid)")
+    schedules_cli.add_parser(sub, _env("API", "http://127.0.0.1:8080") or "")
     return parser
 
 
@@ -135,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{replica.http_port}: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "schedules":
+        return asyncio.run(schedules_cli.run(args))
     return 2
 
 

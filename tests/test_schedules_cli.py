@@ -1,0 +1,95 @@
+"""``hascheduler schedules``: the CLI over a running replica's API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import ServerProcess, start_replica, with_database
+
+
+@pytest.fixture(scope="module")
+def replica(mongo_uri: str) -> Iterator[ServerProcess]:
+    process = start_replica(with_database(mongo_uri, f"cli_{uuid.uuid4().hex[:8]}"), "cli")
+    yield process
+    assert process.stop() == 0
+
+
+def cli(replica: ServerProcess, *args: str,
+        stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "schedules", "--api", replica.uri, *args],
+        capture_output=True, text=True, timeout=60, input=stdin, check=False)
+
+
+def test_add_list_get_update_pause_resume_next_delete(replica: ServerProcess) -> None:
+    added = cli(replica, "add", "--id", "report", "--name", "weekly report",
+                "--target", "reports.weekly", "--cron", "0 9 * * mon",
+                "--timezone", "Europe/Paris", "--payload", '{"format": "pdf"}',
+                "--label", "team=ops")
+    assert added.returncode == 0, added.stderr
+    assert "report" in added.stdout
+    assert "cron 0 9 * * mon Europe/Paris" in added.stdout
+
+    listed = cli(replica, "list", "--label", "team=ops")
+    assert listed.stdout.splitlines()[0].split() == ["ID", "NAME", "TRIGGER", "PAUSED", "REV",
+                                                     "TARGET"]
+    assert "report" in listed.stdout
+
+    got = json.loads(cli(replica, "get", "report").stdout)
+    assert got["payload"] == {"format": "pdf"}
+
+    updated = cli(replica, "--json", "update", "report", "--set", '{"jitter": 5}',
+                  "--if-match", "1")
+    assert json.loads(updated.stdout)["revision"] == 2
+    assert json.loads(cli(replica, "--json", "pause", "report").stdout)["paused"] is True
+    assert json.loads(cli(replica, "--json", "resume", "report").stdout)["paused"] is False
+
+    preview = json.loads(cli(replica, "--json", "next", "report", "--count", "2").stdout)
+    assert len(preview["times"]) == 2
+    assert cli(replica, "next", "report").stdout.startswith("NOMINAL")
+
+    assert cli(replica, "delete", "report").returncode == 0
+    missing = cli(replica, "get", "report")
+    assert missing.returncode == 2
+    assert "does not exist" in missing.stderr
+
+
+def test_add_from_a_file_on_stdin(replica: ServerProcess) -> None:
+    body = {"id": "from-stdin", "name": "n", "target": "t",
+            "trigger": {"kind": "interval", "every": "PT30S"}}
+    added = cli(replica, "--json", "add", "--file", "-", stdin=json.dumps(body))
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["trigger"]["every"] == 30.0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["add", "--name", "x", "--target", "t", "--cron", "99 * * * *"], "trigger.cron"),
+    (["add", "--name", "x", "--target", "t", "--every", "0"], "trigger.every"),
+    (["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--timezone", "Nowhere"],
+     "trigger.timezone"),
+    (["add", "--name", "x", "--target", "t", "--at", "2001-01-01T00:00:00Z"], "trigger.at"),
+    (["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--payload", "{nope"],
+     "--payload is not valid JSON"),
+    (["add", "--name", "x", "--cron", "* * * * *"], "--target required"),
+    (["add", "--name", "x", "--target", "t"], "give one trigger"),
+    (["update", "ghost", "--set", "{}"], "does not exist"),
+])
+def test_refused_input_exits_2_naming_the_field(replica: ServerProcess, args: list[str],
+                                                message: str) -> None:
+    result = cli(replica, *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_unreachable_api_exits_1() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "schedules", "--api", "http://127.0.0.1:9",
+         "list"], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert "cannot reach the API" in result.stderr
