@@ -17,6 +17,8 @@ import datetime as dt
 import hashlib
 import inspect
 import sys
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +33,7 @@ from .constants import STREAM_MAX_AWAIT_MS, STREAM_RETRY_INITIAL_S, STREAM_RETRY
 log = structlog.get_logger("hascheduler.mirror")
 
 HISTORY_LOST = 286
+RECENTLY_APPLIED = 1024
 INVALID_RESUME_TOKEN = 260
 
 
@@ -85,7 +88,7 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  jitter=float(doc.get("jitter", 0.0)),
                  catchup=sys.intern(doc.get("catchup", "latest")),
                  catchup_window=float(doc.get("catchup_window", 3600.0)),
-                 target=doc["target"])
+                 target=sys.intern(doc["target"]))
 
 
 Action = tuple[Literal["upsert"], str, dict[str, Any]] | tuple[Literal["remove"], str, None] \
@@ -127,6 +130,9 @@ class Mirror:
         self.resumes = 0
         self._digest: str | None = None
         self._token: Any = None
+        # When the latest changes were applied (wall clock), for measuring propagation;
+        # bounded so it never grows with the number of schedules.
+        self.recently_applied: OrderedDict[str, float] = OrderedDict()
         self._ready_event = asyncio.Event()
 
     # -- state --------------------------------------------------------------------------
@@ -179,6 +185,10 @@ class Mirror:
         self.invalid.pop(schedule_id, None)
         self.entries[schedule_id] = entry
         self._digest = None
+        self.recently_applied[schedule_id] = time.time()
+        self.recently_applied.move_to_end(schedule_id)
+        if len(self.recently_applied) > RECENTLY_APPLIED:
+            self.recently_applied.popitem(last=False)
         if self._on_change:
             self._on_change(schedule_id, entry)
 
@@ -270,13 +280,17 @@ class Mirror:
             # The stream is open, so nothing written from here on can be missed: keep its
             # start point, then load.
             self._token = stream.resume_token
-            docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0,
-                                                          "labels": 0})]
-            changed, removed = self.load(docs)
+            changed, removed = await self._load_all()
             self.resyncs += 1
             log.info("mirror_resynced", size=self.size, changed=changed, removed=removed)
             self._set_ready(True)
             await self._follow(stream)
+
+    async def _load_all(self) -> tuple[int, int]:
+        # Its own frame, so the loaded documents are freed before following the stream.
+        docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0, "labels": 0,
+                                                      "created_at": 0, "updated_at": 0})]
+        return self.load(docs)
 
     async def _resume_and_follow(self) -> None:
         stream = await self._open(resume_after=self._token)

@@ -212,6 +212,7 @@ async def mirror_entry(request: web.Request) -> web.Response:
     return web.json_response({
         "id": schedule_id, "revision": entry.revision, "paused": entry.paused,
         "next_nominal": nominal.isoformat() if nominal else None,
+        "applied_at": mirror.recently_applied.get(schedule_id),
         "replica_id": request.app[REPLICA]})
 
 
