@@ -13,6 +13,9 @@ from pymongo import uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI
 
 from . import logs, schedules_cli
+from .brokers import broker_from_url
+from .dispatch import DispatchSettings
+from .lease import LeaseSettingsError, LeaseTimings
 from .replica import ReplicaSettings, run_replica
 
 
@@ -74,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--replica-id", default=_env("REPLICA_ID") or os.environ.get("POD_NAME"),
                     help="this replica's name (env HASCHEDULER_REPLICA_ID or POD_NAME; "
                          "default host name and pid)")
+    sv.add_argument("--broker", default=_env("BROKER", "log:"),
+                    help="where fires go: nats://host:port or log: (env HASCHEDULER_BROKER)")
+    sv.add_argument("--lease-ttl", default=_env("LEASE_TTL", "10"),
+                    help="seconds a lease lasts unrenewed (env HASCHEDULER_LEASE_TTL)")
+    sv.add_argument("--renew-deadline", default=_env("RENEW_DEADLINE", "7"),
+                    help="seconds after its last renewal a leader stops firing "
+                         "(env HASCHEDULER_RENEW_DEADLINE)")
+    sv.add_argument("--renew-interval", default=_env("RENEW_INTERVAL", "2"),
+                    help="seconds between renewals (env HASCHEDULER_RENEW_INTERVAL)")
+    sv.add_argument("--fire-retention", default=_env("FIRE_RETENTION", str(7 * 86400)),
+                    help="seconds the fire ledger keeps a fire (env "
+                         "HASCHEDULER_FIRE_RETENTION)")
+
+    wk = sub.add_parser("worker", help="consume fires from the broker: drop repeats and "
+                                       "stale terms, run a handler, acknowledge")
+    wk.add_argument("--broker", default=_env("BROKER"), help="nats://host:port")
+    wk.add_argument("--target", default=_env("WORKER_TARGET"), help="the schedules' target "
+                    "to consume (a NATS subject suffix; wildcards * and > allowed)")
+    wk.add_argument("--handler", default=_env("WORKER_HANDLER"),
+                    help="module:function called with each CloudEvent (default: log it)")
+    wk.add_argument("--durable", default=None, help="durable consumer name (default from "
+                                                    "the target)")
     schedules_cli.add_parser(sub, _env("API", "http://127.0.0.1:8080") or "")
     return parser
 
@@ -99,8 +124,27 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"--http-port / HASCHEDULER_HTTP_PORT: {exc}") from None
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    seconds = {}
+    for option in ("lease_ttl", "renew_deadline", "renew_interval", "fire_retention"):
+        flag = "--" + option.replace("_", "-")
+        try:
+            seconds[option] = _positive_float(str(getattr(args, option)))
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{flag} / HASCHEDULER_{option.upper()}: {exc}") from None
+    try:
+        timings = LeaseTimings(ttl=seconds["lease_ttl"],
+                               renew_deadline=seconds["renew_deadline"],
+                               renew_interval=seconds["renew_interval"])
+    except LeaseSettingsError as exc:
+        raise ConfigError(f"--lease-ttl / --renew-deadline / --renew-interval: {exc}") from None
+    try:
+        broker = broker_from_url(args.broker)
+    except ValueError as exc:
+        raise ConfigError(f"--broker / HASCHEDULER_BROKER: {exc}") from None
     return ReplicaSettings(mongodb_uri=args.mongodb_uri, http_host=args.http_host,
-                           http_port=port, replica_id=replica_id)
+                           http_port=port, replica_id=replica_id, broker=broker,
+                           timings=timings,
+                           dispatch=DispatchSettings(retention_s=seconds["fire_retention"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,6 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{replica.http_port}: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "worker":
+        from .worker import WorkerConfigError, run_worker
+
+        try:
+            return asyncio.run(run_worker(args.broker, args.target, args.handler,
+                                          args.durable))
+        except WorkerConfigError as exc:
+            print(f"hascheduler worker: {exc}", file=sys.stderr)
+            return 2
     if args.command == "schedules":
         return asyncio.run(schedules_cli.run(args))
     return 2

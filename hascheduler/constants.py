@@ -4,6 +4,10 @@ from __future__ import annotations
 
 # MongoDB collections.
 SCHEDULES = "schedules"
+LEASES = "leases"
+FIRES = "fires"
+MEMBERS = "members"
+LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
 
 # A schedule's payload travels in every broker message; 64 KiB keeps a burst of 10k fires
@@ -26,3 +30,7 @@ STREAM_RETRY_INITIAL_S = 0.1
 STREAM_RETRY_MAX_S = 5.0
 # The awaitData wait of the mirror's change stream: short enough that shutdown is prompt.
 STREAM_MAX_AWAIT_MS = 500
+
+# Heartbeats for GET /cluster: written this often, forgotten (TTL index) after this long.
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TTL_S = 30.0

@@ -121,7 +121,7 @@ class Mirror:
     def __init__(self, collection: Any,
                  on_change: Callable[[str, Entry | None], None] | None = None) -> None:
         self._coll = collection
-        self._on_change = on_change
+        self.on_change = on_change
         self.entries: dict[str, Entry] = {}
         self.ready = False
         self.last_applied: Timestamp | None = None
@@ -189,15 +189,15 @@ class Mirror:
         self.recently_applied.move_to_end(schedule_id)
         if len(self.recently_applied) > RECENTLY_APPLIED:
             self.recently_applied.popitem(last=False)
-        if self._on_change:
-            self._on_change(schedule_id, entry)
+        if self.on_change:
+            self.on_change(schedule_id, entry)
 
     def _remove(self, schedule_id: str) -> None:
         self.invalid.pop(schedule_id, None)
         if self.entries.pop(schedule_id, None) is not None:
             self._digest = None
-            if self._on_change:
-                self._on_change(schedule_id, None)
+            if self.on_change:
+                self.on_change(schedule_id, None)
 
     # -- applying -----------------------------------------------------------------------
 

@@ -1,11 +1,14 @@
-"""One scheduler replica: MongoDB client, store, mirror and HTTP API, wired and run."""
+"""One scheduler replica: MongoDB client, store, mirror, lease, dispatcher, broker and
+HTTP API, wired together and run until SIGTERM (graceful handover) or SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -13,7 +16,22 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from .api import create_app
-from .constants import DEFAULT_DATABASE, SCHEDULES, STREAM_RETRY_MAX_S
+from .api.app import Cluster
+from .brokers import Broker
+from .constants import (
+    DEFAULT_DATABASE,
+    FIRES,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    LEASE_NAME,
+    LEASES,
+    MEMBERS,
+    SCHEDULES,
+    STREAM_RETRY_MAX_S,
+)
+from .dispatch import Dispatcher, DispatchSettings, ensure_fire_indexes
+from .leadership import Elector
+from .lease import Lease, LeaseTimings
 from .mirror import Mirror
 from .store import ScheduleStore
 
@@ -26,56 +44,94 @@ class ReplicaSettings:
     http_host: str
     http_port: int
     replica_id: str
+    broker: Broker
+    timings: LeaseTimings = field(default_factory=LeaseTimings)
+    dispatch: DispatchSettings = field(default_factory=DispatchSettings)
 
 
-async def _ensure_indexes(store: ScheduleStore) -> None:
-    """Create indexes, waiting out a database that is not up yet (never crash on it)."""
+async def _retrying(what: str, work: Any) -> None:
+    """Run ``work()`` until it succeeds, waiting out a database that is not up yet."""
     delay = 0.2
     while True:
         try:
-            await store.ensure_indexes()
+            await work()
             return
         except PyMongoError as exc:
-            log.warning("database_unreachable", error=str(exc))
+            log.warning("database_unreachable", during=what, error=str(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, STREAM_RETRY_MAX_S)
+
+
+async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
+                     elector: Elector) -> None:
+    """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
+    while True:
+        with contextlib.suppress(PyMongoError):
+            await members.update_one({"_id": settings.replica_id}, {"$set": {
+                "url": url, "ready": mirror.ready, "size": mirror.size,
+                "digest": mirror.digest, "leader": elector.is_leader,
+                "term": elector.lease.term, "seen_at": dt.datetime.now(dt.UTC)}},
+                upsert=True)
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
 async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     """Serve until SIGTERM or SIGINT; prints the API's base URL on one line once listening."""
     structlog.contextvars.bind_contextvars(replica_id=settings.replica_id)
-    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         settings.mongodb_uri, tz_aware=True, appname=f"hascheduler/{settings.replica_id}")
-    collection = client.get_default_database(DEFAULT_DATABASE)[SCHEDULES]
-    store = ScheduleStore(collection)
-    mirror = Mirror(collection)
-    app = create_app(store, mirror, settings.replica_id)
+    db = client.get_default_database(DEFAULT_DATABASE)
+    store = ScheduleStore(db[SCHEDULES])
+    lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
+    mirror = Mirror(db[SCHEDULES])
+    dispatcher = Dispatcher(mirror, db[SCHEDULES], db[FIRES], settings.broker, lease,
+                            settings.dispatch)
+    mirror.on_change = dispatcher.on_change
+    elector = Elector(lease, dispatcher, db[LEASES], ready=lambda: mirror.ready)
+    cluster = Cluster(db[LEASES], db[MEMBERS], db[FIRES], elector)
+    app = create_app(store, mirror, settings.replica_id, cluster=cluster)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    await settings.broker.start()
     try:
         await site.start()
-        port = runner.addresses[0][1]
-        url = f"http://{settings.http_host}:{port}"
+        url = f"http://{settings.http_host}:{runner.addresses[0][1]}"
         log.info("replica_listening", url=url)
         if announce:
             print(url, flush=True)
-        async with asyncio.TaskGroup() as tasks:
-            mirror_task = tasks.create_task(_sync(store, mirror))
-            await stop.wait()
-            log.info("replica_stopping")
-            mirror_task.cancel()
+        await _retrying("creating indexes", lambda: _indexes(store, db, settings))
+        tasks = [asyncio.create_task(mirror.run()),
+                 asyncio.create_task(_elect_when_ready(mirror, elector)),
+                 asyncio.create_task(_heartbeat(db[MEMBERS], settings, url, mirror, elector))]
+        await stop.wait()
+        log.info("replica_stopping")
+        # The elector first (no new term), then the handover, then the rest.
+        tasks[1].cancel()
+        await asyncio.gather(tasks[1], return_exceptions=True)
+        await elector.shutdown()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         await runner.cleanup()
+        await settings.broker.close()
         await client.close()
         log.info("replica_stopped")
 
 
-async def _sync(store: ScheduleStore, mirror: Mirror) -> None:
-    with contextlib.suppress(asyncio.CancelledError):
-        await _ensure_indexes(store)
-        await mirror.run()
+async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
+    await store.ensure_indexes()
+    await ensure_fire_indexes(db[FIRES], settings.dispatch.retention_s)
+    await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
+                                   expireAfterSeconds=int(HEARTBEAT_TTL_S))
+
+
+async def _elect_when_ready(mirror: Mirror, elector: Elector) -> None:
+    """A replica whose mirror is not in sync must never lead (DESIGN invariant 2)."""
+    await mirror.wait_ready()
+    await elector.run()

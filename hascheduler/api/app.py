@@ -11,7 +11,14 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from .. import models
-from ..constants import DEFAULT_PAGE, MAX_PAGE, MAX_PREVIEW, MAX_REQUEST_BYTES
+from ..constants import (
+    DEFAULT_PAGE,
+    HEARTBEAT_INTERVAL_S,
+    LEASE_NAME,
+    MAX_PAGE,
+    MAX_PREVIEW,
+    MAX_REQUEST_BYTES,
+)
 from ..mirror import Mirror
 from ..store import ScheduleStore
 from ..triggers import fire_times
@@ -235,12 +242,15 @@ async def docs(request: web.Request) -> web.Response:
 
 
 def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
-               clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> web.Application:
+               clock: Clock = lambda: dt.datetime.now(dt.UTC),
+               cluster: Cluster | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
     app[STORE] = store
     app[MIRROR] = mirror
     app[REPLICA] = replica_id
     app[CLOCK] = clock
+    if cluster is not None:
+        app[CLUSTER] = cluster
     app.router.add_post("/schedules", create_schedule)
     app.router.add_get("/schedules", list_schedules)
     app.router.add_get("/schedules/{id}", get_schedule)
@@ -250,6 +260,9 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     app.router.add_post("/schedules/{id}/pause", pause_schedule)
     app.router.add_post("/schedules/{id}/resume", resume_schedule)
     app.router.add_get("/schedules/{id}/next", next_fires)
+    app.router.add_get("/schedules/{id}/fires", fire_history)
+    app.router.add_get("/leader", leader)
+    app.router.add_get("/cluster", members)
     app.router.add_get("/mirror/{id}", mirror_entry)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -258,3 +271,71 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     return app
 
 
+
+
+class Cluster:
+    """What the API reads about leadership, members and the fire ledger."""
+
+    def __init__(self, leases: Any, members: Any, fires: Any, elector: Any) -> None:
+        self.leases = leases
+        self.members = members
+        self.fires = fires
+        self.elector = elector
+
+
+CLUSTER: web.AppKey[Cluster] = web.AppKey("cluster")
+
+
+def _cluster(request: web.Request) -> Cluster:
+    cluster = request.app.get(CLUSTER)
+    if cluster is None:
+        raise web.HTTPServiceUnavailable(reason="leadership is not configured here")
+    return cluster
+
+
+def _time(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).isoformat()
+    return value
+
+
+async def leader(request: web.Request) -> web.Response:
+    """The lease as the database holds it, and which replica answered."""
+    cluster = _cluster(request)
+    doc = await cluster.leases.find_one({"_id": LEASE_NAME}) or {}
+    expires = doc.get("expires_at")
+    now = dt.datetime.now(dt.UTC)
+    held = isinstance(expires, dt.datetime) and _aware(expires) > now
+    return web.json_response({
+        "holder": doc.get("holder") if held else None,
+        "last_holder": doc.get("holder"), "term": doc.get("term", 0),
+        "expires_at": _time(expires), "fired_through": _time(doc.get("fired_through")),
+        "answered_by": request.app[REPLICA],
+        "answered_by_leader": bool(cluster.elector.is_leader)})
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+async def members(request: web.Request) -> web.Response:
+    cluster = _cluster(request)
+    fresh = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
+    out = []
+    async for doc in cluster.members.find({"seen_at": {"$gte": fresh}}).sort("_id", 1):
+        out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
+                    "size": doc.get("size"), "digest": doc.get("digest"),
+                    "leader": doc.get("leader"), "term": doc.get("term"),
+                    "seen_at": _time(doc.get("seen_at"))})
+    return web.json_response({"members": out, "answered_by": request.app[REPLICA]})
+
+
+async def fire_history(request: web.Request) -> web.Response:
+    cluster = _cluster(request)
+    schedule_id = request.match_info["id"]
+    limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    items = []
+    async for doc in cluster.fires.find({"schedule_id": schedule_id}).sort(
+            "nominal_at", -1).limit(limit):
+        items.append({k: _time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]})
+    return web.json_response({"schedule_id": schedule_id, "items": items})

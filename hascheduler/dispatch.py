@@ -1,0 +1,324 @@
+"""The leader's firing engine: claim each due fire once, publish it, mark it published.
+
+DESIGN invariants 4 and 5. A fire's id is ``<schedule_id>@<nominal UTC time>``; it is
+claimed by inserting that id into ``fires`` (a duplicate key means another leader owns it),
+only while the lease is valid, and every ledger write carries the term. Publishing uses
+the fire id as the broker's dedup key, so republishing after a failover is safe. On
+becoming leader: adopt and republish claims left by older terms, then fire what fell due
+since the previous leader's watermark, per schedule catch-up policy, recording every
+skipped time with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import heapq
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from pymongo import ASCENDING, DESCENDING
+from pymongo.errors import BulkWriteError, DuplicateKeyError
+
+from . import fires as ledger
+from .brokers import Broker
+from .lease import Lease, LeaseView
+from .mirror import Entry, Mirror
+from .triggers import fire_times, jitter_offset
+
+log = structlog.get_logger("hascheduler.dispatch")
+
+Clock = Callable[[], dt.datetime]
+
+
+class LeadershipLost(Exception):
+    """The renew deadline passed: stop claiming at once."""
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    publish_timeout_s: float = 5.0
+    max_attempts: int = 10
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    retry_interval_s: float = 0.5
+    drain_timeout_s: float = 5.0
+    retention_s: float = 7 * 86_400.0
+    max_in_flight_batches: int = 8
+
+
+@dataclass(order=True, slots=True)
+class Due:
+    fire_at: dt.datetime
+    nominal: dt.datetime
+    schedule_id: str
+    revision: int
+
+
+def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
+    """The first fire of ``entry`` whose jittered time is after ``after``."""
+    start = after - dt.timedelta(seconds=entry.jitter)
+    for nominal in fire_times(entry.trigger, start, limit=10_000):
+        fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+        if fire_at > after:
+            return Due(fire_at, nominal, schedule_id, entry.revision)
+    return None
+
+
+async def ensure_fire_indexes(fires: Any, retention_s: float) -> None:
+    await fires.create_index([("state", ASCENDING), ("term", ASCENDING)], name="state_term")
+    await fires.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
+                             name="schedule_history")
+    await fires.create_index([("recorded_at", ASCENDING)], name="retention",
+                             expireAfterSeconds=int(retention_s))
+
+
+class Dispatcher:
+    def __init__(self, mirror: Mirror, schedules: Any, fires: Any, broker: Broker,
+                 lease: Lease, settings: DispatchSettings | None = None,
+                 clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
+        self.mirror = mirror
+        self.schedules = schedules
+        self.fires = fires
+        self.broker = broker
+        self.lease = lease
+        self.settings = settings or DispatchSettings()
+        self.clock = clock
+        self.watermark: dt.datetime | None = None  # every fire due up to here is handled
+        self.term: int | None = None
+        self._heap: list[Due] = []
+        self._wake = asyncio.Event()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(self.settings.max_in_flight_batches)
+        self.published = 0
+
+    # -- mirror changes -------------------------------------------------------------------
+
+    def on_change(self, schedule_id: str, entry: Entry | None) -> None:
+        """Called by the mirror for every applied change; reschedules while leading."""
+        if self.term is None or entry is None or entry.paused or self.watermark is None:
+            return
+        due = next_due(schedule_id, entry, self.watermark)
+        if due is not None:
+            heapq.heappush(self._heap, due)
+            self._wake.set()
+
+    # -- leading --------------------------------------------------------------------------
+
+    async def lead(self, view: LeaseView) -> None:
+        """Fire as the leader of ``view.term`` until cancelled or the lease lapses."""
+        term = view.term
+        now = self.clock()
+        since = view.fired_through or now
+        self.term = term
+        self.watermark = None
+        log.info("leading", term=term, fired_through=since.isoformat())
+        try:
+            await self._adopt_claims(term, grace_s=0.0)
+            await self._retry_due(term)
+            await self._catch_up(term, since, now)
+            self._seed(now)
+            self.watermark = now
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._retry_loop(term))
+                await self._fire_loop(term)
+        finally:
+            self.term = None
+            self._heap.clear()
+
+    def _seed(self, now: dt.datetime) -> None:
+        self._heap = []
+        for schedule_id, entry in self.mirror.entries.items():
+            if not entry.paused:
+                due = next_due(schedule_id, entry, now)
+                if due is not None:
+                    self._heap.append(due)
+        heapq.heapify(self._heap)
+
+    def _current(self, due: Due) -> Entry | None:
+        entry = self.mirror.entries.get(due.schedule_id)
+        if entry is None or entry.revision != due.revision or entry.paused:
+            return None  # deleted, changed (a newer item is queued) or paused
+        return entry
+
+    async def _fire_loop(self, term: int) -> None:
+        while True:
+            if not self.lease.valid:
+                raise LeadershipLost
+            now = self.clock()
+            batch: list[Due] = []
+            while self._heap and self._heap[0].fire_at <= now:
+                due = heapq.heappop(self._heap)
+                entry = self._current(due)
+                if entry is None:
+                    continue
+                batch.append(due)
+                following = next_due(due.schedule_id, entry, due.fire_at)
+                if following is not None:
+                    heapq.heappush(self._heap, following)
+            if batch:
+                await self._claim_and_publish(batch, term, now)
+            self.watermark = now
+            self._wake.clear()
+            wait = 0.25  # re-check the lease at least this often
+            if self._heap:
+                wait = min(wait, max(0.0, (self._heap[0].fire_at - self.clock()).total_seconds()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _claim(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Insert claims; returns those we now own (the rest another leader owns)."""
+        if not docs:
+            return []
+        if not self.lease.valid:
+            raise LeadershipLost
+        try:
+            await asyncio.wait_for(self.fires.insert_many(docs, ordered=False),
+                                   max(self.lease.remaining(), 0.001))
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("code") != 11000 for e in errors):
+                raise
+            owned_elsewhere = {docs[e["index"]]["_id"] for e in errors}
+            return [d for d in docs if d["_id"] not in owned_elsewhere]
+        except TimeoutError:
+            raise LeadershipLost from None
+        return docs
+
+    async def _claim_and_publish(self, batch: list[Due], term: int, now: dt.datetime) -> None:
+        hold = self.settings.publish_timeout_s * 2
+        docs = []
+        for due in batch:
+            doc = ledger.claim_document(due.schedule_id, due.nominal, due.fire_at, term, now)
+            # The retry loop leaves it alone unless this publish has not finished by then.
+            doc["next_attempt_at"] = now + dt.timedelta(seconds=hold)
+            docs.append(doc)
+        claimed = await self._claim(docs)
+        if claimed:
+            await self._slots.acquire()
+            task = asyncio.create_task(self._publish(claimed, term, attempt=1))
+            self._in_flight.add(task)
+            task.add_done_callback(self._publish_done)
+
+    def _publish_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("publish_batch_failed", error=repr(task.exception()))
+
+    async def _publish(self, claimed: list[dict[str, Any]], term: int, attempt: int) -> None:
+        """Publish claimed fires; mark each published, or schedule its retry."""
+        schedules = {d["_id"]: d async for d in self.schedules.find(
+            {"_id": {"$in": list({c["schedule_id"] for c in claimed})}},
+            {"name": 1, "payload": 1, "target": 1})}
+        fired_at = self.clock()
+        messages, sendable, gone = [], [], []
+        for fire in claimed:
+            schedule = schedules.get(fire["schedule_id"])
+            if schedule is None:
+                gone.append(fire["_id"])
+                continue
+            messages.append(ledger.cloud_event(fire=fire, schedule=schedule, term=term,
+                                               attempt=attempt, fired_at=fired_at))
+            sendable.append(fire)
+        if gone:
+            await self.fires.update_many(
+                {"_id": {"$in": gone}, "term": term, "state": ledger.CLAIMED},
+                {"$set": {"state": ledger.SKIPPED, "reason": "schedule deleted before "
+                                                             "its fire was published"}})
+        outcomes = await self.broker.publish(messages, self.settings.publish_timeout_s)
+        done = [f["_id"] for f, error in zip(sendable, outcomes, strict=True) if error is None]
+        if done:
+            await self.fires.update_many(
+                {"_id": {"$in": done}, "term": term, "state": ledger.CLAIMED},
+                {"$set": {"state": ledger.PUBLISHED, "published_at": self.clock(),
+                          "attempts": attempt}, "$unset": {"next_attempt_at": ""}})
+            self.published += len(done)
+            for fire_id in done:
+                log.debug("fired", fire_id=fire_id, term=term, attempt=attempt)
+        failures = [(f, e) for f, e in zip(sendable, outcomes, strict=True) if e is not None]
+        for fire, error in failures:
+            await self._record_failure(fire["_id"], term, attempt, error)
+        if failures:
+            log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
+                        error=repr(failures[0][1]))
+
+    async def _record_failure(self, fire_id: str, term: int, attempt: int,
+                              error: BaseException) -> None:
+        now = self.clock()
+        if attempt >= self.settings.max_attempts:
+            update: dict[str, Any] = {"state": ledger.FAILED, "attempts": attempt,
+                                      "last_error": repr(error), "failed_at": now}
+        else:
+            delay = ledger.backoff_s(attempt, self.settings.backoff_base_s,
+                                     self.settings.backoff_cap_s, random.random())
+            update = {"attempts": attempt, "last_error": repr(error),
+                      "next_attempt_at": now + dt.timedelta(seconds=delay)}
+        await self.fires.update_one({"_id": fire_id, "term": term, "state": ledger.CLAIMED},
+                                    {"$set": update})
+
+    # -- retries, takeover, catch-up ------------------------------------------------------
+
+    async def _adopt_claims(self, term: int, grace_s: float) -> int:
+        """Take over fires still claimed by older terms (republished: dedup makes it safe).
+
+        ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
+        """
+        cutoff = self.clock() - dt.timedelta(seconds=grace_s)
+        result = await self.fires.update_many(
+            {"state": ledger.CLAIMED, "term": {"$lt": term}, "claimed_at": {"$lte": cutoff}},
+            {"$set": {"term": term, "next_attempt_at": self.clock()}})
+        if result.modified_count:
+            log.info("adopted_claims", count=result.modified_count, term=term)
+        return int(result.modified_count)
+
+    async def _retry_due(self, term: int) -> None:
+        now = self.clock()
+        batch = [d async for d in self.fires.find(
+            {"state": ledger.CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
+        ).limit(1000)]
+        if batch:
+            attempt = max(int(d.get("attempts", 0)) for d in batch) + 1
+            await self._publish(batch, term, attempt)
+
+    async def _retry_loop(self, term: int) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retry_interval_s)
+            if not self.lease.valid:
+                raise LeadershipLost
+            await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
+            await self._retry_due(term)
+
+    async def _catch_up(self, term: int, since: dt.datetime, now: dt.datetime) -> None:
+        to_fire: list[Due] = []
+        skipped: list[dict[str, Any]] = []
+        for schedule_id, entry in list(self.mirror.entries.items()):
+            if entry.paused:
+                continue
+            start = since - dt.timedelta(seconds=entry.jitter)
+            fire, skip = ledger.plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
+                                             start, now)
+            for nominal in fire:
+                fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+                if fire_at <= now:  # later ones are queued by _seed
+                    to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
+            for nominal, reason in skip:
+                skipped.append(ledger.skipped_document(schedule_id, nominal, term, reason,
+                                                       now))
+        if skipped:
+            with contextlib.suppress(BulkWriteError, DuplicateKeyError):
+                await self.fires.insert_many(skipped, ordered=False)
+        if to_fire:
+            log.info("catching_up", fires=len(to_fire), skipped=len(skipped), term=term)
+            to_fire.sort()
+            for i in range(0, len(to_fire), 5000):
+                await self._claim_and_publish(to_fire[i:i + 5000], term, self.clock())
+
+    async def drain(self) -> None:
+        """Let in-flight publishes finish (bounded by the drain timeout)."""
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=self.settings.drain_timeout_s)

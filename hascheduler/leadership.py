@@ -1,0 +1,165 @@
+"""Who leads: renew while leading, try to take over the moment the lease frees up.
+
+Standbys watch the lease document through a change stream and try to acquire as soon as
+it is released, and again at its expiry plus a small random delay; a poll every renew
+interval is only the fallback (DESIGN invariant 6). Leading starts the dispatcher; a failed
+or late renewal stops it at once. On shutdown the leader stops claiming, drains in-flight
+publishes, then expires its lease so a standby takes over within milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import inspect
+import random
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from pymongo.errors import PyMongoError
+
+from .dispatch import Dispatcher, LeadershipLost
+from .lease import Lease, LeaseView
+
+log = structlog.get_logger("hascheduler.leadership")
+
+# Spread the standbys' attempts at expiry so they do not all hit the database at once.
+TAKEOVER_SPREAD_S = 0.05
+
+
+class Elector:
+    def __init__(self, lease: Lease, dispatcher: Dispatcher, leases: Any,
+                 ready: Callable[[], bool] = lambda: True) -> None:
+        self.lease = lease
+        self._ready = ready
+        self.dispatcher = dispatcher
+        self._leases = leases
+        self._leading: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self.view: LeaseView | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leading is not None and not self._leading.done() and self.lease.valid
+
+    async def run(self) -> None:
+        watcher = asyncio.create_task(self._watch_lease())
+        try:
+            while True:
+                await self._attempt()
+                await self._pause()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _attempt(self) -> None:
+        if not self._ready():
+            # An out-of-sync mirror must never lead: hand over rather than fire from it.
+            if self._leading is not None:
+                await self._stop_leading("the mirror is not in sync")
+                with contextlib.suppress(PyMongoError, TimeoutError):
+                    await asyncio.wait_for(self.lease.release(None), 2.0)
+            return
+        leading = self.is_leader
+        timings = self.lease.timings
+        limit = self.lease.remaining() if leading else timings.renew_interval
+        try:
+            view = await asyncio.wait_for(
+                self.lease.acquire_or_renew(self.dispatcher.watermark if leading else None),
+                max(limit, 0.05))
+        except (PyMongoError, TimeoutError) as exc:
+            if leading and not self.lease.valid:
+                await self._stop_leading(f"renewal failed past the deadline: {exc!r}")
+            elif leading:
+                log.warning("renewal_failed", error=repr(exc), term=self.lease.term,
+                            remaining_s=round(self.lease.remaining(), 3))
+            return
+        if view is not None:
+            self.view = view
+            if not leading:
+                self._start_leading(view)
+        elif leading or self._leading is not None:
+            await self._stop_leading("the lease is held by another replica")
+        else:
+            with contextlib.suppress(PyMongoError):
+                self.view = await self.lease.read()
+
+    def _start_leading(self, view: LeaseView) -> None:
+        structlog.contextvars.bind_contextvars(term=view.term)
+        log.info("became_leader", term=view.term)
+        self._leading = asyncio.create_task(self._lead(view))
+
+    async def _lead(self, view: LeaseView) -> None:
+        try:
+            await self.dispatcher.lead(view)
+        except* LeadershipLost:
+            log.warning("stopped_firing", term=view.term, reason="renew deadline passed")
+        except* PyMongoError as group:
+            log.warning("stopped_firing", term=view.term, reason=repr(group.exceptions[0]))
+        self.lease.step_down()
+        self._changed.set()
+
+    async def _stop_leading(self, reason: str) -> None:
+        self.lease.step_down()
+        task, self._leading = self._leading, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            log.warning("lost_leadership", reason=reason)
+        structlog.contextvars.unbind_contextvars("term")
+
+    async def _pause(self) -> None:
+        """Until the next attempt: a renew interval when leading; when standing by, until
+        the lease changes, expires (plus a little), or the poll interval passes."""
+        timings = self.lease.timings
+        wait = timings.renew_interval
+        if self._leading is not None and self._leading.done():
+            await self._stop_leading("the dispatcher stopped")
+            wait = 0.0
+        elif not self.is_leader and self.view is not None:
+            left = (self.view.expires_at - dt.datetime.now(dt.UTC)).total_seconds()
+            wait = min(wait, max(0.0, left) + random.uniform(0, TAKEOVER_SPREAD_S))
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), wait)
+
+    async def _watch_lease(self) -> None:
+        """Wake the elector on every change to the lease document (a release above all)."""
+        pipeline = [{"$match": {"documentKey._id": self.lease.name}}]
+        while True:
+            try:
+                stream = self._leases.watch(pipeline, full_document="updateLookup",
+                                            max_await_time_ms=500)
+                if inspect.isawaitable(stream):
+                    stream = await stream
+                async with stream:
+                    while True:
+                        event = await stream.try_next()
+                        if event is not None:
+                            doc = event.get("fullDocument")
+                            if doc is not None:
+                                self.view = LeaseView.from_document(doc)
+                            self._changed.set()
+            except PyMongoError as exc:
+                log.debug("lease_watch_failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+
+    async def shutdown(self) -> None:
+        """Graceful handover: stop claiming, drain publishes, release the lease."""
+        task, self._leading = self._leading, None
+        if task is None:
+            return
+        watermark = self.dispatcher.watermark
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.dispatcher.drain()
+        try:
+            released = await asyncio.wait_for(self.lease.release(watermark), 2.0)
+            log.info("released_lease", released=released)
+        except (PyMongoError, TimeoutError) as exc:
+            log.warning("release_failed", error=repr(exc))

@@ -1,0 +1,154 @@
+"""``hascheduler worker``: a durable JetStream consumer that runs each fire once.
+
+It drops a fire id it has already handled (the broker may redeliver, a new leader may
+republish), and a *stale* fire: one from a term older than a term it has already seen,
+whose nominal time is later than the moment it first saw that newer term. Such a fire can
+only come from a deposed leader acting after a newer one started; a fire an old leader
+claimed in time always has an earlier nominal time, so it is still run (its republish by
+the new leader would be deduplicated away by the broker, so dropping it would lose it).
+A fire is acknowledged after its handler returns; a handler that raises gets it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import importlib
+import inspect
+import json
+import signal
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from .brokers.base import SUBJECT_PREFIX
+from .brokers.nats import ensure_stream
+
+log = structlog.get_logger("hascheduler.worker")
+
+Handler = Callable[[dict[str, Any]], Awaitable[None] | None]
+SEEN_FIRES = 100_000  # fire ids remembered for deduplication
+
+
+class WorkerConfigError(ValueError):
+    pass
+
+
+def load_handler(spec: str | None) -> Handler:
+    if not spec:
+        return log_fire
+    module_name, sep, function = spec.partition(":")
+    if not sep:
+        raise WorkerConfigError(f"--handler {spec!r}: write it as module:function")
+    try:
+        handler = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as exc:
+        raise WorkerConfigError(f"--handler {spec!r}: {exc}") from None
+    if not callable(handler):
+        raise WorkerConfigError(f"--handler {spec!r} is not callable")
+    return handler  # type: ignore[no-any-return]
+
+
+def log_fire(event: dict[str, Any]) -> None:
+    data = event.get("data", {})
+    log.info("fire_received", fire_id=event.get("id"), term=data.get("term"),
+             nominal_at=data.get("nominal_at"), payload=data.get("payload"))
+
+
+class FireFilter:
+    """Decides, per delivered fire, whether to run it (pure: no I/O)."""
+
+    def __init__(self, capacity: int = SEEN_FIRES) -> None:
+        self.capacity = capacity
+        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.first_seen_term: dict[int, dt.datetime] = {}
+        self.max_term = 0
+
+    def verdict(self, event: dict[str, Any], received_at: dt.datetime) -> str:
+        """``run``, ``duplicate`` or ``stale``."""
+        fire_id = str(event.get("id"))
+        data = event.get("data", {})
+        term = int(data.get("term", 0))
+        if fire_id in self.seen:
+            return "duplicate"
+        if term < self.max_term:
+            newer_since = min(t for k, t in self.first_seen_term.items() if k > term)
+            nominal = dt.datetime.fromisoformat(data["nominal_at"].replace("Z", "+00:00"))
+            if nominal > newer_since:
+                return "stale"
+        if term not in self.first_seen_term:
+            self.first_seen_term[term] = received_at
+        self.max_term = max(self.max_term, term)
+        return "run"
+
+    def done(self, event: dict[str, Any]) -> None:
+        self.seen[str(event.get("id"))] = None
+        if len(self.seen) > self.capacity:
+            self.seen.popitem(last=False)
+
+
+async def run_worker(broker: str | None, target: str | None, handler_spec: str | None,
+                     durable: str | None) -> int:
+    if not broker or not broker.startswith(("nats://", "tls://")):
+        raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// URL")
+    if not target:
+        raise WorkerConfigError("--target (or HASCHEDULER_WORKER_TARGET) is required")
+    handler = load_handler(handler_spec)
+    name = durable or "worker-" + "".join(c if c.isalnum() else "-" for c in target)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await nats.connect(broker.split("?", 1)[0], max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.5, name=name)
+    js = nc.jetstream()
+    await ensure_stream(js, "HASCHEDULER", 600.0)
+    subscription = await js.pull_subscribe(
+        f"{SUBJECT_PREFIX}.{target}", durable=name, stream="HASCHEDULER",
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                              ack_wait=30))
+    fires = FireFilter()
+    log.info("worker_started", target=target, durable=name)
+    print(f"worker {name} consuming {SUBJECT_PREFIX}.{target}", flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                messages = await subscription.fetch(100, timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            for message in messages:
+                await _handle(message, fires, handler)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.drain()
+    return 0
+
+
+async def _handle(message: Any, fires: FireFilter, handler: Handler) -> None:
+    try:
+        event = json.loads(message.data)
+    except ValueError:
+        log.warning("fire_unreadable", subject=message.subject)
+        await message.term()
+        return
+    verdict = fires.verdict(event, dt.datetime.now(dt.UTC))
+    if verdict != "run":
+        log.info(f"fire_{verdict}_dropped", fire_id=event.get("id"),
+                 term=event.get("data", {}).get("term"))
+        await message.ack()
+        return
+    try:
+        result = handler(event)
+        if inspect.isawaitable(result):
+            await result
+    except Exception as exc:
+        log.warning("handler_failed", fire_id=event.get("id"), error=repr(exc))
+        await message.nak(delay=1.0)
+        return
+    fires.done(event)
+    await message.ack()
