@@ -124,8 +124,11 @@ async def run_worker(broker: str | None, target: str | None, handler_spec: str |
             for message in messages:
                 await _handle(message, fires, handler)
     finally:
+        # Every message is acknowledged explicitly, so there is nothing to drain; drain()
+        # on a pull subscription can wait forever.
         with contextlib.suppress(Exception):
-            await nc.drain()
+            await asyncio.wait_for(nc.close(), 5)
+    log.info("worker_stopped")
     return 0
 
 

@@ -1,0 +1,63 @@
+"""The lease against a real server: compare-and-swap on its clock, terms, release."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from hascheduler.lease import Lease, LeaseTimings
+from tests.waiting import wait_until
+
+FAST = LeaseTimings(ttl=1.0, renew_deadline=0.7, renew_interval=0.2)
+
+
+@pytest.fixture
+async def leases(mongo_uri: str, db_name: str) -> AsyncIterator[Any]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    yield client[db_name].leases
+    await client.drop_database(db_name)
+    await client.close()
+
+
+async def test_one_holder_terms_bump_only_on_change(leases: Any) -> None:
+    a, b = Lease(leases, "L", "a", FAST), Lease(leases, "L", "b", FAST)
+    first = await a.acquire_or_renew()
+    assert first is not None
+    assert (first.holder, first.term) == ("a", 1)
+    assert a.valid
+    assert await b.acquire_or_renew() is None  # held: losing is a normal answer
+    renewed = await a.acquire_or_renew()
+    assert renewed is not None
+    assert renewed.term == 1  # a renewal keeps the term
+    assert await a.release(None)
+    taken = await b.acquire_or_renew()
+    assert taken is not None
+    assert (taken.holder, taken.term) == ("b", 2)
+
+
+async def test_expiry_lets_another_in_and_the_old_holder_stops_first(leases: Any) -> None:
+    a, b = Lease(leases, "L", "a", FAST), Lease(leases, "L", "b", FAST)
+    assert await a.acquire_or_renew() is not None
+
+    await wait_until(b.acquire_or_renew, 5, "b to acquire the expired lease")
+    # a stopped acting before its lease could expire for b: the deadline is shorter.
+    assert not a.valid
+    assert b.term == 2
+    assert await a.acquire_or_renew() is None
+
+
+async def test_watermark_is_recorded_only_by_the_holder(leases: Any) -> None:
+    import datetime as dt
+    mark = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    a, b = Lease(leases, "L", "a", FAST), Lease(leases, "L", "b", FAST)
+    await a.acquire_or_renew()
+    view = await a.acquire_or_renew(fired_through=mark)
+    assert view is not None
+    assert view.fired_through == mark
+    assert await b.acquire_or_renew(fired_through=mark.replace(year=2031)) is None
+    stored = await a.read()
+    assert stored is not None
+    assert stored.fired_through == mark
