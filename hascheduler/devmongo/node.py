@@ -603,8 +603,9 @@ class Node:
             matches = matches[:1]
         array_filters = stmt.get("arrayFilters")
         changed = 0
+        prepared = op.prepare(q)  # once: the filter may hold a long $in list
         for rid, doc in matches:
-            new = engine.apply_update(op, doc, op.prepare(q), u, False, array_filters)
+            new = engine.apply_update(op, doc, prepared, u, False, array_filters)
             changed += coll.replace(rid, new, replacement)
         if matches or not stmt.get("upsert"):
             return len(matches), changed, None

@@ -200,10 +200,16 @@ class Collection:
 
     def candidates(self, filter_: Document) -> Iterable[int]:
         """Record ids that may match, in natural order; narrowed through an index if one fits."""
+        return self._plan(filter_)[0]
+
+    def _plan(self, filter_: Document) -> tuple[list[int], str | None]:
+        """Candidates, and the top-level field whose condition the chosen index decided
+        exactly (a scalar equality or $in on a single-field index holding no arrays)."""
         if not filter_:
-            return list(self.docs)
+            return list(self.docs), None
         equal = _equalities(filter_)
         best: set[int] | None = None
+        decided: str | None = None
         for index in self.indexes.values():
             if index.partial_filter is not None or index.sparse:
                 continue
@@ -214,13 +220,17 @@ class Collection:
                     rids |= index.lookup(combo)
                 if best is None or len(rids) < len(best):
                     best = rids
+                    exact = (len(fields) == 1 and not index.multikey
+                             and _only_equality(filter_.get(fields[0]))
+                             and all(_exact_scalar(v) for v in equal[fields[0]]))
+                    decided = fields[0] if exact else None
             elif fields[0] in equal and len(equal[fields[0]]) <= 64:
                 rids = set()
                 for value in equal[fields[0]]:
                     sk = sort_key(value)
                     rids.update(index.range(sk, True, sk, True))
                 if best is None or len(rids) < len(best):
-                    best = rids
+                    best, decided = rids, None
         if best is None:
             ranges = _ranges(filter_)
             for index in self.indexes.values():
@@ -230,8 +240,8 @@ class Collection:
                 best = set(self._range_scan(index, cond))
                 break
         if best is None:
-            return list(self.docs)
-        return sorted(best)
+            return list(self.docs), None
+        return sorted(best), decided
 
     def _range_scan(self, index: Index, cond: Document) -> Iterator[int]:
         bounds = [(op, v) for op, v in cond.items() if op in _RANGE_OPS]
@@ -251,8 +261,12 @@ class Collection:
 
     def find(self, op: engine.Operation, filter_: Document) -> list[tuple[int, Document]]:
         filter_ = op.prepare(filter_)
-        return [(rid, self.docs[rid]) for rid in self.candidates(filter_)
-                if rid in self.docs and engine.matches(filter_, self.docs[rid])]
+        rids, decided = self._plan(filter_)
+        # The field the index decided exactly need not be re-checked per candidate (for an
+        # $in list that check scans the whole list for every document).
+        residual = {k: v for k, v in filter_.items() if k != decided} if decided else filter_
+        return [(rid, self.docs[rid]) for rid in rids
+                if rid in self.docs and engine.matches(residual, self.docs[rid])]
 
     def get_by_id(self, _id: Any) -> Document | None:
         rids = self.indexes["_id_"].lookup((_id,))
@@ -304,7 +318,8 @@ class Collection:
         """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey."""
         validate_document(new)
         old = self.docs[rid]
-        if key_of(old) == key_of(new) and _same_types(old, new):
+        # Native equality is fast; the type walk rejects what Python equates (True == 1).
+        if old == new and _same_types(old, new):
             return False
         for index in self.indexes.values():
             index.remove(rid, old)
@@ -390,6 +405,17 @@ class Collection:
             cutoff = now - datetime.timedelta(seconds=index.expire_after_seconds)
             found.update(index.range((RANK_DATE,), True, sort_key(cutoff), False))
         return sorted(found)
+
+
+def _only_equality(cond: Any) -> bool:
+    if isinstance(cond, dict):
+        return set(cond) in ({"$eq"}, {"$in"})
+    return cond is not None
+
+
+def _exact_scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float | ObjectId | datetime.datetime) and \
+        not isinstance(value, bool)
 
 
 def _first_value(doc: Document, path: str) -> Any:

@@ -134,3 +134,19 @@ def test_update_that_changes_nothing_emits_no_event() -> None:
     new = engine.apply_update(op(), coll.docs[rid], {"_id": 1}, {"$set": {"a": 1}}, False)
     assert coll.replace(rid, new, replacement=False) is False
     assert coll.changes.last_seq == before
+
+
+@pytest.mark.parametrize("filter_", [
+    {"_id": {"$in": [1, 2, 3, 999]}, "n": {"$gt": 1}},
+    {"_id": {"$in": [1, 2, 3]}, "tag": "t2"},
+    {"_id": 5, "n": 5},
+    {"_id": 5, "n": 6},
+    {"_id": {"$in": [1, 2, 3], "$nin": [2]}},
+    {"tag": {"$in": ["t1", "t2"]}, "n": {"$lt": 30}},
+    {"_id": {"$in": [1.0, 2]}},
+])
+def test_exactly_decided_conditions_give_what_a_scan_gives(filter_: dict[str, Any]) -> None:
+    coll = make_collection(100)
+    coll.create_index({"key": {"tag": 1}})
+    scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+    assert [rid for rid, _ in coll.find(op(), filter_)] == scanned

@@ -1,0 +1,284 @@
+"""Firing benchmark: failover gaps, burst drain, fire lateness, each with its baseline.
+
+    python -m bench.firing_bench [--kills 20] [--burst 10000] [--lateness 1000,10000]
+                                 [--seconds 20]
+
+Runs the development MongoDB server, a real nats-server and three `hascheduler serve`
+replicas (lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s) as processes.
+
+- Failover: SIGTERM, then SIGKILL, the leader --kills times each (restarting it as a
+  standby); the gap is from the signal to the next leader's acquisition (lease
+  ``acquired_at``) and to its first published fire of an every-second schedule.
+- Burst: --burst one-off schedules due in the same second; time from that second until
+  every fire is published and acknowledged. Baseline, same run: raw nats-py publishing the
+  same number of messages to JetStream, pipelined, each acknowledged.
+- Lateness: N every-second schedules for --seconds; lateness is publish-acknowledged time
+  minus due time, from the fire ledger. Baseline, same run: plain APScheduler 3
+  AsyncIOScheduler running the same N cron triggers with an empty async job, lateness
+  measured when the job has run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import nats
+from pymongo import AsyncMongoClient
+
+from bench.devmongo_bench import pct
+from hascheduler.brokers.nats import ensure_stream
+from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
+
+TIMINGS = ["--lease-ttl", "2", "--renew-deadline", "1.4", "--renew-interval", "0.4"]
+
+
+class Cluster:
+    def __init__(self, mongo: ServerProcess, nats_uri: str, database: str) -> None:
+        self.uri = with_database(mongo.uri, database)
+        self.nats_uri = nats_uri
+        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.uri,
+                                                                          tz_aware=True)
+        self.db = self.client[database]
+        self.replicas: dict[str, ServerProcess] = {}
+
+    def start(self, name: str) -> None:
+        self.replicas[name] = start_replica(self.uri, name, "--broker", self.nats_uri,
+                                            *TIMINGS)
+
+    async def lease(self) -> dict[str, Any]:
+        return await self.db.leases.find_one({"_id": "scheduler"}) or {}
+
+    async def wait_leader(self, above_term: int = 0, within_s: float = 30) -> dict[str, Any]:
+        end = time.monotonic() + within_s
+        while time.monotonic() < end:
+            doc = await self.lease()
+            if doc.get("term", 0) > above_term and doc.get("holder") in self.replicas and \
+                    doc["expires_at"] > dt.datetime.now(dt.UTC):
+                return doc
+            await asyncio.sleep(0.01)
+        raise RuntimeError("no leader")
+
+    async def wait_ready(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            for replica in self.replicas.values():
+                for _ in range(300):
+                    async with http.get(replica.uri + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            replica.stop(signal.SIGKILL)
+        await self.client.close()
+
+
+def schedule_doc(sid: str, trigger: dict[str, Any], target: str) -> dict[str, Any]:
+    now = dt.datetime.now(dt.UTC)
+    return {"_id": sid, "name": sid, "trigger": trigger, "jitter": 0.0, "paused": False,
+            "catchup": "all", "catchup_window": 3600.0, "target": target, "payload": {},
+            "labels": {}, "created_at": now, "updated_at": now, "revision": 1}
+
+
+async def failover(mongo: ServerProcess, nats_uri: str, kills: int) -> dict[str, list[float]]:
+    c = Cluster(mongo, nats_uri, "bench_failover")
+    await c.db.schedules.insert_one(schedule_doc("tick", {"kind": "cron",
+                                                          "cron": "* * * * * *"}, "bench.tick"))
+    for name in ("a", "b", "c"):
+        c.start(name)
+    gaps: dict[str, list[float]] = {"TERM lease": [], "TERM first fire": [],
+                                    "KILL lease": [], "KILL first fire": []}
+    try:
+        await c.wait_ready()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            label = "TERM" if sig == signal.SIGTERM else "KILL"
+            for _ in range(kills):
+                doc = await c.wait_leader()
+                await asyncio.sleep(1.2)  # a steady leader, firing
+                leader, term = doc["holder"], doc["term"]
+                t0 = dt.datetime.now(dt.UTC)
+                process = c.replicas.pop(leader)
+                process.stop(sig)
+                new = await c.wait_leader(above_term=term)
+                gaps[f"{label} lease"].append((new["acquired_at"] - t0).total_seconds())
+                first = None
+                for _ in range(500):
+                    first = await c.db.fires.find_one(
+                        {"term": new["term"], "state": "published"}, sort=[("published_at", 1)])
+                    if first:
+                        break
+                    await asyncio.sleep(0.01)
+                assert first is not None
+                gaps[f"{label} first fire"].append((first["published_at"] - t0).total_seconds())
+                c.start(leader)
+        return gaps
+    finally:
+        await c.close()
+
+
+async def raw_burst(nats_uri: str, n: int) -> float:
+    nc = await nats.connect(nats_uri)
+    js = nc.jetstream()
+    await ensure_stream(js, "HASCHEDULER", 600)
+    body = json.dumps({"specversion": "1.0", "data": {"payload": {}}}).encode()
+    start = time.perf_counter()
+    await asyncio.gather(*(js.publish("hascheduler.fire.raw", body,
+                                      headers={"Nats-Msg-Id": f"raw-{time.time()}-{i}"})
+                           for i in range(n)))
+    elapsed = time.perf_counter() - start
+    await nc.close()
+    return elapsed
+
+
+async def burst(mongo: ServerProcess, nats_uri: str, n: int) -> tuple[float, float]:
+    c = Cluster(mongo, nats_uri, "bench_burst")
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)).replace(microsecond=0)
+    docs = [schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
+            for i in range(n)]
+    for i in range(0, n, 1000):
+        await c.db.schedules.insert_many(docs[i:i + 1000])
+    for name in ("a", "b", "c"):
+        c.start(name)
+    try:
+        await c.wait_ready()
+        await c.wait_leader()
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            if await c.db.fires.count_documents({"state": "published"}) >= n:
+                break
+            await asyncio.sleep(0.05)
+        last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
+        assert last is not None
+        drained = (last["published_at"] - due).total_seconds()
+    finally:
+        await c.close()
+    return drained, await raw_burst(nats_uri, n)
+
+
+async def lateness(mongo: ServerProcess, nats_uri: str, n: int, seconds: float) -> list[float]:
+    c = Cluster(mongo, nats_uri, f"bench_late_{n}")
+    docs = [schedule_doc(f"l{i:05d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.late")
+            for i in range(n)]
+    for i in range(0, n, 1000):
+        await c.db.schedules.insert_many(docs[i:i + 1000])
+    for name in ("a", "b", "c"):
+        c.start(name)
+    try:
+        await c.wait_ready()
+        await c.wait_leader()
+        await asyncio.sleep(3)  # past the start-up catch-up
+        start = dt.datetime.now(dt.UTC)
+        await asyncio.sleep(seconds)
+        end = dt.datetime.now(dt.UTC)
+        await asyncio.sleep(5)  # let the last seconds' publishes land
+        fires = [f async for f in c.db.fires.find(
+            {"due_at": {"$gte": start, "$lt": end}, "state": "published"},
+            {"published_at": 1, "due_at": 1, "claimed_at": 1})]
+        late = [(f["published_at"] - f["due_at"]).total_seconds() for f in fires]
+        claim = [(f["claimed_at"] - f["due_at"]).total_seconds() for f in fires]
+        print(f"claim lateness at {n}: p50 {pct(claim, .5) * 1000:.0f} ms, "
+              f"p99 {pct(claim, .99) * 1000:.0f} ms")
+        expected = n * int(seconds)
+        if len(late) < 0.95 * expected:
+            print(f"note: {len(late)} of about {expected} fires published in the window at {n}")
+        return late
+    finally:
+        await c.close()
+
+
+APSCHEDULER = r"""
+import asyncio, json, sys, time
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.events import EVENT_JOB_EXECUTED
+n, seconds = int(sys.argv[1]), float(sys.argv[2])
+late = []
+async def job():
+    pass
+async def main():
+    scheduler = AsyncIOScheduler(timezone="UTC")
+    def executed(event):
+        late.append(time.time() - event.scheduled_run_time.timestamp())
+    scheduler.add_listener(executed, EVENT_JOB_EXECUTED)
+    for i in range(n):
+        scheduler.add_job(job, "cron", second="*", id=f"j{i}", misfire_grace_time=None,
+                          coalesce=False, max_instances=10)
+    scheduler.start()
+    await asyncio.sleep(3)
+    late.clear()
+    await asyncio.sleep(seconds)
+    scheduler.shutdown(wait=False)
+    print(json.dumps(late))
+asyncio.run(main())
+"""
+
+
+def apscheduler_lateness(n: int, seconds: float) -> list[float]:
+    out = subprocess.run([sys.executable, "-c", APSCHEDULER, str(n), str(seconds)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    return [float(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def ms(values: list[float], q: float) -> str:
+    return f"{pct(values, q) * 1000:,.0f} ms"
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=10_000)
+    parser.add_argument("--lateness", default="1000,10000")
+    parser.add_argument("--seconds", type=float, default=20)
+    args = parser.parse_args()
+    mongo = start_devmongo()
+    broker = start_nats()
+    try:
+        gaps = await failover(mongo, broker.uri, args.kills) if args.kills else {}
+        drained, raw = await burst(mongo, broker.uri, args.burst) if args.burst else (0, 0)
+        late = {n: await lateness(mongo, broker.uri, n, args.seconds)
+                for n in (int(x) for x in args.lateness.split(",") if x)}
+    finally:
+        broker.stop()
+        mongo.stop()
+    base = {n: apscheduler_lateness(n, args.seconds) for n in late}
+
+    print(f"# firing benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"command: `python -m bench.firing_bench {' '.join(sys.argv[1:])}`".rstrip())
+    print("lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s; everything on this "
+          "one machine\n")
+    if gaps:
+        print("| failover | samples | p50 | p99 | max |")
+        print("|---|---|---|---|---|")
+        for label, values in gaps.items():
+            print(f"| {label} | {len(values)} | {ms(values, .5)} | {ms(values, .99)} | "
+                  f"{max(values) * 1000:,.0f} ms |")
+        print()
+    if args.burst:
+        print(f"burst: {args.burst:,} fires due in one second published and acknowledged "
+              f"{drained:.2f} s after it; raw nats-py pipelined publish of as many messages "
+              f"(baseline): {raw:.2f} s; ratio {drained / raw:.2f}x\n")
+    if late:
+        print("| schedules, every second | hascheduler p50 | p99 | fires | "
+              "APScheduler p50 (baseline) | p99 | runs | p99 ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, values in late.items():
+            b = base[n]
+            print(f"| {n:,} | {ms(values, .5)} | {ms(values, .99)} | {len(values):,} | "
+                  f"{ms(b, .5)} | {ms(b, .99)} | {len(b):,} | "
+                  f"{pct(values, .99) / pct(b, .99):.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
