@@ -39,6 +39,12 @@ class Elector:
         self._leading: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self.view: LeaseView | None = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """Make ``run`` return at its next step (see Mirror.stop for why a flag)."""
+        self._stopping = True
+        self._changed.set()
 
     @property
     def is_leader(self) -> bool:
@@ -47,9 +53,10 @@ class Elector:
     async def run(self) -> None:
         watcher = asyncio.create_task(self._watch_lease())
         try:
-            while True:
+            while not self._stopping:
                 await self._attempt()
-                await self._pause()
+                if not self._stopping:
+                    await self._pause()
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,8 +114,7 @@ class Elector:
         task, self._leading = self._leading, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task}, timeout=2.0)
             log.warning("lost_leadership", reason=reason)
         structlog.contextvars.unbind_contextvars("term")
 
@@ -130,14 +136,14 @@ class Elector:
     async def _watch_lease(self) -> None:
         """Wake the elector on every change to the lease document (a release above all)."""
         pipeline = [{"$match": {"documentKey._id": self.lease.name}}]
-        while True:
+        while not self._stopping:
             try:
                 stream = self._leases.watch(pipeline, full_document="updateLookup",
                                             max_await_time_ms=500)
                 if inspect.isawaitable(stream):
                     stream = await stream
                 async with stream:
-                    while True:
+                    while not self._stopping:
                         event = await stream.try_next()
                         if event is not None:
                             doc = event.get("fullDocument")
@@ -155,8 +161,7 @@ class Elector:
             return
         watermark = self.dispatcher.watermark
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task}, timeout=2.0)
         await self.dispatcher.drain()
         try:
             released = await asyncio.wait_for(self.lease.release(watermark), 2.0)

@@ -134,6 +134,7 @@ class Mirror:
         # bounded so it never grows with the number of schedules.
         self.recently_applied: OrderedDict[str, float] = OrderedDict()
         self._ready_event = asyncio.Event()
+        self._stopping = False
 
     # -- state --------------------------------------------------------------------------
 
@@ -243,10 +244,15 @@ class Mirror:
             stream = await stream
         return stream
 
+    def stop(self) -> None:
+        """Ask ``run`` to return (within one stream wait); cancellation alone is not
+        enough while a driver call is selecting a server that has gone away."""
+        self._stopping = True
+
     async def run(self) -> None:
-        """Sync forever (until cancelled): resume on errors, resync when history is lost."""
+        """Sync until stopped: resume on errors, resync when history is lost."""
         delay = STREAM_RETRY_INITIAL_S
-        while True:
+        while not self._stopping:
             try:
                 if self._token is None:
                     await self._resync_and_follow()
@@ -301,7 +307,7 @@ class Mirror:
             await self._follow(stream)
 
     async def _follow(self, stream: Any) -> None:
-        while True:
+        while not self._stopping:
             event = await stream.try_next()
             if event is not None:
                 if event.get("operationType") == "invalidate":

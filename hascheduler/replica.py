@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,9 @@ from .store import ScheduleStore
 
 log = structlog.get_logger("hascheduler.replica")
 
+# How long each shutdown step may take before we move on.
+STOP_STEP_S = 3.0
+
 
 @dataclass(frozen=True)
 class ReplicaSettings:
@@ -63,16 +68,17 @@ async def _retrying(what: str, work: Any) -> None:
 
 
 async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
-                     elector: Elector) -> None:
+                     elector: Elector, stop: asyncio.Event) -> None:
     """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
-    while True:
+    while not stop.is_set():
         with contextlib.suppress(PyMongoError):
             await members.update_one({"_id": settings.replica_id}, {"$set": {
                 "url": url, "ready": mirror.ready, "size": mirror.size,
                 "digest": mirror.digest, "leader": elector.is_leader,
                 "term": elector.lease.term, "seen_at": dt.datetime.now(dt.UTC)}},
                 upsert=True)
-        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), HEARTBEAT_INTERVAL_S)
 
 
 async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
@@ -107,21 +113,35 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
         await _retrying("creating indexes", lambda: _indexes(store, db, settings))
         tasks = [asyncio.create_task(mirror.run()),
                  asyncio.create_task(_elect_when_ready(mirror, elector)),
-                 asyncio.create_task(_heartbeat(db[MEMBERS], settings, url, mirror, elector))]
+                 asyncio.create_task(_heartbeat(db[MEMBERS], settings, url, mirror, elector,
+                                                stop))]
         await stop.wait()
         log.info("replica_stopping")
-        # The elector first (no new term), then the handover, then the rest.
-        tasks[1].cancel()
-        await asyncio.gather(tasks[1], return_exceptions=True)
+        # The elector first (no new term), then the handover, then the rest. Every wait is
+        # bounded: a driver call selecting a vanished server does not yield to cancel().
+        elector.stop()
+        await asyncio.wait({tasks[1]}, timeout=STOP_STEP_S)
         await elector.shutdown()
+        mirror.stop()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait(tasks, timeout=STOP_STEP_S)
     finally:
-        await runner.cleanup()
-        await settings.broker.close()
-        await client.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner.cleanup(), STOP_STEP_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(settings.broker.close(), STOP_STEP_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), STOP_STEP_S)
         log.info("replica_stopped")
+    stuck = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if stuck:
+        # Tasks that ignore cancellation would make asyncio.run wait forever at exit.
+        log.warning("exiting_with_stuck_tasks", tasks=[repr(t.get_coro())
+                                                       for t in stuck])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:

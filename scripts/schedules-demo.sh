@@ -13,10 +13,18 @@ source scripts/_venv.sh
 ensure_venv
 PY=.venv/bin/python
 workdir=$(mktemp -d)
-pids=()
+# PIDs go to a file: start() runs inside $(...), a subshell, so a variable would be lost.
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  if [ -f "$workdir/pids" ]; then
+    while read -r pid; do kill "$pid" 2>/dev/null || true; done <"$workdir/pids"
+    # Not our shell's children (they were started in subshells): poll until they are gone.
+    for _ in $(seq 1 100); do
+      alive=0
+      while read -r pid; do kill -0 "$pid" 2>/dev/null && alive=1; done <"$workdir/pids"
+      [ "$alive" -eq 0 ] && break
+      sleep 0.1
+    done
+  fi
   rm -rf "$workdir"
 }
 trap cleanup EXIT
@@ -27,7 +35,7 @@ json() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 start() {
   local name=$1; shift
   "$@" >"$workdir/$name.out" 2>"$workdir/$name.log" &
-  pids+=($!)
+  echo $! >>"$workdir/pids"
   for _ in $(seq 1 200); do
     if [ -s "$workdir/$name.out" ]; then head -n 1 "$workdir/$name.out"; return; fi
     sleep 0.1

@@ -24,6 +24,21 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["devmongo", "--oplog-size", "0"], "must be at least 1"),
     (["devmongo", "--replset", "a b"], "is not a replica set name"),
     (["nonsense"], "invalid choice"),
+    (["serve"], "--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required"),
+    (["serve", "--mongodb-uri", "http://x"], "is not a MongoDB URI"),
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--http-port", "x"],
+     "--http-port"),
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--broker", "kafka://x"],
+     "--broker / HASCHEDULER_BROKER: unsupported broker URL"),
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--lease-ttl", "5",
+      "--renew-deadline", "7"], "must exceed the renew deadline"),
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--renew-interval", "6"],
+     "must exceed 1.2 x renew interval"),
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--lease-ttl", "-1"],
+     "--lease-ttl / HASCHEDULER_LEASE_TTL"),
+    (["worker", "--broker", "nats://127.0.0.1:4222"], "--target"),
+    (["worker", "--broker", "nats://127.0.0.1:4222", "--target", "t", "--handler", "nope"],
+     "module:function"),
 ])
 def test_bad_arguments_exit_2_naming_the_setting(args: list[str], message: str) -> None:
     result = run_cli(*args)

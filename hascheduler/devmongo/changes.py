@@ -70,6 +70,9 @@ class ChangeEvent:
     document_key: Document | None = None
     full_document: Document | None = None
     update_description: Document | None = None
+    # For updates: the document before, so the description is computed only when a stream
+    # shows the event (most updates are never watched).
+    before: Document | None = None
     extra: Document = field(default_factory=dict)
 
     @property
@@ -85,6 +88,10 @@ class ChangeEvent:
         doc["ns"] = ns
         if self.document_key is not None:
             doc["documentKey"] = self.document_key
+        if self.update_description is None and self.before is not None \
+                and self.full_document is not None:
+            self.update_description = describe_update(self.before, self.full_document)
+            self.before = None
         if self.update_description is not None:
             doc["updateDescription"] = self.update_description
         doc.update(self.extra)

@@ -229,6 +229,9 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
     """
     if array_filters:
         raise MongoError(2, "arrayFilters are not supported by the development server")
+    fast = _top_level_set_unset(doc, update)
+    if fast is not None:
+        return fast
     new = copy.deepcopy(doc)
     try:
         if isinstance(update, list):
@@ -250,6 +253,36 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
                              "to have been altered")
     if "_id" in new and next(iter(new)) != "_id":
         new = {"_id": new["_id"], **{k: v for k, v in new.items() if k != "_id"}}
+    patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
+    return patched
+
+
+def _plain_field(name: Any) -> bool:
+    return isinstance(name, str) and bool(name) and "." not in name and \
+        not name.startswith("$") and name != "_id"
+
+
+def _top_level_set_unset(doc: Document, update: Any) -> Document | None:
+    """``$set``/``$unset`` of top-level, undotted fields, applied directly.
+
+    For such fields MongoDB's semantics are plain assignment and removal, so this skips
+    the deep copy and the general engine (the dispatcher marks thousands of fires a
+    second this way). Anything else returns None and takes the general path. Stored
+    documents are never mutated in place, so sharing unchanged values is safe.
+    """
+    if not isinstance(update, dict) or not update or not set(update) <= {"$set", "$unset"}:
+        return None
+    sets, unsets = update.get("$set", {}), update.get("$unset", {})
+    if not isinstance(sets, dict) or not isinstance(unsets, dict) or not (sets or unsets):
+        return None
+    if not all(_plain_field(k) for k in (*sets, *unsets)) or set(sets) & set(unsets):
+        return None
+    if any(isinstance(v, dict) and any(str(k).startswith("$") for k in v)
+           for v in sets.values()):
+        return None  # operator-looking values: let the engine refuse them as MongoDB does
+    new = {k: v for k, v in doc.items() if k not in unsets}
+    for key, value in sets.items():
+        new[key] = copy.deepcopy(value)
     patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
     return patched
 

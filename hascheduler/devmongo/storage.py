@@ -20,7 +20,7 @@ from typing import Any
 from bson import ObjectId, Regex
 
 from . import engine
-from .changes import ChangeLog, describe_update
+from .changes import ChangeLog
 from .errors import DuplicateKey, MongoError, bad_value
 from .values import (
     MISSING,
@@ -321,12 +321,23 @@ class Collection:
         # Native equality is fast; the type walk rejects what Python equates (True == 1).
         if old == new and _same_types(old, new):
             return False
-        for index in self.indexes.values():
+        # Only the indexes whose keys changed are touched (a fire's state change moves one).
+        changed = [index for index in self.indexes.values()
+                   if _index_fields_differ(index, old, new)]
+        for index in changed:
             index.remove(rid, old)
+        added: list[Index] = []
         try:
-            self._index_new(rid, new)
+            for index in changed:
+                if index.unique and index.conflict(rid, new) is not None:
+                    raise DuplicateKey(self.ns, index.name, dict(index.key),
+                                       {f: _first_value(new, f) for f in index.fields})
+                index.add(rid, new)
+                added.append(index)
         except BaseException:
-            for index in self.indexes.values():
+            for index in added:
+                index.remove(rid, new)
+            for index in changed:
                 index.add(rid, old)
             raise
         self.docs[rid] = new
@@ -335,8 +346,7 @@ class Collection:
                                 full_document=new)
         else:
             self.changes.append(self.db, self.name, "update", document_key={"_id": new["_id"]},
-                                full_document=new,
-                                update_description=describe_update(old, new))
+                                full_document=new, before=old)
         return True
 
     def delete(self, rid: int) -> Document:
@@ -405,6 +415,17 @@ class Collection:
             cutoff = now - datetime.timedelta(seconds=index.expire_after_seconds)
             found.update(index.range((RANK_DATE,), True, sort_key(cutoff), False))
         return sorted(found)
+
+
+def _index_fields_differ(index: Index, old: Document, new: Document) -> bool:
+    if index.partial_filter is not None:
+        return True  # whether it applies may change with any field
+    for path in index.fields:
+        head = path.split(".", 1)[0]
+        a, b = old.get(head, MISSING), new.get(head, MISSING)
+        if a is not b and (a != b or not _same_types(a, b)):
+            return True
+    return False
 
 
 def _only_equality(cond: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import itertools
 from typing import Any
@@ -150,3 +151,22 @@ def test_exactly_decided_conditions_give_what_a_scan_gives(filter_: dict[str, An
     coll.create_index({"key": {"tag": 1}})
     scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
     assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
+
+
+@pytest.mark.parametrize("update", [
+    {"$set": {"a": 2, "new": [1, {"x": 1}]}},
+    {"$unset": {"a": "", "absent": ""}},
+    {"$set": {"when": datetime.datetime(2031, 1, 1, tzinfo=datetime.UTC)},
+     "$unset": {"b": 1}},
+    {"$set": {"b": {"c": 3}}},
+])
+def test_top_level_fast_path_matches_the_general_engine(update: dict[str, Any]) -> None:
+    doc = {"_id": 1, "a": 1, "b": {"c": 1, "d": 2}, "z": True}
+    fast = engine.apply_update(op(), doc, {"_id": 1}, update, False)
+    general = engine._scratch._apply_update_document  # the engine's own path
+    slow = copy.deepcopy(doc)
+    general(slow, {"_id": 1}, update, False)
+    slow = engine.mm_helpers.patch_datetime_awareness_in_document(slow)
+    assert fast == slow
+    assert list(fast) == list(slow)
+    assert doc == {"_id": 1, "a": 1, "b": {"c": 1, "d": 2}, "z": True}, "input untouched"
