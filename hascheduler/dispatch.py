@@ -34,6 +34,12 @@ log = structlog.get_logger("hascheduler.dispatch")
 
 Clock = Callable[[], dt.datetime]
 
+# Fires claimed (and published) per database round trip. Bounded so that one burst never
+# holds the database longer than a lease renewal can wait: with 10,000 claims in one
+# insert, the single-threaded development server starved the leader's renewal past its
+# deadline and leadership thrashed mid-burst.
+CLAIM_BATCH = 1000
+
 
 class LeadershipLost(Exception):
     """The renew deadline passed: stop claiming at once."""
@@ -160,8 +166,8 @@ class Dispatcher:
                 following = next_due(due.schedule_id, entry, due.fire_at)
                 if following is not None:
                     heapq.heappush(self._heap, following)
-            if batch:
-                await self._claim_and_publish(batch, term, now)
+            for i in range(0, len(batch), CLAIM_BATCH):
+                await self._claim_and_publish(batch[i:i + CLAIM_BATCH], term, now)
             self.watermark = now
             self._wake.clear()
             wait = 0.25  # re-check the lease at least this often
@@ -315,8 +321,8 @@ class Dispatcher:
         if to_fire:
             log.info("catching_up", fires=len(to_fire), skipped=len(skipped), term=term)
             to_fire.sort()
-            for i in range(0, len(to_fire), 5000):
-                await self._claim_and_publish(to_fire[i:i + 5000], term, self.clock())
+            for i in range(0, len(to_fire), CLAIM_BATCH):
+                await self._claim_and_publish(to_fire[i:i + CLAIM_BATCH], term, self.clock())
 
     async def drain(self) -> None:
         """Let in-flight publishes finish (bounded by the drain timeout)."""
