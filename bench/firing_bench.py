@@ -141,18 +141,25 @@ async def raw_burst(nats_uri: str, n: int) -> float:
     return elapsed
 
 
-async def burst(mongo: ServerProcess, nats_uri: str, n: int) -> tuple[float, float]:
-    c = Cluster(mongo, nats_uri, "bench_burst")
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)).replace(microsecond=0)
-    docs = [schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
-            for i in range(n)]
-    for i in range(0, n, 1000):
-        await c.db.schedules.insert_many(docs[i:i + 1000])
+async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
+                          schedules: list[dict[str, Any]]) -> Cluster:
+    """Three replicas over ``schedules`` (written first), ready and with a leader."""
+    c = Cluster(mongo, nats_uri, database)
+    for i in range(0, len(schedules), 1000):
+        await c.db.schedules.insert_many(schedules[i:i + 1000])
     for name in ("a", "b", "c"):
         c.start(name)
+    await c.wait_ready()
+    await c.wait_leader()
+    return c
+
+
+async def burst(mongo: ServerProcess, nats_uri: str, n: int) -> tuple[float, float]:
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)).replace(microsecond=0)
+    c = await started_cluster(mongo, nats_uri, "bench_burst", [
+        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
+        for i in range(n)])
     try:
-        await c.wait_ready()
-        await c.wait_leader()
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if await c.db.fires.count_documents({"state": "published"}) >= n:
@@ -167,16 +174,10 @@ async def burst(mongo: ServerProcess, nats_uri: str, n: int) -> tuple[float, flo
 
 
 async def lateness(mongo: ServerProcess, nats_uri: str, n: int, seconds: float) -> list[float]:
-    c = Cluster(mongo, nats_uri, f"bench_late_{n}")
-    docs = [schedule_doc(f"l{i:05d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.late")
-            for i in range(n)]
-    for i in range(0, n, 1000):
-        await c.db.schedules.insert_many(docs[i:i + 1000])
-    for name in ("a", "b", "c"):
-        c.start(name)
+    c = await started_cluster(mongo, nats_uri, f"bench_late_{n}", [
+        schedule_doc(f"l{i:05d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.late")
+        for i in range(n)])
     try:
-        await c.wait_ready()
-        await c.wait_leader()
         await asyncio.sleep(3)  # past the start-up catch-up
         start = dt.datetime.now(dt.UTC)
         await asyncio.sleep(seconds)

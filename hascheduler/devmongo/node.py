@@ -534,6 +534,25 @@ class Node:
             err["keyValue"] = exc.extra["keyValue"]
         return err
 
+    def _each_statement(self, statements: list[Any], ordered: Any,
+                        apply: Callable[[Any, int], None]) -> list[Document]:
+        """Run each statement of a write command; an ordered one stops at the first error."""
+        errors: list[Document] = []
+        for i, stmt in enumerate(statements):
+            try:
+                apply(stmt, i)
+            except MongoError as exc:
+                errors.append(self._write_error(i, exc))
+                if ordered:
+                    break
+        return errors
+
+    @staticmethod
+    def _with_errors(reply: Document, errors: list[Document]) -> Document:
+        if errors:
+            reply["writeErrors"] = errors
+        return reply
+
     @staticmethod
     def _statements(body: Document, field: str) -> list[Any]:
         statements = body.get(field)
@@ -545,48 +564,38 @@ class Node:
         name = self._collection_name(body, "insert")
         docs = self._statements(body, "documents")
         coll = self.catalog.collection(db, name)
-        ordered = body.get("ordered", True)
-        n, errors = 0, []
-        for i, doc in enumerate(docs):
-            try:
-                coll.insert(doc)
-                n += 1
-            except MongoError as exc:
-                errors.append(self._write_error(i, exc))
-                if ordered:
-                    break
-        reply: Document = {"n": n}
-        if errors:
-            reply["writeErrors"] = errors
-        return reply
+        n = 0
+
+        def apply(doc: Any, _index: int) -> None:
+            nonlocal n
+            coll.insert(doc)
+            n += 1
+
+        errors = self._each_statement(docs, body.get("ordered", True), apply)
+        return self._with_errors({"n": n}, errors)
 
     async def _update(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         name = self._collection_name(body, "update")
         statements = self._statements(body, "updates")
         coll = self.catalog.collection(db, name)
-        ordered = body.get("ordered", True)
         n = modified = 0
         upserted: list[Document] = []
-        errors: list[Document] = []
-        for i, stmt in enumerate(statements):
-            try:
-                if not isinstance(stmt, dict):
-                    raise type_mismatch("each update statement must be an object")
-                matched, changed, new_id = self._update_one_statement(coll, stmt)
-                n += matched
-                modified += changed
-                if new_id is not None:
-                    upserted.append({"index": i, "_id": new_id})
-            except MongoError as exc:
-                errors.append(self._write_error(i, exc))
-                if ordered:
-                    break
+
+        def apply(stmt: Any, i: int) -> None:
+            nonlocal n, modified
+            if not isinstance(stmt, dict):
+                raise type_mismatch("each update statement must be an object")
+            matched, changed, new_id = self._update_one_statement(coll, stmt)
+            n += matched
+            modified += changed
+            if new_id is not None:
+                upserted.append({"index": i, "_id": new_id})
+
+        errors = self._each_statement(statements, body.get("ordered", True), apply)
         reply: Document = {"n": n + len(upserted), "nModified": modified}
         if upserted:
             reply["upserted"] = upserted
-        if errors:
-            reply["writeErrors"] = errors
-        return reply
+        return self._with_errors(reply, errors)
 
     def _update_one_statement(self, coll: Collection,
                               stmt: Document) -> tuple[int, int, Any | None]:
@@ -629,28 +638,23 @@ class Node:
         name = self._collection_name(body, "delete")
         statements = self._statements(body, "deletes")
         coll = self.catalog.get(db, name)
-        ordered = body.get("ordered", True)
-        n, errors = 0, []
-        for i, stmt in enumerate(statements):
-            try:
-                if not isinstance(stmt, dict):
-                    raise type_mismatch("each delete statement must be an object")
-                q = engine.check_filter(stmt.get("q"))
-                limit = stmt.get("limit", 0)
-                if limit not in (0, 1):
-                    raise bad_value("delete limit must be 0 or 1")
-                matches = coll.find(self.operation(), q) if coll else []
-                for rid, _ in matches[:1] if limit == 1 else matches:
-                    coll.delete(rid)  # type: ignore[union-attr]
-                    n += 1
-            except MongoError as exc:
-                errors.append(self._write_error(i, exc))
-                if ordered:
-                    break
-        reply: Document = {"n": n}
-        if errors:
-            reply["writeErrors"] = errors
-        return reply
+        n = 0
+
+        def apply(stmt: Any, i: int) -> None:
+            nonlocal n
+            if not isinstance(stmt, dict):
+                raise type_mismatch("each delete statement must be an object")
+            q = engine.check_filter(stmt.get("q"))
+            limit = stmt.get("limit", 0)
+            if limit not in (0, 1):
+                raise bad_value("delete limit must be 0 or 1")
+            matches = coll.find(self.operation(), q) if coll else []
+            for rid, _ in matches[:1] if limit == 1 else matches:
+                coll.delete(rid)  # type: ignore[union-attr]
+                n += 1
+
+        errors = self._each_statement(statements, body.get("ordered", True), apply)
+        return self._with_errors({"n": n}, errors)
 
     async def _find_and_modify(self, db: str, body: Document,
                                ctx: ConnectionContext) -> Document:

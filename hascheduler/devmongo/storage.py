@@ -300,10 +300,12 @@ class Collection:
                             full_document=doc)
         return doc["_id"]
 
-    def _index_new(self, rid: int, doc: Document) -> None:
+    def _index_new(self, rid: int, doc: Document,
+                   indexes: Iterable[Index] | None = None) -> None:
+        """Add ``doc`` to the indexes (all by default), undoing it all on a duplicate key."""
         added: list[Index] = []
         try:
-            for index in self.indexes.values():
+            for index in self.indexes.values() if indexes is None else indexes:
                 if index.unique and index.conflict(rid, doc) is not None:
                     raise DuplicateKey(self.ns, index.name, dict(index.key),
                                        {f: _first_value(doc, f) for f in index.fields})
@@ -326,17 +328,9 @@ class Collection:
                    if _index_fields_differ(index, old, new)]
         for index in changed:
             index.remove(rid, old)
-        added: list[Index] = []
         try:
-            for index in changed:
-                if index.unique and index.conflict(rid, new) is not None:
-                    raise DuplicateKey(self.ns, index.name, dict(index.key),
-                                       {f: _first_value(new, f) for f in index.fields})
-                index.add(rid, new)
-                added.append(index)
+            self._index_new(rid, new, changed)
         except BaseException:
-            for index in added:
-                index.remove(rid, new)
             for index in changed:
                 index.add(rid, old)
             raise
