@@ -19,6 +19,7 @@ import copy
 import datetime
 import functools
 import importlib
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -227,8 +228,9 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
 
     Raises MongoError (66 ImmutableField when ``_id`` would change).
     """
-    if array_filters:
-        raise MongoError(2, "arrayFilters are not supported by the development server")
+    if array_filters is not None or _has_array_positional(update):
+        return _apply_with_array_filters(op, doc, filter_, update, inserting,
+                                         array_filters or [])
     fast = _top_level_set_unset(doc, update)
     if fast is not None:
         return fast
@@ -255,6 +257,156 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
         new = {"_id": new["_id"], **{k: v for k, v in new.items() if k != "_id"}}
     patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
     return patched
+
+
+# --- arrayFilters --------------------------------------------------------------------------
+
+_IDENTIFIER = re.compile(r"^[a-z][a-zA-Z0-9]*$")
+_FILTERED_OPERATORS = frozenset({"$set", "$unset", "$inc", "$mul", "$min", "$max"})
+
+
+def _array_filters_by_identifier(array_filters: Any) -> dict[str, Document]:
+    if not isinstance(array_filters, list):
+        raise MongoError(14, "arrayFilters must be an array of objects")
+    found: dict[str, Document] = {}
+    for spec in array_filters:
+        if not isinstance(spec, dict) or not spec:
+            raise MongoError(9, "each arrayFilters entry must be a non-empty object")
+        identifiers = {key.split(".", 1)[0] for key in spec}
+        if len(identifiers) != 1:
+            raise MongoError(9, "each arrayFilters entry must use exactly one identifier")
+        identifier = identifiers.pop()
+        if not _IDENTIFIER.match(identifier):
+            raise MongoError(2, f"the array filter identifier '{identifier}' must begin with "
+                                "a lowercase letter and contain only letters and digits")
+        if identifier in found:
+            raise MongoError(9, f"Found multiple array filters with the same top-level field "
+                                f"name {identifier}")
+        # Matched against {"v": element}: "x.grade" -> "v.grade", "x" -> "v".
+        found[identifier] = {"v" + key[len(identifier):]: cond for key, cond in spec.items()}
+    return found
+
+
+def _has_array_positional(update: Any) -> bool:
+    return is_operator_update(update) and any(
+        isinstance(fields, dict) and any("$[" in str(path) for path in fields)
+        for fields in update.values())
+
+
+def _apply_with_array_filters(op: Operation, doc: Document, filter_: Document, update: Any,
+                              inserting: bool, array_filters: Any) -> Document:
+    """An update with ``$[]`` / ``$[<identifier>]`` paths (mongomock has none).
+
+    Paths without positional operators go through the engine as usual; the filtered ones
+    are applied here, in the order written.
+    """
+    filters = _array_filters_by_identifier(array_filters)
+    if not is_operator_update(update):
+        raise MongoError(9, "arrayFilters may only be used with update operators")
+    plain: Document = {}
+    positional: list[tuple[str, str, Any]] = []
+    for operator, fields in update.items():
+        if not isinstance(fields, dict):
+            raise MongoError(9, f"Modifiers operate on fields but we found type "
+                                f"{type(fields).__name__} instead")
+        for path, value in fields.items():
+            if "$[" in path:
+                if operator not in _FILTERED_OPERATORS:
+                    raise MongoError(2, f"{operator} with $[] paths is not supported by the "
+                                        "development server")
+                positional.append((operator, path, value))
+            else:
+                plain.setdefault(operator, {})[path] = value
+    used: set[str] = set()
+    new = apply_update(op, doc, filter_, plain, inserting) if plain else copy.deepcopy(doc)
+    for operator, path, value in positional:
+        _apply_positional(new, path.split("."), operator, value, filters, used, path)
+    unused = set(filters) - used
+    if unused:
+        raise MongoError(9, f"The array filter for identifier '{sorted(unused)[0]}' was not "
+                            "used in the update")
+    patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
+    return patched
+
+
+def _apply_positional(node: Any, parts: list[str], operator: str, value: Any,
+                      filters: dict[str, Document], used: set[str], path: str) -> None:
+    head, rest = parts[0], parts[1:]
+    if head.startswith("$[") and head.endswith("]"):
+        identifier = head[2:-1]
+        if identifier and identifier not in filters:
+            raise MongoError(2, f"No array filter found for identifier '{identifier}' in "
+                                f"path '{path}'")
+        if identifier:
+            used.add(identifier)
+        if not isinstance(node, list):
+            raise MongoError(2, f"Cannot apply array updates to non-array element in "
+                                f"path '{path}'")
+        for index, element in enumerate(node):
+            if identifier and not matches(filters[identifier], {"v": element}):
+                continue
+            if rest:
+                _apply_positional(element, rest, operator, value, filters, used, path)
+            else:
+                _set_one(node, index, operator, value, path)
+        return
+    if not rest:
+        _set_one(node, head, operator, value, path)
+        return
+    if isinstance(node, dict) and head in node:
+        child = node[head]
+    elif isinstance(node, list) and head.isdigit() and int(head) < len(node):
+        child = node[int(head)]
+    else:
+        raise MongoError(2, f"The path '{path}' must exist in the document in order to apply "
+                            "array updates.")
+    _apply_positional(child, rest, operator, value, filters, used, path)
+
+
+def _set_one(container: Any, key: Any, operator: str, value: Any, path: str) -> None:
+    if isinstance(container, list):
+        key = int(key) if isinstance(key, str) else key
+        present = 0 <= key < len(container)
+        current = container[key] if present else MISSING_VALUE
+    elif isinstance(container, dict):
+        present = key in container
+        current = container.get(key, MISSING_VALUE)
+    else:
+        raise MongoError(28, f"Cannot create field '{key}' in element of path '{path}'")
+    if operator == "$unset":
+        if isinstance(container, list):
+            if present:
+                container[key] = None  # MongoDB leaves a null in the array
+        else:
+            container.pop(key, None)
+        return
+    if operator == "$set":
+        new = copy.deepcopy(value)
+    elif operator in {"$inc", "$mul"}:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise MongoError(14, f"Cannot {operator[1:]} with non-numeric argument")
+        if current is MISSING_VALUE:
+            new = value if operator == "$inc" else 0
+        elif not isinstance(current, int | float) or isinstance(current, bool):
+            raise MongoError(14, f"Cannot apply {operator} to a value of non-numeric type")
+        else:
+            new = current + value if operator == "$inc" else current * value
+    else:  # $min / $max
+        if current is MISSING_VALUE:
+            new = copy.deepcopy(value)
+        else:
+            keep_new = sort_key(value) < sort_key(current) if operator == "$min" \
+                else sort_key(value) > sort_key(current)
+            new = copy.deepcopy(value) if keep_new else current
+    if isinstance(container, list):
+        if not present:
+            raise MongoError(2, f"array index {key} out of range in path '{path}'")
+        container[key] = new
+    else:
+        container[key] = new
+
+
+MISSING_VALUE: Any = object()
 
 
 def _plain_field(name: Any) -> bool:

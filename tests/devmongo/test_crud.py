@@ -251,3 +251,48 @@ async def test_idle_cursor_is_killed_after_the_cursor_timeout(driver: Driver) ->
     finally:
         await driver.close(client)
         assert server.stop() == 0
+
+
+async def test_array_filters_update_only_matching_elements(db: Any) -> None:
+    coll = db.grades
+    await coll.insert_many([
+        {"_id": 1, "grades": [95, 92, 90]},
+        {"_id": 2, "grades": [98, 100, 102]},
+        {"_id": 3, "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 90}]},
+    ])
+    result = await coll.update_many({"grades": {"$exists": True}},
+                                    {"$set": {"grades.$[element]": 100}},
+                                    array_filters=[{"element": {"$gte": 100}}])
+    assert result.modified_count == 1
+    assert (await coll.find_one({"_id": 2}))["grades"] == [98, 100, 100]
+    assert (await coll.find_one({"_id": 1}))["grades"] == [95, 92, 90]
+
+    await coll.update_one({"_id": 3}, {"$inc": {"scores.$[s].mean": 5},
+                                       "$set": {"checked": True}},
+                          array_filters=[{"s.grade": {"$gte": 85}}])
+    assert await coll.find_one({"_id": 3}) == {
+        "_id": 3, "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 95}],
+        "checked": True}
+
+    await coll.update_one({"_id": 1}, {"$mul": {"grades.$[]": 2}})
+    assert (await coll.find_one({"_id": 1}))["grades"] == [190, 184, 180]
+
+    after = await coll.find_one_and_update(
+        {"_id": 2}, {"$max": {"grades.$[low]": 99}}, array_filters=[{"low": {"$lt": 99}}],
+        return_document=True)
+    assert after["grades"] == [99, 100, 100]
+
+
+@pytest.mark.parametrize(("update", "array_filters", "code"), [
+    ({"$set": {"grades.$[nope]": 1}}, [{"element": {"$gt": 1}}], 2),   # undefined identifier
+    ({"$set": {"grades.0": 1}}, [{"element": {"$gt": 1}}], 9),          # filter not used
+    ({"$set": {"missing.$[e]": 1}}, [{"e": 1}], 2),                      # path must exist
+    ({"$set": {"grades.$[e]": 1}}, [{"e": 1}, {"e": 2}], 9),             # identifier twice
+])
+async def test_bad_array_filters_get_mongod_errors(db: Any, update: dict[str, Any],
+                                                   array_filters: list[Any], code: int) -> None:
+    await db.af.insert_one({"_id": 1, "grades": [1, 2, 3]})
+    with pytest.raises(OperationFailure) as caught:
+        await db.af.update_one({"_id": 1}, update, array_filters=array_filters)
+    assert caught.value.code == code
+    assert await db.af.find_one() == {"_id": 1, "grades": [1, 2, 3]}
