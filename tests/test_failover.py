@@ -175,13 +175,23 @@ async def run_fault(h: Harness, fault: Any) -> tuple[dict[str, Any], dict[str, A
     term = (await h.lease())["term"]
     schedules = await h.create_schedules()
     start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
-    await asyncio.sleep(2.5)  # let the healthy leader fire a few times first
+    await published_by(h, term, 3, after=start)  # the healthy leader fires first
     info = await fault(old)
     await wait_until(lambda: _new_term(h, term), 20, "a new leader term")
-    await asyncio.sleep(2.5)  # and the new leader fire a few
+    new_term = (await h.lease())["term"]
+    await published_by(h, new_term, 3, after=start)  # and the new leader fires too
     end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
     result = await audit(h, schedules, start, end)
     return info, result
+
+
+async def published_by(h: Harness, term: int, count: int, after: dt.datetime) -> None:
+    """Wait until ``term`` has published ``count`` fires due after ``after``."""
+    async def enough() -> bool:
+        n = await h.db.fires.count_documents({"term": term, "state": "published",
+                                              "due_at": {"$gte": after}})
+        return bool(n >= count)
+    await wait_until(enough, 20, f"{count} fires published by term {term}", 0.1)
 
 
 async def _new_term(h: Harness, term: int) -> bool:
@@ -284,9 +294,10 @@ async def test_leader_cut_off_from_the_database_stops_and_loses_nothing(
 async def test_broker_down_for_ten_seconds_fires_late_but_once(
         harness: Harness, nats_server: ServerProcess) -> None:
     await harness.leader()
+    term = (await harness.lease())["term"]
     schedules = await harness.create_schedules()
     start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
-    await asyncio.sleep(2)
+    await published_by(harness, term, 3, after=start)  # fires flowing before the outage
     port = int(nats_server.uri.rsplit(":", 1)[1])
     store = nats_server.store_dir  # type: ignore[attr-defined]
     nats_server.stop()
@@ -294,7 +305,8 @@ async def test_broker_down_for_ten_seconds_fires_late_but_once(
     await asyncio.sleep(10)  # the outage itself
     restarted = start_nats(port=port, store_dir=store)
     nats_server.process, nats_server.log_path = restarted.process, restarted.log_path
-    await asyncio.sleep(1)
+    back = dt.datetime.now(dt.UTC)
+    await published_by(harness, term, 2, after=back)  # fires flowing again after it
     end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
     result = await audit(harness, schedules, start, end)
     late = [f for f in result["ledger"]

@@ -13,7 +13,7 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bson import Timestamp
@@ -73,7 +73,6 @@ class ChangeEvent:
     # For updates: the document before, so the description is computed only when a stream
     # shows the event (most updates are never watched).
     before: Document | None = None
-    extra: Document = field(default_factory=dict)
 
     @property
     def token(self) -> Document:
@@ -94,7 +93,6 @@ class ChangeEvent:
             self.before = None
         if self.update_description is not None:
             doc["updateDescription"] = self.update_description
-        doc.update(self.extra)
         return doc
 
 
