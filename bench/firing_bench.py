@@ -164,7 +164,9 @@ async def burst(mongo: ServerProcess, nats_uri: str, n: int) -> tuple[float, flo
         while time.monotonic() < end:
             if await c.db.fires.count_documents({"state": "published"}) >= n:
                 break
-            await asyncio.sleep(0.05)
+            # The figure comes from the ledger's published_at, not from when this loop
+            # notices; polling slowly keeps the measurement off the server it measures.
+            await asyncio.sleep(0.5)
         last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
         assert last is not None
         drained = (last["published_at"] - due).total_seconds()

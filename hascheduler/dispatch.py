@@ -100,12 +100,16 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.max_in_flight_batches)
+        # What a message needs from a schedule (name, target, payload) by id, with the
+        # revision it was read at: a recurring schedule's fires skip the database read.
+        self._bodies: dict[str, tuple[int, dict[str, Any]]] = {}
         self.published = 0
 
     # -- mirror changes -------------------------------------------------------------------
 
     def on_change(self, schedule_id: str, entry: Entry | None) -> None:
         """Called by the mirror for every applied change; reschedules while leading."""
+        self._bodies.pop(schedule_id, None)
         if self.term is None or entry is None or entry.paused or self.watermark is None:
             return
         due = next_due(schedule_id, entry, self.watermark)
@@ -218,9 +222,7 @@ class Dispatcher:
 
     async def _publish(self, claimed: list[dict[str, Any]], term: int, attempt: int) -> None:
         """Publish claimed fires; mark each published, or schedule its retry."""
-        schedules = {d["_id"]: d async for d in self.schedules.find(
-            {"_id": {"$in": list({c["schedule_id"] for c in claimed})}},
-            {"name": 1, "payload": 1, "target": 1})}
+        schedules = await self._schedule_bodies({c["schedule_id"] for c in claimed})
         fired_at = self.clock()
         messages, sendable, gone = [], [], []
         for fire in claimed:
@@ -252,6 +254,25 @@ class Dispatcher:
         if failures:
             log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
                         error=repr(failures[0][1]))
+
+    async def _schedule_bodies(self, ids: set[str]) -> dict[str, dict[str, Any]]:
+        """Name, target and payload of each schedule still stored, keyed by id."""
+        found: dict[str, dict[str, Any]] = {}
+        for schedule_id in ids:
+            entry = self.mirror.entries.get(schedule_id)
+            cached = self._bodies.get(schedule_id)
+            if entry is not None and cached is not None and cached[0] == entry.revision:
+                found[schedule_id] = cached[1]
+        missing = list(ids - found.keys())
+        if missing:
+            async for doc in self.schedules.find({"_id": {"$in": missing}},
+                                                 {"name": 1, "payload": 1, "target": 1,
+                                                  "revision": 1}):
+                found[doc["_id"]] = doc
+                self._bodies[doc["_id"]] = (doc.get("revision", 0), doc)
+        for gone in ids - found.keys():
+            self._bodies.pop(gone, None)
+        return found
 
     async def _record_failure(self, fire_id: str, term: int, attempt: int,
                               error: BaseException) -> None:

@@ -202,10 +202,12 @@ def jitter_offset(schedule_id: str, nominal: dt.datetime, jitter_s: float) -> dt
     return dt.timedelta(microseconds=int(fraction * jitter_s * 1_000_000) // 1000 * 1000)
 
 
+@functools.lru_cache(maxsize=4096)  # fires due together share their instants
 def iso_utc(moment: dt.datetime) -> str:
     """UTC ISO-8601 with milliseconds and a Z, the fire id's time format."""
-    utc = moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+    utc = moment if moment.tzinfo is UTC else moment.astimezone(UTC)
+    # isoformat is several times faster than strftime; this runs for every fire.
+    return utc.replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
 
 
 def fire_id(schedule_id: str, nominal: dt.datetime) -> str:

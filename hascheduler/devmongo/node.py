@@ -444,8 +444,13 @@ class Node:
         if coll is None:
             docs: list[Document] = []
         elif pipeline and "$match" in pipeline[0]:
-            docs = [copy.deepcopy(d) for _, d in coll.find(op, pipeline[0]["$match"])]
+            matched = [d for _, d in coll.find(op, pipeline[0]["$match"])]
             pipeline = pipeline[1:]
+            counted = _plain_count(pipeline, len(matched))
+            if counted is not None:  # count_documents: no copies, no pipeline engine
+                return self._open_cursor(self._new_result_cursor(f"{db}.{target}", counted),
+                                         batch_size)
+            docs = [copy.deepcopy(d) for d in matched]
         else:
             docs = [copy.deepcopy(d) for d in coll.docs.values()]
         result = engine.run_pipeline(docs, op.prepare(pipeline))
@@ -816,3 +821,24 @@ class Node:
         for cid in idle:
             del self.cursors[cid]
         return len(idle)
+
+
+def _plain_count(pipeline: list[Document], matched: int) -> list[Document] | None:
+    """The result of count_documents' tail (``$skip``, ``$limit``, ``$group`` summing 1).
+
+    None for any other pipeline. Drivers send this shape for every count_documents.
+    """
+    skip, limit = 0, None
+    for stage in pipeline[:-1]:
+        if set(stage) == {"$skip"} and type(stage["$skip"]) is int and stage["$skip"] >= 0:
+            skip = stage["$skip"]
+        elif set(stage) == {"$limit"} and type(stage["$limit"]) is int and stage["$limit"] > 0:
+            limit = stage["$limit"]
+        else:
+            return None
+    if not pipeline or pipeline[-1] != {"$group": {"_id": 1, "n": {"$sum": 1}}}:
+        return None
+    n = max(matched - skip, 0)
+    n = n if limit is None else min(n, limit)
+    return [{"_id": 1, "n": n}] if n else []
+

@@ -49,7 +49,8 @@ class Index:
     entries: dict[Hashable, set[int]] = field(default_factory=dict)
     # (sort key of the first field's value, record id), ascending
     ordered: list[tuple[Any, Any]] = field(default_factory=list)
-    # An array value was indexed: one document may satisfy two bounds with two elements.
+    # An array value was indexed (any field): one document may satisfy two bounds with two
+    # elements, and a key match no longer decides an equality exactly.
     multikey: bool = False
 
     @property
@@ -69,25 +70,33 @@ class Index:
         return out
 
     def applies_to(self, doc: Document) -> bool:
+        if not self.sparse and self.partial_filter is None:
+            return True
         if self.sparse and all(get_path(doc, f) is MISSING for f in self.fields):
             return False
         return self.partial_filter is None or engine.matches(self.partial_filter, doc)
 
-    def keys_for(self, doc: Document) -> list[Hashable]:
-        per_field = [[key_of(v) for v in index_values(doc, f)] for f in self.fields]
+    def _values(self, doc: Document) -> list[list[Any]]:
+        return [index_values(doc, f) for f, _ in self.key]
+
+    def keys_for(self, doc: Document, values: list[list[Any]] | None = None) -> list[Hashable]:
+        per_field = [[key_of(v) for v in vs] for vs in values or self._values(doc)]
+        if len(per_field) == 1 and len(per_field[0]) == 1:
+            return [(per_field[0][0],)]
         return list(dict.fromkeys(itertools.product(*per_field)))
 
     def first_values(self, doc: Document) -> list[Any]:
-        return index_values(doc, self.fields[0])
+        return index_values(doc, self.key[0][0])
 
     def add(self, rid: int, doc: Document) -> None:
         if not self.applies_to(doc):
             return
-        for k in self.keys_for(doc):
+        values = self._values(doc)
+        for k in self.keys_for(doc, values):
             self.entries.setdefault(k, set()).add(rid)
-        values = self.first_values(doc)
-        self.multikey = self.multikey or len(values) > 1
-        for v in values:
+        # Any array under any field: its keys no longer decide a condition exactly.
+        self.multikey = self.multikey or any(len(vs) > 1 for vs in values)
+        for v in values[0]:
             bisect.insort(self.ordered, (sort_key(v), rid))
 
     def remove(self, rid: int, doc: Document) -> None:
@@ -202,14 +211,14 @@ class Collection:
         """Record ids that may match, in natural order; narrowed through an index if one fits."""
         return self._plan(filter_)[0]
 
-    def _plan(self, filter_: Document) -> tuple[list[int], str | None]:
-        """Candidates, and the top-level field whose condition the chosen index decided
-        exactly (a scalar equality or $in on a single-field index holding no arrays)."""
+    def _plan(self, filter_: Document) -> tuple[list[int], frozenset[str]]:
+        """Candidates, and the top-level fields whose conditions the chosen index decided
+        exactly (scalar equalities or $in on the index's fields, none holding arrays)."""
         if not filter_:
-            return list(self.docs), None
+            return list(self.docs), frozenset()
         equal = _equalities(filter_)
         best: set[int] | None = None
-        decided: str | None = None
+        decided: frozenset[str] = frozenset()
         for index in self.indexes.values():
             if index.partial_filter is not None or index.sparse:
                 continue
@@ -220,17 +229,17 @@ class Collection:
                     rids |= index.lookup(combo)
                 if best is None or len(rids) < len(best):
                     best = rids
-                    exact = (len(fields) == 1 and not index.multikey
-                             and _only_equality(filter_.get(fields[0]))
-                             and all(_exact_scalar(v) for v in equal[fields[0]]))
-                    decided = fields[0] if exact else None
+                    exact = all(self._decides(index, f, filter_, equal) for f in fields)
+                    decided = frozenset(fields) if exact else frozenset()
             elif fields[0] in equal and len(equal[fields[0]]) <= 64:
                 rids = set()
                 for value in equal[fields[0]]:
                     sk = sort_key(value)
                     rids.update(index.range(sk, True, sk, True))
                 if best is None or len(rids) < len(best):
-                    best, decided = rids, None
+                    best = rids
+                    exact = self._decides(index, fields[0], filter_, equal)
+                    decided = frozenset(fields[:1]) if exact else frozenset()
         if best is None:
             ranges = _ranges(filter_)
             for index in self.indexes.values():
@@ -240,8 +249,15 @@ class Collection:
                 best = set(self._range_scan(index, cond))
                 break
         if best is None:
-            return list(self.docs), None
+            return list(self.docs), frozenset()
         return sorted(best), decided
+
+    @staticmethod
+    def _decides(index: Index, path: str, filter_: Document,
+                 equal: dict[str, list[Any]]) -> bool:
+        """Whether the index settles the condition on ``path`` (one of its fields)."""
+        return (not index.multikey and "." not in path and _only_equality(filter_.get(path))
+                and all(_exact_scalar(v) for v in equal[path]))
 
     def _range_scan(self, index: Index, cond: Document) -> Iterator[int]:
         bounds = [(op, v) for op, v in cond.items() if op in _RANGE_OPS]
@@ -262,9 +278,12 @@ class Collection:
     def find(self, op: engine.Operation, filter_: Document) -> list[tuple[int, Document]]:
         filter_ = op.prepare(filter_)
         rids, decided = self._plan(filter_)
-        # The field the index decided exactly need not be re-checked per candidate (for an
+        # Fields the index decided exactly need not be re-checked per candidate (for an
         # $in list that check scans the whole list for every document).
-        residual = {k: v for k, v in filter_.items() if k != decided} if decided else filter_
+        residual = {k: v for k, v in filter_.items() if k not in decided} if decided \
+            else filter_
+        if not residual:
+            return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
         return [(rid, self.docs[rid]) for rid in rids
                 if rid in self.docs and engine.matches(residual, self.docs[rid])]
 

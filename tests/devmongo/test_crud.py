@@ -165,6 +165,10 @@ async def test_count_distinct_aggregate(db: Any, driver: Driver) -> None:
     await coll.insert_many([{"k": "a", "v": 1, "tags": ["x"]}, {"k": "a", "v": 2},
                             {"k": "b", "v": 5, "tags": ["x", "z"]}])
     assert await coll.count_documents({"k": "a"}) == 2
+    assert await coll.count_documents({"k": "a"}, skip=1) == 1
+    assert await coll.count_documents({}, skip=1, limit=1) == 1
+    assert await coll.count_documents({"k": "a"}, skip=5) == 0
+    assert await coll.count_documents({"k": "zz"}) == 0
     assert sorted(await coll.distinct("tags")) == ["x", "z"]
     grouped = await driver.aggregate(coll, [{"$match": {"v": {"$gt": 0}}},
                                             {"$group": {"_id": "$k", "total": {"$sum": "$v"}}},

@@ -170,3 +170,47 @@ def test_top_level_fast_path_matches_the_general_engine(update: dict[str, Any]) 
     assert fast == slow
     assert list(fast) == list(slow)
     assert doc == {"_id": 1, "a": 1, "b": {"c": 1, "d": 2}, "z": True}, "input untouched"
+
+
+def _general_match(filter_: dict[str, Any], doc: dict[str, Any]) -> bool:
+    """mongomock's matcher alone, without the engine's fast path for plain equalities."""
+    from mongomock import filtering
+    return bool(filtering.filter_applies(filter_, doc))
+
+
+_VALUES: list[Any] = [1, 1.0, Int64(1), 2, True, False, "1", "a", None, [1], [], {"a": 1},
+                      datetime.datetime(2030, 1, 1), float("nan"), ObjectId("0" * 24)]
+
+
+@pytest.mark.parametrize("want", _VALUES, ids=repr)
+def test_plain_equality_fast_path_agrees_with_the_general_matcher(want: Any) -> None:
+    docs = [{"_id": i, "v": v, "w": "x"} for i, v in enumerate(_VALUES)] + [{"_id": "none"}]
+    for doc in docs:
+        have = doc.get("v")
+        # mongomock equates True with 1; MongoDB never matches a boolean to a number.
+        bool_vs_number = {type(have), type(want)} & {bool} and \
+            {type(have), type(want)} & {int, float, Int64}
+        for filter_ in ({"v": want}, {"v": want, "w": "x"}, {"w": "y", "v": want}):
+            expected = False if bool_vs_number else _general_match(filter_, doc)
+            assert engine.matches(filter_, doc) == expected, (filter_, doc)
+
+
+@pytest.mark.parametrize("filter_", [
+    {"state": "claimed", "term": 1},
+    {"state": "claimed", "term": 1.0},
+    {"state": {"$in": ["claimed", "published"]}, "term": 2},
+    {"state": "claimed"},
+    {"_id": {"$in": list(range(0, 60, 3))}, "state": "claimed", "term": 1},
+])
+@pytest.mark.parametrize("with_array", [False, True])
+def test_compound_index_decides_only_what_it_can(filter_: dict[str, Any],
+                                                 with_array: bool) -> None:
+    coll = make_collection()
+    coll.create_index({"key": {"state": 1, "term": 1}})
+    for i in range(60):
+        coll.insert({"_id": i, "state": ["claimed", "published"][i % 2], "term": i % 3})
+    coll.insert({"_id": 100, "state": "claimed", "term": True})
+    if with_array:  # an array under the second field: its keys no longer decide exactly
+        coll.insert({"_id": 101, "state": "claimed", "term": [1, 2]})
+    scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+    assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
