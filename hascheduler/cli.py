@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--durable", default=None, help="durable consumer name (default from "
                                                     "the target)")
     schedules_cli.add_parser(sub, _env("API", "http://127.0.0.1:8080") or "")
+    from .devcluster import control
+
+    control.add_parser(sub)
     return parser
 
 
@@ -189,6 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except WorkerConfigError as exc:
             print(f"hascheduler worker: {exc}", file=sys.stderr)
             return 2
+    if args.command == "dev":
+        from pathlib import Path
+
+        from .devcluster import control, supervisor
+
+        if args.action is not None:
+            return control.run(args)
+        return asyncio.run(supervisor.run(supervisor.DevSettings(
+            replicas=args.replicas, broker=args.broker, state_dir=Path(args.state_dir),
+            control_port=args.control_port)))
     if args.command == "schedules":
         return asyncio.run(schedules_cli.run(args))
     return 2

@@ -1,0 +1,1 @@
+"""The local cluster (`hascheduler dev`): supervisor, control client and stream audit."""

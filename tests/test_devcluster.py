@@ -1,0 +1,61 @@
+"""The local cluster: the stream audit (pure) and the `hascheduler dev` controls."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hascheduler.devcluster.audit import audit
+
+T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+def schedule(sid: str, every: float, jitter: float = 0.0, paused: bool = False) -> dict[str, Any]:
+    return {"_id": sid, "revision": 1, "paused": paused, "jitter": jitter, "catchup": "all",
+            "catchup_window": 3600.0, "target": "t",
+            "trigger": {"kind": "interval", "every": every, "start_at": T0}}
+
+
+def event(sid: str, seconds: float) -> dict[str, Any]:
+    nominal = T0 + dt.timedelta(seconds=seconds)
+    return {"data": {"schedule_id": sid, "nominal_at": nominal.isoformat()}}
+
+
+def test_audit_counts_each_due_fire_once() -> None:
+    schedules = [schedule("a", 2), schedule("b", 5, jitter=1.0), schedule("p", 1, paused=True)]
+    since, until = T0 + dt.timedelta(seconds=1), T0 + dt.timedelta(seconds=11)
+    # a: 2, 4, 6, 8, 10; b: 5 (+ jitter < 1 s), 10 only if its jitter keeps it <= 11
+    events = [event("a", s) for s in (2, 4, 6, 8, 10)] + [event("b", 5), event("b", 10)]
+    report = audit(schedules, events, since, until)
+    assert report.ok, report.as_dict()
+    assert report.expected == report.delivered == 7
+
+
+def test_audit_finds_missing_duplicated_and_unexpected() -> None:
+    schedules = [schedule("a", 2)]
+    since, until = T0 + dt.timedelta(seconds=1), T0 + dt.timedelta(seconds=9)
+    events = [event("a", 2), event("a", 2), event("a", 6), event("a", 8), event("a", 7)]
+    report = audit(schedules, events, since, until).as_dict()
+    assert (report["missing"], report["duplicated"], report["unexpected"]) == (1, 1, 1)
+    assert report["examples"]["missing"] == [["a", "2030-01-01T00:00:04.000+00:00"]]
+    assert not report["ok"]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> None:
+    bad = run_cli("dev", "scale", "many", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "'many' is not a whole number" in bad.stderr
+    bad = run_cli("dev", "kill-leader", "--signal", "HUP", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "invalid choice: 'HUP'" in bad.stderr
+    none = run_cli("dev", "status", "--state-dir", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert none.returncode == 1
+    assert "no running cluster found" in none.stderr
