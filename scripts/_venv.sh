@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts: make sure .venv exists and holds this project with its dev extras.
 # Needs only Python 3.11+ on the PATH (as python3, or set PYTHON).
 ensure_venv() {

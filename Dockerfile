@@ -1,0 +1,25 @@
+# hascheduler: one image for `serve` (the scheduler replicas) and `worker`.
+# Build stage: a virtualenv with the package and its dependencies.
+FROM python:3.11.11-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY hascheduler ./hascheduler
+RUN /opt/venv/bin/pip install --no-cache-dir .
+
+# Final stage: the virtualenv on a slim base, no compilers or pip caches, a non-root user.
+FROM python:3.11.11-slim-bookworm
+RUN groupadd --system --gid 10001 hascheduler \
+    && useradd --system --uid 10001 --gid hascheduler --no-create-home \
+       --shell /usr/sbin/nologin hascheduler
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HASCHEDULER_HTTP_HOST=0.0.0.0 \
+    HASCHEDULER_HTTP_PORT=8080
+USER 10001:10001
+EXPOSE 8080
+ENTRYPOINT ["hascheduler"]
+CMD ["serve"]
