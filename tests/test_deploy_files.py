@@ -81,7 +81,8 @@ def test_kustomize_output_validates_and_holds_what_the_demo_needs(tmp_path: Path
         in container["env"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert container["resources"]["limits"] and container["resources"]["requests"]
+    assert container["resources"]["limits"]
+    assert container["resources"]["requests"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # Longer than the leader's drain (DispatchSettings.drain_timeout_s) plus the handover.
@@ -129,7 +130,8 @@ def test_dockerfile_passes_hadolint_and_runs_as_non_root() -> None:
     assert text.count("FROM ") >= 2, "multi-stage"
     final_stage = text.rsplit("FROM ", 1)[1]
     assert "USER 10001" in final_stage
-    assert "gcc" not in final_stage and "build-essential" not in final_stage
+    assert "gcc" not in final_stage
+    assert "build-essential" not in final_stage
 
 
 def test_kind_scripts_check_their_tools_first(tmp_path: Path) -> None:
@@ -139,4 +141,5 @@ def test_kind_scripts_check_their_tools_first(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=30, check=False,
                                 env={"PATH": str(tmp_path)})
         assert result.returncode == 2, result.stderr
-        assert "kind" in result.stderr and "needs" in result.stderr
+        assert "kind" in result.stderr
+        assert "needs" in result.stderr
