@@ -51,6 +51,16 @@ wait_leader_other_than() {
   done
   echo "no new leader within 60 s" >&2; exit 1
 }
+# Runs the rest of the line every 0.5 s until it succeeds; exits after $2 seconds.
+wait_for() {
+  local what=$1 deadline=$((SECONDS + $2))
+  shift 2
+  until "$@"; do
+    if [ "$SECONDS" -ge "$deadline" ]; then echo "$what: not within $2 s" >&2; exit 1; fi
+    sleep 0.5
+  done
+}
+published_more_than() { [ "$(fires_published 2>/dev/null || echo 0)" -gt "$1" ]; }
 fires_published() {
   curl -fsS "$API/schedules/kind-every-2s/fires?limit=500" \
     | json 'sum(1 for f in d["items"] if f["state"] == "published")'
@@ -67,7 +77,7 @@ create '{"id": "kind-every-2s", "name": "every 2 s", "target": "demo.kind", "cat
          "trigger": {"kind": "interval", "every": 2}}'
 create '{"id": "kind-cron-5s", "name": "every 5 s (6-field cron)", "target": "demo.kind",
          "catchup": "all", "trigger": {"kind": "cron", "cron": "*/5 * * * * *"}}'
-sleep 6
+wait_for "the first fires" 120 published_more_than 1
 first=$(leader); t1=$(term)
 say "leader: $first (term $t1); fires published so far: $(fires_published)"
 
@@ -78,7 +88,8 @@ second=$(wait_leader_other_than "$first")
 graceful=$(python3 -c "import time; print(round((time.time() - $start) * 1000))")
 say "new leader: $second (term $(term)) after ${graceful} ms"
 
-sleep 6
+at_takeover=$(fires_published)
+wait_for "fires from the new leader" 60 published_more_than "$at_takeover"
 say "kubectl delete pod $second --force --grace-period=0 (no release: the lease must expire)"
 start=$(date +%s.%N)
 k delete pod "$second" --force --grace-period=0
@@ -86,8 +97,9 @@ third=$(wait_leader_other_than "$second")
 forced=$(python3 -c "import time; print(round((time.time() - $start) * 1000))")
 say "new leader: $third (term $(term)) after ${forced} ms"
 
-before=$(fires_published); sleep 6; after=$(fires_published)
-[ "$after" -gt "$before" ] || { echo "fires stopped after the failovers" >&2; exit 1; }
+before=$(fires_published)
+wait_for "fires after the failovers" 60 published_more_than "$before"
+after=$(fires_published)
 say "fires continue: $before -> $after published for kind-every-2s"
 
 say "kubectl scale deployment/hascheduler --replicas=5"
