@@ -89,10 +89,9 @@ def external_uri() -> str | None:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from hascheduler.devcluster.supervisor import free_port as found
+
+    return found()
 
 
 def nats_server_binary() -> str:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from hascheduler.devcluster.audit import audit
 
@@ -59,3 +62,51 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
     none = run_cli("dev", "status", "--state-dir", str(tmp_path / "nothing"), cwd=tmp_path)
     assert none.returncode == 1
     assert "no running cluster found" in none.stderr
+
+
+@pytest.mark.devmongo_only
+@pytest.mark.timeout(120)
+def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
+    state = tmp_path / "dev"
+    dev = subprocess.Popen([sys.executable, "-m", "hascheduler.cli", "dev", "--replicas", "2",
+                            "--broker", "log", "--state-dir", str(state)],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert dev.stdout is not None
+        lines = []
+        for line in dev.stdout:  # bounded by the test's timeout
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        assert any(line.startswith("replica r1: http://") for line in lines), lines
+        where = ("--state-dir", str(state))
+        status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
+        assert len(status["replicas"]) == 2
+        assert status["leader"] in {"r1", "r2"}
+
+        short = run_cli("dev", "kill-leader", "--signal", "STOP", "--stop-for", "1", *where,
+                        cwd=tmp_path)
+        assert short.returncode == 1
+        assert "stop_for_s: must be from the lease ttl" in short.stderr
+        stopped = run_cli("dev", "kill-leader", "--signal", "STOP", "--stop-for", "5", "--json",
+                          *where, cwd=tmp_path)
+        assert stopped.returncode == 0, stopped.stderr
+        result = json.loads(stopped.stdout)
+        assert result["new_leader"] != result["killed"]
+        assert result["new_term"] > result["old_term"]
+
+        bad = run_cli("dev", "audit", "--since", "yesterday", "--until", "2030-01-01T00:00:00Z",
+                      *where, cwd=tmp_path)
+        assert bad.returncode == 1
+        assert "since: must be an ISO-8601 instant" in bad.stderr
+        no_stream = run_cli("dev", "audit", "--since", "2030-01-01T00:00:00Z",
+                            "--until", "2030-01-01T00:01:00Z", *where, cwd=tmp_path)
+        assert no_stream.returncode == 1
+        assert "needs the nats broker" in no_stream.stderr
+    finally:
+        dev.terminate()
+        returncode = dev.wait(60)
+        if dev.stdout is not None:
+            dev.stdout.close()
+    assert returncode == 0
+    assert not (state / "state.json").exists()

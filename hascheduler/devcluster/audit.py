@@ -6,6 +6,7 @@ whose due time falls in the window must appear exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,9 +42,16 @@ class AuditReport:
                              "unexpected": [list(k) for k in self.unexpected[:5]]}}
 
 
-def _instant(text: str) -> str:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.UTC) \
-        .isoformat(timespec="milliseconds")
+def parse_instant(text: str) -> dt.datetime:
+    """An ISO-8601 instant with a UTC offset (or Z), in UTC. Raises ValueError."""
+    value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if value.tzinfo is None:
+        raise ValueError(f"{text!r} has no UTC offset")
+    return value.astimezone(dt.UTC)
+
+
+def _key_time(moment: dt.datetime) -> str:
+    return moment.isoformat(timespec="milliseconds")
 
 
 def expected_fires(schedules: list[dict[str, Any]], since: dt.datetime,
@@ -58,8 +66,7 @@ def expected_fires(schedules: list[dict[str, Any]], since: dt.datetime,
         for nominal in fire_times(entry.trigger, start, until=until, limit=100_000):
             at = nominal + jitter_offset(doc["_id"], nominal, entry.jitter)
             if since <= at <= until:
-                due[(doc["_id"], nominal.astimezone(dt.UTC).isoformat(timespec="milliseconds"))] \
-                    = at
+                due[(doc["_id"], _key_time(nominal.astimezone(dt.UTC)))] = at
     return due
 
 
@@ -75,7 +82,8 @@ def audit(schedules: list[dict[str, Any]], events: list[dict[str, Any]],
         sid, nominal = data.get("schedule_id"), data.get("nominal_at")
         if not isinstance(sid, str) or not isinstance(nominal, str):
             continue
-        seen[(sid, _instant(nominal))] += 1
+        with contextlib.suppress(ValueError):
+            seen[(sid, _key_time(parse_instant(nominal)))] += 1
     report = AuditReport(since, until, expected=len(expected))
     for key, count in seen.items():
         in_window = key in expected

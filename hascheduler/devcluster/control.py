@@ -112,7 +112,8 @@ def add_parser(sub: Any) -> None:
                                parents=[located])
     kill.add_argument("--signal", choices=["KILL", "TERM", "STOP"], default="KILL")
     kill.add_argument("--stop-for", type=float, default=None,
-                      help="with STOP: seconds before SIGCONT (default 2 x lease ttl)")
+                      help="with STOP: seconds before SIGCONT, at least the lease ttl "
+                           "(default 2 x lease ttl)")
     kill.add_argument("--json", action="store_true")
     scale = actions.add_parser("scale", help="change the number of replicas",
                                parents=[located])

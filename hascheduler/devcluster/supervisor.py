@@ -31,7 +31,7 @@ from pymongo import AsyncMongoClient
 
 from ..brokers.base import SUBJECT_PREFIX
 from ..constants import LEASE_NAME, LEASES, SCHEDULES
-from .audit import audit
+from .audit import audit, parse_instant
 
 log = structlog.get_logger("hascheduler.dev")
 
@@ -75,7 +75,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -230,7 +230,7 @@ class Supervisor:
         self.mongodb_uri = f"{head.rstrip('/')}/{DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
         if s.broker == "nats":
-            port = _free_port()
+            port = free_port()
             store = s.state_dir / "jetstream"
             shutil.rmtree(store, ignore_errors=True)
             self.others.append(await self._spawn(
@@ -367,8 +367,10 @@ class Supervisor:
             if signame not in SIGNALS:
                 return _bad("signal", f"must be one of {', '.join(SIGNALS)}")
             stop_for = body.get("stop_for_s", 2 * self.settings.lease_ttl)
-            if not isinstance(stop_for, int | float) or not 0 < stop_for <= 3600:
-                return _bad("stop_for_s", "must be a number of seconds in (0, 3600]")
+            ttl = self.settings.lease_ttl
+            if not isinstance(stop_for, int | float) or not ttl <= stop_for <= 3600:
+                # Shorter, the leader resumes and renews before its lease expires: no takeover.
+                return _bad("stop_for_s", f"must be from the lease ttl ({ttl:g} s) to 3600 s")
             try:
                 return web.json_response(await self.kill_leader(signame, float(stop_for)))
             except (LookupError, TimeoutError) as exc:
@@ -385,11 +387,13 @@ class Supervisor:
                 return web.json_response({"error": str(exc)}, status=409)
 
         async def audit_route(request: web.Request) -> web.Response:
-            try:
-                since = _instant(request.query.get("since", ""))
-                until = _instant(request.query.get("until", ""))
-            except ValueError as exc:
-                return _bad(str(exc), "must be an ISO-8601 instant with a UTC offset")
+            times = {}
+            for name in ("since", "until"):
+                try:
+                    times[name] = parse_instant(request.query.get(name, ""))
+                except ValueError:
+                    return _bad(name, "must be an ISO-8601 instant with a UTC offset")
+            since, until = times["since"], times["until"]
             try:
                 return web.json_response(await self.audit(since, until))
             except LookupError as exc:
@@ -417,16 +421,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text="the body must be a JSON object")
     return body
-
-
-def _instant(text: str) -> dt.datetime:
-    try:
-        value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError("since/until") from None
-    if value.tzinfo is None:
-        raise ValueError("since/until")
-    return value.astimezone(dt.UTC)
 
 
 async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[dict[str, Any]]:
