@@ -231,12 +231,8 @@ class Supervisor:
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
         if s.broker == "nats":
             port = free_port()
-            store = s.state_dir / "jetstream"
-            shutil.rmtree(store, ignore_errors=True)
-            self.others.append(await self._spawn(
-                "nats", "nats-server",
-                [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1",
-                 "-p", str(port)], announces=None, port=port))
+            shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
+            self.others.append(await self._start_nats(port))
             self.nats_uri = f"nats://127.0.0.1:{port}"
             self.others.append(await self._spawn(
                 "worker", "worker", self._cli("worker", "--broker", self.nats_uri,
@@ -245,6 +241,27 @@ class Supervisor:
         await self.reconcile()
         await self.wait_ready()
         self._keep(self._reconcile_forever())
+
+    async def _start_nats(self, port: int) -> Child:
+        store = self.settings.state_dir / "jetstream"
+        return await self._spawn("nats", "nats-server",
+                                 [nats_server_binary(), "-js", "-sd", str(store),
+                                  "-a", "127.0.0.1", "-p", str(port)], announces=None, port=port)
+
+    def child(self, role: str) -> Child:
+        """The running devmongo, nats or worker child."""
+        return next(c for c in self.others if c.role == role)
+
+    async def stop_nats(self) -> None:
+        """Stop nats-server (its JetStream store stays for the restart)."""
+        old = self.child("nats")
+        await self._retire(old)
+        self.others.remove(old)
+
+    async def start_nats(self) -> None:
+        """Start nats-server again on the same port and store: clients reconnect to it."""
+        port = int(self.nats_uri.rsplit(":", 1)[1])
+        self.others.insert(1, await self._start_nats(port))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -350,7 +367,7 @@ class Supervisor:
             raise LookupError("auditing needs the nats broker (started with --broker log)")
         assert self._client is not None
         schedules = [d async for d in self._client[DATABASE][SCHEDULES].find({})]
-        events = await read_stream(self.nats_uri)
+        events = [m.event for m in await read_stream(self.nats_uri)]
         return audit(schedules, events, since, until).as_dict()
 
     # -- control API ----------------------------------------------------------------------
@@ -423,7 +440,13 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class StreamMessage:
+    event: dict[str, Any]
+    stored_at: dt.datetime  # when JetStream stored it (the server's clock)
+
+
+async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[StreamMessage]:
     """Every message in the fire stream, read with an ordered consumer from the start."""
     import nats
 
@@ -432,17 +455,18 @@ async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[dict[s
         js = nc.jetstream()
         info = await js.stream_info(stream)
         last = info.state.last_seq
-        events: list[dict[str, Any]] = []
+        messages: list[StreamMessage] = []
         if info.state.messages == 0:
-            return events
+            return messages
         sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", ordered_consumer=True, stream=stream)
         try:
             while True:
                 msg = await sub.next_msg(timeout=5)
                 with contextlib.suppress(ValueError):
-                    events.append(json.loads(msg.data))
+                    messages.append(StreamMessage(json.loads(msg.data),
+                                                  msg.metadata.timestamp))
                 if msg.metadata.sequence.stream >= last:
-                    return events
+                    return messages
         finally:
             await sub.unsubscribe()
     finally:

@@ -1,0 +1,480 @@
+"""Chaos soak: the local cluster under random faults, checked by an independent auditor.
+
+    scripts/chaos.py --duration 300 --replicas 3 --schedules 60 --seed 7 [--out DIR]
+
+Runs `hascheduler dev`'s cluster (development MongoDB server, nats-server with JetStream,
+N replicas kept at N like a Deployment, one worker), creates --schedules schedules over
+the HTTP API (policy `all`: every nominal time must fire), then for --duration seconds
+injects a fault at random moments (seeded; one every --fault-every seconds on average):
+
+- SIGKILL, SIGTERM, SIGSTOP/SIGCONT of the leader, and of a standby;
+- a failCommand cut-off (every command's connection closed) or stall (every command
+  blocked) of one replica's database connections, picked by its appName;
+- a nats-server restart (same port and JetStream store);
+- a stall of the development MongoDB server itself (SIGSTOP/SIGCONT).
+
+Afterwards every fault is healed and the auditor (bench/chaos_audit.py, no scheduler code)
+reads the whole stream: each (schedule, nominal time) due in the window must be there
+exactly once, never early, and outside fault windows within --late-bound seconds. Prints a
+table, writes report.json, timeline.png and failover-gaps.png into --out, and exits 1 when
+any check fails (2 on bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from pymongo import AsyncMongoClient
+
+from bench.chaos_audit import SoakAudit, SoakSchedule, Window, audit, percentile, stored_fire
+from hascheduler import logs
+from hascheduler.devcluster.supervisor import Child, DevSettings, Supervisor, read_stream
+
+UTC = dt.UTC
+TARGET = "chaos"
+# Relative weights: the leader's faults are the ones that test exactly-once.
+KINDS = {"leader-kill": 2.0, "leader-term": 1.5, "leader-stop": 1.5, "standby-kill": 1.0,
+         "standby-term": 1.0, "standby-stop": 1.0, "db-cutoff": 1.5, "db-stall": 1.0,
+         "nats-restart": 1.0, "devmongo-stall": 1.0}
+DB_COMMANDS = ["find", "insert", "update", "delete", "findAndModify", "aggregate", "getMore",
+               "count", "killCursors"]
+COMPLETE_WITHIN_S = 120.0  # after the last fault is healed, for the stream to be complete
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    started: dt.datetime
+    hold_s: float
+    term: int  # the lease's term when injected
+    leader: bool  # the target held the lease
+    settle_s: float  # after it ends, fires may still be late because of it
+    ended: dt.datetime | None = None
+
+    def window(self) -> Window:
+        end = self.ended or self.started
+        return self.started, end + dt.timedelta(seconds=self.settle_s)
+
+
+@dataclass
+class LeaseSample:
+    at: dt.datetime
+    holder: str | None
+    term: int
+
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    settings: DevSettings
+    rng: random.Random
+    supervisor: Supervisor
+    schedules: list[SoakSchedule] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    samples: list[LeaseSample] = field(default_factory=list)
+    busy: set[str] = field(default_factory=set)
+    heals: set[asyncio.Task[None]] = field(default_factory=set)
+    t0: dt.datetime = dt.datetime.min  # the window's start, set by run()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def make_schedules(self, start: dt.datetime, end: dt.datetime) -> None:
+        """A mix: every second, seconds steps (some jittered), intervals, one-off instants."""
+        rng, n = self.rng, self.args.schedules
+        for i in range(n):
+            sid = f"soak-{i:04d}"
+            roll = i % 10
+            if roll < 4:
+                s = SoakSchedule(sid, "second_step", step_s=1)
+            elif roll < 6:
+                s = SoakSchedule(sid, "second_step", step_s=rng.choice([2, 3, 5, 10]),
+                                 jitter_s=rng.choice([0.0, 0.5, 1.5]))
+            elif roll < 9:
+                s = SoakSchedule(sid, "interval", every_s=rng.choice([2, 3, 5, 7]),
+                                 anchor=start + dt.timedelta(seconds=rng.randrange(0, 7)))
+            else:
+                span = (end - start).total_seconds()
+                s = SoakSchedule(sid, "at", instants=tuple(sorted(
+                    start + dt.timedelta(milliseconds=rng.randrange(0, int(span * 1000)))
+                    for _ in range(5))))
+            self.schedules.append(s)
+
+    async def create_schedules(self) -> None:
+        api = self.supervisor.replicas[0].address
+        async with aiohttp.ClientSession() as http:
+            for s in self.schedules:
+                async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
+                    if r.status != 201:
+                        raise RuntimeError(f"creating {s.id}: {r.status} {await r.text()}")
+
+    # -- observation ----------------------------------------------------------------------
+
+    async def watch_lease(self) -> None:
+        """Sample the lease document every 100 ms (its own client: no shared fate)."""
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri, tz_aware=True, serverSelectionTimeoutMS=2000,
+            appname="chaos-observer")
+        leases = client.get_default_database()["leases"]
+        try:
+            while True:
+                with contextlib.suppress(Exception):
+                    doc = await asyncio.wait_for(leases.find_one({"_id": "scheduler"}), 1.0)
+                    now = dt.datetime.now(UTC)
+                    if doc is not None:
+                        live = doc.get("expires_at") and doc["expires_at"] > now
+                        self.samples.append(LeaseSample(
+                            now, doc.get("holder") if live else None, int(doc.get("term", 0))))
+                await asyncio.sleep(0.1)
+        finally:
+            await client.close()
+
+    def leader(self) -> tuple[str | None, int]:
+        if not self.samples:
+            return None, 0
+        last = self.samples[-1]
+        return last.holder, last.term
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def _replicas(self) -> dict[str, Child]:
+        return {c.name: c for c in self.supervisor.replicas
+                if c.alive and not c.retiring and c.name not in self.busy}
+
+    def _pick(self) -> tuple[str, str] | None:
+        """A fault kind that applies right now, and its target."""
+        holder, _ = self.leader()
+        replicas = self._replicas()
+        standbys = [name for name in replicas if name != holder]
+        options: dict[str, str] = {}
+        if holder in replicas:
+            for kind in ("leader-kill", "leader-term", "leader-stop"):
+                options[kind] = holder
+        if standbys:
+            for kind in ("standby-kill", "standby-term", "standby-stop"):
+                options[kind] = self.rng.choice(sorted(standbys))
+        if replicas and not {"failpoint", "devmongo"} & self.busy:
+            target = (holder if holder in replicas and self.rng.random() < 0.6
+                      else self.rng.choice(sorted(replicas)))
+            options["db-cutoff"] = options["db-stall"] = target
+        if "nats" not in self.busy:
+            options["nats-restart"] = "nats-server"
+        if not {"devmongo", "failpoint"} & self.busy:
+            options["devmongo-stall"] = "devmongo"
+        if not options:
+            return None
+        kinds = sorted(options)
+        kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
+        return kind, options[kind]
+
+    async def inject(self, kind: str, target: str) -> Fault:
+        ttl = self.settings.lease_ttl
+        holder, term = self.leader()
+        leader = target == holder
+        rng = self.rng
+        hold = 0.0
+        if kind.endswith("-stop"):
+            hold = rng.uniform(0.5, 2 * ttl)
+        elif kind.startswith("db-"):
+            hold = rng.uniform(1.0, 2 * ttl)
+        elif kind in ("nats-restart", "devmongo-stall"):
+            hold = rng.uniform(0.5, 3.0)
+        # How long after a fault ends its effects may still make fires late: a leader's
+        # fault costs up to a lease ttl plus a renew interval before another takes over; a
+        # broker outage leaves publishes in their retry backoff.
+        failover = ttl + self.settings.renew_interval + 2.0
+        settle = {"leader-kill": failover, "leader-term": 3.0, "leader-stop": failover,
+                  "nats-restart": 10.0, "devmongo-stall": failover,
+                  "db-cutoff": failover if leader else 2.0,
+                  "db-stall": failover if leader else 2.0}.get(kind, 2.0)
+        fault = Fault(kind, target, dt.datetime.now(UTC), round(hold, 2), term, leader, settle)
+        self.faults.append(fault)
+        sup = self.supervisor
+        if kind.endswith(("-kill", "-term")):
+            child = self._replicas()[target]
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGKILL if kind.endswith("kill")
+                                          else signal.SIGTERM)
+            fault.ended = fault.started
+            return fault
+        if kind.endswith("-stop"):
+            child = self._replicas()[target]
+            self.busy.add(target)
+            child.process.send_signal(signal.SIGSTOP)
+            self._heal_later(fault, self._continue(child, target))
+        elif kind.startswith("db-"):
+            self.busy.add("failpoint")
+            data: dict[str, Any] = {"failCommands": DB_COMMANDS, "appName": f"hascheduler/{target}"}
+            if kind == "db-cutoff":
+                data["closeConnection"] = True
+            else:
+                data.update(blockConnection=True, blockTimeMS=int(hold * 1000))
+            await self.admin({"configureFailPoint": "failCommand", "mode": "alwaysOn",
+                              "data": data})
+            self._heal_later(fault, self._failpoint_off())
+        elif kind == "nats-restart":
+            self.busy.add("nats")
+            await sup.stop_nats()
+            self._heal_later(fault, self._start_nats())
+        else:
+            self.busy.add("devmongo")
+            sup.child("devmongo").process.send_signal(signal.SIGSTOP)
+            self._heal_later(fault, self._continue(sup.child("devmongo"), "devmongo"))
+        return fault
+
+    async def admin(self, command: dict[str, Any]) -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri, serverSelectionTimeoutMS=10_000)
+        try:
+            await client.admin.command(command)
+        finally:
+            await client.close()
+
+    async def _continue(self, child: Child, resource: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.process.send_signal(signal.SIGCONT)
+        self.busy.discard(resource)
+
+    async def _failpoint_off(self) -> None:
+        await self.admin({"configureFailPoint": "failCommand", "mode": "off"})
+        self.busy.discard("failpoint")
+
+    async def _start_nats(self) -> None:
+        await self.supervisor.start_nats()
+        self.busy.discard("nats")
+
+    def _heal_later(self, fault: Fault, heal: Any) -> None:
+        async def run() -> None:
+            await asyncio.sleep(fault.hold_s)
+            await heal
+            fault.ended = dt.datetime.now(UTC)
+
+        task = asyncio.create_task(run())
+        self.heals.add(task)
+        task.add_done_callback(self.heals.discard)
+
+    async def heal_all(self) -> None:
+        """Let every pending heal finish (they are all bounded by their hold time)."""
+        while self.heals:
+            await asyncio.gather(*list(self.heals))
+
+    async def inject_until(self, until: float) -> None:
+        mean = self.args.fault_every
+        while True:
+            await asyncio.sleep(self.rng.uniform(0.4 * mean, 1.6 * mean))
+            if time.monotonic() >= until:
+                return
+            picked = self._pick()
+            if picked is not None:
+                fault = await self.inject(*picked)
+                print(f"  {(fault.started - self.t0).total_seconds():6.1f} s  {fault.kind:<15}"
+                      f" {fault.target:<12} hold {fault.hold_s:4.1f} s  term {fault.term}",
+                      flush=True)
+
+
+def failover_gaps(faults: list[Fault], samples: list[LeaseSample],
+                  fires: list[tuple[int, dt.datetime]]) -> list[dict[str, Any]]:
+    """For each fault of the leader that was followed by a newer term: the time to that
+    term's lease (takeover) and to its first fire stored in the stream (gap)."""
+    gaps = []
+    for f in faults:
+        if not f.leader or f.kind.startswith(("standby", "nats", "devmongo")):
+            continue
+        horizon = f.started + dt.timedelta(seconds=60)
+        takeover = next((s.at for s in samples
+                         if f.started <= s.at <= horizon and s.term > f.term and s.holder), None)
+        first = min((at for term, at in fires if term > f.term and f.started <= at <= horizon),
+                    default=None)
+        if takeover is None or first is None:
+            continue  # the leader kept its lease (a pause shorter than its renew deadline)
+        gaps.append({"kind": f.kind, "takeover_s": (takeover - f.started).total_seconds(),
+                     "gap_s": (first - f.started).total_seconds()})
+    return gaps
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1000:,.0f} ms"
+
+
+def table(report: SoakAudit, faults: list[Fault], gaps: list[dict[str, Any]]) -> str:
+    by_kind: dict[str, int] = {}
+    for f in faults:
+        by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
+    lines = ["| fault | injected |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(by_kind.items())]
+    lines += [f"| **all** | **{len(faults)}** |", "",
+              "| fires expected | delivered | missing | duplicated | unexpected | early |",
+              "|---|---|---|---|---|---|",
+              f"| {report.expected:,} | {report.delivered:,} | {len(report.missing)} | "
+              f"{len(report.duplicated)} | {len(report.unexpected)} | {len(report.early)} |", "",
+              "| lateness (stored - due) | fires | p50 | p99 | max | over the bound |",
+              "|---|---|---|---|---|---|"]
+    for name, values, over in (
+            ("outside fault windows", report.lateness_clear, len(report.over_bound)),
+            ("inside fault windows", report.lateness_faulted, None)):
+        lines.append(f"| {name} | {len(values):,} | {_ms(percentile(values, .5))} | "
+                     f"{_ms(percentile(values, .99))} | {_ms(max(values, default=0))} | "
+                     f"{'-' if over is None else over} |")
+    lines += ["", "| failover (fault of the leader to ...) | samples | p50 | p99 | max |",
+              "|---|---|---|---|---|"]
+    for key, label in (("takeover_s", "a newer term's lease"),
+                       ("gap_s", "its first fire in the stream")):
+        values = [g[key] for g in gaps]
+        lines.append(f"| {label} | {len(values)} | {_ms(percentile(values, .5))} | "
+                     f"{_ms(percentile(values, .99))} | {_ms(max(values, default=0))} |")
+    return "\n".join(lines)
+
+
+async def complete_stream(soak: Soak, since: dt.datetime, until: dt.datetime,
+                          windows: list[Window]) -> tuple[SoakAudit, list[Any]]:
+    """Read the stream until nothing due is missing, or the deadline passes."""
+    deadline = time.monotonic() + COMPLETE_WITHIN_S
+    while True:
+        messages = [(m.event, m.stored_at)
+                    for m in await read_stream(soak.supervisor.nats_uri)]
+        report = audit(soak.schedules, messages, since, until, windows, soak.args.late_bound)
+        if not report.missing or time.monotonic() > deadline:
+            return report, messages
+        await asyncio.sleep(2.0)  # catch-up and retries are still publishing
+
+
+async def run(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
+    settings = DevSettings(replicas=args.replicas, state_dir=Path(tempfile.mkdtemp(
+        prefix="hascheduler-chaos-")))
+    soak = Soak(args, settings, random.Random(args.seed), Supervisor(settings))
+    print(f"chaos soak: {args.duration:g} s, {args.replicas} replicas, {args.schedules} "
+          f"schedules, seed {args.seed}, a fault every {args.fault_every:g} s on average; "
+          f"lease ttl {settings.lease_ttl:g} s, renew deadline {settings.renew_deadline:g} s, "
+          f"renew interval {settings.renew_interval:g} s; logs in {settings.state_dir}",
+          flush=True)
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await soak.supervisor.start()
+        now = dt.datetime.now(UTC)
+        since = (now + dt.timedelta(seconds=5)).replace(microsecond=0)
+        until = since + dt.timedelta(seconds=args.duration)
+        soak.t0 = since
+        soak.make_schedules(since, until)
+        await soak.create_schedules()
+        watcher = asyncio.create_task(soak.watch_lease())
+        await asyncio.sleep(max(0.0, (since - dt.datetime.now(UTC)).total_seconds()))
+        print(f"window {since.isoformat()} .. {until.isoformat()}; faults:", flush=True)
+        await soak.inject_until(time.monotonic() + args.duration)
+        await soak.heal_all()
+        await soak.supervisor.reconcile()
+        windows = [f.window() for f in soak.faults]
+        report, messages = await complete_stream(soak, since, until, windows)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        with contextlib.suppress(Exception):
+            await soak.heal_all()
+        await soak.supervisor.stop()
+
+    fires = [(f.term, f.stored_at) for e, at in messages if (f := stored_fire(e, at))]
+    gaps = failover_gaps(soak.faults, soak.samples, fires)
+    print()
+    print(table(report, soak.faults, gaps))
+    checks = {"every due fire delivered": not report.missing,
+              "none duplicated": not report.duplicated,
+              "none unexpected or early": not (report.unexpected or report.early),
+              f"lateness outside fault windows <= {args.late_bound:g} s": not report.over_bound,
+              "every message well formed": not report.malformed,
+              f"at least {args.min_faults} faults injected": len(soak.faults) >= args.min_faults}
+    print()
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    for label, keys in (("missing", report.missing[:5]),
+                        ("duplicated", [k for k, _ in report.duplicated[:5]]),
+                        ("unexpected", report.unexpected[:5]), ("early", report.early[:5])):
+        for sid, nominal in keys:
+            print(f"  {label}: {sid} @ {nominal.isoformat()}")
+    for (sid, nominal), late in report.over_bound[:5]:
+        print(f"  late: {sid} @ {nominal.isoformat()} by {late:.2f} s")
+
+    command = " ".join(["scripts/chaos.py", *sys.argv[1:]])
+    result = {
+        "command": command,
+        "date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}",
+        "since": since.isoformat(), "until": until.isoformat(),
+        "lease": {"ttl_s": settings.lease_ttl, "renew_deadline_s": settings.renew_deadline,
+                  "renew_interval_s": settings.renew_interval},
+        "faults": [{**asdict(f), "started": f.started.isoformat(),
+                    "ended": f.ended.isoformat() if f.ended else None} for f in soak.faults],
+        "expected": report.expected, "delivered": report.delivered,
+        "missing": len(report.missing), "duplicated": len(report.duplicated),
+        "unexpected": len(report.unexpected), "early": len(report.early),
+        "malformed": report.malformed, "over_bound": len(report.over_bound),
+        "lateness_clear_s": {"n": len(report.lateness_clear),
+                             "p50": percentile(report.lateness_clear, .5),
+                             "p99": percentile(report.lateness_clear, .99),
+                             "max": max(report.lateness_clear, default=0.0)},
+        "gaps": gaps, "checks": checks, "ok": all(checks.values()),
+        "table": table(report, soak.faults, gaps)}
+    (out / "report.json").write_text(json.dumps(result, indent=1))
+    from bench.chaos_plot import plot_gaps, plot_timeline
+
+    plot_timeline(out / "timeline.png", since, until, soak.samples, soak.faults,
+                  [at for _, at in fires], title=command)
+    plot_gaps(out / "failover-gaps.png", gaps, title=command)
+    print(f"\nreport, timeline.png and failover-gaps.png in {out}/")
+    return 0 if result["ok"] else 1
+
+
+def _positive(kind: type[int] | type[float], low: float) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}")
+        return value
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/chaos.py",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=_positive(float, 10), default=300.0,
+                        help="seconds of faults (default 300)")
+    parser.add_argument("--replicas", type=_positive(int, 2), default=3)
+    parser.add_argument("--schedules", type=_positive(int, 1), default=60)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fault-every", type=_positive(float, 0.5), default=2.5,
+                        help="mean seconds between faults (default 2.5)")
+    parser.add_argument("--late-bound", type=_positive(float, 0.1), default=2.0,
+                        help="lateness bound outside fault windows, seconds (default 2)")
+    parser.add_argument("--min-faults", type=_positive(int, 0), default=0,
+                        help="fail unless at least this many faults were injected")
+    parser.add_argument("--out", type=Path, default=Path("chaos-out"))
+    args = parser.parse_args(argv)
+    logs.configure("warning")  # the supervisor's own lines; the soak prints its faults
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

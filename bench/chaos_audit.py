@@ -1,0 +1,184 @@
+"""The chaos soak's auditor: what was due, by plain arithmetic on the schedules the soak
+created, against what the broker stream holds.
+
+It shares no code with the scheduler (no trigger library, no mirror, no ledger), so a bug
+in the scheduler's own idea of "due" cannot hide itself here. The schedule kinds the soak
+uses are the ones whose fire times are simple to compute by hand: a seconds step within
+the minute (6-field cron in UTC), a fixed interval from an anchor, and one-off instants.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+UTC = dt.UTC
+Key = tuple[str, dt.datetime]  # (schedule id, nominal time)
+Window = tuple[dt.datetime, dt.datetime]
+
+
+@dataclass(frozen=True)
+class SoakSchedule:
+    id: str
+    kind: Literal["second_step", "interval", "at"]
+    step_s: int = 1  # second_step: the seconds of each minute divisible by step_s
+    every_s: int = 0  # interval: anchor + k * every_s, k >= 0
+    anchor: dt.datetime | None = None
+    instants: tuple[dt.datetime, ...] = ()
+    jitter_s: float = 0.0
+
+    def api_body(self, target: str) -> dict[str, Any]:
+        """The POST /schedules body that asks the scheduler for these fire times."""
+        trigger: dict[str, Any]
+        if self.kind == "second_step":
+            seconds = "*" if self.step_s == 1 else f"*/{self.step_s}"
+            trigger = {"kind": "cron", "cron": f"{seconds} * * * * *", "timezone": "UTC"}
+        elif self.kind == "interval":
+            assert self.anchor is not None
+            trigger = {"kind": "interval", "every": self.every_s,
+                       "start_at": self.anchor.isoformat()}
+        else:
+            trigger = {"kind": "at", "at": [t.isoformat() for t in self.instants]}
+        return {"id": self.id, "name": f"chaos {self.kind} {self.id}", "trigger": trigger,
+                "jitter": self.jitter_s, "catchup": "all", "target": target,
+                "payload": {"soak": True}}
+
+    def nominal_times(self, since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
+        """Nominal times t with since <= t <= until."""
+        if self.kind == "at":
+            return [t for t in self.instants if since <= t <= until]
+        if self.kind == "interval":
+            assert self.anchor is not None
+            first = max(0, math.ceil((since - self.anchor).total_seconds() / self.every_s))
+            times = []
+            t = self.anchor + dt.timedelta(seconds=first * self.every_s)
+            while t <= until:
+                times.append(t)
+                t += dt.timedelta(seconds=self.every_s)
+            return times
+        t = since.replace(microsecond=0)
+        if t < since:
+            t += dt.timedelta(seconds=1)
+        times = []
+        while t <= until:
+            if t.second % self.step_s == 0:
+                times.append(t)
+            t += dt.timedelta(seconds=1)
+        return times
+
+
+@dataclass(frozen=True)
+class StoredFire:
+    """One message of the stream, as the auditor reads it."""
+
+    schedule_id: str
+    nominal: dt.datetime
+    term: int
+    stored_at: dt.datetime  # JetStream's store time
+
+
+def stored_fire(event: dict[str, Any], stored_at: dt.datetime) -> StoredFire | None:
+    """The fire a CloudEvent names, or None when it is not one (checked, not trusted)."""
+    data = event.get("data")
+    if not isinstance(data, dict):
+        return None
+    sid, nominal, term = data.get("schedule_id"), data.get("nominal_at"), data.get("term")
+    if not isinstance(sid, str) or not isinstance(nominal, str) or type(term) is not int:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(nominal.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None or event.get("id") != f"{sid}@{nominal}":
+        return None
+    return StoredFire(sid, when.astimezone(UTC), term, stored_at.astimezone(UTC))
+
+
+@dataclass
+class SoakAudit:
+    since: dt.datetime
+    until: dt.datetime
+    late_bound_s: float
+    expected: int = 0
+    delivered: int = 0
+    missing: list[Key] = field(default_factory=list)
+    duplicated: list[tuple[Key, int]] = field(default_factory=list)
+    unexpected: list[Key] = field(default_factory=list)
+    early: list[Key] = field(default_factory=list)  # stored before its nominal time
+    malformed: int = 0
+    lateness_clear: list[float] = field(default_factory=list)  # outside fault windows
+    lateness_faulted: list[float] = field(default_factory=list)
+    over_bound: list[tuple[Key, float]] = field(default_factory=list)  # outside windows
+
+    @property
+    def exactly_once(self) -> bool:
+        return not (self.missing or self.duplicated or self.unexpected or self.early)
+
+    @property
+    def ok(self) -> bool:
+        return self.exactly_once and not self.over_bound and not self.malformed
+
+
+def overlaps(first: dt.datetime, last: dt.datetime, windows: list[Window]) -> bool:
+    """Whether [first, last] meets any of the windows."""
+    return any(start <= last and first <= end for start, end in windows)
+
+
+def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt.datetime]],
+          since: dt.datetime, until: dt.datetime, fault_windows: list[Window],
+          late_bound_s: float) -> SoakAudit:
+    """Each (schedule, nominal time) in [since, until] must be in the stream exactly once,
+    never before its nominal time, and outside fault windows within ``late_bound_s`` of
+    its due time (nominal plus at most the schedule's jitter)."""
+    report = SoakAudit(since, until, late_bound_s)
+    by_id = {s.id: s for s in schedules}
+    expected = {(s.id, t) for s in schedules for t in s.nominal_times(since, until)}
+    report.expected = len(expected)
+    first_stored: dict[Key, dt.datetime] = {}
+    counts: Counter[Key] = Counter()
+    for event, stored_at in messages:
+        fire = stored_fire(event, stored_at)
+        if fire is None:
+            report.malformed += 1
+            continue
+        if fire.schedule_id not in by_id or not since <= fire.nominal <= until:
+            continue  # another schedule's, or outside the window
+        key = (fire.schedule_id, fire.nominal)
+        counts[key] += 1
+        first_stored[key] = min(first_stored.get(key, fire.stored_at), fire.stored_at)
+    for key, count in counts.items():
+        if key not in expected:
+            report.unexpected.append(key)
+            continue
+        report.delivered += 1
+        if count > 1:
+            report.duplicated.append((key, count))
+        stored, nominal = first_stored[key], key[1]
+        if stored < nominal:
+            report.early.append(key)
+        jitter = by_id[key[0]].jitter_s
+        # A jittered fire's due time is somewhere in [nominal, nominal + jitter): judge it
+        # against the latest, and keep it out of the figures (its exact offset is unknown).
+        late = (stored - nominal).total_seconds() - jitter
+        faulted = overlaps(nominal, nominal + dt.timedelta(seconds=jitter), fault_windows)
+        if faulted:
+            if not jitter:
+                report.lateness_faulted.append(late)
+        else:
+            if not jitter:
+                report.lateness_clear.append(late)
+            if late > late_bound_s:
+                report.over_bound.append((key, late))
+    report.missing = sorted(k for k in expected if k not in counts)
+    return report
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

@@ -1,0 +1,145 @@
+"""The chaos soak: its independent auditor (pure) and a short soak of the real cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.chaos import Fault, LeaseSample, failover_gaps
+from bench.chaos_audit import SoakSchedule, audit, stored_fire
+from hascheduler.models import ScheduleIn
+
+ROOT = Path(__file__).resolve().parent.parent
+UTC = dt.UTC
+T0 = dt.datetime(2026, 11, 22, 10, 0, 55, tzinfo=UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def message(sid: str, nominal: dt.datetime, stored: dt.datetime,
+            term: int = 1) -> tuple[dict[str, Any], dt.datetime]:
+    iso = nominal.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return {"id": f"{sid}@{iso}", "data": {"schedule_id": sid, "nominal_at": iso,
+                                            "term": term}}, stored
+
+
+def test_nominal_times_by_arithmetic() -> None:
+    step = SoakSchedule("s", "second_step", step_s=5)
+    # 10:00:55 .. 10:01:12 crosses the minute: seconds 55, 00, 05, 10.
+    assert step.nominal_times(at(0), at(17)) == [at(0), at(5), at(10), at(15)]
+    assert SoakSchedule("e", "second_step").nominal_times(at(0.5), at(3)) == [
+        at(1), at(2), at(3)]
+    interval = SoakSchedule("i", "interval", every_s=3, anchor=at(2))
+    assert interval.nominal_times(at(0), at(9)) == [at(2), at(5), at(8)]
+    assert interval.nominal_times(at(6), at(11)) == [at(8), at(11)]
+    once = SoakSchedule("o", "at", instants=(at(-1), at(1.25), at(30)))
+    assert once.nominal_times(at(0), at(10)) == [at(1.25)]
+
+
+def test_soak_schedules_are_valid_api_bodies() -> None:
+    for s in (SoakSchedule("s", "second_step", step_s=5, jitter_s=1.5),
+              SoakSchedule("e", "second_step"),
+              SoakSchedule("i", "interval", every_s=3, anchor=at(2)),
+              SoakSchedule("o", "at", instants=(at(1.25),))):
+        body = ScheduleIn.model_validate(s.api_body("chaos"))
+        assert body.catchup == "all" and body.id == s.id
+
+
+def test_audit_passes_a_clean_stream_and_measures_lateness() -> None:
+    s = SoakSchedule("e", "second_step")
+    stream = [message("e", at(i), at(i + 0.01 * i)) for i in range(5)]
+    report = audit([s], stream, at(0), at(4), [], late_bound_s=1.0)
+    assert report.ok and report.expected == report.delivered == 5
+    assert sorted(round(v, 3) for v in report.lateness_clear) == [0, .01, .02, .03, .04]
+
+
+def test_audit_catches_missing_duplicated_unexpected_early_and_malformed() -> None:
+    e, f = SoakSchedule("e", "second_step"), SoakSchedule("f", "second_step", step_s=5)
+    stream = [message("e", at(0), at(0.1)), message("e", at(1), at(1.1)),
+              message("e", at(1), at(1.9)),  # a second copy
+              message("e", at(3), at(2.9)),  # stored before it was due
+              message("f", at(0), at(0.1)), message("f", at(1), at(1.1)),  # not a nominal time
+              message("other", at(1), at(1.1)),  # not ours: ignored
+              message("e", at(60), at(60.1)),  # outside the window: ignored
+              ({"id": "e@wrong", "data": {"schedule_id": "e", "nominal_at": "2026-11-22T10:00:57Z",
+                                          "term": 1}}, at(2.1))]
+    report = audit([e, f], stream, at(0), at(4), [], late_bound_s=1.0)
+    assert report.missing == [("e", at(2)), ("e", at(4))]
+    assert report.duplicated == [(("e", at(1)), 2)]
+    assert report.unexpected == [("f", at(1))]
+    assert report.early == [("e", at(3))]
+    assert report.malformed == 1
+    assert not report.exactly_once and not report.ok
+
+
+def test_lateness_bound_applies_outside_fault_windows_only() -> None:
+    e = SoakSchedule("e", "second_step")
+    j = SoakSchedule("j", "second_step", jitter_s=0.5)
+    stream = [message("e", at(0), at(0.1)), message("e", at(1), at(4.0)),
+              message("e", at(2), at(6.0)),
+              message("j", at(0), at(1.2)),  # 0.7 s past its latest due time: within 1 s
+              message("j", at(1), at(3.0)), message("j", at(2), at(5.0))]
+    report = audit([e, j], stream, at(0), at(2), [(at(1.8), at(2.2))], late_bound_s=1.0)
+    assert report.exactly_once
+    assert [(k, round(v, 3)) for k, v in report.over_bound] == [
+        (("e", at(1)), 3.0), (("j", at(1)), 1.5)]
+    assert report.lateness_faulted == [4.0]  # e@2 is in the window; j's are left out
+    assert not report.ok
+
+
+def test_stored_fire_rejects_what_is_not_a_fire() -> None:
+    assert stored_fire({"data": "x"}, at(0)) is None
+    assert stored_fire({"id": "a@b", "data": {"schedule_id": "a", "nominal_at": "b",
+                                              "term": 1}}, at(0)) is None
+    event, stored = message("a", at(0), at(0.5), term=7)
+    fire = stored_fire(event, stored)
+    assert fire is not None and (fire.schedule_id, fire.nominal, fire.term) == ("a", at(0), 7)
+
+
+def test_failover_gap_runs_from_the_fault_to_the_newer_term() -> None:
+    kill = Fault("leader-kill", "r1", at(10), 0.0, term=3, leader=True, settle_s=7)
+    short_stop = Fault("leader-stop", "r2", at(30), 1.0, term=4, leader=True, settle_s=7)
+    standby = Fault("standby-kill", "r3", at(12), 0.0, term=3, leader=False, settle_s=2)
+    samples = [LeaseSample(at(9), "r1", 3), LeaseSample(at(13.5), "r2", 4),
+               LeaseSample(at(31), "r2", 4)]
+    fires = [(3, at(9.5)), (4, at(14.0)), (4, at(15.0)), (4, at(32))]
+    gaps = failover_gaps([kill, short_stop, standby], samples, fires)
+    assert gaps == [{"kind": "leader-kill", "takeover_s": 3.5, "gap_s": 4.0}]
+
+
+def run_chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_chaos_refuses_bad_arguments() -> None:
+    done = run_chaos("--duration", "5", timeout=60)
+    assert done.returncode == 2
+    assert "--duration" in done.stderr and "at least 10" in done.stderr
+
+
+@pytest.mark.timeout(420)
+def test_sixty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    done = run_chaos("--duration", "60", "--replicas", "3", "--schedules", "30",
+                     "--seed", "11", "--min-faults", "15", "--out", str(out), timeout=400)
+    print(done.stdout[-4000:], done.stderr[-4000:])
+    report = json.loads((out / "report.json").read_text())
+    assert report["expected"] > 1000
+    assert report["missing"] == 0 and report["duplicated"] == 0, report["table"]
+    assert report["unexpected"] == 0 and report["early"] == 0
+    kinds = {f["kind"] for f in report["faults"]}
+    assert len(report["faults"]) >= 15
+    assert {"leader-kill", "leader-term"} & kinds and "nats-restart" in kinds, kinds
+    assert report["gaps"], "no leader fault was followed by a takeover"
+    assert done.returncode == 0, report["checks"]
+    for png in ("timeline.png", "failover-gaps.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
