@@ -287,21 +287,27 @@ class Soak:
                       flush=True)
 
 
+LEADER_FAULTS = ("leader-kill", "leader-term", "leader-stop", "db-cutoff", "db-stall")
+
+
 def failover_gaps(faults: list[Fault], samples: list[LeaseSample],
                   fires: list[tuple[int, dt.datetime]]) -> list[dict[str, Any]]:
-    """For each fault of the leader that was followed by a newer term: the time to that
-    term's lease (takeover) and to its first fire stored in the stream (gap)."""
+    """For each fault of the leader followed by a newer term before the next such fault:
+    the time to that term's lease (takeover) and to its first fire stored in the stream.
+    A pause shorter than the renew deadline may keep the lease: no takeover, no gap."""
+    ordered = sorted((f for f in faults if f.leader and f.kind in LEADER_FAULTS),
+                     key=lambda f: f.started)
     gaps = []
-    for f in faults:
-        if not f.leader or f.kind.startswith(("standby", "nats", "devmongo")):
-            continue
+    for f, after in zip(ordered, [*ordered[1:], None], strict=True):
         horizon = f.started + dt.timedelta(seconds=60)
+        if after is not None:
+            horizon = min(horizon, after.started)
         takeover = next((s.at for s in samples
                          if f.started <= s.at <= horizon and s.term > f.term and s.holder), None)
         first = min((at for term, at in fires if term > f.term and f.started <= at <= horizon),
                     default=None)
         if takeover is None or first is None:
-            continue  # the leader kept its lease (a pause shorter than its renew deadline)
+            continue
         gaps.append({"kind": f.kind, "takeover_s": (takeover - f.started).total_seconds(),
                      "gap_s": (first - f.started).total_seconds()})
     return gaps

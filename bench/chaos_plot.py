@@ -4,6 +4,7 @@ distribution of failover gaps. PNG through matplotlib's Agg backend (no display 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,22 +32,17 @@ def plot_timeline(path: Path, since: dt.datetime, until: dt.datetime,
         return (moment - since).total_seconds()
 
     fig, (lead, fault_ax, rate) = plt.subplots(
-        3, 1, sharex=True, figsize=(13, 8), gridspec_kw={"height_ratios": [2, 2, 1.5]})
+        3, 1, sharex=True, figsize=(13, 8), gridspec_kw={"height_ratios": [1.5, 2, 1.5]})
     fig.suptitle(f"chaos soak timeline ({title})", fontsize=10)
 
-    holders = sorted({s.holder for s in samples if s.holder})
-    rows = {h: i for i, h in enumerate(holders)}
-    for holder in holders:
-        xs = [x(s.at) for s in samples if s.holder == holder]
-        lead.scatter(xs, [rows[holder]] * len(xs), s=2, marker="|")
-    gaps = [x(s.at) for s in samples if s.holder is None]
-    lead.scatter(gaps, [-1] * len(gaps), s=2, marker="|", color="black")
-    lead.set_yticks([-1, *rows.values()], ["no leader", *holders], fontsize=7)
-    lead.set_ylabel("lease holder")
-    terms = lead.twinx()
-    terms.step([x(s.at) for s in samples], [s.term for s in samples], where="post",
-               color="tab:green", linewidth=1)
-    terms.set_ylabel("term", color="tab:green")
+    # The term, and where no replica held a valid lease (or the lease could not be read,
+    # during a stall of the server) shaded: the holders themselves are in report.json.
+    lead.step([x(s.at) for s in samples], [s.term for s in samples], where="post",
+              color="tab:green", linewidth=1.2)
+    for before, sample in itertools.pairwise(samples):
+        if before.holder is None or (sample.at - before.at).total_seconds() > 0.5:
+            lead.axvspan(x(before.at), x(sample.at), color="0.8", linewidth=0)
+    lead.set_ylabel("leader's term\n(grey: no leader)")
 
     kinds = sorted({f.kind for f in faults})
     for row, kind in enumerate(kinds):

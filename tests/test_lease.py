@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
+from hascheduler.leadership import Elector
 from hascheduler.lease import Lease, LeaseTimings
 from tests.waiting import wait_until
 
@@ -61,3 +63,55 @@ async def test_watermark_is_recorded_only_by_the_holder(leases: Any) -> None:
     stored = await a.read()
     assert stored is not None
     assert stored.fired_through == mark
+
+
+class IdleDispatcher:
+    """Stands in for the firing engine: records that it was asked to lead, then waits."""
+
+    watermark = None
+
+    def __init__(self) -> None:
+        self.leading = False
+
+    async def lead(self, view: Any) -> None:
+        self.leading = True
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.leading = False
+
+    async def drain(self) -> None:
+        return None
+
+
+async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
+        leases: Any) -> None:
+    ready = False
+    dispatcher = IdleDispatcher()
+    elector = Elector(Lease(leases, "L", "a", FAST), dispatcher,  # type: ignore[arg-type]
+                      leases, ready=lambda: ready)
+    runner = asyncio.create_task(elector.run())
+    try:
+        # Five renew intervals with a free lease: an unready replica must not take it.
+        end = asyncio.get_running_loop().time() + 5 * FAST.renew_interval
+        while asyncio.get_running_loop().time() < end:
+            assert await leases.find_one({"_id": "L"}) is None
+            assert not dispatcher.leading
+            await asyncio.sleep(0.05)
+        async def leading() -> bool:
+            return dispatcher.leading
+
+        async def stopped() -> bool:
+            return not dispatcher.leading
+
+        ready = True
+        await wait_until(leading, 5, "the ready replica to lead")
+        assert (await leases.find_one({"_id": "L"}))["holder"] == "a"
+        ready = False  # the mirror fell out of sync while leading
+        await wait_until(stopped, 5, "the leader to stop firing")
+        assert not elector.is_leader
+        # It released the lease instead of letting it run out: another gets it at once.
+        assert await Lease(leases, "L", "b", FAST).acquire_or_renew() is not None
+    finally:
+        elector.stop()
+        await asyncio.wait_for(runner, 5)
