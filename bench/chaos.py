@@ -5,7 +5,8 @@
 Runs `hascheduler dev`'s cluster (development MongoDB server, nats-server with JetStream,
 N replicas kept at N like a Deployment, one worker), creates --schedules schedules over
 the HTTP API (policy `all`: every nominal time must fire), then for --duration seconds
-injects a fault at random moments (seeded; one every --fault-every seconds on average):
+injects one of these faults at random moments (seeded; one every --fault-every seconds on
+average), then lets it run --calm seconds without faults:
 
 - SIGKILL, SIGTERM, SIGSTOP/SIGCONT of the leader, and of a standby;
 - a failCommand cut-off (every command's connection closed) or stall (every command
@@ -365,8 +366,9 @@ async def run(args: argparse.Namespace) -> int:
     settings = DevSettings(replicas=args.replicas, state_dir=Path(tempfile.mkdtemp(
         prefix="hascheduler-chaos-")))
     soak = Soak(args, settings, random.Random(args.seed), Supervisor(settings))
-    print(f"chaos soak: {args.duration:g} s, {args.replicas} replicas, {args.schedules} "
-          f"schedules, seed {args.seed}, a fault every {args.fault_every:g} s on average; "
+    print(f"chaos soak: {args.duration:g} s of faults then {args.calm:g} s calm, "
+          f"{args.replicas} replicas, {args.schedules} schedules, seed {args.seed}, "
+          f"a fault every {args.fault_every:g} s on average; "
           f"lease ttl {settings.lease_ttl:g} s, renew deadline {settings.renew_deadline:g} s, "
           f"renew interval {settings.renew_interval:g} s; logs in {settings.state_dir}",
           flush=True)
@@ -375,7 +377,9 @@ async def run(args: argparse.Namespace) -> int:
         await soak.supervisor.start()
         now = dt.datetime.now(UTC)
         since = (now + dt.timedelta(seconds=5)).replace(microsecond=0)
-        until = since + dt.timedelta(seconds=args.duration)
+        # Faults for --duration, then --calm seconds without: the audit window covers both,
+        # so the lateness bound is also checked once the faults' effects have passed.
+        until = since + dt.timedelta(seconds=args.duration + args.calm)
         soak.t0 = since
         soak.make_schedules(since, until)
         await soak.create_schedules()
@@ -385,6 +389,7 @@ async def run(args: argparse.Namespace) -> int:
         await soak.inject_until(time.monotonic() + args.duration)
         await soak.heal_all()
         await soak.supervisor.reconcile()
+        await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
         report, messages = await complete_stream(soak, since, until, windows)
     finally:
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of faults (default 300)")
     parser.add_argument("--replicas", type=_positive(int, 2), default=3)
     parser.add_argument("--schedules", type=_positive(int, 1), default=60)
+    parser.add_argument("--calm", type=_positive(float, 0), default=20.0,
+                        help="seconds without faults after them, inside the audit window "
+                             "(default 20)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fault-every", type=_positive(float, 0.5), default=2.5,
                         help="mean seconds between faults (default 2.5)")

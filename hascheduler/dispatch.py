@@ -39,6 +39,10 @@ Clock = Callable[[], dt.datetime]
 # insert, the single-threaded development server starved the leader's renewal past its
 # deadline and leadership thrashed mid-burst.
 CLAIM_BATCH = 1000
+# Entries walked between yields to the event loop while seeding or catching up: computing
+# every schedule's next fire takes seconds at 100k schedules, and the lease must keep
+# renewing meanwhile (a blocked loop misses the renew deadline and leadership thrashes).
+YIELD_EVERY = 1000
 
 
 class LeadershipLost(Exception):
@@ -103,6 +107,8 @@ class Dispatcher:
         # What a message needs from a schedule (name, target, payload) by id, with the
         # revision it was read at: a recurring schedule's fires skip the database read.
         self._bodies: dict[str, tuple[int, dict[str, Any]]] = {}
+        # Schedules changed while the heap was being built (it yields): queued again after.
+        self._changed_while_seeding: set[str] = set()
         self.published = 0
 
     # -- mirror changes -------------------------------------------------------------------
@@ -110,6 +116,9 @@ class Dispatcher:
     def on_change(self, schedule_id: str, entry: Entry | None) -> None:
         """Called by the mirror for every applied change; reschedules while leading."""
         self._bodies.pop(schedule_id, None)
+        if self.term is not None and self.watermark is None:
+            self._changed_while_seeding.add(schedule_id)
+            return
         if self.term is None or entry is None or entry.paused or self.watermark is None:
             return
         due = next_due(schedule_id, entry, self.watermark)
@@ -126,12 +135,13 @@ class Dispatcher:
         since = view.fired_through or now
         self.term = term
         self.watermark = None
+        self._changed_while_seeding.clear()
         log.info("leading", term=term, fired_through=since.isoformat())
         try:
             await self._adopt_claims(term, grace_s=0.0)
             await self._retry_due(term)
             await self._catch_up(term, since, now)
-            self._seed(now)
+            await self._seed(now)
             self.watermark = now
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._retry_loop(term))
@@ -140,14 +150,31 @@ class Dispatcher:
             self.term = None
             self._heap.clear()
 
-    def _seed(self, now: dt.datetime) -> None:
-        self._heap = []
-        for schedule_id, entry in self.mirror.entries.items():
+    async def _yield(self) -> None:
+        await asyncio.sleep(0)
+        if not self.lease.valid:
+            raise LeadershipLost
+
+    async def _seed(self, now: dt.datetime) -> None:
+        heap: list[Due] = []
+        for i, (schedule_id, entry) in enumerate(list(self.mirror.entries.items())):
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await self._yield()
             if not entry.paused:
                 due = next_due(schedule_id, entry, now)
                 if due is not None:
-                    self._heap.append(due)
-        heapq.heapify(self._heap)
+                    heap.append(due)
+        # A schedule changed after it was visited would otherwise keep its stale item,
+        # which _current() drops at its time: queue its current state too.
+        for schedule_id in self._changed_while_seeding:
+            changed = self.mirror.entries.get(schedule_id)
+            if changed is not None and not changed.paused:
+                due = next_due(schedule_id, changed, now)
+                if due is not None:
+                    heap.append(due)
+        self._changed_while_seeding.clear()
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _current(self, due: Due) -> Entry | None:
         entry = self.mirror.entries.get(due.schedule_id)
@@ -323,7 +350,9 @@ class Dispatcher:
     async def _catch_up(self, term: int, since: dt.datetime, now: dt.datetime) -> None:
         to_fire: list[Due] = []
         skipped: list[dict[str, Any]] = []
-        for schedule_id, entry in list(self.mirror.entries.items()):
+        for i, (schedule_id, entry) in enumerate(list(self.mirror.entries.items())):
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await self._yield()
             if entry.paused:
                 continue
             start = since - dt.timedelta(seconds=entry.jitter)

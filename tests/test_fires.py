@@ -86,3 +86,39 @@ def test_worker_drops_repeats_and_fires_a_deposed_leader_made_after_the_new_term
     # A handler that failed leaves the fire unseen, so the redelivery runs.
     assert f.verdict(event("e", 2, at(5)), at(5)) == "run"
     assert f.verdict(event("e", 2, at(5)), at(5.1)) == "run"
+
+
+async def test_seeding_yields_and_requeues_a_schedule_changed_meanwhile() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from hascheduler.dispatch import YIELD_EVERY, Dispatcher
+
+    def entry(revision: int, every_s: float = 60.0) -> Entry:
+        return Entry(revision, False, Interval(every_s, T0), 0.0, "all", 3600.0, "t")
+
+    entries = {f"s{i:05d}": entry(1) for i in range(3 * YIELD_EVERY)}
+    mirror = SimpleNamespace(entries=entries)
+    lease = SimpleNamespace(valid=True)
+    dispatcher = Dispatcher(mirror, None, None, None, lease)  # type: ignore[arg-type]
+    dispatcher.term, dispatcher.watermark = 1, None  # leading, heap not built yet
+    turns = 0
+    seeded = False
+
+    async def meanwhile() -> None:
+        nonlocal turns
+        while not seeded:
+            turns += 1
+            if turns == 1:  # s00000 was visited before the first yield; now it changes
+                entries["s00000"] = entry(2, every_s=30.0)
+                dispatcher.on_change("s00000", entries["s00000"])
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(meanwhile())
+    await dispatcher._seed(at(0.25))
+    seeded = True
+    await other
+    assert turns >= 2, "the seed never let another task run"
+    queued = {(d.revision, d.nominal) for d in dispatcher._heap if d.schedule_id == "s00000"}
+    assert (2, at(0.5)) in queued, queued  # the new revision's next fire, every 30 s
+    assert len(dispatcher._heap) >= len(entries)
