@@ -3,7 +3,9 @@
 DESIGN invariants 4 and 5. A fire's id is ``<schedule_id>@<nominal UTC time>``; it is
 claimed by inserting that id into ``fires`` (a duplicate key means another leader owns it),
 only while the lease is valid, and every ledger write carries the term. Publishing uses
-the fire id as the broker's dedup key, so republishing after a failover is safe. On
+the fire id as the broker's dedup key, so republishing after a failover is safe. Claims
+are made up to CLAIM_AHEAD_S before the due time and re-checked against the mirror when
+it comes (a schedule paused, deleted or edited meanwhile is recorded as skipped). On
 becoming leader: adopt and republish claims left by older terms, then fire what fell due
 since the previous leader's watermark, per schedule catch-up policy, recording every
 skipped time with its reason.
@@ -43,6 +45,10 @@ CLAIM_BATCH = 1000
 # every schedule's next fire takes seconds at 100k schedules, and the lease must keep
 # renewing meanwhile (a blocked loop misses the renew deadline and leadership thrashes).
 YIELD_EVERY = 1000
+# Fires are claimed up to this long before they are due, and published at their due time
+# after a re-check (paused, deleted, edited meanwhile): a burst's claims are then made
+# before its second instead of delaying its publishes. Well inside any renew deadline.
+CLAIM_AHEAD_S = 1.0
 
 
 class LeadershipLost(Exception):
@@ -67,6 +73,13 @@ class Due:
     nominal: dt.datetime
     schedule_id: str
     revision: int
+
+
+def is_fire_time(entry: Entry, nominal: dt.datetime) -> bool:
+    """Whether ``nominal`` is one of the trigger's fire times."""
+    first = next(iter(fire_times(entry.trigger, nominal - dt.timedelta(milliseconds=1),
+                                 limit=1)), None)
+    return first is not None and abs((first - nominal).total_seconds()) < 0.0005
 
 
 def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
@@ -109,6 +122,7 @@ class Dispatcher:
         self._bodies: dict[str, tuple[int, dict[str, Any]]] = {}
         # Schedules changed while the heap was being built (it yields): queued again after.
         self._changed_while_seeding: set[str] = set()
+        self._pending: set[str] = set()  # fire ids this replica claimed, not yet published
         self.published = 0
 
     # -- mirror changes -------------------------------------------------------------------
@@ -187,8 +201,9 @@ class Dispatcher:
             if not self.lease.valid:
                 raise LeadershipLost
             now = self.clock()
+            horizon = now + dt.timedelta(seconds=CLAIM_AHEAD_S)
             batch: list[Due] = []
-            while self._heap and self._heap[0].fire_at <= now:
+            while self._heap and self._heap[0].fire_at <= horizon:
                 due = heapq.heappop(self._heap)
                 entry = self._current(due)
                 if entry is None:
@@ -197,18 +212,24 @@ class Dispatcher:
                 following = next_due(due.schedule_id, entry, due.fire_at)
                 if following is not None:
                     heapq.heappush(self._heap, following)
-            for i in range(0, len(batch), CLAIM_BATCH):
-                await self._claim_and_publish(batch[i:i + CLAIM_BATCH], term, now)
+            await self._claim_all(batch, term, now)
             self.watermark = now
             self._wake.clear()
             wait = 0.25  # re-check the lease at least this often
             if self._heap:
-                wait = min(wait, max(0.0, (self._heap[0].fire_at - self.clock()).total_seconds()))
+                ahead = self._heap[0].fire_at - dt.timedelta(seconds=CLAIM_AHEAD_S)
+                wait = min(wait, max(0.0, (ahead - self.clock()).total_seconds()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
 
-    async def _claim(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Insert claims; returns those we now own (the rest another leader owns)."""
+    async def _claim(self, docs: list[dict[str, Any]], term: int) -> list[dict[str, Any]]:
+        """Insert claims; returns those we now own.
+
+        A duplicate key is another term's claim, or one of ours already pending. Another
+        term's claim still unpublished was left by a deposed leader (only one lease is
+        valid at a time): it is adopted now, at its due time, rather than when the
+        periodic adoption comes round.
+        """
         if not docs:
             return []
         if not self.lease.valid:
@@ -220,11 +241,29 @@ class Dispatcher:
             errors = exc.details.get("writeErrors", [])
             if any(e.get("code") != 11000 for e in errors):
                 raise
-            owned_elsewhere = {docs[e["index"]]["_id"] for e in errors}
-            return [d for d in docs if d["_id"] not in owned_elsewhere]
+            taken = {docs[e["index"]]["_id"] for e in errors}
+            adopted = await self._adopt_due(taken - self._pending, term)
+            return [d for d in docs if d["_id"] not in taken or d["_id"] in adopted]
         except TimeoutError:
             raise LeadershipLost from None
         return docs
+
+    async def _adopt_due(self, fire_ids: set[str], term: int) -> set[str]:
+        if not fire_ids:
+            return set()
+        stale = {"_id": {"$in": sorted(fire_ids)}, "state": ledger.CLAIMED,
+                 "term": {"$lt": term}}
+        candidates = {d["_id"] async for d in self.fires.find(stale, {"_id": 1})}
+        if not candidates:
+            return set()
+        await self.fires.update_many({**stale, "_id": {"$in": sorted(candidates)}},
+                                     {"$set": {"term": term, "claimed_at": self.clock()}})
+        log.info("adopted_claims", count=len(candidates), term=term, at="due time")
+        return candidates
+
+    async def _claim_all(self, dues: list[Due], term: int, now: dt.datetime) -> None:
+        for i in range(0, len(dues), CLAIM_BATCH):
+            await self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now)
 
     async def _claim_and_publish(self, batch: list[Due], term: int, now: dt.datetime) -> None:
         hold = self.settings.publish_timeout_s * 2
@@ -234,18 +273,66 @@ class Dispatcher:
             # The retry loop leaves it alone unless this publish has not finished by then.
             doc["next_attempt_at"] = now + dt.timedelta(seconds=hold)
             docs.append(doc)
-        claimed = await self._claim(docs)
+        claimed = await self._claim(docs, term)
         if claimed:
-            await self._slots.acquire()
-            task = asyncio.create_task(self._publish(claimed, term, attempt=1))
+            revisions = {d.schedule_id: d.revision for d in batch}
+            self._pending.update(c["_id"] for c in claimed)
+            task = asyncio.create_task(self._publish_when_due(claimed, revisions, term))
             self._in_flight.add(task)
             task.add_done_callback(self._publish_done)
 
     def _publish_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
-        self._slots.release()
         if not task.cancelled() and task.exception() is not None:
             log.error("publish_batch_failed", error=repr(task.exception()))
+
+    async def _publish_when_due(self, claimed: list[dict[str, Any]], revisions: dict[str, int],
+                                term: int) -> None:
+        """Publish each claimed fire at its due time, in groups due together."""
+        claimed = sorted(claimed, key=lambda c: c["due_at"])
+        try:
+            await self._schedule_bodies({c["schedule_id"] for c in claimed})  # warm the cache
+            while claimed:
+                delay = (claimed[0]["due_at"] - self.clock()).total_seconds()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                now = self.clock()
+                due = [c for c in claimed if c["due_at"] <= now]
+                claimed = claimed[len(due):]
+                if not (self.lease.valid and self.lease.term == term):
+                    return  # deposed meanwhile: the next leader adopts these claims
+                wanted = await self._still_due(due, revisions, term)
+                if wanted:
+                    async with self._slots:
+                        await self._publish(wanted, term, attempt=1)
+        finally:
+            self._pending.difference_update(c["_id"] for c in claimed)
+
+    async def _still_due(self, due: list[dict[str, Any]], revisions: dict[str, int],
+                         term: int) -> list[dict[str, Any]]:
+        """The fires still wanted at their due time; the others are recorded as skipped."""
+        keep, skipped = [], []
+        for fire in due:
+            self._pending.discard(fire["_id"])
+            entry = self.mirror.entries.get(fire["schedule_id"])
+            reason = None
+            if entry is None:
+                reason = "schedule deleted before its due time"
+            elif entry.paused:
+                reason = "schedule paused before its due time"
+            elif entry.revision != revisions[fire["schedule_id"]] and not is_fire_time(
+                    entry, fire["nominal_at"]):
+                reason = "schedule changed before its due time; no longer a fire time"
+            if reason is None:
+                keep.append(fire)
+            else:
+                skipped.append(fire["_id"])
+                await self.fires.update_one(
+                    {"_id": fire["_id"], "term": term, "state": ledger.CLAIMED},
+                    {"$set": {"state": ledger.SKIPPED, "reason": reason}})
+        if skipped:
+            log.info("skipped_before_due", count=len(skipped), term=term)
+        return keep
 
     async def _publish(self, claimed: list[dict[str, Any]], term: int, attempt: int) -> None:
         """Publish claimed fires; mark each published, or schedule its retry."""
@@ -266,11 +353,12 @@ class Dispatcher:
                 {"$set": {"state": ledger.SKIPPED, "reason": "schedule deleted before "
                                                              "its fire was published"}})
         outcomes = await self.broker.publish(messages, self.settings.publish_timeout_s)
+        acked_at = self.clock()
         done = [f["_id"] for f, error in zip(sendable, outcomes, strict=True) if error is None]
         if done:
             await self.fires.update_many(
                 {"_id": {"$in": done}, "term": term, "state": ledger.CLAIMED},
-                {"$set": {"state": ledger.PUBLISHED, "published_at": self.clock(),
+                {"$set": {"state": ledger.PUBLISHED, "published_at": acked_at,
                           "attempts": attempt}, "$unset": {"next_attempt_at": ""}})
             self.published += len(done)
             for fire_id in done:
@@ -322,10 +410,13 @@ class Dispatcher:
 
         ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
         """
-        cutoff = self.clock() - dt.timedelta(seconds=grace_s)
+        now = self.clock()
+        cutoff = now - dt.timedelta(seconds=grace_s)
+        # Not before its due time: a claim made ahead waits for it (_adopt_due takes it then).
         result = await self.fires.update_many(
-            {"state": ledger.CLAIMED, "term": {"$lt": term}, "claimed_at": {"$lte": cutoff}},
-            {"$set": {"term": term, "next_attempt_at": self.clock()}})
+            {"state": ledger.CLAIMED, "term": {"$lt": term}, "claimed_at": {"$lte": cutoff},
+             "due_at": {"$lte": now}},
+            {"$set": {"term": term, "next_attempt_at": now}})
         if result.modified_count:
             log.info("adopted_claims", count=result.modified_count, term=term)
         return int(result.modified_count)
@@ -371,8 +462,7 @@ class Dispatcher:
         if to_fire:
             log.info("catching_up", fires=len(to_fire), skipped=len(skipped), term=term)
             to_fire.sort()
-            for i in range(0, len(to_fire), CLAIM_BATCH):
-                await self._claim_and_publish(to_fire[i:i + CLAIM_BATCH], term, self.clock())
+            await self._claim_all(to_fire, term, self.clock())
 
     async def drain(self) -> None:
         """Let in-flight publishes finish (bounded by the drain timeout)."""

@@ -105,13 +105,16 @@ def expected_fires(schedules: dict[str, dict[str, Any]], start: dt.datetime,
     return out
 
 
-async def stream_counts(nats_uri: str, prefix: str) -> Counter[str]:
-    """Every message the stream holds for this test's target, counted by fire id."""
+async def stream_counts(nats_uri: str, prefix: str
+                        ) -> tuple[Counter[str], dict[str, dt.datetime]]:
+    """Every message the stream holds for this test's target, counted by fire id, and when
+    the stream first stored each."""
     nc = await nats.connect(nats_uri)
     try:
         js = nc.jetstream()
         sub = await js.subscribe(f"hascheduler.fire.audit.{prefix}", ordered_consumer=True)
         counts: Counter[str] = Counter()
+        stored: dict[str, dt.datetime] = {}
         info = await js.stream_info("HASCHEDULER")
         pending = info.state.messages
         while pending:
@@ -120,11 +123,13 @@ async def stream_counts(nats_uri: str, prefix: str) -> Counter[str]:
             except nats.errors.TimeoutError:
                 break
             pending -= 1
-            counts[json.loads(msg.data)["id"]] += 1
+            fire = json.loads(msg.data)["id"]
+            counts[fire] += 1
+            stored.setdefault(fire, msg.metadata.timestamp)
             if msg.metadata.num_pending == 0:
                 break
         await sub.unsubscribe()
-        return counts
+        return counts, stored
     finally:
         await nc.close()
 
@@ -141,13 +146,18 @@ async def audit(h: Harness, schedules: dict[str, dict[str, Any]], start: dt.date
         return bool(n == len(expected))
 
     await wait_until(all_published, 30, "every expected fire to be published", 0.2)
-    counts = await stream_counts(h.nats.uri, h.prefix)
+    counts, stored = await stream_counts(h.nats.uri, h.prefix)
     missing = sorted(f for f in expected if counts[f] == 0)
     duplicated = sorted(f for f, c in counts.items() if c > 1)
     assert not missing, f"missing from the stream: {missing[:10]}"
     assert not duplicated, f"duplicated in the stream: {duplicated[:10]}"
     ledger = [d async for d in h.db.fires.find({"_id": {"$in": sorted(expected)}})]
     assert len(ledger) == len(expected)
+    # Claims are made ahead of time; the messages must still wait for their due time
+    # (the ledger keeps milliseconds, the stream's clock more).
+    early = [d["_id"] for d in ledger
+             if stored[d["_id"]] < d["due_at"] - dt.timedelta(milliseconds=1)]
+    assert not early, f"stored before their due time: {early[:5]}"
     return {"expected": len(expected), "ledger": ledger}
 
 
@@ -313,3 +323,48 @@ async def test_broker_down_for_ten_seconds_fires_late_but_once(
             if (f["published_at"] - f["due_at"]).total_seconds() > 5]
     assert late, "the outage should have made some fires late"
     assert time.monotonic() - down_at < 60
+
+
+async def test_pause_or_edit_between_claim_and_due_time_is_honoured(harness: Harness) -> None:
+    """Fires are claimed ahead of their due time; what changes in between must count."""
+    await harness.leader()
+    any_replica = harness.replicas["a"].uri
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=4)).replace(microsecond=0)
+    bodies = {
+        f"{harness.prefix}-paused": {"kind": "at", "at": [due.isoformat()]},
+        f"{harness.prefix}-moved": {"kind": "at", "at": [due.isoformat()]},
+        f"{harness.prefix}-kept": {"kind": "at", "at": [due.isoformat()]},
+    }
+    for sid, trigger in bodies.items():
+        async with harness.http.post(any_replica + "/schedules", json={
+                "id": sid, "name": sid, "target": f"audit.{harness.prefix}",
+                "trigger": trigger, "catchup": "all"}) as r:
+            assert r.status == 201, await r.text()
+
+    async def claimed() -> bool:
+        n = await harness.db.fires.count_documents({"state": "claimed",
+                                                    "schedule_id": {"$in": list(bodies)}})
+        return bool(n == 3)
+
+    await wait_until(claimed, 10, "the three fires to be claimed ahead of time", 0.02)
+    assert dt.datetime.now(dt.UTC) < due, "claimed too late for this test to mean anything"
+    async with harness.http.post(any_replica + f"/schedules/{harness.prefix}-paused/pause") as r:
+        assert r.status == 200, await r.text()
+    later = (due + dt.timedelta(seconds=30)).isoformat()
+    async with harness.http.patch(any_replica + f"/schedules/{harness.prefix}-moved",
+                                  json={"trigger": {"kind": "at", "at": [later]}}) as r:
+        assert r.status == 200, await r.text()
+    assert dt.datetime.now(dt.UTC) < due
+
+    async def settled() -> list[dict[str, Any]] | None:
+        docs = [d async for d in harness.db.fires.find({"schedule_id": {"$in": list(bodies)}})]
+        return docs if all(d["state"] != "claimed" for d in docs) else None
+
+    ledger = {d["schedule_id"]: d for d in await wait_until(settled, 10, "the fires to settle")}
+    assert ledger[f"{harness.prefix}-kept"]["state"] == "published"
+    assert ledger[f"{harness.prefix}-paused"]["state"] == "skipped"
+    assert "paused" in ledger[f"{harness.prefix}-paused"]["reason"]
+    assert ledger[f"{harness.prefix}-moved"]["state"] == "skipped"
+    assert "changed" in ledger[f"{harness.prefix}-moved"]["reason"]
+    counts, _ = await stream_counts(harness.nats.uri, harness.prefix)
+    assert sorted(counts) == [fire_id(f"{harness.prefix}-kept", due)]
