@@ -123,6 +123,9 @@ class Dispatcher:
         # Schedules changed while the heap was being built (it yields): queued again after.
         self._changed_while_seeding: set[str] = set()
         self._pending: set[str] = set()  # fire ids this replica claimed, not yet published
+        # Set by drain(): claims still waiting for their due time are left to the next
+        # leader (it adopts them then) instead of holding up the handover.
+        self._handing_over = asyncio.Event()
         self.published = 0
 
     # -- mirror changes -------------------------------------------------------------------
@@ -150,6 +153,7 @@ class Dispatcher:
         self.term = term
         self.watermark = None
         self._changed_while_seeding.clear()
+        self._handing_over = asyncio.Event()
         log.info("leading", term=term, fired_through=since.isoformat())
         try:
             await self._adopt_claims(term, grace_s=0.0)
@@ -295,7 +299,10 @@ class Dispatcher:
             while claimed:
                 delay = (claimed[0]["due_at"] - self.clock()).total_seconds()
                 if delay > 0:
-                    await asyncio.sleep(delay)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._handing_over.wait(), delay)
+                    if self._handing_over.is_set():
+                        return
                 now = self.clock()
                 due = [c for c in claimed if c["due_at"] <= now]
                 claimed = claimed[len(due):]
@@ -465,6 +472,8 @@ class Dispatcher:
             await self._claim_all(to_fire, term, self.clock())
 
     async def drain(self) -> None:
-        """Let in-flight publishes finish (bounded by the drain timeout)."""
+        """Let in-flight publishes finish (bounded by the drain timeout); claims not yet
+        due are left for the next leader."""
+        self._handing_over.set()
         if self._in_flight:
             await asyncio.wait(list(self._in_flight), timeout=self.settings.drain_timeout_s)
