@@ -121,22 +121,30 @@ class Cron:
     timezone: str = "UTC"
 
     def next_after(self, after: dt.datetime) -> dt.datetime | None:
-        trigger = cron_trigger(self.expression, self.timezone)
-        fixed_hour = self.expression.split()[-4] != "*"
-        tz = trigger.timezone
-        # Step in UTC: adding to an aware local time is wall-clock arithmetic, which is
-        # ambiguous exactly at the DST transitions this must get right.
-        start = after.astimezone(UTC) + dt.timedelta(microseconds=1)
-        for _ in range(1000):
-            nxt: dt.datetime | None = trigger.get_next_fire_time(None, start.astimezone(tz))
-            if nxt is None:
-                return None
-            nxt_utc = nxt.astimezone(UTC)
-            if fixed_hour and _second_pass_of_repeated_hour(nxt):
-                start = nxt_utc + dt.timedelta(seconds=1)
-                continue
-            return nxt_utc
-        raise InvalidTrigger(f"cron {self.expression!r} found no fire time")
+        return _cron_next_after(self.expression, self.timezone, after)
+
+
+# Many schedules share an expression, and the leader asks for all of them at the same
+# instants (seeding the heap at one "now", fires due together, catch-up from one
+# watermark): APScheduler's arithmetic costs tens of microseconds a call, a hit one.
+@functools.lru_cache(maxsize=16384)
+def _cron_next_after(expression: str, timezone: str, after: dt.datetime) -> dt.datetime | None:
+    trigger = cron_trigger(expression, timezone)
+    fixed_hour = expression.split()[-4] != "*"
+    tz = trigger.timezone
+    # Step in UTC: adding to an aware local time is wall-clock arithmetic, which is
+    # ambiguous exactly at the DST transitions this must get right.
+    start = after.astimezone(UTC) + dt.timedelta(microseconds=1)
+    for _ in range(1000):
+        nxt: dt.datetime | None = trigger.get_next_fire_time(None, start.astimezone(tz))
+        if nxt is None:
+            return None
+        nxt_utc = nxt.astimezone(UTC)
+        if fixed_hour and _second_pass_of_repeated_hour(nxt):
+            start = nxt_utc + dt.timedelta(seconds=1)
+            continue
+        return nxt_utc
+    raise InvalidTrigger(f"cron {expression!r} found no fire time")
 
 
 @dataclass(frozen=True, slots=True)
