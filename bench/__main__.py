@@ -26,7 +26,7 @@ SECTIONS = [
      "The development MongoDB server, a real nats-server and three replicas (lease ttl 2 s, "
      "renew deadline 1.4 s, renew interval 0.4 s) on this one machine. Failover: from the "
      "signal to the next leader's lease and to its first published fire of an every-second "
-     "schedule. Burst: 10,000 one-off schedules due in the same second, until all are "
+     "schedule (which waits for that schedule's next second: up to 1 s after the lease). Burst: 10,000 one-off schedules due in the same second, until all are "
      "published and acknowledged; baseline raw nats-py publishing as many messages, "
      "pipelined. Lateness: publish-acknowledged time minus due time; baseline plain "
      "APScheduler 3 running the same cron triggers with an empty job. Targets: graceful "
