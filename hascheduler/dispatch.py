@@ -29,6 +29,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from . import fires as ledger
 from .brokers import Broker
 from .lease import Lease, LeaseView
+from .metrics import Metrics
 from .mirror import Entry, Mirror
 from .triggers import fire_times, jitter_offset
 
@@ -105,8 +106,10 @@ async def ensure_fire_indexes(fires: Any, retention_s: float) -> None:
 class Dispatcher:
     def __init__(self, mirror: Mirror, schedules: Any, fires: Any, broker: Broker,
                  lease: Lease, settings: DispatchSettings | None = None,
-                 clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
+                 clock: Clock = lambda: dt.datetime.now(dt.UTC),
+                 metrics: Metrics | None = None) -> None:
         self.mirror = mirror
+        self.metrics = metrics or Metrics()
         self.schedules = schedules
         self.fires = fires
         self.broker = broker
@@ -280,6 +283,7 @@ class Dispatcher:
             doc["next_attempt_at"] = now + dt.timedelta(seconds=hold)
             docs.append(doc)
         claimed = await self._claim(docs, term)
+        self.metrics.fires.labels("claimed").inc(len(claimed))
         if claimed:
             revisions = {d.schedule_id: d.revision for d in batch}
             self._pending.update(c["_id"] for c in claimed)
@@ -340,6 +344,7 @@ class Dispatcher:
                     {"_id": fire["_id"], "term": term, "state": ledger.CLAIMED},
                     {"$set": {"state": ledger.SKIPPED, "reason": reason}})
         if skipped:
+            self.metrics.fires.labels("skipped").inc(len(skipped))
             log.info("skipped_before_due", count=len(skipped), term=term)
         return keep
 
@@ -357,12 +362,15 @@ class Dispatcher:
                                                attempt=attempt, fired_at=fired_at))
             sendable.append(fire)
         if gone:
+            self.metrics.fires.labels("skipped").inc(len(gone))
             await self.fires.update_many(
                 {"_id": {"$in": gone}, "term": term, "state": ledger.CLAIMED},
                 {"$set": {"state": ledger.SKIPPED, "reason": "schedule deleted before "
                                                              "its fire was published"}})
+        sent = self.clock()
         outcomes = await self.broker.publish(messages, self.settings.publish_timeout_s)
         acked_at = self.clock()
+        self.metrics.publish_seconds.observe((acked_at - sent).total_seconds())
         done = [f["_id"] for f, error in zip(sendable, outcomes, strict=True) if error is None]
         if done:
             await self.fires.update_many(
@@ -370,6 +378,10 @@ class Dispatcher:
                 {"$set": {"state": ledger.PUBLISHED, "published_at": acked_at,
                           "attempts": attempt}, "$unset": {"next_attempt_at": ""}})
             self.published += len(done)
+            self.metrics.fires.labels("published").inc(len(done))
+            for fire, error in zip(sendable, outcomes, strict=True):
+                if error is None:
+                    self.metrics.lateness.observe((acked_at - fire["due_at"]).total_seconds())
             for fire_id in done:
                 log.debug("fired", fire_id=fire_id, term=term, attempt=attempt)
         failures = [(f, e) for f, e in zip(sendable, outcomes, strict=True) if e is not None]
@@ -404,6 +416,7 @@ class Dispatcher:
         if attempt >= self.settings.max_attempts:
             update: dict[str, Any] = {"state": ledger.FAILED, "attempts": attempt,
                                       "last_error": repr(error), "failed_at": now}
+            self.metrics.fires.labels("failed").inc()
         else:
             delay = ledger.backoff_s(attempt, self.settings.backoff_base_s,
                                      self.settings.backoff_cap_s, random.random())

@@ -14,6 +14,7 @@ import contextlib
 import datetime as dt
 import inspect
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from pymongo.errors import PyMongoError
 
 from .dispatch import Dispatcher, LeadershipLost
 from .lease import Lease, LeaseView
+from .metrics import Metrics
 
 log = structlog.get_logger("hascheduler.leadership")
 
@@ -31,8 +33,10 @@ TAKEOVER_SPREAD_S = 0.05
 
 class Elector:
     def __init__(self, lease: Lease, dispatcher: Dispatcher, leases: Any,
-                 ready: Callable[[], bool] = lambda: True) -> None:
+                 ready: Callable[[], bool] = lambda: True,
+                 metrics: Metrics | None = None) -> None:
         self.lease = lease
+        self.metrics = metrics or Metrics()
         self._ready = ready
         self.dispatcher = dispatcher
         self._leases = leases
@@ -73,11 +77,14 @@ class Elector:
         leading = self.is_leader
         timings = self.lease.timings
         limit = self.lease.remaining() if leading else timings.renew_interval
+        sent = time.monotonic()
         try:
             view = await asyncio.wait_for(
                 self.lease.acquire_or_renew(self.dispatcher.watermark if leading else None),
                 max(limit, 0.05))
+            self.metrics.renew_seconds.observe(time.monotonic() - sent)
         except (PyMongoError, TimeoutError) as exc:
+            self.metrics.renew_failures.inc()
             if leading and not self.lease.valid:
                 await self._stop_leading(f"renewal failed past the deadline: {exc!r}")
             elif leading:

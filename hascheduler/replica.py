@@ -34,6 +34,7 @@ from .constants import (
 from .dispatch import Dispatcher, DispatchSettings, ensure_fire_indexes
 from .leadership import Elector
 from .lease import Lease, LeaseTimings
+from .metrics import Metrics
 from .mirror import Mirror
 from .store import ScheduleStore
 
@@ -90,12 +91,19 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     store = ScheduleStore(db[SCHEDULES])
     lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
     mirror = Mirror(db[SCHEDULES])
+    metrics = Metrics()
     dispatcher = Dispatcher(mirror, db[SCHEDULES], db[FIRES], settings.broker, lease,
-                            settings.dispatch)
+                            settings.dispatch, metrics=metrics)
     mirror.on_change = dispatcher.on_change
-    elector = Elector(lease, dispatcher, db[LEASES], ready=lambda: mirror.ready)
+    elector = Elector(lease, dispatcher, db[LEASES], ready=lambda: mirror.ready,
+                      metrics=metrics)
+    metrics.watch(leader=lambda: elector.is_leader,
+                  term=lambda: elector.view.term if elector.view is not None else 0,
+                  size=lambda: mirror.size, ready=lambda: mirror.ready,
+                  last_applied=lambda: (mirror.last_applied.time
+                                        if mirror.last_applied is not None else None))
     cluster = Cluster(db[LEASES], db[MEMBERS], db[FIRES], elector)
-    app = create_app(store, mirror, settings.replica_id, cluster=cluster)
+    app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)

@@ -19,6 +19,7 @@ from ..constants import (
     MAX_PREVIEW,
     MAX_REQUEST_BYTES,
 )
+from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
 from ..store import ScheduleStore
 from ..triggers import fire_times
@@ -31,6 +32,29 @@ STORE = web.AppKey("store", ScheduleStore)
 MIRROR = web.AppKey("mirror", Mirror)
 REPLICA = web.AppKey("replica_id", str)
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+METRICS = web.AppKey("metrics", Metrics)
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Requests by route template (not path: ids would explode the label set) and status."""
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unmatched"
+    status = 500
+    try:
+        response: web.StreamResponse = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        request.app[METRICS].http.labels(name, request.method, str(status)).inc()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 _JSON_TYPES = {"application/json", "application/merge-patch+json"}
 
@@ -243,8 +267,11 @@ async def docs(request: web.Request) -> web.Response:
 
 def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
                clock: Clock = lambda: dt.datetime.now(dt.UTC),
-               cluster: Cluster | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
+               cluster: Cluster | None = None,
+               metrics_: Metrics | None = None) -> web.Application:
+    app = web.Application(middlewares=[count_requests, error_middleware],
+                          client_max_size=MAX_REQUEST_BYTES)
+    app[METRICS] = metrics_ or Metrics()
     app[STORE] = store
     app[MIRROR] = mirror
     app[REPLICA] = replica_id
@@ -264,6 +291,7 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     app.router.add_get("/leader", leader)
     app.router.add_get("/cluster", members)
     app.router.add_get("/mirror/{id}", mirror_entry)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
