@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from pymongo.errors import PyMongoError
 
+from . import logs
 from .dispatch import Dispatcher, LeadershipLost
 from .lease import Lease, LeaseView
 from .metrics import Metrics
@@ -93,6 +94,7 @@ class Elector:
             return
         if view is not None:
             self.view = view
+            logs.set_term(view.term)
             if not leading:
                 self._start_leading(view)
         elif leading or self._leading is not None:
@@ -100,9 +102,10 @@ class Elector:
         else:
             with contextlib.suppress(PyMongoError):
                 self.view = await self.lease.read()
+                if self.view is not None:
+                    logs.set_term(self.view.term)
 
     def _start_leading(self, view: LeaseView) -> None:
-        structlog.contextvars.bind_contextvars(term=view.term)
         log.info("became_leader", term=view.term)
         self._leading = asyncio.create_task(self._lead(view))
 
@@ -123,7 +126,6 @@ class Elector:
             task.cancel()
             await asyncio.wait({task}, timeout=2.0)
             log.warning("lost_leadership", reason=reason)
-        structlog.contextvars.unbind_contextvars("term")
 
     async def _pause(self) -> None:
         """Until the next attempt: a renew interval when leading; when standing by, until

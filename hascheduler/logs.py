@@ -1,11 +1,48 @@
-"""Structured logging: one event per line, JSON unless a person is watching a terminal."""
+"""Structured logging: one event per line, JSON unless a person is watching a terminal.
+
+Every line carries the replica's id and the lease term it last saw (``identify`` and
+``set_term``: process-wide, so lines from any task have them, not only from tasks started
+after a contextvar was bound), and credentials in URIs are masked wherever they appear.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
+
+# scheme://user:password@host -> scheme://user:***@host (MongoDB, NATS, AMQP URIs alike).
+_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]+):[^@/\s]*@")
+_identity: dict[str, Any] = {}
+
+
+def identify(replica_id: str) -> None:
+    _identity["replica_id"] = replica_id
+
+
+def set_term(term: int | None) -> None:
+    _identity["term"] = term
+
+
+def redact(text: str) -> str:
+    return _CREDENTIALS.sub(r"\g<head>:***@", text)
+
+
+def _add_identity(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in _identity.items():
+        event.setdefault(key, value)
+    return event
+
+
+def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in event.items():
+        if isinstance(value, str) and "://" in value:
+            event[key] = redact(value)
+    return event
 
 
 def configure(level: str = "info", json: bool | None = None) -> None:
@@ -17,9 +54,11 @@ def configure(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_identity,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _redact,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

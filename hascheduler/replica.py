@@ -17,6 +17,7 @@ from aiohttp import web
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from . import logs
 from .api import create_app
 from .api.app import Cluster
 from .brokers import Broker
@@ -84,7 +85,7 @@ async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: 
 
 async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     """Serve until SIGTERM or SIGINT; prints the API's base URL on one line once listening."""
-    structlog.contextvars.bind_contextvars(replica_id=settings.replica_id)
+    logs.identify(settings.replica_id)
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         settings.mongodb_uri, tz_aware=True, appname=f"hascheduler/{settings.replica_id}")
     db = client.get_default_database(DEFAULT_DATABASE)
