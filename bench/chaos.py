@@ -42,7 +42,8 @@ from typing import Any
 import aiohttp
 from pymongo import AsyncMongoClient
 
-from bench.chaos_audit import SoakAudit, SoakSchedule, Window, audit, percentile, stored_fire
+from bench.chaos_audit import SoakAudit, SoakSchedule, Window, audit, stored_fire
+from bench.devmongo_bench import pct
 from hascheduler import logs
 from hascheduler.devcluster.supervisor import Child, DevSettings, Supervisor, read_stream
 
@@ -334,16 +335,16 @@ def table(report: SoakAudit, faults: list[Fault], gaps: list[dict[str, Any]]) ->
     for name, values, over in (
             ("outside fault windows", report.lateness_clear, len(report.over_bound)),
             ("inside fault windows", report.lateness_faulted, None)):
-        lines.append(f"| {name} | {len(values):,} | {_ms(percentile(values, .5))} | "
-                     f"{_ms(percentile(values, .99))} | {_ms(max(values, default=0))} | "
+        lines.append(f"| {name} | {len(values):,} | {_ms(pct(values, .5))} | "
+                     f"{_ms(pct(values, .99))} | {_ms(max(values, default=0))} | "
                      f"{'-' if over is None else over} |")
     lines += ["", "| failover (fault of the leader to ...) | samples | p50 | p99 | max |",
               "|---|---|---|---|---|"]
     for key, label in (("takeover_s", "a newer term's lease"),
                        ("gap_s", "its first fire in the stream")):
         values = [g[key] for g in gaps]
-        lines.append(f"| {label} | {len(values)} | {_ms(percentile(values, .5))} | "
-                     f"{_ms(percentile(values, .99))} | {_ms(max(values, default=0))} |")
+        lines.append(f"| {label} | {len(values)} | {_ms(pct(values, .5))} | "
+                     f"{_ms(pct(values, .99))} | {_ms(max(values, default=0))} |")
     return "\n".join(lines)
 
 
@@ -437,8 +438,8 @@ async def run(args: argparse.Namespace) -> int:
         "unexpected": len(report.unexpected), "early": len(report.early),
         "malformed": report.malformed, "over_bound": len(report.over_bound),
         "lateness_clear_s": {"n": len(report.lateness_clear),
-                             "p50": percentile(report.lateness_clear, .5),
-                             "p99": percentile(report.lateness_clear, .99),
+                             "p50": pct(report.lateness_clear, .5),
+                             "p99": pct(report.lateness_clear, .99),
                              "max": max(report.lateness_clear, default=0.0)},
         "gaps": gaps, "checks": checks, "ok": all(checks.values()),
         "table": table(report, soak.faults, gaps)}

@@ -175,10 +175,3 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
     report.missing = sorted(k for k in expected if k not in counts)
     return report
 
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

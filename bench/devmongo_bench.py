@@ -108,6 +108,9 @@ async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-quantile of ``values`` (0 for none)."""
+    if not values:
+        return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
