@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from pymongo import uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI
 
 from . import logs, schedules_cli
+from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
 from .dispatch import DispatchSettings
 from .lease import LeaseSettingsError, LeaseTimings
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds before an idle cursor is killed")
     dm.add_argument("--ttl-interval", type=_positive_float, default=1.0,
                     help="seconds between TTL index sweeps (mongod: 60)")
+    dm.add_argument("--tls-certificate-key-file", help="PEM file with the server's "
+                    "certificate and key: accept TLS connections only (as mongod's option)")
     sv = sub.add_parser("serve", help="run one scheduler replica (HTTP API + mirror)")
     sv.add_argument("--mongodb-uri", default=_env("MONGODB_URI"),
                     help="MongoDB replica set URI (env HASCHEDULER_MONGODB_URI)")
@@ -86,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(env HASCHEDULER_RENEW_DEADLINE)")
     sv.add_argument("--renew-interval", default=_env("RENEW_INTERVAL", "2"),
                     help="seconds between renewals (env HASCHEDULER_RENEW_INTERVAL)")
+    sv.add_argument("--write-rate", default=_env("WRITE_RATE", "50"),
+                    help="writes per second one client address may make on average, 0 for "
+                         "no limit (env HASCHEDULER_WRITE_RATE)")
+    sv.add_argument("--write-burst", default=_env("WRITE_BURST", "100"),
+                    help="writes one client may make at once (env HASCHEDULER_WRITE_BURST)")
     sv.add_argument("--fire-retention", default=_env("FIRE_RETENTION", str(7 * 86400)),
                     help="seconds the fire ledger keeps a fire (env "
                          "HASCHEDULER_FIRE_RETENTION)")
@@ -144,10 +153,31 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         broker = broker_from_url(args.broker)
     except ValueError as exc:
         raise ConfigError(f"--broker / HASCHEDULER_BROKER: {exc}") from None
+    try:
+        tokens = load_tokens(os.environ)
+    except AccessConfigError as exc:
+        raise ConfigError(str(exc)) from None
     return ReplicaSettings(mongodb_uri=args.mongodb_uri, http_host=args.http_host,
                            http_port=port, replica_id=replica_id, broker=broker,
                            timings=timings,
-                           dispatch=DispatchSettings(retention_s=seconds["fire_retention"]))
+                           dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
+                           tokens=tokens, write_limit=_write_limit(args))
+
+
+def _write_limit(args: argparse.Namespace) -> WriteLimit:
+    try:
+        rate = float(args.write_rate)
+    except ValueError:
+        raise ConfigError(f"--write-rate / HASCHEDULER_WRITE_RATE: {args.write_rate!r} is not "
+                          "a number") from None
+    try:
+        burst = _positive_int(str(args.write_burst))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"--write-burst / HASCHEDULER_WRITE_BURST: {exc}") from None
+    try:
+        return WriteLimit(per_second=rate, burst=burst)
+    except AccessConfigError as exc:
+        raise ConfigError(f"--write-rate / HASCHEDULER_WRITE_RATE: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +192,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         settings = Settings(host=args.host, port=args.port, replset=args.replset,
                             oplog_size=args.oplog_size, cursor_timeout_s=args.cursor_timeout,
-                            ttl_interval_s=args.ttl_interval)
+                            ttl_interval_s=args.ttl_interval,
+                            tls_certificate_key_file=args.tls_certificate_key_file)
+        if args.tls_certificate_key_file:
+            from .devmongo.server import tls_context
+
+            try:
+                tls_context(args.tls_certificate_key_file)
+            except (OSError, ssl.SSLError) as exc:
+                print(f"hascheduler devmongo: --tls-certificate-key-file "
+                      f"{args.tls_certificate_key_file}: {exc}", file=sys.stderr)
+                return 2
         try:
             asyncio.run(serve_forever(settings))
         except OSError as exc:

@@ -19,6 +19,7 @@ from pymongo.errors import PyMongoError
 
 from . import logs
 from .api import create_app
+from .api.access import Tokens, WriteLimit
 from .api.app import Cluster
 from .brokers import Broker
 from .constants import (
@@ -43,6 +44,7 @@ log = structlog.get_logger("hascheduler.replica")
 
 # How long each shutdown step may take before we move on.
 STOP_STEP_S = 3.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,15 @@ class ReplicaSettings:
     broker: Broker
     timings: LeaseTimings = field(default_factory=LeaseTimings)
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    tokens: Tokens = field(default_factory=Tokens)
+    write_limit: WriteLimit = field(default_factory=WriteLimit)
+
+    @property
+    def listen_host(self) -> str:
+        """Without a token, only this host may call the API: never listen beyond it."""
+        if self.tokens.enabled or self.http_host in LOOPBACK_HOSTS:
+            return self.http_host
+        return "127.0.0.1"
 
 
 async def _retrying(what: str, work: Any) -> None:
@@ -104,10 +115,18 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
                   last_applied=lambda: (mirror.last_applied.time
                                         if mirror.last_applied is not None else None))
     cluster = Cluster(db[LEASES], db[MEMBERS], db[FIRES], elector)
-    app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics)
+    app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics,
+                     tokens=settings.tokens, write_limit=settings.write_limit)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.http_host, settings.http_port)
+    host = settings.listen_host
+    if not settings.tokens.enabled:
+        log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
+                    message="no API token configured (HASCHEDULER_WRITE_TOKENS / _FILE): "
+                            f"the API serves {host} only, without authentication")
+    else:
+        log.info("api_tokens", read=len(settings.tokens.read), write=len(settings.tokens.write))
+    site = web.TCPSite(runner, host, settings.http_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -115,7 +134,7 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     await settings.broker.start()
     try:
         await site.start()
-        url = f"http://{settings.http_host}:{runner.addresses[0][1]}"
+        url = f"http://{host}:{runner.addresses[0][1]}"
         log.info("replica_listening", url=url)
         if announce:
             print(url, flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,9 @@ def add_parser(sub: Any, default_api: str) -> None:
                                           "HTTP API of any replica")
     sc.add_argument("--api", default=default_api,
                     help="base URL of a replica's API (env HASCHEDULER_API)")
+    sc.add_argument("--token", default=os.environ.get("HASCHEDULER_TOKEN"),
+                    help="API token, needed when the replicas have tokens configured "
+                         "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)")
     sc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmd = sc.add_subparsers(dest="action", required=True)
 
@@ -186,7 +190,9 @@ def _schedules_table(items: list[dict[str, Any]]) -> str:
 async def run(args: argparse.Namespace) -> int:
     base = args.api.rstrip("/")
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                         headers=headers) as session:
             output = await _dispatch(session, base, args)
     except Refused as exc:
         print(f"hascheduler schedules {args.action}: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .brokers.base import SUBJECT_PREFIX
-from .brokers.nats import ensure_stream
+from .brokers.nats import NatsEndpoint, ensure_stream
 
 log = structlog.get_logger("hascheduler.worker")
 
@@ -96,6 +96,10 @@ async def run_worker(broker: str | None, target: str | None, handler_spec: str |
                      durable: str | None) -> int:
     if not broker or not broker.startswith(("nats://", "tls://")):
         raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// URL")
+    try:
+        endpoint = NatsEndpoint.parse(broker)
+    except ValueError as exc:
+        raise WorkerConfigError(f"--broker: {exc}") from None
     if not target:
         raise WorkerConfigError("--target (or HASCHEDULER_WORKER_TARGET) is required")
     handler = load_handler(handler_spec)
@@ -104,12 +108,11 @@ async def run_worker(broker: str | None, target: str | None, handler_spec: str |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await nats.connect(broker.split("?", 1)[0], max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.5, name=name)
+    nc = await endpoint.connect(name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     js = nc.jetstream()
-    await ensure_stream(js, "HASCHEDULER", 600.0)
+    await ensure_stream(js, endpoint.stream, endpoint.dedup_window_s)
     subscription = await js.pull_subscribe(
-        f"{SUBJECT_PREFIX}.{target}", durable=name, stream="HASCHEDULER",
+        f"{SUBJECT_PREFIX}.{target}", durable=name, stream=endpoint.stream,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                               ack_wait=30))
     fires = FireFilter()

@@ -17,3 +17,22 @@ ensure_venv() {
     touch .venv/.installed
   fi
 }
+
+# Debian packages the test suite runs for real: chromium (the dashboard's browser test) and
+# openssl (certificates for the TLS tests). Installed with apt-get when missing; a machine
+# without apt-get must provide them (the tests fail, never skip, without them).
+ensure_test_tools() {
+  local missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "the tests need ${missing[*]}; install them (no apt-get here to do it)" >&2
+    exit 2
+  fi
+  echo "installing ${missing[*]} with apt-get" >&2
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+}

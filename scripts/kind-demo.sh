@@ -32,6 +32,18 @@ say "building $IMAGE and loading it into the cluster"
 docker build -t "$IMAGE" .
 kind load docker-image "$IMAGE" --name "$CLUSTER"
 
+# The API tokens live in a Secret, never in git: random ones on the first run.
+kubectl --context "kind-$CLUSTER" create namespace "$NS" --dry-run=client -o yaml \
+  | kubectl --context "kind-$CLUSTER" apply -f -
+if ! k get secret hascheduler-tokens >/dev/null 2>&1; then
+  say "creating the Secret hascheduler-tokens (random read and write tokens)"
+  token() { python3 -c 'import secrets; print(secrets.token_urlsafe(32))'; }
+  k create secret generic hascheduler-tokens --from-literal=write="$(token)" \
+    --from-literal=read="$(token)"
+fi
+TOKEN=$(k get secret hascheduler-tokens -o jsonpath='{.data.write}' | base64 -d)
+AUTH=(-H "Authorization: Bearer $TOKEN")
+
 say "applying k8s/ (kustomize)"
 kubectl --context "kind-$CLUSTER" apply -k k8s/
 k rollout status statefulset/mongodb --timeout=300s
@@ -40,8 +52,8 @@ k rollout status statefulset/nats --timeout=300s
 k rollout status deployment/hascheduler --timeout=300s
 k rollout status deployment/hascheduler-worker --timeout=300s
 
-leader() { curl -fsS "$API/leader" | json 'd["holder"] or ""'; }
-term() { curl -fsS "$API/leader" | json 'd["term"]'; }
+leader() { curl -fsS "${AUTH[@]}" "$API/leader" | json 'd["holder"] or ""'; }
+term() { curl -fsS "${AUTH[@]}" "$API/leader" | json 'd["term"]'; }
 wait_leader_other_than() {
   local old=$1 now
   for _ in $(seq 1 600); do
@@ -62,14 +74,14 @@ wait_for() {
 }
 published_more_than() { [ "$(fires_published 2>/dev/null || echo 0)" -gt "$1" ]; }
 fires_published() {
-  curl -fsS "$API/schedules/kind-every-2s/fires?limit=500" \
+  curl -fsS "${AUTH[@]}" "$API/schedules/kind-every-2s/fires?limit=500" \
     | json 'sum(1 for f in d["items"] if f["state"] == "published")'
 }
 
 say "adding schedules through $API"
 create() {  # 201 created, or 409: it exists from an earlier run
   local code
-  code=$(curl -sS -o /dev/null -w '%{http_code}' -X POST "$API/schedules" \
+  code=$(curl -sS "${AUTH[@]}" -o /dev/null -w '%{http_code}' -X POST "$API/schedules" \
     -H 'Content-Type: application/json' -d "$1")
   case "$code" in 201|409) ;; *) echo "POST /schedules answered $code" >&2; exit 1 ;; esac
 }
@@ -105,10 +117,10 @@ say "fires continue: $before -> $after published for kind-every-2s"
 say "kubectl scale deployment/hascheduler --replicas=5"
 k scale deployment/hascheduler --replicas=5
 k rollout status deployment/hascheduler --timeout=300s
-curl -fsS "$API/cluster" | json '"members: " + ", ".join(m["replica_id"] + (" (leader)" if m.get("leader") else "") for m in d["members"])'
+curl -fsS "${AUTH[@]}" "$API/cluster" | json '"members: " + ", ".join(m["replica_id"] + (" (leader)" if m.get("leader") else "") for m in d["members"])'
 say "kubectl scale deployment/hascheduler --replicas=2"
 k scale deployment/hascheduler --replicas=2
 k rollout status deployment/hascheduler --timeout=300s
 
 say "summary: graceful takeover ${graceful} ms, forced takeover ${forced} ms, leader now $(leader) (term $(term)), $(fires_published) fires published for kind-every-2s"
-say "the API stays on $API; scripts/kind-down.sh deletes the cluster"
+say "the API stays on $API, the dashboard on $API/ui (write token: kubectl -n $NS get secret hascheduler-tokens -o jsonpath='{.data.write}' | base64 -d); scripts/kind-down.sh deletes the cluster"

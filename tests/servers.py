@@ -46,20 +46,22 @@ def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
 
 
 def start_replica(mongodb_uri: str, replica_id: str, *args: str,
-                  startup_s: float = 30.0) -> ServerProcess:
+                  startup_s: float = 30.0, env: dict[str, str] | None = None) -> ServerProcess:
     """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL."""
     return start_cli(["serve", "--mongodb-uri", mongodb_uri, "--http-port", "0",
-                      "--replica-id", replica_id, *args], "http://", startup_s)
+                      "--replica-id", replica_id, *args], "http://", startup_s, env)
 
 
-def start_cli(args: list[str], announces: str, startup_s: float) -> ServerProcess:
-    """Run ``hascheduler ARGS`` until it prints the line starting with ``announces``."""
+def start_cli(args: list[str], announces: str, startup_s: float,
+              env: dict[str, str] | None = None) -> ServerProcess:
+    """Run ``hascheduler ARGS`` (``env`` added to ours) until it prints the line starting
+    with ``announces``."""
     # stderr goes to a file: a pipe nobody reads would block the process once full.
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
         prefix="hascheduler-", suffix=".log", delete=False)
     process = subprocess.Popen(
         [sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args],
-        stdout=subprocess.PIPE, stderr=log, text=True)
+        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
     log.close()
     assert process.stdout is not None
     deadline = time.monotonic() + startup_s
@@ -102,15 +104,17 @@ def nats_server_binary() -> str:
 
 
 def start_nats(port: int | None = None, store_dir: str | None = None,
-               startup_s: float = 20.0) -> ServerProcess:
-    """A real nats-server with JetStream (file storage), on ``port`` (default: a free one)."""
+               startup_s: float = 20.0, extra: tuple[str, ...] = ()) -> ServerProcess:
+    """A real nats-server with JetStream (file storage), on ``port`` (default: a free one);
+    ``extra`` arguments go to nats-server (TLS options, say)."""
     import socket
     port = port or free_port()
     store_dir = store_dir or tempfile.mkdtemp(prefix="nats-js-")
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
         prefix="nats-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        [nats_server_binary(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", str(port)],
+        [nats_server_binary(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", str(port),
+         *extra],
         stdout=log, stderr=log)
     log.close()
     deadline = time.monotonic() + startup_s

@@ -143,3 +143,42 @@ def test_kind_scripts_check_their_tools_first(tmp_path: Path) -> None:
         assert result.returncode == 2, result.stderr
         assert "kind" in result.stderr
         assert "needs" in result.stderr
+
+
+def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_pod() -> None:
+    docs = kustomize_build(K8S)
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pod = by_kind[("Deployment", "hascheduler")]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    secret_volume = next(v for v in pod["volumes"] if "secret" in v)
+    assert secret_volume["secret"]["secretName"] == "hascheduler-tokens"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == secret_volume["name"])
+    assert mount["readOnly"] is True
+    # Listening beyond loopback needs tokens, or the replica would refuse to (see cli).
+    config = by_kind[("ConfigMap", "hascheduler-config")]["data"]
+    assert config["HASCHEDULER_HTTP_HOST"] == "0.0.0.0"
+    for scope in ("write", "read"):
+        assert env[f"HASCHEDULER_{scope.upper()}_TOKENS_FILE"] == f"{mount['mountPath']}/{scope}"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    workloads = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]
+    for workload in workloads:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert any(p["podSelector"]["matchLabels"].items() <= labels.items()
+                   for p in policies.values()), workload["metadata"]["name"]
+
+    def ports(rules: list[dict[str, Any]]) -> set[int]:
+        return {p["port"] for rule in rules for p in rule.get("ports", [])}
+
+    scheduler = policies["hascheduler"]
+    assert set(scheduler["policyTypes"]) == {"Ingress", "Egress"}
+    assert ports(scheduler["ingress"]) == {container["ports"][0]["containerPort"]}
+    assert ports(scheduler["egress"]) == {27017, 4222, 53}
+    assert ":27017/" in config["HASCHEDULER_MONGODB_URI"]
+    assert config["HASCHEDULER_BROKER"].endswith(":4222")
+    mongo_clients = {s["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                     for rule in policies["mongodb"]["ingress"] for s in rule["from"]}
+    assert mongo_clients == {"hascheduler", "mongodb-rs-init", "mongodb"}
+    assert "ingress" not in policies["hascheduler-worker"]  # no connections in at all

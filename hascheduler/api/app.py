@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -23,8 +25,19 @@ from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
 from ..store import ScheduleStore
 from ..triggers import fire_times
+from .access import WRITE_METHODS, Tokens, WriteLimit, WriteLimiter, authorize
 from .errors import BadRequest, error_middleware, problem
 from .openapi import DOCS_PAGE, openapi_spec
+
+# The dashboard's page: one static file, no build step, read once at import.
+UI_PAGE = (Path(__file__).parent / "ui.html").read_text()
+# Everything the page needs is inline or same-origin; nothing else may load or run.
+UI_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+          "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+          "frame-ancestors 'none'")
+DASHBOARD_SCHEDULES = 200
+DASHBOARD_FIRES = 50
+DASHBOARD_FIRES_WINDOW_S = 900
 
 Clock = Callable[[], dt.datetime]
 
@@ -33,6 +46,31 @@ MIRROR = web.AppKey("mirror", Mirror)
 REPLICA = web.AppKey("replica_id", str)
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 METRICS = web.AppKey("metrics", Metrics)
+TOKENS = web.AppKey("tokens", Tokens)
+LIMITER = web.AppKey("write_limiter", WriteLimiter)
+
+
+@web.middleware
+async def access_control(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Tokens first (a stranger learns nothing, not even a rate), then the write limit."""
+    denied = authorize(request.app[TOKENS], request.method, request.path,
+                       request.headers.get("Authorization"))
+    if denied is not None:
+        response = problem(denied.status, denied.title)
+        response.headers.update(denied.headers)
+        return response
+    if request.method in WRITE_METHODS:
+        client = request.remote or "unknown"
+        wait = request.app[LIMITER].take(client)
+        if wait > 0:
+            limit = request.app[LIMITER].limit
+            response = problem(429, f"too many writes from {client}: at most "
+                                    f"{limit.per_second:g} per second (bursts of {limit.burst});"
+                                    f" retry after {wait:.2f} s")
+            response.headers["Retry-After"] = str(math.ceil(wait))
+            return response
+    answer: web.StreamResponse = await handler(request)
+    return answer
 
 
 @web.middleware
@@ -268,10 +306,13 @@ async def docs(request: web.Request) -> web.Response:
 def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
                clock: Clock = lambda: dt.datetime.now(dt.UTC),
                cluster: Cluster | None = None,
-               metrics_: Metrics | None = None) -> web.Application:
-    app = web.Application(middlewares=[count_requests, error_middleware],
+               metrics_: Metrics | None = None, tokens: Tokens | None = None,
+               write_limit: WriteLimit | None = None) -> web.Application:
+    app = web.Application(middlewares=[count_requests, access_control, error_middleware],
                           client_max_size=MAX_REQUEST_BYTES)
     app[METRICS] = metrics_ or Metrics()
+    app[TOKENS] = tokens or Tokens()
+    app[LIMITER] = WriteLimiter(write_limit or WriteLimit())
     app[STORE] = store
     app[MIRROR] = mirror
     app[REPLICA] = replica_id
@@ -292,6 +333,8 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     app.router.add_get("/cluster", members)
     app.router.add_get("/mirror/{id}", mirror_entry)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/ui", ui)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
@@ -327,27 +370,28 @@ def _time(value: Any) -> Any:
     return value
 
 
-async def leader(request: web.Request) -> web.Response:
-    """The lease as the database holds it, and which replica answered."""
-    cluster = _cluster(request)
+async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
     doc = await cluster.leases.find_one({"_id": LEASE_NAME}) or {}
     expires = doc.get("expires_at")
     now = dt.datetime.now(dt.UTC)
     held = isinstance(expires, dt.datetime) and _aware(expires) > now
-    return web.json_response({
-        "holder": doc.get("holder") if held else None,
-        "last_holder": doc.get("holder"), "term": doc.get("term", 0),
-        "expires_at": _time(expires), "fired_through": _time(doc.get("fired_through")),
-        "answered_by": request.app[REPLICA],
-        "answered_by_leader": bool(cluster.elector.is_leader)})
+    return {"holder": doc.get("holder") if held else None,
+            "last_holder": doc.get("holder"), "term": doc.get("term", 0),
+            "expires_at": _time(expires), "fired_through": _time(doc.get("fired_through")),
+            "answered_by": request.app[REPLICA],
+            "answered_by_leader": bool(cluster.elector.is_leader)}
+
+
+async def leader(request: web.Request) -> web.Response:
+    """The lease as the database holds it, and which replica answered."""
+    return web.json_response(await _leader_view(request, _cluster(request)))
 
 
 def _aware(value: dt.datetime) -> dt.datetime:
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
-async def members(request: web.Request) -> web.Response:
-    cluster = _cluster(request)
+async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
     fresh = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
     out = []
     async for doc in cluster.members.find({"seen_at": {"$gte": fresh}}).sort("_id", 1):
@@ -355,7 +399,16 @@ async def members(request: web.Request) -> web.Response:
                     "size": doc.get("size"), "digest": doc.get("digest"),
                     "leader": doc.get("leader"), "term": doc.get("term"),
                     "seen_at": _time(doc.get("seen_at"))})
-    return web.json_response({"members": out, "answered_by": request.app[REPLICA]})
+    return out
+
+
+async def members(request: web.Request) -> web.Response:
+    return web.json_response({"members": await _members_view(_cluster(request)),
+                              "answered_by": request.app[REPLICA]})
+
+
+def _fire_view(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: _time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]}
 
 
 async def fire_history(request: web.Request) -> web.Response:
@@ -365,5 +418,45 @@ async def fire_history(request: web.Request) -> web.Response:
     items = []
     async for doc in cluster.fires.find({"schedule_id": schedule_id}).sort(
             "nominal_at", -1).limit(limit):
-        items.append({k: _time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]})
+        items.append(_fire_view(doc))
     return web.json_response({"schedule_id": schedule_id, "items": items})
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """Everything /ui shows, in one read: the cluster, the schedules with their next fire
+    time, and the fires recorded in the last DASHBOARD_FIRES_WINDOW_S, latest nominal
+    time first."""
+    cluster = _cluster(request)
+    now = _now(request)
+    page, after = await request.app[STORE].list(labels={}, paused=None, after=None,
+                                            limit=DASHBOARD_SCHEDULES)
+    schedules = []
+    for schedule in page:
+        upcoming = models.preview(schedule, now, 1).times
+        schedules.append({
+            "id": schedule.id, "name": schedule.name, "target": schedule.target,
+            "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
+            "revision": schedule.revision,
+            "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})
+    # A range on the indexed recorded_at, so the read stays small however long the ledger.
+    since = now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S)
+    fires = []
+    async for doc in cluster.fires.find({"recorded_at": {"$gte": since}}).sort(
+            [("nominal_at", -1), ("_id", 1)]).limit(DASHBOARD_FIRES):
+        fire = _fire_view(doc)
+        published, due = doc.get("published_at"), doc.get("due_at")
+        fire["lateness_s"] = ((_aware(published) - _aware(due)).total_seconds()
+                              if isinstance(published, dt.datetime)
+                              and isinstance(due, dt.datetime) else None)
+        fires.append(fire)
+    return web.json_response({
+        "now": now.isoformat(), "leader": await _leader_view(request, cluster),
+        "members": await _members_view(cluster), "schedules": schedules,
+        "more_schedules": after is not None, "fires": fires,
+        "fires_window_s": DASHBOARD_FIRES_WINDOW_S})
+
+
+async def ui(request: web.Request) -> web.Response:
+    return web.Response(text=UI_PAGE, content_type="text/html",
+                        headers={"Cache-Control": "no-cache",
+                                 "Content-Security-Policy": UI_CSP})

@@ -38,16 +38,20 @@ def _responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
     out: dict[str, Any] = {str(ok): {"description": "success"}}
     if name:
         out[str(ok)]["content"] = {"application/json": {"schema": _ref(name)}}
-    for code in errors:
+    for code in (*errors, 401):  # 401 from any route but the open ones, when tokens are set
         out[str(code)] = {"description": _ERRORS[code],
                           "content": {"application/json": {"schema": _ref("Problem")}}}
     return out
 
 
-_ERRORS = {400: "malformed request (JSON, If-Match)", 404: "no such schedule",
+_ERRORS = {400: "malformed request (JSON, If-Match)",
+           401: "a token is configured and this request has none, or a wrong one",
+           403: "the token has the read scope; writes need the write scope",
+           404: "no such schedule",
            409: "id taken, or the revision in If-Match is not current",
            413: "body too large", 415: "body is not application/json",
-           422: "invalid schedule or parameter; names the field", 503: "not ready"}
+           422: "invalid schedule or parameter; names the field",
+           429: "too many writes from this client; see Retry-After", 503: "not ready"}
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 _IF_MATCH = {"name": "If-Match", "in": "header", "required": False,
@@ -62,7 +66,7 @@ def openapi_spec() -> dict[str, Any]:
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus)],
         ref_template="#/components/schemas/{model}")
-    write = (400, 413, 415, 422)
+    write = (400, 403, 413, 415, 422, 429)
     return {
         "openapi": "3.1.0",
         "info": {"title": "hascheduler", "version": __version__,
@@ -95,14 +99,14 @@ def openapi_spec() -> dict[str, Any]:
                               "application/json": {"schema": {"type": "object"}}}},
                           "responses": _responses(200, "Schedule", *write, 404, 409)},
                 "delete": {"summary": "delete a schedule", "parameters": [_IF_MATCH],
-                           "responses": _responses(204, None, 400, 404, 409)},
+                           "responses": _responses(204, None, 400, 403, 404, 409, 429)},
             },
             "/schedules/{id}/pause": {"parameters": [_ID], "post": {
                 "summary": "pause", "parameters": [_IF_MATCH],
-                "responses": _responses(200, "Schedule", 400, 404, 409)}},
+                "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)}},
             "/schedules/{id}/resume": {"parameters": [_ID], "post": {
                 "summary": "resume", "parameters": [_IF_MATCH],
-                "responses": _responses(200, "Schedule", 400, 404, 409)}},
+                "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)}},
             "/schedules/{id}/next": {"parameters": [_ID], "get": {
                 "summary": "the next nominal and jittered fire times",
                 "parameters": [
@@ -120,12 +124,30 @@ def openapi_spec() -> dict[str, Any]:
                                 "responses": _responses(200, None, 503)}},
             "/cluster": {"get": {"summary": "members seen recently (heartbeats)",
                                  "responses": _responses(200, None, 503)}},
-            "/healthz": {"get": {"summary": "the process is alive",
+            "/dashboard": {"get": {"summary": "what /ui shows: leader, members, schedules "
+                                              "with their next fire, recent fires",
+                                   "responses": _responses(200, None, 503)}},
+            "/healthz": {"get": {"summary": "the process is alive (no token needed)",
+                                 "security": [],
                                  "responses": {"200": {"description": "alive"}}}},
-            "/readyz": {"get": {"summary": "the mirror is in sync",
-                                "responses": _responses(200, "MirrorStatus", 503)}},
+            "/readyz": {"get": {"summary": "the mirror is in sync (no token needed)",
+                                "security": [],
+                                "responses": {"200": {"description": "ready", "content": {
+                                    "application/json": {"schema": _ref("MirrorStatus")}}},
+                                    "503": {"description": "not ready", "content": {
+                                        "application/json": {
+                                            "schema": _ref("MirrorStatus")}}}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (no token needed)",
+                                 "security": [], "responses": {"200": {
+                                     "description": "text exposition format"}}}},
+            "/ui": {"get": {"summary": "the dashboard page (it asks for a token itself)",
+                            "security": [], "responses": {"200": {"description": "HTML"}}}},
         },
-        "components": {"schemas": schemas["$defs"]},
+        # Bearer tokens when the replicas have them (HASCHEDULER_*_TOKENS); none otherwise.
+        "security": [{}, {"bearer": []}],
+        "components": {"schemas": schemas["$defs"], "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "a read token for GET, a write token for changes"}}},
     }
 
 

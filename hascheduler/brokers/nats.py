@@ -4,8 +4,11 @@ by its ``Nats-Msg-Id`` within the stream's duplicate window, acknowledged once s
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import nats
 import structlog
@@ -20,12 +23,77 @@ log = structlog.get_logger("hascheduler.brokers.nats")
 PENDING_ACKS = 20_000
 
 
+TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+@dataclass(frozen=True)
+class NatsEndpoint:
+    """Where and how to reach NATS, from ``nats://host:port[,host:port]?options`` or
+    ``tls://...``. Options: stream, dedup_window (s), tls_ca_file, tls_cert_file and
+    tls_key_file (a client certificate for servers that verify clients)."""
+
+    servers: list[str]
+    stream: str = "HASCHEDULER"
+    dedup_window_s: float = 600.0
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_scheme: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> NatsEndpoint:
+        """Raises ValueError naming what is wrong with the URL."""
+        parsed = urlparse(url)
+        if parsed.scheme not in {"nats", "tls"}:
+            raise ValueError(f"{url!r} is not a nats:// or tls:// URL")
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        unknown = set(query) - {"stream", "dedup_window", *TLS_OPTIONS}
+        if unknown:
+            raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
+                             f"use stream, dedup_window, {', '.join(TLS_OPTIONS)}")
+        window = query.get("dedup_window", "600")
+        try:
+            dedup_window = float(window)
+        except ValueError:
+            raise ValueError(f"dedup_window={window!r} in the broker URL is not a number of "
+                             "seconds") from None
+        if bool(query.get("tls_cert_file")) != bool(query.get("tls_key_file")):
+            raise ValueError("tls_cert_file and tls_key_file in the broker URL go together")
+        hosts = url.split("?", 1)[0].split("://", 1)[1]
+        servers = [f"{parsed.scheme}://{host}" for host in hosts.split(",")]
+        endpoint = cls(servers, stream=query.get("stream", "HASCHEDULER"),
+                       dedup_window_s=dedup_window, tls_ca_file=query.get("tls_ca_file"),
+                       tls_cert_file=query.get("tls_cert_file"),
+                       tls_key_file=query.get("tls_key_file"),
+                       tls_scheme=parsed.scheme == "tls")
+        endpoint.tls_context()  # a missing or unreadable file is a configuration error
+        return endpoint
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """None for plain connections. Raises ValueError naming an unusable file."""
+        if not (self.tls_scheme or self.tls_ca_file or self.tls_cert_file):
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca_file)
+            if self.tls_cert_file:
+                context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"TLS files in the broker URL: {exc}") from None
+        return context
+
+    async def connect(self, name: str, **options: Any) -> Any:
+        tls = self.tls_context()
+        if tls is not None:
+            options["tls"] = tls
+        return await nats.connect(self.servers, name=name, **options)
+
+
 class NatsBroker:
-    def __init__(self, servers: str, stream: str = "HASCHEDULER",
-                 dedup_window_s: float = 600.0) -> None:
-        self.servers = servers
-        self.stream = stream
-        self.dedup_window_s = dedup_window_s
+    def __init__(self, endpoint: NatsEndpoint) -> None:
+        self.endpoint = endpoint
+        self.servers = ",".join(endpoint.servers)
+        self.stream = endpoint.stream
+        self.dedup_window_s = endpoint.dedup_window_s
         self._nc: Any = None
         self._js: Any = None
         self._connecting = asyncio.Lock()
@@ -42,10 +110,10 @@ class NatsBroker:
                 return self._js
             try:
                 if self._nc is None or self._nc.is_closed:
-                    self._nc = await nats.connect(
-                        self.servers, connect_timeout=2, reconnect_time_wait=0.5,
+                    self._nc = await self.endpoint.connect(
+                        "hascheduler", connect_timeout=2, reconnect_time_wait=0.5,
                         max_reconnect_attempts=-1, allow_reconnect=True,
-                        error_cb=self._on_error, name="hascheduler")
+                        error_cb=self._on_error)
                 js = self._nc.jetstream(publish_async_max_pending=PENDING_ACKS)
                 await ensure_stream(js, self.stream, self.dedup_window_s)
             except Exception as exc:

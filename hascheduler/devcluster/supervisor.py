@@ -447,10 +447,11 @@ class StreamMessage:
 
 
 async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[StreamMessage]:
-    """Every message in the fire stream, read with an ordered consumer from the start."""
-    import nats
+    """Every message in the fire stream, read with an ordered consumer from the start.
+    ``nats_uri`` takes the broker URL's TLS options."""
+    from ..brokers.nats import NatsEndpoint
 
-    nc = await nats.connect(nats_uri, connect_timeout=5)
+    nc = await NatsEndpoint.parse(nats_uri).connect("hascheduler-reader", connect_timeout=5)
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream)
@@ -496,6 +497,9 @@ async def run(settings: DevSettings) -> int:
             print(f"nats: {supervisor.nats_uri}  (worker consuming every target)", flush=True)
         for r in summary["replicas"]:
             print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",
+                  flush=True)
+        if summary["replicas"]:
+            print(f"dashboard: {summary['replicas'][0]['url']}/ui  (every replica serves one)",
                   flush=True)
         print(f"logs: {supervisor.logs}/", flush=True)
         print("ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "

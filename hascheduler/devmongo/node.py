@@ -46,6 +46,9 @@ class Settings:
     oplog_size: int = 1_000_000
     cursor_timeout_s: float = 600.0
     ttl_interval_s: float = 1.0
+    # PEM holding the certificate and its key, as mongod's --tlsCertificateKeyFile: the
+    # server then accepts TLS connections only (mongod's --tlsMode requireTLS).
+    tls_certificate_key_file: str | None = None
 
 
 @dataclass

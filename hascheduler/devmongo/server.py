@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import signal
+import ssl
 from collections.abc import AsyncIterator
 
 import structlog
@@ -14,6 +15,13 @@ from . import wire
 from .node import CloseConnection, ConnectionContext, Node, Settings
 
 log = structlog.get_logger("hascheduler.devmongo")
+
+
+def tls_context(certificate_key_file: str) -> ssl.SSLContext:
+    """Raises OSError or ssl.SSLError when the file is missing or not a certificate + key."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certificate_key_file)
+    return context
 
 
 class DevMongoServer:
@@ -30,12 +38,14 @@ class DevMongoServer:
     @property
     def uri(self) -> str:
         s = self.node.settings
-        return f"mongodb://{s.host}:{s.port}/?replicaSet={s.replset}"
+        tls = "&tls=true" if s.tls_certificate_key_file else ""
+        return f"mongodb://{s.host}:{s.port}/?replicaSet={s.replset}{tls}"
 
     async def start(self) -> None:
         s = self.node.settings
+        context = tls_context(s.tls_certificate_key_file) if s.tls_certificate_key_file else None
         self._server = await asyncio.start_server(self._serve, s.host, s.port,
-                                                  limit=wire.MAX_MESSAGE_SIZE)
+                                                  limit=wire.MAX_MESSAGE_SIZE, ssl=context)
         if s.port == 0:
             s.port = self._server.sockets[0].getsockname()[1]
         self._background = [asyncio.create_task(self._every(s.ttl_interval_s,

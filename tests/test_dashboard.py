@@ -1,0 +1,177 @@
+"""The /ui dashboard in a real headless Chromium (Debian's, driven by Playwright) against a
+running local cluster (`hascheduler dev`): tokens, the leader changing live when the leader
+is killed, and the pause button.
+
+HASCHEDULER_SCREENSHOT_DIR=docs keeps the screenshot (docs/dashboard.png comes from here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from playwright.async_api import Page, async_playwright, expect
+
+from tests.waiting import wait_until
+
+WRITE = "dashboard-write-token-0123456789"
+READ = "dashboard-read-token-0123456789"
+# Flags that keep Chromium off the network it cannot reach here, as root, without a GPU.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+
+
+def chromium_path() -> str:
+    """Debian's chromium; its absence is a failure, never a skip (.ci/run installs it)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, "chromium is not installed: run .ci/run or `apt-get install chromium`"
+    return found
+
+
+@dataclass
+class DevCluster:
+    process: subprocess.Popen[str]
+    state_dir: Path
+    replicas: dict[str, str]
+
+    def cli(self, *args: str) -> dict[str, object]:
+        done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "dev", *args,
+                               "--json", "--state-dir", str(self.state_dir)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        result: dict[str, object] = json.loads(done.stdout)
+        return result
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[DevCluster]:
+    """Three replicas, devmongo, nats-server and a worker, with read and write tokens."""
+    state = tmp_path / "dev"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hascheduler.cli", "dev", "--replicas", "3", "--broker", "nats",
+         "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, env={**os.environ, "HASCHEDULER_WRITE_TOKENS": WRITE,
+                        "HASCHEDULER_READ_TOKENS": READ})
+    try:
+        assert process.stdout is not None
+        replicas = {}
+        for line in process.stdout:  # bounded by the test's timeout
+            if line.startswith("replica "):
+                name, url = line.split()[1:3]
+                replicas[name.rstrip(":")] = url
+            if line.startswith("ready:"):
+                break
+        assert len(replicas) == 3, replicas
+        yield DevCluster(process, state, replicas)
+    finally:
+        process.terminate()
+        returncode = process.wait(60)
+        if process.stdout is not None:
+            process.stdout.close()
+    assert returncode == 0
+
+
+async def _create(api: str, sid: str, trigger: dict[str, object]) -> None:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {WRITE}"}) as http, \
+            http.post(f"{api}/schedules", json={"id": sid, "name": sid.replace("-", " "),
+                                               "target": "dashboard.demo",
+                                               "trigger": trigger}) as r:
+        assert r.status == 201, await r.text()
+
+
+async def _paused(api: str, sid: str) -> bool:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {READ}"}) as http, \
+            http.get(f"{api}/schedules/{sid}") as r:
+        paused: bool = (await r.json())["paused"]
+        return paused
+
+
+async def _use_token(page: Page, token: str) -> None:
+    await page.fill("#token", token)
+    await page.click("#token-form button")
+
+
+@pytest.mark.devmongo_only
+@pytest.mark.timeout(180)
+async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> None:
+    status = cluster.cli("status")
+    leader = status["leader"]
+    assert isinstance(leader, str)
+    watched = next(name for name in cluster.replicas if name != leader)
+    api = cluster.replicas[watched]
+    await _create(api, "every-second", {"kind": "cron", "cron": "* * * * * *"})
+    await _create(api, "weekly-report", {"kind": "cron", "cron": "0 9 * * 1",
+                                         "timezone": "Europe/Paris"})
+    await _create(api, "poll-api", {"kind": "interval", "every": 30})
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True,
+                                           args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            await page.goto(f"{api}/ui")
+            # No token yet: the API refuses and the page says why.
+            await expect(page.locator("#status")).to_contain_text("HTTP 401", timeout=10_000)
+
+            await _use_token(page, READ)
+            await expect(page.locator("#leader")).to_have_text(leader, timeout=10_000)
+            await expect(page.locator("#answered-by")).to_have_text(watched)
+            await expect(page.locator("#members tbody tr")).to_have_count(3, timeout=10_000)
+            await expect(page.locator("#schedules tbody tr")).to_have_count(3)
+            # Fires are claimed up to 2 s ahead, so the newest rows may still be "claimed".
+            published = page.locator("#fires tbody tr", has_text="published").first
+            await expect(published).to_contain_text("every-second@", timeout=10_000)
+            await expect(published.locator("td").nth(4)).to_contain_text(" ms")
+            old_term = int(await page.inner_text("#term"))
+
+            # A read token cannot pause: the refusal is shown, nothing changes.
+            await page.click("button[data-schedule='poll-api']")
+            await expect(page.locator("#status")).to_contain_text("HTTP 403", timeout=5_000)
+            assert not await _paused(api, "poll-api")
+
+            killed = cluster.cli("kill-leader", "--signal", "KILL")
+            assert killed["killed"] == leader
+            new_leader = killed["new_leader"]
+            assert isinstance(new_leader, str)
+            # The page, served by a replica that was not killed, follows on its own.
+            await expect(page.locator("#leader")).to_have_text(new_leader, timeout=20_000)
+            await wait_until(lambda: _term_above(page, old_term), 10, "a higher term shown")
+            leader_row = page.locator("#members tbody tr", has_text="leader").first
+            await expect(leader_row).to_contain_text(new_leader, timeout=10_000)
+
+            # The write token pauses and resumes.
+            await _use_token(page, WRITE)
+            await page.click("button[data-schedule='poll-api']")
+            row = page.locator("#schedules tbody tr", has_text="poll-api")
+            await expect(row).to_contain_text("paused", timeout=5_000)
+            assert await _paused(api, "poll-api")
+            await expect(row.locator("button")).to_have_text("resume")
+            await row.locator("button").click()
+            await expect(row).to_contain_text("active", timeout=5_000)
+            assert not await _paused(api, "poll-api")
+
+            shot = _screenshot_path(cluster.state_dir)
+            await page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+        finally:
+            await browser.close()
+
+
+def _screenshot_path(default_dir: Path) -> Path:
+    folder = Path(os.environ.get("HASCHEDULER_SCREENSHOT_DIR") or default_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "dashboard.png"
+
+
+async def _term_above(page: Page, term: int) -> bool:
+    text = await page.inner_text("#term")
+    return text.isdigit() and int(text) > term
