@@ -152,7 +152,8 @@ async def load(uri: str, n: int) -> None:
 
 async def propagation(mongo_uri: str, creates: int) -> tuple[list[float], list[float]]:
     uri = with_database(mongo_uri, "propagation")
-    replicas = {name: start_replica(uri, name) for name in ("a", "b", "c")}
+    # Writes back to back from one client: no per-client limit, so propagation is measured.
+    replicas = {name: start_replica(uri, name, "--write-rate", "0") for name in ("a", "b", "c")}
     latencies: list[float] = []
     try:
         async with aiohttp.ClientSession() as http:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The local story, with timestamps: start the cluster (`hascheduler dev`: development MongoDB
-# server, nats-server with JetStream, three replicas, a worker), add three schedules with
-# curl, watch fires reach the worker, SIGKILL the leader and print the takeover time, scale to
+# server, nats-server with JetStream, three replicas, a worker) with random API tokens, add
+# three schedules with curl, show writes without the write token refused and /metrics,
+# watch fires reach the worker, SIGKILL the leader and print the takeover time, scale to
 # five replicas and down to one, then count every fire in the broker stream: exits non-zero
 # if one was missed or duplicated (or any other check fails).
 #
@@ -59,8 +60,12 @@ wait_for() {
 seen_at_least() { at_least "$(fires_seen)" "$1"; }
 seen_from() { at_least "$(fires_matching "$1")" "$2"; }
 
-say "starting the local cluster: hascheduler dev --replicas 3"
-"$HS" dev --replicas 3 --state-dir "$state" >"$workdir/dev.out" 2>"$workdir/dev.log" &
+token() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
+write_token=$(token)
+read_token=$(token)
+say "starting the local cluster: hascheduler dev --replicas 3 (with a read and a write token)"
+HASCHEDULER_WRITE_TOKENS="$write_token" HASCHEDULER_READ_TOKENS="$read_token" \
+  "$HS" dev --replicas 3 --state-dir "$state" >"$workdir/dev.out" 2>"$workdir/dev.log" &
 dev_pid=$!
 for _ in $(seq 1 600); do
   grep -q '^ready:' "$workdir/dev.out" 2>/dev/null && break
@@ -78,7 +83,7 @@ say "leader: $leader; adding three schedules through $api"
 post() {
   local code
   code=$(curl -s -o "$workdir/post.json" -w '%{http_code}' -X POST "$api/schedules" \
-    -H 'Content-Type: application/json' -d "$1")
+    -H "Authorization: Bearer $write_token" -H 'Content-Type: application/json' -d "$1")
   [ "$code" = 201 ] || fail "POST /schedules answered $code: $(cat "$workdir/post.json")"
   echo "    created $(json 'd["id"] + " (" + d["name"] + ")"' <"$workdir/post.json")"
 }
@@ -91,6 +96,21 @@ post "{\"id\": \"demo-once\", \"name\": \"once at $once_at\", \"target\": \"demo
        \"catchup\": \"all\", \"trigger\": {\"kind\": \"at\", \"at\": [\"$once_at\"]}}"
 # The audit window starts once every schedule exists.
 since=$(now_iso)
+# Writes without the write token are refused; nothing is stored.
+refused() {
+  local expected=$1 label=$2 code
+  shift 2
+  code=$(curl -s -o "$workdir/refused.json" -w '%{http_code}' -X POST "$api/schedules" \
+    -H 'Content-Type: application/json' "$@" \
+    -d '{"id": "intruder", "name": "x", "target": "x", "trigger": {"kind": "interval", "every": 1}}')
+  [ "$code" = "$expected" ] || fail "a write $label answered $code, not $expected"
+  echo "    a write $label: HTTP $code $(json 'd["title"]' <"$workdir/refused.json")"
+}
+refused 401 "without a token"
+refused 403 "with the read token" -H "Authorization: Bearer $read_token"
+code=$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $read_token" \
+  "$api/schedules/intruder")
+[ "$code" = 404 ] || fail "a refused write was stored (GET answered $code)"
 
 wait_for "fires reaching the worker" 60 seen_at_least "$before_kill"
 wait_for "a fire of the cron schedule" 30 seen_from '"fire_id": "demo-cron@' 1
@@ -101,6 +121,14 @@ for line in sys.stdin:
     fire = json.loads(line)
     print("    " + fire["fire_id"] + "  term " + str(fire["term"]))'
 [ "$(fires_seen)" -gt 0 ] || fail "no fire reached the worker"
+leader_url=$("$HS" dev status --json --state-dir "$state" | json '[r["url"] for r in d["replicas"] if r["leader"]][0]')
+say "the leader's /metrics (no token needed; a NetworkPolicy guards it on Kubernetes):"
+curl -fsS "$leader_url/metrics" >"$workdir/metrics.txt"
+grep -E '^hascheduler_(leader|term|fires_total\{state="(published|failed)"\}|mirror_ready|mirror_schedules) ' \
+  "$workdir/metrics.txt" | sed 's/^/    /'
+grep -q '^hascheduler_leader 1.0$' "$workdir/metrics.txt" || fail "/metrics does not show the leader"
+standby_url=$("$HS" dev status --json --state-dir "$state" | json '[r["url"] for r in d["replicas"] if not r["leader"]][0]')
+say "dashboard: $standby_url/ui (read token $read_token, write token $write_token)"
 
 say "SIGKILL the leader"
 kill_out=$("$HS" dev kill-leader --signal KILL --json --state-dir "$state")
