@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between TTL index sweeps (mongod: 60)")
     dm.add_argument("--tls-certificate-key-file", help="PEM file with the server's "
                     "certificate and key: accept TLS connections only (as mongod's option)")
-    sv = sub.add_parser("serve", help="run one scheduler replica (HTTP API + mirror)")
+    sv = sub.add_parser(
+        "serve", help="run one scheduler replica (HTTP API + mirror)",
+        epilog="API tokens: HASCHEDULER_WRITE_TOKENS and HASCHEDULER_READ_TOKENS "
+               "(comma-separated), or HASCHEDULER_WRITE_TOKENS_FILE and "
+               "HASCHEDULER_READ_TOKENS_FILE (one per line). Without any token the API "
+               "serves 127.0.0.1 only, whatever --http-host says.")
     sv.add_argument("--mongodb-uri", default=_env("MONGODB_URI"),
                     help="MongoDB replica set URI (env HASCHEDULER_MONGODB_URI)")
     sv.add_argument("--http-host", default=_env("HTTP_HOST", "127.0.0.1"),
