@@ -88,7 +88,9 @@ async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: 
             await members.update_one({"_id": settings.replica_id}, {"$set": {
                 "url": url, "ready": mirror.ready, "size": mirror.size,
                 "digest": mirror.digest, "leader": elector.is_leader,
-                "term": elector.lease.term, "seen_at": dt.datetime.now(dt.UTC)}},
+                # The term last seen, as on every log line, so standbys show theirs too.
+                "term": elector.view.term if elector.view is not None else elector.lease.term,
+                "seen_at": dt.datetime.now(dt.UTC)}},
                 upsert=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), HEARTBEAT_INTERVAL_S)
