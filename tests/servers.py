@@ -130,3 +130,36 @@ def start_nats(port: int | None = None, store_dir: str | None = None,
     process.kill()
     with open(log.name) as f:
         raise RuntimeError(f"nats-server did not start: {f.read()}")
+
+
+class DevCluster:
+    """``hascheduler dev`` as a child process: started until it prints ``ready:``; its
+    replicas' URLs by name; ``stop()`` returns its exit code."""
+
+    def __init__(self, state_dir: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.state_dir = state_dir
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "hascheduler.cli", "dev", "--state-dir", state_dir, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, **(env or {})})
+        self.replicas: dict[str, str] = {}
+        assert self.process.stdout is not None
+        try:
+            for line in self.process.stdout:  # bounded by the calling test's timeout
+                if line.startswith("replica "):
+                    name, url = line.split()[1:3]
+                    self.replicas[name.rstrip(":")] = url
+                if line.startswith("ready:"):
+                    return
+            raise RuntimeError(f"hascheduler dev exited with {self.process.wait()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> int:
+        self.process.terminate()
+        try:
+            return self.process.wait(60)
+        finally:
+            if self.process.stdout is not None:
+                self.process.stdout.close()

@@ -13,13 +13,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 from playwright.async_api import Page, async_playwright, expect
 
+from tests.servers import DevCluster
 from tests.waiting import wait_until
 
 WRITE = "dashboard-write-token-0123456789"
@@ -37,46 +37,27 @@ def chromium_path() -> str:
     return found
 
 
-@dataclass
-class DevCluster:
-    process: subprocess.Popen[str]
-    state_dir: Path
-    replicas: dict[str, str]
-
-    def cli(self, *args: str) -> dict[str, object]:
-        done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "dev", *args,
-                               "--json", "--state-dir", str(self.state_dir)],
-                              capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, done.stderr
-        result: dict[str, object] = json.loads(done.stdout)
-        return result
+def dev(cluster: DevCluster, *args: str) -> dict[str, object]:
+    """``hascheduler dev ACTION --json`` against the running cluster."""
+    done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "dev", *args, "--json",
+                           "--state-dir", cluster.state_dir],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[DevCluster]:
     """Three replicas, devmongo, nats-server and a worker, with read and write tokens."""
-    state = tmp_path / "dev"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hascheduler.cli", "dev", "--replicas", "3", "--broker", "nats",
-         "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True, env={**os.environ, "HASCHEDULER_WRITE_TOKENS": WRITE,
-                        "HASCHEDULER_READ_TOKENS": READ})
+    running = DevCluster(str(tmp_path / "dev"), "--replicas", "3", "--broker", "nats",
+                         env={"HASCHEDULER_WRITE_TOKENS": WRITE,
+                              "HASCHEDULER_READ_TOKENS": READ})
     try:
-        assert process.stdout is not None
-        replicas = {}
-        for line in process.stdout:  # bounded by the test's timeout
-            if line.startswith("replica "):
-                name, url = line.split()[1:3]
-                replicas[name.rstrip(":")] = url
-            if line.startswith("ready:"):
-                break
-        assert len(replicas) == 3, replicas
-        yield DevCluster(process, state, replicas)
+        assert len(running.replicas) == 3, running.replicas
+        yield running
     finally:
-        process.terminate()
-        returncode = process.wait(60)
-        if process.stdout is not None:
-            process.stdout.close()
+        returncode = running.stop()
     assert returncode == 0
 
 
@@ -103,7 +84,7 @@ async def _use_token(page: Page, token: str) -> None:
 @pytest.mark.devmongo_only
 @pytest.mark.timeout(180)
 async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> None:
-    status = cluster.cli("status")
+    status = dev(cluster, "status")
     leader = status["leader"]
     assert isinstance(leader, str)
     watched = next(name for name in cluster.replicas if name != leader)
@@ -138,7 +119,7 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(page.locator("#status")).to_contain_text("HTTP 403", timeout=5_000)
             assert not await _paused(api, "poll-api")
 
-            killed = cluster.cli("kill-leader", "--signal", "KILL")
+            killed = dev(cluster, "kill-leader", "--signal", "KILL")
             assert killed["killed"] == leader
             new_leader = killed["new_leader"]
             assert isinstance(new_leader, str)
@@ -159,7 +140,7 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(row).to_contain_text("active", timeout=5_000)
             assert not await _paused(api, "poll-api")
 
-            shot = _screenshot_path(cluster.state_dir)
+            shot = _screenshot_path(Path(cluster.state_dir))
             await page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
         finally:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from hascheduler.devcluster.audit import audit
+from tests.servers import DevCluster
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -68,17 +69,10 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
 @pytest.mark.timeout(120)
 def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
     state = tmp_path / "dev"
-    dev = subprocess.Popen([sys.executable, "-m", "hascheduler.cli", "dev", "--replicas", "2",
-                            "--broker", "log", "--state-dir", str(state)],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    dev = DevCluster(str(state), "--replicas", "2", "--broker", "log")
     try:
-        assert dev.stdout is not None
-        lines = []
-        for line in dev.stdout:  # bounded by the test's timeout
-            lines.append(line)
-            if line.startswith("ready:"):
-                break
-        assert any(line.startswith("replica r1: http://") for line in lines), lines
+        assert set(dev.replicas) == {"r1", "r2"}
+        assert all(url.startswith("http://") for url in dev.replicas.values())
         where = ("--state-dir", str(state))
         status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
         assert len(status["replicas"]) == 2
@@ -104,9 +98,6 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
         assert no_stream.returncode == 1
         assert "needs the nats broker" in no_stream.stderr
     finally:
-        dev.terminate()
-        returncode = dev.wait(60)
-        if dev.stdout is not None:
-            dev.stdout.close()
+        returncode = dev.stop()
     assert returncode == 0
     assert not (state / "state.json").exists()
