@@ -1,4 +1,5 @@
-"""Pure firing logic: catch-up plans, backoff, the worker's filter, lease timings."""
+"""Firing logic: catch-up plans, backoff, the worker's filter, lease timings, seeding, and taking
+over a deposed leader's claim (against the development server)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,51 @@ async def test_seeding_yields_and_requeues_a_schedule_changed_meanwhile() -> Non
     queued = {(d.revision, d.nominal) for d in dispatcher._heap if d.schedule_id == "s00000"}
     assert (2, at(0.5)) in queued, queued  # the new revision's next fire, every 30 s
     assert len(dispatcher._heap) >= len(entries)
+
+
+async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
+        mongo_uri: str) -> None:
+    """Against the development server: a duplicate key on claiming means another claim;
+    only an unpublished one from an older term is taken over (with our term), never a
+    published one, a newer term's, or one this replica is already publishing."""
+    import uuid
+    from types import SimpleNamespace
+
+    from pymongo import AsyncMongoClient
+
+    from hascheduler import fires as ledger
+    from hascheduler.dispatch import Dispatcher
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+        with_database(mongo_uri, f"adopt_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        fires = client.get_default_database().fires
+        now = at(10)
+        lease = SimpleNamespace(valid=True, remaining=lambda: 5.0)
+        dispatcher = Dispatcher(SimpleNamespace(entries={}), None, fires, None,  # type: ignore[arg-type]
+                                lease, clock=lambda: now)
+
+        def claim(sid: str, term: int) -> dict[str, object]:
+            return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
+
+        deposed, published, newer, ours = (claim("deposed", 1), claim("published", 1),
+                                           claim("newer", 3), claim("ours", 2))
+        published["state"] = ledger.PUBLISHED
+        await fires.insert_many([deposed, published, newer, ours])
+        dispatcher._pending.add(str(ours["_id"]))
+
+        mine = [claim(sid, 2) for sid in ("deposed", "published", "newer", "ours", "fresh")]
+        owned = await dispatcher._claim(mine, 2)
+
+        assert sorted(str(d["_id"]) for d in owned) == [
+            ledger.fire_id("deposed", at(10)), ledger.fire_id("fresh", at(10))]
+        stored = {d["schedule_id"]: d async for d in fires.find({})}
+        assert (stored["deposed"]["term"], stored["deposed"]["claimed_at"]) == (2, now)
+        assert stored["deposed"]["state"] == ledger.CLAIMED
+        assert (stored["published"]["term"], stored["published"]["state"]) == (1, "published")
+        assert stored["newer"]["term"] == 3
+        assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
+        assert stored["fresh"]["term"] == 2
+    finally:
+        await client.close()
