@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(env HASCHEDULER_RENEW_DEADLINE)")
     sv.add_argument("--renew-interval", default=_env("RENEW_INTERVAL", "2"),
                     help="seconds between renewals (env HASCHEDULER_RENEW_INTERVAL)")
+    sv.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE"),
+                    help="serve the API over HTTPS with this PEM certificate (chain) "
+                         "(env HASCHEDULER_TLS_CERT_FILE; with --tls-key-file)")
+    sv.add_argument("--tls-key-file", default=_env("TLS_KEY_FILE"),
+                    help="the certificate's PEM private key (env HASCHEDULER_TLS_KEY_FILE)")
     sv.add_argument("--write-rate", default=_env("WRITE_RATE", "50"),
                     help="writes per second one client address may make on average, 0 for "
                          "no limit (env HASCHEDULER_WRITE_RATE)")
@@ -166,7 +171,23 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                            http_port=port, replica_id=replica_id, broker=broker,
                            timings=timings,
                            dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
-                           tokens=tokens, write_limit=_write_limit(args))
+                           tokens=tokens, write_limit=_write_limit(args),
+                           tls=_api_tls(args.tls_cert_file, args.tls_key_file))
+
+
+def _api_tls(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """Tokens travel in a header: off loopback, HTTPS keeps them off the wire."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ConfigError("--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / "
+                          "_KEY_FILE) go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--tls-cert-file / --tls-key-file: {exc}") from None
+    return context
 
 
 def _write_limit(args: argparse.Namespace) -> WriteLimit:

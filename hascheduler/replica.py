@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import os
 import signal
+import ssl
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ class ReplicaSettings:
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     tokens: Tokens = field(default_factory=Tokens)
     write_limit: WriteLimit = field(default_factory=WriteLimit)
+    tls: ssl.SSLContext | None = None  # the API over HTTPS
 
     @property
     def listen_host(self) -> str:
@@ -128,7 +130,7 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
                             f"the API serves {host} only, without authentication")
     else:
         log.info("api_tokens", read=len(settings.tokens.read), write=len(settings.tokens.write))
-    site = web.TCPSite(runner, host, settings.http_port)
+    site = web.TCPSite(runner, host, settings.http_port, ssl_context=settings.tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -136,7 +138,8 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     await settings.broker.start()
     try:
         await site.start()
-        url = f"http://{host}:{runner.addresses[0][1]}"
+        scheme = "https" if settings.tls is not None else "http"
+        url = f"{scheme}://{host}:{runner.addresses[0][1]}"
         log.info("replica_listening", url=url)
         if announce:
             print(url, flush=True)

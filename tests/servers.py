@@ -47,9 +47,10 @@ def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
 
 def start_replica(mongodb_uri: str, replica_id: str, *args: str,
                   startup_s: float = 30.0, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL."""
+    """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL (http://
+    or https://)."""
     return start_cli(["serve", "--mongodb-uri", mongodb_uri, "--http-port", "0",
-                      "--replica-id", replica_id, *args], "http://", startup_s, env)
+                      "--replica-id", replica_id, *args], "http", startup_s, env)
 
 
 def start_cli(args: list[str], announces: str, startup_s: float,

@@ -251,6 +251,9 @@ def test_without_a_token_the_api_serves_loopback_only_and_says_so(mongo_uri: str
     (["--broker", "nats://h:4222?tls_ca_file=/nonexistent"], {}, "TLS files in the broker URL"),
     (["--broker", "nats://h:4222?tls_cert_file=/a"], {}, "tls_cert_file and tls_key_file"),
     (["--broker", "nats://h:4222?tsl_ca_file=/a"], {}, "unknown broker URL option"),
+    (["--tls-cert-file", "/a.pem"], {}, "--tls-cert-file and --tls-key-file"),
+    (["--tls-cert-file", "/nonexistent.pem", "--tls-key-file", "/nonexistent.key"], {},
+     "--tls-cert-file / --tls-key-file: [Errno 2]"),
 ])
 def test_bad_access_settings_exit_2(args: list[str], env: dict[str, str], message: str) -> None:
     import os
@@ -267,7 +270,8 @@ def test_bad_access_settings_exit_2(args: list[str], env: dict[str, str], messag
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A private CA and a server certificate for 127.0.0.1, made with openssl."""
+    """A private CA and a server certificate for 127.0.0.1, made with openssl (used by
+    the development server, nats-server and the replica's API)."""
     folder = tmp_path_factory.mktemp("tls")
 
     def openssl(*args: str) -> None:
@@ -296,7 +300,8 @@ def test_devmongo_refuses_a_bad_certificate_file(tmp_path: Path) -> None:
 
 
 async def test_a_replica_reaches_mongodb_and_nats_over_tls(certificates: Path) -> None:
-    """TLS options ride in the URIs: tls/tlsCAFile for MongoDB, tls_ca_file for NATS."""
+    """TLS options ride in the URIs: tls/tlsCAFile for MongoDB, tls_ca_file for NATS; and
+    the replica serves its API over HTTPS."""
     ca = certificates / "ca.pem"
     mongo = start_devmongo("--tls-certificate-key-file",
                            str(certificates / "server-with-key.pem"))
@@ -307,8 +312,15 @@ async def test_a_replica_reaches_mongodb_and_nats_over_tls(certificates: Path) -
         assert "tls=true" in mongo.uri
         mongodb_uri = with_database(mongo.uri, "tls") + f"&tlsCAFile={ca}"
         broker = f"{nats.uri}?tls_ca_file={ca}"
-        replica = start_replica(mongodb_uri, "tls1", "--broker", broker)
-        async with aiohttp.ClientSession() as http:
+        replica = start_replica(mongodb_uri, "tls1", "--broker", broker,
+                                "--tls-cert-file", str(certificates / "server.pem"),
+                                "--tls-key-file", str(certificates / "server.key"))
+        assert replica.uri.startswith("https://127.0.0.1:")
+        async with aiohttp.ClientSession() as plain:
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await plain.get(f"{replica.uri}/healthz")  # the CA is not trusted here
+        trusting = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=str(ca)))
+        async with aiohttp.ClientSession(connector=trusting) as http:
             async def ready() -> bool:
                 async with http.get(f"{replica.uri}/readyz") as r:
                     return r.status == 200
