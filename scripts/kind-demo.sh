@@ -36,10 +36,10 @@ kind load docker-image "$IMAGE" --name "$CLUSTER"
 kubectl --context "kind-$CLUSTER" create namespace "$NS" --dry-run=client -o yaml \
   | kubectl --context "kind-$CLUSTER" apply -f -
 if ! k get secret hascheduler-tokens >/dev/null 2>&1; then
-  say "creating the Secret hascheduler-tokens (random read and write tokens)"
+  say "creating the Secret hascheduler-tokens from k8s/tokens-secret.example.yaml (random tokens)"
   token() { python3 -c 'import secrets; print(secrets.token_urlsafe(32))'; }
-  k create secret generic hascheduler-tokens --from-literal=write="$(token)" \
-    --from-literal=read="$(token)"
+  sed -e "s/CHANGE-ME-write-token/$(token)/" -e "s/CHANGE-ME-read-token/$(token)/" \
+    k8s/tokens-secret.example.yaml | k apply -f -
 fi
 TOKEN=$(k get secret hascheduler-tokens -o jsonpath='{.data.write}' | base64 -d)
 AUTH=(-H "Authorization: Bearer $TOKEN")

@@ -62,6 +62,8 @@ def test_tokens_from_environment_and_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("env", "message"), [
     ({"HASCHEDULER_WRITE_TOKENS": "short"}, "HASCHEDULER_WRITE_TOKENS: every token needs at "
                                             "least 16 characters"),
+    ({"HASCHEDULER_WRITE_TOKENS": "CHANGE-ME-write-token"},
+     "HASCHEDULER_WRITE_TOKENS: a token still says CHANGE-ME"),
     ({"HASCHEDULER_READ_TOKENS_FILE": "/nonexistent/tokens"},
      "HASCHEDULER_READ_TOKENS_FILE: cannot read /nonexistent/tokens"),
 ])

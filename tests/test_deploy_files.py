@@ -161,6 +161,16 @@ def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_
     for scope in ("write", "read"):
         assert env[f"HASCHEDULER_{scope.upper()}_TOKENS_FILE"] == f"{mount['mountPath']}/{scope}"
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # The example Secret fits the mount, stays out of the kustomization, and its
+    # placeholders are refused, so applying it unchanged cannot open the API.
+    example = yaml.safe_load((K8S / "tokens-secret.example.yaml").read_text())
+    assert example["metadata"]["name"] == secret_volume["secret"]["secretName"]
+    assert set(example["stringData"]) == {"write", "read"}
+    assert ("Secret", "hascheduler-tokens") not in by_kind
+    from hascheduler.api.access import AccessConfigError, load_tokens
+    for scope, text in example["stringData"].items():
+        with pytest.raises(AccessConfigError, match="CHANGE-ME"):
+            load_tokens({f"HASCHEDULER_{scope.upper()}_TOKENS": text})
 
     policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
     workloads = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]

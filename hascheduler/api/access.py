@@ -25,6 +25,8 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/ui"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Tokens shorter than this are guessable; refuse them at start-up rather than serve.
 MIN_TOKEN_CHARS = 16
+# The example Secret's values: refused, so that a copy applied unchanged cannot be used.
+PLACEHOLDER = "CHANGE-ME"
 # Clients remembered by the write limiter; the least recently seen is forgotten first, so
 # a flood of addresses cannot grow memory without bound.
 MAX_TRACKED_CLIENTS = 10_000
@@ -103,6 +105,10 @@ def load_tokens(env: Mapping[str, str]) -> Tokens:
                 raise AccessConfigError(f"{name}_FILE: {path} holds no token")
             tokens += from_file
         for token in tokens:
+            if PLACEHOLDER in token:
+                raise AccessConfigError(f"{name}: a token still says {PLACEHOLDER}: put a "
+                                        "token of your own in its place (k8s/"
+                                        "tokens-secret.example.yaml)")
             if len(token) < MIN_TOKEN_CHARS:
                 raise AccessConfigError(f"{name}: every token needs at least "
                                         f"{MIN_TOKEN_CHARS} characters")
