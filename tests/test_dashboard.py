@@ -24,6 +24,7 @@ from tests.waiting import wait_until
 
 WRITE = "dashboard-write-token-0123456789"
 READ = "dashboard-read-token-0123456789"
+MARKUP = "<b>bold</b><img src=x onerror=\"window.injected=1\">"
 # Flags that keep Chromium off the network it cannot reach here, as root, without a GPU.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
@@ -61,9 +62,10 @@ def cluster(tmp_path: Path) -> Iterator[DevCluster]:
     assert returncode == 0
 
 
-async def _create(api: str, sid: str, trigger: dict[str, object]) -> None:
+async def _create(api: str, sid: str, trigger: dict[str, object],
+                  name: str | None = None) -> None:
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {WRITE}"}) as http, \
-            http.post(f"{api}/schedules", json={"id": sid, "name": sid.replace("-", " "),
+            http.post(f"{api}/schedules", json={"id": sid, "name": name or sid.replace("-", " "),
                                                "target": "dashboard.demo",
                                                "trigger": trigger}) as r:
         assert r.status == 201, await r.text()
@@ -93,6 +95,8 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
     await _create(api, "weekly-report", {"kind": "cron", "cron": "0 9 * * 1",
                                          "timezone": "Europe/Paris"})
     await _create(api, "poll-api", {"kind": "interval", "every": 30})
+    # User data shown as text, never as markup.
+    await _create(api, "markup", {"kind": "interval", "every": 3600}, name=MARKUP)
 
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True,
@@ -107,7 +111,11 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(page.locator("#leader")).to_have_text(leader, timeout=10_000)
             await expect(page.locator("#answered-by")).to_have_text(watched)
             await expect(page.locator("#members tbody tr")).to_have_count(3, timeout=10_000)
-            await expect(page.locator("#schedules tbody tr")).to_have_count(3)
+            await expect(page.locator("#schedules tbody tr")).to_have_count(4)
+            name_cell = page.locator("#schedules tbody tr", has_text="markup").locator("td").nth(1)
+            await expect(name_cell).to_have_text(MARKUP)
+            assert await page.locator("#schedules b, #schedules img").count() == 0
+            assert await page.evaluate("window.injected") is None
             # Fires are claimed up to 2 s ahead, so the newest rows may still be "claimed".
             published = page.locator("#fires tbody tr", has_text="published").first
             await expect(published).to_contain_text("every-second@", timeout=10_000)
