@@ -91,9 +91,8 @@ class NatsEndpoint:
 class NatsBroker:
     def __init__(self, endpoint: NatsEndpoint) -> None:
         self.endpoint = endpoint
-        self.servers = ",".join(endpoint.servers)
+        self.servers = ",".join(endpoint.servers)  # for messages
         self.stream = endpoint.stream
-        self.dedup_window_s = endpoint.dedup_window_s
         self._nc: Any = None
         self._js: Any = None
         self._connecting = asyncio.Lock()
@@ -115,7 +114,7 @@ class NatsBroker:
                         max_reconnect_attempts=-1, allow_reconnect=True,
                         error_cb=self._on_error)
                 js = self._nc.jetstream(publish_async_max_pending=PENDING_ACKS)
-                await ensure_stream(js, self.stream, self.dedup_window_s)
+                await ensure_stream(js, self.stream, self.endpoint.dedup_window_s)
             except Exception as exc:
                 if self._nc is not None and not self._nc.is_connected:
                     await self._close_quietly()
