@@ -77,37 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
                "(comma-separated), or HASCHEDULER_WRITE_TOKENS_FILE and "
                "HASCHEDULER_READ_TOKENS_FILE (one per line). Without any token the API "
                "serves 127.0.0.1 only, whatever --http-host says.")
-    sv.add_argument("--mongodb-uri", default=_env("MONGODB_URI"),
-                    help="MongoDB replica set URI (env HASCHEDULER_MONGODB_URI)")
-    sv.add_argument("--http-host", default=_env("HTTP_HOST", "127.0.0.1"),
-                    help="address to serve the API on (env HASCHEDULER_HTTP_HOST)")
-    sv.add_argument("--http-port", default=_env("HTTP_PORT", "8080"),
-                    help="API port, 0 for any free one (env HASCHEDULER_HTTP_PORT)")
-    sv.add_argument("--replica-id", default=_env("REPLICA_ID") or os.environ.get("POD_NAME"),
-                    help="this replica's name (env HASCHEDULER_REPLICA_ID or POD_NAME; "
-                         "default host name and pid)")
-    sv.add_argument("--broker", default=_env("BROKER", "log:"),
-                    help="where fires go: nats://host:port or log: (env HASCHEDULER_BROKER)")
-    sv.add_argument("--lease-ttl", default=_env("LEASE_TTL", "10"),
-                    help="seconds a lease lasts unrenewed (env HASCHEDULER_LEASE_TTL)")
-    sv.add_argument("--renew-deadline", default=_env("RENEW_DEADLINE", "7"),
-                    help="seconds after its last renewal a leader stops firing "
-                         "(env HASCHEDULER_RENEW_DEADLINE)")
-    sv.add_argument("--renew-interval", default=_env("RENEW_INTERVAL", "2"),
-                    help="seconds between renewals (env HASCHEDULER_RENEW_INTERVAL)")
-    sv.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE"),
-                    help="serve the API over HTTPS with this PEM certificate (chain) "
-                         "(env HASCHEDULER_TLS_CERT_FILE; with --tls-key-file)")
-    sv.add_argument("--tls-key-file", default=_env("TLS_KEY_FILE"),
-                    help="the certificate's PEM private key (env HASCHEDULER_TLS_KEY_FILE)")
-    sv.add_argument("--write-rate", default=_env("WRITE_RATE", "50"),
-                    help="writes per second one client address may make on average, 0 for "
-                         "no limit (env HASCHEDULER_WRITE_RATE)")
-    sv.add_argument("--write-burst", default=_env("WRITE_BURST", "100"),
-                    help="writes one client may make at once (env HASCHEDULER_WRITE_BURST)")
-    sv.add_argument("--fire-retention", default=_env("FIRE_RETENTION", str(7 * 86400)),
-                    help="seconds the fire ledger keeps a fire (env "
-                         "HASCHEDULER_FIRE_RETENTION)")
+    def setting(flag: str, default: str | None, text: str, *, env_also: str = "") -> None:
+        """A serve option that the environment can also set (HASCHEDULER_<FLAG>)."""
+        name = "HASCHEDULER_" + flag.removeprefix("--").replace("-", "_").upper()
+        sv.add_argument(flag, default=os.environ.get(name, default),
+                        help=f"{text} (env {name}{env_also})")
+
+    setting("--mongodb-uri", None, "MongoDB replica set URI")
+    setting("--http-host", "127.0.0.1", "address to serve the API on")
+    setting("--http-port", "8080", "API port, 0 for any free one")
+    setting("--replica-id", os.environ.get("POD_NAME"),
+            "this replica's name, default host name and pid", env_also=" or POD_NAME")
+    setting("--broker", "log:", "where fires go: nats://host:port or log:")
+    setting("--lease-ttl", "10", "seconds a lease lasts unrenewed")
+    setting("--renew-deadline", "7", "seconds after its last renewal a leader stops firing")
+    setting("--renew-interval", "2", "seconds between renewals")
+    setting("--tls-cert-file", None, "serve the API over HTTPS with this PEM certificate "
+                                     "(chain), with --tls-key-file")
+    setting("--tls-key-file", None, "the certificate's PEM private key")
+    setting("--write-rate", "50", "writes per second one client address may make on "
+                                  "average, 0 for no limit")
+    setting("--write-burst", "100", "writes one client may make at once")
+    setting("--fire-retention", str(7 * 86400), "seconds the fire ledger keeps a fire")
 
     wk = sub.add_parser("worker", help="consume fires from the broker: drop repeats and "
                                        "stale terms, run a handler, acknowledge")
