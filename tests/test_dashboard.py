@@ -136,6 +136,10 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await wait_until(lambda: _term_above(page, old_term), 10, "a higher term shown")
             leader_row = page.locator("#members tbody tr", has_text="leader").first
             await expect(leader_row).to_contain_text(new_leader, timeout=10_000)
+            # Standbys report the term they last saw too, so every surviving member shows it.
+            new_term = str(killed["new_term"])
+            await wait_until(lambda: _member_terms(page, new_term, leader), 10,
+                             f"every surviving member showing term {new_term}")
 
             # The write token pauses and resumes.
             await _use_token(page, WRITE)
@@ -159,6 +163,18 @@ def _screenshot_path(default_dir: Path) -> Path:
     folder = Path(os.environ.get("HASCHEDULER_SCREENSHOT_DIR") or default_dir)
     folder.mkdir(parents=True, exist_ok=True)
     return folder / "dashboard.png"
+
+
+async def _member_terms(page: Page, term: str, killed: str) -> dict[str, str] | None:
+    """Replica id -> term shown, once every member but the killed one (its heartbeat ages
+    out; the dev cluster starts a replacement) shows ``term``."""
+    rows = await page.locator("#members tbody tr").all()
+    shown = {}
+    for row in rows:
+        cells = await row.locator("td").all_inner_texts()
+        if len(cells) >= 3 and cells[0] != killed:
+            shown[cells[0]] = cells[2]
+    return shown if len(shown) >= 2 and set(shown.values()) == {term} else None
 
 
 async def _term_above(page: Page, term: int) -> bool:

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,6 @@ class Child:
     process: asyncio.subprocess.Process
     address: str
     log_path: Path
-    started_at: float = field(default_factory=time.time)
     retiring: bool = False  # stopped by us (scale down, shutdown): not replaced
 
     @property

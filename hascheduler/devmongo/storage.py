@@ -293,13 +293,6 @@ class Collection:
 
     # -- writing ------------------------------------------------------------------------
 
-    def _check_unique(self, rid: int, doc: Document) -> None:
-        for index in self.indexes.values():
-            if index.conflict(rid, doc) is not None:
-                raise DuplicateKey(
-                    self.ns, index.name, dict(index.key),
-                    {f: _first_value(doc, f) for f in index.fields})
-
     def insert(self, doc: Document) -> Any:
         """Insert one document; returns its ``_id``. Raises DuplicateKey."""
         validate_document(doc)
