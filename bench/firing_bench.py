@@ -165,6 +165,12 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict[str, float]:
+    pids = {"development server": mongo.pid, "nats-server": broker.pid,
+            **{f"replica {name}": r.pid for name, r in c.replicas.items()}}
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
 async def burst(mongo: ServerProcess, broker: ServerProcess,
                 n: int) -> tuple[float, float, dict[str, float]]:
     """Drain time, the raw baseline, and each process's CPU seconds during the burst."""
@@ -175,9 +181,7 @@ async def burst(mongo: ServerProcess, broker: ServerProcess,
     try:
         # CPU is counted from three seconds before the burst, after start-up and catch-up.
         await asyncio.sleep(max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds() - 3))
-        pids = {"development server": mongo.pid, "nats-server": broker.pid,
-                **{f"replica {name}": r.pid for name, r in c.replicas.items()}}
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        before = process_cpu(mongo, broker, c)
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if await c.db.fires.count_documents({"state": "published"}) >= n:
@@ -188,7 +192,7 @@ async def burst(mongo: ServerProcess, broker: ServerProcess,
         last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
         assert last is not None
         drained = (last["published_at"] - due).total_seconds()
-        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        cpu = {k: v - before[k] for k, v in process_cpu(mongo, broker, c).items()}
     finally:
         await c.close()
     return drained, await raw_burst(broker.uri, n), cpu
@@ -202,17 +206,22 @@ def seconds_field(i: int, period: int) -> str:
     return str(i % 60) if period == 60 else f"{i % period}/{period}"
 
 
-async def lateness(mongo: ServerProcess, nats_uri: str, n: int, period: int,
+async def lateness(mongo: ServerProcess, broker: ServerProcess, n: int, period: int,
                    seconds: float) -> list[float]:
-    c = await started_cluster(mongo, nats_uri, f"bench_late_{n}", [
+    c = await started_cluster(mongo, broker.uri, f"bench_late_{n}", [
         schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": f"{seconds_field(i, period)} * * * * *"},
                      "bench.late")
         for i in range(n)])
     try:
         await asyncio.sleep(3)  # past the start-up catch-up
         start = dt.datetime.now(dt.UTC)
+        cpu_before = process_cpu(mongo, broker, c)
         await asyncio.sleep(seconds)
         end = dt.datetime.now(dt.UTC)
+        cpu = {k: (v - cpu_before[k]) / seconds
+               for k, v in process_cpu(mongo, broker, c).items()}
+        NOTES.append(f"CPU at {n:,} schedules, share of one core during the window: " +
+                     ", ".join(f"{k} {v:.0%}" for k, v in cpu.items()))
         await asyncio.sleep(5)  # let the last seconds' publishes land
         fires = [f async for f in c.db.fires.find(
             {"due_at": {"$gte": start, "$lt": end}, "state": "published"},
@@ -314,7 +323,7 @@ async def main() -> int:
                   "APScheduler p50 (baseline) | p99 | runs | p99 ratio |")
             print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for n, period in sizes:
-            values = await lateness(mongo, broker.uri, n, period, args.seconds)
+            values = await lateness(mongo, broker, n, period, args.seconds)
             b = apscheduler_lateness(n, period, args.seconds)
             expected = n * int(args.seconds) // period
             row = f"| {n:,} | {n // period:,} |"

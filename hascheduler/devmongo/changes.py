@@ -22,6 +22,7 @@ from .errors import MongoError
 from .values import Document, key_of
 
 TOKEN_FLAG_INVALIDATE = 0x01
+_EPOCH = datetime.datetime(1970, 1, 1)  # naive UTC, as the server keeps dates
 
 
 class ClusterClock:
@@ -109,7 +110,11 @@ class ChangeLog:
         # History before the server started, or that fell off the ring, is lost: resuming
         # at or before this cluster time answers 286, as a real oplog's start does.
         self._history_starts_after: Timestamp = clock.tick()
-        self._appended = asyncio.Event()
+        # Set by the next append; created only when someone waits (most appends have no
+        # waiter, and an Event per write showed in write profiles).
+        self._appended: asyncio.Event | None = None
+        self._wall_ms = 0
+        self._wall = _EPOCH
 
     @property
     def last_seq(self) -> int:
@@ -124,13 +129,17 @@ class ChangeLog:
             self._history_starts_after = self._events[0].cluster_time
         self._last_seq += 1
         ts = self.clock.tick()
-        wall = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
-        wall = wall.replace(microsecond=wall.microsecond // 1000 * 1000)
-        event = ChangeEvent(self._last_seq, ts, wall, db, coll, operation_type, **fields)
+        # Millisecond precision, as BSON dates have; one datetime per millisecond is shared
+        # by the events written in it (a batch of 1,000 writes is a handful of them).
+        now_ms = int(time.time() * 1000)
+        if now_ms != self._wall_ms:
+            self._wall_ms = now_ms
+            self._wall = _EPOCH + datetime.timedelta(milliseconds=now_ms)
+        event = ChangeEvent(self._last_seq, ts, self._wall, db, coll, operation_type, **fields)
         self._events.append(event)
-        # Wake every waiter once; later waiters get a fresh, unset event.
-        self._appended.set()
-        self._appended = asyncio.Event()
+        if self._appended is not None:  # wake every waiter once; later ones get a new event
+            self._appended.set()
+            self._appended = None
         return event
 
     def check_resumable_after(self, seq: int) -> None:
@@ -175,6 +184,8 @@ class ChangeLog:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return False
+            if self._appended is None:
+                self._appended = asyncio.Event()
             try:
                 await asyncio.wait_for(self._appended.wait(), remaining)
             except TimeoutError:

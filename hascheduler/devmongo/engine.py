@@ -21,6 +21,7 @@ import functools
 import importlib
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from bson import Int64, ObjectId, Timestamp
@@ -246,17 +247,21 @@ _UPDATE_OPERATORS = frozenset({
 
 
 def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
-                 inserting: bool, array_filters: list[Document] | None = None) -> Document:
-    """The document after ``update``; ``doc`` itself is not modified.
+                 inserting: bool, array_filters: list[Document] | None = None,
+                 plan: SetUnset | None = None) -> Document:
+    """The document after ``update``; ``doc`` itself is not modified. ``plan``, from
+    set_unset_plan(update) when one update applies to many documents, skips re-reading it.
 
     Raises MongoError (66 ImmutableField when ``_id`` would change).
     """
+    if plan is not None:
+        return plan.apply(doc)
     if array_filters is not None or _has_array_positional(update):
         return _apply_with_array_filters(op, doc, filter_, update, inserting,
                                          array_filters or [])
-    fast = _top_level_set_unset(doc, update)
+    fast = set_unset_plan(update)
     if fast is not None:
-        return fast
+        return fast.apply(doc)
     new = copy.deepcopy(doc)
     try:
         if isinstance(update, list):
@@ -437,14 +442,27 @@ def _plain_field(name: Any) -> bool:
         not name.startswith("$") and name != "_id"
 
 
-def _top_level_set_unset(doc: Document, update: Any) -> Document | None:
-    """``$set``/``$unset`` of top-level, undotted fields, applied directly.
+@dataclass(frozen=True, slots=True)
+class SetUnset:
+    """An update of only ``$set``/``$unset`` on top-level, undotted fields.
 
     For such fields MongoDB's semantics are plain assignment and removal, so this skips
     the deep copy and the general engine (the dispatcher marks thousands of fires a
-    second this way). Anything else returns None and takes the general path. Stored
-    documents are never mutated in place, so sharing unchanged values is safe.
-    """
+    second this way). Stored documents are never mutated in place, so sharing the set
+    values between the documents updated is safe."""
+
+    sets: Document
+    unsets: frozenset[str]
+
+    def apply(self, doc: Document) -> Document:
+        unsets = self.unsets
+        new = {k: v for k, v in doc.items() if k not in unsets} if unsets else dict(doc)
+        new.update(self.sets)
+        return new
+
+
+def set_unset_plan(update: Any) -> SetUnset | None:
+    """The SetUnset for ``update``, or None when it needs the general engine."""
     if not isinstance(update, dict) or not update or not set(update) <= {"$set", "$unset"}:
         return None
     sets, unsets = update.get("$set", {}), update.get("$unset", {})
@@ -455,12 +473,9 @@ def _top_level_set_unset(doc: Document, update: Any) -> Document | None:
     if any(isinstance(v, dict) and any(str(k).startswith("$") for k in v)
            for v in sets.values()):
         return None  # operator-looking values: let the engine refuse them as MongoDB does
-    new = {k: v for k, v in doc.items() if k not in unsets}
-    for key, value in sets.items():
-        # Only the new values need normalising (stored ones already are); the helper
-        # rebuilds containers, so nothing is shared with the command's document.
-        new[key] = mm_helpers.patch_datetime_awareness_in_document(value)
-    return new
+    # The helper rebuilds containers, so nothing is shared with the command's document.
+    return SetUnset({k: mm_helpers.patch_datetime_awareness_in_document(v)
+                     for k, v in sets.items()}, frozenset(unsets))
 
 
 def _current_date_as_set(op: Operation, update: Document) -> Document:

@@ -9,7 +9,6 @@ the full filter is always applied to them with MongoDB's matching semantics (eng
 
 from __future__ import annotations
 
-import bisect
 import datetime
 import itertools
 import re
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bson import ObjectId, Regex
+from sortedcontainers import SortedList
 
 from . import engine
 from .changes import ChangeLog
@@ -33,8 +33,14 @@ from .values import (
     type_rank,
 )
 
+# Values whose index key is the value itself (no array or document to walk).
+_SCALAR_TYPES = frozenset({str, int, float, bool, ObjectId, datetime.datetime, type(None)})
 _NEG_INF_RID = -1
 _POS_INF_RID = float("inf")
+
+
+class DuplicateKeyConflict(Exception):
+    """An index key already held by another record (Collection turns it into E11000)."""
 
 
 @dataclass
@@ -47,15 +53,32 @@ class Index:
     partial_filter: Document | None = None
     # key tuple -> record ids holding it
     entries: dict[Hashable, set[int]] = field(default_factory=dict)
-    # (sort key of the first field's value, record id), ascending
-    ordered: list[tuple[Any, Any]] = field(default_factory=list)
+    # The collection's documents by record id, to build ``ordered`` from when first needed.
+    docs: dict[int, Document] = field(default_factory=dict, repr=False)
+    # (sort key of the first field's value, record id), ascending: built at the first range
+    # scan and maintained from then on (a unique _id index is mostly only looked up, and
+    # keeping its order cost every insert). A SortedList, not a list kept with insort: at
+    # 100k+ entries each insort moved the list's tail.
+    ordered: SortedList[tuple[Any, Any]] | None = None
     # An array value was indexed (any field): one document may satisfy two bounds with two
     # elements, and a key match no longer decides an equality exactly.
     multikey: bool = False
+    fields: list[str] = field(init=False)
+    _top_level: bool = field(init=False)
 
-    @property
-    def fields(self) -> list[str]:
-        return [f for f, _ in self.key]
+    def __post_init__(self) -> None:
+        self.fields = [f for f, _ in self.key]
+        # Top-level fields only: keys come straight from the document's values when they
+        # are scalars (the common case), skipping the general multikey walk.
+        self._top_level = not any("." in f for f in self.fields)
+
+    def _sorted(self) -> SortedList[tuple[Any, Any]]:
+        if self.ordered is None:
+            first = self.fields[0]
+            self.ordered = SortedList(
+                (sort_key(v), rid) for rid, doc in self.docs.items() if self.applies_to(doc)
+                for v in index_values(doc, first))
+        return self.ordered
 
     def spec(self) -> Document:
         out: Document = {"v": 2, "key": dict(self.key), "name": self.name}
@@ -76,43 +99,58 @@ class Index:
             return False
         return self.partial_filter is None or engine.matches(self.partial_filter, doc)
 
-    def _values(self, doc: Document) -> list[list[Any]]:
-        return [index_values(doc, f) for f, _ in self.key]
+    def keys_for(self, doc: Document) -> list[Hashable]:
+        return self._keys(doc)[0]
 
-    def keys_for(self, doc: Document, values: list[list[Any]] | None = None) -> list[Hashable]:
-        per_field = [[key_of(v) for v in vs] for vs in values or self._values(doc)]
-        if len(per_field) == 1 and len(per_field[0]) == 1:
-            return [(per_field[0][0],)]
-        return list(dict.fromkeys(itertools.product(*per_field)))
+    def _keys(self, doc: Document) -> tuple[list[Hashable], list[Any]]:
+        """The index keys ``doc`` holds, and its first field's values (for ``ordered``)."""
+        if self._top_level:
+            plain = [doc.get(f) for f in self.fields]  # missing indexes as null
+            if all(type(v) in _SCALAR_TYPES for v in plain):
+                return [tuple(map(key_of, plain))], plain[:1]
+        values = [index_values(doc, f) for f in self.fields]
+        if all(len(vs) == 1 for vs in values):  # no array anywhere: exactly one key
+            return [tuple(key_of(vs[0]) for vs in values)], values[0]
+        per_field = [[key_of(v) for v in vs] for vs in values]
+        return list(dict.fromkeys(itertools.product(*per_field))), values[0]
 
-    def first_values(self, doc: Document) -> list[Any]:
-        return index_values(doc, self.key[0][0])
-
-    def add(self, rid: int, doc: Document) -> None:
+    def add(self, rid: int, doc: Document, unique_check: bool = False) -> None:
+        """Index ``doc`` as record ``rid``; with ``unique_check``, first raise
+        DuplicateKeyConflict if a unique key is held by another record."""
         if not self.applies_to(doc):
             return
-        values = self._values(doc)
-        for k in self.keys_for(doc, values):
-            self.entries.setdefault(k, set()).add(rid)
-        # Any array under any field: its keys no longer decide a condition exactly.
-        self.multikey = self.multikey or any(len(vs) > 1 for vs in values)
-        for v in values[0]:
-            bisect.insort(self.ordered, (sort_key(v), rid))
+        keys, firsts = self._keys(doc)
+        if unique_check and self.unique:
+            for k in keys:
+                holders = self.entries.get(k)
+                if holders and (len(holders) > 1 or rid not in holders):
+                    raise DuplicateKeyConflict(k)
+        for k in keys:
+            holders = self.entries.get(k)
+            if holders is None:
+                self.entries[k] = {rid}
+            else:
+                holders.add(rid)
+        if len(keys) > 1 or len(firsts) > 1:
+            # Any array under any field: its keys no longer decide a condition exactly.
+            self.multikey = True
+        if self.ordered is not None:
+            for v in firsts:
+                self.ordered.add((sort_key(v), rid))
 
     def remove(self, rid: int, doc: Document) -> None:
         if not self.applies_to(doc):
             return
-        for k in self.keys_for(doc):
+        keys, firsts = self._keys(doc)
+        for k in keys:
             holders = self.entries.get(k)
             if holders is not None:
                 holders.discard(rid)
                 if not holders:
                     del self.entries[k]
-        for v in self.first_values(doc):
-            entry = (sort_key(v), rid)
-            i = bisect.bisect_left(self.ordered, entry)
-            if i < len(self.ordered) and self.ordered[i] == entry:
-                del self.ordered[i]
+        if self.ordered is not None:
+            for v in firsts:
+                self.ordered.discard((sort_key(v), rid))
 
     def conflict(self, rid: int, doc: Document) -> Hashable | None:
         """A key of ``doc`` already held by another record, if this index is unique."""
@@ -127,15 +165,27 @@ class Index:
     def lookup(self, values: tuple[Any, ...]) -> set[int]:
         return set(self.entries.get(tuple(key_of(v) for v in values), ()))
 
+    def lookup_size(self, values: tuple[Any, ...]) -> int:
+        return len(self.entries.get(tuple(key_of(v) for v in values), ()))
+
+    @staticmethod
+    def _probes(low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
+                high_inclusive: bool) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        return ((low, _NEG_INF_RID) if low_inclusive else (low, _POS_INF_RID),
+                (high, _POS_INF_RID) if high_inclusive else (high, _NEG_INF_RID))
+
     def range(self, low: tuple[Any, ...], low_inclusive: bool,
               high: tuple[Any, ...], high_inclusive: bool) -> Iterator[int]:
         """Record ids whose first-field sort key lies between ``low`` and ``high``."""
-        lo_probe = (low, _NEG_INF_RID) if low_inclusive else (low, _POS_INF_RID)
-        hi_probe = (high, _POS_INF_RID) if high_inclusive else (high, _NEG_INF_RID)
-        start = bisect.bisect_left(self.ordered, lo_probe)
-        end = bisect.bisect_right(self.ordered, hi_probe)
-        for i in range(start, end):
-            yield self.ordered[i][1]
+        lo_probe, hi_probe = self._probes(low, low_inclusive, high, high_inclusive)
+        for _, rid in self._sorted().irange(lo_probe, hi_probe):
+            yield rid
+
+    def range_size(self, low: tuple[Any, ...], low_inclusive: bool,
+                   high: tuple[Any, ...], high_inclusive: bool) -> int:
+        lo_probe, hi_probe = self._probes(low, low_inclusive, high, high_inclusive)
+        ordered = self._sorted()
+        return max(0, ordered.bisect_right(hi_probe) - ordered.bisect_left(lo_probe))
 
 
 def index_name(key: list[tuple[str, Any]]) -> str:
@@ -193,7 +243,7 @@ class Collection:
         self.name = name
         self.docs: dict[int, Document] = {}
         self._rids = itertools.count(1)
-        id_index = Index("_id_", [("_id", 1)], unique=True)
+        id_index = Index("_id_", [("_id", 1)], unique=True, docs=self.docs)
         self.indexes: dict[str, Index] = {"_id_": id_index}
         self.options: Document = {}
 
@@ -217,29 +267,43 @@ class Collection:
         if not filter_:
             return list(self.docs), frozenset()
         equal = _equalities(filter_)
-        best: set[int] | None = None
-        decided: frozenset[str] = frozenset()
+        # Each usable index's candidate count is read off its structures first; only the
+        # smallest is materialised (an update of 1,000 fires by _id also matched the
+        # state_term index, and copying its 20,000 claimed ids cost more than the update).
+        best_size: int | None = None
+        best_plan: tuple[Index, list[str]] | None = None
         for index in self.indexes.values():
             if index.partial_filter is not None or index.sparse:
                 continue
             fields = index.fields
             if all(f in equal for f in fields):
-                rids: set[int] = set()
-                for combo in itertools.product(*(equal[f] for f in fields)):
-                    rids |= index.lookup(combo)
-                if best is None or len(rids) < len(best):
-                    best = rids
-                    exact = all(self._decides(index, f, filter_, equal) for f in fields)
-                    decided = frozenset(fields) if exact else frozenset()
+                size = sum(index.lookup_size(combo)
+                           for combo in itertools.product(*(equal[f] for f in fields)))
+                used = fields
             elif fields[0] in equal and len(equal[fields[0]]) <= 64:
-                rids = set()
+                size = 0
                 for value in equal[fields[0]]:
                     sk = sort_key(value)
-                    rids.update(index.range(sk, True, sk, True))
-                if best is None or len(rids) < len(best):
-                    best = rids
-                    exact = self._decides(index, fields[0], filter_, equal)
-                    decided = frozenset(fields[:1]) if exact else frozenset()
+                    size += index.range_size(sk, True, sk, True)
+                used = fields[:1]
+            else:
+                continue
+            if best_size is None or size < best_size:
+                best_size, best_plan = size, (index, used)
+        best: set[int] | None = None
+        decided: frozenset[str] = frozenset()
+        if best_plan is not None:
+            index, used = best_plan
+            best = set()
+            if len(used) == len(index.fields):
+                for combo in itertools.product(*(equal[f] for f in used)):
+                    best |= index.lookup(combo)
+            else:
+                for value in equal[used[0]]:
+                    sk = sort_key(value)
+                    best.update(index.range(sk, True, sk, True))
+            if all(self._decides(index, f, filter_, equal) for f in used):
+                decided = frozenset(used)
         if best is None:
             ranges = _ranges(filter_)
             for index in self.indexes.values():
@@ -318,19 +382,23 @@ class Collection:
         added: list[Index] = []
         try:
             for index in self.indexes.values() if indexes is None else indexes:
-                if index.unique and index.conflict(rid, doc) is not None:
+                try:
+                    index.add(rid, doc, unique_check=True)
+                except DuplicateKeyConflict:
                     raise DuplicateKey(self.ns, index.name, dict(index.key),
-                                       {f: _first_value(doc, f) for f in index.fields})
-                index.add(rid, doc)
+                                       {f: _first_value(doc, f) for f in index.fields}) from None
                 added.append(index)
         except BaseException:
             for index in added:
                 index.remove(rid, doc)
             raise
 
-    def replace(self, rid: int, new: Document, replacement: bool) -> bool:
-        """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey."""
-        validate_document(new)
+    def replace(self, rid: int, new: Document, replacement: bool,
+                validated: bool = False) -> bool:
+        """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey.
+        ``validated``: its field names are known good (a SetUnset checked them)."""
+        if not validated:
+            validate_document(new)
         old = self.docs[rid]
         # Native equality is fast; the type walk rejects what Python equates (True == 1).
         if old == new and _same_types(old, new):
@@ -382,7 +450,7 @@ class Collection:
                                  "on a single field")
         index = Index(name, key, unique=bool(spec.get("unique")), sparse=bool(spec.get("sparse")),
                       expire_after_seconds=ttl,
-                      partial_filter=spec.get("partialFilterExpression"))
+                      partial_filter=spec.get("partialFilterExpression"), docs=self.docs)
         for existing in self.indexes.values():
             same_key = existing.key == index.key
             if existing.name == name or same_key:
@@ -462,10 +530,11 @@ def validate_document(doc: Any) -> None:
     if not isinstance(doc, dict):
         raise MongoError(14, "a document must be an object")
     for k in doc:
-        if not isinstance(k, str):
-            raise bad_value("document field names must be strings")
-        if k.startswith("$"):
-            raise MongoError(52, f"Document can't have $ prefixed field names: {k}")
+        if type(k) is not str or k[:1] == "$":
+            if not isinstance(k, str):
+                raise bad_value("document field names must be strings")
+            if k.startswith("$"):
+                raise MongoError(52, f"Document can't have $ prefixed field names: {k}")
 
 
 class Catalog:

@@ -62,6 +62,8 @@ def type_rank(value: Any) -> int:
     plain = _PLAIN_RANKS.get(type(value))
     if plain is not None:
         return plain
+    if type(value) is datetime.datetime:  # before the ABC checks below, which are slow
+        return RANK_DATE
     if value is None or value is MISSING:
         return RANK_NULL
     if isinstance(value, bool):
@@ -120,6 +122,8 @@ def key_of(value: Any) -> Hashable:
     plain = _PLAIN_RANKS.get(type(value))
     if plain is not None:
         return (plain, value)
+    if type(value) is datetime.datetime and value.tzinfo is None:  # as stored (UTC)
+        return (RANK_DATE, value)
     rank = type_rank(value)
     if rank == RANK_OBJECT and isinstance(value, Mapping):
         return (rank, tuple((k, key_of(v)) for k, v in value.items()))
