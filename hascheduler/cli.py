@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pymongo import uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI
 
-from . import logs, schedules_cli
+from . import gcpolicy, logs, schedules_cli
 from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
 from .dispatch import DispatchSettings
@@ -220,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"hascheduler devmongo: --tls-certificate-key-file "
                       f"{args.tls_certificate_key_file}: {exc}", file=sys.stderr)
                 return 2
+        gcpolicy.freeze_survivors()
         try:
             asyncio.run(serve_forever(settings))
         except OSError as exc:
@@ -233,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"hascheduler serve: {exc}", file=sys.stderr)
             return 2
+        gcpolicy.freeze_survivors()
         try:
             asyncio.run(run_replica(replica))
         except OSError as exc:

@@ -22,12 +22,13 @@ import importlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import ge, gt, le, lt
 from typing import Any
 
 from bson import Int64, ObjectId, Timestamp
 
 from .errors import MongoError, bad_value
-from .values import MISSING, Document, key_of, sort_key
+from .values import MISSING, Document, key_of, sort_key, type_rank
 
 # mongomock has no type information; it is reached only through these handles, which keeps
 # the untyped boundary in this one module.
@@ -180,7 +181,7 @@ def matches(filter_: Document, doc: Document) -> bool:
     """Whether ``doc`` satisfies ``filter_`` (already prepared by Operation.prepare)."""
     if not filter_:
         return True
-    plain = _plain_equalities(filter_, doc)
+    plain = _plain_conditions(filter_, doc)
     if plain is not None:
         return plain
     try:
@@ -190,21 +191,34 @@ def matches(filter_: Document, doc: Document) -> bool:
 
 
 _EXACT_TYPES = frozenset({str, int, Int64, float, bool, ObjectId, datetime.datetime})
+_RANGE_TESTS: dict[str, Callable[[Any, Any], bool]] = {
+    "$lt": lt, "$lte": le, "$gt": gt, "$gte": ge}
 
 
-def _plain_equalities(filter_: Document, doc: Document) -> bool | None:
-    """The answer for a filter of top-level equalities between plain scalars, or None.
+def _plain_conditions(filter_: Document, doc: Document) -> bool | None:
+    """The answer for a filter of top-level equalities and ranges ($lt, $lte, $gt, $gte)
+    between plain scalars, or None.
 
-    The ledger's writes filter like this (``{"term": 3, "state": "claimed"}``) thousands
-    of times a second; arrays, documents, missing fields, NaN and operators take the
-    general matcher.
+    The ledger's writes and the leader's retry scans filter like this
+    (``{"term": 3, "state": "claimed", "next_attempt_at": {"$lte": now}}``) over thousands
+    of documents a second; arrays, documents, missing fields, NaN and other operators take
+    the general matcher. Ranges compare within one BSON type only, as MongoDB's do.
     """
     for key, want in filter_.items():
         have = doc.get(key, MISSING)
-        if type(want) not in _EXACT_TYPES or type(have) not in _EXACT_TYPES \
-                or key[:1] == "$" or "." in key or want != want or have != have:
+        if type(have) not in _EXACT_TYPES or key[:1] == "$" or "." in key or have != have:
             return None
-        if key_of(have) != key_of(want):
+        if type(want) is dict:
+            for op, bound in want.items():
+                test = _RANGE_TESTS.get(op)
+                if test is None or type(bound) not in _EXACT_TYPES or bound != bound:
+                    return None
+                if type_rank(have) != type_rank(bound) or \
+                        not test(sort_key(have), sort_key(bound)):
+                    return False
+        elif type(want) not in _EXACT_TYPES or want != want:
+            return None
+        elif key_of(have) != key_of(want):
             return False
     return True
 

@@ -195,6 +195,29 @@ def test_plain_equality_fast_path_agrees_with_the_general_matcher(want: Any) -> 
             assert engine.matches(filter_, doc) == expected, (filter_, doc)
 
 
+_RANGE_VALUES: list[Any] = [0, 1, 1.5, Int64(2), True, False, "", "a", "b", None, [1], {"a": 1},
+                            datetime.datetime(2029, 1, 1), datetime.datetime(2030, 1, 1),
+                            float("nan"), ObjectId("0" * 24), ObjectId("1" * 24)]
+
+
+@pytest.mark.parametrize("op", ["$lt", "$lte", "$gt", "$gte"])
+@pytest.mark.parametrize("bound", _RANGE_VALUES, ids=repr)
+def test_plain_range_fast_path_agrees_with_mongodb_type_bracketing(op: str, bound: Any) -> None:
+    docs = [{"_id": i, "v": v, "w": "x"} for i, v in enumerate(_RANGE_VALUES)] + [{"_id": "none"}]
+    for doc in docs:
+        have = doc.get("v")
+        for filter_ in ({"v": {op: bound}}, {"w": "x", "v": {op: bound}},
+                        {"v": {op: bound}, "w": "y"}):
+            got = engine.matches(filter_, doc)
+            if engine._plain_conditions(filter_, doc) is None:
+                continue  # the general matcher answered: not this test's subject
+            # MongoDB compares within one type (numbers together, booleans apart).
+            same_type = engine.type_rank(have) == engine.type_rank(bound)
+            expected = same_type and _general_match(filter_, doc)
+            assert got == expected, (filter_, doc)
+    assert engine._plain_conditions({"v": {"$lte": 2}}, {"v": 1}) is True, "fast path taken"
+
+
 @pytest.mark.parametrize("filter_", [
     {"state": "claimed", "term": 1},
     {"state": "claimed", "term": 1.0},
