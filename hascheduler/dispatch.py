@@ -20,11 +20,11 @@ import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from pymongo import ASCENDING, DESCENDING
-from pymongo.errors import BulkWriteError, DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from . import fires as ledger
 from .brokers import Broker
@@ -77,8 +77,10 @@ class DispatchSettings:
     max_in_flight_batches: int = 8
 
 
-@dataclass(order=True, slots=True)
-class Due:
+class Due(NamedTuple):
+    """A fire waiting in the leader's heap. A tuple: the heap compares them in C (a
+    dataclass's generated ``__lt__`` was a twentieth of the leader's CPU at 10k fires/s)."""
+
     fire_at: dt.datetime
     nominal: dt.datetime
     schedule_id: str
@@ -103,7 +105,12 @@ def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
 
 
 async def ensure_fire_indexes(fires: Any, retention_s: float) -> None:
-    await fires.create_index([("state", ASCENDING), ("term", ASCENDING)], name="state_term")
+    # Claimed fires only (a partial index): the leader's retry and adoption scans look for
+    # nothing else, and a fire leaves it once published instead of moving within it.
+    await fires.create_index([("term", ASCENDING)], name="claimed_by_term",
+                             partialFilterExpression={"state": ledger.CLAIMED})
+    with contextlib.suppress(OperationFailure):  # its predecessor, on (state, term)
+        await fires.drop_index("state_term")
     await fires.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
                              name="schedule_history")
     await fires.create_index([("recorded_at", ASCENDING)], name="retention",

@@ -104,10 +104,20 @@ class Index:
 
     def _keys(self, doc: Document) -> tuple[list[Hashable], list[Any]]:
         """The index keys ``doc`` holds, and its first field's values (for ``ordered``)."""
-        if self._top_level:
-            plain = [doc.get(f) for f in self.fields]  # missing indexes as null
-            if all(type(v) in _SCALAR_TYPES for v in plain):
-                return [tuple(map(key_of, plain))], plain[:1]
+        if self._top_level:  # a missing field indexes as null
+            # Unrolled for one and two fields: this runs for every index of every write.
+            if len(self.fields) == 1:
+                v = doc.get(self.fields[0])
+                if type(v) in _SCALAR_TYPES:
+                    return [(key_of(v),)], [v]
+            elif len(self.fields) == 2:
+                v, w = doc.get(self.fields[0]), doc.get(self.fields[1])
+                if type(v) in _SCALAR_TYPES and type(w) in _SCALAR_TYPES:
+                    return [(key_of(v), key_of(w))], [v]
+            else:
+                plain = [doc.get(f) for f in self.fields]
+                if all(type(v) in _SCALAR_TYPES for v in plain):
+                    return [tuple(map(key_of, plain))], plain[:1]
         values = [index_values(doc, f) for f in self.fields]
         if all(len(vs) == 1 for vs in values):  # no array anywhere: exactly one key
             return [tuple(key_of(vs[0]) for vs in values)], values[0]
@@ -218,6 +228,24 @@ def _equalities(filter_: Document) -> dict[str, list[Any]]:
     return found
 
 
+def _covers(index: Index, equal: dict[str, list[Any]]) -> bool:
+    """Whether every document the filter can match is in the index: always, unless the
+    index is partial; then the filter must pin each field of a partial filter made of
+    plain equalities to the same value (``{"state": "claimed"}``), as MongoDB requires."""
+    if index.partial_filter is None:
+        return True
+    for field_, want in index.partial_filter.items():
+        if isinstance(want, dict):
+            if set(want) != {"$eq"}:
+                return False
+            want = want["$eq"]
+        pinned = equal.get(field_)
+        if field_.startswith("$") or type(want) not in _SCALAR_TYPES or pinned is None or \
+                len(pinned) != 1 or key_of(pinned[0]) != key_of(want):
+            return False
+    return True
+
+
 def _is_regex(value: Any) -> bool:
     return isinstance(value, re.Pattern | Regex) or (isinstance(value, dict) and "$regex" in value)
 
@@ -269,11 +297,11 @@ class Collection:
         equal = _equalities(filter_)
         # Each usable index's candidate count is read off its structures first; only the
         # smallest is materialised (an update of 1,000 fires by _id also matched the
-        # state_term index, and copying its 20,000 claimed ids cost more than the update).
+        # (state, term) index, and copying its 20,000 claimed ids cost more than the update).
         best_size: int | None = None
         best_plan: tuple[Index, list[str]] | None = None
         for index in self.indexes.values():
-            if index.partial_filter is not None or index.sparse:
+            if index.sparse or not _covers(index, equal):
                 continue
             fields = index.fields
             if all(f in equal for f in fields):
@@ -308,7 +336,7 @@ class Collection:
             ranges = _ranges(filter_)
             for index in self.indexes.values():
                 cond = ranges.get(index.fields[0])
-                if cond is None or index.partial_filter is not None or index.sparse:
+                if cond is None or index.sparse or not _covers(index, equal):
                     continue
                 best = set(self._range_scan(index, cond))
                 break

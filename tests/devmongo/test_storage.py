@@ -50,6 +50,33 @@ def test_indexed_filters_do_not_scan(filter_: dict[str, Any], narrowed_to: int) 
     assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
 
 
+@pytest.mark.parametrize(("filter_", "narrowed_to"), [
+    ({"state": "claimed", "term": 2}, 10),                 # the partial index, by key
+    ({"state": "claimed", "term": {"$lt": 2}}, 20),        # ... by range
+    ({"state": {"$in": ["claimed"]}, "term": 1}, 10),
+    ({"state": "published", "term": 1}, 1000),             # not implied: never the index
+    ({"term": 1}, 1000),
+    ({"state": {"$in": ["claimed", "published"]}, "term": 1}, 1000),
+    ({"state": {"$ne": "published"}, "term": 1}, 1000),
+])
+def test_partial_index_is_used_only_when_the_filter_implies_it(
+        filter_: dict[str, Any], narrowed_to: int) -> None:
+    coll = make_collection()
+    coll.create_index({"key": {"term": 1}, "name": "claimed_by_term",
+                       "partialFilterExpression": {"state": "claimed"}})
+    for i in range(1000):  # 30 claimed (10 per term), the rest published
+        coll.insert({"_id": i, "term": i % 3, "state": "claimed" if i < 30 else "published"})
+    assert len(list(coll.candidates(filter_))) == narrowed_to
+    scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+    assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
+    # Publishing a claim takes it out of the index; nothing else moves in.
+    rid, doc = coll.find(op(), {"_id": 0})[0]
+    coll.replace(rid, {**doc, "state": "published"}, replacement=True)
+    assert [d["_id"] for _, d in coll.find(op(), {"state": "claimed", "term": 0})] == \
+        list(range(3, 30, 3))
+    assert len(coll.indexes["claimed_by_term"].entries[(key_of(0),)]) == 9
+
+
 def test_range_respects_type_brackets_and_multikey_arrays() -> None:
     coll = make_collection()
     coll.create_index({"key": {"v": 1}})
