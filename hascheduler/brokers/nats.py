@@ -156,8 +156,8 @@ class NatsBroker:
     async def _on_ack(self, msg: Any) -> None:
         batch_id, _, index = msg.subject[len(self._inbox) + 1:].partition(".")
         batch = self._batches.get(batch_id)
-        if batch is None:
-            return  # the publish call gave up waiting for it
+        if batch is None or not index.isdigit() or int(index) >= len(batch.acked):
+            return  # the publish call gave up waiting for it (or not a reply of ours)
         i = int(index)
         if batch.acked[i]:
             return
