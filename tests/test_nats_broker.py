@@ -1,5 +1,5 @@
 """The NATS broker's publish outcomes against a real nats-server: acknowledged, duplicate,
-rejected by JetStream, no stream listening, server gone."""
+rejected by JetStream, stream deleted, server gone, password; and its ack reader's framing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from nats.js.api import DiscardPolicy, StreamConfig
 
 from hascheduler.brokers.base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
 from hascheduler.brokers.nats import NatsBroker, NatsEndpoint, PublishRejected, ack_error
+from hascheduler.brokers.nats_acks import AckConnectionError, AckReader
 from tests.servers import ServerProcess, start_nats
 
 
@@ -74,15 +75,18 @@ async def test_a_message_jetstream_rejects_fails_alone(broker: NatsBroker,
     assert "maximum messages" in str(outcomes[2])
 
 
-async def test_no_stream_for_the_subject_is_an_error_not_an_ack(
+async def test_a_deleted_stream_fails_the_batch_and_is_recreated_for_the_retry(
         broker: NatsBroker, nats_server: ServerProcess) -> None:
     nc = await nats.connect(nats_server.uri)
     try:
         await nc.jetstream().delete_stream("HASCHEDULER")
     finally:
         await nc.close()
-    outcomes = await broker.publish(messages(2), 5.0)
-    assert all(isinstance(o, PublishRejected) and "503" in str(o) for o in outcomes), outcomes
+    outcomes = await broker.publish(messages(2), 1.0)
+    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+    assert await broker.publish(messages(2), 5.0) == [None, None]
+    stored, _ = await stream_info(nats_server.uri)
+    assert stored == 2
 
 
 async def test_server_gone_fails_every_message_within_the_timeout(
@@ -93,20 +97,67 @@ async def test_server_gone_fails_every_message_within_the_timeout(
     assert all(isinstance(o, BrokerUnavailable | TimeoutError) for o in outcomes), outcomes
 
 
-@pytest.mark.parametrize(("data", "headers", "ok"), [
+@pytest.mark.parametrize(("data", "status", "ok"), [
     (b'{"stream":"HASCHEDULER","seq":5}', None, True),
     (b'{"stream":"HASCHEDULER","seq":5,"duplicate":true}', None, True),
     (b'{"stream":"error","seq":5}', None, True),  # "error" only as a stream name
     (b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},'
      b'"stream":"HASCHEDULER","seq":0}', None, False),
-    (b"", {"Status": "503"}, False),
+    (b"", b"503", False),
     (b"", None, False),
     (b'{"error": not json', None, False),
 ])
-def test_ack_error_reads_jetstream_replies(data: bytes, headers: dict[str, str] | None,
+def test_ack_error_reads_jetstream_replies(data: bytes, status: bytes | None,
                                            ok: bool) -> None:
-    error = ack_error(data, headers)
+    error = ack_error(data, status)
     assert (error is None) == ok
     if not ok:
         assert isinstance(error, PublishRejected)
         assert str(error)
+
+
+async def test_acks_are_read_from_a_server_that_requires_a_password() -> None:
+    server = start_nats(extra=("--user", "hs", "--pass", "s3cret"))
+    try:
+        uri = server.uri.replace("nats://", "nats://hs:s3cret@")
+        b = NatsBroker(NatsEndpoint.parse(uri))
+        await b.start()
+        try:
+            assert await b.publish(messages(50), 5.0) == [None] * 50
+        finally:
+            await b.close()
+    finally:
+        server.stop()
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.sent = b""
+
+    def write(self, data: bytes) -> None:
+        self.sent += data
+
+
+def test_ack_frames_split_anywhere_are_delivered_whole_and_pings_answered() -> None:
+    got: list[tuple[bytes, bytes, bytes | None]] = []
+    reader = AckReader([], None, lambda *reply: got.append(reply))
+    stream = (b"MSG _INBOX.x.1.0 1 27\r\n" b'{"stream":"S","seq":1}     \r\n'
+              b"PING\r\n+OK\r\n"
+              b"HMSG _INBOX.x.1.1 1 16 16\r\nNATS/1.0 503\r\n\r\n\r\n"
+              b"MSG _INBOX.x.1.2 1 0\r\n\r\n")
+    writer = _Writer()
+    for cut in range(1, len(stream)):  # every split into two reads
+        got.clear()
+        writer.sent = b""
+        rest = reader._frames(stream[:cut], writer)  # type: ignore[arg-type]
+        assert reader._frames(rest + stream[cut:], writer) == b""  # type: ignore[arg-type]
+        assert got == [(b"_INBOX.x.1.0", b'{"stream":"S","seq":1}     ', None),
+                       (b"_INBOX.x.1.1", b"", b"503"), (b"_INBOX.x.1.2", b"", None)], cut
+        assert writer.sent == b"PONG\r\n"
+
+
+def test_a_server_error_or_garbage_breaks_the_ack_connection() -> None:
+    reader = AckReader([], None, lambda *reply: None)
+    for line in (b"-ERR 'Stale Connection'\r\n", b"WHAT\r\n"):
+        with pytest.raises(AckConnectionError):
+            reader._frames(line, _Writer())  # type: ignore[arg-type]
