@@ -1,5 +1,6 @@
 """The NATS broker's publish outcomes against a real nats-server: acknowledged, duplicate,
-rejected by JetStream, stream deleted, server gone, password; and its ack reader's framing."""
+rejected by JetStream, stream deleted, unframeable, server gone, password; and the framing of
+its own connection."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from nats.js.api import DiscardPolicy, StreamConfig
 
 from hascheduler.brokers.base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
 from hascheduler.brokers.nats import NatsBroker, NatsEndpoint, PublishRejected, ack_error
-from hascheduler.brokers.nats_acks import AckConnectionError, AckReader
+from hascheduler.brokers.nats_wire import PublishConnection, WireError, frame
 from tests.servers import ServerProcess, start_nats
 
 
@@ -82,11 +83,20 @@ async def test_a_deleted_stream_fails_the_batch_and_is_recreated_for_the_retry(
         await nc.jetstream().delete_stream("HASCHEDULER")
     finally:
         await nc.close()
-    outcomes = await broker.publish(messages(2), 1.0)
-    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+    outcomes = await broker.publish(messages(2), 5.0)
+    assert all(isinstance(o, PublishRejected) and "503" in str(o) for o in outcomes), outcomes
     assert await broker.publish(messages(2), 5.0) == [None, None]
     stored, _ = await stream_info(nats_server.uri)
     assert stored == 2
+
+
+async def test_a_message_that_would_break_the_framing_fails_alone(broker: NatsBroker) -> None:
+    bad = [FireMessage("a@x", "has space", 1, b"{}"), FireMessage("b\r\n@x", "t", 1, b"{}"),
+           FireMessage("c@x", "t", 1, b"x" * (2 << 20))]
+    outcomes = await broker.publish([*messages(1), *bad, *messages(1, prefix="g")], 5.0)
+    assert outcomes[0] is None
+    assert outcomes[-1] is None
+    assert all(isinstance(o, PublishRejected) for o in outcomes[1:-1]), outcomes
 
 
 async def test_server_gone_fails_every_message_within_the_timeout(
@@ -140,7 +150,7 @@ class _Writer:
 
 def test_ack_frames_split_anywhere_are_delivered_whole_and_pings_answered() -> None:
     got: list[tuple[bytes, bytes, bytes | None]] = []
-    reader = AckReader([], None, lambda *reply: got.append(reply))
+    reader = PublishConnection([], None, lambda *reply: got.append(reply))
     stream = (b"MSG _INBOX.x.1.0 1 27\r\n" b'{"stream":"S","seq":1}     \r\n'
               b"PING\r\n+OK\r\n"
               b"HMSG _INBOX.x.1.1 1 16 16\r\nNATS/1.0 503\r\n\r\n\r\n"
@@ -156,8 +166,15 @@ def test_ack_frames_split_anywhere_are_delivered_whole_and_pings_answered() -> N
         assert writer.sent == b"PONG\r\n"
 
 
+def test_frames_are_what_nats_py_sends() -> None:
+    from nats.protocol.command import hpub_cmd
+    hdr = b"NATS/1.0\r\nNats-Msg-Id: s@t\r\nHascheduler-Term: 3\r\n\r\n"
+    assert frame("a.b", "_INBOX.x.1.0", "Nats-Msg-Id: s@t\r\nHascheduler-Term: 3\r\n",
+                 b'{"k":1}') == hpub_cmd("a.b", "_INBOX.x.1.0", hdr, b'{"k":1}')
+
+
 def test_a_server_error_or_garbage_breaks_the_ack_connection() -> None:
-    reader = AckReader([], None, lambda *reply: None)
+    reader = PublishConnection([], None, lambda *reply: None)
     for line in (b"-ERR 'Stale Connection'\r\n", b"WHAT\r\n"):
-        with pytest.raises(AckConnectionError):
+        with pytest.raises(WireError):
             reader._frames(line, _Writer())  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import secrets
 import ssl
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
 from .base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
-from .nats_acks import AckReader
+from .nats_wire import PublishConnection, WireError, frame
 
 log = structlog.get_logger("hascheduler.brokers.nats")
 
@@ -102,15 +103,10 @@ class _Batch:
 
 
 class NatsBroker:
-    """Publishes to JetStream with core NATS publishes (nats-py) whose reply subjects,
-    ``<inbox>.<batch>.<index>``, all land on one wildcard subscription read by an
-    AckReader on a connection of its own.
-
-    nats-py's JetStream publish (even ``publish_async``) keeps a future per message and
-    decodes every ack into an object; at 10,000 fires due in one second that was half of
-    the leader's CPU, and a nats-py subscription still cost a queue and a task switch per
-    ack. Here an ack costs a slice, a dictionary lookup and a byte search; the server's
-    duplicate detection (``Nats-Msg-Id``) is the same either way."""
+    """Publishes fires to JetStream on a PublishConnection (nats_wire.py): one HPUB per
+    fire, its reply subject ``<inbox>.<batch>.<index>`` under the connection's one
+    wildcard subscription, each ack settling its message. nats-py manages the stream.
+    The server's duplicate detection (``Nats-Msg-Id``) makes a republish safe."""
 
     def __init__(self, endpoint: NatsEndpoint) -> None:
         self.endpoint = endpoint
@@ -119,10 +115,11 @@ class NatsBroker:
         self._nc: Any = None
         self._ready = False
         self._connecting = asyncio.Lock()
-        # Every ack comes to <inbox>.<batch>.<index>, read by the AckReader's connection.
+        # Every ack comes to <inbox>.<batch>.<index> on the publishing connection.
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self._reply_prefix = f"{self._inbox}.".encode()
-        self._acks = AckReader(endpoint.servers, endpoint.tls_context(), self._on_reply)
+        self._wire = PublishConnection(endpoint.servers, endpoint.tls_context(),
+                                       self._on_reply)
         self._batch_ids = itertools.count(1)
         self._batches: dict[bytes, _Batch] = {}
 
@@ -135,7 +132,7 @@ class NatsBroker:
     async def _connect(self) -> Any:
         async with self._connecting:
             if self._ready and self._nc is not None and self._nc.is_connected and \
-                    self._acks.alive:
+                    self._wire.alive:
                 return self._nc
             try:
                 if self._nc is None or self._nc.is_closed:
@@ -143,10 +140,10 @@ class NatsBroker:
                         "hascheduler", connect_timeout=2, reconnect_time_wait=0.5,
                         max_reconnect_attempts=-1, allow_reconnect=True,
                         error_cb=self._on_error)
-                if not self._acks.alive:
+                if not self._wire.alive:
                     # Subscribed before anything is published; acks lost while it was
                     # down time out and those fires are retried (deduplicated by the stream).
-                    await self._acks.start(f"{self._inbox}.>")
+                    await self._wire.start(f"{self._inbox}.>")
                 await ensure_stream(self._nc.jetstream(), self.stream,
                                     self.endpoint.dedup_window_s)
             except Exception as exc:
@@ -168,6 +165,8 @@ class NatsBroker:
         i = int(index)
         if batch.acked[i]:
             return
+        if status == b"503":
+            self._ready = False  # no stream for the subject: the next publish ensures it
         batch.acked[i] = True
         batch.outcomes[i] = ack_error(data, status)
         batch.waiting -= 1
@@ -177,7 +176,7 @@ class NatsBroker:
     async def publish(self, messages: Sequence[FireMessage],
                       timeout_s: float) -> list[BaseException | None]:
         try:
-            nc = await asyncio.wait_for(self._connect(), timeout_s)
+            await asyncio.wait_for(self._connect(), timeout_s)
         except (BrokerUnavailable, TimeoutError) as exc:
             return [exc if isinstance(exc, BrokerUnavailable)
                     else BrokerUnavailable("connecting to NATS timed out")] * len(messages)
@@ -189,31 +188,34 @@ class NatsBroker:
                        acked=[False] * len(messages))
         self._batches[batch_id.encode()] = batch
         reply = f"{self._inbox}.{batch_id}."
+        frames = []
+        for i, message in enumerate(messages):
+            problem = _unsendable(message, self._wire.max_payload)
+            if problem is None:
+                frames.append(frame(f"{SUBJECT_PREFIX}.{message.target}", f"{reply}{i}",
+                                    f"Nats-Msg-Id: {message.fire_id}\r\n"
+                                    f"Hascheduler-Term: {message.term}\r\n", message.body))
+            else:
+                batch.acked[i] = True
+                batch.outcomes[i] = PublishRejected(problem)
+                batch.waiting -= 1
         try:
-            for i, message in enumerate(messages):
+            if frames:
                 try:
-                    await nc.publish(f"{SUBJECT_PREFIX}.{message.target}", message.body,
-                                     reply=f"{reply}{i}",
-                                     headers={"Nats-Msg-Id": message.fire_id,
-                                              "Hascheduler-Term": str(message.term)})
-                except Exception as exc:  # not sent: no ack will come for it
-                    batch.acked[i] = True
-                    batch.outcomes[i] = BrokerUnavailable(f"NATS at {self.servers}: {exc!r}")
-                    batch.waiting -= 1
+                    await asyncio.wait_for(self._wire.send(frames), timeout_s)
+                except (WireError, TimeoutError) as exc:
+                    unavailable = BrokerUnavailable(f"NATS at {self.servers}: {exc!r}")
+                    return [unavailable if not done else outcome
+                            for done, outcome in zip(batch.acked, batch.outcomes, strict=True)]
             if batch.waiting:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(batch.done.wait(), timeout_s)
-            if batch.waiting == len(messages):
-                # Not one ack: the stream may be gone (its "no responders" status goes to
-                # the publishing connection, not to the ack reader's). The next publish
-                # makes sure of the stream first; these fires are retried.
-                self._ready = False
         finally:
             del self._batches[batch_id.encode()]
         return batch.outcomes
 
     async def _close_quietly(self) -> None:
-        await self._acks.close()
+        await self._wire.close()
         try:
             await self._nc.close()
         except Exception as exc:  # closing a half-open client may fail in many ways
@@ -222,7 +224,7 @@ class NatsBroker:
         self._ready = False
 
     async def close(self) -> None:
-        await self._acks.close()
+        await self._wire.close()
         if self._nc is not None:
             try:
                 await self._nc.drain()
@@ -230,6 +232,21 @@ class NatsBroker:
                 log.debug("nats_drain_failed", error=repr(exc))
             self._nc = None
             self._ready = False
+
+
+_TARGET = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
+def _unsendable(message: FireMessage, max_payload: int) -> str | None:
+    """Why ``message`` cannot go on the wire as it is, if so. The API validates targets and
+    ids; this keeps a document written around it from breaking the protocol's framing."""
+    if not _TARGET.fullmatch(message.target):
+        return f"target {message.target!r} is not a valid NATS subject suffix"
+    if "\r" in message.fire_id or "\n" in message.fire_id:
+        return f"fire id {message.fire_id!r} holds a line break"
+    if len(message.body) > max_payload - 256:
+        return f"message of {len(message.body)} bytes exceeds the server's max_payload"
+    return None
 
 
 class PublishRejected(Exception):

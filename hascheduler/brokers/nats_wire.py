@@ -1,12 +1,14 @@
-"""JetStream publish acknowledgements, read on a connection of their own.
+"""The leader's NATS connection for publishing fires and reading their JetStream acks.
 
-The leader publishes through nats-py; the acks come back to reply subjects under one
-inbox of ours. nats-py delivers each as a message object through a queue and a task switch
-(about 8 microseconds each); at 10,000 fires a second that was half of the leader's
-publish path. This connection subscribes to the inbox and cuts the acks straight out of
-the byte stream. It speaks the small part of the NATS client protocol a subscriber needs:
-INFO, CONNECT (user and password or token from the URL), TLS upgrade, SUB, PING/PONG,
-MSG and HMSG (status replies such as 503 "no responders" come as HMSG).
+nats-py remains the client for everything else (the stream's management, the worker's
+consumer); this connection carries only the hot path. nats-py's JetStream publish keeps a
+future per message and decodes every ack into an object, and even its core publish and
+subscription cost a header-building loop per message and a queue and a task switch per
+ack: at 10,000 fires a second that was most of the leader's CPU. Here a publish is one
+formatted frame and an ack a slice of the byte stream. It speaks the small part of the
+NATS client protocol this needs: INFO, CONNECT (user and password or token from the URL),
+TLS upgrade, SUB, HPUB, PING/PONG, MSG and HMSG (status replies such as 503 "no
+responders" come as HMSG, to the publishing connection: this one).
 """
 
 from __future__ import annotations
@@ -29,17 +31,18 @@ Reply = Callable[[bytes, bytes, bytes | None], None]
 CONNECT_TIMEOUT_S = 2.0
 
 
-class AckConnectionError(Exception):
-    """The acknowledgement connection could not be set up, or broke."""
+class WireError(Exception):
+    """The connection could not be set up, or broke."""
 
 
-class AckReader:
+class PublishConnection:
     def __init__(self, servers: list[str], tls: ssl.SSLContext | None, on_reply: Reply) -> None:
         self.servers = servers
         self.tls = tls
         self.on_reply = on_reply
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
+        self.max_payload = 1 << 20
 
     @property
     def alive(self) -> bool:
@@ -47,20 +50,20 @@ class AckReader:
 
     async def start(self, subject: str) -> None:
         """Subscribe to ``subject`` on the first server that answers; returns once the
-        server has registered the subscription. Raises AckConnectionError."""
+        server has registered the subscription. Raises WireError."""
         errors = []
         for server in self.servers:
             try:
                 reader, writer = await asyncio.wait_for(self._open(server, subject),
                                                         CONNECT_TIMEOUT_S)
             except (OSError, TimeoutError, ValueError, ssl.SSLError,
-                    AckConnectionError) as exc:
+                    WireError) as exc:
                 errors.append(f"{server}: {exc!r}")
                 continue
             self._writer = writer
             self._task = asyncio.create_task(self._read(reader, writer))
             return
-        raise AckConnectionError("; ".join(errors))
+        raise WireError("; ".join(errors))
 
     async def _open(self, server: str,
                     subject: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -70,8 +73,9 @@ class AckReader:
         try:
             line = await reader.readline()
             if not line.startswith(b"INFO "):
-                raise AckConnectionError(f"expected INFO, got {line[:80]!r}")
+                raise WireError(f"expected INFO, got {line[:80]!r}")
             info = json.loads(line[5:])
+            self.max_payload = int(info.get("max_payload", self.max_payload))
             tls = self.tls
             if tls is None and (info.get("tls_required") or url.scheme == "tls"):
                 tls = ssl.create_default_context()
@@ -79,7 +83,7 @@ class AckReader:
                 await writer.start_tls(tls, server_hostname=host)
             options: dict[str, Any] = {
                 "verbose": False, "pedantic": False, "tls_required": tls is not None,
-                "name": "hascheduler-acks", "lang": "python", "version": "hascheduler",
+                "name": "hascheduler-publisher", "lang": "python", "version": "hascheduler",
                 "protocol": 1, "headers": True, "no_responders": True}
             if url.username and url.password is not None:
                 options |= {"user": unquote(url.username), "pass": unquote(url.password)}
@@ -91,11 +95,11 @@ class AckReader:
             while True:  # the PONG: CONNECT and SUB are processed
                 line = await reader.readline()
                 if line.startswith(b"-ERR"):
-                    raise AckConnectionError(line.decode(errors="replace").strip())
+                    raise WireError(line.decode(errors="replace").strip())
                 if line == b"PONG\r\n":
                     return reader, writer
                 if not line:
-                    raise AckConnectionError("connection closed during the handshake")
+                    raise WireError("connection closed during the handshake")
         except BaseException:
             writer.close()
             raise
@@ -106,10 +110,10 @@ class AckReader:
             while True:
                 chunk = await reader.read(1 << 16)
                 if not chunk:
-                    raise AckConnectionError("the server closed the connection")
+                    raise WireError("the server closed the connection")
                 buffer = self._frames(buffer + chunk, writer)
-        except (OSError, AckConnectionError, ValueError) as exc:
-            log.warning("nats_ack_connection_lost", error=repr(exc))
+        except (OSError, WireError, ValueError) as exc:
+            log.warning("nats_publish_connection_lost", error=repr(exc))
         finally:
             writer.close()
 
@@ -149,9 +153,20 @@ class AckReader:
             elif head.startswith((b"PONG", b"+OK", b"INFO ")):
                 pos = end + 2
             elif head.startswith(b"-ERR"):
-                raise AckConnectionError(head.decode(errors="replace"))
+                raise WireError(head.decode(errors="replace"))
             else:
-                raise AckConnectionError(f"unexpected protocol line {head[:80]!r}")
+                raise WireError(f"unexpected protocol line {head[:80]!r}")
+
+    async def send(self, frames: list[bytes]) -> None:
+        """Write publish frames (see frame()); waits while the socket's buffer is full.
+        Raises WireError when the connection is down."""
+        if self._writer is None or not self.alive:
+            raise WireError("not connected")
+        self._writer.writelines(frames)
+        try:
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            raise WireError(repr(exc)) from exc
 
     async def close(self) -> None:
         if self._task is not None:
@@ -160,3 +175,12 @@ class AckReader:
                 await self._task
         self._task = None
         self._writer = None
+
+
+def frame(subject: str, reply: str, headers: str, body: bytes) -> bytes:
+    """One HPUB: ``headers`` is the header block's lines, each ending in CRLF. The caller
+    vouches that subject, reply and headers hold no whitespace or line breaks where the
+    protocol forbids them."""
+    head = f"NATS/1.0\r\n{headers}\r\n".encode()
+    return b"".join((f"HPUB {subject} {reply} {len(head)} {len(head) + len(body)}\r\n"
+                     .encode(), head, body, b"\r\n"))
