@@ -5,6 +5,7 @@ its own connection."""
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import AsyncIterator, Iterator
 
 import nats
@@ -105,6 +106,21 @@ async def test_server_gone_fails_every_message_within_the_timeout(
     outcomes = await broker.publish(messages(3), 1.0)
     assert len(outcomes) == 3
     assert all(isinstance(o, BrokerUnavailable | TimeoutError) for o in outcomes), outcomes
+
+
+async def test_a_stalled_server_times_out_and_a_fresh_connection_publishes_after(
+        broker: NatsBroker, nats_server: ServerProcess) -> None:
+    process = nats_server.process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        outcomes = await broker.publish(messages(3), 1.0)
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+    assert await broker.publish(messages(3, prefix="after"), 5.0) == [None] * 3
+    stored, _ = await stream_info(nats_server.uri)
+    assert stored in (3, 6)  # the stalled three may have been stored once it resumed
 
 
 @pytest.mark.parametrize(("data", "status", "ok"), [

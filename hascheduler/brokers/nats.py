@@ -210,6 +210,11 @@ class NatsBroker:
             if batch.waiting:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(batch.done.wait(), timeout_s)
+            if frames and batch.waiting == len(frames):
+                # Not one reply: the server may be unreachable without the connection
+                # having noticed (it sends no pings of its own). Start afresh next time.
+                log.warning("nats_no_replies", messages=len(frames), timeout_s=timeout_s)
+                await self._wire.close()
         finally:
             del self._batches[batch_id.encode()]
         return batch.outcomes

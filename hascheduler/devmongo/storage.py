@@ -99,9 +99,6 @@ class Index:
             return False
         return self.partial_filter is None or engine.matches(self.partial_filter, doc)
 
-    def keys_for(self, doc: Document) -> list[Hashable]:
-        return self._keys(doc)[0]
-
     def _keys(self, doc: Document) -> tuple[list[Hashable], list[Any]]:
         """The index keys ``doc`` holds, and its first field's values (for ``ordered``)."""
         if self._top_level:  # a missing field indexes as null
@@ -131,10 +128,9 @@ class Index:
             return
         keys, firsts = self._keys(doc)
         if unique_check and self.unique:
-            for k in keys:
-                holders = self.entries.get(k)
-                if holders and (len(holders) > 1 or rid not in holders):
-                    raise DuplicateKeyConflict(k)
+            taken = self._taken(rid, keys)
+            if taken is not None:
+                raise DuplicateKeyConflict(taken)
         for k in keys:
             holders = self.entries.get(k)
             if holders is None:
@@ -166,7 +162,10 @@ class Index:
         """A key of ``doc`` already held by another record, if this index is unique."""
         if not self.unique or not self.applies_to(doc):
             return None
-        for k in self.keys_for(doc):
+        return self._taken(rid, self._keys(doc)[0])
+
+    def _taken(self, rid: int, keys: list[Hashable]) -> Hashable | None:
+        for k in keys:
             holders = self.entries.get(k)
             if holders and (len(holders) > 1 or rid not in holders):
                 return k
