@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -132,46 +133,49 @@ async def failover(mongo: ServerProcess, nats_uri: str, kills: int) -> dict[str,
         await c.close()
 
 
+RAW_BODY = json.dumps({"specversion": "1.0", "data": {"payload": {}}}).encode()
+
+
 async def raw_burst(nats_uri: str, n: int) -> float:
-    nc = await nats.connect(nats_uri)
-    js = nc.jetstream()
-    await ensure_stream(js, "HASCHEDULER", 600)
-    body = json.dumps({"specversion": "1.0", "data": {"payload": {}}}).encode()
-    start = time.perf_counter()
-    await asyncio.gather(*(js.publish("hascheduler.fire.raw", body,
-                                      headers={"Nats-Msg-Id": f"raw-{time.time()}-{i}"})
-                           for i in range(n)))
-    elapsed = time.perf_counter() - start
-    await nc.close()
-    return elapsed
+    """Baseline: nats-py's JetStream publish of ``n`` messages, pipelined."""
+    async def send(nc: Any) -> None:
+        js = nc.jetstream()
+        await asyncio.gather(*(js.publish("hascheduler.fire.raw", RAW_BODY,
+                                          headers={"Nats-Msg-Id": f"raw-{time.time()}-{i}"})
+                               for i in range(n)))
+    return await timed_on_stream(nats_uri, send)
 
 
 async def raw_core_burst(nats_uri: str, n: int) -> float:
-    """The broker's own technique, raw: core publishes whose replies (the JetStream acks)
-    all land on one wildcard subscription, counted until the last one arrives."""
+    """The broker's technique with plain nats-py: core publishes whose replies (the
+    JetStream acks) all land on one wildcard subscription, counted until the last."""
+    async def send(nc: Any) -> None:
+        inbox, left, all_acked = nc.new_inbox(), n, asyncio.Event()
+
+        async def acked(_msg: Any) -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                all_acked.set()
+
+        await nc.subscribe(f"{inbox}.>", cb=acked, pending_msgs_limit=-1)
+        for i in range(n):
+            await nc.publish("hascheduler.fire.raw", RAW_BODY, reply=f"{inbox}.{i}",
+                             headers={"Nats-Msg-Id": f"core-{time.time()}-{i}"})
+        await asyncio.wait_for(all_acked.wait(), 60)
+    return await timed_on_stream(nats_uri, send)
+
+
+async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]]) -> float:
+    """Seconds ``send`` takes on a fresh connection, the fire stream ensured first."""
     nc = await nats.connect(nats_uri)
-    js = nc.jetstream()
-    await ensure_stream(js, "HASCHEDULER", 600)
-    body = json.dumps({"specversion": "1.0", "data": {"payload": {}}}).encode()
-    inbox = nc.new_inbox()
-    left = n
-    all_acked = asyncio.Event()
-
-    async def acked(_msg: Any) -> None:
-        nonlocal left
-        left -= 1
-        if left == 0:
-            all_acked.set()
-
-    await nc.subscribe(f"{inbox}.>", cb=acked, pending_msgs_limit=-1)
-    start = time.perf_counter()
-    for i in range(n):
-        await nc.publish("hascheduler.fire.raw", body, reply=f"{inbox}.{i}",
-                         headers={"Nats-Msg-Id": f"core-{time.time()}-{i}"})
-    await asyncio.wait_for(all_acked.wait(), 60)
-    elapsed = time.perf_counter() - start
-    await nc.close()
-    return elapsed
+    try:
+        await ensure_stream(nc.jetstream(), "HASCHEDULER", 600)
+        start = time.perf_counter()
+        await send(nc)
+        return time.perf_counter() - start
+    finally:
+        await nc.close()
 
 
 async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 # MongoDB collections.
 SCHEDULES = "schedules"
 LEASES = "leases"
@@ -24,6 +26,11 @@ MAX_PAGE = 500
 DEFAULT_PAGE = 100
 # GET /schedules/{id}/next?count=N: enough for a calendar view, bounded for the server.
 MAX_PREVIEW = 1000
+
+# A schedule's target: a NATS subject suffix (or AMQP routing key) of dot-separated tokens.
+# The API refuses any other, and the broker checks again before framing a message with it
+# (a document written around the API must not break the wire protocol).
+TARGET_PATTERN = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 # Mirror: how long to wait before reopening a failed change stream (doubles up to max).
 STREAM_RETRY_INITIAL_S = 0.1

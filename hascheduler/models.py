@@ -21,10 +21,9 @@ from pydantic import (
 )
 
 from . import triggers
-from .constants import MAX_INTERVAL_S, MAX_JITTER_S, MAX_PAYLOAD_BYTES
+from .constants import MAX_INTERVAL_S, MAX_JITTER_S, MAX_PAYLOAD_BYTES, TARGET_PATTERN
 
 _SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_TARGET = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
 def _stored(info: ValidationInfo) -> bool:
@@ -183,7 +182,7 @@ class ScheduleFields(_Strict):
     @field_validator("target")
     @classmethod
     def _target(cls, value: str) -> str:
-        if not _TARGET.match(value):
+        if not TARGET_PATTERN.fullmatch(value):
             raise ValueError("target must be dot-separated tokens of letters, digits, '_' "
                              "or '-'")
         return value

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import re
 import secrets
 import ssl
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ import structlog
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
+from ..constants import TARGET_PATTERN
 from .base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
 from .nats_wire import PublishConnection, WireError, frame
 
@@ -239,13 +239,10 @@ class NatsBroker:
             self._ready = False
 
 
-_TARGET = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
-
-
 def _unsendable(message: FireMessage, max_payload: int) -> str | None:
     """Why ``message`` cannot go on the wire as it is, if so. The API validates targets and
     ids; this keeps a document written around it from breaking the protocol's framing."""
-    if not _TARGET.fullmatch(message.target):
+    if not TARGET_PATTERN.fullmatch(message.target):
         return f"target {message.target!r} is not a valid NATS subject suffix"
     if "\r" in message.fire_id or "\n" in message.fire_id:
         return f"fire id {message.fire_id!r} holds a line break"

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from operator import ge, gt, le, lt
 from typing import Any
 
-from bson import Int64, ObjectId, Timestamp
+from bson import Timestamp
 
 from .errors import MongoError, bad_value
-from .values import MISSING, Document, key_of, sort_key, type_rank
+from .values import MISSING, PLAIN_SCALARS, Document, key_of, sort_key, type_rank
 
 # mongomock has no type information; it is reached only through these handles, which keeps
 # the untyped boundary in this one module.
@@ -190,7 +190,6 @@ def matches(filter_: Document, doc: Document) -> bool:
         raise _engine_error(exc) from exc
 
 
-_EXACT_TYPES = frozenset({str, int, Int64, float, bool, ObjectId, datetime.datetime})
 _RANGE_TESTS: dict[str, Callable[[Any, Any], bool]] = {
     "$lt": lt, "$lte": le, "$gt": gt, "$gte": ge}
 
@@ -206,17 +205,17 @@ def _plain_conditions(filter_: Document, doc: Document) -> bool | None:
     """
     for key, want in filter_.items():
         have = doc.get(key, MISSING)
-        if type(have) not in _EXACT_TYPES or key[:1] == "$" or "." in key or have != have:
+        if type(have) not in PLAIN_SCALARS or key[:1] == "$" or "." in key or have != have:
             return None
         if type(want) is dict:
             for op, bound in want.items():
                 test = _RANGE_TESTS.get(op)
-                if test is None or type(bound) not in _EXACT_TYPES or bound != bound:
+                if test is None or type(bound) not in PLAIN_SCALARS or bound != bound:
                     return None
                 if type_rank(have) != type_rank(bound) or \
                         not test(sort_key(have), sort_key(bound)):
                     return False
-        elif type(want) not in _EXACT_TYPES or want != want:
+        elif type(want) not in PLAIN_SCALARS or want != want:
             return None
         elif key_of(have) != key_of(want):
             return False

@@ -24,6 +24,7 @@ from .changes import ChangeLog
 from .errors import DuplicateKey, MongoError, bad_value
 from .values import (
     MISSING,
+    PLAIN_SCALARS,
     RANK_DATE,
     Document,
     get_path,
@@ -33,8 +34,8 @@ from .values import (
     type_rank,
 )
 
-# Values whose index key is the value itself (no array or document to walk).
-_SCALAR_TYPES = frozenset({str, int, float, bool, ObjectId, datetime.datetime, type(None)})
+# Values whose index keys need no array or document walk (a missing field indexes as null).
+_SCALAR_TYPES = PLAIN_SCALARS | {type(None)}
 _NEG_INF_RID = -1
 _POS_INF_RID = float("inf")
 

@@ -57,6 +57,11 @@ _PLAIN_RANKS: dict[type, int] = {str: RANK_STRING, int: RANK_NUMBER, float: RANK
                                  bool: RANK_BOOL, ObjectId: RANK_OBJECTID}
 
 
+# Values that are their own comparison and index key (a naive datetime as stored, UTC):
+# the fast paths of matching (engine) and indexing (storage) take only these.
+PLAIN_SCALARS = frozenset({str, int, Int64, float, bool, ObjectId, datetime.datetime})
+
+
 def type_rank(value: Any) -> int:
     """Rank of the value's BSON type in MongoDB's cross-type comparison order."""
     plain = _PLAIN_RANKS.get(type(value))
