@@ -10,19 +10,29 @@ there (see ``pytest_collection_modifyitems``).
 
 from __future__ import annotations
 
+import datetime as dt
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import time_machine
 
 from tests.drivers import DRIVERS, Driver
 from tests.servers import ServerProcess, external_uri, start_devmongo
+
+# Set by tests/test_time_travel.py: this session's clock starts at that instant and runs on
+# (datetime.now and time.time move; the monotonic clock and other processes do not).
+TRAVEL_ENV = "HASCHEDULER_TEST_TRAVEL"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "devmongo_only: needs a development server started with special options")
+    destination = os.environ.get(TRAVEL_ENV)
+    if destination:
+        time_machine.travel(dt.datetime.fromisoformat(destination), tick=True).start()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,10 +14,14 @@ import pytest
 from bench.chaos import Fault, LeaseSample, failover_gaps
 from bench.chaos_audit import SoakSchedule, audit, stored_fire
 from hascheduler.models import ScheduleIn
+from hascheduler.triggers import iso_utc
 
 ROOT = Path(__file__).resolve().parent.parent
 UTC = dt.UTC
-T0 = dt.datetime(2026, 11, 22, 10, 0, 55, tzinfo=UTC)
+# Five seconds before a whole minute, an hour from now: the audit's arithmetic crosses a
+# minute, and the soak's one-off instants stay in the future whatever the date.
+T0 = (dt.datetime.now(UTC) + dt.timedelta(hours=1)).replace(minute=0, second=55,
+                                                             microsecond=0)
 
 
 def at(seconds: float) -> dt.datetime:
@@ -71,7 +75,7 @@ def test_audit_catches_missing_duplicated_unexpected_early_and_malformed() -> No
               message("f", at(0), at(0.1)), message("f", at(1), at(1.1)),  # not a nominal time
               message("other", at(1), at(1.1)),  # not ours: ignored
               message("e", at(60), at(60.1)),  # outside the window: ignored
-              ({"id": "e@wrong", "data": {"schedule_id": "e", "nominal_at": "2026-11-22T10:00:57Z",
+              ({"id": "e@wrong", "data": {"schedule_id": "e", "nominal_at": iso_utc(at(2)),
                                           "term": 1}}, at(2.1))]
     report = audit([e, f], stream, at(0), at(4), [], late_bound_s=1.0)
     assert report.missing == [("e", at(2)), ("e", at(4))]
