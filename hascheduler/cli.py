@@ -16,6 +16,7 @@ from pymongo.errors import ConfigurationError, InvalidURI
 from . import gcpolicy, logs, schedules_cli
 from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
+from .constants import DEFAULT_MIN_FIRE_INTERVAL_S
 from .dispatch import DispatchSettings
 from .lease import LeaseSettingsError, LeaseTimings
 from .replica import ReplicaSettings, run_replica
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "average, 0 for no limit")
     setting("--write-burst", "100", "writes one client may make at once")
     setting("--fire-retention", str(7 * 86400), "seconds the fire ledger keeps a fire")
+    setting("--min-fire-interval", str(DEFAULT_MIN_FIRE_INTERVAL_S),
+            "the fewest seconds between two fires of one schedule that a write may ask for")
 
     wk = sub.add_parser("worker", help="consume fires from the broker: drop repeats and "
                                        "stale terms, run a handler, acknowledge")
@@ -138,7 +141,8 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         raise ConfigError(f"--http-port / HASCHEDULER_HTTP_PORT: {exc}") from None
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     seconds = {}
-    for option in ("lease_ttl", "renew_deadline", "renew_interval", "fire_retention"):
+    for option in ("lease_ttl", "renew_deadline", "renew_interval", "fire_retention",
+                   "min_fire_interval"):
         flag = "--" + option.replace("_", "-")
         try:
             seconds[option] = _positive_float(str(getattr(args, option)))
@@ -163,6 +167,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                            timings=timings,
                            dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
                            tokens=tokens, write_limit=_write_limit(args),
+                           min_fire_interval_s=seconds["min_fire_interval"],
                            tls=_api_tls(args.tls_cert_file, args.tls_key_file))
 
 

@@ -17,6 +17,10 @@ DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
 MAX_PAYLOAD_BYTES = 64 * 1024
 # Longer periods are almost certainly a unit mistake, and keep date arithmetic in range.
 MAX_INTERVAL_S = 10 * 365 * 86_400.0
+# The default floor between two fires of one schedule (serve --min-fire-interval): a
+# schedule firing faster is nearly always a mistake, and each fire costs a claim, a publish
+# and a ledger document.
+DEFAULT_MIN_FIRE_INTERVAL_S = 1.0
 # Jitter beyond a day would reorder fires of a daily schedule.
 MAX_JITTER_S = 86_400.0
 # The HTTP body limit: a payload at its limit plus the schedule's other fields.

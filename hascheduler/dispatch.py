@@ -104,6 +104,25 @@ def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
     return None
 
 
+def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime
+                   ) -> tuple[list[Due], list[tuple[str, ledger.SkippedRange]]]:
+    """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
+    and the range each skips (pure)."""
+    to_fire: list[Due] = []
+    skipped: list[tuple[str, ledger.SkippedRange]] = []
+    for schedule_id, entry in entries:
+        start = since - dt.timedelta(seconds=entry.jitter)
+        fire, skip = ledger.plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
+                                         start, now)
+        for nominal in fire:
+            fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+            if fire_at <= now:
+                to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
+        if skip is not None:
+            skipped.append((schedule_id, skip))
+    return to_fire, skipped
+
+
 async def ensure_fire_indexes(fires: Any, retention_s: float) -> None:
     # Claimed fires only (a partial index): the leader's retry and adoption scans look for
     # nothing else, and a fire leaves it once published instead of moving within it.
@@ -499,28 +518,20 @@ class Dispatcher:
             await self._retry_due(term)
 
     async def _catch_up(self, term: int, since: dt.datetime, now: dt.datetime) -> None:
-        to_fire: list[Due] = []
-        skipped: list[dict[str, Any]] = []
-        for i, (schedule_id, entry) in enumerate(list(self.mirror.entries.items())):
-            if i % YIELD_EVERY == YIELD_EVERY - 1:
-                await self._yield()
-            if entry.paused:
-                continue
-            start = since - dt.timedelta(seconds=entry.jitter)
-            fire, skip = ledger.plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                             start, now)
-            for nominal in fire:
-                fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-                if fire_at <= now:  # later ones are queued by _seed
-                    to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
-            for nominal, reason in skip:
-                skipped.append(ledger.skipped_document(schedule_id, nominal, term, reason,
-                                                       now))
+        # Planned in a thread: counting what a long outage skipped can take a good part of
+        # a second for a dense schedule, and the loop must keep renewing the lease.
+        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.paused]
+        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now)
+        if not self.lease.valid:
+            raise LeadershipLost
+        skipped = [skip.document(schedule_id, term, now) for schedule_id, skip in ranges]
         if skipped:
             with contextlib.suppress(BulkWriteError, DuplicateKeyError):
                 await self.fires.insert_many(skipped, ordered=False)
+        if to_fire or skipped:
+            log.info("catching_up", fires=len(to_fire), skipped_ranges=len(skipped),
+                     skipped=sum(d["count"] for d in skipped), term=term)
         if to_fire:
-            log.info("catching_up", fires=len(to_fire), skipped=len(skipped), term=term)
             to_fire.sort()
             await self._claim_all(to_fire, term, self.clock())
 

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .brokers import FireMessage
-from .triggers import Trigger, fire_id, fire_times, iso_utc
+from .triggers import (
+    Trigger,
+    count_between,
+    fire_id,
+    fire_times,
+    iso_utc,
+    latest_at_or_before,
+)
 
 # Ledger states.
 CLAIMED = "claimed"
@@ -19,9 +26,9 @@ FAILED = "failed"
 
 EVENT_TYPE = "io.hascheduler.fire"
 EVENT_SOURCE = "/hascheduler"
-# A catch-up never plans more than this many fires for one schedule (a */1s cron after a
-# day down would be 86400): the oldest beyond it are recorded as skipped.
-MAX_CATCHUP_PER_SCHEDULE = 10_000
+# What one catch-up may replay for one schedule with policy 'all' (its window over its
+# shortest gap between fires): a schedule asking for more is refused when written.
+MAX_CATCHUP_FIRES = 100_000
 
 
 def claim_document(schedule_id: str, nominal: dt.datetime, due: dt.datetime, term: int,
@@ -30,13 +37,6 @@ def claim_document(schedule_id: str, nominal: dt.datetime, due: dt.datetime, ter
             "nominal_at": nominal, "due_at": due, "term": term, "state": CLAIMED,
             "claimed_at": now, "recorded_at": now, "attempts": 0,
             "next_attempt_at": now}
-
-
-def skipped_document(schedule_id: str, nominal: dt.datetime, term: int, reason: str,
-                     now: dt.datetime) -> dict[str, Any]:
-    return {"_id": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
-            "nominal_at": nominal, "term": term, "state": SKIPPED, "reason": reason,
-            "recorded_at": now}
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -77,25 +77,57 @@ class EventTemplate:
                            body=body.encode())
 
 
+@dataclass(frozen=True, slots=True)
+class SkippedRange:
+    """Missed fire times not fired, recorded as one ledger document: the first and last
+    nominal times, how many there were, and why."""
+
+    first: dt.datetime
+    last: dt.datetime
+    count: int
+    reason: str
+
+    def document(self, schedule_id: str, term: int, now: dt.datetime) -> dict[str, Any]:
+        return {"_id": f"{fire_id(schedule_id, self.first)}..{iso_utc(self.last)}",
+                "schedule_id": schedule_id, "nominal_at": self.first,
+                "last_nominal_at": self.last, "count": self.count, "term": term,
+                "state": SKIPPED, "reason": self.reason, "recorded_at": now}
+
+
 def plan_catchup(trigger: Trigger, policy: str, window_s: float, since: dt.datetime,
-                 now: dt.datetime) -> tuple[list[dt.datetime], list[tuple[dt.datetime, str]]]:
-    """Nominal times in (since, now] no leader fired: which to fire now, which to skip.
+                 now: dt.datetime) -> tuple[list[dt.datetime], SkippedRange | None]:
+    """Nominal times in (since, now] no leader fired: which to fire now, and the range of
+    those skipped with its reason.
 
     ``all`` fires those within ``window_s`` of now; ``latest`` only the most recent;
-    ``none`` none. Every time not fired comes back with the reason it was skipped.
+    ``none`` none. The work is proportional to what is fired, not to the outage: the
+    latest time is found by bisection and the skipped ones are counted, not listed.
     """
-    missed = list(fire_times(trigger, since, until=now, limit=MAX_CATCHUP_PER_SCHEDULE + 1))
-    skipped: list[tuple[dt.datetime, str]] = []
-    if len(missed) > MAX_CATCHUP_PER_SCHEDULE:
-        skipped.append((missed.pop(0), "more missed fires than one catch-up replays"))
-    if policy == "none":
-        return [], skipped + [(n, "catch-up policy 'none'") for n in missed]
+    if policy == "all":
+        oldest = now - dt.timedelta(seconds=window_s)
+        fire = list(fire_times(trigger, max(since, oldest - _TICK), until=now))
+        return fire, _skipped(trigger, since, min(oldest - _TICK, now),
+                              "older than the catch-up window")
     if policy == "latest":
-        return missed[-1:], skipped + [(n, "catch-up policy 'latest': a later time fired")
-                                       for n in missed[:-1]]
-    oldest = now - dt.timedelta(seconds=window_s)
-    return ([n for n in missed if n >= oldest],
-            skipped + [(n, "older than the catch-up window") for n in missed if n < oldest])
+        latest = latest_at_or_before(trigger, since, now)
+        if latest is None:
+            return [], None
+        return [latest], _skipped(trigger, since, latest - _TICK,
+                                  "catch-up policy 'latest': a later time fired")
+    return [], _skipped(trigger, since, now, "catch-up policy 'none'")
+
+
+_TICK = dt.timedelta(microseconds=1)
+
+
+def _skipped(trigger: Trigger, after: dt.datetime, until: dt.datetime,
+             reason: str) -> SkippedRange | None:
+    first = next(iter(fire_times(trigger, after, until=until, limit=1)), None)
+    if first is None:
+        return None
+    last = latest_at_or_before(trigger, after, until)
+    assert last is not None
+    return SkippedRange(first, last, count_between(trigger, after, until), reason)
 
 
 def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:

@@ -57,7 +57,7 @@ def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
     if kind == "cron":
         expression = sys.intern(spec["cron"])
         timezone = sys.intern(spec.get("timezone", "UTC"))
-        triggers.cron_trigger(expression, timezone)  # validate once, interned
+        triggers.compile_cron(expression, timezone)  # validate once, interned
         return _interned_cron(expression, timezone)
     if kind == "interval":
         return triggers.Interval(float(spec["every"]), _aware(spec["start_at"]),

@@ -20,8 +20,15 @@ from pydantic import (
     model_validator,
 )
 
-from . import triggers
-from .constants import MAX_INTERVAL_S, MAX_JITTER_S, MAX_PAYLOAD_BYTES, TARGET_PATTERN
+from . import cron, triggers
+from .constants import (
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    MAX_INTERVAL_S,
+    MAX_JITTER_S,
+    MAX_PAYLOAD_BYTES,
+    TARGET_PATTERN,
+)
+from .fires import MAX_CATCHUP_FIRES
 
 _SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -35,6 +42,12 @@ def _now(info: ValidationInfo) -> dt.datetime:
     context = info.context or {}
     now = context.get("now")
     return now if isinstance(now, dt.datetime) else dt.datetime.now(dt.UTC)
+
+
+def _min_interval(info: ValidationInfo) -> float:
+    """The floor on how often one schedule may fire (``serve --min-fire-interval``)."""
+    floor = (info.context or {}).get("min_fire_interval_s")
+    return float(floor) if isinstance(floor, int | float) else DEFAULT_MIN_FIRE_INTERVAL_S
 
 
 def _utc(value: dt.datetime, field: str) -> dt.datetime:
@@ -67,9 +80,13 @@ class _Strict(BaseModel):
 
 class CronSpec(_Strict):
     kind: Literal["cron"]
-    cron: str = Field(description="5 fields (minute first) or 6 (second first), crontab "
-                                  "syntax; day of week 0 or 7 = Sunday",
-                      examples=["0 9 * * mon", "*/5 * * * * *"])
+    cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
+                      description="5 fields (minute first) or 6 (second first) as crontab(5) "
+                                  "reads them (day of month and day of week either match "
+                                  "when both are restricted; day of week 0 or 7 = Sunday), "
+                                  "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
+                                  "and L, LW, nW (day of month), nL, n#k (day of week)",
+                      examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
     timezone: str = Field("UTC", description="IANA time zone name")
 
     @field_validator("timezone")
@@ -79,9 +96,14 @@ class CronSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _parses(self) -> CronSpec:
-        triggers.cron_trigger(self.cron.strip(), self.timezone)
+    def _parses(self, info: ValidationInfo) -> CronSpec:
+        compiled = triggers.compile_cron(self.cron.strip(), self.timezone)
         self.cron = " ".join(self.cron.split())
+        floor = _min_interval(info)
+        gap = compiled.expression.min_gap_s()
+        if not _stored(info) and gap < floor:
+            raise ValueError(f"fires {gap:g} s apart at times; this cluster's floor is "
+                             f"{floor:g} s between two fires of one schedule")
         return self
 
     def compile(self) -> triggers.Trigger:
@@ -98,12 +120,14 @@ class IntervalSpec(_Strict):
 
     @field_validator("every")
     @classmethod
-    def _positive(cls, value: float | str) -> float:
+    def _positive(cls, value: float | str, info: ValidationInfo) -> float:
         seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
         if not seconds > 0:
             raise ValueError("every must be greater than 0 seconds")
-        if seconds < 0.001:
-            raise ValueError("every must be at least 1 millisecond")
+        floor = _min_interval(info)
+        if seconds < floor and not _stored(info):
+            raise ValueError(f"every must be at least {floor:g} s (this cluster's floor "
+                             "between two fires of one schedule)")
         if seconds > MAX_INTERVAL_S:
             raise ValueError(f"every must be at most {MAX_INTERVAL_S:.0f} seconds (10 years)")
         return seconds
@@ -178,6 +202,23 @@ class ScheduleFields(_Strict):
                         examples=["reports.weekly"])
     payload: dict[str, Any] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("catchup_window")
+    @classmethod
+    def _bounded_replay(cls, value: float, info: ValidationInfo) -> float:
+        """A window that would replay more fires than one catch-up may is refused: after an
+        outage, 'all' claims and publishes every time inside it."""
+        trigger, policy = info.data.get("trigger"), info.data.get("catchup")
+        gap: float | None = None
+        if isinstance(trigger, CronSpec):
+            gap = triggers.compile_cron(trigger.cron, trigger.timezone).expression.min_gap_s()
+        elif isinstance(trigger, IntervalSpec) and isinstance(trigger.every, float):
+            gap = trigger.every
+        if policy == "all" and gap and value / gap > MAX_CATCHUP_FIRES:
+            raise ValueError(f"with catchup 'all' this window replays up to {value / gap:.0f} "
+                             f"fires after an outage; at most {MAX_CATCHUP_FIRES} (shorten "
+                             "the window or fire less often)")
+        return value
 
     @field_validator("target")
     @classmethod

@@ -25,6 +25,7 @@ from .api.app import Cluster
 from .brokers import Broker
 from .constants import (
     DEFAULT_DATABASE,
+    DEFAULT_MIN_FIRE_INTERVAL_S,
     FIRES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
@@ -60,6 +61,7 @@ class ReplicaSettings:
     tokens: Tokens = field(default_factory=Tokens)
     write_limit: WriteLimit = field(default_factory=WriteLimit)
     tls: ssl.SSLContext | None = None  # the API over HTTPS
+    min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
 
     @property
     def listen_host(self) -> str:
@@ -120,7 +122,8 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
                                         if mirror.last_applied is not None else None))
     cluster = Cluster(db[LEASES], db[MEMBERS], db[FIRES], elector)
     app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics,
-                     tokens=settings.tokens, write_limit=settings.write_limit)
+                     tokens=settings.tokens, write_limit=settings.write_limit,
+                     min_fire_interval_s=settings.min_fire_interval_s)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host = settings.listen_host

@@ -51,7 +51,9 @@ class Harness:
     def start(self, name: str) -> None:
         self.replicas[name] = start_replica(
             self.mongo_uri, name, "--broker", self.nats.uri, "--lease-ttl", str(TTL),
-            "--renew-deadline", str(DEADLINE), "--renew-interval", str(INTERVAL))
+            "--renew-deadline", str(DEADLINE), "--renew-interval", str(INTERVAL),
+            # Below the default floor of 1 s, so that a sub-second interval is covered.
+            "--min-fire-interval", "0.5")
 
     async def get(self, name: str, path: str) -> Any:
         async with self.http.get(self.replicas[name].uri + path) as r:

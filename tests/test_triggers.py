@@ -35,6 +35,23 @@ def local(times: list[dt.datetime], tz: ZoneInfo) -> list[str]:
      ["2026-10-25T02:30:00+02:00", "2026-10-25T02:30:00+01:00", "2026-10-25T03:30:00+01:00"]),
     ("30 * * * *", NEW_YORK, "2026-11-01T00:45:00-04:00",
      ["2026-11-01T01:30:00-04:00", "2026-11-01T01:30:00-05:00", "2026-11-01T02:30:00-05:00"]),
+    # Asked after the change, inside the shifted hour: the skipped 02:30 is still to come.
+    ("30 2 * * *", PARIS, "2026-03-29T03:10:00+02:00",
+     ["2026-03-29T03:30:00+02:00", "2026-03-30T02:30:00+02:00"]),
+    # Gap times and real times after the gap interleave by instant.
+    ("15,45 2,3 * * *", PARIS, "2026-03-29T01:00:00+01:00",
+     ["2026-03-29T03:15:00+02:00", "2026-03-29T03:45:00+02:00", "2026-03-30T02:15:00+02:00"]),
+    # Asked during the second pass of a fixed hour: nothing more fires in it.
+    ("30 2 * * *", PARIS, "2026-10-25T02:10:00+01:00", ["2026-10-26T02:30:00+01:00"]),
+    # Every second of 01:xx: the second pass is stepped over in one go.
+    ("* * 1 * * *", NEW_YORK, "2026-11-01T01:59:59-04:00",
+     ["2026-11-02T01:00:00-05:00", "2026-11-02T01:00:01-05:00"]),
+    # A search that crosses a change lands on the right day (APScheduler 3.11 in the zone
+    # answered April 15th here).
+    ("0 0 1,15 * *", PARIS, "2027-03-15T00:00:00+01:00",
+     ["2027-04-01T00:00:00+02:00", "2027-04-15T00:00:00+02:00"]),
+    ("0 0 1 * *", NEW_YORK, "2026-10-15T00:00:00-04:00",
+     ["2026-11-01T00:00:00-04:00", "2026-12-01T00:00:00-05:00"]),
 ])
 def test_cron_dst_rule(cron: str, tz: ZoneInfo, after: str, expected: list[str]) -> None:
     times = list(fire_times(Cron(cron, str(tz)), dt.datetime.fromisoformat(after),
@@ -61,7 +78,7 @@ def test_cron_fields_follow_crontab(cron: str, after: str, expected: str) -> Non
                                  "0 9 * * 5-2x", "*/0 * * * *"])
 def test_bad_cron_is_refused_with_a_reason(bad: str) -> None:
     with pytest.raises(triggers.InvalidTrigger):
-        triggers.cron_trigger(bad, "UTC")
+        triggers.compile_cron(bad, "UTC")
 
 
 def test_unknown_time_zone_is_refused() -> None:

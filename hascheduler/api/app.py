@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from .. import models
 from ..constants import (
+    DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_PAGE,
     HEARTBEAT_INTERVAL_S,
     LEASE_NAME,
@@ -45,6 +46,7 @@ STORE = web.AppKey("store", ScheduleStore)
 MIRROR = web.AppKey("mirror", Mirror)
 REPLICA = web.AppKey("replica_id", str)
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+MIN_FIRE_INTERVAL: web.AppKey[float] = web.AppKey("min_fire_interval_s")
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", Tokens)
 LIMITER = web.AppKey("write_limiter", WriteLimiter)
@@ -167,15 +169,17 @@ def _now(request: web.Request) -> dt.datetime:
     return clock()
 
 
-def _validate(model: type[models.ScheduleFields], data: dict[str, Any],
+def _validate(request: web.Request, model: type[models.ScheduleFields], data: dict[str, Any],
               now: dt.datetime, stored_trigger: bool = False) -> Any:
-    return model.model_validate(data, context={"now": now, "stored": stored_trigger})
+    return model.model_validate(data, context={
+        "now": now, "stored": stored_trigger,
+        "min_fire_interval_s": request.app[MIN_FIRE_INTERVAL]})
 
 
 async def create_schedule(request: web.Request) -> web.Response:
     body = await _body(request)
     now = _now(request)
-    new = _validate(models.ScheduleIn, body, now)
+    new = _validate(request, models.ScheduleIn, body, now)
     schedule = await request.app[STORE].create(new, now)
     return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
 
@@ -204,7 +208,7 @@ async def put_schedule(request: web.Request) -> web.Response:
         raise BadRequest(422, "id", "the id in the body differs from the one in the path")
     body.pop("id", None)
     now = _now(request)
-    fields = _validate(models.ScheduleFields, body, now)
+    fields = _validate(request, models.ScheduleFields, body, now)
     schedule = await request.app[STORE].replace(request.match_info["id"], fields, now,
                                                 _expected_revision(request))
     return _schedule_response(schedule)
@@ -235,7 +239,7 @@ async def patch_schedule(request: web.Request) -> web.Response:
     client_fields = set(models.ScheduleFields.model_fields)
     merged = _merge_patch(current.model_dump(mode="json", include=client_fields), patch)
     now = _now(request)
-    fields = _validate(models.ScheduleFields, merged, now,
+    fields = _validate(request, models.ScheduleFields, merged, now,
                        stored_trigger="trigger" not in patch)
     # Without If-Match, the revision read above still guards against a lost update.
     schedule = await store.replace(schedule_id, fields, now,
@@ -307,7 +311,8 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
                clock: Clock = lambda: dt.datetime.now(dt.UTC),
                cluster: Cluster | None = None,
                metrics_: Metrics | None = None, tokens: Tokens | None = None,
-               write_limit: WriteLimit | None = None) -> web.Application:
+               write_limit: WriteLimit | None = None,
+               min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S) -> web.Application:
     app = web.Application(middlewares=[count_requests, access_control, error_middleware],
                           client_max_size=MAX_REQUEST_BYTES)
     app[METRICS] = metrics_ or Metrics()
@@ -317,6 +322,7 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     app[MIRROR] = mirror
     app[REPLICA] = replica_id
     app[CLOCK] = clock
+    app[MIN_FIRE_INTERVAL] = min_fire_interval_s
     if cluster is not None:
         app[CLUSTER] = cluster
     app.router.add_post("/schedules", create_schedule)
