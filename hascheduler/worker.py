@@ -25,6 +25,7 @@ from typing import Any
 import nats
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from .brokers.base import SUBJECT_PREFIX
 from .brokers.nats import NatsEndpoint, ensure_stream
@@ -70,15 +71,19 @@ class FireFilter:
         self.max_term = 0
 
     def verdict(self, event: dict[str, Any], received_at: dt.datetime) -> str:
-        """``run``, ``duplicate`` or ``stale``."""
-        fire_id = str(event.get("id"))
-        data = event.get("data", {})
-        term = int(data.get("term", 0))
+        """``run``, ``duplicate`` or ``stale``. Raises ValueError, TypeError, KeyError or
+        AttributeError for an event that is not a fire (no string id, no integer term, no
+        ISO-8601 nominal time)."""
+        fire_id = event["id"]
+        data = event["data"]
+        term = data["term"]
+        if not isinstance(fire_id, str) or not isinstance(term, int) or isinstance(term, bool):
+            raise TypeError("a fire has a string id and an integer term")
+        nominal = dt.datetime.fromisoformat(data["nominal_at"].replace("Z", "+00:00"))
         if fire_id in self.seen:
             return "duplicate"
         if term < self.max_term:
             newer_since = min(t for k, t in self.first_seen_term.items() if k > term)
-            nominal = dt.datetime.fromisoformat(data["nominal_at"].replace("Z", "+00:00"))
             if nominal > newer_since:
                 return "stale"
         if term not in self.first_seen_term:
@@ -109,23 +114,18 @@ async def run_worker(broker: str | None, target: str | None, handler_spec: str |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     nc = await endpoint.connect(name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
-    js = nc.jetstream()
-    await ensure_stream(js, endpoint.stream, endpoint.dedup_window_s)
-    subscription = await js.pull_subscribe(
-        f"{SUBJECT_PREFIX}.{target}", durable=name, stream=endpoint.stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                              ack_wait=30))
     fires = FireFilter()
     log.info("worker_started", target=target, durable=name)
     print(f"worker {name} consuming {SUBJECT_PREFIX}.{target}", flush=True)
     try:
-        while not stop.is_set():
-            try:
-                messages = await subscription.fetch(100, timeout=0.5)
-            except nats.errors.TimeoutError:
-                continue
-            for message in messages:
-                await _handle(message, fires, handler)
+        # A broker hiccup (a restart, a lost consumer, a request timing out) ends one
+        # subscription, never the worker: subscribe again after a capped, jittered wait.
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(BROKER_ERRORS),
+                wait=wait_exponential_jitter(initial=0.2, max=5.0),
+                before_sleep=_log_retry, reraise=True):
+            with attempt:
+                await _consume(nc, endpoint, target, name, stop, fires, handler)
     finally:
         # Every message is acknowledged explicitly, so there is nothing to drain; drain()
         # on a pull subscription can wait forever.
@@ -135,14 +135,45 @@ async def run_worker(broker: str | None, target: str | None, handler_spec: str |
     return 0
 
 
+# What the broker may throw at a consumer; TimeoutError is also what nats-py raises when a
+# request gets no answer in time.
+BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
+
+
+async def _consume(nc: Any, endpoint: NatsEndpoint, target: str, name: str,
+                   stop: asyncio.Event, fires: FireFilter, handler: Handler) -> None:
+    """Subscribe (creating the stream and the durable consumer if they are gone) and run
+    fires until ``stop``."""
+    js = nc.jetstream()
+    await ensure_stream(js, endpoint.stream, endpoint.dedup_window_s)
+    subscription = await js.pull_subscribe(
+        f"{SUBJECT_PREFIX}.{target}", durable=name, stream=endpoint.stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                              ack_wait=30))
+    while not stop.is_set():
+        try:
+            messages = await subscription.fetch(100, timeout=0.5)
+        except TimeoutError:  # an idle stream (nats-py's TimeoutError is one too)
+            continue
+        for message in messages:
+            await _handle(message, fires, handler)
+
+
 async def _handle(message: Any, fires: FireFilter, handler: Handler) -> None:
     try:
         event = json.loads(message.data)
-    except ValueError:
-        log.warning("fire_unreadable", subject=message.subject)
+        verdict = fires.verdict(event, dt.datetime.now(dt.UTC))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # Not a fire of ours (hand-published, truncated, another producer's): never
+        # redelivered, never fatal.
+        log.warning("fire_unreadable", subject=message.subject, error=repr(exc)[:200])
         await message.term()
         return
-    verdict = fires.verdict(event, dt.datetime.now(dt.UTC))
     if verdict != "run":
         log.info(f"fire_{verdict}_dropped", fire_id=event.get("id"),
                  term=event.get("data", {}).get("term"))

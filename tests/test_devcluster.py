@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,32 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
         returncode = dev.stop()
     assert returncode == 0
     assert not (state / "state.json").exists()
+
+
+def test_dev_restarts_a_worker_and_a_broker_that_exit(tmp_path: Path) -> None:
+    state = tmp_path / "dev"
+    dev = DevCluster(str(state), "--replicas", "1")
+    where = ("--state-dir", str(state))
+
+    def others() -> dict[str, dict[str, Any]]:
+        status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
+        return {c["name"]: c for c in status["others"]}
+
+    def wait_replaced(name: str, old_pid: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            child = others()[name]
+            if child["alive"] and child["pid"] != old_pid:
+                return child
+            time.sleep(0.2)
+        raise AssertionError(f"{name} was not started again within 30 s")
+
+    try:
+        before = others()
+        for name in ("worker", "nats-server"):
+            os.kill(before[name]["pid"], signal.SIGKILL)
+            again = wait_replaced(name, before[name]["pid"])
+            assert again["address"] == before[name]["address"]  # same port: clients reconnect
+    finally:
+        returncode = dev.stop()
+    assert returncode == 0

@@ -75,3 +75,58 @@ def test_worker_refuses_bad_settings() -> None:
                             timeout=30, check=False)
     assert result.returncode == 2
     assert "nats://" in result.stderr
+
+
+async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messages(
+        nats_server: ServerProcess, tmp_path: Path) -> None:
+    record = tmp_path / "fires.txt"
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nats_server.uri,
+        "--target", "jobs", "--handler", "tests.helpers.record_handler:handle",
+        env={**os.environ, "RECORD_FIRES_TO": str(record)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    restarted: ServerProcess | None = None
+    try:
+        assert worker.stdout is not None
+        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
+        now = dt.datetime.now(dt.UTC)
+
+        async def publish(uri: str, body: bytes, msg_id: str) -> None:
+            nc = await nats.connect(uri)
+            js = nc.jetstream()
+            await ensure_stream(js, "HASCHEDULER", 600)
+            await js.publish("hascheduler.fire.jobs", body, headers={"Nats-Msg-Id": msg_id})
+            await nc.close()
+
+        # Messages that are not fires, each terminated instead of crashing the worker.
+        for i, hostile in enumerate([b"not json", b"[1, 2]", b'{"id": "x", "data": "text"}',
+                                     b'{"id": "x", "data": {"term": "one"}}',
+                                     b'{"id": "x", "data": {"term": 1, "nominal_at": 5}}',
+                                     json.dumps({"id": "y", "data": {"term": 0}}).encode()
+                                     + b"\xff"]):
+            await publish(nats_server.uri, hostile, f"hostile-{i}")
+        await publish(nats_server.uri, event("s@1", 1, now), "a")
+
+        async def recorded(line: str) -> bool:
+            return record.exists() and line in record.read_text().splitlines()
+
+        await wait_until(lambda: recorded("s@1 1"), 15, "the first fire to run")
+        # Idle: several fetches time out with nothing delivered.
+        await asyncio.sleep(2.0)
+        assert worker.returncode is None, "the worker exited on an idle stream"
+        # The broker goes away and comes back on the same port and store.
+        port = int(nats_server.uri.rsplit(":", 1)[1])
+        store = nats_server.store_dir  # type: ignore[attr-defined]
+        nats_server.process.kill()  # type: ignore[union-attr]
+        nats_server.process.wait(10)  # type: ignore[union-attr]
+        await asyncio.sleep(1.0)  # the worker meets the outage
+        restarted = start_nats(port=port, store_dir=store)
+        await publish(restarted.uri, event("s@2", 1, now), "b")
+        await wait_until(lambda: recorded("s@2 1"), 30, "a fire published after the restart")
+        assert worker.returncode is None
+        assert record.read_text().splitlines() == ["s@1 1", "s@2 1"]
+    finally:
+        worker.terminate()
+        assert await asyncio.wait_for(worker.wait(), 15) == 0
+        if restarted is not None:
+            restarted.stop()

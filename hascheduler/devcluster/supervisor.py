@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,10 @@ class Child:
     process: asyncio.subprocess.Process
     address: str
     log_path: Path
+    # How it was started, so that one that exits on its own is started again the same way.
+    argv: list[str] = field(default_factory=list)
+    announces: str | None = None
+    port: int | None = None
     retiring: bool = False  # stopped by us (scale down, shutdown): not replaced
 
     @property
@@ -128,7 +132,7 @@ class Supervisor:
                 process.kill()
             await process.wait()
             raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
-        child = Child(name, role, process, address, log_path)
+        child = Child(name, role, process, address, log_path, argv, announces, port)
         self._keep(self._drain_stdout(child))
         log.info("child_started", name=name, role=role, pid=process.pid, address=address)
         return child
@@ -197,8 +201,15 @@ class Supervisor:
         log.info("child_stopped", name=child.name, returncode=child.process.returncode)
 
     async def reconcile(self) -> None:
-        """Replace replicas that exited on their own; start or retire to the desired count."""
+        """Restart any child that exited on its own (the database, the broker and the worker
+        the same way, replicas as new ones); start or retire replicas to the desired count."""
         async with self._reconciling:
+            for i, child in enumerate(self.others):
+                if not child.alive and not child.retiring:
+                    log.warning("child_exited", name=child.name, role=child.role,
+                                returncode=child.process.returncode)
+                    self.others[i] = await self._spawn(child.role, child.name, child.argv,
+                                                       child.announces, child.port)
             for child in [c for c in self.replicas if not c.alive]:
                 self.replicas.remove(child)
                 if not child.retiring:
@@ -215,7 +226,7 @@ class Supervisor:
             try:
                 await self.reconcile()
             except RuntimeError as exc:
-                log.error("replica_start_failed", error=str(exc))
+                log.error("child_start_failed", error=str(exc))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -225,6 +236,9 @@ class Supervisor:
         mongo = await self._spawn("devmongo", "devmongo",
                                   self._cli("devmongo", "--port", "0"), announces="mongodb://")
         self.others.append(mongo)
+        # Started again, it must come back where the clients look for it (empty, though: it
+        # keeps its data in memory).
+        mongo.argv = self._cli("devmongo", "--port", mongo.address.split(":")[2].split("/")[0])
         head, _, query = mongo.address.partition("?")
         self.mongodb_uri = f"{head.rstrip('/')}/{DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
