@@ -19,6 +19,7 @@ exist, and every accepted alternative finds its next day within decades, not mil
 from __future__ import annotations
 
 import calendar
+import datetime as dt
 import functools
 import itertools
 import re
@@ -156,6 +157,29 @@ class CronExpression:
 
     def matches_day(self, month: int, day: int, length: int, first_weekday: int) -> bool:
         return any(a.matches(month, day, length, first_weekday) for a in self.alternatives)
+
+    def first_day(self, alternative: Alternative, wall: dt.datetime) -> dt.date | None:
+        """The first day at or after ``wall`` (naive) on which ``alternative`` fires at a
+        time of day not before ``wall``'s: months outside the month field are stepped over
+        whole, so a rare day (February 29th on a Monday) is found in a few hundred steps."""
+        day = wall.date()
+        last = (self.hours[-1], self.minutes[-1], self.seconds[-1])
+        if (wall.hour, wall.minute, wall.second + (wall.microsecond > 0)) > last:
+            if day == dt.date.max:
+                return None
+            day += dt.timedelta(days=1)
+        year, month, start = day.year, day.month, day.day
+        for _ in range(12 * 400 + 1):  # the calendar repeats every 400 years
+            if month in alternative.months:
+                first_weekday, length = calendar.monthrange(year, month)
+                for candidate in range(start, length + 1):
+                    if alternative.matches(month, candidate, length, first_weekday):
+                        return dt.date(year, month, candidate)
+            start, month = 1, month % 12 + 1
+            year += month == 1
+            if year > dt.MAXYEAR:
+                return None
+        return None
 
     def min_gap_s(self) -> int:
         """The shortest time between two consecutive fires, in seconds: within an hour,

@@ -102,10 +102,20 @@ class CompiledCron:
     timezone: ZoneInfo
 
     def next_wall(self, wall: dt.datetime) -> dt.datetime | None:
-        """The first wall time at or after ``wall`` (naive) the expression matches."""
-        start = wall.replace(tzinfo=UTC)
-        times = [t for t in (trigger.get_next_fire_time(None, start)
-                             for trigger in self.triggers) if t is not None]
+        """The first wall time at or after ``wall`` (naive) the expression matches. Each
+        alternative's trigger starts on the first day it fires (cron.first_day): left to
+        search day by day, APScheduler took milliseconds for a rare day and a sixth of a
+        second to give up on an impossible one."""
+        times = []
+        for alternative, trigger in zip(self.expression.alternatives, self.triggers,
+                                        strict=True):
+            day = self.expression.first_day(alternative, wall)
+            if day is None:
+                continue
+            start = wall if day == wall.date() else dt.datetime.combine(day, dt.time())
+            found = trigger.get_next_fire_time(None, start.replace(tzinfo=UTC))
+            if found is not None:
+                times.append(found)
         return min(times).replace(tzinfo=None) if times else None
 
 
@@ -215,6 +225,13 @@ def _regular_fire(compiled: CompiledCron, start: dt.datetime,
         found = compiled.next_wall(wall)
         if found is None:
             return None
+        # Walk the offset changes only near the answer: no fire lies between ``start`` and
+        # three hours before where ``found`` lands (its wall time is the first that
+        # matches), however many years apart they are.
+        lands = found.replace(tzinfo=tz).astimezone(UTC)
+        if lands - _MAX_SHIFT > start:
+            start = lands - _MAX_SHIFT
+            continue
         candidate = (found - offset).replace(tzinfo=UTC)
         change = _first_change(tz, start, candidate)
         if change is None:
