@@ -30,6 +30,9 @@ MACROS = {
     "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+# What every accepted expression looks like (the OpenAPI document's pattern): a macro, or
+# five or six whitespace-separated fields of these characters.
+SHAPE = r"^\s*(@[A-Za-z]+|[0-9A-Za-z*?/,#-]+(\s+[0-9A-Za-z*?/,#-]+){4,5})\s*$"
 # Generous for any real expression; bounds the parser's work on hostile ones.
 MAX_EXPRESSION_CHARS = 256
 

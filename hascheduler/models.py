@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -30,7 +32,7 @@ from .constants import (
 )
 from .fires import MAX_CATCHUP_FIRES
 
-_SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
 
 
 def _stored(info: ValidationInfo) -> bool:
@@ -48,6 +50,23 @@ def _min_interval(info: ValidationInfo) -> float:
     """The floor on how often one schedule may fire (``serve --min-fire-interval``)."""
     floor = (info.context or {}).get("min_fire_interval_s")
     return float(floor) if isinstance(floor, int | float) else DEFAULT_MIN_FIRE_INTERVAL_S
+
+
+# RFC 3339, as JSON Schema's date-time format says (pydantic alone also takes numbers and
+# numeric strings as Unix times).
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _instant(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value
+    if isinstance(value, str) and _RFC3339.fullmatch(value):
+        return dt.datetime.fromisoformat(value.upper())
+    raise ValueError("must be an RFC 3339 date-time with an offset, such as "
+                     "'2030-01-01T09:00:00Z'")
+
+
+Instant = Annotated[dt.datetime, BeforeValidator(_instant)]
 
 
 def _utc(value: dt.datetime, field: str) -> dt.datetime:
@@ -75,19 +94,26 @@ def _storable(value: Any, path: str) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: JSON types are taken as written ("30" is not a number, true not 1), so the
+    # OpenAPI document the models give is exactly what the API accepts.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_ZONE_ENUM: list[JsonValue] = [*sorted(triggers.ZONE_NAMES)]
 
 
 class CronSpec(_Strict):
     kind: Literal["cron"]
     cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
+                      json_schema_extra={"pattern": cron.SHAPE},
                       description="5 fields (minute first) or 6 (second first) as crontab(5) "
                                   "reads them (day of month and day of week either match "
                                   "when both are restricted; day of week 0 or 7 = Sunday), "
                                   "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
                                   "and L, LW, nW (day of month), nL, n#k (day of week)",
                       examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
-    timezone: str = Field("UTC", description="IANA time zone name")
+    timezone: str = Field("UTC", description="IANA time zone name",
+                          json_schema_extra={"enum": _ZONE_ENUM})
 
     @field_validator("timezone")
     @classmethod
@@ -114,9 +140,9 @@ class IntervalSpec(_Strict):
     kind: Literal["interval"]
     every: float | str = Field(description="seconds, or an ISO-8601 duration such as 'PT30S'",
                                examples=[30, "PT1H"])
-    start_at: dt.datetime | None = Field(
+    start_at: Instant | None = Field(
         None, description="anchor of the grid start_at + k * every; defaults to creation time")
-    end_at: dt.datetime | None = None
+    end_at: Instant | None = None
 
     @field_validator("every")
     @classmethod
@@ -154,7 +180,7 @@ class IntervalSpec(_Strict):
 
 class AtSpec(_Strict):
     kind: Literal["at"]
-    at: dt.datetime | list[dt.datetime] = Field(
+    at: Instant | list[Instant] = Field(
         description="one instant or a list of instants, each in the future")
 
     @field_validator("at")
@@ -199,9 +225,12 @@ class ScheduleFields(_Strict):
                                   description="seconds of missed fires replayed with 'all'")
     target: str = Field(min_length=1, max_length=200,
                         description="broker subject suffix or routing key",
-                        examples=["reports.weekly"])
+                        examples=["reports.weekly"],
+                        json_schema_extra={"pattern": f"^{TARGET_PATTERN.pattern}$"})
     payload: dict[str, Any] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
+        "maxProperties": 64, "propertyNames": {"pattern": f"^{_SLUG.pattern}$"},
+        "additionalProperties": {"type": "string", "maxLength": 200}})
 
     @field_validator("catchup_window")
     @classmethod
@@ -244,7 +273,7 @@ class ScheduleFields(_Strict):
         if len(value) > 64:
             raise ValueError("at most 64 labels")
         for key, text in value.items():
-            if not _SLUG.match(key) or len(text) > 200:
+            if not _SLUG.fullmatch(key) or len(text) > 200:
                 raise ValueError(f"label {key!r}: keys are slugs, values at most 200 chars")
         return value
 
@@ -252,12 +281,13 @@ class ScheduleFields(_Strict):
 class ScheduleIn(ScheduleFields):
     """A new schedule: the id is optional (the server makes one)."""
 
-    id: str | None = Field(None, description="a slug; generated when absent")
+    id: str | None = Field(None, description="a slug; generated when absent",
+                           json_schema_extra={"pattern": f"^{_SLUG.pattern}$"})
 
     @field_validator("id")
     @classmethod
     def _slug(cls, value: str | None) -> str | None:
-        if value is not None and not _SLUG.match(value):
+        if value is not None and not _SLUG.fullmatch(value):
             raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
                              "with a letter or digit")
         return value

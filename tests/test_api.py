@@ -82,6 +82,23 @@ BAD_SCHEDULES = [
     ("id", {"id": "no/slashes"}),
     ("jitter", {"jitter": -1}),
     ("catchup", {"catchup": "sometimes"}),
+    # Valid syntax that can never fire.
+    ("trigger.cron", {"trigger": {"kind": "cron", "cron": "0 0 30 2 *"}}),
+    ("trigger.cron", {"trigger": {"kind": "cron", "cron": "0 0 31 4,6,9,11 *"}}),
+    ("trigger.cron", {"trigger": {"kind": "cron", "cron": "@reboot"}}),
+    # Below the default floor of one second between fires.
+    ("trigger.every", {"trigger": {"kind": "interval", "every": 0.5}}),
+    ("trigger.every", {"trigger": {"kind": "interval", "every": "PT0.2S"}}),
+    # A window that would replay 2.6 million fires after an outage.
+    ("catchup_window", {"catchup": "all", "catchup_window": 30 * 86400,
+                        "trigger": {"kind": "interval", "every": 1}}),
+    ("catchup_window", {"catchup": "all", "catchup_window": 30 * 86400,
+                        "trigger": {"kind": "cron", "cron": "* * * * * *"}}),
+    # JSON types as written: no numbers for instants, no strings for numbers.
+    ("trigger.start_at", {"trigger": {"kind": "interval", "every": 60, "start_at": 0}}),
+    ("trigger.at", {"trigger": {"kind": "at", "at": "1900000000"}}),
+    ("jitter", {"jitter": "5"}),
+    ("paused", {"paused": 1}),
 ]
 
 
@@ -214,6 +231,45 @@ async def test_interval_start_defaults_to_creation_and_keeps_its_phase(
         "/schedules/i/next?count=2&after=2030-01-01T13:00:10Z")).json()
     assert [t["nominal"] for t in preview["times"]] == [
         "2030-01-01T13:01:30Z", "2030-01-01T13:03:00Z"]
+
+
+async def test_the_floor_between_fires_is_the_replicas_setting(mongo: Any) -> None:
+    app = create_app(ScheduleStore(mongo.schedules), Mirror(mongo.schedules), "test",
+                     clock=lambda: NOW, min_fire_interval_s=10)
+    async with TestClient(TestServer(app)) as client:
+        for trigger, status in [({"kind": "cron", "cron": "*/5 * * * * *"}, 422),
+                                ({"kind": "cron", "cron": "*/10 * * * * *"}, 201),
+                                ({"kind": "interval", "every": 9.5}, 422),
+                                ({"kind": "interval", "every": "PT10S"}, 201)]:
+            response = await client.post("/schedules", json=cron_schedule(trigger=trigger))
+            assert response.status == status, await response.text()
+            if status == 422:
+                errors = (await response.json())["errors"]
+                assert "floor" in errors[0]["message"]
+
+
+async def test_every_route_is_in_the_openapi_document_and_undeclared_methods_are_405(
+        api: TestClient[Any, Any]) -> None:
+    spec = await (await api.get("/openapi.json")).json()
+    documented = {(method.upper(), path) for path, item in spec["paths"].items()
+                  for method in item if method != "parameters"}
+    served = {(r.method, r.resource.canonical) for r in api.app.router.routes()
+              if r.method != "HEAD" and r.resource is not None}
+    assert documented == served
+    refused = await api.request("TRACE", "/schedules")
+    assert refused.status == 405
+    assert set(refused.headers["Allow"].split(",")) == {"GET", "POST"}
+    assert (await refused.json())["status"] == 405
+
+
+@pytest.mark.parametrize(("header", "status"), [
+    ('"1"', 200), ("1", 200), ('W/"1"', 200), ("*", 200),
+    ('"0"', 400), ("0001", 400), ('"1", "2"', 400), ("one", 400)])
+async def test_if_match_is_read_as_the_document_says(api: TestClient[Any, Any], header: str,
+                                                     status: int) -> None:
+    await api.post("/schedules", json=cron_schedule(id="m"))
+    response = await api.post("/schedules/m/pause", headers={"If-Match": header})
+    assert response.status == status, await response.text()
 
 
 async def test_health_openapi_and_docs(api: TestClient[Any, Any]) -> None:

@@ -48,12 +48,12 @@ class Harness:
         self.db = self.client[self.db_name]
         self.prefix = uuid.uuid4().hex[:6]
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, *extra: str) -> None:
         self.replicas[name] = start_replica(
             self.mongo_uri, name, "--broker", self.nats.uri, "--lease-ttl", str(TTL),
             "--renew-deadline", str(DEADLINE), "--renew-interval", str(INTERVAL),
             # Below the default floor of 1 s, so that a sub-second interval is covered.
-            "--min-fire-interval", "0.5")
+            "--min-fire-interval", "0.5", *extra)
 
     async def get(self, name: str, path: str) -> Any:
         async with self.http.get(self.replicas[name].uri + path) as r:

@@ -37,11 +37,17 @@ def problem(status: int, title: str, errors: list[dict[str, str]] | None = None,
     return web.json_response(body, status=status)
 
 
+_TYPE_NAMES = {"str", "float", "int", "bool", "datetime"}
+
+
 def validation_errors(exc: ValidationError, prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:
     out = []
     for err in exc.errors(include_url=False):
         # Discriminated unions put the variant's tag in the path; users wrote no such key.
-        loc = [str(p) for p in (*prefix, *err["loc"])]
+        # Members of a plain union are named by type ("float", "list[...]", "function-
+        # before[...]"): not fields either.
+        loc = [str(p) for p in (*prefix, *err["loc"])
+               if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         path = [p for i, p in enumerate(loc)
                 if p not in {"cron", "interval", "at"} or i == len(loc) - 1]
         if err["type"] in {"union_tag_invalid", "union_tag_not_found"}:
@@ -74,7 +80,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                                          or "too large"}])
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
-            return problem(exc.status, exc.reason)
+            response = problem(exc.status, exc.reason)
+            if "Allow" in exc.headers:  # a 405 says which methods the path has
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
         raise
     except PyMongoError as exc:
         log.warning("database_unavailable", error=str(exc), path=request.path)

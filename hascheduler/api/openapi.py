@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from .. import __version__, models
+from ..constants import MAX_PAGE, MAX_PREVIEW
 
 
 class Problem(BaseModel):
@@ -53,99 +55,144 @@ _ERRORS = {400: "malformed request (JSON, If-Match)",
            422: "invalid schedule or parameter; names the field",
            429: "too many writes from this client; see Retry-After", 503: "not ready"}
 
+# If-Match as the server reads it (app.py parses with this very pattern): "*", or a
+# revision as the ETag gives it, optionally weak and quoted.
+IF_MATCH = re.compile(r'\s*(?:\*|(?:W/)?"?([1-9][0-9]{0,17})"?)\s*')
+# ?label=key=value, as the server splits it.
+LABEL_FILTER = r"^[^=]+=[\s\S]*$"
+
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 _IF_MATCH = {"name": "If-Match", "in": "header", "required": False,
-             "schema": {"type": "string"},
+             "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
              "description": "the revision from the ETag; the write fails with 409 if stale"}
+_WRITE = (400, 403, 413, 415, 422, 429)
+_SEMANTIC = ("Besides its shape, the body must describe a schedule that can fire: a cron "
+             "expression that parses and has a day it fires on, instants in the future, no "
+             "more often than the cluster's floor, a catch-up window it can replay. Each "
+             "refusal is a 422 naming the field.")
+
+
+def _operations() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every route's OpenAPI operation, by (method, path)."""
+    return {
+        ("POST", "/schedules"): {
+            "summary": "create a schedule", "description": _SEMANTIC,
+            "requestBody": _json_body("ScheduleIn"),
+            "responses": _responses(201, "Schedule", *_WRITE, 409)},
+        ("GET", "/schedules"): {
+            "summary": "list schedules (id order, cursor pagination)",
+            "parameters": [
+                {"name": "label", "in": "query", "description": "key=value; repeat to AND",
+                 "schema": {"type": "string", "pattern": LABEL_FILTER}},
+                {"name": "paused", "in": "query",
+                 "schema": {"type": "string", "enum": ["true", "false"]}},
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": _responses(200, "ScheduleList", 422)},
+        ("GET", "/schedules/{id}"): {
+            "summary": "one schedule", "responses": _responses(200, "Schedule", 404)},
+        ("PUT", "/schedules/{id}"): {
+            "summary": "replace a schedule", "description": _SEMANTIC,
+            "parameters": [_IF_MATCH], "requestBody": _json_body("ScheduleFields"),
+            "responses": _responses(200, "Schedule", *_WRITE, 404, 409)},
+        ("PATCH", "/schedules/{id}"): {
+            "summary": "change some fields (JSON merge patch: null removes a field)",
+            "description": _SEMANTIC, "parameters": [_IF_MATCH],
+            "requestBody": {"required": True, "content": {
+                "application/merge-patch+json": {"schema": _ref("SchedulePatch")},
+                "application/json": {"schema": _ref("SchedulePatch")}}},
+            "responses": _responses(200, "Schedule", *_WRITE, 404, 409)},
+        ("DELETE", "/schedules/{id}"): {
+            "summary": "delete a schedule", "parameters": [_IF_MATCH],
+            "responses": _responses(204, None, 400, 403, 404, 409, 429)},
+        ("POST", "/schedules/{id}/pause"): {
+            "summary": "pause", "parameters": [_IF_MATCH],
+            "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)},
+        ("POST", "/schedules/{id}/resume"): {
+            "summary": "resume", "parameters": [_IF_MATCH],
+            "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)},
+        ("GET", "/schedules/{id}/next"): {
+            "summary": "the next nominal and jittered fire times",
+            "parameters": [
+                {"name": "count", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PREVIEW}},
+                {"name": "after", "in": "query",
+                 "schema": {"type": "string", "format": "date-time"}}],
+            "responses": _responses(200, "Preview", 404, 422)},
+        ("GET", "/schedules/{id}/fires"): {
+            "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
+                       "entry with last_nominal_at and count)",
+            "parameters": [{"name": "limit", "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": _responses(200, None, 404, 422, 503)},
+        ("GET", "/mirror/{id}"): {
+            "summary": "what this replica's mirror holds for a schedule (revision, paused, "
+                       "next nominal time)", "responses": _responses(200, None, 404)},
+        ("GET", "/leader"): {"summary": "the lease: holder, term, expiry; who answered",
+                             "responses": _responses(200, None, 503)},
+        ("GET", "/cluster"): {"summary": "members seen recently (heartbeats)",
+                              "responses": _responses(200, None, 503)},
+        ("GET", "/dashboard"): {"summary": "what /ui shows: leader, members, schedules with "
+                                           "their next fire, recent fires",
+                                "responses": _responses(200, None, 503)},
+        ("GET", "/healthz"): {"summary": "the process is alive (no token needed)",
+                              "security": [], "responses": {"200": {"description": "alive"}}},
+        ("GET", "/readyz"): {
+            "summary": "the mirror is in sync (no token needed)", "security": [],
+            "responses": {
+                "200": {"description": "ready", "content": {
+                    "application/json": {"schema": _ref("MirrorStatus")}}},
+                "503": {"description": "not ready", "content": {
+                    "application/json": {"schema": _ref("MirrorStatus")}}}}},
+        ("GET", "/metrics"): {"summary": "Prometheus metrics (no token needed)", "security": [],
+                              "responses": {"200": {"description": "text exposition format"}}},
+        ("GET", "/ui"): {"summary": "the dashboard page (it asks for a token itself)",
+                         "security": [], "responses": {"200": {"description": "HTML"}}},
+        ("GET", "/openapi.json"): {"summary": "this document", "security": [],
+                                   "responses": {"200": {"description": "OpenAPI 3.1"}}},
+        ("GET", "/docs"): {"summary": "this document for a person", "security": [],
+                           "responses": {"200": {"description": "HTML"}}},
+    }
+
+
+def _patch_schema(fields: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch of ScheduleFields: any of its fields, each also null (removed);
+    an object-valued field (trigger, payload, labels) is itself a merge patch, any object."""
+    def patched(schema: dict[str, Any]) -> dict[str, Any]:
+        if schema.get("type") == "object" or "discriminator" in schema:
+            return {"type": ["object", "null"]}
+        return {"anyOf": [schema, {"type": "null"}]}
+
+    return {"title": "SchedulePatch", "type": "object", "additionalProperties": False,
+            "properties": {name: patched(schema)
+                           for name, schema in fields["properties"].items()}}
 
 
 @functools.cache
-def openapi_spec() -> dict[str, Any]:
+def openapi_spec(routes: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The document for exactly these (method, path) routes, the ones the server serves:
+    a route without an operation here is a KeyError, so the two cannot drift."""
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus)],
         ref_template="#/components/schemas/{model}")
-    write = (400, 403, 413, 415, 422, 429)
+    definitions = schemas["$defs"]
+    definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])
+    operations = _operations()
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in routes:
+        item = paths.setdefault(path, {"parameters": [_ID]} if "{id}" in path else {})
+        item[method.lower()] = operations[(method, path)]
     return {
         "openapi": "3.1.0",
         "info": {"title": "hascheduler", "version": __version__,
                  "description": "Schedules, fired exactly once by the cluster's leader."},
-        "paths": {
-            "/schedules": {
-                "post": {"summary": "create a schedule", "requestBody": _json_body("ScheduleIn"),
-                         "responses": _responses(201, "Schedule", *write, 409)},
-                "get": {"summary": "list schedules (id order, cursor pagination)",
-                        "parameters": [
-                            {"name": "label", "in": "query", "schema": {"type": "string"},
-                             "description": "key=value; repeat to AND"},
-                            {"name": "paused", "in": "query",
-                             "schema": {"type": "string", "enum": ["true", "false"]}},
-                            {"name": "after", "in": "query", "schema": {"type": "string"}},
-                            {"name": "limit", "in": "query",
-                             "schema": {"type": "integer", "minimum": 1, "maximum": 500}}],
-                        "responses": _responses(200, "ScheduleList", 422)},
-            },
-            "/schedules/{id}": {
-                "parameters": [_ID],
-                "get": {"summary": "one schedule", "responses": _responses(200, "Schedule", 404)},
-                "put": {"summary": "replace a schedule", "parameters": [_IF_MATCH],
-                        "requestBody": _json_body("ScheduleFields"),
-                        "responses": _responses(200, "Schedule", *write, 404, 409)},
-                "patch": {"summary": "change some fields (JSON merge patch)",
-                          "parameters": [_IF_MATCH],
-                          "requestBody": {"required": True, "content": {
-                              "application/merge-patch+json": {"schema": {"type": "object"}},
-                              "application/json": {"schema": {"type": "object"}}}},
-                          "responses": _responses(200, "Schedule", *write, 404, 409)},
-                "delete": {"summary": "delete a schedule", "parameters": [_IF_MATCH],
-                           "responses": _responses(204, None, 400, 403, 404, 409, 429)},
-            },
-            "/schedules/{id}/pause": {"parameters": [_ID], "post": {
-                "summary": "pause", "parameters": [_IF_MATCH],
-                "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)}},
-            "/schedules/{id}/resume": {"parameters": [_ID], "post": {
-                "summary": "resume", "parameters": [_IF_MATCH],
-                "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)}},
-            "/schedules/{id}/next": {"parameters": [_ID], "get": {
-                "summary": "the next nominal and jittered fire times",
-                "parameters": [
-                    {"name": "count", "in": "query",
-                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-                    {"name": "after", "in": "query",
-                     "schema": {"type": "string", "format": "date-time"}}],
-                "responses": _responses(200, "Preview", 404, 422)}},
-            "/schedules/{id}/fires": {"parameters": [_ID], "get": {
-                "summary": "the fire ledger of a schedule, newest first",
-                "parameters": [{"name": "limit", "in": "query",
-                                "schema": {"type": "integer", "minimum": 1, "maximum": 500}}],
-                "responses": _responses(200, None, 422, 503)}},
-            "/leader": {"get": {"summary": "the lease: holder, term, expiry; who answered",
-                                "responses": _responses(200, None, 503)}},
-            "/cluster": {"get": {"summary": "members seen recently (heartbeats)",
-                                 "responses": _responses(200, None, 503)}},
-            "/dashboard": {"get": {"summary": "what /ui shows: leader, members, schedules "
-                                              "with their next fire, recent fires",
-                                   "responses": _responses(200, None, 503)}},
-            "/healthz": {"get": {"summary": "the process is alive (no token needed)",
-                                 "security": [],
-                                 "responses": {"200": {"description": "alive"}}}},
-            "/readyz": {"get": {"summary": "the mirror is in sync (no token needed)",
-                                "security": [],
-                                "responses": {"200": {"description": "ready", "content": {
-                                    "application/json": {"schema": _ref("MirrorStatus")}}},
-                                    "503": {"description": "not ready", "content": {
-                                        "application/json": {
-                                            "schema": _ref("MirrorStatus")}}}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics (no token needed)",
-                                 "security": [], "responses": {"200": {
-                                     "description": "text exposition format"}}}},
-            "/ui": {"get": {"summary": "the dashboard page (it asks for a token itself)",
-                            "security": [], "responses": {"200": {"description": "HTML"}}}},
-        },
+        "paths": paths,
         # Bearer tokens when the replicas have them (HASCHEDULER_*_TOKENS); none otherwise.
         "security": [{}, {"bearer": []}],
-        "components": {"schemas": schemas["$defs"], "securitySchemes": {
+        "components": {"schemas": definitions, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer",
                        "description": "a read token for GET, a write token for changes"}}},
     }
