@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 from bson import Int64, ObjectId, Timestamp
 
-from . import engine
+from . import engine, options
 from .changes import TOKEN_FLAG_INVALIDATE, ChangeLog, ClusterClock, decode_token
 from .cursors import DEFAULT_FIRST_BATCH, ChangeStreamCursor, Cursor, ResultCursor
 from .errors import STATE_CHANGE_CODES, DuplicateKey, MongoError, bad_value, type_mismatch
@@ -131,6 +131,7 @@ class Node:
         handler = self._handlers.get(name)
         if handler is None:
             raise MongoError(59, f"no such command: '{name}'")
+        options.check(name, body)
         if "startTransaction" in body or "autocommit" in body:
             await self._transactions(db, body, ctx)
         namespace = f"{db}.{body[name]}" if isinstance(body.get(name), str) else None

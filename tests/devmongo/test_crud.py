@@ -300,3 +300,31 @@ async def test_bad_array_filters_get_mongod_errors(db: Any, update: dict[str, An
         await db.af.update_one({"_id": 1}, update, array_filters=array_filters)
     assert caught.value.code == code
     assert await db.af.find_one() == {"_id": 1, "grades": [1, 2, 3]}
+
+
+@pytest.mark.devmongo_only
+async def test_options_the_server_does_not_implement_are_refused_not_ignored(db: Any) -> None:
+    coll = db.things
+    await coll.insert_many([{"name": "a"}, {"name": "B"}])
+    case_insensitive = {"locale": "en", "strength": 2}
+    refused = [
+        lambda: coll.find_one({"name": "b"}, collation=case_insensitive),
+        lambda: coll.count_documents({"name": "b"}, collation=case_insensitive),
+        lambda: coll.update_one({"name": "b"}, {"$set": {"x": 1}}, collation=case_insensitive),
+        lambda: coll.delete_many({"name": "b"}, collation=case_insensitive),
+        lambda: coll.update_one({"$expr": {"$eq": ["$name", "$$n"]}}, {"$set": {"x": 1}},
+                                let={"n": "a"}),
+        lambda: coll.find_one_and_update({"name": "a"}, {"$set": {"x": 1}},
+                                         collation=case_insensitive),
+        lambda: coll.create_index("name", collation=case_insensitive),
+    ]
+    for call in refused:
+        with pytest.raises(OperationFailure) as caught:
+            await call()
+        assert caught.value.code == 115
+        assert "does not implement" in str(caught.value)
+    unknown = await db.command({"find": "things", "filter": {}, "surprise": 1}, check=False)
+    assert (unknown["ok"], unknown["code"]) == (0.0, 40415)
+    assert "things" in (await db.list_collection_names())
+    # Nothing was changed by the refused writes.
+    assert [d async for d in coll.find({"x": {"$exists": True}})] == []
