@@ -164,9 +164,8 @@ def _first_change(tz: ZoneInfo, start: dt.datetime, end: dt.datetime) -> dt.date
                     lo = mid
                 else:
                     hi = mid
-            # Offsets change on whole seconds: the first second at or after lo that differs.
-            edge = lo.replace(microsecond=0) + dt.timedelta(seconds=1) \
-                if lo.microsecond else lo
+            # Offsets change on whole seconds, and (lo, hi] holds just one.
+            edge = lo.replace(microsecond=0) + dt.timedelta(seconds=1)
             return edge if _offset(tz, edge) != base else hi
         lo = hi
     return None

@@ -33,16 +33,23 @@ def event(fire_id: str, term: int, nominal: dt.datetime) -> bytes:
                                 .replace("+00:00", "Z"), "payload": {}}}).encode()
 
 
-async def test_worker_runs_each_fire_once(nats_server: ServerProcess, tmp_path: Path) -> None:
-    record = tmp_path / "fires.txt"
+async def start_worker(nats_uri: str, record: Path) -> asyncio.subprocess.Process:
+    """``hascheduler worker`` on target ``jobs``, recording each fire it runs to ``record``;
+    returned once it consumes."""
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nats_server.uri,
+        sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nats_uri,
         "--target", "jobs", "--handler", "tests.helpers.record_handler:handle",
         env={**os.environ, "RECORD_FIRES_TO": str(record)},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert worker.stdout is not None
+    assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
+    return worker
+
+
+async def test_worker_runs_each_fire_once(nats_server: ServerProcess, tmp_path: Path) -> None:
+    record = tmp_path / "fires.txt"
+    worker = await start_worker(nats_server.uri, record)
     try:
-        assert worker.stdout is not None
-        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
         nc = await nats.connect(nats_server.uri)
         js = nc.jetstream()
         await ensure_stream(js, "HASCHEDULER", 600)
@@ -80,15 +87,9 @@ def test_worker_refuses_bad_settings() -> None:
 async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messages(
         nats_server: ServerProcess, tmp_path: Path) -> None:
     record = tmp_path / "fires.txt"
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nats_server.uri,
-        "--target", "jobs", "--handler", "tests.helpers.record_handler:handle",
-        env={**os.environ, "RECORD_FIRES_TO": str(record)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    worker = await start_worker(nats_server.uri, record)
     restarted: ServerProcess | None = None
     try:
-        assert worker.stdout is not None
-        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
         now = dt.datetime.now(dt.UTC)
 
         async def publish(uri: str, body: bytes, msg_id: str) -> None:
