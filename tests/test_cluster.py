@@ -148,10 +148,10 @@ async def test_dropped_stream_connections_resume_with_nothing_lost(
     await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 3},
                          "data": {"failCommands": ["getMore"], "closeConnection": True,
                                   "appName": "hascheduler/b"}})
-    ids = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(10)]
+    ids = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(20)]
     for sid in ids:
         await cluster.request("a", "POST", "/schedules", json=schedule(sid))
-        await asyncio.sleep(0.05)  # spread the writes over several of b's getMores
+        await asyncio.sleep(0.1)  # spread the writes over several of b's getMores
     for sid in ids:
         await cluster.await_everywhere(sid, f"schedule {sid}")
     await cluster.converged()
