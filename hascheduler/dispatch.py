@@ -42,9 +42,10 @@ Clock = Callable[[], dt.datetime]
 # insert, the single-threaded development server starved the leader's renewal past its
 # deadline and leadership thrashed mid-burst.
 CLAIM_BATCH = 1000
-# Entries walked between yields to the event loop while seeding or catching up: computing
-# every schedule's next fire takes seconds at 100k schedules, and the lease must keep
-# renewing meanwhile (a blocked loop misses the renew deadline and leadership thrashes).
+# Entries walked between yields to the event loop while seeding: computing every
+# schedule's next fire takes seconds at 100k schedules, and the lease must keep renewing
+# meanwhile (a blocked loop misses the renew deadline and leadership thrashes). The
+# catch-up plan runs in a worker thread instead.
 YIELD_EVERY = 1000
 # Fires are claimed up to this long before they are due, and published at their due time
 # after a re-check (paused, deleted, edited meanwhile): a burst's claims are then made

@@ -150,6 +150,8 @@ class IntervalSpec(_Strict):
         seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
         if not seconds > 0:
             raise ValueError("every must be greater than 0 seconds")
+        if seconds < 0.001:  # the catch-up's bisection resolves fires this far apart
+            raise ValueError("every must be at least 1 millisecond")
         floor = _min_interval(info)
         if seconds < floor and not _stored(info):
             raise ValueError(f"every must be at least {floor:g} s (this cluster's floor "
