@@ -51,6 +51,15 @@ SECTIONS = [
      "POST /schedules against raw PyMongo inserts of the same documents; a new replica from "
      "spawn to /readyz 200 against a fresh process reading the same schedules with the raw "
      "driver."),
+    ("bench.cron_bench", "Cron: next fire, refusal, catch-up after long outages",
+     [], ["--calls", "100", "--days", "1,30"],
+     "One uncached next-fire computation in Europe/Paris per kind of expression, against "
+     "APScheduler 3's CronTrigger in the zone (where one trigger can say it) and cronsim; "
+     "refusing an impossible expression against APScheduler searching to year 9999; "
+     "planning catch-up for a per-second cron after outages of a day to a year, against "
+     "listing the missed times of the shortest. Target: every accepted expression's next "
+     "fire well under a millisecond; a plan's cost independent of the outage but for "
+     "the hour listed at each DST change."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "
