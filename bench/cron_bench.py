@@ -27,7 +27,7 @@ from apscheduler.triggers.cron import CronTrigger
 from cronsim import CronSim, CronSimError
 
 from hascheduler import cron, triggers
-from hascheduler.fires import plan_catchup
+from hascheduler.catchup import plan_catchup
 
 ZONE = "Europe/Paris"
 START = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

@@ -16,22 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import structlog
-from pymongo import ASCENDING, DESCENDING
-from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
-from . import fires as ledger
 from .brokers import Broker
+from .catchup import SkippedRange, plan_catchup
+from .events import EventTemplate
+from .fire_queue import Due, FireQueue, is_fire_time
 from .lease import Lease, LeaseView
+from .ledger import Ledger, claim_document, skipped_range_document
 from .metrics import Metrics
 from .mirror import Entry, Mirror
-from .triggers import fire_times, iso_utc, jitter_offset
+from .triggers import iso_utc, jitter_offset
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -42,11 +42,6 @@ Clock = Callable[[], dt.datetime]
 # insert, the single-threaded development server starved the leader's renewal past its
 # deadline and leadership thrashed mid-burst.
 CLAIM_BATCH = 1000
-# Entries walked between yields to the event loop while seeding: computing every
-# schedule's next fire takes seconds at 100k schedules, and the lease must keep renewing
-# meanwhile (a blocked loop misses the renew deadline and leadership thrashes). The
-# catch-up plan runs in a worker thread instead.
-YIELD_EVERY = 1000
 # Fires are claimed up to this long before they are due, and published at their due time
 # after a re-check (paused, deleted, edited meanwhile): a burst's claims are then made
 # before its second instead of delaying its publishes. The claims of 10,000 fires due
@@ -78,43 +73,16 @@ class DispatchSettings:
     max_in_flight_batches: int = 8
 
 
-class Due(NamedTuple):
-    """A fire waiting in the leader's heap. A tuple: the heap compares them in C (a
-    dataclass's generated ``__lt__`` was a twentieth of the leader's CPU at 10k fires/s)."""
-
-    fire_at: dt.datetime
-    nominal: dt.datetime
-    schedule_id: str
-    revision: int
-
-
-def is_fire_time(entry: Entry, nominal: dt.datetime) -> bool:
-    """Whether ``nominal`` is one of the trigger's fire times."""
-    first = next(iter(fire_times(entry.trigger, nominal - dt.timedelta(milliseconds=1),
-                                 limit=1)), None)
-    return first is not None and abs((first - nominal).total_seconds()) < 0.0005
-
-
-def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
-    """The first fire of ``entry`` whose jittered time is after ``after``."""
-    start = after - dt.timedelta(seconds=entry.jitter)
-    for nominal in fire_times(entry.trigger, start, limit=10_000):
-        fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-        if fire_at > after:
-            return Due(fire_at, nominal, schedule_id, entry.revision)
-    return None
-
-
 def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime
-                   ) -> tuple[list[Due], list[tuple[str, ledger.SkippedRange]]]:
+                   ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
     and the range each skips (pure)."""
     to_fire: list[Due] = []
-    skipped: list[tuple[str, ledger.SkippedRange]] = []
+    skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
         start = since - dt.timedelta(seconds=entry.jitter)
-        fire, skip = ledger.plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                         start, now)
+        fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
+                                  start, now)
         for nominal in fire:
             fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
             if fire_at <= now:
@@ -124,35 +92,27 @@ def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt
     return to_fire, skipped
 
 
-async def ensure_fire_indexes(fires: Any, retention_s: float) -> None:
-    # Claimed fires only (a partial index): the leader's retry and adoption scans look for
-    # nothing else, and a fire leaves it once published instead of moving within it.
-    await fires.create_index([("term", ASCENDING)], name="claimed_by_term",
-                             partialFilterExpression={"state": ledger.CLAIMED})
-    with contextlib.suppress(OperationFailure):  # its predecessor, on (state, term)
-        await fires.drop_index("state_term")
-    await fires.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
-                             name="schedule_history")
-    await fires.create_index([("recorded_at", ASCENDING)], name="retention",
-                             expireAfterSeconds=int(retention_s))
+def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^attempt))."""
+    return float(rand * min(cap_s, base_s * 2 ** min(attempt, 30)))
 
 
 class Dispatcher:
-    def __init__(self, mirror: Mirror, schedules: Any, fires: Any, broker: Broker,
+    def __init__(self, mirror: Mirror, schedules: Any, ledger: Ledger, broker: Broker,
                  lease: Lease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None) -> None:
         self.mirror = mirror
         self.metrics = metrics or Metrics()
         self.schedules = schedules
-        self.fires = fires
+        self.ledger = ledger
         self.broker = broker
         self.lease = lease
         self.settings = settings or DispatchSettings()
         self.clock = clock
         self.watermark: dt.datetime | None = None  # every fire due up to here is handled
         self.term: int | None = None
-        self._heap: list[Due] = []
+        self.queue = FireQueue(mirror.entries)
         self._wake = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.max_in_flight_batches)
@@ -161,9 +121,7 @@ class Dispatcher:
         self._broker_idle.set()
         # What a message needs from a schedule (name, target, payload, encoded) by id, with
         # the revision it was read at: a recurring schedule's fires skip the database read.
-        self._bodies: dict[str, tuple[int, ledger.EventTemplate]] = {}
-        # Schedules changed while the heap was being built (it yields): queued again after.
-        self._changed_while_seeding: set[str] = set()
+        self._bodies: dict[str, tuple[int, EventTemplate]] = {}
         self._pending: set[str] = set()  # fire ids this replica claimed, not yet published
         # Set by drain(): claims still waiting for their due time are left to the next
         # leader (it adopts them then) instead of holding up the handover.
@@ -175,14 +133,7 @@ class Dispatcher:
     def on_change(self, schedule_id: str, entry: Entry | None) -> None:
         """Called by the mirror for every applied change; reschedules while leading."""
         self._bodies.pop(schedule_id, None)
-        if self.term is not None and self.watermark is None:
-            self._changed_while_seeding.add(schedule_id)
-            return
-        if self.term is None or entry is None or entry.paused or self.watermark is None:
-            return
-        due = next_due(schedule_id, entry, self.watermark)
-        if due is not None:
-            heapq.heappush(self._heap, due)
+        if self.term is not None and self.queue.changed(schedule_id, entry, self.watermark):
             self._wake.set()
 
     # -- leading --------------------------------------------------------------------------
@@ -194,7 +145,6 @@ class Dispatcher:
         since = view.fired_through or now
         self.term = term
         self.watermark = None
-        self._changed_while_seeding.clear()
         self._handing_over = asyncio.Event()
         log.info("leading", term=term, fired_through=since.isoformat())
         try:
@@ -208,7 +158,7 @@ class Dispatcher:
                 await self._fire_loop(term)
         finally:
             self.term = None
-            self._heap.clear()
+            self.queue.clear()
 
     async def _yield(self) -> None:
         await asyncio.sleep(0)
@@ -216,31 +166,8 @@ class Dispatcher:
             raise LeadershipLost
 
     async def _seed(self, now: dt.datetime) -> None:
-        heap: list[Due] = []
-        for i, (schedule_id, entry) in enumerate(list(self.mirror.entries.items())):
-            if i % YIELD_EVERY == YIELD_EVERY - 1:
-                await self._yield()
-            if not entry.paused:
-                due = next_due(schedule_id, entry, now)
-                if due is not None:
-                    heap.append(due)
-        # A schedule changed after it was visited would otherwise keep its stale item,
-        # which _current() drops at its time: queue its current state too.
-        for schedule_id in self._changed_while_seeding:
-            changed = self.mirror.entries.get(schedule_id)
-            if changed is not None and not changed.paused:
-                due = next_due(schedule_id, changed, now)
-                if due is not None:
-                    heap.append(due)
-        self._changed_while_seeding.clear()
-        heapq.heapify(heap)
-        self._heap = heap
-
-    def _current(self, due: Due) -> Entry | None:
-        entry = self.mirror.entries.get(due.schedule_id)
-        if entry is None or entry.revision != due.revision or entry.paused:
-            return None  # deleted, changed (a newer item is queued) or paused
-        return entry
+        for _ in self.queue.seed(now):
+            await self._yield()
 
     async def _fire_loop(self, term: int) -> None:
         while True:
@@ -250,30 +177,17 @@ class Dispatcher:
             horizon = now + dt.timedelta(seconds=CLAIM_AHEAD_S)
             # A claim batch at a time: each insert yields the loop to the publishes due now
             # (taking 10,000 fires off the heap at once held it for a fifth of a second).
-            while batch := self._take_due(horizon):
+            while batch := self.queue.take_due(horizon, CLAIM_BATCH):
                 await self._claim_and_publish(batch, term, now)
             self.watermark = now
             self._wake.clear()
             wait = 0.25  # re-check the lease at least this often
-            if self._heap:
-                ahead = self._heap[0].fire_at - dt.timedelta(seconds=CLAIM_AHEAD_S)
+            first = self.queue.first_at()
+            if first is not None:
+                ahead = first - dt.timedelta(seconds=CLAIM_AHEAD_S)
                 wait = min(wait, max(0.0, (ahead - self.clock()).total_seconds()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
-
-    def _take_due(self, horizon: dt.datetime) -> list[Due]:
-        """Up to CLAIM_BATCH current fires due by ``horizon``, each schedule's next queued."""
-        batch: list[Due] = []
-        while self._heap and self._heap[0].fire_at <= horizon and len(batch) < CLAIM_BATCH:
-            due = heapq.heappop(self._heap)
-            entry = self._current(due)
-            if entry is None:
-                continue
-            batch.append(due)
-            following = next_due(due.schedule_id, entry, due.fire_at)
-            if following is not None:
-                heapq.heappush(self._heap, following)
-        return batch
 
     async def _claim(self, docs: list[dict[str, Any]], term: int) -> list[dict[str, Any]]:
         """Insert claims; returns those we now own.
@@ -288,31 +202,16 @@ class Dispatcher:
         if not self.lease.valid:
             raise LeadershipLost
         try:
-            await asyncio.wait_for(self.fires.insert_many(docs, ordered=False),
-                                   max(self.lease.remaining(), 0.001))
-        except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != 11000 for e in errors):
-                raise
-            taken = {docs[e["index"]]["_id"] for e in errors}
-            adopted = await self._adopt_due(taken - self._pending, term)
-            return [d for d in docs if d["_id"] not in taken or d["_id"] in adopted]
+            taken = await asyncio.wait_for(self.ledger.claim(docs),
+                                           max(self.lease.remaining(), 0.001))
         except TimeoutError:
             raise LeadershipLost from None
-        return docs
-
-    async def _adopt_due(self, fire_ids: set[str], term: int) -> set[str]:
-        if not fire_ids:
-            return set()
-        stale = {"_id": {"$in": sorted(fire_ids)}, "state": ledger.CLAIMED,
-                 "term": {"$lt": term}}
-        candidates = {d["_id"] async for d in self.fires.find(stale, {"_id": 1})}
-        if not candidates:
-            return set()
-        await self.fires.update_many({**stale, "_id": {"$in": sorted(candidates)}},
-                                     {"$set": {"term": term, "claimed_at": self.clock()}})
-        log.info("adopted_claims", count=len(candidates), term=term, at="due time")
-        return candidates
+        if not taken:
+            return docs
+        adopted = await self.ledger.adopt(taken - self._pending, term, self.clock())
+        if adopted:
+            log.info("adopted_claims", count=len(adopted), term=term, at="due time")
+        return [d for d in docs if d["_id"] not in taken or d["_id"] in adopted]
 
     async def _claim_all(self, dues: list[Due], term: int, now: dt.datetime) -> None:
         for i in range(0, len(dues), CLAIM_BATCH):
@@ -322,7 +221,7 @@ class Dispatcher:
         hold = self.settings.publish_timeout_s * 2
         docs = []
         for due in batch:
-            doc = ledger.claim_document(due.schedule_id, due.nominal, due.fire_at, term, now)
+            doc = claim_document(due.schedule_id, due.nominal, due.fire_at, term, now)
             # The retry loop leaves it alone unless this publish has not finished by then.
             doc["next_attempt_at"] = now + dt.timedelta(seconds=hold)
             docs.append(doc)
@@ -383,9 +282,7 @@ class Dispatcher:
                 keep.append(fire)
             else:
                 skipped.append(fire["_id"])
-                await self.fires.update_one(
-                    {"_id": fire["_id"], "term": term, "state": ledger.CLAIMED},
-                    {"$set": {"state": ledger.SKIPPED, "reason": reason}})
+                await self.ledger.skip([fire["_id"]], term, reason)
         if skipped:
             self.metrics.fires.labels("skipped").inc(len(skipped))
             log.info("skipped_before_due", count=len(skipped), term=term)
@@ -405,10 +302,7 @@ class Dispatcher:
             sendable.append(fire)
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
-            await self.fires.update_many(
-                {"_id": {"$in": gone}, "term": term, "state": ledger.CLAIMED},
-                {"$set": {"state": ledger.SKIPPED, "reason": "schedule deleted before "
-                                                             "its fire was published"}})
+            await self.ledger.skip(gone, term, "schedule deleted before its fire was published")
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:
@@ -430,10 +324,7 @@ class Dispatcher:
             # for the first batches slowed the broker's acks of the last ones.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
-            await self.fires.update_many(
-                {"_id": {"$in": done}, "term": term, "state": ledger.CLAIMED},
-                {"$set": {"state": ledger.PUBLISHED, "published_at": acked_at,
-                          "attempts": attempt}, "$unset": {"next_attempt_at": ""}})
+            await self.ledger.mark_published(done, term, acked_at, attempt)
             self.published += len(done)
             self.metrics.fires.labels("published").inc(len(done))
             for fire, error in zip(sendable, outcomes, strict=True):
@@ -448,9 +339,9 @@ class Dispatcher:
             log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
                         error=repr(failures[0][1]))
 
-    async def _schedule_bodies(self, ids: set[str]) -> dict[str, ledger.EventTemplate]:
+    async def _schedule_bodies(self, ids: set[str]) -> dict[str, EventTemplate]:
         """The event template (name, target, payload) of each schedule still stored."""
-        found: dict[str, ledger.EventTemplate] = {}
+        found: dict[str, EventTemplate] = {}
         for schedule_id in ids:
             entry = self.mirror.entries.get(schedule_id)
             cached = self._bodies.get(schedule_id)
@@ -461,7 +352,7 @@ class Dispatcher:
             async for doc in self.schedules.find({"_id": {"$in": missing}},
                                                  {"name": 1, "payload": 1, "target": 1,
                                                   "revision": 1}):
-                template = ledger.EventTemplate.of(doc)
+                template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._bodies[doc["_id"]] = (doc.get("revision", 0), template)
         for gone in ids - found.keys():
@@ -472,16 +363,13 @@ class Dispatcher:
                               error: BaseException) -> None:
         now = self.clock()
         if attempt >= self.settings.max_attempts:
-            update: dict[str, Any] = {"state": ledger.FAILED, "attempts": attempt,
-                                      "last_error": repr(error), "failed_at": now}
+            await self.ledger.mark_failed(fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
         else:
-            delay = ledger.backoff_s(attempt, self.settings.backoff_base_s,
-                                     self.settings.backoff_cap_s, random.random())
-            update = {"attempts": attempt, "last_error": repr(error),
-                      "next_attempt_at": now + dt.timedelta(seconds=delay)}
-        await self.fires.update_one({"_id": fire_id, "term": term, "state": ledger.CLAIMED},
-                                    {"$set": update})
+            delay = backoff_s(attempt, self.settings.backoff_base_s,
+                              self.settings.backoff_cap_s, random.random())
+            await self.ledger.retry_later(fire_id, term, attempt, repr(error),
+                                          now + dt.timedelta(seconds=delay))
 
     # -- retries, takeover, catch-up ------------------------------------------------------
 
@@ -491,21 +379,14 @@ class Dispatcher:
         ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
         """
         now = self.clock()
-        cutoff = now - dt.timedelta(seconds=grace_s)
-        # Not before its due time: a claim made ahead waits for it (_adopt_due takes it then).
-        result = await self.fires.update_many(
-            {"state": ledger.CLAIMED, "term": {"$lt": term}, "claimed_at": {"$lte": cutoff},
-             "due_at": {"$lte": now}},
-            {"$set": {"term": term, "next_attempt_at": now}})
-        if result.modified_count:
-            log.info("adopted_claims", count=result.modified_count, term=term)
-        return int(result.modified_count)
+        # Not before its due time: a claim made ahead waits for it (_claim takes it then).
+        adopted = await self.ledger.adopt_due(term, now, now - dt.timedelta(seconds=grace_s))
+        if adopted:
+            log.info("adopted_claims", count=adopted, term=term)
+        return adopted
 
     async def _retry_due(self, term: int) -> None:
-        now = self.clock()
-        batch = [d async for d in self.fires.find(
-            {"state": ledger.CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
-        ).limit(1000)]
+        batch = await self.ledger.due_for_retry(term, self.clock(), limit=1000)
         if batch:
             attempt = max(int(d.get("attempts", 0)) for d in batch) + 1
             await self._publish(batch, term, attempt)
@@ -525,10 +406,9 @@ class Dispatcher:
         to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now)
         if not self.lease.valid:
             raise LeadershipLost
-        skipped = [skip.document(schedule_id, term, now) for schedule_id, skip in ranges]
-        if skipped:
-            with contextlib.suppress(BulkWriteError, DuplicateKeyError):
-                await self.fires.insert_many(skipped, ordered=False)
+        skipped = [skipped_range_document(schedule_id, skip, term, now)
+                   for schedule_id, skip in ranges]
+        await self.ledger.record_skipped(skipped)
         if to_fire or skipped:
             log.info("catching_up", fires=len(to_fire), skipped_ranges=len(skipped),
                      skipped=sum(d["count"] for d in skipped), term=term)

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from . import cron, triggers
+from .catchup import MAX_CATCHUP_FIRES
 from .constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     MAX_INTERVAL_S,
@@ -30,7 +31,6 @@ from .constants import (
     MAX_PAYLOAD_BYTES,
     TARGET_PATTERN,
 )
-from .fires import MAX_CATCHUP_FIRES
 
 _SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
 

@@ -35,9 +35,10 @@ from .constants import (
     SCHEDULES,
     STREAM_RETRY_MAX_S,
 )
-from .dispatch import Dispatcher, DispatchSettings, ensure_fire_indexes
+from .dispatch import Dispatcher, DispatchSettings
 from .leadership import Elector
 from .lease import Lease, LeaseTimings
+from .ledger import Ledger
 from .metrics import Metrics
 from .mirror import Mirror
 from .store import ScheduleStore
@@ -110,7 +111,8 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
     mirror = Mirror(db[SCHEDULES])
     metrics = Metrics()
-    dispatcher = Dispatcher(mirror, db[SCHEDULES], db[FIRES], settings.broker, lease,
+    ledger = Ledger(db[FIRES])
+    dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, settings.broker, lease,
                             settings.dispatch, metrics=metrics)
     mirror.on_change = dispatcher.on_change
     elector = Elector(lease, dispatcher, db[LEASES], ready=lambda: mirror.ready,
@@ -120,7 +122,7 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
                   size=lambda: mirror.size, ready=lambda: mirror.ready,
                   last_applied=lambda: (mirror.last_applied.time
                                         if mirror.last_applied is not None else None))
-    cluster = Cluster(db[LEASES], db[MEMBERS], db[FIRES], elector)
+    cluster = Cluster(db[LEASES], db[MEMBERS], ledger, elector)
     app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics,
                      tokens=settings.tokens, write_limit=settings.write_limit,
                      min_fire_interval_s=settings.min_fire_interval_s)
@@ -182,7 +184,7 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
 
 async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
     await store.ensure_indexes()
-    await ensure_fire_indexes(db[FIRES], settings.dispatch.retention_s)
+    await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
     await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
                                    expireAfterSeconds=int(HEARTBEAT_TTL_S))
 

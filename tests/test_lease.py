@@ -10,7 +10,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from hascheduler.leadership import Elector
-from hascheduler.lease import Lease, LeaseTimings
+from hascheduler.lease import Lease, LeaseSettingsError, LeaseTimings
 from tests.waiting import wait_until
 
 FAST = LeaseTimings(ttl=1.0, renew_deadline=0.7, renew_interval=0.2)
@@ -115,3 +115,11 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
     finally:
         elector.stop()
         await asyncio.wait_for(runner, 5)
+
+
+@pytest.mark.parametrize(("ttl", "deadline", "interval"), [
+    (10, 10, 2), (10, 7, 6), (5, 7, 2), (10, 7, 0)])
+def test_lease_timings_that_cannot_fence_are_refused(ttl: float, deadline: float,
+                                                      interval: float) -> None:
+    with pytest.raises(LeaseSettingsError):
+        LeaseTimings(ttl, deadline, interval)

@@ -20,7 +20,8 @@ import pytest
 from tests.conftest import TRAVEL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
-DATE_SENSITIVE = ["tests/test_triggers.py", "tests/test_cron.py", "tests/test_fires.py",
+DATE_SENSITIVE = ["tests/test_triggers.py", "tests/test_cron.py", "tests/test_catchup.py",
+                  "tests/test_fire_queue.py", "tests/test_events.py", "tests/test_dispatch.py",
                   "tests/test_chaos.py", "tests/test_mirror.py", "tests/test_api.py"]
 # Runs a cluster of processes, which keep the real clock.
 SOAK = "tests/test_chaos.py::test_sixty_second_soak_loses_and_duplicates_nothing"

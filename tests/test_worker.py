@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from hascheduler.brokers.nats import ensure_stream
+from hascheduler.worker import FireFilter
 from tests.servers import ServerProcess, start_nats
 from tests.waiting import wait_until
 
@@ -131,3 +132,28 @@ async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messag
         assert await asyncio.wait_for(worker.wait(), 15) == 0
         if restarted is not None:
             restarted.stop()
+
+
+def minute(minutes: float) -> dt.datetime:
+    return dt.datetime(2030, 1, 1, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
+
+
+def fire_event(fire_id: str, term: int, nominal: dt.datetime) -> dict[str, object]:
+    return {"id": fire_id, "data": {"term": term,
+                                    "nominal_at": nominal.isoformat().replace("+00:00", "Z")}}
+
+
+def test_worker_drops_repeats_and_fires_a_deposed_leader_made_after_the_new_term() -> None:
+    f = FireFilter()
+    assert f.verdict(fire_event("a", 1, minute(1)), minute(1)) == "run"
+    f.done(fire_event("a", 1, minute(1)))
+    assert f.verdict(fire_event("a", 2, minute(1)), minute(1.1)) == "duplicate"
+    assert f.verdict(fire_event("b", 2, minute(2)), minute(2)) == "run"  # term 2 first seen at 2:00
+    f.done(fire_event("b", 2, minute(2)))
+    # Claimed by term 1 in time (nominal before term 2 appeared), delivered late: run it.
+    assert f.verdict(fire_event("c", 1, minute(1.5)), minute(3)) == "run"
+    # A term-1 fire for a time after term 2 was acting: a deposed leader's, dropped.
+    assert f.verdict(fire_event("d", 1, minute(4)), minute(4)) == "stale"
+    # A handler that failed leaves the fire unseen, so the redelivery runs.
+    assert f.verdict(fire_event("e", 2, minute(5)), minute(5)) == "run"
+    assert f.verdict(fire_event("e", 2, minute(5)), minute(5.1)) == "run"

@@ -24,6 +24,7 @@ from ..constants import (
     MAX_PREVIEW,
     MAX_REQUEST_BYTES,
 )
+from ..ledger import Ledger
 from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
 from ..store import ScheduleStore
@@ -339,10 +340,10 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
 class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
-    def __init__(self, leases: Any, members: Any, fires: Any, elector: Any) -> None:
+    def __init__(self, leases: Any, members: Any, ledger: Ledger, elector: Any) -> None:
         self.leases = leases
         self.members = members
-        self.fires = fires
+        self.ledger = ledger
         self.elector = elector
 
 
@@ -408,10 +409,7 @@ async def fire_history(request: web.Request) -> web.Response:
     schedule_id = request.match_info["id"]
     await request.app[STORE].get(schedule_id)  # 404 for a schedule that does not exist
     limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
-    items = []
-    async for doc in cluster.fires.find({"schedule_id": schedule_id}).sort(
-            "nominal_at", -1).limit(limit):
-        items.append(_fire_view(doc))
+    items = [_fire_view(doc) for doc in await cluster.ledger.history(schedule_id, limit)]
     return web.json_response({"schedule_id": schedule_id, "items": items})
 
 
@@ -431,11 +429,8 @@ async def dashboard(request: web.Request) -> web.Response:
             "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
             "revision": schedule.revision,
             "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})
-    # Newest by recorded_at, the indexed field: MongoDB walks the index backwards and stops
-    # at the limit, however many fires a second the ledger takes; ordered for people after.
     since = now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S)
-    recent = [doc async for doc in cluster.fires.find({"recorded_at": {"$gte": since}}).sort(
-        "recorded_at", -1).limit(DASHBOARD_FIRES)]
+    recent = await cluster.ledger.recent(since, DASHBOARD_FIRES)  # ordered for people below
     recent.sort(key=lambda doc: (doc["nominal_at"], doc["_id"]), reverse=True)
     fires = []
     for doc in recent:

@@ -1,0 +1,107 @@
+"""The dispatcher: retry backoff, seeding that lets the loop run, and taking over a deposed
+leader's claim (against the development server)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from types import SimpleNamespace
+
+from hascheduler.dispatch import Dispatcher, backoff_s
+from hascheduler.fire_queue import SEED_STEP
+from hascheduler.mirror import Entry
+from hascheduler.triggers import Interval
+
+T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+def at(minutes: float) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=minutes)
+
+
+def test_backoff_is_full_jitter_capped_exponential() -> None:
+    assert backoff_s(1, 0.5, 30, 1.0) == 1.0
+    assert backoff_s(3, 0.5, 30, 1.0) == 4.0
+    assert backoff_s(20, 0.5, 30, 1.0) == 30.0
+    assert backoff_s(3, 0.5, 30, 0.25) == 1.0
+    assert backoff_s(3, 0.5, 30, 0.0) == 0.0
+
+
+async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> None:
+    def entry(revision: int, every_s: float = 60.0) -> Entry:
+        return Entry(revision, False, Interval(every_s, T0), 0.0, "all", 3600.0, "t")
+
+    entries = {f"s{i:05d}": entry(1) for i in range(3 * SEED_STEP)}
+    lease = SimpleNamespace(valid=True)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)
+    dispatcher.term, dispatcher.watermark = 1, None  # leading, heap not built yet
+    turns = 0
+    seeded = False
+
+    async def meanwhile() -> None:
+        nonlocal turns
+        while not seeded:
+            turns += 1
+            if turns == 1:  # s00000 was visited before the first step; now it changes
+                entries["s00000"] = entry(2, every_s=30.0)
+                dispatcher.on_change("s00000", entries["s00000"])
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(meanwhile())
+    await dispatcher._seed(at(0.25))
+    seeded = True
+    await other
+    assert turns >= 2, "the seed never let another task run"
+    queued = {(d.revision, d.nominal) for d in dispatcher.queue.items()
+              if d.schedule_id == "s00000"}
+    assert (2, at(0.5)) in queued, queued
+
+
+async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
+        mongo_uri: str) -> None:
+    """Against the development server: a duplicate key on claiming means another claim;
+    only an unpublished one from an older term is taken over (with our term), never a
+    published one, a newer term's, or one this replica is already publishing."""
+    import uuid
+    from types import SimpleNamespace
+
+    from pymongo import AsyncMongoClient
+
+    from hascheduler import ledger
+    from hascheduler.dispatch import Dispatcher
+    from hascheduler.triggers import fire_id
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+        with_database(mongo_uri, f"adopt_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        fires = client.get_default_database().fires
+        now = at(10)
+        lease = SimpleNamespace(valid=True, remaining=lambda: 5.0)
+        dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
+                                ledger.Ledger(fires), None, lease, clock=lambda: now)
+
+        def claim(sid: str, term: int) -> dict[str, object]:
+            return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
+
+        deposed, published, newer, ours = (claim("deposed", 1), claim("published", 1),
+                                           claim("newer", 3), claim("ours", 2))
+        published["state"] = ledger.PUBLISHED
+        await fires.insert_many([deposed, published, newer, ours])
+        dispatcher._pending.add(str(ours["_id"]))
+
+        mine = [claim(sid, 2) for sid in ("deposed", "published", "newer", "ours", "fresh")]
+        owned = await dispatcher._claim(mine, 2)
+
+        assert sorted(str(d["_id"]) for d in owned) == [
+            fire_id("deposed", at(10)), fire_id("fresh", at(10))]
+        stored = {d["schedule_id"]: d async for d in fires.find({})}
+        assert (stored["deposed"]["term"], stored["deposed"]["claimed_at"]) == (2, now)
+        assert stored["deposed"]["state"] == ledger.CLAIMED
+        assert (stored["published"]["term"], stored["published"]["state"]) == (1, "published")
+        assert stored["newer"]["term"] == 3
+        assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
+        assert stored["fresh"]["term"] == 2
+    finally:
+        await client.close()

@@ -1,0 +1,41 @@
+"""The CloudEvent a fire becomes: the rendered bytes are exactly json.dumps of the event."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hascheduler.events import EventTemplate
+from hascheduler.triggers import fire_id, iso_utc
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(), inner, max_size=3), max_leaves=8)
+
+
+@given(schedule_id=st.text(min_size=1), name=st.text(), payload=st.dictionaries(st.text(), JSON),
+       term=st.integers(1, 2**40), attempt=st.integers(1, 10),
+       nominal=st.datetimes(dt.datetime(2000, 1, 1), dt.datetime(2100, 1, 1),
+                            timezones=st.just(dt.UTC)))
+def test_event_template_renders_what_json_dumps_of_the_event_gives(
+        schedule_id: str, name: str, payload: dict[str, Any], term: int, attempt: int,
+        nominal: dt.datetime) -> None:
+    fired = nominal + dt.timedelta(milliseconds=3)
+    fire = {"_id": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
+            "nominal_at": nominal}
+    schedule = {"_id": schedule_id, "name": name, "payload": payload, "target": "t.x"}
+    message = EventTemplate.of(schedule).render(fire, term, attempt, iso_utc(fired))
+    event = {
+        "specversion": "1.0", "id": fire["_id"], "source": "/hascheduler",
+        "type": "io.hascheduler.fire", "subject": schedule_id, "time": iso_utc(fired),
+        "datacontenttype": "application/json",
+        "data": {"schedule_id": schedule_id, "name": name, "nominal_at": iso_utc(nominal),
+                 "fired_at": iso_utc(fired), "term": term, "attempt": attempt,
+                 "payload": payload},
+    }
+    assert message.body == json.dumps(event, separators=(",", ":")).encode()
+    assert (message.fire_id, message.target, message.term) == (fire["_id"], "t.x", term)

@@ -1,0 +1,116 @@
+"""The fire ledger against the development server: claims are unique, and the term fence
+holds for every write (a deposed leader's late write changes nothing)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from hascheduler.catchup import SkippedRange
+from hascheduler.ledger import (
+    CLAIMED,
+    FAILED,
+    PUBLISHED,
+    SKIPPED,
+    Ledger,
+    claim_document,
+    skipped_range_document,
+)
+from hascheduler.triggers import fire_id
+from tests.servers import with_database
+
+T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+async def ledger(mongo_uri: str) -> AsyncIterator[Ledger]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"ledger_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    ledger = Ledger(client.get_default_database().fires)
+    await ledger.ensure_indexes(3600)
+    yield ledger
+    await client.drop_database(client.get_default_database())
+    await client.close()
+
+
+async def state(ledger: Ledger, schedule_id: str) -> dict[str, Any]:
+    doc = await ledger.fires.find_one({"_id": fire_id(schedule_id, at(10))})
+    assert doc is not None
+    return dict(doc)
+
+
+async def test_a_claim_is_made_once(ledger: Ledger) -> None:
+    first = [claim_document(s, at(10), at(10), 1, at(9)) for s in ("a", "b")]
+    assert await ledger.claim(first) == set()
+    again = [claim_document(s, at(10), at(10), 2, at(9)) for s in ("b", "c")]
+    assert await ledger.claim(again) == {fire_id("b", at(10))}
+    assert (await state(ledger, "b"))["term"] == 1
+
+
+async def test_every_write_is_fenced_by_the_term(ledger: Ledger) -> None:
+    await ledger.claim([claim_document(s, at(10), at(10), 2, at(9))
+                        for s in ("p", "f", "r", "s")])
+    # A deposed leader (term 1) writes late: nothing changes.
+    await ledger.mark_published([fire_id("p", at(10))], 1, at(11), 1)
+    await ledger.mark_failed(fire_id("f", at(10)), 1, 10, "boom", at(11))
+    await ledger.retry_later(fire_id("r", at(10)), 1, 3, "boom", at(20))
+    await ledger.skip([fire_id("s", at(10))], 1, "late")
+    for schedule_id in ("p", "f", "r", "s"):
+        doc = await state(ledger, schedule_id)
+        assert (doc["state"], doc["attempts"]) == (CLAIMED, 0), doc
+    # The holder of term 2 moves each one.
+    await ledger.mark_published([fire_id("p", at(10))], 2, at(11), 1)
+    await ledger.mark_failed(fire_id("f", at(10)), 2, 10, "boom", at(11))
+    await ledger.retry_later(fire_id("r", at(10)), 2, 3, "boom", at(20))
+    await ledger.skip([fire_id("s", at(10))], 2, "paused")
+    assert (await state(ledger, "p"))["state"] == PUBLISHED
+    assert (await state(ledger, "f"))["state"] == FAILED
+    assert (await state(ledger, "r"))["next_attempt_at"] == at(20)
+    assert (await state(ledger, "s"))["reason"] == "paused"
+    # A published fire is not moved again, even by its own term.
+    await ledger.skip([fire_id("p", at(10))], 2, "too late")
+    assert (await state(ledger, "p"))["state"] == PUBLISHED
+
+
+async def test_adoption_takes_older_terms_unpublished_claims_only(ledger: Ledger) -> None:
+    docs = {s: claim_document(s, at(10), at(10), term, at(9))
+            for s, term in (("old", 1), ("newer", 3), ("mine", 2), ("done", 1))}
+    docs["done"]["state"] = PUBLISHED
+    await ledger.fires.insert_many(list(docs.values()))
+    ids = {str(d["_id"]) for d in docs.values()}
+    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10))}
+    assert (await state(ledger, "old"))["term"] == 2
+    assert (await state(ledger, "newer"))["term"] == 3
+    assert (await state(ledger, "done"))["term"] == 1
+
+
+async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) -> None:
+    await ledger.fires.insert_many([
+        claim_document("due", at(10), at(10), 1, at(9)),
+        claim_document("ahead", at(30), at(30), 1, at(9)),    # not due yet
+        claim_document("fresh", at(10), at(10), 1, at(11.5)),  # within the grace
+    ])
+    assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 1
+    assert (await ledger.fires.find_one({"schedule_id": "due"}) or {})["term"] == 2
+    retries = await ledger.due_for_retry(2, at(12), limit=10)
+    assert [d["schedule_id"] for d in retries] == ["due"]
+
+
+async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:
+    doc = skipped_range_document("s", SkippedRange(at(1), at(9), 9, "policy 'none'"), 2, at(10))
+    await ledger.record_skipped([doc])
+    await ledger.record_skipped([doc])  # the same range planned again
+    stored = [d async for d in ledger.fires.find({"state": SKIPPED})]
+    assert len(stored) == 1
+    assert (stored[0]["count"], stored[0]["last_nominal_at"]) == (9, at(9))
+    assert [d["_id"] for d in await ledger.history("s", 10)] == [doc["_id"]]
+    assert [d["_id"] for d in await ledger.recent(at(0), 10)] == [doc["_id"]]
