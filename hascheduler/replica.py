@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import os
 import signal
 import ssl
-import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +39,7 @@ from .leadership import Elector
 from .lease import Lease, LeaseTimings
 from .ledger import Ledger
 from .metrics import Metrics
-from .mirror import Mirror
+from .mirror import Entry, Mirror
 from .store import ScheduleStore
 
 log = structlog.get_logger("hascheduler.replica")
@@ -101,85 +100,129 @@ async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: 
             await asyncio.wait_for(stop.wait(), HEARTBEAT_INTERVAL_S)
 
 
+class Replica:
+    """One replica's components, built and started in order on an exit stack and stopped
+    in reverse: the database client, the broker, the HTTP API, then the background work
+    (mirror, election, heartbeats). ``async with Replica(settings) as replica`` runs it
+    (in a process or in a test) until the block ends; leaving it hands the lease over.
+
+    Shutdown order, last started first: the elector stops (no new term), the leader hands
+    over (stops claiming, drains publishes, releases the lease), the mirror and heartbeats
+    stop, the API stops serving, the broker and the database client close. Every step is
+    bounded by STOP_STEP_S: a driver call selecting a vanished server does not yield to
+    cancellation.
+    """
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.settings = settings
+        self.url = ""
+        self._stack = contextlib.AsyncExitStack()
+        self._stopping = asyncio.Event()
+
+    async def __aenter__(self) -> Replica:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        log.info("replica_stopping")
+        await self._stack.aclose()
+        log.info("replica_stopped")
+
+    async def _start(self) -> None:
+        settings, stack = self.settings, self._stack
+        logs.identify(settings.replica_id)
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            settings.mongodb_uri, tz_aware=True,
+            appname=f"hascheduler/{settings.replica_id}")
+        stack.push_async_callback(_bounded, "closing the database client", client.close)
+        db = client.get_default_database(DEFAULT_DATABASE)
+        await settings.broker.start()
+        stack.push_async_callback(_bounded, "closing the broker", settings.broker.close)
+
+        metrics = Metrics()
+        store = ScheduleStore(db[SCHEDULES])
+        ledger = Ledger(db[FIRES])
+        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
+        dispatcher: Dispatcher | None = None
+
+        def changed(schedule_id: str, entry: Entry | None) -> None:
+            if dispatcher is not None:
+                dispatcher.on_change(schedule_id, entry)
+
+        self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
+        dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, settings.broker, lease,
+                                settings.dispatch, metrics=metrics)
+        self.elector = elector = Elector(lease, dispatcher, db[LEASES],
+                                         ready=lambda: mirror.ready, metrics=metrics)
+        metrics.watch(leader=lambda: elector.is_leader,
+                      term=lambda: elector.view.term if elector.view is not None else 0,
+                      size=lambda: mirror.size, ready=lambda: mirror.ready,
+                      last_applied=lambda: (mirror.last_applied.time
+                                            if mirror.last_applied is not None else None))
+
+        app = create_app(store, mirror, settings.replica_id,
+                         cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector),
+                         metrics_=metrics, tokens=settings.tokens,
+                         write_limit=settings.write_limit,
+                         min_fire_interval_s=settings.min_fire_interval_s)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        stack.push_async_callback(_bounded, "stopping the API", runner.cleanup)
+        host = settings.listen_host
+        if not settings.tokens.enabled:
+            log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
+                        message="no API token configured (HASCHEDULER_WRITE_TOKENS / _FILE): "
+                                f"the API serves {host} only, without authentication")
+        else:
+            log.info("api_tokens", read=len(settings.tokens.read),
+                     write=len(settings.tokens.write))
+        await web.TCPSite(runner, host, settings.http_port, ssl_context=settings.tls).start()
+        scheme = "https" if settings.tls is not None else "http"
+        self.url = f"{scheme}://{host}:{runner.addresses[0][1]}"
+        log.info("replica_listening", url=self.url)
+
+        await _retrying("creating indexes", lambda: _indexes(store, db, settings))
+        mirroring = asyncio.create_task(mirror.run())
+        electing = asyncio.create_task(_elect_when_ready(mirror, elector))
+        beating = asyncio.create_task(_heartbeat(db[MEMBERS], settings, self.url, mirror,
+                                                 elector, self._stopping))
+
+        async def stop_background() -> None:
+            self._stopping.set()
+            elector.stop()
+            await asyncio.wait({electing}, timeout=STOP_STEP_S)
+            await elector.shutdown()
+            mirror.stop()
+            for task in (mirroring, electing, beating):
+                task.cancel()
+            await asyncio.wait({mirroring, electing, beating}, timeout=STOP_STEP_S)
+
+        stack.push_async_callback(stop_background)
+
+
+async def _bounded(what: str, step: Callable[[], Awaitable[object]]) -> None:
+    """One shutdown step, given at most STOP_STEP_S; a failure is logged, not raised, so
+    the steps after it still run."""
+    try:
+        await asyncio.wait_for(step(), STOP_STEP_S)
+    except Exception as exc:
+        log.warning("shutdown_step_failed", step=what, error=repr(exc))
+
+
 async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
-    """Serve until SIGTERM or SIGINT; prints the API's base URL on one line once listening."""
-    logs.identify(settings.replica_id)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        settings.mongodb_uri, tz_aware=True, appname=f"hascheduler/{settings.replica_id}")
-    db = client.get_default_database(DEFAULT_DATABASE)
-    store = ScheduleStore(db[SCHEDULES])
-    lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
-    mirror = Mirror(db[SCHEDULES])
-    metrics = Metrics()
-    ledger = Ledger(db[FIRES])
-    dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, settings.broker, lease,
-                            settings.dispatch, metrics=metrics)
-    mirror.on_change = dispatcher.on_change
-    elector = Elector(lease, dispatcher, db[LEASES], ready=lambda: mirror.ready,
-                      metrics=metrics)
-    metrics.watch(leader=lambda: elector.is_leader,
-                  term=lambda: elector.view.term if elector.view is not None else 0,
-                  size=lambda: mirror.size, ready=lambda: mirror.ready,
-                  last_applied=lambda: (mirror.last_applied.time
-                                        if mirror.last_applied is not None else None))
-    cluster = Cluster(db[LEASES], db[MEMBERS], ledger, elector)
-    app = create_app(store, mirror, settings.replica_id, cluster=cluster, metrics_=metrics,
-                     tokens=settings.tokens, write_limit=settings.write_limit,
-                     min_fire_interval_s=settings.min_fire_interval_s)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    host = settings.listen_host
-    if not settings.tokens.enabled:
-        log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
-                    message="no API token configured (HASCHEDULER_WRITE_TOKENS / _FILE): "
-                            f"the API serves {host} only, without authentication")
-    else:
-        log.info("api_tokens", read=len(settings.tokens.read), write=len(settings.tokens.write))
-    site = web.TCPSite(runner, host, settings.http_port, ssl_context=settings.tls)
+    """``hascheduler serve``: run a replica until SIGTERM (graceful handover) or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    await settings.broker.start()
-    try:
-        await site.start()
-        scheme = "https" if settings.tls is not None else "http"
-        url = f"{scheme}://{host}:{runner.addresses[0][1]}"
-        log.info("replica_listening", url=url)
+    async with Replica(settings) as replica:
         if announce:
-            print(url, flush=True)
-        await _retrying("creating indexes", lambda: _indexes(store, db, settings))
-        tasks = [asyncio.create_task(mirror.run()),
-                 asyncio.create_task(_elect_when_ready(mirror, elector)),
-                 asyncio.create_task(_heartbeat(db[MEMBERS], settings, url, mirror, elector,
-                                                stop))]
+            print(replica.url, flush=True)
         await stop.wait()
-        log.info("replica_stopping")
-        # The elector first (no new term), then the handover, then the rest. Every wait is
-        # bounded: a driver call selecting a vanished server does not yield to cancel().
-        elector.stop()
-        await asyncio.wait({tasks[1]}, timeout=STOP_STEP_S)
-        await elector.shutdown()
-        mirror.stop()
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks, timeout=STOP_STEP_S)
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(runner.cleanup(), STOP_STEP_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(settings.broker.close(), STOP_STEP_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.close(), STOP_STEP_S)
-        log.info("replica_stopped")
-    stuck = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    if stuck:
-        # Tasks that ignore cancellation would make asyncio.run wait forever at exit.
-        log.warning("exiting_with_stuck_tasks", tasks=[repr(t.get_coro())
-                                                       for t in stuck])
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
