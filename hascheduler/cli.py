@@ -18,6 +18,7 @@ from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
 from .constants import DEFAULT_MIN_FIRE_INTERVAL_S
 from .dispatch import DispatchSettings
+from .errors import ConfigError
 from .lease import LeaseSettingsError, LeaseTimings
 from .replica import ReplicaSettings, run_replica
 
@@ -123,10 +124,6 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"HASCHEDULER_{name}", default)
 
 
-class ConfigError(Exception):
-    """A setting is wrong; the message names it. The CLI exits 2."""
-
-
 def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     if not args.mongodb_uri:
         raise ConfigError("--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required")
@@ -205,13 +202,19 @@ def _write_limit(args: argparse.Namespace) -> WriteLimit:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
+    try:
+        return _run(args)
+    except ConfigError as exc:  # every command reports a wrong setting the same way
+        print(f"hascheduler {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "devmongo":
         from .devmongo import Settings, serve_forever
 
         if not args.replset or any(c in args.replset for c in "/ ,"):
-            print(f"hascheduler devmongo: --replset {args.replset!r} is not a replica set "
-                  "name", file=sys.stderr)
-            return 2
+            raise ConfigError(f"--replset {args.replset!r} is not a replica set name")
         settings = Settings(host=args.host, port=args.port, replset=args.replset,
                             oplog_size=args.oplog_size, cursor_timeout_s=args.cursor_timeout,
                             ttl_interval_s=args.ttl_interval,
@@ -222,9 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 tls_context(args.tls_certificate_key_file)
             except (OSError, ssl.SSLError) as exc:
-                print(f"hascheduler devmongo: --tls-certificate-key-file "
-                      f"{args.tls_certificate_key_file}: {exc}", file=sys.stderr)
-                return 2
+                raise ConfigError(f"--tls-certificate-key-file "
+                                  f"{args.tls_certificate_key_file}: {exc}") from None
         gcpolicy.freeze_survivors()
         try:
             asyncio.run(serve_forever(settings))
@@ -234,11 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "serve":
-        try:
-            replica = replica_settings(args)
-        except ConfigError as exc:
-            print(f"hascheduler serve: {exc}", file=sys.stderr)
-            return 2
+        replica = replica_settings(args)
         gcpolicy.freeze_survivors()
         try:
             asyncio.run(run_replica(replica))
@@ -248,14 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "worker":
-        from .worker import WorkerConfigError, run_worker
+        from .worker import run_worker
 
-        try:
-            return asyncio.run(run_worker(args.broker, args.target, args.handler,
-                                          args.durable))
-        except WorkerConfigError as exc:
-            print(f"hascheduler worker: {exc}", file=sys.stderr)
-            return 2
+        return asyncio.run(run_worker(args.broker, args.target, args.handler, args.durable))
     if args.command == "dev":
         from pathlib import Path
 

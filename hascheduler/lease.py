@@ -22,10 +22,12 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from .errors import ConfigError
+
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
-class LeaseSettingsError(ValueError):
+class LeaseSettingsError(ConfigError):
     """The timings cannot guarantee a single actor; the message names the setting."""
 
 

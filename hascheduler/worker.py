@@ -29,6 +29,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from .brokers.base import SUBJECT_PREFIX
 from .brokers.nats import NatsEndpoint, ensure_stream
+from .errors import ConfigError
 
 log = structlog.get_logger("hascheduler.worker")
 
@@ -36,7 +37,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[None] | None]
 SEEN_FIRES = 100_000  # fire ids remembered for deduplication
 
 
-class WorkerConfigError(ValueError):
+class WorkerConfigError(ConfigError):
     pass
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
+
 # Kubelet probes and Prometheus scrapers carry no token; these reveal no schedule data.
 # The dashboard page is static: it asks for a token and sends it with every call it makes.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/ui"})
@@ -39,7 +41,7 @@ class Scope(enum.IntEnum):
     WRITE = 2
 
 
-class AccessConfigError(ValueError):
+class AccessConfigError(ConfigError):
     """A token setting is unusable; the message names it."""
 
 
