@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import datetime as dt
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -27,10 +27,10 @@ from .brokers import Broker
 from .catchup import SkippedRange, plan_catchup
 from .events import EventTemplate
 from .fire_queue import Due, FireQueue, is_fire_time
-from .lease import Lease, LeaseView
+from .lease import LeaseTimings, LeaseView
 from .ledger import Ledger, claim_document, skipped_range_document
 from .metrics import Metrics
-from .mirror import Entry, Mirror
+from .mirror import Entry
 from .triggers import iso_utc, jitter_offset
 
 log = structlog.get_logger("hascheduler.dispatch")
@@ -55,6 +55,28 @@ CLAIM_AHEAD_S = 1.5
 # Marking fires published waits at most this long for the other batches then awaiting
 # the broker (see _publish).
 MARK_DEFER_MAX_S = 0.5
+
+
+class MirroredSchedules(Protocol):
+    """What the dispatcher reads of the mirror: the current entries by schedule id."""
+
+    @property
+    def entries(self) -> Mapping[str, Entry]: ...
+
+
+class HeldLease(Protocol):
+    """What the dispatcher asks of the lease before each claim and publish."""
+
+    @property
+    def valid(self) -> bool: ...
+
+    @property
+    def term(self) -> int | None: ...
+
+    @property
+    def timings(self) -> LeaseTimings: ...
+
+    def remaining(self) -> float: ...
 
 
 class LeadershipLost(Exception):
@@ -98,8 +120,8 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 
 
 class Dispatcher:
-    def __init__(self, mirror: Mirror, schedules: Any, ledger: Ledger, broker: Broker,
-                 lease: Lease, settings: DispatchSettings | None = None,
+    def __init__(self, mirror: MirroredSchedules, schedules: Any, ledger: Ledger,
+                 broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None) -> None:
         self.mirror = mirror

@@ -16,13 +16,13 @@ import inspect
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from pymongo.errors import PyMongoError
 
 from . import logs
-from .dispatch import Dispatcher, LeadershipLost
+from .dispatch import LeadershipLost
 from .lease import Lease, LeaseView
 from .metrics import Metrics
 
@@ -32,8 +32,19 @@ log = structlog.get_logger("hascheduler.leadership")
 TAKEOVER_SPREAD_S = 0.05
 
 
+class Firing(Protocol):
+    """What the elector drives while it leads (the dispatcher)."""
+
+    @property
+    def watermark(self) -> dt.datetime | None: ...
+
+    async def lead(self, view: LeaseView) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
 class Elector:
-    def __init__(self, lease: Lease, dispatcher: Dispatcher, leases: Any,
+    def __init__(self, lease: Lease, dispatcher: Firing, leases: Any,
                  ready: Callable[[], bool] = lambda: True,
                  metrics: Metrics | None = None) -> None:
         self.lease = lease

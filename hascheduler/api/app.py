@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -337,10 +337,17 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
 
 
 
+class Leading(Protocol):
+    """Whether this replica leads now (the elector)."""
+
+    @property
+    def is_leader(self) -> bool: ...
+
+
 class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
-    def __init__(self, leases: Any, members: Any, ledger: Ledger, elector: Any) -> None:
+    def __init__(self, leases: Any, members: Any, ledger: Ledger, elector: Leading) -> None:
         self.leases = leases
         self.members = members
         self.ledger = ledger
