@@ -31,6 +31,9 @@ class Broker(Protocol):
     - The message's ``fire_id`` is the broker's deduplication key, so publishing the same
       fire twice (a republish after a failover) stores it once.
     - ``start`` does not fail because the broker is down: publishing fails until it is up.
+    - A message whose target the broker cannot use fails alone.
+
+    tests/test_broker_contract.py runs these rules over every implementation.
     """
 
     async def start(self) -> None: ...
