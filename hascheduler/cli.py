@@ -20,7 +20,7 @@ from .constants import DEFAULT_MIN_FIRE_INTERVAL_S
 from .dispatch import DispatchSettings
 from .errors import ConfigError
 from .lease import LeaseSettingsError, LeaseTimings
-from .replica import ReplicaSettings, run_replica
+from .replica import ReplicaSettings, api_tls_context, run_replica
 
 
 def _positive_int(text: str) -> int:
@@ -152,35 +152,21 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     except LeaseSettingsError as exc:
         raise ConfigError(f"--lease-ttl / --renew-deadline / --renew-interval: {exc}") from None
     try:
-        broker = broker_from_url(args.broker)
+        broker_from_url(args.broker)  # checked now; built when the replica starts
     except ValueError as exc:
         raise ConfigError(f"--broker / HASCHEDULER_BROKER: {exc}") from None
+    api_tls_context(args.tls_cert_file, args.tls_key_file)  # checked now, built at start
     try:
         tokens = load_tokens(os.environ)
     except AccessConfigError as exc:
         raise ConfigError(str(exc)) from None
     return ReplicaSettings(mongodb_uri=args.mongodb_uri, http_host=args.http_host,
-                           http_port=port, replica_id=replica_id, broker=broker,
+                           http_port=port, replica_id=replica_id, broker_url=args.broker,
                            timings=timings,
                            dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
                            tokens=tokens, write_limit=_write_limit(args),
                            min_fire_interval_s=seconds["min_fire_interval"],
-                           tls=_api_tls(args.tls_cert_file, args.tls_key_file))
-
-
-def _api_tls(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
-    """Tokens travel in a header: off loopback, HTTPS keeps them off the wire."""
-    if not cert_file and not key_file:
-        return None
-    if not (cert_file and key_file):
-        raise ConfigError("--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / "
-                          "_KEY_FILE) go together")
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cert_file, key_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"--tls-cert-file / --tls-key-file: {exc}") from None
-    return context
+                           tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
 
 
 def _write_limit(args: argparse.Namespace) -> WriteLimit:

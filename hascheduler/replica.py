@@ -21,7 +21,7 @@ from . import logs
 from .api import create_app
 from .api.access import Tokens, WriteLimit
 from .api.app import Cluster
-from .brokers import Broker
+from .brokers import broker_from_url
 from .constants import (
     DEFAULT_DATABASE,
     DEFAULT_MIN_FIRE_INTERVAL_S,
@@ -35,6 +35,7 @@ from .constants import (
     STREAM_RETRY_MAX_S,
 )
 from .dispatch import Dispatcher, DispatchSettings
+from .errors import ConfigError
 from .leadership import Elector
 from .lease import Lease, LeaseTimings
 from .ledger import Ledger
@@ -55,12 +56,14 @@ class ReplicaSettings:
     http_host: str
     http_port: int
     replica_id: str
-    broker: Broker
+    broker_url: str  # nats://... or log:, checked by brokers.broker_from_url
     timings: LeaseTimings = field(default_factory=LeaseTimings)
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     tokens: Tokens = field(default_factory=Tokens)
     write_limit: WriteLimit = field(default_factory=WriteLimit)
-    tls: ssl.SSLContext | None = None  # the API over HTTPS
+    # The API over HTTPS: a PEM certificate (chain) and its key, both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
 
     @property
@@ -140,8 +143,9 @@ class Replica:
             appname=f"hascheduler/{settings.replica_id}")
         stack.push_async_callback(_bounded, "closing the database client", client.close)
         db = client.get_default_database(DEFAULT_DATABASE)
-        await settings.broker.start()
-        stack.push_async_callback(_bounded, "closing the broker", settings.broker.close)
+        broker = broker_from_url(settings.broker_url)
+        await broker.start()
+        stack.push_async_callback(_bounded, "closing the broker", broker.close)
 
         metrics = Metrics()
         store = ScheduleStore(db[SCHEDULES])
@@ -154,7 +158,7 @@ class Replica:
                 dispatcher.on_change(schedule_id, entry)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
-        dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, settings.broker, lease,
+        dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, metrics=metrics)
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
                                          ready=lambda: mirror.ready, metrics=metrics)
@@ -180,8 +184,9 @@ class Replica:
         else:
             log.info("api_tokens", read=len(settings.tokens.read),
                      write=len(settings.tokens.write))
-        await web.TCPSite(runner, host, settings.http_port, ssl_context=settings.tls).start()
-        scheme = "https" if settings.tls is not None else "http"
+        tls = api_tls_context(settings.tls_cert_file, settings.tls_key_file)
+        await web.TCPSite(runner, host, settings.http_port, ssl_context=tls).start()
+        scheme = "https" if tls is not None else "http"
         self.url = f"{scheme}://{host}:{runner.addresses[0][1]}"
         log.info("replica_listening", url=self.url)
 
@@ -202,6 +207,21 @@ class Replica:
             await asyncio.wait({mirroring, electing, beating}, timeout=STOP_STEP_S)
 
         stack.push_async_callback(stop_background)
+
+
+def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """Tokens travel in a header: off loopback, HTTPS keeps them off the wire."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ConfigError("--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / "
+                          "_KEY_FILE) go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--tls-cert-file / --tls-key-file: {exc}") from None
+    return context
 
 
 async def _bounded(what: str, step: Callable[[], Awaitable[object]]) -> None:
