@@ -1,14 +1,14 @@
 """The leader's firing engine: claim each due fire once, publish it, mark it published.
 
-DESIGN invariants 4 and 5. A fire's id is ``<schedule_id>@<nominal UTC time>``; it is
-claimed by inserting that id into ``fires`` (a duplicate key means another leader owns it),
-only while the lease is valid, and every ledger write carries the term. Publishing uses
-the fire id as the broker's dedup key, so republishing after a failover is safe. Claims
-are made up to CLAIM_AHEAD_S before the due time and re-checked against the mirror when
-it comes (a schedule paused, deleted or edited meanwhile is recorded as skipped). On
-becoming leader: adopt and republish claims left by older terms, then fire what fell due
-since the previous leader's watermark, per schedule catch-up policy, recording every
-skipped time with its reason.
+Invariants 4 and 5 (docs/ARCHITECTURE.md). A fire's id is ``<schedule_id>@<nominal UTC
+time>``; it is claimed by inserting that id into ``fires`` (a duplicate key means another
+leader owns it), only while the lease is valid, and every ledger write carries the term.
+Publishing uses the fire id as the broker's dedup key, so republishing after a failover is
+safe. Claims are made up to CLAIM_AHEAD_S before the due time and re-checked against the
+mirror when it comes (a schedule paused, deleted or edited meanwhile is recorded as
+skipped). On becoming leader: adopt and republish claims left by older terms, then fire
+what fell due since the previous leader's watermark, per schedule catch-up policy,
+recording every skipped time with its reason.
 """
 
 from __future__ import annotations

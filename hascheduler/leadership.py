@@ -1,10 +1,10 @@
 """Who leads: renew while leading, try to take over the moment the lease frees up.
 
-Standbys watch the lease document through a change stream and try to acquire as soon as
-it is released, and again at its expiry plus a small random delay; a poll every renew
-interval is only the fallback (DESIGN invariant 6). Leading starts the dispatcher; a failed
-or late renewal stops it at once. On shutdown the leader stops claiming, drains in-flight
-publishes, then expires its lease so a standby takes over within milliseconds.
+Standbys watch the lease document through a change stream and try to acquire as soon as it
+is released, and again at its expiry plus a small random delay; a poll every renew interval
+is only the fallback (invariant 6, docs/ARCHITECTURE.md). Leading starts the dispatcher; a
+failed or late renewal stops it at once. On shutdown the leader stops claiming, drains
+in-flight publishes, then expires its lease so a standby takes over within milliseconds.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import inspect
 import random
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from . import logs
 from .dispatch import LeadershipLost
 from .lease import Lease, LeaseView
 from .metrics import Metrics
+from .streams import open_change_stream
 
 log = structlog.get_logger("hascheduler.leadership")
 
@@ -158,10 +158,9 @@ class Elector:
         pipeline = [{"$match": {"documentKey._id": self.lease.name}}]
         while not self._stopping:
             try:
-                stream = self._leases.watch(pipeline, full_document="updateLookup",
-                                            max_await_time_ms=500)
-                if inspect.isawaitable(stream):
-                    stream = await stream
+                stream = await open_change_stream(self._leases, pipeline,
+                                                  full_document="updateLookup",
+                                                  max_await_time_ms=500)
                 async with stream:
                     while not self._stopping:
                         event = await stream.try_next()

@@ -1,6 +1,6 @@
 """Leader election: one lease document, compare-and-swap on the database's clock.
 
-Acquire and renew are the same single findAndModify (DESIGN invariant 3): its filter
+Acquire and renew are the same single findAndModify (invariant 3, docs/ARCHITECTURE.md): its filter
 admits only the current holder or an expired lease, judged on the server's ``$$NOW``; its
 update pipeline sets the holder and ``expires_at = $$NOW + ttl``, and bumps ``term`` (the
 fencing token) whenever the holder changes. Losing the race is a normal outcome (no match,
@@ -23,6 +23,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from .errors import ConfigError
+from .instants import as_utc
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -61,13 +62,13 @@ class LeaseView:
 
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> LeaseView:
-        def aware(value: Any) -> Any:
-            if isinstance(value, dt.datetime) and value.tzinfo is None:
-                return value.replace(tzinfo=dt.UTC)
-            return value
+        """The one reading of a lease document (the elector, the API, the dev cluster)."""
         return cls(holder=doc.get("holder"), term=int(doc.get("term", 0)),
-                    expires_at=aware(doc.get("expires_at", EPOCH)),
-                    fired_through=aware(doc.get("fired_through")))
+                    expires_at=as_utc(doc.get("expires_at", EPOCH)),
+                    fired_through=as_utc(doc.get("fired_through")))
+
+    def held_at(self, now: dt.datetime) -> bool:
+        return self.holder is not None and self.expires_at > now
 
 
 class Lease:

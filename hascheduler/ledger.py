@@ -1,4 +1,5 @@
-"""The fire ledger: every read and write of the ``fires`` collection (DESIGN invariants 4, 5).
+"""The fire ledger: every read and write of the ``fires`` collection (invariants 4 and 5,
+docs/ARCHITECTURE.md).
 
 A fire's document is keyed by its fire id, ``<schedule_id>@<nominal UTC time>``; inserting
 it is the claim (a duplicate key means another leader owns it). Its state moves

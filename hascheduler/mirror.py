@@ -1,11 +1,11 @@
 """Every replica's in-memory copy of the schedules, kept current by a change stream.
 
-Order of operations (DESIGN invariant 2): open the change stream first and keep its start
-point, then load every schedule, then apply the stream's events in order. An event whose
-revision is not newer than the mirror's copy is ignored, so the replay of changes that
-the load already saw never moves a schedule backwards. A resumable error reopens the
-stream from the last token; history lost (286) or an invalidate triggers a full resync,
-which leaves unchanged entries alone. While not in sync the mirror is not ready.
+Order of operations (invariant 2, docs/ARCHITECTURE.md): open the change stream first and
+keep its start point, then load every schedule, then apply the stream's events in order. An
+event whose revision is not newer than the mirror's copy is ignored, so the replay of
+changes that the load already saw never moves a schedule backwards. A resumable error
+reopens the stream from the last token; history lost (286) or an invalidate triggers a full
+resync, which leaves unchanged entries alone. While not in sync the mirror is not ready.
 
 Entries are compact (no payload, name or labels): a trigger and the few fields firing needs.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
-import inspect
 import sys
 import time
 from collections import OrderedDict
@@ -29,6 +28,8 @@ from pymongo.errors import OperationFailure, PyMongoError
 
 from . import triggers
 from .constants import STREAM_MAX_AWAIT_MS, STREAM_RETRY_INITIAL_S, STREAM_RETRY_MAX_S
+from .instants import as_utc
+from .streams import open_change_stream
 
 log = structlog.get_logger("hascheduler.mirror")
 
@@ -79,7 +80,8 @@ def _interned_cron(expression: str, timezone: str) -> triggers.Cron:
 
 
 def _aware(value: dt.datetime) -> dt.datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+    aware: dt.datetime = as_utc(value)
+    return aware
 
 
 def entry_from_document(doc: dict[str, Any]) -> Entry:
@@ -238,11 +240,8 @@ class Mirror:
     # -- syncing ------------------------------------------------------------------------
 
     async def _open(self, **options: Any) -> Any:
-        stream = self._coll.watch(full_document="updateLookup",
-                                  max_await_time_ms=STREAM_MAX_AWAIT_MS, **options)
-        if inspect.isawaitable(stream):  # PyMongo's async API; Motor opens lazily
-            stream = await stream
-        return stream
+        return await open_change_stream(self._coll, full_document="updateLookup",
+                                        max_await_time_ms=STREAM_MAX_AWAIT_MS, **options)
 
     def stop(self) -> None:
         """Ask ``run`` to return (within one stream wait); cancellation alone is not

@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from . import logs
 from .api import create_app
@@ -74,17 +75,16 @@ class ReplicaSettings:
         return "127.0.0.1"
 
 
-async def _retrying(what: str, work: Any) -> None:
+async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
     """Run ``work()`` until it succeeds, waiting out a database that is not up yet."""
-    delay = 0.2
-    while True:
-        try:
+    async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(PyMongoError),
+            wait=wait_exponential(multiplier=0.2, max=STREAM_RETRY_MAX_S),
+            before_sleep=lambda state: log.warning(
+                "database_unreachable", during=what,
+                error=str(state.outcome.exception() if state.outcome else None))):
+        with attempt:
             await work()
-            return
-        except PyMongoError as exc:
-            log.warning("database_unreachable", during=what, error=str(exc))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, STREAM_RETRY_MAX_S)
 
 
 async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
@@ -253,6 +253,6 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
 
 
 async def _elect_when_ready(mirror: Mirror, elector: Elector) -> None:
-    """A replica whose mirror is not in sync must never lead (DESIGN invariant 2)."""
+    """A replica whose mirror is not in sync must never lead (invariant 2, docs/ARCHITECTURE.md)."""
     await mirror.wait_ready()
     await elector.run()

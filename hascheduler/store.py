@@ -16,6 +16,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from .errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from .instants import as_utc_deep
 from .models import IntervalSpec, Schedule, ScheduleFields, ScheduleIn
 
 _FIELDS = frozenset(ScheduleFields.model_fields)
@@ -33,19 +34,9 @@ class Collection(Protocol):
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def _utc(value: Any) -> Any:
-    if isinstance(value, dt.datetime) and value.tzinfo is None:
-        return value.replace(tzinfo=dt.UTC)
-    if isinstance(value, dict):
-        return {k: _utc(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_utc(v) for v in value]
-    return value
-
-
 def from_document(doc: dict[str, Any]) -> Schedule:
     """A stored document as a Schedule (dates read as UTC whatever the client's tz_aware)."""
-    data = _utc({k: v for k, v in doc.items() if k != "_id"})
+    data = as_utc_deep({k: v for k, v in doc.items() if k != "_id"})
     data["id"] = doc["_id"]
     return Schedule.model_validate(data, context={"stored": True})
 

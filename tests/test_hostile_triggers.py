@@ -1,7 +1,8 @@
-"""Bounded trigger work (DESIGN invariant 8), against a real cluster: thousands of distinct
-rare, impossible and expensive cron expressions written and previewed while a schedule fires
-every second. The second keeps firing, each time exactly once and on time, and leadership
-never changes: no trigger work held a replica's event loop past a lease renewal."""
+"""Bounded trigger work (invariant 8, docs/ARCHITECTURE.md), against a real cluster:
+thousands of distinct rare, impossible and expensive cron expressions written and previewed
+while a schedule fires every second. The second keeps firing, each time exactly once and on
+time, and leadership never changes: no trigger work held a replica's event loop past a
+lease renewal."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from ..constants import (
     MAX_PREVIEW,
     MAX_REQUEST_BYTES,
 )
+from ..instants import as_utc
+from ..lease import LeaseView
 from ..ledger import Ledger
 from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
@@ -365,19 +367,18 @@ def _cluster(request: web.Request) -> Cluster:
 
 
 def _time(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).isoformat()
-    return value
+    value = as_utc(value)
+    return value.isoformat() if isinstance(value, dt.datetime) else value
 
 
 async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
-    doc = await cluster.leases.find_one({"_id": LEASE_NAME}) or {}
-    expires = doc.get("expires_at")
-    now = dt.datetime.now(dt.UTC)
-    held = isinstance(expires, dt.datetime) and _aware(expires) > now
-    return {"holder": doc.get("holder") if held else None,
-            "last_holder": doc.get("holder"), "term": doc.get("term", 0),
-            "expires_at": _time(expires), "fired_through": _time(doc.get("fired_through")),
+    doc = await cluster.leases.find_one({"_id": LEASE_NAME})
+    view = LeaseView.from_document(doc) if doc else None
+    held = view is not None and view.held_at(dt.datetime.now(dt.UTC))
+    return {"holder": view.holder if held and view else None,
+            "last_holder": view.holder if view else None, "term": view.term if view else 0,
+            "expires_at": _time(view.expires_at) if view else None,
+            "fired_through": _time(view.fired_through) if view else None,
             "answered_by": request.app[REPLICA],
             "answered_by_leader": bool(cluster.elector.is_leader)}
 
@@ -385,10 +386,6 @@ async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]
 async def leader(request: web.Request) -> web.Response:
     """The lease as the database holds it, and which replica answered."""
     return web.json_response(await _leader_view(request, _cluster(request)))
-
-
-def _aware(value: dt.datetime) -> dt.datetime:
-    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
 async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
@@ -443,7 +440,7 @@ async def dashboard(request: web.Request) -> web.Response:
     for doc in recent:
         fire = _fire_view(doc)
         published, due = doc.get("published_at"), doc.get("due_at")
-        fire["lateness_s"] = ((_aware(published) - _aware(due)).total_seconds()
+        fire["lateness_s"] = ((as_utc(published) - as_utc(due)).total_seconds()
                               if isinstance(published, dt.datetime)
                               and isinstance(due, dt.datetime) else None)
         fires.append(fire)

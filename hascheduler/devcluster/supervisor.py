@@ -30,13 +30,13 @@ from aiohttp import web
 from pymongo import AsyncMongoClient
 
 from ..brokers.base import SUBJECT_PREFIX
-from ..constants import LEASE_NAME, LEASES, SCHEDULES
+from ..constants import DEFAULT_DATABASE, LEASE_NAME, LEASES, SCHEDULES
+from ..lease import LeaseView
 from .audit import audit, parse_instant
 
 log = structlog.get_logger("hascheduler.dev")
 
 STATE_FILE = "state.json"
-DATABASE = "hascheduler"
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
@@ -240,7 +240,7 @@ class Supervisor:
         # keeps its data in memory).
         mongo.argv = self._cli("devmongo", "--port", mongo.address.split(":")[2].split("/")[0])
         head, _, query = mongo.address.partition("?")
-        self.mongodb_uri = f"{head.rstrip('/')}/{DATABASE}?{query}"
+        self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
         if s.broker == "nats":
             port = free_port()
@@ -307,7 +307,7 @@ class Supervisor:
 
     async def lease(self) -> dict[str, Any]:
         assert self._client is not None
-        doc = await self._client[DATABASE][LEASES].find_one({"_id": LEASE_NAME})
+        doc = await self._client[DEFAULT_DATABASE][LEASES].find_one({"_id": LEASE_NAME})
         return doc or {}
 
     async def wait_leader(self, other_than: str | None = None, above_term: int = 0,
@@ -315,9 +315,9 @@ class Supervisor:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             doc = await self.lease()
-            expires = doc.get("expires_at")
-            if (doc.get("holder") not in (None, other_than) and doc.get("term", 0) > above_term
-                    and expires is not None and expires > dt.datetime.now(dt.UTC)):
+            view = LeaseView.from_document(doc) if doc else None
+            if (view is not None and view.held_at(dt.datetime.now(dt.UTC))
+                    and view.holder != other_than and view.term > above_term):
                 return doc
             await asyncio.sleep(0.01)
         raise TimeoutError("no leader elected in time")
@@ -379,7 +379,7 @@ class Supervisor:
         if not self.nats_uri:
             raise LookupError("auditing needs the nats broker (started with --broker log)")
         assert self._client is not None
-        schedules = [d async for d in self._client[DATABASE][SCHEDULES].find({})]
+        schedules = [d async for d in self._client[DEFAULT_DATABASE][SCHEDULES].find({})]
         events = [m.event for m in await read_stream(self.nats_uri)]
         return audit(schedules, events, since, until).as_dict()
 

@@ -3,7 +3,7 @@
 mongomock is only used for what a document *means* under a filter, an update or a
 pipeline; storage and indexes are ours (storage.py). Where mongomock diverges from
 MongoDB in ways this project depends on, the gap is filled here, each fill with a test in
-tests/devmongo/test_engine.py:
+tests/devmongo/test_crud.py:
 
 - ``$$NOW`` and ``$$CLUSTER_TIME``: mongomock ignores them; we substitute the operation's
   values before evaluation (MongoDB fixes both once per operation, so this is exact).
