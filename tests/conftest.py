@@ -87,3 +87,19 @@ async def db(client: Any, db_name: str) -> AsyncIterator[Any]:
     database = client[db_name]
     yield database
     await client.drop_database(db_name)
+
+
+@pytest.fixture
+async def own_harness(mongo_uri: str) -> AsyncIterator[Any]:
+    """tests/test_failover.py's Harness with a nats-server of its own and no replica
+    started yet (for tests that prepare the database before the first replica)."""
+    from tests.servers import start_nats
+    from tests.test_failover import Harness
+
+    server = start_nats()
+    h = Harness(mongo_uri, server)
+    try:
+        yield h
+    finally:
+        await h.close()
+        server.stop()

@@ -10,14 +10,12 @@ import asyncio
 import datetime as dt
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hascheduler.triggers import fire_id
-from tests.servers import ServerProcess, start_nats
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 
@@ -39,20 +37,9 @@ def expressions(pattern: str, count: int, rng: random.Random) -> list[str]:
     return sorted(seen)
 
 
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server: ServerProcess = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
-
-
 async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     for name in ("a", "b"):
         # The local cluster's lease timings (hascheduler dev), and no per-client write limit:
         # one client writes as fast as it can.

@@ -7,14 +7,12 @@ that counts it."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from hascheduler.models import ScheduleIn
 from hascheduler.store import ScheduleStore
-from tests.servers import ServerProcess, start_nats
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 
@@ -22,24 +20,13 @@ pytestmark = [pytest.mark.timeout(120)]
 DAY = dt.timedelta(days=1)
 
 
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server: ServerProcess = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
-
-
 async def published(h: Harness, schedule_id: str) -> list[dict[str, Any]]:
     return [d async for d in h.db.fires.find({"schedule_id": schedule_id,
                                               "state": "published"}).sort("nominal_at", 1)]
 
 
-async def test_a_day_down_catches_up_latest_and_the_window_only(harness: Harness) -> None:
-    h = harness
+async def test_a_day_down_catches_up_latest_and_the_window_only(own_harness: Harness) -> None:
+    h = own_harness
     now = dt.datetime.now(dt.UTC)
     down_since = now - DAY
     store = ScheduleStore(h.db.schedules)
