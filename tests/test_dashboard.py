@@ -51,7 +51,7 @@ def dev(cluster: DevCluster, *args: str) -> dict[str, object]:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[DevCluster]:
     """Three replicas, devmongo, nats-server and a worker, with read and write tokens."""
-    running = DevCluster(str(tmp_path / "dev"), "--replicas", "3", "--broker", "nats",
+    running = DevCluster(str(tmp_path / "dev"), "--replicas", "3",
                          env={"HASCHEDULER_WRITE_TOKENS": WRITE,
                               "HASCHEDULER_READ_TOKENS": READ})
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hascheduler.devcluster.audit import audit
-from tests.servers import DevCluster
+from tests.servers import DevCluster, start_nats
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -66,13 +66,17 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
     none = run_cli("dev", "status", "--state-dir", str(tmp_path / "nothing"), cwd=tmp_path)
     assert none.returncode == 1
     assert "no running cluster found" in none.stderr
+    # --broker means a broker URL, as for serve.
+    bad = run_cli("dev", "--broker", "log", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "unsupported broker URL 'log'" in bad.stderr
 
 
 @pytest.mark.devmongo_only
 @pytest.mark.timeout(120)
 def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
     state = tmp_path / "dev"
-    dev = DevCluster(str(state), "--replicas", "2", "--broker", "log")
+    dev = DevCluster(str(state), "--replicas", "2", "--broker", "log:")
     try:
         assert set(dev.replicas) == {"r1", "r2"}
         assert all(url.startswith("http://") for url in dev.replicas.values())
@@ -99,7 +103,7 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
         no_stream = run_cli("dev", "audit", "--since", "2030-01-01T00:00:00Z",
                             "--until", "2030-01-01T00:01:00Z", *where, cwd=tmp_path)
         assert no_stream.returncode == 1
-        assert "needs the nats broker" in no_stream.stderr
+        assert "needs a NATS broker" in no_stream.stderr
     finally:
         returncode = dev.stop()
     assert returncode == 0
@@ -132,4 +136,19 @@ def test_dev_restarts_a_worker_and_a_broker_that_exit(tmp_path: Path) -> None:
             assert again["address"] == before[name]["address"]  # same port: clients reconnect
     finally:
         returncode = dev.stop()
+    assert returncode == 0
+
+
+def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
+    server = start_nats()
+    state = tmp_path / "dev"
+    dev = DevCluster(str(state), "--replicas", "1", "--broker", server.uri)
+    try:
+        status = json.loads(run_cli("dev", "status", "--json", "--state-dir", str(state),
+                                    cwd=tmp_path).stdout)
+        assert status["nats_uri"] == server.uri
+        assert {c["name"] for c in status["others"]} == {"devmongo", "worker"}  # none of its own
+    finally:
+        returncode = dev.stop()
+        server.stop()
     assert returncode == 0

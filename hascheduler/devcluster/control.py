@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ..brokers import broker_from_url
 from .supervisor import STATE_FILE
 
 
@@ -97,8 +98,10 @@ def add_parser(sub: Any) -> None:
     dev.add_argument("--state-dir", default=".hascheduler-dev",
                      help="where the running cluster keeps its logs and control address")
     dev.add_argument("--replicas", type=_replicas, default=3, help="scheduler replicas (3)")
-    dev.add_argument("--broker", choices=["nats", "log"], default="nats",
-                     help="nats: a real nats-server and a worker (default); log: log lines")
+    dev.add_argument("--broker", type=_broker_url, default=None,
+                     help="where fires go, as for serve: nats://host:port (a server already "
+                          "running) or log: (log lines, no worker); default: a nats-server "
+                          "of its own")
     dev.add_argument("--control-port", type=int, default=0,
                      help="port of the loopback control API (0: any free port)")
     # Accepted after the action too (`dev status --state-dir D`); SUPPRESS keeps a value
@@ -124,6 +127,15 @@ def add_parser(sub: Any) -> None:
     audit.add_argument("--since", required=True, help="ISO-8601 instant with offset")
     audit.add_argument("--until", required=True, help="ISO-8601 instant with offset")
     audit.add_argument("--json", action="store_true")
+
+
+def _broker_url(text: str) -> str:
+    """The same broker URLs serve takes (checked by building its broker, unstarted)."""
+    try:
+        broker_from_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _replicas(text: str) -> int:

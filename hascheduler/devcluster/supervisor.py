@@ -45,7 +45,9 @@ STOP_TIMEOUT_S = 15.0
 @dataclass(frozen=True)
 class DevSettings:
     replicas: int = 3
-    broker: str = "nats"  # nats | log
+    # A broker URL as serve takes it (nats://... of a running server, or log:); None: start
+    # a nats-server of our own.
+    broker: str | None = None
     state_dir: Path = Path(".hascheduler-dev")
     control_port: int = 0
     # Shorter than serve's defaults so that a demo's crash failover takes seconds.
@@ -177,7 +179,7 @@ class Supervisor:
         name = f"r{self._next_id}"
         self._next_id += 1
         s = self.settings
-        broker = self.nats_uri if s.broker == "nats" else "log:"
+        broker = self.nats_uri or s.broker or "log:"
         child = await self._spawn("replica", name, self._cli(
             "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name,
             "--http-port", "0", "--broker", broker, "--lease-ttl", str(s.lease_ttl),
@@ -242,11 +244,14 @@ class Supervisor:
         head, _, query = mongo.address.partition("?")
         self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
-        if s.broker == "nats":
+        if s.broker is None:
             port = free_port()
             shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
             self.others.append(await self._start_nats(port))
             self.nats_uri = f"nats://127.0.0.1:{port}"
+        elif s.broker.startswith(("nats://", "tls://")):
+            self.nats_uri = s.broker  # a server already running: its stream, our worker
+        if self.nats_uri:
             self.others.append(await self._spawn(
                 "worker", "worker", self._cli("worker", "--broker", self.nats_uri,
                                               "--target", ">", "--durable", "dev-worker"),
@@ -377,7 +382,7 @@ class Supervisor:
 
     async def audit(self, since: dt.datetime, until: dt.datetime) -> dict[str, Any]:
         if not self.nats_uri:
-            raise LookupError("auditing needs the nats broker (started with --broker log)")
+            raise LookupError("auditing needs a NATS broker (started with --broker log:)")
         assert self._client is not None
         schedules = [d async for d in self._client[DEFAULT_DATABASE][SCHEDULES].find({})]
         events = [m.event for m in await read_stream(self.nats_uri)]
