@@ -79,6 +79,12 @@ class HeldLease(Protocol):
     def remaining(self) -> float: ...
 
 
+class StoredSchedules(Protocol):
+    """The schedules collection, read for what a message carries (name, target, payload)."""
+
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class LeadershipLost(Exception):
     """The renew deadline passed: stop claiming at once."""
 
@@ -120,7 +126,7 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 
 
 class Dispatcher:
-    def __init__(self, mirror: MirroredSchedules, schedules: Any, ledger: Ledger,
+    def __init__(self, mirror: MirroredSchedules, schedules: StoredSchedules, ledger: Ledger,
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None) -> None:

@@ -43,8 +43,14 @@ class Firing(Protocol):
     async def drain(self) -> None: ...
 
 
+class Watchable(Protocol):
+    """The lease collection, as far as waking on its changes goes."""
+
+    def watch(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class Elector:
-    def __init__(self, lease: Lease, dispatcher: Firing, leases: Any,
+    def __init__(self, lease: Lease, dispatcher: Firing, leases: Watchable,
                  ready: Callable[[], bool] = lambda: True,
                  metrics: Metrics | None = None) -> None:
         self.lease = lease

@@ -17,7 +17,7 @@ import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
@@ -71,10 +71,20 @@ class LeaseView:
         return self.holder is not None and self.expires_at > now
 
 
+class LeaseCollection(Protocol):
+    """The slice of a driver collection the lease uses (PyMongo async or Motor)."""
+
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any,
+                         **kwargs: Any) -> Any: ...
+
+
 class Lease:
     """One replica's handle on the named lease."""
 
-    def __init__(self, collection: Any, name: str, holder: str, timings: LeaseTimings,
+    def __init__(self, collection: LeaseCollection, name: str, holder: str, timings: LeaseTimings,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self._coll = collection
         self.name = name

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
@@ -49,13 +49,26 @@ def skipped_range_document(schedule_id: str, skipped: SkippedRange, term: int,
             "state": SKIPPED, "reason": skipped.reason, "recorded_at": now}
 
 
+class FiresCollection(Protocol):
+    """The slice of a driver collection the ledger uses (PyMongo async or Motor)."""
+
+    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any,
+                         **kwargs: Any) -> Any: ...
+    async def update_many(self, filter: Any, update: Any, *args: Any,
+                          **kwargs: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    async def drop_index(self, index_or_name: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 def _own(term: int, fire_ids: Iterable[str]) -> Document:
     """The fence: this term's claims among ``fire_ids``, still claimed."""
     return {"_id": {"$in": sorted(fire_ids)}, "term": term, "state": CLAIMED}
 
 
 class Ledger:
-    def __init__(self, fires: Any) -> None:
+    def __init__(self, fires: FiresCollection) -> None:
         self.fires = fires
 
     async def ensure_indexes(self, retention_s: float) -> None:

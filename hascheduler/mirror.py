@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 from bson import Timestamp
@@ -113,6 +113,13 @@ def decide(event: dict[str, Any], current_revision: int | None) -> Action:
     return ("ignore", str(key), f"operation {op}")
 
 
+class WatchedCollection(Protocol):
+    """The slice of a driver collection the mirror uses (PyMongo async or Motor)."""
+
+    def watch(self, *args: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class StreamInvalidated(Exception):
     """The change stream ended with an invalidate event (collection dropped or renamed)."""
 
@@ -120,7 +127,7 @@ class StreamInvalidated(Exception):
 class Mirror:
     """The mirror of one collection; ``run()`` keeps it in sync until cancelled."""
 
-    def __init__(self, collection: Any,
+    def __init__(self, collection: WatchedCollection,
                  on_change: Callable[[str, Entry | None], None] | None = None) -> None:
         self._coll = collection
         self.on_change = on_change

@@ -339,6 +339,13 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
 
 
 
+class Readable(Protocol):
+    """A collection the API reads (the lease, the members' heartbeats)."""
+
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class Leading(Protocol):
     """Whether this replica leads now (the elector)."""
 
@@ -349,7 +356,8 @@ class Leading(Protocol):
 class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
-    def __init__(self, leases: Any, members: Any, ledger: Ledger, elector: Leading) -> None:
+    def __init__(self, leases: Readable, members: Readable, ledger: Ledger,
+                 elector: Leading) -> None:
         self.leases = leases
         self.members = members
         self.ledger = ledger
