@@ -232,9 +232,10 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         return 0
     if args.command == "worker":
-        from .worker import run_worker
+        from .worker import WorkerSettings, run_worker
 
-        return asyncio.run(run_worker(args.broker, args.target, args.handler, args.durable))
+        worker = WorkerSettings.parse(args.broker, args.target, args.handler, args.durable)
+        return asyncio.run(run_worker(worker))
     if args.command == "dev":
         from pathlib import Path
 

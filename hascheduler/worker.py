@@ -20,6 +20,7 @@ import json
 import signal
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -98,18 +99,33 @@ class FireFilter:
             self.seen.popitem(last=False)
 
 
-async def run_worker(broker: str | None, target: str | None, handler_spec: str | None,
-                     durable: str | None) -> int:
-    if not broker or not broker.startswith(("nats://", "tls://")):
-        raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// URL")
-    try:
-        endpoint = NatsEndpoint.parse(broker)
-    except ValueError as exc:
-        raise WorkerConfigError(f"--broker: {exc}") from None
-    if not target:
-        raise WorkerConfigError("--target (or HASCHEDULER_WORKER_TARGET) is required")
-    handler = load_handler(handler_spec)
-    name = durable or "worker-" + "".join(c if c.isalnum() else "-" for c in target)
+@dataclass(frozen=True)
+class WorkerSettings:
+    endpoint: NatsEndpoint
+    target: str  # a subject suffix; wildcards * and > allowed
+    handler: str | None  # module:function, checked importable; None logs each fire
+    durable: str
+
+    @classmethod
+    def parse(cls, broker: str | None, target: str | None, handler: str | None,
+              durable: str | None) -> WorkerSettings:
+        """The worker's flags as values, once. Raises WorkerConfigError naming the flag."""
+        if not broker or not broker.startswith(("nats://", "tls://")):
+            raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// URL")
+        try:
+            endpoint = NatsEndpoint.parse(broker)
+        except ValueError as exc:
+            raise WorkerConfigError(f"--broker: {exc}") from None
+        if not target:
+            raise WorkerConfigError("--target (or HASCHEDULER_WORKER_TARGET) is required")
+        load_handler(handler)
+        name = durable or "worker-" + "".join(c if c.isalnum() else "-" for c in target)
+        return cls(endpoint, target, handler, name)
+
+
+async def run_worker(settings: WorkerSettings) -> int:
+    endpoint, target, name = settings.endpoint, settings.target, settings.durable
+    handler = load_handler(settings.handler)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
