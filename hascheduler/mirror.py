@@ -256,7 +256,12 @@ class Mirror:
         self._stopping = True
 
     async def run(self) -> None:
-        """Sync until stopped: resume on errors, resync when history is lost."""
+        """Sync until stopped: resume on errors, resync when history is lost.
+
+        Written out rather than a retry library's loop: what a failure does depends on
+        which it was (lost history drops the resume token, an invalidate resyncs at once
+        and resets the backoff), which a retry policy keyed on attempt counts cannot say.
+        """
         delay = STREAM_RETRY_INITIAL_S
         while not self._stopping:
             try:
