@@ -32,7 +32,8 @@ from .constants import (
     TARGET_PATTERN,
 )
 
-_SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
+# Schedule ids and label keys, matched whole (fullmatch).
+SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def _stored(info: ValidationInfo) -> bool:
@@ -231,7 +232,7 @@ class ScheduleFields(_Strict):
                         json_schema_extra={"pattern": f"^{TARGET_PATTERN.pattern}$"})
     payload: dict[str, Any] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
-        "maxProperties": 64, "propertyNames": {"pattern": f"^{_SLUG.pattern}$"},
+        "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
 
     @field_validator("catchup_window")
@@ -275,7 +276,7 @@ class ScheduleFields(_Strict):
         if len(value) > 64:
             raise ValueError("at most 64 labels")
         for key, text in value.items():
-            if not _SLUG.fullmatch(key) or len(text) > 200:
+            if not SLUG.fullmatch(key) or len(text) > 200:
                 raise ValueError(f"label {key!r}: keys are slugs, values at most 200 chars")
         return value
 
@@ -284,12 +285,12 @@ class ScheduleIn(ScheduleFields):
     """A new schedule: the id is optional (the server makes one)."""
 
     id: str | None = Field(None, description="a slug; generated when absent",
-                           json_schema_extra={"pattern": f"^{_SLUG.pattern}$"})
+                           json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
 
     @field_validator("id")
     @classmethod
     def _slug(cls, value: str | None) -> str | None:
-        if value is not None and not _SLUG.fullmatch(value):
+        if value is not None and not SLUG.fullmatch(value):
             raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
                              "with a letter or digit")
         return value

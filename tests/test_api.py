@@ -305,3 +305,11 @@ async def test_previews_past_the_calendars_end_stop_cleanly(api: TestClient[Any,
     too_long = await api.post("/schedules", json=cron_schedule(
         trigger={"kind": "interval", "every": 1e300}))
     assert too_long.status == 422
+
+
+@pytest.mark.parametrize("label", ["=v", "k", "bad\u0000key=v", "has space=v", "x" * 129 + "=v"])
+async def test_a_label_filter_whose_key_is_no_label_key_is_422(api: TestClient[Any, Any],
+                                                                label: str) -> None:
+    response = await api.get("/schedules", params={"label": label})
+    assert response.status == 422
+    assert (await response.json())["errors"][0]["field"] == "label"

@@ -58,8 +58,8 @@ _ERRORS = {400: "malformed request (JSON, If-Match)",
 # If-Match as the server reads it (app.py parses with this very pattern): "*", or a
 # revision as the ETag gives it, optionally weak and quoted.
 IF_MATCH = re.compile(r'\s*(?:\*|(?:W/)?"?([1-9][0-9]{0,17})"?)\s*')
-# ?label=key=value, as the server splits it.
-LABEL_FILTER = r"^[^=]+=[\s\S]*$"
+# ?label=key=value, as the server splits it: a label key (a slug) and any value.
+LABEL_FILTER = rf"^{models.SLUG.pattern}=[\s\S]*$"
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 _IF_MATCH = {"name": "If-Match", "in": "header", "required": False,
