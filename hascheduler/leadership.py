@@ -62,6 +62,7 @@ class Elector:
         self._changed = asyncio.Event()
         self.view: LeaseView | None = None
         self._stopping = False
+        self.attempts = 0  # acquire-or-renew turns taken, ready or not
 
     def stop(self) -> None:
         """Make ``run`` return at its next step (see Mirror.stop for why a flag)."""
@@ -85,6 +86,7 @@ class Elector:
                 await watcher
 
     async def _attempt(self) -> None:
+        self.attempts += 1
         if not self._ready():
             # An out-of-sync mirror must never lead: hand over rather than fire from it.
             if self._leading is not None:

@@ -130,7 +130,8 @@ async def run_worker(settings: WorkerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await endpoint.connect(name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    nc = await endpoint.connect(name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                disconnected_cb=_disconnected, reconnected_cb=_reconnected)
     fires = FireFilter()
     log.info("worker_started", target=target, durable=name)
     print(f"worker {name} consuming {SUBJECT_PREFIX}.{target}", flush=True)
@@ -157,6 +158,14 @@ async def run_worker(settings: WorkerSettings) -> int:
 BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
 
 
+async def _disconnected() -> None:
+    log.warning("broker_disconnected")
+
+
+async def _reconnected() -> None:
+    log.info("broker_reconnected")
+
+
 def _log_retry(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
     log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
@@ -176,6 +185,7 @@ async def _consume(nc: Any, endpoint: NatsEndpoint, target: str, name: str,
         try:
             messages = await subscription.fetch(100, timeout=0.5)
         except TimeoutError:  # an idle stream (nats-py's TimeoutError is one too)
+            log.debug("fetch_idle")
             continue
         for message in messages:
             await _handle(message, fires, handler)

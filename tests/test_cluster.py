@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -150,9 +149,9 @@ async def test_dropped_stream_connections_resume_with_nothing_lost(
                                   "appName": "hascheduler/b"}})
     ids = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(20)]
     for sid in ids:
+        # One at a time, each seen everywhere before the next: every write is answered by
+        # one of b's getMores (or the resume a failed one forces), so all three faults land.
         await cluster.request("a", "POST", "/schedules", json=schedule(sid))
-        await asyncio.sleep(0.1)  # spread the writes over several of b's getMores
-    for sid in ids:
         await cluster.await_everywhere(sid, f"schedule {sid}")
     await cluster.converged()
     off = await admin.command({"configureFailPoint": "failCommand", "mode": "off"})

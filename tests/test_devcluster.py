@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 
 from hascheduler.devcluster.audit import audit
 from tests.servers import DevCluster, start_nats
+from tests.waiting import wait_until_sync
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -120,13 +120,10 @@ def test_dev_restarts_a_worker_and_a_broker_that_exit(tmp_path: Path) -> None:
         return {c["name"]: c for c in status["others"]}
 
     def wait_replaced(name: str, old_pid: int) -> dict[str, Any]:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def replaced() -> dict[str, Any] | None:
             child = others()[name]
-            if child["alive"] and child["pid"] != old_pid:
-                return child
-            time.sleep(0.2)
-        raise AssertionError(f"{name} was not started again within 30 s")
+            return child if child["alive"] and child["pid"] != old_pid else None
+        return wait_until_sync(replaced, 30, f"{name} to be started again", 0.2)
 
     try:
         before = others()

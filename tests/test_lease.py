@@ -92,12 +92,13 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
                       leases, ready=lambda: ready)
     runner = asyncio.create_task(elector.run())
     try:
-        # Five renew intervals with a free lease: an unready replica must not take it.
-        end = asyncio.get_running_loop().time() + 5 * FAST.renew_interval
-        while asyncio.get_running_loop().time() < end:
+        # Five turns of the elector with a free lease: an unready replica must not take it.
+        async def five_turns_unclaimed() -> bool:
             assert await leases.find_one({"_id": "L"}) is None
             assert not dispatcher.leading
-            await asyncio.sleep(0.05)
+            return elector.attempts >= 5
+
+        await wait_until(five_turns_unclaimed, 10, "five election turns")
         async def leading() -> bool:
             return dispatcher.leading
 

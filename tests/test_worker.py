@@ -34,14 +34,17 @@ def event(fire_id: str, term: int, nominal: dt.datetime) -> bytes:
                                 .replace("+00:00", "Z"), "payload": {}}}).encode()
 
 
-async def start_worker(nats_uri: str, record: Path) -> asyncio.subprocess.Process:
-    """``hascheduler worker`` on target ``jobs``, recording each fire it runs to ``record``;
-    returned once it consumes."""
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nats_uri,
-        "--target", "jobs", "--handler", "tests.helpers.record_handler:handle",
-        env={**os.environ, "RECORD_FIRES_TO": str(record)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+async def start_worker(nats_uri: str, record: Path,
+                       log: Path | None = None) -> asyncio.subprocess.Process:
+    """``hascheduler worker`` on target ``jobs``, recording each fire it runs to ``record``
+    (and its debug log to ``log``); returned once it consumes."""
+    with open(log or os.devnull, "wb") as stderr:  # noqa: ASYNC230 - opened once
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hascheduler.cli", "--log-level", "debug", "worker",
+            "--broker", nats_uri, "--target", "jobs",
+            "--handler", "tests.helpers.record_handler:handle",
+            env={**os.environ, "RECORD_FIRES_TO": str(record)},
+            stdout=asyncio.subprocess.PIPE, stderr=stderr)
     assert worker.stdout is not None
     assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
     return worker
@@ -88,8 +91,12 @@ def test_worker_refuses_bad_settings() -> None:
 async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messages(
         nats_server: ServerProcess, tmp_path: Path) -> None:
     record = tmp_path / "fires.txt"
-    worker = await start_worker(nats_server.uri, record)
+    log = tmp_path / "worker.log"
+    worker = await start_worker(nats_server.uri, record, log)
     restarted: ServerProcess | None = None
+
+    def logged(event: str) -> int:
+        return log.read_text().count(f'"event": "{event}"')
     try:
         now = dt.datetime.now(dt.UTC)
 
@@ -114,17 +121,26 @@ async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messag
 
         await wait_until(lambda: recorded("s@1 1"), 15, "the first fire to run")
         # Idle: several fetches time out with nothing delivered.
-        await asyncio.sleep(2.0)
+        idle_before = logged("fetch_idle")
+
+        async def idle_fetches() -> bool:
+            return logged("fetch_idle") >= idle_before + 3 or worker.returncode is not None
+
+        await wait_until(idle_fetches, 15, "three idle fetches")
         assert worker.returncode is None, "the worker exited on an idle stream"
         # The broker goes away and comes back on the same port and store.
         port = int(nats_server.uri.rsplit(":", 1)[1])
         store = nats_server.store_dir  # type: ignore[attr-defined]
         nats_server.process.kill()  # type: ignore[union-attr]
         nats_server.process.wait(10)  # type: ignore[union-attr]
-        await asyncio.sleep(1.0)  # the worker meets the outage
+        async def met_the_outage() -> bool:
+            return logged("broker_disconnected") >= 1
+
+        await wait_until(met_the_outage, 15, "the worker to meet the outage")
         restarted = start_nats(port=port, store_dir=store)
         await publish(restarted.uri, event("s@2", 1, now), "b")
         await wait_until(lambda: recorded("s@2 1"), 30, "a fire published after the restart")
+        assert logged("broker_reconnected") >= 1
         assert worker.returncode is None
         assert record.read_text().splitlines() == ["s@1 1", "s@2 1"]
     finally:

@@ -22,3 +22,17 @@ async def wait_until(probe: Callable[[], Awaitable[T]], deadline_s: float,
             raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
                                  f"(last value {value!r})")
         await asyncio.sleep(interval_s)
+
+
+def wait_until_sync(probe: Callable[[], T], deadline_s: float, what: str,
+                    interval_s: float = 0.05) -> T:
+    """``wait_until`` for tests that are not coroutines."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
+                                 f"(last value {value!r})")
+        time.sleep(interval_s)
