@@ -118,10 +118,7 @@ class Ledger:
         return int(result.modified_count)
 
     async def skip(self, fire_ids: list[str], term: int, reason: str) -> None:
-        if len(fire_ids) == 1:
-            await self.fires.update_one(_own(term, fire_ids),
-                                        {"$set": {"state": SKIPPED, "reason": reason}})
-        elif fire_ids:
+        if fire_ids:
             await self.fires.update_many(_own(term, fire_ids),
                                          {"$set": {"state": SKIPPED, "reason": reason}})
 

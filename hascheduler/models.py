@@ -58,11 +58,20 @@ def _min_interval(info: ValidationInfo) -> float:
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
 
 
+def parse_instant(text: str) -> dt.datetime:
+    """An RFC 3339 date-time with an offset, as the API takes every instant (bodies and
+    query parameters alike). Raises ValueError."""
+    if not _RFC3339.fullmatch(text):
+        raise ValueError("must be an RFC 3339 date-time with an offset, such as "
+                         "'2030-01-01T09:00:00Z'")
+    return dt.datetime.fromisoformat(text.upper())
+
+
 def _instant(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value
-    if isinstance(value, str) and _RFC3339.fullmatch(value):
-        return dt.datetime.fromisoformat(value.upper())
+    if isinstance(value, str):
+        return parse_instant(value)
     raise ValueError("must be an RFC 3339 date-time with an offset, such as "
                      "'2030-01-01T09:00:00Z'")
 

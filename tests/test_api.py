@@ -313,3 +313,15 @@ async def test_a_label_filter_whose_key_is_no_label_key_is_422(api: TestClient[A
     response = await api.get("/schedules", params={"label": label})
     assert response.status == 422
     assert (await response.json())["errors"][0]["field"] == "label"
+
+
+@pytest.mark.parametrize(("after", "status"), [
+    ("2030-01-01T09:00:00Z", 200), ("2030-01-01T09:00:00.5+02:00", 200),
+    ("2030-01-01T09:00:00", 422), ("2030-01-01 09:00:00+00:00", 422), ("1900000000", 422),
+    ("9999-12-31T23:59:59Z", 200)])
+async def test_preview_after_takes_rfc3339_as_the_document_says(api: TestClient[Any, Any],
+                                                                after: str,
+                                                                status: int) -> None:
+    await api.post("/schedules", json=cron_schedule(id="p"))
+    response = await api.get("/schedules/p/next", params={"after": after, "count": 3})
+    assert response.status == status, await response.text()

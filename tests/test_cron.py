@@ -11,6 +11,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from croniter import croniter
 from cronsim import CronSim, CronSimError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hascheduler import cron
 from hascheduler.triggers import Cron, InvalidTrigger, fire_times
@@ -224,3 +226,27 @@ def test_expressions_that_differ_only_in_spelling_parse_alike() -> None:
     assert cron.parse("0 9 * * MON-FRI").alternatives == cron.parse("0 9 * * 1-5").alternatives
     assert cron.parse("@daily") == cron.parse("0 0 * * *")
     assert cron.parse("0 0 * * 7").alternatives == cron.parse("0 0 * * sun").alternatives
+
+
+# Anything a client can send: fields from cron's own alphabet, and arbitrary text.
+CRON_TEXT = st.one_of(
+    st.lists(st.text(alphabet="0123456789*/,-#?LWlw@ monfrijasd", min_size=1, max_size=12),
+             min_size=1, max_size=7).map(" ".join),
+    st.text(max_size=300))
+
+
+@settings(max_examples=400, deadline=None)
+@given(CRON_TEXT)
+def test_any_text_parses_or_is_refused_with_a_reason_and_fires_if_accepted(text: str) -> None:
+    try:
+        parsed = cron.parse(text)
+    except cron.CronError as exc:
+        refusal = str(exc)
+        parsed = None
+    if parsed is None:
+        assert refusal  # every refusal says why
+        return
+    nxt = Cron(parsed.text).next_after(STARTS[0])
+    # Accepted means it can fire: within the calendar APScheduler covers (year 9999).
+    assert nxt is not None
+    assert parsed.min_gap_s() >= 1

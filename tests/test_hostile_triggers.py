@@ -111,7 +111,9 @@ async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
     await wait_until(all_published, 15, "every second of the window to be published")
     lateness = [(d["published_at"] - d["due_at"]).total_seconds()
                 async for d in h.db.fires.find({"_id": {"$in": sorted(nominals)}})]
-    assert max(lateness) < 1.0, f"a fire was {max(lateness):.2f} s late: {lateness}"
+    # On time: no fire waited as long as the renew deadline, which is what a held loop
+    # would cost (the lease lost with it). Typically well under a second.
+    assert max(lateness) < 3.0, f"a fire was {max(lateness):.2f} s late: {lateness}"
     # Exactly once: the fire ledger's unique id, and the stream's deduplication checked
     # by the failover tests; here nothing was republished either.
     attempts = [d.get("attempts") async for d in h.db.fires.find(

@@ -161,12 +161,9 @@ def _time_param(request: web.Request, name: str, default: dt.datetime) -> dt.dat
     if text is None:
         return default
     try:
-        moment = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise BadRequest(422, name, f"{name} must be an ISO-8601 time") from None
-    if moment.tzinfo is None:
-        raise BadRequest(422, name, f"{name} needs a time zone offset")
-    return moment
+        return models.parse_instant(text)
+    except ValueError as exc:
+        raise BadRequest(422, name, f"{name} {exc}") from None
 
 
 def _now(request: web.Request) -> dt.datetime:
