@@ -104,15 +104,46 @@ def build_parser() -> argparse.ArgumentParser:
     setting("--min-fire-interval", str(DEFAULT_MIN_FIRE_INTERVAL_S),
             "the fewest seconds between two fires of one schedule that a write may ask for")
 
-    wk = sub.add_parser("worker", help="consume fires from the broker: drop repeats and "
-                                       "stale terms, run a handler, acknowledge")
+    wk = sub.add_parser(
+        "worker", help="run fires: consume them from the broker, claim each in the runs "
+                       "ledger, run a handler with retries, record the outcome")
     wk.add_argument("--broker", default=_env("BROKER"), help="nats://host:port")
-    wk.add_argument("--target", default=_env("WORKER_TARGET"), help="the schedules' target "
-                    "to consume (a NATS subject suffix; wildcards * and > allowed)")
+    wk.add_argument("--mongodb-uri", default=_env("MONGODB_URI"),
+                    help="the cluster's MongoDB URI: the runs ledger")
+    wk.add_argument("--app", default=_env("WORKER_APP"), help="module:attribute naming a "
+                    "hascheduler.worker.WorkerApp (handlers per target pattern)")
     wk.add_argument("--handler", default=_env("WORKER_HANDLER"),
-                    help="module:function called with each CloudEvent (default: log it)")
-    wk.add_argument("--durable", default=None, help="durable consumer name (default from "
-                                                    "the target)")
+                    help="module:function called with each Run (default: log it); "
+                         "instead of --app")
+    wk.add_argument("--target", default=_env("WORKER_TARGET"), help="with --handler: the "
+                    "target pattern to consume (tokens, * for one, a last > for the rest; "
+                    "default >)")
+    wk.add_argument("--durable", default=None, help="durable consumer name, shared by the "
+                    "workers that split the work (default from the target patterns)")
+    wk.add_argument("--worker-id", default=_env("WORKER_ID", os.environ.get("POD_NAME")),
+                    help="this worker's name in the runs ledger (default host name and pid)")
+    wk.add_argument("--concurrency", type=_positive_int,
+                    default=int(_env("WORKER_CONCURRENCY", "8") or 8),
+                    help="runs at once (default 8)")
+    wk.add_argument("--ack-wait", type=_positive_float, default=30.0,
+                    help="seconds without a heartbeat before a run is redelivered and its "
+                         "ledger claim may be taken over (default 30)")
+    wk.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+                    help="on SIGTERM, seconds runs in flight may take to finish before they "
+                         "are given back (default 30)")
+    wk.add_argument("--run-retention", type=_positive_float, default=7 * 86400.0,
+                    help="seconds the runs ledger keeps a run after its last change")
+    wk.add_argument("--metrics-port", type=_port, default=None,
+                    help="serve Prometheus metrics on this port")
+    wk.add_argument("--max-attempts", type=_positive_int, default=5,
+                    help="with --handler: attempts before a run is dead (default 5)")
+    wk.add_argument("--backoff-base", type=_positive_float, default=1.0,
+                    help="with --handler: the first retry waits up to this many seconds, "
+                         "doubling per attempt (full jitter; default 1)")
+    wk.add_argument("--backoff-cap", type=_positive_float, default=300.0,
+                    help="with --handler: the longest wait between attempts (default 300)")
+    wk.add_argument("--timeout", type=_positive_float, default=600.0,
+                    help="with --handler: seconds one attempt may run (default 600)")
     schedules_cli.add_parser(sub, _env("API", "http://127.0.0.1:8080") or "")
     from .devcluster import control
 
@@ -232,9 +263,21 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         return 0
     if args.command == "worker":
-        from .worker import WorkerSettings, run_worker
+        from .worker import RetryPolicy, WorkerSettings, run_worker
+        from .worker.policy import PolicyError
 
-        worker = WorkerSettings.parse(args.broker, args.target, args.handler, args.durable)
+        try:
+            policy = RetryPolicy(max_attempts=args.max_attempts,
+                                 backoff_base_s=args.backoff_base,
+                                 backoff_cap_s=args.backoff_cap, timeout_s=args.timeout)
+        except PolicyError as exc:
+            raise ConfigError(f"--max-attempts / --backoff-* / --timeout: {exc}") from None
+        worker = WorkerSettings.parse(
+            broker=args.broker, mongodb_uri=args.mongodb_uri, app=args.app,
+            handler=args.handler, target=args.target, durable=args.durable,
+            worker_id=args.worker_id, concurrency=args.concurrency, ack_wait_s=args.ack_wait,
+            drain_timeout_s=args.drain_timeout, run_retention_s=args.run_retention,
+            metrics_port=args.metrics_port, policy=policy)
         return asyncio.run(run_worker(worker))
     if args.command == "dev":
         from pathlib import Path

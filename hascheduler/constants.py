@@ -8,6 +8,7 @@ import re
 SCHEDULES = "schedules"
 LEASES = "leases"
 FIRES = "fires"
+RUNS = "runs"
 MEMBERS = "members"
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database

@@ -1,175 +1,328 @@
-"""``hascheduler worker`` against a real nats-server: run once, drop repeats and stale."""
+"""``hascheduler worker`` with real processes: a nats-server, the development MongoDB
+server (the runs ledger) and workers, each its own process."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
+from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.nats import ensure_stream
-from hascheduler.worker import FireFilter
-from tests.servers import ServerProcess, start_nats
+from tests.servers import ServerProcess, start_nats, with_database
 from tests.waiting import wait_until
 
 
-@pytest.fixture
-def nats_server() -> Iterator[ServerProcess]:
-    server = start_nats()
-    yield server
-    server.stop()
-
-
-def event(fire_id: str, term: int, nominal: dt.datetime) -> bytes:
+def event(fire_id: str, term: int, nominal: dt.datetime, payload: Any = None,
+          replay: int = 0) -> bytes:
+    data: dict[str, Any] = {"schedule_id": fire_id.split("@")[0], "term": term,
+                            "nominal_at": nominal.isoformat().replace("+00:00", "Z"),
+                            "payload": payload or {}}
+    if replay:
+        data["replay"] = replay
     return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
                        "type": "io.hascheduler.fire", "subject": fire_id.split("@")[0],
-                       "data": {"term": term, "nominal_at": nominal.isoformat()
-                                .replace("+00:00", "Z"), "payload": {}}}).encode()
+                       "data": data}).encode()
 
 
-async def start_worker(nats_uri: str, record: Path,
-                       log: Path | None = None) -> asyncio.subprocess.Process:
-    """``hascheduler worker`` on target ``jobs``, recording each fire it runs to ``record``
-    (and its debug log to ``log``); returned once it consumes."""
-    with open(log or os.devnull, "wb") as stderr:  # noqa: ASYNC230 - opened once
-        worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hascheduler.cli", "--log-level", "debug", "worker",
-            "--broker", nats_uri, "--target", "jobs",
-            "--handler", "tests.helpers.record_handler:handle",
-            env={**os.environ, "RECORD_FIRES_TO": str(record)},
-            stdout=asyncio.subprocess.PIPE, stderr=stderr)
-    assert worker.stdout is not None
-    assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
-    return worker
+class Workers:
+    """A nats-server, a database of its own and any number of worker processes sharing
+    one durable consumer; every handler attempt lands in ``record`` as
+    "<fire id> <term> <attempt> <unix time>"."""
 
+    def __init__(self, nats_server: ServerProcess, mongo_uri: str, tmp: Path) -> None:
+        self.nats = nats_server
+        self.db_name = f"t_{uuid.uuid4().hex[:12]}"
+        self.mongo_uri = with_database(mongo_uri, self.db_name)
+        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(self.mongo_uri,
+                                                                          tz_aware=True)
+        self.record = tmp / "attempts.txt"
+        self.tmp = tmp
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.logs: list[Path] = []
 
-async def test_worker_runs_each_fire_once(nats_server: ServerProcess, tmp_path: Path) -> None:
-    record = tmp_path / "fires.txt"
-    worker = await start_worker(nats_server.uri, record)
-    try:
-        nc = await nats.connect(nats_server.uri)
-        js = nc.jetstream()
-        await ensure_stream(js, "HASCHEDULER", 600)
-        now = dt.datetime.now(dt.UTC)
-        later = now + dt.timedelta(minutes=5)
-        sends = [("s@1", 1, now, "m1"), ("s@2", 2, now, "m2"),
-                 ("s@1", 2, now, "m3"),      # the same fire again (new broker message id)
-                 ("s@0", 1, now, "m4"),      # old term, but claimed in time: runs
-                 ("s@9", 1, later, "m5"),    # old term, after term 2 acted: stale
-                 ("s@2", 2, now, "m2"),      # a republish the broker itself deduplicates
-                 ("s@3", 2, now, "m6")]      # the last: once it is run, all were seen
-        for fire_id, term, nominal, msg_id in sends:
-            await js.publish("hascheduler.fire.jobs", event(fire_id, term, nominal),
-                             headers={"Nats-Msg-Id": msg_id})
-        await nc.close()
+    async def start(self, *args: str, name: str | None = None) -> asyncio.subprocess.Process:
+        """A worker (``args`` added to the defaults: --app of tests.helpers.record_handler);
+        returned once it consumes."""
+        name = name or f"w{len(self.processes) + 1}"
+        log = self.tmp / f"{name}.log"
+        if not any(a in args for a in ("--app", "--handler")):
+            args = ("--app", "tests.helpers.record_handler:app", *args)
+        with open(log, "wb") as stderr:  # noqa: ASYNC230 - opened once
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hascheduler.cli", "--log-level", "debug", "worker",
+                "--broker", self.nats.uri, "--mongodb-uri", self.mongo_uri,
+                "--durable", "test-workers", "--worker-id", name, *args,
+                env={**os.environ, "RECORD_FIRES_TO": str(self.record)},
+                stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        assert worker.stdout is not None
+        line = await asyncio.wait_for(worker.stdout.readline(), 30)
+        assert b"consuming" in line, log.read_text()
+        self.processes.append(worker)
+        self.logs.append(log)
+        return worker
 
-        async def last_one_run() -> bool:
-            return record.exists() and "s@3 2" in record.read_text()
-
-        await wait_until(last_one_run, 15, "the worker to run the last fire")
-        assert record.read_text().splitlines() == ["s@1 1", "s@2 2", "s@0 1", "s@3 2"]
-    finally:
-        worker.terminate()
-        assert await asyncio.wait_for(worker.wait(), 10) == 0
-
-
-def test_worker_refuses_bad_settings() -> None:
-    result = subprocess.run([sys.executable, "-m", "hascheduler.cli", "worker", "--broker",
-                             "http://x", "--target", "t"], capture_output=True, text=True,
-                            timeout=30, check=False)
-    assert result.returncode == 2
-    assert "nats://" in result.stderr
-
-
-async def test_worker_rides_out_idle_streams_a_broker_restart_and_hostile_messages(
-        nats_server: ServerProcess, tmp_path: Path) -> None:
-    record = tmp_path / "fires.txt"
-    log = tmp_path / "worker.log"
-    worker = await start_worker(nats_server.uri, record, log)
-    restarted: ServerProcess | None = None
-
-    def logged(event: str) -> int:
-        return log.read_text().count(f'"event": "{event}"')
-    try:
-        now = dt.datetime.now(dt.UTC)
-
-        async def publish(uri: str, body: bytes, msg_id: str) -> None:
-            nc = await nats.connect(uri)
+    async def publish(self, subject: str, body: bytes, msg_id: str) -> None:
+        nc = await nats.connect(self.nats.uri)
+        try:
             js = nc.jetstream()
             await ensure_stream(js, "HASCHEDULER", 600)
-            await js.publish("hascheduler.fire.jobs", body, headers={"Nats-Msg-Id": msg_id})
+            await js.publish(f"hascheduler.fire.{subject}", body,
+                             headers={"Nats-Msg-Id": msg_id})
+        finally:
             await nc.close()
 
-        # Messages that are not fires, each terminated instead of crashing the worker.
-        for i, hostile in enumerate([b"not json", b"[1, 2]", b'{"id": "x", "data": "text"}',
-                                     b'{"id": "x", "data": {"term": "one"}}',
-                                     b'{"id": "x", "data": {"term": 1, "nominal_at": 5}}',
-                                     json.dumps({"id": "y", "data": {"term": 0}}).encode()
-                                     + b"\xff"]):
-            await publish(nats_server.uri, hostile, f"hostile-{i}")
-        await publish(nats_server.uri, event("s@1", 1, now), "a")
+    def attempts(self) -> list[list[str]]:
+        if not self.record.exists():
+            return []
+        return [line.split() for line in self.record.read_text().splitlines()]
 
-        async def recorded(line: str) -> bool:
-            return record.exists() and line in record.read_text().splitlines()
+    def runs_of(self, fire_id: str) -> int:
+        return sum(1 for a in self.attempts() if a[0] == fire_id)
 
-        await wait_until(lambda: recorded("s@1 1"), 15, "the first fire to run")
-        # Idle: several fetches time out with nothing delivered.
-        idle_before = logged("fetch_idle")
+    async def run(self, fire_id: str) -> dict[str, Any] | None:
+        doc: dict[str, Any] | None = await self.client[self.db_name].runs.find_one(
+            {"_id": fire_id})
+        return doc
 
-        async def idle_fetches() -> bool:
-            return logged("fetch_idle") >= idle_before + 3 or worker.returncode is not None
+    async def wait_state(self, fire_id: str, state: str, within_s: float = 30) -> dict[
+            str, Any]:
+        async def reached() -> dict[str, Any] | None:
+            doc = await self.run(fire_id)
+            return doc if doc is not None and doc["state"] == state else None
 
-        await wait_until(idle_fetches, 15, "three idle fetches")
-        assert worker.returncode is None, "the worker exited on an idle stream"
-        # The broker goes away and comes back on the same port and store.
-        port = int(nats_server.uri.rsplit(":", 1)[1])
-        store = nats_server.store_dir  # type: ignore[attr-defined]
-        nats_server.process.kill()  # type: ignore[union-attr]
-        nats_server.process.wait(10)  # type: ignore[union-attr]
-        async def met_the_outage() -> bool:
-            return logged("broker_disconnected") >= 1
+        return await wait_until(reached, within_s, f"run {fire_id} to be {state}")
 
-        await wait_until(met_the_outage, 15, "the worker to meet the outage")
-        restarted = start_nats(port=port, store_dir=store)
-        await publish(restarted.uri, event("s@2", 1, now), "b")
-        await wait_until(lambda: recorded("s@2 1"), 30, "a fire published after the restart")
-        assert logged("broker_reconnected") >= 1
-        assert worker.returncode is None
-        assert record.read_text().splitlines() == ["s@1 1", "s@2 1"]
+    def logged(self, event_name: str) -> int:
+        return sum(log.read_text().count(f'"event": "{event_name}"') for log in self.logs)
+
+    async def close(self) -> None:
+        for worker in self.processes:
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGCONT)
+                worker.terminate()
+        for worker in self.processes:
+            await asyncio.wait_for(worker.wait(), 40)
+        await self.client.drop_database(self.db_name)
+        await self.client.close()
+
+
+@pytest.fixture
+async def workers(mongo_uri: str, tmp_path: Path) -> AsyncIterator[Workers]:
+    server = start_nats()
+    harness = Workers(server, mongo_uri, tmp_path)
+    try:
+        yield harness
     finally:
-        worker.terminate()
-        assert await asyncio.wait_for(worker.wait(), 15) == 0
-        if restarted is not None:
-            restarted.stop()
+        await harness.close()
+        server.stop()
+        harness.nats.stop()  # a restarted server, if the test restarted it
 
 
-def minute(minutes: float) -> dt.datetime:
-    return dt.datetime(2030, 1, 1, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
+NOW = dt.datetime.now(dt.UTC)
 
 
-def fire_event(fire_id: str, term: int, nominal: dt.datetime) -> dict[str, object]:
-    return {"id": fire_id, "data": {"term": term,
-                                    "nominal_at": nominal.isoformat().replace("+00:00", "Z")}}
+async def test_each_fire_runs_once_whatever_the_deliveries(workers: Workers) -> None:
+    await workers.start("--handler", "tests.helpers.record_handler:handle", "--target", "jobs")
+    later = NOW + dt.timedelta(minutes=5)
+    sends = [("s@1", 1, NOW, "m1"), ("s@2", 2, NOW, "m2"),
+             ("s@1", 2, NOW, "m3"),      # the same fire again (new broker message id)
+             ("s@0", 1, NOW, "m4"),      # old term, but claimed in time: runs
+             ("s@9", 1, later, "m5"),    # old term, after term 2 acted: stale
+             ("s@2", 2, NOW, "m2"),      # a republish the broker itself deduplicates
+             ("s@3", 2, NOW, "m6")]
+    for fire_id, term, nominal, msg_id in sends:
+        await workers.publish("jobs", event(fire_id, term, nominal), msg_id)
+    for fire_id in ("s@1", "s@2", "s@0", "s@3"):
+        doc = await workers.wait_state(fire_id, "succeeded")
+        assert doc["attempts"] == 1
+        assert doc["worker_id"] == "w1"
+        assert doc["duration_s"] >= 0
+        assert doc["finished_at"] >= doc["started_at"]
+    await wait_until(lambda: _true(workers.logged("fire_duplicate_dropped") >= 1), 10,
+                     "the repeated fire to be dropped")
+    assert Counter(a[0] for a in workers.attempts()) == {"s@1": 1, "s@2": 1, "s@0": 1,
+                                                         "s@3": 1}
+    assert await workers.run("s@9") is None  # stale: never claimed
 
 
-def test_worker_drops_repeats_and_fires_a_deposed_leader_made_after_the_new_term() -> None:
-    f = FireFilter()
-    assert f.verdict(fire_event("a", 1, minute(1)), minute(1)) == "run"
-    f.done(fire_event("a", 1, minute(1)))
-    assert f.verdict(fire_event("a", 2, minute(1)), minute(1.1)) == "duplicate"
-    assert f.verdict(fire_event("b", 2, minute(2)), minute(2)) == "run"  # term 2 first seen at 2:00
-    f.done(fire_event("b", 2, minute(2)))
-    # Claimed by term 1 in time (nominal before term 2 appeared), delivered late: run it.
-    assert f.verdict(fire_event("c", 1, minute(1.5)), minute(3)) == "run"
-    # A term-1 fire for a time after term 2 was acting: a deposed leader's, dropped.
-    assert f.verdict(fire_event("d", 1, minute(4)), minute(4)) == "stale"
-    # A handler that failed leaves the fire unseen, so the redelivery runs.
-    assert f.verdict(fire_event("e", 2, minute(5)), minute(5)) == "run"
-    assert f.verdict(fire_event("e", 2, minute(5)), minute(5.1)) == "run"
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_transient_failures_retry_with_growing_jittered_delays(workers: Workers) -> None:
+    await workers.start("--concurrency", "16")
+    fires = [f"flaky{i}@{NOW.isoformat()}" for i in range(12)]
+    for fire_id in fires:
+        await workers.publish("jobs.flaky", event(fire_id, 1, NOW, {"fail": 3}), fire_id)
+    for fire_id in fires:
+        doc = await workers.wait_state(fire_id, "succeeded", 60)
+        assert doc["attempts"] == 4
+        assert doc["last_error"].startswith("RuntimeError: transient")
+    times: dict[str, list[float]] = {}
+    for fire_id, _, attempt, at in workers.attempts():
+        times.setdefault(fire_id, []).append(float(at))
+        assert int(attempt) == len(times[fire_id])
+    gaps = [[b - a for a, b in itertools.pairwise(t)] for t in times.values()]
+    # RetryPolicy(backoff_base_s=0.4, cap 2.0): waits drawn from [0, 0.4], [0, 0.8],
+    # [0, 1.6], plus the redelivery's own latency.
+    for per_fire in gaps:
+        for n, gap in enumerate(per_fire):
+            assert gap <= 0.4 * 2 ** n + 1.0, per_fire
+    mean = [sum(g[n] for g in gaps) / len(gaps) for n in range(3)]
+    assert mean[0] < mean[2], mean  # growing: 0.2 s against 0.8 s on average
+    assert len({round(g[2], 2) for g in gaps}) > 3, "no jitter: the waits are all equal"
+
+
+async def test_permanent_failure_and_exhaustion_go_dead_with_their_error(
+        workers: Workers) -> None:
+    await workers.start()
+    await workers.publish("jobs.a", event("perm@1", 1, NOW, {"permanent": True}), "p")
+    await workers.publish("jobs.a", event("never@1", 1, NOW, {"always_fail": True}), "n")
+    perm = await workers.wait_state("perm@1", "dead")
+    assert perm["attempts"] == 1
+    assert perm["last_error"] == "PermanentFailure: this account no longer exists"
+    never = await workers.wait_state("never@1", "dead", 60)
+    assert never["attempts"] == 4
+    assert never["last_error"] == "RuntimeError: attempt 4 failed (attempt 4 of 4)"
+    assert workers.runs_of("perm@1") == 1
+    assert workers.runs_of("never@1") == 4
+
+
+async def test_an_async_handler_past_its_timeout_fails_the_attempt(workers: Workers) -> None:
+    await workers.start()
+    await workers.publish("async.slow", event("slow@1", 1, NOW, {"sleep": 30}), "s")
+    dead = await workers.wait_state("slow@1", "dead", 30)
+    assert dead["attempts"] == 2
+    assert dead["last_error"].startswith("RunTimeout: the run took longer than 1 s")
+
+
+async def test_a_run_longer_than_the_ack_wait_is_not_run_twice(workers: Workers) -> None:
+    for _ in range(2):
+        await workers.start("--ack-wait", "1")
+    await workers.publish("jobs.long", event("long@1", 1, NOW, {"sleep": 4}), "l")
+    doc = await workers.wait_state("long@1", "succeeded", 30)
+    assert doc["attempts"] == 1
+    assert doc["duration_s"] >= 4
+    assert workers.runs_of("long@1") == 1
+
+
+async def test_the_same_fire_delivered_to_two_workers_at_once_runs_once(
+        workers: Workers) -> None:
+    for _ in range(2):
+        await workers.start("--concurrency", "4")
+    fires = [f"twice{i}@1" for i in range(8)]
+    for fire_id in fires:  # two broker messages per fire: a republish after the window
+        for copy in ("a", "b"):
+            await workers.publish("jobs.twice", event(fire_id, 1, NOW, {"sleep": 0.5}),
+                                  f"{fire_id}-{copy}")
+    for fire_id in fires:
+        await workers.wait_state(fire_id, "succeeded")
+    await wait_until(lambda: _true(workers.logged("fire_busy")
+                                   + workers.logged("fire_duplicate_dropped") >= 8), 20,
+                     "every second copy to be set aside")
+    assert Counter(a[0] for a in workers.attempts()) == dict.fromkeys(fires, 1)
+
+
+async def test_a_killed_workers_run_is_taken_over_and_finishes_once(workers: Workers) -> None:
+    first = await workers.start("--ack-wait", "2", name="doomed")
+    await workers.publish("jobs.k", event("kill@1", 1, NOW, {"sleep": 3}), "k")
+    await wait_until(lambda: _true(workers.runs_of("kill@1") == 1), 20, "the run to start")
+    first.kill()
+    await first.wait()
+    await workers.start("--ack-wait", "2", name="heir")
+    doc = await workers.wait_state("kill@1", "succeeded", 40)
+    assert doc["worker_id"] == "heir"
+    assert doc["attempts"] == 2
+    assert workers.runs_of("kill@1") == 2  # started twice, finished once
+    assert workers.logged("run_taken_over") == 1
+
+
+async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
+        workers: Workers) -> None:
+    worker = await workers.start("--drain-timeout", "5")
+    await workers.publish("jobs.d", event("drain@1", 1, NOW, {"sleep": 1.5}), "d")
+    await wait_until(lambda: _true(workers.runs_of("drain@1") == 1), 20, "the run to start")
+    worker.terminate()
+    assert await asyncio.wait_for(worker.wait(), 20) == 0
+    assert (await workers.run("drain@1") or {}).get("state") == "succeeded"
+
+    short = await workers.start("--drain-timeout", "1", name="short")
+    await workers.publish("jobs.d", event("overrun@1", 1, NOW, {"sleep": 8}), "o")
+    await wait_until(lambda: _true(workers.runs_of("overrun@1") == 1), 20, "the run to start")
+    short.terminate()
+    assert await asyncio.wait_for(short.wait(), 20) == 0
+    given_back = await workers.run("overrun@1")
+    assert given_back is not None
+    assert given_back["state"] == "retrying"
+    assert given_back["attempts"] == 0  # the interrupted attempt is not counted
+    await workers.start(name="next")
+    doc = await workers.wait_state("overrun@1", "succeeded", 30)
+    assert doc["worker_id"] == "next"
+
+
+async def test_hostile_messages_are_terminated_and_the_worker_rides_a_broker_restart(
+        workers: Workers) -> None:
+    await workers.start("--handler", "tests.helpers.record_handler:handle")
+    hostile = [b"not json", b"[1, 2]", b'{"id": "x", "data": "text"}',
+               b'{"id": "x", "data": {"term": "one"}}',
+               b'{"id": "x", "data": {"term": 1, "nominal_at": 5}}',
+               b'{"id": "x", "data": {"term": -1, "nominal_at": "2030-01-01T00:00:00Z"}}',
+               b'{"id": "x", "data": {"term": 1, "nominal_at": "2030-01-01T00:00:00"}}',
+               json.dumps({"id": "x" * 5000, "data": {"term": 1}}).encode(),
+               json.dumps({"id": "y", "data": {"term": 0}}).encode() + b"\xff"]
+    for i, body in enumerate(hostile):
+        await workers.publish("jobs", body, f"hostile-{i}")
+    await workers.publish("jobs", event("ok@1", 1, NOW), "ok")
+    await workers.wait_state("ok@1", "succeeded")
+    assert workers.logged("fire_unreadable") == len(hostile)
+    # The broker goes away and comes back on the same port and store.
+    port = int(workers.nats.uri.rsplit(":", 1)[1])
+    store = workers.nats.store_dir  # type: ignore[attr-defined]
+    workers.nats.process.kill()  # type: ignore[union-attr]
+    workers.nats.process.wait(10)  # type: ignore[union-attr]
+    await wait_until(lambda: _true(workers.logged("broker_disconnected") >= 1), 15,
+                     "the worker to meet the outage")
+    workers.nats = start_nats(port=port, store_dir=store)
+    await workers.publish("jobs", event("ok@2", 1, NOW), "ok2")
+    await workers.wait_state("ok@2", "succeeded", 40)
+    assert workers.logged("broker_reconnected") >= 1
+    assert all(p.returncode is None for p in workers.processes)
+    assert Counter(a[0] for a in workers.attempts()) == {"ok@1": 1, "ok@2": 1}
+
+
+@pytest.mark.parametrize(("args", "complaint"), [
+    (["--broker", "http://x", "--mongodb-uri", "mongodb://h"], "nats://"),
+    (["--broker", "nats://h:4222"], "--mongodb-uri"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "nope"], "--mongodb-uri"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--app", "nomodule"],
+     "module:attribute"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--app", "os:path"],
+     "not a hascheduler.worker.WorkerApp"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--app",
+      "tests.helpers.record_handler:app", "--target", "x"], "--target goes with --handler"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--handler",
+      "tests.helpers.record_handler:handle", "--target", "a.>.b"], "target pattern"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--concurrency", "0"],
+     "--concurrency"),
+    (["--broker", "nats://h:4222", "--mongodb-uri", "mongodb://h", "--backoff-base", "9",
+      "--backoff-cap", "1"], "backoff_cap_s"),
+])
+def test_worker_refuses_bad_settings(args: list[str], complaint: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "hascheduler.cli", "worker", *args],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert complaint in result.stderr

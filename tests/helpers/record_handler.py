@@ -1,11 +1,51 @@
-"""A worker handler for tests: appends each fire id to the file named by RECORD_FIRES_TO."""
+"""Worker handlers for tests, configured by environment variables.
+
+``handle`` appends "<fire id> <term> <attempt>" to RECORD_FIRES_TO (the side effect the
+tests count). ``app`` routes target ``jobs.*`` with behaviours chosen by the schedule's
+payload: {"fail": N} fails the first N attempts, {"permanent": true} raises
+PermanentFailure, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
+succeeds; each attempt is recorded first.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+
+from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
 
 
-def handle(event: dict[str, Any]) -> None:
+def _record(run: Run) -> None:
     with open(os.environ["RECORD_FIRES_TO"], "a") as out:
-        out.write(f"{event['id']} {event['data']['term']}\n")
+        out.write(f"{run.fire_id} {run.event['data']['term']} {run.attempt} "
+                  f"{time.time():.3f}\n")
+
+
+def handle(run: Run) -> None:
+    _record(run)
+
+
+app = WorkerApp(RetryPolicy(max_attempts=4, backoff_base_s=0.4, backoff_cap_s=2.0,
+                            timeout_s=60.0))
+
+
+@app.handler("jobs.>")
+def behave(run: Run) -> None:
+    _record(run)
+    payload = run.payload if isinstance(run.payload, dict) else {}
+    if payload.get("permanent"):
+        raise PermanentFailure("this account no longer exists")
+    if payload.get("always_fail"):
+        raise RuntimeError(f"attempt {run.attempt} failed")
+    if run.attempt <= int(payload.get("fail", 0)):
+        raise RuntimeError(f"transient failure on attempt {run.attempt}")
+    time.sleep(float(payload.get("sleep", 0)))
+
+
+@app.handler("async.>", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.1,
+                                          backoff_cap_s=0.2, timeout_s=1.0))
+async def slow(run: Run) -> None:
+    import asyncio
+
+    _record(run)
+    await asyncio.sleep(float((run.payload or {}).get("sleep", 0)))

@@ -1,0 +1,268 @@
+"""The runs ledger: every read and write of the ``runs`` collection (invariant 11,
+docs/ARCHITECTURE.md).
+
+A run is what a worker does with one fire, keyed by the fire id. Its states:
+
+    running -> succeeded | retrying | dead        retrying -> running
+    running (lease lapsed) -> running (taken over by another worker)
+    dead -> retrying (replayed by POST /runs/{id}/retry)
+
+A worker claims a run here *before* its handler starts: inserting the document, or moving
+a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
+``running`` under its own name. Whoever loses that race does not run the handler. While
+the handler runs, the worker renews ``lease_until``; its later writes match only its own
+claim (``_mine``: the worker id and the attempt number), so a worker that stalled past its
+lease and was taken over changes nothing when it wakes.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pymongo import ASCENDING, DESCENDING, ReturnDocument
+from pymongo.errors import DuplicateKeyError
+
+from .instants import as_utc
+
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+RETRYING = "retrying"
+DEAD = "dead"
+STATES = (RUNNING, SUCCEEDED, RETRYING, DEAD)
+
+Document = dict[str, Any]
+
+# What a run document says about itself through the API: never the stored event (it is
+# the payload again) nor the lease bookkeeping under another name.
+_PUBLIC_FIELDS = ("schedule_id", "target", "nominal_at", "state", "attempts", "worker_id",
+                  "started_at", "first_started_at", "heartbeat_at", "lease_until",
+                  "finished_at", "duration_s", "last_error", "next_attempt_at", "replays",
+                  "recorded_at")
+
+
+class RunsCollection(Protocol):
+    """The slice of a driver collection the runs ledger uses (PyMongo async or Motor)."""
+
+    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any,
+                         **kwargs: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer to a claim: ``claimed`` (run the handler, this is attempt ``attempt``),
+    or the state that stopped it: ``running`` elsewhere or ``retrying`` not yet due (both
+    with ``wait_s`` until it may be claimed), ``succeeded`` or ``dead``."""
+
+    outcome: str
+    attempt: int = 0
+    wait_s: float = 0.0
+    took_over: str | None = None  # the worker whose lapsed run this claim took over
+
+    @property
+    def claimed(self) -> bool:
+        return self.outcome == "claimed"
+
+
+@dataclass(frozen=True, slots=True)
+class FireRef:
+    """What the ledger records about the fire a run belongs to."""
+
+    fire_id: str
+    schedule_id: str
+    target: str
+    nominal_at: dt.datetime | None
+    event: Mapping[str, Any]  # the CloudEvent as delivered: a replay sends it again
+
+
+def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
+    """The fence: this worker's claim of this attempt, still running."""
+    return {"_id": fire_id, "state": RUNNING, "worker_id": worker_id, "attempts": attempt}
+
+
+class RunLedger:
+    def __init__(self, runs: RunsCollection) -> None:
+        self.runs = runs
+
+    async def ensure_indexes(self, retention_s: float) -> None:
+        await self.runs.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
+                                     name="schedule_runs")
+        await self.runs.create_index([("state", ASCENDING), ("recorded_at", DESCENDING),
+                                      ("_id", DESCENDING)], name="runs_by_state")
+        # Every write sets recorded_at and a live run renews it with each heartbeat, so
+        # only runs nobody touched for the retention period expire, dead ones included.
+        await self.runs.create_index([("recorded_at", ASCENDING)], name="retention",
+                                     expireAfterSeconds=int(retention_s))
+
+    # -- a worker's writes ----------------------------------------------------------------
+
+    async def claim(self, fire: FireRef, worker_id: str, now: dt.datetime,
+                    lease_s: float) -> Claim:
+        """Claim the run of ``fire`` for ``worker_id`` until ``now + lease_s``."""
+        lease_until = now + dt.timedelta(seconds=lease_s)
+        running = {"state": RUNNING, "worker_id": worker_id, "started_at": now,
+                   "heartbeat_at": now, "lease_until": lease_until, "recorded_at": now}
+        try:
+            await self.runs.insert_one({
+                "_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
+                "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
+                "replays": 0, "event": dict(fire.event), **running})
+            return Claim("claimed", attempt=1)
+        except DuplicateKeyError:
+            pass
+        before = await self.runs.find_one_and_update(
+            {"_id": fire.fire_id, "$or": [
+                {"state": RETRYING, "next_attempt_at": {"$lte": now}},
+                {"state": RUNNING, "lease_until": {"$lt": now}}]},
+            {"$set": running, "$inc": {"attempts": 1},
+             "$unset": {"next_attempt_at": "", "finished_at": "", "duration_s": ""}},
+            return_document=ReturnDocument.BEFORE)
+        if before is not None:
+            took_over = before.get("worker_id") if before["state"] == RUNNING else None
+            return Claim("claimed", attempt=int(before["attempts"]) + 1, took_over=took_over)
+        current = await self.runs.find_one({"_id": fire.fire_id},
+                                           {"state": 1, "lease_until": 1, "next_attempt_at": 1})
+        if current is None:  # expired between the two writes: as if never run
+            return await self.claim(fire, worker_id, now, lease_s)
+        state = current["state"]
+        until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
+        wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
+        return Claim(state, wait_s=max(0.0, wait))
+
+    async def heartbeat(self, fire_id: str, worker_id: str, attempt: int, now: dt.datetime,
+                        lease_s: float) -> bool:
+        """Extend the claim; False when it is no longer this worker's (taken over)."""
+        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {"$set": {
+            "heartbeat_at": now, "lease_until": now + dt.timedelta(seconds=lease_s),
+            "recorded_at": now}})
+        return bool(result.matched_count)
+
+    async def succeed(self, fire_id: str, worker_id: str, attempt: int,
+                      started: dt.datetime, now: dt.datetime) -> bool:
+        return await self._finish(fire_id, worker_id, attempt, started, now,
+                                  {"state": SUCCEEDED})
+
+    async def retry_later(self, fire_id: str, worker_id: str, attempt: int,
+                          started: dt.datetime, now: dt.datetime, error: str,
+                          delay_s: float) -> bool:
+        return await self._finish(fire_id, worker_id, attempt, started, now, {
+            "state": RETRYING, "last_error": error,
+            "next_attempt_at": now + dt.timedelta(seconds=delay_s)})
+
+    async def die(self, fire_id: str, worker_id: str, attempt: int, started: dt.datetime,
+                  now: dt.datetime, error: str) -> bool:
+        return await self._finish(fire_id, worker_id, attempt, started, now,
+                                  {"state": DEAD, "last_error": error})
+
+    async def release(self, fire_id: str, worker_id: str, attempt: int, now: dt.datetime,
+                      reason: str) -> bool:
+        """Give a claim back unfinished (the worker is shutting down): due again at once,
+        and the attempt it cost is not counted."""
+        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {
+            "$set": {"state": RETRYING, "last_error": reason, "next_attempt_at": now,
+                     "recorded_at": now},
+            "$inc": {"attempts": -1}})
+        return bool(result.matched_count)
+
+    async def _finish(self, fire_id: str, worker_id: str, attempt: int, started: dt.datetime,
+                      now: dt.datetime, fields: Document) -> bool:
+        """Record an attempt's end; False when the claim was no longer this worker's."""
+        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {"$set": {
+            **fields, "finished_at": now, "recorded_at": now,
+            "duration_s": (now - started).total_seconds()}})
+        return bool(result.matched_count)
+
+    # -- operators' writes ----------------------------------------------------------------
+
+    async def replay(self, fire_id: str, now: dt.datetime) -> Document | None:
+        """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it
+        is now, or None when it is not dead (or not there)."""
+        doc: Document | None = await self.runs.find_one_and_update(
+            {"_id": fire_id, "state": DEAD},
+            {"$set": {"state": RETRYING, "attempts": 0, "next_attempt_at": now,
+                      "recorded_at": now},
+             "$inc": {"replays": 1}},
+            return_document=ReturnDocument.AFTER)
+        return doc
+
+    async def unreplay(self, fire_id: str, replays: int, error: str, now: dt.datetime) -> None:
+        """Undo ``replay`` whose message could not be sent: dead again, saying why."""
+        await self.runs.update_one(
+            {"_id": fire_id, "state": RETRYING, "attempts": 0, "replays": replays},
+            {"$set": {"state": DEAD, "last_error": error, "recorded_at": now},
+             "$unset": {"next_attempt_at": ""}})
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def get(self, fire_id: str) -> Document | None:
+        doc: Document | None = await self.runs.find_one({"_id": fire_id})
+        return doc
+
+    async def for_schedule(self, schedule_id: str, limit: int) -> list[Document]:
+        """A schedule's runs, latest nominal time first."""
+        return [d async for d in self.runs.find({"schedule_id": schedule_id},
+                                                {"event": 0}).sort(
+            [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
+
+    async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
+        return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},
+                                                          {"event": 0})}
+
+    async def page(self, state: str | None, after: str | None,
+                   limit: int) -> tuple[list[Document], str | None]:
+        """Runs (in one state, or all), most recently changed first; a page and the token
+        of the next (None at the end). Raises ValueError for a token this did not make."""
+        query: Document = {} if state is None else {"state": state}
+        if after is not None:
+            recorded, last_id = decode_page_token(after)
+            query["$or"] = [{"recorded_at": {"$lt": recorded}},
+                            {"recorded_at": recorded, "_id": {"$lt": last_id}}]
+        docs = [d async for d in self.runs.find(query, {"event": 0}).sort(
+            [("recorded_at", DESCENDING), ("_id", DESCENDING)]).limit(limit + 1)]
+        more = len(docs) > limit
+        docs = docs[:limit]
+        token = encode_page_token(docs[-1]["recorded_at"], docs[-1]["_id"]) if more else None
+        return docs, token
+
+    async def running(self) -> list[Document]:
+        """Every run now claimed (few: at most each worker's concurrency)."""
+        return [d async for d in self.runs.find(
+            {"state": RUNNING}, {"target": 1, "heartbeat_at": 1, "lease_until": 1})]
+
+
+def public_view(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A run as the API shows it: instants in RFC 3339, the stored event left out."""
+    view: dict[str, Any] = {"id": doc["_id"]}
+    for name in _PUBLIC_FIELDS:
+        if name in doc:
+            value = doc[name]
+            view[name] = as_utc(value).isoformat() if isinstance(value, dt.datetime) else value
+    return view
+
+
+def encode_page_token(recorded: dt.datetime, last_id: str) -> str:
+    raw = json.dumps([as_utc(recorded).isoformat(), last_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> tuple[dt.datetime, str]:
+    """Raises ValueError for anything ``encode_page_token`` did not make."""
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        recorded, last_id = json.loads(raw)
+        when = dt.datetime.fromisoformat(recorded)
+    except (ValueError, TypeError) as exc:
+        raise ValueError("after is not a page token this API gave") from exc
+    if not isinstance(last_id, str) or when.tzinfo is None:
+        raise ValueError("after is not a page token this API gave")
+    return when, last_id

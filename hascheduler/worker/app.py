@@ -1,0 +1,157 @@
+"""The worker's Python API: handlers registered per target pattern, each with its policy.
+
+    from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
+
+    app = WorkerApp()
+
+    @app.handler("reports.*", policy=RetryPolicy(max_attempts=3, timeout_s=120))
+    async def send_report(run: Run) -> None:
+        ...  # run.idempotency_key (the fire id) makes a repeated side effect detectable
+
+Run it with ``hascheduler worker --app myjobs:app``. A synchronous handler runs in a thread
+of its own, an async one on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ..constants import TARGET_PATTERN
+from ..errors import ConfigError
+from .policy import RetryPolicy
+
+log = structlog.get_logger("hascheduler.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What a handler is given: one attempt at one fire."""
+
+    fire_id: str
+    target: str
+    schedule_id: str
+    nominal_at: dt.datetime | None
+    payload: Any
+    attempt: int  # 1 for the first attempt
+    worker_id: str
+    event: Mapping[str, Any] = field(repr=False)  # the CloudEvent as delivered
+
+    @property
+    def idempotency_key(self) -> str:
+        """The fire id: the same for every delivery and attempt of this fire, different for
+        every other fire. A handler whose side effect must happen once keys it by this."""
+        return self.fire_id
+
+
+Handler = Callable[[Run], Awaitable[None] | None]
+
+
+class WorkerConfigError(ConfigError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    pattern: str  # a target pattern: tokens, ``*`` for one, ``>`` (last) for the rest
+    handler: Handler
+    policy: RetryPolicy
+    is_async: bool
+
+    def matches(self, target: str) -> bool:
+        return pattern_matches(self.pattern, target)
+
+
+def pattern_matches(pattern: str, target: str) -> bool:
+    want, have = pattern.split("."), target.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def check_pattern(pattern: str) -> None:
+    """Raises WorkerConfigError for a pattern no target could match as meant."""
+    tokens = pattern.split(".")
+    plain = ".".join("x" if t in {"*", ">"} else t for t in tokens)
+    if ">" in tokens[:-1] or not TARGET_PATTERN.fullmatch(plain):
+        raise WorkerConfigError(f"target pattern {pattern!r}: dot-separated tokens of letters, "
+                                "digits, _ and -, where * stands for one token and a last >"
+                                " for the rest")
+
+
+class WorkerApp:
+    """Handlers by target pattern; the first pattern registered that matches a target
+    handles it."""
+
+    def __init__(self, policy: RetryPolicy | None = None) -> None:
+        self.default_policy = policy or RetryPolicy()
+        self.routes: list[Route] = []
+
+    def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None) -> None:
+        check_pattern(pattern)
+        if not callable(handler):
+            raise WorkerConfigError(f"the handler for {pattern!r} is not callable")
+        self.routes.append(Route(pattern, handler, policy or self.default_policy,
+                                 inspect.iscoroutinefunction(handler)))
+
+    def handler(self, pattern: str, *, policy: RetryPolicy | None = None
+                ) -> Callable[[Handler], Handler]:
+        def register(function: Handler) -> Handler:
+            self.add(pattern, function, policy)
+            return function
+        return register
+
+    def route(self, target: str) -> Route | None:
+        return next((r for r in self.routes if r.matches(target)), None)
+
+    @property
+    def patterns(self) -> list[str]:
+        return list(dict.fromkeys(r.pattern for r in self.routes))
+
+
+def log_run(run: Run) -> None:
+    """The handler when none is named: log each fire."""
+    log.info("fire_received", fire_id=run.fire_id, attempt=run.attempt,
+             nominal_at=run.nominal_at.isoformat() if run.nominal_at else None,
+             payload=run.payload)
+
+
+def _import(spec: str, flag: str) -> Any:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise WorkerConfigError(f"{flag} {spec!r}: write it as module:attribute")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise WorkerConfigError(f"{flag} {spec!r}: {exc}") from None
+
+
+def load_app(app: str | None, handler: str | None, target: str | None,
+             policy: RetryPolicy | None = None) -> WorkerApp:
+    """The app ``--app module:attribute`` names, or one routing ``target`` (default every
+    target) to ``--handler module:function`` (default: log it). Raises WorkerConfigError
+    naming the flag."""
+    if app:
+        if handler:
+            raise WorkerConfigError("--app and --handler do not go together: register the "
+                                    "handler in the app")
+        found = _import(app, "--app")
+        if not isinstance(found, WorkerApp):
+            raise WorkerConfigError(f"--app {app!r} is a {type(found).__name__}, not a "
+                                    "hascheduler.worker.WorkerApp")
+        if not found.routes:
+            raise WorkerConfigError(f"--app {app!r} has no handler registered")
+        return found
+    function = _import(handler, "--handler") if handler else log_run
+    one = WorkerApp(policy)
+    one.add(target or ">", function)
+    return one

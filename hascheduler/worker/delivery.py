@@ -1,0 +1,89 @@
+"""Reading a delivered message as a fire, and the stale-term rule (pure: no I/O)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..brokers.base import SUBJECT_PREFIX
+from ..constants import TARGET_PATTERN
+from ..runs import FireRef
+
+MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
+
+
+class NotAFire(ValueError):
+    """A message that is not one of our fires (hand-published, truncated, another
+    producer's): it is terminated, never redelivered, never fatal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    fire: FireRef
+    term: int
+    nominal_at: dt.datetime
+    replay: int  # 0, or which replay of a dead run (POST /runs/{id}/retry) this is
+    payload: Any
+
+
+def read_delivery(subject: str, body: bytes) -> Delivery:
+    """Raises NotAFire saying what is wrong."""
+    try:
+        event = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise NotAFire(f"not JSON: {exc}") from None
+    if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
+        raise NotAFire("not a CloudEvent with an object in data")
+    data = event["data"]
+    fire_id, term, nominal, replay = event.get("id"), data.get("term"), \
+        data.get("nominal_at"), data.get("replay", 0)
+    if not isinstance(fire_id, str) or not 0 < len(fire_id) <= MAX_FIRE_ID_CHARS:
+        raise NotAFire("id is not a fire id")
+    for name, value in (("term", term), ("replay", replay)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise NotAFire(f"data.{name} is not a whole number")
+    if not isinstance(nominal, str):
+        raise NotAFire("data.nominal_at is not an instant")
+    try:
+        nominal_at = dt.datetime.fromisoformat(nominal.replace("Z", "+00:00"))
+    except ValueError:
+        raise NotAFire("data.nominal_at is not an instant") from None
+    if nominal_at.tzinfo is None:
+        raise NotAFire("data.nominal_at has no offset")
+    target = subject.removeprefix(SUBJECT_PREFIX + ".")
+    if not TARGET_PATTERN.fullmatch(target):
+        raise NotAFire(f"subject {subject[:200]!r} names no target")
+    schedule_id = data.get("schedule_id")
+    return Delivery(
+        fire=FireRef(fire_id=fire_id, target=target,
+                     schedule_id=schedule_id if isinstance(schedule_id, str)
+                     else fire_id.partition("@")[0],
+                     nominal_at=nominal_at.astimezone(dt.UTC), event=event),
+        term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"))
+
+
+class StaleFilter:
+    """Drops a *stale* fire: one from a term older than a term this worker has already
+    seen, whose nominal time is later than the moment it first saw that newer term. Such a
+    fire can only come from a deposed leader acting after a newer one started; a fire an
+    old leader claimed in time always has an earlier nominal time, so it still runs (its
+    republish by the new leader was deduplicated away by the broker, so dropping it would
+    lose it). A replay of a dead run is never stale: an operator asked for it."""
+
+    def __init__(self) -> None:
+        self.first_seen_term: dict[int, dt.datetime] = {}
+        self.max_term = 0
+
+    def is_stale(self, delivery: Delivery, received_at: dt.datetime) -> bool:
+        term = delivery.term
+        if delivery.replay:
+            return False
+        if term < self.max_term:
+            newer_since = min(t for k, t in self.first_seen_term.items() if k > term)
+            if delivery.nominal_at > newer_since:
+                return True
+        self.first_seen_term.setdefault(term, received_at)
+        self.max_term = max(self.max_term, term)
+        return False

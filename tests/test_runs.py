@@ -1,0 +1,145 @@
+"""The runs ledger against the development server through each driver: claims, the
+fence, takeover after a lapsed lease, retries, replays and paging."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from hascheduler.runs import (
+    DEAD,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    FireRef,
+    RunLedger,
+    decode_page_token,
+    encode_page_token,
+    public_view,
+)
+
+T0 = dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def fire(fire_id: str = "s@1", schedule_id: str = "s", nominal: float = 0) -> FireRef:
+    return FireRef(fire_id, schedule_id, "jobs", at(nominal), {"id": fire_id, "data": {}})
+
+
+@pytest.fixture
+async def ledger(db: Any) -> RunLedger:
+    runs = RunLedger(db.runs)
+    await runs.ensure_indexes(3600)
+    return runs
+
+
+async def test_a_claim_is_exclusive_until_its_lease_lapses(ledger: RunLedger) -> None:
+    first = await ledger.claim(fire(), "a", at(0), lease_s=10)
+    assert first.claimed
+    assert first.attempt == 1
+    busy = await ledger.claim(fire(), "b", at(4), lease_s=10)
+    assert (busy.outcome, busy.wait_s) == (RUNNING, 6)
+    assert await ledger.heartbeat("s@1", "a", 1, at(8), lease_s=10)
+    assert (await ledger.claim(fire(), "b", at(15), lease_s=10)).outcome == RUNNING
+    taken = await ledger.claim(fire(), "b", at(19), lease_s=10)
+    assert taken.claimed
+    assert taken.attempt == 2
+    assert taken.took_over == "a"
+    # The fence: the stalled worker wakes and writes nothing.
+    assert not await ledger.heartbeat("s@1", "a", 1, at(20), lease_s=10)
+    assert not await ledger.succeed("s@1", "a", 1, at(0), at(20))
+    assert await ledger.succeed("s@1", "b", 2, at(19), at(21))
+    doc = await ledger.get("s@1")
+    assert doc is not None
+    assert (doc["state"], doc["worker_id"], doc["attempts"], doc["duration_s"]) == (
+        SUCCEEDED, "b", 2, 2.0)
+    assert (await ledger.claim(fire(), "c", at(30), lease_s=10)).outcome == SUCCEEDED
+
+
+async def test_concurrent_claims_of_one_fire_have_one_winner(ledger: RunLedger) -> None:
+    claims = await asyncio.gather(*(ledger.claim(fire(), f"w{i}", at(0), 10)
+                                    for i in range(20)))
+    assert sum(c.claimed for c in claims) == 1
+
+
+async def test_a_retry_waits_for_its_time_then_counts_the_next_attempt(
+        ledger: RunLedger) -> None:
+    await ledger.claim(fire(), "a", at(0), 10)
+    assert await ledger.retry_later("s@1", "a", 1, at(0), at(1), "E: boom", delay_s=5)
+    early = await ledger.claim(fire(), "b", at(3), 10)
+    assert (early.outcome, early.wait_s) == (RETRYING, 3)
+    second = await ledger.claim(fire(), "b", at(6), 10)
+    assert second.claimed
+    assert second.attempt == 2
+    assert second.took_over is None
+    assert await ledger.die("s@1", "b", 2, at(6), at(7), "E: boom again")
+    dead = await ledger.get("s@1")
+    assert dead is not None
+    assert (dead["state"], dead["last_error"]) == (DEAD, "E: boom again")
+    assert (await ledger.claim(fire(), "c", at(8), 10)).outcome == DEAD
+
+
+async def test_a_replay_gives_a_dead_run_a_fresh_budget(ledger: RunLedger) -> None:
+    await ledger.claim(fire(), "a", at(0), 10)
+    assert await ledger.replay("s@1", at(1)) is None  # running: not dead
+    await ledger.die("s@1", "a", 1, at(0), at(1), "E")
+    replayed = await ledger.replay("s@1", at(2))
+    assert replayed is not None
+    assert (replayed["state"], replayed["attempts"], replayed["replays"]) == (RETRYING, 0, 1)
+    assert await ledger.replay("s@1", at(2)) is None  # once
+    await ledger.unreplay("s@1", 1, "the broker refused", at(3))
+    undone = await ledger.get("s@1")
+    assert undone is not None
+    assert (undone["state"], undone["last_error"]) == (
+        DEAD, "the broker refused")
+    await ledger.replay("s@1", at(4))
+    again = await ledger.claim(fire(), "b", at(5), 10)
+    assert again.claimed
+    assert again.attempt == 1
+
+
+async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(
+        ledger: RunLedger) -> None:
+    await ledger.claim(fire(), "a", at(0), 10)
+    assert await ledger.release("s@1", "a", 1, at(1), "shutting down")
+    claim = await ledger.claim(fire(), "b", at(1), 10)
+    assert claim.claimed
+    assert claim.attempt == 1
+
+
+async def test_pages_walk_every_run_once_newest_change_first(ledger: RunLedger) -> None:
+    for i in range(7):
+        await ledger.claim(fire(f"s@{i}", nominal=i), "a", at(i // 2), 10)  # ties in time
+        await ledger.die(f"s@{i}", "a", 1, at(i // 2), at(i // 2), "E")
+    await ledger.claim(fire("other@1", "other"), "a", at(9), 10)
+    seen: list[str] = []
+    after = None
+    while True:
+        page, after = await ledger.page(DEAD, after, 3)
+        seen += [d["_id"] for d in page]
+        assert all("event" not in d for d in page)
+        if after is None:
+            break
+    assert sorted(seen) == [f"s@{i}" for i in range(7)]
+    assert len(seen) == 7
+    assert [d["_id"] for d in (await ledger.page(None, None, 1))[0]] == ["other@1"]
+    history = await ledger.for_schedule("s", 3)
+    assert [d["_id"] for d in history] == ["s@6", "s@5", "s@4"]
+    view = public_view(history[0])
+    assert view["id"] == "s@6"
+    assert view["state"] == DEAD
+    assert "event" not in view
+    assert view["nominal_at"] == at(6).isoformat()
+
+
+@pytest.mark.parametrize("token", ["", "x", "!!!", encode_page_token(T0, "a")[:-2],
+                                   "WzEsMl0", "WyJ4IiwgInkiXQ"])
+def test_a_page_token_not_made_here_is_refused(token: str) -> None:
+    with pytest.raises(ValueError, match="page token"):
+        decode_page_token(token)
