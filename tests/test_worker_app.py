@@ -3,7 +3,6 @@ stale-term rule."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import random
@@ -126,7 +125,8 @@ def test_reading_any_bytes_answers_a_delivery_or_not_a_fire(raw: bytes) -> None:
     try:
         delivery = read_delivery("hascheduler.fire.a", raw)
     except NotAFire as refused:
-        assert str(refused)
+        reason = str(refused)
+        assert reason
     else:
         assert delivery.fire.fire_id
         assert delivery.nominal_at.tzinfo is not None
