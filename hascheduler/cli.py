@@ -16,7 +16,7 @@ from pymongo.errors import ConfigurationError, InvalidURI
 from . import gcpolicy, logs, schedules_cli
 from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
-from .constants import DEFAULT_MIN_FIRE_INTERVAL_S
+from .constants import DEFAULT_MIN_FIRE_INTERVAL_S, DEFAULT_RUN_RETENTION_S
 from .dispatch import DispatchSettings
 from .errors import ConfigError
 from .lease import LeaseSettingsError, LeaseTimings
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "average, 0 for no limit")
     setting("--write-burst", "100", "writes one client may make at once")
     setting("--fire-retention", str(7 * 86400), "seconds the fire ledger keeps a fire")
+    setting("--run-retention", str(DEFAULT_RUN_RETENTION_S),
+            "seconds the runs ledger keeps a run after its last change")
     setting("--min-fire-interval", str(DEFAULT_MIN_FIRE_INTERVAL_S),
             "the fewest seconds between two fires of one schedule that a write may ask for")
 
@@ -131,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                     help="on SIGTERM, seconds runs in flight may take to finish before they "
                          "are given back (default 30)")
-    wk.add_argument("--run-retention", type=_positive_float, default=7 * 86400.0,
+    wk.add_argument("--run-retention", type=_positive_float,
+                    default=DEFAULT_RUN_RETENTION_S,
                     help="seconds the runs ledger keeps a run after its last change")
     wk.add_argument("--metrics-port", type=_port, default=None,
                     help="serve Prometheus metrics on this port")
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --handler: the longest wait between attempts (default 300)")
     wk.add_argument("--timeout", type=_positive_float, default=600.0,
                     help="with --handler: seconds one attempt may run (default 600)")
-    schedules_cli.add_parser(sub, _env("API", "http://127.0.0.1:8080") or "")
+    schedules_cli.add_parser(sub)
     from .devcluster import control
 
     control.add_parser(sub)
@@ -170,7 +173,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     seconds = {}
     for option in ("lease_ttl", "renew_deadline", "renew_interval", "fire_retention",
-                   "min_fire_interval"):
+                   "min_fire_interval", "run_retention"):
         flag = "--" + option.replace("_", "-")
         try:
             seconds[option] = _positive_float(str(getattr(args, option)))
@@ -197,6 +200,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                            dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
                            tokens=tokens, write_limit=_write_limit(args),
                            min_fire_interval_s=seconds["min_fire_interval"],
+                           run_retention_s=seconds["run_retention"],
                            tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
 
 
@@ -287,9 +291,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.action is not None:
             return control.run(args)
         return asyncio.run(supervisor.run(supervisor.DevSettings(
-            replicas=args.replicas, broker=args.broker, state_dir=Path(args.state_dir),
+            replicas=args.replicas, workers=args.workers, broker=args.broker,
+            state_dir=Path(args.state_dir),
             control_port=args.control_port)))
-    if args.command == "schedules":
+    if args.command in {"schedules", "runs"}:
         return asyncio.run(schedules_cli.run(args))
     return 2
 

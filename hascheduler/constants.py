@@ -43,6 +43,12 @@ STREAM_RETRY_MAX_S = 5.0
 # The awaitData wait of the mirror's change stream: short enough that shutdown is prompt.
 STREAM_MAX_AWAIT_MS = 500
 
+# The runs ledger keeps a run this long after its last change (dead ones too: forensic
+# evidence for a week, as Dramatiq keeps its dead letters).
+DEFAULT_RUN_RETENTION_S = 7 * 86_400.0
+# How often a replica counts the running and stuck runs for /metrics.
+RUNS_WATCH_INTERVAL_S = 5.0
+
 # Heartbeats for GET /cluster: written this often, forgotten (TTL index) after this long.
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 30.0

@@ -52,6 +52,12 @@ class Metrics:
         self.http = Counter("hascheduler_http_requests_total",
                             "HTTP requests by route, method and status",
                             ["route", "method", "status"], registry=r)
+        self.runs_running = Gauge(
+            "hascheduler_runs_running", "runs the ledger shows running, per target "
+            "(every replica reports the same cluster-wide figure)", ["target"], registry=r)
+        self.runs_stuck = Gauge(
+            "hascheduler_runs_stuck", "runs shown running whose heartbeat is stale (the run "
+            "lease lapsed: the worker died or stalled), per target", ["target"], registry=r)
         for state in ("claimed", "published", "skipped", "failed"):
             self.fires.labels(state)  # present at zero before the first fire
 
@@ -69,6 +75,15 @@ class Metrics:
             return float("nan") if seconds is None else max(0.0, time.time() - seconds)
 
         self.stream_lag.set_function(lag)
+
+    def runs_seen(self, running: dict[str, int], stuck: dict[str, int]) -> None:
+        """Set the runs gauges from one read of the ledger (a target gone reads 0)."""
+        for gauge, counts in ((self.runs_running, running), (self.runs_stuck, stuck)):
+            for (target,) in list(gauge._metrics):
+                if target not in counts:
+                    gauge.labels(target).set(0)
+            for target, count in counts.items():
+                gauge.labels(target).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,22 +26,27 @@ from .brokers import broker_from_url
 from .constants import (
     DEFAULT_DATABASE,
     DEFAULT_MIN_FIRE_INTERVAL_S,
+    DEFAULT_RUN_RETENTION_S,
     FIRES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
     LEASE_NAME,
     LEASES,
     MEMBERS,
+    RUNS,
+    RUNS_WATCH_INTERVAL_S,
     SCHEDULES,
     STREAM_RETRY_MAX_S,
 )
 from .dispatch import Dispatcher, DispatchSettings
 from .errors import ConfigError
+from .instants import as_utc
 from .leadership import Elector
 from .lease import Lease, LeaseTimings
 from .ledger import Ledger
 from .metrics import Metrics
 from .mirror import Entry, Mirror
+from .runs import RunLedger
 from .store import ScheduleStore
 
 log = structlog.get_logger("hascheduler.replica")
@@ -66,6 +71,7 @@ class ReplicaSettings:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
+    run_retention_s: float = DEFAULT_RUN_RETENTION_S
 
     @property
     def listen_host(self) -> str:
@@ -101,6 +107,25 @@ async def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: 
                 upsert=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), HEARTBEAT_INTERVAL_S)
+
+
+async def _watch_runs(runs: RunLedger, metrics: Metrics, stop: asyncio.Event) -> None:
+    """Count the running and the stuck runs for /metrics (a read of the running ones only:
+    at most each worker's concurrency)."""
+    while not stop.is_set():
+        with contextlib.suppress(PyMongoError):
+            now = dt.datetime.now(dt.UTC)
+            running: dict[str, int] = {}
+            stuck: dict[str, int] = {}
+            for doc in await runs.running():
+                target = str(doc.get("target"))
+                running[target] = running.get(target, 0) + 1
+                lease_until = as_utc(doc.get("lease_until"))
+                if isinstance(lease_until, dt.datetime) and lease_until < now:
+                    stuck[target] = stuck.get(target, 0) + 1
+            metrics.runs_seen(running, stuck)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), RUNS_WATCH_INTERVAL_S)
 
 
 class Replica:
@@ -169,7 +194,8 @@ class Replica:
                                             if mirror.last_applied is not None else None))
 
         app = create_app(store, mirror, settings.replica_id,
-                         cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector),
+                         cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
+                                         RunLedger(db[RUNS]), broker),
                          metrics_=metrics, tokens=settings.tokens,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s)
@@ -195,6 +221,8 @@ class Replica:
         electing = asyncio.create_task(_elect_when_ready(mirror, elector))
         beating = asyncio.create_task(_heartbeat(db[MEMBERS], settings, self.url, mirror,
                                                  elector, self._stopping))
+        watching = asyncio.create_task(_watch_runs(RunLedger(db[RUNS]), metrics,
+                                                   self._stopping))
 
         async def stop_background() -> None:
             self._stopping.set()
@@ -202,9 +230,9 @@ class Replica:
             await asyncio.wait({electing}, timeout=STOP_STEP_S)
             await elector.shutdown()
             mirror.stop()
-            for task in (mirroring, electing, beating):
+            for task in (mirroring, electing, beating, watching):
                 task.cancel()
-            await asyncio.wait({mirroring, electing, beating}, timeout=STOP_STEP_S)
+            await asyncio.wait({mirroring, electing, beating, watching}, timeout=STOP_STEP_S)
 
         stack.push_async_callback(stop_background)
 
@@ -248,6 +276,7 @@ async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
 async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
     await store.ensure_indexes()
     await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
+    await RunLedger(db[RUNS]).ensure_indexes(settings.run_retention_s)
     await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
                                    expireAfterSeconds=int(HEARTBEAT_TTL_S))
 

@@ -18,6 +18,7 @@ lease and was taken over changes nothing when it wakes.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import json
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pymongo import ASCENDING, DESCENDING, ReturnDocument
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from .instants import as_utc
 
@@ -101,8 +102,10 @@ class RunLedger:
                                       ("_id", DESCENDING)], name="runs_by_state")
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
-        await self.runs.create_index([("recorded_at", ASCENDING)], name="retention",
-                                     expireAfterSeconds=int(retention_s))
+        # Replicas and workers both create it: the first one's period stands.
+        with contextlib.suppress(OperationFailure):
+            await self.runs.create_index([("recorded_at", ASCENDING)], name="retention",
+                                         expireAfterSeconds=int(retention_s))
 
     # -- a worker's writes ----------------------------------------------------------------
 

