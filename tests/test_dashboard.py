@@ -7,6 +7,7 @@ HASCHEDULER_SCREENSHOT_DIR=docs keeps the screenshot (docs/dashboard.png comes f
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -14,10 +15,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from playwright.async_api import Page, async_playwright, expect
+from pymongo import AsyncMongoClient
 
 from tests.servers import DevCluster
 from tests.waiting import wait_until
@@ -120,6 +123,9 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             published = page.locator("#fires tbody tr", has_text="published").first
             await expect(published).to_contain_text("every-second@", timeout=10_000)
             await expect(published.locator("td").nth(4)).to_contain_text(" ms")
+            # The worker's outcome of each fire, with its duration.
+            ran = page.locator("#fires tbody tr", has_text="succeeded").first
+            await expect(ran.locator("td").nth(5)).to_contain_text(" ms", timeout=10_000)
             old_term = int(await page.inner_text("#term"))
 
             # A read token cannot pause: the refusal is shown, nothing changes.
@@ -152,11 +158,53 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(row).to_contain_text("active", timeout=5_000)
             assert not await _paused(api, "poll-api")
 
+            # A dead run is listed; retried from the page, the worker runs it and it leaves
+            # the list.
+            dead_id = await _plant_dead_run(str(status["mongodb_uri"]))
+            dead_row = page.locator("#dead tbody tr", has_text=dead_id)
+            await expect(dead_row).to_contain_text("PermanentFailure: planted",
+                                                   timeout=10_000)
+            await dead_row.locator("button").click()
+            await expect(page.locator("#dead tbody tr")).to_have_count(0, timeout=20_000)
+            await wait_until(lambda: _run_state(str(status["mongodb_uri"]), dead_id,
+                                                "succeeded"), 20, "the replayed run to succeed")
+
             shot = _screenshot_path(Path(cluster.state_dir))
             await page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
         finally:
             await browser.close()
+
+
+async def _plant_dead_run(mongodb_uri: str) -> str:
+    """A dead run as a worker leaves one (its handler raised PermanentFailure), written
+    straight into the dev cluster's runs ledger: the dev workers' handler never fails."""
+    nominal = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
+    fire_id = f"planted@{nominal.isoformat().replace('+00:00', 'Z')}"
+    event = {"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
+             "type": "io.hascheduler.fire", "subject": "planted",
+             "data": {"schedule_id": "planted", "term": 1, "payload": {},
+                      "nominal_at": nominal.isoformat().replace("+00:00", "Z")}}
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongodb_uri, tz_aware=True)
+    try:
+        await client.get_default_database().runs.insert_one({
+            "_id": fire_id, "schedule_id": "planted", "target": "dashboard.demo",
+            "nominal_at": nominal, "state": "dead", "attempts": 1, "worker_id": "w1",
+            "started_at": nominal, "finished_at": nominal, "duration_s": 0.0,
+            "last_error": "PermanentFailure: planted", "replays": 0, "event": event,
+            "recorded_at": dt.datetime.now(dt.UTC)})
+    finally:
+        await client.close()
+    return fire_id
+
+
+async def _run_state(mongodb_uri: str, fire_id: str, state: str) -> bool:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongodb_uri, tz_aware=True)
+    try:
+        doc = await client.get_default_database().runs.find_one({"_id": fire_id})
+    finally:
+        await client.close()
+    return doc is not None and doc["state"] == state
 
 
 def _screenshot_path(default_dir: Path) -> Path:

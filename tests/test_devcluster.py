@@ -152,9 +152,11 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         shown = cli("runs", "show", runs[0]["id"])
         assert json.loads(shown.stdout)["state"] == "succeeded"
         table = cli("runs", "list", "--state", "succeeded")
-        assert runs[0]["id"] in table.stdout and "ATTEMPTS" in table.stdout
+        assert runs[0]["id"] in table.stdout
+        assert "ATTEMPTS" in table.stdout
         not_dead = cli("runs", "retry", runs[0]["id"])
-        assert not_dead.returncode == 2 and "only a dead run" in not_dead.stderr
+        assert not_dead.returncode == 2
+        assert "only a dead run" in not_dead.stderr
 
         others = {c["name"]: c for c in before["others"]}
         nats_pid = others["nats-server"]["pid"]

@@ -46,6 +46,7 @@ UI_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inl
 DASHBOARD_SCHEDULES = 200
 DASHBOARD_FIRES = 50
 DASHBOARD_FIRES_WINDOW_S = 900
+DASHBOARD_DEAD_RUNS = 20
 
 Clock = Callable[[], dt.datetime]
 
@@ -486,8 +487,8 @@ async def retry_run(request: web.Request) -> web.Response:
 
 async def dashboard(request: web.Request) -> web.Response:
     """Everything /ui shows, in one read: the cluster, the schedules with their next fire
-    time, and the latest fires recorded in the last DASHBOARD_FIRES_WINDOW_S, latest
-    nominal time first."""
+    time, the latest fires recorded in the last DASHBOARD_FIRES_WINDOW_S (latest nominal
+    time first) each with its run, and the latest dead runs."""
     cluster = _cluster(request)
     now = _now(request)
     page, after = await request.app[STORE].list(labels={}, paused=None, after=None,
@@ -511,7 +512,14 @@ async def dashboard(request: web.Request) -> web.Response:
                               if isinstance(published, dt.datetime)
                               and isinstance(due, dt.datetime) else None)
         fires.append(fire)
+    runs = await cluster.runs.for_fires([f["id"] for f in fires]) if fires else {}
+    for fire in fires:
+        run = runs.get(fire["id"])
+        fire["run"] = None if run is None else {
+            k: run.get(k) for k in ("state", "attempts", "duration_s", "worker_id")}
+    dead, more_dead = await cluster.runs.page(DEAD, None, DASHBOARD_DEAD_RUNS)
     return web.json_response({
+        "dead_runs": [public_view(d) for d in dead], "more_dead_runs": more_dead is not None,
         "now": now.isoformat(), "leader": await _leader_view(request, cluster),
         "members": await _members_view(cluster), "schedules": schedules,
         "more_schedules": after is not None, "fires": fires,

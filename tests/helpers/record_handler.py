@@ -3,7 +3,8 @@
 ``handle`` appends "<fire id> <term> <attempt>" to RECORD_FIRES_TO (the side effect the
 tests count). ``app`` routes target ``jobs.*`` with behaviours chosen by the schedule's
 payload: {"fail": N} fails the first N attempts, {"permanent": true} raises
-PermanentFailure, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
+PermanentFailure, {"dead_until_replay": true} raises it unless the delivery is a replay
+of the dead run, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
 succeeds; each attempt is recorded first.
 """
 
@@ -33,6 +34,8 @@ app = WorkerApp(RetryPolicy(max_attempts=4, backoff_base_s=0.4, backoff_cap_s=2.
 def behave(run: Run) -> None:
     _record(run)
     payload = run.payload if isinstance(run.payload, dict) else {}
+    if payload.get("dead_until_replay") and not run.event["data"].get("replay"):
+        raise PermanentFailure("this fire works only when replayed")
     if payload.get("permanent"):
         raise PermanentFailure("this account no longer exists")
     if payload.get("always_fail"):
