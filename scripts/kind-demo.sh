@@ -122,5 +122,12 @@ say "kubectl scale deployment/hascheduler --replicas=2"
 k scale deployment/hascheduler --replicas=2
 k rollout status deployment/hascheduler --timeout=300s
 
+say "kubectl scale deployment/hascheduler-worker --replicas=3"
+k scale deployment/hascheduler-worker --replicas=3
+k rollout status deployment/hascheduler-worker --timeout=300s
+say "workers: $(k get pods -l app.kubernetes.io/name=hascheduler-worker -o name | tr '\n' ' ')"
+say "runs by worker (GET /runs): $(curl -fsS "${AUTH[@]}" "$API/runs?limit=200" | json '", ".join(f"{w}: {n}" for w, n in sorted(__import__("collections").Counter(r.get("worker_id") for r in d["items"]).items()))')"
+k scale deployment/hascheduler-worker --replicas=1
+
 say "summary: graceful takeover ${graceful} ms, forced takeover ${forced} ms, leader now $(leader) (term $(term)), $(fires_published) fires published for kind-every-2s"
 say "the API stays on $API, the dashboard on $API/ui (write token: kubectl -n $NS get secret hascheduler-tokens -o jsonpath='{.data.write}' | base64 -d); scripts/kind-down.sh deletes the cluster"

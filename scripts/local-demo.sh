@@ -42,10 +42,12 @@ say() { printf '[%s] %s\n' "$(date -u +%H:%M:%S.%3N)" "$*"; }
 fail() { say "FAILED: $*"; exit 1; }
 now_iso() { date -u +%Y-%m-%dT%H:%M:%S.%3NZ; }
 json() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
-fires_seen() { grep -c '"fire_received"' "$state/logs/worker.log" 2>/dev/null || true; }
+# Every worker's log (w1.log, w2.log, ...), one stream.
+worker_logs() { cat "$state"/logs/w[0-9]*.log 2>/dev/null || true; }
+fires_seen() { worker_logs | grep -c '"fire_received"' || true; }
 # Fires the worker received whose line also matches $1 (a schedule id or a term).
 fires_matching() {
-  grep '"fire_received"' "$state/logs/worker.log" 2>/dev/null | grep -c -- "$1" || true
+  worker_logs | grep '"fire_received"' | grep -c -- "$1" || true
 }
 at_least() { [ "$1" -ge "$2" ]; }
 # Runs the rest of the line every 0.2 s until it succeeds; fails the demo after $2 seconds.
@@ -63,9 +65,9 @@ seen_from() { at_least "$(fires_matching "$1")" "$2"; }
 token() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
 write_token=$(token)
 read_token=$(token)
-say "starting the local cluster: hascheduler dev --replicas 3 (with a read and a write token)"
+say "starting the local cluster: hascheduler dev --replicas 3 --workers 2 (with a read and a write token)"
 HASCHEDULER_WRITE_TOKENS="$write_token" HASCHEDULER_READ_TOKENS="$read_token" \
-  "$HS" dev --replicas 3 --state-dir "$state" >"$workdir/dev.out" 2>"$workdir/dev.log" &
+  "$HS" dev --replicas 3 --workers 2 --state-dir "$state" >"$workdir/dev.out" 2>"$workdir/dev.log" &
 dev_pid=$!
 for _ in $(seq 1 600); do
   grep -q '^ready:' "$workdir/dev.out" 2>/dev/null && break
@@ -115,7 +117,7 @@ code=$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $read_to
 wait_for "fires reaching the worker" 60 seen_at_least "$before_kill"
 wait_for "a fire of the cron schedule" 30 seen_from '"fire_id": "demo-cron@' 1
 say "the worker has received $(fires_seen) fires; the last ones:"
-grep '"fire_received"' "$state/logs/worker.log" | tail -n 3 | "$PY" -c '
+worker_logs | grep '"fire_received"' | tail -n 3 | "$PY" -c '
 import json, sys
 for line in sys.stdin:
     fire = json.loads(line)
@@ -143,8 +145,15 @@ wait_for "fires from the new leader" 60 seen_from "$new_term_line" "$after_kill"
 say "the worker has received $(fires_matching "$new_term_line") fires from term $new_term"
 if [ "${DEMO_SHORT:-0}" != 1 ]; then
   wait_for "the one-off fire" 60 seen_from '"fire_id": "demo-once@' 1
-  say "the one-off fired: $(grep '"fire_id": "demo-once@' "$state/logs/worker.log" | head -n 1 | json 'd["fire_id"]')"
+  say "the one-off fired: $(worker_logs | grep '"fire_id": "demo-once@' | head -n 1 | json 'd["fire_id"]')"
 fi
+say "what the workers made of the fires (hascheduler runs list):"
+HASCHEDULER_TOKEN=$read_token "$HS" runs list --api "$standby_url" --limit 5 | sed 's/^/    /'
+succeeded=$(HASCHEDULER_TOKEN=$read_token "$HS" runs list --api "$standby_url" --state succeeded --json | json 'len(d["items"])')
+[ "$succeeded" -gt 0 ] || fail "no run succeeded"
+say "scale the workers to 3 and back to 2"
+"$HS" dev scale-workers 3 --state-dir "$state" | sed 's/^/    /'
+"$HS" dev scale-workers 2 --state-dir "$state" | sed 's/^/    /'
 say "scale to 5 replicas"
 "$HS" dev scale 5 --state-dir "$state" | sed 's/^/    /'
 say "scale to 1 replica"

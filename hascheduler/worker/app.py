@@ -121,6 +121,7 @@ class WorkerApp:
 def log_run(run: Run) -> None:
     """The handler when none is named: log each fire."""
     log.info("fire_received", fire_id=run.fire_id, attempt=run.attempt,
+             term=run.event.get("data", {}).get("term"),
              nominal_at=run.nominal_at.isoformat() if run.nominal_at else None,
              payload=run.payload)
 
