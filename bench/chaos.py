@@ -3,7 +3,8 @@
     scripts/chaos.py --duration 300 --replicas 3 --schedules 60 --seed 7 [--out DIR]
 
 Runs `hascheduler dev`'s cluster (development MongoDB server, nats-server with JetStream,
-N replicas kept at N like a Deployment, one worker), creates --schedules schedules over
+N replicas kept at N like a Deployment, --workers workers running bench/chaos_worker.py's
+handler, which fails at --fail-rate), creates --schedules schedules over
 the HTTP API (policy `all`: every nominal time must fire), then for --duration seconds
 injects one of these faults at random moments (seeded; one every --fault-every seconds on
 average), then lets it run --calm seconds without faults:
@@ -12,11 +13,15 @@ average), then lets it run --calm seconds without faults:
 - a failCommand cut-off (every command's connection closed) or stall (every command
   blocked) of one replica's database connections, picked by its appName;
 - a nats-server restart (same port and JetStream store);
-- a stall of the development MongoDB server itself (SIGSTOP/SIGCONT).
+- a stall of the development MongoDB server itself (SIGSTOP/SIGCONT);
+- SIGKILL of a worker (restarted under its name), SIGSTOP/SIGCONT of one.
 
 Afterwards every fault is healed and the auditor (bench/chaos_audit.py, no scheduler code)
 reads the whole stream: each (schedule, nominal time) due in the window must be there
-exactly once, never early, and outside fault windows within --late-bound seconds. Prints a
+exactly once, never early, and outside fault windows within --late-bound seconds. Then
+every fire in the stream must end in the runs ledger `succeeded` (its side effect done) or,
+for the fires the handler dooms, `dead` with its error; none lost or left running, and a
+side effect done twice only by a worker the soak interrupted. Prints a
 table, writes report.json, timeline.png and failover-gaps.png into --out, and exits 1 when
 any check fails (2 on bad arguments).
 """
@@ -42,7 +47,16 @@ from typing import Any
 import aiohttp
 from pymongo import AsyncMongoClient
 
-from bench.chaos_audit import SoakAudit, SoakSchedule, Window, audit, stored_fire
+from bench.chaos_audit import (
+    RunsAudit,
+    SoakAudit,
+    SoakSchedule,
+    Window,
+    audit,
+    audit_runs,
+    stored_fire,
+)
+from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
 from hascheduler import logs
 from hascheduler.devcluster.supervisor import Child, DevSettings, Supervisor, read_stream
@@ -52,10 +66,13 @@ TARGET = "chaos"
 # Relative weights: the leader's faults are the ones that test exactly-once.
 KINDS = {"leader-kill": 2.0, "leader-term": 1.5, "leader-stop": 1.5, "standby-kill": 1.0,
          "standby-term": 1.0, "standby-stop": 1.0, "db-cutoff": 1.5, "db-stall": 1.0,
-         "nats-restart": 1.0, "devmongo-stall": 1.0}
+         "nats-restart": 1.0, "devmongo-stall": 1.0, "worker-kill": 1.0, "worker-stop": 1.0}
 DB_COMMANDS = ["find", "insert", "update", "delete", "findAndModify", "aggregate", "getMore",
                "count", "killCursors"]
 COMPLETE_WITHIN_S = 120.0  # after the last fault is healed, for the stream to be complete
+# The workers' broker ack wait and run lease: a stop shorter than the lease minus one
+# heartbeat interval never lets another worker take a run over.
+WORKER_ACK_WAIT_S = 6.0
 
 
 @dataclass
@@ -92,6 +109,7 @@ class Soak:
     samples: list[LeaseSample] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)
     heals: set[asyncio.Task[None]] = field(default_factory=set)
+    interrupted: set[str] = field(default_factory=set)  # workers killed or stopped
     t0: dt.datetime = dt.datetime.min  # the window's start, set by run()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -158,6 +176,10 @@ class Soak:
         return {c.name: c for c in self.supervisor.replicas
                 if c.alive and not c.retiring and c.name not in self.busy}
 
+    def _workers(self) -> dict[str, Child]:
+        return {c.name: c for c in self.supervisor.workers
+                if c.alive and c.name not in self.busy}
+
     def _pick(self) -> tuple[str, str] | None:
         """A fault kind that applies right now, and its target."""
         holder, _ = self.leader()
@@ -178,6 +200,10 @@ class Soak:
             options["nats-restart"] = "nats-server"
         if not {"devmongo", "failpoint"} & self.busy:
             options["devmongo-stall"] = "devmongo"
+        workers = sorted(self._workers())
+        if workers:
+            options["worker-kill"] = self.rng.choice(workers)
+            options["worker-stop"] = self.rng.choice(workers)
         if not options:
             return None
         kinds = sorted(options)
@@ -190,7 +216,9 @@ class Soak:
         leader = target == holder
         rng = self.rng
         hold = 0.0
-        if kind.endswith("-stop"):
+        if kind == "worker-stop":
+            hold = rng.uniform(0.5, WORKER_ACK_WAIT_S * 2 / 3 - 0.5)
+        elif kind.endswith("-stop"):
             hold = rng.uniform(0.5, 2 * ttl)
         elif kind.startswith("db-"):
             hold = rng.uniform(1.0, 2 * ttl)
@@ -207,6 +235,18 @@ class Soak:
         fault = Fault(kind, target, dt.datetime.now(UTC), round(hold, 2), term, leader, settle)
         self.faults.append(fault)
         sup = self.supervisor
+        if kind.startswith("worker-"):
+            self.interrupted.add(target)
+            child = self._workers()[target]
+            if kind == "worker-kill":
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGKILL)
+                fault.ended = fault.started
+                return fault
+            self.busy.add(target)
+            child.process.send_signal(signal.SIGSTOP)
+            self._heal_later(fault, self._continue(child, target))
+            return fault
         if kind.endswith(("-kill", "-term")):
             child = self._replicas()[target]
             with contextlib.suppress(ProcessLookupError):
@@ -348,6 +388,36 @@ def table(report: SoakAudit, faults: list[Fault], gaps: list[dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def runs_table(r: RunsAudit) -> str:
+    attempts = ", ".join(f"{n}: {c:,}" for n, c in sorted(r.attempts.items()))
+    return "\n".join([
+        "| fires in the stream | runs succeeded | dead (doomed) | lost | unsettled | "
+        "wrongly dead/alive | side effect repeated (by an interrupted worker) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {r.fires:,} | {r.succeeded:,} | {r.dead:,} | {len(r.lost)} | {len(r.unsettled)} | "
+        f"{len(r.wrongly_dead)}/{len(r.wrongly_alive)} | {len(r.repeated)} "
+        f"({len(r.repeated) - len(r.unexplained)}) |", "",
+        f"runs by attempts: {attempts}"])
+
+
+async def settled_runs(soak: Soak, fire_ids: set[str]) -> dict[str, dict[str, Any]]:
+    """The runs of ``fire_ids`` once none is running or retrying (or the deadline passes)."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        soak.supervisor.mongodb_uri, tz_aware=True)
+    deadline = time.monotonic() + COMPLETE_WITHIN_S
+    try:
+        while True:
+            runs = {d["_id"]: d async for d in client.get_default_database()["runs"].find(
+                {}, {"event": 0})}
+            open_runs = [f for f in fire_ids
+                         if runs.get(f, {}).get("state") in (None, "running", "retrying")]
+            if not open_runs or time.monotonic() > deadline:
+                return runs
+            await asyncio.sleep(1.0)  # retries wait out their backoff at the broker
+    finally:
+        await client.close()
+
+
 async def complete_stream(soak: Soak, since: dt.datetime, until: dt.datetime,
                           windows: list[Window]) -> tuple[SoakAudit, list[Any]]:
     """Read the stream until nothing due is missing, or the deadline passes."""
@@ -364,11 +434,18 @@ async def complete_stream(soak: Soak, since: dt.datetime, until: dt.datetime,
 async def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
-    settings = DevSettings(replicas=args.replicas, state_dir=Path(tempfile.mkdtemp(
-        prefix="hascheduler-chaos-")))
+    state_dir = Path(tempfile.mkdtemp(prefix="hascheduler-chaos-"))
+    side_effects = state_dir / "side-effects.txt"
+    os.environ["CHAOS_SIDE_EFFECTS"] = str(side_effects)  # the workers inherit both
+    os.environ["CHAOS_FAIL_RATE"] = str(args.fail_rate)
+    settings = DevSettings(replicas=args.replicas, state_dir=state_dir, workers=args.workers,
+                           worker_app="bench.chaos_worker:app",
+                           worker_args=("--ack-wait", str(WORKER_ACK_WAIT_S),
+                                        "--concurrency", "16"))
     soak = Soak(args, settings, random.Random(args.seed), Supervisor(settings))
     print(f"chaos soak: {args.duration:g} s of faults then {args.calm:g} s calm, "
-          f"{args.replicas} replicas, {args.schedules} schedules, seed {args.seed}, "
+          f"{args.replicas} replicas, {args.workers} workers failing {args.fail_rate:.0%} of "
+          f"attempts, {args.schedules} schedules, seed {args.seed}, "
           f"a fault every {args.fault_every:g} s on average; "
           f"lease ttl {settings.lease_ttl:g} s, renew deadline {settings.renew_deadline:g} s, "
           f"renew interval {settings.renew_interval:g} s; logs in {settings.state_dir}",
@@ -393,6 +470,8 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
         report, messages = await complete_stream(soak, since, until, windows)
+        fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
+        runs = await settled_runs(soak, fire_ids)
     finally:
         if watcher is not None:
             watcher.cancel()
@@ -403,15 +482,26 @@ async def run(args: argparse.Namespace) -> int:
         await soak.supervisor.stop()
 
     fires = [(f.term, f.stored_at) for e, at in messages if (f := stored_fire(e, at))]
+    effects = [(f, w, int(a), what) for f, w, a, what in
+               (line.split() for line in side_effects.read_text().splitlines())] \
+        if side_effects.exists() else []
+    runs_report = audit_runs(fire_ids, runs, effects, doomed, soak.interrupted)
     gaps = failover_gaps(soak.faults, soak.samples, fires)
     print()
     print(table(report, soak.faults, gaps))
+    print()
+    print(runs_table(runs_report))
     checks = {"every due fire delivered": not report.missing,
               "none duplicated": not report.duplicated,
               "none unexpected or early": not (report.unexpected or report.early),
               f"lateness outside fault windows <= {args.late_bound:g} s": not report.over_bound,
               "every message well formed": not report.malformed,
-              f"at least {args.min_faults} faults injected": len(soak.faults) >= args.min_faults}
+              f"at least {args.min_faults} faults injected": len(soak.faults) >= args.min_faults,
+              "every fire run: succeeded, or dead (doomed) with its error":
+                  not (runs_report.lost or runs_report.unsettled or runs_report.wrongly_dead
+                       or runs_report.wrongly_alive or runs_report.not_done),
+              "a side effect repeated only by an interrupted worker":
+                  not runs_report.unexplained}
     print()
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
@@ -422,6 +512,13 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {label}: {sid} @ {nominal.isoformat()}")
     for (sid, nominal), late in report.over_bound[:5]:
         print(f"  late: {sid} @ {nominal.isoformat()} by {late:.2f} s")
+    for label, ids in (("lost run", runs_report.lost), ("unsettled", runs_report.unsettled),
+                       ("wrongly dead", runs_report.wrongly_dead),
+                       ("doomed yet succeeded", runs_report.wrongly_alive),
+                       ("no side effect", runs_report.not_done),
+                       ("repeated, unexplained", runs_report.unexplained)):
+        for fire_id in ids[:5]:
+            print(f"  {label}: {fire_id}")
 
     command = " ".join(["scripts/chaos.py", *sys.argv[1:]])
     result = {
@@ -442,7 +539,16 @@ async def run(args: argparse.Namespace) -> int:
                              "p99": pct(report.lateness_clear, .99),
                              "max": max(report.lateness_clear, default=0.0)},
         "gaps": gaps, "checks": checks, "ok": all(checks.values()),
-        "table": table(report, soak.faults, gaps)}
+        "runs": {"fires": runs_report.fires, "succeeded": runs_report.succeeded,
+                 "dead": runs_report.dead, "lost": len(runs_report.lost),
+                 "unsettled": len(runs_report.unsettled),
+                 "wrongly_dead": len(runs_report.wrongly_dead),
+                 "wrongly_alive": len(runs_report.wrongly_alive),
+                 "not_done": len(runs_report.not_done),
+                 "repeated": len(runs_report.repeated),
+                 "unexplained": len(runs_report.unexplained),
+                 "attempts": dict(sorted(runs_report.attempts.items()))},
+        "table": table(report, soak.faults, gaps) + "\n\n" + runs_table(runs_report)}
     (out / "report.json").write_text(json.dumps(result, indent=1))
     from bench.chaos_plot import plot_gaps, plot_timeline
 
@@ -472,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of faults (default 300)")
     parser.add_argument("--replicas", type=_positive(int, 2), default=3)
     parser.add_argument("--schedules", type=_positive(int, 1), default=60)
+    parser.add_argument("--workers", type=_positive(int, 1), default=2)
+    parser.add_argument("--fail-rate", type=_positive(float, 0), default=0.05,
+                        help="the share of handler attempts that fail (default 0.05)")
     parser.add_argument("--calm", type=_positive(float, 0), default=20.0,
                         help="seconds without faults after them, inside the audit window "
                              "(default 20)")

@@ -175,3 +175,67 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
     report.missing = sorted(k for k in expected if k not in counts)
     return report
 
+
+
+@dataclass
+class RunsAudit:
+    """Every fire in the stream against the runs ledger and the handler's side effects."""
+
+    fires: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    lost: list[str] = field(default_factory=list)          # in the stream, no final run
+    unsettled: list[str] = field(default_factory=list)     # still running or retrying
+    wrongly_dead: list[str] = field(default_factory=list)  # dead, not doomed, or no error
+    wrongly_alive: list[str] = field(default_factory=list)  # doomed, yet succeeded
+    not_done: list[str] = field(default_factory=list)      # succeeded, no side effect done
+    repeated: list[tuple[str, int]] = field(default_factory=list)  # done more than once
+    unexplained: list[str] = field(default_factory=list)   # ... by no interrupted worker
+    attempts: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.unsettled or self.wrongly_dead or self.wrongly_alive
+                    or self.not_done or self.unexplained)
+
+
+def audit_runs(fire_ids: set[str], runs: dict[str, dict[str, Any]],
+               side_effects: list[tuple[str, str, int, str]], doomed: Any,
+               interrupted: set[str]) -> RunsAudit:
+    """``runs``: the runs ledger by fire id; ``side_effects``: (fire id, worker, attempt,
+    start|done) lines; ``doomed(fire_id)``: the handler raises PermanentFailure for it;
+    ``interrupted``: the workers the soak killed or stopped.
+
+    A side effect done twice is explained only when one of its attempts ran on an
+    interrupted worker: killed between the handler's side effect and the ledger's record,
+    or stalled past its run lease (the windows docs/RELIABILITY.md states)."""
+    report = RunsAudit(fires=len(fire_ids))
+    done = Counter(f for f, _, _, what in side_effects if what == "done")
+    done_by: dict[str, set[str]] = {}
+    for f, worker, _, what in side_effects:
+        if what == "done":
+            done_by.setdefault(f, set()).add(worker)
+    for fire_id in sorted(fire_ids):
+        run = runs.get(fire_id)
+        if run is None:
+            report.lost.append(fire_id)
+            continue
+        report.attempts[int(run.get("attempts", 0))] += 1
+        state = run.get("state")
+        if state == "succeeded":
+            report.succeeded += 1
+            if doomed(fire_id):
+                report.wrongly_alive.append(fire_id)
+            if done[fire_id] == 0:
+                report.not_done.append(fire_id)
+            if done[fire_id] > 1:
+                report.repeated.append((fire_id, done[fire_id]))
+                if not done_by[fire_id] & interrupted:
+                    report.unexplained.append(fire_id)
+        elif state == "dead":
+            report.dead += 1
+            if not doomed(fire_id) or not run.get("last_error"):
+                report.wrongly_dead.append(fire_id)
+        else:
+            report.unsettled.append(fire_id)
+    return report

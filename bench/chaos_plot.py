@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from bench.chaos import Fault, LeaseSample
 
 FAULT_COLOURS = {"leader": "tab:red", "standby": "tab:blue", "db": "tab:purple",
-                 "nats": "tab:orange", "devmongo": "tab:brown"}
+                 "nats": "tab:orange", "devmongo": "tab:brown", "worker": "tab:green"}
 
 
 def _colour(kind: str) -> str:

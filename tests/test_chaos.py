@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.chaos import Fault, LeaseSample, failover_gaps
-from bench.chaos_audit import SoakSchedule, audit, stored_fire
+from bench.chaos_audit import SoakSchedule, audit, audit_runs, stored_fire
 from hascheduler.models import ScheduleIn
 from hascheduler.triggers import iso_utc
 
@@ -156,6 +156,34 @@ def test_sixty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert {"leader-kill", "leader-term"} & kinds, kinds
     assert "nats-restart" in kinds, kinds
     assert report["gaps"], "no leader fault was followed by a takeover"
+    assert {"worker-kill", "worker-stop"} & kinds, kinds
+    runs = report["runs"]
+    assert runs["fires"] >= report["delivered"]
+    assert runs["succeeded"] + runs["dead"] == runs["fires"], runs
+    assert runs["dead"] > 0, "no doomed fire: the dead path went untested"
+    assert runs["lost"] == runs["unsettled"] == runs["unexplained"] == 0, runs
+    assert any(n > 1 for n in map(int, runs["attempts"])), "no retry happened"
     assert done.returncode == 0, report["checks"]
     for png in ("timeline.png", "failover-gaps.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_audit_catches_lost_unsettled_wrong_and_unexplained_runs() -> None:
+    fires = {f"f{i}" for i in range(7)}
+    runs = {"f0": {"state": "succeeded", "attempts": 1},
+            "f1": {"state": "dead", "attempts": 1, "last_error": "PermanentFailure: x"},
+            "f2": {"state": "running", "attempts": 1},
+            "f3": {"state": "dead", "attempts": 10, "last_error": "E"},  # not doomed
+            "f4": {"state": "succeeded", "attempts": 2},   # done twice by w2, interrupted
+            "f5": {"state": "succeeded", "attempts": 2}}   # done twice, nobody interrupted
+    effects = [("f0", "w1", 1, "start"), ("f0", "w1", 1, "done"),
+               ("f4", "w2", 1, "done"), ("f4", "w1", 2, "done"),
+               ("f5", "w1", 1, "done"), ("f5", "w1", 2, "done")]
+    report = audit_runs(fires, runs, effects, lambda f: f == "f1", interrupted={"w2"})
+    assert (report.succeeded, report.dead) == (3, 2)
+    assert report.lost == ["f6"]
+    assert report.unsettled == ["f2"]
+    assert report.wrongly_dead == ["f3"]
+    assert report.repeated == [("f4", 2), ("f5", 2)]
+    assert report.unexplained == ["f5"]
+    assert not report.ok

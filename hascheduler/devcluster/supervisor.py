@@ -47,6 +47,9 @@ STOP_TIMEOUT_S = 15.0
 class DevSettings:
     replicas: int = 3
     workers: int = 1
+    # The workers' --app (module:attribute), default: log each fire; and more worker flags.
+    worker_app: str | None = None
+    worker_args: tuple[str, ...] = ()
     # A broker URL as serve takes it (nats://... of a running server, or log:); None: start
     # a nats-server of our own.
     broker: str | None = None
@@ -197,7 +200,9 @@ class Supervisor:
         name = next(f"w{i}" for i in range(1, len(taken) + 2) if f"w{i}" not in taken)
         child = await self._spawn("worker", name, self._cli(
             "worker", "--broker", self.nats_uri, "--mongodb-uri", self.mongodb_uri,
-            "--durable", "dev-worker", "--worker-id", name), announces="worker ")
+            "--durable", "dev-worker", "--worker-id", name,
+            *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
+            *self.settings.worker_args), announces="worker ")
         self.workers.append(child)
         return child
 

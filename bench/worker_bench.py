@@ -1,0 +1,234 @@
+"""Worker benchmark: throughput with the runs ledger, and due time to handler start.
+
+    python -m bench.worker_bench [--fires 10000] [--concurrency 1,16]
+                                 [--rate 1000] [--seconds 20]
+
+Runs the development MongoDB server and a real nats-server as processes.
+
+- Throughput: --fires fires already in the stream; one `hascheduler worker` process with a
+  no-op async handler at each --concurrency (claim in the runs ledger, run, record, ack),
+  from its start to the consumer's ack floor at the last message. Baseline, same run: a
+  raw nats-py pull consumer fetching as many at a time and acknowledging each, no ledger.
+  Target: within 2x of raw.
+- Latency: --rate schedules firing every second for --seconds, one replica leading and one
+  worker (concurrency 16) whose handler notes when it starts; handler start minus due
+  time. Baseline, same run: the scheduler half alone, publish-acknowledged minus due time
+  (the fire ledger), so the difference is what the broker's delivery and the run's claim
+  add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bench.devmongo_bench import pct
+from bench.firing_bench import Cluster, schedule_doc
+from hascheduler.brokers.nats import ensure_stream
+from hascheduler.worker import Run, WorkerApp
+from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
+
+STREAM = "HASCHEDULER"
+SUBJECT = "hascheduler.fire.bench.noop"
+
+app = WorkerApp()
+
+
+@app.handler("bench.>")
+async def noted(run: Run) -> None:
+    """No work; with BENCH_STARTS set, note how late after its due time the run started."""
+    path = os.environ.get("BENCH_STARTS")
+    if path and run.nominal_at is not None:
+        with open(path, "a") as out:  # noqa: ASYNC230 - a short append is the measurement
+            nominal = run.nominal_at.timestamp()
+            out.write(f"{nominal:.3f} {time.time() - nominal:.6f}\n")
+
+
+def event(i: int, nominal: dt.datetime) -> bytes:
+    fire_id = f"bench-{i}@{nominal.isoformat()}"
+    return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
+                       "type": "io.hascheduler.fire", "subject": f"bench-{i}",
+                       "data": {"schedule_id": f"bench-{i}", "term": 1, "payload": {},
+                                "nominal_at": nominal.isoformat()}}).encode()
+
+
+async def fill_stream(nats_uri: str, fires: int) -> int:
+    """Publish ``fires`` fires (pipelined, each acknowledged); the last stream sequence."""
+    nc = await nats.connect(nats_uri)
+    try:
+        js = nc.jetstream()
+        await ensure_stream(js, STREAM, 600)
+        nominal = dt.datetime.now(dt.UTC)
+        last = 0
+        for start in range(0, fires, 500):
+            acks = await asyncio.gather(*(
+                js.publish(SUBJECT, event(i, nominal), headers={"Nats-Msg-Id": f"m{i}"})
+                for i in range(start, min(fires, start + 500))))
+            last = max(a.seq for a in acks)
+        return last
+    finally:
+        await nc.close()
+
+
+async def acked_through(js: Any, durable: str, last: int) -> bool:
+    try:
+        info = await js.consumer_info(STREAM, durable)
+    except nats.js.errors.NotFoundError:  # the worker has not created it yet
+        return False
+    return bool(info.ack_floor.stream_seq >= last and info.num_ack_pending == 0)
+
+
+async def raw_consumer(nats_uri: str, concurrency: int, last: int) -> float:
+    nc = await nats.connect(nats_uri)
+    try:
+        js = nc.jetstream()
+        durable = f"raw-{concurrency}"
+        await js.add_consumer(STREAM, ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, filter_subject=SUBJECT))
+        sub = await js.pull_subscribe_bind(durable=durable, stream=STREAM)
+        started = time.perf_counter()
+        done = 0
+        while done < last:
+            messages = await sub.fetch(concurrency, timeout=5)
+            await asyncio.gather(*(m.ack_sync() for m in messages))
+            done += len(messages)
+        return time.perf_counter() - started
+    finally:
+        await nc.close()
+
+
+async def our_worker(nats_uri: str, mongo_uri: str, concurrency: int, last: int) -> float:
+    durable = f"ours-{concurrency}"
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", nats_uri, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
+        "--durable", durable, "--concurrency", str(concurrency),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    nc = await nats.connect(nats_uri)
+    try:
+        assert worker.stdout is not None
+        await asyncio.wait_for(worker.stdout.readline(), 60)
+        started = time.perf_counter()
+        js = nc.jetstream()
+        while not await acked_through(js, durable, last):  # noqa: ASYNC110 - a server's state
+            await asyncio.sleep(0.02)
+        return time.perf_counter() - started
+    finally:
+        worker.terminate()
+        await worker.wait()
+        await nc.close()
+
+
+async def throughput(mongo: ServerProcess, nats_uri: str, fires: int,
+                     levels: list[int]) -> list[dict[str, Any]]:
+    last = await fill_stream(nats_uri, fires)
+    rows = []
+    for concurrency in levels:
+        raw = await raw_consumer(nats_uri, concurrency, last)
+        ours = await our_worker(nats_uri, with_database(mongo.uri, f"wb_{concurrency}"),
+                                concurrency, last)
+        rows.append({"concurrency": concurrency, "fires": last, "raw_s": raw, "ours_s": ours,
+                     "raw_per_s": last / raw, "ours_per_s": last / ours,
+                     "ratio": ours / raw})
+    return rows
+
+
+async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
+                  seconds: float) -> dict[str, Any]:
+    database = "wb_latency"
+    c = Cluster(mongo, nats_uri, database)
+    await c.db.schedules.insert_many([
+        schedule_doc(f"tick-{i}", {"kind": "cron", "cron": "* * * * * *",
+                                   "timezone": "UTC"}, "bench.tick") for i in range(rate)])
+    starts = Path(tempfile.mkdtemp(prefix="worker-bench-")) / "starts.txt"
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", nats_uri, "--mongodb-uri", c.uri, "--app", "bench.worker_bench:app",
+        "--durable", "latency", "--concurrency", "16",
+        env={**os.environ, "BENCH_STARTS": str(starts)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert worker.stdout is not None
+        await asyncio.wait_for(worker.stdout.readline(), 60)
+        c.start("a")
+        await c.wait_ready()
+        await c.wait_leader()
+        # The first seconds after the election fill the mirror's queue; measure after them.
+        await asyncio.sleep(3)
+        begin = dt.datetime.now(dt.UTC)
+        await asyncio.sleep(seconds)
+        end = dt.datetime.now(dt.UTC)
+        await asyncio.sleep(3)  # the last fires of the window reach the worker
+        fires = [f async for f in c.db.fires.find(
+            {"due_at": {"$gte": begin, "$lt": end}, "state": "published"},
+            {"published_at": 1, "due_at": 1})]
+        published = [(f["published_at"] - f["due_at"]).total_seconds() for f in fires]
+        lines = starts.read_text().splitlines() if starts.exists() else []
+        started = [float(late) for nominal, late in (line.split() for line in lines)
+                   if begin.timestamp() <= float(nominal) < end.timestamp()]
+        return {"rate": rate, "seconds": seconds, "fires": len(fires),
+                "handler_starts": len(started),
+                "start_p50": pct(started, .5), "start_p99": pct(started, .99),
+                "publish_p50": pct(published, .5), "publish_p99": pct(published, .99)}
+    finally:
+        worker.terminate()
+        await worker.wait()
+        await c.close()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms"
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    mongo = start_devmongo()
+    broker = start_nats()
+    try:
+        rows = await throughput(mongo, broker.uri, args.fires, args.concurrency)
+        print("| worker, no-op handler | fires | raw nats-py consumer (ack only) | "
+              "`hascheduler worker` (claim, run, record, ack) | ours / raw |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| concurrency {r['concurrency']} | {r['fires']:,} | {r['raw_s']:.2f} s "
+                  f"({r['raw_per_s']:,.0f}/s) | {r['ours_s']:.2f} s ({r['ours_per_s']:,.0f}/s)"
+                  f" | {r['ratio']:.2f}x |")
+        late = await latency(mongo, broker.uri, args.rate, args.seconds)
+        print()
+        print("| due time to ... | fires/s | fires | p50 | p99 |")
+        print("|---|---|---|---|---|")
+        print(f"| published and acknowledged (the scheduler alone, baseline) | {late['rate']:,} | "
+              f"{late['fires']:,} | {_ms(late['publish_p50'])} | {_ms(late['publish_p99'])} |")
+        print(f"| the handler's start (broker delivery and the run's claim added) | "
+              f"{late['rate']:,} | {late['handler_starts']:,} | {_ms(late['start_p50'])} | "
+              f"{_ms(late['start_p99'])} |")
+    finally:
+        broker.stop()
+        mongo.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.worker_bench",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--fires", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")],
+                        default=[1, 16])
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
