@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pymongo import ASCENDING, DESCENDING, ReturnDocument
-from pymongo.errors import DuplicateKeyError, OperationFailure
+from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from .instants import as_utc
 
@@ -37,6 +37,7 @@ DEAD = "dead"
 STATES = (RUNNING, SUCCEEDED, RETRYING, DEAD)
 
 Document = dict[str, Any]
+DUPLICATE_KEY = 11000
 
 # What a run document says about itself through the API: never the stored event (it is
 # the payload again) nor the lease bookkeeping under another name.
@@ -50,6 +51,8 @@ class RunsCollection(Protocol):
     """The slice of a driver collection the runs ledger uses (PyMongo async or Motor)."""
 
     async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any,
                          **kwargs: Any) -> Any: ...
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
@@ -83,12 +86,48 @@ class FireRef:
     schedule_id: str
     target: str
     nominal_at: dt.datetime | None
-    event: Mapping[str, Any]  # the CloudEvent as delivered: a replay sends it again
+    event: Mapping[str, Any]  # the CloudEvent as delivered
+    body: bytes  # ... as its bytes: kept (not as a document: cheaper to store) for a replay
 
 
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
     """The fence: this worker's claim of this attempt, still running."""
     return {"_id": fire_id, "state": RUNNING, "worker_id": worker_id, "attempts": attempt}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one attempt ended, to be recorded (``RunLedger.record``)."""
+
+    fire_id: str
+    worker_id: str
+    attempt: int
+    started: dt.datetime
+    finished: dt.datetime
+    state: str  # SUCCEEDED, RETRYING or DEAD
+    error: str | None = None
+    retry_in_s: float = 0.0
+
+    def update(self) -> Document:
+        fields: Document = {"state": self.state, "finished_at": self.finished,
+                            "recorded_at": self.finished,
+                            "duration_s": (self.finished - self.started).total_seconds()}
+        if self.error is not None:
+            fields["last_error"] = self.error
+        if self.state == RETRYING:
+            fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
+        return {"$set": fields}
+
+
+def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
+    return {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
+            "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
+            "replays": 0, "event": fire.body, **running}
+
+
+def _running(worker_id: str, now: dt.datetime, lease_s: float) -> Document:
+    return {"state": RUNNING, "worker_id": worker_id, "started_at": now, "heartbeat_at": now,
+            "lease_until": now + dt.timedelta(seconds=lease_s), "recorded_at": now}
 
 
 class RunLedger:
@@ -109,20 +148,37 @@ class RunLedger:
 
     # -- a worker's writes ----------------------------------------------------------------
 
+    async def claim_many(self, fires: list[FireRef], worker_id: str, now: dt.datetime,
+                         lease_s: float) -> list[Claim]:
+        """``claim`` for each of ``fires`` (distinct fire ids), in one insert for those
+        seen for the first time: the common case."""
+        if not fires:
+            return []
+        running = _running(worker_id, now, lease_s)
+        try:
+            await self.runs.insert_many([_new_run(f, running, now) for f in fires],
+                                        ordered=False)
+            taken: set[int] = set()
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
+            taken = {e["index"] for e in errors}
+        return [await self._claim_existing(f, worker_id, now, lease_s) if i in taken
+                else Claim("claimed", attempt=1) for i, f in enumerate(fires)]
+
     async def claim(self, fire: FireRef, worker_id: str, now: dt.datetime,
                     lease_s: float) -> Claim:
         """Claim the run of ``fire`` for ``worker_id`` until ``now + lease_s``."""
-        lease_until = now + dt.timedelta(seconds=lease_s)
-        running = {"state": RUNNING, "worker_id": worker_id, "started_at": now,
-                   "heartbeat_at": now, "lease_until": lease_until, "recorded_at": now}
         try:
-            await self.runs.insert_one({
-                "_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
-                "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
-                "replays": 0, "event": dict(fire.event), **running})
+            await self.runs.insert_one(_new_run(fire, _running(worker_id, now, lease_s), now))
             return Claim("claimed", attempt=1)
         except DuplicateKeyError:
-            pass
+            return await self._claim_existing(fire, worker_id, now, lease_s)
+
+    async def _claim_existing(self, fire: FireRef, worker_id: str, now: dt.datetime,
+                              lease_s: float) -> Claim:
+        running = _running(worker_id, now, lease_s)
         before = await self.runs.find_one_and_update(
             {"_id": fire.fire_id, "$or": [
                 {"state": RETRYING, "next_attempt_at": {"$lte": now}},
@@ -150,22 +206,21 @@ class RunLedger:
             "recorded_at": now}})
         return bool(result.matched_count)
 
-    async def succeed(self, fire_id: str, worker_id: str, attempt: int,
-                      started: dt.datetime, now: dt.datetime) -> bool:
-        return await self._finish(fire_id, worker_id, attempt, started, now,
-                                  {"state": SUCCEEDED})
-
-    async def retry_later(self, fire_id: str, worker_id: str, attempt: int,
-                          started: dt.datetime, now: dt.datetime, error: str,
-                          delay_s: float) -> bool:
-        return await self._finish(fire_id, worker_id, attempt, started, now, {
-            "state": RETRYING, "last_error": error,
-            "next_attempt_at": now + dt.timedelta(seconds=delay_s)})
-
-    async def die(self, fire_id: str, worker_id: str, attempt: int, started: dt.datetime,
-                  now: dt.datetime, error: str) -> bool:
-        return await self._finish(fire_id, worker_id, attempt, started, now,
-                                  {"state": DEAD, "last_error": error})
+    async def record(self, outcomes: list[Outcome]) -> set[str]:
+        """Record how attempts ended, in one write; the fire ids whose claim was no longer
+        this worker's (taken over after its lease lapsed: their record is dropped)."""
+        if not outcomes:
+            return set()
+        result = await self.runs.bulk_write(
+            [UpdateOne(_mine(o.fire_id, o.worker_id, o.attempt), o.update())
+             for o in outcomes], ordered=False)
+        if result.matched_count == len(outcomes):
+            return set()
+        wanted = {o.fire_id: (o.worker_id, o.attempt, o.state) for o in outcomes}
+        kept = {d["_id"] async for d in self.runs.find(
+            {"_id": {"$in": list(wanted)}}, {"state": 1, "worker_id": 1, "attempts": 1})
+            if (d.get("worker_id"), d.get("attempts"), d.get("state")) == wanted[d["_id"]]}
+        return set(wanted) - kept
 
     async def release(self, fire_id: str, worker_id: str, attempt: int, now: dt.datetime,
                       reason: str) -> bool:
@@ -175,14 +230,6 @@ class RunLedger:
             "$set": {"state": RETRYING, "last_error": reason, "next_attempt_at": now,
                      "recorded_at": now},
             "$inc": {"attempts": -1}})
-        return bool(result.matched_count)
-
-    async def _finish(self, fire_id: str, worker_id: str, attempt: int, started: dt.datetime,
-                      now: dt.datetime, fields: Document) -> bool:
-        """Record an attempt's end; False when the claim was no longer this worker's."""
-        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {"$set": {
-            **fields, "finished_at": now, "recorded_at": now,
-            "duration_s": (now - started).total_seconds()}})
         return bool(result.matched_count)
 
     # -- operators' writes ----------------------------------------------------------------

@@ -4,6 +4,7 @@ fence, takeover after a lapsed lease, retries, replays and paging."""
 from __future__ import annotations
 
 import asyncio
+import json
 import datetime as dt
 from typing import Any
 
@@ -15,6 +16,7 @@ from hascheduler.runs import (
     RUNNING,
     SUCCEEDED,
     FireRef,
+    Outcome,
     RunLedger,
     decode_page_token,
     encode_page_token,
@@ -29,7 +31,17 @@ def at(seconds: float) -> dt.datetime:
 
 
 def fire(fire_id: str = "s@1", schedule_id: str = "s", nominal: float = 0) -> FireRef:
-    return FireRef(fire_id, schedule_id, "jobs", at(nominal), {"id": fire_id, "data": {}})
+    event = {"id": fire_id, "data": {}}
+    return FireRef(fire_id, schedule_id, "jobs", at(nominal), event, json.dumps(event).encode())
+
+
+async def ended(ledger: RunLedger, fire_id: str, worker: str, attempt: int,
+                started: dt.datetime, finished: dt.datetime, state: str,
+                error: str | None = None, retry_in_s: float = 0.0) -> bool:
+    """Record one outcome; whether the claim was still the worker's."""
+    lost = await ledger.record([Outcome(fire_id, worker, attempt, started, finished, state,
+                                        error, retry_in_s)])
+    return fire_id not in lost
 
 
 @pytest.fixture
@@ -53,8 +65,8 @@ async def test_a_claim_is_exclusive_until_its_lease_lapses(ledger: RunLedger) ->
     assert taken.took_over == "a"
     # The fence: the stalled worker wakes and writes nothing.
     assert not await ledger.heartbeat("s@1", "a", 1, at(20), lease_s=10)
-    assert not await ledger.succeed("s@1", "a", 1, at(0), at(20))
-    assert await ledger.succeed("s@1", "b", 2, at(19), at(21))
+    assert not await ended(ledger, "s@1", "a", 1, at(0), at(20), SUCCEEDED)
+    assert await ended(ledger, "s@1", "b", 2, at(19), at(21), SUCCEEDED)
     doc = await ledger.get("s@1")
     assert doc is not None
     assert (doc["state"], doc["worker_id"], doc["attempts"], doc["duration_s"]) == (
@@ -71,14 +83,14 @@ async def test_concurrent_claims_of_one_fire_have_one_winner(ledger: RunLedger) 
 async def test_a_retry_waits_for_its_time_then_counts_the_next_attempt(
         ledger: RunLedger) -> None:
     await ledger.claim(fire(), "a", at(0), 10)
-    assert await ledger.retry_later("s@1", "a", 1, at(0), at(1), "E: boom", delay_s=5)
+    assert await ended(ledger, "s@1", "a", 1, at(0), at(1), RETRYING, "E: boom", 5)
     early = await ledger.claim(fire(), "b", at(3), 10)
     assert (early.outcome, early.wait_s) == (RETRYING, 3)
     second = await ledger.claim(fire(), "b", at(6), 10)
     assert second.claimed
     assert second.attempt == 2
     assert second.took_over is None
-    assert await ledger.die("s@1", "b", 2, at(6), at(7), "E: boom again")
+    assert await ended(ledger, "s@1", "b", 2, at(6), at(7), DEAD, "E: boom again")
     dead = await ledger.get("s@1")
     assert dead is not None
     assert (dead["state"], dead["last_error"]) == (DEAD, "E: boom again")
@@ -88,7 +100,7 @@ async def test_a_retry_waits_for_its_time_then_counts_the_next_attempt(
 async def test_a_replay_gives_a_dead_run_a_fresh_budget(ledger: RunLedger) -> None:
     await ledger.claim(fire(), "a", at(0), 10)
     assert await ledger.replay("s@1", at(1)) is None  # running: not dead
-    await ledger.die("s@1", "a", 1, at(0), at(1), "E")
+    await ended(ledger, "s@1", "a", 1, at(0), at(1), DEAD, "E")
     replayed = await ledger.replay("s@1", at(2))
     assert replayed is not None
     assert (replayed["state"], replayed["attempts"], replayed["replays"]) == (RETRYING, 0, 1)
@@ -116,7 +128,7 @@ async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(
 async def test_pages_walk_every_run_once_newest_change_first(ledger: RunLedger) -> None:
     for i in range(7):
         await ledger.claim(fire(f"s@{i}", nominal=i), "a", at(i // 2), 10)  # ties in time
-        await ledger.die(f"s@{i}", "a", 1, at(i // 2), at(i // 2), "E")
+        await ended(ledger, f"s@{i}", "a", 1, at(i // 2), at(i // 2), DEAD, "E")
     await ledger.claim(fire("other@1", "other"), "a", at(9), 10)
     seen: list[str] = []
     after = None
@@ -143,3 +155,16 @@ async def test_pages_walk_every_run_once_newest_change_first(ledger: RunLedger) 
 def test_a_page_token_not_made_here_is_refused(token: str) -> None:
     with pytest.raises(ValueError, match="page token"):
         decode_page_token(token)
+
+
+async def test_many_claims_and_outcomes_in_one_write_each(ledger: RunLedger) -> None:
+    await ledger.claim(fire("s@0"), "other", at(0), 10)  # already someone's
+    claims = await ledger.claim_many([fire(f"s@{i}") for i in range(4)], "a", at(1), 10)
+    assert [c.outcome for c in claims] == [RUNNING, "claimed", "claimed", "claimed"]
+    lost = await ledger.record([
+        Outcome("s@1", "a", 1, at(1), at(2), SUCCEEDED),
+        Outcome("s@2", "a", 1, at(1), at(2), DEAD, "E"),
+        Outcome("s@0", "a", 1, at(1), at(2), SUCCEEDED)])  # never ours: dropped
+    assert lost == {"s@0"}
+    states = {i: (await ledger.get(f"s@{i}") or {}).get("state") for i in range(4)}
+    assert states == {0: RUNNING, 1: SUCCEEDED, 2: DEAD, 3: RUNNING}

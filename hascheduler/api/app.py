@@ -473,7 +473,7 @@ async def retry_run(request: web.Request) -> web.Response:
         return problem(409, f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
                             "be retried")
     replays = int(doc["replays"])
-    event = dict(doc["event"])
+    event = json.loads(doc["event"])
     event["data"] = {**event.get("data", {}), "replay": replays}
     message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],
                           term=int(event["data"].get("term", 0)),

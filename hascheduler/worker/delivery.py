@@ -60,7 +60,7 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
         fire=FireRef(fire_id=fire_id, target=target,
                      schedule_id=schedule_id if isinstance(schedule_id, str)
                      else fire_id.partition("@")[0],
-                     nominal_at=nominal_at.astimezone(dt.UTC), event=event),
+                     nominal_at=nominal_at.astimezone(dt.UTC), event=event, body=body),
         term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"))
 
 

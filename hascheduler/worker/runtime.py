@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from .. import logs
 from ..brokers.base import SUBJECT_PREFIX
 from ..brokers.nats import NatsEndpoint, ensure_stream
 from ..constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
-from ..runs import DEAD, SUCCEEDED, RunLedger
+from ..runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
 from .app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from .delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from .metrics import WorkerMetrics
@@ -50,6 +51,7 @@ log = structlog.get_logger("hascheduler.worker")
 Clock = Callable[[], dt.datetime]
 
 FETCH_WAIT_S = 0.5  # an idle fetch's wait: how promptly a stop is noticed
+FETCH_COALESCE_S = 0.005  # at most this long for more free slots before a fetch
 # A fire running elsewhere is offered again once that claim could have lapsed, plus this.
 BUSY_MARGIN_S = 0.5
 # The ledger may be unreachable (a failover): a claim is retried by the broker after this.
@@ -148,8 +150,54 @@ async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> 
             await work()
 
 
+class Recorder:
+    """Writes attempts' outcomes to the runs ledger behind the handlers: whatever ended
+    while the previous write was in flight goes in the next one (no timer), so at high
+    concurrency one write records many runs."""
+
+    def __init__(self, runs: RunLedger, give_up_after_s: float) -> None:
+        self.runs = runs
+        self.give_up_after_s = give_up_after_s
+        self._pending: list[tuple[Outcome, asyncio.Future[bool]]] = []
+        self._wake = asyncio.Event()
+
+    async def record(self, outcome: Outcome) -> bool:
+        """Once written: True, or False when the claim was no longer this worker's."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending.append((outcome, done))
+        self._wake.set()
+        return await done
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            try:
+                lost = await self._write([o for o, _ in batch])
+            except PyMongoError as exc:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            for outcome, done in batch:
+                if not done.done():
+                    done.set_result(outcome.fire_id not in lost)
+
+    async def _write(self, outcomes: list[Outcome]) -> set[str]:
+        """Through a database failover, for as long as a run's lease: after that another
+        worker may have taken the runs over anyway."""
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(PyMongoError),
+                wait=wait_exponential_jitter(initial=0.1, max=2.0),
+                stop=stop_after_delay(self.give_up_after_s), reraise=True):
+            with attempt:
+                return await self.runs.record(outcomes)
+        raise AssertionError("unreachable: AsyncRetrying reraises")
+
+
 class Worker:
-    """Consumes fires and runs them, at most ``concurrency`` at once."""
+    """Consumes fires and runs them, at most ``concurrency`` handlers at once."""
 
     def __init__(self, settings: WorkerSettings, runs: RunLedger, metrics: WorkerMetrics,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
@@ -159,7 +207,9 @@ class Worker:
         self.metrics = metrics
         self.clock = clock
         self.stale = StaleFilter()
-        self.inflight: set[asyncio.Task[None]] = set()
+        self.recorder = Recorder(runs, settings.ack_wait_s)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.running = 0  # handlers running now: what --concurrency bounds
         self._slot_freed = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -167,6 +217,7 @@ class Worker:
         nc = await s.endpoint.connect(s.durable, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.5, disconnected_cb=_disconnected,
                                       reconnected_cb=_reconnected)
+        recording = asyncio.create_task(self.recorder.run())
         log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
                  concurrency=s.concurrency)
         print(f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as {s.durable}",
@@ -182,6 +233,7 @@ class Worker:
                     await self._consume(nc, stop)
             await self._drain()
         finally:
+            recording.cancel()
             # Every message is acknowledged explicitly, so nothing is left to drain from
             # the connection; drain() on a pull subscription can wait forever.
             with contextlib.suppress(Exception):
@@ -201,92 +253,143 @@ class Worker:
             **({"filter_subject": subjects[0]} if len(subjects) == 1
                else {"filter_subjects": subjects})))
         subscription = await js.pull_subscribe_bind(durable=s.durable, stream=s.endpoint.stream)
+        half = max(1, s.concurrency // 2)
         while not stop.is_set():
-            free = s.concurrency - len(self.inflight)
-            if free <= 0:
-                self._slot_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), FETCH_WAIT_S)
+            if s.concurrency - self.running <= 0:
+                await self._slots_freed(1, FETCH_WAIT_S)
                 continue
+            # Short runs free their slots one by one: waiting a moment for more makes one
+            # fetch and one claim serve many fires instead of one each.
+            await self._slots_freed(half, FETCH_COALESCE_S)
+            free = s.concurrency - self.running
             try:
                 messages = await subscription.fetch(free, timeout=FETCH_WAIT_S)
             except TimeoutError:  # an idle stream (nats-py's TimeoutError is one too)
                 log.debug("fetch_idle")
                 continue
-            for message in messages:
-                task = asyncio.create_task(self._process(message))
-                self.inflight.add(task)
-                task.add_done_callback(self._finished)
+            try:
+                await self._start_runs(messages)
+            except PyMongoError as exc:
+                log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
+                for message in messages:
+                    with contextlib.suppress(*BROKER_ERRORS):
+                        await message.nak(delay=LEDGER_DOWN_DELAY_S)
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self.inflight.discard(task)
+    async def _slots_freed(self, wanted: int, within_s: float) -> None:
+        """Until ``wanted`` slots are free, or ``within_s`` passed."""
+        deadline = time.monotonic() + within_s
+        while self.settings.concurrency - self.running < wanted:
+            self._slot_freed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), left)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _handler_done(self) -> None:
+        self.running -= 1
         self._slot_freed.set()
 
     async def _drain(self) -> None:
         """Let the runs in flight finish within the drain bound; give the rest back."""
-        if not self.inflight:
+        if not self.tasks:
             return
-        log.info("worker_draining", in_flight=len(self.inflight),
+        log.info("worker_draining", in_flight=self.running,
                  within_s=self.settings.drain_timeout_s)
-        _, pending = await asyncio.wait(self.inflight, timeout=self.settings.drain_timeout_s)
+        _, pending = await asyncio.wait(self.tasks, timeout=self.settings.drain_timeout_s)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=10)
             log.warning("runs_given_back", count=len(pending))
 
-    async def _process(self, message: Any) -> None:
-        try:
-            await self._process_one(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a broker or ledger failure: the broker redelivers
-            log.warning("run_handling_failed", subject=message.subject, error=repr(exc))
-
-    async def _process_one(self, message: Any) -> None:
-        s = self.settings
+    async def _start_runs(self, messages: list[Any]) -> None:
+        """Read a fetched batch, claim its runs in one write, start the claimed ones."""
         received = self.clock()
+        ready: list[tuple[Any, Delivery, Route]] = []
+        for message in messages:
+            picked = await self._screen(message, received)
+            if picked is not None:
+                ready.append((message, *picked))
+        # The same fire twice in one batch: the first is claimed with the batch, the
+        # second afterwards (it then finds the first's claim).
+        first: dict[str, int] = {}
+        for i, (_, delivery, _) in enumerate(ready):
+            first.setdefault(delivery.fire.fire_id, i)
+        batch = [ready[i] for i in sorted(first.values())]
+        again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
+        claims = await self.runs.claim_many([d.fire for _, d, _ in batch],
+                                            self.settings.worker_id, received,
+                                            self.settings.ack_wait_s)
+        for (message, delivery, route), claim in zip(batch, claims, strict=True):
+            await self._claimed(message, delivery, route, claim)
+        for message, delivery, route in again:
+            claim = await self.runs.claim(delivery.fire, self.settings.worker_id,
+                                          self.clock(), self.settings.ack_wait_s)
+            await self._claimed(message, delivery, route, claim)
+
+    async def _screen(self, message: Any, received: dt.datetime
+                      ) -> tuple[Delivery, Route] | None:
+        """The delivery and its route, or None once it is dealt with (not a fire, no
+        handler, stale)."""
         try:
             delivery = read_delivery(message.subject, message.data)
         except NotAFire as exc:
             log.warning("fire_unreadable", subject=message.subject[:200], error=str(exc)[:200])
             await message.term()
-            return
+            return None
         fire_id, target = delivery.fire.fire_id, delivery.fire.target
         route = self.app.route(target)
         if route is None:  # the consumer's filter and the routes disagree: never run
             log.warning("fire_without_handler", fire_id=fire_id, target=target)
             await message.term()
-            return
+            return None
         if self.stale.is_stale(delivery, received):
             log.info("fire_stale_dropped", fire_id=fire_id, term=delivery.term)
             self.metrics.count(target, "stale")
             await message.ack()
-            return
-        try:
-            claim = await self.runs.claim(delivery.fire, s.worker_id, received, s.ack_wait_s)
-        except PyMongoError as exc:
-            log.warning("run_claim_failed", fire_id=fire_id, error=repr(exc)[:300])
-            await message.nak(delay=LEDGER_DOWN_DELAY_S)
-            return
-        if not claim.claimed:
-            if claim.outcome in (SUCCEEDED, DEAD):
-                log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
-                self.metrics.count(target, "duplicate")
-                await message.ack()
-            else:  # running elsewhere, or waiting for its retry: back when it could be ours
-                log.info("fire_busy", fire_id=fire_id, state=claim.outcome,
-                         wait_s=round(claim.wait_s, 3))
-                self.metrics.count(target, "busy")
-                await message.nak(delay=claim.wait_s + BUSY_MARGIN_S)
-            return
-        if claim.took_over:
-            log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
-                        attempt=claim.attempt)
-        await self._attempt(message, delivery, route, claim.attempt)
+            return None
+        return delivery, route
+
+    async def _claimed(self, message: Any, delivery: Delivery, route: Route,
+                       claim: Claim) -> None:
+        fire_id, target = delivery.fire.fire_id, delivery.fire.target
+        if claim.claimed:
+            if claim.took_over:
+                log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
+                            attempt=claim.attempt)
+            self.running += 1
+            self._spawn(self._attempt(message, delivery, route, claim.attempt))
+        elif claim.outcome in (SUCCEEDED, DEAD):
+            log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
+            self.metrics.count(target, "duplicate")
+            await message.ack()
+        else:  # running elsewhere, or waiting for its retry: back when it could be ours
+            log.info("fire_busy", fire_id=fire_id, state=claim.outcome,
+                     wait_s=round(claim.wait_s, 3))
+            self.metrics.count(target, "busy")
+            await message.nak(delay=claim.wait_s + BUSY_MARGIN_S)
 
     async def _attempt(self, message: Any, delivery: Delivery, route: Route,
                        attempt: int) -> None:
+        try:
+            outcome = await self._run_handler(message, delivery, route, attempt)
+        finally:
+            self._handler_done()
+        try:
+            await self._settle(message, outcome)
+        except (PyMongoError, *BROKER_ERRORS) as exc:
+            # Unrecorded or unacknowledged: the broker redelivers, and the run is claimed
+            # again once its lease lapses.
+            log.warning("run_settle_failed", fire_id=outcome.fire_id, error=repr(exc)[:300])
+
+    async def _run_handler(self, message: Any, delivery: Delivery, route: Route,
+                           attempt: int) -> Outcome:
         s = self.settings
         fire = delivery.fire
         run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
@@ -314,41 +417,35 @@ class Worker:
         finished = self.clock()
         self.metrics.duration(fire.target, (finished - started).total_seconds())
         if error is None:
-            await self._record(lambda: self.runs.succeed(fire.fire_id, s.worker_id, attempt,
-                                                         started, finished), fire.fire_id)
-            self.metrics.count(fire.target, SUCCEEDED)
-            log.info("run_succeeded", fire_id=fire.fire_id, attempt=attempt,
-                     duration_s=round((finished - started).total_seconds(), 3))
-            await message.ack()
-            return
+            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, SUCCEEDED)
         verdict = after_failure(route.policy, attempt, error)
         if verdict.outcome == "retry":
-            await self._record(lambda: self.runs.retry_later(
-                fire.fire_id, s.worker_id, attempt, started, finished, verdict.error,
-                verdict.delay_s), fire.fire_id)
-            self.metrics.count(fire.target, "retrying")
-            log.warning("run_failed", fire_id=fire.fire_id, attempt=attempt,
-                        error=verdict.error[:300], retry_in_s=round(verdict.delay_s, 3))
-            await message.nak(delay=verdict.delay_s)
-            return
-        await self._record(lambda: self.runs.die(fire.fire_id, s.worker_id, attempt, started,
-                                                 finished, verdict.error), fire.fire_id)
-        self.metrics.count(fire.target, DEAD)
-        log.error("run_dead", fire_id=fire.fire_id, attempt=attempt, error=verdict.error[:300])
-        await message.term()
+            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, RETRYING,
+                           verdict.error, verdict.delay_s)
+        return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, DEAD,
+                       verdict.error)
 
-    async def _record(self, write: Callable[[], Any], fire_id: str) -> None:
-        """An attempt's outcome, written through a database failover (for as long as the
-        run's lease: after that another worker may have taken it over anyway)."""
-        async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(PyMongoError),
-                wait=wait_exponential_jitter(initial=0.1, max=2.0),
-                stop=stop_after_delay(self.settings.ack_wait_s), reraise=True):
-            with attempt:
-                if not await write():
-                    log.warning("run_lease_lost", fire_id=fire_id,
-                                message="another worker took this run over; its outcome "
-                                        "stands")
+    async def _settle(self, message: Any, outcome: Outcome) -> None:
+        """Record the outcome, then tell the broker: ack, nak after the backoff (the broker
+        does the waiting), or term."""
+        if not await self.recorder.record(outcome):
+            log.warning("run_lease_lost", fire_id=outcome.fire_id,
+                        message="another worker took this run over; its outcome stands")
+        target = _target_of(message)
+        self.metrics.count(target, outcome.state)
+        if outcome.state == SUCCEEDED:
+            log.info("run_succeeded", fire_id=outcome.fire_id, attempt=outcome.attempt,
+                     duration_s=round((outcome.finished - outcome.started).total_seconds(), 3))
+            await message.ack()
+        elif outcome.state == RETRYING:
+            log.warning("run_failed", fire_id=outcome.fire_id, attempt=outcome.attempt,
+                        error=(outcome.error or "")[:300],
+                        retry_in_s=round(outcome.retry_in_s, 3))
+            await message.nak(delay=outcome.retry_in_s)
+        else:
+            log.error("run_dead", fire_id=outcome.fire_id, attempt=outcome.attempt,
+                      error=(outcome.error or "")[:300])
+            await message.term()
 
     async def _heartbeat(self, message: Any, fire_id: str, attempt: int) -> None:
         s = self.settings
