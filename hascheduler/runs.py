@@ -17,10 +17,8 @@ lease and was taken over changes nothing when it wakes.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -270,19 +268,22 @@ class RunLedger:
 
     async def page(self, state: str | None, after: str | None,
                    limit: int) -> tuple[list[Document], str | None]:
-        """Runs (in one state, or all), most recently changed first; a page and the token
-        of the next (None at the end). Raises ValueError for a token this did not make."""
+        """Runs (in one state, or all), most recently changed first; a page, and the fire
+        id to pass as ``after`` for the next (None at the end). Raises LookupError when
+        ``after`` names no run (expired since, or never there)."""
         query: Document = {} if state is None else {"state": state}
         if after is not None:
-            recorded, last_id = decode_page_token(after)
+            anchor = await self.runs.find_one({"_id": after}, {"recorded_at": 1})
+            if anchor is None:
+                raise LookupError(after)
+            recorded = anchor["recorded_at"]
             query["$or"] = [{"recorded_at": {"$lt": recorded}},
-                            {"recorded_at": recorded, "_id": {"$lt": last_id}}]
+                            {"recorded_at": recorded, "_id": {"$lt": after}}]
         docs = [d async for d in self.runs.find(query, {"event": 0}).sort(
             [("recorded_at", DESCENDING), ("_id", DESCENDING)]).limit(limit + 1)]
         more = len(docs) > limit
         docs = docs[:limit]
-        token = encode_page_token(docs[-1]["recorded_at"], docs[-1]["_id"]) if more else None
-        return docs, token
+        return docs, (str(docs[-1]["_id"]) if more else None)
 
     async def running(self) -> list[Document]:
         """Every run now claimed (few: at most each worker's concurrency)."""
@@ -298,21 +299,3 @@ def public_view(doc: Mapping[str, Any]) -> dict[str, Any]:
             value = doc[name]
             view[name] = as_utc(value).isoformat() if isinstance(value, dt.datetime) else value
     return view
-
-
-def encode_page_token(recorded: dt.datetime, last_id: str) -> str:
-    raw = json.dumps([as_utc(recorded).isoformat(), last_id]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_page_token(token: str) -> tuple[dt.datetime, str]:
-    """Raises ValueError for anything ``encode_page_token`` did not make."""
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        recorded, last_id = json.loads(raw)
-        when = dt.datetime.fromisoformat(recorded)
-    except (ValueError, TypeError) as exc:
-        raise ValueError("after is not a page token this API gave") from exc
-    if not isinstance(last_id, str) or when.tzinfo is None:
-        raise ValueError("after is not a page token this API gave")
-    return when, last_id

@@ -122,7 +122,8 @@ def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     ls.add_argument("--state", choices=["running", "succeeded", "retrying", "dead"])
     ls.add_argument("--schedule", help="the runs of one schedule's fires (newest first)")
     ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--after", help="the page token a previous --json list gave as next")
+    ls.add_argument("--after", help="the next a previous --json list gave (the fire id of "
+                                    "its last run)")
     show = cmd.add_parser("show", help="one run")
     show.add_argument("fire_id")
     retry = cmd.add_parser("retry", help="replay a dead run")

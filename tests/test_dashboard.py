@@ -191,7 +191,8 @@ async def _plant_dead_run(mongodb_uri: str) -> str:
             "_id": fire_id, "schedule_id": "planted", "target": "dashboard.demo",
             "nominal_at": nominal, "state": "dead", "attempts": 1, "worker_id": "w1",
             "started_at": nominal, "finished_at": nominal, "duration_s": 0.0,
-            "last_error": "PermanentFailure: planted", "replays": 0, "event": json.dumps(event).encode(),
+            "last_error": "PermanentFailure: planted", "replays": 0,
+            "event": json.dumps(event).encode(),
             "recorded_at": dt.datetime.now(dt.UTC)})
     finally:
         await client.close()

@@ -111,6 +111,9 @@ async def test_a_dead_run_is_listed_replayed_and_succeeds(stack: Stack) -> None:
     assert status == 404
     status, _ = await stack.get("/runs/no-such-fire")
     assert status == 404
+    status, gone = await stack.get("/runs", after="no-such-fire")
+    assert status == 404
+    assert "after names no run" in gone["title"]
     attempts = (stack.tmp / "attempts.txt").read_text().splitlines()
     assert [line.split()[0] for line in attempts] == [dead["id"], dead["id"]]
 
@@ -123,8 +126,8 @@ async def test_a_dead_run_is_listed_replayed_and_succeeds(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(("query", "field"), [
-    ({"state": "bogus"}, "state"), ({"after": "not-a-token"}, "after"),
-    ({"limit": "0"}, "limit"), ({"limit": "100000"}, "limit")])
+    ({"state": "bogus"}, "state"), ({"limit": "0"}, "limit"),
+    ({"limit": "100000"}, "limit")])
 async def test_bad_run_queries_are_422_naming_the_field(stack: Stack, query: dict[str, str],
                                                         field: str) -> None:
     status, body = await stack.get("/runs", **query)

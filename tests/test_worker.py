@@ -137,13 +137,14 @@ NOW = dt.datetime.now(dt.UTC)
 
 async def test_each_fire_runs_once_whatever_the_deliveries(workers: Workers) -> None:
     await workers.start("--handler", "tests.helpers.record_handler:handle", "--target", "jobs")
-    later = NOW + dt.timedelta(minutes=5)
-    sends = [("s@1", 1, NOW, "m1"), ("s@2", 2, NOW, "m2"),
-             ("s@1", 2, NOW, "m3"),      # the same fire again (new broker message id)
-             ("s@0", 1, NOW, "m4"),      # old term, but claimed in time: runs
+    now = dt.datetime.now(dt.UTC)  # not the module's NOW: "later" must be after delivery
+    later = now + dt.timedelta(minutes=5)
+    sends = [("s@1", 1, now, "m1"), ("s@2", 2, now, "m2"),
+             ("s@1", 2, now, "m3"),      # the same fire again (new broker message id)
+             ("s@0", 1, now, "m4"),      # old term, but claimed in time: runs
              ("s@9", 1, later, "m5"),    # old term, after term 2 acted: stale
-             ("s@2", 2, NOW, "m2"),      # a republish the broker itself deduplicates
-             ("s@3", 2, NOW, "m6")]
+             ("s@2", 2, now, "m2"),      # a republish the broker itself deduplicates
+             ("s@3", 2, now, "m6")]
     for fire_id, term, nominal, msg_id in sends:
         await workers.publish("jobs", event(fire_id, term, nominal), msg_id)
     for fire_id in ("s@1", "s@2", "s@0", "s@3"):
@@ -261,7 +262,7 @@ async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
     assert (await workers.run("drain@1") or {}).get("state") == "succeeded"
 
     short = await workers.start("--drain-timeout", "1", name="short")
-    await workers.publish("jobs.d", event("overrun@1", 1, NOW, {"sleep": 8}), "o")
+    await workers.publish("jobs.d", event("overrun@1", 1, NOW, {"sleep": 4}), "o")
     await wait_until(lambda: _true(workers.runs_of("overrun@1") == 1), 20, "the run to start")
     short.terminate()
     assert await asyncio.wait_for(short.wait(), 20) == 0

@@ -442,12 +442,11 @@ async def list_runs(request: web.Request) -> web.Response:
     state = request.query.get("state")
     if state is not None and state not in STATES:
         raise BadRequest(422, "state", f"state must be one of {', '.join(STATES)}")
+    limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     try:
-        docs, after = await cluster.runs.page(
-            state, request.query.get("after"),
-            _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
-    except ValueError as exc:
-        raise BadRequest(422, "after", str(exc)) from None
+        docs, after = await cluster.runs.page(state, request.query.get("after"), limit)
+    except LookupError:
+        return problem(404, "after names no run (it may have expired): list from the start")
     return web.json_response({"items": [public_view(d) for d in docs], "next": after})
 
 

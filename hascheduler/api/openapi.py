@@ -52,7 +52,8 @@ class Run(BaseModel):
 
 class RunList(BaseModel):
     items: list[Run]
-    next: str | None = Field(default=None, description="the after= of the next page")
+    next: str | None = Field(default=None, description="the after= of the next page (the "
+                                                       "fire id of this page's last run)")
 
 
 class ScheduleRuns(BaseModel):
@@ -170,10 +171,11 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
                 {"name": "state", "in": "query", "schema": {
                     "type": "string", "enum": ["running", "succeeded", "retrying", "dead"]}},
                 {"name": "after", "in": "query", "schema": {"type": "string"},
-                 "description": "the next of the previous page"},
+                 "description": "the next of the previous page: the fire id of its last run "
+                                "(404 once that run has expired)"},
                 {"name": "limit", "in": "query",
                  "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
-            "responses": _responses(200, "RunList", 422, 503)},
+            "responses": _responses(200, "RunList", 404, 422, 503)},
         ("GET", "/runs/{id}"): {"summary": "one fire's run",
                                 "responses": _responses(200, "Run", 404, 503)},
         ("POST", "/runs/{id}/retry"): {
