@@ -34,7 +34,7 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.devmongo_bench import pct
-from bench.firing_bench import Cluster, schedule_doc
+from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
 from hascheduler.brokers.nats import ensure_stream
 from hascheduler.worker import Run, WorkerApp
 from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
@@ -109,7 +109,11 @@ async def raw_consumer(nats_uri: str, concurrency: int, last: int) -> float:
         await nc.close()
 
 
-async def our_worker(nats_uri: str, mongo_uri: str, concurrency: int, last: int) -> float:
+async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurrency: int,
+                     last: int) -> tuple[float, float, float]:
+    """Seconds to acknowledge every fire, and the CPU seconds the worker and the
+    development server spent meanwhile."""
+    mongo_uri = with_database(mongo.uri, database)
     durable = f"ours-{concurrency}"
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
@@ -121,10 +125,12 @@ async def our_worker(nats_uri: str, mongo_uri: str, concurrency: int, last: int)
         assert worker.stdout is not None
         await asyncio.wait_for(worker.stdout.readline(), 60)
         started = time.perf_counter()
+        cpu = cpu_seconds(worker.pid), cpu_seconds(mongo.pid)
         js = nc.jetstream()
         while not await acked_through(js, durable, last):  # noqa: ASYNC110 - a server's state
             await asyncio.sleep(0.02)
-        return time.perf_counter() - started
+        return (time.perf_counter() - started, cpu_seconds(worker.pid) - cpu[0],
+                cpu_seconds(mongo.pid) - cpu[1])
     finally:
         worker.terminate()
         await worker.wait()
@@ -137,11 +143,12 @@ async def throughput(mongo: ServerProcess, nats_uri: str, fires: int,
     rows = []
     for concurrency in levels:
         raw = await raw_consumer(nats_uri, concurrency, last)
-        ours = await our_worker(nats_uri, with_database(mongo.uri, f"wb_{concurrency}"),
-                                concurrency, last)
+        ours, worker_cpu, mongo_cpu = await our_worker(nats_uri, mongo, f"wb_{concurrency}",
+                                                       concurrency, last)
         rows.append({"concurrency": concurrency, "fires": last, "raw_s": raw, "ours_s": ours,
                      "raw_per_s": last / raw, "ours_per_s": last / ours,
-                     "ratio": ours / raw})
+                     "ratio": ours / raw, "worker_cpu_s": worker_cpu,
+                     "mongo_cpu_s": mongo_cpu})
     return rows
 
 
@@ -204,6 +211,13 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"| concurrency {r['concurrency']} | {r['fires']:,} | {r['raw_s']:.2f} s "
                   f"({r['raw_per_s']:,.0f}/s) | {r['ours_s']:.2f} s ({r['ours_per_s']:,.0f}/s)"
                   f" | {r['ratio']:.2f}x |")
+        print()
+        for r in rows:
+            print(f"CPU while `hascheduler worker` ran at concurrency {r['concurrency']}: the "
+                  f"worker {r['worker_cpu_s']:.2f} s, the development MongoDB server "
+                  f"{r['mongo_cpu_s']:.2f} s ({r['mongo_cpu_s'] / r['ours_s']:.0%} of a core; "
+                  f"{r['mongo_cpu_s'] / r['fires'] * 1e6:.0f} us per run for its claim and "
+                  "its record).")
         late = await latency(mongo, broker.uri, args.rate, args.seconds)
         print()
         print("| due time to ... | fires/s | fires | p50 | p99 |")

@@ -50,6 +50,8 @@ class RunsCollection(Protocol):
 
     async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_many(self, filter: Any, update: Any, *args: Any,
+                          **kwargs: Any) -> Any: ...
     async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any,
                          **kwargs: Any) -> Any: ...
@@ -107,7 +109,8 @@ class Outcome:
     retry_in_s: float = 0.0
 
     def update(self) -> Document:
-        fields: Document = {"state": self.state, "finished_at": self.finished,
+        fields: Document = {"state": self.state, "started_at": self.started,
+                            "finished_at": self.finished,
                             "recorded_at": self.finished,
                             "duration_s": (self.finished - self.started).total_seconds()}
         if self.error is not None:
@@ -196,13 +199,22 @@ class RunLedger:
         wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
         return Claim(state, wait_s=max(0.0, wait))
 
-    async def heartbeat(self, fire_id: str, worker_id: str, attempt: int, now: dt.datetime,
-                        lease_s: float) -> bool:
-        """Extend the claim; False when it is no longer this worker's (taken over)."""
-        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {"$set": {
-            "heartbeat_at": now, "lease_until": now + dt.timedelta(seconds=lease_s),
-            "recorded_at": now}})
-        return bool(result.matched_count)
+    async def heartbeat(self, claims: dict[str, int], worker_id: str, now: dt.datetime,
+                        lease_s: float) -> set[str]:
+        """Extend this worker's claims (fire id -> attempt) in one write; the fire ids no
+        longer its own (taken over after their lease lapsed)."""
+        if not claims:
+            return set()
+        result = await self.runs.update_many(
+            {"_id": {"$in": sorted(claims)}, "state": RUNNING, "worker_id": worker_id},
+            {"$set": {"heartbeat_at": now, "lease_until": now + dt.timedelta(seconds=lease_s),
+                      "recorded_at": now}})
+        if result.matched_count == len(claims):
+            return set()
+        held = {d["_id"] async for d in self.runs.find(
+            {"_id": {"$in": sorted(claims)}, "state": RUNNING, "worker_id": worker_id},
+            {"attempts": 1}) if d.get("attempts") == claims[d["_id"]]}
+        return set(claims) - held
 
     async def record(self, outcomes: list[Outcome]) -> set[str]:
         """Record how attempts ended, in one write; the fire ids whose claim was no longer

@@ -55,14 +55,14 @@ async def test_a_claim_is_exclusive_until_its_lease_lapses(ledger: RunLedger) ->
     assert first.attempt == 1
     busy = await ledger.claim(fire(), "b", at(4), lease_s=10)
     assert (busy.outcome, busy.wait_s) == (RUNNING, 6)
-    assert await ledger.heartbeat("s@1", "a", 1, at(8), lease_s=10)
+    assert await ledger.heartbeat({"s@1": 1}, "a", at(8), lease_s=10) == set()
     assert (await ledger.claim(fire(), "b", at(15), lease_s=10)).outcome == RUNNING
     taken = await ledger.claim(fire(), "b", at(19), lease_s=10)
     assert taken.claimed
     assert taken.attempt == 2
     assert taken.took_over == "a"
     # The fence: the stalled worker wakes and writes nothing.
-    assert not await ledger.heartbeat("s@1", "a", 1, at(20), lease_s=10)
+    assert await ledger.heartbeat({"s@1": 1}, "a", at(20), lease_s=10) == {"s@1"}
     assert not await ended(ledger, "s@1", "a", 1, at(0), at(20), SUCCEEDED)
     assert await ended(ledger, "s@1", "b", 2, at(19), at(21), SUCCEEDED)
     doc = await ledger.get("s@1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -26,15 +27,28 @@ class WorkerMetrics:
         self.running = Gauge("hascheduler_worker_runs_in_flight",
                              "handlers running now", ["target"], registry=r)
 
+        # Label lookups cost as much as the rest of a no-op run: keep the children.
+        self._counts: dict[tuple[str, str], Any] = {}
+        self._durations: dict[str, Any] = {}
+        self._running: dict[str, Any] = {}
+
     def count(self, target: str, outcome: str) -> None:
-        self.runs.labels(target, outcome).inc()
+        child = self._counts.get((target, outcome))
+        if child is None:
+            child = self._counts[target, outcome] = self.runs.labels(target, outcome)
+        child.inc()
 
     def duration(self, target: str, seconds: float) -> None:
-        self.run_seconds.labels(target).observe(seconds)
+        child = self._durations.get(target)
+        if child is None:
+            child = self._durations[target] = self.run_seconds.labels(target)
+        child.observe(seconds)
 
     @contextlib.contextmanager
     def in_flight(self, target: str) -> Iterator[None]:
-        gauge = self.running.labels(target)
+        gauge = self._running.get(target)
+        if gauge is None:
+            gauge = self._running[target] = self.running.labels(target)
         gauge.inc()
         try:
             yield

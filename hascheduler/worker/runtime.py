@@ -51,7 +51,7 @@ log = structlog.get_logger("hascheduler.worker")
 Clock = Callable[[], dt.datetime]
 
 FETCH_WAIT_S = 0.5  # an idle fetch's wait: how promptly a stop is noticed
-FETCH_COALESCE_S = 0.005  # at most this long for more free slots before a fetch
+PREFETCH = 8  # runs claimed ahead of the runners, at least (twice --concurrency)
 # A fire running elsewhere is offered again once that claim could have lapsed, plus this.
 BUSY_MARGIN_S = 0.5
 # The ledger may be unreachable (a failover): a claim is retried by the broker after this.
@@ -196,8 +196,21 @@ class Recorder:
         raise AssertionError("unreachable: AsyncRetrying reraises")
 
 
+@dataclass(slots=True)
+class Held:
+    """A run this worker has claimed: queued for a runner, or running."""
+
+    message: Any
+    delivery: Delivery
+    route: Route
+    attempt: int
+    started: bool = False
+    lost: bool = False  # taken over by another worker after its lease lapsed
+
+
 class Worker:
-    """Consumes fires and runs them, at most ``concurrency`` handlers at once."""
+    """Consumes fires and runs them: a fetch loop claims runs in batches and queues them;
+    ``concurrency`` runners take them one at a time; one heartbeat renews every claim."""
 
     def __init__(self, settings: WorkerSettings, runs: RunLedger, metrics: WorkerMetrics,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
@@ -208,16 +221,23 @@ class Worker:
         self.clock = clock
         self.stale = StaleFilter()
         self.recorder = Recorder(runs, settings.ack_wait_s)
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.running = 0  # handlers running now: what --concurrency bounds
-        self._slot_freed = asyncio.Event()
+        self.held: dict[str, Held] = {}
+        self.queue: asyncio.Queue[Held] = asyncio.Queue()
+        # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
+        # the heartbeat keeps queued claims alive like running ones.
+        self.capacity = settings.concurrency + max(2 * settings.concurrency, PREFETCH)
+        self._released = asyncio.Event()
+        self.settling: set[asyncio.Task[None]] = set()  # claims and outcomes in flight
+        self.claiming = 0  # messages fetched, their claims in flight
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
         nc = await s.endpoint.connect(s.durable, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.5, disconnected_cb=_disconnected,
                                       reconnected_cb=_reconnected)
-        recording = asyncio.create_task(self.recorder.run())
+        background = [asyncio.create_task(self.recorder.run()),
+                      asyncio.create_task(self._heartbeat())]
+        runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
         log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
                  concurrency=s.concurrency)
         print(f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as {s.durable}",
@@ -231,9 +251,10 @@ class Worker:
                     before_sleep=_log_resubscribe, reraise=True):
                 with attempt:
                     await self._consume(nc, stop)
-            await self._drain()
+            await self._drain(runners)
         finally:
-            recording.cancel()
+            for task in (*runners, *background):
+                task.cancel()
             # Every message is acknowledged explicitly, so nothing is left to drain from
             # the connection; drain() on a pull subscription can wait forever.
             with contextlib.suppress(Exception):
@@ -241,7 +262,7 @@ class Worker:
 
     async def _consume(self, nc: Any, stop: asyncio.Event) -> None:
         """Subscribe (creating the stream and the durable consumer if they are gone) and
-        start runs until ``stop``."""
+        claim runs until ``stop``."""
         s = self.settings
         js = nc.jetstream()
         await ensure_stream(js, s.endpoint.stream, s.endpoint.dedup_window_s)
@@ -249,67 +270,47 @@ class Worker:
         await js.add_consumer(s.endpoint.stream, ConsumerConfig(
             durable_name=s.durable, ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL, ack_wait=s.ack_wait_s, max_deliver=-1,
-            max_ack_pending=max(1000, 4 * s.concurrency),
+            max_ack_pending=max(1000, 4 * self.capacity),
             **({"filter_subject": subjects[0]} if len(subjects) == 1
                else {"filter_subjects": subjects})))
         subscription = await js.pull_subscribe_bind(durable=s.durable, stream=s.endpoint.stream)
-        half = max(1, s.concurrency // 2)
         while not stop.is_set():
-            if s.concurrency - self.running <= 0:
-                await self._slots_freed(1, FETCH_WAIT_S)
+            free = self.capacity - len(self.held) - self.claiming
+            if free < max(1, s.concurrency // 2):
+                # Wait until half the runners' worth is free: one fetch and one claim
+                # serve them.
+                self._released.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), FETCH_WAIT_S)
                 continue
-            # Short runs free their slots one by one: waiting a moment for more makes one
-            # fetch and one claim serve many fires instead of one each.
-            await self._slots_freed(half, FETCH_COALESCE_S)
-            free = s.concurrency - self.running
             try:
                 messages = await subscription.fetch(free, timeout=FETCH_WAIT_S)
             except TimeoutError:  # an idle stream (nats-py's TimeoutError is one too)
                 log.debug("fetch_idle")
                 continue
-            try:
-                await self._start_runs(messages)
-            except PyMongoError as exc:
-                log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
-                for message in messages:
-                    with contextlib.suppress(*BROKER_ERRORS):
-                        await message.nak(delay=LEDGER_DOWN_DELAY_S)
+            # Claimed while the next fetch goes out: the two round trips overlap.
+            self.claiming += len(messages)
+            claiming = asyncio.create_task(self._claim_batch(messages))
+            self.settling.add(claiming)
+            claiming.add_done_callback(self.settling.discard)
+        await asyncio.gather(*self.settling, return_exceptions=True)
 
-    async def _slots_freed(self, wanted: int, within_s: float) -> None:
-        """Until ``wanted`` slots are free, or ``within_s`` passed."""
-        deadline = time.monotonic() + within_s
-        while self.settings.concurrency - self.running < wanted:
-            self._slot_freed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), left)
+    async def _claim_batch(self, messages: list[Any]) -> None:
+        try:
+            await self._claim(messages)
+        except PyMongoError as exc:
+            log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
+            for message in messages:
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await message.nak(delay=LEDGER_DOWN_DELAY_S)
+        except BROKER_ERRORS as exc:
+            log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
+        finally:
+            self.claiming -= len(messages)
+            self._released.set()
 
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.create_task(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def _handler_done(self) -> None:
-        self.running -= 1
-        self._slot_freed.set()
-
-    async def _drain(self) -> None:
-        """Let the runs in flight finish within the drain bound; give the rest back."""
-        if not self.tasks:
-            return
-        log.info("worker_draining", in_flight=self.running,
-                 within_s=self.settings.drain_timeout_s)
-        _, pending = await asyncio.wait(self.tasks, timeout=self.settings.drain_timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=10)
-            log.warning("runs_given_back", count=len(pending))
-
-    async def _start_runs(self, messages: list[Any]) -> None:
-        """Read a fetched batch, claim its runs in one write, start the claimed ones."""
+    async def _claim(self, messages: list[Any]) -> None:
+        """Read a fetched batch, claim its runs in one write, queue the claimed ones."""
         received = self.clock()
         ready: list[tuple[Any, Delivery, Route]] = []
         for message in messages:
@@ -323,14 +324,14 @@ class Worker:
             first.setdefault(delivery.fire.fire_id, i)
         batch = [ready[i] for i in sorted(first.values())]
         again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
-        claims = await self.runs.claim_many([d.fire for _, d, _ in batch],
-                                            self.settings.worker_id, received,
-                                            self.settings.ack_wait_s)
+        s = self.settings
+        claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
+                                            received, s.ack_wait_s)
         for (message, delivery, route), claim in zip(batch, claims, strict=True):
             await self._claimed(message, delivery, route, claim)
         for message, delivery, route in again:
-            claim = await self.runs.claim(delivery.fire, self.settings.worker_id,
-                                          self.clock(), self.settings.ack_wait_s)
+            claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(),
+                                          s.ack_wait_s)
             await self._claimed(message, delivery, route, claim)
 
     async def _screen(self, message: Any, received: dt.datetime
@@ -363,8 +364,9 @@ class Worker:
             if claim.took_over:
                 log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
                             attempt=claim.attempt)
-            self.running += 1
-            self._spawn(self._attempt(message, delivery, route, claim.attempt))
+            held = Held(message, delivery, route, claim.attempt)
+            self.held[fire_id] = held
+            self.queue.put_nowait(held)
         elif claim.outcome in (SUCCEEDED, DEAD):
             log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
             self.metrics.count(target, "duplicate")
@@ -375,29 +377,61 @@ class Worker:
             self.metrics.count(target, "busy")
             await message.nak(delay=claim.wait_s + BUSY_MARGIN_S)
 
-    async def _attempt(self, message: Any, delivery: Delivery, route: Route,
-                       attempt: int) -> None:
-        try:
-            outcome = await self._run_handler(message, delivery, route, attempt)
-        finally:
-            self._handler_done()
-        try:
-            await self._settle(message, outcome)
-        except (PyMongoError, *BROKER_ERRORS) as exc:
-            # Unrecorded or unacknowledged: the broker redelivers, and the run is claimed
-            # again once its lease lapses.
-            log.warning("run_settle_failed", fire_id=outcome.fire_id, error=repr(exc)[:300])
+    def _release(self, held: Held) -> None:
+        if self.held.get(held.delivery.fire.fire_id) is held:
+            del self.held[held.delivery.fire.fire_id]
+        self._released.set()
 
-    async def _run_handler(self, message: Any, delivery: Delivery, route: Route,
-                           attempt: int) -> Outcome:
+    async def _runner(self) -> None:
+        while True:
+            held = await self.queue.get()
+            if held.lost:  # taken over while it waited: the new owner runs it
+                self._release(held)
+                continue
+            held.started = True
+            try:
+                outcome = await self._run_handler(held)
+            except BaseException:
+                self._release(held)
+                raise
+            # Settled behind the runner, which takes the next run at once: the outcomes
+            # of runs ending meanwhile share one ledger write.
+            settling = asyncio.create_task(self._settle(held, outcome))
+            self.settling.add(settling)
+            settling.add_done_callback(self.settling.discard)
+
+    async def _drain(self, runners: list[asyncio.Task[None]]) -> None:
+        """Give back what waits in the queue; let the running runs finish within the
+        drain bound; give back the rest."""
+        while not self.queue.empty():
+            held = self.queue.get_nowait()
+            if not held.lost:
+                await self._give_back(held)
+            self._release(held)
+        if not self.held:
+            return
+        log.info("worker_draining", in_flight=len(self.held),
+                 within_s=self.settings.drain_timeout_s)
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.held and time.monotonic() < deadline:
+            self._released.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), deadline - time.monotonic())
+        if self.held:
+            running = [h for h in self.held.values() if h.started]
+            for task in runners:
+                task.cancel()
+            await asyncio.wait(runners, timeout=10)
+            log.warning("runs_given_back", count=len(running))
+
+    async def _run_handler(self, held: Held) -> Outcome:
         s = self.settings
-        fire = delivery.fire
+        fire, attempt, route = held.delivery.fire, held.attempt, held.route
         run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
-                  nominal_at=fire.nominal_at, payload=delivery.payload, attempt=attempt,
+                  nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
                   worker_id=s.worker_id, event=fire.event)
         started = self.clock()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
-        heartbeat = asyncio.create_task(self._heartbeat(message, fire.fire_id, attempt))
         error: BaseException | None = None
         with self.metrics.in_flight(fire.target):
             try:
@@ -408,12 +442,10 @@ class Worker:
                          if limit.expired() else exc)
             except asyncio.CancelledError:
                 # The drain ran out: give the run back for another worker, right away.
-                await asyncio.shield(self._give_back(message, fire.fire_id, attempt))
+                await asyncio.shield(self._give_back(held))
                 raise
             except Exception as exc:
                 error = exc
-            finally:
-                heartbeat.cancel()
         finished = self.clock()
         self.metrics.duration(fire.target, (finished - started).total_seconds())
         if error is None:
@@ -425,7 +457,17 @@ class Worker:
         return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, DEAD,
                        verdict.error)
 
-    async def _settle(self, message: Any, outcome: Outcome) -> None:
+    async def _settle(self, held: Held, outcome: Outcome) -> None:
+        try:
+            await self._record_and_answer(held.message, outcome)
+        except (PyMongoError, *BROKER_ERRORS) as exc:
+            # Unrecorded or unacknowledged: the broker redelivers, and the run is claimed
+            # again once its lease lapses.
+            log.warning("run_settle_failed", fire_id=outcome.fire_id, error=repr(exc)[:300])
+        finally:
+            self._release(held)
+
+    async def _record_and_answer(self, message: Any, outcome: Outcome) -> None:
         """Record the outcome, then tell the broker: ack, nak after the backoff (the broker
         does the waiting), or term."""
         if not await self.recorder.record(outcome):
@@ -434,8 +476,9 @@ class Worker:
         target = _target_of(message)
         self.metrics.count(target, outcome.state)
         if outcome.state == SUCCEEDED:
-            log.info("run_succeeded", fire_id=outcome.fire_id, attempt=outcome.attempt,
-                     duration_s=round((outcome.finished - outcome.started).total_seconds(), 3))
+            log.debug("run_succeeded", fire_id=outcome.fire_id, attempt=outcome.attempt,
+                      duration_s=round((outcome.finished - outcome.started).total_seconds(),
+                                       3))
             await message.ack()
         elif outcome.state == RETRYING:
             log.warning("run_failed", fire_id=outcome.fire_id, attempt=outcome.attempt,
@@ -447,26 +490,34 @@ class Worker:
                       error=(outcome.error or "")[:300])
             await message.term()
 
-    async def _heartbeat(self, message: Any, fire_id: str, attempt: int) -> None:
+    async def _heartbeat(self) -> None:
+        """Every third of the ack wait: each held message is in progress (the broker does
+        not redeliver it) and every claim's lease is extended, in one write."""
         s = self.settings
         while True:
             await asyncio.sleep(s.ack_wait_s / 3)
-            with contextlib.suppress(*BROKER_ERRORS):
-                await message.in_progress()
+            held = dict(self.held)
+            for h in held.values():
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await h.message.in_progress()
             try:
-                if not await self.runs.heartbeat(fire_id, s.worker_id, attempt, self.clock(),
-                                                 s.ack_wait_s):
-                    log.warning("run_lease_lost", fire_id=fire_id)
-                    return
+                lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
+                                                 s.worker_id, self.clock(), s.ack_wait_s)
             except PyMongoError as exc:
-                log.warning("run_heartbeat_failed", fire_id=fire_id, error=repr(exc)[:300])
+                log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
+                continue
+            for fire_id in lost:
+                held[fire_id].lost = True
+                log.warning("run_lease_lost", fire_id=fire_id,
+                            started=held[fire_id].started)
 
-    async def _give_back(self, message: Any, fire_id: str, attempt: int) -> None:
+    async def _give_back(self, held: Held) -> None:
         with contextlib.suppress(PyMongoError, *BROKER_ERRORS):
-            await self.runs.release(fire_id, self.settings.worker_id, attempt, self.clock(),
+            await self.runs.release(held.delivery.fire.fire_id, self.settings.worker_id,
+                                    held.attempt, self.clock(),
                                     "the worker stopped before the run finished")
-            await message.nak()
-        self.metrics.count(_target_of(message), "released")
+            await held.message.nak()
+        self.metrics.count(held.delivery.fire.target, "released")
 
 
 def _target_of(message: Any) -> str:
