@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import subprocess
 import sys
 from pathlib import Path
@@ -28,18 +29,15 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "the handler's start"):
         assert measure in text, measure
     assert text.count("Command: `python -m bench.") == 6
-
-
-@pytest.mark.timeout(200)
-def test_bench_only_replaces_one_section(tmp_path: Path) -> None:
-    out = tmp_path / "BENCHMARKS.md"
-    out.write_text("# Benchmarks\n\n## Worker: throughput with the runs ledger, due time to "
-                   "handler start\n\nold figures\n\n## Development MongoDB server\n\nkept\n")
+    # --only reruns one benchmark and replaces its section, leaving the others.
+    before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",
-                           "bench.worker_bench", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+                           "bench.cron_bench", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    text = out.read_text()
-    assert "old figures" not in text
-    assert "the handler's start" in text
-    assert text.endswith("## Development MongoDB server\n\nkept\n")
+    rerun = out.read_text()
+    assert rerun.startswith(before)
+    assert rerun.endswith(after)
+    assert "plan 'latest'" in rerun
+    cron = rerun.split("## Cron", 1)[1].split("## Worker", 1)[0]
+    assert f" on {dt.date.today().isoformat()})." in cron  # the rerun section, dated
