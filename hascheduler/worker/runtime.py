@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,39 +150,41 @@ async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> 
             await work()
 
 
-class Recorder:
-    """Writes attempts' outcomes to the runs ledger behind the handlers: whatever ended
-    while the previous write was in flight goes in the next one (no timer), so at high
-    concurrency one write records many runs."""
+# Told how an outcome's write went: True written, False the claim was no longer this
+# worker's (the record dropped), None the write failed.
+Answer = Callable[[Any, "Outcome", "bool | None"], Awaitable[None]]
 
-    def __init__(self, runs: RunLedger, give_up_after_s: float) -> None:
+
+class Recorder:
+    """Writes attempts' outcomes to the runs ledger behind the handlers, then has each
+    answered: whatever ended while the previous write was in flight goes in the next one
+    (no timer), so at high concurrency one write records many runs."""
+
+    def __init__(self, runs: RunLedger, give_up_after_s: float, answer: Answer) -> None:
         self.runs = runs
         self.give_up_after_s = give_up_after_s
-        self._pending: list[tuple[Outcome, asyncio.Future[bool]]] = []
+        self.answer = answer
+        self._pending: list[tuple[Any, Outcome]] = []
         self._wake = asyncio.Event()
 
-    async def record(self, outcome: Outcome) -> bool:
-        """Once written: True, or False when the claim was no longer this worker's."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.append((outcome, done))
+    def submit(self, token: Any, outcome: Outcome) -> None:
+        self._pending.append((token, outcome))
         self._wake.set()
-        return await done
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
+            lost: set[str] | None
             try:
-                lost = await self._write([o for o, _ in batch])
+                lost = await self._write([o for _, o in batch])
             except PyMongoError as exc:
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(exc)
-                continue
-            for outcome, done in batch:
-                if not done.done():
-                    done.set_result(outcome.fire_id not in lost)
+                log.warning("runs_unrecorded", count=len(batch), error=repr(exc)[:300])
+                lost = None
+            for token, outcome in batch:
+                await self.answer(token, outcome,
+                                  None if lost is None else outcome.fire_id not in lost)
 
     async def _write(self, outcomes: list[Outcome]) -> set[str]:
         """Through a database failover, for as long as a run's lease: after that another
@@ -220,14 +222,14 @@ class Worker:
         self.metrics = metrics
         self.clock = clock
         self.stale = StaleFilter()
-        self.recorder = Recorder(runs, settings.ack_wait_s)
+        self.recorder = Recorder(runs, settings.ack_wait_s, self._answer)
         self.held: dict[str, Held] = {}
         self.queue: asyncio.Queue[Held] = asyncio.Queue()
         # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
         # the heartbeat keeps queued claims alive like running ones.
         self.capacity = settings.concurrency + max(2 * settings.concurrency, PREFETCH)
         self._released = asyncio.Event()
-        self.settling: set[asyncio.Task[None]] = set()  # claims and outcomes in flight
+        self.claims: set[asyncio.Task[None]] = set()  # claim writes in flight
         self.claiming = 0  # messages fetched, their claims in flight
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -291,9 +293,9 @@ class Worker:
             # Claimed while the next fetch goes out: the two round trips overlap.
             self.claiming += len(messages)
             claiming = asyncio.create_task(self._claim_batch(messages))
-            self.settling.add(claiming)
-            claiming.add_done_callback(self.settling.discard)
-        await asyncio.gather(*self.settling, return_exceptions=True)
+            self.claims.add(claiming)
+            claiming.add_done_callback(self.claims.discard)
+        await asyncio.gather(*self.claims, return_exceptions=True)
 
     async def _claim_batch(self, messages: list[Any]) -> None:
         try:
@@ -394,11 +396,9 @@ class Worker:
             except BaseException:
                 self._release(held)
                 raise
-            # Settled behind the runner, which takes the next run at once: the outcomes
+            # Recorded behind the runner, which takes the next run at once: the outcomes
             # of runs ending meanwhile share one ledger write.
-            settling = asyncio.create_task(self._settle(held, outcome))
-            self.settling.add(settling)
-            settling.add_done_callback(self.settling.discard)
+            self.recorder.submit(held, outcome)
 
     async def _drain(self, runners: list[asyncio.Task[None]]) -> None:
         """Give back what waits in the queue; let the running runs finish within the
@@ -457,24 +457,23 @@ class Worker:
         return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, DEAD,
                        verdict.error)
 
-    async def _settle(self, held: Held, outcome: Outcome) -> None:
+    async def _answer(self, held: Held, outcome: Outcome, kept: bool | None) -> None:
+        """Once the outcome's write is done, tell the broker: ack, nak after the backoff
+        (the broker does the waiting), or term. An unrecorded outcome is not answered:
+        the broker redelivers, and the run is claimed again once its lease lapses."""
         try:
-            await self._record_and_answer(held.message, outcome)
-        except (PyMongoError, *BROKER_ERRORS) as exc:
-            # Unrecorded or unacknowledged: the broker redelivers, and the run is claimed
-            # again once its lease lapses.
-            log.warning("run_settle_failed", fire_id=outcome.fire_id, error=repr(exc)[:300])
+            if kept is None:
+                return
+            if not kept:
+                log.warning("run_lease_lost", fire_id=outcome.fire_id,
+                            message="another worker took this run over; its outcome stands")
+            self.metrics.count(held.delivery.fire.target, outcome.state)
+            with contextlib.suppress(*BROKER_ERRORS):
+                await self._tell_broker(held.message, outcome)
         finally:
             self._release(held)
 
-    async def _record_and_answer(self, message: Any, outcome: Outcome) -> None:
-        """Record the outcome, then tell the broker: ack, nak after the backoff (the broker
-        does the waiting), or term."""
-        if not await self.recorder.record(outcome):
-            log.warning("run_lease_lost", fire_id=outcome.fire_id,
-                        message="another worker took this run over; its outcome stands")
-        target = _target_of(message)
-        self.metrics.count(target, outcome.state)
+    async def _tell_broker(self, message: Any, outcome: Outcome) -> None:
         if outcome.state == SUCCEEDED:
             log.debug("run_succeeded", fire_id=outcome.fire_id, attempt=outcome.attempt,
                       duration_s=round((outcome.finished - outcome.started).total_seconds(),
