@@ -69,8 +69,10 @@ SECTIONS = [
      "with one replica leading and one worker (concurrency 16): the handler's start minus "
      "the due time, against the scheduler half alone (publish acknowledged minus due time, "
      "from the fire ledger). Target: throughput within 2x of the raw consumer. The runs "
-     "ledger lives on the development MongoDB server, on the same two cores: its CPU per "
-     "write, not the worker's, is what the ratio measures (see the note under the table)."),
+     "ledger lives on the development MongoDB server on the same two cores: the CPU lines "
+     "under the table show where a run's time goes (at concurrency 16 the worker, the "
+     "development server and nats-server together keep both cores busy; the raw consumer "
+     "writes nothing)."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "
