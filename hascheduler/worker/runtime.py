@@ -1,12 +1,15 @@
 """``hascheduler worker``: a durable JetStream consumer that runs each fire to an outcome.
 
-For each delivered fire: read it (a message that is not a fire is terminated), drop it if
-stale (delivery.StaleFilter), claim its run in the runs ledger (a fire already running
-elsewhere comes back when that claim could lapse; one already finished is acknowledged),
-then run the handler with heartbeats to the broker (``in_progress``: not redelivered while
-alive) and to the ledger (``lease_until``). The outcome decides the acknowledgement:
-succeeded -> ack; a failure with attempts left -> ``nak`` with the backoff as the delay
-(the broker does the waiting, no timer here); dead -> ``term``.
+A fetch loop reads each delivered fire (a message that is not a fire is terminated), drops
+it if stale (delivery.StaleFilter), and claims the runs of a whole fetch in the runs ledger
+in one write (a fire already running elsewhere comes back when that claim could lapse; one
+already finished is acknowledged). Claimed runs wait in a queue for one of
+``--concurrency`` runners. One heartbeat, every third of the ack wait, tells the broker
+each held message is in progress (not redelivered while this worker lives) and extends
+every claim's ledger lease in one write. A runner's outcome is written behind it (the
+Recorder, many outcomes per write), then decides the answer to the broker: succeeded ->
+ack; a failure with attempts left -> ``nak`` with the backoff as the delay (the broker does
+the waiting, no timer here); dead -> ``term``.
 """
 
 from __future__ import annotations
