@@ -133,16 +133,16 @@ class FanOut(BaseModel):
         return self.collection, tuple(self.fields())
 
 
-_MISSING = object()
+MISSING = object()  # what lookup answers for a path the document lacks
 
 
 def lookup(document: Mapping[str, Any], path: str) -> Any:
-    """The value at a dotted path, or _MISSING (arrays are not traversed: a tenant
+    """The value at a dotted path, or MISSING (arrays are not traversed: a tenant
     document's key and filter fields are plain values)."""
     value: Any = document
     for name in path.split("."):
         if not isinstance(value, Mapping) or name not in value:
-            return _MISSING
+            return MISSING
         value = value[name]
     return value
 
@@ -159,18 +159,18 @@ def matches(fan_out: FanOut, document: Mapping[str, Any]) -> bool:
     for path, condition in fan_out.filter.items():
         have = lookup(document, path)
         if isinstance(condition, dict) and "$exists" in condition:
-            if (have is not _MISSING) != condition["$exists"]:
+            if (have is not MISSING) != condition["$exists"]:
                 return False
         elif isinstance(condition, dict):
-            if have is _MISSING:  # as for equality, null stands for a missing field too
+            if have is MISSING:  # as for equality, null stands for a missing field too
                 if None not in condition["$in"]:
                     return False
             elif not any(_equal(have, v) for v in condition["$in"]):
                 return False
         elif condition is None:
-            if have is not _MISSING and have is not None:
+            if have is not MISSING and have is not None:
                 return False
-        elif have is _MISSING or not _equal(have, condition):
+        elif have is MISSING or not _equal(have, condition):
             return False
     return True
 

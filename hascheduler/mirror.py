@@ -124,42 +124,51 @@ class StreamInvalidated(Exception):
     """The change stream ended with an invalidate event (collection dropped or renamed)."""
 
 
-class Mirror:
-    """The mirror of one collection; ``run()`` keeps it in sync until cancelled."""
+class ChangeMirror:
+    """What every mirror of a collection shares: the change-stream loop that keeps it in
+    sync (open first, load, follow; resume on errors; resync on lost history), readiness
+    and status. Subclasses say what they keep of each document (``apply``, ``_load_all``,
+    ``size``, ``digest``)."""
 
-    def __init__(self, collection: WatchedCollection,
-                 on_change: Callable[[str, Entry | None], None] | None = None) -> None:
+    # Ready as soon as the load is done (the schedules' revisions make a replayed event
+    # harmless). A mirror that cannot tell a replayed event from a new one waits until the
+    # stream has caught up past the load instead.
+    READY_AFTER_LOAD = True
+    NAME = "mirror"  # in log events: mirror_ready, <NAME>_resynced, ...
+
+    def __init__(self, collection: WatchedCollection) -> None:
         self._coll = collection
-        self.on_change = on_change
-        self.entries: dict[str, Entry] = {}
         self.ready = False
         self.last_applied: Timestamp | None = None
-        self.invalid: dict[str, str] = {}  # id -> why its stored document was refused
         self.resyncs = 0
         self.resumes = 0
-        self._digest: str | None = None
         self._token: Any = None
-        # When the latest changes were applied (wall clock), for measuring propagation;
-        # bounded so it never grows with the number of schedules.
-        self.recently_applied: OrderedDict[str, float] = OrderedDict()
         self._ready_event = asyncio.Event()
         self._stopping = False
 
-    # -- state --------------------------------------------------------------------------
+    # -- what a subclass keeps ------------------------------------------------------------
 
     @property
     def size(self) -> int:
-        return len(self.entries)
+        raise NotImplementedError
 
     @property
     def digest(self) -> str:
-        """sha256 over the sorted (id, revision) pairs: equal digests, equal mirrors."""
-        if self._digest is None:
-            h = hashlib.sha256()
-            for schedule_id in sorted(self.entries):
-                h.update(f"{schedule_id}\0{self.entries[schedule_id].revision}\n".encode())
-            self._digest = h.hexdigest()
-        return self._digest
+        raise NotImplementedError
+
+    def apply(self, event: dict[str, Any]) -> str:
+        """Apply one change event; returns what it did (upsert, remove or ignore)."""
+        raise NotImplementedError
+
+    async def _load_all(self) -> tuple[int, int]:
+        """Replace the content with the collection's; (changed, removed)."""
+        raise NotImplementedError
+
+    def _applied(self, event: dict[str, Any]) -> None:
+        if isinstance(event.get("clusterTime"), Timestamp):
+            self.last_applied = event["clusterTime"]
+
+    # -- state ----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         last = self.last_applied
@@ -168,7 +177,7 @@ class Mirror:
             "last_applied_cluster_time": None if last is None else {
                 "t": last.time, "i": last.inc,
                 "at": dt.datetime.fromtimestamp(last.time, dt.UTC).isoformat()},
-            "resyncs": self.resyncs, "resumes": self.resumes, "invalid": len(self.invalid),
+            "resyncs": self.resyncs, "resumes": self.resumes,
         }
 
     async def wait_ready(self) -> None:
@@ -176,75 +185,15 @@ class Mirror:
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
-            log.info("mirror_ready" if ready else "mirror_not_ready", size=self.size)
+            log.info(f"{self.NAME}_ready" if ready else f"{self.NAME}_not_ready",
+                     size=self.size)
         self.ready = ready
         if ready:
             self._ready_event.set()
         else:
             self._ready_event.clear()
 
-    def _put(self, schedule_id: str, doc: dict[str, Any]) -> None:
-        try:
-            entry = entry_from_document(doc)
-        except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
-            # A document written around the API: keep the replica alive, say so.
-            log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
-            self._remove(schedule_id)
-            self.invalid[schedule_id] = str(exc)
-            return
-        self.invalid.pop(schedule_id, None)
-        self.entries[schedule_id] = entry
-        self._digest = None
-        self.recently_applied[schedule_id] = time.time()
-        self.recently_applied.move_to_end(schedule_id)
-        if len(self.recently_applied) > RECENTLY_APPLIED:
-            self.recently_applied.popitem(last=False)
-        if self.on_change:
-            self.on_change(schedule_id, entry)
-
-    def _remove(self, schedule_id: str) -> None:
-        self.invalid.pop(schedule_id, None)
-        if self.entries.pop(schedule_id, None) is not None:
-            self._digest = None
-            if self.on_change:
-                self.on_change(schedule_id, None)
-
-    # -- applying -----------------------------------------------------------------------
-
-    def apply(self, event: dict[str, Any]) -> str:
-        """Apply one change event; returns what it did (upsert, remove or ignore)."""
-        key = event.get("documentKey", {}).get("_id")
-        current = self.entries.get(key) if key is not None else None
-        action, schedule_id, detail = decide(event, current.revision if current else None)
-        if action == "upsert":
-            assert isinstance(detail, dict)
-            self._put(schedule_id, detail)
-        elif action == "remove":
-            self._remove(schedule_id)
-        if isinstance(event.get("clusterTime"), Timestamp):
-            self.last_applied = event["clusterTime"]
-        return action
-
-    def load(self, docs: Iterable[dict[str, Any]]) -> tuple[int, int]:
-        """Replace the mirror's content with ``docs``, touching only what changed.
-
-        Returns (changed, removed).
-        """
-        seen: set[str] = set()
-        changed = 0
-        for doc in docs:
-            schedule_id = doc["_id"]
-            seen.add(schedule_id)
-            current = self.entries.get(schedule_id)
-            if current is None or current.revision != doc.get("revision"):
-                self._put(schedule_id, doc)
-                changed += 1
-        gone = [s for s in self.entries if s not in seen]
-        for schedule_id in gone:
-            self._remove(schedule_id)
-        return changed, len(gone)
-
-    # -- syncing ------------------------------------------------------------------------
+    # -- syncing --------------------------------------------------------------------------
 
     async def _open(self, **options: Any) -> Any:
         return await open_change_stream(self._coll, full_document="updateLookup",
@@ -273,19 +222,19 @@ class Mirror:
                 self._set_ready(False)
                 raise
             except StreamInvalidated:
-                log.info("mirror_stream_invalidated")
+                log.info(f"{self.NAME}_stream_invalidated")
                 self._token = None
                 delay = STREAM_RETRY_INITIAL_S
                 continue
             except OperationFailure as exc:
                 if exc.code in {HISTORY_LOST, INVALID_RESUME_TOKEN} or \
                         exc.has_error_label("NonResumableChangeStreamError"):
-                    log.warning("mirror_history_lost", code=exc.code, error=str(exc))
+                    log.warning(f"{self.NAME}_history_lost", code=exc.code, error=str(exc))
                     self._token = None
                 else:
-                    log.warning("mirror_stream_failed", code=exc.code, error=str(exc))
+                    log.warning(f"{self.NAME}_stream_failed", code=exc.code, error=str(exc))
             except PyMongoError as exc:
-                log.warning("mirror_stream_failed", error=str(exc))
+                log.warning(f"{self.NAME}_stream_failed", error=str(exc))
             self._set_ready(False)
             await asyncio.sleep(delay)
             delay = min(delay * 2, STREAM_RETRY_MAX_S)
@@ -299,22 +248,19 @@ class Mirror:
             self._token = stream.resume_token
             changed, removed = await self._load_all()
             self.resyncs += 1
-            log.info("mirror_resynced", size=self.size, changed=changed, removed=removed)
-            self._set_ready(True)
+            log.info(f"{self.NAME}_resynced", size=self.size, changed=changed,
+                     removed=removed)
+            if self.READY_AFTER_LOAD:
+                self._set_ready(True)
             await self._follow(stream)
-
-    async def _load_all(self) -> tuple[int, int]:
-        # Its own frame, so the loaded documents are freed before following the stream.
-        docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0, "labels": 0,
-                                                      "created_at": 0, "updated_at": 0})]
-        return self.load(docs)
 
     async def _resume_and_follow(self) -> None:
         stream = await self._open(resume_after=self._token)
         async with stream:
             self.resumes += 1
-            log.info("mirror_stream_resumed")
-            self._set_ready(True)
+            log.info(f"{self.NAME}_stream_resumed")
+            if self.READY_AFTER_LOAD:
+                self._set_ready(True)
             await self._follow(stream)
 
     async def _follow(self, stream: Any) -> None:
@@ -326,6 +272,103 @@ class Mirror:
                 self.apply(event)
             elif not stream.alive:
                 raise PyMongoError("the change stream closed")
+            elif not self.ready:  # caught up with the stream: past the load
+                self._set_ready(True)
             token = stream.resume_token
             if token is not None:
                 self._token = token
+
+
+class Mirror(ChangeMirror):
+    """The mirror of the schedules; ``run()`` keeps it in sync until cancelled."""
+
+    def __init__(self, collection: WatchedCollection,
+                 on_change: Callable[[str, Entry | None], None] | None = None) -> None:
+        super().__init__(collection)
+        self.on_change = on_change
+        self.entries: dict[str, Entry] = {}
+        self.invalid: dict[str, str] = {}  # id -> why its stored document was refused
+        self._digest: str | None = None
+        # When the latest changes were applied (wall clock), for measuring propagation;
+        # bounded so it never grows with the number of schedules.
+        self.recently_applied: OrderedDict[str, float] = OrderedDict()
+
+    @property
+    def size(self) -> int:
+        return len(self.entries)
+
+    @property
+    def digest(self) -> str:
+        """sha256 over the sorted (id, revision) pairs: equal digests, equal mirrors."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for schedule_id in sorted(self.entries):
+                h.update(f"{schedule_id}\0{self.entries[schedule_id].revision}\n".encode())
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "invalid": len(self.invalid)}
+
+    def _put(self, schedule_id: str, doc: dict[str, Any]) -> None:
+        try:
+            entry = entry_from_document(doc)
+        except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
+            # A document written around the API: keep the replica alive, say so.
+            log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
+            self._remove(schedule_id)
+            self.invalid[schedule_id] = str(exc)
+            return
+        self.invalid.pop(schedule_id, None)
+        self.entries[schedule_id] = entry
+        self._digest = None
+        self.recently_applied[schedule_id] = time.time()
+        self.recently_applied.move_to_end(schedule_id)
+        if len(self.recently_applied) > RECENTLY_APPLIED:
+            self.recently_applied.popitem(last=False)
+        if self.on_change:
+            self.on_change(schedule_id, entry)
+
+    def _remove(self, schedule_id: str) -> None:
+        self.invalid.pop(schedule_id, None)
+        if self.entries.pop(schedule_id, None) is not None:
+            self._digest = None
+            if self.on_change:
+                self.on_change(schedule_id, None)
+
+    def apply(self, event: dict[str, Any]) -> str:
+        key = event.get("documentKey", {}).get("_id")
+        current = self.entries.get(key) if key is not None else None
+        action, schedule_id, detail = decide(event, current.revision if current else None)
+        if action == "upsert":
+            assert isinstance(detail, dict)
+            self._put(schedule_id, detail)
+        elif action == "remove":
+            self._remove(schedule_id)
+        self._applied(event)
+        return action
+
+    def load(self, docs: Iterable[dict[str, Any]]) -> tuple[int, int]:
+        """Replace the mirror's content with ``docs``, touching only what changed.
+
+        Returns (changed, removed).
+        """
+        seen: set[str] = set()
+        changed = 0
+        for doc in docs:
+            schedule_id = doc["_id"]
+            seen.add(schedule_id)
+            current = self.entries.get(schedule_id)
+            if current is None or current.revision != doc.get("revision"):
+                self._put(schedule_id, doc)
+                changed += 1
+        gone = [s for s in self.entries if s not in seen]
+        for schedule_id in gone:
+            self._remove(schedule_id)
+        return changed, len(gone)
+
+    async def _load_all(self) -> tuple[int, int]:
+        # Its own frame, so the loaded documents are freed before following the stream.
+        docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0, "labels": 0,
+                                                      "created_at": 0, "updated_at": 0})]
+        return self.load(docs)
