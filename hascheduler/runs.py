@@ -87,7 +87,7 @@ class FireRef:
     target: str
     nominal_at: dt.datetime | None
     event: Mapping[str, Any]  # the CloudEvent as delivered
-    body: bytes  # ... as its bytes: kept (not as a document: cheaper to store) for a replay
+    body: bytes  # ... as its bytes: what a dead run keeps for a replay
 
 
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
@@ -107,6 +107,7 @@ class Outcome:
     state: str  # SUCCEEDED, RETRYING or DEAD
     error: str | None = None
     retry_in_s: float = 0.0
+    event: bytes | None = None  # a dead run keeps its event: a replay sends it again
 
     def update(self) -> Document:
         fields: Document = {"state": self.state, "started_at": self.started,
@@ -117,13 +118,15 @@ class Outcome:
             fields["last_error"] = self.error
         if self.state == RETRYING:
             fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
+        if self.event is not None:
+            fields["event"] = self.event
         return {"$set": fields}
 
 
 def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
     return {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
             "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
-            "replays": 0, "event": fire.body, **running}
+            "replays": 0, **running}
 
 
 def _running(worker_id: str, now: dt.datetime, lease_s: float) -> Document:

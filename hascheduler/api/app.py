@@ -472,6 +472,9 @@ async def retry_run(request: web.Request) -> web.Response:
         return problem(409, f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
                             "be retried")
     replays = int(doc["replays"])
+    if not isinstance(doc.get("event"), bytes):  # written by something other than a worker
+        await cluster.runs.unreplay(fire_id, replays, "no event kept to replay", now)
+        return problem(409, f"run {fire_id!r} keeps no event to replay")
     event = json.loads(doc["event"])
     event["data"] = {**event.get("data", {}), "replay": replays}
     message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],

@@ -458,7 +458,7 @@ class Worker:
             return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, RETRYING,
                            verdict.error, verdict.delay_s)
         return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, DEAD,
-                       verdict.error)
+                       verdict.error, event=fire.body)
 
     async def _answer(self, held: Held, outcome: Outcome, kept: bool | None) -> None:
         """Once the outcome's write is done, tell the broker: ack, nak after the backoff
