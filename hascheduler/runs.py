@@ -1,4 +1,4 @@
-"""The runs ledger: every read and write of the ``runs`` collection (invariant 11,
+"""The runs ledger: every read and write of the ``runs`` collection (invariant 9,
 docs/ARCHITECTURE.md).
 
 A run is what a worker does with one fire, keyed by the fire id. Its states:
@@ -10,7 +10,7 @@ A run is what a worker does with one fire, keyed by the fire id. Its states:
 A worker claims a run here *before* its handler starts: inserting the document, or moving
 a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
 ``running`` under its own name. Whoever loses that race does not run the handler. While
-the handler runs, the worker renews ``lease_until``; its later writes match only its own
+the run is held, the worker renews ``lease_until``; its later writes match only its own
 claim (``_mine``: the worker id and the attempt number), so a worker that stalled past its
 lease and was taken over changes nothing when it wakes.
 """

@@ -457,6 +457,17 @@ async def get_run(request: web.Request) -> web.Response:
     return web.json_response(public_view(doc))
 
 
+def _stored_event(raw: Any) -> dict[str, Any] | None:
+    """The CloudEvent a dead run kept, or None when it kept none that reads as one."""
+    try:
+        event = json.loads(raw) if isinstance(raw, bytes) else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
+        return None
+    return event
+
+
 async def retry_run(request: web.Request) -> web.Response:
     """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
     published again under a new broker message id (the original one is still inside the
@@ -472,11 +483,11 @@ async def retry_run(request: web.Request) -> web.Response:
         return problem(409, f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
                             "be retried")
     replays = int(doc["replays"])
-    if not isinstance(doc.get("event"), bytes):  # written by something other than a worker
+    event = _stored_event(doc.get("event"))
+    if event is None:  # written by something other than a worker
         await cluster.runs.unreplay(fire_id, replays, "no event kept to replay", now)
         return problem(409, f"run {fire_id!r} keeps no event to replay")
-    event = json.loads(doc["event"])
-    event["data"] = {**event.get("data", {}), "replay": replays}
+    event["data"] = {**event["data"], "replay": replays}
     message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],
                           term=int(event["data"].get("term", 0)),
                           body=json.dumps(event, separators=(",", ":")).encode())
