@@ -158,3 +158,26 @@ async def test_a_stalled_workers_run_shows_stuck_then_is_taken_over(stack: Stack
         return body["worker_id"] == "heir" and '"run_lease_lost"' in log
 
     await wait_until(settled, 30, "the stalled worker to find its claim lost")
+
+
+@pytest.mark.parametrize("kept", [None, b"not json", b"[1]", b'{"data": "x"}'])
+async def test_a_dead_run_without_a_readable_event_is_refused_not_replayed(
+        stack: Stack, kept: bytes | None) -> None:
+    """A run document written around the workers: the replay is refused, nothing sent."""
+    from pymongo import AsyncMongoClient
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(stack.mongo_uri)
+    try:
+        doc: dict[str, Any] = {"_id": "odd@1", "schedule_id": "odd", "target": "jobs.odd",
+                               "state": "dead", "attempts": 1, "replays": 0,
+                               "recorded_at": dt.datetime.now(dt.UTC)}
+        if kept is not None:
+            doc["event"] = kept
+        await client.get_default_database().runs.insert_one(doc)
+    finally:
+        await client.close()
+    status, body = await stack.post("/runs/odd@1/retry")
+    assert status == 409
+    assert "keeps no event to replay" in body["title"]
+    status, run = await stack.get("/runs/odd@1")
+    assert (status, run["state"], run["last_error"]) == (200, "dead", "no event kept to replay")
