@@ -41,11 +41,13 @@ class EventTemplate:
     def render(self, fire: dict[str, Any], term: int, attempt: int,
                fired_at_iso: str) -> FireMessage:
         fired = _quote(fired_at_iso)
+        # A fan-out fire names its tenant (fanout.py); others have no such field.
+        tenant = f'"tenant":{_quote(fire["tenant"])},' if "tenant" in fire else ""
         body = (f'{{"specversion":"1.0","id":{_quote(fire["_id"])},"source":"{EVENT_SOURCE}",'
                 f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},'
                 f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
                 f'"name":{self.name},"nominal_at":"{iso_utc(fire["nominal_at"])}",'
-                f'"fired_at":{fired},"term":{term},"attempt":{attempt},'
+                f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant}'
                 f'"payload":{self.payload}}}}}')
         return FireMessage(fire_id=fire["_id"], target=self.target, term=term,
                            body=body.encode())

@@ -19,14 +19,17 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
 
 @given(schedule_id=st.text(min_size=1), name=st.text(), payload=st.dictionaries(st.text(), JSON),
        term=st.integers(1, 2**40), attempt=st.integers(1, 10),
+       tenant=st.none() | st.text(min_size=1),
        nominal=st.datetimes(dt.datetime(2000, 1, 1), dt.datetime(2100, 1, 1),
                             timezones=st.just(dt.UTC)))
 def test_event_template_renders_what_json_dumps_of_the_event_gives(
         schedule_id: str, name: str, payload: dict[str, Any], term: int, attempt: int,
-        nominal: dt.datetime) -> None:
+        tenant: str | None, nominal: dt.datetime) -> None:
     fired = nominal + dt.timedelta(milliseconds=3)
-    fire = {"_id": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
-            "nominal_at": nominal}
+    fire: dict[str, Any] = {"_id": fire_id(schedule_id, nominal),
+                            "schedule_id": schedule_id, "nominal_at": nominal}
+    if tenant is not None:
+        fire["tenant"] = tenant
     schedule = {"_id": schedule_id, "name": name, "payload": payload, "target": "t.x"}
     message = EventTemplate.of(schedule).render(fire, term, attempt, iso_utc(fired))
     event = {
@@ -35,7 +38,7 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
         "datacontenttype": "application/json",
         "data": {"schedule_id": schedule_id, "name": name, "nominal_at": iso_utc(nominal),
                  "fired_at": iso_utc(fired), "term": term, "attempt": attempt,
-                 "payload": payload},
+                 **({"tenant": tenant} if tenant is not None else {}), "payload": payload},
     }
     assert message.body == json.dumps(event, separators=(",", ":")).encode()
     assert (message.fire_id, message.target, message.term) == (fire["_id"], "t.x", term)

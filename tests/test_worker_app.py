@@ -108,12 +108,15 @@ def test_a_delivery_is_read_with_its_target_and_schedule() -> None:
     assert delivery.nominal_at == NOW
     assert delivery.payload == {"k": 1}
     assert delivery.replay == 0
+    assert delivery.tenant is None
+    assert read_delivery("hascheduler.fire.a", body(tenant="acme")).tenant == "acme"
 
 
 @pytest.mark.parametrize("raw", [
     b"", b"\xff", b"null", b"[]", b'{"id": "s@1"}', b'{"id": 5, "data": {}}',
     body(term=True), body(term=-1), body(term="1"), body(replay=-2), body(nominal_at=None),
     body(nominal_at="yesterday"), body(nominal_at="2030-01-01T00:00:00"),
+    body(tenant=5), body(tenant=""), body(tenant=["a"]),
     json.dumps({"id": "", "data": {"term": 1, "nominal_at": NOW.isoformat()}}).encode()])
 def test_what_is_not_a_fire_is_refused_with_a_reason(raw: bytes) -> None:
     with pytest.raises(NotAFire):

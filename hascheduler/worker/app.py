@@ -42,6 +42,7 @@ class Run:
     attempt: int  # 1 for the first attempt
     worker_id: str
     event: Mapping[str, Any] = field(repr=False)  # the CloudEvent as delivered
+    tenant: str | None = None  # a fan-out fire's tenant key (None for other fires)
 
     @property
     def idempotency_key(self) -> str:

@@ -26,6 +26,7 @@ class Delivery:
     nominal_at: dt.datetime
     replay: int  # 0, or which replay of a dead run (POST /runs/{id}/retry) this is
     payload: Any
+    tenant: str | None = None  # a fan-out fire's tenant key
 
 
 def read_delivery(subject: str, body: bytes) -> Delivery:
@@ -56,12 +57,16 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     if not TARGET_PATTERN.fullmatch(target):
         raise NotAFire(f"subject {subject[:200]!r} names no target")
     schedule_id = data.get("schedule_id")
+    tenant = data.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise NotAFire("data.tenant is not a tenant key")
     return Delivery(
         fire=FireRef(fire_id=fire_id, target=target,
                      schedule_id=schedule_id if isinstance(schedule_id, str)
                      else fire_id.partition("@")[0],
                      nominal_at=nominal_at.astimezone(dt.UTC), event=event, body=body),
-        term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"))
+        term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
+        tenant=tenant)
 
 
 class StaleFilter:

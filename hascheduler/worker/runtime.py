@@ -432,7 +432,7 @@ class Worker:
         fire, attempt, route = held.delivery.fire, held.attempt, held.route
         run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
                   nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
-                  worker_id=s.worker_id, event=fire.event)
+                  worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant)
         started = self.clock()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
         error: BaseException | None = None
