@@ -16,7 +16,11 @@ from pymongo.errors import ConfigurationError, InvalidURI
 from . import gcpolicy, logs, schedules_cli
 from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
-from .constants import DEFAULT_MIN_FIRE_INTERVAL_S, DEFAULT_RUN_RETENTION_S
+from .constants import (
+    DEFAULT_MAX_FAN_OUT,
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    DEFAULT_RUN_RETENTION_S,
+)
 from .dispatch import DispatchSettings
 from .errors import ConfigError
 from .lease import LeaseSettingsError, LeaseTimings
@@ -103,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     setting("--fire-retention", str(7 * 86400), "seconds the fire ledger keeps a fire")
     setting("--run-retention", str(DEFAULT_RUN_RETENTION_S),
             "seconds the runs ledger keeps a run after its last change")
+    setting("--max-fan-out", str(DEFAULT_MAX_FAN_OUT),
+            "the most tenants one schedule's fan_out may select (checked when written)")
     setting("--min-fire-interval", str(DEFAULT_MIN_FIRE_INTERVAL_S),
             "the fewest seconds between two fires of one schedule that a write may ask for")
 
@@ -186,6 +192,10 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     except LeaseSettingsError as exc:
         raise ConfigError(f"--lease-ttl / --renew-deadline / --renew-interval: {exc}") from None
     try:
+        max_fan_out = _positive_int(str(args.max_fan_out))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"--max-fan-out / HASCHEDULER_MAX_FAN_OUT: {exc}") from None
+    try:
         broker_from_url(args.broker)  # checked now; built when the replica starts
     except ValueError as exc:
         raise ConfigError(f"--broker / HASCHEDULER_BROKER: {exc}") from None
@@ -201,6 +211,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                            tokens=tokens, write_limit=_write_limit(args),
                            min_fire_interval_s=seconds["min_fire_interval"],
                            run_retention_s=seconds["run_retention"],
+                           max_fan_out=max_fan_out,
                            tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
 
 

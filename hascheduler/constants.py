@@ -46,6 +46,9 @@ STREAM_MAX_AWAIT_MS = 500
 # The runs ledger keeps a run this long after its last change (dead ones too: forensic
 # evidence for a week, as Dramatiq keeps its dead letters).
 DEFAULT_RUN_RETENTION_S = 7 * 86_400.0
+# The most tenants one fan-out may select (serve --max-fan-out): each costs a claim, a
+# message and a run at every fire; 10,000 is the burst the leader is measured at.
+DEFAULT_MAX_FAN_OUT = 10_000
 # How often a replica counts the running and stuck runs for /metrics.
 RUNS_WATCH_INTERVAL_S = 5.0
 

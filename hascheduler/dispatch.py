@@ -26,6 +26,7 @@ import structlog
 from .brokers import Broker
 from .catchup import SkippedRange, plan_catchup
 from .events import EventTemplate
+from .fanout import FanOut, tenant_fire_id
 from .fire_queue import Due, FireQueue, is_fire_time
 from .lease import LeaseTimings, LeaseView
 from .ledger import Ledger, claim_document, skipped_range_document
@@ -85,6 +86,13 @@ class StoredSchedules(Protocol):
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
+class TenantSource(Protocol):
+    """The tenants a fan-out selects now, from the replica's source mirrors (tenants.py);
+    None while that source's mirror is not in sync."""
+
+    def tenants(self, fan_out: FanOut) -> list[str] | None: ...
+
+
 class LeadershipLost(Exception):
     """The renew deadline passed: stop claiming at once."""
 
@@ -129,8 +137,9 @@ class Dispatcher:
     def __init__(self, mirror: MirroredSchedules, schedules: StoredSchedules, ledger: Ledger,
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, sources: TenantSource | None = None) -> None:
         self.mirror = mirror
+        self.sources = sources
         self.metrics = metrics or Metrics()
         self.schedules = schedules
         self.ledger = ledger
@@ -248,19 +257,45 @@ class Dispatcher:
     async def _claim_and_publish(self, batch: list[Due], term: int, now: dt.datetime) -> None:
         hold = self.settings.publish_timeout_s * 2
         docs = []
+        unexpanded = []
         for due in batch:
             doc = claim_document(due.schedule_id, due.nominal, due.fire_at, term, now)
             # The retry loop leaves it alone unless this publish has not finished by then.
             doc["next_attempt_at"] = now + dt.timedelta(seconds=hold)
-            docs.append(doc)
-        claimed = await self._claim(docs, term)
-        self.metrics.fires.labels("claimed").inc(len(claimed))
-        if claimed:
-            revisions = {d.schedule_id: d.revision for d in batch}
-            self._pending.update(c["_id"] for c in claimed)
-            task = asyncio.create_task(self._publish_when_due(claimed, revisions, term))
-            self._in_flight.add(task)
-            task.add_done_callback(self._publish_done)
+            entry = self.mirror.entries.get(due.schedule_id)
+            if entry is None or entry.fan_out is None:
+                docs.append(doc)
+                continue
+            # One claim per tenant the fan-out selects now (invariant 10); a tenant gone
+            # by the due time is skipped then (_still_due).
+            tenants = self.sources.tenants(entry.fan_out) if self.sources else None
+            if tenants is None:
+                unexpanded.append(due)
+                continue
+            for tenant in tenants:
+                docs.append({**doc, "_id": tenant_fire_id(due.schedule_id, due.nominal,
+                                                          tenant), "tenant": tenant})
+        if unexpanded:
+            await self._record_unexpanded(unexpanded, term, now)
+        revisions = {d.schedule_id: d.revision for d in batch}
+        for i in range(0, len(docs), CLAIM_BATCH):
+            claimed = await self._claim(docs[i:i + CLAIM_BATCH], term)
+            self.metrics.fires.labels("claimed").inc(len(claimed))
+            if claimed:
+                self._pending.update(c["_id"] for c in claimed)
+                task = asyncio.create_task(self._publish_when_due(claimed, revisions, term))
+                self._in_flight.add(task)
+                task.add_done_callback(self._publish_done)
+
+    async def _record_unexpanded(self, dues: list[Due], term: int, now: dt.datetime) -> None:
+        """A fan-out whose source mirror is not in sync cannot be expanded: its fire is
+        recorded as skipped, saying why, never silently dropped."""
+        reason = "fan-out source not in sync at the claim: no tenant list"
+        await self.ledger.record_skipped([skipped_range_document(
+            d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term, now)
+            for d in dues])
+        self.metrics.fires.labels("skipped").inc(len(dues))
+        log.warning("fan_out_not_expanded", count=len(dues), term=term)
 
     def _publish_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
@@ -295,6 +330,9 @@ class Dispatcher:
                          term: int) -> list[dict[str, Any]]:
         """The fires still wanted at their due time; the others are recorded as skipped."""
         keep, skipped = [], []
+        # Schedule id -> its fan-out's tenants now (None: the source's mirror is out of sync
+        # at this instant; the claim's tenant list stands).
+        selected: dict[str, set[str] | None] = {}
         for fire in due:
             self._pending.discard(fire["_id"])
             entry = self.mirror.entries.get(fire["schedule_id"])
@@ -306,6 +344,17 @@ class Dispatcher:
             elif entry.revision != revisions[fire["schedule_id"]] and not is_fire_time(
                     entry, fire["nominal_at"]):
                 reason = "schedule changed before its due time; no longer a fire time"
+            elif "tenant" in fire:
+                if entry.fan_out is None:
+                    reason = "schedule changed before its due time; it no longer fans out"
+                else:
+                    if fire["schedule_id"] not in selected:
+                        tenants = self.sources.tenants(entry.fan_out) if self.sources else None
+                        selected[fire["schedule_id"]] = None if tenants is None \
+                            else set(tenants)
+                    now_selected = selected[fire["schedule_id"]]
+                    if now_selected is not None and fire["tenant"] not in now_selected:
+                        reason = "tenant no longer selected at its due time"
             if reason is None:
                 keep.append(fire)
             else:

@@ -28,6 +28,7 @@ from pymongo.errors import OperationFailure, PyMongoError
 
 from . import triggers
 from .constants import STREAM_MAX_AWAIT_MS, STREAM_RETRY_INITIAL_S, STREAM_RETRY_MAX_S
+from .fanout import FanOut
 from .instants import as_utc
 from .streams import open_change_stream
 
@@ -47,6 +48,7 @@ class Entry:
     catchup: str
     catchup_window: float
     target: str
+    fan_out: FanOut | None = None
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
@@ -90,7 +92,8 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  jitter=float(doc.get("jitter", 0.0)),
                  catchup=sys.intern(doc.get("catchup", "latest")),
                  catchup_window=float(doc.get("catchup_window", 3600.0)),
-                 target=sys.intern(doc["target"]))
+                 target=sys.intern(doc["target"]),
+                 fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None)
 
 
 Action = tuple[Literal["upsert"], str, dict[str, Any]] | tuple[Literal["remove"], str, None] \

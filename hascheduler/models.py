@@ -31,6 +31,7 @@ from .constants import (
     MAX_PAYLOAD_BYTES,
     TARGET_PATTERN,
 )
+from .fanout import FanOut
 
 # Schedule ids and label keys, matched whole (fullmatch).
 SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -240,6 +241,10 @@ class ScheduleFields(_Strict):
                         examples=["reports.weekly"],
                         json_schema_extra={"pattern": f"^{TARGET_PATTERN.pattern}$"})
     payload: dict[str, Any] = Field(default_factory=dict)
+    fan_out: FanOut | None = Field(None, description=(
+        "one run per tenant: at each fire, one message per document of this collection "
+        "(in the same database) that the filter selects at the due time, its key in "
+        "data.tenant and the fire id <schedule_id>@<nominal>/<tenant>"))
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})

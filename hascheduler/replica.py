@@ -25,6 +25,7 @@ from .api.app import Cluster
 from .brokers import broker_from_url
 from .constants import (
     DEFAULT_DATABASE,
+    DEFAULT_MAX_FAN_OUT,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
     FIRES,
@@ -40,6 +41,7 @@ from .constants import (
 )
 from .dispatch import Dispatcher, DispatchSettings
 from .errors import ConfigError
+from .fanout import FanOut
 from .instants import as_utc
 from .leadership import Elector
 from .lease import Lease, LeaseTimings
@@ -48,6 +50,7 @@ from .metrics import Metrics
 from .mirror import Entry, Mirror
 from .runs import RunLedger
 from .store import ScheduleStore
+from .tenants import Sources
 
 log = structlog.get_logger("hascheduler.replica")
 
@@ -72,6 +75,7 @@ class ReplicaSettings:
     tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
     run_retention_s: float = DEFAULT_RUN_RETENTION_S
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out may select
 
     @property
     def listen_host(self) -> str:
@@ -178,15 +182,21 @@ class Replica:
         lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
         dispatcher: Dispatcher | None = None
 
+        self.sources = sources = Sources(db)
+        stack.push_async_callback(_bounded, "stopping the source mirrors", sources.close)
+
         def changed(schedule_id: str, entry: Entry | None) -> None:
+            sources.on_change(schedule_id, entry.fan_out if entry is not None else None)
             if dispatcher is not None:
                 dispatcher.on_change(schedule_id, entry)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
-                                settings.dispatch, metrics=metrics)
+                                settings.dispatch, metrics=metrics, sources=sources)
+        # The leader needs every fan-out's tenants as well as the schedules (invariant 2).
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
-                                         ready=lambda: mirror.ready, metrics=metrics)
+                                         ready=lambda: mirror.ready and sources.ready,
+                                         metrics=metrics)
         metrics.watch(leader=lambda: elector.is_leader,
                       term=lambda: elector.view.term if elector.view is not None else 0,
                       size=lambda: mirror.size, ready=lambda: mirror.ready,
@@ -198,7 +208,9 @@ class Replica:
                                          RunLedger(db[RUNS]), broker),
                          metrics_=metrics, tokens=settings.tokens,
                          write_limit=settings.write_limit,
-                         min_fire_interval_s=settings.min_fire_interval_s)
+                         min_fire_interval_s=settings.min_fire_interval_s,
+                         fan_out=(settings.max_fan_out, _tenant_counter(db)),
+                         sources=sources)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         stack.push_async_callback(_bounded, "stopping the API", runner.cleanup)
@@ -235,6 +247,12 @@ class Replica:
             await asyncio.wait({mirroring, electing, beating, watching}, timeout=STOP_STEP_S)
 
         stack.push_async_callback(stop_background)
+
+
+def _tenant_counter(db: Any) -> Any:
+    async def count(fan_out: FanOut, limit: int) -> int:
+        return int(await db[fan_out.collection].count_documents(fan_out.filter, limit=limit))
+    return count
 
 
 def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:

@@ -39,7 +39,8 @@ DUPLICATE_KEY = 11000
 
 # What a run document says about itself through the API: never the stored event (it is
 # the payload again) nor the lease bookkeeping under another name.
-_PUBLIC_FIELDS = ("schedule_id", "target", "nominal_at", "state", "attempts", "worker_id",
+_PUBLIC_FIELDS = ("schedule_id", "fire", "tenant", "target", "nominal_at", "state",
+                  "attempts", "worker_id",
                   "started_at", "first_started_at", "heartbeat_at", "lease_until",
                   "finished_at", "duration_s", "last_error", "next_attempt_at", "replays",
                   "recorded_at")
@@ -88,6 +89,8 @@ class FireRef:
     nominal_at: dt.datetime | None
     event: Mapping[str, Any]  # the CloudEvent as delivered
     body: bytes  # ... as its bytes: what a dead run keeps for a replay
+    fire: str = ""  # a fan-out run's fire (the fire id without the tenant); else fire_id
+    tenant: str | None = None
 
 
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
@@ -124,9 +127,12 @@ class Outcome:
 
 
 def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
-    return {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
-            "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
-            "replays": 0, **running}
+    doc = {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
+           "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
+           "replays": 0, **running}
+    if fire.tenant is not None:
+        doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
+    return doc
 
 
 def _running(worker_id: str, now: dt.datetime, lease_s: float) -> Document:
@@ -276,6 +282,29 @@ class RunLedger:
         return [d async for d in self.runs.find({"schedule_id": schedule_id},
                                                 {"event": 0}).sort(
             [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
+
+    async def by_fire(self, schedule_id: str, fires: int,
+                      scanned: int = 10_000) -> list[Document]:
+        """A schedule's latest ``fires`` fires, each with how many of its runs are in each
+        state (a fan-out fire has one run per tenant), newest first; reads at most
+        ``scanned`` runs."""
+        groups: dict[str, Document] = {}
+        async for doc in self.runs.find(
+                {"schedule_id": schedule_id},
+                {"fire": 1, "nominal_at": 1, "state": 1}).sort(
+                    [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(scanned):
+            fire = doc.get("fire", doc["_id"])
+            if fire not in groups:
+                if len(groups) == fires:
+                    break
+                groups[fire] = {"fire": fire, "nominal_at": doc.get("nominal_at"),
+                                "runs": 0, **dict.fromkeys(STATES, 0)}
+            group = groups[fire]
+            group["runs"] += 1
+            if doc.get("state") in STATES:
+                group[doc["state"]] += 1
+        return [{**g, "nominal_at": as_utc(g["nominal_at"]).isoformat()
+                 if g["nominal_at"] else None} for g in groups.values()]
 
     async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
         return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},

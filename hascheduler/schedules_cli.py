@@ -84,6 +84,8 @@ def add_parser(sub: Any) -> None:
     add.add_argument("--end-at", help="last possible time of an --every schedule")
     add.add_argument("--jitter", type=float)
     add.add_argument("--payload", help="a JSON object")
+    add.add_argument("--fan-out", help='one run per tenant, as JSON: {"collection": '
+                                       '"tenants", "filter": {"active": true}, "key": "_id"}')
     add.add_argument("--label", action="append", default=[], help="key=value; repeatable")
     add.add_argument("--paused", action="store_true")
     add.add_argument("--catchup", choices=["latest", "all", "none"])
@@ -207,6 +209,8 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
             body[key] = getattr(args, key)
     if args.payload:
         body["payload"] = _json_arg(args.payload, "--payload")
+    if args.fan_out:
+        body["fan_out"] = _json_arg(args.fan_out, "--fan-out")
     return body
 
 
@@ -247,9 +251,14 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 def _schedules_table(items: list[dict[str, Any]]) -> str:
+    def fan_out(schedule: dict[str, Any]) -> str:
+        spec = schedule.get("fan_out")
+        return f"per {spec['collection']}" if spec else "-"
+
     return table([[s["id"], s["name"], _trigger_text(s["trigger"]),
-                   "yes" if s["paused"] else "no", str(s["revision"]), s["target"]]
-                  for s in items], ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET"])
+                   "yes" if s["paused"] else "no", str(s["revision"]), s["target"],
+                   fan_out(s)] for s in items],
+                 ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"])
 
 
 async def run(args: argparse.Namespace) -> int:

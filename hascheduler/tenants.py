@@ -10,13 +10,18 @@ collection holds.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import structlog
+
 from .fanout import MISSING, FanOut, lookup, matches, tenant_key
 from .mirror import ChangeMirror, WatchedCollection
+
+log = structlog.get_logger("hascheduler.tenants")
 
 
 def project(document: Mapping[str, Any], fields: Iterable[str]) -> dict[str, Any]:
@@ -97,3 +102,51 @@ class SourceMirror(ChangeMirror):
 
 def _order(key: Any) -> tuple[str, str]:
     return type(key).__name__, str(key)
+
+
+class Sources:
+    """The source mirrors a replica's schedules need: one per distinct (collection,
+    fields), started when a schedule first names it, stopped when none does. The replica
+    may lead only while every one of them is in sync (``ready``)."""
+
+    def __init__(self, database: Any) -> None:
+        self.database = database
+        self.mirrors: dict[tuple[str, tuple[str, ...]], SourceMirror] = {}
+        self._tasks: dict[tuple[str, tuple[str, ...]], asyncio.Task[None]] = {}
+        self._named: dict[str, tuple[str, tuple[str, ...]]] = {}  # schedule id -> source
+
+    def on_change(self, schedule_id: str, fan_out: FanOut | None) -> None:
+        """A schedule's fan-out as the mirror now holds it (None: none, or deleted)."""
+        before = self._named.pop(schedule_id, None)
+        if fan_out is not None:
+            key = fan_out.source()
+            self._named[schedule_id] = key
+            if key not in self.mirrors:
+                mirror = SourceMirror(self.database[key[0]], key[1])
+                self.mirrors[key] = mirror
+                self._tasks[key] = asyncio.get_running_loop().create_task(mirror.run())
+                log.info("source_mirror_started", collection=key[0], fields=list(key[1]))
+        if before is not None and before not in self._named.values():
+            self.mirrors.pop(before).stop()
+            self._tasks.pop(before).cancel()
+            log.info("source_mirror_stopped", collection=before[0])
+
+    @property
+    def ready(self) -> bool:
+        return all(m.ready for m in self.mirrors.values())
+
+    def tenants(self, fan_out: FanOut) -> list[str] | None:
+        mirror = self.mirrors.get(fan_out.source())
+        return mirror.tenants(fan_out) if mirror is not None and mirror.ready else None
+
+    def digests(self) -> dict[str, str]:
+        return {f"{c}:{','.join(f)}": m.digest for (c, f), m in sorted(self.mirrors.items())}
+
+    async def close(self) -> None:
+        for mirror in self.mirrors.values():
+            mirror.stop()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=3)

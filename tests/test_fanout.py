@@ -74,6 +74,13 @@ def test_a_path_through_a_scalar_is_missing_as_mongodb_reads_it() -> None:
     assert not matches(source, {"c": {"d": 1}})
 
 
+def test_a_boolean_never_equals_a_number_as_in_mongodb() -> None:
+    source = FanOut.model_validate({"collection": "t", "filter": {"b": True, "n": 1}})
+    assert matches(source, {"b": True, "n": 1.0})
+    assert not matches(source, {"b": 1, "n": 1})
+    assert not matches(source, {"b": True, "n": True})
+
+
 def test_a_tenant_fire_id_extends_the_fire_id() -> None:
     nominal = dt.datetime.now(dt.UTC).replace(microsecond=0)
     assert tenant_fire_id("report", nominal, "acme") == (
@@ -81,17 +88,25 @@ def test_a_tenant_fire_id_extends_the_fire_id() -> None:
 
 
 # Matching, checked against the development server's own evaluation of the same filter.
-values = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([1.0, 2.5]),
-                   st.sampled_from(["a", "b", ""]))
-# "c" holds a sub-document or nothing: where a path runs through a scalar ({"c": null}
-# against "c.d": null) mongomock, under the development server, answers no and MongoDB
-# yes; `matches` answers as MongoDB does (the path is missing).
+# Two places where mongomock (under the development server) differs from MongoDB are kept
+# out of the draw and pinned by the tests above instead: a path through a scalar, and a
+# boolean against a number (MongoDB: different types never equal; mongomock: True == 1).
+numbers = st.one_of(st.none(), st.integers(-3, 3), st.sampled_from([1.0, 2.5]),
+                    st.sampled_from(["a", "b", ""]))
+flags = st.one_of(st.none(), st.booleans())
 documents = st.fixed_dictionaries({}, optional={
-    "a": values | st.dictionaries(st.just("d"), values, max_size=1), "b": values,
-    "c": st.dictionaries(st.just("d"), values, max_size=1)})
-conditions = st.one_of(values, st.lists(values, min_size=1, max_size=3).map(
-    lambda vs: {"$in": vs}), st.booleans().map(lambda b: {"$exists": b}))
-filters = st.dictionaries(st.sampled_from(["a", "b", "c.d"]), conditions, max_size=3)
+    "a": numbers | st.dictionaries(st.just("d"), numbers, max_size=1), "b": flags,
+    "c": st.dictionaries(st.just("d"), numbers, max_size=1)})
+
+
+def condition(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(values, st.lists(values, min_size=1, max_size=3).map(
+        lambda vs: {"$in": vs}), st.booleans().map(lambda b: {"$exists": b}))
+
+
+filters = st.fixed_dictionaries({}, optional={"a": condition(numbers),
+                                              "b": condition(flags),
+                                              "c.d": condition(numbers)})
 
 
 @settings(max_examples=60, deadline=None,

@@ -164,3 +164,22 @@ async def test_many_claims_and_outcomes_in_one_write_each(ledger: RunLedger) -> 
     assert lost == {"s@0"}
     states = {i: (await ledger.get(f"s@{i}") or {}).get("state") for i in range(4)}
     assert states == {0: RUNNING, 1: SUCCEEDED, 2: DEAD, 3: RUNNING}
+
+
+async def test_a_fan_out_fires_runs_are_counted_per_fire(ledger: RunLedger) -> None:
+    def tenant_run(nominal: float, tenant: str) -> FireRef:
+        base = f"s@{nominal}"
+        event = {"id": f"{base}/{tenant}", "data": {"tenant": tenant}}
+        return FireRef(f"{base}/{tenant}", "s", "jobs", at(nominal), event,
+                       json.dumps(event).encode(), fire=base, tenant=tenant)
+
+    for nominal in (1, 2):
+        for tenant in ("a", "b", "c"):
+            await ledger.claim(tenant_run(nominal, tenant), "w", at(nominal), 10)
+    await ended(ledger, "s@2/a", "w", 1, at(2), at(3), SUCCEEDED)
+    await ended(ledger, "s@2/b", "w", 1, at(2), at(3), DEAD, "E")
+    groups = await ledger.by_fire("s", fires=5)
+    assert [(g["fire"], g["runs"], g["succeeded"], g["dead"], g["running"]) for g in groups] \
+        == [("s@2", 3, 1, 1, 1), ("s@1", 3, 0, 0, 3)]
+    assert (await ledger.get("s@2/a") or {}).get("tenant") == "a"
+    assert len(await ledger.by_fire("s", fires=1)) == 1

@@ -38,8 +38,22 @@ def test_add_list_get_update_pause_resume_next_delete(replica: ServerProcess) ->
 
     listed = cli(replica, "list", "--label", "team=ops")
     assert listed.stdout.splitlines()[0].split() == ["ID", "NAME", "TRIGGER", "PAUSED", "REV",
-                                                     "TARGET"]
+                                                     "TARGET", "FAN-OUT"]
     assert "report" in listed.stdout
+
+    fanned = cli(replica, "add", "--id", "per-tenant", "--name", "per tenant", "--target",
+                 "reports.tenant", "--cron", "0 9 * * *", "--fan-out",
+                 '{"collection": "tenants", "filter": {"active": true}}')
+    assert fanned.returncode == 0, fanned.stderr
+    assert "per tenants" in fanned.stdout
+    refused = cli(replica, "add", "--name", "bad", "--target", "x", "--cron", "0 9 * * *",
+                  "--fan-out", '{"collection": "schedules"}')
+    assert refused.returncode == 2
+    assert "fan_out.collection" in refused.stderr
+    not_json = cli(replica, "add", "--name", "bad", "--target", "x", "--cron", "0 9 * * *",
+                   "--fan-out", "{")
+    assert not_json.returncode == 2
+    assert "--fan-out is not valid JSON" in not_json.stderr
 
     got = json.loads(cli(replica, "get", "report").stdout)
     assert got["payload"] == {"format": "pdf"}

@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from ..constants import (
     MAX_PREVIEW,
     MAX_REQUEST_BYTES,
 )
+from ..fanout import FanOut
 from ..instants import as_utc
 from ..lease import LeaseView
 from ..ledger import Ledger
@@ -58,6 +59,20 @@ MIN_FIRE_INTERVAL: web.AppKey[float] = web.AppKey("min_fire_interval_s")
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", Tokens)
 LIMITER = web.AppKey("write_limiter", WriteLimiter)
+# The bound on a fan-out's tenants, and how to count (up to a limit) what one selects.
+CountTenants = Callable[[FanOut, int], Awaitable[int]]
+FAN_OUT: web.AppKey[tuple[int, CountTenants]] = web.AppKey("fan_out")
+
+
+class SourceMirrors(Protocol):
+    """The replica's fan-out source mirrors (tenants.Sources), for /readyz."""
+
+    @property
+    def ready(self) -> bool: ...
+    def digests(self) -> dict[str, str]: ...
+
+
+SOURCES: web.AppKey[SourceMirrors] = web.AppKey("sources")
 
 
 @web.middleware
@@ -181,10 +196,24 @@ def _validate(request: web.Request, model: type[models.ScheduleFields], data: di
         "min_fire_interval_s": request.app[MIN_FIRE_INTERVAL]})
 
 
+async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) -> None:
+    """A fan-out selecting more tenants than the cluster's bound is refused when written
+    (422 on fan_out); counting stops one past the bound, so the check costs what it may."""
+    if fields.fan_out is None or FAN_OUT not in request.app:
+        return
+    limit, count = request.app[FAN_OUT]
+    selected = await count(fields.fan_out, limit + 1)
+    if selected > limit:
+        raise BadRequest(422, "fan_out", f"the filter selects more than {limit} documents "
+                                         f"of {fields.fan_out.collection!r}; the cluster's "
+                                         "bound is serve --max-fan-out")
+
+
 async def create_schedule(request: web.Request) -> web.Response:
     body = await _body(request)
     now = _now(request)
     new = _validate(request, models.ScheduleIn, body, now)
+    await _check_fan_out(request, new)
     schedule = await request.app[STORE].create(new, now)
     return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
 
@@ -214,6 +243,7 @@ async def put_schedule(request: web.Request) -> web.Response:
     body.pop("id", None)
     now = _now(request)
     fields = _validate(request, models.ScheduleFields, body, now)
+    await _check_fan_out(request, fields)
     schedule = await request.app[STORE].replace(request.match_info["id"], fields, now,
                                                 _expected_revision(request))
     return _schedule_response(schedule)
@@ -246,6 +276,7 @@ async def patch_schedule(request: web.Request) -> web.Response:
     now = _now(request)
     fields = _validate(request, models.ScheduleFields, merged, now,
                        stored_trigger="trigger" not in patch)
+    await _check_fan_out(request, fields)
     # Without If-Match, the revision read above still guards against a lost update.
     schedule = await store.replace(schedule_id, fields, now,
                                    expected if expected is not None else current.revision)
@@ -303,6 +334,10 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     status = request.app[MIRROR].status()
     status["replica_id"] = request.app[REPLICA]
+    sources = request.app.get(SOURCES)
+    if sources is not None:  # each fan-out source's mirror: equal digests, equal copies
+        status["sources"] = sources.digests()
+        status["sources_ready"] = sources.ready
     return web.json_response(status, status=200 if status["ready"] else 503)
 
 
@@ -319,7 +354,9 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
                cluster: Cluster | None = None,
                metrics_: Metrics | None = None, tokens: Tokens | None = None,
                write_limit: WriteLimit | None = None,
-               min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S) -> web.Application:
+               min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
+               fan_out: tuple[int, CountTenants] | None = None,
+               sources: SourceMirrors | None = None) -> web.Application:
     app = web.Application(middlewares=[count_requests, access_control, error_middleware],
                           client_max_size=MAX_REQUEST_BYTES)
     app[METRICS] = metrics_ or Metrics()
@@ -330,6 +367,10 @@ def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
     app[REPLICA] = replica_id
     app[CLOCK] = clock
     app[MIN_FIRE_INTERVAL] = min_fire_interval_s
+    if fan_out is not None:
+        app[FAN_OUT] = fan_out
+    if sources is not None:
+        app[SOURCES] = sources
     if cluster is not None:
         app[CLUSTER] = cluster
     for method, path, handler in ROUTES:
@@ -432,6 +473,12 @@ async def schedule_runs(request: web.Request) -> web.Response:
     schedule_id = request.match_info["id"]
     await request.app[STORE].get(schedule_id)  # 404 for a schedule that does not exist
     limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    by = request.query.get("by")
+    if by not in (None, "fire"):
+        raise BadRequest(422, "by", "by must be fire (runs counted per fire) or absent")
+    if by == "fire":
+        return web.json_response({"schedule_id": schedule_id,
+                                  "fires": await cluster.runs.by_fire(schedule_id, limit)})
     docs = await cluster.runs.for_schedule(schedule_id, limit)
     return web.json_response({"schedule_id": schedule_id,
                               "items": [public_view(d) for d in docs]})
@@ -511,6 +558,7 @@ async def dashboard(request: web.Request) -> web.Response:
         upcoming = models.preview(schedule, now, 1).times
         schedules.append({
             "id": schedule.id, "name": schedule.name, "target": schedule.target,
+            "fan_out": schedule.fan_out.model_dump() if schedule.fan_out else None,
             "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
             "revision": schedule.revision,
             "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})

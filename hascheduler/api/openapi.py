@@ -26,6 +26,9 @@ class MirrorStatus(BaseModel):
     digest: str
     last_applied_cluster_time: dict[str, Any] | None
     replica_id: str
+    sources: dict[str, str] | None = Field(None, description="each fan-out source's mirror "
+                                           "digest, by collection:fields")
+    sources_ready: bool | None = None
 
 
 class Run(BaseModel):
@@ -33,6 +36,9 @@ class Run(BaseModel):
 
     id: str = Field(description="the fire id: every handler's idempotency key")
     schedule_id: str
+    fire: str | None = Field(None, description="a fan-out run's fire: its id without the "
+                                                "tenant")
+    tenant: str | None = None
     target: str
     nominal_at: str | None = None
     state: str = Field(description="running, succeeded, retrying or dead")
@@ -161,10 +167,14 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
                             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
             "responses": _responses(200, None, 404, 422, 503)},
         ("GET", "/schedules/{id}/runs"): {
-            "summary": "the runs of a schedule's fires, newest nominal time first",
+            "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
+                       "per fire, how many runs are in each state (a fan-out fire has one "
+                       "per tenant)",
             "parameters": [{"name": "limit", "in": "query",
-                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
-            "responses": _responses(200, "ScheduleRuns", 404, 422, 503)},
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+                           {"name": "by", "in": "query",
+                            "schema": {"type": "string", "enum": ["fire"]}}],
+            "responses": _responses(200, None, 404, 422, 503)},
         ("GET", "/runs"): {
             "summary": "runs, most recently changed first (state=dead: the dead letters)",
             "parameters": [

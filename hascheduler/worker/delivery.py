@@ -64,7 +64,9 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
         fire=FireRef(fire_id=fire_id, target=target,
                      schedule_id=schedule_id if isinstance(schedule_id, str)
                      else fire_id.partition("@")[0],
-                     nominal_at=nominal_at.astimezone(dt.UTC), event=event, body=body),
+                     nominal_at=nominal_at.astimezone(dt.UTC), event=event, body=body,
+                     fire=fire_id.removesuffix(f"/{tenant}") if tenant else fire_id,
+                     tenant=tenant),
         term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
         tenant=tenant)
 

@@ -1,0 +1,171 @@
+"""Fan-out through the whole cluster: 3 replicas, nats-server, a worker and a tenants
+collection changing while a fan-out schedule fires every second; the leader is SIGKILLed.
+Each (fire, tenant) is in the stream and run exactly once; added tenants start, removed
+ones stop; every replica's mirror of the tenants is the same."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerProcess, start_nats
+from tests.test_failover import Harness, stream_counts
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+async def cluster(mongo_uri: str, tmp_path: Path) -> AsyncIterator[tuple[Harness, Path]]:
+    server: ServerProcess = start_nats()
+    h = Harness(mongo_uri, server)
+    record = tmp_path / "runs.txt"
+    worker = None
+    try:
+        for name in ("a", "b", "c"):
+            h.start(name)
+        with open(tmp_path / "worker.log", "wb") as log:  # noqa: ASYNC230 - opened once
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hascheduler.cli", "worker", "--broker", server.uri,
+                "--mongodb-uri", h.mongo_uri, "--handler",
+                "tests.helpers.record_handler:handle", "--target", f"audit.{h.prefix}",
+                env={**os.environ, "RECORD_FIRES_TO": str(record)},
+                stdout=asyncio.subprocess.PIPE, stderr=log)
+        assert worker.stdout is not None
+        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
+        yield h, record
+    finally:
+        if worker is not None and worker.returncode is None:
+            worker.terminate()
+            await asyncio.wait_for(worker.wait(), 30)
+        await h.close()
+        server.stop()
+
+
+def second(at: dt.datetime) -> dt.datetime:
+    return at.replace(microsecond=0)
+
+
+async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
+        cluster: tuple[Harness, Path]) -> None:
+    h, record = cluster
+    tenants = h.db.tenants
+    await tenants.insert_many([{"_id": f"t{i}", "active": True} for i in range(1, 6)]
+                              + [{"_id": "sleeper", "active": False}])
+    sid = f"{h.prefix}-fan"
+    any_replica = next(iter(h.replicas))
+    async with h.http.post(h.replicas[any_replica].uri + "/schedules", json={
+            "id": sid, "name": "per tenant", "target": f"audit.{h.prefix}",
+            "catchup": "all", "trigger": {"kind": "cron", "cron": "* * * * * *"},
+            "fan_out": {"collection": "tenants", "filter": {"active": True}}}) as r:
+        assert r.status == 201, await r.text()
+    start = second(dt.datetime.now(dt.UTC)) + dt.timedelta(seconds=3)
+
+    async def fired(tenant: str, after: dt.datetime) -> bool:
+        counts, _ = await stream_counts(h.nats.uri, h.prefix)
+        return any(f.endswith(f"/{tenant}") and f.split("@")[1].split("/")[0] > after.isoformat()
+                   for f in counts)
+
+    await wait_until(lambda: fired("t1", start), 20, "the first fan-out fires")
+    added_at = dt.datetime.now(dt.UTC)
+    await tenants.update_one({"_id": "sleeper"}, {"$set": {"active": True}})
+    await tenants.update_one({"_id": "t2"}, {"$set": {"active": False}})
+    await wait_until(lambda: fired("sleeper", added_at), 20, "the added tenant's first fire")
+
+    leader = await h.leader()
+    lease = await h.lease()
+    h.signal(leader, signal.SIGKILL)
+    h.replicas.pop(leader).stop(signal.SIGKILL)  # reaped, its pipe closed
+
+    async def new_term() -> bool:
+        doc = await h.lease()
+        return bool(doc.get("term", 0) > lease["term"] and doc.get("holder") in h.replicas
+                    and doc["expires_at"] > dt.datetime.now(dt.UTC))
+
+    await wait_until(new_term, 20, "a new leader")
+    after_kill = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
+    await wait_until(lambda: fired("t1", after_kill), 20, "fires from the new leader")
+    end = second(dt.datetime.now(dt.UTC)) - dt.timedelta(seconds=1)
+
+    counts, _ = await stream_counts(h.nats.uri, h.prefix)
+    assert all(n == 1 for n in counts.values()), [f for f, n in counts.items() if n > 1]
+    by_second: dict[str, set[str]] = {}
+    for fire in counts:
+        nominal, _, tenant = fire.split("@", 1)[1].partition("/")
+        assert fire.startswith(f"{sid}@"), fire
+        assert tenant, fire
+        by_second.setdefault(nominal, set()).add(tenant)
+    change_from = second(added_at) - dt.timedelta(seconds=2)  # claims are made 1.5 s ahead
+    change_to = second(added_at) + dt.timedelta(seconds=3)
+    steady = {"t1", "t3", "t4", "t5"}
+    moment = start
+    checked = 0
+    while moment <= end:
+        key = moment.isoformat().replace("+00:00", ".000Z")
+        got = by_second.get(key, set())
+        if moment < change_from:
+            assert got == steady | {"t2"}, (key, got)
+        elif moment > change_to:
+            assert got == steady | {"sleeper"}, (key, got)
+        else:  # either side of the change, each tenant at most once (checked above)
+            assert steady <= got <= steady | {"t2", "sleeper"}, (key, got)
+        checked += 1
+        moment += dt.timedelta(seconds=1)
+    assert checked >= 5
+
+    # Each stored fire run once, as the runs ledger and the handler's record say.
+    async def all_run() -> bool:
+        done = await h.db.runs.count_documents({"_id": {"$in": list(counts)},
+                                                "state": "succeeded"})
+        return done == len(counts)
+
+    await wait_until(all_run, 30, "every fan-out fire to be run")
+    ran = Counter(line.split()[0] for line in record.read_text().splitlines())
+    assert {f for f in counts} <= set(ran)
+    assert all(ran[f] == 1 for f in counts)
+    # And a skipped tenant is recorded, not silent: t2's fires claimed before its removal
+    # and due after it (if any) are in the ledger as skipped with the reason.
+    skipped = [d async for d in h.db.fires.find({"schedule_id": sid, "state": "skipped"})]
+    assert all(d.get("reason") for d in skipped)
+
+    # Every surviving replica mirrors the tenants identically.
+    async def same_sources() -> set[str] | None:
+        digests = set()
+        for name in h.replicas:
+            status = await h.get(name, "/readyz")
+            digests.add(json.dumps(status.get("sources"), sort_keys=True))
+        return digests if len(digests) == 1 and "tenants" in next(iter(digests)) else None
+
+    await wait_until(same_sources, 20, "equal tenant mirrors on every replica")
+
+
+async def test_a_fan_out_above_the_bound_is_refused_when_written(
+        cluster: tuple[Harness, Path]) -> None:
+    h, _ = cluster
+    await h.db.tenants.insert_many([{"_id": f"t{i}", "active": True} for i in range(5)])
+    h.start("bounded", "--max-fan-out", "4")
+    uri = h.replicas["bounded"].uri
+    body = {"name": "n", "target": "x", "trigger": {"kind": "cron", "cron": "* * * * *"}}
+    for fan_out, message in (({"collection": "tenants"}, "selects more than 4 documents"),
+                             ({"collection": "fires"}, "hascheduler's own collections"),
+                             ({"collection": "tenants", "filter": {"$where": "1"}},
+                              "a field path")):
+        async with h.http.post(uri + "/schedules", json={**body, "fan_out": fan_out}) as r:
+            answer = await r.json()
+            assert r.status == 422, answer
+            assert answer["errors"][0]["field"].startswith("fan_out"), answer
+            assert message in answer["errors"][0]["message"], answer
+    async with h.http.post(uri + "/schedules", json={
+            **body, "fan_out": {"collection": "tenants", "filter": {"_id": {"$in": [
+                "t0", "t1"]}}}}) as r:
+        assert r.status == 201, await r.text()
+        assert (await r.json())["fan_out"]["filter"] == {"_id": {"$in": ["t0", "t1"]}}
