@@ -50,6 +50,9 @@ class SourceMirror(ChangeMirror):
         self.fields = tuple(sorted(set(fields) | {"_id"}))
         self.docs: dict[Any, dict[str, Any]] = {}
         self._digest: str | None = None
+        # The tenants each fan-out selects, until the next change: a fan-out fire asks at
+        # its claim and again, per claim batch, at its due time.
+        self._selected: dict[str, list[str]] = {}
 
     @property
     def size(self) -> int:
@@ -72,11 +75,11 @@ class SourceMirror(ChangeMirror):
         action = "ignore"
         if op == "delete":
             if self.docs.pop(key, None) is not None:
-                self._digest = None
+                self._changed()
             action = "remove"
         elif op in {"insert", "replace", "update"} and event.get("fullDocument") is not None:
             self.docs[key] = project(event["fullDocument"], self.fields)
-            self._digest = None
+            self._changed()
             action = "upsert"
         self._applied(event)
         return action
@@ -86,8 +89,12 @@ class SourceMirror(ChangeMirror):
         changed = sum(1 for k, d in loaded.items() if self.docs.get(k) != d)
         removed = sum(1 for k in self.docs if k not in loaded)
         self.docs = loaded
-        self._digest = None
+        self._changed()
         return changed, removed
+
+    def _changed(self) -> None:
+        self._digest = None
+        self._selected.clear()
 
     async def _load_all(self) -> tuple[int, int]:
         docs = [d async for d in self._coll.find({}, dict.fromkeys(self.fields, 1))]
@@ -96,8 +103,13 @@ class SourceMirror(ChangeMirror):
     def tenants(self, fan_out: FanOut) -> list[str]:
         """The keys of the documents ``fan_out`` selects now, sorted; documents without a
         usable key are left out."""
-        keys = {tenant_key(d, fan_out.key) for d in self.docs.values() if matches(fan_out, d)}
-        return sorted(k for k in keys if k is not None)
+        cache_key = fan_out.model_dump_json()
+        selected = self._selected.get(cache_key)
+        if selected is None:
+            keys = {tenant_key(d, fan_out.key) for d in self.docs.values()
+                    if matches(fan_out, d)}
+            selected = self._selected[cache_key] = sorted(k for k in keys if k is not None)
+        return selected
 
 
 def _order(key: Any) -> tuple[str, str]:

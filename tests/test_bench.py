@@ -20,15 +20,16 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
-                    "## Development MongoDB"):
+                    "## Fan-out", "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
                     "API rate / raw rate", "spawn to ready", "insert_one round trips/s",
                     "cronsim (baseline)", "plan 'latest'", "raw nats-py consumer (ack only)",
-                    "the handler's start"):
+                    "the handler's start", "one schedule fanning out",
+                    "bytes in a source mirror"):
         assert measure in text, measure
-    assert text.count("Command: `python -m bench.") == 6
+    assert text.count("Command: `python -m bench.") == 7
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

@@ -1,0 +1,151 @@
+"""Fan-out benchmark: one schedule to many tenants against as many schedules, and memory.
+
+    python -m bench.fanout_bench [--tenants 10000] [--workers 2] [--mirror 100000] [--lead 25]
+
+Runs the development MongoDB server, a real nats-server and three replicas (as
+bench.firing_bench does) as processes.
+
+- Fan-out: one one-off schedule whose fan_out selects --tenants documents; time from its
+  due time until every tenant's fire is published and acknowledged (the fire ledger's
+  published_at). Baseline, same run: the burst of --tenants separate one-off schedules due
+  together (bench.firing_bench's burst). Target: within 1.2x.
+- Runs: --workers `hascheduler worker` processes (no-op handler) consuming the fan-out's
+  fires; time from the due time until every run is succeeded in the runs ledger.
+- Memory: a source mirror loaded with --mirror tenant documents (a key and two filter
+  fields), bytes per tenant (tracemalloc), against the documents as plain dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+import time
+import tracemalloc
+
+from bench.firing_bench import Cluster, schedule_doc, started_cluster
+from hascheduler.fanout import FanOut
+from hascheduler.tenants import SourceMirror
+from tests.servers import ServerProcess, start_devmongo, start_nats
+
+FAN_OUT = {"collection": "tenants", "filter": {"active": True}, "key": "_id"}
+
+
+async def drained(c: Cluster, due: dt.datetime, n: int) -> float:
+    """Seconds from ``due`` to the last of ``n`` fires published (the ledger's time)."""
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        if await c.db.fires.count_documents({"state": "published"}) >= n:
+            break
+        await asyncio.sleep(0.5)  # slow polling keeps the measurement off the server
+    last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
+    assert last is not None
+    return float((last["published_at"] - due).total_seconds())
+
+
+async def separate(mongo: ServerProcess, nats_uri: str, n: int, lead_s: float) -> float:
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
+    c = await started_cluster(mongo, nats_uri, "fanout_bench_separate", [
+        schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
+        for i in range(n)])
+    try:
+        return await drained(c, due, n)
+    finally:
+        await c.close()
+
+
+async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
+                 lead_s: float) -> tuple[float, float]:
+    """Seconds from the due time to every tenant's fire published, and to every run
+    succeeded."""
+    database = "fanout_bench_fanned"
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
+    seed = Cluster(mongo, nats_uri, database)
+    for i in range(0, n, 1000):
+        await seed.db.tenants.insert_many([{"_id": f"t{j:06d}", "active": True}
+                                           for j in range(i, min(n, i + 1000))])
+    await seed.client.close()
+    fan = {**schedule_doc("fan", {"kind": "at", "at": [due]}, "bench.fan"), "fan_out": FAN_OUT}
+    c = await started_cluster(mongo, nats_uri, database, [fan])
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", nats_uri, "--mongodb-uri", c.uri, "--app", "bench.worker_bench:app",
+        "--durable", "fanout-bench", "--concurrency", "16",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        for _ in range(workers)]
+    try:
+        published = await drained(c, due, n)
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            if await c.db.runs.count_documents({"state": "succeeded"}) >= n:
+                break
+            await asyncio.sleep(0.5)
+        last = await c.db.runs.find_one({"state": "succeeded"}, sort=[("finished_at", -1)])
+        assert last is not None
+        return published, float((last["finished_at"] - due).total_seconds())
+    finally:
+        for proc in procs:
+            proc.terminate()
+            await proc.wait()
+        await c.close()
+
+
+def mirror_bytes(n: int) -> tuple[float, float]:
+    """Bytes per tenant in a source mirror, and per tenant as plain dicts (baseline)."""
+    docs = [{"_id": f"t{i:06d}", "active": True, "plan": "pro", "name": "x" * 40}
+            for i in range(n)]
+    fields = FanOut.model_validate({**FAN_OUT, "filter": {"active": True, "plan": "pro"}})
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    mirror = SourceMirror(collection=None, fields=fields.fields())  # type: ignore[arg-type]
+    mirror.load(docs)
+    kept = tracemalloc.get_traced_memory()[0] - before
+    before = tracemalloc.get_traced_memory()[0]
+    plain = {d["_id"]: {"_id": d["_id"], "active": d["active"], "plan": d["plan"]}
+             for d in docs}
+    baseline = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert mirror.size == len(plain) == n
+    return kept / n, baseline / n
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    mongo = start_devmongo()
+    broker = start_nats()
+    try:
+        base = await separate(mongo, broker.uri, args.tenants, args.lead)
+        published, ran = await fanned(mongo, broker.uri, args.tenants, args.workers, args.lead)
+    finally:
+        broker.stop()
+        mongo.stop()
+    per_tenant, plain = mirror_bytes(args.mirror)
+    print(f"| due time to every fire published and acknowledged | {args.tenants:,} separate "
+          "schedules (baseline) | one schedule fanning out | fan-out / separate |")
+    print("|---|---|---|---|")
+    print(f"| {args.tenants:,} fires | {base:.2f} s | {published:.2f} s | "
+          f"{published / base:.2f}x |")
+    print()
+    print(f"Due time to every tenant's run succeeded, {args.workers} workers at concurrency "
+          f"16: {ran:.2f} s.")
+    print()
+    print(f"Memory per mirrored tenant ({args.mirror:,} documents, a key and two filter "
+          f"fields): {per_tenant:,.0f} bytes in a source mirror, {plain:,.0f} bytes as plain "
+          "dicts of the same fields (baseline).")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fanout_bench",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--tenants", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mirror", type=int, default=100_000)
+    parser.add_argument("--lead", type=float, default=25.0,
+                        help="seconds from writing the schedules to their due time (room "
+                             "for three replicas to start and elect)")
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
