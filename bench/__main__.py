@@ -61,7 +61,7 @@ SECTIONS = [
      "fire well under a millisecond; a plan's cost independent of the outage but for "
      "the hour listed at each DST change."),
     ("bench.worker_bench", "Worker: throughput with the runs ledger, due time to handler start",
-     [], ["--fires", "500", "--concurrency", "4", "--rate", "50", "--seconds", "3"],
+     [], ["--fires", "500", "--concurrency", "4", "--rate", "50", "--seconds", "2"],
      "A `hascheduler worker` process with a no-op async handler consuming 10,000 fires "
      "already in the stream (each claimed in the runs ledger, run, recorded, acknowledged), "
      "at concurrency 1 and 16, against a raw nats-py pull consumer fetching as many at a time "
@@ -74,7 +74,7 @@ SECTIONS = [
      "development server and nats-server together keep both cores busy; the raw consumer "
      "writes nothing)."),
     ("bench.fanout_bench", "Fan-out: one schedule to 10,000 tenants, memory per tenant",
-     [], ["--tenants", "200", "--workers", "1", "--mirror", "2000", "--lead", "10"],
+     [], ["--tenants", "200", "--workers", "1", "--mirror", "2000", "--lead", "8"],
      "The development MongoDB server, a real nats-server and three replicas. One one-off "
      "schedule whose fan_out selects 10,000 tenants: from its due time until every "
      "tenant's fire is published and acknowledged, against 10,000 separate one-off "

@@ -15,9 +15,11 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+from pymongo import AsyncMongoClient
 
-from tests.servers import ServerProcess, start_nats
+from tests.servers import ServerProcess, start_nats, start_replica, with_database
 from tests.test_failover import Harness, stream_counts
 from tests.waiting import wait_until
 
@@ -148,24 +150,31 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
     await wait_until(same_sources, 20, "equal tenant mirrors on every replica")
 
 
-async def test_a_fan_out_above_the_bound_is_refused_when_written(
-        cluster: tuple[Harness, Path]) -> None:
-    h, _ = cluster
-    await h.db.tenants.insert_many([{"_id": f"t{i}", "active": True} for i in range(5)])
-    h.start("bounded", "--max-fan-out", "4")
-    uri = h.replicas["bounded"].uri
+async def test_a_fan_out_above_the_bound_is_refused_when_written(mongo_uri: str) -> None:
+    database = f"bound_{os.getpid()}_{id(mongo_uri)}"
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_uri)
+    await client[database].tenants.insert_many([{"_id": f"t{i}", "active": True}
+                                                for i in range(5)])
+    replica = start_replica(with_database(mongo_uri, database), "bounded", "--max-fan-out", "4")
     body = {"name": "n", "target": "x", "trigger": {"kind": "cron", "cron": "* * * * *"}}
-    for fan_out, message in (({"collection": "tenants"}, "selects more than 4 documents"),
-                             ({"collection": "fires"}, "hascheduler's own collections"),
-                             ({"collection": "tenants", "filter": {"$where": "1"}},
-                              "a field path")):
-        async with h.http.post(uri + "/schedules", json={**body, "fan_out": fan_out}) as r:
-            answer = await r.json()
-            assert r.status == 422, answer
-            assert answer["errors"][0]["field"].startswith("fan_out"), answer
-            assert message in answer["errors"][0]["message"], answer
-    async with h.http.post(uri + "/schedules", json={
-            **body, "fan_out": {"collection": "tenants", "filter": {"_id": {"$in": [
-                "t0", "t1"]}}}}) as r:
-        assert r.status == 201, await r.text()
-        assert (await r.json())["fan_out"]["filter"] == {"_id": {"$in": ["t0", "t1"]}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for fan_out, message in (
+                    ({"collection": "tenants"}, "selects more than 4 documents"),
+                    ({"collection": "fires"}, "hascheduler's own collections"),
+                    ({"collection": "tenants", "filter": {"$where": "1"}}, "a field path")):
+                async with http.post(replica.uri + "/schedules",
+                                     json={**body, "fan_out": fan_out}) as r:
+                    answer = await r.json()
+                    assert r.status == 422, answer
+                    assert answer["errors"][0]["field"].startswith("fan_out"), answer
+                    assert message in answer["errors"][0]["message"], answer
+            async with http.post(replica.uri + "/schedules", json={
+                    **body, "fan_out": {"collection": "tenants", "filter": {"_id": {"$in": [
+                        "t0", "t1"]}}}}) as r:
+                assert r.status == 201, await r.text()
+                assert (await r.json())["fan_out"]["filter"] == {"_id": {"$in": ["t0", "t1"]}}
+    finally:
+        replica.stop()
+        await client.drop_database(database)
+        await client.close()
