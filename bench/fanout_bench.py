@@ -21,27 +21,14 @@ import argparse
 import asyncio
 import datetime as dt
 import sys
-import time
 import tracemalloc
 
-from bench.firing_bench import Cluster, schedule_doc, started_cluster
+from bench.firing_bench import Cluster, schedule_doc, started_cluster, until_all
 from hascheduler.fanout import FanOut
 from hascheduler.tenants import SourceMirror
 from tests.servers import ServerProcess, start_devmongo, start_nats
 
 FAN_OUT = {"collection": "tenants", "filter": {"active": True}, "key": "_id"}
-
-
-async def drained(c: Cluster, due: dt.datetime, n: int) -> float:
-    """Seconds from ``due`` to the last of ``n`` fires published (the ledger's time)."""
-    end = time.monotonic() + 180
-    while time.monotonic() < end:
-        if await c.db.fires.count_documents({"state": "published"}) >= n:
-            break
-        await asyncio.sleep(0.5)  # slow polling keeps the measurement off the server
-    last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
-    assert last is not None
-    return float((last["published_at"] - due).total_seconds())
 
 
 async def separate(mongo: ServerProcess, nats_uri: str, n: int, lead_s: float) -> float:
@@ -50,7 +37,7 @@ async def separate(mongo: ServerProcess, nats_uri: str, n: int, lead_s: float) -
         schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
         for i in range(n)])
     try:
-        return await drained(c, due, n)
+        return await until_all(c.db.fires, "published", "published_at", n, due, 180)
     finally:
         await c.close()
 
@@ -75,15 +62,9 @@ async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         for _ in range(workers)]
     try:
-        published = await drained(c, due, n)
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            if await c.db.runs.count_documents({"state": "succeeded"}) >= n:
-                break
-            await asyncio.sleep(0.5)
-        last = await c.db.runs.find_one({"state": "succeeded"}, sort=[("finished_at", -1)])
-        assert last is not None
-        return published, float((last["finished_at"] - due).total_seconds())
+        published = await until_all(c.db.fires, "published", "published_at", n, due, 180)
+        ran = await until_all(c.db.runs, "succeeded", "finished_at", n, due, 300)
+        return published, ran
     finally:
         for proc in procs:
             proc.terminate()

@@ -198,6 +198,22 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.datetime,
+                    within_s: float) -> float:
+    """Seconds from ``since`` to the latest ``stamp`` once ``n`` documents of
+    ``collection`` are in ``state``. The figure comes from the ledger's own times, not from
+    when this loop notices; polling slowly keeps the measurement off the server it
+    measures."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if await collection.count_documents({"state": state}) >= n:
+            break
+        await asyncio.sleep(0.5)
+    last = await collection.find_one({"state": state}, sort=[(stamp, -1)])
+    assert last is not None, f"no document reached {state}"
+    return float((last[stamp] - since).total_seconds())
+
+
 def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict[str, float]:
     pids = {"development server": mongo.pid, "nats-server": broker.pid,
             **{f"replica {name}": r.pid for name, r in c.replicas.items()}}
@@ -215,16 +231,7 @@ async def burst(mongo: ServerProcess, broker: ServerProcess,
         # CPU is counted from three seconds before the burst, after start-up and catch-up.
         await asyncio.sleep(max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds() - 3))
         before = process_cpu(mongo, broker, c)
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            if await c.db.fires.count_documents({"state": "published"}) >= n:
-                break
-            # The figure comes from the ledger's published_at, not from when this loop
-            # notices; polling slowly keeps the measurement off the server it measures.
-            await asyncio.sleep(0.5)
-        last = await c.db.fires.find_one({"state": "published"}, sort=[("published_at", -1)])
-        assert last is not None
-        drained = (last["published_at"] - due).total_seconds()
+        drained = await until_all(c.db.fires, "published", "published_at", n, due, 120)
         cpu = {k: v - before[k] for k, v in process_cpu(mongo, broker, c).items()}
     finally:
         await c.close()

@@ -62,11 +62,6 @@ class RunList(BaseModel):
                                                        "fire id of this page's last run)")
 
 
-class ScheduleRuns(BaseModel):
-    schedule_id: str
-    items: list[Run]
-
-
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -243,7 +238,7 @@ def openapi_spec(routes: tuple[tuple[str, str], ...]) -> dict[str, Any]:
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
-                                          RunList, ScheduleRuns)],
+                                          RunList)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -443,25 +444,20 @@ class Supervisor:
             except (LookupError, TimeoutError) as exc:
                 return web.json_response({"error": str(exc)}, status=409)
 
-        async def scale(request: web.Request) -> web.Response:
-            body = await _json_body(request)
-            replicas = body.get("replicas")
-            if type(replicas) is not int or not 0 <= replicas <= 20:
-                return _bad("replicas", "must be an integer from 0 to 20")
-            try:
-                return web.json_response(await self.scale(replicas))
-            except (RuntimeError, TimeoutError) as exc:
-                return web.json_response({"error": str(exc)}, status=409)
+        def scaling(field_name: str, to: Callable[[int], Awaitable[dict[str, Any]]]) -> Any:
+            """POST {field_name: N}: how many replicas or workers to keep."""
+            async def route(request: web.Request) -> web.Response:
+                count = (await _json_body(request)).get(field_name)
+                if type(count) is not int or not 0 <= count <= 20:
+                    return _bad(field_name, "must be an integer from 0 to 20")
+                try:
+                    return web.json_response(await to(count))
+                except (LookupError, RuntimeError, TimeoutError) as exc:
+                    return web.json_response({"error": str(exc)}, status=409)
+            return route
 
-        async def scale_workers(request: web.Request) -> web.Response:
-            body = await _json_body(request)
-            workers = body.get("workers")
-            if type(workers) is not int or not 0 <= workers <= 20:
-                return _bad("workers", "must be an integer from 0 to 20")
-            try:
-                return web.json_response(await self.scale_workers(workers))
-            except (LookupError, RuntimeError) as exc:
-                return web.json_response({"error": str(exc)}, status=409)
+        scale = scaling("replicas", self.scale)
+        scale_workers = scaling("workers", self.scale_workers)
 
         async def audit_route(request: web.Request) -> web.Response:
             times = {}
