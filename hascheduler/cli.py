@@ -207,11 +207,11 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     return ReplicaSettings(mongodb_uri=args.mongodb_uri, http_host=args.http_host,
                            http_port=port, replica_id=replica_id, broker_url=args.broker,
                            timings=timings,
-                           dispatch=DispatchSettings(retention_s=seconds["fire_retention"]),
+                           dispatch=DispatchSettings(retention_s=seconds["fire_retention"],
+                                                     max_fan_out=max_fan_out),
                            tokens=tokens, write_limit=_write_limit(args),
                            min_fire_interval_s=seconds["min_fire_interval"],
                            run_retention_s=seconds["run_retention"],
-                           max_fan_out=max_fan_out,
                            tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
 
 

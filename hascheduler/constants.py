@@ -49,6 +49,9 @@ DEFAULT_RUN_RETENTION_S = 7 * 86_400.0
 # The most tenants one fan-out may select (serve --max-fan-out): each costs a claim, a
 # message and a run at every fire; 10,000 is the burst the leader is measured at.
 DEFAULT_MAX_FAN_OUT = 10_000
+# A fan-out fire whose source mirror is loading (a new source, or one resyncing after lost
+# history) waits for it this long past its due time, then is recorded skipped.
+SOURCE_SYNC_WAIT_S = 60.0
 # How often a replica counts the running and stuck runs for /metrics.
 RUNS_WATCH_INTERVAL_S = 5.0
 

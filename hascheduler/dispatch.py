@@ -25,6 +25,7 @@ import structlog
 
 from .brokers import Broker
 from .catchup import SkippedRange, plan_catchup
+from .constants import DEFAULT_MAX_FAN_OUT, SOURCE_SYNC_WAIT_S
 from .events import EventTemplate
 from .fanout import FanOut, tenant_fire_id
 from .fire_queue import Due, FireQueue, is_fire_time
@@ -32,7 +33,7 @@ from .lease import LeaseTimings, LeaseView
 from .ledger import Ledger, claim_document, skipped_range_document
 from .metrics import Metrics
 from .mirror import Entry
-from .triggers import iso_utc, jitter_offset
+from .triggers import fire_id, iso_utc, jitter_offset
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -92,6 +93,8 @@ class TenantSource(Protocol):
 
     def tenants(self, fan_out: FanOut) -> list[str] | None: ...
 
+    async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool: ...
+
 
 class LeadershipLost(Exception):
     """The renew deadline passed: stop claiming at once."""
@@ -107,6 +110,7 @@ class DispatchSettings:
     drain_timeout_s: float = 5.0
     retention_s: float = 7 * 86_400.0
     max_in_flight_batches: int = 8
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out fire may select
 
 
 def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime
@@ -160,10 +164,22 @@ class Dispatcher:
         # the revision it was read at: a recurring schedule's fires skip the database read.
         self._bodies: dict[str, tuple[int, EventTemplate]] = {}
         self._pending: set[str] = set()  # fire ids this replica claimed, not yet published
+        # Fan-out fires waiting for their source mirror to be in sync, by fire id.
+        self._deferred: dict[str, Due] = {}
+        self._waiting_for_sources: set[asyncio.Task[None]] = set()
         # Set by drain(): claims still waiting for their due time are left to the next
         # leader (it adopts them then) instead of holding up the handover.
         self._handing_over = asyncio.Event()
         self.published = 0
+
+    @property
+    def fired_through(self) -> dt.datetime | None:
+        """What the lease records as handled: the watermark, held back before any fan-out
+        fire still waiting for its source, so a next leader's catch-up covers it."""
+        if self.watermark is None or not self._deferred:
+            return self.watermark
+        earliest = min(d.fire_at for d in self._deferred.values())
+        return min(self.watermark, earliest - dt.timedelta(microseconds=1))
 
     # -- mirror changes -------------------------------------------------------------------
 
@@ -196,6 +212,9 @@ class Dispatcher:
         finally:
             self.term = None
             self.queue.clear()
+            # Nothing claimed for these yet: the next leader's catch-up covers them.
+            for task in self._waiting_for_sources:
+                task.cancel()
 
     async def _yield(self) -> None:
         await asyncio.sleep(0)
@@ -254,10 +273,12 @@ class Dispatcher:
         for i in range(0, len(dues), CLAIM_BATCH):
             await self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now)
 
-    async def _claim_and_publish(self, batch: list[Due], term: int, now: dt.datetime) -> None:
+    async def _claim_and_publish(self, batch: list[Due], term: int, now: dt.datetime,
+                                 may_defer: bool = True) -> None:
         hold = self.settings.publish_timeout_s * 2
         docs = []
-        unexpanded = []
+        unexpanded: list[tuple[Due, str]] = []
+        bound = self.settings.max_fan_out
         for due in batch:
             doc = claim_document(due.schedule_id, due.nominal, due.fire_at, term, now)
             # The retry loop leaves it alone unless this publish has not finished by then.
@@ -269,8 +290,20 @@ class Dispatcher:
             # One claim per tenant the fan-out selects now (invariant 10); a tenant gone
             # by the due time is skipped then (_still_due).
             tenants = self.sources.tenants(entry.fan_out) if self.sources else None
+            if tenants is None and may_defer and self.sources is not None:
+                self._defer(due, entry.fan_out, term)
+                continue
             if tenants is None:
-                unexpanded.append(due)
+                unexpanded.append((due, "fan-out source not in sync within "
+                                        f"{SOURCE_SYNC_WAIT_S:g} s of the due time"))
+                continue
+            if len(tenants) > bound:
+                # The source grew past the bound after the write was checked. Firing a
+                # subset would pick the tenants that miss out arbitrarily, so none run
+                # and the ledger says why until the operator raises the bound.
+                unexpanded.append((due, f"fan-out selects {len(tenants)} tenants at the "
+                                        f"claim, above the bound of {bound} "
+                                        "(serve --max-fan-out)"))
                 continue
             for tenant in tenants:
                 docs.append({**doc, "_id": tenant_fire_id(due.schedule_id, due.nominal,
@@ -287,15 +320,43 @@ class Dispatcher:
                 self._in_flight.add(task)
                 task.add_done_callback(self._publish_done)
 
-    async def _record_unexpanded(self, dues: list[Due], term: int, now: dt.datetime) -> None:
-        """A fan-out whose source mirror is not in sync cannot be expanded: its fire is
-        recorded as skipped, saying why, never silently dropped."""
-        reason = "fan-out source not in sync at the claim: no tenant list"
+    def _defer(self, due: Due, fan_out: FanOut, term: int) -> None:
+        """Claim ``due`` once its source mirror is in sync (it is loading: a source a
+        schedule just started to use, or one resyncing), late rather than lost."""
+        fire = fire_id(due.schedule_id, due.nominal)
+        if fire in self._deferred:
+            return
+        self._deferred[fire] = due
+        log.info("fan_out_deferred", fire_id=fire, term=term, collection=fan_out.collection)
+
+        async def when_in_sync() -> None:
+            assert self.sources is not None
+            try:
+                wait = (due.fire_at - self.clock()).total_seconds() + SOURCE_SYNC_WAIT_S
+                await self.sources.wait_ready(fan_out, max(wait, 0.0))
+                if self.lease.valid and self.lease.term == term and self.term == term:
+                    await self._claim_and_publish([due], term, self.clock(), may_defer=False)
+            except LeadershipLost:
+                pass  # nothing claimed: the next leader's catch-up covers it
+            except Exception as exc:  # a task of its own: nobody else would see it
+                log.error("fan_out_deferred_failed", fire_id=fire, term=term, error=repr(exc))
+            finally:
+                self._deferred.pop(fire, None)
+
+        task = asyncio.create_task(when_in_sync())
+        self._waiting_for_sources.add(task)
+        task.add_done_callback(self._waiting_for_sources.discard)
+
+    async def _record_unexpanded(self, dues: list[tuple[Due, str]], term: int,
+                                 now: dt.datetime) -> None:
+        """A fan-out fire that cannot be expanded (its source mirror is out of sync, or it
+        selects more tenants than the bound) is recorded as skipped, saying why, never
+        silently dropped."""
         await self.ledger.record_skipped([skipped_range_document(
             d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term, now)
-            for d in dues])
+            for d, reason in dues])
         self.metrics.fires.labels("skipped").inc(len(dues))
-        log.warning("fan_out_not_expanded", count=len(dues), term=term)
+        log.warning("fan_out_not_expanded", count=len(dues), term=term, reason=dues[0][1])
 
     def _publish_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
@@ -329,7 +390,8 @@ class Dispatcher:
     async def _still_due(self, due: list[dict[str, Any]], revisions: dict[str, int],
                          term: int) -> list[dict[str, Any]]:
         """The fires still wanted at their due time; the others are recorded as skipped."""
-        keep, skipped = [], []
+        keep: list[dict[str, Any]] = []
+        skipped: dict[str, list[str]] = {}
         # Schedule id -> its fan-out's tenants now (None: the source's mirror is out of sync
         # at this instant; the claim's tenant list stands).
         selected: dict[str, set[str] | None] = {}
@@ -358,11 +420,11 @@ class Dispatcher:
             if reason is None:
                 keep.append(fire)
             else:
-                skipped.append(fire["_id"])
-                await self.ledger.skip([fire["_id"]], term, reason)
-        if skipped:
-            self.metrics.fires.labels("skipped").inc(len(skipped))
-            log.info("skipped_before_due", count=len(skipped), term=term)
+                skipped.setdefault(reason, []).append(fire["_id"])
+        for reason, ids in skipped.items():  # one write per reason: a fan-out skips many
+            await self.ledger.skip(ids, term, reason)
+            self.metrics.fires.labels("skipped").inc(len(ids))
+            log.info("skipped_before_due", count=len(ids), term=term, reason=reason)
         return keep
 
     async def _publish(self, claimed: list[dict[str, Any]], term: int, attempt: int) -> None:

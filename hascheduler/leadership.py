@@ -36,7 +36,7 @@ class Firing(Protocol):
     """What the elector drives while it leads (the dispatcher)."""
 
     @property
-    def watermark(self) -> dt.datetime | None: ...
+    def fired_through(self) -> dt.datetime | None: ...
 
     async def lead(self, view: LeaseView) -> None: ...
 
@@ -100,7 +100,7 @@ class Elector:
         sent = time.monotonic()
         try:
             view = await asyncio.wait_for(
-                self.lease.acquire_or_renew(self.dispatcher.watermark if leading else None),
+                self.lease.acquire_or_renew(self.dispatcher.fired_through if leading else None),
                 max(limit, 0.05))
             self.metrics.renew_seconds.observe(time.monotonic() - sent)
         except (PyMongoError, TimeoutError) as exc:
@@ -186,7 +186,7 @@ class Elector:
         task, self._leading = self._leading, None
         if task is None:
             return
-        watermark = self.dispatcher.watermark
+        watermark = self.dispatcher.fired_through
         task.cancel()
         await asyncio.wait({task}, timeout=2.0)
         await self.dispatcher.drain()

@@ -21,12 +21,15 @@ from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from .catchup import SkippedRange
+from .instants import as_utc
+from .streams import aggregate
 from .triggers import fire_id, iso_utc
 
 CLAIMED = "claimed"
 PUBLISHED = "published"
 SKIPPED = "skipped"
 FAILED = "failed"
+STATES = (CLAIMED, PUBLISHED, SKIPPED, FAILED)
 
 Document = dict[str, Any]
 
@@ -60,6 +63,21 @@ class FiresCollection(Protocol):
     async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
     async def drop_index(self, index_or_name: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
+    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+async def state_counts(collection: Any, schedule_id: str, nominals: list[dt.datetime]
+                       ) -> dict[dt.datetime, dict[str, int]]:
+    """How many of a schedule's documents (fires or runs) at each of ``nominals`` are in
+    each state, counted by the server (a fan-out fire has one per tenant)."""
+    counts: dict[dt.datetime, dict[str, int]] = {as_utc(n): {} for n in nominals}
+    for doc in await aggregate(collection, [
+            {"$match": {"schedule_id": schedule_id, "nominal_at": {"$in": nominals}}},
+            {"$group": {"_id": {"nominal": "$nominal_at", "state": "$state"},
+                        "count": {"$sum": 1}}}]):
+        key = doc["_id"]
+        counts.setdefault(as_utc(key["nominal"]), {})[str(key["state"])] = int(doc["count"])
+    return counts
 
 
 def _own(term: int, fire_ids: Iterable[str]) -> Document:
@@ -156,6 +174,27 @@ class Ledger:
         """A schedule's ledger entries, latest nominal time first."""
         return [d async for d in self.fires.find({"schedule_id": schedule_id}).sort(
             "nominal_at", -1).limit(limit)]
+
+    async def fire_times(self, schedule_id: str, limit: int) -> list[dt.datetime]:
+        """A schedule's latest ``limit`` distinct nominal times, latest first. A fan-out
+        fire has an entry per tenant at one nominal time, so this steps past each time
+        found (one indexed query per step) rather than reading all its entries."""
+        times: list[dt.datetime] = []
+        query: Document = {"schedule_id": schedule_id}
+        while len(times) < limit:
+            docs = [d async for d in self.fires.find(query, {"nominal_at": 1}).sort(
+                "nominal_at", -1).limit(limit - len(times))]
+            if not docs:
+                break
+            for doc in docs:
+                if not times or doc["nominal_at"] != times[-1]:
+                    times.append(doc["nominal_at"])
+            query = {"schedule_id": schedule_id, "nominal_at": {"$lt": times[-1]}}
+        return times[:limit]
+
+    async def counts(self, schedule_id: str, nominals: list[dt.datetime]
+                     ) -> dict[dt.datetime, dict[str, int]]:
+        return await state_counts(self.fires, schedule_id, nominals)
 
     async def recent(self, since: dt.datetime, limit: int) -> list[Document]:
         """Entries recorded since ``since``, newest first: by recorded_at, the indexed field,

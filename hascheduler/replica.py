@@ -25,7 +25,6 @@ from .api.app import Cluster
 from .brokers import broker_from_url
 from .constants import (
     DEFAULT_DATABASE,
-    DEFAULT_MAX_FAN_OUT,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
     FIRES,
@@ -75,7 +74,6 @@ class ReplicaSettings:
     tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
     run_retention_s: float = DEFAULT_RUN_RETENTION_S
-    max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out may select
 
     @property
     def listen_host(self) -> str:
@@ -193,9 +191,9 @@ class Replica:
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, metrics=metrics, sources=sources)
-        # The leader needs every fan-out's tenants as well as the schedules (invariant 2).
+        # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
-                                         ready=lambda: mirror.ready and sources.ready,
+                                         ready=lambda: mirror.ready,
                                          metrics=metrics)
         metrics.watch(leader=lambda: elector.is_leader,
                       term=lambda: elector.view.term if elector.view is not None else 0,
@@ -209,7 +207,7 @@ class Replica:
                          metrics_=metrics, tokens=settings.tokens,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
-                         fan_out=(settings.max_fan_out, _tenant_counter(db)),
+                         fan_out=(settings.dispatch.max_fan_out, _tenant_counter(db)),
                          sources=sources)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -27,6 +27,7 @@ from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from .instants import as_utc
+from .ledger import state_counts
 
 RUNNING = "running"
 SUCCEEDED = "succeeded"
@@ -61,6 +62,7 @@ class RunsCollection(Protocol):
                                   **kwargs: Any) -> Any: ...
     async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
+    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,28 +285,9 @@ class RunLedger:
                                                 {"event": 0}).sort(
             [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
 
-    async def by_fire(self, schedule_id: str, fires: int,
-                      scanned: int = 10_000) -> list[Document]:
-        """A schedule's latest ``fires`` fires, each with how many of its runs are in each
-        state (a fan-out fire has one run per tenant), newest first; reads at most
-        ``scanned`` runs."""
-        groups: dict[str, Document] = {}
-        async for doc in self.runs.find(
-                {"schedule_id": schedule_id},
-                {"fire": 1, "nominal_at": 1, "state": 1}).sort(
-                    [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(scanned):
-            fire = doc.get("fire", doc["_id"])
-            if fire not in groups:
-                if len(groups) == fires:
-                    break
-                groups[fire] = {"fire": fire, "nominal_at": doc.get("nominal_at"),
-                                "runs": 0, **dict.fromkeys(STATES, 0)}
-            group = groups[fire]
-            group["runs"] += 1
-            if doc.get("state") in STATES:
-                group[doc["state"]] += 1
-        return [{**g, "nominal_at": as_utc(g["nominal_at"]).isoformat()
-                 if g["nominal_at"] else None} for g in groups.values()]
+    async def counts(self, schedule_id: str, nominals: list[dt.datetime]
+                     ) -> dict[dt.datetime, dict[str, int]]:
+        return await state_counts(self.runs, schedule_id, nominals)
 
     async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
         return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},

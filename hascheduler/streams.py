@@ -1,4 +1,5 @@
-"""Opening a change stream with either async driver (the mirror and the elector use it)."""
+"""Where the two async drivers differ (PyMongo's async API awaits what Motor returns at
+once): opening a change stream and running an aggregation."""
 
 from __future__ import annotations
 
@@ -14,3 +15,11 @@ async def open_change_stream(collection: Any, pipeline: list[dict[str, Any]] | N
     if inspect.isawaitable(stream):
         stream = await stream
     return stream
+
+
+async def aggregate(collection: Any, pipeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every document an aggregation returns (callers keep its output small)."""
+    cursor = collection.aggregate(pipeline)
+    if inspect.isawaitable(cursor):
+        cursor = await cursor
+    return [doc async for doc in cursor]

@@ -11,6 +11,7 @@ collection holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -118,8 +119,8 @@ def _order(key: Any) -> tuple[str, str]:
 
 class Sources:
     """The source mirrors a replica's schedules need: one per distinct (collection,
-    fields), started when a schedule first names it, stopped when none does. The replica
-    may lead only while every one of them is in sync (``ready``)."""
+    fields), started when a schedule first names it, stopped when none does. A fan-out fire
+    whose source is not in sync waits for it (the dispatcher's ``_defer``)."""
 
     def __init__(self, database: Any) -> None:
         self.database = database
@@ -150,6 +151,15 @@ class Sources:
     def tenants(self, fan_out: FanOut) -> list[str] | None:
         mirror = self.mirrors.get(fan_out.source())
         return mirror.tenants(fan_out) if mirror is not None and mirror.ready else None
+
+    async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool:
+        """Whether ``fan_out``'s source mirror is in sync within ``timeout_s``."""
+        mirror = self.mirrors.get(fan_out.source())
+        if mirror is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(mirror.wait_ready(), timeout_s)
+        return mirror.ready
 
     def digests(self) -> dict[str, str]:
         return {f"{c}:{','.join(f)}": m.digest for (c, f), m in sorted(self.mirrors.items())}

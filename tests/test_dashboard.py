@@ -66,11 +66,11 @@ def cluster(tmp_path: Path) -> Iterator[DevCluster]:
 
 
 async def _create(api: str, sid: str, trigger: dict[str, object],
-                  name: str | None = None) -> None:
+                  name: str | None = None, **fields: object) -> None:
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {WRITE}"}) as http, \
             http.post(f"{api}/schedules", json={"id": sid, "name": name or sid.replace("-", " "),
                                                "target": "dashboard.demo",
-                                               "trigger": trigger}) as r:
+                                               "trigger": trigger, **fields}) as r:
         assert r.status == 201, await r.text()
 
 
@@ -100,6 +100,10 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
     await _create(api, "poll-api", {"kind": "interval", "every": 30})
     # User data shown as text, never as markup.
     await _create(api, "markup", {"kind": "interval", "every": 3600}, name=MARKUP)
+    # One fire, one run per tenant: shown as one row counting them.
+    await _insert_tenants(str(status["mongodb_uri"]), ["acme", "globex", "initech"])
+    await _create(api, "per-tenant", {"kind": "cron", "cron": "* * * * * *"},
+                  fan_out={"collection": "tenants"})
 
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True,
@@ -114,18 +118,26 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(page.locator("#leader")).to_have_text(leader, timeout=10_000)
             await expect(page.locator("#answered-by")).to_have_text(watched)
             await expect(page.locator("#members tbody tr")).to_have_count(3, timeout=10_000)
-            await expect(page.locator("#schedules tbody tr")).to_have_count(4)
+            await expect(page.locator("#schedules tbody tr")).to_have_count(5)
+            await expect(page.locator("#schedules tbody tr", has_text="per-tenant")
+                         ).to_contain_text("dashboard.demo (per tenants)")
             name_cell = page.locator("#schedules tbody tr", has_text="markup").locator("td").nth(1)
             await expect(name_cell).to_have_text(MARKUP)
             assert await page.locator("#schedules b, #schedules img").count() == 0
             assert await page.evaluate("window.injected") is None
             # Fires are claimed up to 2 s ahead, so the newest rows may still be "claimed".
-            published = page.locator("#fires tbody tr", has_text="published").first
-            await expect(published).to_contain_text("every-second@", timeout=10_000)
-            await expect(published.locator("td").nth(4)).to_contain_text(" ms")
+            plain = page.locator("#fires tbody tr", has_text="every-second@")
+            published = plain.filter(has_text="published").first
+            await expect(published.locator("td").nth(4)).to_contain_text(" ms",
+                                                                        timeout=10_000)
             # The worker's outcome of each fire, with its duration.
-            ran = page.locator("#fires tbody tr", has_text="succeeded").first
+            ran = plain.filter(has_text="succeeded").first
             await expect(ran.locator("td").nth(5)).to_contain_text(" ms", timeout=10_000)
+            fanned = page.locator("#fires tbody tr", has_text="3 tenants: 3 published").first
+            await expect(fanned).to_contain_text("per-tenant@", timeout=10_000)
+            await expect(page.locator("#fires tbody tr", has_text="per-tenant@").filter(
+                has_text="3 succeeded").first).to_contain_text("3 tenants", timeout=10_000)
+            assert await page.locator("#fires tbody tr", has_text="/acme").count() == 0
             old_term = int(await page.inner_text("#term"))
 
             # A read token cannot pause: the refusal is shown, nothing changes.
@@ -197,6 +209,14 @@ async def _plant_dead_run(mongodb_uri: str) -> str:
     finally:
         await client.close()
     return fire_id
+
+
+async def _insert_tenants(mongodb_uri: str, names: list[str]) -> None:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongodb_uri)
+    try:
+        await client.get_default_database().tenants.insert_many([{"_id": n} for n in names])
+    finally:
+        await client.close()
 
 
 async def _run_state(mongodb_uri: str, fire_id: str, state: str) -> bool:

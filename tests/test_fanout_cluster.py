@@ -65,6 +65,7 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
                               + [{"_id": "sleeper", "active": False}])
     sid = f"{h.prefix}-fan"
     any_replica = next(iter(h.replicas))
+    before = await h.lease()
     async with h.http.post(h.replicas[any_replica].uri + "/schedules", json={
             "id": sid, "name": "per tenant", "target": f"audit.{h.prefix}",
             "catchup": "all", "trigger": {"kind": "cron", "cron": "* * * * * *"},
@@ -78,6 +79,9 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
                    for f in counts)
 
     await wait_until(lambda: fired("t1", start), 20, "the first fan-out fires")
+    # A source new to every replica is loaded without the leader handing over: its first
+    # fires wait for it rather than being skipped.
+    assert (await h.lease())["term"] == before["term"]
     added_at = dt.datetime.now(dt.UTC)
     await tenants.update_one({"_id": "sleeper"}, {"$set": {"active": True}})
     await tenants.update_one({"_id": "t2"}, {"$set": {"active": False}})
@@ -131,13 +135,26 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
         return done == len(counts)
 
     await wait_until(all_run, 30, "every fan-out fire to be run")
+    # The API counts a fire's tenants and runs by state, newest fire first.
+    async with h.http.get(h.replicas[next(iter(h.replicas))].uri
+                          + f"/schedules/{sid}/runs?by=fire&limit=500") as r:
+        groups = (await r.json())["fires"]
+    assert [g["nominal_at"] for g in groups] == sorted((g["nominal_at"] for g in groups),
+                                                       reverse=True)
+    first = next(g for g in groups
+                 if g["fire"] == f"{sid}@{start.isoformat().replace('+00:00', '.000Z')}")
+    assert first["fires"] == {"claimed": 0, "published": 5, "skipped": 0, "failed": 0,
+                              "total": 5}, first
+    assert first["runs"] == {"running": 0, "succeeded": 5, "retrying": 0, "dead": 0,
+                             "total": 5}, first
     ran = Counter(line.split()[0] for line in record.read_text().splitlines())
     assert {f for f in counts} <= set(ran)
     assert all(ran[f] == 1 for f in counts)
     # And a skipped tenant is recorded, not silent: t2's fires claimed before its removal
     # and due after it (if any) are in the ledger as skipped with the reason.
     skipped = [d async for d in h.db.fires.find({"schedule_id": sid, "state": "skipped"})]
-    assert all(d.get("reason") for d in skipped)
+    assert all(d["_id"].endswith("/t2") and d["reason"] == "tenant no longer selected at "
+               "its due time" for d in skipped), skipped
 
     # Every surviving replica mirrors the tenants identically.
     async def same_sources() -> set[str] | None:
@@ -174,6 +191,42 @@ async def test_a_fan_out_above_the_bound_is_refused_when_written(mongo_uri: str)
                         "t0", "t1"]}}}}) as r:
                 assert r.status == 201, await r.text()
                 assert (await r.json())["fan_out"]["filter"] == {"_id": {"$in": ["t0", "t1"]}}
+
+            # A source that grows past the bound after the write: its fires run for no
+            # tenant and say why; back under the bound, they run for all again.
+            await client[database].tenants.insert_many([{"_id": f"g{i}", "group": "g"}
+                                                        for i in range(3)])
+            async with http.post(replica.uri + "/schedules", json={
+                    **body, "id": "grows", "trigger": {"kind": "cron", "cron": "* * * * * *"},
+                    "fan_out": {"collection": "tenants", "filter": {"group": "g"}}}) as r:
+                assert r.status == 201, await r.text()
+            fires = client[database].fires
+
+            async def fired_for(count: int, after: dt.datetime) -> bool:
+                """Whether a fire after ``after`` was published for ``count`` tenants."""
+                tenants = Counter([d["nominal_at"] async for d in fires.find({
+                    "schedule_id": "grows", "state": "published",
+                    "nominal_at": {"$gt": after}})])
+                return count in tenants.values()
+
+            created = dt.datetime.now(dt.UTC)
+            await wait_until(lambda: fired_for(3, created), 20, "fires for the 3 tenants")
+            await client[database].tenants.insert_many([{"_id": f"g{i}", "group": "g"}
+                                                        for i in range(3, 5)])
+            grown = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)  # past claims made
+
+            async def refused() -> dict[str, object] | None:
+                return await fires.find_one({"schedule_id": "grows", "state": "skipped",
+                                             "nominal_at": {"$gt": grown}})
+
+            skipped = await wait_until(refused, 20, "a fire refused above the bound")
+            assert "selects 5 tenants at the claim, above the bound of 4" in str(
+                skipped["reason"]), skipped
+            assert await fires.count_documents({"schedule_id": "grows", "state": "published",
+                                                "nominal_at": skipped["nominal_at"]}) == 0
+            await client[database].tenants.delete_one({"_id": "g4"})
+            shrunk = dt.datetime.now(dt.UTC)
+            await wait_until(lambda: fired_for(4, shrunk), 20, "fires for the 4 tenants again")
     finally:
         replica.stop()
         await client.drop_database(database)

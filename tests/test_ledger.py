@@ -114,3 +114,26 @@ async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:
     assert (stored[0]["count"], stored[0]["last_nominal_at"]) == (9, at(9))
     assert [d["_id"] for d in await ledger.history("s", 10)] == [doc["_id"]]
     assert [d["_id"] for d in await ledger.recent(at(0), 10)] == [doc["_id"]]
+
+
+async def test_fire_times_step_past_a_fan_outs_tenants_and_count_them(ledger: Ledger) -> None:
+    # Fires at 1..4 s: 3 and 1 fan out to 500 tenants each, 4 and 2 are plain.
+    docs = []
+    for second in (1, 2, 3, 4):
+        doc = claim_document("s", at(second), at(second), 1, at(0))
+        if second % 2:
+            docs += [{**doc, "_id": f"{doc['_id']}/t{i:03d}", "tenant": f"t{i:03d}"}
+                     for i in range(500)]
+        else:
+            docs.append(doc)
+    docs.append(claim_document("other", at(5), at(5), 1, at(0)))
+    assert await ledger.claim(docs) == set()
+    await ledger.mark_published([f"{fire_id('s', at(3))}/t{i:03d}" for i in range(400)], 1,
+                                at(3), 1)
+    await ledger.skip([f"{fire_id('s', at(3))}/t499"], 1, "tenant no longer selected")
+
+    assert await ledger.fire_times("s", 10) == [at(4), at(3), at(2), at(1)]
+    assert await ledger.fire_times("s", 2) == [at(4), at(3)]
+    assert await ledger.fire_times("none", 3) == []
+    assert await ledger.counts("s", [at(3), at(4), at(9)]) == {
+        at(3): {PUBLISHED: 400, CLAIMED: 99, SKIPPED: 1}, at(4): {CLAIMED: 1}, at(9): {}}

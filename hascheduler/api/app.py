@@ -28,12 +28,13 @@ from ..constants import (
 from ..fanout import FanOut
 from ..instants import as_utc
 from ..lease import LeaseView
+from ..ledger import STATES as FIRE_STATES
 from ..ledger import Ledger
 from ..metrics import CONTENT_TYPE, Metrics
 from ..mirror import Mirror
 from ..runs import DEAD, STATES, RunLedger, public_view
 from ..store import ScheduleStore
-from ..triggers import fire_times
+from ..triggers import fire_id, fire_times
 from .access import WRITE_METHODS, Tokens, WriteLimit, WriteLimiter, authorize
 from .errors import BadRequest, Handler, error_middleware, problem
 from .openapi import DOCS_PAGE, IF_MATCH, LABEL_FILTER, openapi_spec
@@ -468,6 +469,26 @@ async def fire_history(request: web.Request) -> web.Response:
     return web.json_response({"schedule_id": schedule_id, "items": items})
 
 
+async def _fire_groups(cluster: Cluster, schedule_id: str,
+                       nominals: list[dt.datetime]) -> list[dict[str, Any]]:
+    """Each fire of a schedule at ``nominals`` as counts: its ledger entries by state (a
+    fan-out fire has one per tenant) and its runs by state."""
+    fires = await cluster.ledger.counts(schedule_id, nominals)
+    runs = await cluster.runs.counts(schedule_id, nominals)
+
+    def tally(counts: dict[str, int], states: tuple[str, ...]) -> dict[str, int]:
+        return {**{state: counts.get(state, 0) for state in states},
+                "total": sum(counts.values())}
+
+    groups = []
+    for nominal in map(as_utc, nominals):
+        groups.append({"fire": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
+                       "nominal_at": nominal.isoformat(),
+                       "fires": tally(fires.get(nominal, {}), FIRE_STATES),
+                       "runs": tally(runs.get(nominal, {}), STATES)})
+    return groups
+
+
 async def schedule_runs(request: web.Request) -> web.Response:
     cluster = _cluster(request)
     schedule_id = request.match_info["id"]
@@ -477,8 +498,9 @@ async def schedule_runs(request: web.Request) -> web.Response:
     if by not in (None, "fire"):
         raise BadRequest(422, "by", "by must be fire (runs counted per fire) or absent")
     if by == "fire":
+        nominals = await cluster.ledger.fire_times(schedule_id, limit)
         return web.json_response({"schedule_id": schedule_id,
-                                  "fires": await cluster.runs.by_fire(schedule_id, limit)})
+                                  "fires": await _fire_groups(cluster, schedule_id, nominals)})
     docs = await cluster.runs.for_schedule(schedule_id, limit)
     return web.json_response({"schedule_id": schedule_id,
                               "items": [public_view(d) for d in docs]})
@@ -563,8 +585,15 @@ async def dashboard(request: web.Request) -> web.Response:
             "revision": schedule.revision,
             "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})
     since = now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S)
-    recent = await cluster.ledger.recent(since, DASHBOARD_FIRES)  # ordered for people below
-    recent.sort(key=lambda doc: (doc["nominal_at"], doc["_id"]), reverse=True)
+    recent = await cluster.ledger.recent(since, DASHBOARD_FIRES)
+    # A fan-out fire's entries (one per tenant) are one row, counted over all its tenants.
+    fanned: dict[str, list[dt.datetime]] = {}
+    for doc in recent:
+        if "tenant" in doc and doc["nominal_at"] not in fanned.get(doc["schedule_id"], []):
+            fanned.setdefault(doc["schedule_id"], []).append(doc["nominal_at"])
+    groups = [group for schedule_id, nominals in fanned.items()
+              for group in await _fire_groups(cluster, schedule_id, nominals)]
+    recent = [doc for doc in recent if "tenant" not in doc]
     fires = []
     for doc in recent:
         fire = _fire_view(doc)
@@ -578,6 +607,10 @@ async def dashboard(request: web.Request) -> web.Response:
         run = runs.get(fire["id"])
         fire["run"] = None if run is None else {
             k: run.get(k) for k in ("state", "attempts", "duration_s", "worker_id")}
+    # Ordered for people: latest nominal time first, a fan-out fire among the others.
+    fires += [{"id": g["fire"], "schedule_id": g["schedule_id"], "nominal_at": g["nominal_at"],
+               "fan_out": {"fires": g["fires"], "runs": g["runs"]}} for g in groups]
+    fires.sort(key=lambda f: (f["nominal_at"], f["id"]), reverse=True)
     dead, more_dead = await cluster.runs.page(DEAD, None, DASHBOARD_DEAD_RUNS)
     return web.json_response({
         "dead_runs": [public_view(d) for d in dead], "more_dead_runs": more_dead is not None,

@@ -163,8 +163,8 @@ def _operations() -> dict[tuple[str, str], dict[str, Any]]:
             "responses": _responses(200, None, 404, 422, 503)},
         ("GET", "/schedules/{id}/runs"): {
             "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
-                       "per fire, how many runs are in each state (a fan-out fire has one "
-                       "per tenant)",
+                       "its latest fires, each with its ledger entries (fires) and its runs "
+                       "counted by state (a fan-out fire has one of each per tenant)",
             "parameters": [{"name": "limit", "in": "query",
                             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
                            {"name": "by", "in": "query",
