@@ -4,13 +4,17 @@ leader's claim (against the development server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 from types import SimpleNamespace
+from typing import Any
 
 from hascheduler.dispatch import Dispatcher, backoff_s
-from hascheduler.fire_queue import SEED_STEP
+from hascheduler.fanout import FanOut
+from hascheduler.fire_queue import SEED_STEP, Due
 from hascheduler.mirror import Entry
 from hascheduler.triggers import Interval
+from tests.waiting import wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -56,6 +60,55 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
     queued = {(d.revision, d.nominal) for d in dispatcher.queue.items()
               if d.schedule_id == "s00000"}
     assert (2, at(0.5)) in queued, queued
+
+
+async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark() -> None:
+    """A fire whose source mirror is loading is claimed once it is in sync, and until then
+    the watermark the lease records stays before it (a next leader's catch-up covers it)."""
+    fan_out = FanOut.model_validate({"collection": "tenants"})
+    entry = Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t", fan_out)
+    in_sync = asyncio.Event()
+
+    class Sources:
+        def tenants(self, wanted: FanOut) -> list[str] | None:
+            return ["a", "b"] if in_sync.is_set() else None
+
+        async def wait_ready(self, wanted: FanOut, timeout_s: float) -> bool:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(in_sync.wait(), timeout_s)
+            return in_sync.is_set()
+
+    now = dt.datetime.now(dt.UTC)
+    dispatcher = Dispatcher(SimpleNamespace(entries={"f": entry}), None, None, None,  # type: ignore[arg-type]
+                            SimpleNamespace(valid=True, term=1),  # type: ignore[arg-type]
+                            clock=lambda: now, sources=Sources())
+    dispatcher.term, dispatcher.watermark = 1, now
+    claimed: list[dict[str, Any]] = []
+
+    async def claim(docs: list[dict[str, Any]], term: int) -> list[dict[str, Any]]:
+        claimed.extend(docs)
+        return []  # nothing to publish in this test
+
+    dispatcher._claim = claim  # type: ignore[method-assign]
+    due = Due(now + dt.timedelta(seconds=1), now + dt.timedelta(seconds=1), "f", 1)
+    await dispatcher._claim_and_publish([due], 1, now)
+    assert claimed == []
+    held = dispatcher.fired_through
+    assert held is not None
+    assert held < due.fire_at
+
+    in_sync.set()
+
+    async def expanded() -> bool:
+        return len(claimed) == 2
+
+    await wait_until(expanded, 5, "the fire claimed once its source is in sync")
+    assert [d["tenant"] for d in claimed] == ["a", "b"]
+
+    async def released() -> bool:
+        return dispatcher.fired_through == now
+
+    await wait_until(released, 5, "the watermark released")
 
 
 async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(

@@ -68,7 +68,7 @@ async def test_watermark_is_recorded_only_by_the_holder(leases: Any) -> None:
 class IdleDispatcher:
     """Stands in for the firing engine: records that it was asked to lead, then waits."""
 
-    watermark = None
+    fired_through = None
 
     def __init__(self) -> None:
         self.leading = False
