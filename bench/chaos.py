@@ -48,6 +48,7 @@ import aiohttp
 from pymongo import AsyncMongoClient
 
 from bench.chaos_audit import (
+    TENANTS,
     RunsAudit,
     SoakAudit,
     SoakSchedule,
@@ -63,6 +64,7 @@ from hascheduler.devcluster.supervisor import Child, DevSettings, Supervisor, re
 
 UTC = dt.UTC
 TARGET = "chaos"
+SOAK_TENANTS = ("acme", "globex", "initech")
 # Relative weights: the leader's faults are the ones that test exactly-once.
 KINDS = {"leader-kill": 2.0, "leader-term": 1.5, "leader-stop": 1.5, "standby-kill": 1.0,
          "standby-term": 1.0, "standby-stop": 1.0, "db-cutoff": 1.5, "db-stall": 1.0,
@@ -115,12 +117,15 @@ class Soak:
     # -- set-up ---------------------------------------------------------------------------
 
     def make_schedules(self, start: dt.datetime, end: dt.datetime) -> None:
-        """A mix: every second, seconds steps (some jittered), intervals, one-off instants."""
+        """A mix: every second (some fanning out to 3 tenants), seconds steps (some
+        jittered), intervals, one-off instants."""
         rng, n = self.rng, self.args.schedules
         for i in range(n):
             sid = f"soak-{i:04d}"
             roll = i % 10
-            if roll < 4:
+            if roll == 3:  # every second, one fire per tenant
+                s = SoakSchedule(sid, "second_step", step_s=1, tenants=SOAK_TENANTS)
+            elif roll < 4:
                 s = SoakSchedule(sid, "second_step", step_s=1)
             elif roll < 6:
                 s = SoakSchedule(sid, "second_step", step_s=rng.choice([2, 3, 5, 10]),
@@ -136,6 +141,13 @@ class Soak:
             self.schedules.append(s)
 
     async def create_schedules(self) -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri)
+        try:
+            await client.get_default_database()[TENANTS].insert_many(
+                [{"_id": t} for t in SOAK_TENANTS])
+        finally:
+            await client.close()
         api = self.supervisor.replicas[0].address
         async with aiohttp.ClientSession() as http:
             for s in self.schedules:
@@ -366,10 +378,12 @@ def table(report: SoakAudit, faults: list[Fault], gaps: list[dict[str, Any]]) ->
     lines = ["| fault | injected |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(by_kind.items())]
     lines += [f"| **all** | **{len(faults)}** |", "",
-              "| fires expected | delivered | missing | duplicated | unexpected | early |",
-              "|---|---|---|---|---|---|",
-              f"| {report.expected:,} | {report.delivered:,} | {len(report.missing)} | "
-              f"{len(report.duplicated)} | {len(report.unexpected)} | {len(report.early)} |", "",
+              "| fires expected | delivered | of which per tenant | missing | duplicated | "
+              "unexpected | early |",
+              "|---|---|---|---|---|---|---|",
+              f"| {report.expected:,} | {report.delivered:,} | {report.tenant_fires:,} | "
+              f"{len(report.missing)} | {len(report.duplicated)} | {len(report.unexpected)} | "
+              f"{len(report.early)} |", "",
               "| lateness (stored - due) | fires | p50 | p99 | max | over the bound |",
               "|---|---|---|---|---|---|"]
     for name, values, over in (
@@ -531,6 +545,7 @@ async def run(args: argparse.Namespace) -> int:
         "faults": [{**asdict(f), "started": f.started.isoformat(),
                     "ended": f.ended.isoformat() if f.ended else None} for f in soak.faults],
         "expected": report.expected, "delivered": report.delivered,
+        "tenant_fires": report.tenant_fires,
         "missing": len(report.missing), "duplicated": len(report.duplicated),
         "unexpected": len(report.unexpected), "early": len(report.early),
         "malformed": report.malformed, "over_bound": len(report.over_bound),

@@ -4,7 +4,8 @@ created, against what the broker stream holds.
 It shares no code with the scheduler (no trigger library, no mirror, no ledger), so a bug
 in the scheduler's own idea of "due" cannot hide itself here. The schedule kinds the soak
 uses are the ones whose fire times are simple to compute by hand: a seconds step within
-the minute (6-field cron in UTC), a fixed interval from an anchor, and one-off instants.
+the minute (6-field cron in UTC), a fixed interval from an anchor, and one-off instants;
+a fan-out schedule's fires are audited per tenant, each as a schedule of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal
 UTC = dt.UTC
 Key = tuple[str, dt.datetime]  # (schedule id, nominal time)
 Window = tuple[dt.datetime, dt.datetime]
+TENANTS = "soak_tenants"  # the collection the fan-out schedules select from
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,12 @@ class SoakSchedule:
     anchor: dt.datetime | None = None
     instants: tuple[dt.datetime, ...] = ()
     jitter_s: float = 0.0
+    tenants: tuple[str, ...] = ()  # fans out over these documents of TENANTS
+
+    @property
+    def audit_ids(self) -> list[str]:
+        """The ids its fires are audited under: its own, or one per tenant."""
+        return [f"{self.id}/{t}" for t in self.tenants] if self.tenants else [self.id]
 
     def api_body(self, target: str) -> dict[str, Any]:
         """The POST /schedules body that asks the scheduler for these fire times."""
@@ -42,9 +50,13 @@ class SoakSchedule:
                        "start_at": self.anchor.isoformat()}
         else:
             trigger = {"kind": "at", "at": [t.isoformat() for t in self.instants]}
-        return {"id": self.id, "name": f"chaos {self.kind} {self.id}", "trigger": trigger,
+        body = {"id": self.id, "name": f"chaos {self.kind} {self.id}", "trigger": trigger,
                 "jitter": self.jitter_s, "catchup": "all", "target": target,
                 "payload": {"soak": True}}
+        if self.tenants:
+            body["fan_out"] = {"collection": TENANTS,
+                               "filter": {"_id": {"$in": list(self.tenants)}}}
+        return body
 
     def nominal_times(self, since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
         """Nominal times t with since <= t <= until."""
@@ -92,7 +104,14 @@ def stored_fire(event: dict[str, Any], stored_at: dt.datetime) -> StoredFire | N
         when = dt.datetime.fromisoformat(nominal.replace("Z", "+00:00"))
     except ValueError:
         return None
-    if when.tzinfo is None or event.get("id") != f"{sid}@{nominal}":
+    tenant = data.get("tenant")
+    if tenant is not None:  # a fan-out fire: audited per tenant
+        if not isinstance(tenant, str) or event.get("id") != f"{sid}@{nominal}/{tenant}":
+            return None
+        sid = f"{sid}/{tenant}"
+    elif event.get("id") != f"{sid}@{nominal}":
+        return None
+    if when.tzinfo is None:
         return None
     return StoredFire(sid, when.astimezone(UTC), term, stored_at.astimezone(UTC))
 
@@ -104,6 +123,7 @@ class SoakAudit:
     late_bound_s: float
     expected: int = 0
     delivered: int = 0
+    tenant_fires: int = 0  # of those delivered, fan-out fires (one per tenant)
     missing: list[Key] = field(default_factory=list)
     duplicated: list[tuple[Key, int]] = field(default_factory=list)
     unexpected: list[Key] = field(default_factory=list)
@@ -134,8 +154,10 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
     never before its nominal time, and outside fault windows within ``late_bound_s`` of
     its due time (nominal plus at most the schedule's jitter)."""
     report = SoakAudit(since, until, late_bound_s)
-    by_id = {s.id: s for s in schedules}
-    expected = {(s.id, t) for s in schedules for t in s.nominal_times(since, until)}
+    by_id = {audit_id: s for s in schedules for audit_id in s.audit_ids}
+    ours = {s.id for s in schedules}
+    expected = {(audit_id, t) for s in schedules for t in s.nominal_times(since, until)
+                for audit_id in s.audit_ids}
     report.expected = len(expected)
     first_stored: dict[Key, dt.datetime] = {}
     counts: Counter[Key] = Counter()
@@ -144,7 +166,7 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
         if fire is None:
             report.malformed += 1
             continue
-        if fire.schedule_id not in by_id or not since <= fire.nominal <= until:
+        if fire.schedule_id.partition("/")[0] not in ours or not since <= fire.nominal <= until:
             continue  # another schedule's, or outside the window
         key = (fire.schedule_id, fire.nominal)
         counts[key] += 1
@@ -154,6 +176,7 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
             report.unexpected.append(key)
             continue
         report.delivered += 1
+        report.tenant_fires += key[0] != by_id[key[0]].id
         if count > 1:
             report.duplicated.append((key, count))
         stored, nominal = first_stored[key], key[1]

@@ -6,6 +6,7 @@ into it, and the mirror's figures are read at scrape time.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 
 # Lateness and latencies of a scheduler: milliseconds when healthy, seconds in a failover.
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOOP_PROBE_S = 0.1
 
 
 class Metrics:
@@ -58,6 +60,10 @@ class Metrics:
         self.runs_stuck = Gauge(
             "hascheduler_runs_stuck", "runs shown running whose heartbeat is stale (the run "
             "lease lapsed: the worker died or stalled), per target", ["target"], registry=r)
+        self.loop_lag = Histogram(
+            "hascheduler_event_loop_lag_seconds",
+            f"how late a {LOOP_PROBE_S:g} s timer fires on this replica's event loop: a long "
+            "step holds every task, the lease renewal included", buckets=SECONDS, registry=r)
         for state in ("claimed", "published", "skipped", "failed"):
             self.fires.labels(state)  # present at zero before the first fire
 
@@ -84,6 +90,14 @@ class Metrics:
                     gauge.labels(target).set(0)
             for target, count in counts.items():
                 gauge.labels(target).set(count)
+
+    async def probe_loop_lag(self) -> None:
+        """Until cancelled: time a short sleep and record how much later than asked it
+        ended (the loop was busy with something else meanwhile)."""
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.loop_lag.observe(max(0.0, time.monotonic() - started - LOOP_PROBE_S))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

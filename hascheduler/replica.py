@@ -233,6 +233,7 @@ class Replica:
                                                  elector, self._stopping))
         watching = asyncio.create_task(_watch_runs(RunLedger(db[RUNS]), metrics,
                                                    self._stopping))
+        probing = asyncio.create_task(metrics.probe_loop_lag())
 
         async def stop_background() -> None:
             self._stopping.set()
@@ -240,9 +241,10 @@ class Replica:
             await asyncio.wait({electing}, timeout=STOP_STEP_S)
             await elector.shutdown()
             mirror.stop()
-            for task in (mirroring, electing, beating, watching):
+            background = {mirroring, electing, beating, watching, probing}
+            for task in background:
                 task.cancel()
-            await asyncio.wait({mirroring, electing, beating, watching}, timeout=STOP_STEP_S)
+            await asyncio.wait(background, timeout=STOP_STEP_S)
 
         stack.push_async_callback(stop_background)
 

@@ -29,10 +29,12 @@ def at(seconds: float) -> dt.datetime:
 
 
 def message(sid: str, nominal: dt.datetime, stored: dt.datetime,
-            term: int = 1) -> tuple[dict[str, Any], dt.datetime]:
+            term: int = 1, tenant: str | None = None) -> tuple[dict[str, Any], dt.datetime]:
     iso = nominal.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return {"id": f"{sid}@{iso}", "data": {"schedule_id": sid, "nominal_at": iso,
-                                            "term": term}}, stored
+    data: dict[str, Any] = {"schedule_id": sid, "nominal_at": iso, "term": term}
+    if tenant is None:
+        return {"id": f"{sid}@{iso}", "data": data}, stored
+    return {"id": f"{sid}@{iso}/{tenant}", "data": {**data, "tenant": tenant}}, stored
 
 
 def test_nominal_times_by_arithmetic() -> None:
@@ -87,6 +89,24 @@ def test_audit_catches_missing_duplicated_unexpected_early_and_malformed() -> No
     assert report.malformed == 1
     assert not report.exactly_once
     assert not report.ok
+
+
+def test_a_fan_out_is_audited_per_tenant() -> None:
+    fan = SoakSchedule("f", "second_step", tenants=("a", "b"))
+    assert fan.api_body("chaos")["fan_out"]["filter"] == {"_id": {"$in": ["a", "b"]}}
+    stream = [message("f", at(0), at(0.1), tenant="a"), message("f", at(0), at(0.2), tenant="b"),
+              message("f", at(1), at(1.1), tenant="a"), message("f", at(1), at(1.2), tenant="a"),
+              message("f", at(0), at(0.1)),  # the schedule's fire without a tenant
+              message("f", at(1), at(1.1), tenant="c"),  # a tenant it does not select
+              ({"id": f"f@{iso_utc(at(1))}/b", "data": {  # the id names another tenant
+                  "schedule_id": "f", "nominal_at": iso_utc(at(1)), "term": 1,
+                  "tenant": "a"}}, at(1.3))]
+    report = audit([fan], stream, at(0), at(1), [], late_bound_s=1.0)
+    assert report.expected == 4
+    assert report.missing == [("f/b", at(1))]
+    assert report.duplicated == [(("f/a", at(1)), 2)]
+    assert sorted(report.unexpected) == [("f", at(0)), ("f/c", at(1))]
+    assert report.malformed == 1
 
 
 def test_lateness_bound_applies_outside_fault_windows_only() -> None:
@@ -149,6 +169,7 @@ def test_sixty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     print(done.stdout[-4000:], done.stderr[-4000:])
     report = json.loads((out / "report.json").read_text())
     assert report["expected"] > 1000
+    assert report["tenant_fires"] > 100, "no fan-out fire was audited"
     assert report["missing"] == 0, report["table"]
     assert report["duplicated"] == 0, report["table"]
     assert report["unexpected"] == 0
