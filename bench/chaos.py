@@ -283,8 +283,8 @@ class Soak:
             self._heal_later(fault, self._failpoint_off())
         elif kind == "nats-restart":
             self.busy.add("nats")
-            await sup.stop_nats()
-            self._heal_later(fault, self._start_nats())
+            stopped = await sup.stop_nats()
+            self._heal_later(fault, self._start_nats(stopped))
         else:
             self.busy.add("devmongo")
             sup.child("devmongo").process.send_signal(signal.SIGSTOP)
@@ -308,8 +308,8 @@ class Soak:
         await self.admin({"configureFailPoint": "failCommand", "mode": "off"})
         self.busy.discard("failpoint")
 
-    async def _start_nats(self) -> None:
-        await self.supervisor.start_nats()
+    async def _start_nats(self, stopped: Child) -> None:
+        await self.supervisor.start_nats(stopped)
         self.busy.discard("nats")
 
     def _heal_later(self, fault: Fault, heal: Any) -> None:

@@ -41,7 +41,7 @@ import nats
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
-from hascheduler.brokers.nats import ensure_stream
+from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
 
 # Printed after the lateness table, not inside it.
@@ -168,9 +168,10 @@ async def raw_core_burst(nats_uri: str, n: int) -> float:
 
 async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]]) -> float:
     """Seconds ``send`` takes on a fresh connection, the fire stream ensured first."""
-    nc = await nats.connect(nats_uri)
+    endpoint = NatsEndpoint.parse(nats_uri)
+    nc = await nats.connect(endpoint.servers)
     try:
-        await ensure_stream(nc.jetstream(), "HASCHEDULER", 600)
+        await ensure_stream(nc.jetstream(), endpoint)
         start = time.perf_counter()
         await send(nc)
         return time.perf_counter() - start

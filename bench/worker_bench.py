@@ -35,7 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
-from hascheduler.brokers.nats import ensure_stream
+from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
 from hascheduler.worker import Run, WorkerApp
 from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
 
@@ -65,10 +65,11 @@ def event(i: int, nominal: dt.datetime) -> bytes:
 
 async def fill_stream(nats_uri: str, fires: int) -> int:
     """Publish ``fires`` fires (pipelined, each acknowledged); the last stream sequence."""
-    nc = await nats.connect(nats_uri)
+    endpoint = NatsEndpoint.parse(nats_uri)
+    nc = await nats.connect(endpoint.servers)
     try:
         js = nc.jetstream()
-        await ensure_stream(js, STREAM, 600)
+        await ensure_stream(js, endpoint)
         nominal = dt.datetime.now(dt.UTC)
         last = 0
         for start in range(0, fires, 500):

@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace) -> int:
             return control.run(args)
         return asyncio.run(supervisor.run(supervisor.DevSettings(
             replicas=args.replicas, workers=args.workers, broker=args.broker,
-            state_dir=Path(args.state_dir),
+            nats_cluster=args.nats_cluster, state_dir=Path(args.state_dir),
             control_port=args.control_port)))
     if args.command in {"schedules", "runs"}:
         return asyncio.run(schedules_cli.run(args))

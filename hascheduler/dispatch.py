@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from .brokers import Broker
+from .brokers import Broker, BrokerUnavailable
 from .catchup import SkippedRange, plan_catchup
 from .constants import DEFAULT_MAX_FAN_OUT, SOURCE_SYNC_WAIT_S
 from .events import EventTemplate
@@ -53,6 +53,10 @@ CLAIM_BATCH = 1000
 # A claim made ahead is published only if its term still holds the lease at the due time.
 CLAIM_AHEAD_S = 1.5
 
+
+# Retries published per turn of the retry loop, a claim batch each: a 10,000 burst held up
+# by a broker outage goes out in one turn, and the loop still yields between batches.
+RETRY_BATCHES_PER_TURN = 20
 
 # Marking fires published waits at most this long for the other batches then awaiting
 # the broker (see _publish).
@@ -106,6 +110,8 @@ class DispatchSettings:
     max_attempts: int = 10
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
+    unavailable_backoff_cap_s: float = 2.0
+    max_unavailable_s: float = 300.0  # below the broker's duplicate window (600 s)
     retry_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
     retention_s: float = 7 * 86_400.0
@@ -473,7 +479,7 @@ class Dispatcher:
                 log.debug("fired", fire_id=fire_id, term=term, attempt=attempt)
         failures = [(f, e) for f, e in zip(sendable, outcomes, strict=True) if e is not None]
         for fire, error in failures:
-            await self._record_failure(fire["_id"], term, attempt, error)
+            await self._record_failure(fire, term, attempt, error)
         if failures:
             log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
                         error=repr(failures[0][1]))
@@ -498,15 +504,22 @@ class Dispatcher:
             self._bodies.pop(gone, None)
         return found
 
-    async def _record_failure(self, fire_id: str, term: int, attempt: int,
+    async def _record_failure(self, fire: dict[str, Any], term: int, attempt: int,
                               error: BaseException) -> None:
         now = self.clock()
-        if attempt >= self.settings.max_attempts:
+        fire_id = fire["_id"]
+        # An unavailable broker is no fault of the fire's: it waits and is tried again soon
+        # after the broker is back (a stream's election takes seconds), for as long as a
+        # republish is still deduplicated (max_unavailable_s < the duplicate window).
+        unavailable = isinstance(error, BrokerUnavailable) and (
+            now - fire["due_at"]).total_seconds() < self.settings.max_unavailable_s
+        if attempt >= self.settings.max_attempts and not unavailable:
             await self.ledger.mark_failed(fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
         else:
-            delay = backoff_s(attempt, self.settings.backoff_base_s,
-                              self.settings.backoff_cap_s, random.random())
+            cap = self.settings.unavailable_backoff_cap_s if unavailable \
+                else self.settings.backoff_cap_s
+            delay = backoff_s(attempt, self.settings.backoff_base_s, cap, random.random())
             await self.ledger.retry_later(fire_id, term, attempt, repr(error),
                                           now + dt.timedelta(seconds=delay))
 
@@ -525,10 +538,14 @@ class Dispatcher:
         return adopted
 
     async def _retry_due(self, term: int) -> None:
-        batch = await self.ledger.due_for_retry(term, self.clock(), limit=1000)
-        if batch:
-            attempt = max(int(d.get("attempts", 0)) for d in batch) + 1
-            await self._publish(batch, term, attempt)
+        # Batch after batch: a burst that waited out a broker outage goes out at once.
+        for _ in range(RETRY_BATCHES_PER_TURN):
+            batch = await self.ledger.due_for_retry(term, self.clock(), limit=CLAIM_BATCH)
+            if batch:
+                attempt = max(int(d.get("attempts", 0)) for d in batch) + 1
+                await self._publish(batch, term, attempt)
+            if len(batch) < CLAIM_BATCH or not self.lease.valid:
+                return
 
     async def _retry_loop(self, term: int) -> None:
         while True:

@@ -164,3 +164,53 @@ class DevCluster:
         finally:
             if self.process.stdout is not None:
                 self.process.stdout.close()
+
+
+@dataclass
+class NatsCluster:
+    """A JetStream cluster of nats-server processes on loopback, by server name."""
+
+    nodes: dict[str, ServerProcess]
+
+    @property
+    def uri(self) -> str:
+        """The broker URL naming every node, as serve and worker take it."""
+        return "nats://" + ",".join(n.uri.split("://", 1)[1] for n in self.nodes.values())
+
+    async def stream_leader(self, stream: str = "HASCHEDULER") -> str:
+        """The name of the node leading ``stream`` now (asked of any live node)."""
+        import nats
+
+        live = [n.uri for n in self.nodes.values()
+                if n.process is not None and n.process.poll() is None]
+        nc = await nats.connect(live, connect_timeout=2, max_reconnect_attempts=2)
+        try:
+            info = await nc.jetstream().stream_info(stream)
+            assert info.cluster is not None, info
+            assert info.cluster.leader, info
+            return str(info.cluster.leader)
+        finally:
+            await nc.close()
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+def start_nats_cluster(size: int = 3) -> NatsCluster:
+    """``size`` nats-servers with JetStream, routed to each other (hascheduler dev's
+    --nats-cluster arguments)."""
+    from hascheduler.devcluster.supervisor import nats_cluster_args
+
+    ports = [free_port() for _ in range(size)]
+    routes = [free_port() for _ in range(size)]
+    nodes = {}
+    try:
+        for i, (port, route) in enumerate(zip(ports, routes, strict=True)):
+            name = f"n{i + 1}"
+            nodes[name] = start_nats(port, extra=tuple(nats_cluster_args(name, route, routes)))
+    except BaseException:
+        for node in nodes.values():
+            node.stop()
+        raise
+    return NatsCluster(nodes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import os
@@ -196,3 +197,72 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
         returncode = dev.stop()
         server.stop()
     assert returncode == 0
+
+
+@pytest.mark.timeout(180)
+def test_dev_nats_cluster_survives_killing_the_stream_leaders_node(tmp_path: Path) -> None:
+    """`hascheduler dev --nats-cluster 3`: the fire stream is replicated 3 ways; SIGKILL of
+    the node leading it loses and duplicates nothing (`dev audit`), runs go on, and the
+    supervisor starts the node again on its port and store."""
+    state = tmp_path / "dev"
+    dev = DevCluster(str(state), "--replicas", "2", "--nats-cluster", "3")
+    where = ("--state-dir", str(state))
+    try:
+        status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
+        nodes = {c["name"]: c for c in status["others"] if c["name"].startswith("nats-")}
+        assert sorted(nodes) == ["nats-1", "nats-2", "nats-3"]
+        assert status["nats_uri"].count(",") == 2
+        api = next(iter(dev.replicas.values()))
+        added = subprocess.run([sys.executable, "-m", "hascheduler.cli", "schedules", "add",
+                                "--api", api, "--id", "tick", "--name", "tick",
+                                "--target", "demo.tick", "--every", "1"],
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert added.returncode == 0, added.stderr
+        since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+
+        def succeeded() -> int:
+            listed = subprocess.run([sys.executable, "-m", "hascheduler.cli", "runs", "list",
+                                     "--api", api, "--schedule", "tick", "--json"],
+                                    capture_output=True, text=True, timeout=60, check=False)
+            return sum(r["state"] == "succeeded" for r in json.loads(listed.stdout)["items"])
+
+        wait_until_sync(lambda: succeeded() >= 3, 60, "three runs to succeed", 0.5)
+        leader, replicas = asyncio.run(stream_leader(status["nats_uri"]))
+        assert replicas == 3
+        victim = nodes[leader]
+        killed_at = dt.datetime.now(dt.UTC)
+        os.kill(victim["pid"], signal.SIGKILL)
+        count = succeeded()
+        wait_until_sync(lambda: succeeded() >= count + 5, 60, "runs after the kill", 0.5)
+
+        def restarted() -> bool:
+            now = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
+            again = {c["name"]: c for c in now["others"]}[leader]
+            return bool(again["alive"] and again["pid"] != victim["pid"])
+
+        wait_until_sync(restarted, 30, f"{leader} started again", 0.2)
+        until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
+        assert since < killed_at < until
+        audited = run_cli("dev", "audit", "--since", since.isoformat(), "--until",
+                          until.isoformat(), "--json", *where, cwd=tmp_path)
+        report = json.loads(audited.stdout)
+        assert audited.returncode == 0, report
+        assert report["delivered"] == report["expected"] >= 3, report
+    finally:
+        returncode = dev.stop()
+    assert returncode == 0
+
+
+async def stream_leader(nats_uri: str) -> tuple[str, int]:
+    """The node leading the fire stream, and the stream's replica count."""
+    import nats
+
+    from hascheduler.brokers.nats import NatsEndpoint
+
+    nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
+    try:
+        info = await nc.jetstream().stream_info("HASCHEDULER")
+        assert info.cluster is not None
+        return str(info.cluster.leader), int(info.config.num_replicas or 1)
+    finally:
+        await nc.close()

@@ -9,7 +9,8 @@ import datetime as dt
 from types import SimpleNamespace
 from typing import Any
 
-from hascheduler.dispatch import Dispatcher, backoff_s
+from hascheduler.brokers import BrokerUnavailable
+from hascheduler.dispatch import Dispatcher, DispatchSettings, backoff_s
 from hascheduler.fanout import FanOut
 from hascheduler.fire_queue import SEED_STEP, Due
 from hascheduler.mirror import Entry
@@ -109,6 +110,39 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
         return dispatcher.fired_through == now
 
     await wait_until(released, 5, "the watermark released")
+
+
+async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> None:
+    """BrokerUnavailable is retried past the attempt limit, with a short backoff, until
+    max_unavailable_s past the due time; a refusal fails at the attempt limit."""
+    now = dt.datetime.now(dt.UTC)
+    recorded: list[tuple[str, str, float | None]] = []
+
+    class Ledger:
+        async def mark_failed(self, fire_id: str, term: int, attempt: int, error: str,
+                              at: dt.datetime) -> None:
+            recorded.append((fire_id, "failed", None))
+
+        async def retry_later(self, fire_id: str, term: int, attempt: int, error: str,
+                              at: dt.datetime) -> None:
+            recorded.append((fire_id, "retry", (at - now).total_seconds()))
+
+    settings = DispatchSettings(max_attempts=3, unavailable_backoff_cap_s=2.0,
+                                max_unavailable_s=300.0)
+    dispatcher = Dispatcher(SimpleNamespace(entries={}), None, Ledger(), None,  # type: ignore[arg-type]
+                            SimpleNamespace(valid=True), settings, clock=lambda: now)  # type: ignore[arg-type]
+    recent = {"_id": "recent", "due_at": now - dt.timedelta(seconds=10)}
+    old = {"_id": "old", "due_at": now - dt.timedelta(seconds=301)}
+    for attempt in range(1, 8):
+        await dispatcher._record_failure(recent, 1, attempt, BrokerUnavailable("down"))
+    await dispatcher._record_failure(old, 1, 3, BrokerUnavailable("down"))
+    await dispatcher._record_failure({**recent, "_id": "refused"}, 1, 3,
+                                     RuntimeError("refused"))
+    waits = [wait for fire, what, wait in recorded if fire == "recent"]
+    assert len(waits) == 7
+    assert all(wait is not None and 0 <= wait <= 2.0 for wait in waits), waits
+    assert ("old", "failed", None) in recorded
+    assert ("refused", "failed", None) in recorded
 
 
 async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(

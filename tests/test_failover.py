@@ -23,8 +23,9 @@ import nats
 import pytest
 from pymongo import AsyncMongoClient
 
+from hascheduler.brokers.nats import NatsEndpoint
 from hascheduler.triggers import Cron, Interval, fire_id, fire_times
-from tests.servers import ServerProcess, start_nats, start_replica, with_database
+from tests.servers import NatsCluster, ServerProcess, start_nats, start_replica, with_database
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -37,7 +38,7 @@ SCHEDULES = {
 
 
 class Harness:
-    def __init__(self, mongo_uri: str, nats_server: ServerProcess) -> None:
+    def __init__(self, mongo_uri: str, nats_server: ServerProcess | NatsCluster) -> None:
         self.db_name = f"failover_{uuid.uuid4().hex[:8]}"
         self.mongo_uri = with_database(mongo_uri, self.db_name)
         self.nats = nats_server
@@ -111,7 +112,7 @@ async def stream_counts(nats_uri: str, prefix: str
                         ) -> tuple[Counter[str], dict[str, dt.datetime]]:
     """Every message the stream holds for this test's target, counted by fire id, and when
     the stream first stored each."""
-    nc = await nats.connect(nats_uri)
+    nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
     try:
         js = nc.jetstream()
         sub = await js.subscribe(f"hascheduler.fire.audit.{prefix}", ordered_consumer=True)

@@ -21,7 +21,7 @@ import nats
 import pytest
 from pymongo import AsyncMongoClient
 
-from hascheduler.brokers.nats import ensure_stream
+from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
 from tests.servers import ServerProcess, start_nats, with_database
 from tests.waiting import wait_until
 
@@ -76,10 +76,11 @@ class Workers:
         return worker
 
     async def publish(self, subject: str, body: bytes, msg_id: str) -> None:
-        nc = await nats.connect(self.nats.uri)
+        endpoint = NatsEndpoint.parse(self.nats.uri)
+        nc = await nats.connect(endpoint.servers)
         try:
             js = nc.jetstream()
-            await ensure_stream(js, "HASCHEDULER", 600)
+            await ensure_stream(js, endpoint)
             await js.publish(f"hascheduler.fire.{subject}", body,
                              headers={"Nats-Msg-Id": msg_id})
         finally:

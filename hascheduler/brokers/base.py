@@ -18,7 +18,10 @@ class FireMessage:
 
 
 class BrokerUnavailable(Exception):
-    """The broker could not take a message now; the fire stays claimed and is retried."""
+    """The broker could not take a message now (down, unreachable, no acknowledgement in
+    time, electing a leader); the fire stays claimed and is retried, at short intervals and
+    without a limit. Any other exception is the broker refusing that message, retried up
+    to the dispatcher's attempt limit."""
 
 
 class Broker(Protocol):

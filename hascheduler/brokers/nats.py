@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 import nats
 import structlog
 from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import APIError, BadRequestError
 
 from ..constants import TARGET_PATTERN
 from .base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
@@ -33,12 +33,14 @@ TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 @dataclass(frozen=True)
 class NatsEndpoint:
     """Where and how to reach NATS, from ``nats://host:port[,host:port]?options`` or
-    ``tls://...``. Options: stream, dedup_window (s), tls_ca_file, tls_cert_file and
-    tls_key_file (a client certificate for servers that verify clients)."""
+    ``tls://...``. Options: stream, dedup_window (s), replicas (of the fire stream, 1-5,
+    or auto), tls_ca_file, tls_cert_file and tls_key_file (a client certificate for
+    servers that verify clients)."""
 
     servers: list[str]
     stream: str = "HASCHEDULER"
     dedup_window_s: float = 600.0
+    replicas: int | None = None  # of the fire stream; None: 3 where the cluster allows, or 1
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -51,10 +53,14 @@ class NatsEndpoint:
         if parsed.scheme not in {"nats", "tls"}:
             raise ValueError(f"{url!r} is not a nats:// or tls:// URL")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-        unknown = set(query) - {"stream", "dedup_window", *TLS_OPTIONS}
+        unknown = set(query) - {"stream", "dedup_window", "replicas", *TLS_OPTIONS}
         if unknown:
             raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
-                             f"use stream, dedup_window, {', '.join(TLS_OPTIONS)}")
+                             f"use stream, dedup_window, replicas, {', '.join(TLS_OPTIONS)}")
+        replicas_text = query.get("replicas", "auto")
+        if replicas_text != "auto" and replicas_text not in {"1", "2", "3", "4", "5"}:
+            raise ValueError(f"replicas={replicas_text!r} in the broker URL: use 1 to 5, or "
+                             "auto (3 where the cluster has 3 nodes, else 1)")
         window = query.get("dedup_window", "600")
         try:
             dedup_window = float(window)
@@ -65,8 +71,12 @@ class NatsEndpoint:
             raise ValueError("tls_cert_file and tls_key_file in the broker URL go together")
         hosts = url.split("?", 1)[0].split("://", 1)[1]
         servers = [f"{parsed.scheme}://{host}" for host in hosts.split(",")]
+        if any(not host.strip() for host in hosts.split(",")):
+            raise ValueError(f"{url!r} names an empty server between commas")
         endpoint = cls(servers, stream=query.get("stream", "HASCHEDULER"),
-                       dedup_window_s=dedup_window, tls_ca_file=query.get("tls_ca_file"),
+                       dedup_window_s=dedup_window,
+                       replicas=None if replicas_text == "auto" else int(replicas_text),
+                       tls_ca_file=query.get("tls_ca_file"),
                        tls_cert_file=query.get("tls_cert_file"),
                        tls_key_file=query.get("tls_key_file"),
                        tls_scheme=parsed.scheme == "tls")
@@ -119,7 +129,7 @@ class NatsBroker:
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self._reply_prefix = f"{self._inbox}.".encode()
         self._wire = PublishConnection(endpoint.servers, endpoint.tls_context(),
-                                       self._on_reply)
+                                       self._on_reply, self._on_lost)
         self._batch_ids = itertools.count(1)
         self._batches: dict[bytes, _Batch] = {}
 
@@ -144,18 +154,31 @@ class NatsBroker:
                     # Subscribed before anything is published; acks lost while it was
                     # down time out and those fires are retried (deduplicated by the stream).
                     await self._wire.start(f"{self._inbox}.>")
-                await ensure_stream(self._nc.jetstream(), self.stream,
-                                    self.endpoint.dedup_window_s)
+                replicas = await ensure_stream(self._nc.jetstream(), self.endpoint)
             except Exception as exc:
                 if self._nc is not None and not self._nc.is_connected:
                     await self._close_quietly()
                 raise BrokerUnavailable(f"NATS at {self.servers}: {exc!r}") from exc
             self._ready = True
-            log.info("broker_connected", servers=self.servers, stream=self.stream)
+            log.info("broker_connected", servers=self.servers, stream=self.stream,
+                     replicas=replicas, publishing_to=self._wire.server)
             return self._nc
 
     async def _on_error(self, exc: Exception) -> None:
         log.debug("nats_error", error=repr(exc))
+
+    def _on_lost(self) -> None:
+        """The publishing connection broke: what it was waiting for will not come on it, so
+        those publishes fail now (to be retried on the next connection, deduplicated by the
+        stream) rather than at their timeout."""
+        for batch in self._batches.values():
+            lost = BrokerUnavailable("the NATS connection broke before the acknowledgement")
+            for i, acked in enumerate(batch.acked):
+                if not acked:
+                    batch.acked[i] = True
+                    batch.outcomes[i] = lost
+            batch.waiting = 0
+            batch.done.set()
 
     def _on_reply(self, subject: bytes, data: bytes, status: bytes | None) -> None:
         batch_id, _, index = subject[len(self._reply_prefix):].partition(b".")
@@ -183,7 +206,7 @@ class NatsBroker:
         if not messages:
             return []
         batch_id = str(next(self._batch_ids))
-        timed_out = TimeoutError("no acknowledgement from JetStream in time")
+        timed_out = BrokerUnavailable("no acknowledgement from JetStream in time")
         batch = _Batch(outcomes=[timed_out] * len(messages), waiting=len(messages),
                        acked=[False] * len(messages))
         self._batches[batch_id.encode()] = batch
@@ -256,11 +279,16 @@ class PublishRejected(Exception):
 
 
 def ack_error(data: bytes, status: bytes | None) -> BaseException | None:
-    """None for a JetStream ack (a duplicate counts: that fire is stored), else the error.
+    """None for a JetStream ack (a duplicate counts: that fire is stored), else the error:
+    BrokerUnavailable when no stream answered, PublishRejected when it refused.
 
     Acks are ``{"stream":..,"seq":..}``; only an error carries ``"error"``, so the JSON is
     decoded only then. A status reply (``status``, e.g. 503: no stream listens on the
     subject) has no body."""
+    if status == b"503":
+        # No responders: no stream leader listens on the subject now (an election after
+        # its node died, or the stream is missing and is ensured at the next connect).
+        return BrokerUnavailable("NATS status 503: no JetStream stream answered")
     if status:
         return PublishRejected(f"NATS status {status.decode(errors='replace')}")
     if b'"error"' not in data:
@@ -278,11 +306,29 @@ def ack_error(data: bytes, status: bytes | None) -> BaseException | None:
                            f"{error.get('description')}")
 
 
-async def ensure_stream(js: Any, name: str, dedup_window_s: float) -> None:
-    """Create the fire stream if missing (file storage, so fires survive a restart)."""
-    config = StreamConfig(name=name, subjects=[f"{SUBJECT_PREFIX}.>"],
-                          duplicate_window=dedup_window_s)
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+# JetStream's answers to more replicas than it can place: not clustered, or too few nodes.
+REPLICAS_UNAVAILABLE = {10074, 10023}
+AUTO_REPLICAS = 3
+
+
+async def ensure_stream(js: Any, endpoint: NatsEndpoint) -> int:
+    """Create the fire stream if missing, or bring its settings to ours (file storage, so
+    fires survive a restart); returns its replica count. With replicas unset, 3 where the
+    cluster can place them, else 1 (a single server, or too few nodes up: asked again at
+    the next connect)."""
+    tries = [endpoint.replicas] if endpoint.replicas else [AUTO_REPLICAS, 1]
+    for replicas in tries:
+        config = StreamConfig(name=endpoint.stream, subjects=[f"{SUBJECT_PREFIX}.>"],
+                              duplicate_window=endpoint.dedup_window_s, num_replicas=replicas)
+        try:
+            try:
+                await js.add_stream(config)
+            except BadRequestError:
+                await js.update_stream(config)
+            return replicas
+        except APIError as exc:
+            if replicas == tries[-1] or exc.err_code not in REPLICAS_UNAVAILABLE:
+                raise
+            log.info("stream_replicas_unavailable", replicas=replicas,
+                     error=str(exc.description))
+    raise AssertionError("unreachable: the last try returns or raises")

@@ -36,10 +36,17 @@ class WireError(Exception):
 
 
 class PublishConnection:
-    def __init__(self, servers: list[str], tls: ssl.SSLContext | None, on_reply: Reply) -> None:
+    """One connection at a time to one of ``servers`` or of the servers a cluster
+    advertises (INFO ``connect_urls``); after a break, the next is tried first."""
+
+    def __init__(self, servers: list[str], tls: ssl.SSLContext | None, on_reply: Reply,
+                 on_lost: Callable[[], None] = lambda: None) -> None:
         self.servers = servers
         self.tls = tls
         self.on_reply = on_reply
+        self.on_lost = on_lost
+        self.discovered: list[str] = []
+        self.server: str | None = None  # connected to, or last connected to
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self.max_payload = 1 << 20
@@ -52,7 +59,7 @@ class PublishConnection:
         """Subscribe to ``subject`` on the first server that answers; returns once the
         server has registered the subscription. Raises WireError."""
         errors = []
-        for server in self.servers:
+        for server in self.candidates():
             try:
                 reader, writer = await asyncio.wait_for(self._open(server, subject),
                                                         CONNECT_TIMEOUT_S)
@@ -61,9 +68,24 @@ class PublishConnection:
                 errors.append(f"{server}: {exc!r}")
                 continue
             self._writer = writer
+            self.server = server
             self._task = asyncio.create_task(self._read(reader, writer))
             return
         raise WireError("; ".join(errors))
+
+    def candidates(self) -> list[str]:
+        """Every server known, in order, starting after the one last connected to."""
+        known = list(dict.fromkeys([*self.servers, *self.discovered]))
+        if self.server in known:
+            after = known.index(self.server) + 1
+            known = known[after:] + known[:after]
+        return known
+
+    def _learn(self, info: dict[str, Any], scheme: str) -> None:
+        urls = info.get("connect_urls")
+        if isinstance(urls, list):
+            self.discovered = [f"{scheme}://{u}" for u in urls
+                               if isinstance(u, str) and u and " " not in u]
 
     async def _open(self, server: str,
                     subject: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -76,6 +98,7 @@ class PublishConnection:
                 raise WireError(f"expected INFO, got {line[:80]!r}")
             info = json.loads(line[5:])
             self.max_payload = int(info.get("max_payload", self.max_payload))
+            self._learn(info, url.scheme)
             tls = self.tls
             if tls is None and (info.get("tls_required") or url.scheme == "tls"):
                 tls = ssl.create_default_context()
@@ -113,9 +136,10 @@ class PublishConnection:
                     raise WireError("the server closed the connection")
                 buffer = self._frames(buffer + chunk, writer)
         except (OSError, WireError, ValueError) as exc:
-            log.warning("nats_publish_connection_lost", error=repr(exc))
+            log.warning("nats_publish_connection_lost", server=self.server, error=repr(exc))
         finally:
             writer.close()
+            self.on_lost()
 
     def _frames(self, data: bytes, writer: asyncio.StreamWriter) -> bytes:
         """Deliver every complete frame in ``data``; returns the incomplete rest."""
@@ -150,7 +174,13 @@ class PublishConnection:
             elif head == b"PING":
                 writer.write(b"PONG\r\n")
                 pos = end + 2
-            elif head.startswith((b"PONG", b"+OK", b"INFO ")):
+            elif head.startswith(b"INFO "):  # the cluster's members changed
+                with contextlib.suppress(ValueError):
+                    info = json.loads(head[5:])
+                    if isinstance(info, dict) and self.server:
+                        self._learn(info, urlparse(self.server).scheme)
+                pos = end + 2
+            elif head.startswith((b"PONG", b"+OK")):
                 pos = end + 2
             elif head.startswith(b"-ERR"):
                 raise WireError(head.decode(errors="replace"))

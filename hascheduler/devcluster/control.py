@@ -112,6 +112,9 @@ def add_parser(sub: Any) -> None:
                      help="where fires go, as for serve: nats://host:port (a server already "
                           "running) or log: (log lines, no worker); default: a nats-server "
                           "of its own")
+    dev.add_argument("--nats-cluster", type=_count, default=1, metavar="N",
+                     help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
+                          "the fire stream replicated 3 ways)")
     dev.add_argument("--control-port", type=int, default=0,
                      help="port of the loopback control API (0: any free port)")
     # Accepted after the action too (`dev status --state-dir D`); SUPPRESS keeps a value

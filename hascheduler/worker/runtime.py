@@ -270,7 +270,7 @@ class Worker:
         claim runs until ``stop``."""
         s = self.settings
         js = nc.jetstream()
-        await ensure_stream(js, s.endpoint.stream, s.endpoint.dedup_window_s)
+        await ensure_stream(js, s.endpoint)
         subjects = [f"{SUBJECT_PREFIX}.{p}" for p in self.app.patterns]
         await js.add_consumer(s.endpoint.stream, ConsumerConfig(
             durable_name=s.durable, ack_policy=AckPolicy.EXPLICIT,

@@ -1,0 +1,124 @@
+"""A 3-node NATS JetStream cluster with the fire stream replicated 3 ways: the node leading
+the stream is SIGKILLed during a burst of fires and during steady firing. Every fire is in
+the stream and the ledger exactly once, and a worker runs each once (the runs ledger and
+the handler's own record)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from bench.firing_bench import schedule_doc
+from tests.servers import NatsCluster, start_nats_cluster
+from tests.test_failover import Harness, audit, published_by, stream_counts
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BURST = 3_000
+
+
+@pytest.fixture
+async def cluster(mongo_uri: str) -> AsyncIterator[tuple[Harness, NatsCluster]]:
+    nodes = start_nats_cluster(3)
+    h = Harness(mongo_uri, nodes)
+    try:
+        yield h, nodes
+    finally:
+        await h.close()
+        nodes.stop()
+
+
+async def kill_stream_leader(nodes: NatsCluster) -> str:
+    leader = await nodes.stream_leader()
+    nodes.nodes[leader].stop(signal.SIGKILL)
+    return leader
+
+
+async def replicas_of_the_stream(nodes: NatsCluster) -> int:
+    nc = await nats.connect([n.uri for n in nodes.nodes.values()])
+    try:
+        info = await nc.jetstream().stream_info("HASCHEDULER")
+        return int(info.config.num_replicas or 1)
+    finally:
+        await nc.close()
+
+
+async def test_killing_the_stream_leader_mid_burst_loses_and_duplicates_nothing(
+        cluster: tuple[Harness, NatsCluster]) -> None:
+    h, nodes = cluster
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=9)).replace(microsecond=0)
+    await h.db.schedules.insert_many([
+        schedule_doc(f"{h.prefix}-{i:05d}", {"kind": "at", "at": [due]}, f"audit.{h.prefix}")
+        for i in range(BURST)])
+    for name in ("a", "b", "c"):
+        h.start(name)
+    await h.leader()
+    assert await replicas_of_the_stream(nodes) == 3  # auto: the cluster has 3 nodes
+
+    # The burst's claims are made 1.5 s ahead; the kill lands as its publishes go out.
+    await asyncio.sleep(max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds()))
+    killed = await kill_stream_leader(nodes)
+    killed_at = dt.datetime.now(dt.UTC)
+
+    async def all_published() -> bool:
+        n = await h.db.fires.count_documents({"schedule_id": {"$regex": f"^{h.prefix}-"},
+                                              "state": "published"})
+        return n == BURST
+
+    await wait_until(all_published, 60, "every fire of the burst published", 0.2)
+    counts, _ = await stream_counts(h.nats.uri, h.prefix)
+    assert len(counts) == BURST, f"{BURST - len(counts)} fires missing from the stream"
+    assert all(n == 1 for n in counts.values()), [f for f, n in counts.items() if n > 1][:5]
+    assert await nodes.stream_leader() != killed
+    # The kill met the burst: its publishes (all, or the rest) went out after it.
+    assert await h.db.fires.count_documents({"schedule_id": {"$regex": f"^{h.prefix}-"},
+                                             "published_at": {"$gt": killed_at}}) > 0
+
+
+async def test_killing_the_stream_leader_while_firing_runs_each_fire_once(
+        cluster: tuple[Harness, NatsCluster], tmp_path: Path) -> None:
+    h, nodes = cluster
+    for name in ("a", "b", "c"):
+        h.start(name)
+    record = tmp_path / "runs.txt"
+    with open(tmp_path / "worker.log", "wb") as log:  # noqa: ASYNC230 - opened once
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nodes.uri,
+            "--mongodb-uri", h.mongo_uri, "--handler", "tests.helpers.record_handler:handle",
+            "--target", f"audit.{h.prefix}", env={**os.environ, "RECORD_FIRES_TO": str(record)},
+            stdout=asyncio.subprocess.PIPE, stderr=log)
+    try:
+        assert worker.stdout is not None
+        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
+        term = (await h.lease())["term"] if await h.leader() else 0
+        schedules = await h.create_schedules()
+        start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+        await published_by(h, term, 3, after=start)
+        killed_at = dt.datetime.now(dt.UTC)
+        await kill_stream_leader(nodes)
+        await published_by(h, term, 6, after=killed_at)  # firing goes on, same leader
+        end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
+        result = await audit(h, schedules, start, end)
+        fires = [d["_id"] for d in result["ledger"]]
+
+        async def all_run() -> bool:
+            done = await h.db.runs.count_documents({"_id": {"$in": fires},
+                                                    "state": "succeeded"})
+            return done == len(fires)
+
+        await wait_until(all_run, 60, "every fire run by the worker", 0.2)
+        ran = Counter(line.split()[0] for line in record.read_text().splitlines())
+        assert all(ran[f] == 1 for f in fires), {f: ran[f] for f in fires if ran[f] != 1}
+    finally:
+        worker.terminate()
+        await asyncio.wait_for(worker.wait(), 30)
