@@ -7,7 +7,6 @@ The server (server.py) parses frames and hands each command here; every reply ge
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import datetime
 import itertools
@@ -35,6 +34,15 @@ MAX_WIRE_VERSION = 21  # MongoDB 7.0
 SERVER_VERSION = "7.0.0"
 SESSION_TIMEOUT_MINUTES = 30
 RETRYABLE_COMMANDS = frozenset({"insert", "update", "delete", "findAndModify"})
+# What a stepped-down node still answers: the handshake, monitoring and administration.
+ANSWERED_WHEN_SECONDARY = frozenset({
+    "hello", "isMaster", "ismaster", "ping", "buildInfo", "buildinfo", "serverStatus",
+    "endSessions", "refreshSessions", "killAllSessions", "killSessions", "killCursors",
+    "replSetGetStatus", "replSetStepDown", "configureFailPoint", "connectionStatus",
+    "whatsmyuri", "getParameter"})
+READ_COMMANDS = frozenset({"find", "getMore", "aggregate", "count", "distinct",
+                           "listIndexes", "listCollections", "listDatabases"})
+MAX_STEP_DOWN_S = 3600.0
 MAX_REMEMBERED_SESSIONS = 100_000
 
 
@@ -56,6 +64,7 @@ class ConnectionContext:
     id: int
     peer: str
     app_name: str | None = None
+    generation: int = 0  # the node's connection generation when it connected
 
 
 class CloseConnection(Exception):
@@ -77,6 +86,14 @@ class Node:
         self.connections_current = 0
         self.connections_total = 0
         self.shutting_down = asyncio.Event()
+        # Elections (replSetStepDown): the term names each primary's reign (electionId),
+        # the topology version counts changes of state, connections older than the
+        # generation are closed at their next command.
+        self.term = 1
+        self.topology_counter = 0
+        self.connection_generation = 0
+        self.secondary = False
+        self._topology_changed = asyncio.Event()
         self._handlers: dict[str, Callable[[str, Document, ConnectionContext],
                                            Awaitable[Document]]] = {
             "hello": self._hello, "isMaster": self._hello, "ismaster": self._hello,
@@ -98,6 +115,7 @@ class Node:
             "connectionStatus": self._connection_status, "whatsmyuri": self._whatsmyuri,
             "getParameter": self._get_parameter,
             "commitTransaction": self._transactions, "abortTransaction": self._transactions,
+            "replSetStepDown": self._repl_set_step_down,
         }
 
     @property
@@ -109,6 +127,8 @@ class Node:
     async def execute(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         """Run one command and return the full reply. Raises CloseConnection."""
         name = next(iter(body), "")
+        if ctx.generation < self.connection_generation:
+            raise CloseConnection  # opened before a step-down: dropped, as the issue asks
         try:
             reply = await self._dispatch(name, db, body, ctx)
         except CloseConnection:
@@ -132,6 +152,8 @@ class Node:
         if handler is None:
             raise MongoError(59, f"no such command: '{name}'")
         options.check(name, body)
+        if self.secondary and name not in ANSWERED_WHEN_SECONDARY:
+            self._refuse_as_secondary(name, body)
         if "startTransaction" in body or "autocommit" in body:
             await self._transactions(db, body, ctx)
         namespace = f"{db}.{body[name]}" if isinstance(body.get(name), str) else None
@@ -196,7 +218,54 @@ class Node:
 
     @property
     def topology_version(self) -> Document:
-        return {"processId": self.process_id, "counter": Int64(0)}
+        return {"processId": self.process_id, "counter": Int64(self.topology_counter)}
+
+    @property
+    def election_id(self) -> ObjectId:
+        return ObjectId(f"7fffffff{self.term:016x}")
+
+    # -- elections ------------------------------------------------------------------------
+
+    async def _repl_set_step_down(self, db: str, body: Document,
+                                  ctx: ConnectionContext) -> Document:
+        """``{replSetStepDown: seconds}``: be a secondary for that long (a fraction of a
+        second is allowed here), then win the next election. Meanwhile writes answer
+        NotWritablePrimary, reads NotPrimaryNoSecondaryOk, every connection open now is
+        closed at its next command, and awaitable hellos answer at once."""
+        if db != "admin":
+            raise MongoError(13, "replSetStepDown may only be run against the admin database.")
+        seconds = body.get("replSetStepDown")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
+                not 0 < seconds <= MAX_STEP_DOWN_S:
+            raise bad_value(f"replSetStepDown takes seconds, more than 0 and at most "
+                            f"{MAX_STEP_DOWN_S:g}")
+        if self.secondary:
+            raise MongoError(10107, "not primary so can't step down")
+        self.secondary = True
+        self.connection_generation += 1
+        self._topology_change("stepped_down", seconds=float(seconds))
+        asyncio.get_running_loop().call_later(float(seconds), self._step_up)
+        return {}
+
+    def _step_up(self) -> None:
+        self.term += 1
+        self.secondary = False
+        self._topology_change("elected")
+
+    def _topology_change(self, event: str, **fields: Any) -> None:
+        self.topology_counter += 1
+        self._topology_changed.set()
+        self._topology_changed = asyncio.Event()
+        log.info(event, term=self.term, topology_version=self.topology_counter, **fields)
+
+    def _refuse_as_secondary(self, name: str, body: Document) -> None:
+        if name in READ_COMMANDS:
+            # 4.4+ servers label what a change stream may resume after.
+            labels = ["ResumableChangeStreamError"] if name == "getMore" else []
+            raise MongoError(13435, "not primary and secondaryOk=false", errorLabels=labels)
+        labels = ["RetryableWriteError"] if name in RETRYABLE_COMMANDS | {"findandmodify"} \
+            and "txnNumber" in body else []
+        raise MongoError(10107, "not primary", errorLabels=labels)
 
     async def _hello(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         client = body.get("client")
@@ -211,21 +280,29 @@ class Node:
             wait_ms = body["maxAwaitTimeMS"]
             if not isinstance(wait_ms, int) or wait_ms < 0:
                 raise bad_value("maxAwaitTimeMS must be a non-negative integer")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.shutting_down.wait(), wait_ms / 1000)
+            known = body["topologyVersion"]
+            if isinstance(known, dict) and known.get("counter") == self.topology_counter:
+                changed = asyncio.ensure_future(self._topology_changed.wait())
+                stopping = asyncio.ensure_future(self.shutting_down.wait())
+                try:
+                    await asyncio.wait({changed, stopping}, timeout=wait_ms / 1000,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                    stopping.cancel()
         if self.shutting_down.is_set():
             raise MongoError(91, "The server is in quiesce mode and will shut down")
         last = self.clock.current
         wall = datetime.datetime.fromtimestamp(last.time, datetime.UTC).replace(tzinfo=None)
         primary_field = "isWritablePrimary" if next(iter(body)) == "hello" else "ismaster"
         reply: Document = {
-            primary_field: True,
+            primary_field: not self.secondary,
             "topologyVersion": self.topology_version,
             "hosts": [self.me], "setName": self.settings.replset, "setVersion": 1,
-            "primary": self.me, "me": self.me, "secondary": False,
-            "electionId": ObjectId("7fffffff0000000000000001"),
-            "lastWrite": {"opTime": {"ts": last, "t": Int64(1)}, "lastWriteDate": wall,
-                          "majorityOpTime": {"ts": last, "t": Int64(1)},
+            "me": self.me, "secondary": self.secondary,
+            "lastWrite": {"opTime": {"ts": last, "t": Int64(self.term)},
+                          "lastWriteDate": wall,
+                          "majorityOpTime": {"ts": last, "t": Int64(self.term)},
                           "majorityWriteDate": wall},
             "maxBsonObjectSize": 16 * 1024 * 1024, "maxMessageSizeBytes": 48_000_000,
             "maxWriteBatchSize": 100_000,
@@ -234,6 +311,8 @@ class Node:
             "connectionId": ctx.id, "minWireVersion": 0, "maxWireVersion": MAX_WIRE_VERSION,
             "readOnly": False,
         }
+        if not self.secondary:
+            reply |= {"primary": self.me, "electionId": self.election_id}
         if body.get("helloOk"):
             reply["helloOk"] = True
         return reply
@@ -264,10 +343,11 @@ class Node:
 
     async def _repl_set_get_status(self, db: str, body: Document,
                                    ctx: ConnectionContext) -> Document:
-        return {"set": self.settings.replset, "myState": 1,
+        state, name = (2, "SECONDARY") if self.secondary else (1, "PRIMARY")
+        return {"set": self.settings.replset, "myState": state, "term": Int64(self.term),
                 "date": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
-                "members": [{"_id": 0, "name": self.me, "health": 1.0, "state": 1,
-                             "stateStr": "PRIMARY", "self": True}]}
+                "members": [{"_id": 0, "name": self.me, "health": 1.0, "state": state,
+                             "stateStr": name, "self": True}]}
 
     async def _connection_status(self, db: str, body: Document,
                                  ctx: ConnectionContext) -> Document:

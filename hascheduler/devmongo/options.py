@@ -37,6 +37,8 @@ COMMAND_OPTIONS: dict[str, frozenset[str]] = {
                                 "bypassDocumentValidation"}),
     "getMore": frozenset({"getMore", "collection", "batchSize"}),
     "createIndexes": frozenset({"createIndexes", "indexes", "commitQuorum"}),
+    # A single node has no secondary to wait for or to force past.
+    "replSetStepDown": frozenset({"replSetStepDown", "force", "secondaryCatchUpPeriodSecs"}),
 }
 COMMAND_OPTIONS["findandmodify"] = COMMAND_OPTIONS["findAndModify"] | {"findandmodify"}
 STATEMENT_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {

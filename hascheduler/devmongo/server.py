@@ -87,7 +87,8 @@ class DevMongoServer:
         assert task is not None
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
-        ctx = ConnectionContext(next(self._conn_ids), f"{peer[0]}:{peer[1]}" if peer else "?")
+        ctx = ConnectionContext(next(self._conn_ids), f"{peer[0]}:{peer[1]}" if peer else "?",
+                                generation=self.node.connection_generation)
         self.node.connections_current += 1
         self.node.connections_total += 1
         try:

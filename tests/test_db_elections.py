@@ -1,0 +1,126 @@
+"""A database primary election under the cluster: the development server steps down
+(replSetStepDown: writes refused, connections closed, a new election id afterwards) during
+steady firing and during a leader handover. One leader at a time, every fire exactly once
+in the stream and the ledger, the mirrors equal afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from pymongo import AsyncMongoClient
+
+from tests.test_failover import Harness, nats_server, run_fault
+from tests.waiting import wait_until
+
+__all__ = ["nats_server"]  # the module-scoped nats-server fixture, shared
+
+pytestmark = [pytest.mark.timeout(240)]
+
+STEP_DOWN_S = 2  # longer than the replicas' renew deadline: the leader loses the lease
+
+
+@pytest.fixture
+async def harness(mongo_uri: str, nats_server: Any) -> AsyncIterator[Harness]:
+    h = Harness(mongo_uri, nats_server)
+    for name in ("a", "b", "c"):
+        h.start(name)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+async def step_down(mongo_uri: str) -> None:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    try:
+        await client.admin.command({"replSetStepDown": STEP_DOWN_S, "force": True})
+    finally:
+        await client.close()
+
+
+class LeaderWatch:
+    """Asks every replica who leads, every 50 ms, until stopped: at most one may answer
+    as the leader at any moment."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.samples = 0
+        self.overlaps: list[list[str]] = []
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            leading = []
+            for name in list(self.h.replicas):
+                try:
+                    view = await self.h.get(name, "/leader")
+                except (aiohttp.ClientError, TimeoutError):  # a replica just stopped
+                    continue
+                if view.get("answered_by_leader"):
+                    leading.append(name)
+            self.samples += 1
+            if len(leading) > 1:
+                self.overlaps.append(leading)
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def converged(h: Harness) -> None:
+    async def equal() -> bool:
+        views = [await h.get(name, "/readyz") for name in h.replicas]
+        return all(v["ready"] for v in views) and len({v["digest"] for v in views}) == 1
+
+    await wait_until(equal, 20, "every replica's mirror ready and equal")
+
+
+async def test_a_step_down_during_steady_firing(harness: Harness, mongo_uri: str) -> None:
+    watch = LeaderWatch(harness)
+
+    async def fault(leader: str) -> dict[str, Any]:
+        await step_down(mongo_uri)
+        return {}
+
+    try:
+        _, result = await run_fault(harness, fault)
+    finally:
+        await watch.stop()
+    assert result["expected"] > 0
+    assert watch.samples > 20
+    assert not watch.overlaps, watch.overlaps
+    await converged(harness)
+
+
+async def test_a_step_down_during_a_leader_handover(harness: Harness, mongo_uri: str) -> None:
+    watch = LeaderWatch(harness)
+
+    async def fault(leader: str) -> dict[str, Any]:
+        harness.signal(leader, signal.SIGTERM)
+        await step_down(mongo_uri)
+        departed = harness.replicas.pop(leader)
+        assert departed.process is not None
+        assert departed.process.wait(20) == 0, "SIGTERM must exit cleanly"
+        departed.stop()
+        return {}
+
+    try:
+        _, result = await run_fault(harness, fault)
+    finally:
+        await watch.stop()
+    assert result["expected"] > 0
+    assert not watch.overlaps, watch.overlaps
+    await converged(harness)
+    # A schedule written after the election reaches every mirror.
+    any_replica = next(iter(harness.replicas))
+    async with harness.http.post(harness.replicas[any_replica].uri + "/schedules", json={
+            "id": f"{harness.prefix}-after", "name": "after", "target": "t",
+            "trigger": {"kind": "interval", "every": 60}}) as r:
+        assert r.status == 201, await r.text()
+    await converged(harness)
