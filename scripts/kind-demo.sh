@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Kubernetes story on a Kind cluster: create it, build and load the image, apply k8s/,
+# The Kubernetes story on a Kind cluster: create it, build and load the image, apply k8s/base,
 # wait for MongoDB's replica set, NATS and the replicas, add schedules through the HTTP
 # endpoint, delete the leader pod (then force-delete the next one), show the new leader and
 # fires continuing, scale to 5 replicas and back to 2, and print a summary.
@@ -36,16 +36,16 @@ kind load docker-image "$IMAGE" --name "$CLUSTER"
 kubectl --context "kind-$CLUSTER" create namespace "$NS" --dry-run=client -o yaml \
   | kubectl --context "kind-$CLUSTER" apply -f -
 if ! k get secret hascheduler-tokens >/dev/null 2>&1; then
-  say "creating the Secret hascheduler-tokens from k8s/tokens-secret.example.yaml (random tokens)"
+  say "creating the Secret hascheduler-tokens from k8s/base/tokens-secret.example.yaml (random tokens)"
   token() { python3 -c 'import secrets; print(secrets.token_urlsafe(32))'; }
   sed -e "s/CHANGE-ME-write-token/$(token)/" -e "s/CHANGE-ME-read-token/$(token)/" \
-    k8s/tokens-secret.example.yaml | k apply -f -
+    k8s/base/tokens-secret.example.yaml | k apply -f -
 fi
 TOKEN=$(k get secret hascheduler-tokens -o jsonpath='{.data.write}' | base64 -d)
 AUTH=(-H "Authorization: Bearer $TOKEN")
 
-say "applying k8s/ (kustomize)"
-kubectl --context "kind-$CLUSTER" apply -k k8s/
+say "applying k8s/base (kustomize)"
+kubectl --context "kind-$CLUSTER" apply -k k8s/base
 k rollout status statefulset/mongodb --timeout=300s
 k wait --for=condition=complete job/mongodb-rs-init --timeout=300s
 k rollout status statefulset/nats --timeout=300s

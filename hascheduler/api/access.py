@@ -109,7 +109,7 @@ def load_tokens(env: Mapping[str, str]) -> Tokens:
         for token in tokens:
             if PLACEHOLDER in token:
                 raise AccessConfigError(f"{name}: a token still says {PLACEHOLDER}: put a "
-                                        "token of your own in its place (k8s/"
+                                        "token of your own in its place (k8s/base/"
                                         "tokens-secret.example.yaml)")
             if len(token) < MIN_TOKEN_CHARS:
                 raise AccessConfigError(f"{name}: every token needs at least "
