@@ -83,6 +83,17 @@ SECTIONS = [
      "its lease's renew interval. Memory of a source mirror per tenant, against the same "
      "fields as plain dicts. Target: the fan-out within 1.2x of the separate schedules, "
      "and no stall near a renewal's deadline."),
+    ("bench.ha_bench", "High availability: a 3-node NATS cluster, a node lost, a step-down",
+     [], ["--burst", "500", "--steady", "100", "--seconds", "3", "--ticks", "20",
+          "--lead", "8", "--settle", "10"],
+     "The development MongoDB server, three replicas, and either one nats-server (the "
+     "stream at 1 replica: the baseline) or a 3-node JetStream cluster (the stream at 3). "
+     "The 10,000 burst and the lateness of 1,000 schedules firing every second on each, same "
+     "run. Then, with 100 schedules firing every second: SIGKILL of the node leading the "
+     "stream, and a 2 s step-down of the database (longer than the renew deadline, so the "
+     "leader loses its lease): the lateness of the latest fire due from a second before the "
+     "fault (the gap), and how many were over a second late. Nothing is lost or duplicated "
+     "in either (tests/test_nats_cluster.py, tests/test_db_elections.py)."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "
