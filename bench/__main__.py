@@ -1,11 +1,11 @@
 """Every benchmark, each with its in-run baseline, gathered into docs/BENCHMARKS.md.
 
-    python -m bench [--quick] [--out docs/BENCHMARKS.md]
+    python -m bench [--quick [--jobs N]] [--out docs/BENCHMARKS.md]
 
 Runs the benchmark modules one after another (never two at once: they share the
 machine's cores) and writes their tables, under the machine and the date, with the
-command that reproduces each. --quick runs small versions (the test suite uses it to keep
-the entry point working); its figures are not the ones to publish.
+command that reproduces each. --quick runs small versions (the test suite uses it, two at
+a time, to keep the entry point working); its figures are not the ones to publish.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # (module, title, full arguments, quick arguments, what it measures and its targets)
 SECTIONS = [
     ("bench.firing_bench", "Firing: failover gaps, burst drain, lateness",
-     [], ["--kills", "1", "--burst", "300", "--lateness", "200,600/60", "--seconds", "3"],
+     [], ["--kills", "1", "--burst", "300", "--lateness", "200", "--seconds", "3",
+          "--lead", "8"],
      "The development MongoDB server, a real nats-server and three replicas (lease ttl 2 s, "
      "renew deadline 1.4 s, renew interval 0.4 s) on this one machine. Failover: from the "
      "signal to the next leader's lease and to its first published fire of an every-second "
@@ -85,7 +87,7 @@ SECTIONS = [
      "and no stall near a renewal's deadline."),
     ("bench.ha_bench", "High availability: a 3-node NATS cluster, a node lost, a step-down",
      [], ["--burst", "500", "--steady", "100", "--seconds", "3", "--ticks", "20",
-          "--lead", "8", "--settle", "10"],
+          "--lead", "8", "--settle", "9"],
      "The development MongoDB server, three replicas, and either one nats-server (the "
      "stream at 1 replica: the baseline) or a 3-node JetStream cluster (the stream at 3). "
      "The 10,000 burst and the lateness of 1,000 schedules firing every second on each, same "
@@ -101,17 +103,28 @@ SECTIONS = [
 ]
 
 
-def run_section(module: str, args: list[str]) -> tuple[int, str, float]:
-    """Run one benchmark, echoing its output; its exit code, stdout and seconds taken."""
+# Started first with --jobs: the rest fit beside them.
+LONGEST = ("bench.ha_bench", "bench.firing_bench")
+
+
+def run_section(module: str, args: list[str], echo: bool = True) -> tuple[int, str, float]:
+    """Run one benchmark (echoing its output as it comes, or once it is done); its exit
+    code, stdout and seconds taken."""
     start = time.monotonic()
+    if echo:
+        print(f"== {module} {' '.join(args)}", flush=True)
     process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                text=True)
     assert process.stdout is not None
     lines = []
     for line in process.stdout:
-        print(line, end="", flush=True)
+        if echo:
+            print(line, end="", flush=True)
         lines.append(line)
-    return process.wait(), "".join(lines), time.monotonic() - start
+    code = process.wait()
+    if not echo:
+        print(f"== {module} {' '.join(args)}\n{''.join(lines)}", end="", flush=True)
+    return code, "".join(lines), time.monotonic() - start
 
 
 def body(output: str) -> str:
@@ -158,9 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small versions (for tests)")
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="benchmarks run at once (more than 1 only for --quick: they "
+                             "share the machine, so their figures mean little)")
     parser.add_argument("--only", metavar="MODULE", help="run this one benchmark (as "
                         "bench.worker_bench) and replace its section in --out")
     args = parser.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and not args.quick):
+        parser.error("--jobs: 1, or more with --quick (figures measured side by side mean "
+                     "little)")
     if args.only:
         return only(args.only, args.out, args.quick)
     command = "python -m bench" + (" --quick" if args.quick else "")
@@ -172,13 +191,17 @@ def main(argv: list[str] | None = None) -> int:
              "the same machine; rerun it to reproduce. The chaos soak's figures are in "
              "RELIABILITY.md.", ""]
     failed = []
-    for module, title, full, quick, about in SECTIONS:
-        chosen = quick if args.quick else full
-        print(f"== {module} {' '.join(chosen)}", flush=True)
-        code, output, took = run_section(module, chosen)
-        if code:
-            failed.append(module)
-        parts += section(module, title, about, chosen, code, output, took)
+    chosen = {module: quick if args.quick else full for module, _, full, quick, _ in SECTIONS}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        # The longest first, so that the short ones fill the other lanes meanwhile.
+        order = sorted(SECTIONS, key=lambda s: s[0] not in LONGEST)
+        results = {module: pool.submit(run_section, module, chosen[module], args.jobs == 1)
+                   for module, *_ in order}
+        for module, title, _, _, about in SECTIONS:
+            code, output, took = results[module].result()
+            if code:
+                failed.append(module)
+            parts += section(module, title, about, chosen[module], code, output, took)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(parts))
     print(f"wrote {args.out}" + (f"; targets missed in {', '.join(failed)}" if failed else ""))

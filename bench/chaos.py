@@ -13,6 +13,9 @@ average), then lets it run --calm seconds without faults:
 - a failCommand cut-off (every command's connection closed) or stall (every command
   blocked) of one replica's database connections, picked by its appName;
 - a nats-server restart (same port and JetStream store);
+- with --nats-cluster 3 (the default): SIGKILL of a NATS node, half the time the one
+  leading the fire stream (the supervisor starts it again, as a StatefulSet would);
+- a step-down of the database (replSetStepDown: an election);
 - a stall of the development MongoDB server itself (SIGSTOP/SIGCONT);
 - SIGKILL of a worker (restarted under its name), SIGSTOP/SIGCONT of one.
 
@@ -60,7 +63,13 @@ from bench.chaos_audit import (
 from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
 from hascheduler import logs
-from hascheduler.devcluster.supervisor import Child, DevSettings, Supervisor, read_stream
+from hascheduler.devcluster.supervisor import (
+    Child,
+    DevSettings,
+    Supervisor,
+    read_stream,
+    stream_leader,
+)
 
 UTC = dt.UTC
 TARGET = "chaos"
@@ -68,13 +77,15 @@ SOAK_TENANTS = ("acme", "globex", "initech")
 # Relative weights: the leader's faults are the ones that test exactly-once.
 KINDS = {"leader-kill": 2.0, "leader-term": 1.5, "leader-stop": 1.5, "standby-kill": 1.0,
          "standby-term": 1.0, "standby-stop": 1.0, "db-cutoff": 1.5, "db-stall": 1.0,
-         "nats-restart": 1.0, "devmongo-stall": 1.0, "worker-kill": 1.0, "worker-stop": 1.0}
+         "nats-restart": 1.0, "devmongo-stall": 1.0, "worker-kill": 1.0, "worker-stop": 1.0,
+         "nats-node-kill": 1.0, "db-step-down": 1.0}
 DB_COMMANDS = ["find", "insert", "update", "delete", "findAndModify", "aggregate", "getMore",
                "count", "killCursors"]
 COMPLETE_WITHIN_S = 120.0  # after the last fault is healed, for the stream to be complete
 # The workers' broker ack wait and run lease: a stop shorter than the lease minus one
 # heartbeat interval never lets another worker take a run over.
 WORKER_ACK_WAIT_S = 6.0
+STREAM_LEADER = "a nats node"  # nats-node-kill picks it when injected (_nats_victim)
 
 
 @dataclass
@@ -209,7 +220,13 @@ class Soak:
                       else self.rng.choice(sorted(replicas)))
             options["db-cutoff"] = options["db-stall"] = target
         if "nats" not in self.busy:
-            options["nats-restart"] = "nats-server"
+            nodes = sorted(c.name for c in self.supervisor.others
+                           if c.role == "nats" and c.alive)
+            options["nats-restart"] = nodes[0]
+            if self.settings.nats_cluster >= 3 and len(nodes) == self.settings.nats_cluster:
+                options["nats-node-kill"] = STREAM_LEADER  # chosen when injected
+        if not {"devmongo", "failpoint"} & self.busy:
+            options["db-step-down"] = "devmongo"
         if not {"devmongo", "failpoint"} & self.busy:
             options["devmongo-stall"] = "devmongo"
         workers = sorted(self._workers())
@@ -236,12 +253,19 @@ class Soak:
             hold = rng.uniform(1.0, 2 * ttl)
         elif kind in ("nats-restart", "devmongo-stall"):
             hold = rng.uniform(0.5, 3.0)
+        elif kind == "db-step-down":
+            hold = float(rng.randint(1, 2 * int(ttl)))  # in whole seconds, as mongod takes it
+        if kind == "nats-node-kill":
+            target = await self._nats_victim()
         # How long after a fault ends its effects may still make fires late: a leader's
         # fault costs up to a lease ttl plus a renew interval before another takes over; a
         # broker outage leaves publishes in their retry backoff.
         failover = ttl + self.settings.renew_interval + 2.0
         settle = {"leader-kill": failover, "leader-term": 3.0, "leader-stop": failover,
                   "nats-restart": 10.0, "devmongo-stall": failover,
+                  # A JetStream stream elects a new leader within about 10 s, then the
+                  # waiting fires go out within the capped backoff (2 s).
+                  "nats-node-kill": 15.0, "db-step-down": failover,
                   "db-cutoff": failover if leader else 2.0,
                   "db-stall": failover if leader else 2.0}.get(kind, 2.0)
         fault = Fault(kind, target, dt.datetime.now(UTC), round(hold, 2), term, leader, settle)
@@ -258,6 +282,15 @@ class Soak:
             self.busy.add(target)
             child.process.send_signal(signal.SIGSTOP)
             self._heal_later(fault, self._continue(child, target))
+            return fault
+        if kind == "nats-node-kill":
+            # The supervisor starts the node again, as its StatefulSet would; one node down
+            # at a time, so the stream keeps its quorum.
+            self.busy.add("nats")
+            node = next(c for c in sup.others if c.name == target)
+            with contextlib.suppress(ProcessLookupError):
+                node.process.send_signal(signal.SIGKILL)
+            self._heal_later(fault, self._nats_back(target, node.process.pid))
             return fault
         if kind.endswith(("-kill", "-term")):
             child = self._replicas()[target]
@@ -285,6 +318,10 @@ class Soak:
             self.busy.add("nats")
             stopped = await sup.stop_nats()
             self._heal_later(fault, self._start_nats(stopped))
+        elif kind == "db-step-down":
+            self.busy.add("devmongo")
+            await self.admin({"replSetStepDown": hold, "force": True})
+            self._heal_later(fault, self._stepped_up())
         else:
             self.busy.add("devmongo")
             sup.child("devmongo").process.send_signal(signal.SIGSTOP)
@@ -307,6 +344,42 @@ class Soak:
     async def _failpoint_off(self) -> None:
         await self.admin({"configureFailPoint": "failCommand", "mode": "off"})
         self.busy.discard("failpoint")
+
+    async def _nats_victim(self) -> str:
+        """The node leading the fire stream half the time (its loss costs an election),
+        another node otherwise."""
+        nodes = sorted(c.name for c in self.supervisor.others if c.role == "nats" and c.alive)
+        if self.rng.random() < 0.5:
+            with contextlib.suppress(Exception):
+                leader, _ = await asyncio.wait_for(stream_leader(self.supervisor.nats_uri), 5)
+                if leader in nodes:
+                    return leader
+        return self.rng.choice(nodes)
+
+    async def _nats_back(self, name: str, killed_pid: int) -> None:
+        """Until the killed node runs again (restarted by the supervisor)."""
+        while True:
+            if any(c.name == name and c.alive and c.process.pid != killed_pid
+                   for c in self.supervisor.others):
+                break
+            await asyncio.sleep(0.2)
+        self.busy.discard("nats")
+
+    async def _stepped_up(self) -> None:
+        """Until the database is primary again."""
+        while True:
+            with contextlib.suppress(Exception):
+                client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+                    self.supervisor.mongodb_uri, directConnection=True,
+                    serverSelectionTimeoutMS=2000)
+                try:
+                    hello = await client.admin.command("hello")
+                finally:
+                    await client.close()
+                if hello.get("isWritablePrimary"):
+                    break
+            await asyncio.sleep(0.2)
+        self.busy.discard("devmongo")
 
     async def _start_nats(self, stopped: Child) -> None:
         await self.supervisor.start_nats(stopped)
@@ -453,6 +526,7 @@ async def run(args: argparse.Namespace) -> int:
     os.environ["CHAOS_SIDE_EFFECTS"] = str(side_effects)  # the workers inherit both
     os.environ["CHAOS_FAIL_RATE"] = str(args.fail_rate)
     settings = DevSettings(replicas=args.replicas, state_dir=state_dir, workers=args.workers,
+                           nats_cluster=args.nats_cluster,
                            worker_app="bench.chaos_worker:app",
                            worker_args=("--ack-wait", str(WORKER_ACK_WAIT_S),
                                         "--concurrency", "16"))
@@ -594,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=_positive(int, 2), default=3)
     parser.add_argument("--schedules", type=_positive(int, 1), default=60)
     parser.add_argument("--workers", type=_positive(int, 1), default=2)
+    parser.add_argument("--nats-cluster", type=_positive(int, 1), default=3,
+                        help="nats-servers: a JetStream cluster of N (3: the fire stream at 3 "
+                             "replicas, and node kills among the faults), or 1")
     parser.add_argument("--fail-rate", type=_positive(float, 0), default=0.05,
                         help="the share of handler attempts that fail (default 0.05)")
     parser.add_argument("--calm", type=_positive(float, 0), default=20.0,

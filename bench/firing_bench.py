@@ -2,7 +2,7 @@
 
     python -m bench.firing_bench [--kills 20] [--burst 10000]
                                  [--lateness 1000,10000,100000/60]
-                                 [--seconds 20]
+                                 [--seconds 20] [--lead 25]
 
 Runs the development MongoDB server, a real nats-server and three `hascheduler serve`
 replicas (lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s) as processes.
@@ -221,10 +221,10 @@ def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
-async def burst(mongo: ServerProcess, broker: ServerProcess,
-                n: int) -> tuple[float, float, float, dict[str, float]]:
+async def burst(mongo: ServerProcess, broker: ServerProcess, n: int,
+                lead_s: float) -> tuple[float, float, float, dict[str, float]]:
     """Drain time, the two raw baselines, and each process's CPU seconds during the burst."""
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=25)).replace(microsecond=0)
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
     c = await started_cluster(mongo, broker.uri, "bench_burst", [
         schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
         for i in range(n)])
@@ -326,6 +326,9 @@ async def main() -> int:
                         help="schedule counts, each N (every second) or N/P (spread over "
                              "P seconds, P dividing 60)")
     parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--lead", type=float, default=25.0,
+                        help="seconds from writing the burst to its due time (room for three "
+                             "replicas to start and load it)")
     args = parser.parse_args()
     print(f"# firing benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
           f"{os.cpu_count()} cores, Python {platform.python_version()}")
@@ -350,7 +353,7 @@ async def main() -> int:
                       f"{pct(values, .99) / bounds[label]:.2f}x |")
             print(flush=True)
         if args.burst:
-            drained, raw, core, cpu = await burst(mongo, broker, args.burst)
+            drained, raw, core, cpu = await burst(mongo, broker, args.burst, args.lead)
             print(f"burst: {args.burst:,} fires due in one second published and acknowledged "
                   f"{drained:.2f} s after it; raw nats-py pipelined publish of as many "
                   f"messages (baseline): {raw:.2f} s; ratio {drained / raw:.2f}x")

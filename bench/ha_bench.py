@@ -31,11 +31,11 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import nats
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, schedule_doc, started_cluster, until_all
+from hascheduler.devcluster.supervisor import stream_leader
 from tests.servers import (
     NatsCluster,
     ServerProcess,
@@ -118,16 +118,6 @@ async def step_down(mongo: ServerProcess) -> None:
         await client.close()
 
 
-async def stream_replicas(nats_uri: str) -> int:
-    from hascheduler.brokers.nats import NatsEndpoint
-
-    nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
-    try:
-        return int((await nc.jetstream().stream_info("HASCHEDULER")).config.num_replicas or 1)
-    finally:
-        await nc.close()
-
-
 def ms(values: list[float], q: float) -> str:
     return f"{pct(values, q) * 1000:,.0f} ms"
 
@@ -140,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> int:
         bursts = {"single": await burst(mongo, single.uri, "ha_burst_1", args.burst, args.lead),
                   "cluster": await burst(mongo, cluster.uri, "ha_burst_3", args.burst,
                                          args.lead)}
-        replicas = await stream_replicas(cluster.uri)
+        _, replicas = await stream_leader(cluster.uri)
         late = {"single": await every_second(mongo, single.uri, "ha_late_1", args.steady,
                                              steady(args.seconds)),
                 "cluster": await every_second(mongo, cluster.uri, "ha_late_3", args.steady,

@@ -178,19 +178,14 @@ class NatsCluster:
         return "nats://" + ",".join(n.uri.split("://", 1)[1] for n in self.nodes.values())
 
     async def stream_leader(self, stream: str = "HASCHEDULER") -> str:
-        """The name of the node leading ``stream`` now (asked of any live node)."""
-        import nats
+        """The name of the node leading ``stream`` now (asked of the live nodes)."""
+        from hascheduler.devcluster.supervisor import stream_leader
 
-        live = [n.uri for n in self.nodes.values()
+        live = [n.uri.split("://", 1)[1] for n in self.nodes.values()
                 if n.process is not None and n.process.poll() is None]
-        nc = await nats.connect(live, connect_timeout=2, max_reconnect_attempts=2)
-        try:
-            info = await nc.jetstream().stream_info(stream)
-            assert info.cluster is not None, info
-            assert info.cluster.leader, info
-            return str(info.cluster.leader)
-        finally:
-            await nc.close()
+        leader, _ = await stream_leader("nats://" + ",".join(live), stream)
+        assert leader, f"no leader for {stream}"
+        return leader
 
     def stop(self) -> None:
         for node in self.nodes.values():

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hascheduler.devcluster.audit import audit
+from hascheduler.devcluster.supervisor import stream_leader
 from tests.servers import DevCluster, start_nats
 from tests.waiting import wait_until_sync
 
@@ -113,11 +114,14 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> None:
-    """`hascheduler dev --workers 2`: fires run to outcomes the CLI shows without --api; a
-    worker and the broker that exit are started again; `scale-workers` changes the count."""
+    """`hascheduler dev --workers 2 --nats-cluster 3`: fires run to outcomes the CLI shows
+    without --api; a worker that exits is started again, and so is the NATS node leading
+    the fire stream (replicated 3 ways) when it is SIGKILLed, with nothing lost or
+    duplicated (`dev audit`); `scale-workers` changes the count."""
     state = tmp_path / ".hascheduler-dev"  # the default, seen from tmp_path
     env = {k: v for k, v in os.environ.items() if k != "HASCHEDULER_API"}
-    dev = DevCluster(str(state), "--replicas", "1", "--workers", "2", env=env)
+    dev = DevCluster(str(state), "--replicas", "1", "--workers", "2", "--nats-cluster", "3",
+                     env=env)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=tmp_path,
@@ -136,9 +140,13 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
     try:
         before = status()
         assert [w["id"] for w in before["workers"]] == ["w1", "w2"]
+        nodes = sorted(c["name"] for c in before["others"] if c["name"].startswith("nats-"))
+        assert nodes == ["nats-1", "nats-2", "nats-3"]
+        assert before["nats_uri"].count(",") == 2
         added = cli("schedules", "add", "--id", "tick", "--name", "tick", "--target",
                     "demo.tick", "--every", "1")
         assert added.returncode == 0, added.stderr
+        since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
 
         def succeeded(count: int) -> list[dict[str, Any]] | None:
             listed = cli("runs", "list", "--schedule", "tick", "--json")
@@ -160,15 +168,25 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         assert "only a dead run" in not_dead.stderr
 
         others = {c["name"]: c for c in before["others"]}
-        nats_pid = others["nats-server"]["pid"]
         workers = {w["id"]: w for w in before["workers"]}
         os.kill(workers["w1"]["pid"], signal.SIGKILL)
         wait_replaced("workers", "w1", workers["w1"]["pid"])
-        os.kill(nats_pid, signal.SIGKILL)
-        again = wait_replaced("others", "nats-server", nats_pid)
-        assert again["address"] == others["nats-server"]["address"]  # clients reconnect
+        leader, replicas = asyncio.run(stream_leader(before["nats_uri"]))
+        assert replicas == 3
+        assert leader in nodes
+        killed_at = dt.datetime.now(dt.UTC)
+        os.kill(others[leader]["pid"], signal.SIGKILL)
+        again = wait_replaced("others", leader, others[leader]["pid"])
+        assert again["address"] == others[leader]["address"]  # its port and store again
         count = len(succeeded(1) or [])
         wait_until_sync(lambda: succeeded(count + 3), 60, "runs after the restarts", 0.5)
+        until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
+        assert since < killed_at < until
+        audited = cli("dev", "audit", "--since", since.isoformat(), "--until",
+                      until.isoformat(), "--json")
+        report = json.loads(audited.stdout)
+        assert audited.returncode == 0, report
+        assert report["delivered"] == report["expected"] >= 3, report
 
         scaled = cli("dev", "scale-workers", "3", "--json")
         assert [w["id"] for w in json.loads(scaled.stdout)["workers"]] == ["w1", "w2", "w3"]
@@ -198,71 +216,3 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
         server.stop()
     assert returncode == 0
 
-
-@pytest.mark.timeout(180)
-def test_dev_nats_cluster_survives_killing_the_stream_leaders_node(tmp_path: Path) -> None:
-    """`hascheduler dev --nats-cluster 3`: the fire stream is replicated 3 ways; SIGKILL of
-    the node leading it loses and duplicates nothing (`dev audit`), runs go on, and the
-    supervisor starts the node again on its port and store."""
-    state = tmp_path / "dev"
-    dev = DevCluster(str(state), "--replicas", "2", "--nats-cluster", "3")
-    where = ("--state-dir", str(state))
-    try:
-        status = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
-        nodes = {c["name"]: c for c in status["others"] if c["name"].startswith("nats-")}
-        assert sorted(nodes) == ["nats-1", "nats-2", "nats-3"]
-        assert status["nats_uri"].count(",") == 2
-        api = next(iter(dev.replicas.values()))
-        added = subprocess.run([sys.executable, "-m", "hascheduler.cli", "schedules", "add",
-                                "--api", api, "--id", "tick", "--name", "tick",
-                                "--target", "demo.tick", "--every", "1"],
-                               capture_output=True, text=True, timeout=60, check=False)
-        assert added.returncode == 0, added.stderr
-        since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
-
-        def succeeded() -> int:
-            listed = subprocess.run([sys.executable, "-m", "hascheduler.cli", "runs", "list",
-                                     "--api", api, "--schedule", "tick", "--json"],
-                                    capture_output=True, text=True, timeout=60, check=False)
-            return sum(r["state"] == "succeeded" for r in json.loads(listed.stdout)["items"])
-
-        wait_until_sync(lambda: succeeded() >= 3, 60, "three runs to succeed", 0.5)
-        leader, replicas = asyncio.run(stream_leader(status["nats_uri"]))
-        assert replicas == 3
-        victim = nodes[leader]
-        killed_at = dt.datetime.now(dt.UTC)
-        os.kill(victim["pid"], signal.SIGKILL)
-        count = succeeded()
-        wait_until_sync(lambda: succeeded() >= count + 5, 60, "runs after the kill", 0.5)
-
-        def restarted() -> bool:
-            now = json.loads(run_cli("dev", "status", "--json", *where, cwd=tmp_path).stdout)
-            again = {c["name"]: c for c in now["others"]}[leader]
-            return bool(again["alive"] and again["pid"] != victim["pid"])
-
-        wait_until_sync(restarted, 30, f"{leader} started again", 0.2)
-        until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
-        assert since < killed_at < until
-        audited = run_cli("dev", "audit", "--since", since.isoformat(), "--until",
-                          until.isoformat(), "--json", *where, cwd=tmp_path)
-        report = json.loads(audited.stdout)
-        assert audited.returncode == 0, report
-        assert report["delivered"] == report["expected"] >= 3, report
-    finally:
-        returncode = dev.stop()
-    assert returncode == 0
-
-
-async def stream_leader(nats_uri: str) -> tuple[str, int]:
-    """The node leading the fire stream, and the stream's replica count."""
-    import nats
-
-    from hascheduler.brokers.nats import NatsEndpoint
-
-    nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
-    try:
-        info = await nc.jetstream().stream_info("HASCHEDULER")
-        assert info.cluster is not None
-        return str(info.cluster.leader), int(info.config.num_replicas or 1)
-    finally:
-        await nc.close()

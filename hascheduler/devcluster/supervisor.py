@@ -552,6 +552,20 @@ async def read_stream(nats_uri: str, stream: str = "HASCHEDULER") -> list[Stream
         await nc.close()
 
 
+async def stream_leader(nats_uri: str, stream: str = "HASCHEDULER") -> tuple[str | None, int]:
+    """The server name of the node leading the fire stream (None on a server that is not
+    clustered), and the stream's replica count."""
+    from ..brokers.nats import NatsEndpoint
+
+    nc = await NatsEndpoint.parse(nats_uri).connect("hascheduler-reader", connect_timeout=5)
+    try:
+        info = await nc.jetstream().stream_info(stream)
+        leader = info.cluster.leader if info.cluster is not None else None
+        return leader, int(info.config.num_replicas or 1)
+    finally:
+        await nc.close()
+
+
 async def run(settings: DevSettings) -> int:
     supervisor = Supervisor(settings)
     stop = asyncio.Event()
