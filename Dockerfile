@@ -1,15 +1,19 @@
 # hascheduler: one image for `serve` (the scheduler replicas) and `worker`.
+# BASE: any Debian bookworm with Python 3.11 and its venv module; the default is the usual
+# slim image, and scripts/container-demo.sh passes one it made itself where no registry is
+# reachable.
+ARG BASE=python:3.11.11-slim-bookworm
 # Build stage: a virtualenv with the package and its dependencies.
-FROM python:3.11.11-slim-bookworm AS build
+FROM ${BASE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY hascheduler ./hascheduler
 RUN /opt/venv/bin/pip install --no-cache-dir .
 
 # Final stage: the virtualenv on a slim base, no compilers or pip caches, a non-root user.
-FROM python:3.11.11-slim-bookworm
+FROM ${BASE}
 RUN groupadd --system --gid 10001 hascheduler \
     && useradd --system --uid 10001 --gid hascheduler --no-create-home \
        --shell /usr/sbin/nologin hascheduler

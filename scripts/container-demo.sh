@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# The story in containers on a local Docker engine: the project's image built (on a base
+# image made here when no registry is reachable), the development MongoDB server and
+# nats-server (both shipped in the image), three replicas and a worker as containers;
+# schedules over HTTP; `docker kill` of the leader and `docker stop` of the next; replicas
+# added and removed; then an audit of the stream (nothing lost or duplicated) and the
+# image's promises (non-root, read-only root filesystem, signals reach the process).
+#
+# When no engine answers, it installs Debian's docker.io if need be and runs dockerd as
+# its own child (state under $STATE, stopped on exit). Exit 0 only when every check passes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/_venv.sh
+source scripts/_venv.sh
+
+STATE="${CONTAINER_DEMO_STATE:-/tmp/hascheduler-container-demo}"
+IMAGE=hascheduler:container-demo
+BASE_IMAGE=hascheduler-base:bookworm
+NET=hascheduler-demo
+WRITE="container-demo-write-$RANDOM$RANDOM$RANDOM"
+CONTAINERS=()
+STARTED_DOCKERD=""
+T0=$(date +%s)
+
+say() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
+fail() { say "FAIL: $*"; exit 1; }
+
+# A Docker CLI that builds without buildx when the engine's own CLI is not first on PATH.
+DOCKER=docker
+[ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
+d() { "$DOCKER" "$@"; }
+
+cleanup() {
+  local status=$?
+  set +e
+  if [ ${#CONTAINERS[@]} -gt 0 ]; then
+    d rm -f "${CONTAINERS[@]}" >/dev/null 2>&1
+  fi
+  d network rm "$NET" >/dev/null 2>&1
+  if [ -n "$STARTED_DOCKERD" ]; then
+    kill "$STARTED_DOCKERD" 2>/dev/null
+    for _ in $(seq 1 100); do kill -0 "$STARTED_DOCKERD" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$STARTED_DOCKERD" 2>/dev/null
+    # dockerd leaves its network namespace mounted under its exec root.
+    findmnt -rn -o TARGET | grep "^$STATE/" | sort -r | while read -r mount; do
+      umount -l "$mount"
+    done
+    rm -rf "$STATE"
+  fi
+  exit "$status"
+}
+trap cleanup EXIT
+
+apt_install() {
+  local sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  command -v apt-get >/dev/null || fail "needs $*; no apt-get here to install them"
+  say "installing $* with apt-get"
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "$@" >/dev/null
+}
+
+start_engine() {
+  if d info >/dev/null 2>&1; then
+    say "using the Docker engine that is running"
+    return
+  fi
+  command -v dockerd >/dev/null || apt_install docker.io
+  [ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
+  mkdir -p "$STATE"
+  # runc refuses a negative oom_score_adj without CAP_SYS_RESOURCE (missing here): this
+  # runtime clamps it to 0 and is otherwise runc.
+  cat > "$STATE/runc-clamp" <<'EOF'
+#!/usr/bin/python3
+import json, os, sys
+args = sys.argv[1:]
+if "--bundle" in args:
+    path = os.path.join(args[args.index("--bundle") + 1], "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("process", {}).get("oomScoreAdj", 0) < 0:
+        config["process"]["oomScoreAdj"] = 0
+        with open(path, "w") as f:
+            json.dump(config, f)
+os.execv("/usr/sbin/runc", ["runc", *args])
+EOF
+  chmod +x "$STATE/runc-clamp"
+  export DOCKER_HOST="unix://$STATE/docker.sock"
+  say "starting dockerd (state in $STATE)"
+  dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" --pidfile "$STATE/dockerd.pid" \
+    -H "$DOCKER_HOST" --storage-driver=overlay2 --iptables=false --ip-masq=false \
+    --add-runtime "clamp=$STATE/runc-clamp" --default-runtime clamp \
+    >"$STATE/dockerd.log" 2>&1 &
+  STARTED_DOCKERD=$!
+  for _ in $(seq 1 100); do d info >/dev/null 2>&1 && return; sleep 0.2; done
+  tail -20 "$STATE/dockerd.log"
+  fail "dockerd did not answer"
+}
+
+make_base() {
+  if d image inspect "$BASE_IMAGE" >/dev/null 2>&1; then return; fi
+  command -v debootstrap >/dev/null || apt_install debootstrap
+  say "making $BASE_IMAGE with debootstrap (no registry to pull from)"
+  local root="$STATE/rootfs"
+  mkdir -p "$STATE"
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm \
+    "$root" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
+    || { tail -20 "$STATE/debootstrap.log"; fail "debootstrap"; }
+  # This machine's trust store (a proxy may sign what pip fetches), for the build's pip.
+  cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+  printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$root/etc/pip.conf"
+  tar -C "$root" -c . | d import - "$BASE_IMAGE" >/dev/null
+  rm -rf "$root"
+}
+
+api() {  # api CONTAINER METHOD PATH [BODY]
+  local port
+  port=$(d port "$1" 8080/tcp | head -1 | cut -d: -f2)
+  curl -sf -X "$2" -H "Authorization: Bearer $WRITE" -H 'Content-Type: application/json' \
+    ${4:+--data "$4"} "http://127.0.0.1:$port$3"
+}
+
+run_replica() {
+  d run -d --name "$1" --network "$NET" --read-only --stop-timeout 30 \
+    -p 127.0.0.1::8080 \
+    -e HASCHEDULER_MONGODB_URI="mongodb://mongo:27017/hascheduler?replicaSet=rs0" \
+    -e HASCHEDULER_BROKER=nats://nats:4222 -e HASCHEDULER_WRITE_TOKENS="$WRITE" \
+    -e HASCHEDULER_LEASE_TTL=4 -e HASCHEDULER_RENEW_DEADLINE=3 -e HASCHEDULER_RENEW_INTERVAL=1 \
+    "$IMAGE" serve --replica-id "$1" >/dev/null
+  CONTAINERS+=("$1")
+}
+
+leader_seen_by() {  # the holder of a live lease, as replica $1 answers
+  api "$1" GET /leader 2>/dev/null | python3 -c \
+    'import json,sys; d=json.load(sys.stdin); print(d["holder"] or "")' 2>/dev/null || true
+}
+
+wait_leader() {  # wait_leader ASKED_REPLICA NOT_THIS -> prints the holder
+  for _ in $(seq 1 150); do
+    local holder
+    holder=$(leader_seen_by "$1")
+    if [ -n "$holder" ] && [ "$holder" != "$2" ]; then echo "$holder"; return; fi
+    sleep 0.1
+  done
+  fail "no leader other than '$2' seen by $1"
+}
+
+ensure_venv
+command -v curl >/dev/null || apt_install curl
+start_engine
+make_base
+say "building $IMAGE on $BASE_IMAGE"
+d build -q --network host --build-arg "BASE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
+
+d network rm "$NET" >/dev/null 2>&1 || true
+d network create "$NET" >/dev/null
+say "starting the development MongoDB server and nats-server from the image"
+d run -d --name mongo --network "$NET" --read-only -p 127.0.0.1::27017 \
+  "$IMAGE" devmongo --host mongo --port 27017 >/dev/null
+CONTAINERS+=(mongo)
+d run -d --name nats --network "$NET" --read-only --tmpfs /data:uid=10001 \
+  -p 127.0.0.1::4222 --entrypoint nats-server "$IMAGE" -js -sd /data -a 0.0.0.0 -p 4222 \
+  >/dev/null
+CONTAINERS+=(nats)
+for r in r1 r2 r3; do run_replica "$r"; done
+d run -d --name w1 --network "$NET" --read-only --stop-timeout 45 \
+  -e HASCHEDULER_BROKER=nats://nats:4222 \
+  -e HASCHEDULER_MONGODB_URI="mongodb://mongo:27017/hascheduler?replicaSet=rs0" \
+  "$IMAGE" worker --target '>' --worker-id w1 >/dev/null
+CONTAINERS+=(w1)
+
+leader=$(wait_leader r1 "")
+say "leader: $leader"
+
+say "the image's promises"
+[ "$(d exec r1 id -u)" = 10001 ] || fail "the replica does not run as uid 10001"
+if d exec r1 touch /opt/venv/x 2>/dev/null; then fail "the root filesystem is writable"; fi
+say "  uid 10001, read-only root filesystem"
+
+# catchup "all": the fires due while the lease changes hands go out after, every one.
+api r1 POST /schedules '{"id": "tick", "name": "tick", "target": "demo.tick",
+  "catchup": "all", "trigger": {"kind": "cron", "cron": "* * * * * *"}}' >/dev/null
+api r1 POST /schedules '{"id": "poll", "name": "poll", "target": "demo.poll",
+  "catchup": "all", "trigger": {"kind": "interval", "every": 2}, "jitter": 0.5}' >/dev/null
+# The audit's window opens after the schedules exist (their first fires are due then).
+since=$(date -u -d '+2 seconds' +%Y-%m-%dT%H:%M:%S.000Z)
+say "two schedules created over HTTP; firing"
+sleep 4
+
+say "docker kill $leader (SIGKILL)"
+d kill "$leader" >/dev/null
+survivor=$( (printf '%s\n' r1 r2 r3) | grep -v "^$leader$" | head -1)
+second=$(wait_leader "$survivor" "$leader")
+say "  new leader: $second"
+sleep 3
+
+say "docker stop $second (SIGTERM, grace 30 s)"
+started=$(date +%s%N)
+d stop "$second" >/dev/null
+took=$((($(date +%s%N) - started) / 1000000))
+code=$(d inspect -f '{{.State.ExitCode}}' "$second")
+[ "$code" = 0 ] || fail "$second exited $code on SIGTERM"
+logs=$(d logs "$second" 2>&1)
+grep -q '"released_lease"' <<<"$logs" || fail "$second did not release the lease"
+[ "$took" -lt 15000 ] || fail "docker stop took $took ms: the signal did not reach the process"
+say "  exited 0 in $took ms, the lease released (the signal reached the process)"
+third_asked=$( (printf '%s\n' r1 r2 r3) | grep -v -e "^$leader$" -e "^$second$" | head -1)
+third=$(wait_leader "$third_asked" "$second")
+say "  new leader: $third"
+
+say "adding replicas r4 and r5, then removing r4"
+run_replica r4
+run_replica r5
+sleep 3
+d stop r4 >/dev/null
+sleep 3
+until=$(date -u -d '-2 seconds' +%Y-%m-%dT%H:%M:%S.000Z)
+
+say "auditing the stream from $since to $until"
+mongo_port=$(d port mongo 27017/tcp | head -1 | cut -d: -f2)
+nats_port=$(d port nats 4222/tcp | head -1 | cut -d: -f2)
+.venv/bin/python - "$mongo_port" "$nats_port" "$since" "$until" <<'EOF'
+import asyncio, datetime as dt, json, sys
+from pymongo import AsyncMongoClient
+from hascheduler.devcluster.audit import audit
+from hascheduler.devcluster.supervisor import read_stream
+
+mongo_port, nats_port, since, until = sys.argv[1:]
+
+async def main() -> int:
+    client = AsyncMongoClient(f"mongodb://127.0.0.1:{mongo_port}/?directConnection=true",
+                              tz_aware=True)
+    schedules = [d async for d in client.hascheduler.schedules.find()]
+    await client.close()
+    events = [m.event for m in await read_stream(f"nats://127.0.0.1:{nats_port}")]
+    parse = lambda s: dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+    report = audit(schedules, events, parse(since), parse(until)).as_dict()
+    print(json.dumps({k: report[k] for k in ("expected", "delivered", "missing",
+                                              "duplicated", "unexpected", "examples")}))
+    return 0 if report["ok"] and report["expected"] > 10 else 1
+
+sys.exit(asyncio.run(main()))
+EOF
+say "PASS: leader killed and stopped, replicas scaled, nothing lost or duplicated"
