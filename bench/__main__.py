@@ -23,8 +23,8 @@ from pathlib import Path
 # (module, title, full arguments, quick arguments, what it measures and its targets)
 SECTIONS = [
     ("bench.firing_bench", "Firing: failover gaps, burst drain, lateness",
-     [], ["--kills", "1", "--burst", "300", "--lateness", "200", "--seconds", "3",
-          "--lead", "8"],
+     [], ["--kills", "1", "--burst", "300", "--lateness", "200", "--seconds", "2",
+          "--lead", "6"],
      "The development MongoDB server, a real nats-server and three replicas (lease ttl 2 s, "
      "renew deadline 1.4 s, renew interval 0.4 s) on this one machine. Failover: from the "
      "signal to the next leader's lease and to its first published fire of an every-second "
@@ -86,8 +86,8 @@ SECTIONS = [
      "fields as plain dicts. Target: the fan-out within 1.2x of the separate schedules, "
      "and no stall near a renewal's deadline."),
     ("bench.ha_bench", "High availability: a 3-node NATS cluster, a node lost, a step-down",
-     [], ["--burst", "500", "--steady", "100", "--seconds", "3", "--ticks", "20",
-          "--lead", "8", "--settle", "9"],
+     [], ["--burst", "500", "--steady", "100", "--seconds", "2", "--ticks", "20",
+          "--lead", "6", "--settle", "8"],
      "The development MongoDB server, three replicas, and either one nats-server (the "
      "stream at 1 replica: the baseline) or a 3-node JetStream cluster (the stream at 3). "
      "The 10,000 burst and the lateness of 1,000 schedules firing every second on each, same "

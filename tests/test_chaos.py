@@ -164,7 +164,7 @@ def test_chaos_refuses_bad_arguments() -> None:
 @pytest.mark.timeout(420)
 def test_sixty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    done = run_chaos("--duration", "60", "--calm", "8", "--replicas", "3", "--schedules", "30",
+    done = run_chaos("--duration", "60", "--calm", "5", "--replicas", "3", "--schedules", "30",
                      "--seed", "11", "--min-faults", "15", "--out", str(out), timeout=400)
     print(done.stdout[-4000:], done.stderr[-4000:])
     report = json.loads((out / "report.json").read_text())

@@ -6,6 +6,7 @@ in the stream and the ledger, the mirrors equal afterwards."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ import aiohttp
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.test_failover import Harness, nats_server, run_fault
+from tests.test_failover import Harness, audit, nats_server, published_by
 from tests.waiting import wait_until
 
 __all__ = ["nats_server"]  # the module-scoped nats-server fixture, shared
@@ -73,6 +74,27 @@ class LeaderWatch:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
+async def through_a_step_down(h: Harness, fault: Any) -> dict[str, Any]:
+    """Schedules firing, ``fault`` (a step-down, maybe with more) on the leader, then the
+    audit once fires flow again. Whoever leads afterwards: the same replica may take its
+    lease back (the same term) or another may (a newer one)."""
+    leader = await h.leader()
+    term = (await h.lease())["term"]
+    schedules = await h.create_schedules()
+    start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    await published_by(h, term, 3, after=start)
+    await fault(leader)
+    primary_again = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=STEP_DOWN_S)
+
+    async def firing_again() -> bool:
+        return await h.db.fires.count_documents({"state": "published",
+                                                 "due_at": {"$gte": primary_again}}) >= 3
+
+    await wait_until(firing_again, 30, "fires published after the election")
+    end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
+    return await audit(h, schedules, start, end)
+
+
 async def converged(h: Harness) -> None:
     async def equal() -> bool:
         views = [await h.get(name, "/readyz") for name in h.replicas]
@@ -89,7 +111,7 @@ async def test_a_step_down_during_steady_firing(harness: Harness, mongo_uri: str
         return {}
 
     try:
-        _, result = await run_fault(harness, fault)
+        result = await through_a_step_down(harness, fault)
     finally:
         await watch.stop()
     assert result["expected"] > 0
@@ -111,11 +133,12 @@ async def test_a_step_down_during_a_leader_handover(harness: Harness, mongo_uri:
         return {}
 
     try:
-        _, result = await run_fault(harness, fault)
+        result = await through_a_step_down(harness, fault)
     finally:
         await watch.stop()
     assert result["expected"] > 0
     assert not watch.overlaps, watch.overlaps
+    assert (await harness.lease())["holder"] in harness.replicas  # not the departed one
     await converged(harness)
     # A schedule written after the election reaches every mirror.
     any_replica = next(iter(harness.replicas))

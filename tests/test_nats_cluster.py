@@ -56,7 +56,7 @@ async def replicas_of_the_stream(nodes: NatsCluster) -> int:
 async def test_killing_the_stream_leader_mid_burst_loses_and_duplicates_nothing(
         cluster: tuple[Harness, NatsCluster]) -> None:
     h, nodes = cluster
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=8)).replace(microsecond=0)
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=6)).replace(microsecond=0)
     await h.db.schedules.insert_many([
         schedule_doc(f"{h.prefix}-{i:05d}", {"kind": "at", "at": [due]}, f"audit.{h.prefix}")
         for i in range(BURST)])
