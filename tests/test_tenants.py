@@ -116,7 +116,7 @@ async def test_dropped_streams_and_lost_history_lose_nothing(tenants: Any,
                                       "appName": "tenants-test"}})
         await churn(tenants, rng, 60)
         expected = await truth(tenants)
-        await wait_until(lambda: _true(mirror.digest == expected.digest), 20,
+        await wait_until(lambda: mirror.digest == expected.digest, 20,
                          "the mirror to follow through dropped connections")
         off = await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         assert off["count"] == 3, "the faults did not reach the mirror's stream"
@@ -125,7 +125,7 @@ async def test_dropped_streams_and_lost_history_lose_nothing(tenants: Any,
                              "data": {"failCommands": ["getMore"], "errorCode": 286,
                                       "appName": "tenants-test"}})
         await churn(tenants, rng, 60)
-        await wait_until(lambda: _true(mirror.resyncs > resyncs), 20,
+        await wait_until(lambda: mirror.resyncs > resyncs, 20,
                          "a resync after the history was lost")
         await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         expected = await truth(tenants)
@@ -135,6 +135,3 @@ async def test_dropped_streams_and_lost_history_lose_nothing(tenants: Any,
 
         await wait_until(converged, 20, "the mirror to equal the collection")
 
-
-async def _true(value: bool) -> bool:
-    return value

@@ -156,16 +156,12 @@ async def test_each_fire_runs_once_whatever_the_deliveries(workers: Workers) -> 
         assert doc["finished_at"] >= doc["started_at"]
     # The repeat finds the run finished (dropped), or, in the same fetch as the first,
     # still running (given back until it could be claimed): either way it never runs.
-    await wait_until(lambda: _true(workers.logged("fire_duplicate_dropped")
-                                   + workers.logged("fire_busy") >= 1), 10,
+    await wait_until(lambda: (workers.logged("fire_duplicate_dropped")
+                             + workers.logged("fire_busy") >= 1), 10,
                      "the repeated fire to be set aside")
     assert Counter(a[0] for a in workers.attempts()) == {"s@1": 1, "s@2": 1, "s@0": 1,
                                                          "s@3": 1}
     assert await workers.run("s@9") is None  # stale: never claimed
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_transient_failures_retry_with_growing_jittered_delays(workers: Workers) -> None:
@@ -236,7 +232,7 @@ async def test_the_same_fire_delivered_to_two_workers_at_once_runs_once(
                                   f"{fire_id}-{copy}")
     for fire_id in fires:
         await workers.wait_state(fire_id, "succeeded")
-    await wait_until(lambda: _true(workers.logged("fire_busy")
+    await wait_until(lambda: (workers.logged("fire_busy")
                                    + workers.logged("fire_duplicate_dropped") >= 8), 20,
                      "every second copy to be set aside")
     assert Counter(a[0] for a in workers.attempts()) == dict.fromkeys(fires, 1)
@@ -245,7 +241,7 @@ async def test_the_same_fire_delivered_to_two_workers_at_once_runs_once(
 async def test_a_killed_workers_run_is_taken_over_and_finishes_once(workers: Workers) -> None:
     first = await workers.start("--ack-wait", "2", name="doomed")
     await workers.publish("jobs.k", event("kill@1", 1, NOW, {"sleep": 3}), "k")
-    await wait_until(lambda: _true(workers.runs_of("kill@1") == 1), 20, "the run to start")
+    await wait_until(lambda: workers.runs_of("kill@1") == 1, 20, "the run to start")
     first.kill()
     await first.wait()
     await workers.start("--ack-wait", "2", name="heir")
@@ -260,14 +256,14 @@ async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
         workers: Workers) -> None:
     worker = await workers.start("--drain-timeout", "5")
     await workers.publish("jobs.d", event("drain@1", 1, NOW, {"sleep": 1.5}), "d")
-    await wait_until(lambda: _true(workers.runs_of("drain@1") == 1), 20, "the run to start")
+    await wait_until(lambda: workers.runs_of("drain@1") == 1, 20, "the run to start")
     worker.terminate()
     assert await asyncio.wait_for(worker.wait(), 20) == 0
     assert (await workers.run("drain@1") or {}).get("state") == "succeeded"
 
     short = await workers.start("--drain-timeout", "1", name="short")
     await workers.publish("jobs.d", event("overrun@1", 1, NOW, {"sleep": 4}), "o")
-    await wait_until(lambda: _true(workers.runs_of("overrun@1") == 1), 20, "the run to start")
+    await wait_until(lambda: workers.runs_of("overrun@1") == 1, 20, "the run to start")
     short.terminate()
     assert await asyncio.wait_for(short.wait(), 20) == 0
     given_back = await workers.run("overrun@1")
@@ -299,7 +295,7 @@ async def test_hostile_messages_are_terminated_and_the_worker_rides_a_broker_res
     store = workers.nats.store_dir  # type: ignore[attr-defined]
     workers.nats.process.kill()  # type: ignore[union-attr]
     workers.nats.process.wait(10)  # type: ignore[union-attr]
-    await wait_until(lambda: _true(workers.logged("broker_disconnected") >= 1), 15,
+    await wait_until(lambda: workers.logged("broker_disconnected") >= 1, 15,
                      "the worker to meet the outage")
     workers.nats = start_nats(port=port, store_dir=store)
     await workers.publish("jobs", event("ok@2", 1, NOW), "ok2")

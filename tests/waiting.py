@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -10,12 +11,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def wait_until(probe: Callable[[], Awaitable[T]], deadline_s: float,
+async def wait_until(probe: Callable[[], Awaitable[T] | T], deadline_s: float,
                      what: str, interval_s: float = 0.05) -> T:
-    """Poll ``probe`` until it returns a truthy value; fail the test at the deadline."""
+    """Poll ``probe`` (a coroutine function, or a plain one) until it returns a truthy
+    value; fail the test at the deadline."""
     end = time.monotonic() + deadline_s
     while True:
-        value = await probe()
+        answer = probe()
+        value = await answer if inspect.isawaitable(answer) else answer
         if value:
             return value
         if time.monotonic() > end:
