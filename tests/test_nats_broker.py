@@ -196,3 +196,14 @@ def test_a_server_error_or_garbage_breaks_the_ack_connection() -> None:
     for line in (b"-ERR 'Stale Connection'\r\n", b"WHAT\r\n"):
         with pytest.raises(WireError):
             reader._frames(line, _Writer())  # type: ignore[arg-type]
+
+
+def test_a_clusters_advertised_members_are_tried_after_the_one_that_broke() -> None:
+    connection = PublishConnection(["nats://hs:s3cret@a:4222", "nats://hs:s3cret@b:4222"],
+                                   None, lambda *reply: None)
+    connection.server = "nats://hs:s3cret@a:4222"
+    connection._frames(b'INFO {"connect_urls": ["a:4222", "c:4222", "bad host:1", '
+                       b'"x@evil:1", 7]}\r\n', _Writer())  # type: ignore[arg-type]
+    # The credentials of the configured servers, the members each once, the broken last.
+    assert connection.candidates() == ["nats://hs:s3cret@b:4222", "nats://hs:s3cret@c:4222",
+                                       "nats://hs:s3cret@a:4222"]

@@ -82,10 +82,14 @@ class PublishConnection:
         return known
 
     def _learn(self, info: dict[str, Any], scheme: str) -> None:
+        """The members a server advertises, reached as the configured servers are (the
+        same scheme, the same credentials: a cluster shares its accounts)."""
         urls = info.get("connect_urls")
         if isinstance(urls, list):
-            self.discovered = [f"{scheme}://{u}" for u in urls
-                               if isinstance(u, str) and u and " " not in u]
+            auth = urlparse(self.servers[0]).netloc.rpartition("@")[0] if self.servers else ""
+            prefix = f"{scheme}://{auth}@" if auth else f"{scheme}://"
+            self.discovered = [prefix + u for u in urls
+                               if isinstance(u, str) and u and not set(u) & set(" @/\r\n")]
 
     async def _open(self, server: str,
                     subject: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
