@@ -129,6 +129,29 @@ run_replica() {
   CONTAINERS+=("$1")
 }
 
+published() {  # fires published so far, by the ledger (as replica $1 answers)
+  api "$1" GET "/schedules/tick/fires?limit=500" 2>/dev/null | python3 -c \
+    'import json,sys; print(sum(f["state"] == "published" for f in json.load(sys.stdin)["items"]))' \
+    2>/dev/null || echo 0
+}
+
+wait_published() {  # wait_published ASKED_REPLICA MORE: until MORE fires more than now
+  local target=$(($(published "$1") + $2))
+  for _ in $(seq 1 200); do
+    [ "$(published "$1")" -ge "$target" ] && return
+    sleep 0.1
+  done
+  fail "fewer than $2 more fires published within 20 s"
+}
+
+wait_ready() {  # wait_ready REPLICA: its mirror in sync
+  for _ in $(seq 1 200); do
+    api "$1" GET /readyz >/dev/null 2>&1 && return
+    sleep 0.1
+  done
+  fail "$1 not ready within 20 s"
+}
+
 leader_seen_by() {  # the holder of a live lease, as replica $1 answers
   api "$1" GET /leader 2>/dev/null | python3 -c \
     'import json,sys; d=json.load(sys.stdin); print(d["holder"] or "")' 2>/dev/null || true
@@ -184,14 +207,14 @@ api r1 POST /schedules '{"id": "poll", "name": "poll", "target": "demo.poll",
 # The audit's window opens after the schedules exist (their first fires are due then).
 since=$(date -u -d '+2 seconds' +%Y-%m-%dT%H:%M:%S.000Z)
 say "two schedules created over HTTP; firing"
-sleep 4
+wait_published r1 3
 
 say "docker kill $leader (SIGKILL)"
 d kill "$leader" >/dev/null
 survivor=$( (printf '%s\n' r1 r2 r3) | grep -v "^$leader$" | head -1)
 second=$(wait_leader "$survivor" "$leader")
 say "  new leader: $second"
-sleep 3
+wait_published "$survivor" 2
 
 say "docker stop $second (SIGTERM, grace 30 s)"
 started=$(date +%s%N)
@@ -210,9 +233,10 @@ say "  new leader: $third"
 say "adding replicas r4 and r5, then removing r4"
 run_replica r4
 run_replica r5
-sleep 3
+wait_ready r4
+wait_ready r5
 d stop r4 >/dev/null
-sleep 3
+wait_published r5 4
 until=$(date -u -d '-2 seconds' +%Y-%m-%dT%H:%M:%S.000Z)
 
 say "auditing the stream from $since to $until"

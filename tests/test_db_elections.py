@@ -8,32 +8,20 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.test_failover import Harness, audit, nats_server, published_by
+from tests.test_failover import Harness, audit, harness, nats_server, published_by
 from tests.waiting import wait_until
 
-__all__ = ["nats_server"]  # the module-scoped nats-server fixture, shared
+__all__ = ["harness", "nats_server"]  # test_failover's fixtures, shared
 
 pytestmark = [pytest.mark.timeout(240)]
 
 STEP_DOWN_S = 2  # longer than the replicas' renew deadline: the leader loses the lease
-
-
-@pytest.fixture
-async def harness(mongo_uri: str, nats_server: Any) -> AsyncIterator[Harness]:
-    h = Harness(mongo_uri, nats_server)
-    for name in ("a", "b", "c"):
-        h.start(name)
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def step_down(mongo_uri: str) -> None:
@@ -103,43 +91,38 @@ async def converged(h: Harness) -> None:
     await wait_until(equal, 20, "every replica's mirror ready and equal")
 
 
-async def test_a_step_down_during_steady_firing(harness: Harness, mongo_uri: str) -> None:
-    watch = LeaderWatch(harness)
-
-    async def fault(leader: str) -> dict[str, Any]:
-        await step_down(mongo_uri)
-        return {}
-
+async def watched(h: Harness, fault: Any) -> None:
+    """``through_a_step_down`` while every replica is asked who leads: never two at once,
+    and afterwards every mirror ready and equal."""
+    watch = LeaderWatch(h)
     try:
-        result = await through_a_step_down(harness, fault)
+        result = await through_a_step_down(h, fault)
     finally:
         await watch.stop()
     assert result["expected"] > 0
     assert watch.samples > 20
     assert not watch.overlaps, watch.overlaps
-    await converged(harness)
+    await converged(h)
+
+
+async def test_a_step_down_during_steady_firing(harness: Harness, mongo_uri: str) -> None:
+    async def fault(leader: str) -> None:
+        await step_down(mongo_uri)
+
+    await watched(harness, fault)
 
 
 async def test_a_step_down_during_a_leader_handover(harness: Harness, mongo_uri: str) -> None:
-    watch = LeaderWatch(harness)
-
-    async def fault(leader: str) -> dict[str, Any]:
+    async def fault(leader: str) -> None:
         harness.signal(leader, signal.SIGTERM)
         await step_down(mongo_uri)
         departed = harness.replicas.pop(leader)
         assert departed.process is not None
         assert departed.process.wait(20) == 0, "SIGTERM must exit cleanly"
         departed.stop()
-        return {}
 
-    try:
-        result = await through_a_step_down(harness, fault)
-    finally:
-        await watch.stop()
-    assert result["expected"] > 0
-    assert not watch.overlaps, watch.overlaps
+    await watched(harness, fault)
     assert (await harness.lease())["holder"] in harness.replicas  # not the departed one
-    await converged(harness)
     # A schedule written after the election reaches every mirror.
     any_replica = next(iter(harness.replicas))
     async with harness.http.post(harness.replicas[any_replica].uri + "/schedules", json={

@@ -65,6 +65,11 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
     bad = run_cli("dev", "kill-leader", "--signal", "HUP", cwd=tmp_path)
     assert bad.returncode == 2
     assert "invalid choice: 'HUP'" in bad.stderr
+    for size, message in (("0", "0 is not from 1 to 7 nats-servers"),
+                          ("99", "99 is not from 0 to 20"), ("3x", "'3x' is not a whole")):
+        bad = run_cli("dev", "--nats-cluster", size, cwd=tmp_path)
+        assert bad.returncode == 2
+        assert message in bad.stderr
     none = run_cli("dev", "status", "--state-dir", str(tmp_path / "nothing"), cwd=tmp_path)
     assert none.returncode == 1
     assert "no running cluster found" in none.stderr

@@ -65,8 +65,13 @@ async def test_killing_the_stream_leader_mid_burst_loses_and_duplicates_nothing(
     await h.leader()
     assert await replicas_of_the_stream(nodes) == 3  # auto: the cluster has 3 nodes
 
-    # The burst's claims are made 1.5 s ahead; the kill lands as its publishes go out.
-    await asyncio.sleep(max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds()))
+    # The burst is claimed up to 1.5 s ahead of its due time: once every claim is in, the
+    # stream loses its leader before, or as, the publishes go out.
+    async def all_claimed() -> bool:
+        n = await h.db.fires.count_documents({"schedule_id": {"$regex": f"^{h.prefix}-"}})
+        return n == BURST
+
+    await wait_until(all_claimed, 30, "every fire of the burst claimed", 0.05)
     killed = await kill_stream_leader(nodes)
     killed_at = dt.datetime.now(dt.UTC)
 

@@ -112,7 +112,7 @@ def add_parser(sub: Any) -> None:
                      help="where fires go, as for serve: nats://host:port (a server already "
                           "running) or log: (log lines, no worker); default: a nats-server "
                           "of its own")
-    dev.add_argument("--nats-cluster", type=_count, default=1, metavar="N",
+    dev.add_argument("--nats-cluster", type=_nodes, default=1, metavar="N",
                      help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
                           "the fire stream replicated 3 ways)")
     dev.add_argument("--control-port", type=int, default=0,
@@ -154,6 +154,14 @@ def _broker_url(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _nodes(text: str) -> int:
+    """A NATS cluster's size: at least one server, and few enough for one machine."""
+    value = _count(text)
+    if not 1 <= value <= 7:
+        raise argparse.ArgumentTypeError(f"{value} is not from 1 to 7 nats-servers")
+    return value
 
 
 def _count(text: str) -> int:
