@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pymongo import uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI
 
-from . import gcpolicy, logs, schedules_cli
+from . import audit_cli, gcpolicy, logs, schedules_cli
 from .api.access import AccessConfigError, WriteLimit, load_tokens
 from .brokers import broker_from_url
 from .constants import (
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--timeout", type=_positive_float, default=600.0,
                     help="with --handler: seconds one attempt may run (default 600)")
     schedules_cli.add_parser(sub)
+    audit_cli.add_parser(sub)
     from .devcluster import control
 
     control.add_parser(sub)
@@ -305,6 +306,8 @@ def _run(args: argparse.Namespace) -> int:
             replicas=args.replicas, workers=args.workers, broker=args.broker,
             nats_cluster=args.nats_cluster, state_dir=Path(args.state_dir),
             control_port=args.control_port)))
+    if args.command == "audit":
+        return asyncio.run(audit_cli.run(args))
     if args.command in {"schedules", "runs"}:
         return asyncio.run(schedules_cli.run(args))
     return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -43,6 +44,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept = [i for i in items if i.get_closest_marker("devmongo_only") is None]
     config.hook.pytest_deselected(items=[i for i in items if i not in kept])
     items[:] = kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_in_pytest_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The servers' logs and stores go under this run's pytest directory, which pytest
+    prunes (it keeps the last three runs), not loose in /tmp."""
+    tempfile.tempdir = str(tmp_path_factory.getbasetemp())
+    yield
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,9 @@ def test_audit_finds_missing_duplicated_and_unexpected() -> None:
     assert not report["ok"]
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=cwd,
+def run_cli(*args: str, cwd: Path,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -77,6 +78,31 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
     bad = run_cli("dev", "--broker", "log", cwd=tmp_path)
     assert bad.returncode == 2
     assert "unsupported broker URL 'log'" in bad.stderr
+
+
+def test_the_audit_command_refuses_bad_input(tmp_path: Path) -> None:
+    now = dt.datetime.now(dt.UTC)
+    window = ["--since", now.isoformat(), "--until", (now + dt.timedelta(seconds=1)).isoformat()]
+    uri = ["--mongodb-uri", "mongodb://127.0.0.1:9/"]
+    cases = [
+        (["--since", "yesterday", "--until", now.isoformat(), *uri, "--broker", "nats://x:1"],
+         "'yesterday' is not an ISO-8601 instant"),
+        (["--since", "2030-01-01T00:00:00", "--until", now.isoformat()],
+         "'2030-01-01T00:00:00' is not an ISO-8601 instant with a UTC offset"),
+        ([*window, "--broker", "nats://x:1"], "--mongodb-uri (or HASCHEDULER_MONGODB_URI)"),
+        ([*window, *uri, "--broker", "log:"], "only a NATS stream can be audited"),
+        (["--since", window[3], "--until", window[1], *uri, "--broker", "nats://x:1"],
+         "--since must be before --until"),
+        ([*window, "--mongodb-uri", "mongodb://h:99999/", "--broker", "nats://x:1"],
+         "--mongodb-uri: Port must be an integer"),
+        ([*window, "--mongodb-uri", "http://h/", "--broker", "nats://x:1"],
+         "--mongodb-uri: Invalid URI scheme"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HASCHEDULER_")}
+    for args, message in cases:
+        bad = run_cli("audit", *args, cwd=tmp_path, env=env)
+        assert bad.returncode == 2, (args, bad.stderr)
+        assert message in bad.stderr, (args, bad.stderr)
 
 
 @pytest.mark.devmongo_only
@@ -192,6 +218,12 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         report = json.loads(audited.stdout)
         assert audited.returncode == 0, report
         assert report["delivered"] == report["expected"] >= 3, report
+        # The same count straight from MongoDB and the stream, as the demos' last step.
+        alone = cli("audit", "--since", since.isoformat(), "--until", until.isoformat(),
+                    "--mongodb-uri", before["mongodb_uri"], "--broker", before["nats_uri"],
+                    "--json")
+        assert alone.returncode == 0, alone.stderr
+        assert json.loads(alone.stdout) == report
 
         scaled = cli("dev", "scale-workers", "3", "--json")
         assert [w["id"] for w in json.loads(scaled.stdout)["workers"]] == ["w1", "w2", "w3"]

@@ -42,6 +42,14 @@ class AuditReport:
                              "unexpected": [list(k) for k in self.unexpected[:5]]}}
 
 
+def describe(report: dict[str, Any]) -> str:
+    """One line for people from AuditReport.as_dict()."""
+    return (f"fires due {report['since']} .. {report['until']}: expected "
+            f"{report['expected']}, delivered {report['delivered']}, missing "
+            f"{report['missing']}, duplicated {report['duplicated']}, unexpected "
+            f"{report['unexpected']}")
+
+
 def parse_instant(text: str) -> dt.datetime:
     """An ISO-8601 instant with a UTC offset (or Z), in UTC. Raises ValueError."""
     value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))

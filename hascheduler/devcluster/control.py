@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..brokers import broker_from_url
+from .audit import describe
 from .supervisor import STATE_FILE
 
 
@@ -88,11 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "audit":
             query = urllib.parse.urlencode({"since": args.since, "until": args.until})
             result = call(state_dir, "GET", f"/audit?{query}")
-            print(json.dumps(result) if args.json else
-                  f"fires due {result['since']} .. {result['until']}: expected "
-                  f"{result['expected']}, delivered {result['delivered']}, missing "
-                  f"{result['missing']}, duplicated {result['duplicated']}, unexpected "
-                  f"{result['unexpected']}")
+            print(json.dumps(result) if args.json else describe(result))
             return 0 if result["ok"] else 1
     except ControlError as exc:
         print(f"hascheduler dev {args.action}: {exc}", file=sys.stderr)

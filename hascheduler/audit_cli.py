@@ -1,0 +1,70 @@
+"""`hascheduler audit`: count the fires in the broker's stream against what the schedules
+say was due in a window, straight from MongoDB and NATS (no replica involved).
+
+Each demo's last step: run on the host, in a container or in a pod (`kubectl exec`), it
+takes the same settings as `serve` (flags or HASCHEDULER_MONGODB_URI, HASCHEDULER_BROKER).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
+
+from .constants import DEFAULT_DATABASE, SCHEDULES
+from .devcluster.audit import audit, describe, parse_instant
+from .errors import ConfigError
+
+
+def _instant(text: str) -> Any:
+    try:
+        return parse_instant(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO-8601 instant with a UTC offset") from None
+
+
+def add_parser(sub: Any) -> None:
+    au = sub.add_parser("audit", help="count the fires in the broker stream against the "
+                                      "schedules: exit 1 if one due in the window is "
+                                      "missing, duplicated or unexpected")
+    au.add_argument("--mongodb-uri", default=os.environ.get("HASCHEDULER_MONGODB_URI"),
+                    help="the cluster's MongoDB URI (env HASCHEDULER_MONGODB_URI)")
+    au.add_argument("--broker", default=os.environ.get("HASCHEDULER_BROKER"),
+                    help="the NATS broker URL the replicas publish to (env "
+                         "HASCHEDULER_BROKER)")
+    au.add_argument("--since", type=_instant, required=True,
+                    help="ISO-8601 instant with offset: the window's start")
+    au.add_argument("--until", type=_instant, required=True,
+                    help="ISO-8601 instant with offset: the window's end")
+    au.add_argument("--json", action="store_true")
+
+
+async def run(args: argparse.Namespace) -> int:
+    from .devcluster.supervisor import read_stream
+
+    if not args.mongodb_uri:
+        raise ConfigError("--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required")
+    if not str(args.broker or "").startswith(("nats://", "tls://")):
+        raise ConfigError(f"--broker {args.broker!r}: only a NATS stream can be audited "
+                          "(nats://host:port)")
+    if args.since >= args.until:
+        raise ConfigError("--since must be before --until")
+    try:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            args.mongodb_uri, tz_aware=True, serverSelectionTimeoutMS=10_000)
+    except (PyMongoError, ValueError) as exc:
+        raise ConfigError(f"--mongodb-uri: {exc}") from None
+    try:
+        schedules = [doc async for doc in
+                     client.get_default_database(DEFAULT_DATABASE)[SCHEDULES].find({})]
+    finally:
+        await client.close()
+    events = [message.event for message in await read_stream(args.broker)]
+    report = audit(schedules, events, args.since, args.until).as_dict()
+    print(json.dumps(report) if args.json else describe(report))
+    return 0 if report["ok"] else 1
