@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
@@ -41,6 +42,9 @@ def add_parser(sub: Any) -> None:
                     help="ISO-8601 instant with offset: the window's start")
     au.add_argument("--until", type=_instant, required=True,
                     help="ISO-8601 instant with offset: the window's end")
+    au.add_argument("--min-expected", type=int, default=0, metavar="N",
+                    help="also fail when fewer than N fires were due in the window (a "
+                         "demo's guard against auditing nothing)")
     au.add_argument("--json", action="store_true")
 
 
@@ -67,4 +71,8 @@ async def run(args: argparse.Namespace) -> int:
     events = [message.event for message in await read_stream(args.broker)]
     report = audit(schedules, events, args.since, args.until).as_dict()
     print(json.dumps(report) if args.json else describe(report))
+    if report["expected"] < args.min_expected:
+        print(f"hascheduler audit: {report['expected']} fires due in the window, fewer "
+              f"than --min-expected {args.min_expected}", file=sys.stderr)
+        return 1
     return 0 if report["ok"] else 1

@@ -245,6 +245,9 @@ class Replica:
             for task in background:
                 task.cancel()
             await asyncio.wait(background, timeout=STOP_STEP_S)
+            # Leave GET /cluster now rather than when the last heartbeat grows stale.
+            await _bounded("leaving the members",
+                           lambda: db[MEMBERS].delete_one({"_id": settings.replica_id}))
 
         stack.push_async_callback(stop_background)
 

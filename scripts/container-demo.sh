@@ -7,28 +7,20 @@
 # image's promises (non-root, read-only root filesystem, signals reach the process).
 #
 # When no engine answers, it installs Debian's docker.io if need be and runs dockerd as
-# its own child (state under $STATE, stopped on exit). Exit 0 only when every check passes.
+# its own child (state under $ENGINE_STATE, stopped on exit). Exit 0 only when every check passes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/_venv.sh
 source scripts/_venv.sh
 
-STATE="${CONTAINER_DEMO_STATE:-/tmp/hascheduler-container-demo}"
+ENGINE_STATE="${CONTAINER_DEMO_STATE:-/tmp/hascheduler-container-demo}"
 IMAGE=hascheduler:container-demo
-BASE_IMAGE=hascheduler-base:bookworm
 NET=hascheduler-demo
 WRITE="container-demo-write-$RANDOM$RANDOM$RANDOM"
 CONTAINERS=()
-STARTED_DOCKERD=""
 T0=$(date +%s)
-
-say() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
-fail() { say "FAIL: $*"; exit 1; }
-
-# A Docker CLI that builds without buildx when the engine's own CLI is not first on PATH.
-DOCKER=docker
-[ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
-d() { "$DOCKER" "$@"; }
+# shellcheck source=scripts/_docker_engine.sh
+source scripts/_docker_engine.sh
 
 cleanup() {
   local status=$?
@@ -37,80 +29,10 @@ cleanup() {
     d rm -f "${CONTAINERS[@]}" >/dev/null 2>&1
   fi
   d network rm "$NET" >/dev/null 2>&1
-  if [ -n "$STARTED_DOCKERD" ]; then
-    kill "$STARTED_DOCKERD" 2>/dev/null
-    for _ in $(seq 1 100); do kill -0 "$STARTED_DOCKERD" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$STARTED_DOCKERD" 2>/dev/null
-    # dockerd leaves its network namespace mounted under its exec root.
-    findmnt -rn -o TARGET | grep "^$STATE/" | sort -r | while read -r mount; do
-      umount -l "$mount"
-    done
-    rm -rf "$STATE"
-  fi
+  stop_engine
   exit "$status"
 }
 trap cleanup EXIT
-
-apt_install() {
-  local sudo=()
-  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
-  command -v apt-get >/dev/null || fail "needs $*; no apt-get here to install them"
-  say "installing $* with apt-get"
-  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "$@" >/dev/null
-}
-
-start_engine() {
-  if d info >/dev/null 2>&1; then
-    say "using the Docker engine that is running"
-    return
-  fi
-  command -v dockerd >/dev/null || apt_install docker.io
-  [ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
-  mkdir -p "$STATE"
-  # runc refuses a negative oom_score_adj without CAP_SYS_RESOURCE (missing here): this
-  # runtime clamps it to 0 and is otherwise runc.
-  cat > "$STATE/runc-clamp" <<'EOF'
-#!/usr/bin/python3
-import json, os, sys
-args = sys.argv[1:]
-if "--bundle" in args:
-    path = os.path.join(args[args.index("--bundle") + 1], "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    if config.get("process", {}).get("oomScoreAdj", 0) < 0:
-        config["process"]["oomScoreAdj"] = 0
-        with open(path, "w") as f:
-            json.dump(config, f)
-os.execv("/usr/sbin/runc", ["runc", *args])
-EOF
-  chmod +x "$STATE/runc-clamp"
-  export DOCKER_HOST="unix://$STATE/docker.sock"
-  say "starting dockerd (state in $STATE)"
-  dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" --pidfile "$STATE/dockerd.pid" \
-    -H "$DOCKER_HOST" --storage-driver=overlay2 --iptables=false --ip-masq=false \
-    --add-runtime "clamp=$STATE/runc-clamp" --default-runtime clamp \
-    >"$STATE/dockerd.log" 2>&1 &
-  STARTED_DOCKERD=$!
-  for _ in $(seq 1 100); do d info >/dev/null 2>&1 && return; sleep 0.2; done
-  tail -20 "$STATE/dockerd.log"
-  fail "dockerd did not answer"
-}
-
-make_base() {
-  if d image inspect "$BASE_IMAGE" >/dev/null 2>&1; then return; fi
-  command -v debootstrap >/dev/null || apt_install debootstrap
-  say "making $BASE_IMAGE with debootstrap (no registry to pull from)"
-  local root="$STATE/rootfs"
-  mkdir -p "$STATE"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm \
-    "$root" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
-    || { tail -20 "$STATE/debootstrap.log"; fail "debootstrap"; }
-  # This machine's trust store (a proxy may sign what pip fetches), for the build's pip.
-  cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
-  printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$root/etc/pip.conf"
-  tar -C "$root" -c . | d import - "$BASE_IMAGE" >/dev/null
-  rm -rf "$root"
-}
 
 api() {  # api CONTAINER METHOD PATH [BODY]
   local port
@@ -170,9 +92,8 @@ wait_leader() {  # wait_leader ASKED_REPLICA NOT_THIS -> prints the holder
 ensure_venv
 command -v curl >/dev/null || apt_install curl
 start_engine
-make_base
-say "building $IMAGE on $BASE_IMAGE"
-d build -q --network host --build-arg "BASE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
+make_base ""
+build_image "$IMAGE"
 
 d network rm "$NET" >/dev/null 2>&1 || true
 d network create "$NET" >/dev/null
@@ -239,29 +160,6 @@ d stop r4 >/dev/null
 wait_published r5 4
 until=$(date -u -d '-2 seconds' +%Y-%m-%dT%H:%M:%S.000Z)
 
-say "auditing the stream from $since to $until"
-mongo_port=$(d port mongo 27017/tcp | head -1 | cut -d: -f2)
-nats_port=$(d port nats 4222/tcp | head -1 | cut -d: -f2)
-.venv/bin/python - "$mongo_port" "$nats_port" "$since" "$until" <<'EOF'
-import asyncio, datetime as dt, json, sys
-from pymongo import AsyncMongoClient
-from hascheduler.devcluster.audit import audit
-from hascheduler.devcluster.supervisor import read_stream
-
-mongo_port, nats_port, since, until = sys.argv[1:]
-
-async def main() -> int:
-    client = AsyncMongoClient(f"mongodb://127.0.0.1:{mongo_port}/?directConnection=true",
-                              tz_aware=True)
-    schedules = [d async for d in client.hascheduler.schedules.find()]
-    await client.close()
-    events = [m.event for m in await read_stream(f"nats://127.0.0.1:{nats_port}")]
-    parse = lambda s: dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
-    report = audit(schedules, events, parse(since), parse(until)).as_dict()
-    print(json.dumps({k: report[k] for k in ("expected", "delivered", "missing",
-                                              "duplicated", "unexpected", "examples")}))
-    return 0 if report["ok"] and report["expected"] > 10 else 1
-
-sys.exit(asyncio.run(main()))
-EOF
+say "auditing the stream from $since to $until (hascheduler audit, in r5)"
+d exec r5 hascheduler audit --since "$since" --until "$until" --min-expected 10 || fail "the audit"
 say "PASS: leader killed and stopped, replicas scaled, nothing lost or duplicated"

@@ -224,6 +224,11 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
                     "--json")
         assert alone.returncode == 0, alone.stderr
         assert json.loads(alone.stdout) == report
+        too_few = cli("audit", "--since", since.isoformat(), "--until", until.isoformat(),
+                      "--mongodb-uri", before["mongodb_uri"], "--broker", before["nats_uri"],
+                      "--min-expected", str(report["expected"] + 1))
+        assert too_few.returncode == 1
+        assert f"fewer than --min-expected {report['expected'] + 1}" in too_few.stderr
 
         scaled = cli("dev", "scale-workers", "3", "--json")
         assert [w["id"] for w in json.loads(scaled.stdout)["workers"]] == ["w1", "w2", "w3"]

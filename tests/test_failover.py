@@ -255,6 +255,12 @@ async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harnes
     # Something is due at least every 0.7 s: the new leader fires within a second.
     fired = (first["published_at"] - info["t0"]).total_seconds()
     assert fired <= 1.0, f"the new leader's first fire came {fired:.3f}s after SIGTERM"
+    # The departed replica left GET /cluster as it stopped (not a heartbeat's staleness
+    # later), and the one member shown leading holds the lease.
+    survivor = next(iter(harness.replicas))
+    members = (await harness.get(survivor, "/cluster"))["members"]
+    assert {m["replica_id"] for m in members} == set(harness.replicas)
+    assert [m["replica_id"] for m in members if m["leader"]] == [lease["holder"]]
 
 
 async def test_sigkill_hands_over_within_ttl_plus_renew_interval(harness: Harness) -> None:

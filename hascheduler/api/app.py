@@ -441,12 +441,18 @@ async def leader(request: web.Request) -> web.Response:
 
 
 async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
-    fresh = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
+    now = dt.datetime.now(dt.UTC)
+    fresh = now - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
+    # The leader is the live lease's holder: a heartbeat only says what its replica
+    # believed when it was sent, and a departed leader's last one said so.
+    lease = await cluster.leases.find_one({"_id": LEASE_NAME})
+    view = LeaseView.from_document(lease) if lease else None
+    holder = view.holder if view is not None and view.held_at(now) else None
     out = []
     async for doc in cluster.members.find({"seen_at": {"$gte": fresh}}).sort("_id", 1):
         out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
                     "size": doc.get("size"), "digest": doc.get("digest"),
-                    "leader": doc.get("leader"), "term": doc.get("term"),
+                    "leader": doc["_id"] == holder, "term": doc.get("term"),
                     "seen_at": _time(doc.get("seen_at"))})
     return out
 
