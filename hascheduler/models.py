@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from . import cron, triggers
+from .brokers.celery_message import CeleryPayloadError, celery_call, celery_task
 from .catchup import MAX_CATCHUP_FIRES
 from .constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
@@ -237,9 +238,12 @@ class ScheduleFields(_Strict):
     catchup_window: float = Field(3600.0, gt=0, le=30 * 86400,
                                   description="seconds of missed fires replayed with 'all'")
     target: str = Field(min_length=1, max_length=200,
-                        description="broker subject suffix or routing key",
-                        examples=["reports.weekly"],
-                        json_schema_extra={"pattern": f"^{TARGET_PATTERN.pattern}$"})
+                        description="broker subject suffix or routing key; celery:<task> "
+                                    "sends a Celery task (an amqp:// broker only), its "
+                                    "payload {args, kwargs, queue}",
+                        examples=["reports.weekly", "celery:proj.tasks.send_report"],
+                        json_schema_extra={
+                            "pattern": f"^(celery:)?{TARGET_PATTERN.pattern}$"})
     payload: dict[str, Any] = Field(default_factory=dict)
     fan_out: FanOut | None = Field(None, description=(
         "one run per tenant: at each fire, one message per document of this collection "
@@ -269,10 +273,20 @@ class ScheduleFields(_Strict):
     @field_validator("target")
     @classmethod
     def _target(cls, value: str) -> str:
-        if not TARGET_PATTERN.fullmatch(value):
+        if not TARGET_PATTERN.fullmatch(celery_task(value) or value):
             raise ValueError("target must be dot-separated tokens of letters, digits, '_' "
-                             "or '-'")
+                             "or '-', optionally after celery:")
         return value
+
+    @model_validator(mode="after")
+    def _celery_payload(self) -> ScheduleFields:
+        """A Celery target's payload is the call: checked when written, not at each fire."""
+        if celery_task(self.target) is not None:
+            try:
+                celery_call(self.payload)
+            except CeleryPayloadError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
     @field_validator("payload")
     @classmethod

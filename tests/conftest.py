@@ -21,7 +21,7 @@ import pytest
 import time_machine
 
 from tests.drivers import DRIVERS, Driver
-from tests.servers import ServerProcess, external_uri, start_devmongo
+from tests.servers import RabbitServer, ServerProcess, external_uri, start_devmongo
 
 # Set by tests/test_time_travel.py: this session's clock starts at that instant and runs on
 # (datetime.now and time.time move; the monotonic clock and other processes do not).
@@ -53,6 +53,17 @@ def _scratch_in_pytest_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tempfile.tempdir = str(tmp_path_factory.getbasetemp())
     yield
     tempfile.tempdir = None
+
+
+@pytest.fixture(scope="session")
+def rabbit() -> Iterator[RabbitServer]:
+    """One real RabbitMQ node for the session (it takes seconds to start); each test
+    names its own exchange and queues."""
+    server = RabbitServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

@@ -209,3 +209,71 @@ def start_nats_cluster(size: int = 3) -> NatsCluster:
             node.stop()
         raise
     return NatsCluster(nodes)
+
+
+class RabbitServer:
+    """A real RabbitMQ node (Debian's rabbitmq-server) as our child, everything of it under
+    one temporary directory. ``stop`` and ``start`` again keep its port and data (an
+    outage); ``close`` also ends its Erlang port mapper."""
+
+    def __init__(self) -> None:
+        from pathlib import Path
+
+        from hascheduler.devcluster.rabbitmq import RabbitNode
+
+        self.node = RabbitNode(Path(tempfile.mkdtemp(prefix="rabbitmq-")), free_port(),
+                               free_port(), free_port())
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.node.url
+
+    uri = url  # as the other servers name it
+
+    def start(self, startup_s: float = 90.0) -> RabbitServer:
+        from hascheduler.devcluster.rabbitmq import rabbitmq_server_binary
+
+        with open(self.node.directory / "server.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [rabbitmq_server_binary()], env=self.node.environment(), stdout=log,
+                stderr=log, start_new_session=True)
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            if self._answers():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("rabbitmq-server did not start: "
+                           + (self.node.directory / "server.log").read_text()[-3000:])
+
+    def _answers(self) -> bool:
+        """An AMQP 0-9-1 handshake: the server answers our protocol header with a method
+        frame (Connection.Start)."""
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.node.port), timeout=1) as sock:
+                sock.sendall(b"AMQP\x00\x00\x09\x01")
+                return sock.recv(1)[:1] == b"\x01"
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def close(self) -> None:
+        import shutil
+
+        self.stop()
+        self.node.stop_port_mapper()
+        shutil.rmtree(self.node.directory, ignore_errors=True)
