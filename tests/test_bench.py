@@ -21,7 +21,8 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
-                    "## Fan-out", "## High availability", "## Development MongoDB"):
+                    "## Fan-out", "## High availability", "## RabbitMQ",
+                    "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
@@ -29,9 +30,10 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "cronsim (baseline)", "plan 'latest'", "raw nats-py consumer (ack only)",
                     "the handler's start", "one schedule fanning out",
                     "bytes in a source mirror", "3-node cluster, stream R3",
-                    "SIGKILL of the NATS node leading the stream", "the database steps down"):
+                    "SIGKILL of the NATS node leading the stream", "the database steps down",
+                    "raw aio-pika (baseline)", "copies beyond the first"):
         assert measure in text, measure
-    assert text.count("Command: `python -m bench.") == 8
+    assert text.count("Command: `python -m bench.") == 9
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

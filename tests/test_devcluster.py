@@ -258,3 +258,50 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
         server.stop()
     assert returncode == 0
 
+
+
+def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
+    """`hascheduler dev --broker rabbitmq`: a RabbitMQ node as its child (Debian's server,
+    its state under the state directory), the replicas publishing to it, every fire in the
+    dev queue (`dev audit` reads it); stopped with the cluster, port mapper and all."""
+    state = tmp_path / "dev"
+    dev = DevCluster(str(state), "--replicas", "2", "--broker", "rabbitmq")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_cli(*args, "--state-dir", str(state), cwd=tmp_path)
+
+    try:
+        status = json.loads(cli("dev", "status", "--json").stdout)
+        assert status["amqp_uri"].startswith("amqp://guest:guest@127.0.0.1:")
+        assert status["nats_uri"] is None
+        assert status["workers"] == []
+        rabbit = next(c for c in status["others"] if c["name"] == "rabbitmq")
+        assert rabbit["address"].startswith("amqp://127.0.0.1:")
+        api = next(iter(dev.replicas.values()))
+        added = run_cli("schedules", "--api", api, "add", "--id", "tick", "--name", "tick",
+                        "--target", "demo.tick", "--every", "1", cwd=tmp_path)
+        assert added.returncode == 0, added.stderr
+        since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+
+        def audited() -> dict[str, Any] | None:
+            until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+            if until <= since + dt.timedelta(seconds=3):
+                return None
+            done = cli("dev", "audit", "--since", since.isoformat(), "--until",
+                       until.isoformat(), "--json")
+            report = json.loads(done.stdout)
+            assert done.returncode == 0, report
+            return report
+
+        report = wait_until_sync(audited, 30, "three seconds of fires audited", 0.5)
+        assert report["delivered"] == report["expected"] >= 3, report
+        workers = cli("dev", "scale-workers", "2")
+        assert workers.returncode == 1
+        assert "workers need a NATS broker (started with --broker rabbitmq)" in workers.stderr
+    finally:
+        returncode = dev.stop()
+    assert returncode == 0
+    # No process of the node (its command line names its directory) outlived the cluster.
+    left = subprocess.run(["pgrep", "-f", str(state / "rabbitmq")], capture_output=True,
+                          text=True, check=False)
+    assert left.returncode == 1, left.stdout

@@ -107,8 +107,9 @@ def add_parser(sub: Any) -> None:
                      help="workers running the fires (1; none with --broker log:)")
     dev.add_argument("--broker", type=_broker_url, default=None,
                      help="where fires go, as for serve: nats://host:port (a server already "
-                          "running) or log: (log lines, no worker); default: a nats-server "
-                          "of its own")
+                          "running) or log: (log lines, no worker); rabbitmq: a RabbitMQ "
+                          "node of its own (Debian's rabbitmq-server; no worker); default: "
+                          "a nats-server of its own")
     dev.add_argument("--nats-cluster", type=_nodes, default=1, metavar="N",
                      help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
                           "the fire stream replicated 3 ways)")
@@ -145,7 +146,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _broker_url(text: str) -> str:
-    """The same broker URLs serve takes (checked by building its broker, unstarted)."""
+    """The same broker URLs serve takes (checked by building its broker, unstarted), or
+    rabbitmq."""
+    if text == "rabbitmq":
+        return text
     try:
         broker_from_url(text)
     except ValueError as exc:

@@ -60,7 +60,10 @@ class RabbitNode:
                 "RABBITMQ_LOGS": "-", "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq"),
                 "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
                 "RABBITMQ_FEATURE_FLAGS_FILE": str(d / "feature_flags"),
-                "RABBITMQ_PID_FILE": str(d / "rabbitmq.pid")}
+                "RABBITMQ_PID_FILE": str(d / "rabbitmq.pid"),
+                # The server script then execs the Erlang VM instead of waiting on it as a
+                # child: our process is the node, and a signal to it reaches the node.
+                "RUNNING_UNDER_SYSTEMD": "true"}
 
     def stop_port_mapper(self) -> None:
         """The Erlang port mapper outlives the node: stop ours."""
@@ -69,3 +72,41 @@ class RabbitNode:
         if epmd:
             subprocess.run([epmd, "-port", str(self.epmd_port), "-kill"], capture_output=True,
                            timeout=10, check=False)
+
+
+DEV_QUEUE = "hascheduler-dev"
+
+
+async def bind_dev_queue(url: str, exchange: str = "hascheduler") -> None:
+    """A durable queue taking every fire on ``exchange``: without one, every publish would
+    come back unroutable (they are mandatory), and it is what `dev audit` reads."""
+    import aio_pika
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        fires = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
+                                               durable=True)
+        queue = await channel.declare_queue(DEV_QUEUE, durable=True)
+        await queue.bind(fires, "#")
+    finally:
+        await connection.close()
+
+
+async def read_queue(url: str, name: str = DEV_QUEUE) -> list[bytes]:
+    """Every message body in the queue, in order, left in it (each taken, then given back
+    once all are read)."""
+    import aio_pika
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        held = []
+        while (message := await queue.get(fail=False)) is not None:
+            held.append(message)
+        for message in held:
+            await message.nack(requeue=True)
+        return [m.body for m in held]
+    finally:
+        await connection.close()

@@ -35,6 +35,7 @@ from ..brokers.base import SUBJECT_PREFIX
 from ..constants import DEFAULT_DATABASE, LEASE_NAME, LEASES, SCHEDULES
 from ..lease import LeaseView
 from .audit import audit, parse_instant
+from .rabbitmq import DEV_QUEUE, RabbitNode, bind_dev_queue, rabbitmq_server_binary, read_queue
 
 log = structlog.get_logger("hascheduler.dev")
 
@@ -51,8 +52,9 @@ class DevSettings:
     # The workers' --app (module:attribute), default: log each fire; and more worker flags.
     worker_app: str | None = None
     worker_args: tuple[str, ...] = ()
-    # A broker URL as serve takes it (nats://... of a running server, or log:); None: start
-    # a nats-server of our own.
+    # A broker URL as serve takes it (nats://... of a running server, or log:); "rabbitmq":
+    # a RabbitMQ node of our own (no workers: they consume from NATS); None: start a
+    # nats-server of our own.
     broker: str | None = None
     # nats-servers started when broker is None: 1, or a JetStream cluster routed on loopback
     # (the fire stream then replicated 3 ways).
@@ -77,6 +79,7 @@ class Child:
     announces: str | None = None
     port: int | None = None
     retiring: bool = False  # stopped by us (scale down, shutdown): not replaced
+    env: dict[str, str] | None = None  # None: ours
 
     @property
     def alive(self) -> bool:
@@ -124,6 +127,8 @@ class Supervisor:
         self.others: list[Child] = []
         self.mongodb_uri = ""
         self.nats_uri = ""
+        self.amqp_uri = ""
+        self.rabbit: RabbitNode | None = None
         self.control_url = ""
         self._next_id = 1
         self._client: AsyncMongoClient[dict[str, Any]] | None = None
@@ -133,13 +138,13 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------
 
     async def _spawn(self, role: str, name: str, argv: list[str], announces: str | None,
-                     port: int | None = None) -> Child:
+                     port: int | None = None, env: dict[str, str] | None = None) -> Child:
         self.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{name}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log, opened once
             process = await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent, env=env)
         assert process.stdout is not None
         address = ""
         try:
@@ -149,12 +154,14 @@ class Supervisor:
             elif port is not None:
                 address = await asyncio.wait_for(self._listening(process, port),
                                                  START_TIMEOUT_S)
+                address = f"{'amqp' if role == 'rabbitmq' else 'nats'}://{address}"
         except (TimeoutError, RuntimeError) as exc:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
             raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
-        child = Child(name, role, process, address, log_path, argv, announces, port)
+        child = Child(name, role, process, address, log_path, argv, announces, port,
+                      env=env)
         self._keep(self._drain_stdout(child))
         log.info("child_started", name=name, role=role, pid=process.pid, address=address)
         return child
@@ -175,7 +182,7 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 _, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.close()
-                return f"nats://127.0.0.1:{port}"
+                return f"127.0.0.1:{port}"
             await asyncio.sleep(0.05)
         raise RuntimeError(f"exited with {process.returncode}")
 
@@ -199,7 +206,7 @@ class Supervisor:
         name = f"r{self._next_id}"
         self._next_id += 1
         s = self.settings
-        broker = self.nats_uri or s.broker or "log:"
+        broker = self.nats_uri or self.amqp_uri or s.broker or "log:"
         child = await self._spawn("replica", name, self._cli(
             "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name,
             "--http-port", "0", "--broker", broker, "--lease-ttl", str(s.lease_ttl),
@@ -244,7 +251,8 @@ class Supervisor:
                         log.warning("child_exited", name=child.name, role=child.role,
                                     returncode=child.process.returncode)
                         children[i] = await self._spawn(child.role, child.name, child.argv,
-                                                        child.announces, child.port)
+                                                        child.announces, child.port,
+                                                        child.env)
             if self.nats_uri:
                 while len(self.workers) < self.desired_workers:
                     await self._start_worker()
@@ -294,6 +302,8 @@ class Supervisor:
                     self.others.append(await self._start_nats(
                         name, port, nats_cluster_args(name, routes[i], routes)))
             self.nats_uri = "nats://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        elif s.broker == "rabbitmq":
+            await self._start_rabbitmq()
         elif s.broker.startswith(("nats://", "tls://")):
             self.nats_uri = s.broker  # a server already running: its stream, our workers
         await self.reconcile()
@@ -306,6 +316,25 @@ class Supervisor:
                                  [nats_server_binary(), "-js", "-sd", str(store),
                                   "-a", "127.0.0.1", "-p", str(port), *cluster],
                                  announces=None, port=port)
+
+    async def _start_rabbitmq(self) -> None:
+        directory = (self.settings.state_dir / "rabbitmq").resolve()
+        shutil.rmtree(directory, ignore_errors=True)
+        self.rabbit = RabbitNode(directory, free_port(), free_port(), free_port())
+        self.others.append(await self._spawn(
+            "rabbitmq", "rabbitmq", [rabbitmq_server_binary()], announces=None,
+            port=self.rabbit.port, env=self.rabbit.environment()))
+        self.amqp_uri = self.rabbit.url
+        # The port opens before the node takes connections: retried until it does.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                await bind_dev_queue(self.amqp_uri)
+                return
+            except Exception as exc:  # aio-pika's errors and the socket's alike
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"RabbitMQ did not take connections: {exc!r}") from None
+                await asyncio.sleep(0.2)
 
     def child(self, role: str) -> Child:
         """The running devmongo or (first) nats child."""
@@ -337,6 +366,8 @@ class Supervisor:
                 await asyncio.wait_for(self._client.close(), STOP_TIMEOUT_S)
         for child in reversed(self.others):
             await self._retire(child)
+        if self.rabbit is not None:
+            self.rabbit.stop_port_mapper()
         with contextlib.suppress(FileNotFoundError):
             (self.settings.state_dir / STATE_FILE).unlink()
 
@@ -389,7 +420,8 @@ class Supervisor:
                                  "log": str(child.log_path)})
         return {"leader": holder, "term": lease.get("term", 0), "desired": self.desired,
                 "replicas": replicas, "mongodb_uri": self.mongodb_uri,
-                "nats_uri": self.nats_uri or None, "control_url": self.control_url,
+                "nats_uri": self.nats_uri or None, "amqp_uri": self.amqp_uri or None,
+                "control_url": self.control_url,
                 "logs": str(self.logs),
                 "desired_workers": self.desired_workers,
                 "workers": [{"id": c.name, "pid": c.process.pid, "alive": c.alive,
@@ -429,17 +461,24 @@ class Supervisor:
 
     async def scale_workers(self, workers: int) -> dict[str, Any]:
         if not self.nats_uri:
-            raise LookupError("workers need a NATS broker (started with --broker log:)")
+            raise LookupError("workers need a NATS broker (started with --broker "
+                              f"{self.settings.broker})")
         self.desired_workers = workers
         await self.reconcile()
         return await self.status()
 
     async def audit(self, since: dt.datetime, until: dt.datetime) -> dict[str, Any]:
-        if not self.nats_uri:
-            raise LookupError("auditing needs a NATS broker (started with --broker log:)")
+        if not (self.nats_uri or self.amqp_uri):
+            raise LookupError("auditing needs a broker (started with --broker log:)")
         assert self._client is not None
         schedules = [d async for d in self._client[DEFAULT_DATABASE][SCHEDULES].find({})]
-        events = [m.event for m in await read_stream(self.nats_uri)]
+        if self.nats_uri:
+            events = [m.event for m in await read_stream(self.nats_uri)]
+        else:
+            events = []
+            for body in await read_queue(self.amqp_uri):
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(body))
         return audit(schedules, events, since, until).as_dict()
 
     # -- control API ----------------------------------------------------------------------
@@ -588,6 +627,9 @@ async def run(settings: DevSettings) -> int:
         if supervisor.nats_uri:
             print(f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
                   "consuming every target)", flush=True)
+        if supervisor.amqp_uri:
+            print(f"rabbitmq: {supervisor.amqp_uri}  (queue {DEV_QUEUE} takes every fire; "
+                  "celery:<task> targets go to the queue celery)", flush=True)
         for r in summary["replicas"]:
             print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",
                   flush=True)

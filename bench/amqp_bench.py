@@ -1,0 +1,183 @@
+"""RabbitMQ benchmark: the scheduler's burst to confirmed against raw aio-pika, and how often
+a failover republishes (RabbitMQ keeps no fire ids).
+
+    python -m bench.amqp_bench [--burst 10000] [--lead 8] [--kills 5] [--ticks 200]
+
+Runs a RabbitMQ node (Debian's rabbitmq-server, our child), the development MongoDB
+server and three `hascheduler serve` replicas (bench.firing_bench's timings) as processes,
+with a durable queue bound to the fire exchange for every routing key.
+
+- Burst: --burst one-off schedules due in the same second, from that second until every
+  fire is confirmed by RabbitMQ and recorded published. Baselines in the same run: raw
+  aio-pika publishing as many persistent, mandatory messages on a confirm channel, 500 in
+  flight at a time (the dispatcher's batch), and our AmqpBroker alone doing the same.
+- Republishes: --ticks schedules every second; the leader SIGKILLed --kills times (each
+  time once a new leader has fired for 2 s); then every fire id in the queue is counted:
+  copies beyond the first are the republishes RabbitMQ could not deduplicate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+
+import aio_pika
+
+from bench.firing_bench import schedule_doc, started_cluster, until_all
+from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint
+from hascheduler.brokers.base import FireMessage
+from tests.servers import RabbitServer, ServerProcess, start_devmongo
+
+BATCH = 500
+BODY = b'{"specversion":"1.0","data":{"payload":{}}}'
+
+
+async def bound_queue(url: str, exchange: str) -> str:
+    """A durable queue taking every fire published to ``exchange``."""
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
+                                            durable=True)
+        queue = await channel.declare_queue(f"bench-{exchange}", durable=True)
+        await queue.bind(ex, "#")
+        return queue.name
+    finally:
+        await connection.close()
+
+
+async def raw_burst(url: str, exchange: str, n: int) -> float:
+    """aio-pika alone: persistent mandatory messages on a confirm channel, BATCH in flight."""
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
+                                            durable=True)
+        start = time.perf_counter()
+        for first in range(0, n, BATCH):
+            await asyncio.gather(*(ex.publish(
+                aio_pika.Message(BODY, message_id=f"raw-{uuid.uuid4().hex}",
+                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key="bench.raw", mandatory=True)
+                for _ in range(first, min(n, first + BATCH))))
+        return time.perf_counter() - start
+    finally:
+        await connection.close()
+
+
+async def broker_burst(url: str, exchange: str, n: int) -> float:
+    """Our publisher alone (no scheduler): AmqpBroker.publish, BATCH messages a call."""
+    broker = AmqpBroker(AmqpEndpoint.parse(f"{url}?exchange={exchange}"))
+    await broker.start()
+    try:
+        start = time.perf_counter()
+        for first in range(0, n, BATCH):
+            messages = [FireMessage(f"ours-{uuid.uuid4().hex}", "bench.ours", 1, BODY)
+                        for _ in range(first, min(n, first + BATCH))]
+            outcomes = await broker.publish(messages, 30.0)
+            assert not any(outcomes), [o for o in outcomes if o][:3]
+        return time.perf_counter() - start
+    finally:
+        await broker.close()
+
+
+async def scheduler_burst(mongo: ServerProcess, url: str, n: int, lead_s: float) -> float:
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
+    c = await started_cluster(mongo, url, "bench_amqp_burst", [
+        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
+        for i in range(n)])
+    try:
+        return await until_all(c.db.fires, "published", "published_at", n, due, 180)
+    finally:
+        await c.close()
+
+
+async def republishes(mongo: ServerProcess, rabbit: RabbitServer, url: str, queue: str,
+                      ticks: int, kills: int) -> tuple[int, int, int]:
+    """(fires, distinct fire ids in the queue, copies beyond the first)."""
+    c = await started_cluster(mongo, url, "bench_amqp_kills", [
+        schedule_doc(f"t{i:04d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
+        for i in range(ticks)])
+    names = iter(f"r{i}" for i in range(100))
+    try:
+        term = (await c.wait_leader())["term"]
+        for _ in range(kills):
+            await asyncio.sleep(2)
+            lease = await c.lease()
+            c.replicas.pop(lease["holder"]).stop(signal.SIGKILL)
+            c.start(next(names))  # a Deployment's replacement
+            term = (await c.wait_leader(above_term=term))["term"]
+        await asyncio.sleep(3)
+    finally:
+        await c.close()
+    connection = await aio_pika.connect(rabbit.url)
+    try:
+        channel = await connection.channel()
+        q = await channel.declare_queue(queue, passive=True)
+        counts: Counter[str] = Counter()
+        while (message := await q.get(no_ack=True, fail=False)) is not None:
+            if str(message.message_id).startswith("t"):
+                counts[str(message.message_id)] += 1
+    finally:
+        await connection.close()
+    return sum(counts.values()), len(counts), sum(n - 1 for n in counts.values())
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    mongo = start_devmongo()
+    rabbit = RabbitServer().start()
+    exchange = "hascheduler"
+    url = rabbit.url
+    try:
+        queue = await bound_queue(url, exchange)
+        raw = await raw_burst(url, exchange, args.burst)
+        ours = await broker_burst(url, exchange, args.burst)
+        drained = await scheduler_burst(mongo, url, args.burst, args.lead)
+        await purge(url, queue)
+        fires, distinct, copies = await republishes(mongo, rabbit, url, queue, args.ticks,
+                                                    args.kills)
+    finally:
+        rabbit.close()
+        mongo.stop()
+    n = args.burst
+    print(f"| {n:,} burst to confirmed | seconds | msg/s | vs raw aio-pika |")
+    print("|---|---|---|---|")
+    print(f"| raw aio-pika (baseline), {BATCH} in flight | {raw:.2f} | {n / raw:,.0f} | 1.00x |")
+    print(f"| AmqpBroker alone, {BATCH} a call | {ours:.2f} | {n / ours:,.0f} | "
+          f"{ours / raw:.2f}x |")
+    print(f"| scheduler: due time to all published (3 replicas) | {drained:.2f} | "
+          f"{n / drained:,.0f} | {drained / raw:.2f}x |")
+    print()
+    print(f"Republishes: {args.ticks} schedules every second, the leader SIGKILLed "
+          f"{args.kills} times: {fires:,} messages for {distinct:,} fires, {copies} "
+          f"copies beyond the first ({copies / max(1, args.kills):.1f} per kill).")
+    return 0
+
+
+async def purge(url: str, queue: str) -> None:
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await (await channel.declare_queue(queue, passive=True)).purge()
+    finally:
+        await connection.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--burst", type=int, default=10_000)
+    parser.add_argument("--lead", type=float, default=8.0,
+                        help="seconds from the replicas' start to the burst's due time")
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--ticks", type=int, default=200)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
