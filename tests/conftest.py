@@ -31,6 +31,8 @@ TRAVEL_ENV = "HASCHEDULER_TEST_TRAVEL"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "devmongo_only: needs a development server started with special options")
+    config.addinivalue_line(
+        "markers", "stops_broker: stops its broker, so it needs a RabbitMQ node of its own")
     destination = os.environ.get(TRAVEL_ENV)
     if destination:
         time_machine.travel(dt.datetime.fromisoformat(destination), tick=True).start()

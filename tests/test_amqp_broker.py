@@ -20,6 +20,7 @@ from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint, Unroutable
 from hascheduler.brokers.base import BrokerUnavailable, FireMessage
 from hascheduler.brokers.celery_message import CeleryPayloadError, celery_call, celery_message
 from hascheduler.triggers import Interval, fire_id, fire_times
+from hascheduler.worker.amqp_source import binding_key, delay_bucket_ms
 from tests.servers import RabbitServer, start_replica, with_database
 from tests.waiting import wait_until
 
@@ -213,3 +214,22 @@ async def queue_ids(url: str, name: str) -> Counter[str]:
         return counts
     finally:
         await connection.close()
+
+
+@pytest.mark.parametrize(("delay_s", "ttl_ms"), [
+    (0, 100), (0.05, 100), (0.1, 100), (0.11, 119), (0.4, 400), (1, 1132), (1.6, 1600),
+    (300, 344432), (1e9, 1638400)])
+def test_a_retry_waits_in_the_shortest_delay_queue_at_least_as_long(delay_s: float,
+                                                                    ttl_ms: int) -> None:
+    assert delay_bucket_ms(delay_s) == ttl_ms
+    assert ttl_ms >= min(delay_s * 1000, 1638400)
+    assert ttl_ms <= max(100, delay_s * 1000 * 2 ** 0.25 + 1)
+
+
+@pytest.mark.parametrize(("pattern", "key"), [
+    (">", "#"), ("jobs", "jobs"), ("jobs.*", "jobs.*"), ("jobs.>", "jobs.*.#"),
+    ("a.*.>", "a.*.*.#")])
+def test_a_target_pattern_binds_as_nats_would_match(pattern: str, key: str) -> None:
+    # NATS's '>' is one or more tokens; AMQP's '#' zero or more: 'jobs.>' must not take
+    # 'jobs' itself.
+    assert binding_key(pattern) == key

@@ -43,8 +43,9 @@ class Unroutable(Exception):
     """RabbitMQ returned the message: no queue is bound to take it."""
 
 
-class Refused(Exception):
-    """RabbitMQ refused the message (basic.nack)."""
+class Refused(BrokerUnavailable):
+    """RabbitMQ could not take the message (basic.nack): a quorum queue electing its
+    leader, a full queue. Retried as an unavailable broker is."""
 
 
 @dataclass(frozen=True)

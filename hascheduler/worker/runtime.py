@@ -1,4 +1,5 @@
-"""``hascheduler worker``: a durable JetStream consumer that runs each fire to an outcome.
+"""``hascheduler worker``: a durable consumer (JetStream or RabbitMQ, a FireSource) that
+runs each fire to an outcome.
 
 A fetch loop reads each delivered fire (a message that is not a fire is terminated), drops
 it if stale (delivery.StaleFilter), and claims the runs of a whole fetch in the runs ledger
@@ -24,11 +25,11 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import aiormq
 import nats
 import structlog
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pymongo import AsyncMongoClient, uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI, PyMongoError
 from tenacity import (
@@ -40,13 +41,14 @@ from tenacity import (
 )
 
 from .. import logs
-from ..brokers.base import SUBJECT_PREFIX
-from ..brokers.nats import NatsEndpoint, ensure_stream
+from ..brokers.amqp import AmqpEndpoint
+from ..brokers.nats import NatsEndpoint
 from ..constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
 from ..runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
 from .app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from .delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from .metrics import WorkerMetrics
+from .nats_source import NatsSource
 from .policy import RetryPolicy, RunTimeout, after_failure
 
 log = structlog.get_logger("hascheduler.worker")
@@ -62,12 +64,42 @@ LEDGER_DOWN_DELAY_S = 2.0
 
 # What the broker may throw at a consumer; TimeoutError is also what nats-py raises when a
 # request gets no answer in time.
-BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
+BROKER_ERRORS = (nats.errors.Error, aiormq.exceptions.AMQPError,
+                 aiormq.exceptions.ChannelInvalidStateError, OSError, TimeoutError)
+
+
+class Delivered(Protocol):
+    """One delivered message, whatever the broker (a nats-py message is one as it is)."""
+
+    subject: str  # hascheduler.fire.<target>
+    data: bytes
+
+    async def ack(self) -> None: ...
+
+    async def nak(self, delay: float | None = None) -> None: ...  # again after ``delay``
+
+    async def term(self) -> None: ...  # never again (dead)
+
+    async def in_progress(self) -> None: ...  # not to be redelivered yet
+
+
+class FireSource(Protocol):
+    """Where a worker's fires come from (nats_source.py, amqp_source.py); errors in
+    BROKER_ERRORS end one subscription, never the worker."""
+
+    async def connect(self, name: str) -> None: ...
+
+    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
+                        in_flight: int) -> None: ...
+
+    async def fetch(self, up_to: int, wait_s: float) -> list[Any]: ...  # [] when idle
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    endpoint: NatsEndpoint
+    endpoint: NatsEndpoint | AmqpEndpoint
     mongodb_uri: str
     app: WorkerApp
     durable: str
@@ -87,10 +119,13 @@ class WorkerSettings:
               drain_timeout_s: float, run_retention_s: float, metrics_port: int | None,
               policy: RetryPolicy) -> WorkerSettings:
         """The worker's flags as values, once. Raises WorkerConfigError naming the flag."""
-        if not broker or not broker.startswith(("nats://", "tls://")):
-            raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// URL")
+        if not broker or not broker.startswith(("nats://", "tls://", "amqp://", "amqps://")):
+            raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// or "
+                                    "amqp:// URL")
         try:
-            endpoint = NatsEndpoint.parse(broker)
+            endpoint: NatsEndpoint | AmqpEndpoint = (
+                AmqpEndpoint.parse(broker) if broker.startswith("amqp")
+                else NatsEndpoint.parse(broker))
         except ValueError as exc:
             raise WorkerConfigError(f"--broker: {exc}") from None
         if not mongodb_uri:
@@ -234,19 +269,17 @@ class Worker:
         self._released = asyncio.Event()
         self.claims: set[asyncio.Task[None]] = set()  # claim writes in flight
         self.claiming = 0  # messages fetched, their claims in flight
+        self.announced = False
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        nc = await s.endpoint.connect(s.durable, max_reconnect_attempts=-1,
-                                      reconnect_time_wait=0.5, disconnected_cb=_disconnected,
-                                      reconnected_cb=_reconnected)
+        source = self.source()
+        await source.connect(s.durable)
         background = [asyncio.create_task(self.recorder.run()),
                       asyncio.create_task(self._heartbeat())]
         runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
         log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
                  concurrency=s.concurrency)
-        print(f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as {s.durable}",
-              flush=True)
         try:
             # A broker hiccup (a restart, a lost consumer, a request timing out) ends one
             # subscription, never the worker: subscribe again after a capped, jittered wait.
@@ -255,30 +288,36 @@ class Worker:
                     wait=wait_exponential_jitter(initial=0.2, max=5.0),
                     before_sleep=_log_resubscribe, reraise=True):
                 with attempt:
-                    await self._consume(nc, stop)
+                    await self._consume(source, stop)
             await self._drain(runners)
         finally:
             for task in (*runners, *background):
                 task.cancel()
-            # Every message is acknowledged explicitly, so nothing is left to drain from
-            # the connection; drain() on a pull subscription can wait forever.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), 5)
+                await asyncio.wait_for(source.close(), 5)
 
-    async def _consume(self, nc: Any, stop: asyncio.Event) -> None:
-        """Subscribe (creating the stream and the durable consumer if they are gone) and
+    def source(self) -> FireSource:
+        endpoint = self.settings.endpoint
+        if isinstance(endpoint, AmqpEndpoint):
+            from .amqp_source import AmqpSource
+
+            # Missed heartbeats close the connection and requeue what it held: a stalled
+            # worker's fires go to another within about the ack wait.
+            return AmqpSource(endpoint, heartbeat_s=max(1, round(self.settings.ack_wait_s / 3)))
+        return NatsSource(endpoint)
+
+    async def _consume(self, source: FireSource, stop: asyncio.Event) -> None:
+        """Subscribe (creating the queues or the durable consumer if they are gone) and
         claim runs until ``stop``."""
         s = self.settings
-        js = nc.jetstream()
-        await ensure_stream(js, s.endpoint)
-        subjects = [f"{SUBJECT_PREFIX}.{p}" for p in self.app.patterns]
-        await js.add_consumer(s.endpoint.stream, ConsumerConfig(
-            durable_name=s.durable, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=s.ack_wait_s, max_deliver=-1,
-            max_ack_pending=max(1000, 4 * self.capacity),
-            **({"filter_subject": subjects[0]} if len(subjects) == 1
-               else {"filter_subjects": subjects})))
-        subscription = await js.pull_subscribe_bind(durable=s.durable, stream=s.endpoint.stream)
+        await source.subscribe(s.durable, self.app.patterns, s.ack_wait_s, self.capacity)
+        log.info("worker_subscribed", durable=s.durable)
+        if not self.announced:
+            # Once subscribed: on RabbitMQ a fire published before the queue is bound has
+            # nowhere to go.
+            print(f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as "
+                  f"{s.durable}", flush=True)
+            self.announced = True
         while not stop.is_set():
             free = self.capacity - len(self.held) - self.claiming
             if free < max(1, s.concurrency // 2):
@@ -288,9 +327,8 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._released.wait(), FETCH_WAIT_S)
                 continue
-            try:
-                messages = await subscription.fetch(free, timeout=FETCH_WAIT_S)
-            except TimeoutError:  # an idle stream (nats-py's TimeoutError is one too)
+            messages = await source.fetch(free, FETCH_WAIT_S)
+            if not messages:
                 log.debug("fetch_idle")
                 continue
             # Claimed while the next fetch goes out: the two round trips overlap.
@@ -310,6 +348,10 @@ class Worker:
                     await message.nak(delay=LEDGER_DOWN_DELAY_S)
         except BROKER_ERRORS as exc:
             log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
+        except Exception as exc:
+            # A defect, not the broker or the ledger: said loudly, and the messages are left
+            # to the broker's redelivery rather than lost with a silent task.
+            log.exception("run_claim_crashed", count=len(messages), error=repr(exc)[:300])
         finally:
             self.claiming -= len(messages)
             self._released.set()
@@ -522,10 +564,6 @@ class Worker:
         self.metrics.count(held.delivery.fire.target, "released")
 
 
-def _target_of(message: Any) -> str:
-    return str(message.subject).removeprefix(SUBJECT_PREFIX + ".")
-
-
 async def _call(route: Route, run: Run) -> None:
     if route.is_async:
         await route.handler(run)  # type: ignore[misc]
@@ -554,14 +592,6 @@ async def _call(route: Route, run: Run) -> None:
 
     threading.Thread(target=body, name=f"run {run.fire_id}"[:60], daemon=True).start()
     await done
-
-
-async def _disconnected() -> None:
-    log.warning("broker_disconnected")
-
-
-async def _reconnected() -> None:
-    log.info("broker_reconnected")
 
 
 def _log_resubscribe(state: RetryCallState) -> None:
