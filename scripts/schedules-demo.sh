@@ -14,16 +14,30 @@ ensure_venv
 PY=.venv/bin/python
 workdir=$(mktemp -d)
 # PIDs go to a file: start() runs inside $(...), a subshell, so a variable would be lost.
+# The replicas stop first: stopping, each hands back its lease and leaves the members, which
+# needs the database, so the database goes last. Whatever outlives its grace is killed.
+stop_all() {
+  local pid alive
+  for pid in "$@"; do kill "$pid" 2>/dev/null || true; done
+  # Not our shell's children (they were started in subshells): poll until they are gone.
+  for _ in $(seq 1 150); do
+    alive=0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" -eq 0 ] && return
+    sleep 0.1
+  done
+  for pid in "$@"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "process $pid did not stop within 15 s of SIGTERM; killed" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+}
 cleanup() {
   if [ -f "$workdir/pids" ]; then
-    while read -r pid; do kill "$pid" 2>/dev/null || true; done <"$workdir/pids"
-    # Not our shell's children (they were started in subshells): poll until they are gone.
-    for _ in $(seq 1 100); do
-      alive=0
-      while read -r pid; do kill -0 "$pid" 2>/dev/null && alive=1; done <"$workdir/pids"
-      [ "$alive" -eq 0 ] && break
-      sleep 0.1
-    done
+    mapfile -t pids <"$workdir/pids"
+    [ "${#pids[@]}" -gt 1 ] && stop_all "${pids[@]:1}"
+    stop_all "${pids[0]}"
   fi
   rm -rf "$workdir"
 }

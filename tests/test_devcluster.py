@@ -136,7 +136,7 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
         no_stream = run_cli("dev", "audit", "--since", "2030-01-01T00:00:00Z",
                             "--until", "2030-01-01T00:01:00Z", *where, cwd=tmp_path)
         assert no_stream.returncode == 1
-        assert "needs a NATS broker" in no_stream.stderr
+        assert "auditing needs a broker (started with --broker log:)" in no_stream.stderr
     finally:
         returncode = dev.stop()
     assert returncode == 0
