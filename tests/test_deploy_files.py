@@ -104,6 +104,36 @@ def test_the_ha_overlay_makes_every_cluster_three_members(tmp_path: Path) -> Non
     assert routes_policy["ingress"][0]["ports"] == [{"port": 6222, "protocol": "TCP"}]
 
 
+def test_the_rabbitmq_overlay_replaces_nats_with_a_three_node_cluster(tmp_path: Path) -> None:
+    by_kind = rendered_and_validated(OVERLAYS / "rabbitmq", tmp_path)
+    assert not [k for k in by_kind if k[1] == "nats"]
+    config = by_kind[("ConfigMap", "hascheduler-config")]["data"]
+    assert "HASCHEDULER_BROKER" not in config  # credentials: from the Secret instead
+    for name in ("hascheduler", "hascheduler-worker"):
+        env = by_kind[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["env"]
+        broker = next(e for e in env if e["name"] == "HASCHEDULER_BROKER")
+        assert broker["valueFrom"]["secretKeyRef"] == {"name": "hascheduler-rabbitmq",
+                                                       "key": "url"}
+    rabbit = by_kind[("StatefulSet", "rabbitmq")]["spec"]
+    assert rabbit["replicas"] == 3
+    assert rabbit["podManagementPolicy"] == "Parallel"
+    conf = by_kind[("ConfigMap", "rabbitmq-config")]["data"]["rabbitmq.conf"]
+    nodes = [f"rabbit@rabbitmq-{i}.rabbitmq-nodes.hascheduler.svc.cluster.local"
+             for i in range(3)]
+    assert all(n in conf for n in nodes)
+    assert by_kind[("PodDisruptionBudget", "rabbitmq")]["spec"]["maxUnavailable"] == 1
+    egress = by_kind[("NetworkPolicy", "hascheduler")]["spec"]["egress"]
+    reached = {r["to"][0].get("podSelector", {}).get("matchLabels", {}).get(
+        "app.kubernetes.io/name"): [p["port"] for p in r["ports"]] for r in egress}
+    assert reached["rabbitmq"] == [5672]
+    assert "nats" not in reached
+    example = yaml.safe_load((OVERLAYS / "rabbitmq" / "rabbitmq-secret.example.yaml")
+                             .read_text())
+    assert example["metadata"]["name"] == "hascheduler-rabbitmq"
+    assert set(example["stringData"]) == {"user", "password", "erlang-cookie", "url"}
+    assert example["stringData"]["url"].startswith("amqp://")
+
+
 def test_the_local_overlay_changes_only_what_a_cluster_without_dns_forces(
         tmp_path: Path) -> None:
     """k8s/overlays/local (scripts/k8s-local-demo.sh): MongoDB and NATS outside the
