@@ -105,6 +105,14 @@ SECTIONS = [
      "alone, same run (target: within 1.2x of raw). Then 200 schedules every second and "
      "the leader SIGKILLed 5 times: the copies of a fire beyond the first that the queue "
      "holds, which RabbitMQ cannot deduplicate (the runs ledger makes the runs once)."),
+    ("bench.celery_bench", "Celery: scheduled fires run by a Celery worker",
+     [], ["--fires", "100", "--lead", "5"],
+     "A RabbitMQ node, the development MongoDB server, three replicas and an unmodified "
+     "`celery worker` (2 prefork processes, acks_late, prefetch 1) on an ordinary app. "
+     "1,000 one-off schedules with a `celery:` target due in the same second, from that "
+     "second until the worker has run every task (each run's own time), against the same "
+     "1,000 tasks sent with Celery's own `send_task`, first send to last run, same run "
+     "and worker. Every fire id's run is counted: one each."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

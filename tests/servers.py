@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 REAL_MONGODB_ENV = "HASCHEDULER_TEST_MONGODB_URI"
 
@@ -217,8 +220,6 @@ class RabbitServer:
     outage); ``close`` also ends its Erlang port mapper."""
 
     def __init__(self) -> None:
-        from pathlib import Path
-
         from hascheduler.devcluster.rabbitmq import RabbitNode
 
         self.node = RabbitNode(Path(tempfile.mkdtemp(prefix="rabbitmq-")), free_port(),
@@ -277,3 +278,57 @@ class RabbitServer:
         self.stop()
         self.node.stop_port_mapper()
         shutil.rmtree(self.node.directory, ignore_errors=True)
+
+
+class CeleryWorker:
+    """``celery -A tests.helpers.celery_app worker`` (prefork) on ``queues``, each run
+    recorded as a JSON line in ``record``."""
+
+    def __init__(self, broker_url: str, queues: list[str], record: Path,
+                 processes: int = 2) -> None:
+        self.broker_url = broker_url
+        self.queues = queues
+        self.record = record
+        self.log = record.with_suffix(".log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.helpers.celery_app", "worker",
+             "-Q", ",".join(queues), "-c", str(processes), "-P", "prefork",
+             "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "warning"],
+            env={**os.environ, "CELERY_BROKER_URL": broker_url, "RECORD_PATH": str(record)},
+            stdout=self.log, stderr=self.log, start_new_session=True)
+
+    async def consuming(self, within_s: float) -> None:
+        """Until the worker has declared every queue (as Celery does) and consumes it."""
+        import aio_pika
+
+        from tests.waiting import wait_until
+
+        async def declared(queue: str) -> bool:
+            connection = await aio_pika.connect(self.broker_url)
+            try:
+                channel = await connection.channel()
+                found = await channel.declare_queue(queue, passive=True)
+                return bool(found.declaration_result.consumer_count)
+            except aio_pika.exceptions.ChannelClosed:
+                return False
+            finally:
+                await connection.close()
+
+        for queue in self.queues:
+            await wait_until(lambda q=queue: declared(q), within_s,
+                             f"the Celery worker consuming {queue}")
+
+    def runs(self) -> list[dict[str, Any]]:
+        if not self.record.exists():
+            return []
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()

@@ -21,7 +21,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
-                    "## Fan-out", "## High availability", "## RabbitMQ",
+                    "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
                     "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
@@ -31,9 +31,10 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "the handler's start", "one schedule fanning out",
                     "bytes in a source mirror", "3-node cluster, stream R3",
                     "SIGKILL of the NATS node leading the stream", "the database steps down",
-                    "raw aio-pika (baseline)", "copies beyond the first"):
+                    "raw aio-pika (baseline)", "copies beyond the first",
+                    "Celery send_task (baseline)", "Runs per fire id"):
         assert measure in text, measure
-    assert text.count("Command: `python -m bench.") == 9
+    assert text.count("Command: `python -m bench.") == 10
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

@@ -6,73 +6,25 @@ SIGKILLed, and the runs per fire id are counted (RabbitMQ does not deduplicate).
 from __future__ import annotations
 
 import datetime as dt
-import json
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
 
 from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint, Unroutable
 from hascheduler.brokers.base import FireMessage
 from hascheduler.events import EventTemplate
-from tests.servers import RabbitServer, start_replica
+from tests.servers import CeleryWorker, RabbitServer, start_replica
 from tests.test_failover import Harness, expected_fires
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(180)]
 
 TASK = "tests.helpers.celery_app.record"
-
-
-class CeleryWorker:
-    """``celery -A tests.helpers.celery_app worker`` with 2 processes on our queues."""
-
-    def __init__(self, broker_url: str, queues: list[str], record: Path) -> None:
-        self.queues = queues
-        self.record = record
-        self.log = record.with_suffix(".log").open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.helpers.celery_app", "worker",
-             "-Q", ",".join(queues), "-c", "2", "-P", "prefork", "--without-heartbeat",
-             "--without-gossip", "--without-mingle", "-l", "warning"],
-            env={**os.environ, "CELERY_BROKER_URL": broker_url, "RECORD_PATH": str(record)},
-            stdout=self.log, stderr=self.log, start_new_session=True)
-
-    def runs(self) -> list[dict[str, Any]]:
-        if not self.record.exists():
-            return []
-        return [json.loads(line) for line in self.record.read_text().splitlines()]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self.log.close()
-
-
-async def consuming(url: str, queue: str) -> bool:
-    """The worker has declared ``queue`` (as Celery does) and consumes from it."""
-    connection = await aio_pika.connect(url)
-    try:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(queue, passive=True)
-        return bool(declared.declaration_result.consumer_count)
-    except aio_pika.exceptions.ChannelClosed:
-        return False
-    finally:
-        await connection.close()
 
 
 @pytest.fixture
@@ -86,9 +38,7 @@ async def worker(rabbit: RabbitServer, queues: list[str],
                  tmp_path: Path) -> AsyncIterator[CeleryWorker]:
     started = CeleryWorker(rabbit.url, queues, tmp_path / "runs.jsonl")
     try:
-        for queue in queues:
-            await wait_until(lambda q=queue: consuming(rabbit.url, q), 60,
-                             f"the Celery worker consuming {queue}")
+        await started.consuming(60)
         yield started
     finally:
         started.stop()

@@ -137,6 +137,9 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
                             "--until", "2030-01-01T00:01:00Z", *where, cwd=tmp_path)
         assert no_stream.returncode == 1
         assert "auditing needs a broker (started with --broker log:)" in no_stream.stderr
+        no_workers = run_cli("dev", "scale-workers", "2", *where, cwd=tmp_path)
+        assert no_workers.returncode == 1
+        assert "workers need a broker (started with --broker log:)" in no_workers.stderr
     finally:
         returncode = dev.stop()
     assert returncode == 0
@@ -262,8 +265,9 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
 
 def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
     """`hascheduler dev --broker rabbitmq`: a RabbitMQ node as its child (Debian's server,
-    its state under the state directory), the replicas publishing to it, every fire in the
-    dev queue (`dev audit` reads it); stopped with the cluster, port mapper and all."""
+    its state under the state directory), the replicas publishing to it, its worker running
+    the fires, every fire also in the dev queue (`dev audit` reads it); stopped with the
+    cluster, port mapper and all."""
     state = tmp_path / "dev"
     dev = DevCluster(str(state), "--replicas", "2", "--broker", "rabbitmq")
 
@@ -274,7 +278,7 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
         status = json.loads(cli("dev", "status", "--json").stdout)
         assert status["amqp_uri"].startswith("amqp://guest:guest@127.0.0.1:")
         assert status["nats_uri"] is None
-        assert status["workers"] == []
+        assert [w["id"] for w in status["workers"]] == ["w1"]
         rabbit = next(c for c in status["others"] if c["name"] == "rabbitmq")
         assert rabbit["address"].startswith("amqp://127.0.0.1:")
         api = next(iter(dev.replicas.values()))
@@ -295,9 +299,21 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
 
         report = wait_until_sync(audited, 30, "three seconds of fires audited", 0.5)
         assert report["delivered"] == report["expected"] >= 3, report
-        workers = cli("dev", "scale-workers", "2")
-        assert workers.returncode == 1
-        assert "workers need a NATS broker (started with --broker rabbitmq)" in workers.stderr
+
+        def succeeded() -> list[dict[str, Any]] | None:
+            listed = run_cli("runs", "--api", api, "list", "--schedule", "tick", "--json",
+                             cwd=tmp_path)
+            assert listed.returncode == 0, listed.stderr
+            done = [r for r in json.loads(listed.stdout)["items"]
+                    if r["state"] == "succeeded"]
+            return done if len(done) >= 3 else None
+
+        runs = wait_until_sync(succeeded, 30, "three runs on RabbitMQ to succeed", 0.5)
+        assert {r["worker_id"] for r in runs} == {"w1"}
+        assert all(r["attempts"] == 1 for r in runs)
+        scaled = cli("dev", "scale-workers", "2", "--json")
+        assert scaled.returncode == 0, scaled.stderr
+        assert [w["id"] for w in json.loads(scaled.stdout)["workers"]] == ["w1", "w2"]
     finally:
         returncode = dev.stop()
     assert returncode == 0

@@ -215,11 +215,16 @@ class Supervisor:
         self.replicas.append(child)
         return child
 
+    @property
+    def worker_broker(self) -> str:
+        """Where workers consume: the cluster's NATS or RabbitMQ ('' with the log broker)."""
+        return self.nats_uri or self.amqp_uri
+
     async def _start_worker(self) -> Child:
         taken = {c.name for c in self.workers}
         name = next(f"w{i}" for i in range(1, len(taken) + 2) if f"w{i}" not in taken)
         child = await self._spawn("worker", name, self._cli(
-            "worker", "--broker", self.nats_uri, "--mongodb-uri", self.mongodb_uri,
+            "worker", "--broker", self.worker_broker, "--mongodb-uri", self.mongodb_uri,
             "--durable", "dev-worker", "--worker-id", name,
             *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
             *self.settings.worker_args), announces="worker ")
@@ -253,7 +258,7 @@ class Supervisor:
                         children[i] = await self._spawn(child.role, child.name, child.argv,
                                                         child.announces, child.port,
                                                         child.env)
-            if self.nats_uri:
+            if self.worker_broker:
                 while len(self.workers) < self.desired_workers:
                     await self._start_worker()
                 while len(self.workers) > self.desired_workers:
@@ -460,8 +465,8 @@ class Supervisor:
         return await self.status()
 
     async def scale_workers(self, workers: int) -> dict[str, Any]:
-        if not self.nats_uri:
-            raise LookupError("workers need a NATS broker (started with --broker "
+        if not self.worker_broker:
+            raise LookupError("workers need a broker (started with --broker "
                               f"{self.settings.broker})")
         self.desired_workers = workers
         await self.reconcile()
@@ -628,7 +633,8 @@ async def run(settings: DevSettings) -> int:
             print(f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
                   "consuming every target)", flush=True)
         if supervisor.amqp_uri:
-            print(f"rabbitmq: {supervisor.amqp_uri}  (queue {DEV_QUEUE} takes every fire; "
+            print(f"rabbitmq: {supervisor.amqp_uri}  ({len(supervisor.workers)} workers "
+                  f"consuming every target; queue {DEV_QUEUE} keeps a copy of every fire; "
                   "celery:<task> targets go to the queue celery)", flush=True)
         for r in summary["replicas"]:
             print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",

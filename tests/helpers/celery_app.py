@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from celery import Celery
@@ -29,7 +30,7 @@ def record(self: Any, *args: Any, **kwargs: Any) -> None:
         "retries": request.retries, "eta": request.eta, "expires": request.expires,
         "origin": request.origin, "correlation_id": request.correlation_id,
         "routing_key": delivery.get("routing_key"), "redelivered": delivery.get("redelivered"),
-        "pid": os.getpid()})
+        "pid": os.getpid(), "ran_at": time.time()})
     # One short O_APPEND write per run: lines from the worker's processes never interleave.
     with open(os.environ["RECORD_PATH"], "a") as f:
         f.write(line + "\n")
