@@ -122,7 +122,7 @@ SECTIONS = [
 
 
 # Started first with --jobs: the rest fit beside them.
-LONGEST = ("bench.ha_bench", "bench.firing_bench")
+LONGEST = ("bench.ha_bench", "bench.firing_bench", "bench.amqp_bench")
 
 
 def run_section(module: str, args: list[str], echo: bool = True) -> tuple[int, str, float]:

@@ -60,13 +60,25 @@ def test_destinations_are_what_they_say() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(destinations(dt.datetime.now(dt.UTC))))
-def test_date_sensitive_tests_pass_with_the_clock_moved(name: str) -> None:
-    destination = destinations(dt.datetime.now(dt.UTC))[name]
-    env = {**os.environ, TRAVEL_ENV: destination.isoformat()}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         "--deselect", SOAK, *DATE_SENSITIVE],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, f"with the clock at {destination}:\n{run.stdout[-4000:]}"
-    assert " passed" in run.stdout
+def test_date_sensitive_tests_pass_with_the_clock_moved() -> None:
+    """One pytest process per destination, all at once: they run pure tests only (nothing
+    timed), so they share the cores without changing a result."""
+    runs = {}
+    for name, destination in destinations(dt.datetime.now(dt.UTC)).items():
+        env = {**os.environ, TRAVEL_ENV: destination.isoformat()}
+        runs[name] = (destination, subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+             "--deselect", SOAK, *DATE_SENSITIVE],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    failed = []
+    try:
+        for name, (destination, process) in runs.items():
+            out, _ = process.communicate(timeout=280)
+            if process.returncode != 0 or " passed" not in out:
+                failed.append(f"{name}, the clock at {destination}:\n{out[-4000:]}")
+    finally:
+        for _, process in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert not failed, "\n\n".join(failed)
