@@ -7,7 +7,8 @@ N replicas kept at N like a Deployment, --workers workers running bench/chaos_wo
 handler, which fails at --fail-rate), creates --schedules schedules over
 the HTTP API (policy `all`: every nominal time must fire), then for --duration seconds
 injects one of these faults at random moments (seeded; one every --fault-every seconds on
-average), then lets it run --calm seconds without faults:
+average; each kind that applies once before any repeats), then lets it run --calm seconds
+without faults:
 
 - SIGKILL, SIGTERM, SIGSTOP/SIGCONT of the leader, and of a standby;
 - a failCommand cut-off (every command's connection closed) or stall (every command
@@ -235,7 +236,10 @@ class Soak:
             options["worker-stop"] = self.rng.choice(workers)
         if not options:
             return None
-        kinds = sorted(options)
+        # Every kind that applies is injected once before any is repeated: a short soak
+        # then meets each fault, and a long one is weighted as KINDS says.
+        done = {f.kind for f in self.faults}
+        kinds = sorted(set(options) - done) or sorted(options)
         kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
         return kind, options[kind]
 
