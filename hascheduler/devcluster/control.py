@@ -108,8 +108,8 @@ def add_parser(sub: Any) -> None:
     dev.add_argument("--broker", type=_broker_url, default=None,
                      help="where fires go, as for serve: nats://host:port (a server already "
                           "running) or log: (log lines, no worker); rabbitmq: a RabbitMQ "
-                          "node of its own (Debian's rabbitmq-server; no worker); default: "
-                          "a nats-server of its own")
+                          "node of its own (Debian's rabbitmq-server), its workers on it; "
+                          "default: a nats-server of its own")
     dev.add_argument("--nats-cluster", type=_nodes, default=1, metavar="N",
                      help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
                           "the fire stream replicated 3 ways)")

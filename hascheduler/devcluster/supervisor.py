@@ -53,8 +53,7 @@ class DevSettings:
     worker_app: str | None = None
     worker_args: tuple[str, ...] = ()
     # A broker URL as serve takes it (nats://... of a running server, or log:); "rabbitmq":
-    # a RabbitMQ node of our own (no workers: they consume from NATS); None: start a
-    # nats-server of our own.
+    # a RabbitMQ node of our own; None: start a nats-server of our own.
     broker: str | None = None
     # nats-servers started when broker is None: 1, or a JetStream cluster routed on loopback
     # (the fire stream then replicated 3 ways).
