@@ -216,10 +216,21 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         wait_until_sync(lambda: succeeded(count + 3), 60, "runs after the restarts", 0.5)
         until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
         assert since < killed_at < until
-        audited = cli("dev", "audit", "--since", since.isoformat(), "--until",
-                      until.isoformat(), "--json")
-        report = json.loads(audited.stdout)
-        assert audited.returncode == 0, report
+
+        last: list[dict[str, Any]] = []
+
+        def clean() -> dict[str, Any] | None:
+            done = cli("dev", "audit", "--since", since.isoformat(), "--until",
+                       until.isoformat(), "--json")
+            last[:] = [json.loads(done.stdout)]
+            return last[0] if done.returncode == 0 else None
+
+        # A fire whose publish timed out in the stream's election is retried after its
+        # backoff (up to the 30 s cap), behind fires published since: it arrives late.
+        try:
+            report = wait_until_sync(clean, 45, "every fire of the window in the stream", 1.0)
+        except AssertionError:
+            raise AssertionError(last) from None
         assert report["delivered"] == report["expected"] >= 3, report
         # The same count straight from MongoDB and the stream, as the demos' last step.
         alone = cli("audit", "--since", since.isoformat(), "--until", until.isoformat(),
