@@ -87,7 +87,7 @@ SECTIONS = [
      "and no stall near a renewal's deadline."),
     ("bench.ha_bench", "High availability: a 3-node NATS cluster, a node lost, a step-down",
      [], ["--burst", "500", "--steady", "100", "--seconds", "2", "--ticks", "20",
-          "--lead", "6", "--settle", "8"],
+          "--lead", "4", "--settle", "5"],
      "The development MongoDB server, three replicas, and either one nats-server (the "
      "stream at 1 replica: the baseline) or a 3-node JetStream cluster (the stream at 3). "
      "The 10,000 burst and the lateness of 1,000 schedules firing every second on each, same "
