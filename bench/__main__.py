@@ -4,7 +4,7 @@
 
 Runs the benchmark modules one after another (never two at once: they share the
 machine's cores) and writes their tables, under the machine and the date, with the
-command that reproduces each. --quick runs small versions (the test suite uses it, two at
+command that reproduces each. --quick runs small versions (the test suite uses it, four at
 a time, to keep the entry point working); its figures are not the ones to publish.
 """
 
@@ -86,8 +86,8 @@ SECTIONS = [
      "fields as plain dicts. Target: the fan-out within 1.2x of the separate schedules, "
      "and no stall near a renewal's deadline."),
     ("bench.ha_bench", "High availability: a 3-node NATS cluster, a node lost, a step-down",
-     [], ["--burst", "500", "--steady", "100", "--seconds", "2", "--ticks", "20",
-          "--lead", "4", "--settle", "5"],
+     [], ["--burst", "500", "--steady", "100", "--seconds", "1", "--ticks", "20",
+          "--lead", "3", "--settle", "5"],
      "The development MongoDB server, three replicas, and either one nats-server (the "
      "stream at 1 replica: the baseline) or a 3-node JetStream cluster (the stream at 3). "
      "The 10,000 burst and the lateness of 1,000 schedules firing every second on each, same "

@@ -200,17 +200,18 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.datetime,
-                    within_s: float) -> float:
+                    within_s: float, among: dict[str, Any] | None = None) -> float:
     """Seconds from ``since`` to the latest ``stamp`` once ``n`` documents of
-    ``collection`` are in ``state``. The figure comes from the ledger's own times, not from
-    when this loop notices; polling slowly keeps the measurement off the server it
-    measures."""
+    ``collection`` (those matching ``among``, or all) are in ``state``. The figure comes
+    from the ledger's own times, not from when this loop notices; polling slowly keeps the
+    measurement off the server it measures."""
+    query = {**(among or {}), "state": state}
     end = time.monotonic() + within_s
     while time.monotonic() < end:
-        if await collection.count_documents({"state": state}) >= n:
+        if await collection.count_documents(query) >= n:
             break
         await asyncio.sleep(0.5)
-    last = await collection.find_one({"state": state}, sort=[(stamp, -1)])
+    last = await collection.find_one(query, sort=[(stamp, -1)])
     assert last is not None, f"no document reached {state}"
     return float((last[stamp] - since).total_seconds())
 

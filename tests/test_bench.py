@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(400)
 def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
-    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--jobs", "3",
+    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--jobs", "4",
                            "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
