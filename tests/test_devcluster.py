@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from hascheduler.devcluster.audit import audit
-from hascheduler.devcluster.supervisor import stream_leader
+from hascheduler.devcluster.supervisor import EPHEMERAL_RANGE, LOWEST_PORT, free_port, stream_leader
 from tests.servers import DevCluster, start_nats
 from tests.waiting import wait_until_sync
 
@@ -225,8 +226,9 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
             last[:] = [json.loads(done.stdout)]
             return last[0] if done.returncode == 0 else None
 
-        # A fire whose publish timed out in the stream's election is retried after its
-        # backoff (up to the 30 s cap), behind fires published since: it arrives late.
+        # A fire due while the stream elects a leader meets "no stream answered" (503) and
+        # is retried every 2 s at most until one does: it arrives seconds late, and the
+        # killed node's restart can stretch that further.
         try:
             report = wait_until_sync(clean, 45, "every fire of the window in the stream", 1.0)
         except AssertionError:
@@ -332,3 +334,18 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
     left = subprocess.run(["pgrep", "-f", str(state / "rabbitmq")], capture_output=True,
                           text=True, check=False)
     assert left.returncode == 1, left.stdout
+
+
+def test_ports_for_children_are_distinct_free_and_outside_the_ephemeral_range() -> None:
+    """A port in the ephemeral range can be taken by an outgoing connection's source port
+    before the child binds it: a nats-server of the stream-cluster test failed so."""
+    first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))  # an ephemeral port, held
+        ports = [free_port() for _ in range(100)]
+        assert busy.getsockname()[1] not in ports
+    assert len(set(ports)) == len(ports)
+    assert all(LOWEST_PORT <= port < first_ephemeral for port in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -16,6 +16,7 @@ import ctypes
 import datetime as dt
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -91,10 +92,32 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on now, for a child to listen on, chosen below the kernel's
+    ephemeral range. A port from bind(0) lies in that range, where an outgoing connection
+    can take it as its source port before the child binds it ("address already in use")."""
+    try:
+        first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32_768  # Linux's default; other systems start theirs higher
+    chooser = random.SystemRandom()
+    for _ in range(200):
+        port = chooser.randrange(LOWEST_PORT, max(first_ephemeral, LOWEST_PORT + 1_000))
+        if port in _handed_out:
+            continue  # handed to a child that may not have bound it yet
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port between {LOWEST_PORT} and {first_ephemeral}")
 
 
 def nats_server_binary() -> str:
