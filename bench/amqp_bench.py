@@ -36,6 +36,7 @@ from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint
 from hascheduler.brokers.base import FireMessage
 from hascheduler.logs import configure
 from tests.servers import RabbitServer, ServerProcess, start_devmongo
+from tests.waiting import wait_until
 
 BATCH = 500
 BODY = b'{"specversion":"1.0","data":{"payload":{}}}'
@@ -111,15 +112,27 @@ async def republishes(mongo: ServerProcess, rabbit: RabbitServer, url: str, queu
         schedule_doc(f"t{i:04d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
         for i in range(ticks)])
     names = iter(f"r{i}" for i in range(100))
+
+    async def fired_twice(term: int) -> None:
+        """Until the leader of ``term`` has published two seconds' fires."""
+        await until_all(c.db.fires, "published", "published_at", 2 * ticks,
+                        dt.datetime.now(dt.UTC), 60, {"term": term})
+
+    async def none_unpublished() -> bool:
+        before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        return not await c.db.fires.count_documents({"state": "claimed",
+                                                     "due_at": {"$lt": before}})
+
     try:
         term = (await c.wait_leader())["term"]
         for _ in range(kills):
-            await asyncio.sleep(2)
+            await fired_twice(term)
             lease = await c.lease()
             c.replicas.pop(lease["holder"]).stop(signal.SIGKILL)
             c.start(next(names))  # a Deployment's replacement
             term = (await c.wait_leader(above_term=term))["term"]
-        await asyncio.sleep(3)
+        await fired_twice(term)
+        await wait_until(none_unpublished, 60, "no fire due so far left claimed", 0.5)
     finally:
         await c.close()
     connection = await aio_pika.connect(rabbit.url)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import sys
 import tempfile
 import time
@@ -31,30 +30,20 @@ from typing import Any
 
 from bench.firing_bench import schedule_doc, started_cluster
 from tests.servers import CeleryWorker, RabbitServer, start_devmongo
+from tests.waiting import wait_until
 
 TASK = "tests.helpers.celery_app.record"
 
 
-def runs(record: Path, marker: str) -> list[dict[str, Any]]:
-    if not record.exists():
-        return []
-    found = []
-    for line in record.read_text().splitlines():
-        run = json.loads(line)
-        if run["args"][:1] == [marker]:
-            found.append(run)
-    return found
+async def all_ran(worker: CeleryWorker, marker: str, n: int,
+                  within_s: float) -> list[dict[str, Any]]:
+    """The worker's runs carrying ``marker`` once there are ``n`` of them (polled slowly:
+    the worker and this loop share two cores)."""
+    def ran() -> list[dict[str, Any]] | None:
+        found = [r for r in worker.runs() if r["args"][:1] == [marker]]
+        return found if len(found) >= n else None
 
-
-async def all_ran(record: Path, marker: str, n: int, within_s: float) -> list[dict[str, Any]]:
-    """The runs carrying ``marker`` once there are ``n`` of them (polled slowly: the worker
-    and this loop share two cores)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if len(found := runs(record, marker)) >= n:
-            return found
-        await asyncio.sleep(0.25)
-    raise TimeoutError(f"{len(runs(record, marker))} of {n} {marker} runs within {within_s} s")
+    return await wait_until(ran, within_s, f"{n} {marker} runs", 0.25)
 
 
 def send_tasks(url: str, queue: str, n: int) -> float:
@@ -81,11 +70,11 @@ async def main_async(args: argparse.Namespace) -> int:
         await worker.consuming(60)
         # Warm the worker's processes before either measurement.
         send_tasks(rabbit.url, queue, 20)
-        await all_ran(record, "send_task", 20, 60)
+        await all_ran(worker, "send_task", 20, 60)
         record.unlink()
 
         first_send = send_tasks(rabbit.url, queue, n)
-        baseline = max(r["ran_at"] for r in await all_ran(record, "send_task", n, 300))
+        baseline = max(r["ran_at"] for r in await all_ran(worker, "send_task", n, 300))
         baseline_s = baseline - first_send
 
         due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=args.lead)).replace(
@@ -98,7 +87,7 @@ async def main_async(args: argparse.Namespace) -> int:
         cluster = await started_cluster(mongo, f"{rabbit.url}?celery_queue={queue}",
                                         "bench_celery", schedules)
         try:
-            scheduled = await all_ran(record, "scheduled", n, 300)
+            scheduled = await all_ran(worker, "scheduled", n, 300)
         finally:
             await cluster.close()
         scheduled_s = max(r["ran_at"] for r in scheduled) - due.timestamp()

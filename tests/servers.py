@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,9 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_until_sync
 
 REAL_MONGODB_ENV = "HASCHEDULER_TEST_MONGODB_URI"
 
@@ -41,6 +45,26 @@ class ServerProcess:
         finally:
             if self.process.stdout is not None:
                 self.process.stdout.close()
+
+
+def started(process: subprocess.Popen[Any], up: Callable[[], bool], within_s: float,
+            what: str, interval_s: float) -> bool:
+    """Whether ``process`` is up (``up`` answers) before it exits or ``within_s`` passes."""
+    with contextlib.suppress(AssertionError):
+        wait_until_sync(lambda: process.poll() is not None or up(), within_s, what, interval_s)
+    return process.poll() is None and up()
+
+
+def stop_group(process: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM to the process group ``process`` leads, SIGKILL after ``grace_s``."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
 
 
 def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
@@ -121,16 +145,15 @@ def start_nats(port: int | None = None, store_dir: str | None = None,
          *extra],
         stdout=log, stderr=log)
     log.close()
-    deadline = time.monotonic() + startup_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            break
+
+    def listening() -> bool:
         with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                server = ServerProcess(f"nats://127.0.0.1:{port}", process, log.name)
-                server.store_dir = store_dir  # type: ignore[attr-defined]
-                return server
-        time.sleep(0.05)
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    if started(process, listening, startup_s, "nats-server to listen", 0.05):
+        server = ServerProcess(f"nats://127.0.0.1:{port}", process, log.name)
+        server.store_dir = store_dir  # type: ignore[attr-defined]
+        return server
     process.kill()
     with open(log.name) as f:
         raise RuntimeError(f"nats-server did not start: {f.read()}")
@@ -239,13 +262,8 @@ class RabbitServer:
             self.process = subprocess.Popen(
                 [rabbitmq_server_binary()], env=self.node.environment(), stdout=log,
                 stderr=log, start_new_session=True)
-        deadline = time.monotonic() + startup_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            if self._answers():
-                return self
-            time.sleep(0.2)
+        if started(self.process, self._answers, startup_s, "rabbitmq-server to answer", 0.2):
+            return self
         self.stop()
         raise RuntimeError("rabbitmq-server did not start: "
                            + (self.node.directory / "server.log").read_text()[-3000:])
@@ -263,14 +281,8 @@ class RabbitServer:
             return False
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        if self.process is not None:
+            stop_group(self.process, 30)
 
     def close(self) -> None:
         import shutil
@@ -324,11 +336,5 @@ class CeleryWorker:
         return [json.loads(line) for line in self.record.read_text().splitlines()]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        stop_group(self.process, 20)
         self.log.close()
