@@ -12,7 +12,7 @@ with a durable queue bound to the fire exchange for every routing key.
   fire is confirmed by RabbitMQ and recorded published. Baselines in the same run: raw
   aio-pika publishing as many of the same messages (persistent, mandatory, our properties)
   on a confirm channel, 500 in flight at a time (the dispatcher's batch), and our
-  AmqpBroker alone doing the same; --rounds alternating rounds of the two, the best of each.
+  AmqpPublisher alone doing the same; --rounds alternating rounds of the two, the best of each.
 - Republishes: --ticks schedules every second; the leader SIGKILLed --kills times (each
   time once a new leader has fired for 2 s); then every fire id in the queue is counted:
   copies beyond the first are the republishes RabbitMQ could not deduplicate.
@@ -32,9 +32,9 @@ from collections import Counter
 import aio_pika
 
 from bench.firing_bench import schedule_doc, started_cluster, until_all
-from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
 from hascheduler.brokers.base import FireMessage
-from hascheduler.logs import configure
+from hascheduler.process.logs import configure
 from tests.servers import RabbitServer, ServerProcess, start_devmongo
 from tests.waiting import wait_until
 
@@ -79,8 +79,8 @@ async def raw_burst(url: str, exchange: str, n: int) -> float:
 
 
 async def broker_burst(url: str, exchange: str, n: int) -> float:
-    """Our publisher alone (no scheduler): AmqpBroker.publish, BATCH messages a call."""
-    broker = AmqpBroker(AmqpEndpoint.parse(f"{url}?exchange={exchange}"))
+    """Our publisher alone (no scheduler): AmqpPublisher.publish, BATCH messages a call."""
+    broker = AmqpPublisher(AmqpEndpoint.parse(f"{url}?exchange={exchange}"))
     await broker.start()
     try:
         start = time.perf_counter()
@@ -176,7 +176,7 @@ async def main_async(args: argparse.Namespace) -> int:
     best = f"best of {args.rounds}"
     print(f"| raw aio-pika (baseline), {BATCH} in flight, {best} | {raw:.2f} | "
           f"{n / raw:,.0f} | 1.00x |")
-    print(f"| AmqpBroker alone, {BATCH} a call, {best} | {ours:.2f} | {n / ours:,.0f} | "
+    print(f"| AmqpPublisher alone, {BATCH} a call, {best} | {ours:.2f} | {n / ours:,.0f} | "
           f"{ours / raw:.2f}x |")
     print(f"| scheduler: due time to all published (3 replicas) | {drained:.2f} | "
           f"{n / drained:,.0f} | {drained / raw:.2f}x |")

@@ -49,6 +49,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from hascheduler_dev.devcluster.supervisor import (
+    Child,
+    DevSettings,
+    Supervisor,
+)
 from pymongo import AsyncMongoClient
 
 from bench.chaos_audit import (
@@ -63,14 +68,8 @@ from bench.chaos_audit import (
 )
 from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
-from hascheduler import logs
-from hascheduler.devcluster.supervisor import (
-    Child,
-    DevSettings,
-    Supervisor,
-    read_stream,
-    stream_leader,
-)
+from hascheduler.brokers.nats.reader import read_stream, stream_leader
+from hascheduler.process import logs
 
 UTC = dt.UTC
 TARGET = "chaos"

@@ -26,8 +26,8 @@ from zoneinfo import ZoneInfo
 from apscheduler.triggers.cron import CronTrigger
 from cronsim import CronSim, CronSimError
 
-from hascheduler import cron, triggers
-from hascheduler.catchup import plan_catchup
+from hascheduler.core import cron, triggers
+from hascheduler.core.catchup import plan_catchup
 
 ZONE = "Europe/Paris"
 START = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

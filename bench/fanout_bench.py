@@ -30,8 +30,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.firing_bench import TIMINGS, Cluster, schedule_doc, started_cluster, until_all
-from hascheduler.fanout import FanOut
-from hascheduler.tenants import SourceMirror
+from hascheduler.core.fanout import FanOut
+from hascheduler.replica.tenants import SourceMirror
 from tests.servers import ServerProcess, start_devmongo, start_nats
 
 RENEW_DEADLINE_S = float(TIMINGS[TIMINGS.index("--renew-deadline") + 1])

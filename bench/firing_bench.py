@@ -41,7 +41,7 @@ import nats
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
-from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
+from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
 
 # Printed after the lateness table, not inside it.

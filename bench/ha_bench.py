@@ -35,7 +35,7 @@ from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, schedule_doc, started_cluster, until_all
-from hascheduler.devcluster.supervisor import stream_leader
+from hascheduler.brokers.nats.reader import stream_leader
 from tests.servers import (
     NatsCluster,
     ServerProcess,

@@ -68,8 +68,8 @@ def schedule_documents(n: int, seed: int = 7) -> list[dict[str, Any]]:
 MEASURE_MIRROR = r"""
 import asyncio, gc, json, sys, time, tracemalloc
 from pymongo import AsyncMongoClient
-from hascheduler import logs
-from hascheduler.mirror import Mirror
+from hascheduler.process import logs
+from hascheduler.replica.mirror import Mirror
 logs.configure("warning")
 
 async def main(uri, traced):

@@ -35,7 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
-from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
+from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.worker import Run, WorkerApp
 from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
 

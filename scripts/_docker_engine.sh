@@ -105,7 +105,8 @@ make_base() {  # BASE_IMAGE, from $1 (a `docker save` of it) when that file exis
   fi
 }
 
-build_image() {  # build_image TAG: the project's Dockerfile on BASE_IMAGE
-  say "building $1 on $BASE_IMAGE"
-  d build -q --network host --build-arg "BASE=$BASE_IMAGE" -t "$1" . >/dev/null
+build_image() {  # build_image TAG [TARGET]: the project's Dockerfile on BASE_IMAGE
+  say "building $1${2:+ (target $2)} on $BASE_IMAGE"
+  d build -q --network host --build-arg "BASE=$BASE_IMAGE" ${2:+--target "$2"} -t "$1" . \
+    >/dev/null
 }

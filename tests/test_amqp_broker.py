@@ -15,12 +15,12 @@ import aio_pika
 import aiohttp
 import pytest
 
-from hascheduler.brokers import broker_from_url
-from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint, Unroutable
+from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
+from hascheduler.brokers.amqp.source import binding_key, delay_bucket_ms
 from hascheduler.brokers.base import BrokerUnavailable, FireMessage
-from hascheduler.brokers.celery_message import CeleryPayloadError, celery_call, celery_message
-from hascheduler.triggers import Interval, fire_id, fire_times
-from hascheduler.worker.amqp_source import binding_key, delay_bucket_ms
+from hascheduler.brokers.registry import parse_broker_url
+from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_message
+from hascheduler.core.triggers import Interval, fire_id, fire_times
 from tests.servers import RabbitServer, start_replica, with_database
 from tests.waiting import wait_until
 
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.timeout(180)]
 ])
 def test_a_bad_amqp_url_is_refused_naming_the_part(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        broker_from_url(url)
+        parse_broker_url(url)
 
 
 def test_an_amqp_url_keeps_its_vhost_and_options() -> None:
@@ -134,12 +134,12 @@ async def test_rabbitmq_stopped_for_ten_seconds_delays_fires_and_loses_none(
     await connection.close()
 
     # The broker on its own: down, it answers BrokerUnavailable at once; unroutable fails.
-    broker = AmqpBroker(AmqpEndpoint.parse(url))
+    broker = AmqpPublisher(AmqpEndpoint.parse(url))
     await broker.start()
     probe = FireMessage("p@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}")
     assert await broker.publish([probe], 5.0) == [None]
     stray = FireMessage("s@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}")
-    unbound = AmqpBroker(AmqpEndpoint.parse(f"{own_rabbit.url}?exchange=nobody-{exchange}"))
+    unbound = AmqpPublisher(AmqpEndpoint.parse(f"{own_rabbit.url}?exchange=nobody-{exchange}"))
     assert isinstance((await unbound.publish([stray], 5.0))[0], Unroutable)
     await unbound.close()
 

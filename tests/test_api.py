@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from pymongo import AsyncMongoClient
 
 from hascheduler.api import create_app
-from hascheduler.constants import MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES
-from hascheduler.mirror import Mirror
-from hascheduler.store import ScheduleStore
+from hascheduler.core.constants import MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES
+from hascheduler.replica.mirror import Mirror
+from hascheduler.storage.schedules import ScheduleStore
 
 NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -16,10 +16,10 @@ import nats
 import pytest
 import structlog
 
-from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
 from hascheduler.brokers.base import Broker, FireMessage
-from hascheduler.brokers.log import LogBroker
-from hascheduler.brokers.nats import NatsBroker, NatsEndpoint
+from hascheduler.brokers.log.publisher import LogPublisher
+from hascheduler.brokers.nats.publisher import NatsEndpoint, NatsPublisher
 from tests.servers import start_nats
 
 BROKERS = ["nats", "log", "amqp", "celery"]
@@ -68,7 +68,7 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
         name = f"contract-{uuid.uuid4().hex[:8]}"
         celery = request.param == "celery"
         read, connection = await _rabbit_queue(url, None if celery else name, name)
-        broker = AmqpBroker(AmqpEndpoint.parse(f"{url}?exchange={name}&celery_queue={name}"))
+        broker = AmqpPublisher(AmqpEndpoint.parse(f"{url}?exchange={name}&celery_queue={name}"))
         await broker.start()
         try:
             yield UnderTest(broker, read, deduplicates=False,
@@ -78,7 +78,7 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
             await connection.close()
     elif request.param == "nats":
         server = start_nats()
-        broker: Broker = NatsBroker(NatsEndpoint.parse(server.uri))
+        broker: Broker = NatsPublisher(NatsEndpoint.parse(server.uri))
 
         async def in_stream() -> list[str]:
             nc = await nats.connect(server.uri)
@@ -102,7 +102,7 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
             server.stop()
     else:
         with structlog.testing.capture_logs() as logs:
-            broker = LogBroker()
+            broker = LogPublisher()
 
             async def logged() -> list[str]:
                 return [str(e["fire_id"]) for e in logs if e["event"] == "fire"]

@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from hascheduler.catchup import plan_catchup
-from hascheduler.ledger import skipped_range_document
-from hascheduler.triggers import (
+from hascheduler.core.catchup import plan_catchup
+from hascheduler.core.triggers import (
     Cron,
     Interval,
     Trigger,
@@ -18,6 +17,7 @@ from hascheduler.triggers import (
     fire_times,
     latest_at_or_before,
 )
+from hascheduler.storage.fires import skipped_range_document
 from tests.test_time_travel import next_offset_change
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from hascheduler.brokers.amqp import AmqpBroker, AmqpEndpoint, Unroutable
+from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
 from hascheduler.brokers.base import FireMessage
-from hascheduler.events import EventTemplate
+from hascheduler.core.events import EventTemplate
 from tests.servers import CeleryWorker, RabbitServer, start_replica
 from tests.test_failover import Harness, expected_fires
 from tests.waiting import wait_until
@@ -48,15 +48,14 @@ def celery_fire(sid: str, nominal: dt.datetime, payload: dict[str, Any]) -> Fire
     """A fire rendered as the leader renders it (events.EventTemplate)."""
     template = EventTemplate.of({"_id": sid, "name": sid, "target": f"celery:{TASK}",
                                  "payload": payload})
-    fire = {"_id": f"{sid}@{nominal.isoformat(timespec='milliseconds')}",
-            "nominal_at": nominal}
-    return template.render(fire, term=4, attempt=1, fired_at_iso=nominal.isoformat())
+    return template.render(f"{sid}@{nominal.isoformat(timespec='milliseconds')}", nominal,
+                           None, term=4, attempt=1, fired_at_iso=nominal.isoformat())
 
 
 async def test_a_celery_worker_runs_fires_as_its_own_tasks(
         rabbit: RabbitServer, worker: CeleryWorker, queues: list[str]) -> None:
     default, reports = queues
-    broker = AmqpBroker(AmqpEndpoint.parse(f"{rabbit.url}?celery_queue={default}"),
+    broker = AmqpPublisher(AmqpEndpoint.parse(f"{rabbit.url}?celery_queue={default}"),
                         origin="hascheduler@test")
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     fires = [

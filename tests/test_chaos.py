@@ -13,8 +13,8 @@ import pytest
 
 from bench.chaos import KINDS, Fault, LeaseSample, failover_gaps
 from bench.chaos_audit import SoakSchedule, audit, audit_runs, stored_fire
-from hascheduler.models import ScheduleIn
-from hascheduler.triggers import iso_utc
+from hascheduler.core.models import ScheduleIn
+from hascheduler.core.triggers import iso_utc
 
 ROOT = Path(__file__).resolve().parent.parent
 UTC = dt.UTC

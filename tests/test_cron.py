@@ -14,8 +14,8 @@ from cronsim import CronSim, CronSimError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hascheduler import cron
-from hascheduler.triggers import Cron, InvalidTrigger, fire_times
+from hascheduler.core import cron
+from hascheduler.core.triggers import Cron, InvalidTrigger, fire_times
 
 UTC = dt.UTC
 ZONES = ["UTC", "Europe/Paris", "America/New_York", "Asia/Kolkata", "Australia/Sydney",

@@ -70,7 +70,7 @@ def test_the_ha_overlay_makes_every_cluster_three_members(tmp_path: Path) -> Non
     assert all(m in config["HASCHEDULER_MONGODB_URI"] for m in members)
     assert "replicaSet=rs0" in config["HASCHEDULER_MONGODB_URI"]
     assert "w=majority" in config["HASCHEDULER_MONGODB_URI"]
-    from hascheduler.brokers.nats import NatsEndpoint
+    from hascheduler.brokers.nats.publisher import NatsEndpoint
     broker = NatsEndpoint.parse(config["HASCHEDULER_BROKER"])
     assert broker.servers == [f"nats://nats-{i}.nats-cluster:4222" for i in range(3)]
     assert broker.replicas == 3
@@ -194,7 +194,7 @@ def test_kustomize_output_validates_and_holds_what_the_demo_needs(tmp_path: Path
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # Longer than the leader's drain (DispatchSettings.drain_timeout_s) plus the handover.
-    from hascheduler.dispatch import DispatchSettings
+    from hascheduler.replica.publishing import DispatchSettings
     assert pod["terminationGracePeriodSeconds"] > DispatchSettings().drain_timeout_s + 10
     assert pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     service = by_kind[("Service", "hascheduler")]
@@ -232,6 +232,10 @@ def test_dockerfile_passes_hadolint_and_runs_as_non_root() -> None:
     assert text.count("FROM ") >= 2, "multi-stage"
     final_stage = text.rsplit("FROM ", 1)[1]
     assert "USER 10001" in final_stage
+    # The production image (the last stage) takes the product's virtualenv, never the one
+    # with the development tools.
+    assert "--from=build " in final_stage
+    assert "devbuild" not in final_stage
     assert "gcc" not in final_stage
     assert "build-essential" not in final_stage
 

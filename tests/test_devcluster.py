@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hascheduler_dev.devcluster.supervisor import EPHEMERAL_RANGE, LOWEST_PORT, free_port
 
-from hascheduler.devcluster.audit import audit
-from hascheduler.devcluster.supervisor import EPHEMERAL_RANGE, LOWEST_PORT, free_port, stream_leader
+from hascheduler.brokers.nats.reader import stream_leader
+from hascheduler.core.audit import audit
 from tests.servers import DevCluster, start_nats
 from tests.waiting import wait_until_sync
 
@@ -91,7 +92,7 @@ def test_the_audit_command_refuses_bad_input(tmp_path: Path) -> None:
         (["--since", "2030-01-01T00:00:00", "--until", now.isoformat()],
          "'2030-01-01T00:00:00' is not an ISO-8601 instant with a UTC offset"),
         ([*window, "--broker", "nats://x:1"], "--mongodb-uri (or HASCHEDULER_MONGODB_URI)"),
-        ([*window, *uri, "--broker", "log:"], "only a NATS stream can be audited"),
+        ([*window, *uri, "--broker", "log:"], "log keeps no fires to audit"),
         (["--since", window[3], "--until", window[1], *uri, "--broker", "nats://x:1"],
          "--since must be before --until"),
         ([*window, "--mongodb-uri", "mongodb://h:99999/", "--broker", "nats://x:1"],

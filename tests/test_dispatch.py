@@ -7,14 +7,18 @@ import asyncio
 import contextlib
 import datetime as dt
 from types import SimpleNamespace
-from typing import Any
 
-from hascheduler.brokers import BrokerUnavailable
-from hascheduler.dispatch import Dispatcher, DispatchSettings, backoff_s
-from hascheduler.fanout import FanOut
-from hascheduler.fire_queue import SEED_STEP, Due
-from hascheduler.mirror import Entry
-from hascheduler.triggers import Interval
+import pytest
+
+from hascheduler.brokers.base import BrokerUnavailable
+from hascheduler.core.claims import Claim
+from hascheduler.core.entries import Entry
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.fire_queue import SEED_STEP, Due
+from hascheduler.core.triggers import Interval
+from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.publishing import DispatchSettings, backoff_s
+from hascheduler.replica.term import LeadershipLost, Term
 from tests.waiting import wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
@@ -37,10 +41,10 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
         return Entry(revision, False, Interval(every_s, T0), 0.0, "all", 3600.0, "t")
 
     entries = {f"s{i:05d}": entry(1) for i in range(3 * SEED_STEP)}
-    lease = SimpleNamespace(valid=True)
+    lease = SimpleNamespace(valid=True, term=1)
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)
-    dispatcher.term, dispatcher.watermark = 1, None  # leading, heap not built yet
+                            lease)  # type: ignore[arg-type]
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     turns = 0
     seeded = False
 
@@ -54,11 +58,11 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
             await asyncio.sleep(0)
 
     other = asyncio.create_task(meanwhile())
-    await dispatcher._seed(at(0.25))
+    await dispatcher._seed(term, at(0.25))
     seeded = True
     await other
     assert turns >= 2, "the seed never let another task run"
-    queued = {(d.revision, d.nominal) for d in dispatcher.queue.items()
+    queued = {(d.revision, d.nominal) for d in term.queue.items()
               if d.schedule_id == "s00000"}
     assert (2, at(0.5)) in queued, queued
 
@@ -80,19 +84,21 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
             return in_sync.is_set()
 
     now = dt.datetime.now(dt.UTC)
+    lease = SimpleNamespace(valid=True, term=1)
     dispatcher = Dispatcher(SimpleNamespace(entries={"f": entry}), None, None, None,  # type: ignore[arg-type]
-                            SimpleNamespace(valid=True, term=1),  # type: ignore[arg-type]
+                            lease,  # type: ignore[arg-type]
                             clock=lambda: now, sources=Sources())
-    dispatcher.term, dispatcher.watermark = 1, now
-    claimed: list[dict[str, Any]] = []
+    term = dispatcher.term = await Term(1, lease, {"f": entry}).__aenter__()  # type: ignore[arg-type]
+    term.watermark = now
+    claimed: list[Claim] = []
 
-    async def claim(docs: list[dict[str, Any]], term: int) -> list[dict[str, Any]]:
-        claimed.extend(docs)
+    async def claim(claims: list[Claim], term: Term, now: dt.datetime) -> list[Claim]:
+        claimed.extend(claims)
         return []  # nothing to publish in this test
 
     dispatcher._claim = claim  # type: ignore[method-assign]
     due = Due(now + dt.timedelta(seconds=1), now + dt.timedelta(seconds=1), "f", 1)
-    await dispatcher._claim_and_publish([due], 1, now)
+    await dispatcher._claim_and_publish([due], term, now)
     assert claimed == []
     held = dispatcher.fired_through
     assert held is not None
@@ -104,7 +110,7 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
         return len(claimed) == 2
 
     await wait_until(expanded, 5, "the fire claimed once its source is in sync")
-    assert [d["tenant"] for d in claimed] == ["a", "b"]
+    assert [c.tenant for c in claimed] == ["a", "b"]
 
     async def released() -> bool:
         return dispatcher.fired_through == now
@@ -131,13 +137,17 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
                                 max_unavailable_s=300.0)
     dispatcher = Dispatcher(SimpleNamespace(entries={}), None, Ledger(), None,  # type: ignore[arg-type]
                             SimpleNamespace(valid=True), settings, clock=lambda: now)  # type: ignore[arg-type]
-    recent = {"_id": "recent", "due_at": now - dt.timedelta(seconds=10)}
-    old = {"_id": "old", "due_at": now - dt.timedelta(seconds=301)}
+    def claim(fire: str, due: dt.datetime) -> Claim:
+        return Claim(fire, "s", due, due)
+
+    recent = claim("recent", now - dt.timedelta(seconds=10))
+    old = claim("old", now - dt.timedelta(seconds=301))
+    publisher = dispatcher.publisher
     for attempt in range(1, 8):
-        await dispatcher._record_failure(recent, 1, attempt, BrokerUnavailable("down"))
-    await dispatcher._record_failure(old, 1, 3, BrokerUnavailable("down"))
-    await dispatcher._record_failure({**recent, "_id": "refused"}, 1, 3,
-                                     RuntimeError("refused"))
+        await publisher.record_failure(recent, 1, attempt, BrokerUnavailable("down"))
+    await publisher.record_failure(old, 1, 3, BrokerUnavailable("down"))
+    await publisher.record_failure(claim("refused", recent.due_at), 1, 3,
+                                   RuntimeError("refused"))
     waits = [wait for fire, what, wait in recorded if fire == "recent"]
     assert len(waits) == 7
     assert all(wait is not None and 0 <= wait <= 2.0 for wait in waits), waits
@@ -155,9 +165,9 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
 
     from pymongo import AsyncMongoClient
 
-    from hascheduler import ledger
-    from hascheduler.dispatch import Dispatcher
-    from hascheduler.triggers import fire_id
+    from hascheduler.core.triggers import fire_id
+    from hascheduler.replica.dispatch import Dispatcher
+    from hascheduler.storage import fires as ledger
     from tests.servers import with_database
 
     client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
@@ -165,9 +175,10 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
     try:
         fires = client.get_default_database().fires
         now = at(10)
-        lease = SimpleNamespace(valid=True, remaining=lambda: 5.0)
+        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0)
         dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
-                                ledger.Ledger(fires), None, lease, clock=lambda: now)
+                                ledger.Ledger(fires), None, lease, clock=lambda: now)  # type: ignore[arg-type]
+        term = Term(2, lease, {})  # type: ignore[arg-type]
 
         def claim(sid: str, term: int) -> dict[str, object]:
             return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
@@ -176,12 +187,13 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
                                            claim("newer", 3), claim("ours", 2))
         published["state"] = ledger.PUBLISHED
         await fires.insert_many([deposed, published, newer, ours])
-        dispatcher._pending.add(str(ours["_id"]))
+        term.pending.add(str(ours["_id"]))
 
-        mine = [claim(sid, 2) for sid in ("deposed", "published", "newer", "ours", "fresh")]
-        owned = await dispatcher._claim(mine, 2)
+        mine = [Claim(fire_id(sid, at(10)), sid, at(10), at(10))
+                for sid in ("deposed", "published", "newer", "ours", "fresh")]
+        owned = await dispatcher._claim(mine, term, at(9.99))
 
-        assert sorted(str(d["_id"]) for d in owned) == [
+        assert sorted(c.fire_id for c in owned) == [
             fire_id("deposed", at(10)), fire_id("fresh", at(10))]
         stored = {d["schedule_id"]: d async for d in fires.find({})}
         assert (stored["deposed"]["term"], stored["deposed"]["claimed_at"]) == (2, now)
@@ -192,3 +204,29 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         assert stored["fresh"]["term"] == 2
     finally:
         await client.close()
+
+
+async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
+    """The fence, asked of the term alone: a lapsed renew deadline or a newer term on the
+    lease stops it, and leaving it empties its queue and cancels its waits."""
+    entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")}
+    lease = SimpleNamespace(valid=True, term=4)
+    async with Term(4, lease, entries) as term:  # type: ignore[arg-type]
+        term.check()
+        assert term.holds
+        lease.term = 5  # re-elected: a new term, not this one
+        assert not term.holds
+        with pytest.raises(LeadershipLost):
+            term.check()
+        lease.term, lease.valid = 4, False  # the renew deadline passed
+        with pytest.raises(LeadershipLost):
+            term.check()
+        list(term.queue.seed(at(0)))
+        assert list(term.queue.items())
+        never = asyncio.Event()
+        term.waiting(never.wait())  # type: ignore[arg-type]
+        (waiting,) = term._waiting
+    assert not term.active
+    assert list(term.queue.items()) == []
+    await asyncio.wait({waiting}, timeout=5)
+    assert waiting.cancelled()

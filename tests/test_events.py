@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hascheduler.events import EventTemplate
-from hascheduler.triggers import fire_id, iso_utc
+from hascheduler.core.events import EventTemplate
+from hascheduler.core.triggers import fire_id, iso_utc
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
                     lambda inner: st.lists(inner, max_size=3)
@@ -26,14 +26,12 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
         schedule_id: str, name: str, payload: dict[str, Any], term: int, attempt: int,
         tenant: str | None, nominal: dt.datetime) -> None:
     fired = nominal + dt.timedelta(milliseconds=3)
-    fire: dict[str, Any] = {"_id": fire_id(schedule_id, nominal),
-                            "schedule_id": schedule_id, "nominal_at": nominal}
-    if tenant is not None:
-        fire["tenant"] = tenant
+    fire = fire_id(schedule_id, nominal)
     schedule = {"_id": schedule_id, "name": name, "payload": payload, "target": "t.x"}
-    message = EventTemplate.of(schedule).render(fire, term, attempt, iso_utc(fired))
+    message = EventTemplate.of(schedule).render(fire, nominal, tenant, term, attempt,
+                                                iso_utc(fired))
     event = {
-        "specversion": "1.0", "id": fire["_id"], "source": "/hascheduler",
+        "specversion": "1.0", "id": fire, "source": "/hascheduler",
         "type": "io.hascheduler.fire", "subject": schedule_id, "time": iso_utc(fired),
         "datacontenttype": "application/json",
         "data": {"schedule_id": schedule_id, "name": name, "nominal_at": iso_utc(nominal),
@@ -41,4 +39,4 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
                  **({"tenant": tenant} if tenant is not None else {}), "payload": payload},
     }
     assert message.body == json.dumps(event, separators=(",", ":")).encode()
-    assert (message.fire_id, message.target, message.term) == (fire["_id"], "t.x", term)
+    assert (message.fire_id, message.target, message.term) == (fire, "t.x", term)

@@ -23,8 +23,8 @@ import nats
 import pytest
 from pymongo import AsyncMongoClient
 
-from hascheduler.brokers.nats import NatsEndpoint
-from hascheduler.triggers import Cron, Interval, fire_id, fire_times
+from hascheduler.brokers.nats.publisher import NatsEndpoint
+from hascheduler.core.triggers import Cron, Interval, fire_id, fire_times
 from tests.servers import NatsCluster, ServerProcess, start_nats, start_replica, with_database
 from tests.waiting import wait_until
 

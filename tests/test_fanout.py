@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from hascheduler.fanout import FanOut, matches, tenant_fire_id, tenant_key
+from hascheduler.core.fanout import FanOut, matches, tenant_fire_id, tenant_key
 
 
 @pytest.mark.parametrize(("body", "field"), [

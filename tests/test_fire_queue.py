@@ -6,9 +6,9 @@ import datetime as dt
 
 import pytest
 
-from hascheduler.fire_queue import SEED_STEP, Due, FireQueue, next_due
-from hascheduler.mirror import Entry
-from hascheduler.triggers import At, Interval
+from hascheduler.core.entries import Entry
+from hascheduler.core.fire_queue import SEED_STEP, Due, FireQueue, next_due
+from hascheduler.core.triggers import At, Interval
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 

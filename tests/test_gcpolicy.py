@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hascheduler import gcpolicy
+from hascheduler.process import gcpolicy
 
 
 @pytest.fixture(autouse=True)

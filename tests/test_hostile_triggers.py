@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hascheduler.triggers import fire_id
+from hascheduler.core.triggers import fire_id
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from hascheduler.leadership import Elector
-from hascheduler.lease import Lease, LeaseSettingsError, LeaseTimings
+from hascheduler.replica.leadership import Elector
+from hascheduler.storage.lease import Lease, LeaseSettingsError, LeaseTimings
 from tests.waiting import wait_until
 
 FAST = LeaseTimings(ttl=1.0, renew_deadline=0.7, renew_interval=0.2)

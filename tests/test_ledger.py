@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from hascheduler.catchup import SkippedRange
-from hascheduler.ledger import (
+from hascheduler.core.catchup import SkippedRange
+from hascheduler.core.triggers import fire_id
+from hascheduler.storage.fires import (
     CLAIMED,
     FAILED,
     PUBLISHED,
@@ -21,7 +22,6 @@ from hascheduler.ledger import (
     claim_document,
     skipped_range_document,
 )
-from hascheduler.triggers import fire_id
 from tests.servers import with_database
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
@@ -102,7 +102,7 @@ async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) ->
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 1
     assert (await ledger.fires.find_one({"schedule_id": "due"}) or {})["term"] == 2
     retries = await ledger.due_for_retry(2, at(12), limit=10)
-    assert [d["schedule_id"] for d in retries] == ["due"]
+    assert [c.schedule_id for c in retries] == ["due"]
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import structlog
 
-from hascheduler import logs
+from hascheduler.process import logs
 from tests.servers import start_replica, with_database
 from tests.waiting import wait_until
 

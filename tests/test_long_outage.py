@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from hascheduler.models import ScheduleIn
-from hascheduler.store import ScheduleStore
+from hascheduler.core.models import ScheduleIn
+from hascheduler.storage.schedules import ScheduleStore
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 

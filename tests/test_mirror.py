@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from bson import Timestamp
 
-from hascheduler.mirror import Mirror, decide
+from hascheduler.replica.mirror import Mirror, decide
 from tests.drivers import Driver
 from tests.waiting import wait_until
 

@@ -13,8 +13,13 @@ import pytest
 from nats.js.api import DiscardPolicy, StreamConfig
 
 from hascheduler.brokers.base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
-from hascheduler.brokers.nats import NatsBroker, NatsEndpoint, PublishRejected, ack_error
-from hascheduler.brokers.nats_wire import PublishConnection, WireError, frame
+from hascheduler.brokers.nats.publisher import (
+    NatsEndpoint,
+    NatsPublisher,
+    PublishRejected,
+    ack_error,
+)
+from hascheduler.brokers.nats.wire import PublishConnection, WireError, frame
 from tests.servers import ServerProcess, start_nats
 
 
@@ -26,8 +31,8 @@ def nats_server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture
-async def broker(nats_server: ServerProcess) -> AsyncIterator[NatsBroker]:
-    b = NatsBroker(NatsEndpoint.parse(nats_server.uri))
+async def broker(nats_server: ServerProcess) -> AsyncIterator[NatsPublisher]:
+    b = NatsPublisher(NatsEndpoint.parse(nats_server.uri))
     await b.start()
     yield b
     await b.close()
@@ -52,7 +57,7 @@ async def stream_info(uri: str) -> tuple[int, list[tuple[str, str]]]:
 
 
 async def test_every_message_is_acknowledged_once_and_a_republish_is_deduplicated(
-        broker: NatsBroker, nats_server: ServerProcess) -> None:
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
     batch = messages(2500)
     assert await broker.publish(batch, 5.0) == [None] * 2500
     # Republished (a new leader adopting claims): acknowledged as duplicates, stored once.
@@ -62,7 +67,7 @@ async def test_every_message_is_acknowledged_once_and_a_republish_is_deduplicate
     assert headers == [(batch[0].fire_id, "7")]
 
 
-async def test_a_message_jetstream_rejects_fails_alone(broker: NatsBroker,
+async def test_a_message_jetstream_rejects_fails_alone(broker: NatsPublisher,
                                                        nats_server: ServerProcess) -> None:
     nc = await nats.connect(nats_server.uri)
     try:  # room for two more messages, then new ones are refused
@@ -78,7 +83,7 @@ async def test_a_message_jetstream_rejects_fails_alone(broker: NatsBroker,
 
 
 async def test_a_deleted_stream_fails_the_batch_and_is_recreated_for_the_retry(
-        broker: NatsBroker, nats_server: ServerProcess) -> None:
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
     nc = await nats.connect(nats_server.uri)
     try:
         await nc.jetstream().delete_stream("HASCHEDULER")
@@ -91,7 +96,7 @@ async def test_a_deleted_stream_fails_the_batch_and_is_recreated_for_the_retry(
     assert stored == 2
 
 
-async def test_a_message_that_would_break_the_framing_fails_alone(broker: NatsBroker) -> None:
+async def test_a_message_that_would_break_the_framing_fails_alone(broker: NatsPublisher) -> None:
     bad = [FireMessage("a@x", "has space", 1, b"{}"), FireMessage("b\r\n@x", "t", 1, b"{}"),
            FireMessage("c@x", "t", 1, b"x" * (2 << 20))]
     outcomes = await broker.publish([*messages(1), *bad, *messages(1, prefix="g")], 5.0)
@@ -101,7 +106,7 @@ async def test_a_message_that_would_break_the_framing_fails_alone(broker: NatsBr
 
 
 async def test_server_gone_fails_every_message_within_the_timeout(
-        broker: NatsBroker, nats_server: ServerProcess) -> None:
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
     nats_server.stop()
     outcomes = await broker.publish(messages(3), 1.0)
     assert len(outcomes) == 3
@@ -109,7 +114,7 @@ async def test_server_gone_fails_every_message_within_the_timeout(
 
 
 async def test_a_stalled_server_times_out_and_a_fresh_connection_publishes_after(
-        broker: NatsBroker, nats_server: ServerProcess) -> None:
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
     process = nats_server.process
     assert process is not None
     process.send_signal(signal.SIGSTOP)
@@ -148,7 +153,7 @@ async def test_acks_are_read_from_a_server_that_requires_a_password() -> None:
     server = start_nats(extra=("--user", "hs", "--pass", "s3cret"))
     try:
         uri = server.uri.replace("nats://", "nats://hs:s3cret@")
-        b = NatsBroker(NatsEndpoint.parse(uri))
+        b = NatsPublisher(NatsEndpoint.parse(uri))
         await b.start()
         try:
             assert await b.publish(messages(50), 5.0) == [None] * 50

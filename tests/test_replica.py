@@ -11,8 +11,9 @@ from typing import Any
 import aiohttp
 from pymongo import AsyncMongoClient
 
-from hascheduler.lease import LeaseTimings
-from hascheduler.replica import Replica, ReplicaSettings
+from hascheduler.brokers.registry import parse_broker_url
+from hascheduler.replica.service import Replica, ReplicaSettings
+from hascheduler.storage.lease import LeaseTimings
 from tests.servers import with_database
 from tests.waiting import wait_until
 
@@ -21,7 +22,7 @@ async def test_a_replica_runs_in_process_and_stops_everything_it_started(
         mongo_uri: str) -> None:
     uri = with_database(mongo_uri, f"inproc_{uuid.uuid4().hex[:8]}")
     settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
-                               replica_id="in-process", broker_url="log:",
+                               replica_id="in-process", broker=parse_broker_url("log:"),
                                timings=LeaseTimings(ttl=2.0, renew_deadline=1.4,
                                                     renew_interval=0.4))
     before = asyncio.all_tasks()

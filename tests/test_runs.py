@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hascheduler.runs import (
+from hascheduler.storage.runs import (
     DEAD,
     RETRYING,
     RUNNING,

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from mongomock_motor import AsyncMongoMockClient
 
-from hascheduler.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
-from hascheduler.models import ScheduleFields, ScheduleIn
-from hascheduler.store import ScheduleStore
+from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from hascheduler.core.models import ScheduleFields, ScheduleIn
+from hascheduler.storage.schedules import ScheduleStore
 from tests.drivers import Driver
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from bson import ObjectId
 
-from hascheduler.fanout import FanOut
-from hascheduler.tenants import SourceMirror, project
+from hascheduler.core.fanout import FanOut
+from hascheduler.replica.tenants import SourceMirror, project
 from tests.drivers import Driver
 from tests.waiting import wait_until
 

@@ -7,8 +7,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from hascheduler import triggers
-from hascheduler.triggers import At, Cron, Interval, fire_times, jitter_offset
+from hascheduler.core import triggers
+from hascheduler.core.triggers import At, Cron, Interval, fire_times, jitter_offset
 
 UTC = dt.UTC
 PARIS = ZoneInfo("Europe/Paris")

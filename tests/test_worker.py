@@ -23,7 +23,7 @@ import nats
 import pytest
 from pymongo import AsyncMongoClient
 
-from hascheduler.brokers.nats import NatsEndpoint, ensure_stream
+from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from tests.servers import RabbitServer, ServerProcess, start_nats, with_database
 from tests.waiting import wait_until
 

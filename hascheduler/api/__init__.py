@@ -1,5 +1,5 @@
 """The HTTP API every replica serves (aiohttp)."""
 
-from .app import create_app
+from hascheduler.api.routes import create_app
 
 __all__ = ["create_app"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from hascheduler.core.errors import ConfigError
 
 # Kubelet probes and Prometheus scrapers carry no token; these reveal no schedule data.
 # The dashboard page is static: it asks for a token and sends it with every call it makes.

@@ -7,37 +7,35 @@ import datetime as dt
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from .. import models
-from ..brokers import Broker, FireMessage
-from ..constants import (
-    DEFAULT_MIN_FIRE_INTERVAL_S,
+from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize
+from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
+from hascheduler.brokers.base import Broker
+from hascheduler.core import models
+from hascheduler.core.constants import (
     DEFAULT_PAGE,
     HEARTBEAT_INTERVAL_S,
     LEASE_NAME,
     MAX_PAGE,
     MAX_PREVIEW,
-    MAX_REQUEST_BYTES,
 )
-from ..fanout import FanOut
-from ..instants import as_utc
-from ..lease import LeaseView
-from ..ledger import STATES as FIRE_STATES
-from ..ledger import Ledger
-from ..metrics import CONTENT_TYPE, Metrics
-from ..mirror import Mirror
-from ..runs import DEAD, STATES, RunLedger, public_view
-from ..store import ScheduleStore
-from ..triggers import fire_id, fire_times
-from .access import WRITE_METHODS, Tokens, WriteLimit, WriteLimiter, authorize
-from .errors import BadRequest, Handler, error_middleware, problem
-from .openapi import DOCS_PAGE, IF_MATCH, LABEL_FILTER, openapi_spec
+from hascheduler.core.entries import Entry
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_id, fire_times
+from hascheduler.process.metrics import CONTENT_TYPE, Metrics
+from hascheduler.storage.fires import STATES as FIRE_STATES
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.lease import LeaseView
+from hascheduler.storage.runs import DEAD, STATES, RunLedger, public_view
+from hascheduler.storage.schedules import ScheduleStore
 
 # The dashboard's page: one static file, no build step, read once at import.
 UI_PAGE = (Path(__file__).parent / "ui.html").read_text()
@@ -53,7 +51,20 @@ DASHBOARD_DEAD_RUNS = 20
 Clock = Callable[[], dt.datetime]
 
 STORE = web.AppKey("store", ScheduleStore)
-MIRROR = web.AppKey("mirror", Mirror)
+
+
+class Mirror(Protocol):
+    """The replica's schedules mirror (replica/mirror.py), as the API reads it."""
+
+    @property
+    def entries(self) -> Mapping[str, Entry]: ...
+    @property
+    def recently_applied(self) -> Mapping[str, float]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+MIRROR: web.AppKey[Mirror] = web.AppKey("mirror")
 REPLICA = web.AppKey("replica_id", str)
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 MIN_FIRE_INTERVAL: web.AppKey[float] = web.AppKey("min_fire_interval_s")
@@ -342,45 +353,6 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(status, status=200 if status["ready"] else 503)
 
 
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_spec(tuple((m, p) for m, p, _ in ROUTES)))
-
-
-async def docs(request: web.Request) -> web.Response:
-    return web.Response(text=DOCS_PAGE, content_type="text/html")
-
-
-def create_app(store: ScheduleStore, mirror: Mirror, replica_id: str,
-               clock: Clock = lambda: dt.datetime.now(dt.UTC),
-               cluster: Cluster | None = None,
-               metrics_: Metrics | None = None, tokens: Tokens | None = None,
-               write_limit: WriteLimit | None = None,
-               min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
-               fan_out: tuple[int, CountTenants] | None = None,
-               sources: SourceMirrors | None = None) -> web.Application:
-    app = web.Application(middlewares=[count_requests, access_control, error_middleware],
-                          client_max_size=MAX_REQUEST_BYTES)
-    app[METRICS] = metrics_ or Metrics()
-    app[TOKENS] = tokens or Tokens()
-    app[LIMITER] = WriteLimiter(write_limit or WriteLimit())
-    app[STORE] = store
-    app[MIRROR] = mirror
-    app[REPLICA] = replica_id
-    app[CLOCK] = clock
-    app[MIN_FIRE_INTERVAL] = min_fire_interval_s
-    if fan_out is not None:
-        app[FAN_OUT] = fan_out
-    if sources is not None:
-        app[SOURCES] = sources
-    if cluster is not None:
-        app[CLUSTER] = cluster
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)
-    return app
-
-
-
-
 class Readable(Protocol):
     """A collection the API reads (the lease, the members' heartbeats)."""
 
@@ -532,44 +504,11 @@ async def get_run(request: web.Request) -> web.Response:
     return web.json_response(public_view(doc))
 
 
-def _stored_event(raw: Any) -> dict[str, Any] | None:
-    """The CloudEvent a dead run kept, or None when it kept none that reads as one."""
-    try:
-        event = json.loads(raw) if isinstance(raw, bytes) else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
-        return None
-    return event
-
-
 async def retry_run(request: web.Request) -> web.Response:
-    """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
-    published again under a new broker message id (the original one is still inside the
-    broker's duplicate window, and would be dropped)."""
+    """Replay a dead run (RunLedger.replay_dead)."""
     cluster = _cluster(request)
-    fire_id = request.match_info["id"]
-    now = _now(request)
-    doc = await cluster.runs.replay(fire_id, now)
-    if doc is None:
-        current = await cluster.runs.get(fire_id)
-        if current is None:
-            return problem(404, f"no run for fire {fire_id!r}")
-        return problem(409, f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
-                            "be retried")
-    replays = int(doc["replays"])
-    event = _stored_event(doc.get("event"))
-    if event is None:  # written by something other than a worker
-        await cluster.runs.unreplay(fire_id, replays, "no event kept to replay", now)
-        return problem(409, f"run {fire_id!r} keeps no event to replay")
-    event["data"] = {**event["data"], "replay": replays}
-    message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],
-                          term=int(event["data"].get("term", 0)),
-                          body=json.dumps(event, separators=(",", ":")).encode())
-    [error] = await cluster.broker.publish([message], timeout_s=10.0)
-    if error is not None:
-        await cluster.runs.unreplay(fire_id, replays, f"replay not published: {error!r}", now)
-        return problem(503, f"the broker did not take the replay of {fire_id!r}: {error}")
+    doc = await cluster.runs.replay_dead(request.match_info["id"], _now(request),
+                                         cluster.broker)
     return web.json_response(public_view(doc), status=202)
 
 
@@ -630,32 +569,3 @@ async def ui(request: web.Request) -> web.Response:
     return web.Response(text=UI_PAGE, content_type="text/html",
                         headers={"Cache-Control": "no-cache",
                                  "Content-Security-Policy": UI_CSP})
-
-
-# The route table: the server registers it, and /openapi.json is generated from it.
-ROUTES: list[tuple[str, str, Handler]] = [
-    ("POST", "/schedules", create_schedule),
-    ("GET", "/schedules", list_schedules),
-    ("GET", "/schedules/{id}", get_schedule),
-    ("PUT", "/schedules/{id}", put_schedule),
-    ("PATCH", "/schedules/{id}", patch_schedule),
-    ("DELETE", "/schedules/{id}", delete_schedule),
-    ("POST", "/schedules/{id}/pause", pause_schedule),
-    ("POST", "/schedules/{id}/resume", resume_schedule),
-    ("GET", "/schedules/{id}/next", next_fires),
-    ("GET", "/schedules/{id}/fires", fire_history),
-    ("GET", "/schedules/{id}/runs", schedule_runs),
-    ("GET", "/runs", list_runs),
-    ("GET", "/runs/{id}", get_run),
-    ("POST", "/runs/{id}/retry", retry_run),
-    ("GET", "/mirror/{id}", mirror_entry),
-    ("GET", "/leader", leader),
-    ("GET", "/cluster", members),
-    ("GET", "/dashboard", dashboard),
-    ("GET", "/metrics", metrics),
-    ("GET", "/ui", ui),
-    ("GET", "/healthz", healthz),
-    ("GET", "/readyz", readyz),
-    ("GET", "/openapi.json", openapi),
-    ("GET", "/docs", docs),
-]

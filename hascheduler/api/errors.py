@@ -14,7 +14,14 @@ from aiohttp import web
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
-from ..errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from hascheduler.core.errors import (
+    BrokerRefused,
+    RevisionConflict,
+    RunConflict,
+    RunNotFound,
+    ScheduleExists,
+    ScheduleNotFound,
+)
 
 log = structlog.get_logger("hascheduler.api")
 
@@ -68,8 +75,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return problem(exc.status, exc.message, [{"field": exc.field, "message": exc.message}])
     except ValidationError as exc:
         return problem(422, "the schedule is not valid", validation_errors(exc))
-    except ScheduleNotFound as exc:
+    except (ScheduleNotFound, RunNotFound) as exc:
         return problem(404, str(exc))
+    except RunConflict as exc:
+        return problem(409, str(exc))
+    except BrokerRefused as exc:
+        return problem(503, str(exc))
     except ScheduleExists as exc:
         return problem(409, str(exc), [{"field": "id", "message": str(exc)}])
     except RevisionConflict as exc:

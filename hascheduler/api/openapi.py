@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from .. import __version__, models
-from ..constants import MAX_PAGE, MAX_PREVIEW
+from hascheduler import __version__
+from hascheduler.core import models
+from hascheduler.storage.runs import Run, RunList
 
 
 class Problem(BaseModel):
@@ -31,52 +31,21 @@ class MirrorStatus(BaseModel):
     sources_ready: bool | None = None
 
 
-class Run(BaseModel):
-    """One fire's run in the runs ledger (instants in RFC 3339)."""
-
-    id: str = Field(description="the fire id: every handler's idempotency key")
-    schedule_id: str
-    fire: str | None = Field(None, description="a fan-out run's fire: its id without the "
-                                                "tenant")
-    tenant: str | None = None
-    target: str
-    nominal_at: str | None = None
-    state: str = Field(description="running, succeeded, retrying or dead")
-    attempts: int
-    worker_id: str | None = None
-    started_at: str | None = None
-    first_started_at: str | None = None
-    heartbeat_at: str | None = None
-    lease_until: str | None = None
-    finished_at: str | None = None
-    duration_s: float | None = None
-    last_error: str | None = None
-    next_attempt_at: str | None = None
-    replays: int = 0
-    recorded_at: str | None = None
-
-
-class RunList(BaseModel):
-    items: list[Run]
-    next: str | None = Field(default=None, description="the after= of the next page (the "
-                                                       "fire id of this page's last run)")
-
-
-def _ref(name: str) -> dict[str, str]:
+def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json_body(name: str) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
+def json_body(name: str) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": ref(name)}}}
 
 
-def _responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
+def responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
     out: dict[str, Any] = {str(ok): {"description": "success"}}
     if name:
-        out[str(ok)]["content"] = {"application/json": {"schema": _ref(name)}}
+        out[str(ok)]["content"] = {"application/json": {"schema": ref(name)}}
     for code in (*errors, 401):  # 401 from any route but the open ones, when tokens are set
         out[str(code)] = {"description": _ERRORS[code],
-                          "content": {"application/json": {"schema": _ref("Problem")}}}
+                          "content": {"application/json": {"schema": ref("Problem")}}}
     return out
 
 
@@ -96,125 +65,15 @@ IF_MATCH = re.compile(r'\s*(?:\*|(?:W/)?"?([1-9][0-9]{0,17})"?)\s*')
 # ?label=key=value, as the server splits it: a label key (a slug) and any value.
 LABEL_FILTER = rf"^{models.SLUG.pattern}=[\s\S]*$"
 
-_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-_IF_MATCH = {"name": "If-Match", "in": "header", "required": False,
+ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+IF_MATCH_HEADER = {"name": "If-Match", "in": "header", "required": False,
              "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
              "description": "the revision from the ETag; the write fails with 409 if stale"}
-_WRITE = (400, 403, 413, 415, 422, 429)
-_SEMANTIC = ("Besides its shape, the body must describe a schedule that can fire: a cron "
+WRITE = (400, 403, 413, 415, 422, 429)
+SEMANTIC = ("Besides its shape, the body must describe a schedule that can fire: a cron "
              "expression that parses and has a day it fires on, instants in the future, no "
              "more often than the cluster's floor, a catch-up window it can replay. Each "
              "refusal is a 422 naming the field.")
-
-
-def _operations() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every route's OpenAPI operation, by (method, path)."""
-    return {
-        ("POST", "/schedules"): {
-            "summary": "create a schedule", "description": _SEMANTIC,
-            "requestBody": _json_body("ScheduleIn"),
-            "responses": _responses(201, "Schedule", *_WRITE, 409)},
-        ("GET", "/schedules"): {
-            "summary": "list schedules (id order, cursor pagination)",
-            "parameters": [
-                {"name": "label", "in": "query", "description": "key=value; repeat to AND",
-                 "schema": {"type": "string", "pattern": LABEL_FILTER}},
-                {"name": "paused", "in": "query",
-                 "schema": {"type": "string", "enum": ["true", "false"]}},
-                {"name": "after", "in": "query", "schema": {"type": "string"}},
-                {"name": "limit", "in": "query",
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
-            "responses": _responses(200, "ScheduleList", 422)},
-        ("GET", "/schedules/{id}"): {
-            "summary": "one schedule", "responses": _responses(200, "Schedule", 404)},
-        ("PUT", "/schedules/{id}"): {
-            "summary": "replace a schedule", "description": _SEMANTIC,
-            "parameters": [_IF_MATCH], "requestBody": _json_body("ScheduleFields"),
-            "responses": _responses(200, "Schedule", *_WRITE, 404, 409)},
-        ("PATCH", "/schedules/{id}"): {
-            "summary": "change some fields (JSON merge patch: null removes a field)",
-            "description": _SEMANTIC, "parameters": [_IF_MATCH],
-            "requestBody": {"required": True, "content": {
-                "application/merge-patch+json": {"schema": _ref("SchedulePatch")},
-                "application/json": {"schema": _ref("SchedulePatch")}}},
-            "responses": _responses(200, "Schedule", *_WRITE, 404, 409)},
-        ("DELETE", "/schedules/{id}"): {
-            "summary": "delete a schedule", "parameters": [_IF_MATCH],
-            "responses": _responses(204, None, 400, 403, 404, 409, 429)},
-        ("POST", "/schedules/{id}/pause"): {
-            "summary": "pause", "parameters": [_IF_MATCH],
-            "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)},
-        ("POST", "/schedules/{id}/resume"): {
-            "summary": "resume", "parameters": [_IF_MATCH],
-            "responses": _responses(200, "Schedule", 400, 403, 404, 409, 429)},
-        ("GET", "/schedules/{id}/next"): {
-            "summary": "the next nominal and jittered fire times",
-            "parameters": [
-                {"name": "count", "in": "query",
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PREVIEW}},
-                {"name": "after", "in": "query",
-                 "schema": {"type": "string", "format": "date-time"}}],
-            "responses": _responses(200, "Preview", 404, 422)},
-        ("GET", "/schedules/{id}/fires"): {
-            "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
-                       "entry with last_nominal_at and count)",
-            "parameters": [{"name": "limit", "in": "query",
-                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
-            "responses": _responses(200, None, 404, 422, 503)},
-        ("GET", "/schedules/{id}/runs"): {
-            "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
-                       "its latest fires, each with its ledger entries (fires) and its runs "
-                       "counted by state (a fan-out fire has one of each per tenant)",
-            "parameters": [{"name": "limit", "in": "query",
-                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
-                           {"name": "by", "in": "query",
-                            "schema": {"type": "string", "enum": ["fire"]}}],
-            "responses": _responses(200, None, 404, 422, 503)},
-        ("GET", "/runs"): {
-            "summary": "runs, most recently changed first (state=dead: the dead letters)",
-            "parameters": [
-                {"name": "state", "in": "query", "schema": {
-                    "type": "string", "enum": ["running", "succeeded", "retrying", "dead"]}},
-                {"name": "after", "in": "query", "schema": {"type": "string"},
-                 "description": "the next of the previous page: the fire id of its last run "
-                                "(404 once that run has expired)"},
-                {"name": "limit", "in": "query",
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
-            "responses": _responses(200, "RunList", 404, 422, 503)},
-        ("GET", "/runs/{id}"): {"summary": "one fire's run",
-                                "responses": _responses(200, "Run", 404, 503)},
-        ("POST", "/runs/{id}/retry"): {
-            "summary": "replay a dead run: it is published again and runs with a fresh "
-                       "attempt budget",
-            "responses": _responses(202, "Run", 403, 404, 409, 429, 503)},
-        ("GET", "/mirror/{id}"): {
-            "summary": "what this replica's mirror holds for a schedule (revision, paused, "
-                       "next nominal time)", "responses": _responses(200, None, 404)},
-        ("GET", "/leader"): {"summary": "the lease: holder, term, expiry; who answered",
-                             "responses": _responses(200, None, 503)},
-        ("GET", "/cluster"): {"summary": "members seen recently (heartbeats)",
-                              "responses": _responses(200, None, 503)},
-        ("GET", "/dashboard"): {"summary": "what /ui shows: leader, members, schedules with "
-                                           "their next fire, recent fires",
-                                "responses": _responses(200, None, 503)},
-        ("GET", "/healthz"): {"summary": "the process is alive (no token needed)",
-                              "security": [], "responses": {"200": {"description": "alive"}}},
-        ("GET", "/readyz"): {
-            "summary": "the mirror is in sync (no token needed)", "security": [],
-            "responses": {
-                "200": {"description": "ready", "content": {
-                    "application/json": {"schema": _ref("MirrorStatus")}}},
-                "503": {"description": "not ready", "content": {
-                    "application/json": {"schema": _ref("MirrorStatus")}}}}},
-        ("GET", "/metrics"): {"summary": "Prometheus metrics (no token needed)", "security": [],
-                              "responses": {"200": {"description": "text exposition format"}}},
-        ("GET", "/ui"): {"summary": "the dashboard page (it asks for a token itself)",
-                         "security": [], "responses": {"200": {"description": "HTML"}}},
-        ("GET", "/openapi.json"): {"summary": "this document", "security": [],
-                                   "responses": {"200": {"description": "OpenAPI 3.1"}}},
-        ("GET", "/docs"): {"summary": "this document for a person", "security": [],
-                           "responses": {"200": {"description": "HTML"}}},
-    }
 
 
 def _patch_schema(fields: dict[str, Any]) -> dict[str, Any]:
@@ -230,10 +89,9 @@ def _patch_schema(fields: dict[str, Any]) -> dict[str, Any]:
                            for name, schema in fields["properties"].items()}}
 
 
-@functools.cache
-def openapi_spec(routes: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    """The document for exactly these (method, path) routes, the ones the server serves:
-    a route without an operation here is a KeyError, so the two cannot drift."""
+def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    """The document of these routes, each (method, path, operation): the server's own
+    route table (api/routes.py)."""
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
@@ -242,11 +100,10 @@ def openapi_spec(routes: tuple[tuple[str, str], ...]) -> dict[str, Any]:
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])
-    operations = _operations()
     paths: dict[str, dict[str, Any]] = {}
-    for method, path in routes:
-        item = paths.setdefault(path, {"parameters": [_ID]} if "{id}" in path else {})
-        item[method.lower()] = operations[(method, path)]
+    for method, path, operation in routes:
+        item = paths.setdefault(path, {"parameters": [ID]} if "{id}" in path else {})
+        item[method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "hascheduler", "version": __version__,

@@ -1,20 +1,23 @@
-"""The broker contract every implementation keeps."""
+"""The contracts every broker keeps, declared once: what the leader publishes through
+(Broker), what a worker consumes from (FireSource, Delivered), what an audit reads back
+(FireReader), and the kind that ties one broker's three parts to its URL (BrokerKind).
+
+tests/test_broker_contract.py runs these rules over every kind in the registry.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime as dt
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+from hascheduler.core.events import FireMessage
+
+__all__ = ["SUBJECT_PREFIX", "Broker", "BrokerKind", "BrokerUnavailable", "Delivered",
+           "FireMessage", "FireReader", "FireSource", "StoredFire"]
 
 SUBJECT_PREFIX = "hascheduler.fire"
-
-
-@dataclass(frozen=True, slots=True)
-class FireMessage:
-    fire_id: str  # the broker's deduplication key (Nats-Msg-Id, AMQP message_id)
-    target: str   # the schedule's target: subject suffix or routing key
-    term: int
-    body: bytes   # a CloudEvents 1.0 structured JSON document
 
 
 class BrokerUnavailable(Exception):
@@ -25,7 +28,7 @@ class BrokerUnavailable(Exception):
 
 
 class Broker(Protocol):
-    """Publishes fires.
+    """Publishes fires (the leader's side).
 
     Rules every implementation keeps:
     - ``publish`` answers one outcome per message, in order: None once the broker has
@@ -35,8 +38,6 @@ class Broker(Protocol):
       fire twice (a republish after a failover) stores it once.
     - ``start`` does not fail because the broker is down: publishing fails until it is up.
     - A message whose target the broker cannot use fails alone.
-
-    tests/test_broker_contract.py runs these rules over every implementation.
     """
 
     async def start(self) -> None: ...
@@ -45,3 +46,69 @@ class Broker(Protocol):
                       timeout_s: float) -> list[BaseException | None]: ...
 
     async def close(self) -> None: ...
+
+
+class Delivered(Protocol):
+    """One delivered message, whatever the broker (a nats-py message is one as it is)."""
+
+    subject: str  # hascheduler.fire.<target>
+    data: bytes
+
+    async def ack(self) -> None: ...
+
+    async def nak(self, delay: float | None = None) -> None: ...  # again after ``delay``
+
+    async def term(self) -> None: ...  # never again (dead)
+
+    async def in_progress(self) -> None: ...  # not to be redelivered yet
+
+
+class FireSource(Protocol):
+    """Where a worker's fires come from (the worker's side).
+
+    Rules: a fire is delivered again until it is acknowledged or terminated, after
+    ``ack_wait_s`` without a sign of life (``in_progress`` or a heartbeat); every worker
+    subscribed with the same durable name shares one stream of fires; an error in the
+    kind's ``errors`` ends one subscription, never the worker, which subscribes again.
+    """
+
+    async def connect(self, name: str) -> None: ...
+
+    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
+                        in_flight: int) -> None: ...
+
+    async def fetch(self, up_to: int, wait_s: float) -> Sequence[Delivered]: ...  # [] idle
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoredFire:
+    """One fire as the broker kept it, for an audit."""
+
+    event: dict[str, Any]  # the CloudEvent
+    stored_at: dt.datetime | None  # when the broker stored it, by its clock, if it says
+
+
+FireReader = Callable[[], Awaitable[list[StoredFire]]]
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class BrokerKind(Generic[E]):
+    """One kind of broker: the URL schemes that name it and how each part is built from
+    the endpoint its URL parses into. A part a kind does not have is None."""
+
+    name: str
+    schemes: frozenset[str]
+    example: str  # a URL of this kind, for messages
+    parse: Callable[[str], E]  # raises ValueError naming what is wrong
+    publisher: Callable[[E], Broker]
+    # (endpoint, ack wait in seconds): a worker's consumer
+    source: Callable[[E, float], FireSource] | None = None
+    # every fire the broker holds, left in place
+    reader: Callable[[E], FireReader] | None = None
+    # what the broker's client raises when the broker is away: a consumer's
+    # subscription ends and is made again
+    errors: tuple[type[BaseException], ...] = ()

@@ -4,10 +4,10 @@ The public names: ``WorkerApp`` (handlers per target pattern), ``Run`` (what a h
 given), ``RetryPolicy``, ``PermanentFailure``.
 """
 
-from .app import Run, WorkerApp, WorkerConfigError
-from .delivery import StaleFilter
-from .policy import PermanentFailure, RetryPolicy, RunTimeout
-from .runtime import WorkerSettings, run_worker
+from hascheduler.worker.app import Run, WorkerApp, WorkerConfigError
+from hascheduler.worker.delivery import StaleFilter
+from hascheduler.worker.policy import PermanentFailure, RetryPolicy, RunTimeout
+from hascheduler.worker.runtime import WorkerSettings, run_worker
 
 __all__ = ["PermanentFailure", "RetryPolicy", "Run", "RunTimeout", "StaleFilter",
            "WorkerApp", "WorkerConfigError", "WorkerSettings", "run_worker"]

@@ -23,9 +23,9 @@ from typing import Any
 
 import structlog
 
-from ..constants import TARGET_PATTERN
-from ..errors import ConfigError
-from .policy import RetryPolicy
+from hascheduler.core.constants import TARGET_PATTERN
+from hascheduler.core.errors import ConfigError
+from hascheduler.worker.policy import RetryPolicy
 
 log = structlog.get_logger("hascheduler.worker")
 

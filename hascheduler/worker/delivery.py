@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..brokers.base import SUBJECT_PREFIX
-from ..constants import TARGET_PATTERN
-from ..runs import FireRef
+from hascheduler.brokers.base import SUBJECT_PREFIX
+from hascheduler.core.constants import TARGET_PATTERN
+from hascheduler.storage.runs import FireRef
 
 MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
 

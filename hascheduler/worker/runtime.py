@@ -23,12 +23,10 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import aiormq
-import nats
 import structlog
 from pymongo import AsyncMongoClient, uri_parser
 from pymongo.errors import ConfigurationError, InvalidURI, PyMongoError
@@ -40,16 +38,15 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .. import logs
-from ..brokers.amqp import AmqpEndpoint
-from ..brokers.nats import NatsEndpoint
-from ..constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
-from ..runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
-from .app import Route, Run, WorkerApp, WorkerConfigError, load_app
-from .delivery import Delivery, NotAFire, StaleFilter, read_delivery
-from .metrics import WorkerMetrics
-from .nats_source import NatsSource
-from .policy import RetryPolicy, RunTimeout, after_failure
+from hascheduler.brokers.base import Delivered, FireSource
+from hascheduler.brokers.registry import KINDS, BrokerUrl, consumable_url
+from hascheduler.core.constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
+from hascheduler.process import logs
+from hascheduler.storage.runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
+from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
+from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
+from hascheduler.worker.metrics import WorkerMetrics
+from hascheduler.worker.policy import RetryPolicy, RunTimeout, after_failure
 
 log = structlog.get_logger("hascheduler.worker")
 
@@ -62,44 +59,13 @@ BUSY_MARGIN_S = 0.5
 # The ledger may be unreachable (a failover): a claim is retried by the broker after this.
 LEDGER_DOWN_DELAY_S = 2.0
 
-# What the broker may throw at a consumer; TimeoutError is also what nats-py raises when a
-# request gets no answer in time.
-BROKER_ERRORS = (nats.errors.Error, aiormq.exceptions.AMQPError,
-                 aiormq.exceptions.ChannelInvalidStateError, OSError, TimeoutError)
-
-
-class Delivered(Protocol):
-    """One delivered message, whatever the broker (a nats-py message is one as it is)."""
-
-    subject: str  # hascheduler.fire.<target>
-    data: bytes
-
-    async def ack(self) -> None: ...
-
-    async def nak(self, delay: float | None = None) -> None: ...  # again after ``delay``
-
-    async def term(self) -> None: ...  # never again (dead)
-
-    async def in_progress(self) -> None: ...  # not to be redelivered yet
-
-
-class FireSource(Protocol):
-    """Where a worker's fires come from (nats_source.py, amqp_source.py); errors in
-    BROKER_ERRORS end one subscription, never the worker."""
-
-    async def connect(self, name: str) -> None: ...
-
-    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
-                        in_flight: int) -> None: ...
-
-    async def fetch(self, up_to: int, wait_s: float) -> list[Any]: ...  # [] when idle
-
-    async def close(self) -> None: ...
+# What any broker's client may throw at a consumer: one subscription ends, not the worker.
+BROKER_ERRORS = tuple({error for kind in KINDS for error in kind.errors})
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    endpoint: NatsEndpoint | AmqpEndpoint
+    broker: BrokerUrl
     mongodb_uri: str
     app: WorkerApp
     durable: str
@@ -119,15 +85,10 @@ class WorkerSettings:
               drain_timeout_s: float, run_retention_s: float, metrics_port: int | None,
               policy: RetryPolicy) -> WorkerSettings:
         """The worker's flags as values, once. Raises WorkerConfigError naming the flag."""
-        if not broker or not broker.startswith(("nats://", "tls://", "amqp://", "amqps://")):
-            raise WorkerConfigError("--broker (or HASCHEDULER_BROKER) must be a nats:// or "
-                                    "amqp:// URL")
         try:
-            endpoint: NatsEndpoint | AmqpEndpoint = (
-                AmqpEndpoint.parse(broker) if broker.startswith("amqp")
-                else NatsEndpoint.parse(broker))
+            url = consumable_url(broker)
         except ValueError as exc:
-            raise WorkerConfigError(f"--broker: {exc}") from None
+            raise WorkerConfigError(f"--broker (or HASCHEDULER_BROKER): {exc}") from None
         if not mongodb_uri:
             raise WorkerConfigError("--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required: "
                                     "the runs ledger lives there")
@@ -143,7 +104,7 @@ class WorkerSettings:
             c if c.isalnum() else "-" for c in "_".join(loaded.patterns))[:200]
         if ack_wait_s < 1:
             raise WorkerConfigError("--ack-wait must be at least 1 second")
-        return cls(endpoint, mongodb_uri, loaded, name,
+        return cls(url, mongodb_uri, loaded, name,
                    worker_id or f"{socket.gethostname()}-{os.getpid()}",
                    concurrency=concurrency, ack_wait_s=ack_wait_s,
                    drain_timeout_s=drain_timeout_s, run_retention_s=run_retention_s,
@@ -297,14 +258,7 @@ class Worker:
                 await asyncio.wait_for(source.close(), 5)
 
     def source(self) -> FireSource:
-        endpoint = self.settings.endpoint
-        if isinstance(endpoint, AmqpEndpoint):
-            from .amqp_source import AmqpSource
-
-            # Missed heartbeats close the connection and requeue what it held: a stalled
-            # worker's fires go to another within about the ack wait.
-            return AmqpSource(endpoint, heartbeat_s=max(1, round(self.settings.ack_wait_s / 3)))
-        return NatsSource(endpoint)
+        return self.settings.broker.source(self.settings.ack_wait_s)
 
     async def _consume(self, source: FireSource, stop: asyncio.Event) -> None:
         """Subscribe (creating the queues or the durable consumer if they are gone) and
@@ -338,7 +292,7 @@ class Worker:
             claiming.add_done_callback(self.claims.discard)
         await asyncio.gather(*self.claims, return_exceptions=True)
 
-    async def _claim_batch(self, messages: list[Any]) -> None:
+    async def _claim_batch(self, messages: Sequence[Delivered]) -> None:
         try:
             await self._claim(messages)
         except PyMongoError as exc:
@@ -356,7 +310,7 @@ class Worker:
             self.claiming -= len(messages)
             self._released.set()
 
-    async def _claim(self, messages: list[Any]) -> None:
+    async def _claim(self, messages: Sequence[Delivered]) -> None:
         """Read a fetched batch, claim its runs in one write, queue the claimed ones."""
         received = self.clock()
         ready: list[tuple[Any, Delivery, Route]] = []

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 from bson import Int64, ObjectId, Timestamp
-
-from hascheduler.devmongo import engine
-from hascheduler.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
-from hascheduler.devmongo.errors import DuplicateKey, MongoError
-from hascheduler.devmongo.storage import Catalog, Collection
-from hascheduler.devmongo.values import key_of, sort_key
+from hascheduler_dev.devmongo import engine
+from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
+from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError
+from hascheduler_dev.devmongo.storage import Catalog, Collection
+from hascheduler_dev.devmongo.values import key_of, sort_key
 
 
 def make_collection(n: int = 0, capacity: int = 10_000) -> Collection:

@@ -10,9 +10,9 @@ from urllib.parse import urlparse
 
 import bson
 import pytest
+from hascheduler_dev.devmongo import wire
 from pymongo import AsyncMongoClient
 
-from hascheduler.devmongo import wire
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.devmongo_only  # speaks to the server's own framing limits

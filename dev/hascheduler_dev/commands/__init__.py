@@ -1,0 +1,1 @@
+"""The development tools' commands, registered as entry points of ``hascheduler``."""

@@ -1,0 +1,80 @@
+"""``hascheduler devmongo``: the MongoDB-wire compatible development server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ssl
+import sys
+from typing import Any
+
+from hascheduler.cli.settings import (
+    Setting,
+    add_settings,
+    port,
+    positive_float,
+    positive_int,
+    resolve,
+    text,
+)
+from hascheduler.core.errors import ConfigError
+from hascheduler.process import gcpolicy
+from hascheduler_dev.devmongo import Settings, serve_forever
+from hascheduler_dev.devmongo.server import tls_context
+
+_DEFAULTS = Settings()
+
+
+def _replset(value: str) -> str:
+    if not value or any(c in value for c in "/ ,"):
+        raise ValueError(f"{value!r} is not a replica set name")
+    return value
+
+
+def _env(flag: str) -> str:
+    return "HASCHEDULER_DEVMONGO_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+SETTINGS = tuple(Setting(flag, default, parse, help_text, env=_env(flag)) for
+                 flag, default, parse, help_text in (
+    ("--host", _DEFAULTS.host, text, "address to listen on and advertise"),
+    ("--port", _DEFAULTS.port, port, "TCP port (0: any free port)"),
+    ("--replset", _DEFAULTS.replset, _replset, "replica set name"),
+    ("--oplog-size", _DEFAULTS.oplog_size, positive_int,
+     "change events kept for change streams to resume from"),
+    ("--cursor-timeout", _DEFAULTS.cursor_timeout_s, positive_float,
+     "seconds before an idle cursor is killed"),
+    ("--ttl-interval", _DEFAULTS.ttl_interval_s, positive_float,
+     "seconds between TTL index sweeps (mongod: 60)"),
+    ("--tls-certificate-key-file", None, text, "PEM file with the server's certificate and "
+     "key: accept TLS connections only (as mongod's option)"),
+))
+
+
+def add_parser(sub: Any) -> None:
+    dm = sub.add_parser("devmongo", help="run the MongoDB-wire-compatible development server "
+                                         "(single-node replica set, in memory)")
+    add_settings(dm, SETTINGS)
+    dm.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    v = resolve(args, SETTINGS)
+    settings = Settings(host=v["host"], port=v["port"], replset=v["replset"],
+                        oplog_size=v["oplog_size"], cursor_timeout_s=v["cursor_timeout"],
+                        ttl_interval_s=v["ttl_interval"],
+                        tls_certificate_key_file=v["tls_certificate_key_file"])
+    if settings.tls_certificate_key_file:
+        try:
+            tls_context(settings.tls_certificate_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"--tls-certificate-key-file "
+                              f"{settings.tls_certificate_key_file}: {exc}") from None
+    gcpolicy.freeze_survivors()
+    try:
+        asyncio.run(serve_forever(settings))
+    except OSError as exc:
+        print(f"hascheduler devmongo: cannot listen on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,621 @@
+"""In-memory collections with real indexes, emitting change events for every write.
+
+Documents are kept by an internal record id (like mongod's RecordId), in insertion order.
+Every index keeps a hash map from key to record ids (equality, uniqueness) and a sorted
+list over its first field (ranges, TTL), so lookups by ``_id``, unique checks and indexed
+equality or range filters never scan the collection. The planner only narrows candidates;
+the full filter is always applied to them with MongoDB's matching semantics (engine.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import re
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from bson import ObjectId, Regex
+from sortedcontainers import SortedList
+
+from hascheduler_dev.devmongo import engine
+from hascheduler_dev.devmongo.changes import ChangeLog
+from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError, bad_value
+from hascheduler_dev.devmongo.values import (
+    MISSING,
+    PLAIN_SCALARS,
+    RANK_DATE,
+    Document,
+    get_path,
+    index_values,
+    key_of,
+    sort_key,
+    type_rank,
+)
+
+# Values whose index keys need no array or document walk (a missing field indexes as null).
+_SCALAR_TYPES = PLAIN_SCALARS | {type(None)}
+_NEG_INF_RID = -1
+_POS_INF_RID = float("inf")
+
+
+class DuplicateKeyConflict(Exception):
+    """An index key already held by another record (Collection turns it into E11000)."""
+
+
+@dataclass
+class Index:
+    name: str
+    key: list[tuple[str, Any]]
+    unique: bool = False
+    sparse: bool = False
+    expire_after_seconds: float | None = None
+    partial_filter: Document | None = None
+    # key tuple -> record ids holding it
+    entries: dict[Hashable, set[int]] = field(default_factory=dict)
+    # The collection's documents by record id, to build ``ordered`` from when first needed.
+    docs: dict[int, Document] = field(default_factory=dict, repr=False)
+    # (sort key of the first field's value, record id), ascending: built at the first range
+    # scan and maintained from then on (a unique _id index is mostly only looked up, and
+    # keeping its order cost every insert). A SortedList, not a list kept with insort: at
+    # 100k+ entries each insort moved the list's tail.
+    ordered: SortedList[tuple[Any, Any]] | None = None
+    # An array value was indexed (any field): one document may satisfy two bounds with two
+    # elements, and a key match no longer decides an equality exactly.
+    multikey: bool = False
+    fields: list[str] = field(init=False)
+    _top_level: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fields = [f for f, _ in self.key]
+        # Top-level fields only: keys come straight from the document's values when they
+        # are scalars (the common case), skipping the general multikey walk.
+        self._top_level = not any("." in f for f in self.fields)
+
+    def _sorted(self) -> SortedList[tuple[Any, Any]]:
+        if self.ordered is None:
+            first = self.fields[0]
+            self.ordered = SortedList(
+                (sort_key(v), rid) for rid, doc in self.docs.items() if self.applies_to(doc)
+                for v in index_values(doc, first))
+        return self.ordered
+
+    def spec(self) -> Document:
+        out: Document = {"v": 2, "key": dict(self.key), "name": self.name}
+        if self.unique and self.name != "_id_":
+            out["unique"] = True
+        if self.sparse:
+            out["sparse"] = True
+        if self.expire_after_seconds is not None:
+            out["expireAfterSeconds"] = self.expire_after_seconds
+        if self.partial_filter is not None:
+            out["partialFilterExpression"] = self.partial_filter
+        return out
+
+    def applies_to(self, doc: Document) -> bool:
+        if not self.sparse and self.partial_filter is None:
+            return True
+        if self.sparse and all(get_path(doc, f) is MISSING for f in self.fields):
+            return False
+        return self.partial_filter is None or engine.matches(self.partial_filter, doc)
+
+    def _keys(self, doc: Document) -> tuple[list[Hashable], list[Any]]:
+        """The index keys ``doc`` holds, and its first field's values (for ``ordered``)."""
+        if self._top_level:  # a missing field indexes as null
+            # Unrolled for one and two fields: this runs for every index of every write.
+            if len(self.fields) == 1:
+                v = doc.get(self.fields[0])
+                if type(v) in _SCALAR_TYPES:
+                    return [(key_of(v),)], [v]
+            elif len(self.fields) == 2:
+                v, w = doc.get(self.fields[0]), doc.get(self.fields[1])
+                if type(v) in _SCALAR_TYPES and type(w) in _SCALAR_TYPES:
+                    return [(key_of(v), key_of(w))], [v]
+            else:
+                plain = [doc.get(f) for f in self.fields]
+                if all(type(v) in _SCALAR_TYPES for v in plain):
+                    return [tuple(map(key_of, plain))], plain[:1]
+        values = [index_values(doc, f) for f in self.fields]
+        if all(len(vs) == 1 for vs in values):  # no array anywhere: exactly one key
+            return [tuple(key_of(vs[0]) for vs in values)], values[0]
+        per_field = [[key_of(v) for v in vs] for vs in values]
+        return list(dict.fromkeys(itertools.product(*per_field))), values[0]
+
+    def add(self, rid: int, doc: Document, unique_check: bool = False) -> None:
+        """Index ``doc`` as record ``rid``; with ``unique_check``, first raise
+        DuplicateKeyConflict if a unique key is held by another record."""
+        if not self.applies_to(doc):
+            return
+        keys, firsts = self._keys(doc)
+        if unique_check and self.unique:
+            taken = self._taken(rid, keys)
+            if taken is not None:
+                raise DuplicateKeyConflict(taken)
+        for k in keys:
+            holders = self.entries.get(k)
+            if holders is None:
+                self.entries[k] = {rid}
+            else:
+                holders.add(rid)
+        if len(keys) > 1 or len(firsts) > 1:
+            # Any array under any field: its keys no longer decide a condition exactly.
+            self.multikey = True
+        if self.ordered is not None:
+            for v in firsts:
+                self.ordered.add((sort_key(v), rid))
+
+    def remove(self, rid: int, doc: Document) -> None:
+        if not self.applies_to(doc):
+            return
+        keys, firsts = self._keys(doc)
+        for k in keys:
+            holders = self.entries.get(k)
+            if holders is not None:
+                holders.discard(rid)
+                if not holders:
+                    del self.entries[k]
+        if self.ordered is not None:
+            for v in firsts:
+                self.ordered.discard((sort_key(v), rid))
+
+    def conflict(self, rid: int, doc: Document) -> Hashable | None:
+        """A key of ``doc`` already held by another record, if this index is unique."""
+        if not self.unique or not self.applies_to(doc):
+            return None
+        return self._taken(rid, self._keys(doc)[0])
+
+    def _taken(self, rid: int, keys: list[Hashable]) -> Hashable | None:
+        for k in keys:
+            holders = self.entries.get(k)
+            if holders and (len(holders) > 1 or rid not in holders):
+                return k
+        return None
+
+    def lookup(self, values: tuple[Any, ...]) -> set[int]:
+        return set(self.entries.get(tuple(key_of(v) for v in values), ()))
+
+    def lookup_size(self, values: tuple[Any, ...]) -> int:
+        return len(self.entries.get(tuple(key_of(v) for v in values), ()))
+
+    @staticmethod
+    def _probes(low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
+                high_inclusive: bool) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        return ((low, _NEG_INF_RID) if low_inclusive else (low, _POS_INF_RID),
+                (high, _POS_INF_RID) if high_inclusive else (high, _NEG_INF_RID))
+
+    def range(self, low: tuple[Any, ...], low_inclusive: bool,
+              high: tuple[Any, ...], high_inclusive: bool) -> Iterator[int]:
+        """Record ids whose first-field sort key lies between ``low`` and ``high``."""
+        lo_probe, hi_probe = self._probes(low, low_inclusive, high, high_inclusive)
+        for _, rid in self._sorted().irange(lo_probe, hi_probe):
+            yield rid
+
+    def range_size(self, low: tuple[Any, ...], low_inclusive: bool,
+                   high: tuple[Any, ...], high_inclusive: bool) -> int:
+        lo_probe, hi_probe = self._probes(low, low_inclusive, high, high_inclusive)
+        ordered = self._sorted()
+        return max(0, ordered.bisect_right(hi_probe) - ordered.bisect_left(lo_probe))
+
+
+def index_name(key: list[tuple[str, Any]]) -> str:
+    return "_".join(f"{f}_{d}" for f, d in key)
+
+
+_RANGE_OPS = {"$gt", "$gte", "$lt", "$lte"}
+
+
+def _equalities(filter_: Document) -> dict[str, list[Any]]:
+    """Top-level conditions that pin a field to one of a few values (for the planner)."""
+    found: dict[str, list[Any]] = {}
+    for key, cond in filter_.items():
+        if key == "$and" and isinstance(cond, list):
+            for part in cond:
+                if isinstance(part, dict):
+                    for k, v in _equalities(part).items():
+                        found.setdefault(k, v)
+            continue
+        if key.startswith("$"):
+            continue
+        if isinstance(cond, dict) and cond and next(iter(cond)).startswith("$"):
+            if "$eq" in cond:
+                found[key] = [cond["$eq"]]
+            elif "$in" in cond and isinstance(cond["$in"], list) and not any(
+                    _is_regex(v) for v in cond["$in"]):
+                found[key] = list(cond["$in"])
+        elif not _is_regex(cond):
+            found[key] = [cond]
+    return found
+
+
+def _covers(index: Index, equal: dict[str, list[Any]]) -> bool:
+    """Whether every document the filter can match is in the index: always, unless the
+    index is partial; then the filter must pin each field of a partial filter made of
+    plain equalities to the same value (``{"state": "claimed"}``), as MongoDB requires."""
+    if index.partial_filter is None:
+        return True
+    for field_, want in index.partial_filter.items():
+        if isinstance(want, dict):
+            if set(want) != {"$eq"}:
+                return False
+            want = want["$eq"]
+        pinned = equal.get(field_)
+        if field_.startswith("$") or type(want) not in _SCALAR_TYPES or pinned is None or \
+                len(pinned) != 1 or key_of(pinned[0]) != key_of(want):
+            return False
+    return True
+
+
+def _is_regex(value: Any) -> bool:
+    return isinstance(value, re.Pattern | Regex) or (isinstance(value, dict) and "$regex" in value)
+
+
+def _ranges(filter_: Document) -> dict[str, Document]:
+    found: dict[str, Document] = {}
+    for key, cond in filter_.items():
+        if key == "$and" and isinstance(cond, list):
+            for part in cond:
+                if isinstance(part, dict):
+                    for k, v in _ranges(part).items():
+                        found.setdefault(k, v)
+        elif not key.startswith("$") and isinstance(cond, dict) and cond and \
+                set(cond) & _RANGE_OPS:
+            found[key] = cond
+    return found
+
+
+class Collection:
+    def __init__(self, catalog: Catalog, db: str, name: str) -> None:
+        self.catalog = catalog
+        self.db = db
+        self.name = name
+        self.docs: dict[int, Document] = {}
+        self._rids = itertools.count(1)
+        id_index = Index("_id_", [("_id", 1)], unique=True, docs=self.docs)
+        self.indexes: dict[str, Index] = {"_id_": id_index}
+        self.options: Document = {}
+
+    @property
+    def ns(self) -> str:
+        return f"{self.db}.{self.name}"
+
+    @property
+    def changes(self) -> ChangeLog:
+        return self.catalog.changes
+
+    # -- reading ------------------------------------------------------------------------
+
+    def candidates(self, filter_: Document) -> Iterable[int]:
+        """Record ids that may match, in natural order; narrowed through an index if one fits."""
+        return self._plan(filter_)[0]
+
+    def _plan(self, filter_: Document) -> tuple[list[int], frozenset[str]]:
+        """Candidates, and the top-level fields whose conditions the chosen index decided
+        exactly (scalar equalities or $in on the index's fields, none holding arrays)."""
+        if not filter_:
+            return list(self.docs), frozenset()
+        equal = _equalities(filter_)
+        # Each usable index's candidate count is read off its structures first; only the
+        # smallest is materialised (an update of 1,000 fires by _id also matched the
+        # (state, term) index, and copying its 20,000 claimed ids cost more than the update).
+        best_size: int | None = None
+        best_plan: tuple[Index, list[str]] | None = None
+        for index in self.indexes.values():
+            if index.sparse or not _covers(index, equal):
+                continue
+            fields = index.fields
+            if all(f in equal for f in fields):
+                size = sum(index.lookup_size(combo)
+                           for combo in itertools.product(*(equal[f] for f in fields)))
+                used = fields
+            elif fields[0] in equal and len(equal[fields[0]]) <= 64:
+                size = 0
+                for value in equal[fields[0]]:
+                    sk = sort_key(value)
+                    size += index.range_size(sk, True, sk, True)
+                used = fields[:1]
+            else:
+                continue
+            if best_size is None or size < best_size:
+                best_size, best_plan = size, (index, used)
+        best: set[int] | None = None
+        decided: frozenset[str] = frozenset()
+        if best_plan is not None:
+            index, used = best_plan
+            best = set()
+            if len(used) == len(index.fields):
+                for combo in itertools.product(*(equal[f] for f in used)):
+                    best |= index.lookup(combo)
+            else:
+                for value in equal[used[0]]:
+                    sk = sort_key(value)
+                    best.update(index.range(sk, True, sk, True))
+            if all(self._decides(index, f, filter_, equal) for f in used):
+                decided = frozenset(used)
+        if best is None:
+            ranges = _ranges(filter_)
+            for index in self.indexes.values():
+                cond = ranges.get(index.fields[0])
+                if cond is None or index.sparse or not _covers(index, equal):
+                    continue
+                best = set(self._range_scan(index, cond))
+                break
+        if best is None:
+            return list(self.docs), frozenset()
+        return sorted(best), decided
+
+    @staticmethod
+    def _decides(index: Index, path: str, filter_: Document,
+                 equal: dict[str, list[Any]]) -> bool:
+        """Whether the index settles the condition on ``path`` (one of its fields)."""
+        return (not index.multikey and "." not in path and _only_equality(filter_.get(path))
+                and all(_exact_scalar(v) for v in equal[path]))
+
+    def _range_scan(self, index: Index, cond: Document) -> Iterator[int]:
+        bounds = [(op, v) for op, v in cond.items() if op in _RANGE_OPS]
+        rank = type_rank(bounds[0][1])
+        low: tuple[Any, ...] = (rank,)
+        high: tuple[Any, ...] = (rank + 1,)
+        low_inc, high_inc = True, False
+        for op, value in bounds:
+            if type_rank(value) != rank:
+                return iter(())  # type bracketing: no value matches both bounds
+            sk = sort_key(value)
+            if op in {"$gt", "$gte"}:
+                low, low_inc = sk, op == "$gte"
+            elif not (index.multikey and len(bounds) > 1):
+                high, high_inc = sk, op == "$lte"
+        return index.range(low, low_inc, high, high_inc)
+
+    def find(self, op: engine.Operation, filter_: Document) -> list[tuple[int, Document]]:
+        filter_ = op.prepare(filter_)
+        rids, decided = self._plan(filter_)
+        # Fields the index decided exactly need not be re-checked per candidate (for an
+        # $in list that check scans the whole list for every document).
+        residual = {k: v for k, v in filter_.items() if k not in decided} if decided \
+            else filter_
+        if not residual:
+            return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
+        return [(rid, self.docs[rid]) for rid in rids
+                if rid in self.docs and engine.matches(residual, self.docs[rid])]
+
+    def get_by_id(self, _id: Any) -> Document | None:
+        rids = self.indexes["_id_"].lookup((_id,))
+        return self.docs[next(iter(rids))] if rids else None
+
+    # -- writing ------------------------------------------------------------------------
+
+    def insert(self, doc: Document) -> Any:
+        """Insert one document; returns its ``_id``. Raises DuplicateKey."""
+        validate_document(doc)
+        if "_id" not in doc:
+            doc = {"_id": ObjectId(), **doc}
+        elif next(iter(doc)) != "_id":
+            doc = {"_id": doc["_id"], **{k: v for k, v in doc.items() if k != "_id"}}
+        if isinstance(doc["_id"], list):
+            raise bad_value("can't use an array for _id")
+        rid = next(self._rids)
+        # Like mongod, the collection exists from here on even if the insert fails.
+        self.catalog.ensure_registered(self)
+        # Index first (rolling back on a duplicate), so a failed insert leaves no trace.
+        self._index_new(rid, doc)
+        self.docs[rid] = doc
+        self.changes.append(self.db, self.name, "insert", document_key={"_id": doc["_id"]},
+                            full_document=doc)
+        return doc["_id"]
+
+    def _index_new(self, rid: int, doc: Document,
+                   indexes: Iterable[Index] | None = None) -> None:
+        """Add ``doc`` to the indexes (all by default), undoing it all on a duplicate key."""
+        added: list[Index] = []
+        try:
+            for index in self.indexes.values() if indexes is None else indexes:
+                try:
+                    index.add(rid, doc, unique_check=True)
+                except DuplicateKeyConflict:
+                    raise DuplicateKey(self.ns, index.name, dict(index.key),
+                                       {f: _first_value(doc, f) for f in index.fields}) from None
+                added.append(index)
+        except BaseException:
+            for index in added:
+                index.remove(rid, doc)
+            raise
+
+    def replace(self, rid: int, new: Document, replacement: bool,
+                validated: bool = False) -> bool:
+        """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey.
+        ``validated``: its field names are known good (a SetUnset checked them)."""
+        if not validated:
+            validate_document(new)
+        old = self.docs[rid]
+        # Native equality is fast; the type walk rejects what Python equates (True == 1).
+        if old == new and _same_types(old, new):
+            return False
+        # Only the indexes whose keys changed are touched (a fire's state change moves one).
+        changed = [index for index in self.indexes.values()
+                   if _index_fields_differ(index, old, new)]
+        for index in changed:
+            index.remove(rid, old)
+        try:
+            self._index_new(rid, new, changed)
+        except BaseException:
+            for index in changed:
+                index.add(rid, old)
+            raise
+        self.docs[rid] = new
+        if replacement:
+            self.changes.append(self.db, self.name, "replace", document_key={"_id": new["_id"]},
+                                full_document=new)
+        else:
+            self.changes.append(self.db, self.name, "update", document_key={"_id": new["_id"]},
+                                full_document=new, before=old)
+        return True
+
+    def delete(self, rid: int) -> Document:
+        doc = self.docs.pop(rid)
+        for index in self.indexes.values():
+            index.remove(rid, doc)
+        self.changes.append(self.db, self.name, "delete", document_key={"_id": doc["_id"]})
+        return doc
+
+    # -- indexes ------------------------------------------------------------------------
+
+    def create_index(self, spec: Document) -> bool:
+        """Create an index from a createIndexes spec; False if an identical one exists."""
+        key_doc = spec.get("key")
+        if not isinstance(key_doc, dict) or not key_doc:
+            raise MongoError(67, "index key pattern must be a non-empty object")
+        key = list(key_doc.items())
+        for f, direction in key:
+            if direction not in (1, -1, 1.0, -1.0) and direction not in ("hashed",):
+                raise MongoError(67, f"unsupported index type {direction!r} on {f} in the "
+                                     "development server")
+        name = spec.get("name") or index_name(key)
+        ttl = spec.get("expireAfterSeconds")
+        if ttl is not None and (not isinstance(ttl, int | float) or isinstance(ttl, bool)
+                                or ttl < 0 or len(key) != 1):
+            raise MongoError(67, "TTL index expireAfterSeconds must be a non-negative number "
+                                 "on a single field")
+        index = Index(name, key, unique=bool(spec.get("unique")), sparse=bool(spec.get("sparse")),
+                      expire_after_seconds=ttl,
+                      partial_filter=spec.get("partialFilterExpression"), docs=self.docs)
+        for existing in self.indexes.values():
+            same_key = existing.key == index.key
+            if existing.name == name or same_key:
+                if same_key and existing.spec() == index.spec():
+                    return False
+                if existing.name == name:
+                    raise MongoError(86, f"An existing index has the same name ({name}) as the "
+                                         "requested index but a different key or options")
+                raise MongoError(85, f"Index already exists with a different name: "
+                                     f"{existing.name}")
+        for rid, doc in self.docs.items():
+            conflict = index.conflict(rid, doc)
+            if conflict is not None:
+                raise DuplicateKey(self.ns, name, dict(key),
+                                   {f: _first_value(doc, f) for f in index.fields})
+            index.add(rid, doc)
+        self.indexes[name] = index
+        self.catalog.ensure_registered(self)
+        return True
+
+    def drop_index(self, name_or_key: Any) -> None:
+        if name_or_key == "_id_" or name_or_key == {"_id": 1}:
+            raise MongoError(72, "cannot drop _id index")
+        for name, index in list(self.indexes.items()):
+            if name == name_or_key or dict(index.key) == name_or_key:
+                del self.indexes[name]
+                return
+        raise MongoError(27, f"index not found with name [{name_or_key}]")
+
+    def expired(self, now: datetime.datetime) -> list[int]:
+        """Record ids whose TTL index date lies more than expireAfterSeconds in the past."""
+        found: set[int] = set()
+        for index in self.indexes.values():
+            if index.expire_after_seconds is None:
+                continue
+            cutoff = now - datetime.timedelta(seconds=index.expire_after_seconds)
+            found.update(index.range((RANK_DATE,), True, sort_key(cutoff), False))
+        return sorted(found)
+
+
+def _index_fields_differ(index: Index, old: Document, new: Document) -> bool:
+    if index.partial_filter is not None:
+        return True  # whether it applies may change with any field
+    for path in index.fields:
+        head = path.split(".", 1)[0]
+        a, b = old.get(head, MISSING), new.get(head, MISSING)
+        if a is not b and (a != b or not _same_types(a, b)):
+            return True
+    return False
+
+
+def _only_equality(cond: Any) -> bool:
+    if isinstance(cond, dict):
+        return set(cond) in ({"$eq"}, {"$in"})
+    return cond is not None
+
+
+def _exact_scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float | ObjectId | datetime.datetime) and \
+        not isinstance(value, bool)
+
+
+def _first_value(doc: Document, path: str) -> Any:
+    value = get_path(doc, path)
+    return None if value is MISSING else value
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same_types(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_types(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b)
+
+
+def validate_document(doc: Any) -> None:
+    if not isinstance(doc, dict):
+        raise MongoError(14, "a document must be an object")
+    for k in doc:
+        if type(k) is not str or k[:1] == "$":
+            if not isinstance(k, str):
+                raise bad_value("document field names must be strings")
+            if k.startswith("$"):
+                raise MongoError(52, f"Document can't have $ prefixed field names: {k}")
+
+
+class Catalog:
+    """All databases and collections of the server, and the change log they write to."""
+
+    def __init__(self, changes: ChangeLog) -> None:
+        self.changes = changes
+        self.databases: dict[str, dict[str, Collection]] = {}
+
+    def get(self, db: str, name: str) -> Collection | None:
+        return self.databases.get(db, {}).get(name)
+
+    def collection(self, db: str, name: str) -> Collection:
+        """The collection, created implicitly (as a write does) if missing."""
+        validate_namespace(db, name)
+        existing = self.get(db, name)
+        if existing is not None:
+            return existing
+        return Collection(self, db, name)
+
+    def ensure_registered(self, coll: Collection) -> None:
+        colls = self.databases.setdefault(coll.db, {})
+        if colls.get(coll.name) is not coll:
+            colls[coll.name] = coll
+            self.changes.append(coll.db, coll.name, "create")
+
+    def create(self, db: str, name: str, options: Document) -> Collection:
+        validate_namespace(db, name)
+        if self.get(db, name) is not None:
+            raise MongoError(48, f"Collection {db}.{name} already exists.")
+        coll = Collection(self, db, name)
+        coll.options = options
+        self.ensure_registered(coll)
+        return coll
+
+    def drop(self, db: str, name: str) -> bool:
+        colls = self.databases.get(db, {})
+        if name not in colls:
+            return False
+        del colls[name]
+        if not colls:
+            del self.databases[db]
+        self.changes.append(db, name, "drop")
+        return True
+
+    def drop_database(self, db: str) -> None:
+        for name in list(self.databases.get(db, {})):
+            self.drop(db, name)
+        self.changes.append(db, None, "dropDatabase")
+
+
+def validate_namespace(db: str, name: str) -> None:
+    if not db or any(c in db for c in '/\\. "$\0'):
+        raise MongoError(73, f"Invalid database name: '{db}'")
+    if not name or "$" in name or "\0" in name or name.startswith("."):
+        raise MongoError(73, f"Invalid collection name: '{name}'")

@@ -1,0 +1,409 @@
+"""The route table: each route with its handler and its OpenAPI operation, in one place.
+The server registers exactly these routes and /openapi.json is generated from them, so
+the two cannot drift (tests/test_schemathesis.py checks the served API against it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from hascheduler.api import app
+from hascheduler.api.access import Tokens, WriteLimit, WriteLimiter
+from hascheduler.api.errors import Handler, error_middleware
+from hascheduler.api.openapi import (
+    DOCS_PAGE,
+    IF_MATCH_HEADER,
+    LABEL_FILTER,
+    SEMANTIC,
+    WRITE,
+    document,
+    json_body,
+    ref,
+    responses,
+)
+from hascheduler.core.constants import (
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    MAX_PAGE,
+    MAX_PREVIEW,
+    MAX_REQUEST_BYTES,
+)
+from hascheduler.process.metrics import Metrics
+from hascheduler.storage.schedules import ScheduleStore
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    operation: dict[str, Any]  # its OpenAPI operation object
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(_document())
+
+
+async def docs(request: web.Request) -> web.Response:
+    return web.Response(text=DOCS_PAGE, content_type="text/html")
+
+
+ROUTES: list[Route] = [
+    Route(
+        "POST",
+        "/schedules",
+        app.create_schedule,
+        {
+            "summary": "create a schedule",
+            "description": SEMANTIC,
+            "requestBody": json_body("ScheduleIn"),
+            "responses": responses(201, "Schedule", *WRITE, 409),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules",
+        app.list_schedules,
+        {
+            "summary": "list schedules (id order, cursor pagination)",
+            "parameters": [
+                {
+                    "name": "label",
+                    "in": "query",
+                    "description": "key=value; repeat to AND",
+                    "schema": {"type": "string", "pattern": LABEL_FILTER},
+                },
+                {
+                    "name": "paused",
+                    "in": "query",
+                    "schema": {"type": "string", "enum": ["true", "false"]},
+                },
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+            ],
+            "responses": responses(200, "ScheduleList", 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}",
+        app.get_schedule,
+        {"summary": "one schedule", "responses": responses(200, "Schedule", 404)},
+    ),
+    Route(
+        "PUT",
+        "/schedules/{id}",
+        app.put_schedule,
+        {
+            "summary": "replace a schedule",
+            "description": SEMANTIC,
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": json_body("ScheduleFields"),
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "PATCH",
+        "/schedules/{id}",
+        app.patch_schedule,
+        {
+            "summary": "change some fields (JSON merge patch: null removes a field)",
+            "description": SEMANTIC,
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/merge-patch+json": {"schema": ref("SchedulePatch")},
+                    "application/json": {"schema": ref("SchedulePatch")},
+                },
+            },
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "DELETE",
+        "/schedules/{id}",
+        app.delete_schedule,
+        {
+            "summary": "delete a schedule",
+            "parameters": [IF_MATCH_HEADER],
+            "responses": responses(204, None, 400, 403, 404, 409, 429),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/pause",
+        app.pause_schedule,
+        {
+            "summary": "pause",
+            "parameters": [IF_MATCH_HEADER],
+            "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/resume",
+        app.resume_schedule,
+        {
+            "summary": "resume",
+            "parameters": [IF_MATCH_HEADER],
+            "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/next",
+        app.next_fires,
+        {
+            "summary": "the next nominal and jittered fire times",
+            "parameters": [
+                {
+                    "name": "count",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PREVIEW},
+                },
+                {
+                    "name": "after",
+                    "in": "query",
+                    "schema": {"type": "string", "format": "date-time"},
+                },
+            ],
+            "responses": responses(200, "Preview", 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/fires",
+        app.fire_history,
+        {
+            "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
+            "entry with last_nominal_at and count)",
+            "parameters": [
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                }
+            ],
+            "responses": responses(200, None, 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/runs",
+        app.schedule_runs,
+        {
+            "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
+            "its latest fires, each with its ledger entries (fires) and its runs "
+            "counted by state (a fan-out fire has one of each per tenant)",
+            "parameters": [
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+                {"name": "by", "in": "query", "schema": {"type": "string", "enum": ["fire"]}},
+            ],
+            "responses": responses(200, None, 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/runs",
+        app.list_runs,
+        {
+            "summary": "runs, most recently changed first (state=dead: the dead letters)",
+            "parameters": [
+                {
+                    "name": "state",
+                    "in": "query",
+                    "schema": {
+                        "type": "string",
+                        "enum": ["running", "succeeded", "retrying", "dead"],
+                    },
+                },
+                {
+                    "name": "after",
+                    "in": "query",
+                    "schema": {"type": "string"},
+                    "description": "the next of the previous page: the fire id of its last run "
+                    "(404 once that run has expired)",
+                },
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+            ],
+            "responses": responses(200, "RunList", 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/runs/{id}",
+        app.get_run,
+        {"summary": "one fire's run", "responses": responses(200, "Run", 404, 503)},
+    ),
+    Route(
+        "POST",
+        "/runs/{id}/retry",
+        app.retry_run,
+        {
+            "summary": "replay a dead run: it is published again and runs with a fresh "
+            "attempt budget",
+            "responses": responses(202, "Run", 403, 404, 409, 429, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/mirror/{id}",
+        app.mirror_entry,
+        {
+            "summary": "what this replica's mirror holds for a schedule (revision, paused, "
+            "next nominal time)",
+            "responses": responses(200, None, 404),
+        },
+    ),
+    Route(
+        "GET",
+        "/leader",
+        app.leader,
+        {
+            "summary": "the lease: holder, term, expiry; who answered",
+            "responses": responses(200, None, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/cluster",
+        app.members,
+        {"summary": "members seen recently (heartbeats)", "responses": responses(200, None, 503)},
+    ),
+    Route(
+        "GET",
+        "/dashboard",
+        app.dashboard,
+        {
+            "summary": "what /ui shows: leader, members, schedules with "
+            "their next fire, recent fires",
+            "responses": responses(200, None, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/metrics",
+        app.metrics,
+        {
+            "summary": "Prometheus metrics (no token needed)",
+            "security": [],
+            "responses": {"200": {"description": "text exposition format"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/ui",
+        app.ui,
+        {
+            "summary": "the dashboard page (it asks for a token itself)",
+            "security": [],
+            "responses": {"200": {"description": "HTML"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/healthz",
+        app.healthz,
+        {
+            "summary": "the process is alive (no token needed)",
+            "security": [],
+            "responses": {"200": {"description": "alive"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/readyz",
+        app.readyz,
+        {
+            "summary": "the mirror is in sync (no token needed)",
+            "security": [],
+            "responses": {
+                "200": {
+                    "description": "ready",
+                    "content": {"application/json": {"schema": ref("MirrorStatus")}},
+                },
+                "503": {
+                    "description": "not ready",
+                    "content": {"application/json": {"schema": ref("MirrorStatus")}},
+                },
+            },
+        },
+    ),
+    Route(
+        "GET",
+        "/openapi.json",
+        openapi,
+        {
+            "summary": "this document",
+            "security": [],
+            "responses": {"200": {"description": "OpenAPI 3.1"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/docs",
+        docs,
+        {
+            "summary": "this document for a person",
+            "security": [],
+            "responses": {"200": {"description": "HTML"}},
+        },
+    ),
+]
+
+
+@functools.cache
+def _document() -> dict[str, Any]:
+    return document([(r.method, r.path, r.operation) for r in ROUTES])
+
+
+def create_app(
+    store: ScheduleStore,
+    mirror: app.Mirror,
+    replica_id: str,
+    clock: app.Clock = lambda: dt.datetime.now(dt.UTC),
+    cluster: app.Cluster | None = None,
+    metrics_: Metrics | None = None,
+    tokens: Tokens | None = None,
+    write_limit: WriteLimit | None = None,
+    min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
+    fan_out: tuple[int, app.CountTenants] | None = None,
+    sources: app.SourceMirrors | None = None,
+) -> web.Application:
+    api = web.Application(
+        middlewares=[app.count_requests, app.access_control, error_middleware],
+        client_max_size=MAX_REQUEST_BYTES,
+    )
+    api[app.METRICS] = metrics_ or Metrics()
+    api[app.TOKENS] = tokens or Tokens()
+    api[app.LIMITER] = WriteLimiter(write_limit or WriteLimit())
+    api[app.STORE] = store
+    api[app.MIRROR] = mirror
+    api[app.REPLICA] = replica_id
+    api[app.CLOCK] = clock
+    api[app.MIN_FIRE_INTERVAL] = min_fire_interval_s
+    if fan_out is not None:
+        api[app.FAN_OUT] = fan_out
+    if sources is not None:
+        api[app.SOURCES] = sources
+    if cluster is not None:
+        api[app.CLUSTER] = cluster
+    for route in ROUTES:
+        api.router.add_route(route.method, route.path, route.handler)
+    return api

@@ -1,0 +1,25 @@
+"""NATS JetStream: fires stored in a stream, deduplicated by fire id within its window."""
+
+from __future__ import annotations
+
+import nats.errors
+
+from hascheduler.brokers.base import BrokerKind, FireReader, FireSource
+from hascheduler.brokers.nats.publisher import NatsEndpoint, NatsPublisher
+from hascheduler.brokers.nats.reader import read_stream
+from hascheduler.brokers.nats.source import NatsSource
+
+
+def _source(endpoint: NatsEndpoint, ack_wait_s: float) -> FireSource:
+    return NatsSource(endpoint)
+
+
+def _reader(endpoint: NatsEndpoint) -> FireReader:
+    return lambda: read_stream(endpoint)
+
+
+KIND = BrokerKind(
+    name="NATS JetStream", schemes=frozenset({"nats", "tls"}), example="nats://host:port",
+    parse=NatsEndpoint.parse, publisher=NatsPublisher, source=_source, reader=_reader,
+    # TimeoutError is also what nats-py raises when a request gets no answer in time.
+    errors=(nats.errors.Error, OSError, TimeoutError))

@@ -1,0 +1,334 @@
+"""NATS JetStream: each fire is a message on ``hascheduler.fire.<target>``, deduplicated
+by its ``Nats-Msg-Id`` within the stream's duplicate window, acknowledged once stored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import secrets
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import nats
+import structlog
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, BadRequestError
+
+from hascheduler.brokers.base import SUBJECT_PREFIX, BrokerUnavailable, FireMessage
+from hascheduler.brokers.nats.wire import PublishConnection, WireError, frame
+from hascheduler.core.constants import TARGET_PATTERN
+
+log = structlog.get_logger("hascheduler.brokers.nats")
+
+
+
+TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+@dataclass(frozen=True)
+class NatsEndpoint:
+    """Where and how to reach NATS, from ``nats://host:port[,host:port]?options`` or
+    ``tls://...``. Options: stream, dedup_window (s), replicas (of the fire stream, 1-5,
+    or auto), tls_ca_file, tls_cert_file and tls_key_file (a client certificate for
+    servers that verify clients)."""
+
+    servers: list[str]
+    stream: str = "HASCHEDULER"
+    dedup_window_s: float = 600.0
+    replicas: int | None = None  # of the fire stream; None: 3 where the cluster allows, or 1
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_scheme: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> NatsEndpoint:
+        """Raises ValueError naming what is wrong with the URL."""
+        parsed = urlparse(url)
+        if parsed.scheme not in {"nats", "tls"}:
+            raise ValueError(f"{url!r} is not a nats:// or tls:// URL")
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        unknown = set(query) - {"stream", "dedup_window", "replicas", *TLS_OPTIONS}
+        if unknown:
+            raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
+                             f"use stream, dedup_window, replicas, {', '.join(TLS_OPTIONS)}")
+        replicas_text = query.get("replicas", "auto")
+        if replicas_text != "auto" and replicas_text not in {"1", "2", "3", "4", "5"}:
+            raise ValueError(f"replicas={replicas_text!r} in the broker URL: use 1 to 5, or "
+                             "auto (3 where the cluster has 3 nodes, else 1)")
+        window = query.get("dedup_window", "600")
+        try:
+            dedup_window = float(window)
+        except ValueError:
+            raise ValueError(f"dedup_window={window!r} in the broker URL is not a number of "
+                             "seconds") from None
+        if bool(query.get("tls_cert_file")) != bool(query.get("tls_key_file")):
+            raise ValueError("tls_cert_file and tls_key_file in the broker URL go together")
+        hosts = url.split("?", 1)[0].split("://", 1)[1]
+        servers = [f"{parsed.scheme}://{host}" for host in hosts.split(",")]
+        if any(not host.strip() for host in hosts.split(",")):
+            raise ValueError(f"{url!r} names an empty server between commas")
+        endpoint = cls(servers, stream=query.get("stream", "HASCHEDULER"),
+                       dedup_window_s=dedup_window,
+                       replicas=None if replicas_text == "auto" else int(replicas_text),
+                       tls_ca_file=query.get("tls_ca_file"),
+                       tls_cert_file=query.get("tls_cert_file"),
+                       tls_key_file=query.get("tls_key_file"),
+                       tls_scheme=parsed.scheme == "tls")
+        endpoint.tls_context()  # a missing or unreadable file is a configuration error
+        return endpoint
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """None for plain connections. Raises ValueError naming an unusable file."""
+        if not (self.tls_scheme or self.tls_ca_file or self.tls_cert_file):
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca_file)
+            if self.tls_cert_file:
+                context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"TLS files in the broker URL: {exc}") from None
+        return context
+
+    async def connect(self, name: str, **options: Any) -> Any:
+        tls = self.tls_context()
+        if tls is not None:
+            options["tls"] = tls
+        return await nats.connect(self.servers, name=name, **options)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One publish call's messages awaiting their JetStream acknowledgements."""
+
+    outcomes: list[BaseException | None]
+    waiting: int
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    acked: list[bool] = field(default_factory=list)
+
+
+class NatsPublisher:
+    """Publishes fires to JetStream on a PublishConnection (nats_wire.py): one HPUB per
+    fire, its reply subject ``<inbox>.<batch>.<index>`` under the connection's one
+    wildcard subscription, each ack settling its message. nats-py manages the stream.
+    The server's duplicate detection (``Nats-Msg-Id``) makes a republish safe."""
+
+    def __init__(self, endpoint: NatsEndpoint) -> None:
+        self.endpoint = endpoint
+        self.servers = ",".join(endpoint.servers)  # for messages
+        self.stream = endpoint.stream
+        self._nc: Any = None
+        self._ready = False
+        self._connecting = asyncio.Lock()
+        # Every ack comes to <inbox>.<batch>.<index> on the publishing connection.
+        self._inbox = f"_INBOX.{secrets.token_hex(11)}"
+        self._reply_prefix = f"{self._inbox}.".encode()
+        self._wire = PublishConnection(endpoint.servers, endpoint.tls_context(),
+                                       self._on_reply, self._on_lost)
+        self._batch_ids = itertools.count(1)
+        self._batches: dict[bytes, _Batch] = {}
+
+    async def start(self) -> None:
+        try:
+            await self._connect()
+        except BrokerUnavailable as exc:
+            log.warning("broker_unavailable", error=str(exc))
+
+    async def _connect(self) -> Any:
+        async with self._connecting:
+            if self._ready and self._nc is not None and self._nc.is_connected and \
+                    self._wire.alive:
+                return self._nc
+            try:
+                if self._nc is None or self._nc.is_closed:
+                    self._nc = await self.endpoint.connect(
+                        "hascheduler", connect_timeout=2, reconnect_time_wait=0.5,
+                        max_reconnect_attempts=-1, allow_reconnect=True,
+                        error_cb=self._on_error)
+                if not self._wire.alive:
+                    # Subscribed before anything is published; acks lost while it was
+                    # down time out and those fires are retried (deduplicated by the stream).
+                    await self._wire.start(f"{self._inbox}.>")
+                replicas = await ensure_stream(self._nc.jetstream(), self.endpoint)
+            except Exception as exc:
+                if self._nc is not None and not self._nc.is_connected:
+                    await self._close_quietly()
+                raise BrokerUnavailable(f"NATS at {self.servers}: {exc!r}") from exc
+            self._ready = True
+            log.info("broker_connected", servers=self.servers, stream=self.stream,
+                     replicas=replicas, publishing_to=self._wire.server)
+            return self._nc
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("nats_error", error=repr(exc))
+
+    def _on_lost(self) -> None:
+        """The publishing connection broke: what it was waiting for will not come on it, so
+        those publishes fail now (to be retried on the next connection, deduplicated by the
+        stream) rather than at their timeout."""
+        for batch in self._batches.values():
+            lost = BrokerUnavailable("the NATS connection broke before the acknowledgement")
+            for i, acked in enumerate(batch.acked):
+                if not acked:
+                    batch.acked[i] = True
+                    batch.outcomes[i] = lost
+            batch.waiting = 0
+            batch.done.set()
+
+    def _on_reply(self, subject: bytes, data: bytes, status: bytes | None) -> None:
+        batch_id, _, index = subject[len(self._reply_prefix):].partition(b".")
+        batch = self._batches.get(batch_id)
+        if batch is None or not index.isdigit() or int(index) >= len(batch.acked):
+            return  # the publish call gave up waiting for it (or not a reply of ours)
+        i = int(index)
+        if batch.acked[i]:
+            return
+        if status == b"503":
+            self._ready = False  # no stream for the subject: the next publish ensures it
+        batch.acked[i] = True
+        batch.outcomes[i] = ack_error(data, status)
+        batch.waiting -= 1
+        if batch.waiting == 0:
+            batch.done.set()
+
+    async def publish(self, messages: Sequence[FireMessage],
+                      timeout_s: float) -> list[BaseException | None]:
+        try:
+            await asyncio.wait_for(self._connect(), timeout_s)
+        except (BrokerUnavailable, TimeoutError) as exc:
+            return [exc if isinstance(exc, BrokerUnavailable)
+                    else BrokerUnavailable("connecting to NATS timed out")] * len(messages)
+        if not messages:
+            return []
+        batch_id = str(next(self._batch_ids))
+        timed_out = BrokerUnavailable("no acknowledgement from JetStream in time")
+        batch = _Batch(outcomes=[timed_out] * len(messages), waiting=len(messages),
+                       acked=[False] * len(messages))
+        self._batches[batch_id.encode()] = batch
+        reply = f"{self._inbox}.{batch_id}."
+        frames = []
+        for i, message in enumerate(messages):
+            problem = _unsendable(message, self._wire.max_payload)
+            if problem is None:
+                frames.append(frame(f"{SUBJECT_PREFIX}.{message.target}", f"{reply}{i}",
+                                    f"Nats-Msg-Id: {message.fire_id}\r\n"
+                                    f"Hascheduler-Term: {message.term}\r\n", message.body))
+            else:
+                batch.acked[i] = True
+                batch.outcomes[i] = PublishRejected(problem)
+                batch.waiting -= 1
+        try:
+            if frames:
+                try:
+                    await asyncio.wait_for(self._wire.send(frames), timeout_s)
+                except (WireError, TimeoutError) as exc:
+                    unavailable = BrokerUnavailable(f"NATS at {self.servers}: {exc!r}")
+                    return [unavailable if not done else outcome
+                            for done, outcome in zip(batch.acked, batch.outcomes, strict=True)]
+            if batch.waiting:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(batch.done.wait(), timeout_s)
+            if frames and batch.waiting == len(frames):
+                # Not one reply: the server may be unreachable without the connection
+                # having noticed (it sends no pings of its own). Start afresh next time.
+                log.warning("nats_no_replies", messages=len(frames), timeout_s=timeout_s)
+                await self._wire.close()
+        finally:
+            del self._batches[batch_id.encode()]
+        return batch.outcomes
+
+    async def _close_quietly(self) -> None:
+        await self._wire.close()
+        try:
+            await self._nc.close()
+        except Exception as exc:  # closing a half-open client may fail in many ways
+            log.debug("nats_close_failed", error=repr(exc))
+        self._nc = None
+        self._ready = False
+
+    async def close(self) -> None:
+        await self._wire.close()
+        if self._nc is not None:
+            try:
+                await self._nc.drain()
+            except Exception as exc:
+                log.debug("nats_drain_failed", error=repr(exc))
+            self._nc = None
+            self._ready = False
+
+
+def _unsendable(message: FireMessage, max_payload: int) -> str | None:
+    """Why ``message`` cannot go on the wire as it is, if so. The API validates targets and
+    ids; this keeps a document written around it from breaking the protocol's framing."""
+    if not TARGET_PATTERN.fullmatch(message.target):
+        return f"target {message.target!r} is not a valid NATS subject suffix"
+    if "\r" in message.fire_id or "\n" in message.fire_id:
+        return f"fire id {message.fire_id!r} holds a line break"
+    if len(message.body) > max_payload - 256:
+        return f"message of {len(message.body)} bytes exceeds the server's max_payload"
+    return None
+
+
+class PublishRejected(Exception):
+    """JetStream answered a publish with an error (stream missing, limits, ...)."""
+
+
+def ack_error(data: bytes, status: bytes | None) -> BaseException | None:
+    """None for a JetStream ack (a duplicate counts: that fire is stored), else the error:
+    BrokerUnavailable when no stream answered, PublishRejected when it refused.
+
+    Acks are ``{"stream":..,"seq":..}``; only an error carries ``"error"``, so the JSON is
+    decoded only then. A status reply (``status``, e.g. 503: no stream listens on the
+    subject) has no body."""
+    if status == b"503":
+        # No responders: no stream leader listens on the subject now (an election after
+        # its node died, or the stream is missing and is ensured at the next connect).
+        return BrokerUnavailable("NATS status 503: no JetStream stream answered")
+    if status:
+        return PublishRejected(f"NATS status {status.decode(errors='replace')}")
+    if b'"error"' not in data:
+        return None if data else PublishRejected("empty reply to a JetStream publish")
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict):
+        return PublishRejected(f"unreadable reply to a JetStream publish: {data[:200]!r}")
+    error = reply.get("error")
+    if not isinstance(error, dict):
+        return None  # "error" was only inside a stream name
+    return PublishRejected(f"JetStream error {error.get('code')} ({error.get('err_code')}): "
+                           f"{error.get('description')}")
+
+
+# JetStream's answers to more replicas than it can place: not clustered, or too few nodes.
+REPLICAS_UNAVAILABLE = {10074, 10023}
+AUTO_REPLICAS = 3
+
+
+async def ensure_stream(js: Any, endpoint: NatsEndpoint) -> int:
+    """Create the fire stream if missing, or bring its settings to ours (file storage, so
+    fires survive a restart); returns its replica count. With replicas unset, 3 where the
+    cluster can place them, else 1 (a single server, or too few nodes up: asked again at
+    the next connect)."""
+    tries = [endpoint.replicas] if endpoint.replicas else [AUTO_REPLICAS, 1]
+    for replicas in tries:
+        config = StreamConfig(name=endpoint.stream, subjects=[f"{SUBJECT_PREFIX}.>"],
+                              duplicate_window=endpoint.dedup_window_s, num_replicas=replicas)
+        try:
+            try:
+                await js.add_stream(config)
+            except BadRequestError:
+                await js.update_stream(config)
+            return replicas
+        except APIError as exc:
+            if replicas == tries[-1] or exc.err_code not in REPLICAS_UNAVAILABLE:
+                raise
+            log.info("stream_replicas_unavailable", replicas=replicas,
+                     error=str(exc.description))
+    raise AssertionError("unreachable: the last try returns or raises")

@@ -1,0 +1,5 @@
+import sys
+
+from hascheduler.cli.main import main
+
+sys.exit(main())

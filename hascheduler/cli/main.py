@@ -1,0 +1,63 @@
+"""The ``hascheduler`` command: one subcommand per module of this package; the development
+tools (``devmongo``, ``dev``) join by entry point when installed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from hascheduler.cli import audit, schedules, serve, worker
+from hascheduler.core.errors import ConfigError
+from hascheduler.process import logs
+
+# A command module offers add_parser(subparsers), which sets ``run`` (args -> exit code)
+# as its parsers' default.
+COMMANDS: tuple[Any, ...] = (serve, worker, schedules, audit)
+# The entry point group the development tools register their commands in (dev/pyproject.toml).
+PLUGIN_GROUP = "hascheduler.commands"
+DEVELOPMENT_COMMANDS = {
+    "devmongo": "run the MongoDB-wire-compatible development server",
+    "dev": "run the whole cluster locally, or control it",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hascheduler", description="A highly available scheduler cluster: replicas "
+        "(serve), workers (worker), and the HTTP API from a terminal (schedules, runs, "
+        "audit).")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    for _, plugin in sorted(plugins.items()):
+        plugin.load().add_parser(sub)
+    for name, text in DEVELOPMENT_COMMANDS.items():
+        if name not in plugins:
+            missing = sub.add_parser(name, help=f"{text} (needs the development tools)",
+                                     add_help=False)
+            missing.set_defaults(run=_not_installed)
+    return parser
+
+
+def _not_installed(args: argparse.Namespace) -> int:
+    raise ConfigError("comes with the development tools, which are not installed here: "
+                      "pip install 'hascheduler[dev]' (./scripts/hascheduler installs them)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    if rest and args.run is not _not_installed:
+        build_parser().parse_args(argv)  # reports the unknown arguments, exit 2
+    logs.configure(args.log_level)
+    try:
+        code: int = args.run(args)
+    except ConfigError as exc:  # every command reports a wrong setting the same way
+        print(f"hascheduler {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return code

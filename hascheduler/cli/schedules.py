@@ -1,0 +1,371 @@
+"""``hascheduler schedules ...`` and ``hascheduler runs ...``: the HTTP API from a
+terminal, as tables or JSON.
+
+The API is the one ``--api`` (or HASCHEDULER_API) names; without either, a ready replica
+of the ``hascheduler dev`` cluster running from this directory (its state directory:
+HASCHEDULER_DEV_STATE_DIR, default .hascheduler-dev).
+
+Exit codes: 0 done; 2 the input was refused (locally, or by the API with a 4xx naming the
+field); 1 the API could not be reached or failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from hascheduler.cli import local_cluster
+
+EXIT_REFUSED = 2
+EXIT_UNAVAILABLE = 1
+
+
+class Refused(Exception):
+    """Input refused before or by the API; the message says which field and why."""
+
+
+class Unavailable(Exception):
+    """The API could not be reached, or answered with a server error."""
+
+
+def _common(after_action: bool) -> argparse.ArgumentParser:
+    """The options of every command, before its action or (SUPPRESS: a value given before
+    is not reset) after it."""
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_action else value
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--api", default=default(os.environ.get("HASCHEDULER_API")),
+                        help="base URL of a replica's API (env HASCHEDULER_API; default: "
+                             "the local `hascheduler dev` cluster)")
+    common.add_argument("--token", default=default(os.environ.get("HASCHEDULER_TOKEN")),
+                        help="API token, needed when the replicas have tokens configured "
+                             "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)")
+    common.add_argument("--json", action="store_true", default=default(False),
+                        help="print JSON instead of a table")
+    return common
+
+
+class _Actions:
+    """A command's actions, each taking the common options after it too."""
+
+    def __init__(self, command: Any) -> None:
+        self.actions = command.add_subparsers(dest="action", required=True)
+        self.after = _common(after_action=True)
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        return self.actions.add_parser(name, parents=[self.after], **kwargs)
+
+
+def add_parser(sub: Any) -> None:
+    common = _common(after_action=False)
+    _add_runs_parser(sub, common)
+    sc = sub.add_parser("schedules", parents=[common], help="add, list, change and preview "
+                                                            "schedules over the HTTP API")
+    sc.set_defaults(run=_run_sync)
+    cmd = _Actions(sc)
+
+    add = cmd.add_parser("add", help="create a schedule")
+    add.add_argument("--file", help="a schedule as JSON (- for standard input)")
+    add.add_argument("--id")
+    add.add_argument("--name")
+    add.add_argument("--target", help="broker subject suffix or routing key")
+    kind = add.add_mutually_exclusive_group()
+    kind.add_argument("--cron", help="5 or 6 fields, crontab syntax")
+    kind.add_argument("--every", help="seconds or an ISO-8601 duration (PT30S)")
+    kind.add_argument("--at", action="append", help="an instant (ISO-8601); repeat for more")
+    add.add_argument("--timezone", help="IANA zone for --cron (default UTC)")
+    add.add_argument("--start-at", help="anchor of an --every grid")
+    add.add_argument("--end-at", help="last possible time of an --every schedule")
+    add.add_argument("--jitter", type=float)
+    add.add_argument("--payload", help="a JSON object")
+    add.add_argument("--fan-out", help='one run per tenant, as JSON: {"collection": '
+                                       '"tenants", "filter": {"active": true}, "key": "_id"}')
+    add.add_argument("--label", action="append", default=[], help="key=value; repeatable")
+    add.add_argument("--paused", action="store_true")
+    add.add_argument("--catchup", choices=["latest", "all", "none"])
+    add.add_argument("--catchup-window", type=float)
+
+    ls = cmd.add_parser("list", help="list schedules")
+    ls.add_argument("--label", action="append", default=[], help="key=value; repeat to AND")
+    ls.add_argument("--paused", choices=["true", "false"])
+    ls.add_argument("--limit", type=int, default=100)
+
+    for name, text in (("get", "show one schedule"), ("delete", "delete a schedule"),
+                       ("pause", "pause a schedule"), ("resume", "resume a schedule")):
+        p = cmd.add_parser(name, help=text)
+        p.add_argument("id")
+        if name != "get":
+            p.add_argument("--if-match", type=int, help="expected revision")
+
+    up = cmd.add_parser("update", help="change a schedule: --set applies a JSON merge "
+                                       "patch, --file replaces it")
+    up.add_argument("id")
+    change = up.add_mutually_exclusive_group(required=True)
+    change.add_argument("--set", dest="patch", help='JSON merge patch, e.g. \'{"jitter": 5}\'')
+    change.add_argument("--file", help="the whole schedule as JSON (- for standard input)")
+    up.add_argument("--if-match", type=int, help="expected revision")
+
+    nx = cmd.add_parser("next", help="preview the next fire times")
+    nx.add_argument("id")
+    nx.add_argument("--count", type=int, default=5)
+
+
+def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    rn = sub.add_parser("runs", parents=[common], help="what the workers made of the fires: "
+                                                       "list, show, retry dead runs")
+    rn.set_defaults(run=_run_sync)
+    cmd = _Actions(rn)
+    ls = cmd.add_parser("list", help="runs, most recently changed first")
+    ls.add_argument("--state", choices=["running", "succeeded", "retrying", "dead"])
+    ls.add_argument("--schedule", help="the runs of one schedule's fires (newest first)")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--after", help="the next a previous --json list gave (the fire id of "
+                                    "its last run)")
+    show = cmd.add_parser("show", help="one run")
+    show.add_argument("fire_id")
+    retry = cmd.add_parser("retry", help="replay a dead run")
+    retry.add_argument("fire_id")
+
+
+def resolve_api(explicit: str | None) -> str:
+    """The API to call; raises Unavailable saying how to name one."""
+    if explicit:
+        return explicit.rstrip("/")
+    state_dir = local_cluster.state_dir_from_env()
+    try:
+        status = local_cluster.call(state_dir, "GET", "/status", timeout_s=10)
+    except local_cluster.ControlError as exc:
+        raise Unavailable(f"no API named (--api or HASCHEDULER_API), and no local cluster: "
+                          f"{exc}") from None
+    ready = [r["url"] for r in status.get("replicas", []) if r.get("ready")]
+    if not ready:
+        raise Unavailable(f"the local cluster in {state_dir}/ has no ready replica")
+    return str(ready[0]).rstrip("/")
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise Refused(f"{what} is not valid JSON: {exc}") from None
+
+
+def _read_file(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise Refused(f"--file: {exc}") from None
+    return _json_arg(text, "--file")
+
+
+def _labels(pairs: Sequence[str]) -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise Refused(f"--label {pair!r}: write it as key=value")
+        labels[key] = value
+    return labels
+
+
+def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The POST body from the add command's flags (or its --file)."""
+    if args.file:
+        from_file = _read_file(args.file)
+        if not isinstance(from_file, dict):
+            raise Refused("--file must hold a JSON object")
+        return from_file
+    missing = [flag for flag, value in (("--name", args.name), ("--target", args.target))
+               if not value]
+    if missing:
+        raise Refused(f"{' and '.join(missing)} required (or give the schedule with --file)")
+    trigger: dict[str, Any]
+    if args.cron:
+        trigger = {"kind": "cron", "cron": args.cron}
+        if args.timezone:
+            trigger["timezone"] = args.timezone
+    elif args.every:
+        every: Any = float(args.every) if args.every.replace(".", "", 1).isdigit() \
+            else args.every
+        trigger = {"kind": "interval", "every": every}
+        for key in ("start_at", "end_at"):
+            if getattr(args, key):
+                trigger[key] = getattr(args, key)
+    elif args.at:
+        trigger = {"kind": "at", "at": args.at}
+    else:
+        raise Refused("give one trigger: --cron, --every or --at")
+    body: dict[str, Any] = {"name": args.name, "target": args.target, "trigger": trigger,
+                            "labels": _labels(args.label), "paused": args.paused}
+    for key in ("id", "jitter", "catchup", "catchup_window"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
+    if args.payload:
+        body["payload"] = _json_arg(args.payload, "--payload")
+    if args.fan_out:
+        body["fan_out"] = _json_arg(args.fan_out, "--fan-out")
+    return body
+
+
+async def _call(session: aiohttp.ClientSession, method: str, url: str,
+                **kwargs: Any) -> Any:
+    try:
+        async with session.request(method, url, **kwargs) as response:
+            body = await response.json() if response.content_type == "application/json" \
+                else None
+            if response.status >= 500:
+                raise Unavailable(f"{method} {url}: HTTP {response.status} "
+                                  f"{(body or {}).get('title', '')}")
+            if response.status >= 400:
+                details = "; ".join(f"{e['field']}: {e['message']}"
+                                    for e in (body or {}).get("errors", []))
+                raise Refused(f"HTTP {response.status}: {(body or {}).get('title', '')}"
+                              + (f" ({details})" if details else ""))
+            return body
+    except aiohttp.ClientError as exc:
+        raise Unavailable(f"cannot reach the API at {url}: {exc}") from None
+
+
+def _trigger_text(trigger: dict[str, Any]) -> str:
+    if trigger["kind"] == "cron":
+        return f"cron {trigger['cron']} {trigger.get('timezone', 'UTC')}"
+    if trigger["kind"] == "interval":
+        return f"every {trigger['every']:g}s"
+    instants = trigger["at"]
+    return f"at {instants[0]}" + (f" (+{len(instants) - 1})" if len(instants) > 1 else "")
+
+
+def table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
+              for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _schedules_table(items: list[dict[str, Any]]) -> str:
+    def fan_out(schedule: dict[str, Any]) -> str:
+        spec = schedule.get("fan_out")
+        return f"per {spec['collection']}" if spec else "-"
+
+    return table([[s["id"], s["name"], _trigger_text(s["trigger"]),
+                   "yes" if s["paused"] else "no", str(s["revision"]), s["target"],
+                   fan_out(s)] for s in items],
+                 ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"])
+
+
+def _run_sync(args: argparse.Namespace) -> int:
+    return asyncio.run(run(args))
+
+
+async def run(args: argparse.Namespace) -> int:
+    what = f"hascheduler {args.command} {args.action}"
+    try:
+        base = resolve_api(args.api)
+        headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                         headers=headers) as session:
+            output: str | None
+            if args.command == "runs":
+                output = await _runs(session, base, args)
+            else:
+                output = await _dispatch(session, base, args)
+    except Refused as exc:
+        print(f"{what}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Unavailable as exc:
+        print(f"{what}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if output is not None:
+        print(output)
+    return 0
+
+
+async def _dispatch(session: aiohttp.ClientSession, base: str,
+                    args: argparse.Namespace) -> str | None:
+    headers = {"If-Match": f'"{args.if_match}"'} if getattr(args, "if_match", None) else {}
+    sid = getattr(args, "id", None)
+    if args.action == "add":
+        body = await _call(session, "POST", f"{base}/schedules", json=schedule_body(args))
+        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+    if args.action == "list":
+        params: list[tuple[str, str]] = [("label", f"{k}={v}")
+                                         for k, v in _labels(args.label).items()]
+        if args.paused:
+            params.append(("paused", args.paused))
+        params.append(("limit", str(args.limit)))
+        body = await _call(session, "GET", f"{base}/schedules", params=params)
+        return json.dumps(body, indent=2) if args.json else _schedules_table(body["items"])
+    if args.action == "get":
+        body = await _call(session, "GET", f"{base}/schedules/{sid}")
+        return json.dumps(body, indent=2)
+    if args.action == "update":
+        if args.file:
+            replacement = _read_file(args.file)
+            body = await _call(session, "PUT", f"{base}/schedules/{sid}", json=replacement,
+                               headers=headers)
+        else:
+            patch = _json_arg(args.patch, "--set")
+            body = await _call(session, "PATCH", f"{base}/schedules/{sid}", json=patch,
+                               headers=headers)
+        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+    if args.action in {"pause", "resume"}:
+        body = await _call(session, "POST", f"{base}/schedules/{sid}/{args.action}",
+                           headers=headers)
+        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+    if args.action == "delete":
+        await _call(session, "DELETE", f"{base}/schedules/{sid}", headers=headers)
+        return None if not args.json else json.dumps({"deleted": sid})
+    if args.action == "next":
+        body = await _call(session, "GET", f"{base}/schedules/{sid}/next",
+                           params={"count": str(args.count)})
+        if args.json:
+            return json.dumps(body, indent=2)
+        return table([[t["nominal"], t["fire_at"], t["fire_id"]] for t in body["times"]],
+                     ["NOMINAL", "FIRE AT", "FIRE ID"])
+    raise Refused(f"unknown action {args.action}")
+
+
+def _runs_table(items: list[dict[str, Any]]) -> str:
+    def seconds(value: Any) -> str:
+        return f"{value:.3f}s" if isinstance(value, int | float) else "-"
+
+    return table([[r["id"], r["state"], str(r["attempts"]), r.get("worker_id") or "-",
+                   seconds(r.get("duration_s")), (r.get("last_error") or "")[:60]]
+                  for r in items], ["FIRE ID", "STATE", "ATTEMPTS", "WORKER", "DURATION",
+                                    "LAST ERROR"])
+
+
+async def _runs(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> str:
+    if args.action == "list":
+        if not 1 <= args.limit <= 500:
+            raise Refused("--limit must be from 1 to 500")
+        params = {"limit": str(args.limit)}
+        if args.schedule:
+            if args.state or args.after:
+                raise Refused("--schedule lists one schedule's runs: without --state/--after")
+            body = await _call(session, "GET",
+                               f"{base}/schedules/{quote(args.schedule, safe='')}/runs",
+                               params=params)
+        else:
+            if args.state:
+                params["state"] = args.state
+            if args.after:
+                params["after"] = args.after
+            body = await _call(session, "GET", f"{base}/runs", params=params)
+        return json.dumps(body, indent=2) if args.json else _runs_table(body["items"])
+    run_url = f"{base}/runs/{quote(args.fire_id, safe='@:')}"
+    if args.action == "show":
+        return json.dumps(await _call(session, "GET", run_url), indent=2)
+    body = await _call(session, "POST", f"{run_url}/retry")
+    return json.dumps(body, indent=2) if args.json else _runs_table([body])

@@ -1,0 +1,118 @@
+"""``hascheduler serve``: one scheduler replica (HTTP API, mirror, and firing while it
+leads)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+from typing import Any
+
+from hascheduler.api.access import AccessConfigError, WriteLimit, load_tokens
+from hascheduler.brokers.registry import parse_broker_url
+from hascheduler.cli.settings import (
+    Setting,
+    add_settings,
+    mongodb_uri,
+    number,
+    port,
+    positive_float,
+    positive_int,
+    resolve,
+    text,
+)
+from hascheduler.core.constants import (
+    DEFAULT_MAX_FAN_OUT,
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    DEFAULT_RUN_RETENTION_S,
+)
+from hascheduler.core.errors import ConfigError
+from hascheduler.process import gcpolicy
+from hascheduler.replica.publishing import DispatchSettings
+from hascheduler.replica.service import ReplicaSettings, api_tls_context, run_replica
+from hascheduler.storage.lease import LeaseSettingsError, LeaseTimings
+
+_LEASE = LeaseTimings()
+_WRITES = WriteLimit()
+
+SETTINGS = (
+    Setting("--mongodb-uri", None, mongodb_uri, "MongoDB replica set URI", required=True),
+    Setting("--http-host", "127.0.0.1", text, "address to serve the API on"),
+    Setting("--http-port", 8080, port, "API port, 0 for any free one"),
+    Setting("--replica-id", None, text, "this replica's name, default host name and pid",
+            fallback_env="POD_NAME"),
+    Setting("--broker", parse_broker_url("log:"), parse_broker_url,
+            "where fires go: nats://host:port, amqp://user:password@host:port/vhost or log:"),
+    Setting("--lease-ttl", _LEASE.ttl, positive_float, "seconds a lease lasts unrenewed"),
+    Setting("--renew-deadline", _LEASE.renew_deadline, positive_float,
+            "seconds after its last renewal a leader stops firing"),
+    Setting("--renew-interval", _LEASE.renew_interval, positive_float,
+            "seconds between renewals"),
+    Setting("--tls-cert-file", None, text, "serve the API over HTTPS with this PEM "
+            "certificate (chain), with --tls-key-file"),
+    Setting("--tls-key-file", None, text, "the certificate's PEM private key"),
+    Setting("--write-rate", _WRITES.per_second, number, "writes per second one client "
+            "address may make on average, 0 for no limit"),
+    Setting("--write-burst", _WRITES.burst, positive_int, "writes one client may make at once"),
+    Setting("--fire-retention", DispatchSettings().retention_s, positive_float,
+            "seconds the fire ledger keeps a fire"),
+    Setting("--run-retention", DEFAULT_RUN_RETENTION_S, positive_float,
+            "seconds the runs ledger keeps a run after its last change"),
+    Setting("--max-fan-out", DEFAULT_MAX_FAN_OUT, positive_int,
+            "the most tenants one schedule's fan_out may select (checked when written)"),
+    Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
+            "the fewest seconds between two fires of one schedule that a write may ask for"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    sv = sub.add_parser(
+        "serve", help="run one scheduler replica (HTTP API + mirror)",
+        epilog="API tokens: HASCHEDULER_WRITE_TOKENS and HASCHEDULER_READ_TOKENS "
+               "(comma-separated), or HASCHEDULER_WRITE_TOKENS_FILE and "
+               "HASCHEDULER_READ_TOKENS_FILE (one per line). Without any token the API "
+               "serves 127.0.0.1 only, whatever --http-host says.")
+    add_settings(sv, SETTINGS)
+    sv.set_defaults(run=run)
+
+
+def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
+    """The replica's settings from flags and environment. Raises ConfigError."""
+    v = resolve(args, SETTINGS)
+    try:
+        timings = LeaseTimings(ttl=v["lease_ttl"], renew_deadline=v["renew_deadline"],
+                               renew_interval=v["renew_interval"])
+    except LeaseSettingsError as exc:
+        raise ConfigError(f"--lease-ttl / --renew-deadline / --renew-interval: {exc}") from None
+    try:
+        write_limit = WriteLimit(per_second=v["write_rate"], burst=v["write_burst"])
+    except AccessConfigError as exc:
+        raise ConfigError(f"--write-rate / HASCHEDULER_WRITE_RATE: {exc}") from None
+    api_tls_context(v["tls_cert_file"], v["tls_key_file"])  # checked now, built at start
+    try:
+        tokens = load_tokens(os.environ)
+    except AccessConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    return ReplicaSettings(
+        mongodb_uri=v["mongodb_uri"], http_host=v["http_host"], http_port=v["http_port"],
+        replica_id=v["replica_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        broker=v["broker"], timings=timings,
+        dispatch=DispatchSettings(retention_s=v["fire_retention"],
+                                  max_fan_out=v["max_fan_out"]),
+        tokens=tokens, write_limit=write_limit, min_fire_interval_s=v["min_fire_interval"],
+        run_retention_s=v["run_retention"], tls_cert_file=v["tls_cert_file"],
+        tls_key_file=v["tls_key_file"])
+
+
+def run(args: argparse.Namespace) -> int:
+    replica = replica_settings(args)
+    gcpolicy.freeze_survivors()
+    try:
+        asyncio.run(run_replica(replica))
+    except OSError as exc:
+        print(f"hascheduler serve: cannot serve on {replica.http_host}:{replica.http_port}: "
+              f"{exc}", file=sys.stderr)
+        return 1
+    return 0

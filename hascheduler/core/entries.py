@@ -1,0 +1,71 @@
+"""A stored schedule as the firing engine keeps it (pure): compact (no payload, name or
+labels), a compiled trigger and the few fields firing needs. Every replica's mirror holds
+one per schedule; an audit builds them to say what was due."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from hascheduler.core import triggers
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.instants import as_utc
+
+
+@dataclass(slots=True)
+class Entry:
+    revision: int
+    paused: bool
+    trigger: triggers.Trigger
+    jitter: float
+    catchup: str
+    catchup_window: float
+    target: str
+    fan_out: FanOut | None = None
+
+
+def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
+    """A stored trigger document as a Trigger (stored documents were validated on write).
+
+    Raises InvalidTrigger, KeyError or TypeError for a document not written by us.
+    """
+    kind = spec["kind"]
+    if kind == "cron":
+        expression = sys.intern(spec["cron"])
+        timezone = sys.intern(spec.get("timezone", "UTC"))
+        triggers.compile_cron(expression, timezone)  # validate once, interned
+        return _interned_cron(expression, timezone)
+    if kind == "interval":
+        return triggers.Interval(float(spec["every"]), _aware(spec["start_at"]),
+                                 _aware(spec["end_at"]) if spec.get("end_at") else None)
+    if kind == "at":
+        return triggers.At(tuple(_aware(t) for t in spec["at"]))
+    raise triggers.InvalidTrigger(f"unknown trigger kind {kind!r}")
+
+
+_crons: dict[tuple[str, str], triggers.Cron] = {}
+
+
+def _interned_cron(expression: str, timezone: str) -> triggers.Cron:
+    key = (expression, timezone)
+    cron = _crons.get(key)
+    if cron is None:
+        cron = _crons[key] = triggers.Cron(expression, timezone)
+    return cron
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    aware: dt.datetime = as_utc(value)
+    return aware
+
+
+def entry_from_document(doc: dict[str, Any]) -> Entry:
+    return Entry(revision=int(doc["revision"]), paused=bool(doc.get("paused", False)),
+                 trigger=compile_trigger(doc["trigger"]),
+                 jitter=float(doc.get("jitter", 0.0)),
+                 catchup=sys.intern(doc.get("catchup", "latest")),
+                 catchup_window=float(doc.get("catchup_window", 3600.0)),
+                 target=sys.intern(doc["target"]),
+                 fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None)

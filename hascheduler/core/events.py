@@ -1,0 +1,65 @@
+"""The message a fire becomes: a CloudEvent, rendered from a per-schedule template (pure)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import json.encoder
+from dataclasses import dataclass
+from typing import Any
+
+from hascheduler.core.triggers import iso_utc
+
+EVENT_TYPE = "io.hascheduler.fire"
+EVENT_SOURCE = "/hascheduler"
+
+
+
+@dataclass(frozen=True, slots=True)
+class FireMessage:
+    """What the leader hands a broker for one fire."""
+
+    fire_id: str  # the broker's deduplication key (Nats-Msg-Id, AMQP message_id)
+    target: str   # the schedule's target: subject suffix or routing key
+    term: int
+    body: bytes   # a CloudEvents 1.0 structured JSON document
+
+
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_quote = json.encoder.encode_basestring_ascii  # what json.dumps does to a str
+
+
+@dataclass(frozen=True, slots=True)
+class EventTemplate:
+    """CloudEvents 1.0 in structured JSON mode, ``id`` the fire id (the dedup key): the
+    schedule's part JSON-encoded once per revision.
+
+    The leader renders 10,000 events a second at full load; encoding a whole dictionary
+    per fire was an eighth of its CPU. ``render`` writes the very bytes ``json.dumps``
+    of the event dictionary gives (compact separators, keys in this order), which
+    tests/test_events.py checks against it."""
+
+    target: str
+    subject: str  # JSON: the schedule id
+    name: str     # JSON
+    payload: str  # JSON
+
+    @classmethod
+    def of(cls, schedule: dict[str, Any]) -> EventTemplate:
+        return cls(target=schedule["target"], subject=_encode(schedule["_id"]),
+                   name=_encode(schedule.get("name")),
+                   payload=_encode(schedule.get("payload", {})))
+
+    def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
+               attempt: int, fired_at_iso: str) -> FireMessage:
+        fired = _quote(fired_at_iso)
+        # A fan-out fire names its tenant (core/fanout.py); others have no such field.
+        tenant_field = f'"tenant":{_quote(tenant)},' if tenant is not None else ""
+        body = (f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
+                f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},'
+                f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
+                f'"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
+                f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant_field}'
+                f'"payload":{self.payload}}}}}')
+        return FireMessage(fire_id=fire_id, target=self.target, term=term,
+                           body=body.encode())

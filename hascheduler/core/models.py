@@ -1,0 +1,363 @@
+"""The schedule as the API accepts it and as MongoDB stores it (pydantic v2).
+
+Validation needs "now" (instants must lie in the future): callers pass it in the
+validation context, ``{"now": datetime}``, so the rules stay pure and testable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from hascheduler.core import cron, triggers
+from hascheduler.core.catchup import MAX_CATCHUP_FIRES
+from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
+from hascheduler.core.constants import (
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    MAX_INTERVAL_S,
+    MAX_JITTER_S,
+    MAX_PAYLOAD_BYTES,
+    TARGET_PATTERN,
+)
+from hascheduler.core.fanout import FanOut
+
+# Schedule ids and label keys, matched whole (fullmatch).
+SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _stored(info: ValidationInfo) -> bool:
+    """Validating a schedule read back from MongoDB: its instants may have passed since."""
+    return bool((info.context or {}).get("stored"))
+
+
+def _now(info: ValidationInfo) -> dt.datetime:
+    context = info.context or {}
+    now = context.get("now")
+    return now if isinstance(now, dt.datetime) else dt.datetime.now(dt.UTC)
+
+
+def _min_interval(info: ValidationInfo) -> float:
+    """The floor on how often one schedule may fire (``serve --min-fire-interval``)."""
+    floor = (info.context or {}).get("min_fire_interval_s")
+    return float(floor) if isinstance(floor, int | float) else DEFAULT_MIN_FIRE_INTERVAL_S
+
+
+# RFC 3339, as JSON Schema's date-time format says (pydantic alone also takes numbers and
+# numeric strings as Unix times).
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def parse_instant(text: str) -> dt.datetime:
+    """An RFC 3339 date-time with an offset, as the API takes every instant (bodies and
+    query parameters alike). Raises ValueError."""
+    if not _RFC3339.fullmatch(text):
+        raise ValueError("must be an RFC 3339 date-time with an offset, such as "
+                         "'2030-01-01T09:00:00Z'")
+    return dt.datetime.fromisoformat(text.upper())
+
+
+def _instant(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value
+    if isinstance(value, str):
+        return parse_instant(value)
+    raise ValueError("must be an RFC 3339 date-time with an offset, such as "
+                     "'2030-01-01T09:00:00Z'")
+
+
+Instant = Annotated[dt.datetime, BeforeValidator(_instant)]
+
+
+def _utc(value: dt.datetime, field: str) -> dt.datetime:
+    if value.tzinfo is None:
+        raise ValueError(f"{field} needs a time zone offset (for example 'Z' or '+02:00')")
+    return value.astimezone(dt.UTC)
+
+
+_INT64 = 2**63
+
+
+def _storable(value: Any, path: str) -> None:
+    """Refuse what JSON allows but BSON cannot store: NUL in keys, integers beyond 64 bits."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "\0" in key:
+                raise ValueError(f"{path}: field names cannot contain the NUL character")
+            _storable(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _storable(item, f"{path}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and \
+            not -_INT64 <= value < _INT64:
+        raise ValueError(f"{path}: integers must fit in 64 bits")
+
+
+class _Strict(BaseModel):
+    # Strict: JSON types are taken as written ("30" is not a number, true not 1), so the
+    # OpenAPI document the models give is exactly what the API accepts.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_ZONE_ENUM: list[JsonValue] = [*sorted(triggers.ZONE_NAMES)]
+
+
+class CronSpec(_Strict):
+    kind: Literal["cron"]
+    cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
+                      json_schema_extra={"pattern": cron.SHAPE},
+                      description="5 fields (minute first) or 6 (second first) as crontab(5) "
+                                  "reads them (day of month and day of week either match "
+                                  "when both are restricted; day of week 0 or 7 = Sunday), "
+                                  "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
+                                  "and L, LW, nW (day of month), nL, n#k (day of week)",
+                      examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
+    timezone: str = Field("UTC", description="IANA time zone name",
+                          json_schema_extra={"enum": _ZONE_ENUM})
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        triggers.zone(value)
+        return value
+
+    @model_validator(mode="after")
+    def _parses(self, info: ValidationInfo) -> CronSpec:
+        compiled = triggers.compile_cron(self.cron.strip(), self.timezone)
+        self.cron = " ".join(self.cron.split())
+        floor = _min_interval(info)
+        gap = compiled.expression.min_gap_s()
+        if not _stored(info) and gap < floor:
+            raise ValueError(f"fires {gap:g} s apart at times; this cluster's floor is "
+                             f"{floor:g} s between two fires of one schedule")
+        return self
+
+    def compile(self) -> triggers.Trigger:
+        return triggers.Cron(self.cron, self.timezone)
+
+
+class IntervalSpec(_Strict):
+    kind: Literal["interval"]
+    every: float | str = Field(description="seconds, or an ISO-8601 duration such as 'PT30S'",
+                               examples=[30, "PT1H"])
+    start_at: Instant | None = Field(
+        None, description="anchor of the grid start_at + k * every; defaults to creation time")
+    end_at: Instant | None = None
+
+    @field_validator("every")
+    @classmethod
+    def _positive(cls, value: float | str, info: ValidationInfo) -> float:
+        seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
+        if not seconds > 0:
+            raise ValueError("every must be greater than 0 seconds")
+        if seconds < 0.001:  # the catch-up's bisection resolves fires this far apart
+            raise ValueError("every must be at least 1 millisecond")
+        floor = _min_interval(info)
+        if seconds < floor and not _stored(info):
+            raise ValueError(f"every must be at least {floor:g} s (this cluster's floor "
+                             "between two fires of one schedule)")
+        if seconds > MAX_INTERVAL_S:
+            raise ValueError(f"every must be at most {MAX_INTERVAL_S:.0f} seconds (10 years)")
+        return seconds
+
+    @field_validator("start_at", "end_at")
+    @classmethod
+    def _aware(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
+        return None if value is None else _utc(value, info.field_name or "time")
+
+    @model_validator(mode="after")
+    def _window(self, info: ValidationInfo) -> IntervalSpec:
+        if self.end_at is not None:
+            if self.start_at is not None and self.end_at <= self.start_at:
+                raise ValueError("end_at must be after start_at")
+            if not _stored(info) and self.end_at <= _now(info):
+                raise ValueError("end_at must be in the future")
+        return self
+
+    def compile(self) -> triggers.Trigger:
+        assert self.start_at is not None, "start_at is set when the schedule is stored"
+        assert isinstance(self.every, float)
+        return triggers.Interval(self.every, self.start_at, self.end_at)
+
+
+class AtSpec(_Strict):
+    kind: Literal["at"]
+    at: Instant | list[Instant] = Field(
+        description="one instant or a list of instants, each in the future")
+
+    @field_validator("at")
+    @classmethod
+    def _future(cls, value: dt.datetime | list[dt.datetime],
+                info: ValidationInfo) -> list[dt.datetime]:
+        instants = value if isinstance(value, list) else [value]
+        if not instants:
+            raise ValueError("at needs at least one instant")
+        if len(instants) > 10_000:
+            raise ValueError("at holds at most 10000 instants")
+        now = _now(info)
+        out = []
+        for instant in instants:
+            utc = _utc(instant, "at")
+            if utc <= now and not _stored(info):
+                raise ValueError(f"instant {utc.isoformat()} is not in the future")
+            out.append(utc)
+        return sorted(set(out))
+
+    def compile(self) -> triggers.Trigger:
+        assert isinstance(self.at, list)
+        return triggers.At(tuple(self.at))
+
+
+TriggerSpec = Annotated[CronSpec | IntervalSpec | AtSpec, Field(discriminator="kind")]
+
+
+class ScheduleFields(_Strict):
+    """What a client writes: everything but the server-managed fields."""
+
+    name: str = Field(min_length=1, max_length=200)
+    trigger: TriggerSpec
+    jitter: float = Field(0.0, ge=0, le=MAX_JITTER_S,
+                          description="max seconds added to each fire, chosen "
+                                      "deterministically from (id, nominal time)")
+    paused: bool = False
+    catchup: Literal["latest", "all", "none"] = Field(
+        "latest", description="after downtime: fire only the latest missed time, all of "
+                              "them within catchup_window, or none")
+    catchup_window: float = Field(3600.0, gt=0, le=30 * 86400,
+                                  description="seconds of missed fires replayed with 'all'")
+    target: str = Field(min_length=1, max_length=200,
+                        description="broker subject suffix or routing key; celery:<task> "
+                                    "sends a Celery task (an amqp:// broker only), its "
+                                    "payload {args, kwargs, queue}",
+                        examples=["reports.weekly", "celery:proj.tasks.send_report"],
+                        json_schema_extra={
+                            "pattern": f"^(celery:)?{TARGET_PATTERN.pattern}$"})
+    payload: dict[str, Any] = Field(default_factory=dict)
+    fan_out: FanOut | None = Field(None, description=(
+        "one run per tenant: at each fire, one message per document of this collection "
+        "(in the same database) that the filter selects at the due time, its key in "
+        "data.tenant and the fire id <schedule_id>@<nominal>/<tenant>"))
+    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
+        "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
+        "additionalProperties": {"type": "string", "maxLength": 200}})
+
+    @field_validator("catchup_window")
+    @classmethod
+    def _bounded_replay(cls, value: float, info: ValidationInfo) -> float:
+        """A window that would replay more fires than one catch-up may is refused: after an
+        outage, 'all' claims and publishes every time inside it."""
+        trigger, policy = info.data.get("trigger"), info.data.get("catchup")
+        gap: float | None = None
+        if isinstance(trigger, CronSpec):
+            gap = triggers.compile_cron(trigger.cron, trigger.timezone).expression.min_gap_s()
+        elif isinstance(trigger, IntervalSpec) and isinstance(trigger.every, float):
+            gap = trigger.every
+        if policy == "all" and gap and value / gap > MAX_CATCHUP_FIRES:
+            raise ValueError(f"with catchup 'all' this window replays up to {value / gap:.0f} "
+                             f"fires after an outage; at most {MAX_CATCHUP_FIRES} (shorten "
+                             "the window or fire less often)")
+        return value
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        if not TARGET_PATTERN.fullmatch(celery_task(value) or value):
+            raise ValueError("target must be dot-separated tokens of letters, digits, '_' "
+                             "or '-', optionally after celery:")
+        return value
+
+    @model_validator(mode="after")
+    def _celery_payload(self) -> ScheduleFields:
+        """A Celery target's payload is the call: checked when written, not at each fire."""
+        if celery_task(self.target) is not None:
+            try:
+                celery_call(self.payload)
+            except CeleryPayloadError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @field_validator("payload")
+    @classmethod
+    def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
+        if size > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload is {size} bytes as JSON; the limit is "
+                             f"{MAX_PAYLOAD_BYTES}")
+        _storable(value, "payload")
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 64:
+            raise ValueError("at most 64 labels")
+        for key, text in value.items():
+            if not SLUG.fullmatch(key) or len(text) > 200:
+                raise ValueError(f"label {key!r}: keys are slugs, values at most 200 chars")
+        return value
+
+
+class ScheduleIn(ScheduleFields):
+    """A new schedule: the id is optional (the server makes one)."""
+
+    id: str | None = Field(None, description="a slug; generated when absent",
+                           json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
+
+    @field_validator("id")
+    @classmethod
+    def _slug(cls, value: str | None) -> str | None:
+        if value is not None and not SLUG.fullmatch(value):
+            raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
+                             "with a letter or digit")
+        return value
+
+
+class Schedule(ScheduleFields):
+    """A stored schedule, as the API returns it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    revision: int = Field(ge=1)
+
+    def compile(self) -> triggers.Trigger:
+        return self.trigger.compile()
+
+
+class ScheduleList(BaseModel):
+    items: list[Schedule]
+    next: str | None = Field(None, description="pass as ?after= to get the next page")
+
+
+class FireTime(BaseModel):
+    nominal: dt.datetime
+    fire_at: dt.datetime = Field(description="nominal plus the deterministic jitter")
+    fire_id: str
+
+
+class Preview(BaseModel):
+    schedule_id: str
+    times: list[FireTime]
+
+
+def preview(schedule: Schedule, after: dt.datetime, count: int) -> Preview:
+    trigger = schedule.compile()
+    times = [FireTime(nominal=n, fire_at=n + triggers.jitter_offset(schedule.id, n,
+                                                                    schedule.jitter),
+                      fire_id=triggers.fire_id(schedule.id, n))
+             for n in triggers.fire_times(trigger, after, limit=count)]
+    return Preview(schedule_id=schedule.id, times=times)

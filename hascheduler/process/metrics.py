@@ -1,0 +1,94 @@
+"""One replica's Prometheus metrics, served at GET /metrics.
+
+Each replica has its own registry (tests run several in one process); components record
+into it, and the mirror's figures are read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+# Lateness and latencies of a scheduler: milliseconds when healthy, seconds in a failover.
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOOP_PROBE_S = 0.1
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.leader = Gauge("hascheduler_leader", "1 while this replica holds the lease",
+                            registry=r)
+        self.term = Gauge("hascheduler_term", "the lease term this replica last saw",
+                          registry=r)
+        self.renew_seconds = Histogram(
+            "hascheduler_lease_renew_seconds",
+            "round trip of one lease acquire-or-renew", buckets=SECONDS, registry=r)
+        self.renew_failures = Counter(
+            "hascheduler_lease_renew_failures_total",
+            "lease acquire-or-renew attempts that failed (error or timeout)", registry=r)
+        self.fires = Counter("hascheduler_fires_total",
+                             "fires this replica moved into a ledger state", ["state"],
+                             registry=r)
+        self.lateness = Histogram(
+            "hascheduler_fire_lateness_seconds",
+            "broker acknowledgement minus due time, per published fire", buckets=SECONDS,
+            registry=r)
+        self.publish_seconds = Histogram(
+            "hascheduler_publish_seconds", "broker publish of one batch, until acknowledged",
+            buckets=SECONDS, registry=r)
+        self.mirror_size = Gauge("hascheduler_mirror_schedules",
+                                 "schedules in this replica's mirror", registry=r)
+        self.mirror_ready = Gauge("hascheduler_mirror_ready",
+                                  "1 while the mirror is in sync", registry=r)
+        self.stream_lag = Gauge(
+            "hascheduler_change_stream_lag_seconds",
+            "now minus the cluster time of the last change event the mirror applied "
+            "(grows while nothing changes; NaN before the first event)", registry=r)
+        self.http = Counter("hascheduler_http_requests_total",
+                            "HTTP requests by route, method and status",
+                            ["route", "method", "status"], registry=r)
+        self.runs_running = Gauge(
+            "hascheduler_runs_running", "runs the ledger shows running, per target "
+            "(every replica reports the same cluster-wide figure)", ["target"], registry=r)
+        self.runs_stuck = Gauge(
+            "hascheduler_runs_stuck", "runs shown running whose heartbeat is stale (the run "
+            "lease lapsed: the worker died or stalled), per target", ["target"], registry=r)
+        self.loop_lag = Histogram(
+            "hascheduler_event_loop_lag_seconds",
+            f"how late a {LOOP_PROBE_S:g} s timer fires on this replica's event loop: a long "
+            "step holds every task, the lease renewal included", buckets=SECONDS, registry=r)
+        for state in ("claimed", "published", "skipped", "failed"):
+            self.fires.labels(state)  # present at zero before the first fire
+
+    def watch(self, leader: Callable[[], bool], term: Callable[[], int],
+              size: Callable[[], int], ready: Callable[[], bool],
+              last_applied: Callable[[], int | None]) -> None:
+        """Read the replica's state at scrape time (``last_applied``: Unix seconds)."""
+        self.leader.set_function(lambda: 1.0 if leader() else 0.0)
+        self.term.set_function(lambda: float(term()))
+        self.mirror_size.set_function(lambda: float(size()))
+        self.mirror_ready.set_function(lambda: 1.0 if ready() else 0.0)
+
+        def lag() -> float:
+            seconds = last_applied()
+            return float("nan") if seconds is None else max(0.0, time.time() - seconds)
+
+        self.stream_lag.set_function(lag)
+
+    def runs_seen(self, running: dict[str, int], stuck: dict[str, int]) -> None:
+        """Set the runs gauges from one read of the ledger (a target gone reads 0)."""
+        for gauge, counts in ((self.runs_running, running), (self.runs_stuck, stuck)):
+            for (target,) in list(gauge._metrics):
+                if target not in counts:
+                    gauge.labels(target).set(0)
+            for target, count in counts.items():
+                gauge.labels(target).set(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

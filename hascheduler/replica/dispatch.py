@@ -1,0 +1,374 @@
+"""The leader's firing engine: claim each due fire once, publish it, mark it published.
+
+Invariants 4 and 5 (docs/ARCHITECTURE.md). Leading is one term (term.py): ``lead`` enters
+it, and everything below acts for that term and stops when ``term.check()`` says it no
+longer holds the lease. A fire's id is ``<schedule_id>@<nominal UTC time>``; it is claimed
+by inserting that id into ``fires`` (a duplicate key means another leader owns it), and
+every ledger write carries the term. Publishing (publishing.py) uses the fire id as the
+broker's dedup key, so republishing after a failover is safe. Claims are made up to
+CLAIM_AHEAD_S before the due time and re-checked against the mirror when it comes (a
+schedule paused, deleted or edited meanwhile is recorded as skipped). On becoming leader:
+adopt and republish claims left by older terms, then fire what fell due since the previous
+leader's watermark, per schedule catch-up policy, recording every skipped time with its
+reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from typing import Protocol
+
+import structlog
+
+from hascheduler.brokers.base import Broker
+from hascheduler.core.catchup import SkippedRange, plan_catchup
+from hascheduler.core.claims import Claim, expand
+from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
+from hascheduler.core.entries import Entry
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.fire_queue import Due, is_fire_time
+from hascheduler.core.triggers import jitter_offset
+from hascheduler.process.metrics import Metrics
+from hascheduler.replica.publishing import (
+    Clock,
+    DispatchSettings,
+    MirroredSchedules,
+    Publisher,
+    StoredSchedules,
+)
+from hascheduler.replica.term import HeldLease, LeadershipLost, Term
+from hascheduler.storage.fires import Ledger, claim_record, skipped_range_document
+from hascheduler.storage.lease import LeaseView
+
+log = structlog.get_logger("hascheduler.dispatch")
+
+# Fires claimed (and published) per database round trip. Bounded so that one burst never
+# holds the database longer than a lease renewal can wait: with 10,000 claims in one
+# insert, the single-threaded development server starved the leader's renewal past its
+# deadline and leadership thrashed mid-burst.
+CLAIM_BATCH = 1000
+# Fires are claimed up to this long before they are due, and published at their due time
+# after a re-check (paused, deleted, edited meanwhile): a burst's claims are then made
+# before its second instead of delaying its publishes. The claims of 10,000 fires due
+# together take about a third of a second of the development server's time. A second and
+# a half, not two: cron fires cluster on whole seconds, and claiming the next-but-one
+# second's fires then happens mid-second instead of at the instant this second's publish.
+# A claim made ahead is published only if its term still holds the lease at the due time.
+CLAIM_AHEAD_S = 1.5
+
+
+# Retries published per turn of the retry loop, a claim batch each: a 10,000 burst held up
+# by a broker outage goes out in one turn, and the loop still yields between batches.
+RETRY_BATCHES_PER_TURN = 20
+
+
+class TenantSource(Protocol):
+    """The tenants a fan-out selects now, from the replica's source mirrors (tenants.py);
+    None while that source's mirror is not in sync."""
+
+    def tenants(self, fan_out: FanOut) -> list[str] | None: ...
+
+    async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool: ...
+
+
+def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime
+                   ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
+    """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
+    and the range each skips (pure)."""
+    to_fire: list[Due] = []
+    skipped: list[tuple[str, SkippedRange]] = []
+    for schedule_id, entry in entries:
+        start = since - dt.timedelta(seconds=entry.jitter)
+        fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
+                                  start, now)
+        for nominal in fire:
+            fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+            if fire_at <= now:
+                to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
+        if skip is not None:
+            skipped.append((schedule_id, skip))
+    return to_fire, skipped
+
+
+class Dispatcher:
+    def __init__(self, mirror: MirroredSchedules, schedules: StoredSchedules, ledger: Ledger,
+                 broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
+                 clock: Clock = lambda: dt.datetime.now(dt.UTC),
+                 metrics: Metrics | None = None, sources: TenantSource | None = None) -> None:
+        self.mirror = mirror
+        self.sources = sources
+        self.metrics = metrics or Metrics()
+        self.ledger = ledger
+        self.lease = lease
+        self.settings = settings or DispatchSettings()
+        self.clock = clock
+        self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
+                                   self.metrics)
+        self.term: Term | None = None  # the current term, or the last one
+        self._wake = asyncio.Event()
+
+    @property
+    def published(self) -> int:
+        return self.publisher.published
+
+    @property
+    def fired_through(self) -> dt.datetime | None:
+        return self.term.fired_through if self.term is not None else None
+
+    def on_change(self, schedule_id: str, entry: Entry | None) -> None:
+        """Called by the mirror for every applied change; reschedules while leading."""
+        self.publisher.forget(schedule_id)
+        term = self.term
+        if term is not None and term.active and term.queue.changed(schedule_id, entry,
+                                                                    term.watermark):
+            self._wake.set()
+
+    async def lead(self, view: LeaseView) -> None:
+        """Fire as the leader of ``view.term`` until cancelled or the term loses the lease."""
+        now = self.clock()
+        since = view.fired_through or now
+        log.info("leading", term=view.term, fired_through=since.isoformat())
+        async with Term(view.term, self.lease, self.mirror.entries) as term:
+            self.term = term
+            await self._adopt_claims(term, grace_s=0.0)
+            await self._retry_due(term)
+            await self._catch_up(term, since, now)
+            await self._seed(term, now)
+            term.watermark = now
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._retry_loop(term))
+                await self._fire_loop(term)
+
+    async def drain(self) -> None:
+        """The handover: the last term's publishes in flight finish (bounded by the drain
+        timeout); its claims not yet due are left for the next leader."""
+        if self.term is not None:
+            await self.term.drain(self.settings.drain_timeout_s)
+
+    async def _seed(self, term: Term, now: dt.datetime) -> None:
+        for _ in term.queue.seed(now):
+            await asyncio.sleep(0)
+            term.check()
+
+    async def _fire_loop(self, term: Term) -> None:
+        while True:
+            term.check()
+            now = self.clock()
+            horizon = now + dt.timedelta(seconds=CLAIM_AHEAD_S)
+            # A claim batch at a time: each insert yields the loop to the publishes due now
+            # (taking 10,000 fires off the heap at once held it for a fifth of a second).
+            while batch := term.queue.take_due(horizon, CLAIM_BATCH):
+                await self._claim_and_publish(batch, term, now)
+            term.watermark = now
+            self._wake.clear()
+            wait = 0.25  # re-check the lease at least this often
+            first = term.queue.first_at()
+            if first is not None:
+                ahead = first - dt.timedelta(seconds=CLAIM_AHEAD_S)
+                wait = min(wait, max(0.0, (ahead - self.clock()).total_seconds()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _claim(self, claims: list[Claim], term: Term, now: dt.datetime) -> list[Claim]:
+        """Insert claims; returns those we now own.
+
+        A duplicate key is another term's claim, or one of ours already pending. Another
+        term's claim still unpublished was left by a deposed leader (only one lease is
+        valid at a time): it is adopted now, at its due time, rather than when the
+        periodic adoption comes round.
+        """
+        if not claims:
+            return []
+        term.check()
+        # The retry loop leaves a claim alone unless its publish has not finished by then.
+        retry_at = now + dt.timedelta(seconds=self.settings.publish_timeout_s * 2)
+        docs = [claim_record(c, term.number, now, retry_at) for c in claims]
+        try:
+            taken = await asyncio.wait_for(self.ledger.claim(docs),
+                                           max(term.remaining(), 0.001))
+        except TimeoutError:
+            raise LeadershipLost from None
+        if not taken:
+            return claims
+        adopted = await self.ledger.adopt(taken - term.pending, term.number, self.clock())
+        if adopted:
+            log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
+        return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
+
+    async def _claim_all(self, dues: list[Due], term: Term, now: dt.datetime) -> None:
+        for i in range(0, len(dues), CLAIM_BATCH):
+            await self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now)
+
+    async def _claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
+                                 may_defer: bool = True) -> None:
+        sources = self.sources
+        expansion = expand(batch, self.mirror.entries,
+                           sources.tenants if sources is not None else None,
+                           self.settings.max_fan_out, may_defer and sources is not None,
+                           SOURCE_SYNC_WAIT_S)
+        for due, fan_out in expansion.waiting:
+            self._defer(due, fan_out, term)
+        if expansion.refused:
+            await self._record_refused(expansion.refused, term, now)
+        revisions = {d.schedule_id: d.revision for d in batch}
+        claims = expansion.claims
+        for i in range(0, len(claims), CLAIM_BATCH):
+            claimed = await self._claim(claims[i:i + CLAIM_BATCH], term, now)
+            self.metrics.fires.labels("claimed").inc(len(claimed))
+            if claimed:
+                term.pending.update(c.fire_id for c in claimed)
+                term.publishing(self._publish_when_due(claimed, revisions, term))
+
+    def _defer(self, due: Due, fan_out: FanOut, term: Term) -> None:
+        """Claim ``due`` once its source mirror is in sync (it is loading: a source a
+        schedule just started to use, or one resyncing), late rather than lost."""
+        fire = Claim.of(due).fire_id
+        if fire in term.deferred:
+            return
+        term.deferred[fire] = due
+        log.info("fan_out_deferred", fire_id=fire, term=term.number,
+                 collection=fan_out.collection)
+
+        async def when_in_sync() -> None:
+            assert self.sources is not None
+            try:
+                wait = (due.fire_at - self.clock()).total_seconds() + SOURCE_SYNC_WAIT_S
+                await self.sources.wait_ready(fan_out, max(wait, 0.0))
+                if term.active and term.holds:
+                    await self._claim_and_publish([due], term, self.clock(), may_defer=False)
+            except LeadershipLost:
+                pass  # nothing claimed: the next leader's catch-up covers it
+            except Exception as exc:  # a task of its own: nobody else would see it
+                log.error("fan_out_deferred_failed", fire_id=fire, term=term.number,
+                          error=repr(exc))
+            finally:
+                term.deferred.pop(fire, None)
+
+        term.waiting(when_in_sync())
+
+    async def _record_refused(self, dues: list[tuple[Due, str]], term: Term,
+                              now: dt.datetime) -> None:
+        """A fan-out fire that cannot be expanded (its source mirror is out of sync, or it
+        selects more tenants than the bound) is recorded as skipped, saying why, never
+        silently dropped."""
+        await self.ledger.record_skipped([skipped_range_document(
+            d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now)
+            for d, reason in dues])
+        self.metrics.fires.labels("skipped").inc(len(dues))
+        log.warning("fan_out_not_expanded", count=len(dues), term=term.number,
+                    reason=dues[0][1])
+
+    async def _publish_when_due(self, claimed: list[Claim], revisions: dict[str, int],
+                                term: Term) -> None:
+        """Publish each claimed fire at its due time, in groups due together."""
+        claimed = sorted(claimed, key=lambda c: c.due_at)
+        try:
+            await self.publisher.templates({c.schedule_id for c in claimed})  # warm the cache
+            while claimed:
+                delay = (claimed[0].due_at - self.clock()).total_seconds()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(term.handing_over.wait(), delay)
+                    if term.handing_over.is_set():
+                        return
+                now = self.clock()
+                due = [c for c in claimed if c.due_at <= now]
+                claimed = claimed[len(due):]
+                if not term.holds:
+                    return  # deposed meanwhile: the next leader adopts these claims
+                wanted = await self._still_due(due, revisions, term)
+                if wanted:
+                    await self.publisher.publish(wanted, term.number, attempt=1)
+        finally:
+            term.pending.difference_update(c.fire_id for c in claimed)
+
+    async def _still_due(self, due: list[Claim], revisions: dict[str, int],
+                         term: Term) -> list[Claim]:
+        """The fires still wanted at their due time; the others are recorded as skipped."""
+        keep: list[Claim] = []
+        skipped: dict[str, list[str]] = {}
+        # Schedule id -> its fan-out's tenants now (None: the source's mirror is out of sync
+        # at this instant; the claim's tenant list stands).
+        selected: dict[str, set[str] | None] = {}
+        for claim in due:
+            term.pending.discard(claim.fire_id)
+            entry = self.mirror.entries.get(claim.schedule_id)
+            reason = None
+            if entry is None:
+                reason = "schedule deleted before its due time"
+            elif entry.paused:
+                reason = "schedule paused before its due time"
+            elif entry.revision != revisions[claim.schedule_id] and not is_fire_time(
+                    entry, claim.nominal_at):
+                reason = "schedule changed before its due time; no longer a fire time"
+            elif claim.tenant is not None:
+                if entry.fan_out is None:
+                    reason = "schedule changed before its due time; it no longer fans out"
+                else:
+                    if claim.schedule_id not in selected:
+                        tenants = self.sources.tenants(entry.fan_out) if self.sources else None
+                        selected[claim.schedule_id] = None if tenants is None \
+                            else set(tenants)
+                    now_selected = selected[claim.schedule_id]
+                    if now_selected is not None and claim.tenant not in now_selected:
+                        reason = "tenant no longer selected at its due time"
+            if reason is None:
+                keep.append(claim)
+            else:
+                skipped.setdefault(reason, []).append(claim.fire_id)
+        for reason, ids in skipped.items():  # one write per reason: a fan-out skips many
+            await self.ledger.skip(ids, term.number, reason)
+            self.metrics.fires.labels("skipped").inc(len(ids))
+            log.info("skipped_before_due", count=len(ids), term=term.number, reason=reason)
+        return keep
+
+    # -- retries, takeover, catch-up ------------------------------------------------------
+
+    async def _adopt_claims(self, term: Term, grace_s: float) -> int:
+        """Take over fires still claimed by older terms (republished: dedup makes it safe).
+
+        ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
+        """
+        now = self.clock()
+        # Not before its due time: a claim made ahead waits for it (_claim takes it then).
+        adopted = await self.ledger.adopt_due(term.number, now,
+                                              now - dt.timedelta(seconds=grace_s))
+        if adopted:
+            log.info("adopted_claims", count=adopted, term=term.number)
+        return adopted
+
+    async def _retry_due(self, term: Term) -> None:
+        # Batch after batch: a burst that waited out a broker outage goes out at once.
+        for _ in range(RETRY_BATCHES_PER_TURN):
+            batch = await self.ledger.due_for_retry(term.number, self.clock(),
+                                                    limit=CLAIM_BATCH)
+            if batch:
+                attempt = max(c.attempts for c in batch) + 1
+                await self.publisher.publish(batch, term.number, attempt)
+            if len(batch) < CLAIM_BATCH or not term.holds:
+                return
+
+    async def _retry_loop(self, term: Term) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retry_interval_s)
+            term.check()
+            await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
+            await self._retry_due(term)
+
+    async def _catch_up(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
+        # Planned in a thread: counting what a long outage skipped can take a good part of
+        # a second for a dense schedule, and the loop must keep renewing the lease.
+        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.paused]
+        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now)
+        term.check()
+        skipped = [skipped_range_document(schedule_id, skip, term.number, now)
+                   for schedule_id, skip in ranges]
+        await self.ledger.record_skipped(skipped)
+        if to_fire or skipped:
+            log.info("catching_up", fires=len(to_fire), skipped_ranges=len(skipped),
+                     skipped=sum(d["count"] for d in skipped), term=term.number)
+        if to_fire:
+            to_fire.sort()
+            await self._claim_all(to_fire, term, self.clock())

@@ -1,0 +1,184 @@
+"""Publishing claimed fires: render each as its event, hand a batch to the broker (at most
+``max_in_flight_batches`` awaiting it at once), mark the acknowledged ones published, and
+schedule a retry, with backoff, of the others, or record them failed (invariant 5,
+docs/ARCHITECTURE.md).
+
+Every ledger write carries the publishing term, and the ledger matches only claims of that
+term: a deposed leader's late write changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from hascheduler.brokers.base import Broker, BrokerUnavailable
+from hascheduler.core.claims import Claim
+from hascheduler.core.constants import DEFAULT_MAX_FAN_OUT
+from hascheduler.core.entries import Entry
+from hascheduler.core.events import EventTemplate
+from hascheduler.core.triggers import iso_utc
+from hascheduler.process.metrics import Metrics
+from hascheduler.storage.fires import Ledger
+
+log = structlog.get_logger("hascheduler.dispatch")
+
+Clock = Callable[[], dt.datetime]
+
+# Marking fires published waits at most this long for the other batches then awaiting
+# the broker (see Publisher.publish).
+MARK_DEFER_MAX_S = 0.5
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    publish_timeout_s: float = 5.0
+    max_attempts: int = 10
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    unavailable_backoff_cap_s: float = 2.0
+    max_unavailable_s: float = 300.0  # below the broker's duplicate window (600 s)
+    retry_interval_s: float = 0.5
+    drain_timeout_s: float = 5.0
+    retention_s: float = 7 * 86_400.0
+    max_in_flight_batches: int = 8
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out fire may select
+
+
+class MirroredSchedules(Protocol):
+    """What firing reads of the mirror: the current entries by schedule id."""
+
+    @property
+    def entries(self) -> Mapping[str, Entry]: ...
+
+
+class StoredSchedules(Protocol):
+    """The schedules collection, read for what a message carries (name, target, payload)."""
+
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^attempt))."""
+    return float(rand * min(cap_s, base_s * 2 ** min(attempt, 30)))
+
+
+class Publisher:
+    def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
+                 schedules: StoredSchedules, settings: DispatchSettings, clock: Clock,
+                 metrics: Metrics) -> None:
+        self.broker = broker
+        self.ledger = ledger
+        self.mirror = mirror
+        self.schedules = schedules
+        self.settings = settings
+        self.clock = clock
+        self.metrics = metrics
+        self.published = 0
+        self._slots = asyncio.Semaphore(settings.max_in_flight_batches)
+        self._awaiting_broker = 0  # batches sent, acks not all in
+        self._broker_idle = asyncio.Event()
+        self._broker_idle.set()
+        # What a message needs from a schedule (name, target, payload, encoded) by id, with
+        # the revision it was read at: a recurring schedule's fires skip the database read.
+        self._templates: dict[str, tuple[int, EventTemplate]] = {}
+
+    def forget(self, schedule_id: str) -> None:
+        """The schedule changed: its next message is read afresh."""
+        self._templates.pop(schedule_id, None)
+
+    async def templates(self, ids: set[str]) -> dict[str, EventTemplate]:
+        """The event template (name, target, payload) of each schedule still stored."""
+        found: dict[str, EventTemplate] = {}
+        for schedule_id in ids:
+            entry = self.mirror.entries.get(schedule_id)
+            cached = self._templates.get(schedule_id)
+            if entry is not None and cached is not None and cached[0] == entry.revision:
+                found[schedule_id] = cached[1]
+        missing = list(ids - found.keys())
+        if missing:
+            async for doc in self.schedules.find({"_id": {"$in": missing}},
+                                                 {"name": 1, "payload": 1, "target": 1,
+                                                  "revision": 1}):
+                template = EventTemplate.of(doc)
+                found[doc["_id"]] = template
+                self._templates[doc["_id"]] = (doc.get("revision", 0), template)
+        for gone in ids - found.keys():
+            self._templates.pop(gone, None)
+        return found
+
+    async def publish(self, claims: list[Claim], term: int, attempt: int) -> None:
+        """Publish claimed fires; mark each published, or schedule its retry."""
+        templates = await self.templates({c.schedule_id for c in claims})
+        fired_at = iso_utc(self.clock())
+        messages, sendable, gone = [], [], []
+        for claim in claims:
+            template = templates.get(claim.schedule_id)
+            if template is None:
+                gone.append(claim.fire_id)
+                continue
+            messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
+                                            term, attempt, fired_at))
+            sendable.append(claim)
+        if gone:
+            self.metrics.fires.labels("skipped").inc(len(gone))
+            await self.ledger.skip(gone, term, "schedule deleted before its fire was published")
+        # The slot bounds what awaits the broker; marking below is outside it, so a batch
+        # due now never waits for an earlier batch's database round trip.
+        async with self._slots:
+            self._awaiting_broker += 1
+            self._broker_idle.clear()
+            try:
+                sent = self.clock()
+                outcomes = await self.broker.publish(messages, self.settings.publish_timeout_s)
+                acked_at = self.clock()
+            finally:
+                self._awaiting_broker -= 1
+                if not self._awaiting_broker:
+                    self._broker_idle.set()
+        self.metrics.publish_seconds.observe((acked_at - sent).total_seconds())
+        done = [c for c, error in zip(sendable, outcomes, strict=True) if error is None]
+        if done:
+            # Marking waits (briefly) for the batches published with this one: with the
+            # database, the broker and the leader sharing a machine, the database's work
+            # for the first batches slowed the broker's acks of the last ones.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
+            await self.ledger.mark_published([c.fire_id for c in done], term, acked_at,
+                                             attempt)
+            self.published += len(done)
+            self.metrics.fires.labels("published").inc(len(done))
+            for claim in done:
+                self.metrics.lateness.observe((acked_at - claim.due_at).total_seconds())
+                log.debug("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
+        failures = [(c, e) for c, e in zip(sendable, outcomes, strict=True) if e is not None]
+        for claim, error in failures:
+            await self.record_failure(claim, term, attempt, error)
+        if failures:
+            log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
+                        error=repr(failures[0][1]))
+
+    async def record_failure(self, claim: Claim, term: int, attempt: int,
+                             error: BaseException) -> None:
+        now = self.clock()
+        # An unavailable broker is no fault of the fire's: it waits and is tried again soon
+        # after the broker is back (a stream's election takes seconds), for as long as a
+        # republish is still deduplicated (max_unavailable_s < the duplicate window).
+        unavailable = isinstance(error, BrokerUnavailable) and (
+            now - claim.due_at).total_seconds() < self.settings.max_unavailable_s
+        if attempt >= self.settings.max_attempts and not unavailable:
+            await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
+            self.metrics.fires.labels("failed").inc()
+        else:
+            cap = self.settings.unavailable_backoff_cap_s if unavailable \
+                else self.settings.backoff_cap_s
+            delay = backoff_s(attempt, self.settings.backoff_base_s, cap, random.random())
+            await self.ledger.retry_later(claim.fire_id, term, attempt, repr(error),
+                                          now + dt.timedelta(seconds=delay))

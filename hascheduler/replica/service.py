@@ -1,0 +1,312 @@
+"""One scheduler replica: MongoDB client, store, mirror, lease, dispatcher, broker and
+HTTP API, wired together and run until SIGTERM (graceful handover) or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import signal
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from hascheduler.api import create_app
+from hascheduler.api.access import Tokens, WriteLimit
+from hascheduler.api.app import Cluster
+from hascheduler.brokers.registry import BrokerUrl
+from hascheduler.core.constants import (
+    DEFAULT_DATABASE,
+    DEFAULT_MIN_FIRE_INTERVAL_S,
+    DEFAULT_RUN_RETENTION_S,
+    FIRES,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    LEASE_NAME,
+    LEASES,
+    MEMBERS,
+    RUNS,
+    RUNS_WATCH_INTERVAL_S,
+    SCHEDULES,
+    STREAM_RETRY_MAX_S,
+)
+from hascheduler.core.entries import Entry
+from hascheduler.core.errors import ConfigError
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.instants import as_utc
+from hascheduler.process import logs
+from hascheduler.process.metrics import LOOP_PROBE_S, Metrics
+from hascheduler.replica import lifecycle
+from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.leadership import Elector
+from hascheduler.replica.lifecycle import Every
+from hascheduler.replica.mirror import Mirror
+from hascheduler.replica.publishing import DispatchSettings
+from hascheduler.replica.tenants import Sources
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.lease import Lease, LeaseTimings
+from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
+
+log = structlog.get_logger("hascheduler.replica")
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    mongodb_uri: str
+    http_host: str
+    http_port: int
+    replica_id: str
+    broker: BrokerUrl
+    timings: LeaseTimings = field(default_factory=LeaseTimings)
+    dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    tokens: Tokens = field(default_factory=Tokens)
+    write_limit: WriteLimit = field(default_factory=WriteLimit)
+    # The API over HTTPS: a PEM certificate (chain) and its key, both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
+    run_retention_s: float = DEFAULT_RUN_RETENTION_S
+
+    @property
+    def listen_host(self) -> str:
+        """Without a token, only this host may call the API: never listen beyond it."""
+        if self.tokens.enabled or self.http_host in LOOPBACK_HOSTS:
+            return self.http_host
+        return "127.0.0.1"
+
+
+async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
+    """Run ``work()`` until it succeeds, waiting out a database that is not up yet."""
+    async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(PyMongoError),
+            wait=wait_exponential(multiplier=0.2, max=STREAM_RETRY_MAX_S),
+            before_sleep=lambda state: log.warning(
+                "database_unreachable", during=what,
+                error=str(state.outcome.exception() if state.outcome else None))):
+        with attempt:
+            await work()
+
+
+def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
+               elector: Elector) -> Callable[[], Awaitable[None]]:
+    """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
+    async def beat() -> None:
+        with contextlib.suppress(PyMongoError):
+            await members.update_one({"_id": settings.replica_id}, {"$set": {
+                "url": url, "ready": mirror.ready, "size": mirror.size,
+                "digest": mirror.digest, "leader": elector.is_leader,
+                # The term last seen, as on every log line, so standbys show theirs too.
+                "term": elector.view.term if elector.view is not None else elector.lease.term,
+                "seen_at": dt.datetime.now(dt.UTC)}},
+                upsert=True)
+    return beat
+
+
+def _count_runs(runs: RunLedger, metrics: Metrics) -> Callable[[], Awaitable[None]]:
+    """Count the running and the stuck runs for /metrics (a read of the running ones only:
+    at most each worker's concurrency)."""
+    async def count() -> None:
+        with contextlib.suppress(PyMongoError):
+            now = dt.datetime.now(dt.UTC)
+            running: dict[str, int] = {}
+            stuck: dict[str, int] = {}
+            for doc in await runs.running():
+                target = str(doc.get("target"))
+                running[target] = running.get(target, 0) + 1
+                lease_until = as_utc(doc.get("lease_until"))
+                if isinstance(lease_until, dt.datetime) and lease_until < now:
+                    stuck[target] = stuck.get(target, 0) + 1
+            metrics.runs_seen(running, stuck)
+    return count
+
+
+async def _nothing() -> None:
+    pass
+
+
+class Leadership:
+    """The elector as a service: it stands for election once the mirror is in sync (a
+    replica whose mirror is not in sync must never lead, invariant 2)."""
+
+    def __init__(self, mirror: Mirror, elector: Elector) -> None:
+        self.mirror = mirror
+        self.elector = elector
+        self._stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        ready = asyncio.create_task(self.mirror.wait_ready())
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        stopping.cancel()
+        if not self._stopping.is_set():
+            await self.elector.run()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.elector.stop()
+
+
+class Replica:
+    """One replica's components, built and started in order on an exit stack and stopped
+    in reverse: the database client, the broker, the HTTP API, then the background work
+    (mirror, election, heartbeats). ``async with Replica(settings) as replica`` runs it
+    (in a process or in a test) until the block ends; leaving it hands the lease over.
+
+    Shutdown order, last started first: the elector stops (no new term), the leader hands
+    over (stops claiming, drains publishes, releases the lease), the mirror and heartbeats
+    stop, the API stops serving, the broker and the database client close. Every step is
+    bounded by STOP_STEP_S: a driver call selecting a vanished server does not yield to
+    cancellation.
+    """
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.settings = settings
+        self.url = ""
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Replica:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        log.info("replica_stopping")
+        await self._stack.aclose()
+        log.info("replica_stopped")
+
+    async def _start(self) -> None:
+        settings, stack = self.settings, self._stack
+        logs.identify(settings.replica_id)
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            settings.mongodb_uri, tz_aware=True,
+            appname=f"hascheduler/{settings.replica_id}")
+        stack.push_async_callback(lifecycle.bounded, "closing the database client", client.close)
+        db = client.get_default_database(DEFAULT_DATABASE)
+        broker = settings.broker.publisher()
+        await broker.start()
+        stack.push_async_callback(lifecycle.bounded, "closing the broker", broker.close)
+
+        metrics = Metrics()
+        store = ScheduleStore(db[SCHEDULES])
+        ledger = Ledger(db[FIRES])
+        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
+        dispatcher: Dispatcher | None = None
+
+        self.sources = sources = Sources(db)
+        stack.push_async_callback(lifecycle.bounded, "stopping the source mirrors", sources.close)
+
+        def changed(schedule_id: str, entry: Entry | None) -> None:
+            sources.on_change(schedule_id, entry.fan_out if entry is not None else None)
+            if dispatcher is not None:
+                dispatcher.on_change(schedule_id, entry)
+
+        self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
+        dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
+                                settings.dispatch, metrics=metrics, sources=sources)
+        # Leading needs the schedules in sync; a fan-out fire waits for its own source.
+        self.elector = elector = Elector(lease, dispatcher, db[LEASES],
+                                         ready=lambda: mirror.ready,
+                                         metrics=metrics)
+        metrics.watch(leader=lambda: elector.is_leader,
+                      term=lambda: elector.view.term if elector.view is not None else 0,
+                      size=lambda: mirror.size, ready=lambda: mirror.ready,
+                      last_applied=lambda: (mirror.last_applied.time
+                                            if mirror.last_applied is not None else None))
+
+        app = create_app(store, mirror, settings.replica_id,
+                         cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
+                                         RunLedger(db[RUNS]), broker),
+                         metrics_=metrics, tokens=settings.tokens,
+                         write_limit=settings.write_limit,
+                         min_fire_interval_s=settings.min_fire_interval_s,
+                         fan_out=(settings.dispatch.max_fan_out, _tenant_counter(db)),
+                         sources=sources)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        stack.push_async_callback(lifecycle.bounded, "stopping the API", runner.cleanup)
+        host = settings.listen_host
+        if not settings.tokens.enabled:
+            log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
+                        message="no API token configured (HASCHEDULER_WRITE_TOKENS / _FILE): "
+                                f"the API serves {host} only, without authentication")
+        else:
+            log.info("api_tokens", read=len(settings.tokens.read),
+                     write=len(settings.tokens.write))
+        tls = api_tls_context(settings.tls_cert_file, settings.tls_key_file)
+        await web.TCPSite(runner, host, settings.http_port, ssl_context=tls).start()
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://{host}:{runner.addresses[0][1]}"
+        log.info("replica_listening", url=self.url)
+
+        await _retrying("creating indexes", lambda: _indexes(store, db, settings))
+        # Started in this order, stopped in the reverse: the elector first (the leader hands
+        # over), then the probes and the heartbeats, leaving GET /cluster at once rather
+        # than when the last heartbeat grows stale, then the mirror.
+        lifecycle.start(stack, "mirror", mirror)
+        stack.push_async_callback(lifecycle.bounded, "leaving the members", lambda: db[
+            MEMBERS].delete_one({"_id": settings.replica_id}))
+        lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
+            db[MEMBERS], settings, self.url, mirror, elector)))
+        lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
+            RunLedger(db[RUNS]), metrics)))
+        lifecycle.start(stack, "loop probe", Every(LOOP_PROBE_S, _nothing,
+                                                   late=metrics.loop_lag.observe))
+        # Once the elector stopped: the handover (stop claiming, drain publishes, release
+        # the lease), bounded by its own steps' limits.
+        stack.push_async_callback(elector.shutdown)
+        lifecycle.start(stack, "leadership", Leadership(mirror, elector))
+
+
+def _tenant_counter(db: Any) -> Any:
+    async def count(fan_out: FanOut, limit: int) -> int:
+        return int(await db[fan_out.collection].count_documents(fan_out.filter, limit=limit))
+    return count
+
+
+def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """Tokens travel in a header: off loopback, HTTPS keeps them off the wire."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ConfigError("--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / "
+                          "_KEY_FILE) go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--tls-cert-file / --tls-key-file: {exc}") from None
+    return context
+
+
+async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
+    """``hascheduler serve``: run a replica until SIGTERM (graceful handover) or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    async with Replica(settings) as replica:
+        if announce:
+            print(replica.url, flush=True)
+        await stop.wait()
+
+
+async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
+    await store.ensure_indexes()
+    await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
+    await RunLedger(db[RUNS]).ensure_indexes(settings.run_retention_s)
+    await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
+                                   expireAfterSeconds=int(HEARTBEAT_TTL_S))

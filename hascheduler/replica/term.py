@@ -1,0 +1,119 @@
+"""One leadership term as one object (after River's ``leadershipTerm``): what belongs to a
+term is made when it begins and dropped when it ends, and "may this term still act?" is
+asked of it alone (``check``: the fence, invariants 3 and 4, docs/ARCHITECTURE.md).
+
+A term owns its number, the watermark (every fire due up to it is handled), the queue of
+fires waiting for their due time, the fires claimed and not yet published, the fan-out
+fires waiting for their source, and the tasks publishing its claims. Entering it (``async
+with``) begins the term; leaving it stops everything that would claim more (the queue is
+emptied, the waits for sources cancelled: nothing was claimed for those, so the next
+leader's catch-up covers them). ``drain`` is the handover: publishes in flight finish
+(bounded), claims not yet due are left for the next leader, which adopts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Coroutine, Mapping
+from typing import Any, Protocol
+
+import structlog
+
+from hascheduler.core.entries import Entry
+from hascheduler.core.fire_queue import Due, FireQueue
+from hascheduler.storage.lease import LeaseTimings
+
+log = structlog.get_logger("hascheduler.dispatch")
+
+
+class HeldLease(Protocol):
+    """What a term asks of the lease before each claim and publish."""
+
+    @property
+    def valid(self) -> bool: ...
+
+    @property
+    def term(self) -> int | None: ...
+
+    @property
+    def timings(self) -> LeaseTimings: ...
+
+    def remaining(self) -> float: ...
+
+
+class LeadershipLost(Exception):
+    """The term no longer holds the lease (its renew deadline passed, or a newer term
+    began): stop claiming at once."""
+
+
+class Term:
+    def __init__(self, number: int, lease: HeldLease, entries: Mapping[str, Entry]) -> None:
+        self.number = number
+        self._lease = lease
+        self.watermark: dt.datetime | None = None
+        self.queue = FireQueue(entries)
+        self.pending: set[str] = set()  # fire ids claimed by this term, not yet published
+        self.deferred: dict[str, Due] = {}  # fan-out fires waiting for their source, by id
+        self.active = False
+        self.handing_over = asyncio.Event()
+        self._publishing: set[asyncio.Task[None]] = set()
+        self._waiting: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Term:
+        self.active = True
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.active = False
+        self.queue.clear()
+        for task in self._waiting:
+            task.cancel()
+
+    @property
+    def holds(self) -> bool:
+        """The fence: the lease is still this term's and its renew deadline has not
+        passed."""
+        return self._lease.valid and self._lease.term == self.number
+
+    def check(self) -> None:
+        """Raises LeadershipLost unless the term still holds the lease."""
+        if not self.holds:
+            raise LeadershipLost
+
+    def remaining(self) -> float:
+        """Seconds the term may still act without another renewal."""
+        return self._lease.remaining()
+
+    @property
+    def fired_through(self) -> dt.datetime | None:
+        """What the lease records as handled: the watermark, held back before any fan-out
+        fire still waiting for its source, so a next leader's catch-up covers it."""
+        if self.watermark is None or not self.deferred:
+            return self.watermark
+        earliest = min(d.fire_at for d in self.deferred.values())
+        return min(self.watermark, earliest - dt.timedelta(microseconds=1))
+
+    def publishing(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (publishing claims of this term) until done or drained."""
+        task = asyncio.create_task(work)
+        self._publishing.add(task)
+        task.add_done_callback(self._published)
+
+    def _published(self, task: asyncio.Task[None]) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("publish_batch_failed", term=self.number, error=repr(task.exception()))
+
+    def waiting(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (a wait for a fan-out source) until done or the term ends."""
+        task = asyncio.create_task(work)
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let publishes in flight finish (at most ``timeout_s``); claims not yet due are
+        left to the next leader."""
+        self.handing_over.set()
+        if self._publishing:
+            await asyncio.wait(list(self._publishing), timeout=timeout_s)

