@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -51,6 +52,44 @@ def test_bad_arguments_exit_2_naming_the_setting(args: list[str], message: str) 
     result = run_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    # A bad value from the environment is refused as one from a flag, naming both.
+    (["serve", "--mongodb-uri", "mongodb://h/?replicaSet=rs0"], {"HASCHEDULER_LEASE_TTL": "x"},
+     "--lease-ttl / HASCHEDULER_LEASE_TTL: 'x' is not a number"),
+    (["serve"], {"HASCHEDULER_MONGODB_URI": "mongodb://h/?replicaSet=rs0",
+                 "HASCHEDULER_BROKER": "kafka://x"}, "--broker / HASCHEDULER_BROKER"),
+    (["worker"], {"HASCHEDULER_WORKER_CONCURRENCY": "many"},
+     "--concurrency / HASCHEDULER_WORKER_CONCURRENCY: 'many' is not a whole number"),
+    (["worker", "--broker", "nats://127.0.0.1:4222", "--mongodb-uri", "mongodb://h"],
+     {"HASCHEDULER_WORKER_ACK_WAIT": "-1"},
+     "--ack-wait / HASCHEDULER_WORKER_ACK_WAIT: '-1' must be greater than 0"),
+    (["worker", "--mongodb-uri", "mongodb://h"], {"HASCHEDULER_BROKER": "log:"},
+     "log has nothing for a worker to consume"),
+    (["devmongo"], {"HASCHEDULER_DEVMONGO_PORT": "99999"},
+     "--port / HASCHEDULER_DEVMONGO_PORT: 99999 is not a port number"),
+    # The flag wins over the environment.
+    (["worker", "--concurrency", "0"], {"HASCHEDULER_WORKER_CONCURRENCY": "4"},
+     "--concurrency / HASCHEDULER_WORKER_CONCURRENCY: '0' must be at least 1"),
+])
+def test_bad_settings_from_the_environment_exit_2_on_one_line(
+        args: list[str], env: dict[str, str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "hascheduler.cli", *args],
+                            capture_output=True, text=True, timeout=30, check=False,
+                            env={**os.environ, **env})
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
+
+
+def test_the_help_states_each_default_once() -> None:
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "HASCHEDULER_LEASE_TTL; default 10.0" in text
+    assert "HASCHEDULER_BROKER; default log:" in text
+    assert "amqp://" in text
 
 
 def test_port_in_use_is_a_clear_error() -> None:

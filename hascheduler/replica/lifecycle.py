@@ -35,12 +35,17 @@ async def bounded(what: str, step: Callable[[], Awaitable[object]]) -> None:
         log.warning("shutdown_step_failed", step=what, error=repr(exc))
 
 
-def start(stack: contextlib.AsyncExitStack, what: str, service: Service) -> None:
-    """Run ``service`` until the stack unwinds."""
+def start(stack: contextlib.AsyncExitStack, what: str, service: Service,
+          patient: bool = False) -> None:
+    """Run ``service`` until the stack unwinds. Then it is asked to stop and, unless
+    ``patient`` (it has work to finish, as the elector's last renewal), cancelled at once:
+    asking first is what ends it when a driver call it awaits ignores cancellation."""
     task = asyncio.create_task(service.run(), name=what)
 
     async def stop() -> None:
         service.stop()
+        if not patient:
+            task.cancel()
         done, _ = await asyncio.wait({task}, timeout=STOP_STEP_S)
         if not done:
             task.cancel()

@@ -268,7 +268,7 @@ class Replica:
         # Once the elector stopped: the handover (stop claiming, drain publishes, release
         # the lease), bounded by its own steps' limits.
         stack.push_async_callback(elector.shutdown)
-        lifecycle.start(stack, "leadership", Leadership(mirror, elector))
+        lifecycle.start(stack, "leadership", Leadership(mirror, elector), patient=True)
 
 
 def _tenant_counter(db: Any) -> Any:
