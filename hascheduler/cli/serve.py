@@ -14,7 +14,7 @@ from hascheduler.api.access import AccessConfigError, WriteLimit, load_tokens
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.cli.settings import (
     Setting,
-    add_settings,
+    add_command,
     mongodb_uri,
     number,
     port,
@@ -68,14 +68,12 @@ SETTINGS = (
 
 
 def add_parser(sub: Any) -> None:
-    sv = sub.add_parser(
-        "serve", help="run one scheduler replica (HTTP API + mirror)",
-        epilog="API tokens: HASCHEDULER_WRITE_TOKENS and HASCHEDULER_READ_TOKENS "
-               "(comma-separated), or HASCHEDULER_WRITE_TOKENS_FILE and "
-               "HASCHEDULER_READ_TOKENS_FILE (one per line). Without any token the API "
-               "serves 127.0.0.1 only, whatever --http-host says.")
-    add_settings(sv, SETTINGS)
-    sv.set_defaults(run=run)
+    add_command(sub, "serve", SETTINGS, run,
+                help="run one scheduler replica (HTTP API + mirror)",
+                epilog="API tokens: HASCHEDULER_WRITE_TOKENS and HASCHEDULER_READ_TOKENS "
+                       "(comma-separated), or HASCHEDULER_WRITE_TOKENS_FILE and "
+                       "HASCHEDULER_READ_TOKENS_FILE (one per line). Without any token the "
+                       "API serves 127.0.0.1 only, whatever --http-host says.")
 
 
 def replica_settings(args: argparse.Namespace) -> ReplicaSettings:

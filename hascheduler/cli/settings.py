@@ -36,6 +36,14 @@ class Setting:
         return self.env or "HASCHEDULER_" + self.dest.upper()
 
 
+def add_command(sub: Any, name: str, table: Sequence[Setting],
+                run: Callable[[argparse.Namespace], int], **parser: Any) -> None:
+    """A command whose options are exactly ``table``."""
+    command = sub.add_parser(name, **parser)
+    add_settings(command, table)
+    command.set_defaults(run=run)
+
+
 def add_settings(parser: argparse.ArgumentParser, table: Sequence[Setting]) -> None:
     for s in table:
         env = s.env_name + (f" or {s.fallback_env}" if s.fallback_env else "")

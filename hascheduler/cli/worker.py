@@ -9,7 +9,7 @@ from typing import Any
 
 from hascheduler.cli.settings import (
     Setting,
-    add_settings,
+    add_command,
     port,
     positive_float,
     positive_int,
@@ -63,14 +63,6 @@ SETTINGS = (
 )
 
 
-def add_parser(sub: Any) -> None:
-    wk = sub.add_parser("worker", help="run fires: consume them from the broker, claim each "
-                                       "in the runs ledger, run a handler with retries, "
-                                       "record the outcome")
-    add_settings(wk, SETTINGS)
-    wk.set_defaults(run=run)
-
-
 def worker_settings(args: argparse.Namespace) -> WorkerSettings:
     """The worker's settings from flags and environment. Raises ConfigError."""
     v = resolve(args, SETTINGS)
@@ -89,3 +81,9 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 def run(args: argparse.Namespace) -> int:
     return asyncio.run(run_worker(worker_settings(args)))
+
+
+def add_parser(sub: Any) -> None:
+    add_command(sub, "worker", SETTINGS, run, help="run fires: consume them from the broker, "
+                "claim each in the runs ledger, run a handler with retries, record the "
+                "outcome")

@@ -8,15 +8,7 @@ import ssl
 import sys
 from typing import Any
 
-from hascheduler.cli.settings import (
-    Setting,
-    add_settings,
-    port,
-    positive_float,
-    positive_int,
-    resolve,
-    text,
-)
+from hascheduler.cli import settings as cli
 from hascheduler.core.errors import ConfigError
 from hascheduler.process import gcpolicy
 from hascheduler_dev.devmongo import Settings, serve_forever
@@ -35,31 +27,29 @@ def _env(flag: str) -> str:
     return "HASCHEDULER_DEVMONGO_" + flag.removeprefix("--").replace("-", "_").upper()
 
 
-SETTINGS = tuple(Setting(flag, default, parse, help_text, env=_env(flag)) for
+SETTINGS = tuple(cli.Setting(flag, default, parse, help_text, env=_env(flag)) for
                  flag, default, parse, help_text in (
-    ("--host", _DEFAULTS.host, text, "address to listen on and advertise"),
-    ("--port", _DEFAULTS.port, port, "TCP port (0: any free port)"),
+    ("--host", _DEFAULTS.host, cli.text, "address to listen on and advertise"),
+    ("--port", _DEFAULTS.port, cli.port, "TCP port (0: any free port)"),
     ("--replset", _DEFAULTS.replset, _replset, "replica set name"),
-    ("--oplog-size", _DEFAULTS.oplog_size, positive_int,
+    ("--oplog-size", _DEFAULTS.oplog_size, cli.positive_int,
      "change events kept for change streams to resume from"),
-    ("--cursor-timeout", _DEFAULTS.cursor_timeout_s, positive_float,
+    ("--cursor-timeout", _DEFAULTS.cursor_timeout_s, cli.positive_float,
      "seconds before an idle cursor is killed"),
-    ("--ttl-interval", _DEFAULTS.ttl_interval_s, positive_float,
+    ("--ttl-interval", _DEFAULTS.ttl_interval_s, cli.positive_float,
      "seconds between TTL index sweeps (mongod: 60)"),
-    ("--tls-certificate-key-file", None, text, "PEM file with the server's certificate and "
+    ("--tls-certificate-key-file", None, cli.text, "PEM file with the server's certificate and "
      "key: accept TLS connections only (as mongod's option)"),
 ))
 
 
 def add_parser(sub: Any) -> None:
-    dm = sub.add_parser("devmongo", help="run the MongoDB-wire-compatible development server "
-                                         "(single-node replica set, in memory)")
-    add_settings(dm, SETTINGS)
-    dm.set_defaults(run=run)
+    cli.add_command(sub, "devmongo", SETTINGS, run, help="run the MongoDB-wire-compatible "
+                "development server (single-node replica set, in memory)")
 
 
 def run(args: argparse.Namespace) -> int:
-    v = resolve(args, SETTINGS)
+    v = cli.resolve(args, SETTINGS)
     settings = Settings(host=v["host"], port=v["port"], replset=v["replset"],
                         oplog_size=v["oplog_size"], cursor_timeout_s=v["cursor_timeout"],
                         ttl_interval_s=v["ttl_interval"],
