@@ -24,7 +24,19 @@ DEVELOPMENT_COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_in(argv: Sequence[str] | None) -> str | None:
+    """The command ``argv`` names, read before the full parser is built."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--log-level")
+    first.add_argument("command", nargs="?")
+    named: str | None = first.parse_known_args(argv)[0].command
+    return named
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; of the commands that come by entry point, only the one ``argv`` names is
+    imported (the development server's, for one, imports mongomock: no replica's start
+    pays for that)."""
     parser = argparse.ArgumentParser(
         prog="hascheduler", description="A highly available scheduler cluster: replicas "
         "(serve), workers (worker), and the HTTP API from a terminal (schedules, runs, "
@@ -35,10 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
-    for _, plugin in sorted(plugins.items()):
-        plugin.load().add_parser(sub)
-    for name, text in DEVELOPMENT_COMMANDS.items():
-        if name not in plugins:
+    wanted = _command_in(argv)
+    for name in sorted(plugins.keys() | DEVELOPMENT_COMMANDS.keys()):
+        text = DEVELOPMENT_COMMANDS.get(name, f"from {plugins[name].value}"
+                                        if name in plugins else "")
+        if name in plugins and name == wanted:
+            plugins[name].load().add_parser(sub)
+        elif name in plugins:
+            sub.add_parser(name, help=text)  # listed; built when it is the one asked for
+        else:
             missing = sub.add_parser(name, help=f"{text} (needs the development tools)",
                                      add_help=False)
             missing.set_defaults(run=_not_installed)
@@ -51,9 +68,10 @@ def _not_installed(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(argv)
+    parser = build_parser(argv)
+    args, rest = parser.parse_known_args(argv)
     if rest and args.run is not _not_installed:
-        build_parser().parse_args(argv)  # reports the unknown arguments, exit 2
+        parser.parse_args(argv)  # reports the unknown arguments, exit 2
     logs.configure(args.log_level)
     try:
         code: int = args.run(args)
