@@ -110,10 +110,6 @@ class Dispatcher:
         self._wake = asyncio.Event()
 
     @property
-    def published(self) -> int:
-        return self.publisher.published
-
-    @property
     def fired_through(self) -> dt.datetime | None:
         return self.term.fired_through if self.term is not None else None
 

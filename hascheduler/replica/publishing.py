@@ -81,7 +81,6 @@ class Publisher:
         self.settings = settings
         self.clock = clock
         self.metrics = metrics
-        self.published = 0
         self._slots = asyncio.Semaphore(settings.max_in_flight_batches)
         self._awaiting_broker = 0  # batches sent, acks not all in
         self._broker_idle = asyncio.Event()
@@ -153,7 +152,6 @@ class Publisher:
                 await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
             await self.ledger.mark_published([c.fire_id for c in done], term, acked_at,
                                              attempt)
-            self.published += len(done)
             self.metrics.fires.labels("published").inc(len(done))
             for claim in done:
                 self.metrics.lateness.observe((acked_at - claim.due_at).total_seconds())
