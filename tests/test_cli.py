@@ -83,6 +83,21 @@ def test_bad_settings_from_the_environment_exit_2_on_one_line(
     assert result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
 
 
+@pytest.mark.parametrize("args", [
+    ["--log-level"], ["serve", "--log-level"], ["--bogus"], [""], ["--log-level", "loud"],
+    ["serve", "--http-port", "8080", "extra"], ["devmongo", "--port"],
+    ["worker", "--broker", "nats://" + "h" * 100_000],  # valid text, absurd size
+])
+def test_hostile_command_lines_get_the_commands_usage_and_exit_2(args: list[str]) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    first, last = result.stderr.splitlines()[0], result.stderr.splitlines()[-1]
+    assert first.startswith("usage: hascheduler") or last.startswith("hascheduler "), (
+        result.stderr[:500])
+    assert "[command]" not in result.stderr  # never the first look's own usage
+
+
 def test_the_help_states_each_default_once() -> None:
     result = run_cli("serve", "--help")
     assert result.returncode == 0

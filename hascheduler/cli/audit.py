@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
                     help="also fail when fewer than N fires were due in the window (a "
                          "demo's guard against auditing nothing)")
     au.add_argument("--json", action="store_true")
-    au.set_defaults(run=lambda args: asyncio.run(run(args)))
+    au.set_defaults(run=_run_sync)
 
 
 def _broker(text: str | None) -> BrokerUrl:
@@ -61,6 +61,10 @@ def _broker(text: str | None) -> BrokerUrl:
         raise ConfigError(f"--broker {text!r}: {url.kind.name} keeps no fires to audit "
                           "(NATS JetStream and RabbitMQ do)")
     return url
+
+
+def _run_sync(args: argparse.Namespace) -> int:
+    return asyncio.run(run(args))
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, NoReturn
 
 from hascheduler.cli import audit, schedules, serve, worker
 from hascheduler.core.errors import ConfigError
@@ -24,12 +24,21 @@ DEVELOPMENT_COMMANDS = {
 }
 
 
+class _FirstLook(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)  # the full parser reports it, with the right usage
+
+
 def _command_in(argv: Sequence[str] | None) -> str | None:
-    """The command ``argv`` names, read before the full parser is built."""
-    first = argparse.ArgumentParser(add_help=False)
+    """The command ``argv`` names, read before the full parser is built (None when it
+    names none it can read)."""
+    first = _FirstLook(add_help=False)
     first.add_argument("--log-level")
     first.add_argument("command", nargs="?")
-    named: str | None = first.parse_known_args(argv)[0].command
+    try:
+        named: str | None = first.parse_known_args(argv)[0].command
+    except ValueError:
+        return None
     return named
 
 

@@ -53,8 +53,10 @@ def add_settings(parser: argparse.ArgumentParser, table: Sequence[Setting]) -> N
 
 def resolve(args: argparse.Namespace, table: Sequence[Setting],
             environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """Every setting of ``table`` as a value, by its ``dest``. Raises ConfigError."""
+    """Every setting of ``table`` as a value, by its ``dest``. Raises ConfigError: for a
+    value that does not parse first, then for a required setting that has none."""
     values: dict[str, Any] = {}
+    missing = []
     for s in table:
         text = getattr(args, s.dest, None)
         if text is None:
@@ -62,13 +64,15 @@ def resolve(args: argparse.Namespace, table: Sequence[Setting],
                 environ.get(s.fallback_env) if s.fallback_env else None) or None
         if text is None:
             if s.required:
-                raise ConfigError(f"{s.flag} (or {s.env_name}) is required")
+                missing.append(s)
             values[s.dest] = s.default
             continue
         try:
             values[s.dest] = s.parse(text)
         except ValueError as exc:
             raise ConfigError(f"{s.flag} / {s.env_name}: {exc}") from None
+    if missing:
+        raise ConfigError(f"{missing[0].flag} (or {missing[0].env_name}) is required")
     return values
 
 

@@ -7,9 +7,11 @@ import argparse
 import asyncio
 from typing import Any
 
+from hascheduler.brokers.registry import consumable_url
 from hascheduler.cli.settings import (
     Setting,
     add_command,
+    mongodb_uri,
     port,
     positive_float,
     positive_int,
@@ -32,8 +34,10 @@ def _worker(flag: str, default: Any, parse: Any, help_text: str, **more: Any) ->
 
 
 SETTINGS = (
-    Setting("--broker", None, text, "nats://host:port or amqp://user:password@host:port/vhost"),
-    Setting("--mongodb-uri", None, text, "the cluster's MongoDB URI: the runs ledger"),
+    Setting("--broker", None, consumable_url,
+            "nats://host:port or amqp://user:password@host:port/vhost", required=True),
+    Setting("--mongodb-uri", None, mongodb_uri, "the cluster's MongoDB URI: the runs ledger",
+            required=True),
     _worker("--app", None, text, "module:attribute naming a hascheduler.worker.WorkerApp "
             "(handlers per target pattern)"),
     _worker("--handler", None, text, "module:function called with each Run (default: log "

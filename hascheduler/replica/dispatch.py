@@ -29,7 +29,7 @@ from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
-from hascheduler.core.triggers import jitter_offset
+from hascheduler.core.triggers import fire_id, jitter_offset
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.publishing import (
     Clock,
@@ -220,7 +220,7 @@ class Dispatcher:
     def _defer(self, due: Due, fan_out: FanOut, term: Term) -> None:
         """Claim ``due`` once its source mirror is in sync (it is loading: a source a
         schedule just started to use, or one resyncing), late rather than lost."""
-        fire = Claim.of(due).fire_id
+        fire = fire_id(due.schedule_id, due.nominal)
         if fire in term.deferred:
             return
         term.deferred[fire] = due

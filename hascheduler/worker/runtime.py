@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from pymongo import AsyncMongoClient, uri_parser
-from pymongo.errors import ConfigurationError, InvalidURI, PyMongoError
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -39,7 +39,7 @@ from tenacity import (
 )
 
 from hascheduler.brokers.base import Delivered, FireSource
-from hascheduler.brokers.registry import KINDS, BrokerUrl, consumable_url
+from hascheduler.brokers.registry import KINDS, BrokerUrl
 from hascheduler.core.constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
 from hascheduler.process import logs
 from hascheduler.storage.runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
@@ -79,23 +79,13 @@ class WorkerSettings:
     metrics_port: int | None = None
 
     @classmethod
-    def parse(cls, *, broker: str | None, mongodb_uri: str | None, app: str | None,
+    def parse(cls, *, broker: BrokerUrl, mongodb_uri: str, app: str | None,
               handler: str | None, target: str | None, durable: str | None,
               worker_id: str | None, concurrency: int, ack_wait_s: float,
               drain_timeout_s: float, run_retention_s: float, metrics_port: int | None,
               policy: RetryPolicy) -> WorkerSettings:
-        """The worker's flags as values, once. Raises WorkerConfigError naming the flag."""
-        try:
-            url = consumable_url(broker)
-        except ValueError as exc:
-            raise WorkerConfigError(f"--broker (or HASCHEDULER_BROKER): {exc}") from None
-        if not mongodb_uri:
-            raise WorkerConfigError("--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required: "
-                                    "the runs ledger lives there")
-        try:
-            uri_parser.parse_uri(mongodb_uri)
-        except (InvalidURI, ValueError, ConfigurationError) as exc:
-            raise WorkerConfigError(f"--mongodb-uri: {exc}") from None
+        """The worker's settings from their values (cli/worker.py parses each); what only
+        holds between them is checked here. Raises WorkerConfigError naming the flag."""
         if app and target:
             raise WorkerConfigError("--target goes with --handler; an --app's handlers name "
                                     "their targets")
@@ -104,7 +94,7 @@ class WorkerSettings:
             c if c.isalnum() else "-" for c in "_".join(loaded.patterns))[:200]
         if ack_wait_s < 1:
             raise WorkerConfigError("--ack-wait must be at least 1 second")
-        return cls(url, mongodb_uri, loaded, name,
+        return cls(broker, mongodb_uri, loaded, name,
                    worker_id or f"{socket.gethostname()}-{os.getpid()}",
                    concurrency=concurrency, ack_wait_s=ack_wait_s,
                    drain_timeout_s=drain_timeout_s, run_retention_s=run_retention_s,
