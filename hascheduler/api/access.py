@@ -124,6 +124,16 @@ def needed_scope(method: str, path: str) -> Scope | None:
     return Scope.WRITE if method in WRITE_METHODS else Scope.READ
 
 
+def caller(tokens: Tokens, authorization: str | None) -> str:
+    """Who made an authorized request, as the ledgers record it: the scope of its token
+    (tokens have no names yet), or "anonymous" on a replica without tokens."""
+    if not tokens.enabled:
+        return "anonymous"
+    _, _, token = (authorization or "").strip().partition(" ")
+    scope = tokens.scope_of(token.strip())
+    return "anonymous" if scope is None else f"a {scope.name.lower()} token"
+
+
 @dataclass(frozen=True)
 class Denied:
     status: int

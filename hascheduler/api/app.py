@@ -10,31 +10,35 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize
+from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize, caller
 from hascheduler.api.errors import BadRequest, problem
 from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
 from hascheduler.brokers.base import Broker
 from hascheduler.core import models
+from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
     DEFAULT_PAGE,
     HEARTBEAT_INTERVAL_S,
     LEASE_NAME,
+    MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE,
     MAX_PREVIEW,
 )
 from hascheduler.core.entries import Entry
+from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id, fire_times
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
+from hascheduler.storage.fires import BUFFERED, REQUESTED, Ledger, request_document
 from hascheduler.storage.fires import STATES as FIRE_STATES
-from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import LeaseView
-from hascheduler.storage.runs import DEAD, STATES, RunLedger, public_view
+from hascheduler.storage.runs import DEAD, STATES, FireRef, RunLedger, public_view
 from hascheduler.storage.schedules import ScheduleStore
 
 # The dashboard's page: one static file, no build step, read once at import.
@@ -510,6 +514,84 @@ async def retry_run(request: web.Request) -> web.Response:
     doc = await cluster.runs.replay_dead(request.match_info["id"], _now(request),
                                          cluster.broker)
     return web.json_response(public_view(doc), status=202)
+
+
+def _caller(request: web.Request) -> str:
+    return caller(request.app[TOKENS], request.headers.get("Authorization"))
+
+
+_IDEMPOTENCY_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}")
+
+
+async def trigger_schedule(request: web.Request) -> web.Response:
+    """Run a schedule now: a fire ``<id>@manual-<instant>`` the leader publishes within a
+    poll (REQUESTED_POLL_S); an Idempotency-Key makes a retried request answer with the
+    first one's fire."""
+    cluster = _cluster(request)
+    raw = await request.read()
+    body = await _body(request) if raw.strip() else {}
+    wanted = models.TriggerIn.model_validate(body)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
+                         f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces")
+    schedule = await request.app[STORE].get(request.match_info["id"])
+    if schedule.paused and not wanted.force:
+        raise RunConflict(f"schedule {schedule.id!r} is paused; send \"force\": true to run "
+                          "it anyway")
+    if schedule.fan_out is not None:
+        raise RunConflict(f"schedule {schedule.id!r} fans out; running a fan-out now is not "
+                          "supported yet")
+    if wanted.payload is not None and celery_task(schedule.target) is not None:
+        try:
+            celery_call(wanted.payload)
+        except CeleryPayloadError as exc:
+            raise BadRequest(422, "payload", str(exc)) from None
+    doc, created = await cluster.ledger.request(request_document(
+        schedule.id, _now(request), _caller(request), wanted.payload, wanted.overlap, key))
+    fire = str(doc["_id"])
+    return _json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
+                                  created=created), 202)
+
+
+async def get_fire(request: web.Request) -> web.Response:
+    """One fire's ledger entry, with its run when it has one."""
+    cluster = _cluster(request)
+    fire = request.match_info["id"]
+    doc = await cluster.ledger.get(fire)
+    if doc is None:
+        raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
+    run = await cluster.runs.get(fire)
+    return web.json_response({**_fire_view(doc),
+                              "run": public_view(run) if run is not None else None})
+
+
+async def cancel_run(request: web.Request) -> web.Response:
+    """Cancel a run (RunLedger.cancel): 200 when it ended now, 202 when its worker was
+    asked to stop it (within a second). A fire published but not yet claimed by a worker
+    is cancelled too; one still waiting (buffered, requested) is not published at all."""
+    cluster = _cluster(request)
+    fire_id_ = request.match_info["id"]
+    now, by = _now(request), _caller(request)
+    ref = None
+    fire = await cluster.ledger.get(fire_id_)
+    if fire is not None and fire.get("state") not in ("skipped", "failed"):
+        if fire["state"] in (BUFFERED, REQUESTED):
+            await cluster.ledger.withdraw(fire_id_, f"cancelled by {by}")
+        nominal, tenant = as_utc(fire["nominal_at"]), fire.get("tenant")
+        ref = FireRef(fire_id_, fire["schedule_id"],
+                      await _target_of(request, fire["schedule_id"]), nominal, {}, b"",
+                      fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
+                      tenant=tenant)
+    doc, ended = await cluster.runs.cancel(fire_id_, now, by, ref)
+    return web.json_response(public_view(doc), status=200 if ended else 202)
+
+
+async def _target_of(request: web.Request, schedule_id: str) -> str:
+    try:
+        return (await request.app[STORE].get(schedule_id)).target
+    except ScheduleNotFound:
+        return ""
 
 
 async def dashboard(request: web.Request) -> web.Response:

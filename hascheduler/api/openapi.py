@@ -10,6 +10,7 @@ from pydantic.json_schema import models_json_schema
 
 from hascheduler import __version__
 from hascheduler.core import models
+from hascheduler.core.constants import MAX_IDEMPOTENCY_KEY_CHARS
 from hascheduler.storage.runs import Run, RunList
 
 
@@ -69,6 +70,12 @@ ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}
 IF_MATCH_HEADER = {"name": "If-Match", "in": "header", "required": False,
              "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
              "description": "the revision from the ETag; the write fails with 409 if stale"}
+IDEMPOTENCY_KEY_HEADER = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "schema": {"type": "string",
+               "pattern": f"^[\\x21-\\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}$"},
+    "description": "a retried request with the same key (within 24 hours at least) answers "
+                   "with the first one's fire instead of firing again"}
 WRITE = (400, 403, 413, 415, 422, 429)
 SEMANTIC = ("Besides its shape, the body must describe a schedule that can fire: a cron "
              "expression that parses and has a day it fires on, instants in the future, no "
@@ -93,10 +100,11 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     """The document of these routes, each (method, path, operation): the server's own
     route table (api/routes.py)."""
     _, schemas = models_json_schema(
-        [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields)]
+        [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
+                                      models.TriggerIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
-                                          RunList)],
+                                          RunList, models.Triggered)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

@@ -16,6 +16,7 @@ from hascheduler.api.access import Tokens, WriteLimit, WriteLimiter
 from hascheduler.api.errors import Handler, error_middleware
 from hascheduler.api.openapi import (
     DOCS_PAGE,
+    IDEMPOTENCY_KEY_HEADER,
     IF_MATCH_HEADER,
     LABEL_FILTER,
     SEMANTIC,
@@ -158,6 +159,19 @@ ROUTES: list[Route] = [
         },
     ),
     Route(
+        "POST",
+        "/schedules/{id}/trigger",
+        app.trigger_schedule,
+        {
+            "summary": "run now: a fire outside the trigger, published by the leader "
+            "within a fraction of a second, under the schedule's overlap policy (or the "
+            "one given)",
+            "parameters": [IDEMPOTENCY_KEY_HEADER],
+            "requestBody": {**json_body("TriggerIn"), "required": False},
+            "responses": responses(202, "Triggered", *WRITE, 404, 409),
+        },
+    ),
+    Route(
         "GET",
         "/schedules/{id}/next",
         app.next_fires,
@@ -259,6 +273,29 @@ ROUTES: list[Route] = [
             "summary": "replay a dead run: it is published again and runs with a fresh "
             "attempt budget",
             "responses": responses(202, "Run", 403, 404, 409, 429, 503),
+        },
+    ),
+    Route(
+        "POST",
+        "/runs/{id}/cancel",
+        app.cancel_run,
+        {
+            "summary": "cancel a run: a pending or retrying run (or a fire no worker has "
+            "claimed yet) ends cancelled at once (200); a running one is stopped by its "
+            "worker within a second (202); one already ended is a 409",
+            "responses": responses(200, "Run", 403, 404, 409, 429, 503)
+            | {"202": {"description": "its worker was asked to stop it",
+                       "content": {"application/json": {"schema": ref("Run")}}}},
+        },
+    ),
+    Route(
+        "GET",
+        "/fires/{id}",
+        app.get_fire,
+        {
+            "summary": "one fire's ledger entry (state, reason, who ran it now), with its "
+            "run",
+            "responses": responses(200, None, 404, 503),
         },
     ),
     Route(

@@ -24,6 +24,8 @@ from urllib.parse import quote
 import aiohttp
 
 from hascheduler.cli import local_cluster
+from hascheduler.core.overlap import POLICIES
+from hascheduler.storage.runs import STATES as RUN_STATES
 
 EXIT_REFUSED = 2
 EXIT_UNAVAILABLE = 1
@@ -94,6 +96,8 @@ def add_parser(sub: Any) -> None:
     add.add_argument("--paused", action="store_true")
     add.add_argument("--catchup", choices=["latest", "all", "none"])
     add.add_argument("--catchup-window", type=float)
+    add.add_argument("--overlap", choices=POLICIES,
+                     help="what a fire does while the previous run is open (default allow)")
 
     ls = cmd.add_parser("list", help="list schedules")
     ls.add_argument("--label", action="append", default=[], help="key=value; repeat to AND")
@@ -115,6 +119,14 @@ def add_parser(sub: Any) -> None:
     change.add_argument("--file", help="the whole schedule as JSON (- for standard input)")
     up.add_argument("--if-match", type=int, help="expected revision")
 
+    tr = cmd.add_parser("trigger", help="run a schedule now (a fire outside its trigger)")
+    tr.add_argument("id")
+    tr.add_argument("--payload", help="this fire's payload (a JSON object) instead of the "
+                                      "schedule's")
+    tr.add_argument("--overlap", choices=POLICIES, help="this fire's overlap policy")
+    tr.add_argument("--force", action="store_true", help="run a paused schedule too")
+    tr.add_argument("--idempotency-key", help="a retry with the same key fires nothing new")
+
     nx = cmd.add_parser("next", help="preview the next fire times")
     nx.add_argument("id")
     nx.add_argument("--count", type=int, default=5)
@@ -122,11 +134,12 @@ def add_parser(sub: Any) -> None:
 
 def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     rn = sub.add_parser("runs", parents=[common], help="what the workers made of the fires: "
-                                                       "list, show, retry dead runs")
+                                                       "list, show, retry dead runs, "
+                                                       "cancel")
     rn.set_defaults(run=_run_sync)
     cmd = _Actions(rn)
     ls = cmd.add_parser("list", help="runs, most recently changed first")
-    ls.add_argument("--state", choices=["running", "succeeded", "retrying", "dead"])
+    ls.add_argument("--state", choices=RUN_STATES)
     ls.add_argument("--schedule", help="the runs of one schedule's fires (newest first)")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--after", help="the next a previous --json list gave (the fire id of "
@@ -135,6 +148,9 @@ def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     show.add_argument("fire_id")
     retry = cmd.add_parser("retry", help="replay a dead run")
     retry.add_argument("fire_id")
+    cancel = cmd.add_parser("cancel", help="cancel a run (a running one is stopped by its "
+                                           "worker within a second)")
+    cancel.add_argument("fire_id")
 
 
 def resolve_api(explicit: str | None) -> str:
@@ -207,7 +223,7 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
         raise Refused("give one trigger: --cron, --every or --at")
     body: dict[str, Any] = {"name": args.name, "target": args.target, "trigger": trigger,
                             "labels": _labels(args.label), "paused": args.paused}
-    for key in ("id", "jitter", "catchup", "catchup_window"):
+    for key in ("id", "jitter", "catchup", "catchup_window", "overlap"):
         if getattr(args, key) is not None:
             body[key] = getattr(args, key)
     if args.payload:
@@ -326,6 +342,17 @@ async def _dispatch(session: aiohttp.ClientSession, base: str,
     if args.action == "delete":
         await _call(session, "DELETE", f"{base}/schedules/{sid}", headers=headers)
         return None if not args.json else json.dumps({"deleted": sid})
+    if args.action == "trigger":
+        body = {"force": True} if args.force else {}
+        if args.payload is not None:
+            body["payload"] = _json_arg(args.payload, "--payload")
+        if args.overlap:
+            body["overlap"] = args.overlap
+        if args.idempotency_key:
+            headers = {"Idempotency-Key": args.idempotency_key}
+        answer = await _call(session, "POST", f"{base}/schedules/{sid}/trigger", json=body,
+                             headers=headers)
+        return json.dumps(answer, indent=2) if args.json else answer["fire_id"]
     if args.action == "next":
         body = await _call(session, "GET", f"{base}/schedules/{sid}/next",
                            params={"count": str(args.count)})
@@ -367,5 +394,5 @@ async def _runs(session: aiohttp.ClientSession, base: str, args: argparse.Namesp
     run_url = f"{base}/runs/{quote(args.fire_id, safe='@:')}"
     if args.action == "show":
         return json.dumps(await _call(session, "GET", run_url), indent=2)
-    body = await _call(session, "POST", f"{run_url}/retry")
+    body = await _call(session, "POST", f"{run_url}/{args.action}")
     return json.dumps(body, indent=2) if args.json else _runs_table([body])

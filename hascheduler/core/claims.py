@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut, tenant_fire_id
@@ -29,6 +30,10 @@ class Claim:
     due_at: dt.datetime  # the nominal time plus the schedule's jitter
     tenant: str | None = None  # a fan-out's tenant key
     attempts: int = 0  # publishes tried so far
+    # A fire run now (POST /schedules/{id}/trigger) may carry its own payload and overlap
+    # policy, for this fire only.
+    payload: Mapping[str, Any] | None = None
+    overlap: str | None = None
 
     @classmethod
     def of(cls, due: Due, tenant: str | None = None) -> Claim:

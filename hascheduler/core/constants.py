@@ -49,6 +49,12 @@ DEFAULT_RUN_RETENTION_S = 7 * 86_400.0
 # The most tenants one fan-out may select (serve --max-fan-out): each costs a claim, a
 # message and a run at every fire; 10,000 is the burst the leader is measured at.
 DEFAULT_MAX_FAN_OUT = 10_000
+# The most fires one run key (a schedule, or a fan-out's tenant) may hold waiting under
+# overlap policy buffer_all (serve --max-buffered); more are recorded skipped.
+DEFAULT_MAX_BUFFERED = 100
+# A fire run now (POST /schedules/{id}/trigger) may name an Idempotency-Key of this many
+# characters at most.
+MAX_IDEMPOTENCY_KEY_CHARS = 200
 # A fan-out fire whose source mirror is loading (a new source, or one resyncing after lost
 # history) waits for it this long past its due time, then is recorded skipped.
 SOURCE_SYNC_WAIT_S = 60.0

@@ -24,6 +24,7 @@ class Entry:
     catchup_window: float
     target: str
     fan_out: FanOut | None = None
+    overlap: str = "allow"  # core/overlap.py
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
@@ -68,4 +69,5 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  catchup=sys.intern(doc.get("catchup", "latest")),
                  catchup_window=float(doc.get("catchup_window", 3600.0)),
                  target=sys.intern(doc["target"]),
-                 fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None)
+                 fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
+                 overlap=sys.intern(doc.get("overlap", "allow")))

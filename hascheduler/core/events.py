@@ -50,6 +50,9 @@ class EventTemplate:
                    name=_encode(schedule.get("name")),
                    payload=_encode(schedule.get("payload", {})))
 
+    def with_payload(self, payload: Any) -> EventTemplate:
+        return EventTemplate(self.target, self.subject, self.name, _encode(payload))
+
     def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
                attempt: int, fired_at_iso: str) -> FireMessage:
         fired = _quote(fired_at_iso)

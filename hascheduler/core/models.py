@@ -33,6 +33,7 @@ from hascheduler.core.constants import (
     TARGET_PATTERN,
 )
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.overlap import Policy
 
 # Schedule ids and label keys, matched whole (fullmatch).
 SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -103,6 +104,14 @@ def _storable(value: Any, path: str) -> None:
     elif isinstance(value, int) and not isinstance(value, bool) and \
             not -_INT64 <= value < _INT64:
         raise ValueError(f"{path}: integers must fit in 64 bits")
+
+
+def _checked_payload(value: dict[str, Any]) -> dict[str, Any]:
+    size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
+    if size > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"payload is {size} bytes as JSON; the limit is {MAX_PAYLOAD_BYTES}")
+    _storable(value, "payload")
+    return value
 
 
 class _Strict(BaseModel):
@@ -249,6 +258,12 @@ class ScheduleFields(_Strict):
         "one run per tenant: at each fire, one message per document of this collection "
         "(in the same database) that the filter selects at the due time, its key in "
         "data.tenant and the fire id <schedule_id>@<nominal>/<tenant>"))
+    overlap: Policy = Field(
+        "allow", description="what a fire does while this schedule's previous run is open "
+                             "(published, not yet succeeded, dead or cancelled): allow it "
+                             "beside, skip it, buffer one (or all, bounded) until the run "
+                             "ends, or cancel the open run and start once it has ended; "
+                             "per tenant for a fan-out (docs/SCHEDULES.md)")
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
@@ -291,12 +306,7 @@ class ScheduleFields(_Strict):
     @field_validator("payload")
     @classmethod
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
-        size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
-        if size > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"payload is {size} bytes as JSON; the limit is "
-                             f"{MAX_PAYLOAD_BYTES}")
-        _storable(value, "payload")
-        return value
+        return _checked_payload(value)
 
     @field_validator("labels")
     @classmethod
@@ -336,6 +346,28 @@ class Schedule(ScheduleFields):
 
     def compile(self) -> triggers.Trigger:
         return self.trigger.compile()
+
+
+class TriggerIn(_Strict):
+    """A request to run a schedule now (POST /schedules/{id}/trigger)."""
+
+    payload: dict[str, Any] | None = Field(None, description="this fire's payload, instead "
+                                                             "of the schedule's")
+    overlap: Policy | None = Field(None, description="this fire's overlap policy, instead "
+                                                     "of the schedule's")
+    force: bool = Field(False, description="run a paused schedule too")
+
+    @field_validator("payload")
+    @classmethod
+    def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else _checked_payload(value)
+
+
+class Triggered(BaseModel):
+    fire_id: str = Field(description="<schedule id>@manual-<request instant>")
+    url: str = Field(description="its ledger entry")
+    created: bool = Field(description="false when an earlier request with the same "
+                                      "Idempotency-Key made this fire")
 
 
 class ScheduleList(BaseModel):

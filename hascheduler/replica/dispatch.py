@@ -31,6 +31,7 @@ from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.triggers import fire_id, jitter_offset
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
 from hascheduler.replica.publishing import (
     Clock,
     DispatchSettings,
@@ -39,8 +40,9 @@ from hascheduler.replica.publishing import (
     StoredSchedules,
 )
 from hascheduler.replica.term import HeldLease, LeadershipLost, Term
-from hascheduler.storage.fires import Ledger, claim_record, skipped_range_document
+from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
 from hascheduler.storage.lease import LeaseView
+from hascheduler.storage.runs import RunLedger
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -62,6 +64,8 @@ CLAIM_AHEAD_S = 1.5
 # Retries published per turn of the retry loop, a claim batch each: a 10,000 burst held up
 # by a broker outage goes out in one turn, and the loop still yields between batches.
 RETRY_BATCHES_PER_TURN = 20
+# How often the leader takes the fires the API asked to run now.
+REQUESTED_POLL_S = 0.25
 
 
 class TenantSource(Protocol):
@@ -96,7 +100,8 @@ class Dispatcher:
     def __init__(self, mirror: MirroredSchedules, schedules: StoredSchedules, ledger: Ledger,
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
-                 metrics: Metrics | None = None, sources: TenantSource | None = None) -> None:
+                 metrics: Metrics | None = None, sources: TenantSource | None = None,
+                 runs: RunLedger | None = None) -> None:
         self.mirror = mirror
         self.sources = sources
         self.metrics = metrics or Metrics()
@@ -104,8 +109,10 @@ class Dispatcher:
         self.lease = lease
         self.settings = settings or DispatchSettings()
         self.clock = clock
+        self.gate = None if runs is None else OverlapGate(
+            ledger, runs, mirror.entries, self.settings.max_buffered, clock, self.metrics)
         self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
-                                   self.metrics)
+                                   self.metrics, self.gate)
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
 
@@ -128,6 +135,8 @@ class Dispatcher:
         log.info("leading", term=view.term, fired_through=since.isoformat())
         async with Term(view.term, self.lease, self.mirror.entries) as term:
             self.term = term
+            if self.gate is not None:
+                await self.gate.begin()
             await self._adopt_claims(term, grace_s=0.0)
             await self._retry_due(term)
             await self._catch_up(term, since, now)
@@ -135,6 +144,9 @@ class Dispatcher:
             term.watermark = now
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._retry_loop(term))
+                tasks.create_task(self._requested_loop(term))
+                if self.gate is not None:
+                    tasks.create_task(self._release_loop(term, self.gate))
                 await self._fire_loop(term)
 
     async def drain(self) -> None:
@@ -178,9 +190,7 @@ class Dispatcher:
         if not claims:
             return []
         term.check()
-        # The retry loop leaves a claim alone unless its publish has not finished by then.
-        retry_at = now + dt.timedelta(seconds=self.settings.publish_timeout_s * 2)
-        docs = [claim_record(c, term.number, now, retry_at) for c in claims]
+        docs = [claim_record(c, term.number, now, self._retry_at(now)) for c in claims]
         try:
             taken = await asyncio.wait_for(self.ledger.claim(docs),
                                            max(term.remaining(), 0.001))
@@ -352,6 +362,34 @@ class Dispatcher:
             term.check()
             await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
             await self._retry_due(term)
+
+    def _retry_at(self, now: dt.datetime) -> dt.datetime:
+        """When the retry loop takes a claim whose publish has not finished by then."""
+        return now + dt.timedelta(seconds=self.settings.publish_timeout_s * 2)
+
+    async def _requested_loop(self, term: Term) -> None:
+        """Fires run now (POST /schedules/{id}/trigger): claimed and published as they
+        come. One claimed by a deposed leader is adopted like any claim."""
+        while True:
+            await asyncio.sleep(REQUESTED_POLL_S)
+            term.check()
+            ids = await self.ledger.requested(CLAIM_BATCH)
+            if ids:
+                now = self.clock()
+                claims = await self.ledger.take(ids, REQUESTED, term.number, now,
+                                                self._retry_at(now))
+                log.info("running_now", count=len(claims), term=term.number)
+                await self.publisher.publish(claims, term.number, attempt=1)
+
+    async def _release_loop(self, term: Term, gate: OverlapGate) -> None:
+        """Buffered fires whose schedule's open run has ended: published at once."""
+        while True:
+            await asyncio.sleep(BUFFER_POLL_S)
+            term.check()
+            claims = await gate.ready(term.number, self._retry_at(self.clock()))
+            if claims:
+                log.info("released_buffered", count=len(claims), term=term.number)
+                await self.publisher.publish(claims, term.number, attempt=1, released=True)
 
     async def _catch_up(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
         # Planned in a thread: counting what a long outage skipped can take a good part of

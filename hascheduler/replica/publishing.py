@@ -21,11 +21,12 @@ import structlog
 
 from hascheduler.brokers.base import Broker, BrokerUnavailable
 from hascheduler.core.claims import Claim
-from hascheduler.core.constants import DEFAULT_MAX_FAN_OUT
+from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
 from hascheduler.core.entries import Entry
 from hascheduler.core.events import EventTemplate
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica.overlap import OverlapGate
 from hascheduler.storage.fires import Ledger
 
 log = structlog.get_logger("hascheduler.dispatch")
@@ -50,6 +51,7 @@ class DispatchSettings:
     retention_s: float = 7 * 86_400.0
     max_in_flight_batches: int = 8
     max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out fire may select
+    max_buffered: int = DEFAULT_MAX_BUFFERED  # fires one run key may hold waiting
 
 
 class MirroredSchedules(Protocol):
@@ -73,8 +75,9 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 class Publisher:
     def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
                  schedules: StoredSchedules, settings: DispatchSettings, clock: Clock,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, gate: OverlapGate | None = None) -> None:
         self.broker = broker
+        self.gate = gate
         self.ledger = ledger
         self.mirror = mirror
         self.schedules = schedules
@@ -113,22 +116,29 @@ class Publisher:
             self._templates.pop(gone, None)
         return found
 
-    async def publish(self, claims: list[Claim], term: int, attempt: int) -> None:
-        """Publish claimed fires; mark each published, or schedule its retry."""
+    async def publish(self, claims: list[Claim], term: int, attempt: int,
+                      released: bool = False) -> None:
+        """Publish claimed fires (through the overlap gate: ``released`` ones were
+        buffered); mark each published, or schedule its retry."""
         templates = await self.templates({c.schedule_id for c in claims})
-        fired_at = iso_utc(self.clock())
-        messages, sendable, gone = [], [], []
-        for claim in claims:
-            template = templates.get(claim.schedule_id)
-            if template is None:
-                gone.append(claim.fire_id)
-                continue
-            messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
-                                            term, attempt, fired_at))
-            sendable.append(claim)
+        gone = [c.fire_id for c in claims if c.schedule_id not in templates]
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
             await self.ledger.skip(gone, term, "schedule deleted before its fire was published")
+        sendable = [c for c in claims if c.schedule_id in templates]
+        if self.gate is not None:
+            sendable = await self.gate.admit(
+                sendable, {sid: t.target for sid, t in templates.items()}, term, released)
+        if not sendable:
+            return
+        fired_at = iso_utc(self.clock())
+        messages = []
+        for claim in sendable:
+            template = templates[claim.schedule_id]
+            if claim.payload is not None:  # a fire run now with its own payload
+                template = template.with_payload(claim.payload)
+            messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
+                                            term, attempt, fired_at))
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:
@@ -174,6 +184,8 @@ class Publisher:
         if attempt >= self.settings.max_attempts and not unavailable:
             await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
+            if self.gate is not None:  # never published: its reserved run is not open
+                await self.gate.runs.unreserve(claim.fire_id)
         else:
             cap = self.settings.unavailable_backoff_cap_s if unavailable \
                 else self.settings.backoff_cap_s

@@ -3,7 +3,10 @@ docs/ARCHITECTURE.md).
 
 A fire's document is keyed by its fire id, ``<schedule_id>@<nominal UTC time>``; inserting
 it is the claim (a duplicate key means another leader owns it). Its state moves
-``claimed`` -> ``published`` | ``skipped`` | ``failed``, and nothing else moves it.
+``claimed`` -> ``published`` | ``skipped`` | ``failed`` | ``buffered`` (waiting for its
+schedule's open run to end, core/overlap.py) and ``buffered`` -> ``claimed`` again when it
+may go. A fire run now (``<schedule_id>@manual-<instant>``) is inserted ``requested`` by
+the API and moved to ``claimed`` by the leader. Nothing else moves a state.
 
 The fence, stated once: a leader's writes to a fire match only a claim of its own term
 (``_own``), so a deposed leader's late write changes nothing. Taking over another term's
@@ -30,7 +33,9 @@ CLAIMED = "claimed"
 PUBLISHED = "published"
 SKIPPED = "skipped"
 FAILED = "failed"
-STATES = (CLAIMED, PUBLISHED, SKIPPED, FAILED)
+BUFFERED = "buffered"
+REQUESTED = "requested"
+STATES = (REQUESTED, CLAIMED, BUFFERED, PUBLISHED, SKIPPED, FAILED)
 
 Document = dict[str, Any]
 
@@ -48,9 +53,26 @@ def claim_record(claim: Claim, term: int, now: dt.datetime,
 
 
 def claim_of(doc: Document) -> Claim:
-    """A claim read back from the ledger (a retry, an adoption)."""
+    """A claim read back from the ledger (a retry, an adoption, a fire run now)."""
     return Claim(doc["_id"], doc["schedule_id"], as_utc(doc["nominal_at"]),
-                 as_utc(doc["due_at"]), doc.get("tenant"), int(doc.get("attempts", 0)))
+                 as_utc(doc["due_at"]), doc.get("tenant"), int(doc.get("attempts", 0)),
+                 doc.get("payload"), doc.get("overlap"))
+
+
+def request_document(schedule_id: str, now: dt.datetime, by: str,
+                     payload: dict[str, Any] | None, overlap: str | None,
+                     idempotency_key: str | None) -> Document:
+    """A fire run now, as the API inserts it for the leader to claim and publish."""
+    doc: Document = {"_id": f"{schedule_id}@manual-{iso_utc(now)}", "schedule_id": schedule_id,
+                     "nominal_at": now, "due_at": now, "state": REQUESTED, "manual": True,
+                     "requested_by": by, "recorded_at": now, "attempts": 0}
+    if payload is not None:
+        doc["payload"] = payload
+    if overlap is not None:
+        doc["overlap"] = overlap
+    if idempotency_key is not None:
+        doc["idempotency_key"] = f"{schedule_id}/{idempotency_key}"
+    return doc
 
 
 def claim_document(schedule_id: str, nominal: dt.datetime, due: dt.datetime, term: int,
@@ -74,6 +96,8 @@ class FiresCollection(Protocol):
     """The slice of a driver collection the ledger uses (PyMongo async or Motor)."""
 
     async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any,
                          **kwargs: Any) -> Any: ...
     async def update_many(self, filter: Any, update: Any, *args: Any,
@@ -118,6 +142,41 @@ class Ledger:
                                       name="schedule_history")
         await self.fires.create_index([("recorded_at", ASCENDING)], name="retention",
                                       expireAfterSeconds=int(retention_s))
+        await self.fires.create_index([("schedule_id", ASCENDING), ("nominal_at", ASCENDING)],
+                                      name="buffered",
+                                      partialFilterExpression={"state": BUFFERED})
+        await self.fires.create_index([("nominal_at", ASCENDING)], name="requested",
+                                      partialFilterExpression={"state": REQUESTED})
+        # Kept as long as the fire (the retention period, 7 days by default: over the 24 h
+        # an idempotency key is promised for).
+        await self.fires.create_index([("idempotency_key", ASCENDING)], name="idempotency",
+                                      unique=True,
+                                      partialFilterExpression={
+                                          "idempotency_key": {"$exists": True}})
+
+    # -- the API's writes -----------------------------------------------------------------
+
+    async def request(self, doc: Document) -> tuple[Document, bool]:
+        """Insert a fire run now; (the fire, True), or (the earlier fire made with the same
+        idempotency key, False)."""
+        try:
+            await self.fires.insert_one(doc)
+            return doc, True
+        except DuplicateKeyError:
+            key = doc.get("idempotency_key")
+            first = None if key is None else await self.fires.find_one(
+                {"idempotency_key": key})
+            if first is None:  # the same instant twice (the fire id), not the key
+                raise
+            return first, False
+
+    async def withdraw(self, fire_id_: str, reason: str) -> bool:
+        """A fire still waiting (buffered, or requested and not yet claimed) is not to be
+        published: recorded skipped, saying why. Whether it was still waiting."""
+        result = await self.fires.update_one(
+            {"_id": fire_id_, "state": {"$in": [BUFFERED, REQUESTED]}},
+            {"$set": {"state": SKIPPED, "reason": reason}})
+        return bool(result.matched_count)
 
     # -- a leader's writes ----------------------------------------------------------------
 
@@ -158,6 +217,75 @@ class Ledger:
             await self.fires.update_many(_own(term, fire_ids),
                                          {"$set": {"state": SKIPPED, "reason": reason}})
 
+    async def skip_overlapping(self, skipped: dict[str, tuple[str, str]], term: int) -> None:
+        """Record fires skipped by their overlap policy: fire id -> (reason, the open run's
+        fire id)."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for fire, why in skipped.items():
+            groups.setdefault(why, []).append(fire)
+        for (reason, blocker), ids in groups.items():
+            await self.fires.update_many(_own(term, ids), {"$set": {
+                "state": SKIPPED, "reason": reason, "open_run": blocker}})
+
+    async def buffer(self, waiting: dict[str, str], term: int, now: dt.datetime) -> None:
+        """Fires that wait for their schedule's open run (fire id -> its fire id)."""
+        groups: dict[str, list[str]] = {}
+        for fire, blocker in waiting.items():
+            groups.setdefault(blocker, []).append(fire)
+        for blocker, ids in groups.items():
+            await self.fires.update_many(_own(term, ids), {
+                "$set": {"state": BUFFERED, "open_run": blocker, "buffered_at": now},
+                "$unset": {"next_attempt_at": ""}})
+
+    async def buffered_counts(self, schedule_ids: list[str]) -> dict[tuple[str, str | None], int]:
+        """How many fires wait for each run key (schedule, tenant) of these schedules."""
+        counts: dict[tuple[str, str | None], int] = {}
+        async for d in self.fires.find({"state": BUFFERED,
+                                        "schedule_id": {"$in": sorted(schedule_ids)}},
+                                       {"schedule_id": 1, "tenant": 1}):
+            key = (d["schedule_id"], d.get("tenant"))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    async def buffered_keys(self) -> set[tuple[str, str | None]]:
+        """The run keys (schedule, tenant) with fires waiting."""
+        return {(d["_id"]["s"], d["_id"].get("t")) for d in await aggregate(self.fires, [
+            {"$match": {"state": BUFFERED}},
+            {"$group": {"_id": {"s": "$schedule_id", "t": "$tenant"}}}])}
+
+    async def first_buffered(self, keys: list[tuple[str, str | None]]
+                             ) -> dict[tuple[str, str | None], str]:
+        """The earliest waiting fire of each of ``keys`` that has one."""
+        wanted = set(keys)
+        firsts: dict[tuple[str, str | None], str] = {}
+        for d in await aggregate(self.fires, [
+                {"$match": {"state": BUFFERED,
+                            "schedule_id": {"$in": sorted({k[0] for k in keys})}}},
+                {"$sort": {"nominal_at": 1, "_id": 1}},
+                {"$group": {"_id": {"s": "$schedule_id", "t": "$tenant"},
+                            "fire": {"$first": "$_id"}}}]):
+            key = (d["_id"]["s"], d["_id"].get("t"))
+            if key in wanted:
+                firsts[key] = d["fire"]
+        return firsts
+
+    async def take(self, fire_ids: list[str], state: str, term: int, now: dt.datetime,
+                   retry_at: dt.datetime) -> list[Claim]:
+        """Claim for ``term`` those of ``fire_ids`` still in ``state`` (buffered fires
+        whose wait is over, fires requested by the API), to publish now."""
+        if not fire_ids:
+            return []
+        await self.fires.update_many(
+            {"_id": {"$in": sorted(fire_ids)}, "state": state},
+            {"$set": {"state": CLAIMED, "term": term, "claimed_at": now,
+                      "next_attempt_at": retry_at}})
+        return [claim_of(d) async for d in self.fires.find(_own(term, fire_ids))]
+
+    async def requested(self, limit: int) -> list[str]:
+        """Fires the API asked to run now, oldest request first."""
+        return [d["_id"] async for d in self.fires.find(
+            {"state": REQUESTED}, {"_id": 1}).sort("nominal_at", ASCENDING).limit(limit)]
+
     async def mark_published(self, fire_ids: list[str], term: int, at: dt.datetime,
                              attempt: int) -> None:
         await self.fires.update_many(
@@ -187,6 +315,10 @@ class Ledger:
     async def due_for_retry(self, term: int, now: dt.datetime, limit: int) -> list[Claim]:
         return [claim_of(d) async for d in self.fires.find(
             {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}).limit(limit)]
+
+    async def get(self, fire_id_: str) -> Document | None:
+        doc: Document | None = await self.fires.find_one({"_id": fire_id_})
+        return doc
 
     async def history(self, schedule_id: str, limit: int) -> list[Document]:
         """A schedule's ledger entries, latest nominal time first."""

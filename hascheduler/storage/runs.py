@@ -3,9 +3,16 @@ docs/ARCHITECTURE.md).
 
 A run is what a worker does with one fire, keyed by the fire id. Its states:
 
-    running -> succeeded | retrying | dead        retrying -> running
+    pending -> running | cancelled
+    running -> succeeded | retrying | dead | cancelled        retrying -> running | cancelled
     running (lease lapsed) -> running (taken over by another worker)
     dead -> retrying (replayed by POST /runs/{id}/retry)
+
+A run is *open* until it is succeeded, dead or cancelled. The leader inserts a ``pending``
+run for each fire of a schedule with an overlap policy before publishing it (the
+reservation its policy reads, core/overlap.py); other runs begin ``running``. An operator's
+cancel (POST /runs/{id}/cancel) ends a pending or retrying run at once, and asks the worker
+of a running one to stop it (``cancel_requested``).
 
 A worker claims a run here *before* its handler starts: inserting the document, or moving
 a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
@@ -28,16 +35,22 @@ from pydantic import BaseModel, Field
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
+from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.fires import state_counts
 
+PENDING = "pending"
 RUNNING = "running"
 SUCCEEDED = "succeeded"
 RETRYING = "retrying"
 DEAD = "dead"
-STATES = (RUNNING, SUCCEEDED, RETRYING, DEAD)
+CANCELLED = "cancelled"
+STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED)
+OPEN = (PENDING, RUNNING, RETRYING)
+ENDED = (SUCCEEDED, DEAD, CANCELLED)
 
 Document = dict[str, Any]
 DUPLICATE_KEY = 11000
@@ -56,7 +69,8 @@ class Run(BaseModel):
     tenant: str | None = None
     target: str
     nominal_at: str | None = None
-    state: str = Field(description="running, succeeded, retrying or dead")
+    state: str = Field(description="pending, running, succeeded, retrying, dead or "
+                                   "cancelled")
     attempts: int
     worker_id: str | None = None
     started_at: str | None = None
@@ -68,6 +82,9 @@ class Run(BaseModel):
     last_error: str | None = None
     next_attempt_at: str | None = None
     replays: int = 0
+    cancel_requested: bool | None = Field(None, description="a cancel was asked for while "
+                                                            "the run was running")
+    cancelled_by: str | None = None
     recorded_at: str | None = None
 
 
@@ -93,6 +110,7 @@ class RunsCollection(Protocol):
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
                                   **kwargs: Any) -> Any: ...
+    async def delete_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
     def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
@@ -104,7 +122,7 @@ class Claim:
     or the state that stopped it: ``running`` elsewhere or ``retrying`` not yet due (both
     with ``wait_s`` until it may be claimed), ``succeeded`` or ``dead``."""
 
-    outcome: str
+    outcome: str  # "claimed", or the run's state
     attempt: int = 0
     wait_s: float = 0.0
     took_over: str | None = None  # the worker whose lapsed run this claim took over
@@ -142,7 +160,7 @@ class Outcome:
     attempt: int
     started: dt.datetime
     finished: dt.datetime
-    state: str  # SUCCEEDED, RETRYING or DEAD
+    state: str  # SUCCEEDED, RETRYING, DEAD or CANCELLED
     error: str | None = None
     retry_in_s: float = 0.0
     event: bytes | None = None  # a dead run keeps its event: a replay sends it again
@@ -205,6 +223,9 @@ class RunLedger:
                                      name="schedule_runs")
         await self.runs.create_index([("state", ASCENDING), ("recorded_at", DESCENDING),
                                       ("_id", DESCENDING)], name="runs_by_state")
+        # The leader's question under an overlap policy: this schedule's open runs.
+        await self.runs.create_index([("schedule_id", ASCENDING), ("state", ASCENDING)],
+                                     name="schedule_states")
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
         # Replicas and workers both create it: the first one's period stands.
@@ -247,12 +268,16 @@ class RunLedger:
         running = _running(worker_id, now, lease_s)
         before = await self.runs.find_one_and_update(
             {"_id": fire.fire_id, "$or": [
+                {"state": PENDING},
                 {"state": RETRYING, "next_attempt_at": {"$lte": now}},
                 {"state": RUNNING, "lease_until": {"$lt": now}}]},
             {"$set": running, "$inc": {"attempts": 1},
              "$unset": {"next_attempt_at": "", "finished_at": "", "duration_s": ""}},
             return_document=ReturnDocument.BEFORE)
         if before is not None:
+            if before["state"] == PENDING:  # reserved by the leader: this is its start
+                await self.runs.update_one({"_id": fire.fire_id, "first_started_at": None},
+                                           {"$set": {"first_started_at": now}})
             took_over = before.get("worker_id") if before["state"] == RUNNING else None
             return Claim("claimed", attempt=int(before["attempts"]) + 1, took_over=took_over)
         current = await self.runs.find_one({"_id": fire.fire_id},
@@ -307,7 +332,88 @@ class RunLedger:
             "$inc": {"attempts": -1}})
         return bool(result.matched_count)
 
+    async def cancels_requested(self, fire_ids: list[str], worker_id: str) -> set[str]:
+        """Those of this worker's runs an operator asked to cancel."""
+        if not fire_ids:
+            return set()
+        return {d["_id"] async for d in self.runs.find(
+            {"_id": {"$in": sorted(fire_ids)}, "worker_id": worker_id,
+             "cancel_requested": True}, {"_id": 1})}
+
+    # -- the leader's writes (overlap policies) -------------------------------------------
+
+    async def reserve(self, claims: Sequence[FireClaim], targets: Mapping[str, str],
+                      now: dt.datetime) -> None:
+        """Open a ``pending`` run for each claimed fire about to be published (``targets``:
+        each schedule's); a run already there, from an earlier publish of the same fire,
+        stays as it is."""
+        docs = []
+        for claim in claims:
+            doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
+                   "target": targets[claim.schedule_id], "nominal_at": claim.nominal_at,
+                   "attempts": 0, "state": PENDING, "first_started_at": None, "replays": 0,
+                   "recorded_at": now}
+            if claim.tenant is not None:
+                doc.update(fire=fire_id_of(claim.schedule_id, claim.nominal_at),
+                           tenant=claim.tenant)
+            docs.append(doc)
+        if not docs:
+            return
+        try:
+            await self.runs.insert_many(docs, ordered=False)
+        except BulkWriteError as exc:
+            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
+                raise
+
+    async def unreserve(self, fire_id: str) -> None:
+        """The fire was never published (it failed): its reservation goes."""
+        await self.runs.delete_one({"_id": fire_id, "state": PENDING})
+
+    async def open_runs(self, schedule_ids: list[str]) -> dict[tuple[str, str | None], list[str]]:
+        """The open runs of these schedules by key (schedule, tenant): their fire ids."""
+        found: dict[tuple[str, str | None], list[str]] = {}
+        async for d in self.runs.find({"schedule_id": {"$in": sorted(schedule_ids)},
+                                       "state": {"$in": list(OPEN)}},
+                                      {"schedule_id": 1, "tenant": 1}):
+            found.setdefault((d["schedule_id"], d.get("tenant")), []).append(d["_id"])
+        return found
+
     # -- operators' writes ----------------------------------------------------------------
+
+    async def cancel(self, fire_id: str, now: dt.datetime, by: str,
+                     fire: FireRef | None = None) -> tuple[Document, bool]:
+        """Cancel a run: a pending or retrying one (or, given ``fire``, one no worker has
+        claimed yet) ends ``cancelled`` at once; a running one is marked for its worker to
+        stop. Returns the run and whether it ended now.
+
+        Raises RunNotFound (no run, and no ``fire``) or RunConflict (it had already ended).
+        """
+        ended = {"state": CANCELLED, "finished_at": now, "recorded_at": now,
+                 "cancelled_by": by}
+        doc: Document | None = await self.runs.find_one_and_update(
+            {"_id": fire_id, "state": {"$in": [PENDING, RETRYING]}},
+            {"$set": {**ended, "last_error": f"cancelled by {by}"},
+             "$unset": {"next_attempt_at": ""}}, return_document=ReturnDocument.AFTER)
+        if doc is not None:
+            return doc, True
+        doc = await self.runs.find_one_and_update(
+            {"_id": fire_id, "state": RUNNING},
+            {"$set": {"cancel_requested": True, "cancelled_by": by, "recorded_at": now}},
+            return_document=ReturnDocument.AFTER)
+        if doc is not None:
+            return doc, False
+        current = await self.get(fire_id)
+        if current is not None:
+            raise RunConflict(f"run {fire_id!r} has already ended ({current['state']})")
+        if fire is None:
+            raise RunNotFound(fire_id)
+        try:  # published, never claimed: the worker that receives it finds it cancelled
+            doc = {**_new_run(fire, ended, now), "attempts": 0, "first_started_at": None,
+                   "last_error": f"cancelled by {by}"}
+            await self.runs.insert_one(doc)
+            return doc, True
+        except DuplicateKeyError:  # claimed meanwhile: cancel that
+            return await self.cancel(fire_id, now, by)
 
     async def replay(self, fire_id: str, now: dt.datetime) -> Document | None:
         """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it

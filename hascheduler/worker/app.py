@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import inspect
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,15 @@ class Run:
     worker_id: str
     event: Mapping[str, Any] = field(repr=False)  # the CloudEvent as delivered
     tenant: str | None = None  # a fan-out fire's tenant key (None for other fires)
+    # Set when an operator cancels the run (POST /runs/{id}/cancel): an async handler is
+    # cancelled outright; a synchronous one should look at cancel_requested and return.
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False,
+                                       compare=False)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """An operator asked for this run to stop: return soon (it ends ``cancelled``)."""
+        return self.cancelled.is_set()
 
     @property
     def idempotency_key(self) -> str:

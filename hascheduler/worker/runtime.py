@@ -10,7 +10,9 @@ each held message is in progress (not redelivered while this worker lives) and e
 every claim's ledger lease in one write. A runner's outcome is written behind it (the
 Recorder, many outcomes per write), then decides the answer to the broker: succeeded ->
 ack; a failure with attempts left -> ``nak`` with the backoff as the delay (the broker does
-the waiting, no timer here); dead -> ``term``.
+the waiting, no timer here); dead or cancelled -> ``term``. While it holds runs, the worker
+asks every CANCEL_POLL_S which of them an operator cancelled: an async handler is
+cancelled, a synchronous one sees ``run.cancel_requested``; the run ends ``cancelled``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -42,7 +44,15 @@ from hascheduler.brokers.base import Delivered, FireSource
 from hascheduler.brokers.registry import KINDS, BrokerUrl
 from hascheduler.core.constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
 from hascheduler.process import logs
-from hascheduler.storage.runs import DEAD, RETRYING, SUCCEEDED, Claim, Outcome, RunLedger
+from hascheduler.storage.runs import (
+    CANCELLED,
+    DEAD,
+    RETRYING,
+    SUCCEEDED,
+    Claim,
+    Outcome,
+    RunLedger,
+)
 from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.metrics import WorkerMetrics
@@ -58,6 +68,9 @@ PREFETCH = 8  # runs claimed ahead of the runners, at least (twice --concurrency
 BUSY_MARGIN_S = 0.5
 # The ledger may be unreachable (a failover): a claim is retried by the broker after this.
 LEDGER_DOWN_DELAY_S = 2.0
+# How often a worker holding runs asks which were cancelled: a cancel takes effect within
+# this plus a round trip (under the promised second).
+CANCEL_POLL_S = 0.5
 
 # What any broker's client may throw at a consumer: one subscription ends, not the worker.
 BROKER_ERRORS = tuple({error for kind in KINDS for error in kind.errors})
@@ -197,6 +210,8 @@ class Held:
     attempt: int
     started: bool = False
     lost: bool = False  # taken over by another worker after its lease lapsed
+    runner: asyncio.Task[None] | None = None  # running it, once started
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class Worker:
@@ -227,7 +242,8 @@ class Worker:
         source = self.source()
         await source.connect(s.durable)
         background = [asyncio.create_task(self.recorder.run()),
-                      asyncio.create_task(self._heartbeat())]
+                      asyncio.create_task(self._heartbeat()),
+                      asyncio.create_task(self._watch_cancels())]
         runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
         log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
                  concurrency=s.concurrency)
@@ -362,6 +378,10 @@ class Worker:
             log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
             self.metrics.count(target, "duplicate")
             await message.ack()
+        elif claim.outcome == CANCELLED:  # cancelled before any worker claimed it
+            log.info("fire_cancelled_dropped", fire_id=fire_id)
+            self.metrics.count(target, CANCELLED)
+            await message.term()
         else:  # running elsewhere, or waiting for its retry: back when it could be ours
             log.info("fire_busy", fire_id=fire_id, state=claim.outcome,
                      wait_s=round(claim.wait_s, 3))
@@ -380,6 +400,7 @@ class Worker:
                 self._release(held)
                 continue
             held.started = True
+            held.runner = asyncio.current_task()
             try:
                 outcome = await self._run_handler(held)
             except BaseException:
@@ -418,25 +439,35 @@ class Worker:
         fire, attempt, route = held.delivery.fire, held.attempt, held.route
         run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
                   nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
-                  worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant)
+                  worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant,
+                  cancelled=held.cancelled)
         started = self.clock()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
         error: BaseException | None = None
         with self.metrics.in_flight(fire.target):
             try:
-                async with asyncio.timeout(route.policy.timeout_s) as limit:
-                    await _call(route, run)
+                if not held.cancelled.is_set():  # not cancelled while it was queued
+                    async with asyncio.timeout(route.policy.timeout_s) as limit:
+                        await _call(route, run)
             except TimeoutError as exc:
                 error = (RunTimeout(f"the run took longer than {route.policy.timeout_s:g} s")
                          if limit.expired() else exc)
             except asyncio.CancelledError:
-                # The drain ran out: give the run back for another worker, right away.
-                await asyncio.shield(self._give_back(held))
-                raise
+                task = asyncio.current_task()
+                if not held.cancelled.is_set() or task is None or task.uncancel() > 0:
+                    # The drain ran out: give the run back for another worker, right away.
+                    await asyncio.shield(self._give_back(held))
+                    raise
             except Exception as exc:
                 error = exc
+            finally:
+                held.runner = None  # the runner goes on to other runs: not to be cancelled
         finished = self.clock()
         self.metrics.duration(fire.target, (finished - started).total_seconds())
+        if held.cancelled.is_set():  # whatever the handler did after the cancel
+            log.info("run_cancelled", fire_id=fire.fire_id, attempt=attempt)
+            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, CANCELLED,
+                           "cancelled by an operator")
         if error is None:
             return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, SUCCEEDED)
         verdict = after_failure(route.policy, attempt, error)
@@ -473,6 +504,8 @@ class Worker:
                         error=(outcome.error or "")[:300],
                         retry_in_s=round(outcome.retry_in_s, 3))
             await message.nak(delay=outcome.retry_in_s)
+        elif outcome.state == CANCELLED:
+            await message.term()
         else:
             log.error("run_dead", fire_id=outcome.fire_id, attempt=outcome.attempt,
                       error=(outcome.error or "")[:300])
@@ -498,6 +531,27 @@ class Worker:
                 held[fire_id].lost = True
                 log.warning("run_lease_lost", fire_id=fire_id,
                             started=held[fire_id].started)
+
+    async def _watch_cancels(self) -> None:
+        """Every CANCEL_POLL_S while runs are held: stop those an operator cancelled. An
+        async handler's task is cancelled; a synchronous handler sees the flag."""
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            held = {f: h for f, h in self.held.items() if not h.cancelled.is_set()}
+            if not held:
+                continue
+            try:
+                cancelled = await self.runs.cancels_requested(list(held),
+                                                              self.settings.worker_id)
+            except PyMongoError as exc:
+                log.warning("run_cancel_check_failed", error=repr(exc)[:300])
+                continue
+            for fire_id in cancelled:
+                h = held[fire_id]
+                h.cancelled.set()
+                log.info("run_cancel_requested", fire_id=fire_id, started=h.started)
+                if h.started and h.route.is_async and h.runner is not None:
+                    h.runner.cancel()
 
     async def _give_back(self, held: Held) -> None:
         with contextlib.suppress(PyMongoError, *BROKER_ERRORS):

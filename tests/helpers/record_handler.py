@@ -5,7 +5,9 @@ tests count). ``app`` routes target ``jobs.*`` with behaviours chosen by the sch
 payload: {"fail": N} fails the first N attempts, {"permanent": true} raises
 PermanentFailure, {"dead_until_replay": true} raises it unless the delivery is a replay
 of the dead run, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
-succeeds; each attempt is recorded first.
+succeeds; each attempt is recorded first. ``long.*`` is an async run of {"sleep": S}
+seconds (cancelled outright by a cancel), ``polite.*`` a synchronous one that stops early
+when its run is cancelled.
 """
 
 from __future__ import annotations
@@ -52,3 +54,19 @@ async def slow(run: Run) -> None:
 
     _record(run)
     await asyncio.sleep(float((run.payload or {}).get("sleep", 0)))
+
+
+@app.handler("long.>", policy=RetryPolicy(max_attempts=2, timeout_s=120.0))
+async def long_run(run: Run) -> None:
+    import asyncio
+
+    _record(run)
+    await asyncio.sleep(float((run.payload or {}).get("sleep", 0)))
+
+
+@app.handler("polite.>", policy=RetryPolicy(max_attempts=2, timeout_s=120.0))
+def polite(run: Run) -> None:
+    _record(run)
+    until = time.monotonic() + float((run.payload or {}).get("sleep", 0))
+    while time.monotonic() < until and not run.cancel_requested:
+        time.sleep(0.02)
