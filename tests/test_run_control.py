@@ -8,7 +8,7 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from tests.test_runs_api import Stack, stack  # noqa: F401 - the fixture
+from tests.test_runs_api import Stack, stack_fixture  # noqa: F401 - the fixture
 from tests.waiting import wait_until
 
 
@@ -47,7 +47,8 @@ async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stac
     status, first = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
                                **{"Idempotency-Key": "deploy-42"})
     assert status == 202, first
-    assert first["fire_id"].startswith(f"{sid}@manual-") and first["created"] is True
+    assert first["fire_id"].startswith(f"{sid}@manual-")
+    assert first["created"] is True
     status, again = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
                                **{"Idempotency-Key": "deploy-42"})
     assert (status, again["fire_id"], again["created"]) == (202, first["fire_id"], False)
@@ -63,13 +64,15 @@ async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stac
     # Another key is another fire.
     status, other = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
                                **{"Idempotency-Key": "deploy-43"})
-    assert status == 202 and other["fire_id"] != first["fire_id"]
+    assert status == 202
+    assert other["fire_id"] != first["fire_id"]
     await run_state(stack, other["fire_id"], "succeeded")
 
     # A paused schedule runs now only when forced.
     assert (await post(stack, f"/schedules/{sid}/pause"))[0] == 200
     status, refused = await post(stack, f"/schedules/{sid}/trigger")
-    assert status == 409 and "force" in refused["title"]
+    assert status == 409
+    assert "force" in refused["title"]
     status, forced = await post(stack, f"/schedules/{sid}/trigger",
                                 {"force": True, "payload": {"sleep": 0}})
     assert status == 202
@@ -94,7 +97,8 @@ async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(
         assert ended["cancelled_by"] == "anonymous"
         assert attempts_of(stack, fire) == 1  # not retried
         status, again = await post(stack, f"/runs/{fire}/cancel")
-        assert status == 409 and "already ended (cancelled)" in again["title"]
+        assert status == 409
+        assert "already ended (cancelled)" in again["title"]
 
     # A retrying run (as a worker leaves one waiting for its backoff) ends at once.
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(stack.mongo_uri, tz_aware=True)
@@ -107,7 +111,8 @@ async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(
         status, body = await post(stack, "/runs/waiting@1/cancel")
         assert (status, body["state"]) == (200, "cancelled")
         stored = await runs.find_one({"_id": "waiting@1"})
-        assert stored is not None and "next_attempt_at" not in stored
+        assert stored is not None
+        assert "next_attempt_at" not in stored
     finally:
         await client.close()
 
@@ -141,7 +146,8 @@ async def test_bad_run_control_requests_get_a_4xx_naming_the_field(stack: Stack)
     status, body = await post(stack, "/schedules", {
         "name": "n", "target": "t", "overlap": "sometimes",
         "trigger": {"kind": "cron", "cron": "@daily"}})
-    assert status == 422 and body["errors"][0]["field"] == "overlap"
+    assert status == 422
+    assert body["errors"][0]["field"] == "overlap"
     for request, field in (({"overlap": "never"}, "overlap"), ({"payload": []}, "payload"),
                            ({"payload": {"x": "y" * 70_000}}, "payload"),
                            ({"force": "yes"}, "force"), ({"when": "now"}, "when")):
@@ -151,7 +157,7 @@ async def test_bad_run_control_requests_get_a_4xx_naming_the_field(stack: Stack)
     for key in ("has space", "x" * 201, "caf\u00e9"):
         status, body = await post(stack, f"/schedules/{sid}/trigger",
                                   **{"Idempotency-Key": key.encode().decode("latin-1")})
-        assert status == 422 and body["errors"][0]["field"] == "Idempotency-Key", body
+        assert (status, body["errors"][0]["field"]) == (422, "Idempotency-Key"), body
     async with stack.http.post(f"{stack.replica.uri}/schedules/{sid}/trigger", data=b"{",
                                headers={"Content-Type": "application/json"}) as response:
         assert response.status == 400

@@ -65,8 +65,8 @@ class Stack:
         return await wait_until(found, 40, f"a run of {fire_of} to be {state}", 0.2)
 
 
-@pytest.fixture
-async def stack(mongo_uri: str, tmp_path: Path) -> AsyncIterator[Stack]:
+@pytest.fixture(name="stack")
+async def stack_fixture(mongo_uri: str, tmp_path: Path) -> AsyncIterator[Stack]:
     nats_server = start_nats()
     uri = with_database(mongo_uri, f"t_{uuid.uuid4().hex[:12]}")
     replica = start_replica(uri, "r1", "--broker", nats_server.uri)
