@@ -52,7 +52,7 @@ async def test_revision_guards(mock_store: ScheduleStore) -> None:
     assert conflict.value.current == 2
     with pytest.raises(ScheduleNotFound):
         await mock_store.replace("missing", fields(), NOW)
-    paused = await mock_store.set_paused("a", True, NOW)
+    paused = await mock_store.pause("a", NOW, "a write token")
     assert (paused.paused, paused.revision) == (True, 3)
     with pytest.raises(RevisionConflict):
         await mock_store.delete("a", expected_revision=2)

@@ -305,16 +305,20 @@ async def delete_schedule(request: web.Request) -> web.Response:
 
 
 async def pause_schedule(request: web.Request) -> web.Response:
-    return await _set_paused(request, True)
+    """Pause, with an optional note and an instant to resume at by itself."""
+    now = _now(request)
+    raw = await request.read()
+    body = await _body(request) if raw.strip() else {}
+    wanted = models.PauseIn.model_validate(body, context={"now": now})
+    schedule = await request.app[STORE].pause(
+        request.match_info["id"], now, _caller(request), wanted.note, wanted.until,
+        _expected_revision(request))
+    return _schedule_response(schedule)
 
 
 async def resume_schedule(request: web.Request) -> web.Response:
-    return await _set_paused(request, False)
-
-
-async def _set_paused(request: web.Request, paused: bool) -> web.Response:
-    schedule = await request.app[STORE].set_paused(
-        request.match_info["id"], paused, _now(request), _expected_revision(request))
+    schedule = await request.app[STORE].resume(request.match_info["id"], _now(request),
+                                               _expected_revision(request))
     return _schedule_response(schedule)
 
 

@@ -101,7 +101,7 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     route table (api/routes.py)."""
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
-                                      models.TriggerIn)]
+                                      models.TriggerIn, models.PauseIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
                                           RunList, models.Triggered)],

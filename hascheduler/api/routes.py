@@ -143,9 +143,10 @@ ROUTES: list[Route] = [
         "/schedules/{id}/pause",
         app.pause_schedule,
         {
-            "summary": "pause",
+            "summary": "pause, with an optional note and an instant to resume at by itself",
             "parameters": [IF_MATCH_HEADER],
-            "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
+            "requestBody": {**json_body("PauseIn"), "required": False},
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
         },
     ),
     Route(
@@ -153,7 +154,7 @@ ROUTES: list[Route] = [
         "/schedules/{id}/resume",
         app.resume_schedule,
         {
-            "summary": "resume",
+            "summary": "resume (the record of the pause goes)",
             "parameters": [IF_MATCH_HEADER],
             "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
         },

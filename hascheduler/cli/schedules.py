@@ -98,6 +98,8 @@ def add_parser(sub: Any) -> None:
     add.add_argument("--catchup-window", type=float)
     add.add_argument("--overlap", choices=POLICIES,
                      help="what a fire does while the previous run is open (default allow)")
+    add.add_argument("--pause-on-failure", type=int, metavar="N",
+                     help="pause after N consecutive dead runs")
 
     ls = cmd.add_parser("list", help="list schedules")
     ls.add_argument("--label", action="append", default=[], help="key=value; repeat to AND")
@@ -110,6 +112,9 @@ def add_parser(sub: Any) -> None:
         p.add_argument("id")
         if name != "get":
             p.add_argument("--if-match", type=int, help="expected revision")
+        if name == "pause":
+            p.add_argument("--note", help="why (shown with the schedule)")
+            p.add_argument("--until", help="resume by itself at this instant (RFC 3339)")
 
     up = cmd.add_parser("update", help="change a schedule: --set applies a JSON merge "
                                        "patch, --file replaces it")
@@ -223,7 +228,7 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
         raise Refused("give one trigger: --cron, --every or --at")
     body: dict[str, Any] = {"name": args.name, "target": args.target, "trigger": trigger,
                             "labels": _labels(args.label), "paused": args.paused}
-    for key in ("id", "jitter", "catchup", "catchup_window", "overlap"):
+    for key in ("id", "jitter", "catchup", "catchup_window", "overlap", "pause_on_failure"):
         if getattr(args, key) is not None:
             body[key] = getattr(args, key)
     if args.payload:
@@ -336,8 +341,9 @@ async def _dispatch(session: aiohttp.ClientSession, base: str,
                                headers=headers)
         return json.dumps(body, indent=2) if args.json else _schedules_table([body])
     if args.action in {"pause", "resume"}:
+        why = {k: v for k in ("note", "until") if (v := getattr(args, k, None)) is not None}
         body = await _call(session, "POST", f"{base}/schedules/{sid}/{args.action}",
-                           headers=headers)
+                           headers=headers, json=why or None)
         return json.dumps(body, indent=2) if args.json else _schedules_table([body])
     if args.action == "delete":
         await _call(session, "DELETE", f"{base}/schedules/{sid}", headers=headers)

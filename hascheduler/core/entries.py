@@ -25,6 +25,17 @@ class Entry:
     target: str
     fan_out: FanOut | None = None
     overlap: str = "allow"  # core/overlap.py
+    # Paused with an end (POST /schedules/{id}/pause {"until": ...}): fires from this
+    # instant on, whether or not the leader has written the resume yet.
+    paused_until: dt.datetime | None = None
+
+    @property
+    def dormant(self) -> bool:
+        """Paused for good: nothing of it is queued until it is resumed."""
+        return self.paused and self.paused_until is None
+
+    def paused_at(self, nominal: dt.datetime) -> bool:
+        return self.paused and (self.paused_until is None or nominal < self.paused_until)
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
@@ -70,4 +81,11 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  catchup_window=float(doc.get("catchup_window", 3600.0)),
                  target=sys.intern(doc["target"]),
                  fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
-                 overlap=sys.intern(doc.get("overlap", "allow")))
+                 overlap=sys.intern(doc.get("overlap", "allow")),
+                 paused_until=_paused_until(doc))
+
+
+def _paused_until(doc: dict[str, Any]) -> dt.datetime | None:
+    pause = doc.get("pause") if doc.get("paused") else None
+    until = pause.get("until") if isinstance(pause, dict) else None
+    return as_utc(until) if isinstance(until, dt.datetime) else None

@@ -41,7 +41,10 @@ def is_fire_time(entry: Entry, nominal: dt.datetime) -> bool:
 
 
 def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
-    """The first fire of ``entry`` whose jittered time is after ``after``."""
+    """The first fire of ``entry`` whose jittered time is after ``after`` (and, paused
+    until an instant, whose nominal time is not before it)."""
+    if entry.paused_until is not None and entry.paused:
+        after = max(after, entry.paused_until - dt.timedelta(microseconds=1))
     start = after - dt.timedelta(seconds=entry.jitter)
     for nominal in fire_times(entry.trigger, start, limit=10_000):
         fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
@@ -76,7 +79,7 @@ class FireQueue:
             for i, (schedule_id, entry) in enumerate(list(self.entries.items())):
                 if i % SEED_STEP == SEED_STEP - 1:
                     yield
-                if not entry.paused:
+                if not entry.dormant:
                     due = next_due(schedule_id, entry, now)
                     if due is not None:
                         heap.append(due)
@@ -84,7 +87,7 @@ class FireQueue:
             # which take_due drops at its time: queue its current state too.
             for schedule_id in self._changed_while_seeding:
                 changed = self.entries.get(schedule_id)
-                if changed is not None and not changed.paused:
+                if changed is not None and not changed.dormant:
                     due = next_due(schedule_id, changed, now)
                     if due is not None:
                         heap.append(due)
@@ -102,7 +105,7 @@ class FireQueue:
         if self._seeding:
             self._changed_while_seeding.add(schedule_id)
             return False
-        if entry is None or entry.paused or watermark is None:
+        if entry is None or entry.dormant or watermark is None:
             return False  # a queued item of it is dropped when it comes up
         due = next_due(schedule_id, entry, watermark)
         if due is None:
@@ -132,6 +135,6 @@ class FireQueue:
 
     def _current(self, due: Due) -> Entry | None:
         entry = self.entries.get(due.schedule_id)
-        if entry is None or entry.revision != due.revision or entry.paused:
+        if entry is None or entry.revision != due.revision or entry.paused_at(due.nominal):
             return None  # deleted, changed (a newer item is queued) or paused
         return entry

@@ -264,6 +264,10 @@ class ScheduleFields(_Strict):
                              "beside, skip it, buffer one (or all, bounded) until the run "
                              "ends, or cancel the open run and start once it has ended; "
                              "per tenant for a fan-out (docs/SCHEDULES.md)")
+    pause_on_failure: int | None = Field(
+        None, ge=1, le=1000, description="pause the schedule (with a note saying why and "
+                                         "the last error) after this many consecutive dead "
+                                         "runs")
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
@@ -334,12 +338,41 @@ class ScheduleIn(ScheduleFields):
         return value
 
 
+class PauseIn(_Strict):
+    """Why, and for how long, a schedule is paused (POST /schedules/{id}/pause)."""
+
+    note: str | None = Field(None, max_length=1000)
+    until: Instant | None = Field(None, description="resume by itself at this instant (in "
+                                                    "the future)")
+
+    @field_validator("until")
+    @classmethod
+    def _future(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
+        if value is None:
+            return None
+        utc = _utc(value, "until")
+        if utc <= _now(info):
+            raise ValueError("until must be in the future")
+        return utc
+
+
+class Pause(BaseModel):
+    """Who paused a schedule, when, why and until when (server-managed)."""
+
+    by: str
+    at: dt.datetime
+    note: str | None = None
+    until: dt.datetime | None = None
+
+
 class Schedule(ScheduleFields):
     """A stored schedule, as the API returns it."""
 
     model_config = ConfigDict(extra="ignore")
 
     id: str
+    pause: Pause | None = Field(None, description="set while paused through the pause "
+                                                  "route or by pause_on_failure")
     created_at: dt.datetime
     updated_at: dt.datetime
     revision: int = Field(ge=1)

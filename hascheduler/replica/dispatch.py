@@ -43,6 +43,7 @@ from hascheduler.replica.term import HeldLease, LeadershipLost, Term
 from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -101,7 +102,7 @@ class Dispatcher:
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,
-                 runs: RunLedger | None = None) -> None:
+                 runs: RunLedger | None = None, store: ScheduleStore | None = None) -> None:
         self.mirror = mirror
         self.sources = sources
         self.metrics = metrics or Metrics()
@@ -113,8 +114,12 @@ class Dispatcher:
             ledger, runs, mirror.entries, self.settings.max_buffered, clock, self.metrics)
         self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
                                    self.metrics, self.gate)
+        self.store = store
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
+        # Schedules paused until an instant, by id: the leader writes their resume once it
+        # has passed (firing honours the instant on its own: Entry.paused_at).
+        self.resumes: dict[str, dt.datetime] = {}
 
     @property
     def fired_through(self) -> dt.datetime | None:
@@ -123,6 +128,10 @@ class Dispatcher:
     def on_change(self, schedule_id: str, entry: Entry | None) -> None:
         """Called by the mirror for every applied change; reschedules while leading."""
         self.publisher.forget(schedule_id)
+        if entry is not None and entry.paused and entry.paused_until is not None:
+            self.resumes[schedule_id] = entry.paused_until
+        else:
+            self.resumes.pop(schedule_id, None)
         term = self.term
         if term is not None and term.active and term.queue.changed(schedule_id, entry,
                                                                     term.watermark):
@@ -137,6 +146,8 @@ class Dispatcher:
             self.term = term
             if self.gate is not None:
                 await self.gate.begin()
+            self.resumes = {sid: e.paused_until for sid, e in self.mirror.entries.items()
+                            if e.paused and e.paused_until is not None}
             await self._adopt_claims(term, grace_s=0.0)
             await self._retry_due(term)
             await self._catch_up(term, since, now)
@@ -304,7 +315,7 @@ class Dispatcher:
             reason = None
             if entry is None:
                 reason = "schedule deleted before its due time"
-            elif entry.paused:
+            elif entry.paused_at(claim.nominal_at):
                 reason = "schedule paused before its due time"
             elif entry.revision != revisions[claim.schedule_id] and not is_fire_time(
                     entry, claim.nominal_at):
@@ -369,10 +380,12 @@ class Dispatcher:
 
     async def _requested_loop(self, term: Term) -> None:
         """Fires run now (POST /schedules/{id}/trigger): claimed and published as they
-        come. One claimed by a deposed leader is adopted like any claim."""
+        come. One claimed by a deposed leader is adopted like any claim. And the resume of
+        schedules paused until an instant now passed."""
         while True:
             await asyncio.sleep(REQUESTED_POLL_S)
             term.check()
+            await self._resume_ended_pauses()
             ids = await self.ledger.requested(CLAIM_BATCH)
             if ids:
                 now = self.clock()
@@ -380,6 +393,15 @@ class Dispatcher:
                                                 self._retry_at(now))
                 log.info("running_now", count=len(claims), term=term.number)
                 await self.publisher.publish(claims, term.number, attempt=1)
+
+    async def _resume_ended_pauses(self) -> None:
+        if self.store is None or not self.resumes:
+            return
+        now = self.clock()
+        for schedule_id, until in [(s, u) for s, u in self.resumes.items() if u <= now]:
+            if await self.store.resume_at_end(schedule_id, until, now):
+                log.info("pause_ended", schedule_id=schedule_id, until=until.isoformat())
+            self.resumes.pop(schedule_id, None)
 
     async def _release_loop(self, term: Term, gate: OverlapGate) -> None:
         """Buffered fires whose schedule's open run has ended: published at once."""

@@ -217,7 +217,7 @@ class Replica:
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, metrics=metrics, sources=sources,
-                                runs=RunLedger(db[RUNS]))
+                                runs=RunLedger(db[RUNS]), store=store)
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
                                          ready=lambda: mirror.ready,

@@ -480,6 +480,14 @@ class RunLedger:
                      ) -> dict[dt.datetime, dict[str, int]]:
         return await state_counts(self.runs, schedule_id, nominals)
 
+    async def last_dead(self, schedule_id: str, count: int) -> bool:
+        """Whether the schedule's latest ``count`` ended runs (latest nominal time first)
+        are all dead."""
+        states = [d["state"] async for d in self.runs.find(
+            {"schedule_id": schedule_id, "state": {"$in": list(ENDED)}}, {"state": 1}).sort(
+            [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(count)]
+        return len(states) == count and all(s == DEAD for s in states)
+
     async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
         return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},
                                                           {"event": 0})}

@@ -100,22 +100,65 @@ class ScheduleStore:
                       expected_revision: int | None = None) -> Schedule:
         """Replace every client field. Raises ScheduleNotFound, RevisionConflict."""
         now = _ms(now)
+        # Resumed by the write: the record of the pause goes with it.
         return await self._update(schedule_id, {**_fields_document(fields, now),
+                                                "updated_at": now}, expected_revision,
+                                  unset=() if fields.paused else ("pause",))
+
+    async def pause(self, schedule_id: str, now: dt.datetime, by: str,
+                    note: str | None = None, until: dt.datetime | None = None,
+                    expected_revision: int | None = None) -> Schedule:
+        """Pause, recording who, when, why and until when."""
+        now = _ms(now)
+        pause: dict[str, Any] = {"by": by, "at": now}
+        if note is not None:
+            pause["note"] = note
+        if until is not None:
+            pause["until"] = _ms(until)
+        return await self._update(schedule_id, {"paused": True, "pause": pause,
                                                 "updated_at": now}, expected_revision)
 
-    async def set_paused(self, schedule_id: str, paused: bool, now: dt.datetime,
-                         expected_revision: int | None = None) -> Schedule:
-        return await self._update(schedule_id, {"paused": paused, "updated_at": _ms(now)},
-                                  expected_revision)
+    async def pause_unless_paused(self, schedule_id: str, now: dt.datetime, by: str,
+                                  note: str) -> bool:
+        """Pause a running schedule (pause_on_failure); False if it was paused already."""
+        doc = await self._coll.find_one_and_update(
+            {"_id": schedule_id, "paused": False},
+            {"$set": {"paused": True, "pause": {"by": by, "at": _ms(now), "note": note},
+                      "updated_at": _ms(now)}, "$inc": {"revision": 1}})
+        return doc is not None
+
+    async def resume(self, schedule_id: str, now: dt.datetime,
+                     expected_revision: int | None = None) -> Schedule:
+        return await self._update(schedule_id, {"paused": False, "updated_at": _ms(now)},
+                                  expected_revision, unset=("pause",))
+
+    async def resume_at_end(self, schedule_id: str, until: dt.datetime,
+                            now: dt.datetime) -> bool:
+        """Resume a schedule paused until ``until`` (the leader, once it has passed);
+        False when it was resumed, paused again or changed meanwhile."""
+        doc = await self._coll.find_one_and_update(
+            {"_id": schedule_id, "paused": True, "pause.until": _ms(until)},
+            {"$set": {"paused": False, "updated_at": _ms(now)}, "$unset": {"pause": ""},
+             "$inc": {"revision": 1}})
+        return doc is not None
+
+    async def pause_on_failure_of(self, schedule_id: str) -> int | None:
+        """The schedule's pause_on_failure while it runs (None: unset, paused or gone)."""
+        doc = await self._coll.find_one({"_id": schedule_id, "paused": False},
+                                        {"pause_on_failure": 1})
+        limit = doc.get("pause_on_failure") if doc else None
+        return int(limit) if isinstance(limit, int) else None
 
     async def _update(self, schedule_id: str, changes: dict[str, Any],
-                      expected_revision: int | None) -> Schedule:
+                      expected_revision: int | None, unset: tuple[str, ...] = ()) -> Schedule:
         query: dict[str, Any] = {"_id": schedule_id}
         if expected_revision is not None:
             query["revision"] = expected_revision
-        doc = await self._coll.find_one_and_update(
-            query, {"$set": changes, "$inc": {"revision": 1}},
-            return_document=ReturnDocument.AFTER)
+        update: dict[str, Any] = {"$set": changes, "$inc": {"revision": 1}}
+        if unset:
+            update["$unset"] = dict.fromkeys(unset, "")
+        doc = await self._coll.find_one_and_update(query, update,
+                                                   return_document=ReturnDocument.AFTER)
         if doc is None:
             await self._raise_missing_or_conflict(schedule_id, expected_revision)
         return from_document(doc)

@@ -42,7 +42,12 @@ from tenacity import (
 
 from hascheduler.brokers.base import Delivered, FireSource
 from hascheduler.brokers.registry import KINDS, BrokerUrl
-from hascheduler.core.constants import DEFAULT_DATABASE, DEFAULT_RUN_RETENTION_S, RUNS
+from hascheduler.core.constants import (
+    DEFAULT_DATABASE,
+    DEFAULT_RUN_RETENTION_S,
+    RUNS,
+    SCHEDULES,
+)
 from hascheduler.process import logs
 from hascheduler.storage.runs import (
     CANCELLED,
@@ -53,6 +58,7 @@ from hascheduler.storage.runs import (
     Outcome,
     RunLedger,
 )
+from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.metrics import WorkerMetrics
@@ -128,10 +134,11 @@ async def run_worker(settings: WorkerSettings) -> int:
         settings.mongodb_uri, tz_aware=True, appname=f"hascheduler-worker/{settings.worker_id}",
         serverSelectionTimeoutMS=5000)
     try:
-        runs = RunLedger(client.get_default_database(DEFAULT_DATABASE)[RUNS])
+        db = client.get_default_database(DEFAULT_DATABASE)
+        runs = RunLedger(db[RUNS])
         await _until_up("creating the runs ledger's indexes",
                         lambda: runs.ensure_indexes(settings.run_retention_s), stop)
-        await Worker(settings, runs, metrics).run(stop)
+        await Worker(settings, runs, metrics, schedules=ScheduleStore(db[SCHEDULES])).run(stop)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 5)
@@ -219,8 +226,10 @@ class Worker:
     ``concurrency`` runners take them one at a time; one heartbeat renews every claim."""
 
     def __init__(self, settings: WorkerSettings, runs: RunLedger, metrics: WorkerMetrics,
-                 clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
+                 clock: Clock = lambda: dt.datetime.now(dt.UTC),
+                 schedules: ScheduleStore | None = None) -> None:
         self.settings = settings
+        self.schedules = schedules
         self.app = settings.app
         self.runs = runs
         self.metrics = metrics
@@ -490,8 +499,28 @@ class Worker:
             self.metrics.count(held.delivery.fire.target, outcome.state)
             with contextlib.suppress(*BROKER_ERRORS):
                 await self._tell_broker(held.message, outcome)
+            if kept and outcome.state == DEAD:
+                await self._pause_if_failing(held.delivery.fire.schedule_id, outcome)
         finally:
             self._release(held)
+
+    async def _pause_if_failing(self, schedule_id: str, outcome: Outcome) -> None:
+        """pause_on_failure: N consecutive dead runs of a schedule pause it, saying why."""
+        if self.schedules is None:
+            return
+        try:
+            limit = await self.schedules.pause_on_failure_of(schedule_id)
+            if limit is None or not await self.runs.last_dead(schedule_id, limit):
+                return
+            note = (f"paused after {limit} consecutive dead runs; the last, "
+                    f"{outcome.fire_id}: {(outcome.error or '')[:500]}")
+            if await self.schedules.pause_unless_paused(schedule_id, self.clock(),
+                                                        "pause_on_failure", note):
+                log.warning("schedule_paused_on_failure", schedule_id=schedule_id,
+                            dead_runs=limit)
+        except PyMongoError as exc:
+            log.warning("pause_on_failure_check_failed", schedule_id=schedule_id,
+                        error=repr(exc)[:300])
 
     async def _tell_broker(self, message: Any, outcome: Outcome) -> None:
         if outcome.state == SUCCEEDED:

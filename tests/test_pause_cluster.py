@@ -1,0 +1,150 @@
+"""Pausing with a note, until an instant and on failure, with real processes: three
+replicas (the leader killed while a pause runs out), nats-server and a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import start_nats
+from tests.test_failover import Harness
+from tests.test_overlap_cluster import start_worker
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
+    nats_server = start_nats()
+    h = Harness(mongo_uri, nats_server)
+    try:
+        yield h
+    finally:
+        await h.close()
+        nats_server.stop()
+
+
+def live(h: Harness) -> str:
+    return next(r.uri for r in h.replicas.values()
+                if r.process is not None and r.process.poll() is None)
+
+
+async def call(h: Harness, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    async with h.http.request(method, live(h) + path, json=body) as r:
+        return r.status, await r.json()
+
+
+async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
+        harness: Harness) -> None:
+    h = harness
+    for name in ("a", "b", "c"):
+        h.start(name)
+    first = await h.leader()
+    sid = f"{h.prefix}-until"
+    status, _ = await call(h, "POST", "/schedules", {
+        "id": sid, "name": sid, "target": f"audit.{h.prefix}",
+        "trigger": {"kind": "interval", "every": 1}})
+    assert status == 201
+    until = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)).replace(microsecond=0)
+    status, paused = await call(h, "POST", f"/schedules/{sid}/pause",
+                                {"note": "partner API down", "until": until.isoformat()})
+    assert status == 200, paused
+    assert paused["paused"] is True
+    assert (paused["pause"]["note"], paused["pause"]["by"]) == ("partner API down",
+                                                                 "anonymous")
+    assert dt.datetime.fromisoformat(paused["pause"]["until"]) == until
+    paused_at = dt.datetime.fromisoformat(paused["pause"]["at"])
+    h.signal(first, signal.SIGKILL)
+    process = h.replicas[first].process
+    assert process is not None
+    process.wait(10)
+
+    async def resumed() -> dict[str, Any] | None:
+        status, body = await call(h, "GET", f"/schedules/{sid}")
+        return body if status == 200 and not body["paused"] else None
+
+    schedule = await wait_until(resumed, 30, "the schedule resumed by a new leader", 0.1)
+    assert schedule["pause"] is None
+
+    async def fired_after() -> list[dict[str, Any]]:
+        return [d async for d in h.db.fires.find({"schedule_id": sid,
+                                                  "state": "published",
+                                                  "nominal_at": {"$gte": until}})]
+
+    await wait_until(fired_after, 30, "fires from the instant on", 0.2)
+    # Nothing fired while it was paused (allowing for a fire claimed before the pause).
+    during = [d async for d in h.db.fires.find({
+        "schedule_id": sid, "state": "published",
+        "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2), "$lt": until}})]
+    assert during == []
+    # The first fire at the instant itself (every second on the grid: until is on it
+    # when the grid started on a whole second, else the next one).
+    first_after = min(d["nominal_at"] for d in await fired_after())
+    assert first_after - until < dt.timedelta(seconds=1)
+
+
+async def test_bad_pauses_are_refused_naming_the_field(harness: Harness) -> None:
+    h = harness
+    h.start("a")
+    sid = f"{h.prefix}-bad"
+    assert (await call(h, "POST", "/schedules", {
+        "id": sid, "name": sid, "target": "t",
+        "trigger": {"kind": "cron", "cron": "@daily"}}))[0] == 201
+    past = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()
+    for body, field in (({"until": past}, "until"), ({"until": "tomorrow"}, "until"),
+                        ({"note": "x" * 1001}, "note"), ({"why": "x"}, "why")):
+        status, answer = await call(h, "POST", f"/schedules/{sid}/pause", body)
+        assert (status, answer["errors"][0]["field"]) == (422, field), answer
+    status, answer = await call(h, "POST", "/schedules", {
+        "name": "n", "target": "t", "pause_on_failure": 0,
+        "trigger": {"kind": "cron", "cron": "@daily"}})
+    assert (status, answer["errors"][0]["field"]) == (422, "pause_on_failure")
+
+
+async def test_pause_on_failure_pauses_after_that_many_dead_runs(
+        harness: Harness, tmp_path: Path) -> None:
+    h = harness
+    h.start("a")
+    await h.leader()
+    worker = await start_worker(h, tmp_path, "w1")
+    sid = f"{h.prefix}-failing"
+    try:
+        status, _ = await call(h, "POST", "/schedules", {
+            "id": sid, "name": sid, "target": f"jobs.{h.prefix}", "pause_on_failure": 3,
+            "payload": {"permanent": True}, "trigger": {"kind": "interval", "every": 1}})
+        assert status == 201
+
+        async def paused() -> dict[str, Any] | None:
+            _, body = await call(h, "GET", f"/schedules/{sid}")
+            return body if body["paused"] else None
+
+        schedule = await wait_until(paused, 30, "the schedule paused on failure", 0.1)
+        assert schedule["pause"]["by"] == "pause_on_failure"
+        assert "3 consecutive dead runs" in schedule["pause"]["note"]
+        assert "this account no longer exists" in schedule["pause"]["note"]
+        dead = await h.db.runs.count_documents({"schedule_id": sid, "state": "dead"})
+        assert dead >= 3
+        # No fire after the pause is published, once the leader has handled the next
+        # seconds.
+        paused_at = dt.datetime.fromisoformat(schedule["pause"]["at"])
+
+        async def handled_past_the_pause() -> bool:
+            through = (await h.lease()).get("fired_through")
+            return bool(through and through.replace(tzinfo=dt.UTC) >
+                        paused_at + dt.timedelta(seconds=3))
+
+        await wait_until(handled_past_the_pause, 20, "the leader to handle 3 s more", 0.2)
+        later = [d async for d in h.db.fires.find({
+            "schedule_id": sid, "state": "published",
+            "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2)}})]
+        assert later == []
+    finally:
+        worker.terminate()
+        await asyncio.wait_for(worker.wait(), 40)
