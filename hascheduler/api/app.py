@@ -281,7 +281,8 @@ def _merge_patch(target: Any, patch: Any) -> Any:
 async def patch_schedule(request: web.Request) -> web.Response:
     patch = await _body(request)
     schedule_id = request.match_info["id"]
-    for server_field in ("id", "created_at", "updated_at", "revision"):
+    for server_field in ("id", "created_at", "updated_at", "revision", "pause", "completed",
+                         "fires_remaining"):
         if server_field in patch:
             raise BadRequest(422, server_field, f"{server_field} is set by the server")
     store = request.app[STORE]

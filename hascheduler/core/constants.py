@@ -9,6 +9,7 @@ SCHEDULES = "schedules"
 LEASES = "leases"
 FIRES = "fires"
 RUNS = "runs"
+FIRE_COUNTS = "fire_counts"
 MEMBERS = "members"
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
@@ -52,6 +53,9 @@ DEFAULT_MAX_FAN_OUT = 10_000
 # The most fires one run key (a schedule, or a fan-out's tenant) may hold waiting under
 # overlap policy buffer_all (serve --max-buffered); more are recorded skipped.
 DEFAULT_MAX_BUFFERED = 100
+# The most fires a schedule's max_fires may allow: the leader keeps the ids of the fires
+# counted against it (each counted once, whatever the republishes) in one document.
+MAX_FIRES = 10_000
 # A fire run now (POST /schedules/{id}/trigger) may name an Idempotency-Key of this many
 # characters at most.
 MAX_IDEMPOTENCY_KEY_CHARS = 200

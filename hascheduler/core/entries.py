@@ -28,14 +28,18 @@ class Entry:
     # Paused with an end (POST /schedules/{id}/pause {"until": ...}): fires from this
     # instant on, whether or not the leader has written the resume yet.
     paused_until: dt.datetime | None = None
+    max_fires: int | None = None
+    completed: bool = False  # its max_fires fires were published
 
     @property
     def dormant(self) -> bool:
-        """Paused for good: nothing of it is queued until it is resumed."""
-        return self.paused and self.paused_until is None
+        """Paused for good, or completed: nothing of it is queued until that changes."""
+        return self.completed or (self.paused and self.paused_until is None)
 
     def paused_at(self, nominal: dt.datetime) -> bool:
-        return self.paused and (self.paused_until is None or nominal < self.paused_until)
+        """Not to fire at ``nominal``: paused then, or completed."""
+        return self.completed or (self.paused and (self.paused_until is None
+                                                   or nominal < self.paused_until))
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
@@ -48,12 +52,14 @@ def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
         expression = sys.intern(spec["cron"])
         timezone = sys.intern(spec.get("timezone", "UTC"))
         triggers.compile_cron(expression, timezone)  # validate once, interned
-        return _interned_cron(expression, timezone)
+        return triggers.bounded(_interned_cron(expression, timezone), _window(spec, "start_at"),
+                                _window(spec, "end_at"))
     if kind == "interval":
         return triggers.Interval(float(spec["every"]), _aware(spec["start_at"]),
                                  _aware(spec["end_at"]) if spec.get("end_at") else None)
     if kind == "at":
-        return triggers.At(tuple(_aware(t) for t in spec["at"]))
+        return triggers.bounded(triggers.At(tuple(_aware(t) for t in spec["at"])),
+                                _window(spec, "start_at"), _window(spec, "end_at"))
     raise triggers.InvalidTrigger(f"unknown trigger kind {kind!r}")
 
 
@@ -66,6 +72,11 @@ def _interned_cron(expression: str, timezone: str) -> triggers.Cron:
     if cron is None:
         cron = _crons[key] = triggers.Cron(expression, timezone)
     return cron
+
+
+def _window(spec: dict[str, Any], name: str) -> dt.datetime | None:
+    value = spec.get(name)
+    return _aware(value) if value is not None else None
 
 
 def _aware(value: dt.datetime) -> dt.datetime:
@@ -82,7 +93,8 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  target=sys.intern(doc["target"]),
                  fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
                  overlap=sys.intern(doc.get("overlap", "allow")),
-                 paused_until=_paused_until(doc))
+                 paused_until=_paused_until(doc), max_fires=doc.get("max_fires"),
+                 completed=bool(doc.get("completed", False)))
 
 
 def _paused_until(doc: dict[str, Any]) -> dt.datetime | None:

@@ -27,6 +27,7 @@ from hascheduler.core.catchup import MAX_CATCHUP_FIRES
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
+    MAX_FIRES,
     MAX_INTERVAL_S,
     MAX_JITTER_S,
     MAX_PAYLOAD_BYTES,
@@ -123,7 +124,26 @@ class _Strict(BaseModel):
 _ZONE_ENUM: list[JsonValue] = [*sorted(triggers.ZONE_NAMES)]
 
 
-class CronSpec(_Strict):
+class _Window(_Strict):
+    """start_at and end_at: a trigger fires only within them."""
+
+    start_at: Instant | None = Field(None, description="no fire before this instant")
+    end_at: Instant | None = Field(None, description="no fire after this instant")
+
+    @field_validator("start_at", "end_at")
+    @classmethod
+    def _aware(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
+        return None if value is None else _utc(value, info.field_name or "time")
+
+    def _check_window(self, info: ValidationInfo) -> None:
+        if self.end_at is not None:
+            if self.start_at is not None and self.end_at <= self.start_at:
+                raise ValueError("end_at must be after start_at")
+            if not _stored(info) and self.end_at <= _now(info):
+                raise ValueError("end_at must be in the future")
+
+
+class CronSpec(_Window):
     kind: Literal["cron"]
     cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
                       json_schema_extra={"pattern": cron.SHAPE},
@@ -144,6 +164,7 @@ class CronSpec(_Strict):
 
     @model_validator(mode="after")
     def _parses(self, info: ValidationInfo) -> CronSpec:
+        self._check_window(info)
         compiled = triggers.compile_cron(self.cron.strip(), self.timezone)
         self.cron = " ".join(self.cron.split())
         floor = _min_interval(info)
@@ -154,7 +175,8 @@ class CronSpec(_Strict):
         return self
 
     def compile(self) -> triggers.Trigger:
-        return triggers.Cron(self.cron, self.timezone)
+        return triggers.bounded(triggers.Cron(self.cron, self.timezone), self.start_at,
+                                self.end_at)
 
 
 class IntervalSpec(_Strict):
@@ -201,7 +223,7 @@ class IntervalSpec(_Strict):
         return triggers.Interval(self.every, self.start_at, self.end_at)
 
 
-class AtSpec(_Strict):
+class AtSpec(_Window):
     kind: Literal["at"]
     at: Instant | list[Instant] = Field(
         description="one instant or a list of instants, each in the future")
@@ -224,9 +246,14 @@ class AtSpec(_Strict):
             out.append(utc)
         return sorted(set(out))
 
+    @model_validator(mode="after")
+    def _within(self, info: ValidationInfo) -> AtSpec:
+        self._check_window(info)
+        return self
+
     def compile(self) -> triggers.Trigger:
         assert isinstance(self.at, list)
-        return triggers.At(tuple(self.at))
+        return triggers.bounded(triggers.At(tuple(self.at)), self.start_at, self.end_at)
 
 
 TriggerSpec = Annotated[CronSpec | IntervalSpec | AtSpec, Field(discriminator="kind")]
@@ -264,6 +291,10 @@ class ScheduleFields(_Strict):
                              "beside, skip it, buffer one (or all, bounded) until the run "
                              "ends, or cancel the open run and start once it has ended; "
                              "per tenant for a fan-out (docs/SCHEDULES.md)")
+    max_fires: int | None = Field(
+        None, ge=1, le=MAX_FIRES, description="after this many published fires (runs now "
+                                              "not counted) the schedule is completed: "
+                                              "kept, firing no more; raising it revives it")
     pause_on_failure: int | None = Field(
         None, ge=1, le=1000, description="pause the schedule (with a note saying why and "
                                          "the last error) after this many consecutive dead "
@@ -373,6 +404,9 @@ class Schedule(ScheduleFields):
     id: str
     pause: Pause | None = Field(None, description="set while paused through the pause "
                                                   "route or by pause_on_failure")
+    completed: bool = Field(False, description="its max_fires fires were published")
+    fires_remaining: int | None = Field(None, description="with max_fires: how many more "
+                                                          "it fires (GET of one schedule)")
     created_at: dt.datetime
     updated_at: dt.datetime
     revision: int = Field(ge=1)

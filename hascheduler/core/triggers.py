@@ -289,7 +289,29 @@ class At:
         return None
 
 
-Trigger = Cron | Interval | At
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """A cron or an instant list firing only within [start_at, end_at]."""
+
+    inner: Cron | At
+    start_at: dt.datetime | None = None
+    end_at: dt.datetime | None = None
+
+    def next_after(self, after: dt.datetime) -> dt.datetime | None:
+        if self.start_at is not None and after < self.start_at:
+            after = self.start_at - _TICK
+        nxt = self.inner.next_after(after)
+        if nxt is None or (self.end_at is not None and nxt > self.end_at):
+            return None
+        return nxt
+
+
+Trigger = Cron | Interval | At | Bounded
+
+
+def bounded(inner: Cron | At, start_at: dt.datetime | None,
+            end_at: dt.datetime | None) -> Trigger:
+    return inner if start_at is None and end_at is None else Bounded(inner, start_at, end_at)
 
 
 def fire_times(trigger: Trigger, after: dt.datetime, until: dt.datetime | None = None,
@@ -340,6 +362,10 @@ def count_between(trigger: Trigger, after: dt.datetime, until: dt.datetime) -> i
     rule moves or drops fires)."""
     if until <= after:
         return 0
+    if isinstance(trigger, Bounded):
+        start = after if trigger.start_at is None else max(after, trigger.start_at - _TICK)
+        end = until if trigger.end_at is None else min(until, trigger.end_at)
+        return count_between(trigger.inner, start, end)
     if isinstance(trigger, Interval):
         end = until if trigger.end_at is None else min(until, trigger.end_at)
 

@@ -40,6 +40,7 @@ from hascheduler.replica.publishing import (
     StoredSchedules,
 )
 from hascheduler.replica.term import HeldLease, LeadershipLost, Term
+from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import RunLedger
@@ -102,7 +103,8 @@ class Dispatcher:
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,
-                 runs: RunLedger | None = None, store: ScheduleStore | None = None) -> None:
+                 runs: RunLedger | None = None, store: ScheduleStore | None = None,
+                 counts: FireCounts | None = None) -> None:
         self.mirror = mirror
         self.sources = sources
         self.metrics = metrics or Metrics()
@@ -113,7 +115,7 @@ class Dispatcher:
         self.gate = None if runs is None else OverlapGate(
             ledger, runs, mirror.entries, self.settings.max_buffered, clock, self.metrics)
         self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
-                                   self.metrics, self.gate)
+                                   self.metrics, self.gate, counts, store)
         self.store = store
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
@@ -315,6 +317,8 @@ class Dispatcher:
             reason = None
             if entry is None:
                 reason = "schedule deleted before its due time"
+            elif entry.completed:
+                reason = "schedule completed (its max_fires fires are used)"
             elif entry.paused_at(claim.nominal_at):
                 reason = "schedule paused before its due time"
             elif entry.revision != revisions[claim.schedule_id] and not is_fire_time(

@@ -27,7 +27,9 @@ from hascheduler.core.events import EventTemplate
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
-from hascheduler.storage.fires import Ledger
+from hascheduler.storage.fire_counts import FireCounts
+from hascheduler.storage.fires import Ledger, is_manual
+from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -75,9 +77,13 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 class Publisher:
     def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
                  schedules: StoredSchedules, settings: DispatchSettings, clock: Clock,
-                 metrics: Metrics, gate: OverlapGate | None = None) -> None:
+                 metrics: Metrics, gate: OverlapGate | None = None,
+                 counts: FireCounts | None = None, store: ScheduleStore | None = None
+                 ) -> None:
         self.broker = broker
         self.gate = gate
+        self.counts = counts  # max_fires: the fires each schedule used
+        self.store = store
         self.ledger = ledger
         self.mirror = mirror
         self.schedules = schedules
@@ -129,6 +135,7 @@ class Publisher:
         if self.gate is not None:
             sendable = await self.gate.admit(
                 sendable, {sid: t.target for sid, t in templates.items()}, term, released)
+        sendable = await self._within_max_fires(sendable, term)
         if not sendable:
             return
         fired_at = iso_utc(self.clock())
@@ -173,6 +180,40 @@ class Publisher:
             log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
                         error=repr(failures[0][1]))
 
+    async def _within_max_fires(self, claims: list[Claim], term: int) -> list[Claim]:
+        """The claims that fit their schedule's max_fires (each counted once, runs now
+        not counted); the others are skipped, and a schedule whose fires are all used is
+        completed."""
+        if self.counts is None:
+            return claims
+        keep: list[Claim] = []
+        refused: list[Claim] = []
+        used_up: dict[str, int] = {}
+        for claim in claims:
+            entry = self.mirror.entries.get(claim.schedule_id)
+            limit = entry.max_fires if entry is not None else None
+            if limit is None or is_manual(claim.fire_id):
+                keep.append(claim)
+                continue
+            counted = await self.counts.take(claim.schedule_id, claim.fire_id, limit)
+            if counted is None:
+                refused.append(claim)
+            else:
+                keep.append(claim)
+            if counted is None or counted >= limit:
+                used_up[claim.schedule_id] = limit
+        if refused:
+            await self.ledger.skip([c.fire_id for c in refused], term, "max_fires reached")
+            self.metrics.fires.labels("skipped").inc(len(refused))
+            if self.gate is not None:
+                for claim in refused:
+                    await self.gate.runs.unreserve(claim.fire_id)
+        if self.store is not None:
+            for schedule_id, limit in used_up.items():
+                if await self.store.complete(schedule_id, limit, self.clock()):
+                    log.info("schedule_completed", schedule_id=schedule_id, max_fires=limit)
+        return keep
+
     async def record_failure(self, claim: Claim, term: int, attempt: int,
                              error: BaseException) -> None:
         now = self.clock()
@@ -186,6 +227,8 @@ class Publisher:
             self.metrics.fires.labels("failed").inc()
             if self.gate is not None:  # never published: its reserved run is not open
                 await self.gate.runs.unreserve(claim.fire_id)
+            if self.counts is not None:  # ... nor does it count against max_fires
+                await self.counts.release(claim.schedule_id, claim.fire_id)
         else:
             cap = self.settings.unavailable_backoff_cap_s if unavailable \
                 else self.settings.backoff_cap_s

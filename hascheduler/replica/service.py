@@ -26,6 +26,7 @@ from hascheduler.core.constants import (
     DEFAULT_DATABASE,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
+    FIRE_COUNTS,
     FIRES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
@@ -50,6 +51,7 @@ from hascheduler.replica.lifecycle import Every
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources
+from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger
@@ -201,7 +203,8 @@ class Replica:
         stack.push_async_callback(lifecycle.bounded, "closing the broker", broker.close)
 
         metrics = Metrics()
-        store = ScheduleStore(db[SCHEDULES])
+        counts = FireCounts(db[FIRE_COUNTS])
+        store = ScheduleStore(db[SCHEDULES], counts)
         ledger = Ledger(db[FIRES])
         lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
         dispatcher: Dispatcher | None = None
@@ -217,7 +220,7 @@ class Replica:
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, metrics=metrics, sources=sources,
-                                runs=RunLedger(db[RUNS]), store=store)
+                                runs=RunLedger(db[RUNS]), store=store, counts=counts)
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
                                          ready=lambda: mirror.ready,

@@ -59,6 +59,11 @@ def claim_of(doc: Document) -> Claim:
                  doc.get("payload"), doc.get("overlap"))
 
 
+def is_manual(fire_id_: str) -> bool:
+    """A fire run now (its id made by request_document), not by the trigger."""
+    return "@manual-" in fire_id_
+
+
 def request_document(schedule_id: str, now: dt.datetime, by: str,
                      payload: dict[str, Any] | None, overlap: str | None,
                      idempotency_key: str | None) -> Document:

@@ -18,6 +18,7 @@ from pymongo.errors import DuplicateKeyError
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
 from hascheduler.core.instants import as_utc_deep
 from hascheduler.core.models import IntervalSpec, Schedule, ScheduleFields, ScheduleIn
+from hascheduler.storage.fire_counts import FireCounts
 
 _FIELDS = frozenset(ScheduleFields.model_fields)
 
@@ -57,8 +58,15 @@ def _ms(moment: dt.datetime) -> dt.datetime:
 
 
 class ScheduleStore:
-    def __init__(self, collection: Collection) -> None:
+    def __init__(self, collection: Collection, counts: FireCounts | None = None) -> None:
         self._coll = collection
+        self._counts = counts  # fires used against max_fires (None: not shown, no revival)
+
+    async def _with_remaining(self, schedule: Schedule) -> Schedule:
+        if schedule.max_fires is None or self._counts is None:
+            return schedule
+        used = await self._counts.used(schedule.id)
+        return schedule.model_copy(update={"fires_remaining": max(0, schedule.max_fires - used)})
 
     async def ensure_indexes(self) -> None:
         await self._coll.create_index([("paused", 1)], name="paused")
@@ -73,14 +81,14 @@ class ScheduleStore:
             await self._coll.insert_one(doc)
         except DuplicateKeyError:
             raise ScheduleExists(schedule_id) from None
-        return from_document(doc)
+        return await self._with_remaining(from_document(doc))
 
     async def get(self, schedule_id: str) -> Schedule:
         """Raises ScheduleNotFound."""
         doc = await self._coll.find_one({"_id": schedule_id})
         if doc is None:
             raise ScheduleNotFound(schedule_id)
-        return from_document(doc)
+        return await self._with_remaining(from_document(doc))
 
     async def list(self, *, labels: dict[str, str] | None = None, paused: bool | None = None,
                    after: str | None = None, limit: int = 100) -> tuple[list[Schedule],
@@ -100,10 +108,22 @@ class ScheduleStore:
                       expected_revision: int | None = None) -> Schedule:
         """Replace every client field. Raises ScheduleNotFound, RevisionConflict."""
         now = _ms(now)
+        # Completed only while its fires used reach max_fires: raising it revives it.
+        used = await self._counts.used(schedule_id) if self._counts is not None else 0
+        completed = fields.max_fires is not None and used >= fields.max_fires
         # Resumed by the write: the record of the pause goes with it.
-        return await self._update(schedule_id, {**_fields_document(fields, now),
-                                                "updated_at": now}, expected_revision,
-                                  unset=() if fields.paused else ("pause",))
+        return await self._with_remaining(await self._update(
+            schedule_id, {**_fields_document(fields, now), "updated_at": now,
+                          "completed": completed}, expected_revision,
+            unset=() if fields.paused else ("pause",)))
+
+    async def complete(self, schedule_id: str, max_fires: int, now: dt.datetime) -> bool:
+        """Its ``max_fires`` fires are used (the leader): completed, unless max_fires
+        changed meanwhile."""
+        doc = await self._coll.find_one_and_update(
+            {"_id": schedule_id, "max_fires": max_fires, "completed": {"$ne": True}},
+            {"$set": {"completed": True, "updated_at": _ms(now)}, "$inc": {"revision": 1}})
+        return doc is not None
 
     async def pause(self, schedule_id: str, now: dt.datetime, by: str,
                     note: str | None = None, until: dt.datetime | None = None,
