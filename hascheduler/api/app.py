@@ -22,6 +22,7 @@ from hascheduler.brokers.base import Broker
 from hascheduler.core import models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
+    DEFAULT_MAX_BACKFILL,
     DEFAULT_PAGE,
     HEARTBEAT_INTERVAL_S,
     LEASE_NAME,
@@ -33,8 +34,9 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
-from hascheduler.core.triggers import fire_id, fire_times
+from hascheduler.core.triggers import count_between, fire_id, fire_times
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
+from hascheduler.storage.backfills import Backfill, Backfills
 from hascheduler.storage.fires import BUFFERED, REQUESTED, Ledger, request_document
 from hascheduler.storage.fires import STATES as FIRE_STATES
 from hascheduler.storage.lease import LeaseView
@@ -380,7 +382,11 @@ class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
     def __init__(self, leases: Readable, members: Readable, ledger: Ledger,
-                 elector: Leading, runs: RunLedger, broker: Broker) -> None:
+                 elector: Leading, runs: RunLedger, broker: Broker,
+                 backfills: Backfills | None = None,
+                 max_backfill: int = DEFAULT_MAX_BACKFILL) -> None:
+        self.backfills = backfills
+        self.max_backfill = max_backfill
         self.leases = leases
         self.members = members
         self.ledger = ledger
@@ -557,6 +563,52 @@ async def trigger_schedule(request: web.Request) -> web.Response:
     fire = str(doc["_id"])
     return _json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
                                   created=created), 202)
+
+
+def _backfills(request: web.Request) -> Backfills:
+    backfills = _cluster(request).backfills
+    if backfills is None:
+        raise web.HTTPServiceUnavailable(reason="this replica keeps no backfills")
+    return backfills
+
+
+async def backfill_schedule(request: web.Request) -> web.Response:
+    """Fire the schedule's nominal times in [start, end) the ledger has no fire for, worked
+    by the leader (storage/backfills.py)."""
+    cluster = _cluster(request)
+    backfills = _backfills(request)
+    now = _now(request)
+    wanted = models.BackfillIn.model_validate(await _body(request), context={"now": now})
+    schedule = await request.app[STORE].get(request.match_info["id"])
+    if schedule.paused:
+        raise RunConflict(f"schedule {schedule.id!r} is paused; resume it to backfill")
+    tick = dt.timedelta(microseconds=1)
+    total = count_between(schedule.compile(), wanted.start - tick, wanted.end - tick)
+    if total > cluster.max_backfill:
+        raise BadRequest(422, "end", f"the range holds {total} fire times; a backfill fires "
+                                     f"at most {cluster.max_backfill} (serve --max-backfill)")
+    doc = await backfills.create(schedule.id, wanted.start, wanted.end, wanted.overlap,
+                                 total, _caller(request), now)
+    return _json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
+
+
+async def get_backfill(request: web.Request) -> web.Response:
+    doc = await _backfills(request).get(request.match_info["id"])
+    if doc is None:
+        raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+    return _json(Backfill.of(doc))
+
+
+async def cancel_backfill(request: web.Request) -> web.Response:
+    backfills = _backfills(request)
+    doc = await backfills.cancel(request.match_info["id"], _now(request))
+    if doc is None:
+        current = await backfills.get(request.match_info["id"])
+        if current is None:
+            raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+        raise RunConflict(f"backfill {current['_id']!r} is {current['state']}; only a "
+                          "running one can be cancelled")
+    return _json(Backfill.of(doc))
 
 
 async def get_fire(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 from hascheduler import __version__
 from hascheduler.core import models
 from hascheduler.core.constants import MAX_IDEMPOTENCY_KEY_CHARS
+from hascheduler.storage.backfills import Backfill
 from hascheduler.storage.runs import Run, RunList
 
 
@@ -101,10 +102,11 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     route table (api/routes.py)."""
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
-                                      models.TriggerIn, models.PauseIn)]
+                                      models.TriggerIn, models.PauseIn,
+                                      models.BackfillIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
-                                          RunList, models.Triggered)],
+                                          RunList, models.Triggered, Backfill)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

@@ -173,6 +173,32 @@ ROUTES: list[Route] = [
         },
     ),
     Route(
+        "POST",
+        "/schedules/{id}/backfill",
+        app.backfill_schedule,
+        {
+            "summary": "fire every nominal time in [start, end) the ledger has no fire "
+            "for (ordinary fire ids: nothing fires twice), worked by the leader at a "
+            "bounded pace and carried across failovers",
+            "requestBody": json_body("BackfillIn"),
+            "responses": responses(202, "Backfill", *WRITE, 404, 409, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/backfills/{id}",
+        app.get_backfill,
+        {"summary": "a backfill's progress: fired, skipped, remaining",
+         "responses": responses(200, "Backfill", 404, 503)},
+    ),
+    Route(
+        "DELETE",
+        "/backfills/{id}",
+        app.cancel_backfill,
+        {"summary": "cancel a running backfill (what it fired stays fired)",
+         "responses": responses(200, "Backfill", 403, 404, 409, 429, 503)},
+    ),
+    Route(
         "GET",
         "/schedules/{id}/next",
         app.next_fires,

@@ -132,6 +132,13 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("--force", action="store_true", help="run a paused schedule too")
     tr.add_argument("--idempotency-key", help="a retry with the same key fires nothing new")
 
+    bf = cmd.add_parser("backfill", help="fire the schedule's times in [--start, --end) "
+                                         "that were never fired")
+    bf.add_argument("id")
+    bf.add_argument("--start", required=True, help="RFC 3339, inclusive")
+    bf.add_argument("--end", required=True, help="RFC 3339, exclusive, not in the future")
+    bf.add_argument("--overlap", choices=POLICIES, help="the backfilled fires' policy")
+
     nx = cmd.add_parser("next", help="preview the next fire times")
     nx.add_argument("id")
     nx.add_argument("--count", type=int, default=5)
@@ -359,6 +366,14 @@ async def _dispatch(session: aiohttp.ClientSession, base: str,
         answer = await _call(session, "POST", f"{base}/schedules/{sid}/trigger", json=body,
                              headers=headers)
         return json.dumps(answer, indent=2) if args.json else answer["fire_id"]
+    if args.action == "backfill":
+        body = {"start": args.start, "end": args.end}
+        if args.overlap:
+            body["overlap"] = args.overlap
+        answer = await _call(session, "POST", f"{base}/schedules/{sid}/backfill", json=body)
+        return json.dumps(answer, indent=2) if args.json else (
+            f"backfill {answer['id']}: {answer['total']} fire times, "
+            f"progress at {base}/backfills/{answer['id']}")
     if args.action == "next":
         body = await _call(session, "GET", f"{base}/schedules/{sid}/next",
                            params={"count": str(args.count)})

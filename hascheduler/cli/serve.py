@@ -24,6 +24,8 @@ from hascheduler.cli.settings import (
     text,
 )
 from hascheduler.core.constants import (
+    DEFAULT_MAX_BACKFILL,
+    DEFAULT_MAX_BUFFERED,
     DEFAULT_MAX_FAN_OUT,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
@@ -62,6 +64,11 @@ SETTINGS = (
             "seconds the runs ledger keeps a run after its last change"),
     Setting("--max-fan-out", DEFAULT_MAX_FAN_OUT, positive_int,
             "the most tenants one schedule's fan_out may select (checked when written)"),
+    Setting("--max-backfill", DEFAULT_MAX_BACKFILL, positive_int,
+            "the most nominal times one backfill may fire (more is refused with 422)"),
+    Setting("--max-buffered", DEFAULT_MAX_BUFFERED, positive_int,
+            "the most fires one schedule (or tenant) may hold waiting under overlap "
+            "buffer_all; more are recorded skipped"),
     Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
             "the fewest seconds between two fires of one schedule that a write may ask for"),
 )
@@ -98,7 +105,9 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         replica_id=v["replica_id"] or f"{socket.gethostname()}-{os.getpid()}",
         broker=v["broker"], timings=timings,
         dispatch=DispatchSettings(retention_s=v["fire_retention"],
-                                  max_fan_out=v["max_fan_out"]),
+                                  max_fan_out=v["max_fan_out"],
+                                  max_buffered=v["max_buffered"]),
+        max_backfill=v["max_backfill"],
         tokens=tokens, write_limit=write_limit, min_fire_interval_s=v["min_fire_interval"],
         run_retention_s=v["run_retention"], tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"])

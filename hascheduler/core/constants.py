@@ -10,6 +10,7 @@ LEASES = "leases"
 FIRES = "fires"
 RUNS = "runs"
 FIRE_COUNTS = "fire_counts"
+BACKFILLS = "backfills"
 MEMBERS = "members"
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
@@ -56,6 +57,8 @@ DEFAULT_MAX_BUFFERED = 100
 # The most fires a schedule's max_fires may allow: the leader keeps the ids of the fires
 # counted against it (each counted once, whatever the republishes) in one document.
 MAX_FIRES = 10_000
+# The most nominal times one backfill may fire (serve --max-backfill).
+DEFAULT_MAX_BACKFILL = 100_000
 # A fire run now (POST /schedules/{id}/trigger) may name an Idempotency-Key of this many
 # characters at most.
 MAX_IDEMPOTENCY_KEY_CHARS = 200

@@ -430,6 +430,32 @@ class TriggerIn(_Strict):
         return None if value is None else _checked_payload(value)
 
 
+class BackfillIn(_Strict):
+    """A request to fire a schedule's nominal times in a past range."""
+
+    start: Instant = Field(description="the first nominal time it may fire (inclusive)")
+    end: Instant = Field(description="exclusive; not in the future")
+    overlap: Policy | None = Field(None, description="the backfilled fires' overlap "
+                                                     "policy, instead of the schedule's")
+
+    @field_validator("start")
+    @classmethod
+    def _aware(cls, value: dt.datetime) -> dt.datetime:
+        return _utc(value, "start")
+
+    @field_validator("end")
+    @classmethod
+    def _past_range(cls, value: dt.datetime, info: ValidationInfo) -> dt.datetime:
+        end = _utc(value, "end")
+        start = info.data.get("start")
+        if isinstance(start, dt.datetime) and end <= start:
+            raise ValueError("end must be after start")
+        if end > _now(info):
+            raise ValueError("end is in the future: a backfill fires past times only (the "
+                             "trigger fires the rest)")
+        return end
+
+
 class Triggered(BaseModel):
     fire_id: str = Field(description="<schedule id>@manual-<request instant>")
     url: str = Field(description="its ledger entry")

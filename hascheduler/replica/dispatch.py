@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -29,7 +29,8 @@ from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
-from hascheduler.core.triggers import fire_id, jitter_offset
+from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_id, fire_times, jitter_offset
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
 from hascheduler.replica.publishing import (
@@ -40,6 +41,7 @@ from hascheduler.replica.publishing import (
     StoredSchedules,
 )
 from hascheduler.replica.term import HeldLease, LeadershipLost, Term
+from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
 from hascheduler.storage.lease import LeaseView
@@ -68,6 +70,12 @@ CLAIM_AHEAD_S = 1.5
 RETRY_BATCHES_PER_TURN = 20
 # How often the leader takes the fires the API asked to run now.
 REQUESTED_POLL_S = 0.25
+# Backfills are worked a chunk of nominal times per running backfill every
+# BACKFILL_POLL_S (1,000 fires a second each at most), and not while a claim batch of
+# this term's fires still waits to be published: a backfill takes a bounded share of the
+# firing path, and the regular fires go first.
+BACKFILL_CHUNK = 500
+BACKFILL_POLL_S = 0.5
 
 
 class TenantSource(Protocol):
@@ -104,7 +112,8 @@ class Dispatcher:
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,
                  runs: RunLedger | None = None, store: ScheduleStore | None = None,
-                 counts: FireCounts | None = None) -> None:
+                 counts: FireCounts | None = None, backfills: Backfills | None = None
+                 ) -> None:
         self.mirror = mirror
         self.sources = sources
         self.metrics = metrics or Metrics()
@@ -117,6 +126,7 @@ class Dispatcher:
         self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
                                    self.metrics, self.gate, counts, store)
         self.store = store
+        self.backfills = backfills
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
         # Schedules paused until an instant, by id: the leader writes their resume once it
@@ -160,6 +170,8 @@ class Dispatcher:
                 tasks.create_task(self._requested_loop(term))
                 if self.gate is not None:
                     tasks.create_task(self._release_loop(term, self.gate))
+                if self.backfills is not None:
+                    tasks.create_task(self._backfill_loop(term, self.backfills))
                 await self._fire_loop(term)
 
     async def drain(self) -> None:
@@ -221,7 +233,10 @@ class Dispatcher:
             await self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now)
 
     async def _claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
-                                 may_defer: bool = True) -> None:
+                                 may_defer: bool = True, overlap: str | None = None
+                                 ) -> tuple[int, int]:
+        """Claim ``batch`` (expanded per tenant) and publish what we now own at its due
+        time; (claims owned, claims tried). ``overlap`` overrides the schedules' policy."""
         sources = self.sources
         expansion = expand(batch, self.mirror.entries,
                            sources.tenants if sources is not None else None,
@@ -233,12 +248,18 @@ class Dispatcher:
             await self._record_refused(expansion.refused, term, now)
         revisions = {d.schedule_id: d.revision for d in batch}
         claims = expansion.claims
+        if overlap is not None:
+            for claim in claims:
+                claim.overlap = overlap
+        owned = 0
         for i in range(0, len(claims), CLAIM_BATCH):
             claimed = await self._claim(claims[i:i + CLAIM_BATCH], term, now)
             self.metrics.fires.labels("claimed").inc(len(claimed))
+            owned += len(claimed)
             if claimed:
                 term.pending.update(c.fire_id for c in claimed)
                 term.publishing(self._publish_when_due(claimed, revisions, term))
+        return owned, len(claims)
 
     def _defer(self, due: Due, fan_out: FanOut, term: Term) -> None:
         """Claim ``due`` once its source mirror is in sync (it is loading: a source a
@@ -406,6 +427,41 @@ class Dispatcher:
             if await self.store.resume_at_end(schedule_id, until, now):
                 log.info("pause_ended", schedule_id=schedule_id, until=until.isoformat())
             self.resumes.pop(schedule_id, None)
+
+    async def _backfill_loop(self, term: Term, backfills: Backfills) -> None:
+        while True:
+            await asyncio.sleep(BACKFILL_POLL_S)
+            term.check()
+            if len(term.pending) > CLAIM_BATCH:
+                continue  # this term's fires wait for their publish: they go first
+            for doc in await backfills.running(limit=10):
+                await self._backfill_chunk(doc, term, backfills)
+
+    async def _backfill_chunk(self, doc: dict[str, Any], term: Term,
+                              backfills: Backfills) -> None:
+        """The next chunk of a backfill's nominal times: claimed (a time the ledger holds
+        is not fired again) and published now, its progress recorded."""
+        now = self.clock()
+        entry = self.mirror.entries.get(doc["schedule_id"])
+        end = as_utc(doc["end"])
+        if entry is None:  # deleted since: nothing more to fire
+            await backfills.advance(doc["_id"], end, 0, 0, True, now)
+            return
+        cursor = as_utc(doc["cursor"])
+        nominals = [n for n in fire_times(entry.trigger, cursor - dt.timedelta(microseconds=1),
+                                          until=end, limit=BACKFILL_CHUNK + 1) if n < end]
+        more = len(nominals) > BACKFILL_CHUNK
+        nominals = nominals[:BACKFILL_CHUNK]
+        # Due now, not at their nominal times: they are late by design, and the lateness
+        # of the trigger's fires is what the metric is about.
+        dues = [Due(now, n, doc["schedule_id"], entry.revision) for n in nominals]
+        owned, tried = await self._claim_and_publish(dues, term, now, may_defer=False,
+                                                     overlap=doc.get("overlap"))
+        following = nominals[-1] + dt.timedelta(microseconds=1) if more else end
+        await backfills.advance(doc["_id"], following, owned, tried - owned, not more, now)
+        if owned:
+            log.info("backfilled", backfill=doc["_id"], fired=owned, skipped=tried - owned,
+                     term=term.number)
 
     async def _release_loop(self, term: Term, gate: OverlapGate) -> None:
         """Buffered fires whose schedule's open run has ended: published at once."""

@@ -23,7 +23,9 @@ from hascheduler.api.access import Tokens, WriteLimit
 from hascheduler.api.app import Cluster
 from hascheduler.brokers.registry import BrokerUrl
 from hascheduler.core.constants import (
+    BACKFILLS,
     DEFAULT_DATABASE,
+    DEFAULT_MAX_BACKFILL,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
     FIRE_COUNTS,
@@ -51,6 +53,7 @@ from hascheduler.replica.lifecycle import Every
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources
+from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
@@ -71,6 +74,7 @@ class ReplicaSettings:
     broker: BrokerUrl
     timings: LeaseTimings = field(default_factory=LeaseTimings)
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    max_backfill: int = DEFAULT_MAX_BACKFILL  # nominal times one backfill may fire
     tokens: Tokens = field(default_factory=Tokens)
     write_limit: WriteLimit = field(default_factory=WriteLimit)
     # The API over HTTPS: a PEM certificate (chain) and its key, both or neither.
@@ -220,7 +224,8 @@ class Replica:
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, metrics=metrics, sources=sources,
-                                runs=RunLedger(db[RUNS]), store=store, counts=counts)
+                                runs=RunLedger(db[RUNS]), store=store, counts=counts,
+                                backfills=Backfills(db[BACKFILLS]))
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(lease, dispatcher, db[LEASES],
                                          ready=lambda: mirror.ready,
@@ -233,7 +238,8 @@ class Replica:
 
         app = create_app(store, mirror, settings.replica_id,
                          cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
-                                         RunLedger(db[RUNS]), broker),
+                                         RunLedger(db[RUNS]), broker,
+                                         Backfills(db[BACKFILLS]), settings.max_backfill),
                          metrics_=metrics, tokens=settings.tokens,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
@@ -312,5 +318,6 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await store.ensure_indexes()
     await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
     await RunLedger(db[RUNS]).ensure_indexes(settings.run_retention_s)
+    await Backfills(db[BACKFILLS]).ensure_indexes()
     await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
                                    expireAfterSeconds=int(HEARTBEAT_TTL_S))

@@ -1,0 +1,107 @@
+"""Backfills: the ``backfills`` collection, one document per request to fire a schedule's
+nominal times in a past range (POST /schedules/{id}/backfill), worked by the leader a chunk
+at a time (replica/dispatch.py) and so carried across failovers.
+
+A backfill is ``running`` -> ``done`` | ``cancelled``. ``cursor`` is the first nominal time
+not yet handled; the leader advances it after each chunk, adding what it fired (claims it
+made) and what it skipped (times the ledger already held). Fire ids are the ordinary
+``<id>@<nominal>``: a time fired before, by the trigger or another backfill, is never fired
+again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+from pymongo import ASCENDING, ReturnDocument
+
+from hascheduler.core.instants import as_utc
+
+RUNNING = "running"
+DONE = "done"
+CANCELLED = "cancelled"
+
+Document = dict[str, Any]
+
+
+class BackfillsCollection(Protocol):
+    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class Backfill(BaseModel):
+    """A backfill as the API shows it."""
+
+    id: str
+    schedule_id: str
+    start: dt.datetime
+    end: dt.datetime = Field(description="exclusive")
+    overlap: str | None = None
+    state: str = Field(description="running, done or cancelled")
+    total: int = Field(description="nominal times in [start, end)")
+    fired: int
+    skipped: int = Field(description="times the ledger already held: fired before")
+    remaining: int
+    requested_by: str
+    created_at: dt.datetime
+    finished_at: dt.datetime | None = None
+
+    @classmethod
+    def of(cls, doc: Document) -> Backfill:
+        fields = {k: as_utc(v) if isinstance(v, dt.datetime) else v for k, v in doc.items()}
+        return cls(id=doc["_id"], remaining=max(0, doc["total"] - doc["fired"]
+                                                - doc["skipped"]), **{
+            k: v for k, v in fields.items() if k in cls.model_fields and k != "id"})
+
+
+class Backfills:
+    def __init__(self, collection: BackfillsCollection) -> None:
+        self.coll = collection
+
+    async def ensure_indexes(self) -> None:
+        await self.coll.create_index([("created_at", ASCENDING)], name="running",
+                                     partialFilterExpression={"state": RUNNING})
+
+    async def create(self, schedule_id: str, start: dt.datetime, end: dt.datetime,
+                     overlap: str | None, total: int, by: str, now: dt.datetime) -> Document:
+        doc: Document = {"_id": uuid.uuid4().hex, "schedule_id": schedule_id, "start": start,
+                         "end": end, "overlap": overlap, "state": RUNNING, "cursor": start,
+                         "total": total, "fired": 0, "skipped": 0, "requested_by": by,
+                         "created_at": now}
+        await self.coll.insert_one(doc)
+        return doc
+
+    async def get(self, backfill_id: str) -> Document | None:
+        doc: Document | None = await self.coll.find_one({"_id": backfill_id})
+        return doc
+
+    async def cancel(self, backfill_id: str, now: dt.datetime) -> Document | None:
+        """Stop a running backfill; None when it is not running (or not there)."""
+        doc: Document | None = await self.coll.find_one_and_update(
+            {"_id": backfill_id, "state": RUNNING},
+            {"$set": {"state": CANCELLED, "finished_at": now}},
+            return_document=ReturnDocument.AFTER)
+        return doc
+
+    async def running(self, limit: int) -> list[Document]:
+        """Running backfills, oldest first."""
+        return [d async for d in self.coll.find({"state": RUNNING}).sort(
+            "created_at", ASCENDING).limit(limit)]
+
+    async def advance(self, backfill_id: str, cursor: dt.datetime, fired: int, skipped: int,
+                      done: bool, now: dt.datetime) -> None:
+        """Record a chunk handled (only while the backfill still runs: a cancel stands)."""
+        changes: Document = {"cursor": cursor}
+        if done:
+            changes.update(state=DONE, finished_at=now)
+        await self.coll.update_one({"_id": backfill_id, "state": RUNNING},
+                                   {"$set": changes, "$inc": {"fired": fired,
+                                                              "skipped": skipped}})
