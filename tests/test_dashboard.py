@@ -165,10 +165,30 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             row = page.locator("#schedules tbody tr", has_text="poll-api")
             await expect(row).to_contain_text("paused", timeout=5_000)
             assert await _paused(api, "poll-api")
-            await expect(row.locator("button")).to_have_text("resume")
-            await row.locator("button").click()
+            await expect(row.locator("button[data-schedule]")).to_have_text("resume")
+            await row.locator("button[data-schedule]").click()
             await expect(row).to_contain_text("active", timeout=5_000)
             assert not await _paused(api, "poll-api")
+
+            # Run now: the fire appears, made by hand, and is run by the worker.
+            await page.click("button[data-run-now='weekly-report']")
+            await expect(page.locator("#status")).to_contain_text("fired weekly-report@manual-",
+                                                                  timeout=5_000)
+            manual = page.locator("#fires tbody tr", has_text="weekly-report@manual-")
+            await expect(manual).to_contain_text("run now by a write token", timeout=10_000)
+            await expect(manual).to_contain_text("succeeded", timeout=15_000)
+
+            # A pause with a note and an end, made through the API, reads on the page.
+            until = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+            async with aiohttp.ClientSession(
+                    headers={"Authorization": f"Bearer {WRITE}"}) as http, \
+                    http.post(f"{api}/schedules/poll-api/pause",
+                              json={"note": "partner API down",
+                                    "until": until.isoformat()}) as r:
+                assert r.status == 200, await r.text()
+            await expect(row).to_contain_text("paused: partner API down (until",
+                                              timeout=5_000)
+            await expect(row).to_contain_text("by a write token")
 
             # A dead run is listed; retried from the page, the worker runs it and it leaves
             # the list.

@@ -666,6 +666,8 @@ async def dashboard(request: web.Request) -> web.Response:
             "id": schedule.id, "name": schedule.name, "target": schedule.target,
             "fan_out": schedule.fan_out.model_dump() if schedule.fan_out else None,
             "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
+            "pause": schedule.pause.model_dump(mode="json") if schedule.pause else None,
+            "overlap": schedule.overlap, "completed": schedule.completed,
             "revision": schedule.revision,
             "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})
     since = now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S)
