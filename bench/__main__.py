@@ -117,6 +117,19 @@ SECTIONS = [
      "second until the worker has run every task (each run's own time), against the same "
      "1,000 tasks sent with Celery's own `send_task`, first send to last run, same run "
      "and worker. Every fire id's run is counted: one each."),
+    ("bench.run_control_bench", "Run control: an overlap policy's cost, buffered fires, backfill",
+     [], ["--schedules", "200", "--seconds", "2", "--buffered", "5", "--backfill", "1000",
+          "--regular", "50"],
+     "The development MongoDB server, a real nats-server and three replicas. 10,000 "
+     "schedules every second all with `overlap: skip`, their runs ending at once (a task "
+     "standing in for the workers ends every pending run each 50 ms), against the same with "
+     "`allow`, each its own cluster in the same run: lateness as in the firing benchmark. "
+     "Then 50 `buffer_one` schedules every second whose runs take 1.5 s: from a run's end "
+     "recorded to its buffered successor's publish acknowledged, against a raw change "
+     "event's latency between processes. Then a 100,000-fire backfill beside 1,000 "
+     "schedules firing every second: its rate, and their lateness while it runs against a "
+     "window without it, same cluster. Targets: skip within 1.2x of allow; buffered p99 "
+     "<= 100 ms; regular lateness with the backfill within 1.2x of without."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

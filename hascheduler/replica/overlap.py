@@ -1,17 +1,17 @@
 """The leader's overlap gate (invariant 11, docs/ARCHITECTURE.md): before a fire of a
-schedule with an overlap policy is published, read that schedule's open runs and waiting
-fires, let core/overlap.py decide, record what it decided, and reserve a ``pending`` run
-for each fire let through, so the next decision sees it open.
+schedule with an overlap policy is published, reserve a ``pending`` run for it, which the
+runs ledger's unique ``open_key`` refuses while another run of its key is open; from what
+was refused (and the fires waiting, which keep their place), core/overlap.py decides, and
+the gate records what it decided.
 
 The leader learns that runs ended by asking the runs ledger, never from a stream of every
-run's changes: at a fire (one query per batch, and only for schedules with a policy), and,
-while fires wait, every BUFFER_POLL_S for the keys they wait on. Schedules without a
-policy (``allow``) pass untouched, with no database round trip.
+run's changes: at a fire (the reservation: one insert per batch, and only for schedules
+with a policy), and, while fires wait, every BUFFER_POLL_S for the keys they wait on.
+Schedules without a policy (``allow``) pass untouched, with no database round trip.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import Callable, Mapping
@@ -24,7 +24,7 @@ from hascheduler.core.errors import RunConflict, RunNotFound
 from hascheduler.core.overlap import ALLOW, Candidate, Key, decide
 from hascheduler.process.metrics import Metrics
 from hascheduler.storage.fires import BUFFERED, Ledger
-from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.runs import RunLedger, open_key
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -41,8 +41,6 @@ class OverlapGate:
         self.max_buffered = max_buffered
         self.clock = clock
         self.metrics = metrics
-        # One decision at a time: two batches deciding at once would each find no open run.
-        self._deciding = asyncio.Lock()
         self.waiting: set[Key] = set()  # keys with buffered fires (this term's view)
 
     def policy(self, claim: Claim) -> str:
@@ -63,30 +61,43 @@ class OverlapGate:
         governed = [c for c in claims if self.policy(c) != ALLOW]
         if not governed:
             return claims
-        async with self._deciding:
-            ids = sorted({c.schedule_id for c in governed})
-            open_runs = await self.runs.open_runs(ids)
-            buffered = {} if released else await self.ledger.buffered_counts(ids)
-            decision = decide([Candidate(c.fire_id, (c.schedule_id, c.tenant), c.nominal_at,
-                                         self.policy(c)) for c in governed],
-                              open_runs, buffered, self.max_buffered)
-            now = self.clock()
-            if decision.skip:
-                await self.ledger.skip_overlapping(decision.skip, term)
-                self.metrics.fires.labels("skipped").inc(len(decision.skip))
-                log.info("skipped_overlap", count=len(decision.skip), term=term)
-            if decision.buffer:
-                await self.ledger.buffer(decision.buffer, term, now)
-                self.waiting.update((c.schedule_id, c.tenant) for c in governed
-                                    if c.fire_id in decision.buffer)
-                log.info("buffered", count=len(decision.buffer), term=term)
-            for fire in sorted(decision.cancel):
-                # One that ended meanwhile needs nothing: the buffered fire goes at the next
-                # poll.
-                with contextlib.suppress(RunConflict, RunNotFound):
-                    await self.runs.cancel(fire, now, "overlap policy cancel_other")
-            go = set(decision.publish)
-            await self.runs.reserve([c for c in governed if c.fire_id in go], targets, now)
+        keys = {(c.schedule_id, c.tenant) for c in governed}
+        waiting = set() if released else keys & self.waiting
+        buffered = {k: n for k, n in (await self.ledger.buffered_counts(
+            sorted({k[0] for k in waiting}))).items() if k in waiting} if waiting else {}
+        # The earliest fire of each key with nothing waiting asks the database for the
+        # key's one open run; a key already open refuses it, naming its open run.
+        first: dict[Key, Claim] = {}
+        for claim in sorted(governed, key=lambda c: (c.nominal_at, c.fire_id)):
+            key = (claim.schedule_id, claim.tenant)
+            if key not in first and not buffered.get(key):
+                first[key] = claim
+        now = self.clock()
+        refused = await self.runs.reserve(list(first.values()), targets, now)
+        open_runs: dict[Key, list[str]] = {
+            key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused}
+        if buffered:  # what those keys wait for, for the record
+            held = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
+            for key in buffered:
+                open_runs.setdefault(key, [held.get(open_key(*key), "")])
+        decision = decide([Candidate(c.fire_id, (c.schedule_id, c.tenant), c.nominal_at,
+                                     self.policy(c)) for c in governed],
+                          open_runs, buffered, self.max_buffered)
+        if decision.skip:
+            await self.ledger.skip_overlapping(decision.skip, term)
+            self.metrics.fires.labels("skipped").inc(len(decision.skip))
+            log.info("skipped_overlap", count=len(decision.skip), term=term)
+        if decision.buffer:
+            await self.ledger.buffer(decision.buffer, term, now)
+            self.waiting.update((c.schedule_id, c.tenant) for c in governed
+                                if c.fire_id in decision.buffer)
+            log.info("buffered", count=len(decision.buffer), term=term)
+        for fire in sorted(decision.cancel):
+            # One that ended meanwhile needs nothing: the buffered fire goes at the next
+            # poll.
+            with contextlib.suppress(RunConflict, RunNotFound):
+                await self.runs.cancel(fire, now, "overlap policy cancel_other")
+        go = set(decision.publish)
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW]
 
     async def ready(self, term: int, retry_at: dt.datetime) -> list[Claim]:
@@ -95,8 +106,8 @@ class OverlapGate:
         if not self.waiting:
             return []
         keys = set(self.waiting)
-        open_keys = set(await self.runs.open_runs(sorted({k[0] for k in keys})))
-        free = [k for k in keys if k not in open_keys]
+        held = await self.runs.open_runs(sorted(open_key(*k) for k in keys))
+        free = [k for k in keys if open_key(*k) not in held]
         if not free:
             return []
         firsts = await self.ledger.first_buffered(free)

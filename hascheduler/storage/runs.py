@@ -9,8 +9,10 @@ A run is what a worker does with one fire, keyed by the fire id. Its states:
     dead -> retrying (replayed by POST /runs/{id}/retry)
 
 A run is *open* until it is succeeded, dead or cancelled. The leader inserts a ``pending``
-run for each fire of a schedule with an overlap policy before publishing it (the
-reservation its policy reads, core/overlap.py); other runs begin ``running``. An operator's
+run for each fire of a schedule with an overlap policy before publishing it, carrying
+``open_key`` (the schedule, and the tenant of a fan-out fire) under a unique index: the
+database itself refuses a second open run of a key (invariant 11). Every write that ends
+a run removes ``open_key``. Other runs begin ``running``, without it. An operator's
 cancel (POST /runs/{id}/cancel) ends a pending or retrying run at once, and asks the worker
 of a running one to stop it (``cancel_requested``).
 
@@ -49,8 +51,8 @@ RETRYING = "retrying"
 DEAD = "dead"
 CANCELLED = "cancelled"
 STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED)
-OPEN = (PENDING, RUNNING, RETRYING)
 ENDED = (SUCCEEDED, DEAD, CANCELLED)
+ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 
 Document = dict[str, Any]
 DUPLICATE_KEY = 11000
@@ -146,6 +148,11 @@ class FireRef:
     tenant: str | None = None
 
 
+def open_key(schedule_id: str, tenant: str | None) -> str:
+    """The key whose runs an overlap policy holds to one open at a time."""
+    return schedule_id if tenant is None else f"{schedule_id}/{tenant}"
+
+
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
     """The fence: this worker's claim of this attempt, still running."""
     return {"_id": fire_id, "state": RUNNING, "worker_id": worker_id, "attempts": attempt}
@@ -176,6 +183,8 @@ class Outcome:
             fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
         if self.event is not None:
             fields["event"] = self.event
+        if self.state in ENDED:  # no longer holds its schedule (invariant 11)
+            return {"$set": fields, "$unset": {"open_key": ""}}
         return {"$set": fields}
 
 
@@ -223,9 +232,10 @@ class RunLedger:
                                      name="schedule_runs")
         await self.runs.create_index([("state", ASCENDING), ("recorded_at", DESCENDING),
                                       ("_id", DESCENDING)], name="runs_by_state")
-        # The leader's question under an overlap policy: this schedule's open runs.
-        await self.runs.create_index([("schedule_id", ASCENDING), ("state", ASCENDING)],
-                                     name="schedule_states")
+        # At most one open run per key of a schedule with an overlap policy.
+        await self.runs.create_index([("open_key", ASCENDING)], name=ONE_OPEN_RUN,
+                                     unique=True, partialFilterExpression={
+                                         "open_key": {"$exists": True}})
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
         # Replicas and workers both create it: the first one's period stands.
@@ -343,40 +353,46 @@ class RunLedger:
     # -- the leader's writes (overlap policies) -------------------------------------------
 
     async def reserve(self, claims: Sequence[FireClaim], targets: Mapping[str, str],
-                      now: dt.datetime) -> None:
-        """Open a ``pending`` run for each claimed fire about to be published (``targets``:
-        each schedule's); a run already there, from an earlier publish of the same fire,
-        stays as it is."""
+                      now: dt.datetime) -> dict[str, str]:
+        """Open a ``pending`` run for each claimed fire (at most one per key), unless its
+        key has another open run. Returns, for each fire refused, its key's open run's
+        fire id; a fire whose run exists already (published before) is not refused."""
         docs = []
         for claim in claims:
             doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
                    "target": targets[claim.schedule_id], "nominal_at": claim.nominal_at,
                    "attempts": 0, "state": PENDING, "first_started_at": None, "replays": 0,
-                   "recorded_at": now}
+                   "recorded_at": now, "open_key": open_key(claim.schedule_id, claim.tenant)}
             if claim.tenant is not None:
                 doc.update(fire=fire_id_of(claim.schedule_id, claim.nominal_at),
                            tenant=claim.tenant)
             docs.append(doc)
         if not docs:
-            return
+            return {}
         try:
             await self.runs.insert_many(docs, ordered=False)
+            return {}
         except BulkWriteError as exc:
-            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("code") != DUPLICATE_KEY for e in errors):
                 raise
+            held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"] for e in errors
+                    if "open_key" in (e.get("keyPattern") or {})}
+        if not held:
+            return {}
+        blockers = await self.open_runs(sorted(set(held.values())))
+        return {fire: blockers.get(key, "") for fire, key in held.items()}
 
     async def unreserve(self, fire_id: str) -> None:
         """The fire was never published (it failed): its reservation goes."""
         await self.runs.delete_one({"_id": fire_id, "state": PENDING})
 
-    async def open_runs(self, schedule_ids: list[str]) -> dict[tuple[str, str | None], list[str]]:
-        """The open runs of these schedules by key (schedule, tenant): their fire ids."""
-        found: dict[tuple[str, str | None], list[str]] = {}
-        async for d in self.runs.find({"schedule_id": {"$in": sorted(schedule_ids)},
-                                       "state": {"$in": list(OPEN)}},
-                                      {"schedule_id": 1, "tenant": 1}):
-            found.setdefault((d["schedule_id"], d.get("tenant")), []).append(d["_id"])
-        return found
+    async def open_runs(self, keys: list[str]) -> dict[str, str]:
+        """The open run of each of these keys that has one: key -> its fire id."""
+        if not keys:
+            return {}
+        return {d["open_key"]: d["_id"] async for d in self.runs.find(
+            {"open_key": {"$in": keys}}, {"open_key": 1})}
 
     # -- operators' writes ----------------------------------------------------------------
 
@@ -393,7 +409,8 @@ class RunLedger:
         doc: Document | None = await self.runs.find_one_and_update(
             {"_id": fire_id, "state": {"$in": [PENDING, RETRYING]}},
             {"$set": {**ended, "last_error": f"cancelled by {by}"},
-             "$unset": {"next_attempt_at": ""}}, return_document=ReturnDocument.AFTER)
+             "$unset": {"next_attempt_at": "", "open_key": ""}},
+            return_document=ReturnDocument.AFTER)
         if doc is not None:
             return doc, True
         doc = await self.runs.find_one_and_update(

@@ -1,0 +1,230 @@
+"""Run-control benchmark: what an overlap policy costs the firing path, how soon a buffered
+fire follows its run's end, and a backfill beside regular fires, each with its baseline.
+
+    python -m bench.run_control_bench [--schedules 10000] [--seconds 20] [--buffered 50]
+                                      [--backfill 100000] [--regular 1000]
+
+Runs the development MongoDB server, a real nats-server and three `hascheduler serve`
+replicas (as bench.firing_bench) on this machine.
+
+- Overlap cost: N schedules every second, all ``overlap: skip``, against the same N with
+  ``allow`` (the baseline), each its own cluster in the same run. Runs end at once: a task
+  standing in for the workers marks every pending run succeeded every 50 ms, so a fire is
+  skipped only if its previous run outlived that. Lateness is publish-acknowledged minus due
+  time, from the fire ledger.
+- Buffered release: B schedules every second with ``buffer_one`` whose runs take 1.5 s (a
+  task plays the worker, claiming each pending run and ending it 1.5 s later): from a run's
+  end recorded to its buffered successor's publish acknowledged. Baseline, same run: from a
+  raw insert to a raw change-stream watcher in another process seeing it (the soonest
+  another process learns of a write).
+- Backfill: a per-second schedule backfilled over K past seconds beside R schedules firing
+  every second; its rate, and the regular fires' lateness while it runs against a window
+  without it (the baseline), same cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from bench.devmongo_bench import event_latency, pct
+from bench.firing_bench import Cluster, ms, schedule_doc, started_cluster
+from tests.servers import ServerProcess, start_devmongo, start_nats
+
+NOTES: list[str] = []
+
+
+def governed(sid: str, overlap: str) -> dict[str, Any]:
+    return {**schedule_doc(sid, {"kind": "cron", "cron": "* * * * * *"}, "bench.runs"),
+            "overlap": overlap}
+
+
+async def end_runs_at_once(c: Cluster, stop: asyncio.Event) -> None:
+    """The workers, as fast as can be: every pending run ends now."""
+    while not stop.is_set():
+        now = dt.datetime.now(dt.UTC)
+        await c.db.runs.update_many({"state": "pending"}, {"$set": {
+            "state": "succeeded", "finished_at": now, "recorded_at": now},
+            "$unset": {"open_key": ""}})  # as a worker ends a run
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.05)
+
+
+async def lateness_window(c: Cluster, seconds: float, among: dict[str, Any]) -> list[float]:
+    start = dt.datetime.now(dt.UTC)
+    await asyncio.sleep(seconds)
+    end = dt.datetime.now(dt.UTC)
+    await asyncio.sleep(3)  # the window's last publishes land
+    return [(f["published_at"] - f["due_at"]).total_seconds() async for f in c.db.fires.find(
+        {**among, "due_at": {"$gte": start, "$lt": end}, "state": "published",
+         "manual": {"$exists": False}}, {"published_at": 1, "due_at": 1})]
+
+
+async def overlap_cost(mongo: ServerProcess, broker: ServerProcess, n: int, seconds: float,
+                       overlap: str) -> tuple[list[float], int]:
+    c = await started_cluster(mongo, broker.uri, f"bench_overlap_{overlap}",
+                              [governed(f"o{i:06d}", overlap) for i in range(n)])
+    stop = asyncio.Event()
+    ender = asyncio.create_task(end_runs_at_once(c, stop))
+    try:
+        await asyncio.sleep(3)  # past the start-up catch-up
+        late = await lateness_window(c, seconds, {})
+        skipped = await c.db.fires.count_documents({"reason": "overlap"})
+        return late, skipped
+    finally:
+        stop.set()
+        await ender
+        await c.close()
+
+
+async def play_worker(c: Cluster, run_s: float, stop: asyncio.Event) -> None:
+    """Claim each pending run and end it ``run_s`` later, as a worker would."""
+    ending: dict[str, float] = {}
+    while not stop.is_set():
+        now = dt.datetime.now(dt.UTC)
+        async for run in c.db.runs.find({"state": "pending"}, {"_id": 1}):
+            await c.db.runs.update_one({"_id": run["_id"], "state": "pending"}, {"$set": {
+                "state": "running", "first_started_at": now, "recorded_at": now}})
+            ending[run["_id"]] = time.monotonic() + run_s
+        for fire, at in list(ending.items()):
+            if time.monotonic() >= at:
+                done = dt.datetime.now(dt.UTC)
+                await c.db.runs.update_one({"_id": fire}, {"$set": {
+                    "state": "succeeded", "finished_at": done, "recorded_at": done},
+                    "$unset": {"open_key": ""}})
+                del ending[fire]
+        await asyncio.sleep(0.01)
+
+
+async def buffered_release(mongo: ServerProcess, broker: ServerProcess, n: int,
+                           seconds: float) -> list[float]:
+    c = await started_cluster(mongo, broker.uri, "bench_buffered",
+                              [governed(f"b{i:04d}", "buffer_one") for i in range(n)])
+    stop = asyncio.Event()
+    worker = asyncio.create_task(play_worker(c, 1.5, stop))
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        stop.set()
+        await worker
+    try:
+        gaps = []
+        async for fire in c.db.fires.find({"buffered_at": {"$exists": True},
+                                           "state": "published"}):
+            run = await c.db.runs.find_one({"_id": fire["open_run"]}, {"finished_at": 1})
+            if run and run.get("finished_at"):
+                gaps.append((fire["published_at"] - run["finished_at"]).total_seconds())
+        return gaps
+    finally:
+        await c.close()
+
+
+async def backfill(mongo: ServerProcess, broker: ServerProcess, k: int, regular: int,
+                   seconds: float) -> tuple[float, list[float], list[float]]:
+    schedules = [schedule_doc(f"r{i:05d}", {"kind": "cron", "cron": "* * * * * *"},
+                              "bench.regular") for i in range(regular)]
+    schedules.append(schedule_doc("filled", {"kind": "cron", "cron": "* * * * * *"},
+                                  "bench.backfill"))
+    c = await started_cluster(mongo, broker.uri, "bench_backfill", schedules)
+    regulars = {"schedule_id": {"$ne": "filled"}}
+    try:
+        await asyncio.sleep(3)
+        without = await lateness_window(c, seconds, regulars)
+        end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(hours=1)
+        start = end - dt.timedelta(seconds=k)
+        api = next(iter(c.replicas.values())).uri
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{api}/schedules/filled/backfill",
+                                 json={"start": start.isoformat(),
+                                       "end": end.isoformat()}) as r:
+                assert r.status == 202, await r.text()
+                made = await r.json()
+            began = time.monotonic()
+            window = asyncio.create_task(lateness_window(c, seconds, regulars))
+            while True:
+                async with http.get(f"{api}/backfills/{made['id']}") as r:
+                    state = await r.json()
+                if state["state"] != "running":
+                    break
+                await asyncio.sleep(0.5)
+            took = time.monotonic() - began
+            during = await window
+        if took < seconds:
+            NOTES.append(f"the backfill ended {took:.1f} s into the {seconds:g} s window of "
+                         "regular lateness measured beside it")
+        return k / took, without, during
+    finally:
+        await c.close()
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--schedules", type=int, default=10_000)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--buffered", type=int, default=50)
+    parser.add_argument("--backfill", type=int, default=100_000)
+    parser.add_argument("--regular", type=int, default=1_000)
+    args = parser.parse_args()
+    print(f"# run-control benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"command: `python -m bench.run_control_bench {' '.join(sys.argv[1:])}`".rstrip())
+    mongo = start_devmongo()
+    broker = start_nats()
+    code = 0
+    try:
+        skip, skipped = await overlap_cost(mongo, broker, args.schedules, args.seconds, "skip")
+        allow, _ = await overlap_cost(mongo, broker, args.schedules, args.seconds, "allow")
+        ratio = pct(skip, .99) / pct(allow, .99)
+        print("| overlap at every second | schedules | fires published | p50 | p99 |")
+        print("|---|---|---|---|---|")
+        print(f"| skip (runs ending at once) | {args.schedules:,} | {len(skip):,} | "
+              f"{ms(skip, .5)} | {ms(skip, .99)} |")
+        print(f"| allow (baseline) | {args.schedules:,} | {len(allow):,} | "
+              f"{ms(allow, .5)} | {ms(allow, .99)} |")
+        print(f"\np99 skip / allow: {ratio:.2f}x (target <= 1.2x); fires skipped for "
+              f"overlap under skip: {skipped:,}\n", flush=True)
+        gaps = await buffered_release(mongo, broker, args.buffered, args.seconds)
+        c = Cluster(mongo, broker.uri, "bench_raw_latency")
+        try:
+            raw = await event_latency(mongo.uri, c.client, 200)
+        finally:
+            await c.close()
+        print("| buffered fire: run end recorded to its publish acknowledged | samples | "
+              "p50 | p99 | max |")
+        print("|---|---|---|---|---|")
+        print(f"| buffer_one, {args.buffered} schedules, runs of 1.5 s every second | "
+              f"{len(gaps):,} | {ms(gaps, .5)} | {ms(gaps, .99)} | "
+              f"{max(gaps) * 1000:,.0f} ms |")
+        print(f"| raw insert to a raw change-stream watcher in another process "
+              f"(baseline) | {len(raw)} | "
+              f"{ms(raw, .5)} | {ms(raw, .99)} | {max(raw) * 1000:,.0f} ms |")
+        print(f"\nbuffered p99 {pct(gaps, .99) * 1000:.0f} ms (target <= 100 ms)\n",
+              flush=True)
+        rate, without, during = await backfill(mongo, broker, args.backfill, args.regular,
+                                               args.seconds)
+        print("| regular fires, every second | schedules | fires | p50 | p99 |")
+        print("|---|---|---|---|---|")
+        print(f"| while a {args.backfill:,}-fire backfill runs | {args.regular:,} | "
+              f"{len(during):,} | {ms(during, .5)} | {ms(during, .99)} |")
+        print(f"| without (baseline) | {args.regular:,} | {len(without):,} | "
+              f"{ms(without, .5)} | {ms(without, .99)} |")
+        print(f"\nbackfill rate: {rate:,.0f} fires/s; regular p99 with / without: "
+              f"{pct(during, .99) / pct(without, .99):.2f}x (target <= 1.2x)")
+        print("\n".join(["", *NOTES]), flush=True)
+    finally:
+        broker.stop()
+        mongo.stop()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
