@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.servers import ServerProcess, start_nats
+from tests.test_db_elections import step_down
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 
@@ -186,7 +187,7 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
         await asyncio.wait_for(worker.wait(), 40)
 
 
-async def test_skip_holds_across_a_leader_kill_and_a_worker_kill_mid_run(
+async def test_skip_holds_across_a_leader_kill_a_worker_kill_and_a_step_down(
         harness: Harness, tmp_path: Path) -> None:
     h = harness
     for name in ("a", "b", "c"):
@@ -220,6 +221,8 @@ async def test_skip_holds_across_a_leader_kill_and_a_worker_kill_mid_run(
             return bool(doc and doc.get("worker_id") != victim)
 
         await wait_until(taken_over, 30, "the killed worker's run taken over", 0.1)
+        # And the database steps down for longer than the leader's renew deadline.
+        await step_down(h.mongo_uri)
         seen = await h.db.fires.count_documents({"schedule_id": sid})
 
         async def three_more() -> bool:

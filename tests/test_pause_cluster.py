@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +105,17 @@ async def test_bad_pauses_are_refused_naming_the_field(harness: Harness) -> None
                         ({"note": "x" * 1001}, "note"), ({"why": "x"}, "why")):
         status, answer = await call(h, "POST", f"/schedules/{sid}/pause", body)
         assert (status, answer["errors"][0]["field"]) == (422, field), answer
+    # From the command line: refused naming the field (exit 2), then paused with a note.
+    refused = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", live(h), "pause", sid,
+        "--until", past], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "until must be in the future" in refused.stderr
+    paused = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", live(h), "pause", sid,
+        "--note", "maintenance window", "--json"], capture_output=True, text=True, timeout=60)
+    assert paused.returncode == 0, paused.stderr
+    assert json.loads(paused.stdout)["pause"]["note"] == "maintenance window"
     status, answer = await call(h, "POST", "/schedules", {
         "name": "n", "target": "t", "pause_on_failure": 0,
         "trigger": {"kind": "cron", "cron": "@daily"}})

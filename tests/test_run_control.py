@@ -3,7 +3,11 @@ worker (tests/helpers/record_handler.py's app)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
+import subprocess
+import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
@@ -79,26 +83,37 @@ async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stac
     await run_state(stack, forced["fire_id"], "succeeded")
 
 
+async def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "hascheduler.cli", *args[:1], "--api",
+                         stack.replica.uri, *args[1:]],
+        capture_output=True, text=True, timeout=60)
+
+
 async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(
         stack: Stack) -> None:
     await stack.worker()
     for target in ("long.cancel", "polite.cancel"):
         sid = await not_firing(stack, target, {"sleep": 60})
-        status, fired = await post(stack, f"/schedules/{sid}/trigger")
-        assert status == 202
-        fire = fired["fire_id"]
+        # Run now and cancel from the command line, as an operator would.
+        fired = await cli(stack, "schedules", "trigger", sid)
+        assert fired.returncode == 0, fired.stderr
+        fire = fired.stdout.strip()
+        assert fire.startswith(f"{sid}@manual-")
         await run_state(stack, fire, "running")
         asked = dt.datetime.now(dt.UTC)
-        status, body = await post(stack, f"/runs/{fire}/cancel")
-        assert (status, body["state"], body["cancel_requested"]) == (202, "running", True)
+        done = await cli(stack, "runs", "cancel", fire, "--json")
+        assert done.returncode == 0, done.stderr
+        body = json.loads(done.stdout)
+        assert (body["state"], body["cancel_requested"]) == ("running", True)
         ended = await run_state(stack, fire, "cancelled", within_s=10)
         took = dt.datetime.fromisoformat(ended["finished_at"]) - asked
         assert took < dt.timedelta(seconds=3), f"{target}: cancelled after {took}"
         assert ended["cancelled_by"] == "anonymous"
         assert attempts_of(stack, fire) == 1  # not retried
-        status, again = await post(stack, f"/runs/{fire}/cancel")
-        assert status == 409
-        assert "already ended (cancelled)" in again["title"]
+        again = await cli(stack, "runs", "cancel", fire)
+        assert again.returncode == 2
+        assert "already ended (cancelled)" in again.stderr
 
     # A retrying run (as a worker leaves one waiting for its backoff) ends at once.
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(stack.mongo_uri, tz_aware=True)

@@ -263,3 +263,19 @@ def test_compound_index_decides_only_what_it_can(filter_: dict[str, Any],
         coll.insert({"_id": 101, "state": "claimed", "term": [1, 2]})
     scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
     assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
+
+
+@pytest.mark.parametrize("partial", [
+    {"state": "claimed"}, {"key": {"$exists": True}},
+    {"state": "claimed", "key": {"$exists": True}}, {"state": {"$in": ["claimed"]}}, {"n": 3}])
+def test_a_partial_index_holds_what_the_general_matcher_selects(partial: dict[str, Any]) -> None:
+    """The plain check made for simple filters agrees with the general matcher, arrays
+    and numbers included."""
+    from hascheduler_dev.devmongo.storage import Index
+
+    index = Index("p", [("x", 1)], partial_filter=partial)
+    docs = [{"state": "claimed"}, {"state": "published"}, {"state": ["claimed", "x"]},
+            {"key": None}, {"key": "k", "state": "claimed"}, {}, {"n": 3}, {"n": 3.0},
+            {"state": 1}]
+    for doc in docs:
+        assert index.applies_to(doc) == engine.matches(partial, doc), doc

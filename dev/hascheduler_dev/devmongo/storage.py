@@ -40,6 +40,40 @@ _NEG_INF_RID = -1
 _POS_INF_RID = float("inf")
 
 
+def _simple_filter(spec: Document | None) -> Any:
+    """A plain function deciding ``spec`` for a document, or None when ``spec`` is not
+    only top-level string equalities and ``{"$exists": true}`` tests. A value that is not
+    a string (an array may hold the string) goes to the general matcher."""
+    if not spec:
+        return None
+    equal: list[tuple[str, Any]] = []
+    present: list[str] = []
+    for name, want in spec.items():
+        if name.startswith("$") or "." in name:
+            return None
+        if isinstance(want, dict):
+            if want != {"$exists": True}:
+                return None
+            present.append(name)
+        elif isinstance(want, str):
+            equal.append((name, want))
+        else:
+            return None
+
+    def check(doc: Document) -> bool:
+        for name, want in equal:
+            value = doc.get(name, MISSING)
+            if value is MISSING:
+                return False
+            if value.__class__ is not str:
+                return engine.matches(spec, doc)
+            if value != want:
+                return False
+        return all(name in doc for name in present)
+
+    return check
+
+
 class DuplicateKeyConflict(Exception):
     """An index key already held by another record (Collection turns it into E11000)."""
 
@@ -66,12 +100,18 @@ class Index:
     multikey: bool = False
     fields: list[str] = field(init=False)
     _top_level: bool = field(init=False)
+    # The partial filter as a plain check when it is top-level equalities of scalars and
+    # {"$exists": true} (the shapes the scheduler uses): the general matcher, run for every
+    # write to every partial index, cost the leader's ledger writes a good share of the
+    # server's time.
+    _partial_check: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.fields = [f for f, _ in self.key]
         # Top-level fields only: keys come straight from the document's values when they
         # are scalars (the common case), skipping the general multikey walk.
         self._top_level = not any("." in f for f in self.fields)
+        self._partial_check = _simple_filter(self.partial_filter)
 
     def _sorted(self) -> SortedList[tuple[Any, Any]]:
         if self.ordered is None:
@@ -98,7 +138,11 @@ class Index:
             return True
         if self.sparse and all(get_path(doc, f) is MISSING for f in self.fields):
             return False
-        return self.partial_filter is None or engine.matches(self.partial_filter, doc)
+        if self.partial_filter is None:
+            return True
+        if self._partial_check is not None:
+            return bool(self._partial_check(doc))
+        return engine.matches(self.partial_filter, doc)
 
     def _keys(self, doc: Document) -> tuple[list[Hashable], list[Any]]:
         """The index keys ``doc`` holds, and its first field's values (for ``ordered``)."""
