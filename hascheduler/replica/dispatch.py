@@ -71,9 +71,9 @@ RETRY_BATCHES_PER_TURN = 20
 # How often the leader takes the fires the API asked to run now.
 REQUESTED_POLL_S = 0.25
 # Backfills are worked a chunk of nominal times per running backfill every
-# BACKFILL_POLL_S (1,000 fires a second each at most), and not while a claim batch of
-# this term's fires still waits to be published: a backfill takes a bounded share of the
-# firing path, and the regular fires go first.
+# BACKFILL_POLL_S (1,000 fires a second each at most), and not while half the publish
+# slots await the broker: a backfill takes a bounded share of the firing path, and the
+# regular fires go first.
 BACKFILL_CHUNK = 500
 BACKFILL_POLL_S = 0.5
 
@@ -432,8 +432,8 @@ class Dispatcher:
         while True:
             await asyncio.sleep(BACKFILL_POLL_S)
             term.check()
-            if len(term.pending) > CLAIM_BATCH:
-                continue  # this term's fires wait for their publish: they go first
+            if self.publisher.busy:
+                continue  # the fires due now wait for the broker: they go first
             for doc in await backfills.running(limit=10):
                 await self._backfill_chunk(doc, term, backfills)
 

@@ -98,6 +98,11 @@ class Publisher:
         # the revision it was read at: a recurring schedule's fires skip the database read.
         self._templates: dict[str, tuple[int, EventTemplate]] = {}
 
+    @property
+    def busy(self) -> bool:
+        """Half the publish slots or more await the broker: the fires due now come first."""
+        return self._awaiting_broker * 2 >= self.settings.max_in_flight_batches
+
     def forget(self, schedule_id: str) -> None:
         """The schedule changed: its next message is read afresh."""
         self._templates.pop(schedule_id, None)
