@@ -182,3 +182,31 @@ async def test_a_fan_out_fires_runs_are_counted_per_fire(ledger: RunLedger) -> N
         at(2): {SUCCEEDED: 1, DEAD: 1, RUNNING: 1}, at(1): {RUNNING: 3}, at(3): {}}
     assert await ledger.counts("other", [at(2)]) == {at(2): {}}
     assert (await ledger.get("s@2/a") or {}).get("tenant") == "a"
+
+
+async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_its_end(
+        ledger: RunLedger) -> None:
+    """The leader's reservations (overlap policies): a second open run of a key is refused
+    naming the first; the worker's batch claim starts them; an end frees the key."""
+    from hascheduler.core.claims import Claim as FireClaim
+    from hascheduler.core.instants import as_utc
+
+    def reserved(schedule: str, n: float) -> FireClaim:
+        return FireClaim(f"{schedule}@{n}", schedule, at(n), at(n))
+
+    targets = {"a": "jobs", "b": "jobs"}
+    assert await ledger.reserve([reserved("a", 1), reserved("b", 1)], targets, at(1)) == {}
+    assert await ledger.reserve([reserved("a", 2)], targets, at(2)) == {"a@2": "a@1"}
+    # Published again after a failover: its own run, not refused.
+    assert await ledger.reserve([reserved("a", 1)], targets, at(2)) == {}
+    claims = await ledger.claim_many([fire("a@1", "a", 1), fire("b@1", "b", 1),
+                                      fire("c@1", "c", 1)], "w", at(3), 10)
+    assert [(c.outcome, c.attempt) for c in claims] == [("claimed", 1)] * 3
+    run = await ledger.get("a@1") or {}
+    assert (run["state"], run["worker_id"]) == (RUNNING, "w")
+    assert as_utc(run["first_started_at"]) == at(3)
+    again = await ledger.claim_many([fire("a@1", "a", 1)], "v", at(4), 10)
+    assert again[0].outcome == RUNNING
+    assert await ended(ledger, "a@1", "w", 1, at(3), at(5), SUCCEEDED)
+    assert await ledger.open_runs(["a", "b"]) == {"b": "b@1"}
+    assert await ledger.reserve([reserved("a", 6)], targets, at(6)) == {}

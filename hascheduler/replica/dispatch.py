@@ -476,7 +476,8 @@ class Dispatcher:
     async def _catch_up(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
-        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.paused]
+        entries = [(sid, e) for sid, e in self.mirror.entries.items()
+                   if not e.paused and not e.completed]
         to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now)
         term.check()
         skipped = [skipped_range_document(schedule_id, skip, term.number, now)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -248,7 +249,8 @@ class RunLedger:
     async def claim_many(self, fires: list[FireRef], worker_id: str, now: dt.datetime,
                          lease_s: float) -> list[Claim]:
         """``claim`` for each of ``fires`` (distinct fire ids), in one insert for those
-        seen for the first time: the common case."""
+        seen for the first time (the common case), and one update for those the leader
+        reserved (``pending``: an overlap policy's)."""
         if not fires:
             return []
         running = _running(worker_id, now, lease_s)
@@ -261,8 +263,27 @@ class RunLedger:
             if any(e.get("code") != DUPLICATE_KEY for e in errors):
                 raise
             taken = {e["index"] for e in errors}
-        return [await self._claim_existing(f, worker_id, now, lease_s) if i in taken
-                else Claim("claimed", attempt=1) for i, f in enumerate(fires)]
+        started = await self._start_reserved([fires[i].fire_id for i in sorted(taken)],
+                                             running, now)
+        return [Claim("claimed", attempt=1) if i not in taken or f.fire_id in started
+                else await self._claim_existing(f, worker_id, now, lease_s)
+                for i, f in enumerate(fires)]
+
+    async def _start_reserved(self, fire_ids: list[str], running: Document,
+                              now: dt.datetime) -> set[str]:
+        """Move those of ``fire_ids`` still ``pending`` to ``running`` under this claim, in
+        one write; the ones it moved (marked with a token of this call's own)."""
+        if not fire_ids:
+            return set()
+        token = uuid.uuid4().hex
+        result = await self.runs.update_many(
+            {"_id": {"$in": fire_ids}, "state": PENDING},
+            {"$set": {**running, "first_started_at": now, "attempts": 1,
+                      "claim_token": token}})
+        if not result.modified_count:
+            return set()
+        return {d["_id"] async for d in self.runs.find({"_id": {"$in": fire_ids},
+                                                        "claim_token": token}, {"_id": 1})}
 
     async def claim(self, fire: FireRef, worker_id: str, now: dt.datetime,
                     lease_s: float) -> Claim:
