@@ -12,7 +12,6 @@ from hascheduler.core.overlap import (
     POLICIES,
     Candidate,
     decide,
-    releasable,
 )
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
@@ -99,11 +98,3 @@ def test_per_tenant_keys_are_separate() -> None:
     decision = decide(candidates, {a: ["s@1/a"]}, {}, 10)
     assert decision.publish == ["s@2/b"]
     assert decision.skip == {"s@2/a": (OVERLAP, "s@1/a")}
-
-
-def test_released_is_the_earliest_waiting_fire_of_each_free_key() -> None:
-    a, b, c = ("a", None), ("b", None), ("c", None)
-    waiting = [(a, T0 + dt.timedelta(seconds=2), "a@2"), (a, T0, "a@0"),
-               (b, T0, "b@0"), (c, T0, "c@0")]
-    assert releasable(waiting, [b]) == ["a@0", "c@0"]
-    assert releasable(waiting, [a, b, c]) == []

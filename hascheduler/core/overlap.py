@@ -80,15 +80,3 @@ def decide(candidates: Sequence[Candidate], open_runs: Mapping[Key, Iterable[str
             reason = BUFFER_FULL if c.policy == BUFFER_ALL else OVERLAP
             out.skip[c.fire_id] = (reason, blocker)
     return out
-
-
-def releasable(buffered: Sequence[tuple[Key, dt.datetime, str]],
-               open_keys: Iterable[Key]) -> list[str]:
-    """The buffered fires (key, nominal time, fire id) to publish now: the earliest of each
-    key that has no open run."""
-    busy = set(open_keys)
-    first: dict[Key, tuple[dt.datetime, str]] = {}
-    for key, nominal, fire in buffered:
-        if key not in busy and (key not in first or (nominal, fire) < first[key]):
-            first[key] = (nominal, fire)
-    return [fire for _, fire in sorted(first.values())]
