@@ -40,6 +40,7 @@ from pymongo import AsyncMongoClient
 from bench.devmongo_bench import event_latency, pct
 from bench.firing_bench import Cluster, ms, schedule_doc, started_cluster
 from tests.servers import ServerProcess, start_devmongo, start_nats
+from tests.waiting import wait_until
 
 NOTES: list[str] = []
 
@@ -60,11 +61,26 @@ async def end_runs_at_once(c: Cluster, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), 0.05)
 
 
+async def firing(c: Cluster, n: int) -> None:
+    """Until the cluster has published ``n`` fires: past its start-up catch-up."""
+    async def published() -> bool:
+        return await c.db.fires.count_documents({"state": "published"}) >= n
+
+    await wait_until(published, 60, f"{n} fires published", 0.2)
+
+
 async def lateness_window(c: Cluster, seconds: float, among: dict[str, Any]) -> list[float]:
+    """Publish lateness of the fires due in the next ``seconds`` (the measured window),
+    once none of them is still waiting for its publish."""
     start = dt.datetime.now(dt.UTC)
-    await asyncio.sleep(seconds)
+    await asyncio.sleep(seconds)  # the window itself, not a wait for something
     end = dt.datetime.now(dt.UTC)
-    await asyncio.sleep(3)  # the window's last publishes land
+    in_window = {**among, "due_at": {"$gte": start, "$lt": end}}
+
+    async def landed() -> bool:
+        return await c.db.fires.count_documents({**in_window, "state": "claimed"}) == 0
+
+    await wait_until(landed, 60, "the window's fires published", 0.2)
     return [(f["published_at"] - f["due_at"]).total_seconds() async for f in c.db.fires.find(
         {**among, "due_at": {"$gte": start, "$lt": end}, "state": "published",
          "manual": {"$exists": False}}, {"published_at": 1, "due_at": 1})]
@@ -77,7 +93,7 @@ async def overlap_cost(mongo: ServerProcess, broker: ServerProcess, n: int, seco
     stop = asyncio.Event()
     ender = asyncio.create_task(end_runs_at_once(c, stop))
     try:
-        await asyncio.sleep(3)  # past the start-up catch-up
+        await firing(c, n)
         late = await lateness_window(c, seconds, {})
         skipped = await c.db.fires.count_documents({"reason": "overlap"})
         return late, skipped
@@ -121,8 +137,15 @@ async def buffered_release(mongo: ServerProcess, broker: ServerProcess, n: int,
                               [governed(f"b{i:04d}", "buffer_one") for i in range(n)])
     stop = asyncio.Event()
     worker = asyncio.create_task(play_worker(c, 1.5, stop))
+    samples = max(1, n * int(seconds) // 2)  # about one buffered fire per run of 1.5 s
+
+    async def enough() -> bool:
+        return await c.db.fires.count_documents({"buffered_at": {"$exists": True},
+                                                 "state": "published"}) >= samples
+
     try:
-        await asyncio.sleep(seconds)
+        await wait_until(enough, 10 * seconds + 60, f"{samples} buffered fires published",
+                         0.2)
     finally:
         stop.set()
         await worker
@@ -147,7 +170,7 @@ async def backfill(mongo: ServerProcess, broker: ServerProcess, k: int, regular:
     c = await started_cluster(mongo, broker.uri, "bench_backfill", schedules)
     regulars = {"schedule_id": {"$ne": "filled"}}
     try:
-        await asyncio.sleep(3)
+        await firing(c, regular)
         without = await lateness_window(c, seconds, regulars)
         end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(hours=1)
         start = end - dt.timedelta(seconds=k)
@@ -160,12 +183,12 @@ async def backfill(mongo: ServerProcess, broker: ServerProcess, k: int, regular:
                 made = await r.json()
             began = time.monotonic()
             window = asyncio.create_task(lateness_window(c, seconds, regulars))
-            while True:
+            async def finished() -> bool:
                 async with http.get(f"{api}/backfills/{made['id']}") as r:
-                    state = await r.json()
-                if state["state"] != "running":
-                    break
-                await asyncio.sleep(0.5)
+                    return bool((await r.json())["state"] != "running")
+
+            # At the least rate worth reporting (100 a second), and a minute more.
+            await wait_until(finished, k / 100 + 60, "the backfill done", 0.5)
             took = time.monotonic() - began
             during = await window
         if took < seconds:

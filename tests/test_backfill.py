@@ -10,42 +10,19 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from hascheduler.core.triggers import Cron, fire_id, fire_times
-from tests.servers import start_nats
 from tests.test_failover import Harness, stream_counts
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
 
 
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
-
-
-def live(h: Harness) -> str:
-    return next(r.uri for r in h.replicas.values()
-                if r.process is not None and r.process.poll() is None)
-
-
-async def call(h: Harness, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    async with h.http.request(method, live(h) + path, json=body) as r:
-        return r.status, await r.json()
-
-
 async def add(h: Harness, sid: str, cron: str) -> None:
-    status, body = await call(h, "POST", "/schedules", {
+    status, body = await h.call("POST", "/schedules", {
         "id": sid, "name": sid, "target": f"audit.{h.prefix}",
         "trigger": {"kind": "cron", "cron": cron}})
     assert status == 201, body
@@ -53,7 +30,7 @@ async def add(h: Harness, sid: str, cron: str) -> None:
 
 async def finished(h: Harness, backfill: str) -> dict[str, Any]:
     async def done() -> dict[str, Any] | None:
-        _, body = await call(h, "GET", f"/backfills/{backfill}")
+        _, body = await h.call("GET", f"/backfills/{backfill}")
         return body if body["state"] != "running" else None
 
     return await wait_until(done, 60, f"backfill {backfill} to finish", 0.1)
@@ -71,21 +48,21 @@ def midnight(days_ago: int) -> dt.datetime:
 
 
 async def test_a_nightly_backfill_fires_each_night_once_and_a_repeat_nothing(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     h.start("a")
     await h.leader()
     sid = f"{h.prefix}-nightly"
     await add(h, sid, "30 2 * * *")
     span = {"start": midnight(4).isoformat(), "end": midnight(1).isoformat()}
-    status, first = await call(h, "POST", f"/schedules/{sid}/backfill", span)
+    status, first = await h.call("POST", f"/schedules/{sid}/backfill", span)
     assert status == 202, first
     assert (first["total"], first["state"], first["requested_by"]) == (3, "running",
                                                                       "anonymous")
     done = await finished(h, first["id"])
     assert (done["state"], done["fired"], done["skipped"], done["remaining"]) == (
         "done", 3, 0, 0)
-    status, again = await call(h, "POST", f"/schedules/{sid}/backfill", span)
+    status, again = await h.call("POST", f"/schedules/{sid}/backfill", span)
     assert status == 202
     repeat = await finished(h, again["id"])
     assert (repeat["fired"], repeat["skipped"]) == (0, 3)
@@ -102,8 +79,8 @@ async def test_a_nightly_backfill_fires_each_night_once_and_a_repeat_nothing(
 
 
 async def test_a_backfill_goes_on_across_a_leader_kill_firing_each_time_once(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     for name in ("a", "b", "c"):
         h.start(name)
     first = await h.leader()
@@ -111,13 +88,13 @@ async def test_a_backfill_goes_on_across_a_leader_kill_firing_each_time_once(
     await add(h, sid, "* * * * * *")
     end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
     start = end - dt.timedelta(seconds=3000)
-    status, backfill = await call(h, "POST", f"/schedules/{sid}/backfill",
+    status, backfill = await h.call("POST", f"/schedules/{sid}/backfill",
                                   {"start": start.isoformat(), "end": end.isoformat()})
     assert status == 202
     assert backfill["total"] == 3000
 
     async def begun() -> bool:
-        _, body = await call(h, "GET", f"/backfills/{backfill['id']}")
+        _, body = await h.call("GET", f"/backfills/{backfill['id']}")
         return bool(body["fired"] > 0)
 
     await wait_until(begun, 20, "the backfill's first chunk", 0.05)
@@ -144,8 +121,8 @@ async def test_a_backfill_goes_on_across_a_leader_kill_firing_each_time_once(
     assert (missing[:5], twice[:5]) == ([], [])
 
 
-async def test_bad_backfills_are_refused_naming_the_field(harness: Harness) -> None:
-    h = harness
+async def test_bad_backfills_are_refused_naming_the_field(own_harness: Harness) -> None:
+    h = own_harness
     h.start("a")
     sid = f"{h.prefix}-bad"
     await add(h, sid, "* * * * * *")
@@ -161,24 +138,24 @@ async def test_bad_backfills_are_refused_naming_the_field(harness: Harness) -> N
             ({"start": "yesterday", "end": now.isoformat()}, "start"),
             ({"start": (now - dt.timedelta(hours=1)).isoformat(), "end": now.isoformat(),
               "overlap": "maybe"}, "overlap")):
-        status, answer = await call(h, "POST", f"/schedules/{sid}/backfill", body)
+        status, answer = await h.call("POST", f"/schedules/{sid}/backfill", body)
         assert (status, answer["errors"][0]["field"]) == (422, field), (body, answer)
-    status, _ = await call(h, "GET", "/backfills/nothing")
+    status, _ = await h.call("GET", "/backfills/nothing")
     assert status == 404
-    status, _ = await call(h, "DELETE", "/backfills/nothing")
+    status, _ = await h.call("DELETE", "/backfills/nothing")
     assert status == 404
     # The largest allowed, worked in chunks and cancelled midway; the CLI names it.
-    cli = await run_cli("schedules", "--api", live(h), "backfill", sid, "--start",
+    cli = await run_cli("schedules", "--api", h.live(), "backfill", sid, "--start",
                         (now - dt.timedelta(seconds=100_000)).isoformat(),
                         "--end", now.replace(microsecond=0).isoformat(), "--json")
     assert cli.returncode == 0, cli.stderr
     largest = json.loads(cli.stdout)
     assert largest["total"] <= 100_000
-    status, cancelled = await call(h, "DELETE", f"/backfills/{largest['id']}")
+    status, cancelled = await h.call("DELETE", f"/backfills/{largest['id']}")
     assert (status, cancelled["state"]) == (200, "cancelled")
-    status, _again = await call(h, "DELETE", f"/backfills/{largest['id']}")
+    status, _again = await h.call("DELETE", f"/backfills/{largest['id']}")
     assert status == 409
-    bad = await run_cli("schedules", "--api", live(h), "backfill", sid, "--start",
+    bad = await run_cli("schedules", "--api", h.live(), "backfill", sid, "--start",
                         now.isoformat(), "--end", now.isoformat())
     assert bad.returncode == 2
     assert "end must be after start" in bad.stderr

@@ -4,7 +4,6 @@ max_fires with a real replica: completed after its Nth fire, revived by raising 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ from pydantic import ValidationError
 
 from hascheduler.core import models
 from hascheduler.core.triggers import At, Bounded, Cron, count_between, fire_times
-from tests.servers import start_nats
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 
@@ -72,37 +70,21 @@ def test_max_fires_is_a_count_from_1_to_10000(max_fires: Any) -> None:
                                          context={"now": NOW})
 
 
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
-
-
 async def test_max_fires_completes_after_that_many_and_raising_it_revives(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     h.start("a")
     await h.leader()
-    api = h.replicas["a"].uri
     sid = f"{h.prefix}-five"
 
-    async def call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with h.http.request(method, api + path, json=body) as r:
-            return r.status, await r.json()
-
-    status, created = await call("POST", "/schedules", {
+    status, created = await h.call("POST", "/schedules", {
         "id": sid, "name": sid, "target": f"audit.{h.prefix}", "max_fires": 5,
         "trigger": {"kind": "interval", "every": 1}})
     assert status == 201
     assert (created["completed"], created["fires_remaining"]) == (False, 5)
 
     async def completed() -> dict[str, Any] | None:
-        _, body = await call("GET", f"/schedules/{sid}")
+        _, body = await h.call("GET", f"/schedules/{sid}")
         return body if body["completed"] else None
 
     async def published() -> int:
@@ -125,7 +107,7 @@ async def test_max_fires_completes_after_that_many_and_raising_it_revives(
     await two_seconds_after(done)
     assert await published() == 5
 
-    status, revived = await call("PATCH", f"/schedules/{sid}", {"max_fires": 7})
+    status, revived = await h.call("PATCH", f"/schedules/{sid}", {"max_fires": 7})
     assert status == 200, revived
     assert (revived["completed"], revived["fires_remaining"], revived["revision"]) == (
         False, 2, revision + 1)

@@ -60,6 +60,16 @@ class Harness:
         async with self.http.get(self.replicas[name].uri + path) as r:
             return await r.json()
 
+    def live(self) -> str:
+        """The API of a replica whose process still runs."""
+        return next(r.uri for r in self.replicas.values()
+                    if r.process is not None and r.process.poll() is None)
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """An API call to a live replica: its status and JSON body."""
+        async with self.http.request(method, self.live() + path, json=body) as r:
+            return r.status, await r.json()
+
     async def lease(self) -> dict[str, Any]:
         return await self.db.leases.find_one({"_id": "scheduler"}) or {}
 

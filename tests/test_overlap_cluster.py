@@ -10,29 +10,17 @@ import itertools
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import ServerProcess, start_nats
+from tests.servers import ServerProcess
 from tests.test_db_elections import step_down
 from tests.test_failover import Harness
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
 
 
 async def start_worker(h: Harness, tmp: Path, name: str, *args: str
@@ -82,8 +70,7 @@ async def settle(h: Harness, sids: list[str], within_s: float,
                  cancel: str | None = None) -> None:
     """Pause the schedules, then wait until nothing of theirs is open or waiting; the last
     run of ``cancel`` (a schedule whose runs never end by themselves) is cancelled."""
-    api = next(r.uri for r in h.replicas.values()
-               if r.process is not None and r.process.poll() is None)
+    api = h.live()
     for sid in sids:
         async with h.http.post(f"{api}/schedules/{sid}/pause") as r:
             assert r.status == 200
@@ -114,8 +101,8 @@ async def settle(h: Harness, sids: list[str], within_s: float,
 
 
 async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
-        harness: Harness, tmp_path: Path) -> None:
-    h = harness
+        own_harness: Harness, tmp_path: Path) -> None:
+    h = own_harness
     h.start("a")
     await h.leader()
     worker = await start_worker(h, tmp_path, "w1", "--concurrency", "8")
@@ -127,13 +114,25 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
     await add(h, f"{p}-allow", f"jobs.{p}.allow", "allow", 2.5)
     sids = [f"{p}-{s}" for s in ("skip", "one", "all", "cancel", "allow")]
 
+    # Sampled (the most buffer_one ever holds waiting) until every policy has shown what
+    # is checked below.
     most_waiting = 0
-    end = asyncio.get_running_loop().time() + 7
-    while asyncio.get_running_loop().time() < end:
+
+    async def every_policy_shown() -> bool:
+        nonlocal most_waiting
         waiting = await h.db.fires.count_documents({"schedule_id": f"{p}-one",
                                                     "state": "buffered"})
         most_waiting = max(most_waiting, waiting)
-        await asyncio.sleep(0.1)
+        fires, runs = h.db.fires.count_documents, h.db.runs.count_documents
+        return (await fires({"schedule_id": f"{p}-skip", "reason": "overlap"}) >= 3
+                and await fires({"schedule_id": f"{p}-one", "reason": "overlap"}) >= 1
+                and await fires({"schedule_id": f"{p}-one", "state": "published",
+                                 "buffered_at": {"$exists": True}}) >= 1
+                and await runs({"schedule_id": f"{p}-all"}) >= 6
+                and await runs({"schedule_id": f"{p}-cancel", "state": "cancelled"}) >= 2
+                and await runs({"schedule_id": f"{p}-allow"}) >= 3)
+
+    await wait_until(every_policy_shown, 60, "every policy at work", 0.1)
     await settle(h, sids, 60, cancel=f"{p}-cancel")
     try:
         # skip: the fires met by an open run are skipped, naming it; one run at a time.
@@ -188,8 +187,8 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
 
 
 async def test_skip_holds_across_a_leader_kill_a_worker_kill_and_a_step_down(
-        harness: Harness, tmp_path: Path) -> None:
-    h = harness
+        own_harness: Harness, tmp_path: Path) -> None:
+    h = own_harness
     for name in ("a", "b", "c"):
         h.start(name)
     first = await h.leader()

@@ -9,13 +9,11 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import start_nats
 from tests.test_failover import Harness
 from tests.test_overlap_cluster import start_worker
 from tests.waiting import wait_until
@@ -23,40 +21,19 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.timeout(240)]
 
 
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
-
-
-def live(h: Harness) -> str:
-    return next(r.uri for r in h.replicas.values()
-                if r.process is not None and r.process.poll() is None)
-
-
-async def call(h: Harness, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    async with h.http.request(method, live(h) + path, json=body) as r:
-        return r.status, await r.json()
-
-
 async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     for name in ("a", "b", "c"):
         h.start(name)
     first = await h.leader()
     sid = f"{h.prefix}-until"
-    status, _ = await call(h, "POST", "/schedules", {
+    status, _ = await h.call("POST", "/schedules", {
         "id": sid, "name": sid, "target": f"audit.{h.prefix}",
         "trigger": {"kind": "interval", "every": 1}})
     assert status == 201
     until = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)).replace(microsecond=0)
-    status, paused = await call(h, "POST", f"/schedules/{sid}/pause",
+    status, paused = await h.call("POST", f"/schedules/{sid}/pause",
                                 {"note": "partner API down", "until": until.isoformat()})
     assert status == 200, paused
     assert paused["paused"] is True
@@ -70,7 +47,7 @@ async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
     process.wait(10)
 
     async def resumed() -> dict[str, Any] | None:
-        status, body = await call(h, "GET", f"/schedules/{sid}")
+        status, body = await h.call("GET", f"/schedules/{sid}")
         return body if status == 200 and not body["paused"] else None
 
     schedule = await wait_until(resumed, 30, "the schedule resumed by a new leader", 0.1)
@@ -93,50 +70,50 @@ async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
     assert first_after - until < dt.timedelta(seconds=1)
 
 
-async def test_bad_pauses_are_refused_naming_the_field(harness: Harness) -> None:
-    h = harness
+async def test_bad_pauses_are_refused_naming_the_field(own_harness: Harness) -> None:
+    h = own_harness
     h.start("a")
     sid = f"{h.prefix}-bad"
-    assert (await call(h, "POST", "/schedules", {
+    assert (await h.call("POST", "/schedules", {
         "id": sid, "name": sid, "target": "t",
         "trigger": {"kind": "cron", "cron": "@daily"}}))[0] == 201
     past = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()
     for body, field in (({"until": past}, "until"), ({"until": "tomorrow"}, "until"),
                         ({"note": "x" * 1001}, "note"), ({"why": "x"}, "why")):
-        status, answer = await call(h, "POST", f"/schedules/{sid}/pause", body)
+        status, answer = await h.call("POST", f"/schedules/{sid}/pause", body)
         assert (status, answer["errors"][0]["field"]) == (422, field), answer
     # From the command line: refused naming the field (exit 2), then paused with a note.
     refused = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", live(h), "pause", sid,
+        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", h.live(), "pause", sid,
         "--until", past], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
     assert "until must be in the future" in refused.stderr
     paused = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", live(h), "pause", sid,
+        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", h.live(), "pause", sid,
         "--note", "maintenance window", "--json"], capture_output=True, text=True, timeout=60)
     assert paused.returncode == 0, paused.stderr
     assert json.loads(paused.stdout)["pause"]["note"] == "maintenance window"
-    status, answer = await call(h, "POST", "/schedules", {
+    status, answer = await h.call("POST", "/schedules", {
         "name": "n", "target": "t", "pause_on_failure": 0,
         "trigger": {"kind": "cron", "cron": "@daily"}})
     assert (status, answer["errors"][0]["field"]) == (422, "pause_on_failure")
 
 
 async def test_pause_on_failure_pauses_after_that_many_dead_runs(
-        harness: Harness, tmp_path: Path) -> None:
-    h = harness
+        own_harness: Harness, tmp_path: Path) -> None:
+    h = own_harness
     h.start("a")
     await h.leader()
     worker = await start_worker(h, tmp_path, "w1")
     sid = f"{h.prefix}-failing"
     try:
-        status, _ = await call(h, "POST", "/schedules", {
+        status, _ = await h.call("POST", "/schedules", {
             "id": sid, "name": sid, "target": f"jobs.{h.prefix}", "pause_on_failure": 3,
             "payload": {"permanent": True}, "trigger": {"kind": "interval", "every": 1}})
         assert status == 201
 
         async def paused() -> dict[str, Any] | None:
-            _, body = await call(h, "GET", f"/schedules/{sid}")
+            _, body = await h.call("GET", f"/schedules/{sid}")
             return body if body["paused"] else None
 
         schedule = await wait_until(paused, 30, "the schedule paused on failure", 0.1)

@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.firing_bench import schedule_doc
-from tests.servers import start_nats
 from tests.test_failover import DEADLINE, Harness
 from tests.waiting import wait_until
 
@@ -23,17 +21,6 @@ pytestmark = [pytest.mark.timeout(300)]
 
 SCHEDULES = 1000
 MAX_BUFFERED = 5
-
-
-@pytest.fixture
-async def harness(mongo_uri: str) -> AsyncIterator[Harness]:
-    nats_server = start_nats()
-    h = Harness(mongo_uri, nats_server)
-    try:
-        yield h
-    finally:
-        await h.close()
-        nats_server.stop()
 
 
 async def loop_lag(h: Harness, name: str) -> dict[float, float]:
@@ -46,8 +33,8 @@ async def loop_lag(h: Harness, name: str) -> dict[float, float]:
 
 
 async def test_never_ending_buffers_a_largest_backfill_and_cancel_storms(
-        harness: Harness) -> None:
-    h = harness
+        own_harness: Harness) -> None:
+    h = own_harness
     for name in ("a", "b"):
         h.start(name, "--write-rate", "0", "--max-buffered", str(MAX_BUFFERED))
     leader = await h.leader()
