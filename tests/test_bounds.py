@@ -30,6 +30,12 @@ def test_a_bounded_cron_fires_only_within_its_window() -> None:
     assert count_between(trigger, at(11), at(12)) == 1
 
 
+def test_a_window_from_the_calendars_first_instant_counts_without_overflow() -> None:
+    first = dt.datetime.min.replace(tzinfo=dt.UTC)
+    trigger = Bounded(Cron("0 0 1 1 *"), first, None)
+    assert count_between(trigger, first, T0) == 2029
+
+
 def test_a_bounded_instant_list_drops_what_lies_outside() -> None:
     trigger = Bounded(At((at(1), at(5), at(9))), at(2), None)
     assert list(fire_times(trigger, at(0))) == [at(5), at(9)]

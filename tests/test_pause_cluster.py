@@ -7,13 +7,12 @@ import asyncio
 import datetime as dt
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.test_cli import run_cli
 from tests.test_failover import Harness
 from tests.test_overlap_cluster import start_worker
 from tests.waiting import wait_until
@@ -83,14 +82,12 @@ async def test_bad_pauses_are_refused_naming_the_field(own_harness: Harness) -> 
         status, answer = await h.call("POST", f"/schedules/{sid}/pause", body)
         assert (status, answer["errors"][0]["field"]) == (422, field), answer
     # From the command line: refused naming the field (exit 2), then paused with a note.
-    refused = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", h.live(), "pause", sid,
-        "--until", past], capture_output=True, text=True, timeout=60)
+    refused = await asyncio.to_thread(run_cli, "schedules", "--api", h.live(), "pause", sid,
+                                      "--until", past)
     assert refused.returncode == 2
     assert "until must be in the future" in refused.stderr
-    paused = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "hascheduler.cli", "schedules", "--api", h.live(), "pause", sid,
-        "--note", "maintenance window", "--json"], capture_output=True, text=True, timeout=60)
+    paused = await asyncio.to_thread(run_cli, "schedules", "--api", h.live(), "pause", sid,
+                                     "--note", "maintenance window", "--json")
     assert paused.returncode == 0, paused.stderr
     assert json.loads(paused.stdout)["pause"]["note"] == "maintenance window"
     status, answer = await h.call("POST", "/schedules", {

@@ -7,11 +7,11 @@ import asyncio
 import datetime as dt
 import json
 import subprocess
-import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
+from tests.test_cli import run_cli
 from tests.test_runs_api import Stack, stack_fixture  # noqa: F401 - the fixture
 from tests.waiting import wait_until
 
@@ -84,10 +84,7 @@ async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stac
 
 
 async def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "hascheduler.cli", *args[:1], "--api",
-                         stack.replica.uri, *args[1:]],
-        capture_output=True, text=True, timeout=60)
+    return await asyncio.to_thread(run_cli, args[0], "--api", stack.replica.uri, *args[1:])
 
 
 async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(

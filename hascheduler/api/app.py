@@ -34,7 +34,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
-from hascheduler.core.triggers import count_between, fire_id, fire_times
+from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
 from hascheduler.storage.backfills import Backfill, Backfills
 from hascheduler.storage.fires import BUFFERED, REQUESTED, Ledger, request_document
@@ -161,6 +161,11 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(422, "body", "the body must be a JSON object")
     return body
+
+
+async def _optional_body(request: web.Request) -> dict[str, Any]:
+    """``_body``, or {} for a request sent without one."""
+    return await _body(request) if (await request.read()).strip() else {}
 
 
 def _expected_revision(request: web.Request) -> int | None:
@@ -310,9 +315,8 @@ async def delete_schedule(request: web.Request) -> web.Response:
 async def pause_schedule(request: web.Request) -> web.Response:
     """Pause, with an optional note and an instant to resume at by itself."""
     now = _now(request)
-    raw = await request.read()
-    body = await _body(request) if raw.strip() else {}
-    wanted = models.PauseIn.model_validate(body, context={"now": now})
+    wanted = models.PauseIn.model_validate(await _optional_body(request),
+                                           context={"now": now})
     schedule = await request.app[STORE].pause(
         request.match_info["id"], now, _caller(request), wanted.note, wanted.until,
         _expected_revision(request))
@@ -539,9 +543,7 @@ async def trigger_schedule(request: web.Request) -> web.Response:
     poll (REQUESTED_POLL_S); an Idempotency-Key makes a retried request answer with the
     first one's fire."""
     cluster = _cluster(request)
-    raw = await request.read()
-    body = await _body(request) if raw.strip() else {}
-    wanted = models.TriggerIn.model_validate(body)
+    wanted = models.TriggerIn.model_validate(await _optional_body(request))
     key = request.headers.get("Idempotency-Key")
     if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
         raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
@@ -582,8 +584,8 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     schedule = await request.app[STORE].get(request.match_info["id"])
     if schedule.paused:
         raise RunConflict(f"schedule {schedule.id!r} is paused; resume it to backfill")
-    tick = dt.timedelta(microseconds=1)
-    total = count_between(schedule.compile(), wanted.start - tick, wanted.end - tick)
+    total = count_between(schedule.compile(), just_before(wanted.start),
+                          just_before(wanted.end))
     if total > cluster.max_backfill:
         raise BadRequest(422, "end", f"the range holds {total} fire times; a backfill fires "
                                      f"at most {cluster.max_backfill} (serve --max-backfill)")

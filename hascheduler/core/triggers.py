@@ -289,6 +289,15 @@ class At:
         return None
 
 
+def just_before(moment: dt.datetime) -> dt.datetime:
+    """A microsecond before ``moment``, to ask for the fires from ``moment`` on (``moment``
+    itself at the calendar's first instant, before which nothing lies)."""
+    try:
+        return moment - _TICK
+    except OverflowError:
+        return moment
+
+
 @dataclass(frozen=True, slots=True)
 class Bounded:
     """A cron or an instant list firing only within [start_at, end_at]."""
@@ -299,7 +308,7 @@ class Bounded:
 
     def next_after(self, after: dt.datetime) -> dt.datetime | None:
         if self.start_at is not None and after < self.start_at:
-            after = self.start_at - _TICK
+            after = just_before(self.start_at)
         nxt = self.inner.next_after(after)
         if nxt is None or (self.end_at is not None and nxt > self.end_at):
             return None
@@ -363,7 +372,8 @@ def count_between(trigger: Trigger, after: dt.datetime, until: dt.datetime) -> i
     if until <= after:
         return 0
     if isinstance(trigger, Bounded):
-        start = after if trigger.start_at is None else max(after, trigger.start_at - _TICK)
+        start = after if trigger.start_at is None else max(after,
+                                                             just_before(trigger.start_at))
         end = until if trigger.end_at is None else min(until, trigger.end_at)
         return count_between(trigger.inner, start, end)
     if isinstance(trigger, Interval):

@@ -30,7 +30,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.instants import as_utc
-from hascheduler.core.triggers import fire_id, fire_times, jitter_offset
+from hascheduler.core.triggers import fire_id, fire_times, jitter_offset, just_before
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
 from hascheduler.replica.publishing import (
@@ -448,8 +448,8 @@ class Dispatcher:
             await backfills.advance(doc["_id"], end, 0, 0, True, now)
             return
         cursor = as_utc(doc["cursor"])
-        nominals = [n for n in fire_times(entry.trigger, cursor - dt.timedelta(microseconds=1),
-                                          until=end, limit=BACKFILL_CHUNK + 1) if n < end]
+        nominals = [n for n in fire_times(entry.trigger, just_before(cursor), until=end,
+                                          limit=BACKFILL_CHUNK + 1) if n < end]
         more = len(nominals) > BACKFILL_CHUNK
         nominals = nominals[:BACKFILL_CHUNK]
         # Due now, not at their nominal times: they are late by design, and the lateness
