@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize, caller
 from hascheduler.api.errors import BadRequest, problem
 from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
+from hascheduler.api.views import fire_groups, fire_view, read_dashboard, shown_time
 from hascheduler.brokers.base import Broker
 from hascheduler.core import models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
@@ -38,9 +39,8 @@ from hascheduler.core.triggers import count_between, fire_id, fire_times, just_b
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
 from hascheduler.storage.backfills import Backfill, Backfills
 from hascheduler.storage.fires import BUFFERED, REQUESTED, Ledger, request_document
-from hascheduler.storage.fires import STATES as FIRE_STATES
 from hascheduler.storage.lease import LeaseView
-from hascheduler.storage.runs import DEAD, STATES, FireRef, RunLedger, public_view
+from hascheduler.storage.runs import STATES, FireRef, RunLedger, public_view
 from hascheduler.storage.schedules import ScheduleStore
 
 # The dashboard's page: one static file, no build step, read once at import.
@@ -49,10 +49,6 @@ UI_PAGE = (Path(__file__).parent / "ui.html").read_text()
 UI_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
           "frame-ancestors 'none'")
-DASHBOARD_SCHEDULES = 200
-DASHBOARD_FIRES = 50
-DASHBOARD_FIRES_WINDOW_S = 900
-DASHBOARD_DEAD_RUNS = 20
 
 Clock = Callable[[], dt.datetime]
 
@@ -409,19 +405,14 @@ def _cluster(request: web.Request) -> Cluster:
     return cluster
 
 
-def _time(value: Any) -> Any:
-    value = as_utc(value)
-    return value.isoformat() if isinstance(value, dt.datetime) else value
-
-
 async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
     doc = await cluster.leases.find_one({"_id": LEASE_NAME})
     view = LeaseView.from_document(doc) if doc else None
     held = view is not None and view.held_at(dt.datetime.now(dt.UTC))
     return {"holder": view.holder if held and view else None,
             "last_holder": view.holder if view else None, "term": view.term if view else 0,
-            "expires_at": _time(view.expires_at) if view else None,
-            "fired_through": _time(view.fired_through) if view else None,
+            "expires_at": shown_time(view.expires_at) if view else None,
+            "fired_through": shown_time(view.fired_through) if view else None,
             "answered_by": request.app[REPLICA],
             "answered_by_leader": bool(cluster.elector.is_leader)}
 
@@ -444,7 +435,7 @@ async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
         out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
                     "size": doc.get("size"), "digest": doc.get("digest"),
                     "leader": doc["_id"] == holder, "term": doc.get("term"),
-                    "seen_at": _time(doc.get("seen_at"))})
+                    "seen_at": shown_time(doc.get("seen_at"))})
     return out
 
 
@@ -453,37 +444,13 @@ async def members(request: web.Request) -> web.Response:
                               "answered_by": request.app[REPLICA]})
 
 
-def _fire_view(doc: dict[str, Any]) -> dict[str, Any]:
-    return {k: _time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]}
-
-
 async def fire_history(request: web.Request) -> web.Response:
     cluster = _cluster(request)
     schedule_id = request.match_info["id"]
     await request.app[STORE].get(schedule_id)  # 404 for a schedule that does not exist
     limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
-    items = [_fire_view(doc) for doc in await cluster.ledger.history(schedule_id, limit)]
+    items = [fire_view(doc) for doc in await cluster.ledger.history(schedule_id, limit)]
     return web.json_response({"schedule_id": schedule_id, "items": items})
-
-
-async def _fire_groups(cluster: Cluster, schedule_id: str,
-                       nominals: list[dt.datetime]) -> list[dict[str, Any]]:
-    """Each fire of a schedule at ``nominals`` as counts: its ledger entries by state (a
-    fan-out fire has one per tenant) and its runs by state."""
-    fires = await cluster.ledger.counts(schedule_id, nominals)
-    runs = await cluster.runs.counts(schedule_id, nominals)
-
-    def tally(counts: dict[str, int], states: tuple[str, ...]) -> dict[str, int]:
-        return {**{state: counts.get(state, 0) for state in states},
-                "total": sum(counts.values())}
-
-    groups = []
-    for nominal in map(as_utc, nominals):
-        groups.append({"fire": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
-                       "nominal_at": nominal.isoformat(),
-                       "fires": tally(fires.get(nominal, {}), FIRE_STATES),
-                       "runs": tally(runs.get(nominal, {}), STATES)})
-    return groups
 
 
 async def schedule_runs(request: web.Request) -> web.Response:
@@ -496,8 +463,8 @@ async def schedule_runs(request: web.Request) -> web.Response:
         raise BadRequest(422, "by", "by must be fire (runs counted per fire) or absent")
     if by == "fire":
         nominals = await cluster.ledger.fire_times(schedule_id, limit)
-        return web.json_response({"schedule_id": schedule_id,
-                                  "fires": await _fire_groups(cluster, schedule_id, nominals)})
+        groups = await fire_groups(cluster.ledger, cluster.runs, schedule_id, nominals)
+        return web.json_response({"schedule_id": schedule_id, "fires": groups})
     docs = await cluster.runs.for_schedule(schedule_id, limit)
     return web.json_response({"schedule_id": schedule_id,
                               "items": [public_view(d) for d in docs]})
@@ -621,7 +588,7 @@ async def get_fire(request: web.Request) -> web.Response:
     if doc is None:
         raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
     run = await cluster.runs.get(fire)
-    return web.json_response({**_fire_view(doc),
+    return web.json_response({**fire_view(doc),
                               "run": public_view(run) if run is not None else None})
 
 
@@ -654,58 +621,14 @@ async def _target_of(request: web.Request, schedule_id: str) -> str:
 
 
 async def dashboard(request: web.Request) -> web.Response:
-    """Everything /ui shows, in one read: the cluster, the schedules with their next fire
-    time, the latest fires recorded in the last DASHBOARD_FIRES_WINDOW_S (latest nominal
-    time first) each with its run, and the latest dead runs."""
+    """Everything /ui shows, in one read (views.read_dashboard) and the cluster's state."""
     cluster = _cluster(request)
     now = _now(request)
-    page, after = await request.app[STORE].list(labels={}, paused=None, after=None,
-                                            limit=DASHBOARD_SCHEDULES)
-    schedules = []
-    for schedule in page:
-        upcoming = models.preview(schedule, now, 1).times
-        schedules.append({
-            "id": schedule.id, "name": schedule.name, "target": schedule.target,
-            "fan_out": schedule.fan_out.model_dump() if schedule.fan_out else None,
-            "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
-            "pause": schedule.pause.model_dump(mode="json") if schedule.pause else None,
-            "overlap": schedule.overlap, "completed": schedule.completed,
-            "revision": schedule.revision,
-            "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None})
-    since = now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S)
-    recent = await cluster.ledger.recent(since, DASHBOARD_FIRES)
-    # A fan-out fire's entries (one per tenant) are one row, counted over all its tenants.
-    fanned: dict[str, list[dt.datetime]] = {}
-    for doc in recent:
-        if "tenant" in doc and doc["nominal_at"] not in fanned.get(doc["schedule_id"], []):
-            fanned.setdefault(doc["schedule_id"], []).append(doc["nominal_at"])
-    groups = [group for schedule_id, nominals in fanned.items()
-              for group in await _fire_groups(cluster, schedule_id, nominals)]
-    recent = [doc for doc in recent if "tenant" not in doc]
-    fires = []
-    for doc in recent:
-        fire = _fire_view(doc)
-        published, due = doc.get("published_at"), doc.get("due_at")
-        fire["lateness_s"] = ((as_utc(published) - as_utc(due)).total_seconds()
-                              if isinstance(published, dt.datetime)
-                              and isinstance(due, dt.datetime) else None)
-        fires.append(fire)
-    runs = await cluster.runs.for_fires([f["id"] for f in fires]) if fires else {}
-    for fire in fires:
-        run = runs.get(fire["id"])
-        fire["run"] = None if run is None else {
-            k: run.get(k) for k in ("state", "attempts", "duration_s", "worker_id")}
-    # Ordered for people: latest nominal time first, a fan-out fire among the others.
-    fires += [{"id": g["fire"], "schedule_id": g["schedule_id"], "nominal_at": g["nominal_at"],
-               "fan_out": {"fires": g["fires"], "runs": g["runs"]}} for g in groups]
-    fires.sort(key=lambda f: (f["nominal_at"], f["id"]), reverse=True)
-    dead, more_dead = await cluster.runs.page(DEAD, None, DASHBOARD_DEAD_RUNS)
+    view = await read_dashboard(request.app[STORE], cluster.ledger, cluster.runs, now)
     return web.json_response({
-        "dead_runs": [public_view(d) for d in dead], "more_dead_runs": more_dead is not None,
-        "now": now.isoformat(), "leader": await _leader_view(request, cluster),
-        "members": await _members_view(cluster), "schedules": schedules,
-        "more_schedules": after is not None, "fires": fires,
-        "fires_window_s": DASHBOARD_FIRES_WINDOW_S})
+        **view.as_json(), "now": now.isoformat(),
+        "leader": await _leader_view(request, cluster),
+        "members": await _members_view(cluster)})
 
 
 async def ui(request: web.Request) -> web.Response:

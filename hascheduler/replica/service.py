@@ -44,12 +44,11 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
-from hascheduler.process import logs
+from hascheduler.process import lifecycle, logs
+from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import LOOP_PROBE_S, Metrics
-from hascheduler.replica import lifecycle
 from hascheduler.replica.dispatch import Dispatcher
 from hascheduler.replica.leadership import Elector
-from hascheduler.replica.lifecycle import Every
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources

@@ -48,7 +48,8 @@ from hascheduler.core.constants import (
     RUNS,
     SCHEDULES,
 )
-from hascheduler.process import logs
+from hascheduler.process import lifecycle, logs
+from hascheduler.process.lifecycle import Every
 from hascheduler.storage.runs import (
     CANCELLED,
     DEAD,
@@ -175,13 +176,15 @@ class Recorder:
         self.answer = answer
         self._pending: list[tuple[Any, Outcome]] = []
         self._wake = asyncio.Event()
+        self._stopping = False
 
     def submit(self, token: Any, outcome: Outcome) -> None:
         self._pending.append((token, outcome))
         self._wake.set()
 
     async def run(self) -> None:
-        while True:
+        """Until stopped and every outcome submitted by then is written."""
+        while not (self._stopping and not self._pending):
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
@@ -194,6 +197,10 @@ class Recorder:
             for token, outcome in batch:
                 await self.answer(token, outcome,
                                   None if lost is None else outcome.fire_id not in lost)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
 
     async def _write(self, outcomes: list[Outcome]) -> set[str]:
         """Through a database failover, for as long as a run's lease: after that another
@@ -247,16 +254,21 @@ class Worker:
         self.announced = False
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop``, then drain. Its parts live on one exit stack, unwound
+        in reverse: the runners, the cancel watch, the heartbeat, the recorder (which
+        writes the outcomes it holds first), the broker connection."""
         s = self.settings
         source = self.source()
-        await source.connect(s.durable)
-        background = [asyncio.create_task(self.recorder.run()),
-                      asyncio.create_task(self._heartbeat()),
-                      asyncio.create_task(self._watch_cancels())]
-        runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
-        log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
-                 concurrency=s.concurrency)
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            await source.connect(s.durable)
+            stack.push_async_callback(lifecycle.bounded, "broker connection", source.close)
+            lifecycle.start(stack, "runs recorder", self.recorder, patient=True)
+            lifecycle.start(stack, "run heartbeat", Every(s.ack_wait_s / 3, self._heartbeat))
+            lifecycle.start(stack, "cancel watch", Every(CANCEL_POLL_S, self._watch_cancels))
+            runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
+            stack.push_async_callback(_cancelled, runners)
+            log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
+                     concurrency=s.concurrency)
             # A broker hiccup (a restart, a lost consumer, a request timing out) ends one
             # subscription, never the worker: subscribe again after a capped, jittered wait.
             async for attempt in AsyncRetrying(
@@ -266,11 +278,6 @@ class Worker:
                 with attempt:
                     await self._consume(source, stop)
             await self._drain(runners)
-        finally:
-            for task in (*runners, *background):
-                task.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(source.close(), 5)
 
     def source(self) -> FireSource:
         return self.settings.broker.source(self.settings.ack_wait_s)
@@ -438,9 +445,7 @@ class Worker:
                 await asyncio.wait_for(self._released.wait(), deadline - time.monotonic())
         if self.held:
             running = [h for h in self.held.values() if h.started]
-            for task in runners:
-                task.cancel()
-            await asyncio.wait(runners, timeout=10)
+            await _cancelled(runners)
             log.warning("runs_given_back", count=len(running))
 
     async def _run_handler(self, held: Held) -> Outcome:
@@ -541,46 +546,42 @@ class Worker:
             await message.term()
 
     async def _heartbeat(self) -> None:
-        """Every third of the ack wait: each held message is in progress (the broker does
-        not redeliver it) and every claim's lease is extended, in one write."""
+        """Each held message is in progress (the broker does not redeliver it) and every
+        claim's lease is extended, in one write (every third of the ack wait)."""
         s = self.settings
-        while True:
-            await asyncio.sleep(s.ack_wait_s / 3)
-            held = dict(self.held)
-            for h in held.values():
-                with contextlib.suppress(*BROKER_ERRORS):
-                    await h.message.in_progress()
-            try:
-                lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
-                                                 s.worker_id, self.clock(), s.ack_wait_s)
-            except PyMongoError as exc:
-                log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
-                continue
-            for fire_id in lost:
-                held[fire_id].lost = True
-                log.warning("run_lease_lost", fire_id=fire_id,
-                            started=held[fire_id].started)
+        held = dict(self.held)
+        if not held:
+            return
+        for h in held.values():
+            with contextlib.suppress(*BROKER_ERRORS):
+                await h.message.in_progress()
+        try:
+            lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
+                                             s.worker_id, self.clock(), s.ack_wait_s)
+        except PyMongoError as exc:
+            log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
+            return
+        for fire_id in lost:
+            held[fire_id].lost = True
+            log.warning("run_lease_lost", fire_id=fire_id, started=held[fire_id].started)
 
     async def _watch_cancels(self) -> None:
-        """Every CANCEL_POLL_S while runs are held: stop those an operator cancelled. An
-        async handler's task is cancelled; a synchronous handler sees the flag."""
-        while True:
-            await asyncio.sleep(CANCEL_POLL_S)
-            held = {f: h for f, h in self.held.items() if not h.cancelled.is_set()}
-            if not held:
-                continue
-            try:
-                cancelled = await self.runs.cancels_requested(list(held),
-                                                              self.settings.worker_id)
-            except PyMongoError as exc:
-                log.warning("run_cancel_check_failed", error=repr(exc)[:300])
-                continue
-            for fire_id in cancelled:
-                h = held[fire_id]
-                h.cancelled.set()
-                log.info("run_cancel_requested", fire_id=fire_id, started=h.started)
-                if h.started and h.route.is_async and h.runner is not None:
-                    h.runner.cancel()
+        """Stop the held runs an operator cancelled (every CANCEL_POLL_S): an async
+        handler's task is cancelled; a synchronous handler sees the flag."""
+        held = {f: h for f, h in self.held.items() if not h.cancelled.is_set()}
+        if not held:
+            return
+        try:
+            cancelled = await self.runs.cancels_requested(list(held), self.settings.worker_id)
+        except PyMongoError as exc:
+            log.warning("run_cancel_check_failed", error=repr(exc)[:300])
+            return
+        for fire_id in cancelled:
+            h = held[fire_id]
+            h.cancelled.set()
+            log.info("run_cancel_requested", fire_id=fire_id, started=h.started)
+            if h.started and h.route.is_async and h.runner is not None:
+                h.runner.cancel()
 
     async def _give_back(self, held: Held) -> None:
         with contextlib.suppress(PyMongoError, *BROKER_ERRORS):
@@ -589,6 +590,12 @@ class Worker:
                                     "the worker stopped before the run finished")
             await held.message.nak()
         self.metrics.count(held.delivery.fire.target, "released")
+
+
+async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=lifecycle.STOP_STEP_S)
 
 
 async def _call(route: Route, run: Run) -> None:

@@ -1,5 +1,5 @@
-"""The one lifecycle shape of a replica's long-running parts (after River's start/stop
-service): a ``Service`` runs until asked to stop; ``start`` runs one on the replica's exit
+"""The one lifecycle shape of a process's long-running parts (after River's start/stop
+service): a ``Service`` runs until asked to stop; ``start`` runs one on the process's exit
 stack, whose unwinding (last started, first stopped) asks it to stop and waits for it,
 each step bounded by STOP_STEP_S, cancelling what does not return in time."""
 

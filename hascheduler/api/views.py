@@ -1,0 +1,133 @@
+"""The API's read models: how ledger documents are shown (a fire, a fan-out fire's counts)
+and the dashboard's one read (``read_dashboard``). Shaping is pure (``schedule_row``,
+``fire_rows``), so what the dashboard shows is tested without a server; the reads are
+the ledgers' own queries, handed in."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hascheduler.core import models
+from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_id
+from hascheduler.storage.fires import STATES as FIRE_STATES
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.runs import DEAD, STATES, RunLedger, public_view
+from hascheduler.storage.schedules import ScheduleStore
+
+DASHBOARD_SCHEDULES = 200
+DASHBOARD_FIRES = 50
+DASHBOARD_FIRES_WINDOW_S = 900
+DASHBOARD_DEAD_RUNS = 20
+
+
+def shown_time(value: Any) -> Any:
+    """An instant as the API shows it (ISO 8601, UTC); anything else as it is."""
+    value = as_utc(value)
+    return value.isoformat() if isinstance(value, dt.datetime) else value
+
+
+def fire_view(doc: dict[str, Any]) -> dict[str, Any]:
+    """A fire ledger entry as the API shows it."""
+    return {k: shown_time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]}
+
+
+async def fire_groups(ledger: Ledger, runs: RunLedger, schedule_id: str,
+                      nominals: list[dt.datetime]) -> list[dict[str, Any]]:
+    """Each fire of a schedule at ``nominals`` as counts: its ledger entries by state (a
+    fan-out fire has one per tenant) and its runs by state."""
+    fires = await ledger.counts(schedule_id, nominals)
+    run_counts = await runs.counts(schedule_id, nominals)
+
+    def tally(counts: dict[str, int], states: tuple[str, ...]) -> dict[str, int]:
+        return {**{state: counts.get(state, 0) for state in states},
+                "total": sum(counts.values())}
+
+    return [{"fire": fire_id(schedule_id, nominal), "schedule_id": schedule_id,
+             "nominal_at": nominal.isoformat(),
+             "fires": tally(fires.get(nominal, {}), FIRE_STATES),
+             "runs": tally(run_counts.get(nominal, {}), STATES)}
+            for nominal in map(as_utc, nominals)]
+
+
+def schedule_row(schedule: models.Schedule, now: dt.datetime) -> dict[str, Any]:
+    """A schedule as a dashboard row, with its next fire time after ``now``."""
+    upcoming = models.preview(schedule, now, 1).times
+    return {
+        "id": schedule.id, "name": schedule.name, "target": schedule.target,
+        "fan_out": schedule.fan_out.model_dump() if schedule.fan_out else None,
+        "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
+        "pause": schedule.pause.model_dump(mode="json") if schedule.pause else None,
+        "overlap": schedule.overlap, "completed": schedule.completed,
+        "revision": schedule.revision,
+        "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None}
+
+
+def fan_out_fires(recent: Sequence[dict[str, Any]]) -> dict[str, list[dt.datetime]]:
+    """The fan-out fires among ledger entries (one entry per tenant): each schedule's
+    nominal times, once each, in the order first seen."""
+    fanned: dict[str, list[dt.datetime]] = {}
+    for doc in recent:
+        if "tenant" in doc and doc["nominal_at"] not in fanned.get(doc["schedule_id"], []):
+            fanned.setdefault(doc["schedule_id"], []).append(doc["nominal_at"])
+    return fanned
+
+
+def fire_rows(recent: Sequence[dict[str, Any]], runs: dict[str, dict[str, Any]],
+              groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dashboard's fires: each plain fire with its lateness and its run, each fan-out
+    fire as one row of counts (``groups``); latest nominal time first."""
+    rows = []
+    for doc in recent:
+        if "tenant" in doc:
+            continue  # counted in its fan-out fire's row
+        row = fire_view(doc)
+        published, due = doc.get("published_at"), doc.get("due_at")
+        row["lateness_s"] = ((as_utc(published) - as_utc(due)).total_seconds()
+                             if isinstance(published, dt.datetime)
+                             and isinstance(due, dt.datetime) else None)
+        run = runs.get(row["id"])
+        row["run"] = None if run is None else {
+            k: run.get(k) for k in ("state", "attempts", "duration_s", "worker_id")}
+        rows.append(row)
+    rows += [{"id": g["fire"], "schedule_id": g["schedule_id"], "nominal_at": g["nominal_at"],
+              "fan_out": {"fires": g["fires"], "runs": g["runs"]}} for g in groups]
+    rows.sort(key=lambda f: (f["nominal_at"], f["id"]), reverse=True)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Dashboard:
+    """What /ui shows besides the cluster's members and leader."""
+
+    schedules: list[dict[str, Any]]
+    more_schedules: bool
+    fires: list[dict[str, Any]]
+    dead_runs: list[dict[str, Any]]
+    more_dead_runs: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {"schedules": self.schedules, "more_schedules": self.more_schedules,
+                "fires": self.fires, "fires_window_s": DASHBOARD_FIRES_WINDOW_S,
+                "dead_runs": self.dead_runs, "more_dead_runs": self.more_dead_runs}
+
+
+async def read_dashboard(store: ScheduleStore, ledger: Ledger, runs: RunLedger,
+                         now: dt.datetime) -> Dashboard:
+    """The schedules with their next fire time, the latest fires recorded in the last
+    DASHBOARD_FIRES_WINDOW_S each with its run, and the latest dead runs."""
+    page, after = await store.list(labels={}, paused=None, after=None,
+                                   limit=DASHBOARD_SCHEDULES)
+    recent = await ledger.recent(now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S),
+                                 DASHBOARD_FIRES)
+    groups = [group for schedule_id, nominals in fan_out_fires(recent).items()
+              for group in await fire_groups(ledger, runs, schedule_id, nominals)]
+    plain = [str(doc["_id"]) for doc in recent if "tenant" not in doc]
+    fire_runs = await runs.for_fires(plain) if plain else {}
+    dead, more_dead = await runs.page(DEAD, None, DASHBOARD_DEAD_RUNS)
+    return Dashboard([schedule_row(s, now) for s in page], after is not None,
+                     fire_rows(recent, fire_runs, groups), [public_view(d) for d in dead],
+                     more_dead is not None)
