@@ -33,6 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "devmongo_only: needs a development server started with special options")
     config.addinivalue_line(
         "markers", "stops_broker: stops its broker, so it needs a RabbitMQ node of its own")
+    config.addinivalue_line(
+        "markers", "alone: asserts how long something takes, or benchmarks; scripts/test runs "
+                   "these after the others, on an otherwise idle machine")
     destination = os.environ.get(TRAVEL_ENV)
     if destination:
         time_machine.travel(dt.datetime.fromisoformat(destination), tick=True).start()

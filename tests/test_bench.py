@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Benchmarks measure: on an otherwise idle machine (scripts/test).
+@pytest.mark.alone
 @pytest.mark.timeout(400)
 def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"

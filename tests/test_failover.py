@@ -244,6 +244,7 @@ async def test_exactly_one_leader_and_terms_only_increase(harness: Harness) -> N
     assert len({m["digest"] for m in members}) == 1
 
 
+@pytest.mark.alone  # timed: on an idle machine (scripts/test)
 async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harness) -> None:
     async def fault(leader: str) -> dict[str, Any]:
         t0 = dt.datetime.now(dt.UTC)
@@ -273,6 +274,7 @@ async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harnes
     assert [m["replica_id"] for m in members if m["leader"]] == [lease["holder"]]
 
 
+@pytest.mark.alone  # timed: on an idle machine (scripts/test)
 async def test_sigkill_hands_over_within_ttl_plus_renew_interval(harness: Harness) -> None:
     async def fault(leader: str) -> dict[str, Any]:
         t0 = dt.datetime.now(dt.UTC)
