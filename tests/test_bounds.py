@@ -99,7 +99,6 @@ async def test_max_fires_completes_after_that_many_and_raising_it_revives(
     done = await wait_until(completed, 30, "the schedule completed", 0.1)
     assert done["fires_remaining"] == 0
     # Firing has stopped: the leader handles two more seconds, and nothing more is out.
-    revision = done["revision"]
 
     async def two_seconds_after(schedule: dict[str, Any]) -> None:
         since = dt.datetime.fromisoformat(schedule["updated_at"]) + dt.timedelta(seconds=2)
@@ -113,11 +112,29 @@ async def test_max_fires_completes_after_that_many_and_raising_it_revives(
     await two_seconds_after(done)
     assert await published() == 5
 
+    # A completed schedule runs now only when forced, and that fire is not one of its
+    # max_fires: it stays completed.
+    status, refused = await h.call("POST", f"/schedules/{sid}/trigger", {})
+    assert status == 409
+    assert "completed" in refused["title"]
+    assert "force" in refused["title"]
+    status, forced = await h.call("POST", f"/schedules/{sid}/trigger", {"force": True})
+    assert status == 202
+
+    async def forced_out() -> bool:
+        fire = await h.db.fires.find_one({"_id": forced["fire_id"]})
+        return fire is not None and fire["state"] == "published"
+
+    await wait_until(forced_out, 20, "the forced fire published", 0.1)
+    assert await published() == 6
+    _, still = await h.call("GET", f"/schedules/{sid}")
+    assert (still["completed"], still["fires_remaining"]) == (True, 0)
+
     status, revived = await h.call("PATCH", f"/schedules/{sid}", {"max_fires": 7})
     assert status == 200, revived
     assert (revived["completed"], revived["fires_remaining"], revived["revision"]) == (
-        False, 2, revision + 1)
+        False, 2, still["revision"] + 1)
     again = await wait_until(completed, 30, "the schedule completed again", 0.1)
     assert again["fires_remaining"] == 0
     await two_seconds_after(again)
-    assert await published() == 7
+    assert await published() == 8  # seven of its trigger's and the one run now

@@ -65,9 +65,11 @@ class Harness:
         return next(r.uri for r in self.replicas.values()
                     if r.process is not None and r.process.poll() is None)
 
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    async def call(self, method: str, path: str, body: Any = None,
+                   headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """An API call to a live replica: its status and JSON body."""
-        async with self.http.request(method, self.live() + path, json=body) as r:
+        async with self.http.request(method, self.live() + path, json=body,
+                                     headers=headers) as r:
             return r.status, await r.json()
 
     async def lease(self) -> dict[str, Any]:

@@ -167,6 +167,60 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
     await wait_until(same_sources, 20, "equal tenant mirrors on every replica")
 
 
+async def test_run_now_of_a_fan_out_runs_once_per_tenant_selected_now(
+        cluster: tuple[Harness, Path]) -> None:
+    h, record = cluster
+    await h.db.tenants.insert_many([{"_id": "r1", "plan": "pro"}, {"_id": "r2", "plan": "pro"},
+                                    {"_id": 7, "plan": "pro"}, {"_id": "r3", "plan": "free"}])
+    sid = f"{h.prefix}-fan-now"
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=1)).isoformat()
+    status, _ = await h.call("POST", "/schedules", {
+        "id": sid, "name": "per tenant, on demand", "target": f"audit.{h.prefix}",
+        "trigger": {"kind": "at", "at": [later]}, "payload": {"from": "schedule"},
+        "fan_out": {"collection": "tenants", "filter": {"plan": "pro"}}})
+    assert status == 201
+    status, fired = await h.call("POST", f"/schedules/{sid}/trigger",
+                                 {"payload": {"from": "request"}},
+                                 headers={"Idempotency-Key": "backfill-pro"})
+    assert status == 202, fired
+    fire = fired["fire_id"]
+    assert fire.startswith(f"{sid}@manual-")
+    assert fired["created"] is True
+    # The same key again: the same fire, nothing more requested.
+    status, again = await h.call("POST", f"/schedules/{sid}/trigger", {},
+                                 headers={"Idempotency-Key": "backfill-pro"})
+    assert (status, again["fire_id"], again["created"]) == (202, fire, False)
+
+    tenant_fires = {f"{fire}/{t}" for t in ("r1", "r2", "7")}
+
+    async def all_run() -> bool:
+        return await h.db.runs.count_documents({"_id": {"$in": sorted(tenant_fires)},
+                                                "state": "succeeded"}) == 3
+
+    await wait_until(all_run, 30, "the run now of each selected tenant")
+    assert await h.db.fires.count_documents({"schedule_id": sid}) == 3
+    async for doc in h.db.fires.find({"schedule_id": sid}):
+        assert doc["_id"] in tenant_fires
+        assert (doc["state"], doc["payload"], doc["manual"]) == (
+            "published", {"from": "request"}, True)
+    counts, _ = await stream_counts(h.nats.uri, h.prefix)
+    assert {f: n for f, n in counts.items() if f.startswith(fire)} == dict.fromkeys(
+        tenant_fires, 1)
+    ran = Counter(line.split()[0] for line in record.read_text().splitlines())
+    assert all(ran[f] == 1 for f in tenant_fires)
+    # The fire itself reads as its tenants' entries and runs counted.
+    status, shown = await h.call("GET", fired["url"])
+    assert status == 200, shown
+    assert (shown["id"], shown["fan_out"]["fires"]["published"],
+            shown["fan_out"]["runs"]["succeeded"]) == (fire, 3, 3)
+
+    # A fan-out selecting nobody now has nothing to run.
+    await h.db.tenants.update_many({}, {"$set": {"plan": "gone"}})
+    status, refused = await h.call("POST", f"/schedules/{sid}/trigger", {})
+    assert status == 409
+    assert "selects no tenant" in refused["title"]
+
+
 async def test_a_fan_out_above_the_bound_is_refused_when_written(mongo_uri: str) -> None:
     database = f"bound_{os.getpid()}_{id(mongo_uri)}"
     client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_uri)
@@ -224,6 +278,13 @@ async def test_a_fan_out_above_the_bound_is_refused_when_written(mongo_uri: str)
                 skipped["reason"]), skipped
             assert await fires.count_documents({"schedule_id": "grows", "state": "published",
                                                 "nominal_at": skipped["nominal_at"]}) == 0
+            # Nor is a run now above the bound: refused whole, nothing requested.
+            async with http.post(replica.uri + "/schedules/grows/trigger", json={}) as r:
+                answer = await r.json()
+                assert r.status == 409, answer
+                assert "more than 4 documents" in answer["title"], answer
+            assert await fires.count_documents({"schedule_id": "grows",
+                                                "manual": True}) == 0
             await client[database].tenants.delete_one({"_id": "g4"})
             shrunk = dt.datetime.now(dt.UTC)
             await wait_until(lambda: fired_for(4, shrunk), 20, "fires for the 4 tenants again")

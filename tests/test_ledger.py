@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
+from pymongo.errors import BulkWriteError
 
 from hascheduler.core.catchup import SkippedRange
 from hascheduler.core.triggers import fire_id
@@ -17,9 +18,12 @@ from hascheduler.storage.fires import (
     CLAIMED,
     FAILED,
     PUBLISHED,
+    REQUESTED,
     SKIPPED,
     Ledger,
     claim_document,
+    request_documents,
+    requested_fire,
     skipped_range_document,
 )
 from tests.servers import with_database
@@ -137,3 +141,26 @@ async def test_fire_times_step_past_a_fan_outs_tenants_and_count_them(ledger: Le
     assert await ledger.fire_times("none", 3) == []
     assert await ledger.counts("s", [at(3), at(4), at(9)]) == {
         at(3): {PUBLISHED: 400, CLAIMED: 99, SKIPPED: 1}, at(4): {CLAIMED: 1}, at(9): {}}
+
+
+async def test_a_fan_out_run_now_is_one_request_per_tenant_under_one_idempotency_key(
+        ledger: Ledger) -> None:
+    docs = request_documents("s", at(0), "ci", {"k": 1}, "skip", "deploy-1", ["a", "b"])
+    fire = "s@manual-2030-01-01T00:00:00.000Z"
+    assert [d["_id"] for d in docs] == [f"{fire}/a", f"{fire}/b"]
+    assert [d.get("idempotency_key") for d in docs] == ["s/deploy-1", None]
+    first, created = await ledger.request(docs)
+    assert (requested_fire(first), created) == (fire, True)
+    assert await ledger.fires.count_documents({"state": REQUESTED, "payload": {"k": 1},
+                                               "overlap": "skip"}) == 2
+
+    # The same key later: the first request's fire, and nothing inserted.
+    retried, created = await ledger.request(
+        request_documents("s", at(5), "ci", None, None, "deploy-1", ["a", "b", "c"]))
+    assert (requested_fire(retried), created) == (fire, False)
+    assert await ledger.fires.count_documents({}) == 2
+    # Without a key, the same instant twice is a duplicate fire, not a retry.
+    plain = request_documents("p", at(0), "ci", None, None, None)
+    assert (requested_fire((await ledger.request(plain))[0])) == "p@manual-2030-01-01T00:00:00.000Z"
+    with pytest.raises(BulkWriteError):
+        await ledger.request(request_documents("p", at(0), "ci", None, None, None))

@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -18,7 +18,13 @@ from pydantic import BaseModel
 from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize, caller
 from hascheduler.api.errors import BadRequest, problem
 from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
-from hascheduler.api.views import fire_groups, fire_view, read_dashboard, shown_time
+from hascheduler.api.views import (
+    fan_out_fire,
+    fire_groups,
+    fire_view,
+    read_dashboard,
+    shown_time,
+)
 from hascheduler.brokers.base import Broker
 from hascheduler.core import models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
@@ -38,7 +44,13 @@ from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
 from hascheduler.storage.backfills import Backfill, Backfills
-from hascheduler.storage.fires import BUFFERED, REQUESTED, Ledger, request_document
+from hascheduler.storage.fires import (
+    BUFFERED,
+    REQUESTED,
+    Ledger,
+    request_documents,
+    requested_fire,
+)
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import STATES, FireRef, RunLedger, public_view
 from hascheduler.storage.schedules import ScheduleStore
@@ -73,9 +85,15 @@ MIN_FIRE_INTERVAL: web.AppKey[float] = web.AppKey("min_fire_interval_s")
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", Tokens)
 LIMITER = web.AppKey("write_limiter", WriteLimiter)
-# The bound on a fan-out's tenants, and how to count (up to a limit) what one selects.
-CountTenants = Callable[[FanOut, int], Awaitable[int]]
-FAN_OUT: web.AppKey[tuple[int, CountTenants]] = web.AppKey("fan_out")
+class TenantReads(Protocol):
+    """What a fan-out selects now (storage/tenants.TenantDocuments)."""
+
+    async def count(self, fan_out: FanOut, limit: int) -> int: ...
+    async def keys(self, fan_out: FanOut, limit: int) -> list[str] | None: ...
+
+
+# The bound on a fan-out's tenants, and how to read what one selects.
+FAN_OUT: web.AppKey[tuple[int, TenantReads]] = web.AppKey("fan_out")
 
 
 class SourceMirrors(Protocol):
@@ -220,8 +238,8 @@ async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) ->
     (422 on fan_out); counting stops one past the bound, so the check costs what it may."""
     if fields.fan_out is None or FAN_OUT not in request.app:
         return
-    limit, count = request.app[FAN_OUT]
-    selected = await count(fields.fan_out, limit + 1)
+    limit, tenants = request.app[FAN_OUT]
+    selected = await tenants.count(fields.fan_out, limit + 1)
     if selected > limit:
         raise BadRequest(422, "fan_out", f"the filter selects more than {limit} documents "
                                          f"of {fields.fan_out.collection!r}; the cluster's "
@@ -516,22 +534,45 @@ async def trigger_schedule(request: web.Request) -> web.Response:
         raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
                          f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces")
     schedule = await request.app[STORE].get(request.match_info["id"])
-    if schedule.paused and not wanted.force:
-        raise RunConflict(f"schedule {schedule.id!r} is paused; send \"force\": true to run "
-                          "it anyway")
-    if schedule.fan_out is not None:
-        raise RunConflict(f"schedule {schedule.id!r} fans out; running a fan-out now is not "
-                          "supported yet")
+    if (schedule.paused or schedule.completed) and not wanted.force:
+        state = "paused" if schedule.paused else "completed (its max_fires are used)"
+        raise RunConflict(f"schedule {schedule.id!r} is {state}; send \"force\": true to "
+                          "run it anyway")
     if wanted.payload is not None and celery_task(schedule.target) is not None:
         try:
             celery_call(wanted.payload)
         except CeleryPayloadError as exc:
             raise BadRequest(422, "payload", str(exc)) from None
-    doc, created = await cluster.ledger.request(request_document(
-        schedule.id, _now(request), _caller(request), wanted.payload, wanted.overlap, key))
-    fire = str(doc["_id"])
+    earlier = None if key is None else await cluster.ledger.requested_with_key(
+        f"{schedule.id}/{key}")
+    if earlier is not None:
+        doc, created = earlier, False
+    else:
+        tenants = None if schedule.fan_out is None else await _tenants_now(
+            request, schedule.fan_out)
+        doc, created = await cluster.ledger.request(request_documents(
+            schedule.id, _now(request), _caller(request), wanted.payload, wanted.overlap,
+            key, tenants))
+    fire = requested_fire(doc)
     return _json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
                                   created=created), 202)
+
+
+async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
+    """A fan-out run now fires once per tenant its filter selects now (read from its
+    source, not a mirror), within the cluster's bound."""
+    if FAN_OUT not in request.app:
+        raise web.HTTPServiceUnavailable(reason="this replica reads no fan-out sources")
+    limit, reads = request.app[FAN_OUT]
+    keys = await reads.keys(fan_out, limit)
+    if keys is None:
+        raise RunConflict(f"the fan-out selects more than {limit} documents of "
+                          f"{fan_out.collection!r} now; the cluster's bound is "
+                          "serve --max-fan-out")
+    if not keys:
+        raise RunConflict(f"the fan-out selects no tenant of {fan_out.collection!r} now: "
+                          "nothing to run")
+    return keys
 
 
 def _backfills(request: web.Request) -> Backfills:
@@ -581,12 +622,16 @@ async def cancel_backfill(request: web.Request) -> web.Response:
 
 
 async def get_fire(request: web.Request) -> web.Response:
-    """One fire's ledger entry, with its run when it has one."""
+    """One fire's ledger entry, with its run when it has one; a fan-out fire as counts of
+    its tenants' entries and runs."""
     cluster = _cluster(request)
     fire = request.match_info["id"]
     doc = await cluster.ledger.get(fire)
     if doc is None:
-        raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
+        group = await fan_out_fire(cluster.ledger, cluster.runs, fire)
+        if group is None:
+            raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
+        return web.json_response(group)
     run = await cluster.runs.get(fire)
     return web.json_response({**fire_view(doc),
                               "run": public_view(run) if run is not None else None})

@@ -166,7 +166,9 @@ ROUTES: list[Route] = [
         {
             "summary": "run now: a fire outside the trigger, published by the leader "
             "within a fraction of a second, under the schedule's overlap policy (or the "
-            "one given)",
+            "one given); a fan-out runs once per tenant its filter selects now "
+            "(<fire id>/<tenant>). 409: paused or completed without force, or a fan-out "
+            "selecting no tenant or more than the cluster's bound",
             "parameters": [IDEMPOTENCY_KEY_HEADER],
             "requestBody": {**json_body("TriggerIn"), "required": False},
             "responses": responses(202, "Triggered", *WRITE, 404, 409),
@@ -321,7 +323,8 @@ ROUTES: list[Route] = [
         app.get_fire,
         {
             "summary": "one fire's ledger entry (state, reason, who ran it now), with its "
-            "run",
+            "run; a fan-out fire (no tenant in its id) as its tenants' entries and runs "
+            "counted by state",
             "responses": responses(200, None, 404, 503),
         },
     ),
@@ -447,7 +450,7 @@ def create_app(
     tokens: Tokens | None = None,
     write_limit: WriteLimit | None = None,
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
-    fan_out: tuple[int, app.CountTenants] | None = None,
+    fan_out: tuple[int, app.TenantReads] | None = None,
     sources: app.SourceMirrors | None = None,
 ) -> web.Application:
     api = web.Application(

@@ -53,6 +53,23 @@ async def fire_groups(ledger: Ledger, runs: RunLedger, schedule_id: str,
             for nominal in map(as_utc, nominals)]
 
 
+async def fan_out_fire(ledger: Ledger, runs: RunLedger, fire: str) -> dict[str, Any] | None:
+    """A fan-out fire (``<schedule id>@<nominal>``, or ``@manual-<instant>`` for one run
+    now) as counts of its tenants' entries and runs; None if the ledger has none."""
+    schedule_id, _, when = fire.rpartition("@")
+    try:
+        nominal = models.parse_instant(when.removeprefix("manual-"))
+    except ValueError:
+        return None
+    if not schedule_id:
+        return None
+    [group] = await fire_groups(ledger, runs, schedule_id, [nominal])
+    if group["fires"]["total"] == 0:
+        return None
+    return {"id": fire, "schedule_id": schedule_id, "nominal_at": group["nominal_at"],
+            "fan_out": {"fires": group["fires"], "runs": group["runs"]}}
+
+
 def schedule_row(schedule: models.Schedule, now: dt.datetime) -> dict[str, Any]:
     """A schedule as a dashboard row, with its next fire time after ``now``."""
     upcoming = models.preview(schedule, now, 1).times

@@ -457,7 +457,8 @@ class BackfillIn(_Strict):
 
 
 class Triggered(BaseModel):
-    fire_id: str = Field(description="<schedule id>@manual-<request instant>")
+    fire_id: str = Field(description="<schedule id>@manual-<request instant>; a fan-out's "
+                                     "tenants' fires are <fire_id>/<tenant>")
     url: str = Field(description="its ledger entry")
     created: bool = Field(description="false when an earlier request with the same "
                                       "Idempotency-Key made this fire")

@@ -42,7 +42,6 @@ from hascheduler.core.constants import (
 )
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import ConfigError
-from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs
 from hascheduler.process.lifecycle import Every
@@ -58,6 +57,7 @@ from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.tenants import TenantDocuments
 
 log = structlog.get_logger("hascheduler.replica")
 
@@ -242,7 +242,7 @@ class Replica:
                          metrics_=metrics, tokens=settings.tokens,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
-                         fan_out=(settings.dispatch.max_fan_out, _tenant_counter(db)),
+                         fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
                          sources=sources)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -278,12 +278,6 @@ class Replica:
         # the lease), bounded by its own steps' limits.
         stack.push_async_callback(elector.shutdown)
         lifecycle.start(stack, "leadership", Leadership(mirror, elector), patient=True)
-
-
-def _tenant_counter(db: Any) -> Any:
-    async def count(fan_out: FanOut, limit: int) -> int:
-        return int(await db[fan_out.collection].count_documents(fan_out.filter, limit=limit))
-    return count
 
 
 def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:

@@ -60,24 +60,42 @@ def claim_of(doc: Document) -> Claim:
 
 
 def is_manual(fire_id_: str) -> bool:
-    """A fire run now (its id made by request_document), not by the trigger."""
+    """A fire run now (its id made by request_documents), not by the trigger."""
     return "@manual-" in fire_id_
 
 
-def request_document(schedule_id: str, now: dt.datetime, by: str,
-                     payload: dict[str, Any] | None, overlap: str | None,
-                     idempotency_key: str | None) -> Document:
-    """A fire run now, as the API inserts it for the leader to claim and publish."""
-    doc: Document = {"_id": f"{schedule_id}@manual-{iso_utc(now)}", "schedule_id": schedule_id,
-                     "nominal_at": now, "due_at": now, "state": REQUESTED, "manual": True,
-                     "requested_by": by, "recorded_at": now, "attempts": 0}
+def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
+    return f"{schedule_id}@manual-{iso_utc(now)}"
+
+
+def request_documents(schedule_id: str, now: dt.datetime, by: str,
+                      payload: dict[str, Any] | None, overlap: str | None,
+                      idempotency_key: str | None, tenants: list[str] | None = None
+                      ) -> list[Document]:
+    """A fire run now, as the API inserts it for the leader to claim and publish: one
+    document, or for a fan-out one per tenant (``<fire id>/<tenant>``, as a fire of its
+    trigger). The first carries the idempotency key."""
+    fire = manual_fire_id(schedule_id, now)
+    base: Document = {"schedule_id": schedule_id, "nominal_at": now, "due_at": now,
+                      "state": REQUESTED, "manual": True, "requested_by": by,
+                      "recorded_at": now, "attempts": 0}
     if payload is not None:
-        doc["payload"] = payload
+        base["payload"] = payload
     if overlap is not None:
-        doc["overlap"] = overlap
-    if idempotency_key is not None:
-        doc["idempotency_key"] = f"{schedule_id}/{idempotency_key}"
-    return doc
+        base["overlap"] = overlap
+    docs = [{"_id": fire, **base}] if tenants is None else [
+        {"_id": f"{fire}/{tenant}", **base, "tenant": tenant} for tenant in tenants]
+    if idempotency_key is not None and docs:
+        docs[0]["idempotency_key"] = f"{schedule_id}/{idempotency_key}"
+    return docs
+
+
+def requested_fire(doc: Document) -> str:
+    """The id of the fire run now that ``doc`` belongs to (a fan-out's has one document
+    per tenant)."""
+    fire = str(doc["_id"])
+    tenant = doc.get("tenant")
+    return fire[:-len(tenant) - 1] if isinstance(tenant, str) else fire
 
 
 def claim_document(schedule_id: str, nominal: dt.datetime, due: dt.datetime, term: int,
@@ -161,19 +179,28 @@ class Ledger:
 
     # -- the API's writes -----------------------------------------------------------------
 
-    async def request(self, doc: Document) -> tuple[Document, bool]:
-        """Insert a fire run now; (the fire, True), or (the earlier fire made with the same
-        idempotency key, False)."""
+    async def request(self, docs: list[Document]) -> tuple[Document, bool]:
+        """Insert a fire run now (request_documents); (its first document, True), or
+        (the first document of the earlier fire made with the same idempotency key,
+        False). In order: a key already used stops the insert at the first document."""
         try:
-            await self.fires.insert_one(doc)
-            return doc, True
-        except DuplicateKeyError:
-            key = doc.get("idempotency_key")
-            first = None if key is None else await self.fires.find_one(
-                {"idempotency_key": key})
-            if first is None:  # the same instant twice (the fire id), not the key
+            await self.fires.insert_many(docs, ordered=True)
+            return docs[0], True
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            key = docs[0].get("idempotency_key")
+            on_first = bool(errors) and errors[0].get("index") == 0 \
+                and errors[0].get("code") == 11000
+            first = await self.requested_with_key(key) \
+                if key is not None and on_first else None
+            if first is None:  # not the key (the same instant twice: the fire id)
                 raise
             return first, False
+
+    async def requested_with_key(self, key: str) -> Document | None:
+        """The first document of the fire run now with this idempotency key, if any."""
+        doc: Document | None = await self.fires.find_one({"idempotency_key": key})
+        return doc
 
     async def withdraw(self, fire_id_: str, reason: str) -> bool:
         """A fire still waiting (buffered, or requested and not yet claimed) is not to be
