@@ -16,7 +16,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
 from hascheduler.core.triggers import Interval
-from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.dispatch import BACKFILL_QUIET_S, CLAIM_AHEAD_S, Dispatcher
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
 from tests.waiting import wait_until
@@ -230,3 +230,40 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
     assert list(term.queue.items()) == []
     await asyncio.wait({waiting}, timeout=5)
     assert waiting.cancelled()
+
+
+async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() -> None:
+    """A backfill's chunk waits while a regular publish or claim is due within
+    BACKFILL_QUIET_S, so its claims and publishes never land in front of a cron's
+    second; with nothing due soon, it goes."""
+    now = T0 + dt.timedelta(seconds=59)  # the schedule fires every minute from T0
+    entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease, clock=lambda: now)  # type: ignore[arg-type]
+    quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        assert dispatcher._quiet(term)  # nothing due at all
+        soon, later = now + quiet / 2, now + quiet * 2
+        term.expect([soon, soon, later])
+        assert term.next_publish_at() == soon
+        assert not dispatcher._quiet(term)  # a regular publish is due within the window
+        term.expected([soon])
+        assert not dispatcher._quiet(term)  # one of the two still is
+        term.expected([soon])
+        assert term.next_publish_at() == later
+        assert dispatcher._quiet(term)
+        # The queue's first fire is claimed CLAIM_AHEAD_S before it is due: the claims
+        # need the path too. Due in a second: its claim is now; in a minute: quiet.
+        list(term.queue.seed(now))
+        assert term.queue.first_at() == now + dt.timedelta(seconds=1)
+        assert dt.timedelta(seconds=1 - CLAIM_AHEAD_S) < quiet
+        assert not dispatcher._quiet(term)
+        term.queue.clear()
+        list(term.queue.seed(now + dt.timedelta(seconds=2)))
+        assert term.queue.first_at() == now + dt.timedelta(seconds=61)
+        assert dispatcher._quiet(term)
+        term.queue.clear()
+        term.expected([later])
+        assert term.next_publish_at() is None
+        assert dispatcher._quiet(term)

@@ -34,6 +34,7 @@ class Claim:
     # policy, for this fire only.
     payload: Mapping[str, Any] | None = None
     overlap: str | None = None
+    manual: bool = False  # run now: not one of its trigger's fires (nor of its max_fires)
 
     @classmethod
     def of(cls, due: Due, tenant: str | None = None) -> Claim:

@@ -70,12 +70,19 @@ CLAIM_AHEAD_S = 1.5
 RETRY_BATCHES_PER_TURN = 20
 # How often the leader takes the fires the API asked to run now.
 REQUESTED_POLL_S = 0.25
-# Backfills are worked a chunk of nominal times per running backfill every
-# BACKFILL_POLL_S (1,000 fires a second each at most), and not while half the publish
-# slots await the broker: a backfill takes a bounded share of the firing path, and the
-# regular fires go first.
+# Backfills are worked a chunk of nominal times per running backfill at most every
+# BACKFILL_INTERVAL_S (1,000 fires a second each at most), and only in the quiet between
+# the regular fires' publishes: never while half the publish slots await the broker, and
+# not when a regular publish or claim is due within BACKFILL_QUIET_S (a chunk's claims and
+# publishes then land between the bursts of a cron's seconds instead of in front of
+# them). A backfill takes a bounded share of the firing path, and the regular fires go
+# first; when they leave no quiet at all, it still works a chunk every
+# BACKFILL_MAX_WAIT_S.
 BACKFILL_CHUNK = 500
-BACKFILL_POLL_S = 0.5
+BACKFILL_INTERVAL_S = 0.5
+BACKFILL_POLL_S = 0.05
+BACKFILL_QUIET_S = 0.3
+BACKFILL_MAX_WAIT_S = 2.0
 
 
 class TenantSource(Protocol):
@@ -304,6 +311,7 @@ class Dispatcher:
                                 term: Term) -> None:
         """Publish each claimed fire at its due time, in groups due together."""
         claimed = sorted(claimed, key=lambda c: c.due_at)
+        term.expect([c.due_at for c in claimed])
         try:
             await self.publisher.templates({c.schedule_id for c in claimed})  # warm the cache
             while claimed:
@@ -318,11 +326,15 @@ class Dispatcher:
                 claimed = claimed[len(due):]
                 if not term.holds:
                     return  # deposed meanwhile: the next leader adopts these claims
-                wanted = await self._still_due(due, revisions, term)
-                if wanted:
-                    await self.publisher.publish(wanted, term.number, attempt=1)
+                try:
+                    wanted = await self._still_due(due, revisions, term)
+                    if wanted:
+                        await self.publisher.publish(wanted, term.number, attempt=1)
+                finally:
+                    term.expected([c.due_at for c in due])
         finally:
             term.pending.difference_update(c.fire_id for c in claimed)
+            term.expected([c.due_at for c in claimed])
 
     async def _still_due(self, due: list[Claim], revisions: dict[str, int],
                          term: Term) -> list[Claim]:
@@ -429,13 +441,31 @@ class Dispatcher:
             self.resumes.pop(schedule_id, None)
 
     async def _backfill_loop(self, term: Term, backfills: Backfills) -> None:
+        loop = asyncio.get_running_loop()
+        worked = loop.time() - BACKFILL_INTERVAL_S
         while True:
             await asyncio.sleep(BACKFILL_POLL_S)
             term.check()
-            if self.publisher.busy:
-                continue  # the fires due now wait for the broker: they go first
+            since = loop.time() - worked
+            # Regular fires so dense that the path is never quiet still leave a backfill
+            # a chunk every BACKFILL_MAX_WAIT_S: slower, never stopped.
+            if since < BACKFILL_INTERVAL_S or self.publisher.busy:
+                continue  # busy: the fires due now wait for the broker, they go first
+            if since < BACKFILL_MAX_WAIT_S and not self._quiet(term):
+                continue
+            worked = loop.time()
             for doc in await backfills.running(limit=10):
                 await self._backfill_chunk(doc, term, backfills)
+
+    def _quiet(self, term: Term) -> bool:
+        """No regular fire needs the firing path soon: no publish or claim is due within
+        BACKFILL_QUIET_S."""
+        publish_at = term.next_publish_at()
+        claim_at = term.queue.first_at()  # claimed CLAIM_AHEAD_S before it is due
+        if claim_at is not None:
+            claim_at -= dt.timedelta(seconds=CLAIM_AHEAD_S)
+        soon = self.clock() + dt.timedelta(seconds=BACKFILL_QUIET_S)
+        return all(t is None or t > soon for t in (publish_at, claim_at))
 
     async def _backfill_chunk(self, doc: dict[str, Any], term: Term,
                               backfills: Backfills) -> None:

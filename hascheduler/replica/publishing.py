@@ -28,7 +28,7 @@ from hascheduler.core.triggers import iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.storage.fire_counts import FireCounts
-from hascheduler.storage.fires import Ledger, is_manual
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
@@ -197,7 +197,7 @@ class Publisher:
         for claim in claims:
             entry = self.mirror.entries.get(claim.schedule_id)
             limit = entry.max_fires if entry is not None else None
-            if limit is None or is_manual(claim.fire_id):
+            if limit is None or claim.manual:
                 keep.append(claim)
                 continue
             counted = await self.counts.take(claim.schedule_id, claim.fire_id, limit)

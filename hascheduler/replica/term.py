@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections import Counter
 from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
@@ -54,6 +55,8 @@ class Term:
         self.watermark: dt.datetime | None = None
         self.queue = FireQueue(entries)
         self.pending: set[str] = set()  # fire ids claimed by this term, not yet published
+        # The due instants of those claims, counted: when the next publish is due.
+        self._due: Counter[dt.datetime] = Counter()
         self.deferred: dict[str, Due] = {}  # fan-out fires waiting for their source, by id
         self.active = False
         self.handing_over = asyncio.Event()
@@ -93,6 +96,20 @@ class Term:
             return self.watermark
         earliest = min(d.fire_at for d in self.deferred.values())
         return min(self.watermark, earliest - dt.timedelta(microseconds=1))
+
+    def expect(self, due: list[dt.datetime]) -> None:
+        """Claims due at these instants await their publish."""
+        self._due.update(due)
+
+    def expected(self, due: list[dt.datetime]) -> None:
+        """Those claims' publish is done (or abandoned)."""
+        self._due.subtract(due)
+        for instant in [i for i in set(due) if self._due[i] <= 0]:
+            del self._due[instant]
+
+    def next_publish_at(self) -> dt.datetime | None:
+        """When the earliest claim awaiting its publish is due, if any."""
+        return min(self._due) if self._due else None
 
     def publishing(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` (publishing claims of this term) until done or drained."""

@@ -56,12 +56,7 @@ def claim_of(doc: Document) -> Claim:
     """A claim read back from the ledger (a retry, an adoption, a fire run now)."""
     return Claim(doc["_id"], doc["schedule_id"], as_utc(doc["nominal_at"]),
                  as_utc(doc["due_at"]), doc.get("tenant"), int(doc.get("attempts", 0)),
-                 doc.get("payload"), doc.get("overlap"))
-
-
-def is_manual(fire_id_: str) -> bool:
-    """A fire run now (its id made by request_documents), not by the trigger."""
-    return "@manual-" in fire_id_
+                 doc.get("payload"), doc.get("overlap"), doc.get("manual") is True)
 
 
 def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
