@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 from types import SimpleNamespace
 
@@ -16,7 +17,12 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
 from hascheduler.core.triggers import Interval
-from hascheduler.replica.dispatch import BACKFILL_QUIET_S, CLAIM_AHEAD_S, Dispatcher
+from hascheduler.replica.dispatch import (
+    ADMIT_AHEAD_S,
+    BACKFILL_QUIET_S,
+    CLAIM_AHEAD_S,
+    Dispatcher,
+)
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
 from tests.waiting import wait_until
@@ -267,3 +273,55 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         term.expected([later])
         assert term.next_publish_at() is None
         assert dispatcher._quiet(term)
+
+
+async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time() -> None:
+    """The overlap gate's reservation is made ADMIT_AHEAD_S before the due time, the
+    publish at it (never before); a fire paused between the two is skipped at its due time
+    and its reservation withdrawn."""
+    start = dt.datetime.now(dt.UTC)
+    due = start + dt.timedelta(seconds=0.6)
+    entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t",
+                        overlap="skip") for s in ("kept", "paused")}
+    events: list[tuple[str, list[str], dt.datetime]] = []
+    skipped: list[str] = []
+
+    class Publisher:
+        async def templates(self, ids: set[str]) -> dict[str, object]:
+            return {}
+
+        async def admit(self, claims: list[Claim], term: int) -> list[Claim]:
+            events.append(("admit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+            # The schedule is paused once its fire was admitted.
+            entries["paused"] = dataclasses.replace(entries["paused"], paused=True)
+            return claims
+
+        async def unadmit(self, claims: list[Claim]) -> None:
+            events.append(("unadmit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
+        async def publish(self, claims: list[Claim], term: int, attempt: int,
+                          admitted: bool = False) -> None:
+            assert admitted
+            events.append(("publish", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
+    class Ledger:
+        async def skip(self, ids: list[str], term: int, reason: str) -> None:
+            skipped.extend(ids)
+
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, Ledger(), None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    dispatcher.publisher = Publisher()  # type: ignore[assignment]
+    claims = [Claim(f"{s}@x", s, due, due) for s in ("kept", "paused")]
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        term.pending.update(c.fire_id for c in claims)
+        await dispatcher._publish_when_due(claims, {"kept": 1, "paused": 1}, term)
+        assert term.next_publish_at() is None
+        assert not term.pending
+    assert [(what, ids) for what, ids, _ in events] == [
+        ("admit", ["kept@x", "paused@x"]), ("unadmit", ["paused@x"]), ("publish", ["kept@x"])]
+    admitted_at, published_at = events[0][2], events[2][2]
+    ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
+    assert due - ahead <= admitted_at < due
+    assert published_at >= due
+    assert skipped == ["paused@x"]

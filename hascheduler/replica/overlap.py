@@ -100,6 +100,13 @@ class OverlapGate:
         go = set(decision.publish)
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW]
 
+    async def unreserve(self, claims: list[Claim]) -> None:
+        """Claims it let through that will not be published after all (skipped at their
+        due time, failed, over max_fires): their reserved runs are not open."""
+        for claim in claims:
+            if self.policy(claim) != ALLOW:
+                await self.runs.unreserve(claim.fire_id)
+
     async def ready(self, term: int, retry_at: dt.datetime) -> list[Claim]:
         """Buffered fires whose key has no open run any more, claimed for ``term``: the
         earliest waiting fire of each such key."""

@@ -127,17 +127,39 @@ class Publisher:
             self._templates.pop(gone, None)
         return found
 
-    async def publish(self, claims: list[Claim], term: int, attempt: int,
-                      released: bool = False) -> None:
-        """Publish claimed fires (through the overlap gate: ``released`` ones were
-        buffered); mark each published, or schedule its retry."""
+    async def admit(self, claims: list[Claim], term: int) -> list[Claim]:
+        """The claims the overlap gate lets through now, to publish later with
+        ``admitted=True``; it records the others skipped or buffered."""
+        if self.gate is None:
+            return claims
         templates = await self.templates({c.schedule_id for c in claims})
-        gone = [c.fire_id for c in claims if c.schedule_id not in templates]
+        known = [c for c in claims if c.schedule_id in templates]
+        passed = {c.fire_id for c in await self.gate.admit(
+            known, {sid: t.target for sid, t in templates.items()}, term)}
+        # A schedule deleted meanwhile is recorded so by publish.
+        return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates]
+
+    async def unadmit(self, claims: list[Claim]) -> None:
+        """Admitted claims that will not be published after all: their reserved runs
+        are not open."""
+        if self.gate is not None:
+            await self.gate.unreserve(claims)
+
+    async def publish(self, claims: list[Claim], term: int, attempt: int,
+                      released: bool = False, admitted: bool = False) -> None:
+        """Publish claimed fires (through the overlap gate, unless ``admitted`` through it
+        already: ``released`` ones were buffered); mark each published, or schedule its
+        retry."""
+        templates = await self.templates({c.schedule_id for c in claims})
+        gone = [c for c in claims if c.schedule_id not in templates]
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
-            await self.ledger.skip(gone, term, "schedule deleted before its fire was published")
+            await self.ledger.skip([c.fire_id for c in gone], term,
+                                   "schedule deleted before its fire was published")
+            if admitted:
+                await self.unadmit(gone)
         sendable = [c for c in claims if c.schedule_id in templates]
-        if self.gate is not None:
+        if self.gate is not None and not admitted:
             sendable = await self.gate.admit(
                 sendable, {sid: t.target for sid, t in templates.items()}, term, released)
         sendable = await self._within_max_fires(sendable, term)
@@ -211,8 +233,7 @@ class Publisher:
             await self.ledger.skip([c.fire_id for c in refused], term, "max_fires reached")
             self.metrics.fires.labels("skipped").inc(len(refused))
             if self.gate is not None:
-                for claim in refused:
-                    await self.gate.runs.unreserve(claim.fire_id)
+                await self.gate.unreserve(refused)
         if self.store is not None:
             for schedule_id, limit in used_up.items():
                 if await self.store.complete(schedule_id, limit, self.clock()):
@@ -231,7 +252,7 @@ class Publisher:
             await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
             if self.gate is not None:  # never published: its reserved run is not open
-                await self.gate.runs.unreserve(claim.fire_id)
+                await self.gate.unreserve([claim])
             if self.counts is not None:  # ... nor does it count against max_fires
                 await self.counts.release(claim.schedule_id, claim.fire_id)
         else:
