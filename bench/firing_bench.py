@@ -42,6 +42,7 @@ from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
+from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
 
 # Printed after the lateness table, not inside it.
@@ -320,6 +321,7 @@ def ms(values: list[float], q: float) -> str:
 
 
 async def main() -> int:
+    logs.configure("warning")  # to stderr: stdout is the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--burst", type=int, default=10_000)

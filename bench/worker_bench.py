@@ -36,6 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
+from hascheduler.process import logs
 from hascheduler.worker import Run, WorkerApp
 from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
 
@@ -242,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=[1, 16])
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
-    return asyncio.run(main_async(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    logs.configure("warning")  # to stderr: stdout is the report
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
