@@ -76,6 +76,28 @@ def test_partial_index_is_used_only_when_the_filter_implies_it(
     assert len(coll.indexes["claimed_by_term"].entries[(key_of(0),)]) == 9
 
 
+@pytest.mark.parametrize(("filter_", "narrowed_to"), [
+    ({"open_key": "k3"}, 1),                                   # implies $exists: the index
+    ({"open_key": {"$in": ["k1", "k2", "gone"]}}, 2),
+    ({"open_key": {"$in": ["k1", None]}}, 1000),               # null matches the missing
+    ({"open_key": None}, 1000),
+    ({"open_key": {"$ne": "k1"}}, 1000),
+])
+def test_an_exists_partial_index_serves_the_equalities_that_imply_it(
+        filter_: dict[str, Any], narrowed_to: int) -> None:
+    """As the runs ledger's one-open-run index: a query pinning the field to values that
+    are not null implies the field exists, so it is served by the index instead of a scan
+    of every document (at 10,000 fires a second that scan was most of the server's time)."""
+    coll = make_collection()
+    coll.create_index({"key": {"open_key": 1}, "name": "one_open_run", "unique": True,
+                       "partialFilterExpression": {"open_key": {"$exists": True}}})
+    for i in range(1000):  # 10 open runs, the others ended (no open_key)
+        coll.insert({"_id": i, **({"open_key": f"k{i}"} if i < 10 else {})})
+    assert len(list(coll.candidates(filter_))) == narrowed_to
+    scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+    assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
+
+
 def test_range_respects_type_brackets_and_multikey_arrays() -> None:
     coll = make_collection()
     coll.create_index({"key": {"v": 1}})

@@ -274,11 +274,19 @@ def _equalities(filter_: Document) -> dict[str, list[Any]]:
 
 def _covers(index: Index, equal: dict[str, list[Any]]) -> bool:
     """Whether every document the filter can match is in the index: always, unless the
-    index is partial; then the filter must pin each field of a partial filter made of
-    plain equalities to the same value (``{"state": "claimed"}``), as MongoDB requires."""
+    index is partial; then the filter must imply each condition of the partial filter, as
+    MongoDB requires: a plain equality (``{"state": "claimed"}``) pinned to the same value,
+    or ``{"$exists": true}`` on a field the filter pins to values that are not null
+    (``{"open_key": {"$in": [...]}}``)."""
     if index.partial_filter is None:
         return True
     for field_, want in index.partial_filter.items():
+        if isinstance(want, dict) and want.keys() == {"$exists"} and want["$exists"] in (
+                True, 1) and not field_.startswith("$"):
+            pinned = equal.get(field_)
+            if not pinned or any(v is None for v in pinned):
+                return False
+            continue
         if isinstance(want, dict):
             if set(want) != {"$eq"}:
                 return False
