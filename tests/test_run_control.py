@@ -177,3 +177,24 @@ async def test_bad_run_control_requests_get_a_4xx_naming_the_field(stack: Stack)
     assert status == 404
     status, _ = await stack.get("/fires/nobody@manual-x")
     assert status == 404
+
+
+async def test_a_replay_under_skip_waits_for_the_open_run(stack: Stack) -> None:
+    """Replaying a dead run of a `skip` schedule beside its open run is a 409 naming that
+    run; once it has ended, the replay goes."""
+    await stack.worker()
+    sid = await not_firing(stack, "jobs.replay", {"permanent": True}, overlap="skip")
+    _, dead = await post(stack, f"/schedules/{sid}/trigger", {})
+    await run_state(stack, dead["fire_id"], "dead")
+    _, long = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 3}})
+    await run_state(stack, long["fire_id"], "running")
+    status, refused = await post(stack, f"/runs/{dead['fire_id']}/retry")
+    assert status == 409, refused
+    assert long["fire_id"] in refused["title"]
+    _, still = await stack.get(f"/runs/{dead['fire_id']}")
+    assert (still["state"], still["replays"]) == ("dead", 0)
+    await run_state(stack, long["fire_id"], "succeeded")
+    status, replayed = await post(stack, f"/runs/{dead['fire_id']}/retry")
+    assert status == 202, replayed
+    assert replayed["replays"] == 1
+    await run_state(stack, dead["fire_id"], "dead")  # permanent again, its key free again

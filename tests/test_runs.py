@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from hascheduler.core.claims import Claim
+from hascheduler.core.errors import RunConflict
 from hascheduler.storage.runs import (
     DEAD,
     RETRYING,
@@ -112,6 +114,34 @@ async def test_a_replay_gives_a_dead_run_a_fresh_budget(ledger: RunLedger) -> No
     again = await ledger.claim(fire(), "b", at(5), 10)
     assert again.claimed
     assert again.attempt == 1
+
+
+async def test_a_replay_under_an_overlap_policy_is_open_and_never_beside_another(
+        ledger: RunLedger) -> None:
+    """Replaying a dead run of a governed schedule opens it under the schedule's key: not
+    while another run of the key is open (RunConflict naming it), and the leader's next
+    reservation of the key is refused while the replay runs."""
+    def governed(fire_id: str) -> Claim:
+        return Claim(fire_id, "s", at(1), at(1))
+
+    await ledger.claim(fire(), "a", at(0), 10)
+    await ended(ledger, "s@1", "a", 1, at(0), at(1), DEAD, "E")
+    assert await ledger.reserve([governed("s@2")], {"s": "jobs"}, at(1)) == {}
+    with pytest.raises(RunConflict, match="s@2"):
+        await ledger.replay("s@1", at(2), key="s")
+    untouched = await ledger.get("s@1")
+    assert untouched is not None
+    assert (untouched["state"], untouched["replays"]) == (DEAD, 0)
+
+    await ledger.cancel("s@2", at(3), "ci")
+    replayed = await ledger.replay("s@1", at(4), key="s")
+    assert replayed is not None
+    assert (replayed["state"], replayed["open_key"]) == (RETRYING, "s")
+    assert await ledger.reserve([governed("s@3")], {"s": "jobs"}, at(5)) == {"s@3": "s@1"}
+    # The replay runs and ends: the key is free again.
+    assert (await ledger.claim(fire(), "b", at(6), 10)).claimed
+    await ended(ledger, "s@1", "b", 1, at(6), at(7), SUCCEEDED)
+    assert await ledger.reserve([governed("s@4")], {"s": "jobs"}, at(8)) == {}
 
 
 async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(

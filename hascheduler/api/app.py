@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import math
@@ -41,6 +42,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.instants import as_utc
+from hascheduler.core.overlap import ALLOW
 from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
 from hascheduler.storage.backfills import Backfill, Backfills
@@ -52,7 +54,7 @@ from hascheduler.storage.fires import (
     requested_fire,
 )
 from hascheduler.storage.lease import LeaseView
-from hascheduler.storage.runs import STATES, FireRef, RunLedger, public_view
+from hascheduler.storage.runs import STATES, FireRef, RunLedger, open_key, public_view
 from hascheduler.storage.schedules import ScheduleStore
 
 # The dashboard's page: one static file, no build step, read once at import.
@@ -509,10 +511,18 @@ async def get_run(request: web.Request) -> web.Response:
 
 
 async def retry_run(request: web.Request) -> web.Response:
-    """Replay a dead run (RunLedger.replay_dead)."""
+    """Replay a dead run (RunLedger.replay_dead); under its schedule's overlap policy, not
+    beside another open run of the same key (409)."""
     cluster = _cluster(request)
-    doc = await cluster.runs.replay_dead(request.match_info["id"], _now(request),
-                                         cluster.broker)
+    fire = request.match_info["id"]
+    run = await cluster.runs.get(fire)
+    key = None
+    if run is not None:
+        with contextlib.suppress(ScheduleNotFound):
+            schedule = await request.app[STORE].get(str(run["schedule_id"]))
+            if schedule.overlap != ALLOW:
+                key = open_key(schedule.id, run.get("tenant"))
+    doc = await cluster.runs.replay_dead(fire, _now(request), cluster.broker, key)
     return web.json_response(public_view(doc), status=202)
 
 

@@ -300,7 +300,8 @@ ROUTES: list[Route] = [
         app.retry_run,
         {
             "summary": "replay a dead run: it is published again and runs with a fresh "
-            "attempt budget",
+            "attempt budget; under its schedule's overlap policy it is open like any run, "
+            "and refused (409) while another run of the same schedule (or tenant) is open",
             "responses": responses(202, "Run", 403, 404, 409, 429, 503),
         },
     ),

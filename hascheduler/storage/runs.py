@@ -453,27 +453,39 @@ class RunLedger:
         except DuplicateKeyError:  # claimed meanwhile: cancel that
             return await self.cancel(fire_id, now, by)
 
-    async def replay(self, fire_id: str, now: dt.datetime) -> Document | None:
+    async def replay(self, fire_id: str, now: dt.datetime,
+                     key: str | None = None) -> Document | None:
         """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it
-        is now, or None when it is not dead (or not there)."""
-        doc: Document | None = await self.runs.find_one_and_update(
-            {"_id": fire_id, "state": DEAD},
-            {"$set": {"state": RETRYING, "attempts": 0, "next_attempt_at": now,
-                      "recorded_at": now},
-             "$inc": {"replays": 1}},
-            return_document=ReturnDocument.AFTER)
+        is now, or None when it is not dead (or not there). With the ``key`` of a
+        schedule's overlap policy (open_key), the replayed run is open under it, and
+        RunConflict is raised while another run of the key is open."""
+        update: Document = {"state": RETRYING, "attempts": 0, "next_attempt_at": now,
+                            "recorded_at": now}
+        if key is not None:
+            update["open_key"] = key
+        try:
+            doc: Document | None = await self.runs.find_one_and_update(
+                {"_id": fire_id, "state": DEAD}, {"$set": update, "$inc": {"replays": 1}},
+                return_document=ReturnDocument.AFTER)
+        except DuplicateKeyError:
+            assert key is not None  # only open_key is unique besides _id
+            holder = (await self.open_runs([key])).get(key, "")
+            raise RunConflict(f"run {fire_id!r} is held back by its schedule's overlap "
+                              f"policy: the run of fire {holder!r} is open; replay it once "
+                              "that run has ended") from None
         return doc
 
-    async def replay_dead(self, fire_id: str, now: dt.datetime, broker: Publishes) -> Document:
+    async def replay_dead(self, fire_id: str, now: dt.datetime, broker: Publishes,
+                          key: str | None = None) -> Document:
         """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
         published again under a new broker message id (the original one is still inside
         the broker's duplicate window, and would be dropped). If the message cannot be
         sent, the run is dead again, saying why. Returns the run as replayed.
 
-        Raises RunNotFound, RunConflict (not dead, or it kept no event to replay) or
-        BrokerRefused.
+        Raises RunNotFound, RunConflict (not dead, it kept no event to replay, or its
+        overlap ``key`` has another run open) or BrokerRefused.
         """
-        doc = await self.replay(fire_id, now)
+        doc = await self.replay(fire_id, now, key)
         if doc is None:
             current = await self.get(fire_id)
             if current is None:
@@ -500,7 +512,7 @@ class RunLedger:
         await self.runs.update_one(
             {"_id": fire_id, "state": RETRYING, "attempts": 0, "replays": replays},
             {"$set": {"state": DEAD, "last_error": error, "recorded_at": now},
-             "$unset": {"next_attempt_at": ""}})
+             "$unset": {"next_attempt_at": "", "open_key": ""}})
 
     # -- reads ----------------------------------------------------------------------------
 
