@@ -67,6 +67,22 @@ def stop_group(process: subprocess.Popen[Any], grace_s: float) -> None:
         process.wait(10)
 
 
+def stop_process(process: subprocess.Popen[Any], within_s: float = 5.0) -> None:
+    """SIGSTOP ``process`` and return once every thread of it is stopped: kill(2) only
+    queues the signal, and on a busy machine a thread running on another core may still
+    act for a moment after it (a nats-server acknowledged publishes sent after the
+    signal)."""
+    process.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{process.pid}/task")
+
+    def all_stopped() -> bool:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for t in tasks.iterdir()]
+        return all(state in ("T", "t") for state in states)
+
+    wait_until_sync(all_stopped, within_s, f"process {process.pid} stopped", 0.005)
+
+
 def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
     """Start ``hascheduler devmongo --port 0`` and read the URI it prints on one line."""
     return start_cli(["devmongo", "--port", "0", *args], "mongodb://", startup_s)

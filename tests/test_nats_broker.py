@@ -20,7 +20,7 @@ from hascheduler.brokers.nats.publisher import (
     ack_error,
 )
 from hascheduler.brokers.nats.wire import PublishConnection, WireError, frame
-from tests.servers import ServerProcess, start_nats
+from tests.servers import ServerProcess, start_nats, stop_process
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ async def test_a_stalled_server_times_out_and_a_fresh_connection_publishes_after
         broker: NatsPublisher, nats_server: ServerProcess) -> None:
     process = nats_server.process
     assert process is not None
-    process.send_signal(signal.SIGSTOP)
+    stop_process(process)
     try:
         outcomes = await broker.publish(messages(3), 1.0)
     finally:
