@@ -39,12 +39,12 @@ from typing import Any
 import aiohttp
 import nats
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, DeliverPolicy
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import event_latency, pct
 from bench.firing_bench import Cluster, ms, schedule_doc, started_cluster
-from bench.worker_bench import STREAM
+from bench.worker_bench import pull_consumer
 from tests.servers import ServerProcess, start_devmongo, start_nats
 from tests.waiting import wait_until
 
@@ -66,14 +66,10 @@ async def workers_ending_at_once(c: Cluster, nats_uri: str, overlap: str, since:
     ``since`` on (the cluster's start), and no other cluster's."""
     nc = await nats.connect(nats_uri)
     try:
-        js = nc.jetstream()
-        durable = f"ender-{c.db.name}"
-        await js.add_consumer(STREAM, ConsumerConfig(
-            durable_name=durable, ack_policy=AckPolicy.ALL,
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=since.isoformat().replace("+00:00", "Z"),
-            filter_subject="hascheduler.fire.bench.runs", max_ack_pending=-1))
-        sub = await js.pull_subscribe_bind(durable=durable, stream=STREAM)
+        sub = await pull_consumer(
+            nc, f"ender-{c.db.name}", "hascheduler.fire.bench.runs",
+            ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=since.isoformat().replace("+00:00", "Z"), max_ack_pending=-1)
         ready.set()
         while not stop.is_set():
             try:
@@ -102,19 +98,6 @@ async def workers_ending_at_once(c: Cluster, nats_uri: str, overlap: str, since:
         await nc.close()
 
 
-async def firing(c: Cluster) -> None:
-    """Until the leader has handled the fires due two seconds from now: past its start-up
-    catch-up. One read of the lease, so the wait costs the measured server nothing."""
-    past = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
-
-    async def handled() -> bool:
-        lease = await c.db.leases.find_one({"_id": "scheduler"}, {"fired_through": 1})
-        through = (lease or {}).get("fired_through")
-        return through is not None and through.replace(tzinfo=dt.UTC) >= past
-
-    await wait_until(handled, 60, "the leader firing", 0.2)
-
-
 async def lateness_window(c: Cluster, seconds: float, among: dict[str, Any],
                           label: str = "") -> list[float]:
     """Publish lateness of the fires due in the next ``seconds`` (the measured window),
@@ -123,19 +106,8 @@ async def lateness_window(c: Cluster, seconds: float, among: dict[str, Any],
     start = dt.datetime.now(dt.UTC)
     await asyncio.sleep(seconds)  # the window itself, not a wait for something
     end = dt.datetime.now(dt.UTC)
-    in_window = {**among, "due_at": {"$gte": start, "$lt": end}}
-
-    async def landed() -> bool:
-        # Among the claimed fires only (their partial index, by term): the poll must not
-        # scan every fire of the server it measures.
-        return await c.db.fires.count_documents(
-            {**in_window, "state": "claimed", "term": {"$gte": 0}}) == 0
-
-    try:
-        await wait_until(landed, 60, "the window's fires published", 0.2)
-    except AssertionError:
-        left = await c.db.fires.count_documents(
-            {**in_window, "state": "claimed", "term": {"$gte": 0}})
+    left = await c.wait_landed({**among, "due_at": {"$gte": start, "$lt": end}})
+    if left:
         NOTES.append(f"{label}: {left:,} fires due in the {seconds:g} s window were still "
                      "claimed and unpublished a minute after it (the firing path "
                      "saturated); the table measures those published by then")
@@ -154,7 +126,7 @@ async def overlap_cost(mongo: ServerProcess, broker: ServerProcess, n: int, seco
                                                        stop))
     try:
         await asyncio.wait_for(ready.wait(), 30)
-        await firing(c)
+        await c.wait_firing()
         late = await lateness_window(c, seconds, {}, f"{overlap} at {n:,} schedules")
         skipped = await c.db.fires.count_documents({"reason": "overlap"})
         return late, skipped
@@ -231,7 +203,7 @@ async def backfill(mongo: ServerProcess, broker: ServerProcess, k: int, regular:
     c = await started_cluster(mongo, broker.uri, "bench_backfill", schedules)
     regulars = {"schedule_id": {"$ne": "filled"}}
     try:
-        await firing(c)
+        await c.wait_firing()
         without = await lateness_window(c, seconds, regulars)
         end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(hours=1)
         start = end - dt.timedelta(seconds=k)

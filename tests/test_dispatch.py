@@ -275,6 +275,7 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         assert dispatcher._quiet(term)
 
 
+@pytest.mark.alone  # times the admission against the real clock: on an idle machine
 async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time() -> None:
     """The overlap gate's reservation is made ADMIT_AHEAD_S before the due time, the
     publish at it (never before); a fire paused between the two is skipped at its due time
