@@ -193,7 +193,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
                                            claim("newer", 3), claim("ours", 2))
         published["state"] = ledger.PUBLISHED
         await fires.insert_many([deposed, published, newer, ours])
-        term.pending.add(str(ours["_id"]))
+        term.claimed([Claim(str(ours["_id"]), "ours", at(10), at(10))])
 
         mine = [Claim(fire_id(sid, at(10)), sid, at(10), at(10))
                 for sid in ("deposed", "published", "newer", "ours", "fresh")]
@@ -251,12 +251,14 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         assert dispatcher._quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2
-        term.expect([soon, soon, later])
+        first, second, third = (Claim(f"f{i}", "s", due, due)
+                                for i, due in enumerate((soon, soon, later)))
+        term.claimed([first, second, third, first])  # a claim counted once
         assert term.next_publish_at() == soon
         assert not dispatcher._quiet(term)  # a regular publish is due within the window
-        term.expected([soon])
-        assert not dispatcher._quiet(term)  # one of the two still is
-        term.expected([soon])
+        term.settled([first, first])
+        assert not dispatcher._quiet(term)  # the other one still is
+        term.settled([second])
         assert term.next_publish_at() == later
         assert dispatcher._quiet(term)
         # The queue's first fire is claimed CLAIM_AHEAD_S before it is due: the claims
@@ -270,8 +272,9 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         assert term.queue.first_at() == now + dt.timedelta(seconds=61)
         assert dispatcher._quiet(term)
         term.queue.clear()
-        term.expected([later])
+        term.settled([third])
         assert term.next_publish_at() is None
+        assert term.pending == {}
         assert dispatcher._quiet(term)
 
 
@@ -315,7 +318,7 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
     dispatcher.publisher = Publisher()  # type: ignore[assignment]
     claims = [Claim(f"{s}@x", s, due, due) for s in ("kept", "paused")]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        term.pending.update(c.fire_id for c in claims)
+        term.claimed(claims)
         await dispatcher._publish_when_due(claims, {"kept": 1, "paused": 1}, term)
         assert term.next_publish_at() is None
         assert not term.pending

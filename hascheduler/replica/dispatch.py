@@ -237,7 +237,8 @@ class Dispatcher:
             raise LeadershipLost from None
         if not taken:
             return claims
-        adopted = await self.ledger.adopt(taken - term.pending, term.number, self.clock())
+        adopted = await self.ledger.adopt(taken - term.pending.keys(), term.number,
+                                          self.clock())
         if adopted:
             log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
@@ -271,7 +272,7 @@ class Dispatcher:
             self.metrics.fires.labels("claimed").inc(len(claimed))
             owned += len(claimed)
             if claimed:
-                term.pending.update(c.fire_id for c in claimed)
+                term.claimed(claimed)
                 term.publishing(self._publish_when_due(claimed, revisions, term))
         return owned, len(claims)
 
@@ -319,7 +320,6 @@ class Dispatcher:
         """Admit each claimed fire through the overlap gate ADMIT_AHEAD_S before its due
         time, and publish it at its due time, in groups due together."""
         claimed = sorted(claimed, key=lambda c: c.due_at)
-        term.expect([c.due_at for c in claimed])
         admitted: list[Claim] = []  # through the gate, awaiting their due time
         ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
         try:
@@ -348,11 +348,9 @@ class Dispatcher:
                         await self.publisher.publish(wanted, term.number, attempt=1,
                                                      admitted=True)
                 finally:
-                    term.expected([c.due_at for c in due])
+                    term.settled(due)
         finally:
-            left = claimed + admitted
-            term.pending.difference_update(c.fire_id for c in left)
-            term.expected([c.due_at for c in left])
+            term.settled(claimed + admitted)
 
     async def _admit(self, coming: list[Claim], term: Term) -> list[Claim]:
         """The claims the overlap gate lets through; the others (recorded skipped or
@@ -360,8 +358,7 @@ class Dispatcher:
         passed = await self.publisher.admit(coming, term.number)
         kept = {c.fire_id for c in passed}
         refused = [c for c in coming if c.fire_id not in kept]
-        term.pending.difference_update(c.fire_id for c in refused)
-        term.expected([c.due_at for c in refused])
+        term.settled(refused)
         return passed
 
     async def _until(self, at: dt.datetime, term: Term) -> bool:
@@ -381,7 +378,6 @@ class Dispatcher:
         # at this instant; the claim's tenant list stands).
         selected: dict[str, set[str] | None] = {}
         for claim in due:
-            term.pending.discard(claim.fire_id)
             entry = self.mirror.entries.get(claim.schedule_id)
             reason = None
             if entry is None:

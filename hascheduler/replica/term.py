@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections import Counter
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, Protocol
 
 import structlog
 
+from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
 from hascheduler.core.fire_queue import Due, FireQueue
 from hascheduler.storage.lease import LeaseTimings
@@ -54,8 +55,9 @@ class Term:
         self._lease = lease
         self.watermark: dt.datetime | None = None
         self.queue = FireQueue(entries)
-        self.pending: set[str] = set()  # fire ids claimed by this term, not yet published
-        # The due instants of those claims, counted: when the next publish is due.
+        # The claims of this term not yet published (or given up), by fire id, with their
+        # due times; and those due times counted, for when the next publish is due.
+        self.pending: dict[str, dt.datetime] = {}
         self._due: Counter[dt.datetime] = Counter()
         self.deferred: dict[str, Due] = {}  # fan-out fires waiting for their source, by id
         self.active = False
@@ -97,15 +99,21 @@ class Term:
         earliest = min(d.fire_at for d in self.deferred.values())
         return min(self.watermark, earliest - dt.timedelta(microseconds=1))
 
-    def expect(self, due: list[dt.datetime]) -> None:
-        """Claims due at these instants await their publish."""
-        self._due.update(due)
+    def claimed(self, claims: Iterable[Claim]) -> None:
+        """These claims of this term await their publish."""
+        for claim in claims:
+            if claim.fire_id not in self.pending:
+                self.pending[claim.fire_id] = claim.due_at
+                self._due[claim.due_at] += 1
 
-    def expected(self, due: list[dt.datetime]) -> None:
-        """Those claims' publish is done (or abandoned)."""
-        self._due.subtract(due)
-        for instant in [i for i in set(due) if self._due[i] <= 0]:
-            del self._due[instant]
+    def settled(self, claims: Iterable[Claim]) -> None:
+        """These claims are published, or will not be by this term."""
+        for claim in claims:
+            due = self.pending.pop(claim.fire_id, None)
+            if due is not None:
+                self._due[due] -= 1
+                if self._due[due] <= 0:
+                    del self._due[due]
 
     def next_publish_at(self) -> dt.datetime | None:
         """When the earliest claim awaiting its publish is due, if any."""
