@@ -22,14 +22,16 @@ ensure_venv() {
 }
 
 # Debian packages the test suite runs for real: chromium (the dashboard's browser test),
-# openssl (certificates for the TLS tests) and rabbitmq-server (the RabbitMQ and Celery
-# tests, run as the tests' own child). Installed with apt-get when missing; a machine
+# openssl (certificates for the TLS tests), rabbitmq-server (the RabbitMQ and Celery
+# tests, run as the tests' own child) and faketime (libfaketime: replicas whose wall clock
+# is wrong). Installed with apt-get when missing; a machine
 # without apt-get must provide them (the tests fail, never skip, without them).
 ensure_test_tools() {
   local missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+  compgen -G '/usr/lib/*/faketime/libfaketime.so.1' >/dev/null || missing+=(faketime)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -354,3 +355,14 @@ class CeleryWorker:
     def stop(self) -> None:
         stop_group(self.process, 20)
         self.log.close()
+
+
+def faketime_env(offset_s: float) -> dict[str, str]:
+    """The environment that runs a process with its wall clock moved by ``offset_s``
+    (libfaketime from Debian's faketime package; its monotonic clock keeps its pace)."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    if not found:
+        raise RuntimeError("libfaketime is missing: install Debian's faketime package "
+                           "(scripts/test does)")
+    return {"LD_PRELOAD": found[0], "FAKETIME": f"{offset_s:+g}s",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1"}

@@ -89,7 +89,7 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
     ready = False
     dispatcher = IdleDispatcher()
     elector = Elector(Lease(leases, "L", "a", FAST), dispatcher,  # type: ignore[arg-type]
-                      leases, ready=lambda: ready)
+                      leases, unfit=lambda: None if ready else "the mirror is not in sync")
     runner = asyncio.create_task(elector.run())
     try:
         # Five turns of the elector with a free lease: an unready replica must not take it.

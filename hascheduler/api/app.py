@@ -29,6 +29,7 @@ from hascheduler.api.views import (
 from hascheduler.brokers.base import Broker
 from hascheduler.core import models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
+from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
     DEFAULT_MAX_BACKFILL,
     DEFAULT_PAGE,
@@ -107,6 +108,7 @@ class SourceMirrors(Protocol):
 
 
 SOURCES: web.AppKey[SourceMirrors] = web.AppKey("sources")
+SERVER_CLOCK: web.AppKey[ServerClock] = web.AppKey("server_clock")
 
 
 @web.middleware
@@ -381,6 +383,12 @@ async def readyz(request: web.Request) -> web.Response:
     if sources is not None:  # each fan-out source's mirror: equal digests, equal copies
         status["sources"] = sources.digests()
         status["sources_ready"] = sources.ready
+    server_clock = request.app.get(SERVER_CLOCK)
+    if server_clock is not None:  # a replica that may not lead says why (invariant 10)
+        status["clock"] = server_clock.status()
+    cluster = request.app.get(CLUSTER)
+    if cluster is not None:
+        status["unfit_to_lead"] = cluster.elector.unfit_reason
     return web.json_response(status, status=200 if status["ready"] else 503)
 
 
@@ -396,6 +404,9 @@ class Leading(Protocol):
 
     @property
     def is_leader(self) -> bool: ...
+
+    @property
+    def unfit_reason(self) -> str | None: ...  # why it may not lead now, if so
 
 
 class Cluster:
@@ -428,7 +439,7 @@ def _cluster(request: web.Request) -> Cluster:
 async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
     doc = await cluster.leases.find_one({"_id": LEASE_NAME})
     view = LeaseView.from_document(doc) if doc else None
-    held = view is not None and view.held_at(dt.datetime.now(dt.UTC))
+    held = view is not None and view.held_at(_now(request))
     return {"holder": view.holder if held and view else None,
             "last_holder": view.holder if view else None, "term": view.term if view else 0,
             "expires_at": shown_time(view.expires_at) if view else None,
@@ -442,8 +453,8 @@ async def leader(request: web.Request) -> web.Response:
     return web.json_response(await _leader_view(request, _cluster(request)))
 
 
-async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
-    now = dt.datetime.now(dt.UTC)
+async def _members_view(request: web.Request, cluster: Cluster) -> list[dict[str, Any]]:
+    now = _now(request)
     fresh = now - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
     # The leader is the live lease's holder: a heartbeat only says what its replica
     # believed when it was sent, and a departed leader's last one said so.
@@ -460,7 +471,7 @@ async def _members_view(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 async def members(request: web.Request) -> web.Response:
-    return web.json_response({"members": await _members_view(_cluster(request)),
+    return web.json_response({"members": await _members_view(request, _cluster(request)),
                               "answered_by": request.app[REPLICA]})
 
 
@@ -683,7 +694,7 @@ async def dashboard(request: web.Request) -> web.Response:
     return web.json_response({
         **view.as_json(), "now": now.isoformat(),
         "leader": await _leader_view(request, cluster),
-        "members": await _members_view(cluster)})
+        "members": await _members_view(request, cluster)})
 
 
 async def ui(request: web.Request) -> web.Response:

@@ -26,6 +26,7 @@ from hascheduler.api.openapi import (
     ref,
     responses,
 )
+from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     MAX_PAGE,
@@ -453,6 +454,7 @@ def create_app(
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
     fan_out: tuple[int, app.TenantReads] | None = None,
     sources: app.SourceMirrors | None = None,
+    server_clock: ServerClock | None = None,
 ) -> web.Application:
     api = web.Application(
         middlewares=[app.count_requests, app.access_control, error_middleware],
@@ -470,6 +472,8 @@ def create_app(
         api[app.FAN_OUT] = fan_out
     if sources is not None:
         api[app.SOURCES] = sources
+    if server_clock is not None:
+        api[app.SERVER_CLOCK] = server_clock
     if cluster is not None:
         api[app.CLUSTER] = cluster
     for route in ROUTES:

@@ -23,6 +23,7 @@ from hascheduler.cli.settings import (
     resolve,
     text,
 )
+from hascheduler.core.clock import DEFAULT_TOLERANCE_S
 from hascheduler.core.constants import (
     DEFAULT_MAX_BACKFILL,
     DEFAULT_MAX_BUFFERED,
@@ -69,6 +70,8 @@ SETTINGS = (
     Setting("--max-buffered", DEFAULT_MAX_BUFFERED, positive_int,
             "the most fires one schedule (or tenant) may hold waiting under overlap "
             "buffer_all; more are recorded skipped"),
+    Setting("--clock-tolerance", DEFAULT_TOLERANCE_S, positive_float,
+            "seconds within which this replica must know the database's clock to lead"),
     Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
             "the fewest seconds between two fires of one schedule that a write may ask for"),
 )
@@ -109,7 +112,8 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                                   max_buffered=v["max_buffered"]),
         max_backfill=v["max_backfill"],
         tokens=tokens, write_limit=write_limit, min_fire_interval_s=v["min_fire_interval"],
-        run_retention_s=v["run_retention"], tls_cert_file=v["tls_cert_file"],
+        run_retention_s=v["run_retention"], clock_tolerance_s=v["clock_tolerance"],
+        tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"])
 
 

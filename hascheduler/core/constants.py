@@ -70,4 +70,7 @@ RUNS_WATCH_INTERVAL_S = 5.0
 
 # Heartbeats for GET /cluster: written this often, forgotten (TTL index) after this long.
 HEARTBEAT_INTERVAL_S = 2.0
+# How often a replica or worker asks the database its time (core/clock.py); the leader's
+# renewals are samples too.
+CLOCK_SAMPLE_S = 1.0
 HEARTBEAT_TTL_S = 30.0

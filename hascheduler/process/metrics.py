@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "watch_clock"]
 
 # Lateness and latencies of a scheduler: milliseconds when healthy, seconds in a failover.
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -92,3 +93,22 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ClockReadings(Protocol):
+    """What a process knows of the database's clock (core/clock.ServerClock)."""
+
+    def offset_s(self) -> float | None: ...
+
+    def error_s(self) -> float: ...
+
+
+def watch_clock(registry: CollectorRegistry, clock: ClockReadings) -> None:
+    """The clock offset gauges, read at scrape time (a replica's and a worker's)."""
+    Gauge("hascheduler_clock_offset_seconds",
+          "the database server's clock minus this process's, as best known (NaN before "
+          "the first sample)", registry=registry).set_function(
+        lambda: float("nan") if (offset := clock.offset_s()) is None else offset)
+    Gauge("hascheduler_clock_error_seconds",
+          "how far the clock offset may be off (half the width of its bounds)",
+          registry=registry).set_function(clock.error_s)

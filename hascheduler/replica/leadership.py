@@ -51,11 +51,14 @@ class Watchable(Protocol):
 
 class Elector:
     def __init__(self, lease: Lease, dispatcher: Firing, leases: Watchable,
-                 ready: Callable[[], bool] = lambda: True,
-                 metrics: Metrics | None = None) -> None:
+                 unfit: Callable[[], str | None] = lambda: None,
+                 metrics: Metrics | None = None,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> None:
         self.lease = lease
         self.metrics = metrics or Metrics()
-        self._ready = ready
+        self._unfit = unfit
+        self.unfit_reason: str | None = None  # why this replica may not lead now, if so
+        self._clock = clock
         self.dispatcher = dispatcher
         self._leases = leases
         self._leading: asyncio.Task[None] | None = None
@@ -87,10 +90,18 @@ class Elector:
 
     async def _attempt(self) -> None:
         self.attempts += 1
-        if not self._ready():
-            # An out-of-sync mirror must never lead: hand over rather than fire from it.
+        reason = self._unfit()
+        if reason != self.unfit_reason:
+            if reason is None:
+                log.info("fit_to_lead")
+            else:
+                log.warning("unfit_to_lead", reason=reason)
+            self.unfit_reason = reason
+        if reason is not None:
+            # An out-of-sync mirror, or a clock not known well enough, must never lead:
+            # hand over rather than fire from it.
             if self._leading is not None:
-                await self._stop_leading("the mirror is not in sync")
+                await self._stop_leading(reason)
                 with contextlib.suppress(PyMongoError, TimeoutError):
                     await asyncio.wait_for(self.lease.release(None), 2.0)
             return
@@ -155,7 +166,7 @@ class Elector:
             await self._stop_leading("the dispatcher stopped")
             wait = 0.0
         elif not self.is_leader and self.view is not None:
-            left = (self.view.expires_at - dt.datetime.now(dt.UTC)).total_seconds()
+            left = (self.view.expires_at - self._clock()).total_seconds()
             wait = min(wait, max(0.0, left) + random.uniform(0, TAKEOVER_SPREAD_S))
         self._changed.clear()
         with contextlib.suppress(TimeoutError):

@@ -22,8 +22,10 @@ from hascheduler.api import create_app
 from hascheduler.api.access import Tokens, WriteLimit
 from hascheduler.api.app import Cluster
 from hascheduler.brokers.registry import BrokerUrl
+from hascheduler.core.clock import DEFAULT_TOLERANCE_S, ServerClock
 from hascheduler.core.constants import (
     BACKFILLS,
+    CLOCK_SAMPLE_S,
     DEFAULT_DATABASE,
     DEFAULT_MAX_BACKFILL,
     DEFAULT_MIN_FIRE_INTERVAL_S,
@@ -45,7 +47,7 @@ from hascheduler.core.errors import ConfigError
 from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs
 from hascheduler.process.lifecycle import Every
-from hascheduler.process.metrics import LOOP_PROBE_S, Metrics
+from hascheduler.process.metrics import LOOP_PROBE_S, Metrics, watch_clock
 from hascheduler.replica.dispatch import Dispatcher
 from hascheduler.replica.leadership import Elector
 from hascheduler.replica.mirror import Mirror
@@ -57,6 +59,7 @@ from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.server_time import sample, sampler
 from hascheduler.storage.tenants import TenantDocuments
 
 log = structlog.get_logger("hascheduler.replica")
@@ -81,6 +84,8 @@ class ReplicaSettings:
     tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
     run_retention_s: float = DEFAULT_RUN_RETENTION_S
+    # How well the database's clock must be known to lead (core/clock.py).
+    clock_tolerance_s: float = DEFAULT_TOLERANCE_S
 
     @property
     def listen_host(self) -> str:
@@ -103,7 +108,7 @@ async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
 
 
 def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
-               elector: Elector) -> Callable[[], Awaitable[None]]:
+               elector: Elector, clock: ServerClock) -> Callable[[], Awaitable[None]]:
     """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
     async def beat() -> None:
         with contextlib.suppress(PyMongoError):
@@ -112,17 +117,18 @@ def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror
                 "digest": mirror.digest, "leader": elector.is_leader,
                 # The term last seen, as on every log line, so standbys show theirs too.
                 "term": elector.view.term if elector.view is not None else elector.lease.term,
-                "seen_at": dt.datetime.now(dt.UTC)}},
+                "seen_at": clock.now()}},
                 upsert=True)
     return beat
 
 
-def _count_runs(runs: RunLedger, metrics: Metrics) -> Callable[[], Awaitable[None]]:
+def _count_runs(runs: RunLedger, metrics: Metrics, clock: ServerClock
+                ) -> Callable[[], Awaitable[None]]:
     """Count the running and the stuck runs for /metrics (a read of the running ones only:
     at most each worker's concurrency)."""
     async def count() -> None:
         with contextlib.suppress(PyMongoError):
-            now = dt.datetime.now(dt.UTC)
+            now = clock.now()
             running: dict[str, int] = {}
             stuck: dict[str, int] = {}
             for doc in await runs.running():
@@ -206,10 +212,14 @@ class Replica:
         stack.push_async_callback(lifecycle.bounded, "closing the broker", broker.close)
 
         metrics = Metrics()
+        # Every decision on time (a fire due, a lease lapsed, a pause ended) is taken on
+        # the database's clock, whatever this host's says (invariant 10).
+        self.clock = server_clock = ServerClock(tolerance_s=settings.clock_tolerance_s)
         counts = FireCounts(db[FIRE_COUNTS])
         store = ScheduleStore(db[SCHEDULES], counts)
         ledger = Ledger(db[FIRES])
-        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings)
+        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
+                      server_clock=server_clock)
         dispatcher: Dispatcher | None = None
 
         self.sources = sources = Sources(db)
@@ -222,20 +232,25 @@ class Replica:
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
-                                settings.dispatch, metrics=metrics, sources=sources,
+                                settings.dispatch, clock=server_clock.now, metrics=metrics,
+                                sources=sources,
                                 runs=RunLedger(db[RUNS]), store=store, counts=counts,
                                 backfills=Backfills(db[BACKFILLS]))
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
-        self.elector = elector = Elector(lease, dispatcher, db[LEASES],
-                                         ready=lambda: mirror.ready,
-                                         metrics=metrics)
+        self.elector = elector = Elector(
+            lease, dispatcher, db[LEASES],
+            unfit=lambda: server_clock.problem() or (
+                None if mirror.ready else "the mirror is not in sync"),
+            metrics=metrics, clock=server_clock.now)
         metrics.watch(leader=lambda: elector.is_leader,
                       term=lambda: elector.view.term if elector.view is not None else 0,
                       size=lambda: mirror.size, ready=lambda: mirror.ready,
                       last_applied=lambda: (mirror.last_applied.time
                                             if mirror.last_applied is not None else None))
+        watch_clock(metrics.registry, server_clock)
 
-        app = create_app(store, mirror, settings.replica_id,
+        app = create_app(store, mirror, settings.replica_id, clock=server_clock.now,
+                         server_clock=server_clock,
                          cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
                                          RunLedger(db[RUNS]), broker,
                                          Backfills(db[BACKFILLS]), settings.max_backfill),
@@ -262,6 +277,9 @@ class Replica:
         log.info("replica_listening", url=self.url)
 
         await _retrying("creating indexes", lambda: _indexes(store, db, settings))
+        # One sample before anything stands for election, so the first attempt may lead.
+        await _retrying("reading the database's clock", lambda: sample(db, server_clock))
+        lifecycle.start(stack, "server clock", Every(CLOCK_SAMPLE_S, sampler(db, server_clock)))
         # Started in this order, stopped in the reverse: the elector first (the leader hands
         # over), then the probes and the heartbeats, leaving GET /cluster at once rather
         # than when the last heartbeat grows stale, then the mirror.
@@ -269,9 +287,9 @@ class Replica:
         stack.push_async_callback(lifecycle.bounded, "leaving the members", lambda: db[
             MEMBERS].delete_one({"_id": settings.replica_id}))
         lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
-            db[MEMBERS], settings, self.url, mirror, elector)))
+            db[MEMBERS], settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
-            RunLedger(db[RUNS]), metrics)))
+            RunLedger(db[RUNS]), metrics, server_clock)))
         lifecycle.start(stack, "loop probe", Every(LOOP_PROBE_S, _nothing,
                                                    late=metrics.loop_lag.observe))
         # Once the elector stopped: the handover (stop claiming, drain publishes, release

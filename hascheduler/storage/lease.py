@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from hascheduler.core.clock import ServerClock
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.instants import as_utc
 
@@ -85,12 +86,15 @@ class Lease:
     """One replica's handle on the named lease."""
 
     def __init__(self, collection: LeaseCollection, name: str, holder: str, timings: LeaseTimings,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 server_clock: ServerClock | None = None) -> None:
         self._coll = collection
         self.name = name
         self.holder = holder
         self.timings = timings
         self._monotonic = monotonic
+        # Each renewal's reply carries the server's time (renewed_at): a free sample.
+        self._server_clock = server_clock
         self.term: int | None = None  # the term we last held (None: another replica holds it)
         self._valid_until = float("-inf")  # monotonic: when we must stop acting
 
@@ -128,6 +132,9 @@ class Lease:
                 [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER)
         except DuplicateKeyError:
             doc = None  # the lease exists and is held: the upsert lost, as it should
+        renewed_at = as_utc(doc.get("renewed_at")) if doc is not None else None
+        if self._server_clock is not None and isinstance(renewed_at, dt.datetime):
+            self._server_clock.observe(started, self._monotonic(), renewed_at)
         if doc is None or doc.get("holder") != me:
             self.term = None
             self._valid_until = float("-inf")

@@ -42,7 +42,9 @@ from tenacity import (
 
 from hascheduler.brokers.base import Delivered, FireSource
 from hascheduler.brokers.registry import KINDS, BrokerUrl
+from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
+    CLOCK_SAMPLE_S,
     DEFAULT_DATABASE,
     DEFAULT_RUN_RETENTION_S,
     RUNS,
@@ -50,6 +52,7 @@ from hascheduler.core.constants import (
 )
 from hascheduler.process import lifecycle, logs
 from hascheduler.process.lifecycle import Every
+from hascheduler.process.metrics import watch_clock
 from hascheduler.storage.runs import (
     CANCELLED,
     DEAD,
@@ -60,6 +63,7 @@ from hascheduler.storage.runs import (
     RunLedger,
 )
 from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.server_time import sample, sampler
 from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.metrics import WorkerMetrics
@@ -139,7 +143,15 @@ async def run_worker(settings: WorkerSettings) -> int:
         runs = RunLedger(db[RUNS])
         await _until_up("creating the runs ledger's indexes",
                         lambda: runs.ensure_indexes(settings.run_retention_s), stop)
-        await Worker(settings, runs, metrics, schedules=ScheduleStore(db[SCHEDULES])).run(stop)
+        # Run leases and retry times are judged on the database's clock, whatever this
+        # host's says: a worker whose clock ran ahead would take over runs still held.
+        clock = ServerClock()
+        await _until_up("reading the database's clock", lambda: sample(db, clock), stop)
+        watch_clock(metrics.registry, clock)
+        async with contextlib.AsyncExitStack() as stack:
+            lifecycle.start(stack, "server clock", Every(CLOCK_SAMPLE_S, sampler(db, clock)))
+            await Worker(settings, runs, metrics, clock=clock.now,
+                         schedules=ScheduleStore(db[SCHEDULES])).run(stop)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 5)
