@@ -125,6 +125,7 @@ async def own_harness(mongo_uri: str) -> AsyncIterator[Any]:
     server = start_nats()
     h = Harness(mongo_uri, server)
     try:
+        await h.record()
         yield h
     finally:
         await h.close()

@@ -36,6 +36,7 @@ class Rabbit:
 async def harness(mongo_uri: str, rabbit: RabbitServer) -> AsyncIterator[Harness]:
     h = Harness(mongo_uri, Rabbit(rabbit))  # type: ignore[arg-type]
     try:
+        await h.record()
         yield h
     finally:
         await h.close()

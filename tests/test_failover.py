@@ -25,6 +25,7 @@ from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.nats.publisher import NatsEndpoint
 from hascheduler.core.triggers import Cron, Interval, fire_id, fire_times
+from hascheduler.storage.lease_history import LeaseHistory
 from tests.servers import NatsCluster, ServerProcess, start_nats, start_replica, with_database
 from tests.waiting import wait_until
 
@@ -48,6 +49,8 @@ class Harness:
                                                                           tz_aware=True)
         self.db = self.client[self.db_name]
         self.prefix = uuid.uuid4().hex[:6]
+        self.created = False  # whether schedules were made (so claims were written)
+        self.history: LeaseHistory | None = None
 
     def start(self, name: str, *extra: str) -> None:
         self.replicas[name] = start_replica(
@@ -94,6 +97,7 @@ class Harness:
                                       json=body) as r:
                 assert r.status == 201, await r.text()
                 created[sid] = await r.json()
+        self.created = True
         return created
 
     def signal(self, name: str, sig: int) -> None:
@@ -101,12 +105,26 @@ class Harness:
         assert process is not None
         os.kill(process.pid, sig)
 
+    async def record(self) -> None:
+        """Record the lease history from now on; ``close`` checks it."""
+        self.history = LeaseHistory(self.db)
+        await self.history.__aenter__()
+
     async def close(self) -> None:
-        await self.http.close()
-        for replica in self.replicas.values():
-            replica.stop(signal.SIGKILL)
-        await self.client.drop_database(self.db_name)
-        await self.client.close()
+        """Stop everything; then the lease history recorded must show no two terms valid
+        at once and no claim outside its term."""
+        try:
+            if self.history is not None:
+                await self.history.__aexit__(None, None, None)
+                report = self.history.check(DEADLINE)
+                assert report.ok, report.as_dict()
+                assert report.acts > 0 or not self.created, report.as_dict()
+        finally:
+            await self.http.close()
+            for replica in self.replicas.values():
+                replica.stop(signal.SIGKILL)
+            await self.client.drop_database(self.db_name)
+            await self.client.close()
 
 
 def expected_fires(schedules: dict[str, dict[str, Any]], start: dt.datetime,
@@ -185,10 +203,13 @@ def nats_server() -> Any:
 
 @pytest.fixture
 async def harness(mongo_uri: str, nats_server: ServerProcess) -> AsyncIterator[Harness]:
+    """Three replicas; the lease history they write is recorded throughout and checked
+    at the end: no two terms valid at once, no claim outside its term."""
     h = Harness(mongo_uri, nats_server)
-    for name in ("a", "b", "c"):
-        h.start(name)
     try:
+        await h.record()
+        for name in ("a", "b", "c"):
+            h.start(name)
         yield h
     finally:
         await h.close()

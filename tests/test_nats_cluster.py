@@ -33,6 +33,7 @@ async def cluster(mongo_uri: str) -> AsyncIterator[tuple[Harness, NatsCluster]]:
     nodes = start_nats_cluster(3)
     h = Harness(mongo_uri, nodes)
     try:
+        await h.record()
         yield h, nodes
     finally:
         await h.close()
