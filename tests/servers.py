@@ -98,14 +98,17 @@ def start_replica(mongodb_uri: str, replica_id: str, *args: str,
 
 
 def start_cli(args: list[str], announces: str, startup_s: float,
-              env: dict[str, str] | None = None) -> ServerProcess:
-    """Run ``hascheduler ARGS`` (``env`` added to ours) until it prints the line starting
-    with ``announces``."""
+              env: dict[str, str] | None = None, prefix: list[str] | None = None
+              ) -> ServerProcess:
+    """Run ``hascheduler ARGS`` (``env`` added to ours; behind ``prefix``, such as a
+    network namespace's ``ip netns exec``) until it prints the line starting with
+    ``announces``."""
     # stderr goes to a file: a pipe nobody reads would block the process once full.
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
         prefix="hascheduler-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        [sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args],
+        [*(prefix or []), sys.executable, "-m", "hascheduler.cli", "--log-level", "info",
+         *args],
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
     log.close()
     assert process.stdout is not None
