@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from hascheduler_dev.clocks import moved_clock_env
 from hascheduler_dev.devcluster.supervisor import (
     Child,
     DevSettings,
@@ -70,6 +71,8 @@ from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
 from hascheduler.brokers.nats.reader import read_stream, stream_leader
 from hascheduler.process import logs
+from hascheduler.storage.lease import LeaseTimings
+from hascheduler.storage.lease_history import LeaseHistory
 
 UTC = dt.UTC
 TARGET = "chaos"
@@ -78,7 +81,18 @@ SOAK_TENANTS = ("acme", "globex", "initech")
 KINDS = {"leader-kill": 2.0, "leader-term": 1.5, "leader-stop": 1.5, "standby-kill": 1.0,
          "standby-term": 1.0, "standby-stop": 1.0, "db-cutoff": 1.5, "db-stall": 1.0,
          "nats-restart": 1.0, "devmongo-stall": 1.0, "worker-kill": 1.0, "worker-stop": 1.0,
-         "nats-node-kill": 1.0, "db-step-down": 1.0}
+         "nats-node-kill": 1.0, "db-step-down": 1.0,
+         # A replica restarted with its wall clock moved, ahead or behind.
+         "clock-skew": 1.0,
+         # With --partitions (every process in a network namespace of its own): links cut
+         # with nftables.
+         "leader-cut-db": 1.5, "leader-cut-broker": 1.0, "leader-isolated": 1.0,
+         "leader-one-way-db": 1.0, "leader-lossy-db": 1.0, "worker-cut-db": 1.0}
+PARTITIONS = ("leader-cut-db", "leader-cut-broker", "leader-isolated", "leader-one-way-db",
+              "leader-lossy-db", "worker-cut-db")
+# How far a clock-skew fault moves a replica's wall clock, either way: seconds to minutes.
+SKEWS_S = (2.0, 5.0, 30.0, 120.0, 600.0)
+LOSS_PERCENT = 30
 DB_COMMANDS = ["find", "insert", "update", "delete", "findAndModify", "aggregate", "getMore",
                "count", "killCursors"]
 COMPLETE_WITHIN_S = 120.0  # after the last fault is healed, for the stream to be complete
@@ -160,7 +174,7 @@ class Soak:
         finally:
             await client.close()
         api = self.supervisor.replicas[0].address
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers) as http:
             for s in self.schedules:
                 async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
                     if r.status != 201:
@@ -233,6 +247,15 @@ class Soak:
         if workers:
             options["worker-kill"] = self.rng.choice(workers)
             options["worker-stop"] = self.rng.choice(workers)
+        if replicas:
+            options["clock-skew"] = (holder if holder in replicas and self.rng.random() < 0.5
+                                     else self.rng.choice(sorted(replicas)))
+        if self.args.partitions and "network" not in self.busy:
+            if holder in replicas:
+                for kind in PARTITIONS[:-1]:
+                    options[kind] = holder
+            if workers:
+                options["worker-cut-db"] = self.rng.choice(workers)
         if not options:
             return None
         # Every kind that applies is injected once before any is repeated: a short soak
@@ -252,7 +275,7 @@ class Soak:
             hold = rng.uniform(0.5, WORKER_ACK_WAIT_S * 2 / 3 - 0.5)
         elif kind.endswith("-stop"):
             hold = rng.uniform(0.5, 2 * ttl)
-        elif kind.startswith("db-"):
+        elif kind.startswith("db-") or kind in PARTITIONS:
             hold = rng.uniform(1.0, 2 * ttl)
         elif kind in ("nats-restart", "devmongo-stall"):
             hold = rng.uniform(0.5, 3.0)
@@ -270,10 +293,34 @@ class Soak:
                   # waiting fires go out within the capped backoff (2 s).
                   "nats-node-kill": 15.0, "db-step-down": failover,
                   "db-cutoff": failover if leader else 2.0,
-                  "db-stall": failover if leader else 2.0}.get(kind, 2.0)
+                  "db-stall": failover if leader else 2.0,
+                  "clock-skew": failover if leader else 2.0,
+                  "leader-cut-db": failover, "leader-isolated": failover,
+                  "leader-one-way-db": failover,
+                  # The leader keeps its lease without the broker: its fires wait out
+                  # the cut, then the publish retries' capped backoff.
+                  "leader-cut-broker": 5.0,
+                  # Lost packets leave TCP in its retransmission backoff (seconds) after
+                  # the loss ends.
+                  "leader-lossy-db": 15.0}.get(kind, 2.0)
         fault = Fault(kind, target, dt.datetime.now(UTC), round(hold, 2), term, leader, settle)
         self.faults.append(fault)
         sup = self.supervisor
+        if kind in PARTITIONS:
+            self._partition(fault)
+            return fault
+        if kind == "clock-skew":
+            # The replacement the supervisor starts (as a Deployment would) has its wall
+            # clock moved: it joins, may lead, and must never fire early.
+            skew = rng.choice(SKEWS_S) * rng.choice((-1, 1))
+            sup.next_replica_env = moved_clock_env(skew)
+            fault.hold_s = skew  # shown in the table: how far the clock was moved
+            child = self._replicas()[target]
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGKILL if rng.random() < 0.5
+                                          else signal.SIGTERM)
+            fault.ended = fault.started
+            return fault
         if kind.startswith("worker-"):
             self.interrupted.add(target)
             child = self._workers()[target]
@@ -330,6 +377,40 @@ class Soak:
             sup.child("devmongo").process.send_signal(signal.SIGSTOP)
             self._heal_later(fault, self._continue(sup.child("devmongo"), "devmongo"))
         return fault
+
+    def _partition(self, fault: Fault) -> None:
+        """Cut the target's links with nftables in its namespace; healed after the hold."""
+        sup, kind = self.supervisor, fault.kind
+        assert sup.net is not None, "partitions need the cluster in network namespaces"
+        child = (self._workers() if kind.startswith("worker-") else self._replicas()
+                 )[fault.target]
+        node = child.node
+        assert node is not None
+        db = sup.child("devmongo").node
+        assert db is not None
+        brokers = [c.node for c in sup.others if c.role == "nats" and c.node is not None]
+        if kind in ("leader-cut-db", "worker-cut-db"):
+            sup.net.cut(node, db)
+        elif kind == "leader-cut-broker":
+            sup.net.cut(node, *brokers)
+        elif kind == "leader-isolated":
+            everyone = [n for n in sup.net.nodes.values() if n is not node]
+            sup.net.cut(node, *everyone)
+        elif kind == "leader-one-way-db":
+            # One direction only, either one: the requests lost, or the replies.
+            outgoing = self.rng.random() < 0.5
+            sup.net.cut(node, db, outgoing=outgoing, incoming=not outgoing)
+        else:
+            sup.net.lossy(node, db, LOSS_PERCENT)
+        if kind.startswith("worker-"):
+            self.interrupted.add(fault.target)  # its runs may be taken over: done twice
+        self.busy |= {fault.target, "network"}
+
+        async def heal() -> None:
+            assert sup.net is not None
+            sup.net.heal(node)
+            self.busy -= {fault.target, "network"}
+        self._heal_later(fault, heal())
 
     async def admin(self, command: dict[str, Any]) -> None:
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
@@ -417,7 +498,8 @@ class Soak:
                       flush=True)
 
 
-LEADER_FAULTS = ("leader-kill", "leader-term", "leader-stop", "db-cutoff", "db-stall")
+LEADER_FAULTS = ("leader-kill", "leader-term", "leader-stop", "db-cutoff", "db-stall",
+                 "clock-skew", "leader-cut-db", "leader-isolated", "leader-one-way-db")
 
 
 def failover_gaps(faults: list[Fault], samples: list[LeaseSample],
@@ -529,7 +611,7 @@ async def run(args: argparse.Namespace) -> int:
     os.environ["CHAOS_SIDE_EFFECTS"] = str(side_effects)  # the workers inherit both
     os.environ["CHAOS_FAIL_RATE"] = str(args.fail_rate)
     settings = DevSettings(replicas=args.replicas, state_dir=state_dir, workers=args.workers,
-                           nats_cluster=args.nats_cluster,
+                           nats_cluster=args.nats_cluster, network=args.partitions,
                            worker_app="bench.chaos_worker:app",
                            worker_args=("--ack-wait", str(WORKER_ACK_WAIT_S),
                                         "--concurrency", "16"))
@@ -542,8 +624,15 @@ async def run(args: argparse.Namespace) -> int:
           f"renew interval {settings.renew_interval:g} s; logs in {settings.state_dir}",
           flush=True)
     watcher: asyncio.Task[None] | None = None
+    history: LeaseHistory | None = None
+    history_client: AsyncMongoClient[dict[str, Any]] | None = None
     try:
         await soak.supervisor.start()
+        # Every acquisition, renewal and release of the lease, and every claim, from the
+        # database's change stream, checked once the soak is over.
+        history_client = AsyncMongoClient(soak.supervisor.mongodb_uri, tz_aware=True)
+        history = LeaseHistory(history_client.get_default_database())
+        await history.__aenter__()
         now = dt.datetime.now(UTC)
         since = (now + dt.timedelta(seconds=5)).replace(microsecond=0)
         # Faults for --duration, then --calm seconds without: the audit window covers both,
@@ -563,7 +652,13 @@ async def run(args: argparse.Namespace) -> int:
         report, messages = await complete_stream(soak, since, until, windows)
         fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
         runs = await settled_runs(soak, fire_ids)
+        await history.settle()
     finally:
+        if history is not None:
+            with contextlib.suppress(Exception):
+                await history.__aexit__(None, None, None)
+        if history_client is not None:
+            await history_client.close()
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -578,6 +673,9 @@ async def run(args: argparse.Namespace) -> int:
         if side_effects.exists() else []
     runs_report = audit_runs(fire_ids, runs, effects, doomed, soak.interrupted)
     gaps = failover_gaps(soak.faults, soak.samples, fires)
+    assert history is not None
+    leases = history.check(LeaseTimings(
+        settings.lease_ttl, settings.renew_deadline, settings.renew_interval))
     print()
     print(table(report, soak.faults, gaps))
     print()
@@ -592,7 +690,9 @@ async def run(args: argparse.Namespace) -> int:
                   not (runs_report.lost or runs_report.unsettled or runs_report.wrongly_dead
                        or runs_report.wrongly_alive or runs_report.not_done),
               "a side effect repeated only by an interrupted worker":
-                  not runs_report.unexplained}
+                  not runs_report.unexplained,
+              "lease history: no two terms valid at once, no claim outside its term":
+                  leases.ok and leases.terms > 0 and leases.acts > 0}
     print()
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
@@ -603,6 +703,8 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {label}: {sid} @ {nominal.isoformat()}")
     for (sid, nominal), late in report.over_bound[:5]:
         print(f"  late: {sid} @ {nominal.isoformat()} by {late:.2f} s")
+    for violation in leases.violations[:5]:
+        print(f"  lease history: {violation}")
     for label, ids in (("lost run", runs_report.lost), ("unsettled", runs_report.unsettled),
                        ("wrongly dead", runs_report.wrongly_dead),
                        ("doomed yet succeeded", runs_report.wrongly_alive),
@@ -630,7 +732,8 @@ async def run(args: argparse.Namespace) -> int:
                              "p50": pct(report.lateness_clear, .5),
                              "p99": pct(report.lateness_clear, .99),
                              "max": max(report.lateness_clear, default=0.0)},
-        "gaps": gaps, "checks": checks, "ok": all(checks.values()),
+        "gaps": gaps, "lease_history": leases.as_dict(),
+        "checks": checks, "ok": all(checks.values()),
         "runs": {"fires": runs_report.fires, "succeeded": runs_report.succeeded,
                  "dead": runs_report.dead, "lost": len(runs_report.lost),
                  "unsettled": len(runs_report.unsettled),
@@ -686,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="lateness bound outside fault windows, seconds (default 2)")
     parser.add_argument("--min-faults", type=_positive(int, 0), default=0,
                         help="fail unless at least this many faults were injected")
+    parser.add_argument("--partitions", action=argparse.BooleanOptionalAction, default=True,
+                        help="run every process in a network namespace of its own and cut "
+                             "links among the faults (needs root; default on)")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
     args = parser.parse_args(argv)
     logs.configure("warning")  # the supervisor's own lines; the soak prints its faults

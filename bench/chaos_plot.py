@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from bench.chaos import Fault, LeaseSample
 
 FAULT_COLOURS = {"leader": "tab:red", "standby": "tab:blue", "db": "tab:purple",
-                 "nats": "tab:orange", "devmongo": "tab:brown", "worker": "tab:green"}
+                 "nats": "tab:orange", "devmongo": "tab:brown", "worker": "tab:green",
+                 "clock": "tab:cyan"}
 
 
 def _colour(kind: str) -> str:

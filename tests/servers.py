@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import signal
@@ -244,7 +243,7 @@ def start_nats_cluster(size: int = 3) -> NatsCluster:
     from hascheduler_dev.devcluster.supervisor import nats_cluster_args
 
     ports = [free_port() for _ in range(size)]
-    routes = [free_port() for _ in range(size)]
+    routes = [f"127.0.0.1:{free_port()}" for _ in range(size)]
     nodes = {}
     try:
         for i, (port, route) in enumerate(zip(ports, routes, strict=True)):
@@ -359,13 +358,3 @@ class CeleryWorker:
         stop_group(self.process, 20)
         self.log.close()
 
-
-def faketime_env(offset_s: float) -> dict[str, str]:
-    """The environment that runs a process with its wall clock moved by ``offset_s``
-    (libfaketime from Debian's faketime package; its monotonic clock keeps its pace)."""
-    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
-    if not found:
-        raise RuntimeError("libfaketime is missing: install Debian's faketime package "
-                           "(scripts/test does)")
-    return {"LD_PRELOAD": found[0], "FAKETIME": f"{offset_s:+g}s",
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1"}

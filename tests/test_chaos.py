@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import KINDS, Fault, LeaseSample, failover_gaps
+from bench.chaos import KINDS, PARTITIONS, Fault, LeaseSample, failover_gaps
 from bench.chaos_audit import SoakSchedule, audit, audit_runs, stored_fire
 from hascheduler.core.models import ScheduleIn
 from hascheduler.core.triggers import iso_utc
@@ -162,11 +162,13 @@ def test_chaos_refuses_bad_arguments() -> None:
 
 
 @pytest.mark.timeout(420)
-def test_thirty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    done = run_chaos("--duration", "30", "--fault-every", "1.6", "--calm", "5", "--replicas",
-                     "3", "--schedules", "40", "--seed", "11", "--min-faults", "15", "--out",
-                     str(out), timeout=400)
+    # Every process in a network namespace of its own (--partitions, the default): the
+    # soak meets clock skew and every partition kind too.
+    done = run_chaos("--duration", "45", "--fault-every", "1.6", "--calm", "5", "--replicas",
+                     "3", "--schedules", "40", "--seed", "11", "--min-faults", str(len(KINDS)),
+                     "--out", str(out), timeout=400)
     print(done.stdout[-4000:], done.stderr[-4000:])
     report = json.loads((out / "report.json").read_text())
     assert report["expected"] > 1000
@@ -176,7 +178,12 @@ def test_thirty_second_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None
     assert report["unexpected"] == 0
     assert report["early"] == 0
     kinds = {f["kind"] for f in report["faults"]}
-    assert len(report["faults"]) >= 15
+    assert len(report["faults"]) >= len(KINDS)
+    assert {"clock-skew", *PARTITIONS} <= kinds, kinds
+    history = report["lease_history"]
+    assert history["ok"], history
+    assert history["terms"] > 1
+    assert history["acts"] > 1000
     assert {"leader-kill", "leader-term"} & kinds, kinds
     assert "nats-restart" in kinds, kinds
     assert {"nats-node-kill", "db-step-down"} <= kinds, kinds

@@ -19,13 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hascheduler_dev.clocks import moved_clock_env
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from hascheduler.core.triggers import Cron, fire_id, fire_times
 from tests.servers import (
     ServerProcess,
-    faketime_env,
     start_nats,
     start_replica,
     with_database,
@@ -48,7 +48,7 @@ class Skewed:
         self.db_name = f"skew_{uuid.uuid4().hex[:8]}"
         self.prefix = uuid.uuid4().hex[:6]
         self.schedule_id = f"{self.prefix}-every-second"
-        env = faketime_env(skew_s) if skew_s else None
+        env = moved_clock_env(skew_s) if skew_s else None
         self.replica_id = f"skewed{skew_s:+g}"
         self.replica = start_replica(with_database(mongo_uri, self.db_name),
                                      self.replica_id, "--broker", nats.uri, env=env)

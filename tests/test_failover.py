@@ -25,6 +25,7 @@ from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.nats.publisher import NatsEndpoint
 from hascheduler.core.triggers import Cron, Interval, fire_id, fire_times
+from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
 from tests.servers import NatsCluster, ServerProcess, start_nats, start_replica, with_database
 from tests.waiting import wait_until
@@ -116,7 +117,7 @@ class Harness:
         try:
             if self.history is not None:
                 await self.history.__aexit__(None, None, None)
-                report = self.history.check(DEADLINE)
+                report = self.history.check(LeaseTimings(TTL, DEADLINE, INTERVAL))
                 assert report.ok, report.as_dict()
                 assert report.acts > 0 or not self.created, report.as_dict()
         finally:

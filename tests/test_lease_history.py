@@ -13,7 +13,7 @@ from hascheduler.storage.lease_history import LeaseHistory
 from tests.waiting import wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
-DEADLINE = 7.0
+DEADLINE, TTL = 7.0, 10.0
 
 
 def at(seconds: float) -> dt.datetime:
@@ -33,8 +33,13 @@ def term(n: int, acquired: float, renewed: float, released: float | None = None
     ([term(1, 0, 20, released=21), term(2, 21, 25)], [Act(1, at(20.9), "a")], 0),
     # Term 2 acquired while term 1 could still act (its deadline not passed).
     ([term(1, 0, 20), term(2, 25, 30)], [], 1),
-    # An act of term 1 after its renew deadline: a deposed leader claimed.
-    ([term(1, 0, 20), term(2, 30, 40)], [Act(1, at(27.5), "late")], 1),
+    # An act of term 1 after its renew deadline, before the lease could pass: a write
+    # sent in time and applied late (the margin is for it): a late landing.
+    ([term(1, 0, 20), term(2, 30, 40)], [Act(1, at(27.5), "late")], 0),
+    # ... after the lease could pass to another replica: a deposed leader acted.
+    ([term(1, 0, 20), term(2, 30, 40)], [Act(1, at(30.5), "stale")], 1),
+    # ... after the next term's acquisition (a handover released it early).
+    ([term(1, 0, 20, released=21), term(2, 21.5, 40)], [Act(1, at(21.6), "stale")], 1),
     # An act after its term's release.
     ([term(1, 0, 20, released=21)], [Act(1, at(21.5), "late")], 1),
     # An act before its term was acquired.
@@ -46,9 +51,17 @@ def term(n: int, acquired: float, renewed: float, released: float | None = None
 ])
 def test_the_checker_finds_exactly_the_violations(
         terms: list[TermRecord], acts: list[Act], violations: int) -> None:
-    report = check(terms, acts, DEADLINE)
+    report = check(terms, acts, DEADLINE, TTL)
     assert len(report.violations) == violations, report.violations
     assert report.ok == (violations == 0)
+
+
+def test_a_late_landing_is_counted_with_how_late_it_was() -> None:
+    report = check([term(1, 0, 20), term(2, 30, 40)], [Act(1, at(28.25), "late")],
+                   DEADLINE, TTL)
+    assert report.ok
+    assert report.late_landings == 1
+    assert report.latest_landing_s == pytest.approx(1.25)
 
 
 async def test_the_recorder_sees_acquisitions_renewals_releases_and_claims(db: Any) -> None:
@@ -64,7 +77,7 @@ async def test_the_recorder_sees_acquisitions_renewals_releases_and_claims(db: A
         assert view is not None
         await db.fires.update_one({"_id": "s@1"}, {"$set": {"term": view.term}})  # adopted
         await db.fires.insert_one({"_id": "s@2", "state": "published"})  # no term: no act
-    report = history.check(timings.renew_deadline)
+    report = history.check(timings)
     assert report.ok, report.as_dict()
     assert (report.terms, report.renewals, report.acts) == (2, 1, 2)
     records = sorted(history.terms.values(), key=lambda t: t.term)
@@ -81,9 +94,9 @@ async def test_the_recorder_catches_a_deposed_leaders_late_claim(db: Any) -> Non
         stale = a.term
         await wait_until(lambda: not a.valid, 5, "a's renew deadline to pass")
         await wait_until(lambda: dt.datetime.now(dt.UTC) > history.terms[stale].valid_until(
-            timings.renew_deadline) + dt.timedelta(milliseconds=50), 5, "its validity to end")
-        # A claim written after the deadline (as a write delayed in the network would be).
+            timings.ttl) + dt.timedelta(milliseconds=50), 5, "its lease to expire")
+        # A claim written once the lease could have passed to another replica.
         await db.fires.insert_one({"_id": "s@late", "term": stale, "state": "claimed"})
-    report = history.check(timings.renew_deadline)
+    report = history.check(timings)
     assert not report.ok
     assert "s@late" in report.violations[0]

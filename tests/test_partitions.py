@@ -42,6 +42,7 @@ from hascheduler_dev.netns import Network, Node
 from pymongo import AsyncMongoClient
 
 from hascheduler.core.triggers import Cron, fire_id, fire_times
+from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
 from tests.servers import (
     ServerProcess,
@@ -286,7 +287,7 @@ async def _partitioned(cluster: Partitioned) -> None:
                       if o["began_at"] <= n <= o["healed_at"] and f in stored]
             o["latest_fire_s"] = round(max(during, default=0.0), 3)
             o["began_at"] = o["healed_at"] = None
-        report = history.check(DEADLINE)
+        report = history.check(LeaseTimings(TTL, DEADLINE, INTERVAL))
         assert report.ok, (report.as_dict(), outcomes)
         assert report.acts >= len(expected)
         assert sum(1 for o in outcomes if o["new_leader"] != o["leader"]) >= 3, outcomes

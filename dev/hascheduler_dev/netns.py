@@ -62,6 +62,7 @@ class Network:
         self.hub = f"hs-{self.tag}-hub"
         self.nodes: dict[str, Node] = {}
         self._made: list[str] = []
+        self._next = 2  # the next node's address (.1 is nobody's)
 
     def __enter__(self) -> Network:
         try:
@@ -87,7 +88,11 @@ class Network:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def add(self, name: str) -> Node:
-        index = len(self.nodes) + 2
+        if name in self.nodes:
+            raise NetworkError(f"node {name!r} exists")
+        index, self._next = self._next, self._next + 1
+        if index > 254:
+            raise NetworkError("no address left on the bridge")
         node = Node(name, f"hs-{self.tag}-{name}", f"{SUBNET}.{index}")
         self._namespace(node.namespace)
         # Interface names have at most 15 characters.
@@ -104,6 +109,14 @@ class Network:
                      f"{{ type filter hook {hook} priority 0; }}")
         self.nodes[name] = node
         return node
+
+    def remove(self, node: Node) -> None:
+        """Delete ``node``'s namespace (its processes have exited) and its link."""
+        self.nodes.pop(node.name, None)
+        if node.namespace in self._made:
+            self._made.remove(node.namespace)
+            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True,
+                           check=False)
 
     def cut(self, node: Node, *peers: Node, outgoing: bool = True,
             incoming: bool = True) -> None:

@@ -9,7 +9,14 @@ A term is valid from its acquisition to its holder's renew deadline: the holder 
 acting ``renew_deadline`` after it *sent* its last successful renewal, which the server
 handled later, so on the server's clock the holder stops no later than
 ``last renewal + renew_deadline`` (or at its release, which it sends after it stopped).
-The check: terms' validity intervals never overlap, and no act lies outside its term's.
+Nobody else can acquire the lease before ``last renewal + ttl``: the margin between the
+two is there for what the holder sent before its deadline and the server applies after it
+(a write held up in the network or in a stalled server).
+
+The check: terms' validity intervals never overlap; no act lies before its term's
+acquisition, nor where another term could act (after ``last renewal + ttl``, or after the
+next term's acquisition). An act applied between its term's renew deadline and that point
+used the margin: counted as a late landing, not a violation.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class HistoryReport:
     renewals: int = 0
     acts: int = 0
     unverifiable: int = 0  # acts of terms acquired before the recording began
+    late_landings: int = 0  # applied after the renew deadline, before anyone could act
+    latest_landing_s: float = 0.0  # the most an act was applied after its renew deadline
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -59,17 +68,23 @@ class HistoryReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"terms": self.terms, "renewals": self.renewals, "acts": self.acts,
-                "unverifiable": self.unverifiable, "violations": len(self.violations),
+                "unverifiable": self.unverifiable, "late_landings": self.late_landings,
+                "latest_landing_s": round(self.latest_landing_s, 3),
+                "violations": len(self.violations),
                 "examples": self.violations[:5], "ok": self.ok}
 
 
-def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float
-          ) -> HistoryReport:
+def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float,
+          ttl_s: float) -> HistoryReport:
     """Every violation of single leadership the history shows."""
     report = HistoryReport(terms=len(terms), renewals=sum(t.renewals for t in terms),
                            acts=len(acts))
     by_term = {t.term: t for t in terms}
     ordered = sorted(terms, key=lambda t: t.term)
+    # Where another term may act: the lease's expiry, or the next term's acquisition.
+    others_from = {t.term: t.valid_until(ttl_s) for t in ordered}
+    for earlier, later in itertools.pairwise(ordered):
+        others_from[earlier.term] = min(others_from[earlier.term], later.acquired_at)
     for earlier, later in itertools.pairwise(ordered):
         end = earlier.valid_until(renew_deadline_s)
         if later.acquired_at + RESOLUTION < end:
@@ -88,8 +103,13 @@ def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float
                                          "which no replica acquired")
             continue
         end = record.valid_until(renew_deadline_s)
-        if act.at + RESOLUTION < record.acquired_at or act.at > end + RESOLUTION:
+        if act.at + RESOLUTION < record.acquired_at or act.at > others_from[act.term]:
             report.violations.append(
                 f"{act.what} written with term {act.term} at {act.at.isoformat()}, outside "
-                f"its validity {record.acquired_at.isoformat()} .. {end.isoformat()}")
+                f"its validity {record.acquired_at.isoformat()} .. {end.isoformat()}, when "
+                "another term could act")
+        elif act.at > end + RESOLUTION:
+            report.late_landings += 1
+            report.latest_landing_s = max(report.latest_landing_s,
+                                          (act.at - end).total_seconds())
     return report

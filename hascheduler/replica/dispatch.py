@@ -231,14 +231,16 @@ class Dispatcher:
         term.check()
         docs = [claim_record(c, term.number, now, self._retry_at(now)) for c in claims]
         try:
-            taken = await asyncio.wait_for(self.ledger.claim(docs),
-                                           max(term.remaining(), 0.001))
+            with term.fenced():
+                taken = await asyncio.wait_for(self.ledger.claim(docs),
+                                               max(term.remaining(), 0.001))
         except TimeoutError:
             raise LeadershipLost from None
         if not taken:
             return claims
-        adopted = await self.ledger.adopt(taken - term.pending.keys(), term.number,
-                                          self.clock())
+        with term.fenced():
+            adopted = await self.ledger.adopt(taken - term.pending.keys(), term.number,
+                                              self.clock())
         if adopted:
             log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
@@ -419,8 +421,9 @@ class Dispatcher:
         """
         now = self.clock()
         # Not before its due time: a claim made ahead waits for it (_claim takes it then).
-        adopted = await self.ledger.adopt_due(term.number, now,
-                                              now - dt.timedelta(seconds=grace_s))
+        with term.fenced():
+            adopted = await self.ledger.adopt_due(term.number, now,
+                                                  now - dt.timedelta(seconds=grace_s))
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
@@ -458,8 +461,9 @@ class Dispatcher:
             ids = await self.ledger.requested(CLAIM_BATCH)
             if ids:
                 now = self.clock()
-                claims = await self.ledger.take(ids, REQUESTED, term.number, now,
-                                                self._retry_at(now))
+                with term.fenced():
+                    claims = await self.ledger.take(ids, REQUESTED, term.number, now,
+                                                    self._retry_at(now))
                 log.info("running_now", count=len(claims), term=term.number)
                 await self.publisher.publish(claims, term.number, attempt=1)
 

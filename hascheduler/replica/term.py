@@ -14,11 +14,13 @@ leader's catch-up covers them). ``drain`` is the handover: publishes in flight f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 from collections import Counter
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, Protocol
 
+import pymongo
 import structlog
 
 from hascheduler.core.claims import Claim
@@ -89,6 +91,12 @@ class Term:
     def remaining(self) -> float:
         """Seconds the term may still act without another renewal."""
         return self._lease.remaining()
+
+    def fenced(self) -> contextlib.AbstractContextManager[None]:
+        """Bounds the database calls made inside it by what remains of the term: the
+        driver sends the rest as maxTimeMS, so a write the server holds up (a stall, a lock)
+        past the renew deadline is refused rather than applied for a deposed leader."""
+        return pymongo.timeout(max(self.remaining(), 0.001))
 
     @property
     def fired_through(self) -> dt.datetime | None:

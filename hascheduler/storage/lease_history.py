@@ -20,6 +20,7 @@ from pymongo.errors import PyMongoError
 from hascheduler.core.constants import FIRES, LEASE_NAME, LEASES
 from hascheduler.core.instants import as_utc
 from hascheduler.core.lease_history import Act, HistoryReport, TermRecord, check
+from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.streams import open_change_stream
 
 # Where ``settle`` writes the marks it waits to see come back on the stream.
@@ -28,7 +29,7 @@ MARKS = "lease_history_marks"
 
 class LeaseHistory:
     """``async with LeaseHistory(db) as history``: records until the block ends; then
-    ``history.check(renew_deadline_s)``."""
+    ``history.check(timings)``."""
 
     def __init__(self, db: Any, lease_name: str = LEASE_NAME) -> None:
         self._db = db
@@ -64,8 +65,10 @@ class LeaseHistory:
             del self._marks[mark]
             await self._db[MARKS].delete_one({"_id": mark})
 
-    def check(self, renew_deadline_s: float) -> HistoryReport:
-        return check(list(self.terms.values()), list(self.acts), renew_deadline_s)
+    def check(self, timings: LeaseTimings) -> HistoryReport:
+        """The history against the lease timings the replicas ran with."""
+        return check(list(self.terms.values()), list(self.acts), timings.renew_deadline,
+                     timings.ttl)
 
     async def _record(self) -> None:
         pipeline = [{"$match": {"ns.coll": {"$in": [LEASES, FIRES, MARKS]}}}]

@@ -135,3 +135,21 @@ async def test_block_connection_stalls_only_the_named_app(
         assert time.monotonic() - start >= 0.55
     finally:
         await driver.close(stalled)
+
+
+async def test_a_write_held_past_its_max_time_is_refused_not_applied(
+        admin: Any, db: Any) -> None:
+    """mongod's rule, which a leader's writes rely on (Term.fenced): maxTimeMS runs from
+    when the server took the command, so a write held up longer is never applied."""
+    await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 2},
+                         "data": {"failCommands": ["insert"], "blockConnection": True,
+                                  "blockTimeMS": 400}})
+    with pytest.raises(OperationFailure) as caught:
+        await db.command({"insert": "fenced", "documents": [{"_id": "late"}],
+                          "maxTimeMS": 100})
+    assert caught.value.code == 50
+    assert await db.fenced.find_one({"_id": "late"}) is None
+    # Within its limit, the same held-up write is applied.
+    await db.command({"insert": "fenced", "documents": [{"_id": "in-time"}],
+                      "maxTimeMS": 2000})
+    assert await db.fenced.find_one({"_id": "in-time"}) is not None

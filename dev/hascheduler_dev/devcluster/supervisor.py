@@ -39,8 +39,12 @@ from hascheduler.core.audit import audit, parse_instant
 from hascheduler.core.constants import DEFAULT_DATABASE, LEASE_NAME, LEASES, SCHEDULES
 from hascheduler.storage.lease import LeaseView
 from hascheduler_dev.devcluster.rabbitmq import RabbitNode, rabbitmq_server_binary
+from hascheduler_dev.netns import Network, Node
 
 log = structlog.get_logger("hascheduler.dev")
+
+# The replicas' API token when they serve on a network of namespaces (not loopback).
+API_TOKEN = "hascheduler-dev-network"
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
 START_TIMEOUT_S = 30.0
@@ -66,6 +70,11 @@ class DevSettings:
     lease_ttl: float = 4.0
     renew_deadline: float = 3.0
     renew_interval: float = 1.0
+    # Each child in a network namespace of its own on one bridge (hascheduler_dev/netns.py,
+    # root only), so that links between them can be cut: the soak's partitions. The
+    # supervisor itself talks to them from an observer namespace, and the replicas serve
+    # their API on the bridge behind API_TOKEN.
+    network: bool = False
 
 
 @dataclass
@@ -81,6 +90,7 @@ class Child:
     port: int | None = None
     retiring: bool = False  # stopped by us (scale down, shutdown): not replaced
     env: dict[str, str] | None = None  # None: ours
+    node: Node | None = None  # its network namespace (DevSettings.network)
 
     @property
     def alive(self) -> bool:
@@ -130,13 +140,13 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_cluster_args(name: str, route_port: int, route_ports: list[int],
+def nats_cluster_args(name: str, route: str, routes: list[str],
                       cluster: str = "hascheduler") -> list[str]:
-    """nats-server arguments for one node of a JetStream cluster on loopback: its name
-    (JetStream places stream replicas by it) and routes to every node, itself included."""
-    return ["--server_name", name, "--cluster_name", cluster,
-            "--cluster", f"nats://127.0.0.1:{route_port}",
-            "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)]
+    """nats-server arguments for one node of a JetStream cluster: its name (JetStream
+    places stream replicas by it), where it listens for routes (host:port) and the routes
+    to every node, itself included."""
+    return ["--server_name", name, "--cluster_name", cluster, "--cluster", f"nats://{route}",
+            "--routes", ",".join(f"nats://{r}" for r in routes)]
 
 
 class Supervisor:
@@ -157,16 +167,25 @@ class Supervisor:
         self._client: AsyncMongoClient[dict[str, Any]] | None = None
         self._reconciling = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.net: Network | None = None
+        self.observer: Node | None = None
+        self._network_stack = contextlib.ExitStack()
+        # The API's authorization header: needed once the API listens beyond loopback.
+        self.api_headers: dict[str, str] = {}
+        # Environment added to the next replica started (a clock moved, say), then cleared.
+        self.next_replica_env: dict[str, str] | None = None
 
     # -- children -------------------------------------------------------------------------
 
     async def _spawn(self, role: str, name: str, argv: list[str], announces: str | None,
-                     port: int | None = None, env: dict[str, str] | None = None) -> Child:
+                     port: int | None = None, env: dict[str, str] | None = None,
+                     node: Node | None = None) -> Child:
         self.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{name}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log, opened once
             process = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                *(node.run_in if node is not None else ()), *argv,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file,
                 stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent, env=env)
         assert process.stdout is not None
         address = ""
@@ -175,7 +194,8 @@ class Supervisor:
                 address = await asyncio.wait_for(self._announced(process, announces),
                                                  START_TIMEOUT_S)
             elif port is not None:
-                address = await asyncio.wait_for(self._listening(process, port),
+                host = node.address if node is not None else "127.0.0.1"
+                address = await asyncio.wait_for(self._listening(process, host, port),
                                                  START_TIMEOUT_S)
                 address = f"{'amqp' if role == 'rabbitmq' else 'nats'}://{address}"
         except (TimeoutError, RuntimeError) as exc:
@@ -183,8 +203,10 @@ class Supervisor:
                 process.kill()
             await process.wait()
             raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
+        if node is not None and address.startswith("http://0.0.0.0"):
+            address = address.replace("0.0.0.0", node.address)
         child = Child(name, role, process, address, log_path, argv, announces, port,
-                      env=env)
+                      env=env, node=node)
         self._keep(self._drain_stdout(child))
         log.info("child_started", name=name, role=role, pid=process.pid, address=address)
         return child
@@ -200,12 +222,12 @@ class Supervisor:
                 return line
 
     @staticmethod
-    async def _listening(process: asyncio.subprocess.Process, port: int) -> str:
+    async def _listening(process: asyncio.subprocess.Process, host: str, port: int) -> str:
         while process.returncode is None:
             with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                _, writer = await asyncio.open_connection(host, port)
                 writer.close()
-                return f"127.0.0.1:{port}"
+                return f"{host}:{port}"
             await asyncio.sleep(0.05)
         raise RuntimeError(f"exited with {process.returncode}")
 
@@ -225,16 +247,30 @@ class Supervisor:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args]
 
+    def _node(self, name: str) -> Node | None:
+        """The network namespace of the child ``name`` (made on first use), or None
+        without DevSettings.network."""
+        if self.net is None:
+            return None
+        return self.net.nodes.get(name) or self.net.add(name)
+
     async def _start_replica(self) -> Child:
         name = f"r{self._next_id}"
         self._next_id += 1
         s = self.settings
         broker = self.nats_uri or self.amqp_uri or s.broker or "log:"
+        node = self._node(name)
+        listen = ("--http-host", "0.0.0.0", "--http-port", "8080") if node else (
+            "--http-port", "0")
+        env, self.next_replica_env = self.next_replica_env, None
+        if node is not None:
+            env = {**(env or {}), "HASCHEDULER_WRITE_TOKENS": API_TOKEN}
         child = await self._spawn("replica", name, self._cli(
-            "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name,
-            "--http-port", "0", "--broker", broker, "--lease-ttl", str(s.lease_ttl),
+            "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name, *listen,
+            "--broker", broker, "--lease-ttl", str(s.lease_ttl),
             "--renew-deadline", str(s.renew_deadline),
-            "--renew-interval", str(s.renew_interval)), announces="http://")
+            "--renew-interval", str(s.renew_interval)), announces="http://",
+            env={**os.environ, **env} if env else None, node=node)
         self.replicas.append(child)
         return child
 
@@ -250,7 +286,7 @@ class Supervisor:
             "worker", "--broker", self.worker_broker, "--mongodb-uri", self.mongodb_uri,
             "--durable", "dev-worker", "--worker-id", name,
             *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
-            *self.settings.worker_args), announces="worker ")
+            *self.settings.worker_args), announces="worker ", node=self._node(name))
         self.workers.append(child)
         return child
 
@@ -280,7 +316,7 @@ class Supervisor:
                                     returncode=child.process.returncode)
                         children[i] = await self._spawn(child.role, child.name, child.argv,
                                                         child.announces, child.port,
-                                                        child.env)
+                                                        child.env, child.node)
             if self.worker_broker:
                 while len(self.workers) < self.desired_workers:
                     await self._start_worker()
@@ -288,6 +324,8 @@ class Supervisor:
                     await self._retire(self.workers.pop())  # the newest first
             for child in [c for c in self.replicas if not c.alive]:
                 self.replicas.remove(child)
+                if self.net is not None and child.node is not None:
+                    self.net.remove(child.node)  # replicas come back under new names
                 if not child.retiring:
                     log.warning("replica_exited", name=child.name,
                                 returncode=child.process.returncode)
@@ -309,27 +347,44 @@ class Supervisor:
     async def start(self) -> None:
         s = self.settings
         s.state_dir.mkdir(parents=True, exist_ok=True)
-        mongo = await self._spawn("devmongo", "devmongo",
-                                  self._cli("devmongo", "--port", "0"), announces="mongodb://")
+        if s.network:
+            if s.broker is not None:
+                raise RuntimeError("a network of namespaces runs its own nats-server: no "
+                                   "--broker with it")
+            self.net = self._network_stack.enter_context(Network())
+            self.observer = self.net.add("observer")
+            # From here on, this thread's sockets are made in the observer's namespace.
+            self._network_stack.enter_context(self.net.observe(self.observer))
+            self.api_headers = {"Authorization": f"Bearer {API_TOKEN}"}
+        db_node = self._node("devmongo")
+        listen = ("--host", db_node.address, "--port", "27017") if db_node else ("--port", "0")
+        mongo = await self._spawn("devmongo", "devmongo", self._cli("devmongo", *listen),
+                                  announces="mongodb://", node=db_node)
         self.others.append(mongo)
         # Started again, it must come back where the clients look for it (empty, though: it
         # keeps its data in memory).
-        mongo.argv = self._cli("devmongo", "--port", mongo.address.split(":")[2].split("/")[0])
+        port = mongo.address.split(":")[2].split("/")[0]
+        mongo.argv = self._cli("devmongo", *listen[:-1], port) if db_node else self._cli(
+            "devmongo", "--port", port)
         head, _, query = mongo.address.partition("?")
         self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
         self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
         if s.broker is None:
             shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
-            ports = [free_port() for _ in range(s.nats_cluster)]
-            routes = [free_port() for _ in range(s.nats_cluster)]
-            for i, port in enumerate(ports):
-                if s.nats_cluster == 1:
-                    self.others.append(await self._start_nats("nats-server", port, []))
-                else:
-                    name = f"nats-{i + 1}"
-                    self.others.append(await self._start_nats(
-                        name, port, nats_cluster_args(name, routes[i], routes)))
-            self.nats_uri = "nats://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+            names = (["nats-server"] if s.nats_cluster == 1
+                     else [f"nats-{i + 1}" for i in range(s.nats_cluster)])
+            nodes = [self._node(name) for name in names]
+            hosts = [n.address if n else "127.0.0.1" for n in nodes]
+            ports = [4222 if n else free_port() for n in nodes]
+            routes = [f"{h}:{6222 if n else free_port()}" for h, n in zip(hosts, nodes,
+                                                                           strict=True)]
+            for i, name in enumerate(names):
+                cluster = [] if s.nats_cluster == 1 else nats_cluster_args(name, routes[i],
+                                                                           routes)
+                self.others.append(await self._start_nats(name, hosts[i], ports[i], cluster,
+                                                          nodes[i]))
+            self.nats_uri = "nats://" + ",".join(f"{h}:{p}" for h, p in zip(hosts, ports,
+                                                                            strict=True))
         elif s.broker == "rabbitmq":
             await self._start_rabbitmq()
         elif s.broker.startswith(("nats://", "tls://")):
@@ -338,12 +393,13 @@ class Supervisor:
         await self.wait_ready()
         self._keep(self._reconcile_forever())
 
-    async def _start_nats(self, name: str, port: int, cluster: list[str]) -> Child:
+    async def _start_nats(self, name: str, host: str, port: int, cluster: list[str],
+                          node: Node | None) -> Child:
         store = self.settings.state_dir / "jetstream" / name
         return await self._spawn("nats", name,
                                  [nats_server_binary(), "-js", "-sd", str(store),
-                                  "-a", "127.0.0.1", "-p", str(port), *cluster],
-                                 announces=None, port=port)
+                                  "-a", host, "-p", str(port), *cluster],
+                                 announces=None, port=port, node=node)
 
     async def _start_rabbitmq(self) -> None:
         directory = (self.settings.state_dir / "rabbitmq").resolve()
@@ -378,7 +434,7 @@ class Supervisor:
     async def start_nats(self, stopped: Child) -> None:
         """Start a stopped nats-server again on its port and store: clients reconnect."""
         self.others.insert(1, await self._spawn("nats", stopped.name, stopped.argv, None,
-                                                stopped.port))
+                                                stopped.port, node=stopped.node))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -396,12 +452,13 @@ class Supervisor:
             await self._retire(child)
         if self.rabbit is not None:
             self.rabbit.stop_port_mapper()
+        self._network_stack.close()
         with contextlib.suppress(FileNotFoundError):
             (self.settings.state_dir / STATE_FILE).unlink()
 
     async def wait_ready(self, within_s: float = 60.0) -> None:
         deadline = time.monotonic() + within_s
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=self.api_headers) as http:
             for child in list(self.replicas):
                 while time.monotonic() < deadline and child.alive:
                     with contextlib.suppress(aiohttp.ClientError):
@@ -435,7 +492,8 @@ class Supervisor:
         now = dt.datetime.now(dt.UTC)
         holder = lease.get("holder") if lease.get("expires_at", now) > now else None
         replicas = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1),
+                                         headers=self.api_headers) as http:
             for child in self.replicas:
                 ready = False
                 if child.alive:
