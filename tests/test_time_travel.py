@@ -24,7 +24,7 @@ DATE_SENSITIVE = ["tests/test_triggers.py", "tests/test_cron.py", "tests/test_ca
                   "tests/test_fire_queue.py", "tests/test_events.py", "tests/test_dispatch.py",
                   "tests/test_chaos.py", "tests/test_mirror.py", "tests/test_api.py"]
 # Runs a cluster of processes, which keep the real clock.
-SOAK = "tests/test_chaos.py::test_thirty_second_soak_loses_and_duplicates_nothing"
+SOAK = "tests/test_chaos.py::test_short_soak_loses_duplicates_and_fires_early_nothing"
 
 
 def next_offset_change(zone: str, after: dt.datetime) -> dt.datetime:
