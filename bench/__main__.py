@@ -134,6 +134,17 @@ SECTIONS = [
      "schedules firing every second: its rate, and their lateness while it runs against a "
      "window without it, same cluster. Targets: skip within 1.2x of allow; buffered p99 "
      "<= 100 ms; regular lateness with the backfill within 1.2x of without."),
+    ("bench.partition_bench", "Partitions and clocks: failover cut from MongoDB, the offset",
+     [], ["--rounds", "1", "--schedules", "3"],
+     "`hascheduler dev`'s cluster with every process in a network namespace of its own "
+     "(root only): the development MongoDB server, one nats-server and three replicas "
+     "(lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s) with schedules firing "
+     "every second. Failover: rounds alternating SIGKILL of the leader (the baseline) and "
+     "the leader cut from MongoDB both ways with nftables, same run: from the fault to the "
+     "next term's lease and to its first fire. Offset: replicas started with their wall "
+     "clock moved by -600, -4, +4 and +600 s (libfaketime), their estimate of the offset "
+     "against the truth, and the bound they state; reading the estimate against reading "
+     "the wall clock. Target: the partition's takeover p99 within 1.2x of the kill's."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

@@ -24,7 +24,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     text = out.read_text()
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
                     "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
-                    "## Run control", "## Development MongoDB"):
+                    "## Run control", "## Partitions and clocks", "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
@@ -35,11 +35,12 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "SIGKILL of the NATS node leading the stream", "the database steps down",
                     "raw aio-pika (baseline)", "copies beyond the first",
                     "Celery send_task (baseline)", "Runs per fire id",
-                    "p99 skip / allow", "buffered p99", "backfill rate"):
+                    "p99 skip / allow", "buffered p99", "backfill rate",
+                    "Partition against kill", "offset estimate's error"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 11
+    assert text.count("Command: `python -m bench.") == 12
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

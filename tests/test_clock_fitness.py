@@ -1,5 +1,5 @@
 """A replica that cannot bound its offset from the database's clock within its tolerance
-does not lead, and says why in /readyz and its log (invariant 10)."""
+does not lead, and says why in /readyz and its log (invariant 12)."""
 
 from __future__ import annotations
 

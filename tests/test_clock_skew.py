@@ -1,4 +1,4 @@
-"""A replica whose wall clock is wrong fires on the database's clock (invariant 10).
+"""A replica whose wall clock is wrong fires on the database's clock (invariant 12).
 
 Each replica runs under libfaketime with its wall clock moved (seconds and minutes, ahead
 and behind) and leads its own cluster (a database of its own, one nats-server), beside one

@@ -384,7 +384,7 @@ async def readyz(request: web.Request) -> web.Response:
         status["sources"] = sources.digests()
         status["sources_ready"] = sources.ready
     server_clock = request.app.get(SERVER_CLOCK)
-    if server_clock is not None:  # a replica that may not lead says why (invariant 10)
+    if server_clock is not None:  # a replica that may not lead says why (invariant 12)
         status["clock"] = server_clock.status()
     cluster = request.app.get(CLUSTER)
     if cluster is not None:

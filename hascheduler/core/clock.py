@@ -1,4 +1,5 @@
-"""The database server's clock, as seen from this process (invariant 10, docs/ARCHITECTURE.md).
+"""The database server's clock, as seen from this process (invariant 12,
+docs/ARCHITECTURE.md).
 
 A replica decides when a fire is due, and a worker when a run's lease lapsed; the lease
 itself is judged on the server's ``$$NOW``. Deciding on the local wall clock makes a

@@ -213,7 +213,7 @@ class Replica:
 
         metrics = Metrics()
         # Every decision on time (a fire due, a lease lapsed, a pause ended) is taken on
-        # the database's clock, whatever this host's says (invariant 10).
+        # the database's clock, whatever this host's says (invariant 12).
         self.clock = server_clock = ServerClock(tolerance_s=settings.clock_tolerance_s)
         counts = FireCounts(db[FIRE_COUNTS])
         store = ScheduleStore(db[SCHEDULES], counts)
