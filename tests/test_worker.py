@@ -21,6 +21,7 @@ from typing import Any
 import aio_pika
 import nats
 import pytest
+from hascheduler_dev.clocks import moved_clock_env
 from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
@@ -144,9 +145,10 @@ class Workers:
         self.processes: list[asyncio.subprocess.Process] = []
         self.logs: list[Path] = []
 
-    async def start(self, *args: str, name: str | None = None) -> asyncio.subprocess.Process:
-        """A worker (``args`` added to the defaults: --app of tests.helpers.record_handler);
-        returned once it consumes."""
+    async def start(self, *args: str, name: str | None = None,
+                    env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+        """A worker (``args`` added to the defaults: --app of tests.helpers.record_handler;
+        ``env`` added to ours); returned once it consumes."""
         name = name or f"w{len(self.processes) + 1}"
         log = self.tmp / f"{name}.log"
         if not any(a in args for a in ("--app", "--handler")):
@@ -156,7 +158,7 @@ class Workers:
                 sys.executable, "-m", "hascheduler.cli", "--log-level", "debug", "worker",
                 "--broker", self.broker.uri, "--mongodb-uri", self.mongo_uri,
                 "--durable", self.durable, "--worker-id", name, *args,
-                env={**os.environ, "RECORD_FIRES_TO": str(self.record)},
+                env={**os.environ, "RECORD_FIRES_TO": str(self.record), **(env or {})},
                 stdout=asyncio.subprocess.PIPE, stderr=stderr)
         assert worker.stdout is not None
         line = await asyncio.wait_for(worker.stdout.readline(), 30)
@@ -324,6 +326,26 @@ async def test_the_same_fire_delivered_to_two_workers_at_once_runs_once(
                                    + workers.logged("fire_duplicate_dropped") >= 8), 20,
                      "every second copy to be set aside")
     assert Counter(a[0] for a in workers.attempts()) == dict.fromkeys(fires, 1)
+
+
+# NATS: a durable consumer made after the publish still gets the message.
+@pytest.mark.parametrize("workers", ["nats"], indirect=True)
+async def test_a_worker_whose_clock_runs_ahead_never_takes_over_a_held_run(
+        workers: Workers) -> None:
+    """Run leases are judged on the database's clock: a worker ten minutes ahead sees a
+    held run as held, where its own clock would call the lease long lapsed."""
+    await workers.start("--ack-wait", "3", name="right")
+    await workers.publish("jobs.skew", event("skew@1", 1, NOW, {"sleep": 4}), "s")
+    await wait_until(lambda: workers.runs_of("skew@1") == 1, 20, "the run to start")
+    # A consumer of its own: it gets the same fire while the first worker runs it.
+    await workers.start("--ack-wait", "3", "--durable", f"{workers.durable}-ahead",
+                        name="ahead", env=moved_clock_env(600))
+    await wait_until(lambda: workers.logged("fire_busy") >= 1, 20,
+                     "the worker ahead to find the run held")
+    doc = await workers.wait_state("skew@1", "succeeded", 30)
+    assert (doc["worker_id"], doc["attempts"]) == ("right", 1)
+    assert workers.runs_of("skew@1") == 1
+    assert workers.logged("run_taken_over") == 0
 
 
 async def test_a_killed_workers_run_is_taken_over_and_finishes_once(workers: Workers) -> None:
