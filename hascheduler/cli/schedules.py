@@ -19,11 +19,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
-import aiohttp
+from pydantic import BaseModel
 
 from hascheduler.cli import local_cluster
+from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.overlap import POLICIES
 from hascheduler.storage.runs import STATES as RUN_STATES
 
@@ -245,25 +245,6 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-async def _call(session: aiohttp.ClientSession, method: str, url: str,
-                **kwargs: Any) -> Any:
-    try:
-        async with session.request(method, url, **kwargs) as response:
-            body = await response.json() if response.content_type == "application/json" \
-                else None
-            if response.status >= 500:
-                raise Unavailable(f"{method} {url}: HTTP {response.status} "
-                                  f"{(body or {}).get('title', '')}")
-            if response.status >= 400:
-                details = "; ".join(f"{e['field']}: {e['message']}"
-                                    for e in (body or {}).get("errors", []))
-                raise Refused(f"HTTP {response.status}: {(body or {}).get('title', '')}"
-                              + (f" ({details})" if details else ""))
-            return body
-    except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot reach the API at {url}: {exc}") from None
-
-
 def _trigger_text(trigger: dict[str, Any]) -> str:
     if trigger["kind"] == "cron":
         return f"cron {trigger['cron']} {trigger.get('timezone', 'UTC')}"
@@ -296,91 +277,84 @@ def _run_sync(args: argparse.Namespace) -> int:
     return asyncio.run(run(args))
 
 
+def _shown(value: BaseModel | dict[str, Any]) -> str:
+    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    return json.dumps(data, indent=2)
+
+
+def _schedule_rows(items: list[Any]) -> str:
+    return _schedules_table([s.model_dump(mode="json") for s in items])
+
+
 async def run(args: argparse.Namespace) -> int:
     what = f"hascheduler {args.command} {args.action}"
     try:
         base = resolve_api(args.api)
-        headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
-                                         headers=headers) as session:
+        async with AsyncClient(base, args.token, attempts=1) as api:
             output: str | None
             if args.command == "runs":
-                output = await _runs(session, base, args)
+                output = await _runs(api, args)
             else:
-                output = await _dispatch(session, base, args)
+                output = await _dispatch(api, base, args)
     except Refused as exc:
         print(f"{what}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    except Unavailable as exc:
+    except (Unavailable, HaschedulerError) as exc:
+        refused = isinstance(exc, HaschedulerError) and 400 <= exc.status < 500
         print(f"{what}: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return EXIT_REFUSED if refused else EXIT_UNAVAILABLE
     if output is not None:
         print(output)
     return 0
 
 
-async def _dispatch(session: aiohttp.ClientSession, base: str,
-                    args: argparse.Namespace) -> str | None:
-    headers = {"If-Match": f'"{args.if_match}"'} if getattr(args, "if_match", None) else {}
-    sid = getattr(args, "id", None)
+async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> str | None:
+    if_match = getattr(args, "if_match", None)
+    sid: str = getattr(args, "id", None) or ""
     if args.action == "add":
-        body = await _call(session, "POST", f"{base}/schedules", json=schedule_body(args))
-        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+        created = await api.create_schedule(schedule_body(args))
+        return _shown(created) if args.json else _schedule_rows([created])
     if args.action == "list":
-        params: list[tuple[str, str]] = [("label", f"{k}={v}")
-                                         for k, v in _labels(args.label).items()]
-        if args.paused:
-            params.append(("paused", args.paused))
-        params.append(("limit", str(args.limit)))
-        body = await _call(session, "GET", f"{base}/schedules", params=params)
-        return json.dumps(body, indent=2) if args.json else _schedules_table(body["items"])
+        items, after = await api.send(calls.schedules_page(
+            _labels(args.label), None if args.paused is None else args.paused == "true",
+            None, args.limit))
+        if args.json:
+            return _shown({"items": [i.model_dump(mode="json") for i in items],
+                           "next": after})
+        return _schedule_rows(items)
     if args.action == "get":
-        body = await _call(session, "GET", f"{base}/schedules/{sid}")
-        return json.dumps(body, indent=2)
+        return _shown(await api.get_schedule(sid))
     if args.action == "update":
         if args.file:
-            replacement = _read_file(args.file)
-            body = await _call(session, "PUT", f"{base}/schedules/{sid}", json=replacement,
-                               headers=headers)
+            changed = await api.replace_schedule(sid, _read_file(args.file), if_match)
         else:
-            patch = _json_arg(args.patch, "--set")
-            body = await _call(session, "PATCH", f"{base}/schedules/{sid}", json=patch,
-                               headers=headers)
-        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+            changed = await api.patch_schedule(sid, _json_arg(args.patch, "--set"), if_match)
+        return _shown(changed) if args.json else _schedule_rows([changed])
     if args.action in {"pause", "resume"}:
-        why = {k: v for k in ("note", "until") if (v := getattr(args, k, None)) is not None}
-        body = await _call(session, "POST", f"{base}/schedules/{sid}/{args.action}",
-                           headers=headers, json=why or None)
-        return json.dumps(body, indent=2) if args.json else _schedules_table([body])
+        if args.action == "pause":
+            changed = await api.pause(sid, args.note, args.until, if_match)
+        else:
+            changed = await api.resume(sid, if_match)
+        return _shown(changed) if args.json else _schedule_rows([changed])
     if args.action == "delete":
-        await _call(session, "DELETE", f"{base}/schedules/{sid}", headers=headers)
+        await api.delete_schedule(sid, if_match)
         return None if not args.json else json.dumps({"deleted": sid})
     if args.action == "trigger":
-        body = {"force": True} if args.force else {}
-        if args.payload is not None:
-            body["payload"] = _json_arg(args.payload, "--payload")
-        if args.overlap:
-            body["overlap"] = args.overlap
-        if args.idempotency_key:
-            headers = {"Idempotency-Key": args.idempotency_key}
-        answer = await _call(session, "POST", f"{base}/schedules/{sid}/trigger", json=body,
-                             headers=headers)
-        return json.dumps(answer, indent=2) if args.json else answer["fire_id"]
+        payload = None if args.payload is None else _json_arg(args.payload, "--payload")
+        fired = await api.trigger(sid, payload, args.overlap, args.force,
+                                  args.idempotency_key)
+        return _shown(fired) if args.json else fired.fire_id
     if args.action == "backfill":
-        body = {"start": args.start, "end": args.end}
-        if args.overlap:
-            body["overlap"] = args.overlap
-        answer = await _call(session, "POST", f"{base}/schedules/{sid}/backfill", json=body)
-        return json.dumps(answer, indent=2) if args.json else (
+        answer = await api.backfill(sid, args.start, args.end, args.overlap)
+        return _shown(answer) if args.json else (
             f"backfill {answer['id']}: {answer['total']} fire times, "
             f"progress at {base}/backfills/{answer['id']}")
     if args.action == "next":
-        body = await _call(session, "GET", f"{base}/schedules/{sid}/next",
-                           params={"count": str(args.count)})
+        preview = await api.next_fires(sid, args.count)
         if args.json:
-            return json.dumps(body, indent=2)
-        return table([[t["nominal"], t["fire_at"], t["fire_id"]] for t in body["times"]],
-                     ["NOMINAL", "FIRE AT", "FIRE ID"])
+            return _shown(preview)
+        return table([[t.nominal.isoformat(), t.fire_at.isoformat(), t.fire_id]
+                      for t in preview.times], ["NOMINAL", "FIRE AT", "FIRE ID"])
     raise Refused(f"unknown action {args.action}")
 
 
@@ -394,26 +368,20 @@ def _runs_table(items: list[dict[str, Any]]) -> str:
                                     "LAST ERROR"])
 
 
-async def _runs(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> str:
+async def _runs(api: AsyncClient, args: argparse.Namespace) -> str:
     if args.action == "list":
         if not 1 <= args.limit <= 500:
             raise Refused("--limit must be from 1 to 500")
-        params = {"limit": str(args.limit)}
         if args.schedule:
             if args.state or args.after:
                 raise Refused("--schedule lists one schedule's runs: without --state/--after")
-            body = await _call(session, "GET",
-                               f"{base}/schedules/{quote(args.schedule, safe='')}/runs",
-                               params=params)
+            body = await api.schedule_runs(args.schedule, args.limit)
         else:
-            if args.state:
-                params["state"] = args.state
-            if args.after:
-                params["after"] = args.after
-            body = await _call(session, "GET", f"{base}/runs", params=params)
+            items, after = await api.send(calls.runs_page(args.state, args.after, args.limit))
+            body = {"items": items, "next": after}
         return json.dumps(body, indent=2) if args.json else _runs_table(body["items"])
-    run_url = f"{base}/runs/{quote(args.fire_id, safe='@:')}"
     if args.action == "show":
-        return json.dumps(await _call(session, "GET", run_url), indent=2)
-    body = await _call(session, "POST", f"{run_url}/{args.action}")
-    return json.dumps(body, indent=2) if args.json else _runs_table([body])
+        return json.dumps(await api.get_run(args.fire_id), indent=2)
+    changed = await (api.retry_run(args.fire_id) if args.action == "retry"
+                     else api.cancel_run(args.fire_id))
+    return json.dumps(changed, indent=2) if args.json else _runs_table([changed])
