@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -19,9 +20,19 @@ from typing import Any
 
 import pytest
 import time_machine
+from pymongo import MongoClient
 
 from tests.drivers import DRIVERS, Driver
-from tests.servers import RabbitServer, ServerProcess, external_uri, start_devmongo
+from tests.servers import (
+    RabbitServer,
+    ServerProcess,
+    external_uri,
+    free_port,
+    start_devmongo,
+    start_nats,
+    start_replica,
+    with_database,
+)
 
 # Set by tests/test_time_travel.py: this session's clock starts at that instant and runs on
 # (datetime.now and time.time move; the monotonic clock and other processes do not).
@@ -119,7 +130,6 @@ async def db(client: Any, db_name: str) -> AsyncIterator[Any]:
 async def own_harness(mongo_uri: str) -> AsyncIterator[Any]:
     """tests/test_failover.py's Harness with a nats-server of its own and no replica
     started yet (for tests that prepare the database before the first replica)."""
-    from tests.servers import start_nats
     from tests.test_failover import Harness
 
     server = start_nats()
@@ -130,3 +140,46 @@ async def own_harness(mongo_uri: str) -> AsyncIterator[Any]:
     finally:
         await h.close()
         server.stop()
+
+
+API_WRITE_TOKEN, API_READ_TOKEN = "client-write-token", "client-read-token"
+
+
+class ApiReplica:
+    """One replica with a write and a read token, on a port of its own so that it can come
+    back on it; its API is what the client and `apply` tests call."""
+
+    def __init__(self, mongo_uri: str, nats: ServerProcess, *args: str) -> None:
+        self.db_name = f"api_{uuid.uuid4().hex[:8]}"
+        self.mongo_uri = with_database(mongo_uri, self.db_name)
+        self.port = free_port()
+        self.args = ("--broker", nats.uri, "--http-port", str(self.port), *args)
+        self.process = self.start()
+
+    def start(self) -> ServerProcess:
+        return start_replica(self.mongo_uri, f"client-{self.port}", *self.args,
+                             env={"HASCHEDULER_WRITE_TOKENS": API_WRITE_TOKEN,
+                                  "HASCHEDULER_READ_TOKENS": API_READ_TOKEN})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def api_nats() -> Iterator[ServerProcess]:
+    server = start_nats()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api_replica(mongo_uri: str, api_nats: ServerProcess) -> Iterator[ApiReplica]:
+    """A replica of its own database, writes unlimited."""
+    replica = ApiReplica(mongo_uri, api_nats, "--write-rate", "0")
+    try:
+        yield replica
+    finally:
+        replica.process.stop(signal.SIGKILL)
+        with MongoClient(mongo_uri) as client:
+            client.drop_database(replica.db_name)

@@ -7,8 +7,6 @@ import datetime as dt
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,48 +23,12 @@ from hascheduler.client import (
     Unavailable,
 )
 from hascheduler.core.models import ScheduleIn
-from tests.servers import ServerProcess, free_port, start_nats, start_replica, with_database
+from tests.conftest import API_READ_TOKEN, API_WRITE_TOKEN, ApiReplica
+from tests.servers import ServerProcess
 
 pytestmark = [pytest.mark.timeout(240)]
 
-WRITE, READ = "client-write-token", "client-read-token"
-TOKENS = {"HASCHEDULER_WRITE_TOKENS": WRITE, "HASCHEDULER_READ_TOKENS": READ}
-
-
-class Replica:
-    """One replica with tokens, on a port of its own so that it can come back on it."""
-
-    def __init__(self, mongo_uri: str, nats: ServerProcess, *args: str) -> None:
-        self.db_name = f"client_{uuid.uuid4().hex[:8]}"
-        self.mongo_uri = with_database(mongo_uri, self.db_name)
-        self.port = free_port()
-        self.args = ("--broker", nats.uri, "--http-port", str(self.port), *args)
-        self.process = self.start()
-
-    def start(self) -> ServerProcess:
-        return start_replica(self.mongo_uri, f"client-{self.port}", *self.args, env=TOKENS)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[ServerProcess]:
-    server = start_nats()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def replica(mongo_uri: str, nats: ServerProcess) -> Iterator[Replica]:
-    r = Replica(mongo_uri, nats, "--write-rate", "0")
-    try:
-        yield r
-    finally:
-        r.process.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
-            client.drop_database(r.db_name)
+WRITE, READ = API_WRITE_TOKEN, API_READ_TOKEN
 
 
 def body(schedule_id: str, **extra: Any) -> dict[str, Any]:
@@ -75,8 +37,8 @@ def body(schedule_id: str, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
-def test_every_route_through_the_blocking_client(replica: Replica) -> None:
-    with Client(replica.url, WRITE) as api:
+def test_every_route_through_the_blocking_client(api_replica: ApiReplica) -> None:
+    with Client(api_replica.url, WRITE) as api:
         created = api.create_schedule(ScheduleIn.model_validate(body("report")))
         assert (created.id, created.revision, created.trigger.kind) == ("report", 1, "cron")
         assert api.get_schedule("report") == created
@@ -124,7 +86,7 @@ def test_every_route_through_the_blocking_client(replica: Replica) -> None:
         assert [r["id"] for r in api.runs(state="cancelled")] == [fired.fire_id]
         with pytest.raises(Conflict):
             api.retry_run(fired.fire_id)  # only a dead run is replayed
-        assert api.leader()["answered_by"] == f"client-{replica.port}"
+        assert api.leader()["answered_by"] == f"client-{api_replica.port}"
         assert api.cluster()["members"]
         assert api.readiness()["ready"] is True
 
@@ -133,8 +95,8 @@ def test_every_route_through_the_blocking_client(replica: Replica) -> None:
             api.get_schedule("report")
 
 
-def test_every_typed_error(replica: Replica) -> None:
-    with Client(replica.url, WRITE) as api:
+def test_every_typed_error(api_replica: ApiReplica) -> None:
+    with Client(api_replica.url, WRITE) as api:
         api.create_schedule(body("taken"))
         with pytest.raises(Invalid) as invalid:
             api.create_schedule(body("bad", trigger={"kind": "cron", "cron": "61 * * * *"}))
@@ -149,12 +111,12 @@ def test_every_typed_error(replica: Replica) -> None:
         assert conflict.value.current_revision == 2
         with pytest.raises(NotFound):
             api.pause("nobody")
-    with Client(replica.url, READ) as reader:
+    with Client(api_replica.url, READ) as reader:
         assert reader.get_schedule("taken").id == "taken"
         with pytest.raises(Unauthorized) as refused:
             reader.delete_schedule("taken")
         assert refused.value.status == 403
-    with Client(replica.url, "a-wrong-token") as stranger, pytest.raises(Unauthorized):
+    with Client(api_replica.url, "a-wrong-token") as stranger, pytest.raises(Unauthorized):
         stranger.get_schedule("taken")
     with Client("http://127.0.0.1:9", WRITE, attempts=2) as nowhere, \
             pytest.raises(Unavailable):
@@ -162,8 +124,8 @@ def test_every_typed_error(replica: Replica) -> None:
 
 
 def test_rate_limited_writes_wait_their_retry_after(mongo_uri: str,
-                                                    nats: ServerProcess) -> None:
-    limited = Replica(mongo_uri, nats, "--write-rate", "1", "--write-burst", "1")
+                                                    api_nats: ServerProcess) -> None:
+    limited = ApiReplica(mongo_uri, api_nats, "--write-rate", "1", "--write-burst", "1")
     try:
         with Client(limited.url, WRITE, attempts=1) as once:
             once.create_schedule(body("first"))
@@ -178,11 +140,11 @@ def test_rate_limited_writes_wait_their_retry_after(mongo_uri: str,
         limited.process.stop(signal.SIGKILL)
 
 
-def test_pages_of_ten_thousand_schedules(replica: Replica, mongo_uri: str) -> None:
-    with Client(replica.url, WRITE) as api:
+def test_pages_of_ten_thousand_schedules(api_replica: ApiReplica, mongo_uri: str) -> None:
+    with Client(api_replica.url, WRITE) as api:
         api.create_schedule(body("s00000"))
         with MongoClient(mongo_uri) as raw:
-            schedules = raw[replica.db_name].schedules
+            schedules = raw[api_replica.db_name].schedules
             template = schedules.find_one({"_id": "s00000"})
             assert template is not None
             schedules.insert_many([{**template, "_id": f"s{i:05d}", "name": f"s{i:05d}"}
@@ -191,8 +153,8 @@ def test_pages_of_ten_thousand_schedules(replica: Replica, mongo_uri: str) -> No
     assert ids == [f"s{i:05d}" for i in range(10_000)]
 
 
-async def test_the_async_client_pages_writes_and_raises_alike(replica: Replica) -> None:
-    async with AsyncClient(replica.url, WRITE) as api:
+async def test_the_async_client_pages_writes_and_raises_alike(api_replica: ApiReplica) -> None:
+    async with AsyncClient(api_replica.url, WRITE) as api:
         for i in range(5):
             await api.create_schedule(body(f"a{i}"))
         assert [s.id async for s in api.schedules(page_size=2)] == [f"a{i}" for i in range(5)]
@@ -207,24 +169,24 @@ async def test_the_async_client_pages_writes_and_raises_alike(replica: Replica) 
         assert [r async for r in api.runs(state="dead")] == []
 
 
-def test_a_read_is_retried_across_a_replica_restart(replica: Replica) -> None:
-    with Client(replica.url, WRITE, attempts=10) as api:
+def test_a_read_is_retried_across_a_replica_restart(api_replica: ApiReplica) -> None:
+    with Client(api_replica.url, WRITE, attempts=10) as api:
         api.create_schedule(body("survivor"))
-        replica.process.stop(signal.SIGKILL)
+        api_replica.process.stop(signal.SIGKILL)
         restarted: list[ServerProcess] = []
-        back = threading.Thread(target=lambda: restarted.append(replica.start()))
+        back = threading.Thread(target=lambda: restarted.append(api_replica.start()))
         back.start()
         try:
             # The replica is down when the call is made: the client retries until it is up.
             assert api.get_schedule("survivor").id == "survivor"
         finally:
             back.join()
-            replica.process = restarted[0]
+            api_replica.process = restarted[0]
 
 
-def test_the_api_and_token_come_from_the_environment(replica: Replica,
+def test_the_api_and_token_come_from_the_environment(api_replica: ApiReplica,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HASCHEDULER_API", replica.url)
+    monkeypatch.setenv("HASCHEDULER_API", api_replica.url)
     monkeypatch.setenv("HASCHEDULER_TOKEN", WRITE)
     with Client() as api:
         assert api.create_schedule(body("from-env")).id == "from-env"
@@ -233,16 +195,16 @@ def test_the_api_and_token_come_from_the_environment(replica: Replica,
         Client()
 
 
-def test_the_first_script_is_five_lines(replica: Replica) -> None:
+def test_the_first_script_is_five_lines(api_replica: ApiReplica) -> None:
     """The README's first script, as written there."""
     namespace: dict[str, Any] = {}
     script = (
         "from hascheduler.client import Client\n"
-        f"with Client({replica.url!r}, {WRITE!r}) as api:\n"
+        f"with Client({api_replica.url!r}, {WRITE!r}) as api:\n"
         "    api.create_schedule({'id': 'hello', 'name': 'hello', 'target': 'demo.hello',\n"
         "                         'trigger': {'kind': 'cron', 'cron': '*/5 * * * *'}})\n"
         "    print(api.next_fires('hello', count=1).times[0].nominal)\n")
     assert len(script.strip().splitlines()) == 5
     exec(compile(script, "first_script", "exec"), namespace)
-    with Client(replica.url, WRITE) as api:
+    with Client(api_replica.url, WRITE) as api:
         assert api.get_schedule("hello").target == "demo.hello"

@@ -1,0 +1,179 @@
+"""``hascheduler apply -f PATH`` and ``hascheduler export``: schedules kept as files.
+
+``apply`` makes the schedules a file (YAML or JSON, several documents each), a directory
+of them, or standard input (``-``) declares exist exactly as written, by id; with
+``--prune --selector key=value`` it deletes the schedules carrying that label that no file
+declares any more. ``--dry-run`` prints the plan and writes nothing. ``export`` writes
+schedules as declarations, so ``export | apply -f -`` changes nothing.
+
+Exit codes: 0 applied (or nothing to do); 1 a write failed (the plan's other writes still
+went); 2 invalid input, every problem named, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hascheduler.cli.schedules import (
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    Unavailable,
+    _common,
+    resolve_api,
+)
+from hascheduler.client import Client, HaschedulerError
+from hascheduler.client.apply import Refused, declare, describe, execute, exported, read_plan
+
+# Bounds on what one apply reads: a schedule is a few hundred bytes, so 16 MiB is tens of
+# thousands of them; a larger input is refused before it is parsed.
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def add_parser(sub: Any) -> None:
+    common = _common(after_action=False)
+    ap = sub.add_parser("apply", parents=[common],
+                        help="make the schedules files declare exist exactly as written")
+    ap.add_argument("-f", "--filename", action="append", required=True, dest="paths",
+                    help="a YAML or JSON file, a directory of them, or - for standard "
+                         "input; repeatable")
+    ap.add_argument("--prune", action="store_true",
+                    help="delete the schedules with the --selector label that the files "
+                         "no longer declare")
+    ap.add_argument("--selector", help="key=value: the label of the schedules these files "
+                                       "own (needed by --prune)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    ap.set_defaults(run=run_apply)
+    ex = sub.add_parser("export", parents=[common],
+                        help="write schedules as declarations apply takes back unchanged")
+    ex.add_argument("--selector", help="key=value: only schedules with this label")
+    ex.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    ex.set_defaults(run=run_export)
+
+
+def _selector(text: str | None) -> tuple[str, str] | None:
+    if text is None:
+        return None
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value:
+        raise Refused([f"--selector {text!r}: write it as key=value"])
+    return key, value
+
+
+class _NoAliases(yaml.SafeLoader):
+    """YAML without anchors and aliases: an alias can make a small file expand into
+    millions of nodes, and a schedule never needs one."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("aliases (*name) are not accepted")
+        return super().compose_node(parent, index)
+
+
+def _texts(paths: list[str]) -> Iterator[tuple[str, bytes]]:
+    total = 0
+    for name in paths:
+        if name == "-":
+            files: list[tuple[str, Path | None]] = [("<stdin>", None)]
+        else:
+            path = Path(name)
+            if path.is_dir():
+                files = [(str(p), p) for p in sorted(path.rglob("*"))
+                         if p.is_file() and p.suffix in SUFFIXES]
+            elif path.is_file():
+                files = [(name, path)]
+            else:
+                raise Refused([f"{name}: no such file or directory"])
+        for origin, file in files:
+            size = file.stat().st_size if file is not None else 0
+            if size > MAX_INPUT_BYTES - total:
+                raise Refused([f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
+                               "split it into several applies"])
+            data = (sys.stdin.buffer.read(MAX_INPUT_BYTES - total + 1) if file is None
+                    else file.read_bytes())
+            total += len(data)
+            if total > MAX_INPUT_BYTES:
+                raise Refused([f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
+                               "split it into several applies"])
+            yield origin, data
+
+
+def documents(paths: list[str]) -> list[tuple[str, Any]]:
+    """Every document the paths hold, each with where it came from. Raises Refused."""
+    found: list[tuple[str, Any]] = []
+    problems: list[str] = []
+    for origin, data in _texts(paths):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(f"{origin}: not UTF-8 text (byte {exc.start})")
+            continue
+        try:
+            if origin.endswith(".json"):
+                parsed = json.loads(text)
+                items = parsed if isinstance(parsed, list) else [parsed]
+            else:
+                items = [d for d in yaml.load_all(text, Loader=_NoAliases) if d is not None]
+        except (yaml.YAMLError, ValueError) as exc:
+            problems.append(f"{origin}: {exc}")
+            continue
+        found += [(f"{origin}#{i + 1}", item) for i, item in enumerate(items)]
+    if problems:
+        raise Refused(problems)
+    return found
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    try:
+        selector = _selector(args.selector)
+        if args.prune and selector is None:
+            raise Refused(["--prune needs --selector key=value: it never deletes schedules "
+                           "outside it"])
+        declared = declare(documents(args.paths), dt.datetime.now(dt.UTC), selector)
+        with Client(resolve_api(args.api), args.token) as api:
+            steps = read_plan(api, declared, selector if args.prune else None)
+            print(describe(steps))
+            if args.dry_run:
+                return 0
+            outcome = execute(api, steps)
+    except Refused as exc:
+        print("hascheduler apply: nothing written:\n  " + "\n  ".join(exc.problems),
+              file=sys.stderr)
+        return EXIT_REFUSED
+    except (HaschedulerError, Unavailable) as exc:
+        print(f"hascheduler apply: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    for step, reason in outcome.failed:
+        print(f"hascheduler apply: {step.action} {step.schedule_id} failed: {reason}",
+              file=sys.stderr)
+    written = len(outcome.done)
+    print("nothing to do" if not written and not outcome.failed
+          else f"applied: {written} written, {len(outcome.failed)} failed")
+    return EXIT_UNAVAILABLE if outcome.failed else 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    try:
+        selector = _selector(args.selector)
+        with Client(resolve_api(args.api), args.token) as api:
+            items = [exported(s) for s in api.schedules(
+                labels=dict([selector]) if selector else None)]
+    except Refused as exc:
+        print("hascheduler export: " + "; ".join(exc.problems), file=sys.stderr)
+        return EXIT_REFUSED
+    except (HaschedulerError, Unavailable) as exc:
+        print(f"hascheduler export: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if args.format == "json":
+        print(json.dumps(items, indent=2))
+    else:
+        print(yaml.safe_dump_all(items, sort_keys=False), end="")
+    return 0

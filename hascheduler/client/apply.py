@@ -1,0 +1,193 @@
+"""Declared schedules made real: the plan (pure) and its writes (through the client).
+
+A declaration is a schedule as ``PUT /schedules/{id}`` takes it, with its ``id``. The plan
+compares each declaration with the schedule of that id, field by field, after both went
+through the same model (so a default left out and the same default written are equal),
+and, when pruning, lists the schedules carrying the selector's label that nothing
+declares. Its writes carry the revision the plan read: a schedule changed between the plan
+and the write is reported as a conflict, never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from hascheduler.client.calls import SERVER_FIELDS
+from hascheduler.client.clients import Client
+from hascheduler.client.errors import Conflict, HaschedulerError
+from hascheduler.core import models
+
+CREATE, UPDATE, UNCHANGED, DELETE = "create", "update", "unchanged", "delete"
+
+
+class Refused(ValueError):
+    """Declarations that cannot be applied: every problem, each naming its document."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One declaration, where it came from (for messages) and its fields as the API
+    will store them."""
+
+    schedule_id: str
+    origin: str
+    body: dict[str, Any]  # the PUT body (no id)
+    fields: dict[str, Any]  # normalised, to compare
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str
+    schedule_id: str
+    origin: str = ""
+    body: dict[str, Any] = field(default_factory=dict)
+    revision: int | None = None  # the revision the plan read
+    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # field: (now, then)
+
+
+def _normalised(fields: models.ScheduleFields) -> dict[str, Any]:
+    dumped = fields.model_dump(mode="json")
+    return {k: v for k, v in dumped.items()
+            if k in models.ScheduleFields.model_fields and k not in SERVER_FIELDS}
+
+
+def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
+            selector: tuple[str, str] | None = None) -> list[Declared]:
+    """Check every document (origin, parsed value) before anything is written. Raises
+    Refused naming each invalid document and field, each duplicated id, and (with a
+    selector) each declaration without its label."""
+    problems: list[str] = []
+    declared: dict[str, Declared] = {}
+    for origin, document in documents:
+        if not isinstance(document, dict):
+            problems.append(f"{origin}: a schedule is a mapping, not "
+                            f"{type(document).__name__}")
+            continue
+        schedule_id = document.get("id")
+        if not isinstance(schedule_id, str) or not schedule_id:
+            problems.append(f"{origin}: id: required (apply makes schedules by id)")
+            continue
+        try:
+            checked = models.ScheduleIn.model_validate(document, context={"now": now})
+        except ValidationError as exc:
+            for error in exc.errors():
+                where = ".".join(str(p) for p in error["loc"]) or "(document)"
+                problems.append(f"{origin} ({schedule_id}): {where}: {error['msg']}")
+            continue
+        if schedule_id in declared:
+            problems.append(f"{origin}: id {schedule_id!r} is declared twice (also in "
+                            f"{declared[schedule_id].origin})")
+            continue
+        if selector is not None and checked.labels.get(selector[0]) != selector[1]:
+            problems.append(f"{origin} ({schedule_id}): labels: lacks {selector[0]}="
+                            f"{selector[1]}, which --selector prunes by")
+            continue
+        body = {k: v for k, v in document.items() if k != "id"}
+        declared[schedule_id] = Declared(schedule_id, origin, body, _normalised(checked))
+    if problems:
+        raise Refused(problems)
+    return list(declared.values())
+
+
+def plan(declared: list[Declared], current: Mapping[str, models.Schedule],
+         prune: Iterable[models.Schedule] = ()) -> list[Step]:
+    """What to do, in the declarations' order, then the deletions (pure)."""
+    steps: list[Step] = []
+    names = {d.schedule_id for d in declared}
+    for d in declared:
+        existing = current.get(d.schedule_id)
+        if existing is None:
+            steps.append(Step(CREATE, d.schedule_id, d.origin, d.body))
+            continue
+        then = _normalised(existing)
+        changes = {k: (then.get(k), v) for k, v in d.fields.items() if then.get(k) != v}
+        steps.append(Step(UPDATE if changes else UNCHANGED, d.schedule_id, d.origin, d.body,
+                          existing.revision, changes))
+    steps += [Step(DELETE, s.id, revision=s.revision) for s in prune if s.id not in names]
+    return steps
+
+
+def read_plan(api: Client, declared: list[Declared],
+              selector: tuple[str, str] | None) -> list[Step]:
+    """The plan against the cluster as it is now (with a selector: what to prune too)."""
+    labelled = list(api.schedules(labels=dict([selector]))) if selector else []
+    current = {s.id: s for s in labelled}
+    for d in declared:
+        if d.schedule_id not in current:
+            try:
+                current[d.schedule_id] = api.get_schedule(d.schedule_id)
+            except HaschedulerError as exc:
+                if exc.status != 404:
+                    raise
+    return plan(declared, current, labelled)
+
+
+@dataclass
+class Outcome:
+    done: list[Step] = field(default_factory=list)
+    failed: list[tuple[Step, str]] = field(default_factory=list)
+
+
+def execute(api: Client, steps: list[Step]) -> Outcome:
+    """Every write of the plan; one that fails (a conflict, a refusal) is reported and
+    the others still go."""
+    outcome = Outcome()
+    for step in steps:
+        try:
+            if step.action == CREATE:
+                api.create_schedule({"id": step.schedule_id, **step.body})
+            elif step.action == UPDATE:
+                api.replace_schedule(step.schedule_id, step.body, if_match=step.revision)
+            elif step.action == DELETE:
+                api.delete_schedule(step.schedule_id, if_match=step.revision)
+            else:
+                continue
+        except Conflict as exc:
+            outcome.failed.append((step, f"changed since the plan read it: {exc}"))
+            continue
+        except HaschedulerError as exc:
+            outcome.failed.append((step, str(exc)))
+            continue
+        outcome.done.append(step)
+    return outcome
+
+
+def describe(steps: list[Step]) -> str:
+    """The plan as a diff per schedule."""
+    lines = []
+    for step in steps:
+        where = f"  ({step.origin})" if step.origin else ""
+        if step.action == CREATE:
+            lines.append(f"+ create {step.schedule_id}{where}")
+        elif step.action == DELETE:
+            lines.append(f"- delete {step.schedule_id}")
+        elif step.action == UNCHANGED:
+            lines.append(f"= unchanged {step.schedule_id}")
+        else:
+            lines.append(f"~ update {step.schedule_id}{where}")
+            for name, (then, now) in sorted(step.changes.items()):
+                lines.append(f"    {name}: {_shown(then)} -> {_shown(now)}")
+    counts = {a: sum(1 for s in steps if s.action == a)
+              for a in (CREATE, UPDATE, UNCHANGED, DELETE)}
+    lines.append(", ".join(f"{n} to {a}" if a != UNCHANGED else f"{n} unchanged"
+                           for a, n in counts.items()))
+    return "\n".join(lines)
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def exported(schedule: models.Schedule) -> dict[str, Any]:
+    """A stored schedule as a declaration: applying it back changes nothing."""
+    return {"id": schedule.id, **_normalised(schedule)}
