@@ -30,7 +30,16 @@ from hascheduler.cli.schedules import (
     resolve_api,
 )
 from hascheduler.client import Client, HaschedulerError
-from hascheduler.client.apply import Refused, declare, describe, execute, exported, read_plan
+from hascheduler.client.apply import (
+    Refused,
+    converge,
+    declare,
+    describe,
+    execute,
+    exported,
+    read_plan,
+)
+from hascheduler.worker.app import APP_LABEL, WorkerApp, WorkerConfigError, load_app
 
 # Bounds on what one apply reads: a schedule is a few hundred bytes, so 16 MiB is tens of
 # thousands of them; a larger input is refused before it is parsed.
@@ -42,9 +51,12 @@ def add_parser(sub: Any) -> None:
     common = _common(after_action=False)
     ap = sub.add_parser("apply", parents=[common],
                         help="make the schedules files declare exist exactly as written")
-    ap.add_argument("-f", "--filename", action="append", required=True, dest="paths",
+    ap.add_argument("-f", "--filename", action="append", dest="paths", default=[],
                     help="a YAML or JSON file, a directory of them, or - for standard "
                          "input; repeatable")
+    ap.add_argument("--app", help="module:attribute naming a hascheduler.worker.WorkerApp: "
+                                  "apply the schedules it declares, pruning its own label "
+                                  "(app=<its name>)")
     ap.add_argument("--prune", action="store_true",
                     help="delete the schedules with the --selector label that the files "
                          "no longer declare")
@@ -131,7 +143,55 @@ def documents(paths: list[str]) -> list[tuple[str, Any]]:
     return found
 
 
+def declared_by(app: WorkerApp) -> tuple[list[tuple[str, Any]], tuple[str, str]]:
+    """An app's declarations as documents, and the selector that owns them."""
+    documents = [(f"{app.name}:{d['id']}", d) for d in app.declarations()]
+    return documents, (APP_LABEL, str(app.name))
+
+
+def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
+    """Apply what ``app`` declares and prune what it no longer does, converging with any
+    other process doing the same (``worker --sync-schedules``, ``apply --app``)."""
+    if not app.name:
+        print("--sync-schedules and apply --app need a named app: WorkerApp(name=...), "
+              "whose name labels its schedules", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        documents, selector = declared_by(app)
+        declared = declare(documents, dt.datetime.now(dt.UTC), selector)
+        with Client(resolve_api(api), token) as client:
+            outcome = converge(client, declared, selector)
+    except (Refused, WorkerConfigError) as exc:
+        problems = exc.problems if isinstance(exc, Refused) else [str(exc)]
+        print(f"schedules of {app.name}: nothing written:\n  " + "\n  ".join(problems),
+              file=sys.stderr)
+        return EXIT_REFUSED
+    except (HaschedulerError, Unavailable) as exc:
+        print(f"schedules of {app.name}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    for step, reason in outcome.failed:
+        print(f"schedules of {app.name}: {step.action} {step.schedule_id} failed: {reason}",
+              file=sys.stderr)
+    print(f"schedules of {app.name}: {len(declared)} declared, {len(outcome.done)} written",
+          flush=True)
+    return EXIT_UNAVAILABLE if outcome.failed else 0
+
+
 def run_apply(args: argparse.Namespace) -> int:
+    if args.app:
+        if args.paths or args.selector:
+            print("hascheduler apply: --app applies what the app declares, pruning by its "
+                  "name: without -f or --selector", file=sys.stderr)
+            return EXIT_REFUSED
+        try:
+            app = load_app(args.app, None, None)
+        except WorkerConfigError as exc:
+            print(f"hascheduler apply: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+        return sync_app(app, args.api, args.token)
+    if not args.paths:
+        print("hascheduler apply: -f PATH (or --app) is required", file=sys.stderr)
+        return EXIT_REFUSED
     try:
         selector = _selector(args.selector)
         if args.prune and selector is None:

@@ -26,6 +26,7 @@ class Setting:
     env: str | None = None  # default HASCHEDULER_<FLAG>
     fallback_env: str | None = None  # read when ``env`` is unset (POD_NAME)
     required: bool = False
+    switch: bool = False  # a flag without a value (its environment variable says true)
 
     @property
     def dest(self) -> str:
@@ -48,7 +49,11 @@ def add_settings(parser: argparse.ArgumentParser, table: Sequence[Setting]) -> N
     for s in table:
         env = s.env_name + (f" or {s.fallback_env}" if s.fallback_env else "")
         default = f"; default {s.default}" if s.default not in (None, "") else ""
-        parser.add_argument(s.flag, default=None, help=f"{s.help} (env {env}{default})")
+        if s.switch:
+            parser.add_argument(s.flag, action="store_const", const="true", default=None,
+                                help=f"{s.help} (env {env}=true)")
+        else:
+            parser.add_argument(s.flag, default=None, help=f"{s.help} (env {env}{default})")
 
 
 def resolve(args: argparse.Namespace, table: Sequence[Setting],
@@ -122,6 +127,15 @@ def number(value: str) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{value!r} is not a number") from None
+
+
+def boolean(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"true", "1", "yes"}:
+        return True
+    if lowered in {"false", "0", "no", ""}:
+        return False
+    raise ValueError(f"{value!r} is not true or false")
 
 
 def mongodb_uri(value: str) -> str:

@@ -8,9 +8,11 @@ import asyncio
 from typing import Any
 
 from hascheduler.brokers.registry import consumable_url
+from hascheduler.cli.apply import sync_app
 from hascheduler.cli.settings import (
     Setting,
     add_command,
+    boolean,
     mongodb_uri,
     port,
     positive_float,
@@ -64,6 +66,10 @@ SETTINGS = (
             "with --handler: the longest wait between attempts"),
     _worker("--timeout", _POLICY.timeout_s, positive_float,
             "with --handler: seconds one attempt may run"),
+    _worker("--sync-schedules", False, boolean, "before consuming, apply the schedules the "
+            "--app declares (and prune those it no longer does) through the API", switch=True),
+    Setting("--api", None, text, "with --sync-schedules: a replica's API URL (the token: "
+            "HASCHEDULER_TOKEN)"),
 )
 
 
@@ -84,7 +90,13 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(run_worker(worker_settings(args)))
+    settings = worker_settings(args)
+    values = resolve(args, SETTINGS)
+    if values["sync_schedules"]:
+        synced = sync_app(settings.app, values["api"], None)
+        if synced != 0:
+            return synced
+    return asyncio.run(run_worker(settings))
 
 
 def add_parser(sub: Any) -> None:

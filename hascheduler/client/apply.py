@@ -24,6 +24,7 @@ from hascheduler.client.errors import Conflict, HaschedulerError
 from hascheduler.core import models
 
 CREATE, UPDATE, UNCHANGED, DELETE = "create", "update", "unchanged", "delete"
+RACED = "changed since the plan read it"
 
 
 class Refused(ValueError):
@@ -99,6 +100,20 @@ def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
     return list(declared.values())
 
 
+def _anchored(fields: dict[str, Any], body: dict[str, Any], then: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An interval declared without ``start_at`` is anchored where the server anchored it
+    when it was made: keeping that anchor is no change, and a rewrite must not move the
+    grid to the moment of the write."""
+    trigger, current = fields.get("trigger") or {}, then.get("trigger") or {}
+    if (trigger.get("kind") == "interval" and trigger.get("start_at") is None
+            and current.get("kind") == "interval" and current.get("start_at") is not None):
+        anchor = current["start_at"]
+        fields = {**fields, "trigger": {**trigger, "start_at": anchor}}
+        body = {**body, "trigger": {**body["trigger"], "start_at": anchor}}
+    return fields, body
+
+
 def plan(declared: list[Declared], current: Mapping[str, models.Schedule],
          prune: Iterable[models.Schedule] = ()) -> list[Step]:
     """What to do, in the declarations' order, then the deletions (pure)."""
@@ -110,8 +125,9 @@ def plan(declared: list[Declared], current: Mapping[str, models.Schedule],
             steps.append(Step(CREATE, d.schedule_id, d.origin, d.body))
             continue
         then = _normalised(existing)
-        changes = {k: (then.get(k), v) for k, v in d.fields.items() if then.get(k) != v}
-        steps.append(Step(UPDATE if changes else UNCHANGED, d.schedule_id, d.origin, d.body,
+        fields, body = _anchored(d.fields, d.body, then)
+        changes = {k: (then.get(k), v) for k, v in fields.items() if then.get(k) != v}
+        steps.append(Step(UPDATE if changes else UNCHANGED, d.schedule_id, d.origin, body,
                           existing.revision, changes))
     steps += [Step(DELETE, s.id, revision=s.revision) for s in prune if s.id not in names]
     return steps
@@ -153,12 +169,26 @@ def execute(api: Client, steps: list[Step]) -> Outcome:
             else:
                 continue
         except Conflict as exc:
-            outcome.failed.append((step, f"changed since the plan read it: {exc}"))
+            outcome.failed.append((step, f"{RACED}: {exc}"))
             continue
         except HaschedulerError as exc:
             outcome.failed.append((step, str(exc)))
             continue
         outcome.done.append(step)
+    return outcome
+
+
+def converge(api: Client, declared: list[Declared], selector: tuple[str, str] | None,
+             rounds: int = 5) -> Outcome:
+    """Plan and write until the cluster matches: the way for many processes applying the
+    same declarations at once (workers of one app starting together). A write that lost a
+    race (an id another created, a revision another wrote) is planned again from what
+    the winner left; anything else is the outcome's failure."""
+    outcome = Outcome()
+    for _ in range(rounds):
+        outcome = execute(api, read_plan(api, declared, selector))
+        if not any(reason.startswith(RACED) for _, reason in outcome.failed):
+            return outcome
     return outcome
 
 

@@ -99,13 +99,21 @@ def check_pattern(pattern: str) -> None:
                                 " for the rest")
 
 
+# The label every schedule an app declares carries: its name, so that applying the app's
+# declarations prunes only its own schedules.
+APP_LABEL = "app"
+
+
 class WorkerApp:
     """Handlers by target pattern; the first pattern registered that matches a target
-    handles it."""
+    handles it. ``name`` is needed to declare schedules (``schedule``, ``schedules``):
+    they carry it as their ``app`` label, and applying them prunes by it."""
 
-    def __init__(self, policy: RetryPolicy | None = None) -> None:
+    def __init__(self, policy: RetryPolicy | None = None, name: str | None = None) -> None:
         self.default_policy = policy or RetryPolicy()
         self.routes: list[Route] = []
+        self.name = name
+        self._declared: dict[str, dict[str, Any]] = {}
 
     def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None) -> None:
         check_pattern(pattern)
@@ -120,6 +128,52 @@ class WorkerApp:
             self.add(pattern, function, policy)
             return function
         return register
+
+    def schedule(self, id: str, *, cron: str | None = None, every: float | str | None = None,
+                 at: list[str] | None = None, timezone: str | None = None,
+                 target: str | None = None, **fields: Any) -> Callable[[Handler], Handler]:
+        """Declare the schedule that feeds a handler: put it above ``@app.handler(...)``;
+        its target is the handler's pattern unless given (a pattern with wildcards needs
+        one). ``fields`` are any other schedule fields (``payload``, ``jitter``, ...)."""
+        triggers = [t for t in (cron, every, at) if t is not None]
+        if len(triggers) != 1:
+            raise WorkerConfigError(f"schedule {id!r}: give one of cron=, every= or at=")
+        trigger: dict[str, Any]
+        if cron is not None:
+            trigger = {"kind": "cron", "cron": cron, "timezone": timezone or "UTC"}
+        elif every is not None:
+            trigger = {"kind": "interval", "every": every}
+        else:
+            trigger = {"kind": "at", "at": at}
+
+        def declare(function: Handler) -> Handler:
+            pattern = next((r.pattern for r in self.routes if r.handler is function), None)
+            chosen = target or pattern
+            if chosen is None or "*" in chosen.split(".") or ">" in chosen.split("."):
+                raise WorkerConfigError(
+                    f"schedule {id!r}: name its target= (put @app.schedule above "
+                    "@app.handler, whose pattern is the target when it has no wildcard)")
+            self.schedules([{"id": id, "name": fields.pop("name", id), "target": chosen,
+                             "trigger": trigger, **fields}])
+            return function
+        return declare
+
+    def schedules(self, declarations: list[Mapping[str, Any]]) -> None:
+        """Declare schedules, each as ``PUT /schedules/{id}`` takes it with its ``id``."""
+        for declaration in declarations:
+            schedule_id = declaration.get("id")
+            if not isinstance(schedule_id, str) or schedule_id in self._declared:
+                raise WorkerConfigError(f"schedule {schedule_id!r}: each declaration needs "
+                                        "an id of its own")
+            self._declared[schedule_id] = dict(declaration)
+
+    def declarations(self) -> list[dict[str, Any]]:
+        """The declared schedules, each carrying the app's label."""
+        if self._declared and not self.name:
+            raise WorkerConfigError("an app that declares schedules needs a name: "
+                                    "WorkerApp(name=...)")
+        return [{**d, "labels": {**d.get("labels", {}), APP_LABEL: self.name}}
+                for d in self._declared.values()]
 
     def route(self, target: str) -> Route | None:
         return next((r for r in self.routes if r.matches(target)), None)
