@@ -16,6 +16,7 @@ from hascheduler.client import (
     AsyncClient,
     Client,
     Conflict,
+    HaschedulerError,
     Invalid,
     NotFound,
     RateLimited,
@@ -208,3 +209,27 @@ def test_the_first_script_is_five_lines(api_replica: ApiReplica) -> None:
     exec(compile(script, "first_script", "exec"), namespace)
     with Client(api_replica.url, WRITE) as api:
         assert api.get_schedule("hello").target == "demo.hello"
+
+
+def test_many_schedules_in_one_request_all_checked_before_any_is_written(
+        api_replica: ApiReplica) -> None:
+    with Client(api_replica.url, WRITE) as api:
+        api.create_schedule(body("taken"))
+        answer = api.create_schedules([body(f"b{i}") for i in range(3)] + [body("taken")])
+        assert answer.created == ["b0", "b1", "b2"]
+        assert answer.existing == ["taken"]
+        assert api.get_schedule("taken").revision == 1  # left as it was
+        with pytest.raises(Invalid) as bad:
+            api.create_schedules([body("c0"), body("c1", jitter=-1)])
+        fields = [e["field"] for e in bad.value.errors]
+        assert any("schedules" in f and "1" in f and "jitter" in f for f in fields), fields
+        with pytest.raises(NotFound):
+            api.get_schedule("c0")  # nothing of a refused batch is written
+        with pytest.raises(Invalid) as too_many:
+            api.create_schedules([{"name": "n", "target": "t",
+                                   "trigger": {"kind": "cron", "cron": "0 0 * * *"}}] * 501)
+        assert any("schedules" in e["field"] for e in too_many.value.errors)
+        with pytest.raises(HaschedulerError) as too_big:
+            api.create_schedules([body(f"big{i}", payload={"blob": "x" * 60_000})
+                                  for i in range(3)])
+        assert too_big.value.status == 413

@@ -230,7 +230,7 @@ def _now(request: web.Request) -> dt.datetime:
     return clock()
 
 
-def _validate(request: web.Request, model: type[models.ScheduleFields], data: dict[str, Any],
+def _validate(request: web.Request, model: type[BaseModel], data: dict[str, Any],
               now: dt.datetime, stored_trigger: bool = False) -> Any:
     return model.model_validate(data, context={
         "now": now, "stored": stored_trigger,
@@ -257,6 +257,19 @@ async def create_schedule(request: web.Request) -> web.Response:
     await _check_fan_out(request, new)
     schedule = await request.app[STORE].create(new, now)
     return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
+
+
+async def create_schedules(request: web.Request) -> web.Response:
+    """Many schedules in one round trip (``hascheduler apply``): every one is checked
+    first, as POST /schedules checks it; nothing is written unless all are valid. An id
+    already taken is left as it was and answered in ``existing``."""
+    body = await _body(request)
+    now = _now(request)
+    batch = _validate(request, models.ScheduleBatchIn, body, now)
+    for new in batch.schedules:
+        await _check_fan_out(request, new)
+    created, existing = await request.app[STORE].create_many(batch.schedules, now)
+    return _json(models.BatchCreated(created=created, existing=existing))
 
 
 async def list_schedules(request: web.Request) -> web.Response:

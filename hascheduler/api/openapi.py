@@ -102,11 +102,12 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     route table (api/routes.py)."""
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
-                                      models.TriggerIn, models.PauseIn,
-                                      models.BackfillIn)]
+                                      models.ScheduleBatchIn, models.TriggerIn,
+                                      models.PauseIn, models.BackfillIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
-                                          RunList, models.Triggered, Backfill)],
+                                          RunList, models.Triggered, Backfill,
+                                          models.BatchCreated)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

@@ -66,6 +66,18 @@ ROUTES: list[Route] = [
         },
     ),
     Route(
+        "POST",
+        "/schedules:batch",
+        app.create_schedules,
+        {
+            "summary": "create many schedules: all are checked before any is written; an "
+                       "id already taken is left as it was",
+            "description": SEMANTIC,
+            "requestBody": json_body("ScheduleBatchIn"),
+            "responses": responses(200, "BatchCreated", *WRITE),
+        },
+    ),
+    Route(
         "GET",
         "/schedules",
         app.list_schedules,

@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from hascheduler.client.calls import SERVER_FIELDS
+from hascheduler.client import calls
+from hascheduler.client.calls import SERVER_FIELDS, Document
 from hascheduler.client.clients import Client
 from hascheduler.client.errors import Conflict, HaschedulerError
 from hascheduler.core import models
+from hascheduler.core.constants import MAX_BATCH, MAX_PAGE
 
 CREATE, UPDATE, UNCHANGED, DELETE = "create", "update", "unchanged", "delete"
+# Creation requests stay under the API's body limit (MAX_REQUEST_BYTES, 128 KiB).
+BATCH_BYTES = 96 * 1024
+# Up to this many declarations not under the selector are read one request each; more,
+# and reading every schedule in pages is fewer round trips.
+READ_ONE_BY_ONE = 50
 RACED = "changed since the plan read it"
 
 
@@ -56,8 +63,11 @@ class Step:
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # field: (now, then)
 
 
-def _normalised(fields: models.ScheduleFields) -> dict[str, Any]:
-    dumped = fields.model_dump(mode="json")
+def _normalised(fields: models.ScheduleFields | Mapping[str, Any]) -> dict[str, Any]:
+    """The client fields, as the API writes them in JSON (a model, or the API's JSON of
+    one: the same text either way)."""
+    dumped = fields.model_dump(mode="json") if isinstance(fields, models.ScheduleFields) \
+        else fields
     return {k: v for k, v in dumped.items()
             if k in models.ScheduleFields.model_fields and k not in SERVER_FIELDS}
 
@@ -114,8 +124,8 @@ def _anchored(fields: dict[str, Any], body: dict[str, Any], then: dict[str, Any]
     return fields, body
 
 
-def plan(declared: list[Declared], current: Mapping[str, models.Schedule],
-         prune: Iterable[models.Schedule] = ()) -> list[Step]:
+def plan(declared: list[Declared], current: Mapping[str, Document],
+         prune: Iterable[Document] = ()) -> list[Step]:
     """What to do, in the declarations' order, then the deletions (pure)."""
     steps: list[Step] = []
     names = {d.schedule_id for d in declared}
@@ -128,24 +138,40 @@ def plan(declared: list[Declared], current: Mapping[str, models.Schedule],
         fields, body = _anchored(d.fields, d.body, then)
         changes = {k: (then.get(k), v) for k, v in fields.items() if then.get(k) != v}
         steps.append(Step(UPDATE if changes else UNCHANGED, d.schedule_id, d.origin, body,
-                          existing.revision, changes))
-    steps += [Step(DELETE, s.id, revision=s.revision) for s in prune if s.id not in names]
+                          existing["revision"], changes))
+    steps += [Step(DELETE, s["id"], revision=s["revision"]) for s in prune
+              if s["id"] not in names]
     return steps
 
 
 def read_plan(api: Client, declared: list[Declared],
               selector: tuple[str, str] | None) -> list[Step]:
-    """The plan against the cluster as it is now (with a selector: what to prune too)."""
-    labelled = list(api.schedules(labels=dict([selector]))) if selector else []
-    current = {s.id: s for s in labelled}
-    for d in declared:
-        if d.schedule_id not in current:
+    """The plan against the cluster as it is now (with a selector: what to prune too).
+    Many declarations read every schedule, a page of 500 at a time; a few are read one by
+    one."""
+    labelled = list(_all(api, dict([selector]))) if selector else []
+    current = {s["id"]: s for s in labelled}
+    unknown = [d.schedule_id for d in declared if d.schedule_id not in current]
+    if len(unknown) > READ_ONE_BY_ONE:
+        wanted = set(unknown)
+        current |= {s["id"]: s for s in _all(api, None) if s["id"] in wanted}
+    else:
+        for schedule_id in unknown:
             try:
-                current[d.schedule_id] = api.get_schedule(d.schedule_id)
+                current[schedule_id] = api.get_schedule(schedule_id).model_dump(mode="json")
             except HaschedulerError as exc:
                 if exc.status != 404:
                     raise
     return plan(declared, current, labelled)
+
+
+def _all(api: Client, labels: dict[str, str] | None) -> Iterator[Document]:
+    after: str | None = None
+    while True:
+        items, after = api.send(calls.schedule_documents_page(labels, after, MAX_PAGE))
+        yield from items
+        if after is None:
+            return
 
 
 @dataclass
@@ -154,15 +180,42 @@ class Outcome:
     failed: list[tuple[Step, str]] = field(default_factory=list)
 
 
+def batches(steps: list[Step], count: int = MAX_BATCH, size: int = BATCH_BYTES
+            ) -> Iterator[list[Step]]:
+    """Creations in requests of at most ``count`` schedules and ``size`` bytes of JSON
+    (the API refuses larger bodies)."""
+    batch: list[Step] = []
+    used = 0
+    for step in steps:
+        weight = len(json.dumps(step.body)) + len(step.schedule_id) + 16
+        if batch and (len(batch) == count or used + weight > size):
+            yield batch
+            batch, used = [], 0
+        batch.append(step)
+        used += weight
+    if batch:
+        yield batch
+
+
 def execute(api: Client, steps: list[Step]) -> Outcome:
     """Every write of the plan; one that fails (a conflict, a refusal) is reported and
-    the others still go."""
+    the others still go. Creations go in batches, one request each."""
     outcome = Outcome()
+    for batch in batches([s for s in steps if s.action == CREATE]):
+        try:
+            answer = api.create_schedules([{"id": s.schedule_id, **s.body} for s in batch])
+        except HaschedulerError as exc:
+            outcome.failed += [(s, str(exc)) for s in batch]
+            continue
+        existing = set(answer.existing)
+        for step in batch:
+            if step.schedule_id in existing:
+                outcome.failed.append((step, f"{RACED}: created meanwhile by another"))
+            else:
+                outcome.done.append(step)
     for step in steps:
         try:
-            if step.action == CREATE:
-                api.create_schedule({"id": step.schedule_id, **step.body})
-            elif step.action == UPDATE:
+            if step.action == UPDATE:
                 api.replace_schedule(step.schedule_id, step.body, if_match=step.revision)
             elif step.action == DELETE:
                 api.delete_schedule(step.schedule_id, if_match=step.revision)

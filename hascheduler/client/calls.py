@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -77,6 +77,10 @@ def _nothing(raw: bytes) -> None:
     return None
 
 
+def _batch(raw: bytes) -> models.BatchCreated:
+    return models.BatchCreated.model_validate_json(raw)
+
+
 def _triggered(raw: bytes) -> models.Triggered:
     return models.Triggered.model_validate_json(raw)
 
@@ -87,6 +91,14 @@ def _preview(raw: bytes) -> models.Preview:
 
 def create_schedule(schedule: models.ScheduleIn | Mapping[str, Any]) -> Call[models.Schedule]:
     return Call("POST", "/schedules", _schedule, json=_body(schedule))
+
+
+def create_schedules(schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
+                     ) -> Call[models.BatchCreated]:
+    """Many at once; sending it again creates nothing twice (ids taken come back in
+    ``existing``)."""
+    return Call("POST", "/schedules:batch", _batch,
+                json={"schedules": [_body(s) for s in schedules]}, idempotent=True)
 
 
 def get_schedule(schedule_id: str) -> Call[models.Schedule]:
@@ -102,6 +114,14 @@ def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after:
         params.append(("after", after))
     params.append(("limit", str(limit)))
     return Call("GET", "/schedules", _page, params=tuple(params), idempotent=True)
+
+
+def schedule_documents_page(labels: Mapping[str, str] | None, after: str | None, limit: int
+                            ) -> Call[tuple[list[Document], str | None]]:
+    """A page of schedules as the API's JSON, unvalidated: for comparing many with
+    declarations (apply), where reading each into its model would double the cost."""
+    page = schedules_page(labels, None, after, limit)
+    return Call(page.method, page.path, _documents, params=page.params, idempotent=True)
 
 
 def replace_schedule(schedule_id: str, fields: models.ScheduleFields | Mapping[str, Any],

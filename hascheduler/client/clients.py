@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -125,6 +125,11 @@ class Client:
     def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
                         ) -> models.Schedule:
         return self.send(calls.create_schedule(schedule))
+
+    def create_schedules(self, schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
+                         ) -> models.BatchCreated:
+        """Up to 500 in one request, all checked before any is written."""
+        return self.send(calls.create_schedules(schedules))
 
     def get_schedule(self, schedule_id: str) -> models.Schedule:
         return self.send(calls.get_schedule(schedule_id))
@@ -258,6 +263,11 @@ class AsyncClient:
     async def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
                               ) -> models.Schedule:
         return await self.send(calls.create_schedule(schedule))
+
+    async def create_schedules(self,
+                               schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
+                               ) -> models.BatchCreated:
+        return await self.send(calls.create_schedules(schedules))
 
     async def get_schedule(self, schedule_id: str) -> models.Schedule:
         return await self.send(calls.get_schedule(schedule_id))

@@ -29,7 +29,11 @@ MAX_JITTER_S = 86_400.0
 # The HTTP body limit: a payload at its limit plus the schedule's other fields.
 MAX_REQUEST_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024
 # How many schedules one page of GET /schedules returns at most.
+# MongoDB's error code for a unique index refusing a write.
+DUPLICATE_KEY = 11000
 MAX_PAGE = 500
+# Schedules one POST /schedules:batch may create (the request's size bounds it too).
+MAX_BATCH = 500
 DEFAULT_PAGE = 100
 # GET /schedules/{id}/next?count=N: enough for a calendar view, bounded for the server.
 MAX_PREVIEW = 1000

@@ -27,6 +27,7 @@ from hascheduler.core.catchup import MAX_CATCHUP_FIRES
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
+    MAX_BATCH,
     MAX_FIRES,
     MAX_INTERVAL_S,
     MAX_JITTER_S,
@@ -367,6 +368,18 @@ class ScheduleIn(ScheduleFields):
             raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
                              "with a letter or digit")
         return value
+
+
+class ScheduleBatchIn(_Strict):
+    """Many new schedules in one request (POST /schedules:batch): all are checked before
+    any is written."""
+
+    schedules: list[ScheduleIn] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class BatchCreated(BaseModel):
+    created: list[str] = Field(description="the ids created")
+    existing: list[str] = Field(description="ids taken already: left as they were")
 
 
 class PauseIn(_Strict):

@@ -25,6 +25,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from hascheduler.core.catchup import SkippedRange
 from hascheduler.core.claims import Claim
+from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id, iso_utc
 from hascheduler.storage.streams import aggregate
@@ -185,7 +186,7 @@ class Ledger:
             errors = exc.details.get("writeErrors", [])
             key = docs[0].get("idempotency_key")
             on_first = bool(errors) and errors[0].get("index") == 0 \
-                and errors[0].get("code") == 11000
+                and errors[0].get("code") == DUPLICATE_KEY
             first = await self.requested_with_key(key) \
                 if key is not None and on_first else None
             if first is None:  # not the key (the same instant twice: the fire id)
@@ -213,7 +214,7 @@ class Ledger:
             await self.fires.insert_many(docs, ordered=False)
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != 11000 for e in errors):
+            if any(e.get("code") != DUPLICATE_KEY for e in errors):
                 raise
             return {docs[e["index"]]["_id"] for e in errors}
         return set()

@@ -39,6 +39,7 @@ from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from hascheduler.core.claims import Claim as FireClaim
+from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.instants import as_utc
@@ -56,8 +57,6 @@ ENDED = (SUCCEEDED, DEAD, CANCELLED)
 ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 
 Document = dict[str, Any]
-DUPLICATE_KEY = 11000
-
 
 
 class Run(BaseModel):

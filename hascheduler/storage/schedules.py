@@ -13,8 +13,9 @@ import uuid
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
+from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
 from hascheduler.core.instants import as_utc_deep
 from hascheduler.core.models import IntervalSpec, Schedule, ScheduleFields, ScheduleIn
@@ -27,6 +28,7 @@ class Collection(Protocol):
     """The slice of a driver collection the store uses (PyMongo async or Motor)."""
 
     async def insert_one(self, document: Any) -> Any: ...
+    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
                                   **kwargs: Any) -> Any: ...
@@ -82,6 +84,23 @@ class ScheduleStore:
         except DuplicateKeyError:
             raise ScheduleExists(schedule_id) from None
         return await self._with_remaining(from_document(doc))
+
+    async def create_many(self, news: list[ScheduleIn], now: dt.datetime
+                          ) -> tuple[list[str], list[str]]:
+        """Insert each at revision 1, in one round trip: the ids created, and those that
+        were taken already (left as they were)."""
+        now = _ms(now)
+        docs = [{"_id": new.id or uuid.uuid4().hex, **_fields_document(new, now),
+                 "created_at": now, "updated_at": now, "revision": 1} for new in news]
+        taken: set[str] = set()
+        try:
+            await self._coll.insert_many(docs, ordered=False)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
+            taken = {docs[e["index"]]["_id"] for e in errors}
+        return [d["_id"] for d in docs if d["_id"] not in taken], sorted(taken)
 
     async def get(self, schedule_id: str) -> Schedule:
         """Raises ScheduleNotFound."""
