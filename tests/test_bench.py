@@ -24,7 +24,8 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     text = out.read_text()
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
                     "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
-                    "## Run control", "## Partitions and clocks", "## Development MongoDB"):
+                    "## Run control", "## Partitions and clocks", "## Schedules as code",
+                    "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
@@ -36,11 +37,12 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "raw aio-pika (baseline)", "copies beyond the first",
                     "Celery send_task (baseline)", "Runs per fire id",
                     "p99 skip / allow", "buffered p99", "backfill rate",
-                    "Partition against kill", "offset estimate's error"):
+                    "Partition against kill", "offset estimate's error",
+                    "apply / one by one"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 12
+    assert text.count("Command: `python -m bench.") == 13
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

@@ -48,8 +48,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     pays for that)."""
     parser = argparse.ArgumentParser(
         prog="hascheduler", description="A highly available scheduler cluster: replicas "
-        "(serve), workers (worker), and the HTTP API from a terminal (schedules, runs, "
-        "audit).")
+        "(serve), workers (worker), the HTTP API from a terminal (schedules, runs, audit), "
+        "and schedules kept as files (apply, export).")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
