@@ -192,3 +192,19 @@ def test_json_lists_and_directories_are_read_alike(api_replica: ApiReplica, tmp_
     assert done.returncode == 0, done.stderr
     with Client(api_replica.url, WRITE) as api:
         assert {s.id for s in api.schedules()} == {"j1", "j2", "y1"}
+
+
+def test_a_file_of_ten_thousand_schedules(api_replica: ApiReplica, tmp_path: Path) -> None:
+    path = write(tmp_path / "many.yaml", *[schedule(f"m{i:05d}", jitter=i % 7)
+                                           for i in range(10_000)])
+    first = hascheduler(api_replica, "apply", "-f", str(path), "--prune", "--selector",
+                        "team=billing")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[-1] == "applied: 10000 written, 0 failed"
+    again = hascheduler(api_replica, "apply", "-f", str(path), "--prune", "--selector",
+                        "team=billing")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[-2:] == [
+        "0 to create, 0 to update, 10000 unchanged, 0 to delete", "nothing to do"]
+    with Client(api_replica.url, WRITE) as api:
+        assert sum(1 for _ in api.schedules(page_size=500)) == 10_000

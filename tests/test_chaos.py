@@ -166,7 +166,7 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
     out = tmp_path / "soak"
     # Every process in a network namespace of its own (--partitions, the default): the
     # soak meets clock skew and every partition kind too.
-    done = run_chaos("--duration", "45", "--fault-every", "1.6", "--calm", "5", "--replicas",
+    done = run_chaos("--duration", "50", "--fault-every", "1.6", "--calm", "5", "--replicas",
                      "3", "--schedules", "40", "--seed", "11", "--min-faults", str(len(KINDS)),
                      "--out", str(out), timeout=400)
     print(done.stdout[-4000:], done.stderr[-4000:])
@@ -181,7 +181,7 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
     assert len(report["faults"]) >= len(KINDS)
     assert {"clock-skew", *PARTITIONS} <= kinds, kinds
     history = report["lease_history"]
-    assert history["ok"], history
+    assert history["violations"] == history["stale_unexplained"] == 0, history
     assert history["terms"] > 1
     assert history["acts"] > 1000
     assert {"leader-kill", "leader-term"} & kinds, kinds

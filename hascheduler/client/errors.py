@@ -73,7 +73,7 @@ def error_for(method: str, path: str, status: int, body: Any,
     title = str(problem.get("title") or f"HTTP {status}")
     named = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in problem.get(
         "errors", []) if isinstance(e, dict)) if isinstance(problem.get("errors"), list) else ""
-    message = f"{method} {path}: {status} {title}" + (f" ({named})" if named else "")
+    message = f"{method} {path}: HTTP {status}: {title}" + (f" ({named})" if named else "")
     if status == 429:
         try:
             wait = max(0.0, float(headers.get("Retry-After", "1")))
