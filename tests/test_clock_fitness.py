@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from pymongo import AsyncMongoClient
 
+from hascheduler.storage.lease_history import LeaseHistory
 from tests.servers import start_replica, with_database
 from tests.waiting import wait_until
 
@@ -22,35 +23,42 @@ async def test_a_replica_whose_clock_is_not_known_well_enough_never_leads(
         mongo_uri: str) -> None:
     db_name = f"fitness_{uuid.uuid4().hex[:8]}"
     uri = with_database(mongo_uri, db_name)
-    # Round trips bound the offset to half a millisecond at best: a microsecond's
-    # tolerance can never be met. A second replica, with the default, leads instead.
-    strict = start_replica(uri, "strict", "--clock-tolerance", "0.000001",
-                           "--renew-interval", "0.2", "--renew-deadline", "0.5",
-                           "--lease-ttl", "1")
     client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    strict = None
     try:
-        async with aiohttp.ClientSession() as http:
-            async def unfit() -> dict[str, object] | None:
-                async with http.get(strict.uri + "/readyz") as r:
-                    body = await r.json()
-                return body if body.get("unfit_to_lead") else None
-            body = await wait_until(unfit, 20, "the strict replica to say why it may not lead")
+        # Every lease term of the test, from the database's change stream.
+        async with LeaseHistory(client[db_name]) as history:
+            # Round trips bound the offset to half a millisecond at best: a microsecond's
+            # tolerance can never be met. The lease is free all along, until a second
+            # replica, with the default tolerance, starts and takes it.
+            strict = start_replica(uri, "strict", "--clock-tolerance", "0.000001",
+                                   "--renew-interval", "0.2", "--renew-deadline", "0.5",
+                                   "--lease-ttl", "1")
+            async with aiohttp.ClientSession() as http:
+                async def unfit() -> dict[str, object] | None:
+                    async with http.get(strict.uri + "/readyz") as r:
+                        body = await r.json()
+                    return body if body.get("unfit_to_lead") else None
+                body = await wait_until(unfit, 20, "the strict replica to say why it may "
+                                                   "not lead")
             assert "tolerance of 0 ms" in str(body["unfit_to_lead"]), body
             clock = body["clock"]
             assert isinstance(clock, dict)
             assert clock["problem"] == body["unfit_to_lead"]
-            # Many chances to take the free lease, none taken.
-            await asyncio.sleep(2.0)  # ten renew intervals of a free lease
-            assert await client[db_name].leases.find_one({}) is None
-            fit = start_replica(uri, "fit")
+            fit = await asyncio.to_thread(start_replica, uri, "fit")
             try:
                 lease = await wait_until(lambda: client[db_name].leases.find_one({}), 20,
                                          "the fit replica to lead")
                 assert lease["holder"] == "fit"
+                await history.settle()
             finally:
                 fit.stop(signal.SIGKILL)
+        # The strict replica had the free lease to take from its start until the fit one
+        # was up, and never did.
+        assert {t.holder for t in history.terms.values()} == {"fit"}
     finally:
-        strict.stop(signal.SIGKILL)
+        if strict is not None:
+            strict.stop(signal.SIGKILL)
         await client.drop_database(db_name)
         await client.close()
     assert strict.log_path is not None

@@ -7,7 +7,6 @@ claimed exactly once in the ledger, none missing (catch-up policy ``all``).
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import os
@@ -139,14 +138,17 @@ def expected_fires(schedules: dict[str, dict[str, Any]], start: dt.datetime,
     return out
 
 
-async def stream_counts(nats_uri: str, prefix: str
+async def stream_counts(nats_uri: str, prefix_or_subject: str
                         ) -> tuple[Counter[str], dict[str, dt.datetime]]:
-    """Every message the stream holds for this test's target, counted by fire id, and when
-    the stream first stored each."""
+    """Every message the stream holds for this test's target (``audit.<prefix>``, or a
+    whole subject with wildcards), counted by fire id, and when the stream first stored
+    each."""
+    subject = prefix_or_subject if prefix_or_subject.startswith("hascheduler.") \
+        else f"hascheduler.fire.audit.{prefix_or_subject}"
     nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
     try:
         js = nc.jetstream()
-        sub = await js.subscribe(f"hascheduler.fire.audit.{prefix}", ordered_consumer=True)
+        sub = await js.subscribe(subject, ordered_consumer=True)
         counts: Counter[str] = Counter()
         stored: dict[str, dt.datetime] = {}
         info = await js.stream_info("HASCHEDULER")
@@ -249,22 +251,30 @@ async def _new_term(h: Harness, term: int) -> bool:
 async def test_exactly_one_leader_and_terms_only_increase(harness: Harness) -> None:
     await harness.leader()
     terms = []
-    for _ in range(20):
+    renewals: set[dt.datetime] = set()
+
+    async def through_five_renewals() -> bool:
+        """One sample of every replica's answer; done once the lease was renewed five
+        times while sampling."""
         claims = [await harness.get(n, "/leader") for n in harness.replicas]
         leaders = [c for c in claims if c["answered_by_leader"]]
         assert len(leaders) <= 1, claims
         assert len({c["holder"] for c in claims}) == 1, claims
         terms.append(claims[0]["term"])
-        await asyncio.sleep(0.1)
+        renewals.add((await harness.lease())["renewed_at"])
+        return len(renewals) > 5
+
+    await wait_until(through_five_renewals, 20, "five renewals sampled", 0.05)
     assert terms == sorted(terms)
 
-    async def three_members() -> Any:
+    async def three_ready_members() -> Any:
+        # A heartbeat sent before its replica's mirror was in sync says not ready.
         body = await harness.get("a", "/cluster")
-        return body if len(body["members"]) == 3 else None
+        members = body["members"]
+        return body if len(members) == 3 and all(m["ready"] for m in members) else None
 
-    members = (await wait_until(three_members, 10, "three heartbeats"))["members"]
+    members = (await wait_until(three_ready_members, 10, "three ready heartbeats"))["members"]
     assert [m["leader"] for m in members].count(True) == 1
-    assert all(m["ready"] for m in members)
     assert len({m["digest"] for m in members}) == 1
 
 
@@ -316,7 +326,8 @@ async def test_stalled_leader_claims_nothing_after_its_deadline(harness: Harness
         t0 = dt.datetime.now(dt.UTC)
         term = (await harness.lease())["term"]
         harness.signal(leader, signal.SIGSTOP)
-        await asyncio.sleep(2 * TTL)  # the stall itself
+        # Stalled until another replica holds a newer term: it wakes deposed.
+        await wait_until(lambda: _new_term(harness, term), 20, "a takeover of the stalled")
         harness.signal(leader, signal.SIGCONT)
         return {"t0": t0, "term": term}
 
@@ -340,7 +351,8 @@ async def test_leader_cut_off_from_the_database_stops_and_loses_nothing(
                                       "appName": f"hascheduler/{leader}",
                                       "blockConnection": True,
                                       "blockTimeMS": int(2 * TTL * 1000)}})
-        await asyncio.sleep(2 * TTL)  # the cut-off itself
+        # Cut off until another replica holds a newer term.
+        await wait_until(lambda: _new_term(harness, term), 20, "a takeover of the cut-off")
         await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         return {"t0": t0, "term": term}
 
@@ -364,7 +376,14 @@ async def test_broker_down_for_ten_seconds_fires_late_but_once(
     store = nats_server.store_dir  # type: ignore[attr-defined]
     nats_server.stop()
     down_at = time.monotonic()
-    await asyncio.sleep(10)  # the outage itself
+
+    async def one_fire_waited_five_seconds() -> bool:
+        """The outage lasts until a claimed fire has waited 5 s for the broker."""
+        waited = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
+        return bool(await harness.db.fires.count_documents(
+            {"term": term, "state": "claimed", "due_at": {"$lt": waited}}))
+
+    await wait_until(one_fire_waited_five_seconds, 30, "a fire kept 5 s by the outage", 0.2)
     restarted = start_nats(port=port, store_dir=store)
     nats_server.process, nats_server.log_path = restarted.process, restarted.log_path
     back = dt.datetime.now(dt.UTC)

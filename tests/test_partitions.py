@@ -21,22 +21,19 @@ outside its term.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
+import functools
 import json
 import signal
 import socket
 import subprocess
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import nats
 import pytest
 from hascheduler_dev.netns import Network, Node
 from pymongo import AsyncMongoClient
@@ -51,6 +48,7 @@ from tests.servers import (
     started,
     with_database,
 )
+from tests.test_failover import stream_counts
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -60,7 +58,6 @@ TOKEN = "partition-test-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 REPLICAS = ("r1", "r2", "r3")
 WORKERS = ("w1", "w2")
-HOLD_S = 5.0  # how long each fault lasts: more than a failover (ttl plus a renewal)
 
 
 class Partitioned:
@@ -158,33 +155,66 @@ async def all_ready(http: aiohttp.ClientSession, cluster: Partitioned) -> None:
     await wait_until(ready, 30, "every replica ready again", 0.2)
 
 
-Fault = Callable[[Partitioned, str], Awaitable[None]]
+# What shows a fault has bitten: the term it hit and when it began, to a condition.
+Bitten = Callable[[int, dt.datetime], Awaitable[bool]]
+
+
+async def fires_since(db: Any, since: dt.datetime, **query: Any) -> int:
+    return int(await db.fires.count_documents({"due_at": {"$gte": since}, **query}))
+
+
+def attempts_since(cluster: Partitioned, since: dt.datetime) -> int:
+    """Handler attempts started since ``since`` (the record: fire, term, attempt, time)."""
+    if not cluster.record.exists():
+        return 0
+    lines = cluster.record.read_text().split("\n")
+    return sum(1 for line in lines if line and float(line.split()[3]) >= since.timestamp())
 
 
 async def run_faults(cluster: Partitioned, db: Any, http: aiohttp.ClientSession
                      ) -> list[dict[str, Any]]:
+    """Each fault in turn. A fault holds until it has shown its effect (a condition with a
+    deadline, never a fixed time), then is healed and the cluster is let recover."""
     net, nodes = cluster.net, cluster.nodes
-    others = [nodes[n] for n in nodes]
+    everyone = [*nodes.values(), cluster.observer]
     outcomes = []
-    faults: list[tuple[str, Callable[[Node], None], bool]] = [
-        # (kind, cut, whether the leadership must move)
-        ("leader cut from MongoDB", lambda n: net.cut(n, nodes["db"]), True),
-        ("leader cut from the broker", lambda n: net.cut(n, nodes["nats"]), False),
-        ("worker cut from MongoDB", lambda n: None, False),
-        ("leader isolated from everything",
-         lambda n: net.cut(n, *[o for o in others if o is not n], cluster.observer), True),
-        ("leader's packets to MongoDB dropped (one way)",
-         lambda n: net.cut(n, nodes["db"], incoming=False), True),
-        ("lossy link between the leader and MongoDB (30%)",
-         lambda n: net.lossy(n, nodes["db"], 30), False),
+    # (kind, whether the leadership must move, the cut, what shows the fault has bitten)
+
+    async def new_term_fires(term: int, since: dt.datetime) -> bool:
+        """The next leader has published two fires due since the cut."""
+        return await fires_since(db, since, term={"$gt": term}, state="published") >= 2
+
+    async def stuck_claims(term: int, since: dt.datetime) -> bool:
+        """Two fires claimed since the cut have waited 2 s past their due time for the
+        broker (a publish in flight takes milliseconds)."""
+        waited = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
+        return await fires_since(db, since, term=term, state="claimed",
+                                 due_at={"$gte": since, "$lt": waited}) >= 2
+
+    async def work_goes_on(term: int, since: dt.datetime) -> bool:
+        """Handlers still start (the other worker; the cut one's own)."""
+        return attempts_since(cluster, since) >= 3
+
+    async def published_through(term: int, since: dt.datetime) -> bool:
+        """Three fires due since the loss began were published through it."""
+        return await fires_since(db, since, state="published") >= 3
+
+    faults: list[tuple[str, bool, Callable[[Node], None], Bitten]] = [
+        ("leader cut from MongoDB", True, lambda n: net.cut(n, nodes["db"]), new_term_fires),
+        ("leader cut from the broker", False, lambda n: net.cut(n, nodes["nats"]),
+         stuck_claims),
+        ("worker cut from MongoDB", False, lambda n: net.cut(n, nodes["db"]), work_goes_on),
+        ("leader isolated from everything", True,
+         lambda n: net.cut(n, *[o for o in everyone if o is not n]), new_term_fires),
+        ("leader's packets to MongoDB dropped (one way)", True,
+         lambda n: net.cut(n, nodes["db"], incoming=False), new_term_fires),
+        ("lossy link between the leader and MongoDB (30%)", False,
+         lambda n: net.lossy(n, nodes["db"], 30), published_through),
     ]
-    for kind, cut, moves in faults:
+    for kind, moves, cut, bitten in faults:
         holder, term = await current_leader(db)
         target = nodes["w1"] if kind.startswith("worker") else nodes[holder]
-        if kind.startswith("worker"):
-            net.cut(target, nodes["db"])
-        else:
-            cut(target)
+        cut(target)
         began, began_at = time.monotonic(), dt.datetime.now(dt.UTC)
         new_holder, new_term = holder, term
         if moves:
@@ -193,7 +223,8 @@ async def run_faults(cluster: Partitioned, db: Any, http: aiohttp.ClientSession
                 return found if found[0] != holder else None
             new_holder, new_term = await wait_until(moved, 20, f"a new leader ({kind})", 0.1)
         took = time.monotonic() - began
-        await asyncio.sleep(max(0.0, HOLD_S - took))  # the fault lasts its hold time
+        await wait_until(functools.partial(bitten, term, began_at), 30,
+                         f"the effect of: {kind}", 0.2)
         if not moves and not kind.startswith("lossy"):
             still = await lease(db)
             assert (still.get("holder"), still.get("term")) == (holder, term), (kind, still)
@@ -205,28 +236,6 @@ async def run_faults(cluster: Partitioned, db: Any, http: aiohttp.ClientSession
                          "moved_after_s": round(took, 2) if moves else None,
                          "began_at": began_at, "healed_at": healed_at})
     return outcomes
-
-
-async def stream_messages(nats_uri: str, subject: str
-                          ) -> tuple[Counter[str], dict[str, dt.datetime]]:
-    nc = await nats.connect(nats_uri)
-    try:
-        js = nc.jetstream()
-        sub = await js.subscribe(subject, ordered_consumer=True)
-        counts: Counter[str] = Counter()
-        stored: dict[str, dt.datetime] = {}
-        with contextlib.suppress(nats.errors.TimeoutError):
-            while True:
-                msg = await sub.next_msg(timeout=2.0)
-                fire = json.loads(msg.data)["id"]
-                counts[fire] += 1
-                stored.setdefault(fire, msg.metadata.timestamp)
-                if msg.metadata.num_pending == 0:
-                    break
-        await sub.unsubscribe()
-        return counts, stored
-    finally:
-        await nc.close()
 
 
 async def test_partitions_lose_nothing_duplicate_nothing_and_fire_nothing_early(
@@ -273,8 +282,8 @@ async def _partitioned(cluster: Partitioned) -> None:
                 return published == succeeded == len(expected)
             await wait_until(settled, 90, "every fire published and its run succeeded", 0.5)
             await history.settle()
-        counts, stored = await stream_messages(cluster.nats_uri,
-                                               f"hascheduler.fire.jobs.{cluster.prefix}.>")
+        counts, stored = await stream_counts(cluster.nats_uri,
+                                             f"hascheduler.fire.jobs.{cluster.prefix}.>")
         missing = sorted(f for f in expected if counts[f] == 0)
         duplicated = sorted(f for f in expected if counts[f] > 1)
         early = sorted(f for f, nominal in expected.items()
