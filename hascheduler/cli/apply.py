@@ -31,6 +31,7 @@ from hascheduler.cli.schedules import (
 )
 from hascheduler.client import Client, HaschedulerError
 from hascheduler.client.apply import (
+    Outcome,
     Refused,
     converge,
     declare,
@@ -187,18 +188,25 @@ def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
         with Client(resolve_api(api), token) as client:
             outcome = converge(client, declared, selector)
     except (Refused, WorkerConfigError) as exc:
-        problems = exc.problems if isinstance(exc, Refused) else [str(exc)]
-        print(f"schedules of {app.name}: nothing written:\n  " + "\n  ".join(problems),
-              file=sys.stderr)
-        return EXIT_REFUSED
+        return _refused(f"schedules of {app.name}",
+                        exc.problems if isinstance(exc, Refused) else [str(exc)])
     except (HaschedulerError, Unavailable) as exc:
         print(f"schedules of {app.name}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    for step, reason in outcome.failed:
-        print(f"schedules of {app.name}: {step.action} {step.schedule_id} failed: {reason}",
-              file=sys.stderr)
     print(f"schedules of {app.name}: {len(declared)} declared, {len(outcome.done)} written",
           flush=True)
+    return _failures(f"schedules of {app.name}", outcome)
+
+
+def _refused(who: str, problems: list[str]) -> int:
+    print(f"{who}: nothing written:\n  " + "\n  ".join(problems), file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def _failures(who: str, outcome: Outcome) -> int:
+    """Each write that failed, and the exit code."""
+    for step, reason in outcome.failed:
+        print(f"{who}: {step.action} {step.schedule_id} failed: {reason}", file=sys.stderr)
     return EXIT_UNAVAILABLE if outcome.failed else 0
 
 
@@ -230,19 +238,14 @@ def run_apply(args: argparse.Namespace) -> int:
                 return 0
             outcome = execute(api, steps)
     except Refused as exc:
-        print("hascheduler apply: nothing written:\n  " + "\n  ".join(exc.problems),
-              file=sys.stderr)
-        return EXIT_REFUSED
+        return _refused("hascheduler apply", exc.problems)
     except (HaschedulerError, Unavailable) as exc:
         print(f"hascheduler apply: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    for step, reason in outcome.failed:
-        print(f"hascheduler apply: {step.action} {step.schedule_id} failed: {reason}",
-              file=sys.stderr)
     written = len(outcome.done)
     print("nothing to do" if not written and not outcome.failed
           else f"applied: {written} written, {len(outcome.failed)} failed")
-    return EXIT_UNAVAILABLE if outcome.failed else 0
+    return _failures("hascheduler apply", outcome)
 
 
 def run_export(args: argparse.Namespace) -> int:

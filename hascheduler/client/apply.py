@@ -166,12 +166,7 @@ def read_plan(api: Client, declared: list[Declared],
 
 
 def _all(api: Client, labels: dict[str, str] | None) -> Iterator[Document]:
-    after: str | None = None
-    while True:
-        items, after = api.send(calls.schedule_documents_page(labels, after, MAX_PAGE))
-        yield from items
-        if after is None:
-            return
+    return api.pages(lambda after: calls.schedule_documents_page(labels, after, MAX_PAGE))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -46,13 +46,19 @@ class _NotSent(Unavailable):
     """The connection was never made: nothing reached the API, so any call may go again."""
 
 
-def _settings(api: str | None, token: str | None) -> tuple[str, dict[str, str]]:
+def _http_options(api: str | None, token: str | None, verify: bool | str,
+                  cert: str | tuple[str, str] | None, timeout_s: float) -> dict[str, Any]:
+    """What httpx's Client and AsyncClient are both made with."""
     base = api or os.environ.get("HASCHEDULER_API")
     if not base:
         raise ValueError("no API: pass its URL, or set HASCHEDULER_API")
     token = token or os.environ.get("HASCHEDULER_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return base.rstrip("/"), headers
+    return {"base_url": base.rstrip("/"), "headers": headers, "verify": verify, "cert": cert,
+            "timeout": timeout_s}
+
+
+Page = tuple[list[T], str | None]
 
 
 def _retry_policy(call: Call[Any], attempts: int) -> dict[str, Any]:
@@ -95,10 +101,8 @@ class Client:
                  verify: bool | str = True, cert: str | tuple[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS
                  ) -> None:
-        base, headers = _settings(api, token)
         self.attempts = attempts
-        self._http = httpx.Client(base_url=base, headers=headers, verify=verify, cert=cert,
-                                  timeout=timeout_s)
+        self._http = httpx.Client(**_http_options(api, token, verify, cert, timeout_s))
 
     def __enter__(self) -> Client:
         return self
@@ -121,6 +125,15 @@ class Client:
                 return _answer(call, response)
         raise AssertionError("unreachable: tenacity reraises the last failure")
 
+    def pages(self, page: Callable[[str | None], Call[Page[T]]]) -> Iterator[T]:
+        """Every item of a paginated list, ``page(after)`` giving each page's call."""
+        after: str | None = None
+        while True:
+            items, after = self.send(page(after))
+            yield from items
+            if after is None:
+                return
+
     # Schedules.
     def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
                         ) -> models.Schedule:
@@ -137,12 +150,7 @@ class Client:
     def schedules(self, labels: Mapping[str, str] | None = None, paused: bool | None = None,
                   page_size: int = 100) -> Iterator[models.Schedule]:
         """Every schedule matching, a page at a time, in id order."""
-        after: str | None = None
-        while True:
-            items, after = self.send(calls.schedules_page(labels, paused, after, page_size))
-            yield from items
-            if after is None:
-                return
+        return self.pages(lambda after: calls.schedules_page(labels, paused, after, page_size))
 
     def replace_schedule(self, schedule_id: str,
                          fields: models.ScheduleFields | Mapping[str, Any],
@@ -196,12 +204,7 @@ class Client:
 
     def runs(self, state: str | None = None, page_size: int = 100) -> Iterator[Document]:
         """Every run (in ``state``), most recently changed first, a page at a time."""
-        after: str | None = None
-        while True:
-            items, after = self.send(calls.runs_page(state, after, page_size))
-            yield from items
-            if after is None:
-                return
+        return self.pages(lambda after: calls.runs_page(state, after, page_size))
 
     def get_run(self, fire_id: str) -> Document:
         return self.send(calls.get_run(fire_id))
@@ -233,10 +236,8 @@ class AsyncClient:
                  verify: bool | str = True, cert: str | tuple[str, str] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS
                  ) -> None:
-        base, headers = _settings(api, token)
         self.attempts = attempts
-        self._http = httpx.AsyncClient(base_url=base, headers=headers, verify=verify,
-                                       cert=cert, timeout=timeout_s)
+        self._http = httpx.AsyncClient(**_http_options(api, token, verify, cert, timeout_s))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -260,6 +261,16 @@ class AsyncClient:
                 return _answer(call, response)
         raise AssertionError("unreachable: tenacity reraises the last failure")
 
+    async def pages(self, page: Callable[[str | None], Call[Page[T]]]) -> AsyncIterator[T]:
+        """Every item of a paginated list, ``page(after)`` giving each page's call."""
+        after: str | None = None
+        while True:
+            items, after = await self.send(page(after))
+            for item in items:
+                yield item
+            if after is None:
+                return
+
     async def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
                               ) -> models.Schedule:
         return await self.send(calls.create_schedule(schedule))
@@ -272,17 +283,11 @@ class AsyncClient:
     async def get_schedule(self, schedule_id: str) -> models.Schedule:
         return await self.send(calls.get_schedule(schedule_id))
 
-    async def schedules(self, labels: Mapping[str, str] | None = None,
-                        paused: bool | None = None, page_size: int = 100
+    def schedules(self, labels: Mapping[str, str] | None = None,
+                  paused: bool | None = None, page_size: int = 100
                         ) -> AsyncIterator[models.Schedule]:
-        after: str | None = None
-        while True:
-            items, after = await self.send(calls.schedules_page(labels, paused, after,
-                                                                page_size))
-            for item in items:
-                yield item
-            if after is None:
-                return
+        return self.pages(lambda after: calls.schedules_page(labels, paused, after,
+                                                             page_size))
 
     async def replace_schedule(self, schedule_id: str,
                                fields: models.ScheduleFields | Mapping[str, Any],
@@ -333,15 +338,9 @@ class AsyncClient:
     async def schedule_runs(self, schedule_id: str, limit: int = 50) -> Document:
         return await self.send(calls.schedule_runs(schedule_id, limit))
 
-    async def runs(self, state: str | None = None, page_size: int = 100
-                   ) -> AsyncIterator[Document]:
-        after: str | None = None
-        while True:
-            items, after = await self.send(calls.runs_page(state, after, page_size))
-            for item in items:
-                yield item
-            if after is None:
-                return
+    def runs(self, state: str | None = None, page_size: int = 100
+             ) -> AsyncIterator[Document]:
+        return self.pages(lambda after: calls.runs_page(state, after, page_size))
 
     async def get_run(self, fire_id: str) -> Document:
         return await self.send(calls.get_run(fire_id))

@@ -28,6 +28,7 @@ from hascheduler.core.claims import Claim
 from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id, iso_utc
+from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.streams import aggregate
 
 CLAIMED = "claimed"
@@ -210,14 +211,7 @@ class Ledger:
 
     async def claim(self, docs: list[Document]) -> set[str]:
         """Insert claims; the ids already in the ledger (claimed by someone: maybe us)."""
-        try:
-            await self.fires.insert_many(docs, ordered=False)
-        except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != DUPLICATE_KEY for e in errors):
-                raise
-            return {docs[e["index"]]["_id"] for e in errors}
-        return set()
+        return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
 
     async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
         """Take over those of ``fire_ids`` still claimed by an older term (a deposed leader

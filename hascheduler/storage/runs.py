@@ -36,14 +36,14 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
-from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from hascheduler.core.claims import Claim as FireClaim
-from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id as fire_id_of
+from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fires import state_counts
 
 PENDING = "pending"
@@ -253,15 +253,8 @@ class RunLedger:
         if not fires:
             return []
         running = _running(worker_id, now, lease_s)
-        try:
-            await self.runs.insert_many([_new_run(f, running, now) for f in fires],
-                                        ordered=False)
-            taken: set[int] = set()
-        except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != DUPLICATE_KEY for e in errors):
-                raise
-            taken = {e["index"] for e in errors}
+        taken = {e["index"] for e in await insert_new(
+            self.runs, [_new_run(f, running, now) for f in fires])}
         started = await self._start_reserved([fires[i].fire_id for i in sorted(taken)],
                                              running, now)
         return [Claim("claimed", attempt=1) if i not in taken or f.fire_id in started
@@ -389,15 +382,9 @@ class RunLedger:
             docs.append(doc)
         if not docs:
             return {}
-        try:
-            await self.runs.insert_many(docs, ordered=False)
-            return {}
-        except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != DUPLICATE_KEY for e in errors):
-                raise
-            held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"] for e in errors
-                    if "open_key" in (e.get("keyPattern") or {})}
+        held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
+                for e in await insert_new(self.runs, docs)
+                if "open_key" in (e.get("keyPattern") or {})}
         if not held:
             return {}
         blockers = await self.open_runs(sorted(set(held.values())))

@@ -13,12 +13,12 @@ import uuid
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
-from pymongo.errors import BulkWriteError, DuplicateKeyError
+from pymongo.errors import DuplicateKeyError
 
-from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
 from hascheduler.core.instants import as_utc_deep
 from hascheduler.core.models import IntervalSpec, Schedule, ScheduleFields, ScheduleIn
+from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fire_counts import FireCounts
 
 _FIELDS = frozenset(ScheduleFields.model_fields)
@@ -92,14 +92,7 @@ class ScheduleStore:
         now = _ms(now)
         docs = [{"_id": new.id or uuid.uuid4().hex, **_fields_document(new, now),
                  "created_at": now, "updated_at": now, "revision": 1} for new in news]
-        taken: set[str] = set()
-        try:
-            await self._coll.insert_many(docs, ordered=False)
-        except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(e.get("code") != DUPLICATE_KEY for e in errors):
-                raise
-            taken = {docs[e["index"]]["_id"] for e in errors}
+        taken = {docs[e["index"]]["_id"] for e in await insert_new(self._coll, docs)}
         return [d["_id"] for d in docs if d["_id"] not in taken], sorted(taken)
 
     async def get(self, schedule_id: str) -> Schedule:

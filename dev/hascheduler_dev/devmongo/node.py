@@ -164,6 +164,7 @@ class Node:
 
     async def _dispatch(self, name: str, db: str, body: Document,
                         ctx: ConnectionContext) -> Document:
+        received = time.monotonic()
         handler = self._handlers.get(name)
         if handler is None:
             raise MongoError(59, f"no such command: '{name}'")
@@ -175,14 +176,14 @@ class Node:
         namespace = f"{db}.{body[name]}" if isinstance(body.get(name), str) else None
         action = self.failpoints.check(name, ctx.app_name, namespace)
         if action is not None:
-            received = time.monotonic()
             await self._before(action)
-            # As mongod: a write's maxTimeMS runs from when the server took the command, so
-            # one held up here (blockConnection) past its limit is never applied.
-            limit = body.get("maxTimeMS")
-            if (name in RETRYABLE_COMMANDS and isinstance(limit, int) and limit > 0
-                    and (time.monotonic() - received) * 1000 > limit):
-                raise MongoError(50, "operation exceeded time limit")
+        # As mongod: a write's maxTimeMS runs from when the server took the command, so one
+        # held up on its way to being applied (a blockConnection fail point, a session
+        # replay) past its limit is refused, never applied.
+        limit = body.get("maxTimeMS")
+        if (name in RETRYABLE_COMMANDS and isinstance(limit, int) and limit > 0
+                and (time.monotonic() - received) * 1000 > limit):
+            raise MongoError(50, "operation exceeded time limit")
         retry_key = self._retry_key(name, body)
         if retry_key is not None:
             remembered = self._sessions.get(retry_key[0])
