@@ -12,7 +12,6 @@ plan alone.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import signal
 import sys
 import tempfile
@@ -22,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from hascheduler.cli.apply import documents
+from hascheduler.cli.apply import plan_files
 from hascheduler.client import Client
-from hascheduler.client.apply import converge, declare, read_plan
+from hascheduler.client.apply import execute
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_replica, with_database
 
@@ -43,9 +42,9 @@ def replica(mongo: ServerProcess, database: str) -> ServerProcess:
 
 
 def timed_apply(api: Client, path: Path) -> tuple[float, int]:
+    """What `hascheduler apply -f PATH --prune --selector team=bench` does, timed."""
     started = time.perf_counter()
-    declared = declare(documents([str(path)]), dt.datetime.now(dt.UTC), SELECTOR)
-    outcome = converge(api, declared, SELECTOR)
+    outcome = execute(api, plan_files(api, [str(path)], SELECTOR, prune=True))
     assert not outcome.failed, outcome.failed[:3]
     return time.perf_counter() - started, len(outcome.done)
 
@@ -61,8 +60,7 @@ def run(args: argparse.Namespace) -> str:
             apply_s, written = timed_apply(api, path)
             noop_s, rewritten = timed_apply(api, path)
             started = time.perf_counter()
-            declared = declare(documents([str(path)]), dt.datetime.now(dt.UTC), SELECTOR)
-            steps = read_plan(api, declared, SELECTOR)
+            steps = plan_files(api, [str(path)], SELECTOR, prune=True)
             plan_s = time.perf_counter() - started
             assert all(s.action == "unchanged" for s in steps)
         with Client(one_by_one.uri) as api:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hascheduler.cli.apply import READ_AHEAD_BYTES
 from hascheduler.client import Client
 from hascheduler.client.apply import declare, execute, read_plan
 from tests.conftest import API_WRITE_TOKEN as WRITE
@@ -180,6 +181,20 @@ def test_an_unreachable_api_exits_1(tmp_path: Path) -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode == 1
     assert "cannot reach the API" in done.stderr
+
+
+def test_a_large_invalid_input_is_refused_though_the_read_ahead_fails(tmp_path: Path) -> None:
+    """Past READ_AHEAD_BYTES the cluster is read while the input is parsed; the input's
+    problems still come first, and the read (here failing) is not waited for."""
+    documents = [schedule(f"s{i:04d}", description="x" * 200) for i in range(400)]
+    documents[399]["trigger"] = {"kind": "cron", "cron": "61 * * * *"}
+    path = write(tmp_path / "large.yaml", *documents)
+    assert path.stat().st_size >= READ_AHEAD_BYTES
+    done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "apply", "--api",
+                           "http://127.0.0.1:9", "-f", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "large.yaml#400 (s0399): trigger" in done.stderr
 
 
 def test_json_lists_and_directories_are_read_alike(api_replica: ApiReplica, tmp_path: Path) -> None:

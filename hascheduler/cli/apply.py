@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -33,11 +36,13 @@ from hascheduler.client import Client, HaschedulerError
 from hascheduler.client.apply import (
     Outcome,
     Refused,
+    Step,
     converge,
     declare,
     describe,
     execute,
     exported,
+    read_cluster,
     read_plan,
 )
 from hascheduler.worker.app import APP_LABEL, WorkerApp, WorkerConfigError, load_app
@@ -46,6 +51,9 @@ from hascheduler.worker.app import APP_LABEL, WorkerApp, WorkerConfigError, load
 # thousands of them; a larger input is refused before it is parsed.
 MAX_INPUT_BYTES = 16 * 1024 * 1024
 SUFFIXES = (".yaml", ".yml", ".json")
+# From about 250 declarations on, the cluster is read while the input is parsed.
+READ_AHEAD_BYTES = 64 * 1024
+T = TypeVar("T")
 
 
 def add_parser(sub: Any) -> None:
@@ -81,39 +89,26 @@ def _selector(text: str | None) -> tuple[str, str] | None:
     return key, value
 
 
-# libyaml's loader where the wheel has it: ten times the pure-Python one's speed.
+# libyaml's parser where the wheel has it: ten times the pure-Python one's speed.
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+class _NoAliasLoader(_LOADER):  # type: ignore[misc]
+    """Refuses aliases: an alias can make a small file expand into millions of nodes, and
+    a schedule never needs one. Composing shares an alias's node rather than copying it,
+    so the constructor meeting a node a second time is an alias, seen before anything is
+    expanded."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if node in self.constructed_objects:
+            mark = node.start_mark
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            raise yaml.YAMLError(f"{where}aliases (*name) are not accepted")
+        return super().construct_object(node, deep)
+
+
 def _yaml_documents(text: str) -> list[Any]:
-    """The documents of a YAML text, refusing aliases: an alias can make a small file
-    expand into millions of nodes, and a schedule never needs one. Each document is
-    composed first (an alias is a node met twice there, nothing expanded yet), checked,
-    then built."""
-    loader = _LOADER(text)
-    documents = []
-    try:
-        while loader.check_node():
-            node = loader.get_node()
-            seen: set[int] = set()
-            stack = [node]
-            while stack:
-                current = stack.pop()
-                if id(current) in seen:
-                    mark = current.start_mark
-                    where = f"line {mark.line + 1}: " if mark is not None else ""
-                    raise yaml.YAMLError(f"{where}aliases (*name) are not accepted")
-                seen.add(id(current))
-                if isinstance(current, yaml.SequenceNode):
-                    stack.extend(current.value)
-                elif isinstance(current, yaml.MappingNode):
-                    stack.extend(item for pair in current.value for item in pair)
-            document = loader.construct_document(node)
-            if document is not None:
-                documents.append(document)
-    finally:
-        loader.dispose()
-    return documents
+    return [d for d in yaml.load_all(text, Loader=_NoAliasLoader) if d is not None]
 
 
 def _texts(paths: list[str]) -> Iterator[tuple[str, bytes]]:
@@ -146,9 +141,13 @@ def _texts(paths: list[str]) -> Iterator[tuple[str, bytes]]:
 
 def documents(paths: list[str]) -> list[tuple[str, Any]]:
     """Every document the paths hold, each with where it came from. Raises Refused."""
+    return _parsed(list(_texts(paths)))
+
+
+def _parsed(texts: list[tuple[str, bytes]]) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     problems: list[str] = []
-    for origin, data in _texts(paths):
+    for origin, data in texts:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -167,6 +166,36 @@ def documents(paths: list[str]) -> list[tuple[str, Any]]:
     if problems:
         raise Refused(problems)
     return found
+
+
+def _in_background(work: Callable[[], T]) -> Future[T]:
+    """``work`` on a daemon thread: a refused input returns at once, never waiting for a
+    read it no longer needs (an executor's threads are joined at exit)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to whoever asks for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="apply-read-ahead", daemon=True).start()
+    return future
+
+
+def plan_files(api: Client, paths: list[str], selector: tuple[str, str] | None,
+               prune: bool) -> list[Step]:
+    """The plan for the files at ``paths``. Raises Refused before any write. A large input
+    is parsed while the cluster is read: parsing is this process's work, reading mostly
+    the server's."""
+    texts = list(_texts(paths))
+    ahead = None
+    if sum(len(data) for _, data in texts) >= READ_AHEAD_BYTES:
+        ahead = _in_background(functools.partial(read_cluster, api,
+                                                 selector if prune else None))
+    declared = declare(_parsed(texts), dt.datetime.now(dt.UTC), selector)
+    return read_plan(api, declared, selector if prune else None,
+                     ahead.result() if ahead is not None else None)
 
 
 def declared_by(app: WorkerApp) -> tuple[list[tuple[str, Any]], tuple[str, str]]:
@@ -230,9 +259,8 @@ def run_apply(args: argparse.Namespace) -> int:
         if args.prune and selector is None:
             raise Refused(["--prune needs --selector key=value: it never deletes schedules "
                            "outside it"])
-        declared = declare(documents(args.paths), dt.datetime.now(dt.UTC), selector)
         with Client(resolve_api(args.api), args.token) as api:
-            steps = read_plan(api, declared, selector if args.prune else None)
+            steps = plan_files(api, args.paths, selector, args.prune)
             print(describe(steps))
             if args.dry_run:
                 return 0

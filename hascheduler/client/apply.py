@@ -144,14 +144,24 @@ def plan(declared: list[Declared], current: Mapping[str, Document],
     return steps
 
 
-def read_plan(api: Client, declared: list[Declared],
-              selector: tuple[str, str] | None) -> list[Step]:
+def read_cluster(api: Client, selector: tuple[str, str] | None) -> list[Document]:
+    """Every schedule carrying the selector's label (without one: every schedule), a page
+    of 500 at a time."""
+    return list(_all(api, dict([selector]) if selector else None))
+
+
+def read_plan(api: Client, declared: list[Declared], selector: tuple[str, str] | None,
+              read: list[Document] | None = None) -> list[Step]:
     """The plan against the cluster as it is now (with a selector: what to prune too).
-    Many declarations read every schedule, a page of 500 at a time; a few are read one by
-    one."""
-    labelled = list(_all(api, dict([selector]))) if selector else []
-    current = {s["id"]: s for s in labelled}
-    unknown = [d.schedule_id for d in declared if d.schedule_id not in current]
+    Many declarations read every schedule; a few are read one by one. ``read``: what
+    ``read_cluster`` with the same selector answered, when the caller read it already."""
+    if read is None and (selector is not None or len(declared) > READ_ONE_BY_ONE):
+        read = read_cluster(api, selector)
+    current = {s["id"]: s for s in read or ()}
+    labelled = list(current.values()) if selector else []
+    every_one_read = read is not None and selector is None
+    unknown = [] if every_one_read else [d.schedule_id for d in declared
+                                         if d.schedule_id not in current]
     if len(unknown) > READ_ONE_BY_ONE:
         wanted = set(unknown)
         current |= {s["id"]: s for s in _all(api, None) if s["id"] in wanted}

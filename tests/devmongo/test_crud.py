@@ -187,6 +187,36 @@ async def test_cursor_batches_and_kill(db: Any) -> None:
     await cursor.close()
 
 
+async def test_pages_in_id_order_match_a_full_sort(db: Any) -> None:
+    """A find sorted by _id with a limit walks the _id index and stops at the limit; its
+    pages, with or without a residual filter, either direction, are a full sort's."""
+    coll = db.paged
+    await coll.insert_many([{"_id": f"s-{i:03d}", "team": "a" if i % 3 else "b", "i": i}
+                            for i in reversed(range(200))])
+    await coll.insert_one({"_id": 7, "team": "a"})  # another type sorts before strings
+    everything = sorted([d async for d in coll.find()],
+                        key=lambda d: (isinstance(d["_id"], str), d["_id"]))
+    for query, direction in [({}, 1), ({"team": "a"}, 1), ({"team": "b"}, -1),
+                             ({"i": {"$gte": 50}}, -1)]:
+        want = [d for d in everything if all(
+            d.get(k) == v if not isinstance(v, dict) else d.get("i", -1) >= v["$gte"]
+            for k, v in query.items())]
+        if direction == -1:
+            want.reverse()
+        got: list[Any] = []
+        bound: dict[str, Any] = {}
+        while True:
+            page = [d async for d in coll.find({**query, **bound}).sort("_id", direction)
+                    .limit(17)]
+            got += page
+            if len(page) < 17:
+                break
+            bound = {"_id": {"$gt" if direction == 1 else "$lt": page[-1]["_id"]}}
+        assert got == want, query
+    skipped = [d["_id"] async for d in coll.find({"team": "a"}).sort("_id", 1).skip(5).limit(3)]
+    assert skipped == [d["_id"] for d in everything if d.get("team") == "a"][5:8]
+
+
 async def test_transactions_get_a_clear_error(client: Any, db: Any, driver: Driver) -> None:
     await db.tx.insert_one({"a": 1})
     session = await driver.start_session(client)

@@ -438,11 +438,16 @@ class Node:
         limit = int(body.get("limit") or 0)
         single = bool(body.get("singleBatch")) or limit < 0
         limit = abs(limit)
-        docs = [doc for _, doc in coll.find(self.operation(), filter_)] if coll else []
-        docs = engine.sort_documents(docs, body.get("sort") or {})
         skip = int(body.get("skip") or 0)
         if skip < 0:
             raise bad_value("skip value must be non-negative")
+        sort = body.get("sort") or {}
+        docs = None
+        if coll and limit and list(sort) == ["_id"] and sort["_id"] in (1, -1):
+            docs = coll.first_by_id(self.operation(), filter_, skip + limit, sort["_id"] == -1)
+        if docs is None:
+            docs = [doc for _, doc in coll.find(self.operation(), filter_)] if coll else []
+            docs = engine.sort_documents(docs, sort)
         docs = docs[skip:skip + limit] if limit else docs[skip:]
         docs = engine.project(docs, body.get("projection"))
         batch_size = self._batch_size(body.get("batchSize"))

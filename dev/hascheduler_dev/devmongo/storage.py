@@ -396,6 +396,38 @@ class Collection:
             return list(self.docs), frozenset()
         return sorted(best), decided
 
+    def _equality_narrows(self, equal: dict[str, list[Any]]) -> bool:
+        return any(not index.sparse and _covers(index, equal) and index.fields[0] in equal
+                   for index in self.indexes.values())
+
+    def first_by_id(self, op: engine.Operation, filter_: Document, count: int,
+                    descending: bool = False) -> list[Document] | None:
+        """The first ``count`` matches in ``_id`` order, walking the ``_id`` index and
+        stopping there; None when an equality index narrows the filter better (the
+        planner's path). A page of a list sorted by ``_id`` after a cursor otherwise read
+        every later document, so reading a whole collection page by page was quadratic."""
+        filter_ = op.prepare(filter_)
+        if self._equality_narrows(_equalities(filter_)):
+            return None
+        index = self.indexes["_id_"]
+        cond = _ranges(filter_).get("_id")
+        ordered = index._sorted()
+        if cond is None:
+            rids: Iterable[int] = (rid for _, rid in ordered)
+            if descending:
+                rids = (rid for _, rid in reversed(ordered))
+        else:
+            ranged = list(self._range_scan(index, cond)) if descending else None
+            rids = reversed(ranged) if ranged is not None else self._range_scan(index, cond)
+        found: list[Document] = []
+        for rid in rids:
+            doc = self.docs.get(rid)
+            if doc is not None and engine.matches(filter_, doc):
+                found.append(doc)
+                if len(found) >= count:
+                    break
+        return found
+
     @staticmethod
     def _decides(index: Index, path: str, filter_: Document,
                  equal: dict[str, list[Any]]) -> bool:
