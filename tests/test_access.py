@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import subprocess
 import sys
@@ -16,14 +17,20 @@ import aiohttp
 import pytest
 
 from hascheduler.api.access import (
+    ANONYMOUS,
     MAX_TRACKED_CLIENTS,
+    Access,
     AccessConfigError,
-    Scope,
-    Tokens,
+    AccessFile,
+    Action,
+    Denied,
+    Grant,
     WriteLimit,
     WriteLimiter,
-    authorize,
-    load_tokens,
+    authenticate,
+    create_token,
+    entry_line,
+    legacy_grants,
 )
 from hascheduler.brokers.nats.reader import read_stream
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
@@ -34,29 +41,25 @@ WRITE = "w" * 20
 OTHER_WRITE = "x" * 24
 
 
-# --- tokens and scopes ----------------------------------------------------------------------
+# --- grants ---------------------------------------------------------------------------------
 
-def test_scope_of_each_token() -> None:
-    tokens = Tokens.of(read=[READ], write=[WRITE, OTHER_WRITE])
-    assert tokens.scope_of(READ) is Scope.READ
-    assert tokens.scope_of(WRITE) is Scope.WRITE
-    assert tokens.scope_of(OTHER_WRITE) is Scope.WRITE
-    assert tokens.scope_of(WRITE + "x") is None
-    assert tokens.scope_of("") is None
-    assert Scope.WRITE > Scope.READ  # a write token may read
-
-
-def test_tokens_from_environment_and_files(tmp_path: Path) -> None:
+def test_todays_variables_are_tokens_named_read_n_and_write_n(tmp_path: Path) -> None:
     write_file = tmp_path / "write"
     write_file.write_text(f"# rotated on Monday\n{OTHER_WRITE}\n\n")
-    tokens = load_tokens({"HASCHEDULER_READ_TOKENS": f"{READ}, {'q' * 16}",
-                          "HASCHEDULER_WRITE_TOKENS": WRITE,
-                          "HASCHEDULER_WRITE_TOKENS_FILE": str(write_file)})
-    assert len(tokens.read) == 2
-    assert len(tokens.write) == 2
-    assert tokens.scope_of(OTHER_WRITE) is Scope.WRITE
-    assert tokens.scope_of("q" * 16) is Scope.READ
-    assert not load_tokens({}).enabled
+    access = Access(legacy=legacy_grants({
+        "HASCHEDULER_READ_TOKENS": f"{READ}, {'q' * 16}", "HASCHEDULER_WRITE_TOKENS": WRITE,
+        "HASCHEDULER_WRITE_TOKENS_FILE": str(write_file)}))
+    write, other, read = (access.grant_of(t) for t in (WRITE, OTHER_WRITE, READ))
+    assert write is not None
+    assert other is not None
+    assert read is not None
+    assert (write.name, other.name, read.name) == ("write-1", "write-2", "read-1")
+    assert all(write.allows(a, "any-namespace") for a in Action)  # today's meaning
+    assert read.allows(Action.READ, "billing")
+    assert not read.can(Action.WRITE)
+    assert access.grant_of(WRITE + "x") is None
+    assert access.grant_of("") is None
+    assert not Access().enabled
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -69,46 +72,108 @@ def test_tokens_from_environment_and_files(tmp_path: Path) -> None:
 ])
 def test_unusable_token_settings_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(AccessConfigError, match=message):
-        load_tokens(env)
+        legacy_grants(env)
 
 
 def test_an_empty_token_file_is_refused(tmp_path: Path) -> None:
     empty = tmp_path / "write"
     empty.write_text("# nothing yet\n")
     with pytest.raises(AccessConfigError, match="holds no token"):
-        load_tokens({"HASCHEDULER_WRITE_TOKENS_FILE": str(empty)})
+        legacy_grants({"HASCHEDULER_WRITE_TOKENS_FILE": str(empty)})
 
 
-@pytest.mark.parametrize(("method", "path", "header", "status", "title"), [
-    ("GET", "/schedules", None, 401, "this API needs a token"),
-    ("GET", "/schedules", "Basic abc", 401, "must be 'Bearer <token>'"),
-    ("GET", "/schedules", "Bearer ", 401, "must be 'Bearer <token>'"),
-    ("GET", "/leader", f"Bearer {WRITE}x", 401, "the token is not valid"),
-    ("POST", "/schedules", f"Bearer {READ}", 403, "needs a token with the write scope"),
-    ("DELETE", "/schedules/a", f"Bearer {READ}", 403, "needs a token with the write scope"),
-    ("GET", "/schedules", f"Bearer {READ}", None, None),
-    ("GET", "/schedules", f"bearer {WRITE}", None, None),
-    ("POST", "/schedules/a/pause", f"Bearer {WRITE}", None, None),
-    ("GET", "/healthz", None, None, None),
-    ("GET", "/readyz", None, None, None),
-    ("GET", "/metrics", None, None, None),
-    ("GET", "/ui", None, None, None),
+def access_file(path: Path, *entries: dict[str, object], namespaces: str = "") -> Path:
+    path.write_text("tokens:\n" + "".join(entry_line(e) + "\n" for e in entries)
+                    + namespaces)
+    return path
+
+
+def test_named_tokens_are_stored_hashed_and_grant_their_actions_and_namespaces(
+        tmp_path: Path) -> None:
+    billing = create_token("billing-ci", frozenset({Action.READ, Action.TRIGGER}),
+                           frozenset({"billing"}))
+    path = access_file(tmp_path / "access.yaml", billing.entry)
+    assert billing.secret not in path.read_text()  # only a salted hash is kept
+    assert billing.secret.split("_")[2] not in path.read_text()
+    access = Access().with_file(str(path))
+    grant = access.grant_of(billing.secret)
+    assert grant == Grant("billing-ci", frozenset({Action.READ, Action.TRIGGER}),
+                          frozenset({"billing"}))
+    assert grant.allows(Action.TRIGGER, "billing")
+    assert not grant.allows(Action.TRIGGER, "payroll")
+    assert not grant.allows(Action.WRITE, "billing")
+    forged = billing.secret[:-1] + ("A" if billing.secret[-1] != "A" else "B")
+    assert access.grant_of(forged) is None
+    admin = Grant("ops", frozenset({Action.ADMIN}), frozenset({"*"}))
+    assert all(admin.allows(a, "anything") for a in Action)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("tokens: [{name: x}]\n", "name, id, salt, hash, actions, namespaces"),
+    ("other: 1\n", "'tokens' and 'namespaces' only"),
+    ("tokens: [\n", "--access-file"),
+    ("namespaces: {'a/b': {}}\n", "not a namespace name"),
+    ("namespaces: {billing: {max_schedules: -1}}\n", "max_schedules is a whole number"),
+    ("namespaces: {billing: {quota: 1}}\n", "require_reason and max_schedules only"),
 ])
-def test_authorize(method: str, path: str, header: str | None, status: int | None,
-                   title: str | None) -> None:
-    denied = authorize(Tokens.of(read=[READ], write=[WRITE]), method, path, header)
+def test_a_bad_access_file_is_refused_naming_what(tmp_path: Path, content: str,
+                                                    message: str) -> None:
+    path = tmp_path / "access.yaml"
+    path.write_text(content)
+    with pytest.raises(AccessConfigError, match=re.escape(message)):
+        Access().with_file(str(path))
+
+
+def test_the_access_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    first = create_token("first", frozenset({Action.READ}), frozenset({"a"}))
+    second = create_token("second", frozenset({Action.READ}), frozenset({"b"}))
+    path = access_file(tmp_path / "access.yaml", first.entry)
+    watched = AccessFile(Access(), str(path))
+    assert watched.current.grant_of(first.secret) is not None
+    assert not watched.reload_if_changed()
+    access_file(tmp_path / "next.yaml", second.entry).replace(path)  # as a Secret swaps it
+    assert watched.reload_if_changed()
+    assert watched.current.grant_of(first.secret) is None  # revoked
+    assert watched.current.grant_of(second.secret) is not None
+    path.write_text("tokens: [\n")  # a broken edit keeps what was in force
+    assert not watched.reload_if_changed()
+    assert watched.current.grant_of(second.secret) is not None
+
+
+def test_ten_thousand_tokens_are_looked_up_by_id(tmp_path: Path) -> None:
+    tokens = [create_token(f"t{i}", frozenset({Action.READ}), frozenset({"a"}))
+              for i in range(10_000)]
+    access = Access().with_file(str(access_file(tmp_path / "access.yaml",
+                                                *(t.entry for t in tokens))))
+    assert len(access.named) == 10_000
+    assert access.grant_of(tokens[-1].secret) == Grant("t9999", frozenset({Action.READ}),
+                                                       frozenset({"a"}))
+    assert access.grant_of(tokens[0].secret.replace("_", "-")) is None
+
+
+@pytest.mark.parametrize(("header", "status", "title"), [
+    (None, 401, "this API needs a token"),
+    ("Basic abc", 401, "must be 'Bearer <token>'"),
+    ("Bearer ", 401, "must be 'Bearer <token>'"),
+    (f"Bearer {WRITE}x", 401, "the token is not valid"),
+    (f"Bearer {READ}", None, "read-1"),
+    (f"bearer {WRITE}", None, "write-1"),
+])
+def test_authenticate(header: str | None, status: int | None, title: str) -> None:
+    found = authenticate(Access(legacy=legacy_grants({"HASCHEDULER_READ_TOKENS": READ,
+                                                      "HASCHEDULER_WRITE_TOKENS": WRITE})),
+                         header)
     if status is None:
-        assert denied is None
+        assert isinstance(found, Grant)
+        assert found.name == title
     else:
-        assert denied is not None
-        assert denied.status == status
-        assert title is not None
-        assert title in denied.title
-        assert ("WWW-Authenticate" in denied.headers) == (status == 401)
+        assert isinstance(found, Denied)
+        assert (found.status, "WWW-Authenticate" in found.headers) == (status, True)
+        assert title in found.title
 
 
-def test_without_tokens_everything_is_allowed() -> None:
-    assert authorize(Tokens(), "DELETE", "/schedules/a", None) is None
+def test_without_tokens_everyone_is_anonymous() -> None:
+    assert authenticate(Access(), None) is ANONYMOUS
 
 
 # --- the write limiter ----------------------------------------------------------------------
@@ -186,7 +251,7 @@ async def test_tokens_guard_a_real_replica(guarded: ServerProcess) -> None:
             assert r.status == 401
         async with http.post(f"{api}/schedules", json=_schedule("a"), headers=read) as r:
             assert r.status == 403
-            assert "write scope" in (await r.json())["title"]
+            assert "read-1 may not write" in (await r.json())["title"]
         async with http.get(f"{api}/schedules", headers={"Authorization": "Bearer nope"}) as r:
             assert r.status == 401
             assert (await r.json())["title"] == "the token is not valid"

@@ -14,6 +14,7 @@ from pymongo import AsyncMongoClient
 from hascheduler.api import create_app
 from hascheduler.core.constants import MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES
 from hascheduler.replica.mirror import Mirror
+from hascheduler.storage.audit_log import LIVE, AuditLog
 from hascheduler.storage.schedules import ScheduleStore
 
 NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
@@ -36,16 +37,20 @@ async def mongo(mongo_uri: str, db_name: str) -> AsyncIterator[Any]:
     await client.close()
 
 
+def api_app(mongo: Any, **options: Any) -> Any:
+    audit = AuditLog(mongo.audit, [mongo.schedules, mongo.fires, mongo.runs, mongo.backfills])
+    return create_app(ScheduleStore(mongo.schedules, audit=audit), Mirror(mongo.schedules),
+                      "test", audit, clock=lambda: NOW, **options)
+
+
 @pytest.fixture
 async def api(mongo: Any) -> AsyncIterator[TestClient[Any, Any]]:
-    app = create_app(ScheduleStore(mongo.schedules), Mirror(mongo.schedules), "test",
-                     clock=lambda: NOW)
-    async with TestClient(TestServer(app)) as client:
+    async with TestClient(TestServer(api_app(mongo))) as client:
         yield client
 
 
 async def stored_count(mongo: Any) -> int:
-    return int(await mongo.schedules.count_documents({}))
+    return int(await mongo.schedules.count_documents(LIVE))
 
 
 async def test_create_get_and_location(api: TestClient[Any, Any]) -> None:
@@ -234,8 +239,7 @@ async def test_interval_start_defaults_to_creation_and_keeps_its_phase(
 
 
 async def test_the_floor_between_fires_is_the_replicas_setting(mongo: Any) -> None:
-    app = create_app(ScheduleStore(mongo.schedules), Mirror(mongo.schedules), "test",
-                     clock=lambda: NOW, min_fire_interval_s=10)
+    app = api_app(mongo, min_fire_interval_s=10)
     async with TestClient(TestServer(app)) as client:
         for trigger, status in [({"kind": "cron", "cron": "*/5 * * * * *"}, 422),
                                 ({"kind": "cron", "cron": "*/10 * * * * *"}, 201),

@@ -9,6 +9,7 @@ import pytest
 from mongomock_motor import AsyncMongoMockClient
 
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from hascheduler.core.history import Actor
 from hascheduler.core.models import ScheduleFields, ScheduleIn
 from hascheduler.storage.schedules import ScheduleStore
 from tests.drivers import Driver
@@ -52,7 +53,7 @@ async def test_revision_guards(mock_store: ScheduleStore) -> None:
     assert conflict.value.current == 2
     with pytest.raises(ScheduleNotFound):
         await mock_store.replace("missing", fields(), NOW)
-    paused = await mock_store.pause("a", NOW, "a write token")
+    paused = await mock_store.pause("a", NOW, Actor("write-1"))
     assert (paused.paused, paused.revision) == (True, 3)
     with pytest.raises(RevisionConflict):
         await mock_store.delete("a", expected_revision=2)

@@ -1,30 +1,47 @@
-"""Who may call the API: bearer tokens with a read or a write scope, and a per-client limit
-on writes.
+"""Who may call the API: named tokens granting actions in namespaces, bearer JWTs from an
+identity provider, and a per-client limit on writes.
 
-Tokens come from the environment or from files (a mounted Kubernetes Secret), several per
-scope so that one can be rotated without downtime. Without any token the replica serves
-on 127.0.0.1 only (see ``cli``), so an unauthenticated API is never reachable from
-another host.
+A grant is a name (what the audit trail records), a set of actions and the namespaces it
+may act in (``*``: all). Grants come from three places, all optional:
+
+- the access file (``--access-file``, a mounted Kubernetes Secret): named tokens stored as
+  salted hashes, never in plain text, and the namespaces' rules; re-read when it changes;
+- today's two variables, HASCHEDULER_{READ,WRITE}_TOKENS[_FILE]: tokens named ``read-N``
+  (read, every namespace) and ``write-N`` (every action, every namespace);
+- a JWKS file: bearer JWTs (RS256, ES256) whose ``exp``, ``nbf`` and ``aud`` are checked,
+  their ``sub`` the name, their claims the actions and namespaces.
+
+Without any of them the replica serves on 127.0.0.1 only (see ``cli``), so an
+unauthenticated API is never reachable from another host.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import hmac
+import json
 import math
+import os
+import re
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import jwt
+import structlog
+import yaml
 
 from hascheduler.core.errors import ConfigError
+from hascheduler.core.models import NAMESPACE
 
-# Kubelet probes and Prometheus scrapers carry no token; these reveal no schedule data.
-# The dashboard page is static: it asks for a token and sends it with every call it makes.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/ui"})
-WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+log = structlog.get_logger("hascheduler.access")
+
 # Tokens shorter than this are guessable; refuse them at start-up rather than serve.
 MIN_TOKEN_CHARS = 16
 # The example Secret's values: refused, so that a copy applied unchanged cannot be used.
@@ -32,50 +49,188 @@ PLACEHOLDER = "CHANGE-ME"
 # Clients remembered by the write limiter; the least recently seen is forgotten first, so
 # a flood of addresses cannot grow memory without bound.
 MAX_TRACKED_CLIENTS = 10_000
+# A named token reads hst_<id>_<secret>: the id finds its entry in one lookup, whatever
+# the number of tokens; only the secret is hashed and compared.
+TOKEN_PREFIX = "hst"
+_NAMED_TOKEN = re.compile(rf"{TOKEN_PREFIX}_([0-9a-f]{{16}})_([A-Za-z0-9_-]{{43}})")
+# A JWT is three base64url parts; one longer than this is refused before it is decoded
+# (an identity provider's tokens are a few kilobytes).
+MAX_JWT_CHARS = 8192
+JWT_ALGORITHMS = ("RS256", "ES256")
+ANY_NAMESPACE = "*"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
-class Scope(enum.IntEnum):
-    """Ordered: a write token may also read."""
+class Action(enum.StrEnum):
+    READ = "read"
+    WRITE = "write"  # create, change, delete, restore a schedule
+    TRIGGER = "trigger"  # run now, backfill, replay a dead run
+    PAUSE = "pause"  # pause, resume
+    CANCEL = "cancel"  # cancel a run or a backfill
+    ADMIN = "admin"  # every action above
 
-    READ = 1
-    WRITE = 2
+
+ACTIONS = tuple(Action)
 
 
 class AccessConfigError(ConfigError):
     """A token setting is unusable; the message names it."""
 
 
-def _digest(token: str) -> bytes:
-    # Comparing fixed-length digests keeps the comparison's time independent of the
-    # token's length as well as of its content.
+@dataclass(frozen=True)
+class Grant:
+    """What one token (or JWT) may do, and the name it acts under."""
+
+    name: str
+    actions: frozenset[Action]
+    namespaces: frozenset[str]
+
+    @property
+    def everywhere(self) -> bool:
+        return ANY_NAMESPACE in self.namespaces
+
+    def can(self, action: Action) -> bool:
+        return action in self.actions or Action.ADMIN in self.actions
+
+    def allows(self, action: Action, namespace: str) -> bool:
+        return self.can(action) and (self.everywhere or namespace in self.namespaces)
+
+
+ANONYMOUS = Grant("anonymous", frozenset(ACTIONS), frozenset({ANY_NAMESPACE}))
+
+
+@dataclass(frozen=True)
+class NamespaceRules:
+    """An operator's rules for one namespace (the access file's ``namespaces``)."""
+
+    require_reason: bool = False
+    max_schedules: int | None = None
+
+
+@dataclass(frozen=True)
+class _Stored:
+    salt: bytes
+    digest: bytes
+    grant: Grant
+
+
+def _salted(salt: bytes, secret: str) -> bytes:
+    # The secret is 256 random bits: a keyed hash is enough; a slow password hash would
+    # only add cost to every request.
+    return hmac.new(salt, secret.encode(), hashlib.sha256).digest()
+
+
+def _plain_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
 @dataclass(frozen=True)
-class Tokens:
-    read: tuple[bytes, ...] = ()
-    write: tuple[bytes, ...] = ()
+class JwtKeys:
+    """Bearer JWTs signed by a key of a JWKS file."""
+
+    keys: Any  # jwt.PyJWKSet
+    audience: str
+    issuer: str | None = None
 
     @classmethod
-    def of(cls, read: list[str] | None = None, write: list[str] | None = None) -> Tokens:
-        return cls(tuple(_digest(t) for t in read or ()), tuple(_digest(t) for t in write or ()))
+    def load(cls, path: str, audience: str, issuer: str | None = None) -> JwtKeys:
+        try:
+            keys = jwt.PyJWKSet.from_json(Path(path).read_text())
+        except OSError as exc:
+            raise AccessConfigError(f"--jwks-file: cannot read {path}: "
+                                    f"{exc.strerror or exc}") from None
+        except (jwt.PyJWTError, ValueError) as exc:
+            raise AccessConfigError(f"--jwks-file: {path}: {exc}") from None
+        if not audience:
+            raise AccessConfigError("--jwks-file needs --jwt-audience: a token meant for "
+                                    "another service must not be accepted here")
+        return cls(keys, audience, issuer)
+
+    def grant_of(self, token: str) -> Grant | None:
+        if len(token) > MAX_JWT_CHARS:
+            return None
+        try:
+            header = jwt.get_unverified_header(token)
+            kid = header.get("kid")
+            candidates = [k for k in self.keys.keys if kid is None or k.key_id == kid]
+            for key in candidates:
+                try:
+                    claims = jwt.decode(token, key.key, algorithms=list(JWT_ALGORITHMS),
+                                        audience=self.audience, issuer=self.issuer,
+                                        options={"require": ["exp", "sub", "aud"]})
+                except jwt.InvalidSignatureError:
+                    continue
+                return _jwt_grant(claims)
+        except (jwt.PyJWTError, ValueError, TypeError):
+            return None
+        return None
+
+
+def _words(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+def _jwt_grant(claims: Mapping[str, Any]) -> Grant | None:
+    """Actions from ``hascheduler_actions`` (or OAuth's space-separated ``scope``),
+    namespaces from ``hascheduler_namespaces``; unknown words are ignored."""
+    sub = claims.get("sub")
+    if not isinstance(sub, str) or not sub:
+        return None
+    known = {a.value for a in ACTIONS}
+    actions = frozenset(Action(w) for w in _words(
+        claims.get("hascheduler_actions", claims.get("scope"))) if w in known)
+    namespaces = frozenset(w for w in _words(claims.get("hascheduler_namespaces"))
+                           if w == ANY_NAMESPACE or NAMESPACE.fullmatch(w))
+    if not actions or not namespaces:
+        return None
+    return Grant(f"jwt:{sub[:200]}", actions, namespaces)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Every grant a replica honours, and the namespaces' rules: one immutable value,
+    replaced whole when the access file changes."""
+
+    named: Mapping[str, _Stored] = field(default_factory=dict)
+    legacy: Mapping[bytes, Grant] = field(default_factory=dict)
+    jwt_keys: JwtKeys | None = None
+    rules: Mapping[str, NamespaceRules] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.read or self.write)
+        return bool(self.named or self.legacy or self.jwt_keys)
 
-    def scope_of(self, token: str) -> Scope | None:
-        """The scope ``token`` grants, or None. Compares against every configured token
-        in constant time, so neither timing nor order tells which one nearly matched."""
-        candidate = _digest(token)
-        scope: Scope | None = None
-        for known in self.write:
-            if hmac.compare_digest(candidate, known):
-                scope = Scope.WRITE
-        for known in self.read:
-            if hmac.compare_digest(candidate, known) and scope is None:
-                scope = Scope.READ
-        return scope
+    def counts(self) -> dict[str, int]:
+        return {"named": len(self.named), "legacy": len(self.legacy),
+                "jwks": len(self.jwt_keys.keys.keys) if self.jwt_keys else 0}
+
+    def rules_of(self, namespace: str) -> NamespaceRules:
+        return self.rules.get(namespace, NamespaceRules())
+
+    def grant_of(self, token: str) -> Grant | None:
+        """The grant ``token`` carries, or None. One dictionary lookup and one
+        constant-time comparison, however many tokens are configured."""
+        named = _NAMED_TOKEN.fullmatch(token)
+        if named is not None:
+            stored = self.named.get(named[1])
+            if stored is not None and hmac.compare_digest(
+                    _salted(stored.salt, named[2]), stored.digest):
+                return stored.grant
+            return None
+        if token.count(".") == 2 and self.jwt_keys is not None:
+            return self.jwt_keys.grant_of(token)
+        return self.legacy.get(_plain_digest(token))
+
+    def with_file(self, path: str | None) -> Access:
+        """This access with the named tokens and rules of the access file at ``path``."""
+        if path is None:
+            return self
+        named, rules = read_access_file(path)
+        return Access(named, self.legacy, self.jwt_keys, rules)
 
 
 def _split(text: str) -> list[str]:
@@ -88,11 +243,13 @@ def _split(text: str) -> list[str]:
     return out
 
 
-def load_tokens(env: Mapping[str, str]) -> Tokens:
+def legacy_grants(env: Mapping[str, str]) -> dict[bytes, Grant]:
     """Tokens from HASCHEDULER_{READ,WRITE}_TOKENS (comma-separated) and
-    HASCHEDULER_{READ,WRITE}_TOKENS_FILE (one per line), both read when both are set."""
-    scopes: dict[str, list[str]] = {}
-    for scope in ("READ", "WRITE"):
+    HASCHEDULER_{READ,WRITE}_TOKENS_FILE (one per line), both read when both are set:
+    ``read-N`` may read every namespace, ``write-N`` do anything anywhere, as before
+    tokens had names."""
+    grants: dict[bytes, Grant] = {}
+    for scope, actions in (("WRITE", frozenset(ACTIONS)), ("READ", frozenset({Action.READ}))):
         name = f"HASCHEDULER_{scope}_TOKENS"
         tokens = _split(env.get(name, ""))
         path = env.get(f"{name}_FILE")
@@ -106,7 +263,7 @@ def load_tokens(env: Mapping[str, str]) -> Tokens:
             if not from_file:
                 raise AccessConfigError(f"{name}_FILE: {path} holds no token")
             tokens += from_file
-        for token in tokens:
+        for i, token in enumerate(tokens, 1):
             if PLACEHOLDER in token:
                 raise AccessConfigError(f"{name}: a token still says {PLACEHOLDER}: put a "
                                         "token of your own in its place (k8s/base/"
@@ -114,24 +271,154 @@ def load_tokens(env: Mapping[str, str]) -> Tokens:
             if len(token) < MIN_TOKEN_CHARS:
                 raise AccessConfigError(f"{name}: every token needs at least "
                                         f"{MIN_TOKEN_CHARS} characters")
-        scopes[scope] = tokens
-    return Tokens.of(read=scopes["READ"], write=scopes["WRITE"])
+            # A token listed as both write and read keeps the write grant.
+            grants.setdefault(_plain_digest(token), Grant(
+                f"{scope.lower()}-{i}", actions, frozenset({ANY_NAMESPACE})))
+    return grants
 
 
-def needed_scope(method: str, path: str) -> Scope | None:
-    if path in OPEN_PATHS:
-        return None
-    return Scope.WRITE if method in WRITE_METHODS else Scope.READ
+def parse_actions(text: str | Iterable[str], where: str) -> frozenset[Action]:
+    words = [w.strip() for w in (text.split(",") if isinstance(text, str) else text)]
+    unknown = [w for w in words if w not in {a.value for a in ACTIONS}]
+    if unknown or not words:
+        raise AccessConfigError(f"{where}: actions are some of "
+                                f"{', '.join(a.value for a in ACTIONS)} (not {unknown or 'none'})")
+    return frozenset(Action(w) for w in words)
 
 
-def caller(tokens: Tokens, authorization: str | None) -> str:
-    """Who made an authorized request, as the ledgers record it: the scope of its token
-    (tokens have no names yet), or "anonymous" on a replica without tokens."""
-    if not tokens.enabled:
-        return "anonymous"
-    _, _, token = (authorization or "").strip().partition(" ")
-    scope = tokens.scope_of(token.strip())
-    return "anonymous" if scope is None else f"a {scope.name.lower()} token"
+def parse_namespaces(text: str | Iterable[str], where: str) -> frozenset[str]:
+    words = [w.strip() for w in (text.split(",") if isinstance(text, str) else text)]
+    bad = [w for w in words if not isinstance(w, str) or
+           (w != ANY_NAMESPACE and not NAMESPACE.fullmatch(w))]
+    if bad or not words:
+        raise AccessConfigError(f"{where}: namespaces are '*' or DNS labels (lowercase "
+                                f"letters, digits, '-'), not {bad or 'none'}")
+    return frozenset(words)
+
+
+def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, NamespaceRules]]:
+    """The named tokens and namespace rules of an access file (YAML or JSON):
+
+    tokens:
+      - {name: billing-ci, id: 0123456789abcdef, salt: <hex>, hash: <hex>,
+         actions: [read, trigger], namespaces: [billing]}
+    namespaces:
+      billing: {require_reason: true, max_schedules: 500}
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise AccessConfigError(f"--access-file: cannot read {path}: "
+                                f"{exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise AccessConfigError(f"--access-file: {path}: {exc}") from None
+    if not isinstance(data, dict) or set(data) - {"tokens", "namespaces"}:
+        raise AccessConfigError(f"--access-file: {path}: a mapping with 'tokens' and "
+                                "'namespaces' only")
+    named: dict[str, _Stored] = {}
+    names: set[str] = set()
+    for i, entry in enumerate(data.get("tokens") or [], 1):
+        where = f"--access-file: {path}: token {i}"
+        if not isinstance(entry, dict) or set(entry) != {"name", "id", "salt", "hash",
+                                                         "actions", "namespaces"}:
+            raise AccessConfigError(f"{where}: name, id, salt, hash, actions, namespaces "
+                                    "(the line `hascheduler token create` printed)")
+        name = str(entry["name"])
+        if not _NAME.fullmatch(name) or name in names:
+            raise AccessConfigError(f"{where}: the name {name!r} is not a unique slug")
+        if not re.fullmatch(r"[0-9a-f]{16}", str(entry["id"])) or entry["id"] in named:
+            raise AccessConfigError(f"{where} ({name}): id must be 16 hex digits, unique")
+        try:
+            salt, digest = bytes.fromhex(str(entry["salt"])), bytes.fromhex(str(entry["hash"]))
+        except ValueError:
+            raise AccessConfigError(f"{where} ({name}): salt and hash are hex") from None
+        if len(salt) < 16 or len(digest) != 32:
+            raise AccessConfigError(f"{where} ({name}): salt (16+ bytes) and hash "
+                                    "(32 bytes) as `token create` prints them")
+        names.add(name)
+        named[str(entry["id"])] = _Stored(salt, digest, Grant(
+            name, parse_actions(entry["actions"], f"{where} ({name})"),
+            parse_namespaces(entry["namespaces"], f"{where} ({name})")))
+    rules: dict[str, NamespaceRules] = {}
+    for namespace, entry in (data.get("namespaces") or {}).items():
+        where = f"--access-file: {path}: namespace {namespace!r}"
+        if not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace):
+            raise AccessConfigError(f"{where}: not a namespace name")
+        if not isinstance(entry, dict) or set(entry) - {"require_reason", "max_schedules"}:
+            raise AccessConfigError(f"{where}: require_reason and max_schedules only")
+        limit = entry.get("max_schedules")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 0):
+            raise AccessConfigError(f"{where}: max_schedules is a whole number")
+        rules[namespace] = NamespaceRules(bool(entry.get("require_reason", False)), limit)
+    return named, rules
+
+
+@dataclass(frozen=True)
+class NewToken:
+    secret: str  # shown once
+    entry: dict[str, Any]  # the access file's line
+
+
+def create_token(name: str, actions: frozenset[Action], namespaces: frozenset[str]
+                 ) -> NewToken:
+    if not _NAME.fullmatch(name):
+        raise AccessConfigError(f"--name {name!r}: letters, digits, '.', '_', ':', '@' or "
+                                "'-', starting with a letter or digit")
+    token_id = secrets.token_hex(8)
+    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+    salt = secrets.token_bytes(16)
+    return NewToken(f"{TOKEN_PREFIX}_{token_id}_{secret}", {
+        "name": name, "id": token_id, "salt": salt.hex(), "hash": _salted(salt, secret).hex(),
+        "actions": sorted(a.value for a in actions), "namespaces": sorted(namespaces)})
+
+
+def entry_line(entry: Mapping[str, Any]) -> str:
+    """An access file's token entry on one line (YAML flow style, also JSON)."""
+    return "  - " + json.dumps(dict(entry), separators=(", ", ": "))
+
+
+# How often the access file is looked at: a revoked token stops working within this.
+ACCESS_POLL_S = 1.0
+
+
+class AccessFile:
+    """The access in force: the start-up grants with the access file's, read again when
+    the file changes. Polled, not watched: a mounted Kubernetes Secret changes by swapping
+    a symlink, which an inotify watch on the file never sees. A file that no longer reads
+    keeps the access it gave, and the log says why."""
+
+    def __init__(self, base: Access, path: str | None = None) -> None:
+        self.base = base
+        self.path = path
+        self._stamp = self._stat()
+        self.current = base.with_file(path)
+
+    def _stat(self) -> tuple[int, ...] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+    def reload_if_changed(self) -> bool:
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            self.current = self.base.with_file(self.path)
+        except AccessConfigError as exc:
+            log.error("access_file_refused", error=str(exc))
+            return False
+        log.info("access_file_read", **self.current.counts())
+        return True
+
+    async def poll(self) -> None:
+        """One look at the file (lifecycle.Every's step)."""
+        self.reload_if_changed()
 
 
 @dataclass(frozen=True)
@@ -141,26 +428,30 @@ class Denied:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def authorize(tokens: Tokens, method: str, path: str, authorization: str | None
-              ) -> Denied | None:
-    """None when the request may go on; otherwise the 401/403 to answer."""
-    needed = needed_scope(method, path)
-    if not tokens.enabled or needed is None:
-        return None
-    challenge = {"WWW-Authenticate": 'Bearer realm="hascheduler"'}
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="hascheduler"'}
+
+
+def authenticate(access: Access, authorization: str | None) -> Grant | Denied:
+    """The grant of the request's bearer token, or the 401 to answer."""
+    if not access.enabled:
+        return ANONYMOUS
     if not authorization:
         return Denied(401, "this API needs a token: send the header "
-                           "'Authorization: Bearer <token>'", challenge)
+                           "'Authorization: Bearer <token>'", CHALLENGE)
     kind, _, token = authorization.strip().partition(" ")
     if kind.lower() != "bearer" or not token.strip():
-        return Denied(401, "the Authorization header must be 'Bearer <token>'", challenge)
-    granted = tokens.scope_of(token.strip())
-    if granted is None:
-        return Denied(401, "the token is not valid", challenge)
-    if granted < needed:
-        return Denied(403, f"this token has the read scope; {method} {path} needs a token "
-                           "with the write scope")
-    return None
+        return Denied(401, "the Authorization header must be 'Bearer <token>'", CHALLENGE)
+    grant = access.grant_of(token.strip())
+    if grant is None:
+        return Denied(401, "the token is not valid", CHALLENGE)
+    return grant
+
+
+def refusal(grant: Grant, action: Action, namespace: str | None) -> Denied:
+    where = f"in namespace {namespace!r}" if namespace is not None else "anywhere"
+    return Denied(403, f"{grant.name} may not {action.value} {where}: it may "
+                       f"{', '.join(sorted(a.value for a in grant.actions))} in "
+                       f"{', '.join(sorted(grant.namespaces))}")
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -16,8 +18,16 @@ from urllib.parse import quote
 from aiohttp import web
 from pydantic import BaseModel
 
-from hascheduler.api.access import WRITE_METHODS, Tokens, WriteLimiter, authorize, caller
-from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.access import (
+    AccessFile,
+    Action,
+    Denied,
+    Grant,
+    WriteLimiter,
+    authenticate,
+    refusal,
+)
+from hascheduler.api.errors import BadRequest, Forbidden, problem
 from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
 from hascheduler.api.views import (
     fan_out_fire,
@@ -27,7 +37,7 @@ from hascheduler.api.views import (
     shown_time,
 )
 from hascheduler.brokers.base import Broker
-from hascheduler.core import models
+from hascheduler.core import history, models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
@@ -42,10 +52,12 @@ from hascheduler.core.constants import (
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
 from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
+from hascheduler.storage.audit_log import AuditLog, with_record
 from hascheduler.storage.backfills import Backfill, Backfills
 from hascheduler.storage.fires import (
     BUFFERED,
@@ -86,7 +98,7 @@ REPLICA = web.AppKey("replica_id", str)
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 MIN_FIRE_INTERVAL: web.AppKey[float] = web.AppKey("min_fire_interval_s")
 METRICS = web.AppKey("metrics", Metrics)
-TOKENS = web.AppKey("tokens", Tokens)
+ACCESS = web.AppKey("access", AccessFile)
 LIMITER = web.AppKey("write_limiter", WriteLimiter)
 class TenantReads(Protocol):
     """What a fan-out selects now (storage/tenants.TenantDocuments)."""
@@ -111,15 +123,76 @@ SOURCES: web.AppKey[SourceMirrors] = web.AppKey("sources")
 SERVER_CLOCK: web.AppKey[ServerClock] = web.AppKey("server_clock")
 
 
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Where a route's namespace comes from (Guard.scope).
+SCHEDULE = "schedule"  # the path's id is a schedule's
+FIRE = "fire"  # the path's id is a fire's (or its run's): <schedule id>@...
+BACKFILL = "backfill"  # the path's id is a backfill's
+BODY = "body"  # the body names it: the handler checks each (require)
+LISTING = "listing"  # a list: the handler reads only namespaces the grant reaches
+CLUSTER_WIDE = "cluster"  # the cluster's own state: no namespace
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Who may call a route: the action it needs (None: anyone, no token) and where the
+    namespace the action applies to comes from."""
+
+    action: Action | None
+    scope: str = CLUSTER_WIDE
+
+
+GUARDS: web.AppKey[dict[tuple[str, str], Guard]] = web.AppKey("guards")
+GRANT = web.RequestKey("grant", Grant)
+UNKNOWN_NAMESPACE = "(unknown: its schedule no longer exists)"
+
+
+def _denied(denied: Denied) -> web.Response:
+    response = problem(denied.status, denied.title)
+    response.headers.update(denied.headers)
+    return response
+
+
+async def _resource_namespace(request: web.Request, scope: str) -> str | None:
+    """The namespace of the resource the path names; None when it names none that exists
+    (for a schedule the handler then answers 404)."""
+    resource = request.match_info["id"]
+    if scope == BACKFILL:
+        cluster = request.app.get(CLUSTER)
+        backfills = cluster.backfills if cluster is not None else None
+        doc = await backfills.get(resource) if backfills is not None else None
+        if doc is None:
+            return None
+        resource = str(doc["schedule_id"])
+    elif scope == FIRE:
+        resource = resource.partition("@")[0]
+    return await request.app[STORE].namespace_of(resource)
+
+
 @web.middleware
 async def access_control(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Tokens first (a stranger learns nothing, not even a rate), then the write limit."""
-    denied = authorize(request.app[TOKENS], request.method, request.path,
-                       request.headers.get("Authorization"))
-    if denied is not None:
-        response = problem(denied.status, denied.title)
-        response.headers.update(denied.headers)
-        return response
+    """The grant first (a stranger learns nothing, not even a rate), its action and
+    namespace, then the write limit. The route table gives every route its guard, so a
+    route cannot be added unguarded (tests/test_access_matrix.py)."""
+    route = request.match_info.route.resource
+    guard = request.app[GUARDS].get((request.method, route.canonical)) \
+        if route is not None else None
+    if guard is None or guard.action is None:
+        answer: web.StreamResponse = await handler(request)
+        return answer
+    grant = authenticate(request.app[ACCESS].current, request.headers.get("Authorization"))
+    if isinstance(grant, Denied):
+        return _denied(grant)
+    request[GRANT] = grant
+    if not grant.can(guard.action):
+        raise Forbidden(refusal(grant, guard.action, None).title, guard.action, None)
+    if guard.scope in (SCHEDULE, FIRE, BACKFILL) and not grant.everywhere:
+        namespace = await _resource_namespace(request, guard.scope)
+        if namespace is None and guard.scope != SCHEDULE:
+            raise Forbidden(refusal(grant, guard.action, UNKNOWN_NAMESPACE).title,
+                            guard.action, None)
+        if namespace is not None:
+            require(request, guard.action, namespace)
     if request.method in WRITE_METHODS:
         client = request.remote or "unknown"
         wait = request.app[LIMITER].take(client)
@@ -130,8 +203,52 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
                                     f" retry after {wait:.2f} s")
             response.headers["Retry-After"] = str(math.ceil(wait))
             return response
-    answer: web.StreamResponse = await handler(request)
+    answer = await handler(request)
     return answer
+
+
+def grant_of(request: web.Request) -> Grant:
+    grant: Grant = request[GRANT]
+    return grant
+
+
+def require(request: web.Request, action: Action, namespace: str) -> None:
+    """Raises Forbidden unless the caller may ``action`` in ``namespace``."""
+    grant = grant_of(request)
+    if not grant.allows(action, namespace):
+        raise Forbidden(refusal(grant, action, namespace).title, action, namespace)
+
+
+def readable_namespaces(request: web.Request) -> list[str] | None:
+    """The namespaces a list may show: the one asked for (?namespace=, which the caller
+    must reach), else every one the caller reaches (None: all)."""
+    asked = request.query.get("namespace")
+    grant = grant_of(request)
+    if asked is not None:
+        if not models.NAMESPACE.fullmatch(asked):
+            raise BadRequest(422, "namespace", "namespace must be a DNS label: lowercase "
+                                               "letters, digits or '-'")
+        require(request, Action.READ, asked)
+        return [asked]
+    return None if grant.everywhere else sorted(grant.namespaces)
+
+
+def actor(request: web.Request) -> Actor:
+    """Who is asking, from where, and why (X-Reason), for the audit trail."""
+    reason = request.headers.get("X-Reason")
+    if reason is not None and (len(reason) > MAX_REASON_CHARS or not reason.strip()):
+        raise BadRequest(422, "X-Reason", f"X-Reason is 1 to {MAX_REASON_CHARS} characters")
+    return Actor(grant_of(request).name, request.remote, reason,
+                 request.headers.get("X-Change-Origin"))
+
+
+def _change_by(request: web.Request, namespace: str, given: Actor | None = None) -> Actor:
+    """``actor``, refused (422 naming X-Reason) where the namespace requires a reason."""
+    who = given or actor(request)
+    if who.reason is None and request.app[ACCESS].current.rules_of(namespace).require_reason:
+        raise BadRequest(422, "X-Reason", f"namespace {namespace!r} requires a reason for "
+                                          "every change: send it in the X-Reason header")
+    return who
 
 
 @web.middleware
@@ -250,12 +367,23 @@ async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) ->
                                          "bound is serve --max-fan-out")
 
 
+async def _check_quota(request: web.Request, namespace: str, adding: int) -> None:
+    """A namespace at its max_schedules takes no more (422 naming the quota)."""
+    limit = request.app[ACCESS].current.rules_of(namespace).max_schedules
+    if limit is not None and await request.app[STORE].count(namespace) + adding > limit:
+        raise BadRequest(422, "namespace", f"namespace {namespace!r} holds at most {limit} "
+                                           "schedules (its max_schedules quota)")
+
+
 async def create_schedule(request: web.Request) -> web.Response:
     body = await _body(request)
     now = _now(request)
     new = _validate(request, models.ScheduleIn, body, now)
+    require(request, Action.WRITE, new.namespace)
+    who = _change_by(request, new.namespace)
+    await _check_quota(request, new.namespace, 1)
     await _check_fan_out(request, new)
-    schedule = await request.app[STORE].create(new, now)
+    schedule = await request.app[STORE].create(new, now, who)
     return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
 
 
@@ -266,9 +394,17 @@ async def create_schedules(request: web.Request) -> web.Response:
     body = await _body(request)
     now = _now(request)
     batch = _validate(request, models.ScheduleBatchIn, body, now)
+    who = actor(request)
+    added: dict[str, int] = {}
+    for new in batch.schedules:
+        added[new.namespace] = added.get(new.namespace, 0) + 1
+    for namespace, count in sorted(added.items()):
+        require(request, Action.WRITE, namespace)
+        _change_by(request, namespace, who)
+        await _check_quota(request, namespace, count)
     for new in batch.schedules:
         await _check_fan_out(request, new)
-    created, existing = await request.app[STORE].create_many(batch.schedules, now)
+    created, existing = await request.app[STORE].create_many(batch.schedules, now, who)
     return _json(models.BatchCreated(created=created, existing=existing))
 
 
@@ -282,7 +418,8 @@ async def list_schedules(request: web.Request) -> web.Response:
     items, after = await request.app[STORE].list(
         labels=labels, paused=_bool_param(request, "paused"),
         after=request.query.get("after"),
-        limit=_int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
+        limit=_int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
+        namespaces=readable_namespaces(request))
     return _json(models.ScheduleList(items=items, next=after))
 
 
@@ -297,10 +434,35 @@ async def put_schedule(request: web.Request) -> web.Response:
     body.pop("id", None)
     now = _now(request)
     fields = _validate(request, models.ScheduleFields, body, now)
+    who = await _writing(request, request.match_info["id"], fields.namespace)
     await _check_fan_out(request, fields)
     schedule = await request.app[STORE].replace(request.match_info["id"], fields, now,
-                                                _expected_revision(request))
+                                                _expected_revision(request), who)
     return _schedule_response(schedule)
+
+
+async def _schedule_actor(request: web.Request, schedule_id: str,
+                          given: Actor | None = None) -> Actor:
+    """``actor`` (or ``given``) for a change to a stored schedule, refused without the
+    reason its namespace may require (read only when some namespace requires one)."""
+    who = given or actor(request)
+    rules = request.app[ACCESS].current.rules
+    if who.reason is None and any(r.require_reason for r in rules.values()):
+        namespace = await request.app[STORE].namespace_of(schedule_id)
+        if namespace is not None:
+            _change_by(request, namespace, who)
+    return who
+
+
+async def _writing(request: web.Request, schedule_id: str, namespace: str) -> Actor:
+    """A replacement of a schedule's fields, which may move it to ``namespace``: the
+    caller must reach that namespace too, and its quota and rules apply."""
+    require(request, Action.WRITE, namespace)
+    who = _change_by(request, namespace, await _schedule_actor(request, schedule_id))
+    if request.app[ACCESS].current.rules_of(namespace).max_schedules is not None and \
+            await request.app[STORE].namespace_of(schedule_id) not in (namespace, None):
+        await _check_quota(request, namespace, 1)
+    return who
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
@@ -331,15 +493,18 @@ async def patch_schedule(request: web.Request) -> web.Response:
     now = _now(request)
     fields = _validate(request, models.ScheduleFields, merged, now,
                        stored_trigger="trigger" not in patch)
+    who = await _writing(request, schedule_id, fields.namespace)
     await _check_fan_out(request, fields)
     # Without If-Match, the revision read above still guards against a lost update.
     schedule = await store.replace(schedule_id, fields, now,
-                                   expected if expected is not None else current.revision)
+                                   expected if expected is not None else current.revision, who)
     return _schedule_response(schedule)
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
-    await request.app[STORE].delete(request.match_info["id"], _expected_revision(request))
+    schedule_id = request.match_info["id"]
+    await request.app[STORE].delete(schedule_id, _expected_revision(request),
+                                    await _schedule_actor(request, schedule_id), _now(request))
     return web.Response(status=204)
 
 
@@ -348,15 +513,21 @@ async def pause_schedule(request: web.Request) -> web.Response:
     now = _now(request)
     wanted = models.PauseIn.model_validate(await _optional_body(request),
                                            context={"now": now})
+    schedule_id = request.match_info["id"]
+    who = actor(request)
+    if who.reason is None and wanted.note is not None:  # the pause's note says why
+        who = dataclasses.replace(who, reason=wanted.note)
+    who = await _schedule_actor(request, schedule_id, who)
     schedule = await request.app[STORE].pause(
-        request.match_info["id"], now, _caller(request), wanted.note, wanted.until,
-        _expected_revision(request))
+        schedule_id, now, who, wanted.note, wanted.until, _expected_revision(request))
     return _schedule_response(schedule)
 
 
 async def resume_schedule(request: web.Request) -> web.Response:
-    schedule = await request.app[STORE].resume(request.match_info["id"], _now(request),
-                                               _expected_revision(request))
+    schedule_id = request.match_info["id"]
+    schedule = await request.app[STORE].resume(
+        schedule_id, _now(request), _expected_revision(request),
+        await _schedule_actor(request, schedule_id))
     return _schedule_response(schedule)
 
 
@@ -520,8 +691,10 @@ async def list_runs(request: web.Request) -> web.Response:
     if state is not None and state not in STATES:
         raise BadRequest(422, "state", f"state must be one of {', '.join(STATES)}")
     limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    namespaces = readable_namespaces(request)
+    ids = None if namespaces is None else await request.app[STORE].ids_in(namespaces)
     try:
-        docs, after = await cluster.runs.page(state, request.query.get("after"), limit)
+        docs, after = await cluster.runs.page(state, request.query.get("after"), limit, ids)
     except LookupError:
         return problem(404, "after names no run (it may have expired): list from the start")
     return web.json_response({"items": [public_view(d) for d in docs], "next": after})
@@ -540,18 +713,26 @@ async def retry_run(request: web.Request) -> web.Response:
     cluster = _cluster(request)
     fire = request.match_info["id"]
     run = await cluster.runs.get(fire)
-    key = None
+    key, record = None, None
     if run is not None:
+        schedule_id, namespace = str(run["schedule_id"]), UNKNOWN_NAMESPACE
         with contextlib.suppress(ScheduleNotFound):
-            schedule = await request.app[STORE].get(str(run["schedule_id"]))
+            schedule = await request.app[STORE].get(schedule_id)
+            namespace = schedule.namespace
             if schedule.overlap != ALLOW:
                 key = open_key(schedule.id, run.get("tenant"))
-    doc = await cluster.runs.replay_dead(fire, _now(request), cluster.broker, key)
+        record = _record(request, history.RETRY, _change_by(request, namespace), namespace,
+                         schedule_id, {"fire_id": fire})
+    doc = await cluster.runs.replay_dead(fire, _now(request), cluster.broker, key, record)
     return web.json_response(public_view(doc), status=202)
 
 
-def _caller(request: web.Request) -> str:
-    return caller(request.app[TOKENS], request.headers.get("Authorization"))
+def _record(request: web.Request, action: str, who: Actor, namespace: str,
+            schedule_id: str, detail: dict[str, Any]) -> dict[str, Any]:
+    """The audit record of a change to a schedule's runs (the schedule stays as it is)."""
+    request.app[AUDIT].wake()
+    return history.record(action, who, _now(request), namespace, schedule_id, None,
+                          detail=detail)
 
 
 _IDEMPOTENCY_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}")
@@ -568,6 +749,7 @@ async def trigger_schedule(request: web.Request) -> web.Response:
         raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
                          f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces")
     schedule = await request.app[STORE].get(request.match_info["id"])
+    who = _change_by(request, schedule.namespace)
     if (schedule.paused or schedule.completed) and not wanted.force:
         state = "paused" if schedule.paused else "completed (its max_fires are used)"
         raise RunConflict(f"schedule {schedule.id!r} is {state}; send \"force\": true to "
@@ -584,9 +766,14 @@ async def trigger_schedule(request: web.Request) -> web.Response:
     else:
         tenants = None if schedule.fan_out is None else await _tenants_now(
             request, schedule.fan_out)
-        doc, created = await cluster.ledger.request(request_documents(
-            schedule.id, _now(request), _caller(request), wanted.payload, wanted.overlap,
-            key, tenants))
+        docs = request_documents(schedule.id, _now(request), who.name, wanted.payload,
+                                 wanted.overlap, key, tenants)
+        docs[0] = with_record(docs[0], _record(
+            request, history.TRIGGER, who, schedule.namespace, schedule.id,
+            {"fire_id": requested_fire(docs[0]), "force": wanted.force,
+             "overlap": wanted.overlap, "payload_given": wanted.payload is not None,
+             "tenants": len(tenants) if tenants is not None else None}))
+        doc, created = await cluster.ledger.request(docs)
     fire = requested_fire(doc)
     return _json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
                                   created=created), 202)
@@ -624,6 +811,7 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     now = _now(request)
     wanted = models.BackfillIn.model_validate(await _body(request), context={"now": now})
     schedule = await request.app[STORE].get(request.match_info["id"])
+    who = _change_by(request, schedule.namespace)
     if schedule.paused:
         raise RunConflict(f"schedule {schedule.id!r} is paused; resume it to backfill")
     total = count_between(schedule.compile(), just_before(wanted.start),
@@ -631,8 +819,11 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     if total > cluster.max_backfill:
         raise BadRequest(422, "end", f"the range holds {total} fire times; a backfill fires "
                                      f"at most {cluster.max_backfill} (serve --max-backfill)")
-    doc = await backfills.create(schedule.id, wanted.start, wanted.end, wanted.overlap,
-                                 total, _caller(request), now)
+    doc = await backfills.create(
+        schedule.id, wanted.start, wanted.end, wanted.overlap, total, who.name, now,
+        _record(request, history.BACKFILL, who, schedule.namespace, schedule.id,
+                {"start": shown_time(wanted.start), "end": shown_time(wanted.end),
+                 "total": total, "overlap": wanted.overlap}))
     return _json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
 
 
@@ -645,11 +836,16 @@ async def get_backfill(request: web.Request) -> web.Response:
 
 async def cancel_backfill(request: web.Request) -> web.Response:
     backfills = _backfills(request)
-    doc = await backfills.cancel(request.match_info["id"], _now(request))
+    current = await backfills.get(request.match_info["id"])
+    if current is None:
+        raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+    schedule_id = str(current["schedule_id"])
+    namespace = await request.app[STORE].namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    doc = await backfills.cancel(current["_id"], _now(request), _record(
+        request, history.CANCEL, _change_by(request, namespace), namespace, schedule_id,
+        {"backfill_id": current["_id"]}))
     if doc is None:
-        current = await backfills.get(request.match_info["id"])
-        if current is None:
-            raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+        current = await backfills.get(current["_id"]) or current
         raise RunConflict(f"backfill {current['_id']!r} is {current['state']}; only a "
                           "running one can be cancelled")
     return _json(Backfill.of(doc))
@@ -677,7 +873,10 @@ async def cancel_run(request: web.Request) -> web.Response:
     is cancelled too; one still waiting (buffered, requested) is not published at all."""
     cluster = _cluster(request)
     fire_id_ = request.match_info["id"]
-    now, by = _now(request), _caller(request)
+    schedule_id = fire_id_.partition("@")[0]
+    namespace = await request.app[STORE].namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    who = _change_by(request, namespace)
+    now, by = _now(request), who.name
     ref = None
     fire = await cluster.ledger.get(fire_id_)
     if fire is not None and fire.get("state") not in ("skipped", "failed"):
@@ -688,7 +887,8 @@ async def cancel_run(request: web.Request) -> web.Response:
                       await _target_of(request, fire["schedule_id"]), nominal, {}, b"",
                       fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
                       tenant=tenant)
-    doc, ended = await cluster.runs.cancel(fire_id_, now, by, ref)
+    doc, ended = await cluster.runs.cancel(fire_id_, now, by, ref, _record(
+        request, history.CANCEL, who, namespace, schedule_id, {"fire_id": fire_id_}))
     return web.json_response(public_view(doc), status=200 if ended else 202)
 
 
@@ -703,7 +903,8 @@ async def dashboard(request: web.Request) -> web.Response:
     """Everything /ui shows, in one read (views.read_dashboard) and the cluster's state."""
     cluster = _cluster(request)
     now = _now(request)
-    view = await read_dashboard(request.app[STORE], cluster.ledger, cluster.runs, now)
+    view = await read_dashboard(request.app[STORE], cluster.ledger, cluster.runs, now,
+                                readable_namespaces(request))
     return web.json_response({
         **view.as_json(), "now": now.isoformat(),
         "leader": await _leader_view(request, cluster),
@@ -714,3 +915,68 @@ async def ui(request: web.Request) -> web.Response:
     return web.Response(text=UI_PAGE, content_type="text/html",
                         headers={"Cache-Control": "no-cache",
                                  "Content-Security-Policy": UI_CSP})
+
+
+AUDIT = web.AppKey("audit", AuditLog)
+
+
+async def audit_log(request: web.Request) -> web.Response:
+    """The audit trail, newest first: ?namespace=&schedule=&actor=&since=&before=&limit=."""
+    since = request.query.get("since")
+    try:
+        docs = await request.app[AUDIT].query(
+            namespaces=readable_namespaces(request), schedule_id=request.query.get("schedule"),
+            actor=request.query.get("actor"),
+            since=None if since is None else _time_param(request, "since", _now(request)),
+            before=request.query.get("before"),
+            limit=_int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
+    except LookupError:
+        return problem(404, "before names no record (it may have expired): list from the "
+                            "start")
+    items = [history.public(d) for d in docs]
+    return web.json_response({"items": items, "next": items[-1]["id"] if len(items) ==
+                              _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+                              else None})
+
+
+async def schedule_history(request: web.Request) -> web.Response:
+    """Every recorded change of one schedule, newest first (kept after it is deleted)."""
+    schedule_id = request.match_info["id"]
+    limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    try:
+        docs = await request.app[AUDIT].query(namespaces=readable_namespaces(request),
+                                              schedule_id=schedule_id,
+                                              before=request.query.get("before"), limit=limit)
+    except LookupError:
+        return problem(404, "before names no record of this schedule")
+    if not docs and request.query.get("before") is None:
+        raise ScheduleNotFound(schedule_id)
+    items = [history.public(d) for d in docs]
+    return web.json_response({"schedule_id": schedule_id, "items": items,
+                              "next": items[-1]["id"] if len(items) == limit else None})
+
+
+async def restore_schedule(request: web.Request) -> web.Response:
+    """Put a schedule's fields back as they were at an earlier revision (a new revision,
+    recorded as a restore). A payload the trail keeps redacted stays as it is now."""
+    schedule_id = request.match_info["id"]
+    wanted = models.RestoreIn.model_validate(await _body(request))
+    record = await request.app[AUDIT].revision(schedule_id, wanted.revision)
+    if record is None:
+        raise BadRequest(404, "revision", f"schedule {schedule_id!r} has no revision "
+                                          f"{wanted.revision} in its history")
+    store = request.app[STORE]
+    current = await store.get(schedule_id)
+    fields = {k: v for k, v in record["after"].items() if k not in ("pause", "completed")}
+    if any(isinstance(v, str) and v.startswith("redacted:")
+           for v in (fields.get("payload") or {}).values()):
+        fields["payload"] = current.payload
+    now = _now(request)
+    restored = _validate(request, models.ScheduleFields, fields, now, stored_trigger=True)
+    who = await _writing(request, schedule_id, restored.namespace)
+    await _check_fan_out(request, restored)
+    expected = _expected_revision(request)
+    schedule = await store.replace(schedule_id, restored, now,
+                                   expected if expected is not None else current.revision,
+                                   dataclasses.replace(who, origin=None), history.RESTORE)
+    return _schedule_response(schedule)

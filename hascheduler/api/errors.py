@@ -36,6 +36,16 @@ class BadRequest(Exception):
         self.message = message
 
 
+class Forbidden(Exception):
+    """The caller's grant does not reach this action in this namespace (403)."""
+
+    def __init__(self, title: str, action: str, namespace: str | None) -> None:
+        super().__init__(title)
+        self.title = title
+        self.action = action
+        self.namespace = namespace
+
+
 def problem(status: int, title: str, errors: list[dict[str, str]] | None = None,
             **extra: Any) -> web.Response:
     body: dict[str, Any] = {"status": status, "title": title, **extra}
@@ -73,6 +83,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except BadRequest as exc:
         return problem(exc.status, exc.message, [{"field": exc.field, "message": exc.message}])
+    except Forbidden as exc:
+        return problem(403, exc.title, action=exc.action, namespace=exc.namespace)
     except ValidationError as exc:
         return problem(422, "the schedule is not valid", validation_errors(exc))
     except (ScheduleNotFound, RunNotFound) as exc:

@@ -103,7 +103,8 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     _, schemas = models_json_schema(
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
                                       models.ScheduleBatchIn, models.TriggerIn,
-                                      models.PauseIn, models.BackfillIn)]
+                                      models.PauseIn, models.BackfillIn,
+                                      models.RestoreIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
                                           RunList, models.Triggered, Backfill,

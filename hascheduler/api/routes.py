@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from hascheduler.api import app
-from hascheduler.api.access import Tokens, WriteLimit, WriteLimiter
+from hascheduler.api.access import Access, AccessFile, Action, WriteLimit, WriteLimiter
 from hascheduler.api.errors import Handler, error_middleware
 from hascheduler.api.openapi import (
     DOCS_PAGE,
@@ -34,6 +34,7 @@ from hascheduler.core.constants import (
     MAX_REQUEST_BYTES,
 )
 from hascheduler.process.metrics import Metrics
+from hascheduler.storage.audit_log import AuditLog
 from hascheduler.storage.schedules import ScheduleStore
 
 
@@ -42,7 +43,11 @@ class Route:
     method: str
     path: str
     handler: Handler
+    guard: app.Guard  # who may call it (api/access.py)
     operation: dict[str, Any]  # its OpenAPI operation object
+
+
+OPEN = app.Guard(None)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -58,6 +63,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules",
         app.create_schedule,
+        app.Guard(Action.WRITE, app.BODY),
         {
             "summary": "create a schedule",
             "description": SEMANTIC,
@@ -69,6 +75,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules:batch",
         app.create_schedules,
+        app.Guard(Action.WRITE, app.BODY),
         {
             "summary": "create many schedules: all are checked before any is written; an "
                        "id already taken is left as it was",
@@ -81,6 +88,7 @@ ROUTES: list[Route] = [
         "GET",
         "/schedules",
         app.list_schedules,
+        app.Guard(Action.READ, app.LISTING),
         {
             "summary": "list schedules (id order, cursor pagination)",
             "parameters": [
@@ -109,12 +117,14 @@ ROUTES: list[Route] = [
         "GET",
         "/schedules/{id}",
         app.get_schedule,
+        app.Guard(Action.READ, app.SCHEDULE),
         {"summary": "one schedule", "responses": responses(200, "Schedule", 404)},
     ),
     Route(
         "PUT",
         "/schedules/{id}",
         app.put_schedule,
+        app.Guard(Action.WRITE, app.SCHEDULE),
         {
             "summary": "replace a schedule",
             "description": SEMANTIC,
@@ -127,6 +137,7 @@ ROUTES: list[Route] = [
         "PATCH",
         "/schedules/{id}",
         app.patch_schedule,
+        app.Guard(Action.WRITE, app.SCHEDULE),
         {
             "summary": "change some fields (JSON merge patch: null removes a field)",
             "description": SEMANTIC,
@@ -145,6 +156,7 @@ ROUTES: list[Route] = [
         "DELETE",
         "/schedules/{id}",
         app.delete_schedule,
+        app.Guard(Action.WRITE, app.SCHEDULE),
         {
             "summary": "delete a schedule",
             "parameters": [IF_MATCH_HEADER],
@@ -155,6 +167,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules/{id}/pause",
         app.pause_schedule,
+        app.Guard(Action.PAUSE, app.SCHEDULE),
         {
             "summary": "pause, with an optional note and an instant to resume at by itself",
             "parameters": [IF_MATCH_HEADER],
@@ -166,6 +179,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules/{id}/resume",
         app.resume_schedule,
+        app.Guard(Action.PAUSE, app.SCHEDULE),
         {
             "summary": "resume (the record of the pause goes)",
             "parameters": [IF_MATCH_HEADER],
@@ -176,6 +190,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules/{id}/trigger",
         app.trigger_schedule,
+        app.Guard(Action.TRIGGER, app.SCHEDULE),
         {
             "summary": "run now: a fire outside the trigger, published by the leader "
             "within a fraction of a second, under the schedule's overlap policy (or the "
@@ -191,6 +206,7 @@ ROUTES: list[Route] = [
         "POST",
         "/schedules/{id}/backfill",
         app.backfill_schedule,
+        app.Guard(Action.TRIGGER, app.SCHEDULE),
         {
             "summary": "fire every nominal time in [start, end) the ledger has no fire "
             "for (ordinary fire ids: nothing fires twice), worked by the leader at a "
@@ -203,6 +219,7 @@ ROUTES: list[Route] = [
         "GET",
         "/backfills/{id}",
         app.get_backfill,
+        app.Guard(Action.READ, app.BACKFILL),
         {"summary": "a backfill's progress: fired, skipped, remaining",
          "responses": responses(200, "Backfill", 404, 503)},
     ),
@@ -210,6 +227,7 @@ ROUTES: list[Route] = [
         "DELETE",
         "/backfills/{id}",
         app.cancel_backfill,
+        app.Guard(Action.CANCEL, app.BACKFILL),
         {"summary": "cancel a running backfill (what it fired stays fired)",
          "responses": responses(200, "Backfill", 403, 404, 409, 429, 503)},
     ),
@@ -217,6 +235,7 @@ ROUTES: list[Route] = [
         "GET",
         "/schedules/{id}/next",
         app.next_fires,
+        app.Guard(Action.READ, app.SCHEDULE),
         {
             "summary": "the next nominal and jittered fire times",
             "parameters": [
@@ -238,6 +257,7 @@ ROUTES: list[Route] = [
         "GET",
         "/schedules/{id}/fires",
         app.fire_history,
+        app.Guard(Action.READ, app.SCHEDULE),
         {
             "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
             "entry with last_nominal_at and count)",
@@ -255,6 +275,7 @@ ROUTES: list[Route] = [
         "GET",
         "/schedules/{id}/runs",
         app.schedule_runs,
+        app.Guard(Action.READ, app.SCHEDULE),
         {
             "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
             "its latest fires, each with its ledger entries (fires) and its runs "
@@ -274,6 +295,7 @@ ROUTES: list[Route] = [
         "GET",
         "/runs",
         app.list_runs,
+        app.Guard(Action.READ, app.LISTING),
         {
             "summary": "runs, most recently changed first (state=dead: the dead letters)",
             "parameters": [
@@ -305,12 +327,14 @@ ROUTES: list[Route] = [
         "GET",
         "/runs/{id}",
         app.get_run,
+        app.Guard(Action.READ, app.FIRE),
         {"summary": "one fire's run", "responses": responses(200, "Run", 404, 503)},
     ),
     Route(
         "POST",
         "/runs/{id}/retry",
         app.retry_run,
+        app.Guard(Action.TRIGGER, app.FIRE),
         {
             "summary": "replay a dead run: it is published again and runs with a fresh "
             "attempt budget; under its schedule's overlap policy it is open like any run, "
@@ -322,6 +346,7 @@ ROUTES: list[Route] = [
         "POST",
         "/runs/{id}/cancel",
         app.cancel_run,
+        app.Guard(Action.CANCEL, app.FIRE),
         {
             "summary": "cancel a run: a pending or retrying run (or a fire no worker has "
             "claimed yet) ends cancelled at once (200); a running one is stopped by its "
@@ -335,6 +360,7 @@ ROUTES: list[Route] = [
         "GET",
         "/fires/{id}",
         app.get_fire,
+        app.Guard(Action.READ, app.FIRE),
         {
             "summary": "one fire's ledger entry (state, reason, who ran it now), with its "
             "run; a fan-out fire (no tenant in its id) as its tenants' entries and runs "
@@ -346,6 +372,7 @@ ROUTES: list[Route] = [
         "GET",
         "/mirror/{id}",
         app.mirror_entry,
+        app.Guard(Action.READ, app.SCHEDULE),
         {
             "summary": "what this replica's mirror holds for a schedule (revision, paused, "
             "next nominal time)",
@@ -354,8 +381,57 @@ ROUTES: list[Route] = [
     ),
     Route(
         "GET",
+        "/audit",
+        app.audit_log,
+        app.Guard(Action.READ, app.LISTING),
+        {
+            "summary": "the audit trail, newest first: every change to a schedule or its "
+            "runs, with who, when, from where, what (before and after) and why",
+            "parameters": [
+                {"name": name, "in": "query", "schema": {"type": "string"}}
+                for name in ("namespace", "schedule", "actor", "before")
+            ] + [
+                {"name": "since", "in": "query",
+                 "schema": {"type": "string", "format": "date-time"}},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+            ],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/history",
+        app.schedule_history,
+        app.Guard(Action.READ, app.SCHEDULE),
+        {
+            "summary": "a schedule's audit records, newest first (kept after a delete)",
+            "parameters": [
+                {"name": "before", "in": "query", "schema": {"type": "string"}},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+            ],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/restore",
+        app.restore_schedule,
+        app.Guard(Action.WRITE, app.SCHEDULE),
+        {
+            "summary": "put back the fields a schedule had at an earlier revision of its "
+            "history (a new revision, recorded as a restore)",
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": json_body("RestoreIn"),
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "GET",
         "/leader",
         app.leader,
+        app.Guard(Action.READ, app.CLUSTER_WIDE),
         {
             "summary": "the lease: holder, term, expiry; who answered",
             "responses": responses(200, None, 503),
@@ -365,12 +441,14 @@ ROUTES: list[Route] = [
         "GET",
         "/cluster",
         app.members,
+        app.Guard(Action.READ, app.CLUSTER_WIDE),
         {"summary": "members seen recently (heartbeats)", "responses": responses(200, None, 503)},
     ),
     Route(
         "GET",
         "/dashboard",
         app.dashboard,
+        app.Guard(Action.READ, app.LISTING),
         {
             "summary": "what /ui shows: leader, members, schedules with "
             "their next fire, recent fires",
@@ -381,6 +459,7 @@ ROUTES: list[Route] = [
         "GET",
         "/metrics",
         app.metrics,
+        OPEN,
         {
             "summary": "Prometheus metrics (no token needed)",
             "security": [],
@@ -391,6 +470,7 @@ ROUTES: list[Route] = [
         "GET",
         "/ui",
         app.ui,
+        OPEN,
         {
             "summary": "the dashboard page (it asks for a token itself)",
             "security": [],
@@ -401,6 +481,7 @@ ROUTES: list[Route] = [
         "GET",
         "/healthz",
         app.healthz,
+        OPEN,
         {
             "summary": "the process is alive (no token needed)",
             "security": [],
@@ -411,6 +492,7 @@ ROUTES: list[Route] = [
         "GET",
         "/readyz",
         app.readyz,
+        OPEN,
         {
             "summary": "the mirror is in sync (no token needed)",
             "security": [],
@@ -430,6 +512,7 @@ ROUTES: list[Route] = [
         "GET",
         "/openapi.json",
         openapi,
+        OPEN,
         {
             "summary": "this document",
             "security": [],
@@ -440,6 +523,7 @@ ROUTES: list[Route] = [
         "GET",
         "/docs",
         docs,
+        OPEN,
         {
             "summary": "this document for a person",
             "security": [],
@@ -451,17 +535,20 @@ ROUTES: list[Route] = [
 
 @functools.cache
 def _document() -> dict[str, Any]:
-    return document([(r.method, r.path, r.operation) for r in ROUTES])
+    return document([(r.method, r.path, {
+        **r.operation, "x-action": r.guard.action.value if r.guard.action else None})
+        for r in ROUTES])
 
 
 def create_app(
     store: ScheduleStore,
     mirror: app.Mirror,
     replica_id: str,
+    audit: AuditLog,
     clock: app.Clock = lambda: dt.datetime.now(dt.UTC),
     cluster: app.Cluster | None = None,
     metrics_: Metrics | None = None,
-    tokens: Tokens | None = None,
+    access: AccessFile | None = None,
     write_limit: WriteLimit | None = None,
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
     fan_out: tuple[int, app.TenantReads] | None = None,
@@ -469,11 +556,13 @@ def create_app(
     server_clock: ServerClock | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[app.count_requests, app.access_control, error_middleware],
+        middlewares=[app.count_requests, error_middleware, app.access_control],
         client_max_size=MAX_REQUEST_BYTES,
     )
     api[app.METRICS] = metrics_ or Metrics()
-    api[app.TOKENS] = tokens or Tokens()
+    api[app.ACCESS] = access or AccessFile(Access())
+    api[app.AUDIT] = audit
+    api[app.GUARDS] = {(r.method, r.path): r.guard for r in ROUTES}
     api[app.LIMITER] = WriteLimiter(write_limit or WriteLimit())
     api[app.STORE] = store
     api[app.MIRROR] = mirror

@@ -13,6 +13,7 @@ from typing import Any
 from hascheduler.core import models
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id
+from hascheduler.storage.audit_log import OUTBOX, PENDING
 from hascheduler.storage.fires import STATES as FIRE_STATES
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.runs import DEAD, STATES, RunLedger, public_view
@@ -31,8 +32,12 @@ def shown_time(value: Any) -> Any:
 
 
 def fire_view(doc: dict[str, Any]) -> dict[str, Any]:
-    """A fire ledger entry as the API shows it."""
-    return {k: shown_time(v) for k, v in doc.items() if k != "_id"} | {"id": doc["_id"]}
+    """A fire ledger entry as the API shows it (its audit record is the trail's)."""
+    return {k: shown_time(v) for k, v in doc.items() if k not in _NOT_SHOWN} | {
+        "id": doc["_id"]}
+
+
+_NOT_SHOWN = frozenset({"_id", OUTBOX, PENDING})
 
 
 async def fire_groups(ledger: Ledger, runs: RunLedger, schedule_id: str,
@@ -133,18 +138,23 @@ class Dashboard:
 
 
 async def read_dashboard(store: ScheduleStore, ledger: Ledger, runs: RunLedger,
-                         now: dt.datetime) -> Dashboard:
+                         now: dt.datetime, namespaces: list[str] | None = None) -> Dashboard:
     """The schedules with their next fire time, the latest fires recorded in the last
-    DASHBOARD_FIRES_WINDOW_S each with its run, and the latest dead runs."""
+    DASHBOARD_FIRES_WINDOW_S each with its run, and the latest dead runs; of the schedules
+    in ``namespaces`` only, when given."""
     page, after = await store.list(labels={}, paused=None, after=None,
-                                   limit=DASHBOARD_SCHEDULES)
+                                   limit=DASHBOARD_SCHEDULES, namespaces=namespaces)
     recent = await ledger.recent(now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S),
                                  DASHBOARD_FIRES)
+    ids = None if namespaces is None else await store.ids_in(namespaces)
+    if ids is not None:
+        shown = set(ids)
+        recent = [doc for doc in recent if doc["schedule_id"] in shown]
     groups = [group for schedule_id, nominals in fan_out_fires(recent).items()
               for group in await fire_groups(ledger, runs, schedule_id, nominals)]
     plain = [str(doc["_id"]) for doc in recent if "tenant" not in doc]
     fire_runs = await runs.for_fires(plain) if plain else {}
-    dead, more_dead = await runs.page(DEAD, None, DASHBOARD_DEAD_RUNS)
+    dead, more_dead = await runs.page(DEAD, None, DASHBOARD_DEAD_RUNS, ids)
     return Dashboard([schedule_row(s, now) for s in page], after is not None,
                      fire_rows(recent, fire_runs, groups), [public_view(d) for d in dead],
                      more_dead is not None)

@@ -45,6 +45,7 @@ from hascheduler.client.apply import (
     read_cluster,
     read_plan,
 )
+from hascheduler.core.history import APPLY_ORIGIN
 from hascheduler.worker.app import APP_LABEL, WorkerApp, WorkerConfigError, load_app
 
 # Bounds on what one apply reads: a schedule is a few hundred bytes, so 16 MiB is tens of
@@ -214,7 +215,7 @@ def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
     try:
         documents, selector = declared_by(app)
         declared = declare(documents, dt.datetime.now(dt.UTC), selector)
-        with Client(resolve_api(api), token) as client:
+        with Client(resolve_api(api), token, origin=APPLY_ORIGIN) as client:
             outcome = converge(client, declared, selector)
     except (Refused, WorkerConfigError) as exc:
         return _refused(f"schedules of {app.name}",
@@ -259,7 +260,8 @@ def run_apply(args: argparse.Namespace) -> int:
         if args.prune and selector is None:
             raise Refused(["--prune needs --selector key=value: it never deletes schedules "
                            "outside it"])
-        with Client(resolve_api(args.api), args.token) as api:
+        with Client(resolve_api(args.api), args.token, reason=args.reason,
+                    origin=APPLY_ORIGIN) as api:
             steps = plan_files(api, args.paths, selector, args.prune)
             print(describe(steps))
             if args.dry_run:

@@ -16,7 +16,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from hascheduler.cli import local_cluster
 from hascheduler.client import AsyncClient, HaschedulerError, calls
+from hascheduler.core.constants import MAX_PAGE
 from hascheduler.core.overlap import POLICIES
 from hascheduler.storage.runs import STATES as RUN_STATES
 
@@ -54,6 +55,12 @@ def _common(after_action: bool) -> argparse.ArgumentParser:
                              "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)")
     common.add_argument("--json", action="store_true", default=default(False),
                         help="print JSON instead of a table")
+    common.add_argument("--namespace", default=default(os.environ.get("HASCHEDULER_NAMESPACE")),
+                        help="the namespace to list, or to create in (env "
+                             "HASCHEDULER_NAMESPACE; default: every one the token reaches, "
+                             "and 'default' for a new schedule)")
+    common.add_argument("--reason", default=default(None),
+                        help="why: recorded in the audit trail with the change")
     return common
 
 
@@ -142,6 +149,24 @@ def add_parser(sub: Any) -> None:
     nx = cmd.add_parser("next", help="preview the next fire times")
     nx.add_argument("id")
     nx.add_argument("--count", type=int, default=5)
+
+    hi = cmd.add_parser("history", help="a schedule's audit records, newest first")
+    hi.add_argument("id")
+    hi.add_argument("--limit", type=int, default=20)
+
+    rs = cmd.add_parser("restore", help="put back the fields a schedule had at an earlier "
+                                        "revision of its history")
+    rs.add_argument("id")
+    rs.add_argument("--revision", type=int, required=True)
+    rs.add_argument("--if-match", type=int, help="expected revision")
+
+    al = sub.add_parser("audit-log", parents=[common], help="the audit trail: every change "
+                                                            "to a schedule or its runs")
+    al.set_defaults(run=_run_sync, action="list")
+    al.add_argument("--schedule", help="one schedule's records")
+    al.add_argument("--actor", help="one token's (or JWT subject's) records")
+    al.add_argument("--since", help="records from this instant on (RFC 3339)")
+    al.add_argument("--limit", type=int, default=50)
 
 
 def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -290,10 +315,14 @@ async def run(args: argparse.Namespace) -> int:
     what = f"hascheduler {args.command} {args.action}"
     try:
         base = resolve_api(args.api)
-        async with AsyncClient(base, args.token, attempts=1) as api:
+        async with AsyncClient(base, args.token, attempts=1, reason=args.reason) as api:
             output: str | None
             if args.command == "runs":
                 output = await _runs(api, args)
+            elif args.command == "audit-log":
+                output = _audit_output(await _first(api.audit(
+                    args.namespace, args.schedule, args.actor, args.since,
+                    page_size=min(args.limit, MAX_PAGE)), args.limit), args.json)
             else:
                 output = await _dispatch(api, base, args)
     except Refused as exc:
@@ -312,12 +341,15 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
     if_match = getattr(args, "if_match", None)
     sid: str = getattr(args, "id", None) or ""
     if args.action == "add":
-        created = await api.create_schedule(schedule_body(args))
+        body = schedule_body(args)
+        if args.namespace is not None:
+            body.setdefault("namespace", args.namespace)
+        created = await api.create_schedule(body)
         return _shown(created) if args.json else _schedule_rows([created])
     if args.action == "list":
         items, after = await api.send(calls.schedules_page(
             _labels(args.label), None if args.paused is None else args.paused == "true",
-            None, args.limit))
+            None, args.limit, args.namespace))
         if args.json:
             return _shown({"items": [i.model_dump(mode="json") for i in items],
                            "next": after})
@@ -349,6 +381,12 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         return _shown(answer) if args.json else (
             f"backfill {answer['id']}: {answer['total']} fire times, "
             f"progress at {base}/backfills/{answer['id']}")
+    if args.action == "history":
+        return _audit_output(await _first(api.history(sid, min(args.limit, MAX_PAGE)),
+                                          args.limit), args.json)
+    if args.action == "restore":
+        restored = await api.restore(sid, args.revision, if_match)
+        return _shown(restored) if args.json else _schedule_rows([restored])
     if args.action == "next":
         preview = await api.next_fires(sid, args.count)
         if args.json:
@@ -356,6 +394,27 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         return table([[t.nominal.isoformat(), t.fire_at.isoformat(), t.fire_id]
                       for t in preview.times], ["NOMINAL", "FIRE AT", "FIRE ID"])
     raise Refused(f"unknown action {args.action}")
+
+
+async def _first(items: AsyncIterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    if count < 1:
+        raise Refused("--limit must be at least 1")
+    out = []
+    async for item in items:
+        out.append(item)
+        if len(out) >= count:
+            break
+    return out
+
+
+def _audit_output(records: list[dict[str, Any]], as_json: bool) -> str:
+    if as_json:
+        return _shown({"items": records})
+    return table([[r["at"], r["actor"], r["from"] or "-", r["action"], r["namespace"],
+                   r["schedule_id"], str(r["revision"] or "-"), ",".join(r["changed"]) or "-",
+                   r["reason"] or ""] for r in records],
+                 ["AT", "ACTOR", "FROM", "ACTION", "NAMESPACE", "SCHEDULE", "REV", "CHANGED",
+                  "REASON"])
 
 
 def _runs_table(items: list[dict[str, Any]]) -> str:
@@ -377,7 +436,8 @@ async def _runs(api: AsyncClient, args: argparse.Namespace) -> str:
                 raise Refused("--schedule lists one schedule's runs: without --state/--after")
             body = await api.schedule_runs(args.schedule, args.limit)
         else:
-            items, after = await api.send(calls.runs_page(args.state, args.after, args.limit))
+            items, after = await api.send(calls.runs_page(args.state, args.after, args.limit,
+                                                          args.namespace))
             body = {"items": items, "next": after}
         return json.dumps(body, indent=2) if args.json else _runs_table(body["items"])
     if args.action == "show":

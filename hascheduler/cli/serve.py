@@ -10,11 +10,18 @@ import socket
 import sys
 from typing import Any
 
-from hascheduler.api.access import AccessConfigError, WriteLimit, load_tokens
+from hascheduler.api.access import (
+    Access,
+    AccessConfigError,
+    JwtKeys,
+    WriteLimit,
+    legacy_grants,
+)
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.cli.settings import (
     Setting,
     add_command,
+    boolean,
     mongodb_uri,
     number,
     port,
@@ -35,6 +42,7 @@ from hascheduler.core.errors import ConfigError
 from hascheduler.process import gcpolicy
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.service import ReplicaSettings, api_tls_context, run_replica
+from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS
 from hascheduler.storage.lease import LeaseSettingsError, LeaseTimings
 
 _LEASE = LeaseTimings()
@@ -74,6 +82,16 @@ SETTINGS = (
             "seconds within which this replica must know the database's clock to lead"),
     Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
             "the fewest seconds between two fires of one schedule that a write may ask for"),
+    Setting("--access-file", None, text, "named tokens (as `hascheduler token create` "
+            "prints them) and namespace rules; read again when it changes"),
+    Setting("--jwks-file", None, text, "accept bearer JWTs (RS256, ES256) signed by a key "
+            "of this JWKS file, with --jwt-audience"),
+    Setting("--jwt-audience", None, text, "the aud a JWT must carry to be accepted here"),
+    Setting("--jwt-issuer", None, text, "the iss a JWT must carry, when set"),
+    Setting("--audit-retention-days", DEFAULT_RETENTION_DAYS, positive_float,
+            "days the audit trail keeps a record"),
+    Setting("--audit-redact-payloads", False, boolean, "record payload values in the audit "
+            "trail as digests, not as written", switch=True),
 )
 
 
@@ -100,7 +118,10 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         raise ConfigError(f"--write-rate / HASCHEDULER_WRITE_RATE: {exc}") from None
     api_tls_context(v["tls_cert_file"], v["tls_key_file"])  # checked now, built at start
     try:
-        tokens = load_tokens(os.environ)
+        jwt_keys = None if v["jwks_file"] is None else JwtKeys.load(
+            v["jwks_file"], v["jwt_audience"] or "", v["jwt_issuer"])
+        access = Access(legacy=legacy_grants(os.environ), jwt_keys=jwt_keys)
+        access.with_file(v["access_file"])  # refused now rather than served
     except AccessConfigError as exc:
         raise ConfigError(str(exc)) from None
     return ReplicaSettings(
@@ -111,7 +132,10 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
                                   max_fan_out=v["max_fan_out"],
                                   max_buffered=v["max_buffered"]),
         max_backfill=v["max_backfill"],
-        tokens=tokens, write_limit=write_limit, min_fire_interval_s=v["min_fire_interval"],
+        access=access, access_file=v["access_file"],
+        audit_retention_days=v["audit_retention_days"],
+        redact_payloads=v["audit_redact_payloads"], write_limit=write_limit,
+        min_fire_interval_s=v["min_fire_interval"],
         run_retention_s=v["run_retention"], clock_tolerance_s=v["clock_tolerance"],
         tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"])

@@ -106,8 +106,11 @@ def get_schedule(schedule_id: str) -> Call[models.Schedule]:
 
 
 def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after: str | None,
-                   limit: int) -> Call[tuple[list[models.Schedule], str | None]]:
+                   limit: int, namespace: str | None = None
+                   ) -> Call[tuple[list[models.Schedule], str | None]]:
     params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if namespace is not None:
+        params.append(("namespace", namespace))
     if paused is not None:
         params.append(("paused", "true" if paused else "false"))
     if after is not None:
@@ -116,11 +119,12 @@ def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after:
     return Call("GET", "/schedules", _page, params=tuple(params), idempotent=True)
 
 
-def schedule_documents_page(labels: Mapping[str, str] | None, after: str | None, limit: int
+def schedule_documents_page(labels: Mapping[str, str] | None, after: str | None, limit: int,
+                            namespace: str | None = None
                             ) -> Call[tuple[list[Document], str | None]]:
     """A page of schedules as the API's JSON, unvalidated: for comparing many with
     declarations (apply), where reading each into its model would double the cost."""
-    page = schedules_page(labels, None, after, limit)
+    page = schedules_page(labels, None, after, limit, namespace)
     return Call(page.method, page.path, _documents, params=page.params, idempotent=True)
 
 
@@ -212,9 +216,11 @@ def schedule_runs(schedule_id: str, limit: int = 50) -> Call[Document]:
                 params=(("limit", str(limit)),), idempotent=True)
 
 
-def runs_page(state: str | None, after: str | None, limit: int
+def runs_page(state: str | None, after: str | None, limit: int, namespace: str | None = None
               ) -> Call[tuple[list[Document], str | None]]:
     params = [("limit", str(limit))]
+    if namespace is not None:
+        params.append(("namespace", namespace))
     if state is not None:
         params.append(("state", state))
     if after is not None:
@@ -248,3 +254,29 @@ def cluster() -> Call[Document]:
 
 def readiness() -> Call[Document]:
     return Call("GET", "/readyz", _document, idempotent=True)
+
+
+def history_page(schedule_id: str, before: str | None, limit: int
+                 ) -> Call[tuple[list[Document], str | None]]:
+    params = [("limit", str(limit))] + ([("before", before)] if before else [])
+    return Call("GET", f"/schedules/{_segment(schedule_id)}/history", _documents,
+                params=tuple(params), idempotent=True)
+
+
+def audit_page(namespace: str | None, schedule_id: str | None, actor: str | None,
+               since: dt.datetime | str | None, before: str | None, limit: int
+               ) -> Call[tuple[list[Document], str | None]]:
+    params = [("limit", str(limit))]
+    for name, value in (("namespace", namespace), ("schedule", schedule_id),
+                        ("actor", actor), ("before", before)):
+        if value is not None:
+            params.append((name, value))
+    if since is not None:
+        params.append(("since", _instant(since)))
+    return Call("GET", "/audit", _documents, params=tuple(params), idempotent=True)
+
+
+def restore(schedule_id: str, revision: int, if_match: int | None = None
+            ) -> Call[models.Schedule]:
+    return Call("POST", f"/schedules/{_segment(schedule_id)}/restore", _schedule,
+                json={"revision": revision}, headers=_if_match(if_match))

@@ -47,13 +47,18 @@ class _NotSent(Unavailable):
 
 
 def _http_options(api: str | None, token: str | None, verify: bool | str,
-                  cert: str | tuple[str, str] | None, timeout_s: float) -> dict[str, Any]:
+                  cert: str | tuple[str, str] | None, timeout_s: float,
+                  reason: str | None, origin: str | None) -> dict[str, Any]:
     """What httpx's Client and AsyncClient are both made with."""
     base = api or os.environ.get("HASCHEDULER_API")
     if not base:
         raise ValueError("no API: pass its URL, or set HASCHEDULER_API")
     token = token or os.environ.get("HASCHEDULER_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if reason is not None:  # why, in the audit trail's record of every change
+        headers["X-Reason"] = reason
+    if origin is not None:
+        headers["X-Change-Origin"] = origin
     return {"base_url": base.rstrip("/"), "headers": headers, "verify": verify, "cert": cert,
             "timeout": timeout_s}
 
@@ -95,14 +100,16 @@ def _transport_error(call: Call[Any], base: httpx.URL, exc: httpx.TransportError
 
 class Client:
     """The HTTP API, blocking. ``verify``: True, False or a CA bundle's path; ``cert``: a
-    client certificate (a PEM path, or (certificate, key))."""
+    client certificate (a PEM path, or (certificate, key)); ``reason``: why, recorded in the
+    audit trail with every change made through this client."""
 
     def __init__(self, api: str | None = None, token: str | None = None, *,
                  verify: bool | str = True, cert: str | tuple[str, str] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS
-                 ) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS,
+                 reason: str | None = None, origin: str | None = None) -> None:
         self.attempts = attempts
-        self._http = httpx.Client(**_http_options(api, token, verify, cert, timeout_s))
+        self._http = httpx.Client(**_http_options(api, token, verify, cert, timeout_s,
+                                                   reason, origin))
 
     def __enter__(self) -> Client:
         return self
@@ -148,9 +155,26 @@ class Client:
         return self.send(calls.get_schedule(schedule_id))
 
     def schedules(self, labels: Mapping[str, str] | None = None, paused: bool | None = None,
-                  page_size: int = 100) -> Iterator[models.Schedule]:
+                  page_size: int = 100, namespace: str | None = None
+                  ) -> Iterator[models.Schedule]:
         """Every schedule matching, a page at a time, in id order."""
-        return self.pages(lambda after: calls.schedules_page(labels, paused, after, page_size))
+        return self.pages(lambda after: calls.schedules_page(labels, paused, after, page_size,
+                                                             namespace))
+
+    def history(self, schedule_id: str, page_size: int = 100) -> Iterator[Document]:
+        """A schedule's audit records, newest first."""
+        return self.pages(lambda before: calls.history_page(schedule_id, before, page_size))
+
+    def audit(self, namespace: str | None = None, schedule_id: str | None = None,
+              actor: str | None = None, since: dt.datetime | str | None = None,
+              page_size: int = 100) -> Iterator[Document]:
+        """The audit trail, newest first."""
+        return self.pages(lambda before: calls.audit_page(namespace, schedule_id, actor, since,
+                                                          before, page_size))
+
+    def restore(self, schedule_id: str, revision: int, if_match: int | None = None
+                ) -> models.Schedule:
+        return self.send(calls.restore(schedule_id, revision, if_match))
 
     def replace_schedule(self, schedule_id: str,
                          fields: models.ScheduleFields | Mapping[str, Any],
@@ -202,9 +226,10 @@ class Client:
     def schedule_runs(self, schedule_id: str, limit: int = 50) -> Document:
         return self.send(calls.schedule_runs(schedule_id, limit))
 
-    def runs(self, state: str | None = None, page_size: int = 100) -> Iterator[Document]:
+    def runs(self, state: str | None = None, page_size: int = 100,
+             namespace: str | None = None) -> Iterator[Document]:
         """Every run (in ``state``), most recently changed first, a page at a time."""
-        return self.pages(lambda after: calls.runs_page(state, after, page_size))
+        return self.pages(lambda after: calls.runs_page(state, after, page_size, namespace))
 
     def get_run(self, fire_id: str) -> Document:
         return self.send(calls.get_run(fire_id))
@@ -234,10 +259,11 @@ class AsyncClient:
 
     def __init__(self, api: str | None = None, token: str | None = None, *,
                  verify: bool | str = True, cert: str | tuple[str, str] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS
-                 ) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS,
+                 reason: str | None = None, origin: str | None = None) -> None:
         self.attempts = attempts
-        self._http = httpx.AsyncClient(**_http_options(api, token, verify, cert, timeout_s))
+        self._http = httpx.AsyncClient(**_http_options(api, token, verify, cert, timeout_s,
+                                                   reason, origin))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -284,10 +310,23 @@ class AsyncClient:
         return await self.send(calls.get_schedule(schedule_id))
 
     def schedules(self, labels: Mapping[str, str] | None = None,
-                  paused: bool | None = None, page_size: int = 100
-                        ) -> AsyncIterator[models.Schedule]:
+                  paused: bool | None = None, page_size: int = 100,
+                  namespace: str | None = None) -> AsyncIterator[models.Schedule]:
         return self.pages(lambda after: calls.schedules_page(labels, paused, after,
-                                                             page_size))
+                                                             page_size, namespace))
+
+    def history(self, schedule_id: str, page_size: int = 100) -> AsyncIterator[Document]:
+        return self.pages(lambda before: calls.history_page(schedule_id, before, page_size))
+
+    def audit(self, namespace: str | None = None, schedule_id: str | None = None,
+              actor: str | None = None, since: dt.datetime | str | None = None,
+              page_size: int = 100) -> AsyncIterator[Document]:
+        return self.pages(lambda before: calls.audit_page(namespace, schedule_id, actor, since,
+                                                          before, page_size))
+
+    async def restore(self, schedule_id: str, revision: int, if_match: int | None = None
+                      ) -> models.Schedule:
+        return await self.send(calls.restore(schedule_id, revision, if_match))
 
     async def replace_schedule(self, schedule_id: str,
                                fields: models.ScheduleFields | Mapping[str, Any],
@@ -338,9 +377,9 @@ class AsyncClient:
     async def schedule_runs(self, schedule_id: str, limit: int = 50) -> Document:
         return await self.send(calls.schedule_runs(schedule_id, limit))
 
-    def runs(self, state: str | None = None, page_size: int = 100
-             ) -> AsyncIterator[Document]:
-        return self.pages(lambda after: calls.runs_page(state, after, page_size))
+    def runs(self, state: str | None = None, page_size: int = 100,
+             namespace: str | None = None) -> AsyncIterator[Document]:
+        return self.pages(lambda after: calls.runs_page(state, after, page_size, namespace))
 
     async def get_run(self, fire_id: str) -> Document:
         return await self.send(calls.get_run(fire_id))

@@ -11,6 +11,7 @@ FIRES = "fires"
 RUNS = "runs"
 FIRE_COUNTS = "fire_counts"
 BACKFILLS = "backfills"
+AUDIT = "audit"  # the audit trail (storage/audit_log.py)
 MEMBERS = "members"
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database

@@ -39,6 +39,10 @@ from hascheduler.core.overlap import Policy
 
 # Schedule ids and label keys, matched whole (fullmatch).
 SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# A namespace is a DNS label, as Kubernetes names them: it appears in URLs, metric labels
+# and file names, so no character there needs escaping.
+NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+DEFAULT_NAMESPACE = "default"
 
 
 def _stored(info: ValidationInfo) -> bool:
@@ -264,6 +268,9 @@ class ScheduleFields(_Strict):
     """What a client writes: everything but the server-managed fields."""
 
     name: str = Field(min_length=1, max_length=200)
+    namespace: str = Field(DEFAULT_NAMESPACE, max_length=63, description=(
+        "the team's namespace: who may act on the schedule, its fires and runs; ids stay "
+        "unique across namespaces"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
     trigger: TriggerSpec
     jitter: float = Field(0.0, ge=0, le=MAX_JITTER_S,
                           description="max seconds added to each fire, chosen "
@@ -344,6 +351,14 @@ class ScheduleFields(_Strict):
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _checked_payload(value)
 
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not NAMESPACE.fullmatch(value):
+            raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
+                             "or '-', starting and ending with a letter or digit")
+        return value
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
@@ -380,6 +395,12 @@ class ScheduleBatchIn(_Strict):
 class BatchCreated(BaseModel):
     created: list[str] = Field(description="the ids created")
     existing: list[str] = Field(description="ids taken already: left as they were")
+
+
+class RestoreIn(_Strict):
+    """Which earlier revision to put back (POST /schedules/{id}/restore)."""
+
+    revision: int = Field(ge=1, description="a revision in the schedule's history")
 
 
 class PauseIn(_Strict):

@@ -19,11 +19,12 @@ from pymongo.errors import PyMongoError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from hascheduler.api import create_app
-from hascheduler.api.access import Tokens, WriteLimit
+from hascheduler.api.access import ACCESS_POLL_S, Access, AccessFile, WriteLimit
 from hascheduler.api.app import Cluster
 from hascheduler.brokers.registry import BrokerUrl
 from hascheduler.core.clock import DEFAULT_TOLERANCE_S, ServerClock
 from hascheduler.core.constants import (
+    AUDIT,
     BACKFILLS,
     CLOCK_SAMPLE_S,
     DEFAULT_DATABASE,
@@ -53,6 +54,7 @@ from hascheduler.replica.leadership import Elector
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources
+from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
@@ -77,7 +79,12 @@ class ReplicaSettings:
     timings: LeaseTimings = field(default_factory=LeaseTimings)
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     max_backfill: int = DEFAULT_MAX_BACKFILL  # nominal times one backfill may fire
-    tokens: Tokens = field(default_factory=Tokens)
+    # Who may call the API (api/access.py): today's variables and JWTs, and the access
+    # file's named tokens and namespace rules, read again when it changes.
+    access: Access = field(default_factory=Access)
+    access_file: str | None = None
+    audit_retention_days: float = DEFAULT_RETENTION_DAYS
+    redact_payloads: bool = False  # payload values in the audit trail as digests
     write_limit: WriteLimit = field(default_factory=WriteLimit)
     # The API over HTTPS: a PEM certificate (chain) and its key, both or neither.
     tls_cert_file: str | None = None
@@ -90,7 +97,7 @@ class ReplicaSettings:
     @property
     def listen_host(self) -> str:
         """Without a token, only this host may call the API: never listen beyond it."""
-        if self.tokens.enabled or self.http_host in LOOPBACK_HOSTS:
+        if self.access.enabled or self.access_file or self.http_host in LOOPBACK_HOSTS:
             return self.http_host
         return "127.0.0.1"
 
@@ -216,7 +223,10 @@ class Replica:
         # the database's clock, whatever this host's says (invariant 12).
         self.clock = server_clock = ServerClock(tolerance_s=settings.clock_tolerance_s)
         counts = FireCounts(db[FIRE_COUNTS])
-        store = ScheduleStore(db[SCHEDULES], counts)
+        self.audit = audit = AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS],
+                                                  db[BACKFILLS]], settings.audit_retention_days)
+        store = ScheduleStore(db[SCHEDULES], counts, audit, settings.redact_payloads)
+        access = AccessFile(settings.access, settings.access_file)
         ledger = Ledger(db[FIRES])
         lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
                       server_clock=server_clock)
@@ -249,12 +259,12 @@ class Replica:
                                             if mirror.last_applied is not None else None))
         watch_clock(metrics.registry, server_clock)
 
-        app = create_app(store, mirror, settings.replica_id, clock=server_clock.now,
+        app = create_app(store, mirror, settings.replica_id, audit, clock=server_clock.now,
                          server_clock=server_clock,
                          cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
                                          RunLedger(db[RUNS]), broker,
                                          Backfills(db[BACKFILLS]), settings.max_backfill),
-                         metrics_=metrics, tokens=settings.tokens,
+                         metrics_=metrics, access=access,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
                          fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
@@ -263,13 +273,13 @@ class Replica:
         await runner.setup()
         stack.push_async_callback(lifecycle.bounded, "stopping the API", runner.cleanup)
         host = settings.listen_host
-        if not settings.tokens.enabled:
+        if not access.current.enabled:
             log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
-                        message="no API token configured (HASCHEDULER_WRITE_TOKENS / _FILE): "
-                                f"the API serves {host} only, without authentication")
+                        message="no API token configured (--access-file, "
+                                "HASCHEDULER_WRITE_TOKENS / _FILE, --jwks-file): the API "
+                                f"serves {host} only, without authentication")
         else:
-            log.info("api_tokens", read=len(settings.tokens.read),
-                     write=len(settings.tokens.write))
+            log.info("api_access", **access.current.counts())
         tls = api_tls_context(settings.tls_cert_file, settings.tls_key_file)
         await web.TCPSite(runner, host, settings.http_port, ssl_context=tls).start()
         scheme = "https" if tls is not None else "http"
@@ -284,6 +294,9 @@ class Replica:
         # over), then the probes and the heartbeats, leaving GET /cluster at once rather
         # than when the last heartbeat grows stale, then the mirror.
         lifecycle.start(stack, "mirror", mirror)
+        lifecycle.start(stack, "audit relay", audit)
+        if settings.access_file is not None:
+            lifecycle.start(stack, "access file", Every(ACCESS_POLL_S, access.poll))
         stack.push_async_callback(lifecycle.bounded, "leaving the members", lambda: db[
             MEMBERS].delete_one({"_id": settings.replica_id}))
         lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
@@ -330,5 +343,7 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
     await RunLedger(db[RUNS]).ensure_indexes(settings.run_retention_s)
     await Backfills(db[BACKFILLS]).ensure_indexes()
+    await AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
+                   settings.audit_retention_days).ensure_indexes()
     await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
                                    expireAfterSeconds=int(HEARTBEAT_TTL_S))

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from pymongo import ASCENDING, ReturnDocument
 
 from hascheduler.core.instants import as_utc
+from hascheduler.storage.audit_log import recording, with_record
 
 RUNNING = "running"
 DONE = "done"
@@ -71,23 +72,26 @@ class Backfills:
                                      partialFilterExpression={"state": RUNNING})
 
     async def create(self, schedule_id: str, start: dt.datetime, end: dt.datetime,
-                     overlap: str | None, total: int, by: str, now: dt.datetime) -> Document:
+                     overlap: str | None, total: int, by: str, now: dt.datetime,
+                     record: Document | None = None) -> Document:
         doc: Document = {"_id": uuid.uuid4().hex, "schedule_id": schedule_id, "start": start,
                          "end": end, "overlap": overlap, "state": RUNNING, "cursor": start,
                          "total": total, "fired": 0, "skipped": 0, "requested_by": by,
                          "created_at": now}
-        await self.coll.insert_one(doc)
+        await self.coll.insert_one(doc if record is None else with_record(doc, record))
         return doc
 
     async def get(self, backfill_id: str) -> Document | None:
         doc: Document | None = await self.coll.find_one({"_id": backfill_id})
         return doc
 
-    async def cancel(self, backfill_id: str, now: dt.datetime) -> Document | None:
+    async def cancel(self, backfill_id: str, now: dt.datetime,
+                     record: Document | None = None) -> Document | None:
         """Stop a running backfill; None when it is not running (or not there)."""
+        change: Document = {"$set": {"state": CANCELLED, "finished_at": now}}
         doc: Document | None = await self.coll.find_one_and_update(
             {"_id": backfill_id, "state": RUNNING},
-            {"$set": {"state": CANCELLED, "finished_at": now}},
+            change if record is None else recording(change, record),
             return_document=ReturnDocument.AFTER)
         return doc
 

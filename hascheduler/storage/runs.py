@@ -43,6 +43,7 @@ from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id as fire_id_of
+from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fires import state_counts
 
@@ -404,25 +405,32 @@ class RunLedger:
     # -- operators' writes ----------------------------------------------------------------
 
     async def cancel(self, fire_id: str, now: dt.datetime, by: str,
-                     fire: FireRef | None = None) -> tuple[Document, bool]:
+                     fire: FireRef | None = None, record: Document | None = None
+                     ) -> tuple[Document, bool]:
         """Cancel a run: a pending or retrying one (or, given ``fire``, one no worker has
         claimed yet) ends ``cancelled`` at once; a running one is marked for its worker to
         stop. Returns the run and whether it ended now.
 
         Raises RunNotFound (no run, and no ``fire``) or RunConflict (it had already ended).
+        ``record``: the audit trail's, written with whichever write cancels it.
         """
+
+        def audited(update: Document) -> Document:
+            return update if record is None else recording(update, record)
+
         ended = {"state": CANCELLED, "finished_at": now, "recorded_at": now,
                  "cancelled_by": by}
         doc: Document | None = await self.runs.find_one_and_update(
             {"_id": fire_id, "state": {"$in": [PENDING, RETRYING]}},
-            {"$set": {**ended, "last_error": f"cancelled by {by}"},
-             "$unset": {"next_attempt_at": "", "open_key": ""}},
+            audited({"$set": {**ended, "last_error": f"cancelled by {by}"},
+                     "$unset": {"next_attempt_at": "", "open_key": ""}}),
             return_document=ReturnDocument.AFTER)
         if doc is not None:
             return doc, True
         doc = await self.runs.find_one_and_update(
             {"_id": fire_id, "state": RUNNING},
-            {"$set": {"cancel_requested": True, "cancelled_by": by, "recorded_at": now}},
+            audited({"$set": {"cancel_requested": True, "cancelled_by": by,
+                              "recorded_at": now}}),
             return_document=ReturnDocument.AFTER)
         if doc is not None:
             return doc, False
@@ -434,13 +442,14 @@ class RunLedger:
         try:  # published, never claimed: the worker that receives it finds it cancelled
             doc = {**_new_run(fire, ended, now), "attempts": 0, "first_started_at": None,
                    "last_error": f"cancelled by {by}"}
-            await self.runs.insert_one(doc)
+            await self.runs.insert_one(doc if record is None else with_record(doc, record))
             return doc, True
         except DuplicateKeyError:  # claimed meanwhile: cancel that
-            return await self.cancel(fire_id, now, by)
+            return await self.cancel(fire_id, now, by, record=record)
 
     async def replay(self, fire_id: str, now: dt.datetime,
-                     key: str | None = None) -> Document | None:
+                     key: str | None = None, record: Document | None = None
+                     ) -> Document | None:
         """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it
         is now, or None when it is not dead (or not there). With the ``key`` of a
         schedule's overlap policy (open_key), the replayed run is open under it, and
@@ -449,9 +458,11 @@ class RunLedger:
                             "recorded_at": now}
         if key is not None:
             update["open_key"] = key
+        change: Document = {"$set": update, "$inc": {"replays": 1}}
         try:
             doc: Document | None = await self.runs.find_one_and_update(
-                {"_id": fire_id, "state": DEAD}, {"$set": update, "$inc": {"replays": 1}},
+                {"_id": fire_id, "state": DEAD},
+                change if record is None else recording(change, record),
                 return_document=ReturnDocument.AFTER)
         except DuplicateKeyError:
             assert key is not None  # only open_key is unique besides _id
@@ -462,7 +473,8 @@ class RunLedger:
         return doc
 
     async def replay_dead(self, fire_id: str, now: dt.datetime, broker: Publishes,
-                          key: str | None = None) -> Document:
+                          key: str | None = None, record: Document | None = None
+                          ) -> Document:
         """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
         published again under a new broker message id (the original one is still inside
         the broker's duplicate window, and would be dropped). If the message cannot be
@@ -471,7 +483,7 @@ class RunLedger:
         Raises RunNotFound, RunConflict (not dead, it kept no event to replay, or its
         overlap ``key`` has another run open) or BrokerRefused.
         """
-        doc = await self.replay(fire_id, now, key)
+        doc = await self.replay(fire_id, now, key, record)
         if doc is None:
             current = await self.get(fire_id)
             if current is None:
@@ -528,12 +540,14 @@ class RunLedger:
         return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},
                                                           {"event": 0})}
 
-    async def page(self, state: str | None, after: str | None,
-                   limit: int) -> tuple[list[Document], str | None]:
-        """Runs (in one state, or all), most recently changed first; a page, and the fire
-        id to pass as ``after`` for the next (None at the end). Raises LookupError when
-        ``after`` names no run (expired since, or never there)."""
+    async def page(self, state: str | None, after: str | None, limit: int,
+                   schedule_ids: list[str] | None = None) -> tuple[list[Document], str | None]:
+        """Runs (in one state, or all; of these schedules, or all), most recently changed
+        first; a page, and the fire id to pass as ``after`` for the next (None at the end).
+        Raises LookupError when ``after`` names no run (expired since, or never there)."""
         query: Document = {} if state is None else {"state": state}
+        if schedule_ids is not None:
+            query["schedule_id"] = {"$in": schedule_ids}
         if after is not None:
             anchor = await self.runs.find_one({"_id": after}, {"recorded_at": 1})
             if anchor is None:
