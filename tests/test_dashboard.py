@@ -121,7 +121,7 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(page.locator("#schedules tbody tr")).to_have_count(5)
             await expect(page.locator("#schedules tbody tr", has_text="per-tenant")
                          ).to_contain_text("dashboard.demo (per tenants)")
-            name_cell = page.locator("#schedules tbody tr", has_text="markup").locator("td").nth(1)
+            name_cell = page.locator("#schedules tbody tr", has_text="markup").locator("td").nth(2)
             await expect(name_cell).to_have_text(MARKUP)
             assert await page.locator("#schedules b, #schedules img").count() == 0
             assert await page.evaluate("window.injected") is None
@@ -169,13 +169,28 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await row.locator("button[data-schedule]").click()
             await expect(row).to_contain_text("active", timeout=5_000)
             assert not await _paused(api, "poll-api")
+            # Both show in the audit trail's view, by the token's name.
+            changes = page.locator("#changes tbody tr", has_text="poll-api")
+            await expect(changes.filter(has_text="resume").first).to_contain_text(
+                "write-1", timeout=5_000)
+            await expect(changes.filter(has_text="pause").first).to_contain_text("paused")
+            # The namespace filter: another namespace shows none of these schedules.
+            await page.fill("#namespace", "another-team")
+            await page.click("#namespace-form button")
+            await expect(page.locator("#schedules tbody tr")).to_have_count(0, timeout=5_000)
+            await expect(page.locator("#changes tbody tr")).to_have_count(0)
+            await page.fill("#namespace", "default")
+            await page.click("#namespace-form button")
+            await expect(page.locator("#schedules tbody tr")).to_have_count(5, timeout=5_000)
+            await page.fill("#namespace", "")  # every namespace again
+            await page.click("#namespace-form button")
 
             # Run now: the fire appears, made by hand, and is run by the worker.
             await page.click("button[data-run-now='weekly-report']")
             await expect(page.locator("#status")).to_contain_text("fired weekly-report@manual-",
                                                                   timeout=5_000)
             manual = page.locator("#fires tbody tr", has_text="weekly-report@manual-")
-            await expect(manual).to_contain_text("run now by a write token", timeout=10_000)
+            await expect(manual).to_contain_text("run now by write-1", timeout=10_000)
             await expect(manual).to_contain_text("succeeded", timeout=15_000)
 
             # A pause with a note and an end, made through the API, reads on the page.
@@ -188,7 +203,7 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
                 assert r.status == 200, await r.text()
             await expect(row).to_contain_text("paused: partner API down (until",
                                               timeout=5_000)
-            await expect(row).to_contain_text("by a write token")
+            await expect(row).to_contain_text("by write-1")
 
             # A dead run is listed; retried from the page, the worker runs it and it leaves
             # the list.

@@ -273,10 +273,10 @@ def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_
     assert example["metadata"]["name"] == secret_volume["secret"]["secretName"]
     assert set(example["stringData"]) == {"write", "read"}
     assert ("Secret", "hascheduler-tokens") not in by_kind
-    from hascheduler.api.access import AccessConfigError, load_tokens
+    from hascheduler.api.access import AccessConfigError, legacy_grants
     for scope, text in example["stringData"].items():
         with pytest.raises(AccessConfigError, match="CHANGE-ME"):
-            load_tokens({f"HASCHEDULER_{scope.upper()}_TOKENS": text})
+            legacy_grants({f"HASCHEDULER_{scope.upper()}_TOKENS": text})
 
     policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
     workloads = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]

@@ -68,6 +68,11 @@ IF_MATCH = re.compile(r'\s*(?:\*|(?:W/)?"?([1-9][0-9]{0,17})"?)\s*')
 LABEL_FILTER = rf"^{models.SLUG.pattern}=[\s\S]*$"
 
 ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+NAMESPACE_PARAM = {
+    "name": "namespace", "in": "query", "required": False,
+    "schema": {"type": "string", "pattern": f"^{models.NAMESPACE.pattern}$"},
+    "description": "one namespace (the token must reach it); without it, every namespace "
+                   "the token reaches"}
 IF_MATCH_HEADER = {"name": "If-Match", "in": "header", "required": False,
              "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
              "description": "the revision from the ETag; the write fails with 409 if stale"}

@@ -19,6 +19,7 @@ from hascheduler.api.openapi import (
     IDEMPOTENCY_KEY_HEADER,
     IF_MATCH_HEADER,
     LABEL_FILTER,
+    NAMESPACE_PARAM,
     SEMANTIC,
     WRITE,
     document,
@@ -103,6 +104,7 @@ ROUTES: list[Route] = [
                     "in": "query",
                     "schema": {"type": "string", "enum": ["true", "false"]},
                 },
+                NAMESPACE_PARAM,
                 {"name": "after", "in": "query", "schema": {"type": "string"}},
                 {
                     "name": "limit",
@@ -307,6 +309,7 @@ ROUTES: list[Route] = [
                         "enum": ["running", "succeeded", "retrying", "dead"],
                     },
                 },
+                NAMESPACE_PARAM,
                 {
                     "name": "after",
                     "in": "query",
@@ -388,8 +391,10 @@ ROUTES: list[Route] = [
             "summary": "the audit trail, newest first: every change to a schedule or its "
             "runs, with who, when, from where, what (before and after) and why",
             "parameters": [
+                NAMESPACE_PARAM,
+            ] + [
                 {"name": name, "in": "query", "schema": {"type": "string"}}
-                for name in ("namespace", "schedule", "actor", "before")
+                for name in ("schedule", "actor", "before")
             ] + [
                 {"name": "since", "in": "query",
                  "schema": {"type": "string", "format": "date-time"}},
@@ -452,7 +457,8 @@ ROUTES: list[Route] = [
         {
             "summary": "what /ui shows: leader, members, schedules with "
             "their next fire, recent fires",
-            "responses": responses(200, None, 503),
+            "parameters": [NAMESPACE_PARAM],
+            "responses": responses(200, None, 422, 503),
         },
     ),
     Route(

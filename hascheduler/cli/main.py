@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
-from hascheduler.cli import apply, audit, schedules, serve, worker
+from hascheduler.cli import apply, audit, schedules, serve, tokens, worker
 from hascheduler.core.errors import ConfigError
 from hascheduler.process import logs
 
 # A command module offers add_parser(subparsers), which sets ``run`` (args -> exit code)
 # as its parsers' default.
-COMMANDS: tuple[Any, ...] = (serve, worker, schedules, apply, audit)
+COMMANDS: tuple[Any, ...] = (serve, worker, schedules, apply, audit, tokens)
 # The entry point group the development tools register their commands in (dev/pyproject.toml).
 PLUGIN_GROUP = "hascheduler.commands"
 DEVELOPMENT_COMMANDS = {

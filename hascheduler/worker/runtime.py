@@ -467,7 +467,7 @@ class Worker:
                   nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
                   worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant,
                   cancelled=held.cancelled)
-        started = self.clock()
+        started, began = self.clock(), time.monotonic()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
         error: BaseException | None = None
         with self.metrics.in_flight(fire.target):
@@ -488,7 +488,9 @@ class Worker:
                 error = exc
             finally:
                 held.runner = None  # the runner goes on to other runs: not to be cancelled
-        finished = self.clock()
+        # The duration is the monotonic clock's: two readings of the server clock's bounds
+        # may narrow or widen between them.
+        finished = started + dt.timedelta(seconds=time.monotonic() - began)
         self.metrics.duration(fire.target, (finished - started).total_seconds())
         if held.cancelled.is_set():  # whatever the handler did after the cancel
             log.info("run_cancelled", fire_id=fire.fire_id, attempt=attempt)
