@@ -114,7 +114,10 @@ def test_named_tokens_are_stored_hashed_and_grant_their_actions_and_namespaces(
     ("tokens: [\n", "--access-file"),
     ("namespaces: {'a/b': {}}\n", "not a namespace name"),
     ("namespaces: {billing: {max_schedules: -1}}\n", "max_schedules is a whole number"),
-    ("namespaces: {billing: {quota: 1}}\n", "require_reason and max_schedules only"),
+    ("namespaces: {billing: {quota: 1}}\n", "max_fan_out, max_fires_per_second, "
+                                              "max_schedules, require_reason only"),
+    ("namespaces: {billing: {max_fires_per_second: 0}}\n", "a number above 0"),
+    ("namespaces: {billing: {max_fan_out: 1.5}}\n", "max_fan_out is a whole number"),
 ])
 def test_a_bad_access_file_is_refused_naming_what(tmp_path: Path, content: str,
                                                     message: str) -> None:

@@ -115,3 +115,18 @@ def test_clear_empties_the_queue() -> None:
     queue.clear()
     assert len(queue) == 0
     assert queue.first_at() is None
+
+
+def test_a_deferred_fire_comes_back_at_its_slot_without_queueing_its_schedule_twice() -> None:
+    queue = seeded({"noisy": every(10), "quiet": every(10)}, at(0))
+    first = queue.take_due(at(10), 10)
+    assert [(d.schedule_id, d.nominal) for d in first] == [("noisy", at(10)), ("quiet", at(10))]
+    queue.defer(first[0], at(25))  # its namespace's quota slot
+    # What is due meanwhile is not held behind it; it comes back once, nominal unchanged.
+    assert taken(queue, at(20)) == [("noisy", 20), ("quiet", 20)]
+    back = queue.take_due(at(25), 10)
+    assert [(d.schedule_id, d.nominal, d.fire_at) for d in back] == [
+        ("noisy", at(10), at(25))]
+    assert taken(queue, at(30)) == [("noisy", 30), ("quiet", 30)]
+    assert queue.first_at() == at(40)
+    assert len(queue) == 2

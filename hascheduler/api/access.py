@@ -105,6 +105,11 @@ class NamespaceRules:
 
     require_reason: bool = False
     max_schedules: int | None = None
+    max_fires_per_second: float | None = None  # beyond: deferred to a slot (core/quota.py)
+    max_fan_out: int | None = None  # tenants one fan-out may select, under --max-fan-out
+
+
+_RULES = frozenset({"require_reason", "max_schedules", "max_fires_per_second", "max_fan_out"})
 
 
 @dataclass(frozen=True)
@@ -344,13 +349,20 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
         where = f"--access-file: {path}: namespace {namespace!r}"
         if not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace):
             raise AccessConfigError(f"{where}: not a namespace name")
-        if not isinstance(entry, dict) or set(entry) - {"require_reason", "max_schedules"}:
-            raise AccessConfigError(f"{where}: require_reason and max_schedules only")
-        limit = entry.get("max_schedules")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 0):
-            raise AccessConfigError(f"{where}: max_schedules is a whole number")
-        rules[namespace] = NamespaceRules(bool(entry.get("require_reason", False)), limit)
+        if not isinstance(entry, dict) or set(entry) - _RULES:
+            raise AccessConfigError(f"{where}: {', '.join(sorted(_RULES))} only")
+        for name in ("max_schedules", "max_fan_out"):
+            limit = entry.get(name)
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                      or limit < 0):
+                raise AccessConfigError(f"{where}: {name} is a whole number")
+        rate = entry.get("max_fires_per_second")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
+                                 or not 0 < rate < 1e9):
+            raise AccessConfigError(f"{where}: max_fires_per_second is a number above 0")
+        rules[namespace] = NamespaceRules(
+            bool(entry.get("require_reason", False)), entry.get("max_schedules"),
+            None if rate is None else float(rate), entry.get("max_fan_out"))
     return named, rules
 
 

@@ -360,11 +360,14 @@ async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) ->
     if fields.fan_out is None or FAN_OUT not in request.app:
         return
     limit, tenants = request.app[FAN_OUT]
+    quota = request.app[ACCESS].current.rules_of(fields.namespace).max_fan_out
+    bound = ("the cluster's bound is serve --max-fan-out" if quota is None or quota >= limit
+             else f"namespace {fields.namespace!r} has a max_fan_out quota of {quota}")
+    limit = limit if quota is None else min(limit, quota)
     selected = await tenants.count(fields.fan_out, limit + 1)
     if selected > limit:
         raise BadRequest(422, "fan_out", f"the filter selects more than {limit} documents "
-                                         f"of {fields.fan_out.collection!r}; the cluster's "
-                                         "bound is serve --max-fan-out")
+                                         f"of {fields.fan_out.collection!r}; {bound}")
 
 
 async def _check_quota(request: web.Request, namespace: str, adding: int) -> None:

@@ -30,6 +30,7 @@ class Entry:
     paused_until: dt.datetime | None = None
     max_fires: int | None = None
     completed: bool = False  # its max_fires fires were published
+    namespace: str = "default"  # whose fire-rate quota its fires count against
 
     @property
     def dormant(self) -> bool:
@@ -94,7 +95,8 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
                  overlap=sys.intern(doc.get("overlap", "allow")),
                  paused_until=_paused_until(doc), max_fires=doc.get("max_fires"),
-                 completed=bool(doc.get("completed", False)))
+                 completed=bool(doc.get("completed", False)),
+                 namespace=sys.intern(doc.get("namespace") or "default"))
 
 
 def _paused_until(doc: dict[str, Any]) -> dt.datetime | None:

@@ -59,15 +59,18 @@ class FireQueue:
     def __init__(self, entries: Mapping[str, Entry]) -> None:
         self.entries = entries
         self._heap: list[Due] = []
+        # Fires taken once and put back for later (a namespace's quota slot): their
+        # schedules' next fires are queued already.
+        self._deferred: list[Due] = []
         self._seeding = False
         # Schedules changed while the heap was being built: queued again after.
         self._changed_while_seeding: set[str] = set()
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._deferred)
 
     def items(self) -> list[Due]:
-        return list(self._heap)
+        return [*self._heap, *self._deferred]
 
     def seed(self, now: dt.datetime) -> Iterator[None]:
         """Rebuild the heap with every unpaused schedule's first fire after ``now``; yields
@@ -114,12 +117,25 @@ class FireQueue:
         return True
 
     def first_at(self) -> dt.datetime | None:
-        return self._heap[0].fire_at if self._heap else None
+        heads = [q[0].fire_at for q in (self._heap, self._deferred) if q]
+        return min(heads) if heads else None
+
+    def defer(self, due: Due, until: dt.datetime) -> None:
+        """Take ``due`` (taken once already) again at ``until``."""
+        heapq.heappush(self._deferred, due._replace(fire_at=until))
 
     def take_due(self, horizon: dt.datetime, limit: int) -> list[Due]:
         """Up to ``limit`` current fires due by ``horizon``, each schedule's next queued."""
         batch: list[Due] = []
-        while self._heap and self._heap[0].fire_at <= horizon and len(batch) < limit:
+        while len(batch) < limit:
+            if self._deferred and self._deferred[0].fire_at <= horizon and (
+                    not self._heap or self._deferred[0] <= self._heap[0]):
+                due = heapq.heappop(self._deferred)
+                if self._current(due) is not None:
+                    batch.append(due)
+                continue
+            if not self._heap or self._heap[0].fire_at > horizon:
+                break
             due = heapq.heappop(self._heap)
             entry = self._current(due)
             if entry is None:
@@ -132,6 +148,7 @@ class FireQueue:
 
     def clear(self) -> None:
         self._heap = []
+        self._deferred = []
 
     def _current(self, due: Due) -> Entry | None:
         entry = self.entries.get(due.schedule_id)

@@ -7,11 +7,13 @@ into it, and the mirror's figures are read at scrape time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "Metrics", "watch_clock"]
 
@@ -64,13 +66,22 @@ class Metrics:
             "hascheduler_event_loop_lag_seconds",
             f"how late a {LOOP_PROBE_S:g} s timer fires on this replica's event loop: a long "
             "step holds every task, the lease renewal included", buckets=SECONDS, registry=r)
+        self.namespace_fires = Counter(
+            "hascheduler_namespace_fires_total", "fires this replica claimed, per namespace",
+            ["namespace"], registry=r)
+        self.quota_deferred = Counter(
+            "hascheduler_quota_deferred_total", "fires put back to a later slot by their "
+            "namespace's fire-rate quota (max_fires_per_second)", ["namespace"], registry=r)
         for state in ("claimed", "published", "skipped", "failed"):
             self.fires.labels(state)  # present at zero before the first fire
 
     def watch(self, leader: Callable[[], bool], term: Callable[[], int],
               size: Callable[[], int], ready: Callable[[], bool],
-              last_applied: Callable[[], int | None]) -> None:
-        """Read the replica's state at scrape time (``last_applied``: Unix seconds)."""
+              last_applied: Callable[[], int | None],
+              per_namespace: Callable[[], dict[str, int]] = dict) -> None:
+        """Read the replica's state at scrape time (``last_applied``: Unix seconds;
+        ``per_namespace``: the mirror's schedules counted by namespace)."""
+        self.registry.register(_PerNamespace(per_namespace))
         self.leader.set_function(lambda: 1.0 if leader() else 0.0)
         self.term.set_function(lambda: float(term()))
         self.mirror_size.set_function(lambda: float(size()))
@@ -112,3 +123,18 @@ def watch_clock(registry: CollectorRegistry, clock: ClockReadings) -> None:
     Gauge("hascheduler_clock_error_seconds",
           "how far the clock offset may be off (half the width of its bounds)",
           registry=registry).set_function(clock.error_s)
+
+
+class _PerNamespace(Collector):
+    """hascheduler_namespace_schedules{namespace}, counted from the mirror at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("hascheduler_namespace_schedules",
+                                   "schedules in this replica's mirror, per namespace",
+                                   labels=["namespace"])
+        for namespace, count in sorted(self.counts().items()):
+            family.add_metric([namespace], count)
+        yield family

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -30,6 +31,8 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.instants import as_utc
+from hascheduler.core.models import DEFAULT_NAMESPACE
+from hascheduler.core.quota import ADMIT, DEFER, FireRates
 from hascheduler.core.triggers import fire_id, fire_times, jitter_offset, just_before
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
@@ -126,9 +129,16 @@ class Dispatcher:
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,
                  runs: RunLedger | None = None, store: ScheduleStore | None = None,
-                 counts: FireCounts | None = None, backfills: Backfills | None = None
-                 ) -> None:
+                 counts: FireCounts | None = None, backfills: Backfills | None = None,
+                 quota: Callable[[str], float | None] = lambda namespace: None) -> None:
         self.mirror = mirror
+        # A namespace's fire-rate quota (the access file's max_fires_per_second), read at
+        # each fire so that a change to the file applies at once.
+        self.quota = quota
+        self.rates = FireRates()
+        # Fires given a later slot by their quota, by (schedule, nominal): their slot is
+        # reserved, so they go when they come back.
+        self.reserved: set[tuple[str, dt.datetime]] = set()
         self.sources = sources
         self.metrics = metrics or Metrics()
         self.ledger = ledger
@@ -170,6 +180,7 @@ class Dispatcher:
         log.info("leading", term=view.term, fired_through=since.isoformat())
         async with Term(view.term, self.lease, self.mirror.entries) as term:
             self.term = term
+            self.rates, self.reserved = FireRates(), set()
             if self.gate is not None:
                 await self.gate.begin()
             self.resumes = {sid: e.paused_until for sid, e in self.mirror.entries.items()
@@ -207,7 +218,9 @@ class Dispatcher:
             # A claim batch at a time: each insert yields the loop to the publishes due now
             # (taking 10,000 fires off the heap at once held it for a fifth of a second).
             while batch := term.queue.take_due(horizon, CLAIM_BATCH):
-                await self._claim_and_publish(batch, term, now)
+                batch = await self._within_quota(batch, term, now)
+                if batch:
+                    await self._claim_and_publish(batch, term, now)
             term.watermark = now
             self._wake.clear()
             wait = 0.25  # re-check the lease at least this often
@@ -217,6 +230,44 @@ class Dispatcher:
                 wait = min(wait, max(0.0, (ahead - self.clock()).total_seconds()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _count_by_namespace(self, claimed: list[Claim]) -> None:
+        entries = self.mirror.entries
+        counts: dict[str, int] = {}
+        for claim in claimed:
+            entry = entries.get(claim.schedule_id)
+            namespace = entry.namespace if entry is not None else DEFAULT_NAMESPACE
+            counts[namespace] = counts.get(namespace, 0) + 1
+        for namespace, count in counts.items():
+            self.metrics.namespace_fires.labels(namespace).inc(count)
+
+    async def _within_quota(self, batch: list[Due], term: Term, now: dt.datetime) -> list[Due]:
+        """The fires of ``batch`` their namespaces' quotas admit now; the others go back
+        into the queue at their slot, or are recorded skipped (core/quota.py)."""
+        admitted: list[Due] = []
+        skipped: list[tuple[Due, str]] = []
+        entries = self.mirror.entries
+        for due in batch:
+            entry = entries.get(due.schedule_id)
+            namespace = entry.namespace if entry is not None else DEFAULT_NAMESPACE
+            limit = self.quota(namespace)
+            if limit is None or (due.schedule_id, due.nominal) in self.reserved:
+                self.reserved.discard((due.schedule_id, due.nominal))
+                admitted.append(due)
+                continue
+            decision, slot = self.rates.decide(namespace, limit, due.fire_at)
+            if decision == ADMIT:
+                admitted.append(due)
+            elif decision == DEFER:
+                term.queue.defer(due, slot)
+                self.reserved.add((due.schedule_id, due.nominal))
+                self.metrics.quota_deferred.labels(namespace).inc()
+            else:
+                skipped.append((due, f"namespace {namespace!r} is over its quota of "
+                                     f"{limit:g} fires a second (max_fires_per_second)"))
+        if skipped:
+            await self._record_refused(skipped, term, now)
+        return admitted
 
     async def _claim(self, claims: list[Claim], term: Term, now: dt.datetime) -> list[Claim]:
         """Insert claims; returns those we now own.
@@ -272,6 +323,7 @@ class Dispatcher:
         for i in range(0, len(claims), CLAIM_BATCH):
             claimed = await self._claim(claims[i:i + CLAIM_BATCH], term, now)
             self.metrics.fires.labels("claimed").inc(len(claimed))
+            self._count_by_namespace(claimed)
             owned += len(claimed)
             if claimed:
                 term.claimed(claimed)
@@ -307,15 +359,14 @@ class Dispatcher:
 
     async def _record_refused(self, dues: list[tuple[Due, str]], term: Term,
                               now: dt.datetime) -> None:
-        """A fan-out fire that cannot be expanded (its source mirror is out of sync, or it
-        selects more tenants than the bound) is recorded as skipped, saying why, never
-        silently dropped."""
+        """A fire that cannot go (a fan-out whose source mirror is out of sync or that
+        selects more tenants than the bound, a namespace far over its quota) is recorded as
+        skipped, saying why, never silently dropped."""
         await self.ledger.record_skipped([skipped_range_document(
             d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now)
             for d, reason in dues])
         self.metrics.fires.labels("skipped").inc(len(dues))
-        log.warning("fan_out_not_expanded", count=len(dues), term=term.number,
-                    reason=dues[0][1])
+        log.warning("fires_refused", count=len(dues), term=term.number, reason=dues[0][1])
 
     async def _publish_when_due(self, claimed: list[Claim], revisions: dict[str, int],
                                 term: Term) -> None:

@@ -4,6 +4,7 @@ HTTP API, wired together and run until SIGTERM (graceful handover) or SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import signal
@@ -245,7 +246,9 @@ class Replica:
                                 settings.dispatch, clock=server_clock.now, metrics=metrics,
                                 sources=sources,
                                 runs=RunLedger(db[RUNS]), store=store, counts=counts,
-                                backfills=Backfills(db[BACKFILLS]))
+                                backfills=Backfills(db[BACKFILLS]),
+                                quota=lambda namespace: access.current.rules_of(
+                                    namespace).max_fires_per_second)
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(
             lease, dispatcher, db[LEASES],
@@ -256,7 +259,9 @@ class Replica:
                       term=lambda: elector.view.term if elector.view is not None else 0,
                       size=lambda: mirror.size, ready=lambda: mirror.ready,
                       last_applied=lambda: (mirror.last_applied.time
-                                            if mirror.last_applied is not None else None))
+                                            if mirror.last_applied is not None else None),
+                      per_namespace=lambda: dict(collections.Counter(
+                          e.namespace for e in mirror.entries.values())))
         watch_clock(metrics.registry, server_clock)
 
         app = create_app(store, mirror, settings.replica_id, audit, clock=server_clock.now,
