@@ -154,6 +154,14 @@ SECTIONS = [
      "again, which has nothing to do, and its plan alone (reading the file, checking each "
      "declaration with the server's model, reading the cluster). Targets: apply at least "
      "5x faster than one by one; a no-op apply of 10,000 under 2 s."),
+    ("bench.access_bench", "Many teams: the audit trail's cost, a token's check",
+     [], ["--creates", "100", "--checks", "2000", "--tokens", "1000"],
+     "POST /schedules with 16 in flight, against the API served in the bench's process "
+     "(the development MongoDB server in its own): with the audit trail (each create "
+     "carries its record; the relay copies records into the trail) against the same API "
+     "whose store attaches no record, same run, rounds alternated. Then authenticating a "
+     "named token and checking its action and namespace with 10,000 named tokens "
+     "configured against 1. Targets: create rate at least 0.8x; the check within 1.1x."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

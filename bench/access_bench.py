@@ -34,6 +34,7 @@ from hascheduler.api.access import (
     Action,
     Grant,
     NewToken,
+    WriteLimit,
     authenticate,
     create_token,
     entry_line,
@@ -52,7 +53,8 @@ async def serve(db: Any, recorded: bool) -> tuple[web.AppRunner, str, AuditLog]:
     audit = AuditLog(db.audit, [db.schedules] if recorded else [])
     store = (ScheduleStore(db.schedules, audit=audit) if recorded
              else _unrecorded(db.schedules))
-    app = create_app(store, Mirror(db.schedules), "bench", audit)
+    app = create_app(store, Mirror(db.schedules), "bench", audit,
+                     write_limit=WriteLimit(per_second=0))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

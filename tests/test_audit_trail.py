@@ -215,3 +215,68 @@ def test_restore_any_revision_and_redacted_payloads(mongo_uri: str, tmp_path: Pa
     finally:
         redacting.process.stop(signal.SIGKILL)
         MongoClient(mongo_uri).drop_database(redacting.db_name)
+
+
+def hascheduler(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", **({"HASCHEDULER_TOKEN": token} if token else {})}
+    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_cli_creates_tokens_a_replica_honours_and_revokes_within_seconds(
+        replica: Replica) -> None:
+    made = hascheduler("token", "create", "--name", "billing-ci", "--actions",
+                       "read,trigger", "--namespaces", "billing", "--json")
+    assert made.returncode == 0, made.stderr
+    token = yaml.safe_load(made.stdout)
+    assert token["secret"] not in str(token["entry"])
+    original = replica.access.read_text()
+    replica.access.write_text(original.replace(
+        "tokens:\n", "tokens:\n" + entry_line(token["entry"]) + "\n"))
+    listed = ["schedules", "list", "--api", replica.url, "--namespace", "billing"]
+    wait_until_sync(lambda: hascheduler(*listed, token=token["secret"]).returncode == 0, 10,
+                    "the new token accepted")
+    refused = hascheduler("schedules", "add", "--api", replica.url, "--namespace", "billing",
+                          "--name", "x", "--target", "t", "--cron", "0 1 * * *",
+                          token=token["secret"])
+    assert refused.returncode == 2
+    assert "billing-ci may not write anywhere: it may read, trigger in billing" in refused.stderr
+    replica.access.write_text(original)  # revoked
+    wait_until_sync(lambda: hascheduler(*listed, token=token["secret"]).returncode != 0, 10,
+                    "the revoked token refused")
+    assert "HTTP 401" in hascheduler(*listed, token=token["secret"]).stderr
+
+
+@pytest.mark.parametrize(("args", "complaint"), [
+    (["--name", "a b", "--actions", "read", "--namespaces", "x"], "--name 'a b'"),
+    (["--name", "a", "--actions", "read,fly", "--namespaces", "x"], "--actions"),
+    (["--name", "a", "--actions", "read", "--namespaces", "../etc"], "--namespaces"),
+    (["--name", "a", "--actions", "", "--namespaces", "x"], "--actions"),
+])
+def test_token_create_refuses_bad_input(args: list[str], complaint: str) -> None:
+    done = hascheduler("token", "create", *args)
+    assert done.returncode == 2
+    assert complaint in done.stderr
+
+
+def test_the_audit_log_command_reads_the_trail(replica: Replica) -> None:
+    with Client(replica.url, replica.ops, reason="set up") as api:
+        api.create_schedule(cron("logged"))
+        api.pause("logged")
+    shown = hascheduler("audit-log", "--api", replica.url, "--schedule", "logged",
+                        token=replica.ops)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split()[:4] == ["AT", "ACTOR", "FROM", "ACTION"]
+    assert [line.split()[3] for line in lines[1:]] == ["pause", "create"]
+    assert all("ops" in line and "set up" in line for line in lines[1:])
+    as_json = hascheduler("audit-log", "--api", replica.url, "--actor", "nobody", "--json",
+                          token=replica.ops)
+    assert yaml.safe_load(as_json.stdout) == {"items": []}
+    for bad in (["--since", "yesterday"], ["--namespace", "A/B"], ["--limit", "0"]):
+        done = hascheduler("audit-log", "--api", replica.url, *bad, token=replica.ops)
+        assert done.returncode == 2, (bad, done.stdout)
+    history = hascheduler("schedules", "history", "logged", "--api", replica.url,
+                          token=replica.ops)
+    assert history.returncode == 0
+    assert len(history.stdout.splitlines()) == 3
