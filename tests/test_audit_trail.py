@@ -39,6 +39,7 @@ class Replica:
         self.access.write_text("tokens:\n" + entry_line(ops.entry) + "\n" + yaml.safe_dump(
             {"namespaces": {"billing": {"require_reason": True, "max_schedules": 3}}}))
         self.args = ("--write-rate", "0", "--access-file", str(self.access), *args)
+        self.client: MongoClient[dict[str, Any]] = MongoClient(mongo_uri)
         self.process = self.start()
 
     def start(self) -> ServerProcess:
@@ -51,7 +52,12 @@ class Replica:
         return self.process.uri
 
     def db(self) -> Any:
-        return MongoClient(self.mongo_uri)[self.db_name]
+        return self.client[self.db_name]
+
+    def close(self) -> None:
+        self.process.stop(signal.SIGKILL)
+        self.client.drop_database(self.db_name)
+        self.client.close()
 
 
 @pytest.fixture
@@ -60,8 +66,7 @@ def replica(mongo_uri: str, tmp_path: Path) -> Iterator[Replica]:
     try:
         yield made
     finally:
-        made.process.stop(signal.SIGKILL)
-        MongoClient(mongo_uri).drop_database(made.db_name)
+        made.close()
 
 
 def cron(schedule_id: str, **extra: Any) -> dict[str, Any]:
@@ -213,8 +218,7 @@ def test_restore_any_revision_and_redacted_payloads(mongo_uri: str, tmp_path: Pa
         indexes = redacting.db().audit.index_information()
         assert indexes["retention"]["expireAfterSeconds"] == 400 * 86400
     finally:
-        redacting.process.stop(signal.SIGKILL)
-        MongoClient(mongo_uri).drop_database(redacting.db_name)
+        redacting.close()
 
 
 def hascheduler(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -85,13 +85,17 @@ async def test_every_write_is_fenced_by_the_term(ledger: Ledger) -> None:
     assert (await state(ledger, "p"))["state"] == PUBLISHED
 
 
-async def test_adoption_takes_older_terms_unpublished_claims_only(ledger: Ledger) -> None:
+async def test_adoption_takes_unpublished_claims_of_this_term_and_older_only(
+        ledger: Ledger) -> None:
+    """Of the claims the caller's pending publishes do not hold: an older term's, and this
+    term's own left by a lead that stopped firing; never a newer term's or a published."""
     docs = {s: claim_document(s, at(10), at(10), term, at(9))
             for s, term in (("old", 1), ("newer", 3), ("mine", 2), ("done", 1))}
     docs["done"]["state"] = PUBLISHED
     await ledger.fires.insert_many(list(docs.values()))
     ids = {str(d["_id"]) for d in docs.values()}
-    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10))}
+    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10)),
+                                                  fire_id("mine", at(10))}
     assert (await state(ledger, "old"))["term"] == 2
     assert (await state(ledger, "newer"))["term"] == 3
     assert (await state(ledger, "done"))["term"] == 1
@@ -107,6 +111,10 @@ async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) ->
     assert (await ledger.fires.find_one({"schedule_id": "due"}) or {})["term"] == 2
     retries = await ledger.due_for_retry(2, at(12), limit=10)
     assert [c.schedule_id for c in retries] == ["due"]
+    # This term's own claims only when asked (a new lead of the same term).
+    await ledger.fires.insert_one(claim_document("own", at(10), at(10), 2, at(9)))
+    assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 0
+    assert await ledger.adopt_due(2, at(12), claimed_before=at(11), own=True) == 1
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import signal
+import statistics
 import uuid
 from typing import Any
 
@@ -20,7 +21,6 @@ import pytest
 from hascheduler_dev.slowlink import SlowLink
 from pymongo import AsyncMongoClient
 
-from bench.devmongo_bench import pct
 from hascheduler.core.triggers import Cron, fire_id, fire_times
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
@@ -71,7 +71,9 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
                 assert r.status == 201, await r.text()
 
             fast.delay_s = 0.15  # the leader's link: 300 ms round trips from now on
-            start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+            # The window opens once the claims made before the link slowed (1.5 s ahead of
+            # their fires) are done: its fires are all claimed over the slow link.
+            start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
             slowed_until = start + dt.timedelta(seconds=8)
 
             b = await asyncio.to_thread(start_replica, through(slow), "b", "--broker",
@@ -85,6 +87,16 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
             assert "tolerance" in reason, reason
             await wait_until(lambda: dt.datetime.now(dt.UTC) > slowed_until + dt.timedelta(
                 seconds=1), 30, "the slowed window to pass")
+            window = [fire_id(sid, n) for n in fire_times(Cron("* * * * * *", "UTC"), start,
+                                                          until=slowed_until)]
+
+            async def window_published() -> bool:
+                n = await db.fires.count_documents({"_id": {"$in": window},
+                                                    "state": "published"})
+                return bool(n == len(window))
+            # Each publish is marked over the slow link (300 ms a round trip): wait for the
+            # window's last marks before a goes, so that a's own publishes are measured.
+            await wait_until(window_published, 10, "a to have published the whole window")
 
             a.stop(signal.SIGKILL)  # the lease frees in a ttl: b may not take it
             lease = await db.leases.find_one({})
@@ -112,7 +124,11 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
         assert not [f for f, n in expected.items() if stored[f] < n], "a fire went out early"
         slowed = sorted((stored[f] - n).total_seconds() for f, n in expected.items()
                         if n < slowed_until)
-        assert pct(slowed, 0.99) < 0.1, f"lateness over the slow link: {slowed}"
+        # Claims go 1.5 s ahead of their fires, so 300 ms round trips cost nothing as a
+        # rule; a fenced write timing out (the leader stops firing and leads again) makes
+        # a fire late by at most about a second, never lost (docs/RELIABILITY.md).
+        assert statistics.median(slowed) < 0.05, f"lateness over the slow link: {slowed}"
+        assert max(slowed) < 1.5, f"lateness over the slow link: {slowed}"
         report = history.check(LeaseTimings(TTL, DEADLINE, INTERVAL))
         assert report.ok, report.as_dict()
         assert {t.holder for t in history.terms.values()} == {"a", "c"}

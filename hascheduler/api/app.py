@@ -204,6 +204,8 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
             response.headers["Retry-After"] = str(math.ceil(wait))
             return response
     answer = await handler(request)
+    if request.method in WRITE_METHODS:
+        request.app[AUDIT].wake()  # a change's record is pending: copy it soon
     return answer
 
 
@@ -733,7 +735,6 @@ async def retry_run(request: web.Request) -> web.Response:
 def _record(request: web.Request, action: str, who: Actor, namespace: str,
             schedule_id: str, detail: dict[str, Any]) -> dict[str, Any]:
     """The audit record of a change to a schedule's runs (the schedule stays as it is)."""
-    request.app[AUDIT].wake()
     return history.record(action, who, _now(request), namespace, schedule_id, None,
                           detail=detail)
 

@@ -185,7 +185,9 @@ class Dispatcher:
                 await self.gate.begin()
             self.resumes = {sid: e.paused_until for sid, e in self.mirror.entries.items()
                             if e.paused and e.paused_until is not None}
-            await self._adopt_claims(term, grace_s=0.0)
+            # A lead may follow one of the same term that stopped firing (a fenced write
+            # that timed out): its claims, due now, are taken at once with the older ones.
+            await self._adopt_claims(term, grace_s=0.0, own=True)
             await self._retry_due(term)
             await self._catch_up(term, since, now)
             await self._seed(term, now)
@@ -465,8 +467,9 @@ class Dispatcher:
 
     # -- retries, takeover, catch-up ------------------------------------------------------
 
-    async def _adopt_claims(self, term: Term, grace_s: float) -> int:
-        """Take over fires still claimed by older terms (republished: dedup makes it safe).
+    async def _adopt_claims(self, term: Term, grace_s: float, own: bool = False) -> int:
+        """Take over fires still claimed by older terms (``own``: by this term's previous
+        lead too), republished: dedup makes it safe.
 
         ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
         """
@@ -474,7 +477,7 @@ class Dispatcher:
         # Not before its due time: a claim made ahead waits for it (_claim takes it then).
         with term.fenced():
             adopted = await self.ledger.adopt_due(term.number, now,
-                                                  now - dt.timedelta(seconds=grace_s))
+                                                  now - dt.timedelta(seconds=grace_s), own)
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted

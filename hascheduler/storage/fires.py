@@ -214,22 +214,27 @@ class Ledger:
         return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
 
     async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
-        """Take over those of ``fire_ids`` still claimed by an older term (a deposed leader
-        that claimed and never published); returns the ones taken."""
+        """Take over those of ``fire_ids`` still claimed and unpublished by an older term (a
+        deposed leader) or by this term before it stopped firing and led again (its
+        in-flight publishes went with it); returns the ones taken. The caller passes only
+        claims its own pending publishes do not hold."""
         if not fire_ids:
             return set()
-        stale = {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": {"$lt": term}}
+        stale = {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": {"$lte": term}}
         found = {d["_id"] async for d in self.fires.find(stale, {"_id": 1})}
         if found:
             await self.fires.update_many({**stale, "_id": {"$in": sorted(found)}},
                                          {"$set": {"term": term, "claimed_at": now}})
         return found
 
-    async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime) -> int:
-        """Take over every older term's claim made before ``claimed_before`` whose due time
-        has come (one made ahead waits for it), to be republished now; how many."""
+    async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime,
+                        own: bool = False) -> int:
+        """Take over every older term's claim (``own``: this term's too, left by its
+        previous lead) made before ``claimed_before`` whose due time has come (one made
+        ahead waits for it), to be republished now; how many."""
         result = await self.fires.update_many(
-            {"state": CLAIMED, "term": {"$lt": term}, "claimed_at": {"$lte": claimed_before},
+            {"state": CLAIMED, "term": {"$lte" if own else "$lt": term},
+             "claimed_at": {"$lte": claimed_before},
              "due_at": {"$lte": now}},
             {"$set": {"term": term, "next_attempt_at": now}})
         return int(result.modified_count)

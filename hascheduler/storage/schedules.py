@@ -39,6 +39,7 @@ from hascheduler.storage.audit_log import (
     DELETED,
     LIVE,
     OUTBOX,
+    PENDING,
     AuditLog,
     recording,
     with_record,
@@ -65,7 +66,7 @@ class Collection(Protocol):
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-_NOT_SCHEDULE = frozenset({"_id", OUTBOX, "audit_pending", DELETED})
+_NOT_SCHEDULE = frozenset({"_id", OUTBOX, PENDING, DELETED})
 
 
 def from_document(doc: dict[str, Any]) -> Schedule:
