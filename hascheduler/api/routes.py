@@ -59,6 +59,13 @@ async def docs(request: web.Request) -> web.Response:
     return web.Response(text=DOCS_PAGE, content_type="text/html")
 
 
+# A page of audit records: the id of the previous page's last record, and its size.
+AUDIT_PAGE = [
+    {"name": "before", "in": "query", "schema": {"type": "string"}},
+    {"name": "limit", "in": "query",
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+]
+
 ROUTES: list[Route] = [
     Route(
         "POST",
@@ -394,12 +401,11 @@ ROUTES: list[Route] = [
                 NAMESPACE_PARAM,
             ] + [
                 {"name": name, "in": "query", "schema": {"type": "string"}}
-                for name in ("schedule", "actor", "before")
+                for name in ("schedule", "actor")
             ] + [
                 {"name": "since", "in": "query",
                  "schema": {"type": "string", "format": "date-time"}},
-                {"name": "limit", "in": "query",
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+                *AUDIT_PAGE,
             ],
             "responses": responses(200, None, 403, 404, 422),
         },
@@ -411,11 +417,7 @@ ROUTES: list[Route] = [
         app.Guard(Action.READ, app.SCHEDULE),
         {
             "summary": "a schedule's audit records, newest first (kept after a delete)",
-            "parameters": [
-                {"name": "before", "in": "query", "schema": {"type": "string"}},
-                {"name": "limit", "in": "query",
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
-            ],
+            "parameters": AUDIT_PAGE,
             "responses": responses(200, None, 403, 404, 422),
         },
     ),

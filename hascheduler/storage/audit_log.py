@@ -23,6 +23,7 @@ import structlog
 from pymongo.errors import PyMongoError
 
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.pages import older_than
 
 log = structlog.get_logger("hascheduler.audit")
 
@@ -150,11 +151,7 @@ class AuditLog:
         if since is not None:
             query["at"] = {"$gte": since}
         if before is not None:
-            last = await self.records.find_one({"_id": before}, {"at": 1})
-            if last is None:
-                raise LookupError(before)
-            query["$or"] = [{"at": {"$lt": last["at"]}},
-                            {"at": last["at"], "_id": {"$lt": before}}]
+            query.update(await older_than(self.records, "at", before))
         cursor = self.records.find(query).sort([("at", -1), ("_id", -1)]).limit(limit)
         return [doc async for doc in cursor]
 

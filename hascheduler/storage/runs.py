@@ -46,6 +46,7 @@ from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fires import state_counts
+from hascheduler.storage.pages import older_than
 
 PENDING = "pending"
 RUNNING = "running"
@@ -549,12 +550,7 @@ class RunLedger:
         if schedule_ids is not None:
             query["schedule_id"] = {"$in": schedule_ids}
         if after is not None:
-            anchor = await self.runs.find_one({"_id": after}, {"recorded_at": 1})
-            if anchor is None:
-                raise LookupError(after)
-            recorded = anchor["recorded_at"]
-            query["$or"] = [{"recorded_at": {"$lt": recorded}},
-                            {"recorded_at": recorded, "_id": {"$lt": after}}]
+            query.update(await older_than(self.runs, "recorded_at", after))
         docs = [d async for d in self.runs.find(query, {"event": 0}).sort(
             [("recorded_at", DESCENDING), ("_id", DESCENDING)]).limit(limit + 1)]
         more = len(docs) > limit
