@@ -23,8 +23,9 @@ ensure_venv() {
 
 # Debian packages the test suite runs for real: chromium (the dashboard's browser test),
 # openssl (certificates for the TLS tests), rabbitmq-server (the RabbitMQ and Celery
-# tests, run as the tests' own child) and faketime (libfaketime: replicas whose wall clock
-# is wrong). Installed with apt-get when missing; a machine
+# tests, run as the tests' own child), faketime (libfaketime: replicas whose wall clock
+# is wrong), nftables (the partitions cut inside network namespaces) and prometheus
+# (promtool checks and unit-tests the shipped alert rules; a real server evaluates them). Installed with apt-get when missing; a machine
 # without apt-get must provide them (the tests fail, never skip, without them).
 ensure_test_tools() {
   local missing=()
@@ -32,6 +33,8 @@ ensure_test_tools() {
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
   compgen -G '/usr/lib/*/faketime/libfaketime.so.1' >/dev/null || missing+=(faketime)
+  command -v nft >/dev/null 2>&1 || missing+=(nftables)
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)

@@ -52,6 +52,7 @@ from hascheduler.core.constants import (
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
@@ -66,6 +67,7 @@ from hascheduler.storage.fires import (
     request_documents,
     requested_fire,
 )
+from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import STATES, FireRef, RunLedger, open_key, public_view
 from hascheduler.storage.schedules import ScheduleStore
@@ -425,7 +427,35 @@ async def list_schedules(request: web.Request) -> web.Response:
         after=request.query.get("after"),
         limit=_int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
         namespaces=readable_namespaces(request))
-    return _json(models.ScheduleList(items=items, next=after))
+    health = None
+    if _bool_param(request, "health"):
+        health = await _health_of(request, items)
+    return _json(models.ScheduleList(items=items, next=after, health=health))
+
+
+# How many schedules' health one request reads at once (three indexed reads each).
+HEALTH_READS_AT_ONCE = 16
+
+
+async def _health_of(request: web.Request, schedules: list[models.Schedule]
+                     ) -> dict[str, ScheduleHealth]:
+    reader, now = _cluster(request).health, _now(request)
+    gate = asyncio.Semaphore(HEALTH_READS_AT_ONCE)
+
+    async def one(schedule: models.Schedule) -> ScheduleHealth:
+        async with gate:
+            return await reader.of(schedule, now)
+
+    found = await asyncio.gather(*(one(s) for s in schedules))
+    return {h.schedule_id: h for h in found}
+
+
+async def schedule_health(request: web.Request) -> web.Response:
+    """Its last fire, last success, consecutive failures, lateness against its own trigger
+    and its objective (core/health.py)."""
+    schedule = await request.app[STORE].get(request.match_info["id"])
+    health = await _health_of(request, [schedule])
+    return _json(health[schedule.id])
 
 
 async def get_schedule(request: web.Request) -> web.Response:
@@ -604,7 +634,9 @@ class Cluster:
     def __init__(self, leases: Readable, members: Readable, ledger: Ledger,
                  elector: Leading, runs: RunLedger, broker: Broker,
                  backfills: Backfills | None = None,
-                 max_backfill: int = DEFAULT_MAX_BACKFILL) -> None:
+                 max_backfill: int = DEFAULT_MAX_BACKFILL,
+                 health: HealthReader | None = None) -> None:
+        self.health = health or HealthReader(ledger, runs)
         self.backfills = backfills
         self.max_backfill = max_backfill
         self.leases = leases

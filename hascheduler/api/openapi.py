@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 from hascheduler import __version__
 from hascheduler.core import models
 from hascheduler.core.constants import MAX_IDEMPOTENCY_KEY_CHARS
+from hascheduler.core.health import ScheduleHealth
 from hascheduler.storage.backfills import Backfill
 from hascheduler.storage.runs import Run, RunList
 
@@ -113,7 +114,7 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
                                           RunList, models.Triggered, Backfill,
-                                          models.BatchCreated)],
+                                          models.BatchCreated, ScheduleHealth)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

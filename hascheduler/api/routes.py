@@ -118,8 +118,14 @@ ROUTES: list[Route] = [
                     "in": "query",
                     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
                 },
+                {
+                    "name": "health",
+                    "in": "query",
+                    "description": "true: each schedule's health too (health, by id)",
+                    "schema": {"type": "string", "enum": ["true", "false"]},
+                },
             ],
-            "responses": responses(200, "ScheduleList", 422),
+            "responses": responses(200, "ScheduleList", 422, 503),
         },
     ),
     Route(
@@ -260,6 +266,17 @@ ROUTES: list[Route] = [
                 },
             ],
             "responses": responses(200, "Preview", 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/health",
+        app.schedule_health,
+        app.Guard(Action.READ, app.SCHEDULE),
+        {
+            "summary": "its last fire, last success, consecutive failures, whether it is "
+            "late against its own trigger and whether its objective (expect) is met",
+            "responses": responses(200, "ScheduleHealth", 404, 503),
         },
     ),
     Route(

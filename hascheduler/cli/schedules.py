@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 from hascheduler.cli import local_cluster
 from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.constants import MAX_PAGE
+from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.overlap import POLICIES
 from hascheduler.storage.runs import STATES as RUN_STATES
 
@@ -107,11 +109,21 @@ def add_parser(sub: Any) -> None:
                      help="what a fire does while the previous run is open (default allow)")
     add.add_argument("--pause-on-failure", type=int, metavar="N",
                      help="pause after N consecutive dead runs")
+    add.add_argument("--success-within", metavar="DURATION",
+                     help="its objective: a run succeeds at least this often (ISO-8601, "
+                          "such as PT2H); its health and metrics judge it")
 
     ls = cmd.add_parser("list", help="list schedules")
     ls.add_argument("--label", action="append", default=[], help="key=value; repeat to AND")
     ls.add_argument("--paused", choices=["true", "false"])
     ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--health", action="store_true",
+                    help="a HEALTH column: ok, late, objective_missed, failing (with the "
+                         "count), paused or completed")
+
+    hl = cmd.add_parser("health", help="a schedule's last fire, last success, consecutive "
+                        "failures, lateness and objective")
+    hl.add_argument("id")
 
     for name, text in (("get", "show one schedule"), ("delete", "delete a schedule"),
                        ("pause", "pause a schedule"), ("resume", "resume a schedule")):
@@ -267,6 +279,8 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
         body["payload"] = _json_arg(args.payload, "--payload")
     if args.fan_out:
         body["fan_out"] = _json_arg(args.fan_out, "--fan-out")
+    if args.success_within:
+        body["expect"] = {"success_within": args.success_within}
     return body
 
 
@@ -287,15 +301,47 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _schedules_table(items: list[dict[str, Any]]) -> str:
+def _schedules_table(items: list[dict[str, Any]],
+                     health: Mapping[str, ScheduleHealth] | None = None) -> str:
     def fan_out(schedule: dict[str, Any]) -> str:
         spec = schedule.get("fan_out")
         return f"per {spec['collection']}" if spec else "-"
 
-    return table([[s["id"], s["name"], _trigger_text(s["trigger"]),
-                   "yes" if s["paused"] else "no", str(s["revision"]), s["target"],
-                   fan_out(s)] for s in items],
-                 ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"])
+    rows = [[s["id"], s["name"], _trigger_text(s["trigger"]),
+             "yes" if s["paused"] else "no", str(s["revision"]), s["target"], fan_out(s)]
+            for s in items]
+    headers = ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"]
+    if health is not None:
+        for row, s in zip(rows, items, strict=True):
+            row.append(_health_word(health[s["id"]]) if s["id"] in health else "-")
+        headers.append("HEALTH")
+    return table(rows, headers)
+
+
+def _health_word(health: ScheduleHealth) -> str:
+    if health.status == "failing":
+        return f"failing ({health.consecutive_failures})"
+    return health.status
+
+
+def _health_text(health: ScheduleHealth) -> str:
+    def when(moment: dt.datetime | None) -> str:
+        return moment.isoformat() if moment is not None else "never"
+
+    fire = health.last_fire
+    lines = [
+        f"status                {_health_word(health)}",
+        "last fire             " + (f"{fire.fire_id} {fire.state}" if fire else "none"),
+        f"last success          {when(health.last_success_at)}",
+        f"consecutive failures  {health.consecutive_failures}",
+        "late                  " + (f"since {health.overdue_since.isoformat()}"
+                                    if health.overdue_since else "no"),
+    ]
+    if health.success_within is not None:
+        lines.append(f"objective             a success every {health.success_within:g} s: "
+                     f"{'met' if health.objective_met else 'missed'} (until "
+                     f"{when(health.success_deadline)})")
+    return "\n".join(lines)
 
 
 def _run_sync(args: argparse.Namespace) -> int:
@@ -307,8 +353,9 @@ def _shown(value: BaseModel | dict[str, Any]) -> str:
     return json.dumps(data, indent=2)
 
 
-def _schedule_rows(items: list[Any]) -> str:
-    return _schedules_table([s.model_dump(mode="json") for s in items])
+def _schedule_rows(items: list[Any],
+                   health: Mapping[str, ScheduleHealth] | None = None) -> str:
+    return _schedules_table([s.model_dump(mode="json") for s in items], health)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -347,13 +394,22 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         created = await api.create_schedule(body)
         return _shown(created) if args.json else _schedule_rows([created])
     if args.action == "list":
+        paused = None if args.paused is None else args.paused == "true"
+        if args.health:
+            page = await api.send(calls.schedules_health_page(
+                _labels(args.label), paused, None, args.limit, args.namespace))
+            if args.json:
+                return _shown(page.model_dump(mode="json", exclude_none=True))
+            return _schedule_rows(page.items, page.health or {})
         items, after = await api.send(calls.schedules_page(
-            _labels(args.label), None if args.paused is None else args.paused == "true",
-            None, args.limit, args.namespace))
+            _labels(args.label), paused, None, args.limit, args.namespace))
         if args.json:
             return _shown({"items": [i.model_dump(mode="json") for i in items],
                            "next": after})
         return _schedule_rows(items)
+    if args.action == "health":
+        health = await api.health(sid)
+        return _shown(health) if args.json else _health_text(health)
     if args.action == "get":
         return _shown(await api.get_schedule(sid))
     if args.action == "update":

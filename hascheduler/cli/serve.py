@@ -39,6 +39,7 @@ from hascheduler.core.constants import (
     DEFAULT_RUN_RETENTION_S,
 )
 from hascheduler.core.errors import ConfigError
+from hascheduler.core.health import DEFAULT_LATE_AFTER_S
 from hascheduler.process import gcpolicy
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.service import ReplicaSettings, api_tls_context, run_replica
@@ -80,6 +81,9 @@ SETTINGS = (
             "buffer_all; more are recorded skipped"),
     Setting("--clock-tolerance", DEFAULT_TOLERANCE_S, positive_float,
             "seconds within which this replica must know the database's clock to lead"),
+    Setting("--late-after", DEFAULT_LATE_AFTER_S, positive_float,
+            "seconds past its due time (plus jitter) a fire may be missing from the ledger "
+            "before its schedule's health says late"),
     Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
             "the fewest seconds between two fires of one schedule that a write may ask for"),
     Setting("--access-file", None, text, "named tokens (as `hascheduler token create` "
@@ -137,6 +141,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         redact_payloads=v["audit_redact_payloads"], write_limit=write_limit,
         min_fire_interval_s=v["min_fire_interval"],
         run_retention_s=v["run_retention"], clock_tolerance_s=v["clock_tolerance"],
+        late_after_s=v["late_after"],
         tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"])
 

@@ -13,6 +13,7 @@ from urllib.parse import quote
 from pydantic import BaseModel
 
 from hascheduler.core import models
+from hascheduler.core.health import ScheduleHealth
 
 T = TypeVar("T")
 Document = dict[str, Any]
@@ -119,6 +120,19 @@ def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after:
     return Call("GET", "/schedules", _page, params=tuple(params), idempotent=True)
 
 
+def schedules_health_page(labels: Mapping[str, str] | None, paused: bool | None,
+                          after: str | None, limit: int, namespace: str | None = None
+                          ) -> Call[models.ScheduleList]:
+    """A page of schedules with each one's health (the list's health column)."""
+    page = schedules_page(labels, paused, after, limit, namespace)
+    return Call("GET", "/schedules", _schedule_list,
+                params=(*page.params, ("health", "true")), idempotent=True)
+
+
+def _schedule_list(raw: bytes) -> models.ScheduleList:
+    return models.ScheduleList.model_validate_json(raw, context={"stored": True})
+
+
 def schedule_documents_page(labels: Mapping[str, str] | None, after: str | None, limit: int,
                             namespace: str | None = None
                             ) -> Call[tuple[list[Document], str | None]]:
@@ -204,6 +218,14 @@ def next_fires(schedule_id: str, count: int = 5,
         params.append(("after", _instant(after)))
     return Call("GET", f"/schedules/{_segment(schedule_id)}/next", _preview,
                 params=tuple(params), idempotent=True)
+
+
+def _health(raw: bytes) -> ScheduleHealth:
+    return ScheduleHealth.model_validate_json(raw)
+
+
+def health(schedule_id: str) -> Call[ScheduleHealth]:
+    return Call("GET", f"/schedules/{_segment(schedule_id)}/health", _health, idempotent=True)
 
 
 def schedule_fires(schedule_id: str, limit: int = 50) -> Call[Document]:

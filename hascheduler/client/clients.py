@@ -34,6 +34,7 @@ from hascheduler.client import calls
 from hascheduler.client.calls import Call, Document
 from hascheduler.client.errors import HaschedulerError, RateLimited, Unavailable, error_for
 from hascheduler.core import models
+from hascheduler.core.health import ScheduleHealth
 
 T = TypeVar("T")
 
@@ -219,6 +220,9 @@ class Client:
     def cancel_backfill(self, backfill_id: str) -> Document:
         return self.send(calls.cancel_backfill(backfill_id))
 
+    def health(self, schedule_id: str) -> ScheduleHealth:
+        return self.send(calls.health(schedule_id))
+
     # Fires and runs.
     def schedule_fires(self, schedule_id: str, limit: int = 50) -> Document:
         return self.send(calls.schedule_fires(schedule_id, limit))
@@ -370,6 +374,9 @@ class AsyncClient:
 
     async def cancel_backfill(self, backfill_id: str) -> Document:
         return await self.send(calls.cancel_backfill(backfill_id))
+
+    async def health(self, schedule_id: str) -> ScheduleHealth:
+        return await self.send(calls.health(schedule_id))
 
     async def schedule_fires(self, schedule_id: str, limit: int = 50) -> Document:
         return await self.send(calls.schedule_fires(schedule_id, limit))

@@ -29,9 +29,9 @@ DEFAULT_MIN_FIRE_INTERVAL_S = 1.0
 MAX_JITTER_S = 86_400.0
 # The HTTP body limit: a payload at its limit plus the schedule's other fields.
 MAX_REQUEST_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024
-# How many schedules one page of GET /schedules returns at most.
 # MongoDB's error code for a unique index refusing a write.
 DUPLICATE_KEY = 11000
+# How many schedules one page of GET /schedules returns at most.
 MAX_PAGE = 500
 # Schedules one POST /schedules:batch may create (the request's size bounds it too).
 MAX_BATCH = 500
@@ -62,6 +62,9 @@ DEFAULT_MAX_BUFFERED = 100
 # The most fires a schedule's max_fires may allow: the leader keeps the ids of the fires
 # counted against it (each counted once, whatever the republishes) in one document.
 MAX_FIRES = 10_000
+# A schedule's expect.success_within, at most (the audit trail's default retention). Its
+# last success is read from the runs ledger, which must keep runs at least that long.
+MAX_SUCCESS_WITHIN_S = 400 * 86_400.0
 # The most nominal times one backfill may fire (serve --max-backfill).
 DEFAULT_MAX_BACKFILL = 100_000
 # A fire run now (POST /schedules/{id}/trigger) may name an Idempotency-Key of this many
@@ -72,6 +75,9 @@ MAX_IDEMPOTENCY_KEY_CHARS = 200
 SOURCE_SYNC_WAIT_S = 60.0
 # How often a replica counts the running and stuck runs for /metrics.
 RUNS_WATCH_INTERVAL_S = 5.0
+# How often each replica judges the health of the schedules that declare an objective (for
+# /metrics): a scrape interval's figure, three indexed reads per such schedule.
+HEALTH_WATCH_INTERVAL_S = 10.0
 
 # Heartbeats for GET /cluster: written this often, forgotten (TTL index) after this long.
 HEARTBEAT_INTERVAL_S = 2.0

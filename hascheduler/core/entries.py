@@ -31,6 +31,7 @@ class Entry:
     max_fires: int | None = None
     completed: bool = False  # its max_fires fires were published
     namespace: str = "default"  # whose fire-rate quota its fires count against
+    success_within: float | None = None  # expect.success_within: it has health metrics
 
     @property
     def dormant(self) -> bool:
@@ -96,7 +97,14 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  overlap=sys.intern(doc.get("overlap", "allow")),
                  paused_until=_paused_until(doc), max_fires=doc.get("max_fires"),
                  completed=bool(doc.get("completed", False)),
-                 namespace=sys.intern(doc.get("namespace") or "default"))
+                 namespace=sys.intern(doc.get("namespace") or "default"),
+                 success_within=_success_within(doc))
+
+
+def _success_within(doc: dict[str, Any]) -> float | None:
+    expect = doc.get("expect")
+    within = expect.get("success_within") if isinstance(expect, dict) else None
+    return float(within) if isinstance(within, (int, float)) else None
 
 
 def _paused_until(doc: dict[str, Any]) -> dt.datetime | None:

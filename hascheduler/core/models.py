@@ -32,9 +32,11 @@ from hascheduler.core.constants import (
     MAX_INTERVAL_S,
     MAX_JITTER_S,
     MAX_PAYLOAD_BYTES,
+    MAX_SUCCESS_WITHIN_S,
     TARGET_PATTERN,
 )
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.overlap import Policy
 
 # Schedule ids and label keys, matched whole (fullmatch).
@@ -264,6 +266,23 @@ class AtSpec(_Window):
 TriggerSpec = Annotated[CronSpec | IntervalSpec | AtSpec, Field(discriminator="kind")]
 
 
+class Expectation(_Strict):
+    """What a schedule promises its operators: an objective its health and metrics judge
+    (core/health.py)."""
+
+    success_within: float | str = Field(
+        description="a run of it succeeds at least this often: seconds, or an ISO-8601 "
+                    "duration such as 'PT2H'", examples=["PT2H", 3600])
+
+    @field_validator("success_within")
+    @classmethod
+    def _seconds(cls, value: float | str) -> float:
+        seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
+        if not 1 <= seconds <= MAX_SUCCESS_WITHIN_S:
+            raise ValueError("success_within must be from 1 second to 400 days")
+        return seconds
+
+
 class ScheduleFields(_Strict):
     """What a client writes: everything but the server-managed fields."""
 
@@ -307,6 +326,9 @@ class ScheduleFields(_Strict):
         None, ge=1, le=1000, description="pause the schedule (with a note saying why and "
                                          "the last error) after this many consecutive dead "
                                          "runs")
+    expect: Expectation | None = Field(
+        None, description="an objective: its health says whether it is met, and the "
+                          "schedule gets metrics of its own (docs/OPERATIONS.md)")
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
@@ -501,6 +523,8 @@ class Triggered(BaseModel):
 class ScheduleList(BaseModel):
     items: list[Schedule]
     next: str | None = Field(None, description="pass as ?after= to get the next page")
+    health: dict[str, ScheduleHealth] | None = Field(
+        None, description="with ?health=true: each listed schedule's health, by id")
 
 
 class FireTime(BaseModel):

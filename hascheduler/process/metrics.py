@@ -6,8 +6,9 @@ into it, and the mirror's figures are read at scrape time.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -72,6 +73,20 @@ class Metrics:
         self.quota_deferred = Counter(
             "hascheduler_quota_deferred_total", "fires put back to a later slot by their "
             "namespace's fire-rate quota (max_fires_per_second)", ["namespace"], registry=r)
+        schedule = ["schedule", "namespace"]
+        self.last_success = Gauge(
+            "hascheduler_schedule_last_success_timestamp_seconds",
+            "when the schedule's latest succeeded run finished (Unix seconds; NaN before "
+            "its first success), for each schedule that declares expect", schedule,
+            registry=r)
+        self.consecutive_failures = Gauge(
+            "hascheduler_schedule_consecutive_failures",
+            "dead runs since the schedule's last success, for each schedule that declares "
+            "expect", schedule, registry=r)
+        self.success_deadline = Gauge(
+            "hascheduler_schedule_success_deadline_timestamp_seconds",
+            "until when the schedule's expect.success_within holds: its last success (or "
+            "creation) plus success_within (Unix seconds)", schedule, registry=r)
         for state in ("claimed", "published", "skipped", "failed"):
             self.fires.labels(state)  # present at zero before the first fire
 
@@ -102,8 +117,40 @@ class Metrics:
             for target, count in counts.items():
                 gauge.labels(target).set(count)
 
+    def health_seen(self, judged: Sequence[Judgement]) -> None:
+        """Set the per-schedule gauges from one round of judgements; a schedule not judged
+        (deleted, or no longer declaring expect) loses its series."""
+        gauges = (self.last_success, self.consecutive_failures, self.success_deadline)
+        seen = {(h.schedule_id, h.namespace) for h in judged}
+        for gauge in gauges:
+            for labels in list(gauge._metrics):
+                if labels not in seen:
+                    gauge.remove(*labels)
+        for h in judged:
+            labels = (h.schedule_id, h.namespace)
+            self.last_success.labels(*labels).set(
+                h.last_success_at.timestamp() if h.last_success_at else float("nan"))
+            self.consecutive_failures.labels(*labels).set(h.consecutive_failures)
+            self.success_deadline.labels(*labels).set(
+                h.success_deadline.timestamp() if h.success_deadline else float("nan"))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Judgement(Protocol):
+    """A schedule's health as the metrics read it (core/health.ScheduleHealth)."""
+
+    @property
+    def schedule_id(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def last_success_at(self) -> dt.datetime | None: ...
+    @property
+    def consecutive_failures(self) -> int: ...
+    @property
+    def success_deadline(self) -> dt.datetime | None: ...
 
 
 class ClockReadings(Protocol):

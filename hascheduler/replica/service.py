@@ -34,6 +34,7 @@ from hascheduler.core.constants import (
     DEFAULT_RUN_RETENTION_S,
     FIRE_COUNTS,
     FIRES,
+    HEALTH_WATCH_INTERVAL_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
     LEASE_NAME,
@@ -45,7 +46,8 @@ from hascheduler.core.constants import (
     STREAM_RETRY_MAX_S,
 )
 from hascheduler.core.entries import Entry
-from hascheduler.core.errors import ConfigError
+from hascheduler.core.errors import ConfigError, ScheduleNotFound
+from hascheduler.core.health import DEFAULT_LATE_AFTER_S, ScheduleHealth
 from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs
 from hascheduler.process.lifecycle import Every
@@ -59,6 +61,7 @@ from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
+from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
@@ -92,6 +95,7 @@ class ReplicaSettings:
     tls_key_file: str | None = None
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
     run_retention_s: float = DEFAULT_RUN_RETENTION_S
+    late_after_s: float = DEFAULT_LATE_AFTER_S  # a fire missing this long: its schedule is late
     # How well the database's clock must be known to lead (core/clock.py).
     clock_tolerance_s: float = DEFAULT_TOLERANCE_S
 
@@ -147,6 +151,21 @@ def _count_runs(runs: RunLedger, metrics: Metrics, clock: ServerClock
                     stuck[target] = stuck.get(target, 0) + 1
             metrics.runs_seen(running, stuck)
     return count
+
+
+def _judge_health(mirror: Mirror, store: ScheduleStore, health: HealthReader,
+                  metrics: Metrics, clock: ServerClock) -> Callable[[], Awaitable[None]]:
+    """The health metrics of the schedules that declare an objective (expect), and only
+    of those: how many series there are is the operators' choice. Every replica reports
+    the same cluster-wide figures, as for the runs gauges."""
+    async def judge() -> None:
+        judged: list[ScheduleHealth] = []
+        for schedule_id in [i for i, e in mirror.entries.items()
+                            if e.success_within is not None]:
+            with contextlib.suppress(PyMongoError, ScheduleNotFound):
+                judged.append(await health.of(await store.get(schedule_id), clock.now()))
+        metrics.health_seen(judged)
+    return judge
 
 
 async def _nothing() -> None:
@@ -229,6 +248,8 @@ class Replica:
         store = ScheduleStore(db[SCHEDULES], counts, audit, settings.redact_payloads)
         access = AccessFile(settings.access, settings.access_file)
         ledger = Ledger(db[FIRES])
+        runs = RunLedger(db[RUNS])
+        health = HealthReader(ledger, runs, settings.late_after_s)
         lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
                       server_clock=server_clock)
         dispatcher: Dispatcher | None = None
@@ -245,7 +266,7 @@ class Replica:
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, clock=server_clock.now, metrics=metrics,
                                 sources=sources,
-                                runs=RunLedger(db[RUNS]), store=store, counts=counts,
+                                runs=runs, store=store, counts=counts,
                                 backfills=Backfills(db[BACKFILLS]),
                                 quota=lambda namespace: access.current.rules_of(
                                     namespace).max_fires_per_second)
@@ -267,8 +288,8 @@ class Replica:
         app = create_app(store, mirror, settings.replica_id, audit, clock=server_clock.now,
                          server_clock=server_clock,
                          cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
-                                         RunLedger(db[RUNS]), broker,
-                                         Backfills(db[BACKFILLS]), settings.max_backfill),
+                                         runs, broker, Backfills(db[BACKFILLS]),
+                                         settings.max_backfill, health),
                          metrics_=metrics, access=access,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
@@ -307,7 +328,9 @@ class Replica:
         lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
             db[MEMBERS], settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
-            RunLedger(db[RUNS]), metrics, server_clock)))
+            runs, metrics, server_clock)))
+        lifecycle.start(stack, "health watch", Every(HEALTH_WATCH_INTERVAL_S, _judge_health(
+            mirror, store, health, metrics, server_clock)))
         lifecycle.start(stack, "loop probe", Every(LOOP_PROBE_S, _nothing,
                                                    late=metrics.loop_lag.observe))
         # Once the elector stopped: the handover (stop claiming, drain publishes, release

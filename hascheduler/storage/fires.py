@@ -352,6 +352,16 @@ class Ledger:
         return [d async for d in self.fires.find({"schedule_id": schedule_id}).sort(
             "nominal_at", -1).limit(limit)]
 
+    async def last_of_trigger(self, schedule_id: str) -> Document | None:
+        """The schedule's entry of latest nominal time among its trigger's fires (runs now
+        and their requests left out)."""
+        async for doc in self.fires.find(
+                {"schedule_id": schedule_id, "manual": {"$ne": True}},
+                {"payload": 0, "event": 0}).sort("nominal_at", -1).limit(1):
+            found: Document = doc
+            return found
+        return None
+
     async def fire_times(self, schedule_id: str, limit: int) -> list[dt.datetime]:
         """A schedule's latest ``limit`` distinct nominal times, latest first. A fan-out
         fire has an entry per tenant at one nominal time, so this steps past each time

@@ -529,6 +529,22 @@ class RunLedger:
                      ) -> dict[dt.datetime, dict[str, int]]:
         return await state_counts(self.runs, schedule_id, nominals)
 
+    async def latest_ended(self, schedule_id: str, limit: int) -> list[Document]:
+        """The schedule's latest ``limit`` ended runs, latest nominal time first."""
+        return [d async for d in self.runs.find(
+            {"schedule_id": schedule_id, "state": {"$in": list(ENDED)}},
+            {"state": 1, "finished_at": 1, "last_error": 1}).sort(
+            [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
+
+    async def last_success(self, schedule_id: str) -> dt.datetime | None:
+        """When the schedule's latest succeeded run (by nominal time) finished."""
+        async for doc in self.runs.find({"schedule_id": schedule_id, "state": SUCCEEDED},
+                                        {"finished_at": 1}).sort(
+                [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(1):
+            finished: dt.datetime | None = as_utc(doc.get("finished_at"))
+            return finished
+        return None
+
     async def last_dead(self, schedule_id: str, count: int) -> bool:
         """Whether the schedule's latest ``count`` ended runs (latest nominal time first)
         are all dead."""
