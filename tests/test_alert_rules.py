@@ -156,7 +156,8 @@ def test_a_real_prometheus_sees_leadership_flapping(replicas: list[ServerProcess
         assert alert["labels"]["severity"] == "page"
         changes = re.fullmatch(r"the lease changed hands (\d+) times in 10 minutes",
                                alert["annotations"]["summary"])
-        assert changes is not None and int(changes[1]) >= 4
+        assert changes is not None
+        assert int(changes[1]) >= 4
         assert prometheus.firing("HaschedulerNoLeader") is None  # each failover was quick
     finally:
         prometheus.stop()

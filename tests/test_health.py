@@ -47,7 +47,8 @@ def test_a_schedule_firing_on_time_is_ok() -> None:
     health = assess(judged(), fire(0.5), [run("succeeded")], NOW - dt.timedelta(minutes=1),
                     NOW)
     assert (health.status, health.late, health.overdue_since) == ("ok", False, None)
-    assert health.last_run is not None and health.last_run.state == "succeeded"
+    assert health.last_run is not None
+    assert health.last_run.state == "succeeded"
 
 
 def test_a_missing_fire_past_the_grace_is_late_from_its_due_time() -> None:
@@ -159,18 +160,22 @@ def test_health_through_the_api_client_cli_and_metrics(
             "expect": {"success_within": 3600}})
         quiet = api.create_schedule({"name": "no objective", "target": "jobs.quiet",
                                      "trigger": every_second})
-        assert failing.expect is not None and failing.expect.success_within == 3600.0
+        assert failing.expect is not None
+        assert failing.expect.success_within == 3600.0
 
         down = wait_until_sync(lambda: (h := api.health(failing.id)).consecutive_failures
                                >= 2 and h, 40, "two dead runs in a row")
         assert down.status == "failing"
-        assert down.last_success_at is None and down.objective_met is True
-        assert down.last_run is not None and down.last_run.state == "dead"
+        assert down.last_success_at is None
+        assert down.objective_met is True
+        assert down.last_run is not None
+        assert down.last_run.state == "dead"
         assert down.last_run.last_error == "PermanentFailure: this account no longer exists"
         up = wait_until_sync(lambda: (h := api.health(fine.id)).last_success_at and h, 40,
                              "a success")
         assert (up.status, up.consecutive_failures, up.late) == ("ok", 0, False)
-        assert up.last_fire is not None and up.last_fire.state in {"claimed", "published"}
+        assert up.last_fire is not None
+        assert up.last_fire.state in {"claimed", "published"}
 
         page = httpx.get(f"{replica.uri}/schedules", params={"health": "true"}).json()
         assert set(page["health"]) == {failing.id, fine.id, quiet.id}
