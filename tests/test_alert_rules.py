@@ -123,6 +123,9 @@ def replicas_fixture(mongo_uri: str) -> Iterator[list[ServerProcess]]:
         replica.stop()
 
 
+# Alone: five replicas failing over four times and a Prometheus scraping them every second
+# load the machine enough to perturb the timed tests running beside them.
+@pytest.mark.alone
 def test_a_real_prometheus_sees_leadership_flapping(replicas: list[ServerProcess],
                                                     tmp_path: Path) -> None:
     alive = {f"r{i}": r for i, r in enumerate(replicas)}  # by replica id
