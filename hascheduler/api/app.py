@@ -52,7 +52,6 @@ from hascheduler.core.constants import (
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
-from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
@@ -429,33 +428,16 @@ async def list_schedules(request: web.Request) -> web.Response:
         namespaces=readable_namespaces(request))
     health = None
     if _bool_param(request, "health"):
-        health = await _health_of(request, items)
+        found = await _cluster(request).health.many(items, _now(request))
+        health = {h.schedule_id: h for h in found}
     return _json(models.ScheduleList(items=items, next=after, health=health))
-
-
-# How many schedules' health one request reads at once (three indexed reads each).
-HEALTH_READS_AT_ONCE = 16
-
-
-async def _health_of(request: web.Request, schedules: list[models.Schedule]
-                     ) -> dict[str, ScheduleHealth]:
-    reader, now = _cluster(request).health, _now(request)
-    gate = asyncio.Semaphore(HEALTH_READS_AT_ONCE)
-
-    async def one(schedule: models.Schedule) -> ScheduleHealth:
-        async with gate:
-            return await reader.of(schedule, now)
-
-    found = await asyncio.gather(*(one(s) for s in schedules))
-    return {h.schedule_id: h for h in found}
 
 
 async def schedule_health(request: web.Request) -> web.Response:
     """Its last fire, last success, consecutive failures, lateness against its own trigger
     and its objective (core/health.py)."""
     schedule = await request.app[STORE].get(request.match_info["id"])
-    health = await _health_of(request, [schedule])
-    return _json(health[schedule.id])
+    return _json(await _cluster(request).health.of(schedule, _now(request)))
 
 
 async def get_schedule(request: web.Request) -> web.Response:

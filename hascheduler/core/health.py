@@ -105,7 +105,7 @@ def assess(schedule: Judged, last_fire: LastFire | None, ended: Sequence[LastRun
         after = schedule.changed_at
         if last_fire is not None and last_fire.nominal_at > after:
             after = last_fire.nominal_at
-        due = _next(schedule.trigger, after)
+        due = triggers.next_fire(schedule.trigger, after)
         grace = dt.timedelta(seconds=late_after_s + schedule.jitter)
         if due is not None and due + grace <= now:
             overdue = due
@@ -134,7 +134,3 @@ def assess(schedule: Judged, last_fire: LastFire | None, ended: Sequence[LastRun
         late=overdue is not None, overdue_since=overdue,
         success_within=schedule.success_within, success_deadline=deadline,
         objective_met=met, checked_at=now)
-
-
-def _next(trigger: triggers.Trigger, after: dt.datetime) -> dt.datetime | None:
-    return next(iter(triggers.fire_times(trigger, after, limit=1)), None)

@@ -345,22 +345,22 @@ def latest_at_or_before(trigger: Trigger, after: dt.datetime,
     """The last fire time in (after, until], found by bisecting time with next_after: a few
     dozen calls whatever the span (a catch-up after a year down costs what one after a
     minute does)."""
-    first = _next(trigger, after)
+    first = next_fire(trigger, after)
     if first is None or first > until:
         return None
     lo, hi = first - _TICK, until  # a fire lies in (lo, until]; none in (hi, until]
     # Fire times are at least a millisecond apart, so (lo, hi] ends up holding just one.
     while hi - lo > dt.timedelta(microseconds=500):
         mid = lo + (hi - lo) / 2
-        nxt = _next(trigger, mid)
+        nxt = next_fire(trigger, mid)
         if nxt is not None and nxt <= until:
             lo = mid
         else:
             hi = mid
-    return _next(trigger, lo)
+    return next_fire(trigger, lo)
 
 
-def _next(trigger: Trigger, after: dt.datetime) -> dt.datetime | None:
+def next_fire(trigger: Trigger, after: dt.datetime) -> dt.datetime | None:
     return next(iter(fire_times(trigger, after, limit=1)), None)
 
 

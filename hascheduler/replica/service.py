@@ -46,8 +46,8 @@ from hascheduler.core.constants import (
     STREAM_RETRY_MAX_S,
 )
 from hascheduler.core.entries import Entry
-from hascheduler.core.errors import ConfigError, ScheduleNotFound
-from hascheduler.core.health import DEFAULT_LATE_AFTER_S, ScheduleHealth
+from hascheduler.core.errors import ConfigError
+from hascheduler.core.health import DEFAULT_LATE_AFTER_S
 from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs
 from hascheduler.process.lifecycle import Every
@@ -159,12 +159,10 @@ def _judge_health(mirror: Mirror, store: ScheduleStore, health: HealthReader,
     of those: how many series there are is the operators' choice. Every replica reports
     the same cluster-wide figures, as for the runs gauges."""
     async def judge() -> None:
-        judged: list[ScheduleHealth] = []
-        for schedule_id in [i for i, e in mirror.entries.items()
-                            if e.success_within is not None]:
-            with contextlib.suppress(PyMongoError, ScheduleNotFound):
-                judged.append(await health.of(await store.get(schedule_id), clock.now()))
-        metrics.health_seen(judged)
+        declared = sorted(i for i, e in mirror.entries.items() if e.success_within is not None)
+        with contextlib.suppress(PyMongoError):  # the series stay as they were until then
+            metrics.health_seen(await health.many(await store.get_many(declared),
+                                                  clock.now()))
     return judge
 
 

@@ -548,10 +548,8 @@ class RunLedger:
     async def last_dead(self, schedule_id: str, count: int) -> bool:
         """Whether the schedule's latest ``count`` ended runs (latest nominal time first)
         are all dead."""
-        states = [d["state"] async for d in self.runs.find(
-            {"schedule_id": schedule_id, "state": {"$in": list(ENDED)}}, {"state": 1}).sort(
-            [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(count)]
-        return len(states) == count and all(s == DEAD for s in states)
+        ended = await self.latest_ended(schedule_id, count)
+        return len(ended) == count and all(d["state"] == DEAD for d in ended)
 
     async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
         return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}},
