@@ -18,6 +18,7 @@ import pytest
 from hascheduler.client import Client
 from hascheduler.core import triggers
 from hascheduler.core.health import Judged, LastFire, LastRun, assess
+from hascheduler.process.metrics import Metrics
 from tests.servers import ServerProcess, start_cli, start_nats, start_replica, with_database
 from tests.waiting import wait_until_sync
 
@@ -128,9 +129,56 @@ def test_a_schedule_nobody_fires_is_late_from_its_first_due_time(
     assert health.overdue_since is not None
     assert created.updated_at < health.overdue_since <= created.updated_at + dt.timedelta(
         seconds=1)
-    assert (health.overdue_since - start).total_seconds() % 1 == pytest.approx(0, abs=1e-3)
+    since_start = (health.overdue_since - start).total_seconds()
+    assert abs(since_start - round(since_start)) < 1e-3  # a time of its own grid
     with httpx.Client(base_url=late_replica.uri) as http:
         assert http.get("/schedules/no-such/health").status_code == 404
+        # A run now is not a fire of its trigger: the schedule stays late, its last fire none.
+        assert http.post(f"/schedules/{created.id}/trigger").status_code == 202
+        again = http.get(f"/schedules/{created.id}/health").json()
+        assert (again["status"], again["last_fire"]) == ("late", None)
+        refused = http.get("/schedules", params={"health": "maybe"})
+        assert refused.status_code == 422
+        assert refused.json()["errors"][0]["field"] == "health"
+
+
+def test_the_health_of_a_full_page(late_replica: ServerProcess) -> None:
+    """The most a list asks for at once (500 schedules, three reads each) answers whole."""
+    with httpx.Client(base_url=late_replica.uri, timeout=60) as http:
+        batch = {"schedules": [{"id": f"page-{i:03}", "name": "p", "target": "jobs.page",
+                                "trigger": {"kind": "interval", "every": 3600}}
+                               for i in range(500)]}
+        assert http.post("/schedules:batch", json=batch).status_code == 200
+        page = http.get("/schedules", params={"health": "true", "limit": "500"}).json()
+    assert len(page["items"]) == 500
+    assert {h["status"] for h in page["health"].values()} == {"ok"}
+    assert sorted(page["health"]) == [s["id"] for s in page["items"]]
+
+
+def test_series_of_schedules_no_longer_judged_are_removed() -> None:
+    metrics = Metrics()
+    with_objective = judged(success_within=3600.0)
+    first = [assess(with_objective, fire(0.5), [run("dead")], None, NOW),
+             assess(judged(schedule_id="t", success_within=60.0), fire(0.5), [], None, NOW)]
+    metrics.health_seen(first)
+    text = metrics.render().decode()
+    assert 'hascheduler_schedule_consecutive_failures{namespace="default",schedule="s"} 1.0' \
+        in text
+    assert 'hascheduler_schedule_last_success_timestamp_seconds{namespace="default",' \
+           'schedule="t"} NaN' in text
+    metrics.health_seen(first[:1])
+    assert 'schedule="t"' not in metrics.render().decode()
+
+
+def test_an_objective_written_either_way_is_one_declaration() -> None:
+    """apply compares what the API would store: "PT2H" and 7200 are no change."""
+    from hascheduler.client.apply import _normalised
+    from hascheduler.core.models import ScheduleFields
+
+    base = {"name": "n", "target": "t", "trigger": {"kind": "cron", "cron": "0 * * * *"}}
+    written = ScheduleFields.model_validate({**base, "expect": {"success_within": "PT2H"}})
+    stored = ScheduleFields.model_validate({**base, "expect": {"success_within": 7200}})
+    assert _normalised(written) == _normalised(stored)
 
 
 @pytest.fixture(name="working")
@@ -212,3 +260,7 @@ def test_health_through_the_api_client_cli_and_metrics(
     assert header.split()[-1] == "HEALTH"
     assert any(r.startswith(fine.id) and r.rstrip().endswith("ok") for r in rows)
     assert cli("health", "no-such-schedule").returncode == 2
+    refused = cli("add", "--name", "n", "--target", "jobs.x", "--every", "60",
+                  "--success-within", "soon")
+    assert refused.returncode == 2
+    assert "expect" in refused.stderr
