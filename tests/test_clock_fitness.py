@@ -4,6 +4,7 @@ does not lead, and says why in /readyz and its log (invariant 12)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import uuid
 from pathlib import Path
@@ -44,7 +45,12 @@ async def test_a_replica_whose_clock_is_not_known_well_enough_never_leads(
             assert "tolerance of 0 ms" in str(body["unfit_to_lead"]), body
             clock = body["clock"]
             assert isinstance(clock, dict)
-            assert clock["problem"] == body["unfit_to_lead"]
+            # The same reason, though the error it names may have grown by a millisecond
+            # between the elector's last attempt and this reading.
+            def phrased(reason: object) -> str:
+                return re.sub(r"within \d+ ms", "within N ms", str(reason))
+            assert clock["problem"] is not None
+            assert phrased(clock["problem"]) == phrased(body["unfit_to_lead"])
             fit = await asyncio.to_thread(start_replica, uri, "fit")
             try:
                 lease = await wait_until(lambda: client[db_name].leases.find_one({}), 20,

@@ -591,7 +591,11 @@ class Dispatcher:
             claims = await gate.ready(term.number, self._retry_at(self.clock()))
             if claims:
                 log.info("released_buffered", count=len(claims), term=term.number)
-                await self.publisher.publish(claims, term.number, attempt=1, released=True)
+                try:
+                    await self.publisher.publish(claims, term.number, attempt=1,
+                                                 released=True)
+                finally:
+                    gate.released(claims)
 
     async def _catch_up(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
         # Planned in a thread: counting what a long outage skipped can take a good part of

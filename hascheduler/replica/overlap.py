@@ -42,6 +42,10 @@ class OverlapGate:
         self.clock = clock
         self.metrics = metrics
         self.waiting: set[Key] = set()  # keys with buffered fires (this term's view)
+        # Keys whose earliest waiting fire ready() took and admit() has not yet reserved a
+        # run for: a fire of the key arriving meanwhile waits behind it (buffer_all keeps
+        # nominal order), though the database shows neither a buffered fire nor an open run.
+        self.releasing: set[Key] = set()
 
     def policy(self, claim: Claim) -> str:
         if claim.overlap is not None:
@@ -65,6 +69,9 @@ class OverlapGate:
         waiting = set() if released else keys & self.waiting
         buffered = {k: n for k, n in (await self.ledger.buffered_counts(
             sorted({k[0] for k in waiting}))).items() if k in waiting} if waiting else {}
+        if not released:
+            for key in keys & self.releasing:
+                buffered[key] = buffered.get(key, 0) + 1
         # The earliest fire of each key with nothing waiting asks the database for the
         # key's one open run; a key already open refuses it, naming its open run.
         first: dict[Key, Claim] = {}
@@ -98,7 +105,13 @@ class OverlapGate:
             with contextlib.suppress(RunConflict, RunNotFound):
                 await self.runs.cancel(fire, now, "overlap policy cancel_other")
         go = set(decision.publish)
+        if released:
+            self.releasing -= keys
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW]
+
+    def released(self, claims: list[Claim]) -> None:
+        """Claims ready() handed out are through admit() (or will never reach it)."""
+        self.releasing -= {(c.schedule_id, c.tenant) for c in claims}
 
     async def unreserve(self, claims: list[Claim]) -> None:
         """Claims it let through that will not be published after all (skipped at their
@@ -121,5 +134,7 @@ class OverlapGate:
         for key in free:
             if key not in firsts:
                 self.waiting.discard(key)  # nothing waits there any more
-        return await self.ledger.take(sorted(firsts.values()), BUFFERED, term, self.clock(),
-                                      retry_at)
+        taken = await self.ledger.take(sorted(firsts.values()), BUFFERED, term,
+                                       self.clock(), retry_at)
+        self.releasing.update((c.schedule_id, c.tenant) for c in taken)
+        return taken

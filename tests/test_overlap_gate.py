@@ -1,0 +1,74 @@
+"""The leader's overlap gate against the development server: what the database shows
+between a waiting fire's release and its run's reservation must not let a later fire pass
+it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from hascheduler.core.claims import Claim
+from hascheduler.core.entries import Entry, compile_trigger
+from hascheduler.core.triggers import fire_id
+from hascheduler.process.metrics import Metrics
+from hascheduler.replica.overlap import OverlapGate
+from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
+from hascheduler.storage.runs import RunLedger, open_key
+from tests.servers import with_database
+
+TERM = 1
+
+
+@pytest.fixture
+async def gate(mongo_uri: str) -> AsyncIterator[OverlapGate]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"gate_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    db = client.get_default_database()
+    ledger, runs = Ledger(db.fires), RunLedger(db.runs)
+    await ledger.ensure_indexes(3600)
+    await runs.ensure_indexes(3600)
+    entry = Entry(1, False, compile_trigger({"kind": "cron", "cron": "* * * * *"}), 0.0, "none",
+                  0.0, "jobs.s", overlap="buffer_all")
+    yield OverlapGate(ledger, runs, {"s": entry}, 10, lambda: dt.datetime.now(dt.UTC), Metrics())
+    await client.drop_database(db)
+    await client.close()
+
+
+async def claimed(gate: OverlapGate, n: int, now: dt.datetime) -> Claim:
+    nominal = now + dt.timedelta(seconds=n)
+    await gate.ledger.claim([claim_document("s", nominal, nominal, TERM, now)])
+    return Claim(fire_id("s", nominal), "s", nominal, nominal)
+
+
+async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
+        gate: OverlapGate) -> None:
+    now = dt.datetime.now(dt.UTC)
+    first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([second], targets, TERM) == []  # waits for the first's run
+    await gate.runs.unreserve(first.fire_id)  # the first's run ends
+
+    released = await gate.ready(TERM, now + dt.timedelta(minutes=1))
+    assert [c.fire_id for c in released] == [second.fire_id]
+    # Between the release and the reservation of its run the database shows neither a
+    # buffered fire nor an open run for the key: the third fire must still wait.
+    assert await gate.admit([third], targets, TERM) == []
+    doc = await gate.ledger.fires.find_one({"_id": third.fire_id})
+    assert doc is not None
+    assert doc["state"] == BUFFERED
+
+    assert [c.fire_id for c in await gate.admit(released, targets, TERM, released=True)
+            ] == [second.fire_id]
+    gate.released(released)
+    assert await gate.runs.open_runs([open_key("s", None)]) == {
+        open_key("s", None): second.fire_id}
+    # Once the second's run ends, the third goes, in order.
+    await gate.runs.unreserve(second.fire_id)
+    assert [c.fire_id for c in await gate.ready(TERM, now + dt.timedelta(minutes=1))] == [
+        third.fire_id]
