@@ -53,7 +53,9 @@ TIMINGS = ["--lease-ttl", "2", "--renew-deadline", "1.4", "--renew-interval", "0
 
 
 class Cluster:
-    def __init__(self, mongo: ServerProcess, nats_uri: str, database: str) -> None:
+    def __init__(self, mongo: ServerProcess, nats_uri: str, database: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.env = env  # added to each replica's environment
         self.uri = with_database(mongo.uri, database)
         self.nats_uri = nats_uri
         self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.uri,
@@ -63,7 +65,7 @@ class Cluster:
 
     def start(self, name: str) -> None:
         self.replicas[name] = start_replica(self.uri, name, "--broker", self.nats_uri,
-                                            *TIMINGS)
+                                            *TIMINGS, env=self.env)
 
     async def lease(self) -> dict[str, Any]:
         return await self.db.leases.find_one({"_id": "scheduler"}) or {}
@@ -208,9 +210,10 @@ async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]])
 
 
 async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
-                          schedules: list[dict[str, Any]]) -> Cluster:
+                          schedules: list[dict[str, Any]],
+                          env: dict[str, str] | None = None) -> Cluster:
     """Three replicas over ``schedules`` (written first), ready and with a leader."""
-    c = Cluster(mongo, nats_uri, database)
+    c = Cluster(mongo, nats_uri, database, env)
     for i in range(0, len(schedules), 1000):
         await c.db.schedules.insert_many(schedules[i:i + 1000])
     for name in ("a", "b", "c"):
@@ -277,11 +280,12 @@ def seconds_field(i: int, period: int) -> str:
 
 
 async def lateness(mongo: ServerProcess, broker: ServerProcess, n: int, period: int,
-                   seconds: float) -> list[float]:
-    c = await started_cluster(mongo, broker.uri, f"bench_late_{n}", [
+                   seconds: float, env: dict[str, str] | None = None,
+                   database: str | None = None) -> list[float]:
+    c = await started_cluster(mongo, broker.uri, database or f"bench_late_{n}", [
         schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": f"{seconds_field(i, period)} * * * * *"},
                      "bench.late")
-        for i in range(n)])
+        for i in range(n)], env)
     try:
         await c.wait_firing()
         start = dt.datetime.now(dt.UTC)

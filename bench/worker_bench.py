@@ -58,15 +58,21 @@ async def noted(run: Run) -> None:
             out.write(f"{nominal:.3f} {time.time() - nominal:.6f}\n")
 
 
-def event(i: int, nominal: dt.datetime) -> bytes:
+def event(i: int, nominal: dt.datetime, sampled_one_in: int | None = None) -> bytes:
+    """A fire's CloudEvent; with ``sampled_one_in``, traced as a leader sampling that
+    share of its fires sends it (every fire has a traceparent, one in so many sampled)."""
     fire_id = f"bench-{i}@{nominal.isoformat()}"
+    fields: dict[str, Any] = {}
+    if sampled_one_in is not None:
+        flags = "01" if i % sampled_one_in == 0 else "00"
+        fields["traceparent"] = f"00-{i + 1:032x}-{i + 1:016x}-{flags}"
     return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
-                       "type": "io.hascheduler.fire", "subject": f"bench-{i}",
+                       "type": "io.hascheduler.fire", "subject": f"bench-{i}", **fields,
                        "data": {"schedule_id": f"bench-{i}", "term": 1, "payload": {},
                                 "nominal_at": nominal.isoformat()}}).encode()
 
 
-async def fill_stream(nats_uri: str, fires: int) -> int:
+async def fill_stream(nats_uri: str, fires: int, sampled_one_in: int | None = None) -> int:
     """Publish ``fires`` fires (pipelined, each acknowledged); the last stream sequence."""
     endpoint = NatsEndpoint.parse(nats_uri)
     nc = await nats.connect(endpoint.servers)
@@ -77,7 +83,8 @@ async def fill_stream(nats_uri: str, fires: int) -> int:
         last = 0
         for start in range(0, fires, 500):
             acks = await asyncio.gather(*(
-                js.publish(SUBJECT, event(i, nominal), headers={"Nats-Msg-Id": f"m{i}"})
+                js.publish(SUBJECT, event(i, nominal, sampled_one_in),
+                           headers={"Nats-Msg-Id": f"m{i}"})
                 for i in range(start, min(fires, start + 500))))
             last = max(a.seq for a in acks)
         return last
@@ -120,16 +127,18 @@ async def raw_consumer(nats_uri: str, concurrency: int, last: int) -> float:
 
 
 async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurrency: int,
-                     last: int) -> tuple[float, float, float]:
+                     last: int, env: dict[str, str] | None = None,
+                     durable: str | None = None) -> tuple[float, float, float]:
     """Seconds to acknowledge every fire, and the CPU seconds the worker and the
-    development server spent meanwhile."""
+    development server spent meanwhile (``env`` added to the worker's environment)."""
     mongo_uri = with_database(mongo.uri, database)
-    durable = f"ours-{concurrency}"
+    durable = durable or f"ours-{concurrency}"
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
         "--broker", nats_uri, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
         "--durable", durable, "--concurrency", str(concurrency),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, **(env or {})})
     nc = await nats.connect(nats_uri)
     try:
         assert worker.stdout is not None

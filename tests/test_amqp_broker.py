@@ -233,3 +233,28 @@ def test_a_target_pattern_binds_as_nats_would_match(pattern: str, key: str) -> N
     # NATS's '>' is one or more tokens; AMQP's '#' zero or more: 'jobs.>' must not take
     # 'jobs' itself.
     assert binding_key(pattern) == key
+
+
+async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
+        rabbit: RabbitServer) -> None:
+    exchange = f"traced-{uuid.uuid4().hex[:6]}"
+    queue, connection = await _audit_queue(rabbit.url, exchange)
+    broker = AmqpPublisher(AmqpEndpoint.parse(f"{rabbit.url}?exchange={exchange}"))
+    await broker.start()
+    try:
+        traced = FireMessage("t@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}",
+                             traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+                             tracestate="vendor=1")
+        plain = FireMessage("p@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}")
+        assert await broker.publish([traced, plain], 5.0) == [None, None]
+        got = {}
+        for _ in range(2):
+            message = await wait_until(lambda: queue.get(fail=False), 10, "the fire")
+            got[message.message_id] = message.headers
+            await message.ack()
+    finally:
+        await broker.close()
+        await connection.close()
+    assert (got[traced.fire_id]["traceparent"], got[traced.fire_id]["tracestate"]) == (
+        traced.traceparent, "vendor=1")
+    assert "traceparent" not in got[plain.fire_id]

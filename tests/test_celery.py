@@ -44,12 +44,17 @@ async def worker(rabbit: RabbitServer, queues: list[str],
         started.stop()
 
 
-def celery_fire(sid: str, nominal: dt.datetime, payload: dict[str, Any]) -> FireMessage:
+def celery_fire(sid: str, nominal: dt.datetime, payload: dict[str, Any],
+                traceparent: str | None = None) -> FireMessage:
     """A fire rendered as the leader renders it (events.EventTemplate)."""
     template = EventTemplate.of({"_id": sid, "name": sid, "target": f"celery:{TASK}",
                                  "payload": payload})
     return template.render(f"{sid}@{nominal.isoformat(timespec='milliseconds')}", nominal,
-                           None, term=4, attempt=1, fired_at_iso=nominal.isoformat())
+                           None, term=4, attempt=1, fired_at_iso=nominal.isoformat(),
+                           trace={"traceparent": traceparent} if traceparent else None)
+
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 async def test_a_celery_worker_runs_fires_as_its_own_tasks(
@@ -59,7 +64,7 @@ async def test_a_celery_worker_runs_fires_as_its_own_tasks(
                         origin="hascheduler@test")
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     fires = [
-        celery_fire("plain", now, {}),
+        celery_fire("plain", now, {}, TRACEPARENT),
         celery_fire("args", now, {"args": [1, "two", None, [3.5]],
                                   "kwargs": {"to": "ops@example.com", "n": {"deep": [1]},
                                              "text": "\u00e9t\u00e9 \u2603"}}),
@@ -90,6 +95,9 @@ async def test_a_celery_worker_runs_fires_as_its_own_tasks(
         assert run["expires"] is None
         assert run["origin"] == "hascheduler@test"
         assert run["redelivered"] is False
+    # The fire's trace context travels as a task header (tracing on at the leader).
+    assert by_id[fires[0].fire_id]["traceparent"] == TRACEPARENT
+    assert by_id[fires[1].fire_id]["traceparent"] is None
     assert by_id[fires[0].fire_id]["args"] == []
     assert by_id[fires[0].fire_id]["kwargs"] == {}
     assert by_id[fires[1].fire_id]["args"] == [1, "two", None, [3.5]]

@@ -40,3 +40,24 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
     }
     assert message.body == json.dumps(event, separators=(",", ":")).encode()
     assert (message.fire_id, message.target, message.term) == (fire, "t.x", term)
+
+
+def test_a_traced_fire_carries_the_distributed_tracing_extension() -> None:
+    nominal = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    template = EventTemplate.of({"_id": "s", "name": "n", "target": "t.x", "payload": {},
+                                 "trace": "00-" + "c" * 32 + "-" + "d" * 16 + "-01"})
+    trace = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+             "tracestate": "vendor=x\"y"}
+    message = template.render("s@x", nominal, None, 1, 1, iso_utc(nominal), trace)
+    event = json.loads(message.body)
+    assert event["traceparent"] == trace["traceparent"]
+    assert event["tracestate"] == trace["tracestate"]
+    assert (message.traceparent, message.tracestate) == (trace["traceparent"],
+                                                          trace["tracestate"])
+    assert list(event)[:8] == ["specversion", "id", "source", "type", "subject", "time",
+                               "traceparent", "tracestate"]
+    # The schedule's own trace is the link of its fires' spans, never their parent.
+    assert template.written_in == "00-" + "c" * 32 + "-" + "d" * 16 + "-01"
+    untraced = template.render("s@x", nominal, None, 1, 1, iso_utc(nominal))
+    assert "traceparent" not in json.loads(untraced.body)
+    assert untraced.traceparent is None

@@ -4,6 +4,7 @@ its own connection."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -65,6 +66,25 @@ async def test_every_message_is_acknowledged_once_and_a_republish_is_deduplicate
     stored, headers = await stream_info(nats_server.uri)
     assert stored == 2500
     assert headers == [(batch[0].fire_id, "7")]
+
+
+async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
+    traced = dataclasses.replace(
+        messages(1)[0], traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        tracestate="vendor=1")
+    assert await broker.publish([traced, *messages(1, prefix="plain")], 5.0) == [None, None]
+    nc = await nats.connect(nats_server.uri)
+    try:
+        js = nc.jetstream()
+        first, second = [await js.get_msg("HASCHEDULER", seq) for seq in (1, 2)]
+    finally:
+        await nc.close()
+    assert first.headers is not None
+    assert second.headers is not None
+    assert (first.headers["traceparent"], first.headers["tracestate"]) == (
+        traced.traceparent, "vendor=1")
+    assert "traceparent" not in second.headers
 
 
 async def test_a_message_jetstream_rejects_fails_alone(broker: NatsPublisher,

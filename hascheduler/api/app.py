@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
+import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
@@ -56,6 +57,7 @@ from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
 from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
+from hascheduler.process import tracing
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
 from hascheduler.storage.audit_log import AuditLog, with_record
 from hascheduler.storage.backfills import Backfill, Backfills
@@ -81,6 +83,8 @@ UI_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inl
 Clock = Callable[[], dt.datetime]
 
 STORE = web.AppKey("store", ScheduleStore)
+
+log = structlog.get_logger("hascheduler.api")
 
 
 class Mirror(Protocol):
@@ -252,6 +256,35 @@ def _change_by(request: web.Request, namespace: str, given: Actor | None = None)
         raise BadRequest(422, "X-Reason", f"namespace {namespace!r} requires a reason for "
                                           "every change: send it in the X-Reason header")
     return who
+
+
+@web.middleware
+async def trace_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A server span per request (tracing on), continuing the caller's ``traceparent``:
+    the schedule write or the fire run now it makes nests in it."""
+    if not tracing.enabled():
+        answer: web.StreamResponse = await handler(request)
+        return answer
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unmatched"
+    parent = tracing.context_of(request.headers.get("traceparent"),
+                                request.headers.get("tracestate"))
+    with tracing.tracer().start_as_current_span(
+            f"{request.method} {name}", context=parent, kind=tracing.SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "http.route": name,
+                        "url.path": request.path}) as span:
+        status = 500
+        try:
+            response: web.StreamResponse = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR))
 
 
 @web.middleware
@@ -785,7 +818,7 @@ async def trigger_schedule(request: web.Request) -> web.Response:
         tenants = None if schedule.fan_out is None else await _tenants_now(
             request, schedule.fan_out)
         docs = request_documents(schedule.id, _now(request), who.name, wanted.payload,
-                                 wanted.overlap, key, tenants)
+                                 wanted.overlap, key, tenants, tracing.current_traceparent())
         docs[0] = with_record(docs[0], _record(
             request, history.TRIGGER, who, schedule.namespace, schedule.id,
             {"fire_id": requested_fire(docs[0]), "force": wanted.force,
@@ -793,6 +826,8 @@ async def trigger_schedule(request: web.Request) -> web.Response:
              "tenants": len(tenants) if tenants is not None else None}))
         doc, created = await cluster.ledger.request(docs)
     fire = requested_fire(doc)
+    log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name,
+             created=created)
     return _json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
                                   created=created), 202)
 

@@ -581,7 +581,8 @@ def create_app(
     server_clock: ServerClock | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[app.count_requests, error_middleware, app.access_control],
+        middlewares=[app.trace_requests, app.count_requests, error_middleware,
+                     app.access_control],
         client_max_size=MAX_REQUEST_BYTES,
     )
     api[app.METRICS] = metrics_ or Metrics()

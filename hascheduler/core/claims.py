@@ -35,6 +35,7 @@ class Claim:
     payload: Mapping[str, Any] | None = None
     overlap: str | None = None
     manual: bool = False  # run now: not one of its trigger's fires (nor of its max_fires)
+    traceparent: str | None = None  # a fire run now: the trace of the request that asked
 
     @classmethod
     def of(cls, due: Due, tenant: str | None = None) -> Claim:

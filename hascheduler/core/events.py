@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import json.encoder
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,10 @@ class FireMessage:
     target: str   # the schedule's target: subject suffix or routing key
     term: int
     body: bytes   # a CloudEvents 1.0 structured JSON document
+    # W3C trace context of the fire's publish span (tracing on), also in the body: the
+    # CloudEvents distributed-tracing extension. The brokers copy them to their headers.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -43,26 +48,40 @@ class EventTemplate:
     subject: str  # JSON: the schedule id
     name: str     # JSON
     payload: str  # JSON
+    # The traceparent of the write that last changed the schedule (its fires link to it).
+    written_in: str | None = None
 
     @classmethod
     def of(cls, schedule: dict[str, Any]) -> EventTemplate:
+        trace = schedule.get("trace")
         return cls(target=schedule["target"], subject=_encode(schedule["_id"]),
                    name=_encode(schedule.get("name")),
-                   payload=_encode(schedule.get("payload", {})))
+                   payload=_encode(schedule.get("payload", {})),
+                   written_in=trace if isinstance(trace, str) else None)
 
     def with_payload(self, payload: Any) -> EventTemplate:
-        return EventTemplate(self.target, self.subject, self.name, _encode(payload))
+        return EventTemplate(self.target, self.subject, self.name, _encode(payload),
+                             self.written_in)
 
     def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
-               attempt: int, fired_at_iso: str) -> FireMessage:
+               attempt: int, fired_at_iso: str,
+               trace: Mapping[str, str] | None = None) -> FireMessage:
+        """``trace``: the publish span's ``traceparent`` (and ``tracestate``), if traced."""
         fired = _quote(fired_at_iso)
         # A fan-out fire names its tenant (core/fanout.py); others have no such field.
         tenant_field = f'"tenant":{_quote(tenant)},' if tenant is not None else ""
+        traceparent = tracestate = None
+        trace_fields = ""
+        if trace:
+            traceparent, tracestate = trace.get("traceparent"), trace.get("tracestate")
+            trace_fields = "".join(f'"{k}":{_quote(v)},' for k, v in
+                                   (("traceparent", traceparent), ("tracestate", tracestate))
+                                   if v)
         body = (f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
-                f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},'
+                f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},{trace_fields}'
                 f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
                 f'"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
                 f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant_field}'
                 f'"payload":{self.payload}}}}}')
         return FireMessage(fire_id=fire_id, target=self.target, term=term,
-                           body=body.encode())
+                           body=body.encode(), traceparent=traceparent, tracestate=tracestate)

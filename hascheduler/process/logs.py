@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from hascheduler.process import tracing
+
 # scheme://user:password@host -> scheme://user:***@host (MongoDB, NATS, AMQP URIs alike).
 _CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]+):[^@/\s]*@")
 _identity: dict[str, Any] = {}
@@ -55,6 +57,7 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         processors=[
             structlog.contextvars.merge_contextvars,
             _add_identity,
+            tracing.log_fields,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

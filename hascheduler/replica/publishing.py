@@ -25,11 +25,12 @@ from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
 from hascheduler.core.entries import Entry
 from hascheduler.core.events import EventTemplate
 from hascheduler.core.triggers import iso_utc
+from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.schedules import TRACE, ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -119,7 +120,7 @@ class Publisher:
         if missing:
             async for doc in self.schedules.find({"_id": {"$in": missing}},
                                                  {"name": 1, "payload": 1, "target": 1,
-                                                  "revision": 1}):
+                                                  "revision": 1, TRACE: 1}):
                 template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._templates[doc["_id"]] = (doc.get("revision", 0), template)
@@ -166,13 +167,16 @@ class Publisher:
         if not sendable:
             return
         fired_at = iso_utc(self.clock())
+        spans = _publish_spans(sendable, templates, term, attempt) if tracing.enabled() \
+            else None
         messages = []
-        for claim in sendable:
+        for i, claim in enumerate(sendable):
             template = templates[claim.schedule_id]
             if claim.payload is not None:  # a fire run now with its own payload
                 template = template.with_payload(claim.payload)
             messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
-                                            term, attempt, fired_at))
+                                            term, attempt, fired_at,
+                                            None if spans is None else tracing.inject(spans[i])))
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:
@@ -187,6 +191,8 @@ class Publisher:
                 if not self._awaiting_broker:
                     self._broker_idle.set()
         self.metrics.publish_seconds.observe((acked_at - sent).total_seconds())
+        if spans is not None:
+            _end_publish_spans(spans, outcomes)
         done = [c for c, error in zip(sendable, outcomes, strict=True) if error is None]
         if done:
             # Marking waits (briefly) for the batches published with this one: with the
@@ -200,6 +206,12 @@ class Publisher:
             for claim in done:
                 self.metrics.lateness.observe((acked_at - claim.due_at).total_seconds())
                 log.debug("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
+            if spans is not None:  # a sampled fire's line joins its trace
+                for claim, span, error in zip(sendable, spans, outcomes, strict=True):
+                    if span.is_recording():
+                        with tracing.attached(tracing.parent_of(span)):
+                            log.info("fire_traced", fire_id=claim.fire_id, term=term,
+                                     published=error is None)
         failures = [(c, e) for c, e in zip(sendable, outcomes, strict=True) if e is not None]
         for claim, error in failures:
             await self.record_failure(claim, term, attempt, error)
@@ -261,3 +273,35 @@ class Publisher:
             delay = backoff_s(attempt, self.settings.backoff_base_s, cap, random.random())
             await self.ledger.retry_later(claim.fire_id, term, attempt, repr(error),
                                           now + dt.timedelta(seconds=delay))
+
+
+def _publish_spans(claims: list[Claim], templates: Mapping[str, EventTemplate], term: int,
+                   attempt: int) -> list[tracing.Span]:
+    """One producer span per fire: a fire run now continues the trace of the request that
+    asked for it; every fire links to the trace of the write that last changed its
+    schedule."""
+    tracer = tracing.tracer()
+    spans = []
+    for claim in claims:
+        template = templates[claim.schedule_id]
+        attributes: dict[str, str | int] = {
+            "messaging.operation.type": "publish", "messaging.destination.name": template.target,
+            "messaging.message.id": claim.fire_id, "hascheduler.schedule_id": claim.schedule_id,
+            "hascheduler.nominal_at": iso_utc(claim.nominal_at), "hascheduler.term": term,
+            "hascheduler.attempt": attempt}
+        if claim.tenant is not None:
+            attributes["hascheduler.tenant"] = claim.tenant
+        spans.append(tracer.start_span(
+            f"publish {template.target}", context=tracing.context_of(claim.traceparent),
+            kind=tracing.SpanKind.PRODUCER, links=tracing.link_of(template.written_in),
+            attributes=attributes))
+    return spans
+
+
+def _end_publish_spans(spans: list[tracing.Span],
+                       outcomes: list[BaseException | None]) -> None:
+    for span, error in zip(spans, outcomes, strict=True):
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(error)[:200]))
+        span.end()

@@ -49,7 +49,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.health import DEFAULT_LATE_AFTER_S
 from hascheduler.core.instants import as_utc
-from hascheduler.process import lifecycle, logs
+from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import LOOP_PROBE_S, Metrics, watch_clock
 from hascheduler.replica.dispatch import Dispatcher
@@ -227,6 +227,9 @@ class Replica:
     async def _start(self) -> None:
         settings, stack = self.settings, self._stack
         logs.identify(settings.replica_id)
+        if tracing.configure("hascheduler"):
+            stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
+                                      lambda: asyncio.to_thread(tracing.flush))
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
             settings.mongodb_uri, tz_aware=True,
             appname=f"hascheduler/{settings.replica_id}")
@@ -243,7 +246,8 @@ class Replica:
         counts = FireCounts(db[FIRE_COUNTS])
         self.audit = audit = AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS],
                                                   db[BACKFILLS]], settings.audit_retention_days)
-        store = ScheduleStore(db[SCHEDULES], counts, audit, settings.redact_payloads)
+        store = ScheduleStore(db[SCHEDULES], counts, audit, settings.redact_payloads,
+                              traced=tracing.write_span)
         access = AccessFile(settings.access, settings.access_file)
         ledger = Ledger(db[FIRES])
         runs = RunLedger(db[RUNS])

@@ -8,9 +8,11 @@ concurrent writers with the same expectation cannot both win.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from pymongo import ReturnDocument
@@ -67,7 +69,9 @@ class Collection(Protocol):
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-_NOT_SCHEDULE = frozenset({"_id", OUTBOX, PENDING, DELETED})
+# The traceparent of the write that last changed a schedule (process/tracing.py).
+TRACE = "trace"
+_NOT_SCHEDULE = frozenset({"_id", OUTBOX, PENDING, DELETED, TRACE})
 
 
 def from_document(doc: dict[str, Any]) -> Schedule:
@@ -85,6 +89,20 @@ def _fields_document(fields: ScheduleFields, now: dt.datetime) -> dict[str, Any]
     doc = fields.model_copy(update={"trigger": trigger}).model_dump(
         mode="python", include=set(_FIELDS))
     return doc
+
+
+# A span around one write of ``count`` schedules, named for its action, as the current
+# span; it gives the span's W3C traceparent (None when untraced), which the write stores.
+WriteTracer = Callable[[str, int], AbstractContextManager[str | None]]
+
+
+def _untraced(action: str, count: int) -> AbstractContextManager[str | None]:
+    return contextlib.nullcontext()
+
+
+def _with_trace(doc: dict[str, Any], trace: str | None) -> dict[str, Any]:
+    """Each fire of a schedule links to the trace of the write that last changed it."""
+    return doc if trace is None else {**doc, TRACE: trace}
 
 
 def _ms(moment: dt.datetime) -> dt.datetime:
@@ -114,11 +132,13 @@ class ScheduleStore:
     """Every write records who made it, in the same write (storage/audit_log.py)."""
 
     def __init__(self, collection: Collection, counts: FireCounts | None = None,
-                 audit: AuditLog | None = None, redact_payload: bool = False) -> None:
+                 audit: AuditLog | None = None, redact_payload: bool = False,
+                 traced: WriteTracer = _untraced) -> None:
         self._coll = collection
         self._counts = counts  # fires used against max_fires (None: not shown, no revival)
         self._audit = audit
         self._redact = redact_payload
+        self._traced = traced
 
     def _written(self) -> None:
         if self._audit is not None:
@@ -140,24 +160,25 @@ class ScheduleStore:
         await self._coll.create_index([("paused", 1)], name="paused")
         await self._coll.create_index([("namespace", 1), ("_id", 1)], name="namespace")
 
-    def _new_document(self, new: ScheduleIn, now: dt.datetime, actor: Actor
-                      ) -> dict[str, Any]:
-        doc = {"_id": new.id or uuid.uuid4().hex, **_fields_document(new, now),
-               "created_at": now, "updated_at": now, "revision": 1}
+    def _new_document(self, new: ScheduleIn, now: dt.datetime, actor: Actor,
+                      trace: str | None) -> dict[str, Any]:
+        doc = _with_trace({"_id": new.id or uuid.uuid4().hex, **_fields_document(new, now),
+                           "created_at": now, "updated_at": now, "revision": 1}, trace)
         return with_record(doc, self._record(CREATE, actor, now, new.namespace, doc["_id"], 1,
                                              None, _view(doc)))
 
     async def create(self, new: ScheduleIn, now: dt.datetime,
                      actor: Actor = SYSTEM) -> Schedule:
         """Insert a schedule at revision 1. Raises ScheduleExists."""
-        doc = self._new_document(new, _ms(now), actor)
-        for attempt in range(2):
-            try:
-                await self._coll.insert_one(doc)
-                break
-            except DuplicateKeyError:
-                if attempt or not await self._settled_tombstones([doc["_id"]]):
-                    raise ScheduleExists(doc["_id"]) from None
+        with self._traced(CREATE, 1) as trace:
+            doc = self._new_document(new, _ms(now), actor, trace)
+            for attempt in range(2):
+                try:
+                    await self._coll.insert_one(doc)
+                    break
+                except DuplicateKeyError:
+                    if attempt or not await self._settled_tombstones([doc["_id"]]):
+                        raise ScheduleExists(doc["_id"]) from None
         self._written()
         return await self._with_remaining(from_document(doc))
 
@@ -175,11 +196,13 @@ class ScheduleStore:
         """Insert each at revision 1, in one round trip: the ids created, and those that
         were taken already (left as they were)."""
         now = _ms(now)
-        docs = [self._new_document(new, now, actor) for new in news]
-        taken = {docs[e["index"]]["_id"] for e in await insert_new(self._coll, docs)}
-        if taken and await self._settled_tombstones(sorted(taken)):
-            retried = [d for d in docs if d["_id"] in taken]
-            taken = {retried[e["index"]]["_id"] for e in await insert_new(self._coll, retried)}
+        with self._traced(CREATE, len(news)) as trace:
+            docs = [self._new_document(new, now, actor, trace) for new in news]
+            taken = {docs[e["index"]]["_id"] for e in await insert_new(self._coll, docs)}
+            if taken and await self._settled_tombstones(sorted(taken)):
+                retried = [d for d in docs if d["_id"] in taken]
+                taken = {retried[e["index"]]["_id"]
+                         for e in await insert_new(self._coll, retried)}
         self._written()
         return [d["_id"] for d in docs if d["_id"] not in taken], sorted(taken)
 
@@ -239,6 +262,15 @@ class ScheduleStore:
         to set and remove given the current document, or None to leave it (the write's
         condition does not hold: None is returned). Raises ScheduleNotFound,
         RevisionConflict."""
+        with self._traced(action, 1) as trace:
+            return await self._write_change(schedule_id, action, actor, now, changes,
+                                            expected_revision, trace)
+
+    async def _write_change(self, schedule_id: str, action: str, actor: Actor,
+                            now: dt.datetime,
+                            changes: Callable[[dict[str, Any]], Changes | None],
+                            expected_revision: int | None, trace: str | None
+                            ) -> dict[str, Any] | None:
         for _ in range(_RACES):
             current = await self._coll.find_one({"_id": schedule_id, **LIVE}, {OUTBOX: 0})
             if current is None:
@@ -256,7 +288,8 @@ class ScheduleStore:
             record = self._record(action, actor, now,
                                   str(current.get("namespace", DEFAULT_NAMESPACE)),
                                   schedule_id, revision + 1, _view(current), after)
-            update: dict[str, Any] = {"$set": sets, "$inc": {"revision": 1}}
+            update: dict[str, Any] = {"$set": _with_trace(sets, trace),
+                                      "$inc": {"revision": 1}}
             if unsets:
                 update["$unset"] = dict.fromkeys(unsets, "")
             doc = await self._coll.find_one_and_update(

@@ -12,6 +12,8 @@ from hascheduler.core.constants import TARGET_PATTERN
 from hascheduler.storage.runs import FireRef
 
 MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
+# W3C caps tracestate at 32 members of at most 256 characters each (traceparent is 55).
+MAX_TRACE_FIELD_CHARS = 8192
 
 
 class NotAFire(ValueError):
@@ -27,6 +29,10 @@ class Delivery:
     replay: int  # 0, or which replay of a dead run (POST /runs/{id}/retry) this is
     payload: Any
     tenant: str | None = None  # a fan-out fire's tenant key
+    # W3C trace context of the fire's publish (the CloudEvent's distributed-tracing
+    # extension); a malformed one is ignored where it is read (process/tracing.py).
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 def read_delivery(subject: str, body: bytes) -> Delivery:
@@ -68,7 +74,13 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
                      fire=fire_id.removesuffix(f"/{tenant}") if tenant else fire_id,
                      tenant=tenant),
         term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
-        tenant=tenant)
+        tenant=tenant, traceparent=_trace_field(event, "traceparent"),
+        tracestate=_trace_field(event, "tracestate"))
+
+
+def _trace_field(event: dict[str, Any], name: str) -> str | None:
+    value = event.get(name)
+    return value if isinstance(value, str) and len(value) <= MAX_TRACE_FIELD_CHARS else None
 
 
 class StaleFilter:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ from hascheduler.core.constants import (
     RUNS,
     SCHEDULES,
 )
-from hascheduler.process import lifecycle, logs
+from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import watch_clock
 from hascheduler.storage.runs import (
@@ -132,6 +133,7 @@ async def run_worker(settings: WorkerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     logs.identify(settings.worker_id)
+    traced = tracing.configure("hascheduler-worker")
     metrics = WorkerMetrics()
     if settings.metrics_port is not None:
         metrics.serve(settings.metrics_port)
@@ -150,6 +152,9 @@ async def run_worker(settings: WorkerSettings) -> int:
         watch_clock(metrics.registry, clock)
         async with contextlib.AsyncExitStack() as stack:
             lifecycle.start(stack, "server clock", Every(CLOCK_SAMPLE_S, sampler(db, clock)))
+            if traced:
+                stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
+                                          lambda: asyncio.to_thread(tracing.flush))
             await Worker(settings, runs, metrics, clock=clock.now,
                          schedules=ScheduleStore(db[SCHEDULES])).run(stop)
     finally:
@@ -238,6 +243,7 @@ class Held:
     lost: bool = False  # taken over by another worker after its lease lapsed
     runner: asyncio.Task[None] | None = None  # running it, once started
     cancelled: threading.Event = field(default_factory=threading.Event)
+    trace: tracing.Context | None = None  # its claim span (tracing on): attempts' parent
 
 
 class Worker:
@@ -360,14 +366,18 @@ class Worker:
         batch = [ready[i] for i in sorted(first.values())]
         again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
         s = self.settings
+        spans = _claim_spans(batch, received) if tracing.enabled() else {}
         claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
                                             received, s.ack_wait_s)
         for (message, delivery, route), claim in zip(batch, claims, strict=True):
-            await self._claimed(message, delivery, route, claim)
+            await self._claimed(message, delivery, route, claim,
+                                spans.get(delivery.fire.fire_id))
         for message, delivery, route in again:
             claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(),
                                           s.ack_wait_s)
-            await self._claimed(message, delivery, route, claim)
+            await self._claimed(message, delivery, route, claim,
+                                _claim_spans([(message, delivery, route)], received).get(
+                                    delivery.fire.fire_id) if tracing.enabled() else None)
 
     async def _screen(self, message: Any, received: dt.datetime
                       ) -> tuple[Delivery, Route] | None:
@@ -393,13 +403,19 @@ class Worker:
         return delivery, route
 
     async def _claimed(self, message: Any, delivery: Delivery, route: Route,
-                       claim: Claim) -> None:
+                       claim: Claim, span: tracing.Span | None = None) -> None:
         fire_id, target = delivery.fire.fire_id, delivery.fire.target
+        if span is not None:
+            span.set_attribute("hascheduler.claim", "claimed" if claim.claimed
+                               else str(claim.outcome))
+            span.set_attribute("hascheduler.attempt", claim.attempt)
+            span.end()
         if claim.claimed:
             if claim.took_over:
                 log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
                             attempt=claim.attempt)
-            held = Held(message, delivery, route, claim.attempt)
+            held = Held(message, delivery, route, claim.attempt,
+                        trace=None if span is None else tracing.parent_of(span))
             self.held[fire_id] = held
             self.queue.put_nowait(held)
         elif claim.outcome in (SUCCEEDED, DEAD):
@@ -467,6 +483,15 @@ class Worker:
                   nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
                   worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant,
                   cancelled=held.cancelled)
+        with _attempt_span(held) as span:
+            outcome = await self._attempt(held, run, route)
+            if span is not None:
+                _record_outcome(span, outcome)
+            return outcome
+
+    async def _attempt(self, held: Held, run: Run, route: Route) -> Outcome:
+        s = self.settings
+        fire, attempt = held.delivery.fire, held.attempt
         started, began = self.clock(), time.monotonic()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
         error: BaseException | None = None
@@ -638,10 +663,58 @@ async def _call(route: Route, run: Run) -> None:
         else:
             loop.call_soon_threadsafe(settle, None)
 
-    threading.Thread(target=body, name=f"run {run.fire_id}"[:60], daemon=True).start()
+    # In a copy of the caller's context: the attempt's span (tracing on) is current in the
+    # handler's thread too, so the handler's own spans and log lines join its trace.
+    threading.Thread(target=contextvars.copy_context().run, args=(body,),
+                     name=f"run {run.fire_id}"[:60], daemon=True).start()
     await done
 
 
 def _log_resubscribe(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
     log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
+
+
+def _claim_spans(batch: Sequence[tuple[Any, Delivery, Route]], received: dt.datetime
+                 ) -> dict[str, tracing.Span]:
+    """One consumer span per fire claimed, child of its publish span (tracing on)."""
+    tracer = tracing.tracer()
+    start = int(received.timestamp() * 1e9)
+    return {d.fire.fire_id: tracer.start_span(
+        f"claim {d.fire.target}", context=tracing.context_of(d.traceparent, d.tracestate),
+        kind=tracing.SpanKind.CONSUMER, start_time=start, attributes={
+            "messaging.operation.type": "process", "messaging.destination.name": d.fire.target,
+            "messaging.message.id": d.fire.fire_id,
+            "hascheduler.schedule_id": d.fire.schedule_id})
+        for _, d, _ in batch}
+
+
+@contextlib.contextmanager
+def _attempt_span(held: Held) -> Iterator[tracing.Span | None]:
+    """The span of one attempt, current while the handler runs (its own spans nest)."""
+    if held.trace is None:
+        yield None
+        return
+    fire = held.delivery.fire
+    with tracing.tracer().start_as_current_span(
+            f"run {fire.target}", context=held.trace, attributes={
+                "hascheduler.fire_id": fire.fire_id, "hascheduler.schedule_id": fire.schedule_id,
+                "hascheduler.attempt": held.attempt}, record_exception=False,
+            set_status_on_exception=False) as span:
+        yield span
+
+
+def _record_outcome(span: tracing.Span, outcome: Outcome) -> None:
+    """Retries and dead outcomes are events on the attempt's span."""
+    span.set_attribute("hascheduler.outcome", outcome.state)
+    if outcome.state == SUCCEEDED:
+        span.set_status(tracing.Status(tracing.StatusCode.OK))
+        return
+    attributes: dict[str, str | float] = {"error": (outcome.error or "")[:1000]}
+    if outcome.state == RETRYING:
+        attributes["retry_in_s"] = round(outcome.retry_in_s, 3)
+    span.add_event({RETRYING: "retry", DEAD: "dead"}.get(outcome.state, outcome.state),
+                   attributes)
+    if outcome.state in (RETRYING, DEAD):
+        span.set_status(tracing.Status(tracing.StatusCode.ERROR,
+                                       (outcome.error or "")[:200]))

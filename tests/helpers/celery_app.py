@@ -29,6 +29,9 @@ def record(self: Any, *args: Any, **kwargs: Any) -> None:
         "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
         "retries": request.retries, "eta": request.eta, "expires": request.expires,
         "origin": request.origin, "correlation_id": request.correlation_id,
+        # A custom message header (the fire's W3C trace context) is an attribute of the
+        # task's request, where OpenTelemetry's Celery instrumentation reads it.
+        "traceparent": request.get("traceparent"),
         "routing_key": delivery.get("routing_key"), "redelivered": delivery.get("redelivered"),
         "pid": os.getpid(), "ran_at": time.time()})
     # One short O_APPEND write per run: lines from the worker's processes never interleave.

@@ -7,7 +7,8 @@ PermanentFailure, {"dead_until_replay": true} raises it unless the delivery is a
 of the dead run, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
 succeeds; each attempt is recorded first. ``long.*`` is an async run of {"sleep": S}
 seconds (cancelled outright by a cancel), ``polite.*`` a synchronous one that stops early
-when its run is cancelled.
+when its run is cancelled. ``traced.*`` opens a span of its own ("handler work") and logs a
+line inside it, failing the first {"fail": N} attempts (tests/test_tracing.py).
 """
 
 from __future__ import annotations
@@ -70,3 +71,18 @@ def polite(run: Run) -> None:
     until = time.monotonic() + float((run.payload or {}).get("sleep", 0))
     while time.monotonic() < until and not run.cancel_requested:
         time.sleep(0.02)
+
+
+@app.handler("traced.>", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.1,
+                                           backoff_cap_s=0.2, timeout_s=30.0))
+def traced(run: Run) -> None:
+    import structlog
+    from opentelemetry import trace
+
+    _record(run)
+    with trace.get_tracer("tests.handler").start_as_current_span("handler work") as span:
+        span.set_attribute("attempt", run.attempt)
+        structlog.get_logger("tests.handler").info("handler_working", fire_id=run.fire_id,
+                                                   attempt=run.attempt)
+        if run.attempt <= int((run.payload or {}).get("fail", 0)):
+            raise RuntimeError(f"transient failure on attempt {run.attempt}")

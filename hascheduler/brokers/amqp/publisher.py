@@ -199,7 +199,7 @@ class AmqpPublisher:
                     message.body, message_id=message.fire_id,
                     content_type="application/cloudevents+json",
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    headers={"hascheduler-term": message.term})
+                    headers={"hascheduler-term": message.term, **trace_headers(message)})
                 target, key = exchange, message.target
             await target.publish(body, routing_key=key, mandatory=True)
             return None
@@ -223,7 +223,8 @@ class AmqpPublisher:
         call = celery_call(payload)
         built = celery_message(task, message.fire_id, call, self.origin)
         return call.queue or self.endpoint.celery_queue, aio_pika.Message(
-            built.body, headers=built.headers, correlation_id=built.correlation_id,
+            built.body, headers={**built.headers, **trace_headers(message)},
+            correlation_id=built.correlation_id,
             message_id=message.fire_id, content_type=built.content_type,
             content_encoding=built.content_encoding,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT, priority=0)
@@ -231,3 +232,14 @@ class AmqpPublisher:
     async def close(self) -> None:
         async with self._connecting:
             await self._drop()
+
+
+def trace_headers(message: FireMessage) -> dict[str, str]:
+    """The W3C trace context as AMQP headers (Celery's task headers too, where
+    OpenTelemetry's Celery instrumentation looks for it)."""
+    headers = {}
+    if message.traceparent is not None:
+        headers["traceparent"] = message.traceparent
+        if message.tracestate:
+            headers["tracestate"] = message.tracestate
+    return headers

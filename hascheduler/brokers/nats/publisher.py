@@ -217,7 +217,8 @@ class NatsPublisher:
             if problem is None:
                 frames.append(frame(f"{SUBJECT_PREFIX}.{message.target}", f"{reply}{i}",
                                     f"Nats-Msg-Id: {message.fire_id}\r\n"
-                                    f"Hascheduler-Term: {message.term}\r\n", message.body))
+                                    f"Hascheduler-Term: {message.term}\r\n"
+                                    f"{trace_headers(message)}", message.body))
             else:
                 batch.acked[i] = True
                 batch.outcomes[i] = PublishRejected(problem)
@@ -332,3 +333,13 @@ async def ensure_stream(js: Any, endpoint: NatsEndpoint) -> int:
             log.info("stream_replicas_unavailable", replicas=replicas,
                      error=str(exc.description))
     raise AssertionError("unreachable: the last try returns or raises")
+
+
+def trace_headers(message: FireMessage) -> str:
+    """The W3C trace context as NATS headers (rendered by us: no line breaks in them)."""
+    if message.traceparent is None:
+        return ""
+    lines = f"traceparent: {message.traceparent}\r\n"
+    if message.tracestate:
+        lines += f"tracestate: {message.tracestate}\r\n"
+    return lines

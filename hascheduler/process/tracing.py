@@ -1,0 +1,164 @@
+"""OpenTelemetry tracing, configured the standard way and off unless asked for.
+
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) turns it on:
+spans go to that OTLP/HTTP endpoint in batches; ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``/``_ARG`` and ``OTEL_BSP_*`` mean what
+the OpenTelemetry specification says. Unset, ``enabled()`` is False and every caller skips
+its tracing work: the hot paths (the leader's publish, the worker's claim) test that one
+flag, nothing more.
+
+A fire's context crosses processes as a W3C ``traceparent``/``tracestate`` pair: in the
+CloudEvent (the distributed-tracing extension), in the broker message's headers, and on
+the stored schedule (the trace of the write that last changed it, which each of its fires
+links to) and on a fire run now (whose trace its publish continues).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = ["Context", "Link", "Span", "SpanKind", "Status", "StatusCode", "attached",
+           "configure", "context_of", "current_traceparent", "enabled", "flush", "inject",
+           "link_of", "log_fields", "parent_of", "tracer", "write_span"]
+
+log = structlog.get_logger("hascheduler.tracing")
+
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_propagator = TraceContextTextMapPropagator()
+_state: dict[str, Any] = {"provider": None}
+
+
+def enabled() -> bool:
+    return _state["provider"] is not None
+
+
+def configure(default_service: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Install the SDK's tracer provider with a batching OTLP/HTTP exporter if the
+    environment names an endpoint (and ``OTEL_SDK_DISABLED`` is not true). Returns whether
+    tracing is on."""
+    if _state["provider"] is not None:
+        return True
+    if not any(environ.get(v) for v in _ENDPOINT_VARIABLES) or \
+            environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    # Imported here: a process that does not trace never loads the SDK or protobuf.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: default_service}
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    _state["provider"] = provider
+    _state["tracer"] = provider.get_tracer("hascheduler")
+    log.info("tracing_on", endpoint=next(environ[v] for v in _ENDPOINT_VARIABLES
+                                         if environ.get(v)))
+    return True
+
+
+def flush(timeout_s: float = 2.5) -> None:
+    """Export what is buffered now (a process stopping; the provider's own exit hook
+    shuts it down after)."""
+    provider = _state["provider"]
+    if provider is not None:
+        provider.force_flush(int(timeout_s * 1000))
+
+
+def tracer() -> Tracer:
+    found: Tracer = _state.get("tracer") or trace.get_tracer("hascheduler")
+    return found
+
+
+def context_of(traceparent: str | None, tracestate: str | None = None
+               ) -> otel_context.Context | None:
+    """The remote parent a ``traceparent`` names, or None for none (or a malformed one:
+    it came over a wire, and is ignored as the W3C specification says)."""
+    if not traceparent:
+        return None
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    ctx = _propagator.extract(carrier)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+@functools.lru_cache(maxsize=4096)
+def link_of(traceparent: str | None) -> tuple[Link, ...]:
+    """A link to the span a ``traceparent`` names (none if it names none). Cached: every
+    fire of a schedule links to the same write."""
+    ctx = context_of(traceparent)
+    if ctx is None:
+        return ()
+    return (Link(trace.get_current_span(ctx).get_span_context()),)
+
+
+def inject(span: Span | None = None) -> dict[str, str]:
+    """``traceparent`` (and ``tracestate`` when there is one) of ``span``, or of the
+    current span."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    _propagator.inject(carrier, context=ctx)
+    return carrier
+
+
+def parent_of(span: Span) -> otel_context.Context:
+    """A context whose current span is ``span``: its children's parent."""
+    return trace.set_span_in_context(span)
+
+
+def current_traceparent() -> str | None:
+    """The current span's ``traceparent`` (None when tracing is off or no span is
+    current): what a schedule's write stores for its fires to link to."""
+    if not enabled():
+        return None
+    return inject().get("traceparent")
+
+
+@contextlib.contextmanager
+def write_span(action: str, count: int) -> Iterator[str | None]:
+    """A span around one write of ``count`` schedules (storage's WriteTracer): its
+    traceparent is what the write stores, for the schedule's fires to link to."""
+    if not enabled():
+        yield None
+        return
+    with tracer().start_as_current_span(f"schedule {action}", attributes={
+            "hascheduler.action": action, "hascheduler.schedules": count}) as span:
+        yield inject(span).get("traceparent")
+
+
+@contextlib.contextmanager
+def attached(ctx: otel_context.Context | None) -> Iterator[None]:
+    """Make ``ctx`` current for the block (nothing if None)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def log_fields(_: Any, __: str, event: MutableMapping[str, Any]
+               ) -> MutableMapping[str, Any]:
+    """A structlog processor: the current span's ``trace_id`` and ``span_id`` on a line
+    logged inside one (so logs and traces join)."""
+    if _state["provider"] is not None:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            event.setdefault("trace_id", format(context.trace_id, "032x"))
+            event.setdefault("span_id", format(context.span_id, "016x"))
+    return event
