@@ -9,6 +9,8 @@ import datetime as dt
 import json
 import math
 import re
+import secrets
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,7 @@ from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import STATES, FireRef, RunLedger, open_key, public_view
 from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.webhooks import Deliveries, WebhookExists, WebhookStore
 
 # The dashboard's page: one static file, no build step, read once at import.
 UI_PAGE = (Path(__file__).parent / "ui.html").read_text()
@@ -133,6 +136,7 @@ WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 SCHEDULE = "schedule"  # the path's id is a schedule's
 FIRE = "fire"  # the path's id is a fire's (or its run's): <schedule id>@...
 BACKFILL = "backfill"  # the path's id is a backfill's
+WEBHOOK = "webhook"  # the path's id is a webhook's
 BODY = "body"  # the body names it: the handler checks each (require)
 LISTING = "listing"  # a list: the handler reads only namespaces the grant reaches
 CLUSTER_WIDE = "cluster"  # the cluster's own state: no namespace
@@ -162,6 +166,9 @@ async def _resource_namespace(request: web.Request, scope: str) -> str | None:
     """The namespace of the resource the path names; None when it names none that exists
     (for a schedule the handler then answers 404)."""
     resource = request.match_info["id"]
+    if scope == WEBHOOK:
+        found = await _webhooks(request)[0].get(resource)
+        return str(found["namespace"]) if found is not None else None
     if scope == BACKFILL:
         cluster = request.app.get(CLUSTER)
         backfills = cluster.backfills if cluster is not None else None
@@ -191,9 +198,9 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
     request[GRANT] = grant
     if not grant.can(guard.action):
         raise Forbidden(refusal(grant, guard.action, None).title, guard.action, None)
-    if guard.scope in (SCHEDULE, FIRE, BACKFILL) and not grant.everywhere:
+    if guard.scope in (SCHEDULE, FIRE, BACKFILL, WEBHOOK) and not grant.everywhere:
         namespace = await _resource_namespace(request, guard.scope)
-        if namespace is None and guard.scope != SCHEDULE:
+        if namespace is None and guard.scope not in (SCHEDULE, WEBHOOK):
             raise Forbidden(refusal(grant, guard.action, UNKNOWN_NAMESPACE).title,
                             guard.action, None)
         if namespace is not None:
@@ -650,8 +657,10 @@ class Cluster:
                  elector: Leading, runs: RunLedger, broker: Broker,
                  backfills: Backfills | None = None,
                  max_backfill: int = DEFAULT_MAX_BACKFILL,
-                 health: HealthReader | None = None) -> None:
+                 health: HealthReader | None = None,
+                 webhooks: tuple[WebhookStore, Deliveries] | None = None) -> None:
         self.health = health or HealthReader(ledger, runs)
+        self.webhooks = webhooks
         self.backfills = backfills
         self.max_backfill = max_backfill
         self.leases = leases
@@ -878,6 +887,88 @@ async def backfill_schedule(request: web.Request) -> web.Response:
                 {"start": shown_time(wanted.start), "end": shown_time(wanted.end),
                  "total": total, "overlap": wanted.overlap}))
     return _json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
+
+
+def _webhooks(request: web.Request) -> tuple[WebhookStore, Deliveries]:
+    webhooks = _cluster(request).webhooks
+    if webhooks is None:
+        raise web.HTTPServiceUnavailable(reason="webhooks are not configured here")
+    return webhooks
+
+
+def _webhook_view(doc: dict[str, Any], secret: str | None = None) -> models.Webhook:
+    return models.Webhook(id=doc["_id"], url=doc["url"], events=doc["events"],
+                          namespace=doc["namespace"], schedule_id=doc.get("schedule_id"),
+                          created_at=as_utc(doc["created_at"]), secret=secret)
+
+
+async def create_webhook(request: web.Request) -> web.Response:
+    """A webhook in a namespace (admin there): its secret is in this answer, never again."""
+    store, _ = _webhooks(request)
+    wanted = models.WebhookIn.model_validate(await _body(request))
+    require(request, Action.ADMIN, wanted.namespace)
+    if wanted.schedule_id is not None:
+        namespace = await request.app[STORE].namespace_of(wanted.schedule_id)
+        if namespace != wanted.namespace:
+            raise BadRequest(422, "schedule_id", f"no schedule {wanted.schedule_id!r} in "
+                                                 f"namespace {wanted.namespace!r}")
+    secret = wanted.secret or secrets.token_urlsafe(32)
+    doc = {"_id": wanted.id or uuid.uuid4().hex, "url": wanted.url, "events": wanted.events,
+           "namespace": wanted.namespace, "schedule_id": wanted.schedule_id,
+           "secret": secret, "created_at": _now(request), "created_by": grant_of(request).name}
+    try:
+        await store.create(doc)
+    except WebhookExists:
+        raise BadRequest(409, "id", f"a webhook {doc['_id']!r} exists") from None
+    log.info("webhook_created", webhook=doc["_id"], namespace=wanted.namespace,
+             events=wanted.events, by=doc["created_by"])
+    return _json(_webhook_view(doc, secret), 201)
+
+
+async def list_webhooks(request: web.Request) -> web.Response:
+    store, _ = _webhooks(request)
+    docs = await store.in_namespaces(readable_namespaces(request))
+    return _json(models.WebhookList(items=[_webhook_view(d) for d in docs]))
+
+
+async def _webhook(request: web.Request) -> dict[str, Any]:
+    doc = await _webhooks(request)[0].get(request.match_info["id"])
+    if doc is None:
+        raise web.HTTPNotFound(reason=f"no webhook {request.match_info['id']!r}")
+    return doc
+
+
+async def get_webhook(request: web.Request) -> web.Response:
+    return _json(_webhook_view(await _webhook(request)))
+
+
+async def delete_webhook(request: web.Request) -> web.Response:
+    store, deliveries = _webhooks(request)
+    doc = await _webhook(request)
+    await store.delete(doc["_id"])
+    await deliveries.forget(doc["_id"])
+    log.info("webhook_deleted", webhook=doc["_id"], by=grant_of(request).name)
+    return web.Response(status=204)
+
+
+async def webhook_deliveries(request: web.Request) -> web.Response:
+    """A webhook's deliveries, newest first, each with its attempts."""
+    doc = await _webhook(request)
+    limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    items = [_delivery_view(d) for d in await _webhooks(request)[1].of(doc["_id"], limit)]
+    return web.json_response({"items": items})
+
+
+def _delivery_view(doc: dict[str, Any]) -> dict[str, Any]:
+    def shown(value: Any) -> Any:
+        return shown_time(as_utc(value)) if isinstance(value, dt.datetime) else value
+    return {"id": doc["_id"], "event_id": doc["event_id"], "type": doc["type"],
+            "schedule_id": doc.get("schedule_id"), "state": doc["state"],
+            "attempts": doc["attempts"], "created_at": shown(doc["created_at"]),
+            "next_at": shown(doc.get("next_at")) if doc["state"] == "pending" else None,
+            "last_at": shown(doc.get("last_at")), "last_status": doc.get("last_status"),
+            "last_error": doc.get("last_error"),
+            "history": [{k: shown(v) for k, v in a.items()} for a in doc.get("history", [])]}
 
 
 async def get_backfill(request: web.Request) -> web.Response:

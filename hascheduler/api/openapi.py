@@ -110,11 +110,12 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
         [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
                                       models.ScheduleBatchIn, models.TriggerIn,
                                       models.PauseIn, models.BackfillIn,
-                                      models.RestoreIn)]
+                                      models.RestoreIn, models.WebhookIn)]
         + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
                                           models.Preview, Problem, MirrorStatus, Run,
                                           RunList, models.Triggered, Backfill,
-                                          models.BatchCreated, ScheduleHealth)],
+                                          models.BatchCreated, ScheduleHealth,
+                                          models.Webhook, models.WebhookList)],
         ref_template="#/components/schemas/{model}")
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])

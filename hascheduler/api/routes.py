@@ -452,6 +452,58 @@ ROUTES: list[Route] = [
         },
     ),
     Route(
+        "POST",
+        "/webhooks",
+        app.create_webhook,
+        app.Guard(Action.ADMIN, app.BODY),
+        {
+            "summary": "a webhook: a namespace's (or a schedule's) events POSTed to a URL, "
+            "signed; the answer holds its secret, shown once",
+            "requestBody": json_body("WebhookIn"),
+            "responses": responses(201, "Webhook", *WRITE, 409),
+        },
+    ),
+    Route(
+        "GET",
+        "/webhooks",
+        app.list_webhooks,
+        app.Guard(Action.READ, app.LISTING),
+        {
+            "summary": "the webhooks of the namespaces the caller may read",
+            "parameters": [NAMESPACE_PARAM],
+            "responses": responses(200, "WebhookList", 403, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/webhooks/{id}",
+        app.get_webhook,
+        app.Guard(Action.READ, app.WEBHOOK),
+        {"summary": "one webhook (never its secret)",
+         "responses": responses(200, "Webhook", 403, 404)},
+    ),
+    Route(
+        "DELETE",
+        "/webhooks/{id}",
+        app.delete_webhook,
+        app.Guard(Action.ADMIN, app.WEBHOOK),
+        {"summary": "delete a webhook and its deliveries",
+         "responses": responses(204, None, 403, 404)},
+    ),
+    Route(
+        "GET",
+        "/webhooks/{id}/deliveries",
+        app.webhook_deliveries,
+        app.Guard(Action.READ, app.WEBHOOK),
+        {
+            "summary": "a webhook's deliveries, newest first: state (pending, delivered, "
+            "failed), attempts with their status, error and duration",
+            "parameters": [{"name": "limit", "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
         "GET",
         "/leader",
         app.leader,

@@ -228,6 +228,30 @@ def health(schedule_id: str) -> Call[ScheduleHealth]:
     return Call("GET", f"/schedules/{_segment(schedule_id)}/health", _health, idempotent=True)
 
 
+def create_webhook(webhook: models.WebhookIn | Mapping[str, Any]) -> Call[models.Webhook]:
+    return Call("POST", "/webhooks", models.Webhook.model_validate_json, json=_body(webhook))
+
+
+def webhooks(namespace: str | None = None) -> Call[models.WebhookList]:
+    params = (("namespace", namespace),) if namespace is not None else ()
+    return Call("GET", "/webhooks", models.WebhookList.model_validate_json, params=params,
+                idempotent=True)
+
+
+def get_webhook(webhook_id: str) -> Call[models.Webhook]:
+    return Call("GET", f"/webhooks/{_segment(webhook_id)}",
+                models.Webhook.model_validate_json, idempotent=True)
+
+
+def delete_webhook(webhook_id: str) -> Call[None]:
+    return Call("DELETE", f"/webhooks/{_segment(webhook_id)}", _nothing, idempotent=True)
+
+
+def webhook_deliveries(webhook_id: str, limit: int = 100) -> Call[Document]:
+    return Call("GET", f"/webhooks/{_segment(webhook_id)}/deliveries", _document,
+                params=(("limit", str(limit)),), idempotent=True)
+
+
 def schedule_fires(schedule_id: str, limit: int = 50) -> Call[Document]:
     return Call("GET", f"/schedules/{_segment(schedule_id)}/fires", _document,
                 params=(("limit", str(limit)),), idempotent=True)

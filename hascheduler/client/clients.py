@@ -223,6 +223,23 @@ class Client:
     def health(self, schedule_id: str) -> ScheduleHealth:
         return self.send(calls.health(schedule_id))
 
+    # Webhooks.
+    def create_webhook(self, webhook: models.WebhookIn | Mapping[str, Any]) -> models.Webhook:
+        """The answer holds the webhook's secret: the only time it is shown."""
+        return self.send(calls.create_webhook(webhook))
+
+    def webhooks(self, namespace: str | None = None) -> models.WebhookList:
+        return self.send(calls.webhooks(namespace))
+
+    def get_webhook(self, webhook_id: str) -> models.Webhook:
+        return self.send(calls.get_webhook(webhook_id))
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self.send(calls.delete_webhook(webhook_id))
+
+    def webhook_deliveries(self, webhook_id: str, limit: int = 100) -> Document:
+        return self.send(calls.webhook_deliveries(webhook_id, limit))
+
     # Fires and runs.
     def schedule_fires(self, schedule_id: str, limit: int = 50) -> Document:
         return self.send(calls.schedule_fires(schedule_id, limit))
@@ -377,6 +394,22 @@ class AsyncClient:
 
     async def health(self, schedule_id: str) -> ScheduleHealth:
         return await self.send(calls.health(schedule_id))
+
+    async def create_webhook(self, webhook: models.WebhookIn | Mapping[str, Any]
+                             ) -> models.Webhook:
+        return await self.send(calls.create_webhook(webhook))
+
+    async def webhooks(self, namespace: str | None = None) -> models.WebhookList:
+        return await self.send(calls.webhooks(namespace))
+
+    async def get_webhook(self, webhook_id: str) -> models.Webhook:
+        return await self.send(calls.get_webhook(webhook_id))
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self.send(calls.delete_webhook(webhook_id))
+
+    async def webhook_deliveries(self, webhook_id: str, limit: int = 100) -> Document:
+        return await self.send(calls.webhook_deliveries(webhook_id, limit))
 
     async def schedule_fires(self, schedule_id: str, limit: int = 50) -> Document:
         return await self.send(calls.schedule_fires(schedule_id, limit))

@@ -13,6 +13,8 @@ FIRE_COUNTS = "fire_counts"
 BACKFILLS = "backfills"
 AUDIT = "audit"  # the audit trail (storage/audit_log.py)
 MEMBERS = "members"
+WEBHOOKS = "webhooks"  # their configuration (storage/webhooks.py)
+DELIVERIES = "webhook_deliveries"  # each event to each webhook, with its attempts
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
 

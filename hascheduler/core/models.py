@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from typing import Annotated, Any, Literal
+import urllib.parse
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -518,6 +519,79 @@ class Triggered(BaseModel):
     url: str = Field(description="its ledger entry")
     created: bool = Field(description="false when an earlier request with the same "
                                       "Idempotency-Key made this fire")
+
+
+WebhookEvent = Literal["run.dead", "fire.skipped", "fire.failed", "schedule.paused",
+                       "schedule.late"]
+WEBHOOK_EVENTS: tuple[str, ...] = get_args(WebhookEvent)
+MAX_WEBHOOK_URL_CHARS = 2048
+
+
+class WebhookIn(_Strict):
+    """A webhook: the events of a namespace (or of one of its schedules) POSTed to a URL,
+    signed with its secret (docs/OPERATIONS.md, "Webhooks")."""
+
+    id: str | None = Field(None, description="a slug; generated when absent",
+                           json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
+    url: str = Field(min_length=8, max_length=MAX_WEBHOOK_URL_CHARS,
+                     description="http:// or https:// URL the events are POSTed to")
+    events: list[WebhookEvent] = Field(min_length=1, max_length=len(WEBHOOK_EVENTS))
+    namespace: str = Field(DEFAULT_NAMESPACE, max_length=63, description=(
+        "whose events it receives"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
+    schedule_id: str | None = Field(None, description="only this schedule's events",
+                                    json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
+    secret: str | None = Field(None, min_length=16, max_length=256, description=(
+        "the HMAC-SHA256 key signing each delivery; generated (and shown once, in the "
+        "answer) when absent"))
+
+    @field_validator("id", "schedule_id")
+    @classmethod
+    def _slug(cls, value: str | None) -> str | None:
+        if value is not None and not SLUG.fullmatch(value):
+            raise ValueError("must be 1-128 letters, digits, '.', '_' or '-', starting with "
+                             "a letter or digit")
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not NAMESPACE.fullmatch(value):
+            raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
+                             "or '-', starting and ending with a letter or digit")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parsed = urllib.parse.urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("url must be an http:// or https:// URL with a host")
+        if any(c in value for c in " \r\n\t"):
+            raise ValueError("url must not contain whitespace")
+        return value
+
+    @field_validator("events")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("each event at most once")
+        return value
+
+
+class Webhook(BaseModel):
+    """A webhook as the API shows it: never its secret (but in the answer creating it)."""
+
+    id: str
+    url: str
+    events: list[str]
+    namespace: str
+    schedule_id: str | None = None
+    created_at: dt.datetime
+    secret: str | None = Field(None, description="only in the answer that created it")
+
+
+class WebhookList(BaseModel):
+    items: list[Webhook]
 
 
 class ScheduleList(BaseModel):

@@ -32,6 +32,7 @@ from hascheduler.core.constants import (
     DEFAULT_MAX_BACKFILL,
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
+    DELIVERIES,
     FIRE_COUNTS,
     FIRES,
     HEALTH_WATCH_INTERVAL_S,
@@ -44,10 +45,11 @@ from hascheduler.core.constants import (
     RUNS_WATCH_INTERVAL_S,
     SCHEDULES,
     STREAM_RETRY_MAX_S,
+    WEBHOOKS,
 )
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import ConfigError
-from hascheduler.core.health import DEFAULT_LATE_AFTER_S
+from hascheduler.core.health import DEFAULT_LATE_AFTER_S, ScheduleHealth
 from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
@@ -57,6 +59,7 @@ from hascheduler.replica.leadership import Elector
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources
+from hascheduler.replica.webhooks import WebhookService
 from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
@@ -67,6 +70,7 @@ from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
 from hascheduler.storage.tenants import TenantDocuments
+from hascheduler.storage.webhooks import Deliveries, WebhookStore
 
 log = structlog.get_logger("hascheduler.replica")
 
@@ -154,15 +158,18 @@ def _count_runs(runs: RunLedger, metrics: Metrics, clock: ServerClock
 
 
 def _judge_health(mirror: Mirror, store: ScheduleStore, health: HealthReader,
-                  metrics: Metrics, clock: ServerClock) -> Callable[[], Awaitable[None]]:
+                  metrics: Metrics, clock: ServerClock,
+                  judged: Callable[[list[ScheduleHealth]], None]
+                  ) -> Callable[[], Awaitable[None]]:
     """The health metrics of the schedules that declare an objective (expect), and only
     of those: how many series there are is the operators' choice. Every replica reports
     the same cluster-wide figures, as for the runs gauges."""
     async def judge() -> None:
         declared = sorted(i for i, e in mirror.entries.items() if e.success_within is not None)
         with contextlib.suppress(PyMongoError):  # the series stay as they were until then
-            metrics.health_seen(await health.many(await store.get_many(declared),
-                                                  clock.now()))
+            healths = await health.many(await store.get_many(declared), clock.now())
+            metrics.health_seen(healths)
+            judged(healths)  # the leader's webhooks: schedule.late
     return judge
 
 
@@ -252,6 +259,7 @@ class Replica:
         ledger = Ledger(db[FIRES])
         runs = RunLedger(db[RUNS])
         health = HealthReader(ledger, runs, settings.late_after_s)
+        webhook_store, deliveries = WebhookStore(db[WEBHOOKS]), Deliveries(db[DELIVERIES])
         lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
                       server_clock=server_clock)
         dispatcher: Dispatcher | None = None
@@ -291,7 +299,8 @@ class Replica:
                          server_clock=server_clock,
                          cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
                                          runs, broker, Backfills(db[BACKFILLS]),
-                                         settings.max_backfill, health),
+                                         settings.max_backfill, health,
+                                         (webhook_store, deliveries)),
                          metrics_=metrics, access=access,
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
@@ -331,8 +340,11 @@ class Replica:
             db[MEMBERS], settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
             runs, metrics, server_clock)))
+        webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
+                                  mirror.entries, lambda: elector.is_leader, server_clock.now)
+        lifecycle.start(stack, "webhooks", webhooks)
         lifecycle.start(stack, "health watch", Every(HEALTH_WATCH_INTERVAL_S, _judge_health(
-            mirror, store, health, metrics, server_clock)))
+            mirror, store, health, metrics, server_clock, webhooks.judged)))
         lifecycle.start(stack, "loop probe", Every(LOOP_PROBE_S, _nothing,
                                                    late=metrics.loop_lag.observe))
         # Once the elector stopped: the handover (stop claiming, drain publishes, release
@@ -373,6 +385,8 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await Ledger(db[FIRES]).ensure_indexes(settings.dispatch.retention_s)
     await RunLedger(db[RUNS]).ensure_indexes(settings.run_retention_s)
     await Backfills(db[BACKFILLS]).ensure_indexes()
+    await WebhookStore(db[WEBHOOKS]).ensure_indexes()
+    await Deliveries(db[DELIVERIES]).ensure_indexes()
     await AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
                    settings.audit_retention_days).ensure_indexes()
     await db[MEMBERS].create_index("seen_at", name="forget_dead_members",

@@ -38,6 +38,7 @@ FAILED = "failed"
 BUFFERED = "buffered"
 REQUESTED = "requested"
 STATES = (REQUESTED, CLAIMED, BUFFERED, PUBLISHED, SKIPPED, FAILED)
+NOTICE = "notice"  # an entry a webhook is to be told of (Ledger.noticed)
 
 Document = dict[str, Any]
 
@@ -153,12 +154,21 @@ def _own(term: int, fire_ids: Iterable[str]) -> Document:
 class Ledger:
     def __init__(self, fires: FiresCollection) -> None:
         self.fires = fires
+        # The states (skipped, failed) a webhook is told of: the leader's write of such a
+        # state marks the entry (NOTICE) in that same write, until the webhooks' poll has
+        # made its deliveries (replica/webhooks.py). Empty: no mark, no cost.
+        self.noticed: frozenset[str] = frozenset()
+
+    def _marked(self, sets: Document, state: str) -> Document:
+        return {**sets, NOTICE: True} if state in self.noticed else sets
 
     async def ensure_indexes(self, retention_s: float) -> None:
         # Claimed fires only (a partial index): the leader's retry and adoption scans look
         # for nothing else, and a fire leaves it once published instead of moving within it.
         await self.fires.create_index([("term", ASCENDING)], name="claimed_by_term",
                                       partialFilterExpression={"state": CLAIMED})
+        await self.fires.create_index([(NOTICE, ASCENDING)], name="noticed",
+                                      partialFilterExpression={NOTICE: {"$exists": True}})
         with contextlib.suppress(OperationFailure):  # its predecessor, on (state, term)
             await self.fires.drop_index("state_term")
         await self.fires.create_index([("schedule_id", ASCENDING), ("nominal_at", DESCENDING)],
@@ -244,8 +254,8 @@ class Ledger:
 
     async def skip(self, fire_ids: list[str], term: int, reason: str) -> None:
         if fire_ids:
-            await self.fires.update_many(_own(term, fire_ids),
-                                         {"$set": {"state": SKIPPED, "reason": reason}})
+            await self.fires.update_many(_own(term, fire_ids), {"$set": self._marked(
+                {"state": SKIPPED, "reason": reason}, SKIPPED)})
 
     async def skip_overlapping(self, skipped: dict[str, tuple[str, str]], term: int) -> None:
         """Record fires skipped by their overlap policy: fire id -> (reason, the open run's
@@ -254,8 +264,8 @@ class Ledger:
         for fire, why in skipped.items():
             groups.setdefault(why, []).append(fire)
         for (reason, blocker), ids in groups.items():
-            await self.fires.update_many(_own(term, ids), {"$set": {
-                "state": SKIPPED, "reason": reason, "open_run": blocker}})
+            await self.fires.update_many(_own(term, ids), {"$set": self._marked({
+                "state": SKIPPED, "reason": reason, "open_run": blocker}, SKIPPED)})
 
     async def buffer(self, waiting: dict[str, str], term: int, now: dt.datetime) -> None:
         """Fires that wait for their schedule's open run (fire id -> its fire id)."""
@@ -325,8 +335,9 @@ class Ledger:
 
     async def mark_failed(self, fire_id_: str, term: int, attempt: int, error: str,
                           at: dt.datetime) -> None:
-        await self.fires.update_one(_own(term, [fire_id_]), {"$set": {
-            "state": FAILED, "attempts": attempt, "last_error": error, "failed_at": at}})
+        await self.fires.update_one(_own(term, [fire_id_]), {"$set": self._marked({
+            "state": FAILED, "attempts": attempt, "last_error": error, "failed_at": at},
+            FAILED)})
 
     async def retry_later(self, fire_id_: str, term: int, attempt: int, error: str,
                           at: dt.datetime) -> None:
@@ -338,7 +349,17 @@ class Ledger:
         earlier takeover) stays as it is."""
         if docs:
             with contextlib.suppress(BulkWriteError, DuplicateKeyError):
-                await self.fires.insert_many(docs, ordered=False)
+                await self.fires.insert_many([self._marked(d, SKIPPED) for d in docs],
+                                             ordered=False)
+
+    async def noticed_entries(self, limit: int) -> list[Document]:
+        """Entries marked for the webhooks (skipped or failed), oldest marks first."""
+        return [d async for d in self.fires.find({NOTICE: True}).limit(limit)]
+
+    async def clear_notices(self, fire_ids: list[str]) -> None:
+        if fire_ids:
+            await self.fires.update_many({"_id": {"$in": sorted(fire_ids)}},
+                                         {"$unset": {NOTICE: ""}})
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -536,6 +536,13 @@ class RunLedger:
             {"state": 1, "finished_at": 1, "last_error": 1}).sort(
             [("nominal_at", DESCENDING), ("_id", DESCENDING)]).limit(limit)]
 
+    async def dead_since(self, since: dt.datetime, limit: int) -> list[Document]:
+        """Runs that died (their last write) at or after ``since``, oldest first (the
+        runs_by_state index)."""
+        return [d async for d in self.runs.find(
+            {"state": DEAD, "recorded_at": {"$gte": since}}, {"event": 0}).sort(
+            "recorded_at", ASCENDING).limit(limit)]
+
     async def last_success(self, schedule_id: str) -> dt.datetime | None:
         """When the schedule's latest succeeded run (by nominal time) finished."""
         async for doc in self.runs.find({"schedule_id": schedule_id, "state": SUCCEEDED},

@@ -223,6 +223,13 @@ class ScheduleStore:
                 {"_id": {"$in": page}, **LIVE}, {OUTBOX: 0}).sort("_id", 1)]
         return found
 
+    async def paused_since(self, since: dt.datetime, limit: int) -> list[dict[str, Any]]:
+        """Schedules paused (still) by a pause made at or after ``since``: id, namespace,
+        pause."""
+        return [d async for d in self._coll.find(
+            {"paused": True, "pause.at": {"$gte": since}, **LIVE},
+            {"namespace": 1, "pause": 1}).sort("pause.at", 1).limit(limit)]
+
     async def namespace_of(self, schedule_id: str) -> str | None:
         """The namespace of a schedule, or None when there is no such schedule."""
         doc = await self._coll.find_one({"_id": schedule_id, **LIVE}, {"namespace": 1})
