@@ -162,6 +162,16 @@ SECTIONS = [
      "whose store attaches no record, same run, rounds alternated. Then authenticating a "
      "named token and checking its action and namespace with 10,000 named tokens "
      "configured against 1. Targets: create rate at least 0.8x; the check within 1.1x."),
+    ("bench.tracing_bench", "Tracing: lateness and worker throughput, on against off",
+     [], ["--schedules", "100", "--seconds", "2", "--rounds", "1", "--fires", "300",
+          "--concurrency", "4"],
+     "The development MongoDB server, a real nats-server and an OTLP/HTTP receiver in the "
+     "bench's process. 10,000 schedules every second for 20 s on three replicas with "
+     "tracing on (sampled 1%: parentbased_traceidratio) and off, two rounds each in ABBA "
+     "order, a fresh cluster, database and stream each: publish acknowledged minus due "
+     "time. Then a worker at concurrency 16 consuming 10,000 fires that each carry a "
+     "traceparent (1% sampled), tracing on against off, best of 2 alternated. Targets: "
+     "lateness p99 on within 1.1x of off; worker on within 1.15x of off."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

@@ -38,11 +38,12 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "Celery send_task (baseline)", "Runs per fire id",
                     "p99 skip / allow", "buffered p99", "backfill rate",
                     "Partition against kill", "offset estimate's error",
-                    "apply / one by one", "create rate with the audit trail / without"):
+                    "apply / one by one", "create rate with the audit trail / without",
+                    "on / off"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 14
+    assert text.count("Command: `python -m bench.") == 15
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

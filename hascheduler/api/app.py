@@ -33,10 +33,12 @@ from hascheduler.api.access import (
 from hascheduler.api.errors import BadRequest, Forbidden, problem
 from hascheduler.api.openapi import IF_MATCH, LABEL_FILTER
 from hascheduler.api.views import (
+    TIMELINE_MAX_HOURS,
     fan_out_fire,
     fire_groups,
     fire_view,
     read_dashboard,
+    read_timeline,
     shown_time,
 )
 from hascheduler.brokers.base import Broker
@@ -129,6 +131,7 @@ class SourceMirrors(Protocol):
 
 SOURCES: web.AppKey[SourceMirrors] = web.AppKey("sources")
 SERVER_CLOCK: web.AppKey[ServerClock] = web.AppKey("server_clock")
+TRACE_URL: web.AppKey[str | None] = web.AppKey("trace_url")
 
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -1053,6 +1056,35 @@ async def dashboard(request: web.Request) -> web.Response:
         **view.as_json(), "now": now.isoformat(),
         "leader": await _leader_view(request, cluster),
         "members": await _members_view(request, cluster)})
+
+
+async def timeline(request: web.Request) -> web.Response:
+    """Each schedule's recent fires as marks, lateness over time, runs in flight
+    (views.read_timeline)."""
+    cluster = _cluster(request)
+    text = request.query.get("hours", "1")
+    try:
+        hours = float(text)
+    except ValueError:
+        hours = math.nan
+    if not 0.05 <= hours <= TIMELINE_MAX_HOURS:  # NaN fails this too
+        raise BadRequest(422, "hours", f"hours must be a number from 0.05 to "
+                                       f"{TIMELINE_MAX_HOURS:g}")
+    schedule_id = request.query.get("schedule")
+    namespaces = readable_namespaces(request)
+    if schedule_id is not None:
+        schedule = await request.app[STORE].get(schedule_id)
+        require(request, Action.READ, schedule.namespace)
+    view = await read_timeline(request.app[STORE], cluster.ledger, cluster.runs,
+                               _now(request), hours, namespaces, schedule_id)
+    return web.json_response({**view, "trace_url": request.app[TRACE_URL]})
+
+
+async def whoami(request: web.Request) -> web.Response:
+    grant = grant_of(request)
+    return web.json_response({"name": grant.name,
+                              "actions": sorted(a.value for a in grant.actions),
+                              "namespaces": sorted(grant.namespaces)})
 
 
 async def ui(request: web.Request) -> web.Response:

@@ -534,6 +534,33 @@ ROUTES: list[Route] = [
     ),
     Route(
         "GET",
+        "/timeline",
+        app.timeline,
+        app.Guard(Action.READ, app.LISTING),
+        {
+            "summary": "what /ui draws: each schedule's fires over the last hours as marks "
+            "(on_time, late, skipped, failed, dead, running...), lateness over the window, "
+            "the runs in flight",
+            "parameters": [NAMESPACE_PARAM,
+                           {"name": "hours", "in": "query",
+                            "schema": {"type": "number", "minimum": 0.05, "maximum": 24}},
+                           {"name": "schedule", "in": "query", "schema": {"type": "string"}}],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/whoami",
+        app.whoami,
+        app.Guard(Action.READ, app.CLUSTER_WIDE),
+        {
+            "summary": "the caller's token: its name, actions and namespaces (the dashboard "
+            "shows only the buttons they allow)",
+            "responses": responses(200, None, 403),
+        },
+    ),
+    Route(
+        "GET",
         "/metrics",
         app.metrics,
         OPEN,
@@ -631,6 +658,7 @@ def create_app(
     fan_out: tuple[int, app.TenantReads] | None = None,
     sources: app.SourceMirrors | None = None,
     server_clock: ServerClock | None = None,
+    trace_url: str | None = None,
 ) -> web.Application:
     api = web.Application(
         middlewares=[app.trace_requests, app.count_requests, error_middleware,
@@ -647,6 +675,7 @@ def create_app(
     api[app.REPLICA] = replica_id
     api[app.CLOCK] = clock
     api[app.MIN_FIRE_INTERVAL] = min_fire_interval_s
+    api[app.TRACE_URL] = trace_url
     if fan_out is not None:
         api[app.FAN_OUT] = fan_out
     if sources is not None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hascheduler.core import models
+from hascheduler.core import models, timeline
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id
 from hascheduler.storage.audit_log import OUTBOX, PENDING
@@ -79,7 +79,8 @@ def schedule_row(schedule: models.Schedule, now: dt.datetime) -> dict[str, Any]:
     """A schedule as a dashboard row, with its next fire time after ``now``."""
     upcoming = models.preview(schedule, now, 1).times
     return {
-        "id": schedule.id, "name": schedule.name, "target": schedule.target,
+        "id": schedule.id, "namespace": schedule.namespace, "name": schedule.name,
+        "target": schedule.target,
         "fan_out": schedule.fan_out.model_dump() if schedule.fan_out else None,
         "trigger": schedule.trigger.model_dump(mode="json"), "paused": schedule.paused,
         "pause": schedule.pause.model_dump(mode="json") if schedule.pause else None,
@@ -158,3 +159,63 @@ async def read_dashboard(store: ScheduleStore, ledger: Ledger, runs: RunLedger,
     return Dashboard([schedule_row(s, now) for s in page], after is not None,
                      fire_rows(recent, fire_runs, groups), [public_view(d) for d in dead],
                      more_dead is not None)
+
+
+TIMELINE_SCHEDULES = 20
+TIMELINE_MARKS = 600  # ledger entries per schedule (a fan-out's tenants count each)
+TIMELINE_BUCKETS = 60
+TIMELINE_IN_FLIGHT = 20
+TIMELINE_MAX_HOURS = 24.0
+
+
+async def read_timeline(store: ScheduleStore, ledger: Ledger, runs: RunLedger,
+                        now: dt.datetime, hours: float, namespaces: list[str] | None,
+                        schedule_id: str | None = None) -> dict[str, Any]:
+    """Each schedule's fires over the last ``hours`` as marks (core/timeline.py), the
+    lateness of their published fires over the window, and the runs in flight: of one
+    schedule, or of the first TIMELINE_SCHEDULES (by id) in ``namespaces``."""
+    since = now - dt.timedelta(hours=hours)
+    if schedule_id is not None:
+        schedules = [await store.get(schedule_id)]
+    else:
+        schedules, _ = await store.list(labels={}, paused=None, after=None,
+                                        limit=TIMELINE_SCHEDULES, namespaces=namespaces)
+    entries = {s.id: await ledger.window(s.id, since, TIMELINE_MARKS) for s in schedules}
+    fire_runs = await runs.for_fires([d["_id"] for docs in entries.values() for d in docs])
+    samples: list[tuple[dt.datetime, float]] = []
+    rows = []
+    for schedule in schedules:
+        by_nominal: dict[dt.datetime, list[tuple[str, dict[str, Any], float | None]]] = {}
+        for doc in entries[schedule.id]:
+            due, published = as_utc(doc.get("due_at")), as_utc(doc.get("published_at"))
+            late = (published - due).total_seconds() if published and due else None
+            if late is not None:
+                samples.append((due, late))
+            run = fire_runs.get(doc["_id"])
+            kind = timeline.kind_of(doc["state"], late, run.get("state") if run else None)
+            by_nominal.setdefault(as_utc(doc["nominal_at"]), []).append((kind, doc, late))
+        marks = []
+        for nominal, found in sorted(by_nominal.items()):
+            kind = timeline.worst(k for k, _, _ in found)
+            first = found[0][1]
+            lates = [late for _, _, late in found if late is not None]
+            marks.append({"at": nominal.isoformat(), "kind": kind,
+                          "fire_id": first["_id"] if len(found) == 1 else
+                          fire_id(schedule.id, nominal),
+                          "tenants": len(found) if "tenant" in first else None,
+                          "lateness_s": round(max(lates), 4) if lates else None,
+                          "manual": bool(first.get("manual")),
+                          "reason": first.get("reason")})
+        rows.append({"id": schedule.id, "namespace": schedule.namespace,
+                     "name": schedule.name, "paused": schedule.paused, "marks": marks,
+                     "truncated": len(entries[schedule.id]) >= TIMELINE_MARKS})
+    ids = [s.id for s in schedules] if schedule_id is not None else (
+        None if namespaces is None else await store.ids_in(namespaces))
+    in_flight, more = await runs.page("running", None, TIMELINE_IN_FLIGHT, ids)
+    return {"since": since.isoformat(), "until": now.isoformat(), "hours": hours,
+            "late_mark_s": timeline.LATE_MARK_S, "schedules": rows,
+            "lateness": [{"start": b.start.isoformat(), "count": b.count, "p50_s": b.p50_s,
+                          "p99_s": b.p99_s, "max_s": b.max_s}
+                         for b in timeline.lateness_buckets(samples, since, now,
+                                                            TIMELINE_BUCKETS)],
+            "in_flight": [public_view(d) for d in in_flight], "more_in_flight": more is not None}

@@ -49,6 +49,13 @@ from hascheduler.storage.lease import LeaseSettingsError, LeaseTimings
 _LEASE = LeaseTimings()
 _WRITES = WriteLimit()
 
+
+def trace_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")) or "{trace_id}" not in value:
+        raise ValueError("an http(s) URL with {trace_id} in it")
+    return value
+
+
 SETTINGS = (
     Setting("--mongodb-uri", None, mongodb_uri, "MongoDB replica set URI", required=True),
     Setting("--http-host", "127.0.0.1", text, "address to serve the API on"),
@@ -84,6 +91,8 @@ SETTINGS = (
     Setting("--late-after", DEFAULT_LATE_AFTER_S, positive_float,
             "seconds past its due time (plus jitter) a fire may be missing from the ledger "
             "before its schedule's health says late"),
+    Setting("--trace-url", None, trace_url, "the dashboard links a run to its trace at this "
+            "URL, {trace_id} replaced (e.g. https://jaeger.example/trace/{trace_id})"),
     Setting("--min-fire-interval", DEFAULT_MIN_FIRE_INTERVAL_S, positive_float,
             "the fewest seconds between two fires of one schedule that a write may ask for"),
     Setting("--access-file", None, text, "named tokens (as `hascheduler token create` "
@@ -141,7 +150,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         redact_payloads=v["audit_redact_payloads"], write_limit=write_limit,
         min_fire_interval_s=v["min_fire_interval"],
         run_retention_s=v["run_retention"], clock_tolerance_s=v["clock_tolerance"],
-        late_after_s=v["late_after"],
+        late_after_s=v["late_after"], trace_url=v["trace_url"],
         tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"])
 

@@ -74,9 +74,10 @@ class EventTemplate:
         trace_fields = ""
         if trace:
             traceparent, tracestate = trace.get("traceparent"), trace.get("tracestate")
-            trace_fields = "".join(f'"{k}":{_quote(v)},' for k, v in
-                                   (("traceparent", traceparent), ("tracestate", tracestate))
-                                   if v)
+            if traceparent:
+                trace_fields = f'"traceparent":{_quote(traceparent)},'
+            if tracestate:
+                trace_fields += f'"tracestate":{_quote(tracestate)},'
         body = (f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
                 f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},{trace_fields}'
                 f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
+import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -29,11 +31,13 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = ["Context", "Link", "Span", "SpanKind", "Status", "StatusCode", "attached",
-           "configure", "context_of", "current_traceparent", "enabled", "flush", "inject",
-           "link_of", "log_fields", "parent_of", "tracer", "write_span"]
+           "begin_root", "carried", "configure", "context_of", "current_traceparent",
+           "enabled", "flush", "inject", "link_of", "log_fields", "parent_of", "sampled",
+           "tracer", "write_span"]
 
 log = structlog.get_logger("hascheduler.tracing")
 
+EXPORT_EVERY_MS = 200
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _propagator = TraceContextTextMapPropagator()
 _state: dict[str, Any] = {"provider": None}
@@ -59,10 +63,17 @@ def configure(default_service: str, environ: Mapping[str, str] = os.environ) -> 
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: default_service}
-    provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    ids = _preset_ids()
+    provider = TracerProvider(resource=Resource.create(attributes), id_generator=ids)
+    # Exported often, in small batches, unless told otherwise: encoding a batch holds the
+    # interpreter from the event loop, and 5 s worth of sampled spans at once (the SDK's
+    # default) made the fires due at that moment late by as long.
+    delay = None if environ.get("OTEL_BSP_SCHEDULE_DELAY") else EXPORT_EVERY_MS
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(),
+                                                   schedule_delay_millis=delay))
     trace.set_tracer_provider(provider)
     _state["provider"] = provider
+    _state["ids"] = ids
     _state["tracer"] = provider.get_tracer("hascheduler")
     log.info("tracing_on", endpoint=next(environ[v] for v in _ENDPOINT_VARIABLES
                                          if environ.get(v)))
@@ -75,6 +86,50 @@ def flush(timeout_s: float = 2.5) -> None:
     provider = _state["provider"]
     if provider is not None:
         provider.force_flush(int(timeout_s * 1000))
+
+
+def _preset_ids() -> Any:
+    """The SDK's random ids, but for a trace id set beforehand (``begin_root``): a root
+    span whose sampling was decided on that id gets it. Per thread: a synchronous
+    handler's thread makes spans too. (A factory: the SDK is imported only when tracing
+    is on.)"""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class PresetIds(IdGenerator):
+        def __init__(self) -> None:
+            self._preset = threading.local()
+
+        def preset(self, trace_id: int) -> None:
+            self._preset.trace_id = trace_id
+
+        def generate_span_id(self) -> int:
+            return random.getrandbits(64) or 1
+
+        def generate_trace_id(self) -> int:
+            trace_id: int | None = getattr(self._preset, "trace_id", None)
+            if trace_id is not None:
+                self._preset.trace_id = None
+                return trace_id
+            return random.getrandbits(128) or 1
+
+    return PresetIds()
+
+
+def begin_root(name: str, kind: SpanKind) -> tuple[Span | None, dict[str, str]]:
+    """A span starting a trace, and the trace context it passes on; None for the span when
+    the sampler does not sample it. The leader begins one for each of 10,000 fires a
+    second, nearly all unsampled: those are decided on a trace id drawn here, by the
+    configured sampler itself, and never become SDK spans (a third of the cost); a sampled
+    one is made by the SDK with that very trace id, so the decision stands."""
+    provider = _state["provider"]
+    trace_id = random.getrandbits(128) or 1
+    decided = provider.sampler.should_sample(None, trace_id, name, kind)
+    if not decided.decision.is_sampled():
+        return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}"
+                                     "-00"}
+    _state["ids"].preset(trace_id)
+    span = tracer().start_span(name, kind=kind)
+    return span, carried(span)
 
 
 def tracer() -> Tracer:
@@ -112,6 +167,21 @@ def inject(span: Span | None = None) -> dict[str, str]:
     ctx = trace.set_span_in_context(span) if span is not None else None
     _propagator.inject(carrier, context=ctx)
     return carrier
+
+
+def carried(span: Span) -> dict[str, str]:
+    """``inject`` of one span, formatted here: the leader does it for every fire."""
+    ctx = span.get_span_context()
+    carrier = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-"
+                              f"{int(ctx.trace_flags):02x}"}
+    if ctx.trace_state:
+        carrier["tracestate"] = ctx.trace_state.to_header()
+    return carrier
+
+
+def sampled(span: Span) -> bool:
+    """Whether the span's trace is sampled (recorded and exported), ended or not."""
+    return bool(span.get_span_context().trace_flags.sampled)
 
 
 def parent_of(span: Span) -> otel_context.Context:

@@ -377,8 +377,10 @@ class Dispatcher:
         claimed = sorted(claimed, key=lambda c: c.due_at)
         admitted: list[Claim] = []  # through the gate, awaiting their due time
         ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
+        everything = claimed
         try:
             await self.publisher.templates({c.schedule_id for c in claimed})  # warm the cache
+            self.publisher.prepare(claimed)
             while claimed or admitted:
                 next_at = min(([claimed[0].due_at - ahead] if claimed else [])
                               + ([admitted[0].due_at] if admitted else []))
@@ -406,6 +408,7 @@ class Dispatcher:
                     term.settled(due)
         finally:
             term.settled(claimed + admitted)
+            self.publisher.discard(everything)
 
     async def _admit(self, coming: list[Claim], term: Term) -> list[Claim]:
         """The claims the overlap gate lets through; the others (recorded skipped or

@@ -100,6 +100,7 @@ class ReplicaSettings:
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S
     run_retention_s: float = DEFAULT_RUN_RETENTION_S
     late_after_s: float = DEFAULT_LATE_AFTER_S  # a fire missing this long: its schedule is late
+    trace_url: str | None = None  # the dashboard's link from a run to its trace
     # How well the database's clock must be known to lead (core/clock.py).
     clock_tolerance_s: float = DEFAULT_TOLERANCE_S
 
@@ -305,7 +306,7 @@ class Replica:
                          write_limit=settings.write_limit,
                          min_fire_interval_s=settings.min_fire_interval_s,
                          fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
-                         sources=sources)
+                         sources=sources, trace_url=settings.trace_url)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         stack.push_async_callback(lifecycle.bounded, "stopping the API", runner.cleanup)

@@ -407,6 +407,15 @@ class Ledger:
                      ) -> dict[dt.datetime, dict[str, int]]:
         return await state_counts(self.fires, schedule_id, nominals)
 
+    async def window(self, schedule_id: str, since: dt.datetime, limit: int
+                     ) -> list[Document]:
+        """A schedule's entries of nominal time ``since`` or later, the latest ``limit``
+        (the schedule_history index), latest first."""
+        return [d async for d in self.fires.find(
+            {"schedule_id": schedule_id, "nominal_at": {"$gte": since}},
+            {"state": 1, "nominal_at": 1, "due_at": 1, "published_at": 1, "tenant": 1,
+             "reason": 1, "manual": 1}).sort("nominal_at", -1).limit(limit)]
+
     async def recent(self, since: dt.datetime, limit: int) -> list[Document]:
         """Entries recorded since ``since``, newest first: by recorded_at, the indexed field,
         so MongoDB walks the index backwards and stops at the limit however busy it is."""

@@ -61,6 +61,9 @@ ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 Document = dict[str, Any]
 
 
+ATTEMPTS_KEPT = 20
+
+
 class Run(BaseModel):
     """One fire's run as the API shows it (instants in RFC 3339): never the stored event
     (it is the payload again). Declared once: ``public_view`` and the OpenAPI document
@@ -90,6 +93,10 @@ class Run(BaseModel):
                                                             "the run was running")
     cancelled_by: str | None = None
     recorded_at: str | None = None
+    trace_id: str | None = Field(None, description="the fire's trace, when traced")
+    attempt_history: list[dict[str, Any]] | None = Field(
+        None, description="each attempt as it ended (the latest 20): attempt, worker_id, "
+                          "started_at, finished_at, duration_s, state, error")
 
 
 class RunList(BaseModel):
@@ -173,21 +180,29 @@ class Outcome:
     error: str | None = None
     retry_in_s: float = 0.0
     event: bytes | None = None  # a dead run keeps its event: a replay sends it again
+    trace_id: str | None = None  # the fire's trace (tracing on), for the dashboard's link
 
     def update(self) -> Document:
+        duration = (self.finished - self.started).total_seconds()
         fields: Document = {"state": self.state, "started_at": self.started,
                             "finished_at": self.finished,
-                            "recorded_at": self.finished,
-                            "duration_s": (self.finished - self.started).total_seconds()}
+                            "recorded_at": self.finished, "duration_s": duration}
         if self.error is not None:
             fields["last_error"] = self.error
+        if self.trace_id is not None:
+            fields["trace_id"] = self.trace_id
+        # Each attempt as it ended, the last ATTEMPTS_KEPT: the run's page lists them.
+        attempt = {"attempt": self.attempt, "worker_id": self.worker_id,
+                   "started_at": self.started, "finished_at": self.finished,
+                   "duration_s": duration, "state": self.state, "error": self.error}
+        pushed = {"attempt_history": {"$each": [attempt], "$slice": -ATTEMPTS_KEPT}}
         if self.state == RETRYING:
             fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
         if self.event is not None:
             fields["event"] = self.event
         if self.state in ENDED:  # no longer holds its schedule (invariant 11)
-            return {"$set": fields, "$unset": {"open_key": ""}}
-        return {"$set": fields}
+            return {"$set": fields, "$unset": {"open_key": ""}, "$push": pushed}
+        return {"$set": fields, "$push": pushed}
 
 
 def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
@@ -584,11 +599,19 @@ class RunLedger:
             {"state": RUNNING}, {"target": 1, "heartbeat_at": 1, "lease_until": 1})]
 
 
+def _shown(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return as_utc(value).isoformat()
+    if isinstance(value, list):
+        return [{k: _shown(v) for k, v in item.items()} if isinstance(item, dict) else item
+                for item in value]
+    return value
+
+
 def public_view(doc: Mapping[str, Any]) -> dict[str, Any]:
     """A run as the API shows it: instants in RFC 3339, the stored event left out."""
     view: dict[str, Any] = {"id": doc["_id"]}
     for name in _PUBLIC_FIELDS:
         if name in doc:
-            value = doc[name]
-            view[name] = as_utc(value).isoformat() if isinstance(value, dt.datetime) else value
+            view[name] = _shown(doc[name])
     return view

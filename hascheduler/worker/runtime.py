@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import datetime as dt
 import os
+import re
 import signal
 import socket
 import threading
@@ -83,6 +85,8 @@ LEDGER_DOWN_DELAY_S = 2.0
 # How often a worker holding runs asks which were cancelled: a cancel takes effect within
 # this plus a round trip (under the promised second).
 CANCEL_POLL_S = 0.5
+# A fire's W3C traceparent: its trace id is kept on the run, for the dashboard's link.
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 # What any broker's client may throw at a consumer: one subscription ends, not the worker.
 BROKER_ERRORS = tuple({error for kind in KINDS for error in kind.errors})
@@ -487,7 +491,10 @@ class Worker:
             outcome = await self._attempt(held, run, route)
             if span is not None:
                 _record_outcome(span, outcome)
-            return outcome
+        traced = TRACEPARENT.fullmatch(held.delivery.traceparent or "")
+        if traced is not None:
+            outcome = dataclasses.replace(outcome, trace_id=traced.group(1))
+        return outcome
 
     async def _attempt(self, held: Held, run: Run, route: Route) -> Outcome:
         s = self.settings
@@ -677,16 +684,23 @@ def _log_resubscribe(state: RetryCallState) -> None:
 
 def _claim_spans(batch: Sequence[tuple[Any, Delivery, Route]], received: dt.datetime
                  ) -> dict[str, tracing.Span]:
-    """One consumer span per fire claimed, child of its publish span (tracing on)."""
+    """One consumer span per fire claimed, child of its publish span (tracing on); only a
+    sampled one is given attributes."""
     tracer = tracing.tracer()
     start = int(received.timestamp() * 1e9)
-    return {d.fire.fire_id: tracer.start_span(
-        f"claim {d.fire.target}", context=tracing.context_of(d.traceparent, d.tracestate),
-        kind=tracing.SpanKind.CONSUMER, start_time=start, attributes={
-            "messaging.operation.type": "process", "messaging.destination.name": d.fire.target,
-            "messaging.message.id": d.fire.fire_id,
-            "hascheduler.schedule_id": d.fire.schedule_id})
-        for _, d, _ in batch}
+    consumer = tracing.SpanKind.CONSUMER
+    spans = {}
+    for _, d, _ in batch:
+        span = tracer.start_span(f"claim {d.fire.target}",
+                                 context=tracing.context_of(d.traceparent, d.tracestate),
+                                 kind=consumer, start_time=start)
+        if span.is_recording():
+            span.set_attributes({"messaging.operation.type": "process",
+                                 "messaging.destination.name": d.fire.target,
+                                 "messaging.message.id": d.fire.fire_id,
+                                 "hascheduler.schedule_id": d.fire.schedule_id})
+        spans[d.fire.fire_id] = span
+    return spans
 
 
 @contextlib.contextmanager
