@@ -11,7 +11,7 @@ import math
 import re
 import secrets
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -269,21 +269,14 @@ def _change_by(request: web.Request, namespace: str, given: Actor | None = None)
 
 
 @web.middleware
-async def trace_requests(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A server span per request (tracing on), continuing the caller's ``traceparent``:
-    the schedule write or the fire run now it makes nests in it."""
-    if not tracing.enabled():
-        answer: web.StreamResponse = await handler(request)
-        return answer
+async def observe_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Requests by route template (not path: ids would explode the label set) and status;
+    with tracing on, each a server span continuing the caller's ``traceparent`` (the
+    schedule write or the fire run now it makes nests in it)."""
     route = request.match_info.route.resource
     name = route.canonical if route is not None else "unmatched"
-    parent = tracing.context_of(request.headers.get("traceparent"),
-                                request.headers.get("tracestate"))
-    with tracing.tracer().start_as_current_span(
-            f"{request.method} {name}", context=parent, kind=tracing.SpanKind.SERVER,
-            attributes={"http.request.method": request.method, "http.route": name,
-                        "url.path": request.path}) as span:
-        status = 500
+    status = 500
+    with _server_span(request, name) as span:
         try:
             response: web.StreamResponse = await handler(request)
             status = response.status
@@ -292,26 +285,25 @@ async def trace_requests(request: web.Request, handler: Any) -> web.StreamRespon
             status = exc.status
             raise
         finally:
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(tracing.Status(tracing.StatusCode.ERROR))
+            request.app[METRICS].http.labels(name, request.method, str(status)).inc()
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(tracing.Status(tracing.StatusCode.ERROR))
 
 
-@web.middleware
-async def count_requests(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Requests by route template (not path: ids would explode the label set) and status."""
-    route = request.match_info.route.resource
-    name = route.canonical if route is not None else "unmatched"
-    status = 500
-    try:
-        response: web.StreamResponse = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    finally:
-        request.app[METRICS].http.labels(name, request.method, str(status)).inc()
+@contextlib.contextmanager
+def _server_span(request: web.Request, route: str) -> Iterator[tracing.Span | None]:
+    if not tracing.enabled():
+        yield None
+        return
+    parent = tracing.context_of(request.headers.get("traceparent"),
+                                request.headers.get("tracestate"))
+    with tracing.tracer().start_as_current_span(
+            f"{request.method} {route}", context=parent, kind=tracing.SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "http.route": route,
+                        "url.path": request.path}) as span:
+        yield span
 
 
 async def metrics(request: web.Request) -> web.Response:

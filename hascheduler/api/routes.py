@@ -661,8 +661,7 @@ def create_app(
     trace_url: str | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[app.trace_requests, app.count_requests, error_middleware,
-                     app.access_control],
+        middlewares=[app.observe_requests, error_middleware, app.access_control],
         client_max_size=MAX_REQUEST_BYTES,
     )
     api[app.METRICS] = metrics_ or Metrics()

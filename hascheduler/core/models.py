@@ -13,6 +13,7 @@ import urllib.parse
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -121,6 +122,16 @@ def _checked_payload(value: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"payload is {size} bytes as JSON; the limit is {MAX_PAYLOAD_BYTES}")
     _storable(value, "payload")
     return value
+
+
+def _checked_namespace(value: str) -> str:
+    if not NAMESPACE.fullmatch(value):
+        raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
+                         "or '-', starting and ending with a letter or digit")
+    return value
+
+
+NamespaceName = Annotated[str, AfterValidator(_checked_namespace)]
 
 
 class _Strict(BaseModel):
@@ -288,7 +299,7 @@ class ScheduleFields(_Strict):
     """What a client writes: everything but the server-managed fields."""
 
     name: str = Field(min_length=1, max_length=200)
-    namespace: str = Field(DEFAULT_NAMESPACE, max_length=63, description=(
+    namespace: NamespaceName = Field(DEFAULT_NAMESPACE, max_length=63, description=(
         "the team's namespace: who may act on the schedule, its fires and runs; ids stay "
         "unique across namespaces"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
     trigger: TriggerSpec
@@ -374,13 +385,6 @@ class ScheduleFields(_Strict):
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _checked_payload(value)
 
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        if not NAMESPACE.fullmatch(value):
-            raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
-                             "or '-', starting and ending with a letter or digit")
-        return value
 
     @field_validator("labels")
     @classmethod
@@ -536,7 +540,7 @@ class WebhookIn(_Strict):
     url: str = Field(min_length=8, max_length=MAX_WEBHOOK_URL_CHARS,
                      description="http:// or https:// URL the events are POSTed to")
     events: list[WebhookEvent] = Field(min_length=1, max_length=len(WEBHOOK_EVENTS))
-    namespace: str = Field(DEFAULT_NAMESPACE, max_length=63, description=(
+    namespace: NamespaceName = Field(DEFAULT_NAMESPACE, max_length=63, description=(
         "whose events it receives"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
     schedule_id: str | None = Field(None, description="only this schedule's events",
                                     json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
@@ -552,13 +556,6 @@ class WebhookIn(_Strict):
                              "a letter or digit")
         return value
 
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        if not NAMESPACE.fullmatch(value):
-            raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
-                             "or '-', starting and ending with a letter or digit")
-        return value
 
     @field_validator("url")
     @classmethod
