@@ -157,9 +157,8 @@ async def test_the_timeline_shows_late_skipped_and_dead_fires_and_buttons_follow
             assert await page.locator("button[data-schedule]").count() == 0
 
             # The dead run's page: its attempt, its error, a retry (trigger may).
-            await page.click(f"#timeline rect[data-fire='{dead_fire}']")
             detail = page.locator("#detail")
-            await expect(detail).to_contain_text(f"Run {dead_fire}", timeout=10_000)
+            await _open_mark(page, dead_fire)
             await expect(detail).to_contain_text("no longer exists")
             await expect(detail.locator("tbody tr")).to_have_count(1)
             await expect(detail.locator("button[data-run]")).to_have_text("retry")
@@ -175,12 +174,32 @@ async def test_the_timeline_shows_late_skipped_and_dead_fires_and_buttons_follow
             await expect(detail.locator("button[data-backfill]")).to_be_visible()
             await page.fill("#pause-note", "partner asked")
             await page.click("button[data-pause-with-note='busy']")
-            await wait_until(lambda: _paused_with(setup, "busy", "partner asked"), 10,
-                             "the pause with its note")
+            try:
+                await wait_until(lambda: _paused_with(setup, "busy", "partner asked"), 20,
+                                 "the pause with its note")
+            except AssertionError as exc:  # say what the page and the API show instead
+                raise AssertionError(
+                    f"{exc}; the page says {await page.inner_text('#status')!r}; the "
+                    f"schedule is {await _call(setup, 'GET', '/schedules/busy')}; the panel "
+                    f"shows {(await page.inner_text('#detail'))[:500]!r}") from None
             await expect(detail.locator("button[data-resume]")).to_be_visible(timeout=10_000)
             await expect(detail).to_contain_text("pause")  # in its history
         finally:
             await browser.close()
+
+
+async def _open_mark(page: Page, fire_id: str) -> None:
+    """Click a fire's mark until its run's page shows: the timeline is drawn again every
+    few seconds, and a click may land as its strip is being replaced."""
+    detail = page.locator("#detail")
+    for _ in range(5):
+        await page.click(f"#timeline rect[data-fire='{fire_id}']")
+        try:
+            await expect(detail).to_contain_text(f"Run {fire_id}", timeout=4_000)
+            return
+        except AssertionError:
+            continue
+    await expect(detail).to_contain_text(f"Run {fire_id}", timeout=4_000)
 
 
 async def _has(setup: Setup, kinds: set[str]) -> bool:

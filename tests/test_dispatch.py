@@ -294,6 +294,12 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
         async def templates(self, ids: set[str]) -> dict[str, object]:
             return {}
 
+        def prepare(self, claims: list[Claim]) -> None:
+            events.append(("prepare", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
+        def discard(self, claims: list[Claim]) -> None:
+            events.append(("discard", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
         async def admit(self, claims: list[Claim], term: int) -> list[Claim]:
             events.append(("admit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
             # The schedule is paused once its fire was admitted.
@@ -322,9 +328,12 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
         await dispatcher._publish_when_due(claims, {"kept": 1, "paused": 1}, term)
         assert term.next_publish_at() is None
         assert not term.pending
+    # Each claim's publish span is prepared ahead and discarded once it is settled.
     assert [(what, ids) for what, ids, _ in events] == [
-        ("admit", ["kept@x", "paused@x"]), ("unadmit", ["paused@x"]), ("publish", ["kept@x"])]
-    admitted_at, published_at = events[0][2], events[2][2]
+        ("prepare", ["kept@x", "paused@x"]), ("admit", ["kept@x", "paused@x"]),
+        ("unadmit", ["paused@x"]), ("publish", ["kept@x"]),
+        ("discard", ["kept@x", "paused@x"])]
+    admitted_at, published_at = events[1][2], events[3][2]
     ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
     assert due - ahead <= admitted_at < due
     assert published_at >= due
