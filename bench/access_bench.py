@@ -65,8 +65,9 @@ async def serve(db: Any, recorded: bool) -> tuple[web.AppRunner, str, AuditLog]:
 def _unrecorded(collection: Any) -> ScheduleStore:
     store = ScheduleStore(collection)
 
-    def plain(new: ScheduleIn, now: dt.datetime, actor: Actor) -> dict[str, Any]:
-        doc = ScheduleStore._new_document(store, new, now, actor)
+    def plain(new: ScheduleIn, now: dt.datetime, actor: Actor,
+              trace: str | None) -> dict[str, Any]:
+        doc = ScheduleStore._new_document(store, new, now, actor, trace)
         return {k: v for k, v in doc.items() if k not in ("audit_outbox", "audit_pending")}
 
     store._new_document = plain  # type: ignore[method-assign]
