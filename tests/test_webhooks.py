@@ -8,6 +8,8 @@ import asyncio
 import datetime as dt
 import json
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -342,3 +344,30 @@ def test_the_client_manages_webhooks(api_replica: ServerProcess) -> None:
         client.delete_webhook("c1")
         with pytest.raises(NotFound):
             client.get_webhook("c1")
+
+
+def _cli(api: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hascheduler.cli", "webhooks", *args,
+                           "--api", api], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_the_cli_adds_lists_and_deletes_webhooks(api_replica: ServerProcess) -> None:
+    made = _cli(api_replica.uri, "add", "--id", "cli-1", "--url", "https://hooks.example/y",
+                "--event", "run.dead", "--event", "fire.failed")
+    assert made.returncode == 0, made.stderr
+    assert "secret (shown once): " in made.stdout
+    listed = _cli(api_replica.uri, "list")
+    assert "cli-1" in listed.stdout
+    assert "run.dead,fire.failed" in listed.stdout
+    assert "EVENT" in _cli(api_replica.uri, "deliveries", "cli-1").stdout
+    # Refusals: exit 2 with the API's reason (a field named), or argparse's.
+    bad_url = _cli(api_replica.uri, "add", "--url", "ftp://x/y", "--event", "run.dead")
+    assert bad_url.returncode == 2
+    assert "url" in bad_url.stderr
+    assert _cli(api_replica.uri, "add", "--url", "https://h/x", "--event", "run.alive"
+                ).returncode == 2
+    assert _cli(api_replica.uri, "show", "nobody").returncode == 2
+    assert _cli(api_replica.uri, "deliveries", "cli-1", "--limit", "0").returncode == 2
+    assert _cli(api_replica.uri, "delete", "cli-1").returncode == 0
+    assert "cli-1" not in _cli(api_replica.uri, "list").stdout

@@ -27,6 +27,7 @@ from hascheduler.cli import local_cluster
 from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.constants import MAX_PAGE
 from hascheduler.core.health import ScheduleHealth
+from hascheduler.core.models import WEBHOOK_EVENTS
 from hascheduler.core.overlap import POLICIES
 from hascheduler.storage.runs import STATES as RUN_STATES
 
@@ -80,6 +81,7 @@ class _Actions:
 def add_parser(sub: Any) -> None:
     common = _common(after_action=False)
     _add_runs_parser(sub, common)
+    _add_webhooks_parser(sub, common)
     sc = sub.add_parser("schedules", parents=[common], help="add, list, change and preview "
                                                             "schedules over the HTTP API")
     sc.set_defaults(run=_run_sync)
@@ -200,6 +202,29 @@ def _add_runs_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     cancel = cmd.add_parser("cancel", help="cancel a run (a running one is stopped by its "
                                            "worker within a second)")
     cancel.add_argument("fire_id")
+
+
+def _add_webhooks_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    wh = sub.add_parser("webhooks", parents=[common], help="a namespace's events POSTed to a "
+                                                           "URL, signed: add, list, show, "
+                                                           "delete, deliveries")
+    wh.set_defaults(run=_run_sync)
+    cmd = _Actions(wh)
+    add = cmd.add_parser("add", help="create a webhook (admin in its namespace); prints its "
+                                     "secret, the only time it is shown")
+    add.add_argument("--url", required=True, help="http(s) URL the events are POSTed to")
+    add.add_argument("--event", action="append", required=True, choices=WEBHOOK_EVENTS,
+                     help="an event it receives; repeatable")
+    add.add_argument("--id")
+    add.add_argument("--schedule", help="only this schedule's events")
+    cmd.add_parser("list", help="the webhooks the token may read")
+    for name, text in (("show", "one webhook (never its secret)"),
+                       ("delete", "delete a webhook and its deliveries")):
+        cmd.add_parser(name, help=text).add_argument("id")
+    dl = cmd.add_parser("deliveries", help="a webhook's deliveries, newest first, with their "
+                                           "attempts")
+    dl.add_argument("id")
+    dl.add_argument("--limit", type=int, default=50)
 
 
 def resolve_api(explicit: str | None) -> str:
@@ -366,6 +391,8 @@ async def run(args: argparse.Namespace) -> int:
             output: str | None
             if args.command == "runs":
                 output = await _runs(api, args)
+            elif args.command == "webhooks":
+                output = await _webhooks(api, args)
             elif args.command == "audit-log":
                 output = _audit_output(await _first(api.audit(
                     args.namespace, args.schedule, args.actor, args.since,
@@ -501,3 +528,38 @@ async def _runs(api: AsyncClient, args: argparse.Namespace) -> str:
     changed = await (api.retry_run(args.fire_id) if args.action == "retry"
                      else api.cancel_run(args.fire_id))
     return json.dumps(changed, indent=2) if args.json else _runs_table([changed])
+
+
+async def _webhooks(api: AsyncClient, args: argparse.Namespace) -> str | None:
+    if args.action == "add":
+        body: dict[str, Any] = {"url": args.url, "events": args.event}
+        for field, value in (("id", args.id), ("schedule_id", args.schedule),
+                             ("namespace", args.namespace),
+                             ("secret", os.environ.get("HASCHEDULER_WEBHOOK_SECRET"))):
+            if value is not None:
+                body[field] = value
+        made = await api.create_webhook(body)
+        return _shown(made) if args.json else (
+            f"webhook {made.id}: {', '.join(made.events)} of {made.namespace}"
+            f"{'/' + made.schedule_id if made.schedule_id else ''} to {made.url}\n"
+            f"secret (shown once): {made.secret}")
+    if args.action == "list":
+        hooks = (await api.webhooks(args.namespace)).items
+        if args.json:
+            return _shown({"items": [h.model_dump(mode="json") for h in hooks]})
+        return table([[h.id, h.namespace, h.schedule_id or "*", ",".join(h.events), h.url]
+                      for h in hooks], ["ID", "NAMESPACE", "SCHEDULE", "EVENTS", "URL"])
+    if args.action == "show":
+        return _shown(await api.get_webhook(args.id))
+    if args.action == "delete":
+        await api.delete_webhook(args.id)
+        return None if not args.json else json.dumps({"deleted": args.id})
+    if not 1 <= args.limit <= MAX_PAGE:
+        raise Refused(f"--limit must be from 1 to {MAX_PAGE}")
+    found = await api.webhook_deliveries(args.id, args.limit)
+    if args.json:
+        return json.dumps(found, indent=2)
+    return table([[d["id"].partition(":")[2], d["type"], d["state"], str(d["attempts"]),
+                   str(d.get("last_status") or "-"), (d.get("last_error") or "")[:60]]
+                  for d in found["items"]],
+                 ["EVENT", "TYPE", "STATE", "ATTEMPTS", "LAST STATUS", "LAST ERROR"])
