@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 from pymongo import AsyncMongoClient
@@ -60,10 +61,11 @@ class Endpoint:
 
 class Receiver:
     """/flaky answers 500 to a delivery's first two attempts, /hang never answers a
-    delivery's first attempt within the timeout, /slow takes 1.5 s."""
+    delivery's first attempt within the timeout, /slow takes 1.5 s, /huge always answers
+    502 with 20 MB."""
 
     def __init__(self) -> None:
-        self.endpoints = {name: Endpoint(name) for name in ("flaky", "hang", "slow")}
+        self.endpoints = {name: Endpoint(name) for name in ("flaky", "hang", "slow", "huge")}
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -92,6 +94,8 @@ class Receiver:
             await asyncio.sleep(1.5)
         if endpoint.behaviour == "flaky" and attempt <= 2:
             return web.Response(status=500, text="not now")
+        if endpoint.behaviour == "huge":  # 20 MB of an error page, every time
+            return web.Response(status=502, body=b"x" * 20_000_000)
         endpoint.received.append({
             "delivery": delivery, "attempt": attempt, "event": json.loads(body),
             "signed": verify(SECRET, request.headers[SIGNATURE_HEADER], body, time.time()),
@@ -139,6 +143,8 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
                                      "events": ["run.dead"], "secret": SECRET})
             await post("/webhooks", {"id": "slow", "url": receiver.url + "/slow",
                                      "events": ["schedule.paused"], "secret": SECRET})
+            await post("/webhooks", {"id": "huge", "url": receiver.url + "/huge",
+                                     "events": ["run.dead"], "secret": SECRET})
             # Nobody listens there: its deliveries are retried, never delivered.
             await post("/webhooks", {"id": "gone", "url": f"http://127.0.0.1:{free_port()}/x",
                                      "events": every, "secret": SECRET})
@@ -185,6 +191,8 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
             gone = await wait_until(lambda: _retried(deliveries("gone")), 30,
                                     "the dead endpoint's deliveries retried")
             hang = await deliveries("hang")
+            huge = await wait_until(lambda: _retried(deliveries("huge")), 30,
+                                    "the 20 MB answers' deliveries retried")
             tick_fires = [f async for f in db.fires.find(
                 {"schedule_id": "tick", "state": "published"})]
     finally:
@@ -223,6 +231,10 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
     # The one nobody answers: still pending, retried, the refusal recorded.
     assert all(d["state"] == "pending" for d in gone)
     assert any(d["last_error"] and "onnect" in d["last_error"] for d in gone), gone
+    # An endpoint answering 20 MB: a kilobyte of it read, 200 characters kept.
+    assert all(d["state"] == "pending" for d in huge)
+    assert all(len(d["last_error"]) < 260 for d in huge), huge
+    assert all(d["last_error"].startswith("answered 502: xxx") for d in huge)
     # Meanwhile the tick fired on time, every fire.
     late_s = sorted((f["published_at"] - f["due_at"]).total_seconds() for f in tick_fires)
     assert len(late_s) > 10
@@ -330,6 +342,23 @@ def api_replica(mongo_uri: str) -> Any:
     replica.stop(signal.SIGKILL)
 
 
+def test_a_namespace_holds_a_bounded_number_of_webhooks(api_replica: ServerProcess) -> None:
+    from hascheduler.api.app import MAX_WEBHOOKS_PER_NAMESPACE
+
+    with httpx.Client(base_url=api_replica.uri) as http:
+        for i in range(MAX_WEBHOOKS_PER_NAMESPACE):
+            made = http.post("/webhooks", json={"url": f"https://h/{i}", "events": ["run.dead"],
+                                                "namespace": "crowded"})
+            assert made.status_code == 201, made.text
+        refused = http.post("/webhooks", json={"url": "https://h/x", "events": ["run.dead"],
+                                               "namespace": "crowded"})
+        assert refused.status_code == 409
+        assert refused.json()["errors"][0]["field"] == "namespace"
+        # Another namespace is not crowded by it.
+        assert http.post("/webhooks", json={"url": "https://h/x", "events": ["run.dead"],
+                                            "namespace": "spacious"}).status_code == 201
+
+
 def test_the_client_manages_webhooks(api_replica: ServerProcess) -> None:
     from hascheduler.client import Client, NotFound
 
@@ -339,7 +368,7 @@ def test_the_client_manages_webhooks(api_replica: ServerProcess) -> None:
         assert made.secret is not None
         assert len(made.secret) >= 32  # generated, shown once
         assert client.get_webhook("c1").secret is None
-        assert [w.id for w in client.webhooks().items] == ["c1"]
+        assert [w.id for w in client.webhooks("default").items] == ["c1"]
         assert client.webhook_deliveries("c1") == {"items": []}
         client.delete_webhook("c1")
         with pytest.raises(NotFound):

@@ -112,6 +112,20 @@ def test_a_delivery_is_read_with_its_target_and_schedule() -> None:
     assert read_delivery("hascheduler.fire.a", body(tenant="acme")).tenant == "acme"
 
 
+@pytest.mark.parametrize(("fields", "kept"), [
+    ({"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "tracestate": "v=1"}, True),
+    ({"traceparent": "x" * 100_000, "tracestate": "y" * 100_000}, False),  # too long
+    ({"traceparent": 7, "tracestate": ["v"]}, False),  # not strings
+])
+def test_a_fires_trace_context_is_read_only_when_it_is_plausible(
+        fields: dict[str, Any], kept: bool) -> None:
+    raw = json.dumps({"id": "s@1", **fields, "data": {"term": 1,
+                                                      "nominal_at": NOW.isoformat()}}).encode()
+    delivery = read_delivery("hascheduler.fire.a", raw)  # never refused for its trace
+    assert (delivery.traceparent is not None) is kept
+    assert (delivery.tracestate is not None) is kept
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"\xff", b"null", b"[]", b'{"id": "s@1"}', b'{"id": 5, "data": {}}',
     body(term=True), body(term=-1), body(term="1"), body(replay=-2), body(nominal_at=None),

@@ -884,6 +884,10 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     return _json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
 
 
+# Every event of a namespace is one delivery per webhook: the number is bounded.
+MAX_WEBHOOKS_PER_NAMESPACE = 50
+
+
 def _webhooks(request: web.Request) -> tuple[WebhookStore, Deliveries]:
     webhooks = _cluster(request).webhooks
     if webhooks is None:
@@ -907,6 +911,10 @@ async def create_webhook(request: web.Request) -> web.Response:
         if namespace != wanted.namespace:
             raise BadRequest(422, "schedule_id", f"no schedule {wanted.schedule_id!r} in "
                                                  f"namespace {wanted.namespace!r}")
+    if len(await store.in_namespaces([wanted.namespace])) >= MAX_WEBHOOKS_PER_NAMESPACE:
+        raise BadRequest(409, "namespace", f"namespace {wanted.namespace!r} has "
+                         f"{MAX_WEBHOOKS_PER_NAMESPACE} webhooks already, the most it may: "
+                         "each event is delivered to each of them")
     secret = wanted.secret or secrets.token_urlsafe(32)
     doc = {"_id": wanted.id or uuid.uuid4().hex, "url": wanted.url, "events": wanted.events,
            "namespace": wanted.namespace, "schedule_id": wanted.schedule_id,

@@ -60,6 +60,7 @@ FIND_EVERY_S = 1.0
 DELIVER_EVERY_S = 0.2
 MAX_IN_FLIGHT = 32
 FOUND_AT_ONCE = 500  # events read from one source per look
+ANSWER_KEPT_BYTES = 1024
 # Sources read by time look back this far before their cursor: a record written late
 # (a worker's outcome write retried through a failover) is still found; a duplicate is
 # dropped by its delivery's key.
@@ -266,7 +267,10 @@ class WebhookService:
                                        allow_redirects=False) as answer:
                 status = answer.status
                 if not 200 <= status < 300:
-                    error = f"answered {status}: {(await answer.text())[:200]}"
+                    # At most a kilobyte of what it said: an endpoint may answer anything.
+                    said = (await answer.content.read(ANSWER_KEPT_BYTES)).decode(
+                        "utf-8", "replace")
+                    error = f"answered {status}: {said[:200]}"
         except TimeoutError:
             error = f"no answer within {ATTEMPT_TIMEOUT_S:g} s"
         except (aiohttp.ClientError, OSError, ValueError) as exc:
