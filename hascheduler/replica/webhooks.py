@@ -144,6 +144,8 @@ class WebhookService:
     # -- finding --------------------------------------------------------------------------
 
     async def find(self) -> None:
+        # Taken first: if this look fails, the next health round (10 s) judges them again.
+        judged, self._judged = self._judged, []
         subscriptions, self._hooks = await self.store.subscriptions()
         wanted = {t for s in subscriptions for t in s.events}
         self.ledger.noticed = frozenset(
@@ -157,7 +159,6 @@ class WebhookService:
             await self.ledger.clear_notices([d["_id"] for d in entries])
         await self._from_cursor(RUN_DEAD, wanted, subscriptions, now)
         await self._from_cursor(SCHEDULE_PAUSED, wanted, subscriptions, now)
-        judged, self._judged = self._judged, []
         await self._record([e for e in judged if e.type in wanted], subscriptions, now)
 
     async def _record(self, events: list[Event], subscriptions: list[Subscription],
