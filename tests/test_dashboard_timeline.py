@@ -173,6 +173,7 @@ async def test_the_timeline_shows_late_skipped_and_dead_fires_and_buttons_follow
             await expect(detail).to_contain_text("health")
             await expect(detail.locator("button[data-backfill]")).to_be_visible()
             await page.fill("#pause-note", "partner asked")
+            await expect(page.locator("#pause-note")).to_have_value("partner asked")
             await page.click("button[data-pause-with-note='busy']")
             try:
                 await wait_until(lambda: _paused_with(setup, "busy", "partner asked"), 20,
