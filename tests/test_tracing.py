@@ -12,6 +12,7 @@ import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -171,3 +172,35 @@ def test_tracing_is_off_unless_an_endpoint_is_named() -> None:
 def test_a_malformed_traceparent_from_a_wire_is_ignored(traceparent: str | None) -> None:
     assert tracing.context_of(traceparent) is None
     assert tracing.link_of(traceparent) == ()
+
+
+@pytest.mark.parametrize("sampler", ["ratio", "parent-ratio", "on", "off", "other"])
+def test_a_root_fire_is_sampled_as_the_configured_sampler_would_sample_it(
+        sampler: str) -> None:
+    """The leader decides an unsampled fire without an SDK span (tracing.begin_root): the
+    decision is the configured sampler's, for every trace id."""
+    import random
+
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import sampling
+
+    class EveryThird(sampling.Sampler):
+        def should_sample(self, parent_context: Any, trace_id: int, name: str,
+                          *args: Any, **kwargs: Any) -> sampling.SamplingResult:
+            return sampling.SamplingResult(sampling.Decision.RECORD_AND_SAMPLE
+                                           if trace_id % 3 == 0 else sampling.Decision.DROP)
+
+        def get_description(self) -> str:
+            return "every third"
+
+    configured = {"ratio": sampling.TraceIdRatioBased(0.25),
+                  "parent-ratio": sampling.ParentBased(sampling.TraceIdRatioBased(0.25)),
+                  "on": sampling.ALWAYS_ON, "off": sampling.ALWAYS_OFF,
+                  "other": EveryThird()}[sampler]
+    decide = tracing._root_decider(configured)
+    ids = [random.getrandbits(128) or 1 for _ in range(2000)]
+    ours = [decide(i, "publish t", tracing.SpanKind.PRODUCER) for i in ids]
+    theirs = [configured.should_sample(Context(), i, "publish t").decision.is_sampled()
+              for i in ids]
+    assert ours == theirs
+    assert (0 < sum(ours) < len(ours)) is (sampler not in ("on", "off"))

@@ -40,6 +40,7 @@ log = structlog.get_logger("hascheduler.tracing")
 EXPORT_EVERY_MS = 200
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _propagator = TraceContextTextMapPropagator()
+_NO_PARENT = Context()  # a root span's context: whatever span is current is not its parent
 _state: dict[str, Any] = {"provider": None}
 
 
@@ -74,6 +75,7 @@ def configure(default_service: str, environ: Mapping[str, str] = os.environ) -> 
     trace.set_tracer_provider(provider)
     _state["provider"] = provider
     _state["ids"] = ids
+    _state["root_sampled"] = _root_decider(provider.sampler)
     _state["tracer"] = provider.get_tracer("hascheduler")
     log.info("tracing_on", endpoint=next(environ[v] for v in _ENDPOINT_VARIABLES
                                          if environ.get(v)))
@@ -121,15 +123,30 @@ def begin_root(name: str, kind: SpanKind) -> tuple[Span | None, dict[str, str]]:
     second, nearly all unsampled: those are decided on a trace id drawn here, by the
     configured sampler itself, and never become SDK spans (a third of the cost); a sampled
     one is made by the SDK with that very trace id, so the decision stands."""
-    provider = _state["provider"]
     trace_id = random.getrandbits(128) or 1
-    decided = provider.sampler.should_sample(None, trace_id, name, kind)
-    if not decided.decision.is_sampled():
+    if not _state["root_sampled"](trace_id, name, kind):
         return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}"
                                      "-00"}
     _state["ids"].preset(trace_id)
-    span = tracer().start_span(name, kind=kind)
+    span = tracer().start_span(name, context=_NO_PARENT, kind=kind)
     return span, carried(span)
+
+
+def _root_decider(sampler: Any) -> Any:
+    """How the configured sampler decides for a span without a parent, as one test of the
+    trace id where the sampler is one of the SDK's ratio or fixed samplers (under
+    ParentBased or alone), else by asking it."""
+    from opentelemetry.sdk.trace import sampling
+
+    root = sampler._root if isinstance(sampler, sampling.ParentBased) else sampler
+    if isinstance(root, sampling.TraceIdRatioBased):
+        limit, bound = root.TRACE_ID_LIMIT, root.bound
+        return lambda trace_id, name, kind: trace_id & limit < bound
+    if root is sampling.ALWAYS_ON or root is sampling.ALWAYS_OFF:
+        decision = root is sampling.ALWAYS_ON
+        return lambda trace_id, name, kind: decision
+    return lambda trace_id, name, kind: sampler.should_sample(
+        _NO_PARENT, trace_id, name, kind).decision.is_sampled()
 
 
 def tracer() -> Tracer:
