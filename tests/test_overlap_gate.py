@@ -72,3 +72,28 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
     await gate.runs.unreserve(second.fire_id)
     assert [c.fire_id for c in await gate.ready(TERM, now + dt.timedelta(minutes=1))] == [
         third.fire_id]
+
+
+async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(
+        gate: OverlapGate) -> None:
+    """The window inside the take itself: the waiting fire is already claimed (no longer
+    buffered) and its run not yet reserved when the next fire is admitted."""
+    now = dt.datetime.now(dt.UTC)
+    first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([second], targets, TERM) == []
+    await gate.runs.unreserve(first.fire_id)
+
+    admitted_during_take: list[list[Claim]] = []
+    take = gate.ledger.take
+
+    async def take_then_admit(*args: Any, **kwargs: Any) -> list[Claim]:
+        taken = await take(*args, **kwargs)
+        admitted_during_take.append(await gate.admit([third], targets, TERM))
+        return taken
+
+    gate.ledger.take = take_then_admit  # type: ignore[method-assign]
+    released = await gate.ready(TERM, now + dt.timedelta(minutes=1))
+    assert [c.fire_id for c in released] == [second.fire_id]
+    assert admitted_during_take == [[]]  # the third waits behind the second

@@ -134,7 +134,15 @@ class OverlapGate:
         for key in free:
             if key not in firsts:
                 self.waiting.discard(key)  # nothing waits there any more
-        taken = await self.ledger.take(sorted(firsts.values()), BUFFERED, term,
-                                       self.clock(), retry_at)
-        self.releasing.update((c.schedule_id, c.tenant) for c in taken)
+        # Releasing from before the take: once a fire is taken, the database shows its key
+        # neither a buffered fire nor an open run until admit() reserves its run.
+        self.releasing.update(firsts)
+        try:
+            taken = await self.ledger.take(sorted(firsts.values()), BUFFERED, term,
+                                           self.clock(), retry_at)
+        except BaseException:
+            self.releasing.difference_update(firsts)
+            raise
+        self.releasing.difference_update(set(firsts) - {(c.schedule_id, c.tenant)
+                                                        for c in taken})
         return taken
