@@ -57,9 +57,12 @@ def test_lateness_is_bucketed_over_the_window() -> None:
     assert sum(b.count for b in buckets) == 5
 
 
+DATABASE = f"tl_{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def replica(mongo_uri: str) -> Iterator[ServerProcess]:
-    started = start_replica(with_database(mongo_uri, f"tl_{uuid.uuid4().hex[:8]}"), "tl")
+    started = start_replica(with_database(mongo_uri, DATABASE), "tl")
     yield started
     started.stop(signal.SIGKILL)
 
@@ -80,3 +83,44 @@ def test_the_timeline_of_a_schedule_that_does_not_exist_is_404(replica: ServerPr
     assert empty["schedules"] == []
     assert len(empty["lateness"]) == 60
     assert empty["in_flight"] == []
+
+
+def test_a_window_of_many_fires_is_bounded(replica: ServerProcess, mongo_uri: str) -> None:
+    """Valid but expensive: 25 schedules with 1,000 ledger entries each in the last day
+    (one a fan-out of 50 tenants a fire): the timeline reads the first 20 schedules and the
+    latest 600 entries of each, says so, and a fan-out fire is one mark."""
+    from pymongo import MongoClient
+
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    with httpx.Client(base_url=replica.uri) as http:
+        for i in range(25):
+            made = http.post("/schedules", json={
+                "id": f"busy-{i:02d}", "name": "busy", "target": "t.x",
+                "trigger": {"kind": "cron", "cron": "0 3 * * *"}})
+            assert made.status_code == 201, made.text
+    docs = []
+    for i in range(25):
+        for n in range(1000):
+            nominal = now - dt.timedelta(seconds=60 * n + 1)
+            late = dt.timedelta(seconds=2 if n % 7 == 0 else 0.01)
+            if i == 0:  # the fan-out: 50 tenants at each of 20 nominal times
+                nominal = now - dt.timedelta(seconds=60 * (n // 50) + 1)
+            docs.append({"_id": f"busy-{i:02d}@{nominal.isoformat()}/{n}",
+                         "schedule_id": f"busy-{i:02d}", "nominal_at": nominal,
+                         "due_at": nominal, "published_at": nominal + late,
+                         "state": "published", "recorded_at": now,
+                         **({"tenant": f"t{n}"} if i == 0 else {})})
+    with MongoClient(mongo_uri) as client:
+        client[DATABASE].fires.insert_many(docs)
+    answer = httpx.get(replica.uri + "/timeline", params={"hours": "24"}, timeout=30)
+    assert answer.status_code == 200
+    body = answer.json()
+    assert [s["id"] for s in body["schedules"]] == [f"busy-{i:02d}" for i in range(20)]
+    fanned, plain = body["schedules"][0], body["schedules"][1]
+    assert fanned["truncated"]
+    assert len(fanned["marks"]) == 12  # 600 entries of 50 tenants each nominal time
+    assert {m["tenants"] for m in fanned["marks"]} == {50}
+    assert plain["truncated"]
+    assert len(plain["marks"]) == 600
+    assert {m["kind"] for m in plain["marks"]} == {"on_time", "late"}
+    assert sum(b["count"] for b in body["lateness"]) == 600 * 20

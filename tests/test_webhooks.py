@@ -236,9 +236,11 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
     assert all(len(d["last_error"]) < 260 for d in huge), huge
     assert all(d["last_error"].startswith("answered 502: xxx") for d in huge)
     # Meanwhile the tick fired on time, every fire.
+    # Bound: a delivery in the fire path would make a fire as late as the hanging
+    # endpoint's timeout (5 s) or the 20 MB answers; 2 s leaves room for a loaded machine.
     late_s = sorted((f["published_at"] - f["due_at"]).total_seconds() for f in tick_fires)
     assert len(late_s) > 10
-    assert late_s[-1] < 0.5, late_s[-5:]
+    assert late_s[-1] < 2.0, late_s[-5:]
 
 
 async def _retried(items: Any) -> list[dict[str, Any]]:

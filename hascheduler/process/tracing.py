@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 __all__ = ["Context", "Link", "Span", "SpanKind", "Status", "StatusCode", "attached",
            "begin_root", "carried", "configure", "context_of", "current_traceparent",
-           "enabled", "flush", "inject", "link_of", "log_fields", "parent_of", "sampled",
+           "enabled", "flush", "link_of", "log_fields", "parent_of", "sampled",
            "tracer", "write_span"]
 
 log = structlog.get_logger("hascheduler.tracing")
@@ -177,17 +177,9 @@ def link_of(traceparent: str | None) -> tuple[Link, ...]:
     return (Link(trace.get_current_span(ctx).get_span_context()),)
 
 
-def inject(span: Span | None = None) -> dict[str, str]:
-    """``traceparent`` (and ``tracestate`` when there is one) of ``span``, or of the
-    current span."""
-    carrier: dict[str, str] = {}
-    ctx = trace.set_span_in_context(span) if span is not None else None
-    _propagator.inject(carrier, context=ctx)
-    return carrier
-
-
 def carried(span: Span) -> dict[str, str]:
-    """``inject`` of one span, formatted here: the leader does it for every fire."""
+    """The W3C ``traceparent`` (and ``tracestate`` when there is one) passing ``span`` on,
+    formatted here rather than by the propagator: the leader does it for every fire."""
     ctx = span.get_span_context()
     carrier = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-"
                               f"{int(ctx.trace_flags):02x}"}
@@ -211,7 +203,8 @@ def current_traceparent() -> str | None:
     current): what a schedule's write stores for its fires to link to."""
     if not enabled():
         return None
-    return inject().get("traceparent")
+    span = trace.get_current_span()
+    return carried(span)["traceparent"] if span.get_span_context().is_valid else None
 
 
 @contextlib.contextmanager
@@ -223,7 +216,7 @@ def write_span(action: str, count: int) -> Iterator[str | None]:
         return
     with tracer().start_as_current_span(f"schedule {action}", attributes={
             "hascheduler.action": action, "hascheduler.schedules": count}) as span:
-        yield inject(span).get("traceparent")
+        yield carried(span)["traceparent"]
 
 
 @contextlib.contextmanager
