@@ -2,7 +2,7 @@
 off, same run.
 
     python -m bench.tracing_bench [--schedules 10000] [--seconds 20] [--fires 10000]
-                                  [--concurrency 16] [--rounds 2] [--sample 0.01]
+                                  [--concurrency 16] [--rounds 3] [--sample 0.01]
 
 Runs the development MongoDB server, a real nats-server and an OTLP/HTTP receiver (in this
 process, keeping a count of the spans it is sent), as tests/test_tracing.py does.
@@ -11,7 +11,7 @@ process, keeping a count of the spans it is sent), as tests/test_tracing.py does
   tracing on (OTEL_EXPORTER_OTLP_ENDPOINT set, OTEL_TRACES_SAMPLER=parentbased_traceidratio
   at --sample) and off, --rounds of each in ABBA order, a fresh cluster and database and an
   empty stream each: publish acknowledged minus due time, as bench/firing_bench.py measures
-  it. Target: the best round's p99 on within 1.1x of off's.
+  it. Target: the median round's p99 on within 1.1x of off's.
 - Worker: --fires fires in the stream, every one carrying a traceparent, one in 1/--sample
   sampled (as a leader sampling at that rate sends them); a `hascheduler worker` at
   --concurrency consumes them all with tracing off and on, alternating, --rounds each, the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import statistics
 import sys
 from typing import Any
 
@@ -83,12 +84,12 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"| {n + 1} | {mode} | {len(values):,} | {ms(values, .5)} | "
                   f"{ms(values, .99)} | {ms(values, 1.0)} |", flush=True)
         spans_firing = len(receiver.spans)
-        # The best round of each mode, as for the worker below: a round the shared machine
-        # stalled (the rows show it) says nothing of tracing.
-        best_p99 = {mode: min(v) for mode, v in p99.items()}
-        print(f"best p99: off {best_p99['off'] * 1000:.0f} ms, on "
-              f"{best_p99['on'] * 1000:.0f} ms; on / off "
-              f"{best_p99['on'] / best_p99['off']:.2f}x (target <= 1.1x); spans exported: "
+        # The median round of each mode: a round's p99 moves by tens of milliseconds from
+        # one cluster to the next on a shared machine, as much as tracing's effect.
+        median = {mode: statistics.median(v) for mode, v in p99.items()}
+        print(f"median p99: off {median['off'] * 1000:.0f} ms, on "
+              f"{median['on'] * 1000:.0f} ms; on / off "
+              f"{median['on'] / median['off']:.2f}x (target <= 1.1x); spans exported: "
               f"{spans_firing:,}")
 
         last = await fill_stream(broker.uri, args.fires, round(1 / args.sample))
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--fires", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample", type=float, default=0.01)
     return asyncio.run(main_async(parser.parse_args(argv)))
 
