@@ -104,6 +104,12 @@ BAD_SCHEDULES = [
     ("trigger.at", {"trigger": {"kind": "at", "at": "1900000000"}}),
     ("jitter", {"jitter": "5"}),
     ("paused", {"paused": 1}),
+    # A concurrency key that cannot render for the schedule's fires.
+    ("concurrency", {"concurrency": {"key": "{payload.account}", "limit": 2}}),
+    ("concurrency", {"concurrency": {"key": "{tenant}", "limit": 2}}),
+    ("concurrency.key", {"concurrency": {"key": "{nope}", "limit": 2}}),
+    ("concurrency.limit", {"concurrency": {"key": "{target}", "limit": 0}}),
+    ("concurrency.limit", {"concurrency": {"key": "{target}", "limit": 10_001}}),
 ]
 
 

@@ -9,6 +9,7 @@ SCHEDULES = "schedules"
 LEASES = "leases"
 FIRES = "fires"
 RUNS = "runs"
+SLOTS = "slots"  # concurrency slots (storage/flow.py)
 FIRE_COUNTS = "fire_counts"
 BACKFILLS = "backfills"
 AUDIT = "audit"  # the audit trail (storage/audit_log.py)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import json.encoder
@@ -50,18 +51,20 @@ class EventTemplate:
     payload: str  # JSON
     # The traceparent of the write that last changed the schedule (its fires link to it).
     written_in: str | None = None
+    # The schedule's concurrency limit as a data field ('"concurrency":{...},'), or "".
+    concurrency: str = ""
 
     @classmethod
     def of(cls, schedule: dict[str, Any]) -> EventTemplate:
-        trace = schedule.get("trace")
+        trace, limit = schedule.get("trace"), schedule.get("concurrency")
         return cls(target=schedule["target"], subject=_encode(schedule["_id"]),
                    name=_encode(schedule.get("name")),
                    payload=_encode(schedule.get("payload", {})),
-                   written_in=trace if isinstance(trace, str) else None)
+                   written_in=trace if isinstance(trace, str) else None,
+                   concurrency=f'"concurrency":{_encode(limit)},' if limit else "")
 
     def with_payload(self, payload: Any) -> EventTemplate:
-        return EventTemplate(self.target, self.subject, self.name, _encode(payload),
-                             self.written_in)
+        return dataclasses.replace(self, payload=_encode(payload))
 
     def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
                attempt: int, fired_at_iso: str,
@@ -83,6 +86,6 @@ class EventTemplate:
                 f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
                 f'"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
                 f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant_field}'
-                f'"payload":{self.payload}}}}}')
+                f'{self.concurrency}"payload":{self.payload}}}}}')
         return FireMessage(fire_id=fire_id, target=self.target, term=term,
                            body=body.encode(), traceparent=traceparent, tracestate=tracestate)

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from hascheduler.core import cron, triggers
+from hascheduler.core import cron, flow, triggers
 from hascheduler.core.catchup import MAX_CATCHUP_FIRES
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
@@ -295,6 +295,25 @@ class Expectation(_Strict):
         return seconds
 
 
+class ConcurrencySpec(_Strict):
+    """At most ``limit`` runs whose key renders alike run at once, across every worker
+    (core/flow.py, docs/WORKERS.md)."""
+
+    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
+        "a template over the run: {target}, {schedule_id}, {tenant}, {payload.<name>}"),
+        examples=["{tenant}", "{payload.account}"])
+    limit: int = Field(ge=1, le=flow.MAX_LIMIT)
+
+    @field_validator("key")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            flow.KeyTemplate.parse(value)
+        except flow.KeyTemplateError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
 class ScheduleFields(_Strict):
     """What a client writes: everything but the server-managed fields."""
 
@@ -341,6 +360,10 @@ class ScheduleFields(_Strict):
     expect: Expectation | None = Field(
         None, description="an objective: its health says whether it is met, and the "
                           "schedule gets metrics of its own (docs/OPERATIONS.md)")
+    concurrency: ConcurrencySpec | None = Field(
+        None, description="a concurrency limit by key for this schedule's runs, across "
+                          "every worker (instead of its handler's, if that declares one): "
+                          "runs over it wait, state 'waiting' (docs/WORKERS.md)")
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
@@ -385,6 +408,20 @@ class ScheduleFields(_Strict):
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _checked_payload(value)
 
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency_key(cls, value: ConcurrencySpec | None, info: ValidationInfo
+                         ) -> ConcurrencySpec | None:
+        """The key renders for every fire: each payload field it names is there."""
+        if value is not None:
+            try:
+                flow.check_for_schedule(flow.ConcurrencyLimit.of(value.model_dump()),
+                                        info.data.get("payload") or {},
+                                        info.data.get("fan_out") is not None)
+            except flow.KeyTemplateError as exc:
+                raise ValueError(f"key: {exc}") from None
+        return value
 
     @field_validator("labels")
     @classmethod

@@ -123,7 +123,8 @@ class Publisher:
         if missing:
             async for doc in self.schedules.find({"_id": {"$in": missing}},
                                                  {"name": 1, "payload": 1, "target": 1,
-                                                  "revision": 1, TRACE: 1}):
+                                                  "revision": 1, TRACE: 1,
+                                                  "concurrency": 1}):
                 template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._templates[doc["_id"]] = (doc.get("revision", 0), template)

@@ -7,6 +7,7 @@ A run is what a worker does with one fire, keyed by the fire id. Its states:
     running -> succeeded | retrying | dead | cancelled        retrying -> running | cancelled
     running (lease lapsed) -> running (taken over by another worker)
     dead -> retrying (replayed by POST /runs/{id}/retry)
+    pending | retrying | running (lease lapsed) -> waiting -> running   (flow control)
 
 A run is *open* until it is succeeded, dead or cancelled. The leader inserts a ``pending``
 run for each fire of a schedule with an overlap policy before publishing it, carrying
@@ -15,6 +16,10 @@ database itself refuses a second open run of a key (invariant 11). Every write t
 a run removes ``open_key``. Other runs begin ``running``, without it. An operator's
 cancel (POST /runs/{id}/cancel) ends a pending or retrying run at once, and asks the worker
 of a running one to stop it (``cancel_requested``).
+
+A run over its concurrency key's limit is *parked*: ``waiting``, with ``waiting_on`` (the
+key) and its event, until a worker holding a slot of that key for it claims it
+(storage/flow.py, docs/WORKERS.md).
 
 A worker claims a run here *before* its handler starts: inserting the document, or moving
 a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
@@ -41,6 +46,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
+from hascheduler.core.flow import Wanted
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
@@ -54,7 +60,9 @@ SUCCEEDED = "succeeded"
 RETRYING = "retrying"
 DEAD = "dead"
 CANCELLED = "cancelled"
-STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED)
+WAITING = "waiting"
+PARKED = "parked"  # a claim's answer: the run now waits for a slot of its key
+STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED, WAITING)
 ENDED = (SUCCEEDED, DEAD, CANCELLED)
 ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 
@@ -76,8 +84,8 @@ class Run(BaseModel):
     tenant: str | None = None
     target: str
     nominal_at: str | None = None
-    state: str = Field(description="pending, running, succeeded, retrying, dead or "
-                                   "cancelled")
+    state: str = Field(description="pending, running, succeeded, retrying, dead, "
+                                   "cancelled or waiting (over a concurrency limit)")
     attempts: int
     worker_id: str | None = None
     started_at: str | None = None
@@ -94,6 +102,9 @@ class Run(BaseModel):
     cancelled_by: str | None = None
     recorded_at: str | None = None
     trace_id: str | None = Field(None, description="the fire's trace, when traced")
+    waiting_on: dict[str, str] | None = Field(
+        None, description='why a waiting run waits: {"concurrency": <its key>}')
+    waiting_since: str | None = None
     attempt_history: list[dict[str, Any]] | None = Field(
         None, description="each attempt as it ended (the latest 20): attempt, worker_id, "
                           "started_at, finished_at, duration_s, state, error")
@@ -160,6 +171,10 @@ class FireRef:
 def open_key(schedule_id: str, tenant: str | None) -> str:
     """The key whose runs an overlap policy holds to one open at a time."""
     return schedule_id if tenant is None else f"{schedule_id}/{tenant}"
+
+
+_PARKED_FIELDS = dict.fromkeys(("waiting_on", "waiting_since", "wait_key", "wait_limit",
+                                "wait_template", "woken_at"), "")
 
 
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
@@ -240,6 +255,14 @@ def _stored_event(raw: Any) -> dict[str, Any] | None:
     return event
 
 
+def _blocked(current: Document, now: dt.datetime) -> Claim:
+    """Why a run cannot be claimed now: its state, and how long until it might be."""
+    state = current["state"]
+    until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
+    wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
+    return Claim(state, wait_s=max(0.0, wait))
+
+
 class RunLedger:
     def __init__(self, runs: RunsCollection) -> None:
         self.runs = runs
@@ -253,6 +276,10 @@ class RunLedger:
         await self.runs.create_index([("open_key", ASCENDING)], name=ONE_OPEN_RUN,
                                      unique=True, partialFilterExpression={
                                          "open_key": {"$exists": True}})
+        # Parked runs by key, longest waiting first: the one a release wakes.
+        await self.runs.create_index([("wait_key", ASCENDING), ("waiting_since", ASCENDING)],
+                                     name="parked", partialFilterExpression={
+                                         "wait_key": {"$exists": True}})
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
         # Replicas and workers both create it: the first one's period stands.
@@ -310,12 +337,16 @@ class RunLedger:
             {"_id": fire.fire_id, "$or": [
                 {"state": PENDING},
                 {"state": RETRYING, "next_attempt_at": {"$lte": now}},
-                {"state": RUNNING, "lease_until": {"$lt": now}}]},
+                {"state": RUNNING, "lease_until": {"$lt": now}},
+                # parked: the caller holds the slot it waited for
+                {"state": WAITING}]},
             {"$set": running, "$inc": {"attempts": 1},
-             "$unset": {"next_attempt_at": "", "finished_at": "", "duration_s": ""}},
+             "$unset": {"next_attempt_at": "", "finished_at": "", "duration_s": "",
+                        **_PARKED_FIELDS}},
             return_document=ReturnDocument.BEFORE)
         if before is not None:
-            if before["state"] == PENDING:  # reserved by the leader: this is its start
+            if before["state"] in (PENDING, WAITING) and before.get("first_started_at") is None:
+                # reserved by the leader, or parked on its first delivery: its start
                 await self.runs.update_one({"_id": fire.fire_id, "first_started_at": None},
                                            {"$set": {"first_started_at": now}})
             took_over = before.get("worker_id") if before["state"] == RUNNING else None
@@ -324,10 +355,72 @@ class RunLedger:
                                            {"state": 1, "lease_until": 1, "next_attempt_at": 1})
         if current is None:  # expired between the two writes: as if never run
             return await self.claim(fire, worker_id, now, lease_s)
-        state = current["state"]
-        until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
-        wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
-        return Claim(state, wait_s=max(0.0, wait))
+        return _blocked(current, now)
+
+    async def park(self, fire: FireRef, want: Wanted, now: dt.datetime) -> Claim:
+        """Park the run of ``fire`` (no slot of its key was free): ``waiting`` on the key,
+        keeping its event for the worker that wakes it. Claim("parked"), or the state that
+        stops it as ``claim`` says (running elsewhere, ended, a retry not yet due)."""
+        parked = {"state": WAITING, "waiting_on": {"concurrency": want.key},
+                  "wait_key": want.key, "wait_limit": want.limit,
+                  "wait_template": want.template, "event": fire.body, "recorded_at": now}
+        doc = {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
+               "nominal_at": fire.nominal_at, "attempts": 0, "first_started_at": None,
+               "replays": 0, "waiting_since": now, **parked}
+        if fire.tenant is not None:
+            doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
+        try:
+            await self.runs.insert_one(doc)
+            return Claim(PARKED)
+        except DuplicateKeyError:
+            pass
+        before = await self.runs.find_one_and_update(
+            {"_id": fire.fire_id, "$or": [
+                {"state": PENDING},
+                {"state": RETRYING, "next_attempt_at": {"$lte": now}},
+                {"state": RUNNING, "lease_until": {"$lt": now}},
+                {"state": WAITING}]},
+            {"$set": parked, "$min": {"waiting_since": now},
+             "$unset": {"next_attempt_at": "", "woken_at": "", "lease_until": ""}},
+            return_document=ReturnDocument.BEFORE)
+        if before is not None:
+            return Claim(PARKED)
+        current = await self.runs.find_one({"_id": fire.fire_id},
+                                           {"state": 1, "lease_until": 1, "next_attempt_at": 1})
+        return Claim(PARKED) if current is None else _blocked(current, now)
+
+    async def next_waiting(self, key: str, now: dt.datetime, lease_s: float
+                           ) -> Document | None:
+        """The run parked longest on ``key`` that nobody is waking, marked as being woken
+        (by the caller, until ``lease_s`` from now); None when there is none."""
+        doc: Document | None = await self.runs.find_one_and_update(
+            {"wait_key": key, "state": WAITING, "$or": [
+                {"woken_at": None},
+                {"woken_at": {"$lt": now - dt.timedelta(seconds=lease_s)}}]},
+            {"$set": {"woken_at": now}},
+            sort=[("waiting_since", ASCENDING), ("_id", ASCENDING)],
+            projection={"event": 1, "wait_limit": 1, "wait_template": 1, "target": 1},
+            return_document=ReturnDocument.AFTER)
+        return doc
+
+    async def unwake(self, fire_id: str) -> None:
+        """The caller found no slot for it after all: back to waiting as it was."""
+        await self.runs.update_one({"_id": fire_id, "state": WAITING},
+                                   {"$unset": {"woken_at": ""}})
+
+    async def still_waiting(self, key: str) -> bool:
+        return await self.runs.find_one({"wait_key": key, "state": WAITING},
+                                        {"_id": 1}) is not None
+
+    async def waiting_counts(self) -> dict[str, int]:
+        """Parked runs, by the template of their key (the metrics' label)."""
+        counts: dict[str, int] = {}
+        async for d in self.runs.aggregate([
+                {"$match": {"state": WAITING}},
+                {"$group": {"_id": "$wait_template", "n": {"$sum": 1}}}]):
+            counts[str(d["_id"])] = int(d["n"])
+        return counts
+
 
     async def heartbeat(self, claims: dict[str, int], worker_id: str, now: dt.datetime,
                         lease_s: float) -> set[str]:
@@ -423,7 +516,7 @@ class RunLedger:
     async def cancel(self, fire_id: str, now: dt.datetime, by: str,
                      fire: FireRef | None = None, record: Document | None = None
                      ) -> tuple[Document, bool]:
-        """Cancel a run: a pending or retrying one (or, given ``fire``, one no worker has
+        """Cancel a run: a pending, retrying or waiting one (or, given ``fire``, one no worker has
         claimed yet) ends ``cancelled`` at once; a running one is marked for its worker to
         stop. Returns the run and whether it ended now.
 
@@ -437,9 +530,9 @@ class RunLedger:
         ended = {"state": CANCELLED, "finished_at": now, "recorded_at": now,
                  "cancelled_by": by}
         doc: Document | None = await self.runs.find_one_and_update(
-            {"_id": fire_id, "state": {"$in": [PENDING, RETRYING]}},
+            {"_id": fire_id, "state": {"$in": [PENDING, RETRYING, WAITING]}},
             audited({"$set": {**ended, "last_error": f"cancelled by {by}"},
-                     "$unset": {"next_attempt_at": "", "open_key": ""}}),
+                     "$unset": {"next_attempt_at": "", "open_key": "", **_PARKED_FIELDS}}),
             return_document=ReturnDocument.AFTER)
         if doc is not None:
             return doc, True

@@ -26,6 +26,7 @@ import structlog
 
 from hascheduler.core.constants import TARGET_PATTERN
 from hascheduler.core.errors import ConfigError
+from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError
 from hascheduler.worker.policy import RetryPolicy
 
 log = structlog.get_logger("hascheduler.worker")
@@ -74,6 +75,9 @@ class Route:
     handler: Handler
     policy: RetryPolicy
     is_async: bool
+    # At most ``limit`` runs of a rendered key at once, cluster-wide (core/flow.py); a
+    # schedule's own ``concurrency`` overrides it for that schedule's runs.
+    concurrency: ConcurrencyLimit | None = None
 
     def matches(self, target: str) -> bool:
         return pattern_matches(self.pattern, target)
@@ -115,17 +119,24 @@ class WorkerApp:
         self.name = name
         self._declared: dict[str, dict[str, Any]] = {}
 
-    def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None) -> None:
+    def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None,
+            concurrency: Mapping[str, Any] | None = None) -> None:
+        """``concurrency``: ``{"key": <template>, "limit": N}`` (docs/WORKERS.md)."""
         check_pattern(pattern)
         if not callable(handler):
             raise WorkerConfigError(f"the handler for {pattern!r} is not callable")
+        try:
+            limit = None if concurrency is None else ConcurrencyLimit.of(concurrency)
+        except KeyTemplateError as exc:
+            raise WorkerConfigError(f"the handler for {pattern!r}: {exc}") from None
         self.routes.append(Route(pattern, handler, policy or self.default_policy,
-                                 inspect.iscoroutinefunction(handler)))
+                                 inspect.iscoroutinefunction(handler), limit))
 
-    def handler(self, pattern: str, *, policy: RetryPolicy | None = None
+    def handler(self, pattern: str, *, policy: RetryPolicy | None = None,
+                concurrency: Mapping[str, Any] | None = None
                 ) -> Callable[[Handler], Handler]:
         def register(function: Handler) -> Handler:
-            self.add(pattern, function, policy)
+            self.add(pattern, function, policy, concurrency)
             return function
         return register
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.core.constants import TARGET_PATTERN
+from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError
 from hascheduler.storage.runs import FireRef
 
 MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
@@ -33,6 +34,9 @@ class Delivery:
     # extension); a malformed one is ignored where it is read (process/tracing.py).
     traceparent: str | None = None
     tracestate: str | None = None
+    # The schedule's own concurrency limit (its ``concurrency`` field, in data).
+    concurrency: ConcurrencyLimit | None = None
+    woken: bool = False  # sent again by the worker that freed a slot for it (parked)
 
 
 def read_delivery(subject: str, body: bytes) -> Delivery:
@@ -46,6 +50,12 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     data = event["data"]
     fire_id, term, nominal, replay = event.get("id"), data.get("term"), \
         data.get("nominal_at"), data.get("replay", 0)
+    concurrency = None
+    if data.get("concurrency") is not None:
+        try:
+            concurrency = ConcurrencyLimit.of(data["concurrency"])
+        except KeyTemplateError as exc:
+            raise NotAFire(f"data.concurrency: {exc}") from None
     if not isinstance(fire_id, str) or not 0 < len(fire_id) <= MAX_FIRE_ID_CHARS:
         raise NotAFire("id is not a fire id")
     for name, value in (("term", term), ("replay", replay)):
@@ -75,7 +85,8 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
                      tenant=tenant),
         term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
         tenant=tenant, traceparent=_trace_field(event, "traceparent"),
-        tracestate=_trace_field(event, "tracestate"))
+        tracestate=_trace_field(event, "tracestate"), concurrency=concurrency,
+        woken=data.get("woken") is True)
 
 
 def _trace_field(event: dict[str, Any], name: str) -> str | None:
@@ -89,7 +100,8 @@ class StaleFilter:
     fire can only come from a deposed leader acting after a newer one started; a fire an
     old leader claimed in time always has an earlier nominal time, so it still runs (its
     republish by the new leader was deduplicated away by the broker, so dropping it would
-    lose it). A replay of a dead run is never stale: an operator asked for it."""
+    lose it). A replay of a dead run is never stale: an operator asked for it; nor is a parked
+    run woken (its fire was claimed in time: it waited for a slot)."""
 
     def __init__(self) -> None:
         self.first_seen_term: dict[int, dt.datetime] = {}
@@ -97,7 +109,7 @@ class StaleFilter:
 
     def is_stale(self, delivery: Delivery, received_at: dt.datetime) -> bool:
         term = delivery.term
-        if delivery.replay:
+        if delivery.replay or delivery.woken:
             return False
         if term < self.max_term:
             newer_since = min(t for k, t in self.first_seen_term.items() if k > term)

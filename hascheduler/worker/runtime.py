@@ -52,15 +52,21 @@ from hascheduler.core.constants import (
     DEFAULT_RUN_RETENTION_S,
     RUNS,
     SCHEDULES,
+    SLOTS,
 )
+from hascheduler.core.flow import Wanted
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import watch_clock
+from hascheduler.storage.flow import SlotStore
 from hascheduler.storage.runs import (
     CANCELLED,
     DEAD,
+    PARKED,
     RETRYING,
+    RUNNING,
     SUCCEEDED,
+    WAITING,
     Claim,
     Outcome,
     RunLedger,
@@ -69,8 +75,9 @@ from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
 from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
+from hascheduler.worker.flow import LAPSED_SWEEP_S, FlowGate, slot_wanted
 from hascheduler.worker.metrics import WorkerMetrics
-from hascheduler.worker.policy import RetryPolicy, RunTimeout, after_failure
+from hascheduler.worker.policy import PermanentFailure, RetryPolicy, RunTimeout, after_failure
 
 log = structlog.get_logger("hascheduler.worker")
 
@@ -149,6 +156,8 @@ async def run_worker(settings: WorkerSettings) -> int:
         runs = RunLedger(db[RUNS])
         await _until_up("creating the runs ledger's indexes",
                         lambda: runs.ensure_indexes(settings.run_retention_s), stop)
+        slots = SlotStore(db[SLOTS])
+        await _until_up("creating the slots' indexes", slots.ensure_indexes, stop)
         # Run leases and retry times are judged on the database's clock, whatever this
         # host's says: a worker whose clock ran ahead would take over runs still held.
         clock = ServerClock()
@@ -159,8 +168,10 @@ async def run_worker(settings: WorkerSettings) -> int:
             if traced:
                 stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
                                           lambda: asyncio.to_thread(tracing.flush))
+            flow = FlowGate(slots, runs, settings.broker.publisher, settings.ack_wait_s,
+                            clock.now)
             await Worker(settings, runs, metrics, clock=clock.now,
-                         schedules=ScheduleStore(db[SCHEDULES])).run(stop)
+                         schedules=ScheduleStore(db[SCHEDULES]), flow=flow).run(stop)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 5)
@@ -191,10 +202,12 @@ class Recorder:
     answered: whatever ended while the previous write was in flight goes in the next one
     (no timer), so at high concurrency one write records many runs."""
 
-    def __init__(self, runs: RunLedger, give_up_after_s: float, answer: Answer) -> None:
+    def __init__(self, runs: RunLedger, give_up_after_s: float, answer: Answer,
+                 ended: Callable[[list[Any]], Awaitable[None]] | None = None) -> None:
         self.runs = runs
         self.give_up_after_s = give_up_after_s
         self.answer = answer
+        self.ended = ended  # the tokens of the batch's runs whose outcome stands
         self._pending: list[tuple[Any, Outcome]] = []
         self._wake = asyncio.Event()
         self._stopping = False
@@ -218,6 +231,9 @@ class Recorder:
             for token, outcome in batch:
                 await self.answer(token, outcome,
                                   None if lost is None else outcome.fire_id not in lost)
+            if self.ended is not None and lost is not None:
+                await self.ended([token for token, outcome in batch
+                                  if outcome.fire_id not in lost])
 
     def stop(self) -> None:
         self._stopping = True
@@ -248,6 +264,8 @@ class Held:
     runner: asyncio.Task[None] | None = None  # running it, once started
     cancelled: threading.Event = field(default_factory=threading.Event)
     trace: tracing.Context | None = None  # its claim span (tracing on): attempts' parent
+    slot: Wanted | None = None  # the concurrency slot it holds (worker/flow.py)
+    key_error: str | None = None  # why its concurrency key cannot be rendered: dead
 
 
 class Worker:
@@ -256,15 +274,17 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings, runs: RunLedger, metrics: WorkerMetrics,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
-                 schedules: ScheduleStore | None = None) -> None:
+                 schedules: ScheduleStore | None = None, flow: FlowGate | None = None
+                 ) -> None:
         self.settings = settings
         self.schedules = schedules
+        self.flow = flow
         self.app = settings.app
         self.runs = runs
         self.metrics = metrics
         self.clock = clock
         self.stale = StaleFilter()
-        self.recorder = Recorder(runs, settings.ack_wait_s, self._answer)
+        self.recorder = Recorder(runs, settings.ack_wait_s, self._answer, self._ended)
         self.held: dict[str, Held] = {}
         self.queue: asyncio.Queue[Held] = asyncio.Queue()
         # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
@@ -287,6 +307,10 @@ class Worker:
             lifecycle.start(stack, "runs recorder", self.recorder, patient=True)
             lifecycle.start(stack, "run heartbeat", Every(s.ack_wait_s / 3, self._heartbeat))
             lifecycle.start(stack, "cancel watch", Every(CANCEL_POLL_S, self._watch_cancels))
+            if self.flow is not None:
+                stack.push_async_callback(self.flow.close)
+                lifecycle.start(stack, "lapsed slot sweep",
+                                Every(LAPSED_SWEEP_S, self._sweep_slots))
             runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
             stack.push_async_callback(_cancelled, runners)
             log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
@@ -370,18 +394,63 @@ class Worker:
         batch = [ready[i] for i in sorted(first.values())]
         again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
         s = self.settings
+        slots, key_errors, over = await self._take_slots(batch)
+        batch = [r for r in batch if r[1].fire.fire_id not in over]
         spans = _claim_spans(batch, received) if tracing.enabled() else {}
         claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
                                             received, s.ack_wait_s)
         for (message, delivery, route), claim in zip(batch, claims, strict=True):
-            await self._claimed(message, delivery, route, claim,
-                                spans.get(delivery.fire.fire_id))
+            fire_id = delivery.fire.fire_id
+            await self._claimed(message, delivery, route, claim, spans.get(fire_id),
+                                slots.get(fire_id), key_errors.get(fire_id))
         for message, delivery, route in again:
             claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(),
                                           s.ack_wait_s)
             await self._claimed(message, delivery, route, claim,
                                 _claim_spans([(message, delivery, route)], received).get(
                                     delivery.fire.fire_id) if tracing.enabled() else None)
+        for message, delivery, route in over.values():
+            await self._park(message, delivery, route, slots[delivery.fire.fire_id])
+
+    async def _take_slots(self, batch: list[tuple[Any, Delivery, Route]]
+                          ) -> tuple[dict[str, Wanted], dict[str, str],
+                                     dict[str, tuple[Any, Delivery, Route]]]:
+        """The slots the batch's runs want (by fire id), why any cannot say which, and
+        the runs over their key's limit (to park), taking the slots in one go."""
+        slots: dict[str, Wanted] = {}
+        key_errors: dict[str, str] = {}
+        if self.flow is None:
+            return slots, key_errors, {}
+        for _, delivery, route in batch:
+            want = slot_wanted(delivery, route)
+            if isinstance(want, Wanted):
+                slots[delivery.fire.fire_id] = want
+            elif want is not None:
+                key_errors[delivery.fire.fire_id] = want
+        if not slots:
+            return slots, key_errors, {}
+        held = await self.flow.take(slots)
+        return slots, key_errors, {r[1].fire.fire_id: r for r in batch
+                                   if r[1].fire.fire_id in slots
+                                   and r[1].fire.fire_id not in held}
+
+    async def _park(self, message: Any, delivery: Delivery, route: Route,
+                    want: Wanted) -> None:
+        """Over its key's limit: wait in the ledger, not in the broker or a runner."""
+        assert self.flow is not None
+        fire = delivery.fire
+        outcome, taken = await self.flow.park(fire, want)
+        if taken:  # a slot freed meanwhile: run it after all
+            claim = await self.runs.claim(fire, self.settings.worker_id, self.clock(),
+                                          self.settings.ack_wait_s)
+            await self._claimed(message, delivery, route, claim, slot=want)
+        elif outcome == PARKED:
+            log.info("run_waiting", fire_id=fire.fire_id, key=want.key)
+            self.metrics.count(fire.target, WAITING)
+            with contextlib.suppress(*BROKER_ERRORS):
+                await message.ack()
+        else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
+            await self._claimed(message, delivery, route, Claim(outcome))
 
     async def _screen(self, message: Any, received: dt.datetime
                       ) -> tuple[Delivery, Route] | None:
@@ -407,8 +476,14 @@ class Worker:
         return delivery, route
 
     async def _claimed(self, message: Any, delivery: Delivery, route: Route,
-                       claim: Claim, span: tracing.Span | None = None) -> None:
+                       claim: Claim, span: tracing.Span | None = None,
+                       slot: Wanted | None = None, key_error: str | None = None) -> None:
         fire_id, target = delivery.fire.fire_id, delivery.fire.target
+        if slot is not None and not claim.claimed and claim.outcome != RUNNING \
+                and self.flow is not None:
+            # Taken for a run that will not start here (ended, or its retry not due); a
+            # run running elsewhere keeps the slot its fire holds.
+            await self.flow.release({fire_id: slot})
         if span is not None:
             span.set_attribute("hascheduler.claim", "claimed" if claim.claimed
                                else str(claim.outcome))
@@ -419,7 +494,8 @@ class Worker:
                 log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
                             attempt=claim.attempt)
             held = Held(message, delivery, route, claim.attempt,
-                        trace=None if span is None else tracing.parent_of(span))
+                        trace=None if span is None else tracing.parent_of(span),
+                        slot=slot, key_error=key_error)
             self.held[fire_id] = held
             self.queue.put_nowait(held)
         elif claim.outcome in (SUCCEEDED, DEAD):
@@ -504,6 +580,8 @@ class Worker:
         error: BaseException | None = None
         with self.metrics.in_flight(fire.target):
             try:
+                if held.key_error is not None:
+                    raise PermanentFailure(held.key_error)
                 if not held.cancelled.is_set():  # not cancelled while it was queued
                     async with asyncio.timeout(route.policy.timeout_s) as limit:
                         await _call(route, run)
@@ -604,6 +682,8 @@ class Worker:
         try:
             lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
                                              s.worker_id, self.clock(), s.ack_wait_s)
+            if self.flow is not None:
+                await self.flow.renew([f for f, h in held.items() if h.slot is not None])
         except PyMongoError as exc:
             log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
             return
@@ -635,7 +715,26 @@ class Worker:
                                     held.attempt, self.clock(),
                                     "the worker stopped before the run finished")
             await held.message.nak()
+            await self._ended([held])
         self.metrics.count(held.delivery.fire.target, "released")
+
+    async def _ended(self, helds: list[Held]) -> None:
+        """These runs are over here: their concurrency slots go to the runs parked on
+        their keys."""
+        if self.flow is None:
+            return
+        freed = {h.delivery.fire.fire_id: h.slot for h in helds if h.slot is not None}
+        try:
+            await self.flow.release(freed)
+        except PyMongoError as exc:  # the slots lapse with their leases, and are swept
+            log.warning("slot_release_failed", runs=len(freed), error=repr(exc)[:300])
+
+    async def _sweep_slots(self) -> None:
+        assert self.flow is not None
+        try:
+            await self.flow.sweep()
+        except PyMongoError as exc:
+            log.warning("slot_sweep_failed", error=repr(exc)[:300])
 
 
 async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:

@@ -1,0 +1,160 @@
+"""A worker's side of concurrency limits (docs/WORKERS.md, "Flow control").
+
+A fetched run whose handler or schedule declares a concurrency key takes a slot of that
+key (storage/flow.py) before its claim. One that finds none free is *parked*: its run is
+recorded ``waiting`` with its event and the broker's message acknowledged, so it holds no
+worker slot, no broker delivery and no timer. Whoever frees a slot of a key with parked
+runs wakes the one waiting longest: takes the slot for it and publishes its event again
+(message id ``<fire id>#wake-<n>``), which any worker then claims with that slot. A slot
+whose holder's lease lapsed (its worker died) is freed and handed on by any worker's
+sweep. Parking, not a delayed redelivery: a redelivery's backoff is either a spin or a
+wait past the moment the slot frees, and a key with 10,000 runs would hold the broker's
+deliveries while keys with one run wait behind them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import structlog
+
+from hascheduler.core.events import FireMessage
+from hascheduler.core.flow import MissingKeyField, Wanted, wanted
+from hascheduler.storage.flow import SlotStore
+from hascheduler.storage.runs import FireRef, RunLedger
+from hascheduler.worker.app import Route
+from hascheduler.worker.delivery import Delivery
+
+log = structlog.get_logger()
+
+LAPSED_SWEEP_S = 1.0  # how often a worker looks for slots whose holder's lease lapsed
+MAX_WAKES = 64  # runs one release may wake (a raised limit frees several slots at once)
+WAKE_PUBLISH_TIMEOUT_S = 5.0
+
+
+class Publisher(Protocol):
+    async def start(self) -> None: ...
+    async def publish(self, messages: Sequence[FireMessage],
+                      timeout_s: float) -> list[BaseException | None]: ...
+    async def close(self) -> None: ...
+
+
+def slot_wanted(delivery: Delivery, route: Route) -> Wanted | str | None:
+    """The slot a run needs (its schedule's limit, else its handler's), None for none, or
+    why its key cannot be rendered (the run then ends dead: the error says which field)."""
+    limit = delivery.concurrency or route.concurrency
+    if limit is None:
+        return None
+    fire = delivery.fire
+    try:
+        return wanted(limit, {"target": fire.target, "schedule_id": fire.schedule_id,
+                              "tenant": delivery.tenant, "payload": delivery.payload})
+    except MissingKeyField as exc:
+        return f"concurrency key {limit.template.text!r}: {exc}"
+
+
+def woken_event(stored: bytes) -> bytes:
+    """A parked run's event, marked woken (never judged stale: delivery.StaleFilter)."""
+    event = json.loads(stored)
+    event["data"]["woken"] = True
+    return json.dumps(event, separators=(",", ":")).encode()
+
+
+class FlowGate:
+    def __init__(self, slots: SlotStore, runs: RunLedger, publisher: Callable[[], Publisher],
+                 lease_s: float, clock: Callable[[], dt.datetime]) -> None:
+        self.slots = slots
+        self.runs = runs
+        self._make_publisher = publisher
+        self._publisher: Publisher | None = None
+        self.lease_s = lease_s
+        self.clock = clock
+
+    async def close(self) -> None:
+        if self._publisher is not None:
+            with contextlib.suppress(Exception):
+                await self._publisher.close()
+
+    async def take(self, wants: dict[str, Wanted]) -> set[str]:
+        return await self.slots.take(list(wants.items()), self.clock(), self.lease_s)
+
+    async def park(self, fire: FireRef, want: Wanted) -> tuple[str, bool]:
+        """Park the run; (the claim's outcome, whether a slot was taken for it after all).
+        A slot freed between the failed take and the park found nobody to wake: the take
+        after the park (and the key marked contended) sees it."""
+        claim = await self.runs.park(fire, want, self.clock())
+        if claim.outcome != "parked":
+            return claim.outcome, False
+        await self.slots.contend(want.key)
+        got = await self.slots.take([(fire.fire_id, want)], self.clock(), self.lease_s)
+        return claim.outcome, fire.fire_id in got
+
+    async def renew(self, fire_ids: Sequence[str]) -> None:
+        await self.slots.renew(fire_ids, self.clock() + dt.timedelta(seconds=self.lease_s))
+
+    async def release(self, freed: dict[str, Wanted]) -> None:
+        """Free the slots of these runs (ended, given back, or never claimed) and wake
+        the runs parked on their keys, under the limit the freeing run declared (so a
+        raised limit wakes as many more)."""
+        if not freed:
+            return
+        contended = await self.slots.release(list(freed), self.clock())
+        limits = {w.key: w for w in freed.values()}
+        for key in contended:
+            await self.wake(key, limits[key].limit)
+
+    async def wake(self, key: str, limit: int | None = None) -> int:
+        """Wake up to MAX_WAKES runs parked on ``key``, one per slot free; how many."""
+        woken = 0
+        while woken < MAX_WAKES:
+            now = self.clock()
+            doc = await self.runs.next_waiting(key, now, self.lease_s)
+            if doc is None:
+                # Nobody left: releases stop looking, unless a run parked meanwhile.
+                await self.slots.uncontend(key)
+                if await self.runs.still_waiting(key):
+                    await self.slots.contend(key)
+                    continue
+                break
+            want = Wanted(key, max(limit or 0, int(doc.get("wait_limit") or 1)),
+                          str(doc.get("wait_template") or ""))
+            if doc["_id"] not in await self.slots.take([(doc["_id"], want)], now,
+                                                       self.lease_s):
+                await self.runs.unwake(doc["_id"])
+                break
+            if not await self._send(doc):
+                break  # its slot lapses and the sweep wakes it again
+            woken += 1
+        return woken
+
+    async def _send(self, doc: dict[str, Any]) -> bool:
+        try:
+            body = woken_event(doc["event"])
+            if self._publisher is None:
+                publisher = self._make_publisher()
+                await publisher.start()
+                self._publisher = publisher
+            term = int(json.loads(body)["data"].get("term", 0))
+            [error] = await self._publisher.publish(
+                [FireMessage(f"{doc['_id']}#wake-{uuid.uuid4().hex[:8]}", doc["target"],
+                             term, body)], WAKE_PUBLISH_TIMEOUT_S)
+        except (KeyError, TypeError, ValueError) as exc:
+            error = exc
+        if error is not None:
+            log.warning("run_wake_failed", fire_id=doc["_id"], error=repr(error)[:300])
+            return False
+        log.info("run_woken", fire_id=doc["_id"])
+        return True
+
+    async def sweep(self) -> None:
+        """Hand on the slots whose holder's lease lapsed, of keys with parked runs."""
+        now = self.clock()
+        for key, holder in await self.slots.lapsed(now):
+            if await self.slots.free_lapsed(key, holder, now):
+                log.warning("slot_lapsed", key=key, holder=holder)
+                await self.wake(key)

@@ -1,0 +1,344 @@
+"""Concurrency limits by key across workers, with real processes: nats-server, the
+development MongoDB server and `hascheduler worker`s running tests/helpers/flow_handler.py.
+The handler's own records (start and end, with times) are the witness of how many runs of a
+key ran at once; the runs ledger says how each ended."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from pymongo import AsyncMongoClient
+
+from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
+from hascheduler.core import flow
+from hascheduler.core.events import EventTemplate
+from hascheduler.core.flow import KeyTemplate, KeyTemplateError, MissingKeyField, Wanted
+from hascheduler.storage.flow import SlotStore
+from hascheduler.worker import WorkerApp
+from hascheduler.worker.app import WorkerConfigError
+from hascheduler.worker.delivery import NotAFire, read_delivery
+from hascheduler.worker.flow import woken_event
+from tests.servers import ServerProcess, start_nats, with_database
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+# -- the key template (pure) ---------------------------------------------------------------
+
+def test_a_template_renders_each_field_of_a_run() -> None:
+    run = {"target": "mail.send", "schedule_id": "s1", "tenant": "acme",
+           "payload": {"account": {"id": 42}}}
+    assert KeyTemplate.parse("{target}/{tenant}/{payload.account.id}").render(run) == \
+        "mail.send/acme/42"
+    assert KeyTemplate.parse("{{x}}-{schedule_id}").render(run) == "{x}-s1"
+
+
+@pytest.mark.parametrize(("template", "says"), [
+    ("", "non-empty"), ("plain", "names no field"), ("{nope}", "not a field of a run"),
+    ("{payload}", "payload field"), ("{payload.}", "payload field"), ("{tenant", "unmatched"),
+    ("x}", "unmatched"), ("{" + "a" * 300 + "}", "at most 200"),
+])
+def test_a_template_that_cannot_render_is_refused_saying_why(template: str, says: str) -> None:
+    with pytest.raises(KeyTemplateError, match=says):
+        KeyTemplate.parse(template)
+
+
+@pytest.mark.parametrize(("run", "says"), [
+    ({"payload": {}}, "no payload.account"), ({"payload": {"account": None}}, "no payload"),
+    ({"payload": {"account": {"x": 1}}}, "not text or a number"),
+    ({"payload": {"account": "a" * 400}}, "more than 300"),
+])
+def test_a_run_lacking_a_field_its_key_names_is_said(run: dict[str, Any], says: str) -> None:
+    with pytest.raises(MissingKeyField, match=says):
+        KeyTemplate.parse("{payload.account}").render(run)
+
+
+def test_a_handler_declaring_a_bad_limit_is_refused_at_registration() -> None:
+    app = WorkerApp()
+    for bad in ({"key": "{nope}", "limit": 3}, {"key": "{tenant}", "limit": 0},
+                {"key": "{tenant}"}, {"key": "{tenant}", "limit": True}):
+        with pytest.raises(WorkerConfigError, match=r"jobs\.x"):
+            app.add("jobs.x", lambda run: None, concurrency=bad)
+
+
+def test_a_schedule_key_must_render_for_its_fires() -> None:
+    limit = flow.ConcurrencyLimit.of({"key": "{payload.account}", "limit": 2})
+    with pytest.raises(KeyTemplateError, match=r"payload\.account"):
+        flow.check_for_schedule(limit, {"other": 1}, fans_out=False)
+    flow.check_for_schedule(limit, {"account": "a"}, fans_out=False)
+    with pytest.raises(KeyTemplateError, match="fan_out"):
+        flow.check_for_schedule(flow.ConcurrencyLimit.of({"key": "{tenant}", "limit": 2}),
+                                {}, fans_out=False)
+
+
+def test_a_schedule_limit_travels_in_its_fires_events() -> None:
+    """The leader renders the schedule's ``concurrency`` into data; the worker reads it
+    back, and the woken copy of a parked run is never judged stale."""
+    template = EventTemplate.of({"_id": "s1", "name": "n", "target": "flow.report",
+                                 "payload": {"account": "a1"},
+                                 "concurrency": {"key": "{payload.account}", "limit": 2}})
+    now = dt.datetime.now(dt.UTC)
+    message = template.render("s1@x", now, None, 3, 1, now.isoformat())
+    delivery = read_delivery("hascheduler.fire.flow.report", message.body)
+    assert delivery.concurrency is not None
+    assert delivery.concurrency.spec() == {"key": "{payload.account}", "limit": 2}
+    assert not delivery.woken
+    assert read_delivery("hascheduler.fire.flow.report", woken_event(message.body)).woken
+    plain = EventTemplate.of({"_id": "s1", "name": "n", "target": "flow.report"})
+    assert read_delivery("hascheduler.fire.flow.report", plain.render(
+        "s1@x", now, None, 3, 1, now.isoformat()).body).concurrency is None
+    with pytest.raises(NotAFire, match="concurrency"):
+        read_delivery("hascheduler.fire.flow.report", message.body.replace(
+            b'"limit":2', b'"limit":-1'))
+
+
+# -- the slots, on the development server -------------------------------------------------
+
+@pytest.fixture
+async def slots(mongo_uri: str) -> AsyncIterator[SlotStore]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    store = SlotStore(client[name].slots)
+    await store.ensure_indexes()
+    try:
+        yield store
+    finally:
+        await client.drop_database(name)
+        await client.close()
+
+
+async def test_at_most_limit_fires_hold_a_key_and_a_release_hands_one_on(
+        slots: SlotStore) -> None:
+    now = dt.datetime.now(dt.UTC)
+    want = Wanted("acme", 3, "{tenant}")
+    held = await slots.take([(f"f{i}", want) for i in range(5)], now, 30)
+    assert len(held) == 3
+    assert await slots.take([("f0", want)], now, 30) == {"f0"}  # its own: kept
+    assert await slots.take([("f3", want)], now, 30) == set()
+    await slots.release(["f0"], now)
+    assert await slots.take([("f3", want), ("f4", want)], now, 30) in ({"f3"}, {"f4"})
+
+
+async def test_a_slot_whose_lease_lapsed_is_free_again(slots: SlotStore) -> None:
+    now = dt.datetime.now(dt.UTC)
+    want = Wanted("k", 1, "{tenant}")
+    assert await slots.take([("dead-worker's", want)], now, 1) == {"dead-worker's"}
+    later = now + dt.timedelta(seconds=2)
+    assert await slots.take([("next", want)], later, 30) == {"next"}
+
+
+async def test_raising_a_limit_makes_more_slots_and_lowering_one_starts_fewer(
+        slots: SlotStore) -> None:
+    now = dt.datetime.now(dt.UTC)
+    assert len(await slots.take([(f"a{i}", Wanted("k", 1, "t")) for i in range(3)],
+                                now, 30)) == 1
+    assert len(await slots.take([(f"b{i}", Wanted("k", 3, "t")) for i in range(3)],
+                                now, 30)) == 2  # 3 in all
+    await slots.release(["a0", "b0", "b1"], now)  # one still held (of slot 1 or 2)
+    assert await slots.take([("c", Wanted("k", 1, "t"))], now, 30) == {"c"}
+
+
+async def test_a_hundred_thousand_keys_leave_nothing_behind(slots: SlotStore) -> None:
+    """Every key used once: its slot expires an hour after its release (the TTL index);
+    here released two hours ago, the development server's TTL pass removes them all."""
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(hours=2)
+    for start in range(0, 100_000, 5000):
+        wants = [(f"f{i}", Wanted(f"tenant-{i}", 1, "{tenant}"))
+                 for i in range(start, start + 5000)]
+        assert len(await slots.take(wants, dt.datetime.now(dt.UTC), 30)) == 5000
+        await slots.release([f for f, _ in wants], past)
+    collection = slots.slots
+
+    async def expired() -> bool:
+        return await collection.count_documents({}) == 0
+    await wait_until(expired, 60.0, "the unused slots expired")
+
+
+# -- workers ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[ServerProcess]:
+    server = start_nats()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Fleet:
+    def __init__(self, tmp: Path, nats_uri: str, mongo_uri: str) -> None:
+        self.tmp, self.nats_uri, self.mongo_uri = tmp, nats_uri, mongo_uri
+        self.record = tmp / "flow.txt"
+        self.workers: dict[str, asyncio.subprocess.Process] = {}
+
+    async def start(self, name: str, *args: str) -> None:
+        with open(self.tmp / f"{name}.log", "wb") as log:  # noqa: ASYNC230 - opened once
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hascheduler.cli", "worker", "--broker", self.nats_uri,
+                "--mongodb-uri", self.mongo_uri, "--app", "tests.helpers.flow_handler:app",
+                "--durable", "flow", "--worker-id", name, "--concurrency", "16", *args,
+                env={**os.environ, "RECORD_FLOW_TO": str(self.record)},
+                stdout=asyncio.subprocess.PIPE, stderr=log)
+        assert worker.stdout is not None
+        assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
+        self.workers[name] = worker
+
+    async def stop(self) -> None:
+        for worker in self.workers.values():
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGTERM)
+        for worker in self.workers.values():
+            await asyncio.wait_for(worker.wait(), 60)
+
+    def records(self) -> list[tuple[str, str, str, float]]:
+        if not self.record.exists():
+            return []
+        out = []
+        for line in self.record.read_text().splitlines():
+            what, fire_id, key, at = line.split()
+            out.append((what, fire_id, key, float(at)))
+        return out
+
+
+def most_at_once(records: list[tuple[str, str, str, float]]) -> dict[str, int]:
+    """Per key, the most runs between their start and end at one instant."""
+    events = sorted((at, 1 if what == "start" else -1, key) for what, _, key, at in records)
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+    for _, step, key in events:
+        running[key] = running.get(key, 0) + step
+        most[key] = max(most.get(key, 0), running[key])
+    return most
+
+
+def fire_event(fire_id: str, target: str, payload: dict[str, Any],
+               concurrency: dict[str, Any] | None = None, tenant: str | None = None) -> bytes:
+    now = dt.datetime.now(dt.UTC).isoformat()
+    data: dict[str, Any] = {"schedule_id": fire_id.partition("@")[0], "name": "flow",
+                            "nominal_at": now, "fired_at": now, "term": 1, "attempt": 1,
+                            "payload": payload}
+    if concurrency is not None:
+        data["concurrency"] = concurrency
+    if tenant is not None:
+        data["tenant"] = tenant
+    return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
+                       "type": "io.hascheduler.fire", "subject": data["schedule_id"],
+                       "time": now, "data": data}).encode()
+
+
+async def publish(nats_uri: str, messages: list[tuple[str, bytes]]) -> None:
+    endpoint = NatsEndpoint.parse(nats_uri)
+    nc = await nats.connect(endpoint.servers)
+    try:
+        js = nc.jetstream()
+        await ensure_stream(js, endpoint)
+        for start in range(0, len(messages), 500):
+            await asyncio.gather(*(
+                js.publish(f"hascheduler.fire.{target}", body,
+                           headers={"Nats-Msg-Id": json.loads(body)["id"]})
+                for target, body in messages[start:start + 500]))
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, broker: ServerProcess, mongo_uri: str
+                ) -> AsyncIterator[tuple[Fleet, Any]]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    f = Fleet(tmp_path, broker.uri, with_database(mongo_uri, name))
+    try:
+        yield f, client[name]
+    finally:
+        await f.stop()
+        await client.drop_database(name)
+        await client.close()
+
+
+async def test_a_hot_key_waits_its_turn_while_keys_with_one_run_start_at_once(
+        fleet: tuple[Fleet, Any]) -> None:
+    """400 runs of one account (limit 2, 50 ms each: 10 s of work at that limit) are
+    published before 50 runs of 50 other accounts. The 50 all start within the first
+    3 s; the hot account never has more than 2 running; every run succeeds."""
+    f, db = fleet
+    await f.start("w1")
+    await f.start("w2")
+    limit = {"key": "{payload.account}", "limit": 2}
+    run = uuid.uuid4().hex[:6]
+    hot = [("flow.report", fire_event(f"hot{run}-{i}@x", "flow.report",
+                                      {"account": "hot", "sleep": 0.05}, limit))
+           for i in range(400)]
+    single = [("flow.report", fire_event(f"one{run}-{i}@x", "flow.report",
+                                         {"account": f"a{i}", "sleep": 0.05}, limit))
+              for i in range(50)]
+    began = dt.datetime.now(dt.UTC).timestamp()
+    await publish(f.nats_uri, hot + single)
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) == 450
+    await wait_until(all_succeeded, 120.0, "every run succeeded")
+    records = f.records()
+    most = most_at_once(records)
+    assert most["hot"] == 2, most["hot"]  # the limit held, and was reached
+    assert all(most[f"a{i}"] == 1 for i in range(50))
+    singles = [at - began for what, _, key, at in records
+               if what == "start" and key != "hot"]
+    hot_ends = [at - began for what, _, key, at in records if what == "end" and key == "hot"]
+    assert len(singles) == 50
+    assert max(singles) < 3.0, sorted(singles)[-5:]
+    assert max(hot_ends) > 8.0  # the hot key really was still waiting when they ran
+    assert await db.runs.count_documents({"state": "waiting"}) == 0
+
+
+async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
+        fleet: tuple[Fleet, Any]) -> None:
+    """Per tenant at most 3 at once (the handler's declaration), 4 workers at concurrency
+    16, one SIGKILLed while it runs some: its slots free after the run lease (3 s), the
+    runs it held are taken over, every run succeeds, and no tenant ever had 4 running."""
+    f, db = fleet
+    for name in ("w1", "w2", "w3", "w4"):
+        await f.start(name, "--ack-wait", "3")
+    run = uuid.uuid4().hex[:6]
+    messages = [("tenant.sync", fire_event(f"t{run}-{n}@x/t{t}", "tenant.sync",
+                                           {"sleep": 0.4}, tenant=f"t{t}"))
+                for n in range(12) for t in range(8)]
+    await publish(f.nats_uri, messages)
+
+    async def some_running_on_w1() -> bool:
+        return await db.runs.count_documents({"state": "running", "worker_id": "w1"}) > 0
+    await wait_until(some_running_on_w1, 30.0, "w1 runs some")
+    f.workers["w1"].send_signal(signal.SIGKILL)
+    killed_at = dt.datetime.now(dt.UTC).timestamp()
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) == len(messages)
+    await wait_until(all_succeeded, 120.0, "every run succeeded")
+    records = f.records()
+    # The killed worker's runs never recorded their end: each ended when it was killed.
+    ends = {fire_id for what, fire_id, _, _ in records if what == "end"}
+    starts: dict[str, list[tuple[str, str, str, float]]] = {}
+    for record in records:
+        if record[0] == "start":
+            starts.setdefault(record[1], []).append(record)
+    for fire_id, started in starts.items():
+        unmatched = len(started) - (1 if fire_id in ends else 0)
+        records += [("end", fire_id, key, killed_at) for _, _, key, _ in started[:unmatched]]
+    most = most_at_once(records)
+    assert max(most.values()) <= 3, most
+    assert any(m == 3 for m in most.values())
+    assert len(starts) == len(messages)
+    assert any(len(v) > 1 for v in starts.values())  # runs taken over from w1
+    assert await db.slots.count_documents({"holder": {"$ne": None},
+                                           "until": {"$gt": dt.datetime.now(dt.UTC)}}) == 0
