@@ -23,8 +23,15 @@ from pymongo import AsyncMongoClient
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.core import flow
 from hascheduler.core.events import EventTemplate
-from hascheduler.core.flow import KeyTemplate, KeyTemplateError, MissingKeyField, Wanted
-from hascheduler.storage.flow import SlotStore
+from hascheduler.core.flow import (
+    KeyTemplate,
+    KeyTemplateError,
+    MissingKeyField,
+    Paced,
+    RateLimit,
+    Wanted,
+)
+from hascheduler.storage.flow import RateStore, SlotStore
 from hascheduler.worker import WorkerApp
 from hascheduler.worker.app import WorkerConfigError
 from hascheduler.worker.delivery import NotAFire, read_delivery
@@ -166,6 +173,53 @@ async def test_a_hundred_thousand_keys_leave_nothing_behind(slots: SlotStore) ->
     await wait_until(expired, 60.0, "the unused slots expired")
 
 
+@pytest.fixture
+async def rates(mongo_uri: str) -> AsyncIterator[RateStore]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    store = RateStore(client[name].rates)
+    await store.ensure_indexes()
+    try:
+        yield store
+    finally:
+        await client.drop_database(name)
+        await client.close()
+
+
+async def test_a_rate_key_starts_one_run_per_interval(rates: RateStore) -> None:
+    paced = Paced("acme", 0.2, "{tenant}")  # 5 per second
+    now = dt.datetime.now(dt.UTC)
+    assert await rates.take(paced, now) == 0.0
+    wait = await rates.take(paced, now + dt.timedelta(seconds=0.05))
+    assert wait == pytest.approx(0.15, abs=0.002)
+    assert await rates.take(paced, now + dt.timedelta(seconds=0.2)) == 0.0
+    # another key has its own budget
+    assert await rates.take(Paced("other", 0.2, "{tenant}"), now) == 0.0
+
+
+def test_a_rate_is_validated_and_travels_with_priority_in_events() -> None:
+    for bad in ({"key": "{target}", "limit": 5}, {"key": "{target}", "limit": 0, "per": 1},
+                {"key": "{target}", "limit": 5, "per": "P1M"},
+                {"key": "{target}", "limit": 100_000, "per": 1}):
+        with pytest.raises(KeyTemplateError):
+            RateLimit.of(bad)
+    assert RateLimit.of({"key": "{target}", "limit": 5, "per": "PT1S"}).interval_s == 0.2
+    template = EventTemplate.of({"_id": "s1", "name": "n", "target": "flow.report",
+                                 "rate": {"key": "{target}", "limit": 5, "per": 1.0},
+                                 "priority": 3})
+    now = dt.datetime.now(dt.UTC)
+    delivery = read_delivery("hascheduler.fire.flow.report", template.render(
+        "s1@x", now, None, 3, 1, now.isoformat()).body)
+    assert delivery.rate is not None
+    assert (delivery.rate.interval_s, delivery.priority) == (0.2, 3)
+    urgent = read_delivery("hascheduler.fire.flow.report", template.with_priority(9).render(
+        "s1@y", now, None, 3, 1, now.isoformat()).body)
+    assert urgent.priority == 9
+    with pytest.raises(NotAFire, match="priority"):
+        read_delivery("hascheduler.fire.flow.report", template.with_priority(12).render(
+            "s1@z", now, None, 3, 1, now.isoformat()).body)
+
+
 # -- workers ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -224,13 +278,18 @@ def most_at_once(records: list[tuple[str, str, str, float]]) -> dict[str, int]:
 
 
 def fire_event(fire_id: str, target: str, payload: dict[str, Any],
-               concurrency: dict[str, Any] | None = None, tenant: str | None = None) -> bytes:
+               concurrency: dict[str, Any] | None = None, tenant: str | None = None,
+               rate: dict[str, Any] | None = None, priority: int = 0) -> bytes:
     now = dt.datetime.now(dt.UTC).isoformat()
     data: dict[str, Any] = {"schedule_id": fire_id.partition("@")[0], "name": "flow",
                             "nominal_at": now, "fired_at": now, "term": 1, "attempt": 1,
                             "payload": payload}
     if concurrency is not None:
         data["concurrency"] = concurrency
+    if rate is not None:
+        data["rate"] = rate
+    if priority:
+        data["priority"] = priority
     if tenant is not None:
         data["tenant"] = tenant
     return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
@@ -342,3 +401,69 @@ async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
     assert any(len(v) > 1 for v in starts.values())  # runs taken over from w1
     assert await db.slots.count_documents({"holder": {"$ne": None},
                                            "until": {"$gt": dt.datetime.now(dt.UTC)}}) == 0
+
+
+async def test_a_rate_key_starts_at_most_its_limit_a_second_and_close_to_it(
+        fleet: tuple[Fleet, Any]) -> None:
+    """5 per second per account, two accounts of 75 runs each, two workers: counted by
+    the instant each start was granted (the ledger's woken_at for a parked run, else its
+    first start), no second of either account has more than 5, and the seconds in the
+    middle of the work have at least 4."""
+    f, db = fleet
+    await f.start("w1")
+    await f.start("w2")
+    rate = {"key": "{payload.account}", "limit": 5, "per": "PT1S"}
+    run = uuid.uuid4().hex[:6]
+    await publish(f.nats_uri, [
+        ("flow.report", fire_event(f"r{run}-{account}-{i}@x", "flow.report",
+                                   {"account": account}, rate=rate))
+        for i in range(75) for account in ("acme", "globex")])
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) == 150
+    await wait_until(all_succeeded, 90.0, "every run succeeded")
+    for account in ("acme", "globex"):
+        starts = sorted([(d.get("woken_at") or d["first_started_at"]).timestamp()
+                         async for d in db.runs.find({"_id": {"$regex": f"-{account}-"}})])
+        assert len(starts) == 75
+        per_second: dict[int, int] = {}
+        for at in starts:
+            per_second[int(at)] = per_second.get(int(at), 0) + 1
+        assert max(per_second.values()) <= 5, per_second
+        first, last = min(per_second), max(per_second)
+        middle = [per_second.get(second, 0) for second in range(first + 1, last)]
+        assert min(middle) >= 4, per_second  # close to 5 while there is work
+        assert 14 <= last - first <= 19  # 75 starts at 5 a second
+
+
+async def test_a_priority_9_run_starts_before_a_waiting_backlog(
+        fleet: tuple[Fleet, Any]) -> None:
+    """60 runs of one account at limit 1 (50 ms each) wait their turn; a priority-9 run
+    of that account published after them starts before all but the few already woken."""
+    f, db = fleet
+    await f.start("w1")
+    limit = {"key": "{payload.account}", "limit": 1}
+    run = uuid.uuid4().hex[:6]
+    await publish(f.nats_uri, [
+        ("flow.report", fire_event(f"b{run}-{i}@x", "flow.report",
+                                   {"account": "busy", "sleep": 0.05}, limit))
+        for i in range(60)])
+
+    async def backlog_parked() -> bool:
+        return await db.runs.count_documents({"state": "waiting"}) >= 50
+    await wait_until(backlog_parked, 30.0, "the backlog is waiting")
+    published = dt.datetime.now(dt.UTC).timestamp()
+    await publish(f.nats_uri, [("flow.report", fire_event(
+        f"u{run}@x", "flow.report", {"account": "busy", "sleep": 0.05}, limit,
+        priority=9))])
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) == 61
+    await wait_until(all_succeeded, 60.0, "every run succeeded")
+    starts = {fire_id: at for what, fire_id, _, at in f.records() if what == "start"}
+    urgent = starts[f"u{run}@x"]
+    before = [at for fire_id, at in starts.items()
+              if fire_id != f"u{run}@x" and published <= at < urgent]
+    after = [at for fire_id, at in starts.items() if at > urgent]
+    assert len(before) <= 2, len(before)  # the one running, and one woken already
+    assert len(after) >= 40

@@ -822,7 +822,8 @@ async def trigger_schedule(request: web.Request) -> web.Response:
         tenants = None if schedule.fan_out is None else await _tenants_now(
             request, schedule.fan_out)
         docs = request_documents(schedule.id, _now(request), who.name, wanted.payload,
-                                 wanted.overlap, key, tenants, tracing.current_traceparent())
+                                 wanted.overlap, key, tenants, tracing.current_traceparent(),
+                                 wanted.priority)
         docs[0] = with_record(docs[0], _record(
             request, history.TRIGGER, who, schedule.namespace, schedule.id,
             {"fire_id": requested_fire(docs[0]), "force": wanted.force,

@@ -212,10 +212,13 @@ async def read_timeline(store: ScheduleStore, ledger: Ledger, runs: RunLedger,
     ids = [s.id for s in schedules] if schedule_id is not None else (
         None if namespaces is None else await store.ids_in(namespaces))
     in_flight, more = await runs.page("running", None, TIMELINE_IN_FLIGHT, ids)
+    waiting, more_waiting = await runs.page("waiting", None, TIMELINE_IN_FLIGHT, ids)
     return {"since": since.isoformat(), "until": now.isoformat(), "hours": hours,
             "late_mark_s": timeline.LATE_MARK_S, "schedules": rows,
             "lateness": [{"start": b.start.isoformat(), "count": b.count, "p50_s": b.p50_s,
                           "p99_s": b.p99_s, "max_s": b.max_s}
                          for b in timeline.lateness_buckets(samples, since, now,
                                                             TIMELINE_BUCKETS)],
-            "in_flight": [public_view(d) for d in in_flight], "more_in_flight": more is not None}
+            "in_flight": [public_view(d) for d in in_flight], "more_in_flight": more is not None,
+            "waiting": [public_view(d) for d in waiting],
+            "more_waiting": more_waiting is not None}

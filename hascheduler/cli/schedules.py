@@ -504,10 +504,18 @@ def _runs_table(items: list[dict[str, Any]]) -> str:
     def seconds(value: Any) -> str:
         return f"{value:.3f}s" if isinstance(value, int | float) else "-"
 
+    def note(run: dict[str, Any]) -> str:
+        """A waiting run says what it waits for; the others their last error."""
+        waiting_on = run.get("waiting_on") if run.get("state") == "waiting" else None
+        if isinstance(waiting_on, dict) and waiting_on:
+            kind, key = next(iter(waiting_on.items()))
+            return f"waiting on {kind} {key}"[:60]
+        return (run.get("last_error") or "")[:60]
+
     return table([[r["id"], r["state"], str(r["attempts"]), r.get("worker_id") or "-",
-                   seconds(r.get("duration_s")), (r.get("last_error") or "")[:60]]
+                   seconds(r.get("duration_s")), note(r)]
                   for r in items], ["FIRE ID", "STATE", "ATTEMPTS", "WORKER", "DURATION",
-                                    "LAST ERROR"])
+                                    "LAST ERROR / WAITING ON"])
 
 
 async def _runs(api: AsyncClient, args: argparse.Namespace) -> str:

@@ -36,6 +36,7 @@ class Claim:
     overlap: str | None = None
     manual: bool = False  # run now: not one of its trigger's fires (nor of its max_fires)
     traceparent: str | None = None  # a fire run now: the trace of the request that asked
+    priority: int | None = None  # a fire run now: its own priority, instead of the schedule's
 
     @classmethod
     def of(cls, due: Due, tenant: str | None = None) -> Claim:

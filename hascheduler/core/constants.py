@@ -10,6 +10,7 @@ LEASES = "leases"
 FIRES = "fires"
 RUNS = "runs"
 SLOTS = "slots"  # concurrency slots (storage/flow.py)
+RATES = "rates"  # start budgets (storage/flow.py)
 FIRE_COUNTS = "fire_counts"
 BACKFILLS = "backfills"
 AUDIT = "audit"  # the audit trail (storage/audit_log.py)

@@ -51,20 +51,27 @@ class EventTemplate:
     payload: str  # JSON
     # The traceparent of the write that last changed the schedule (its fires link to it).
     written_in: str | None = None
-    # The schedule's concurrency limit as a data field ('"concurrency":{...},'), or "".
-    concurrency: str = ""
+    # The schedule's flow limits as data fields ('"concurrency":{...},"rate":{...},'), or "".
+    flow: str = ""
+    priority: int = 0
 
     @classmethod
     def of(cls, schedule: dict[str, Any]) -> EventTemplate:
-        trace, limit = schedule.get("trace"), schedule.get("concurrency")
+        trace = schedule.get("trace")
+        flow = "".join(f'"{name}":{_encode(schedule[name])},'
+                       for name in ("concurrency", "rate") if schedule.get(name))
+        priority = schedule.get("priority")
         return cls(target=schedule["target"], subject=_encode(schedule["_id"]),
                    name=_encode(schedule.get("name")),
                    payload=_encode(schedule.get("payload", {})),
-                   written_in=trace if isinstance(trace, str) else None,
-                   concurrency=f'"concurrency":{_encode(limit)},' if limit else "")
+                   written_in=trace if isinstance(trace, str) else None, flow=flow,
+                   priority=priority if isinstance(priority, int) else 0)
 
     def with_payload(self, payload: Any) -> EventTemplate:
         return dataclasses.replace(self, payload=_encode(payload))
+
+    def with_priority(self, priority: int) -> EventTemplate:
+        return dataclasses.replace(self, priority=priority)
 
     def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
                attempt: int, fired_at_iso: str,
@@ -73,6 +80,7 @@ class EventTemplate:
         fired = _quote(fired_at_iso)
         # A fan-out fire names its tenant (core/fanout.py); others have no such field.
         tenant_field = f'"tenant":{_quote(tenant)},' if tenant is not None else ""
+        priority = f'"priority":{self.priority},' if self.priority else ""
         traceparent = tracestate = None
         trace_fields = ""
         if trace:
@@ -86,6 +94,6 @@ class EventTemplate:
                 f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
                 f'"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
                 f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant_field}'
-                f'{self.concurrency}"payload":{self.payload}}}}}')
+                f'{self.flow}{priority}"payload":{self.payload}}}}}')
         return FireMessage(fire_id=fire_id, target=self.target, term=term,
                            body=body.encode(), traceparent=traceparent, tracestate=tracestate)

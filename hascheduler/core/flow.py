@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hascheduler.core import triggers
+
 MAX_TEMPLATE_CHARS = 200
 MAX_KEY_CHARS = 300  # a rendered key: the slot documents' ids are built from it
 MAX_LIMIT = 10_000
@@ -128,7 +130,64 @@ class ConcurrencyLimit:
         return {"key": self.template.text, "limit": self.limit}
 
 
-def check_for_schedule(limit: ConcurrencyLimit, payload: Mapping[str, Any],
+MAX_RATE_LIMIT = 100_000
+MAX_RATE_PER_S = 86_400.0
+MIN_RATE_INTERVAL_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """At most ``limit`` run starts per ``per_s`` seconds for a key, evenly spaced (one
+    every ``per_s / limit``: GCRA without a burst), cluster-wide."""
+
+    template: KeyTemplate
+    limit: int
+    per_s: float
+
+    @property
+    def interval_s(self) -> float:
+        return self.per_s / self.limit
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> RateLimit:
+        """From ``{"key": ..., "limit": N, "per": "PT1S" | seconds}``; raises
+        KeyTemplateError saying what is wrong."""
+        if not isinstance(spec, Mapping) or set(spec) != {"key", "limit", "per"}:
+            raise KeyTemplateError('rate is {"key": <template>, "limit": N, "per": '
+                                   '"PT1S"}')
+        limit, per = spec["limit"], spec["per"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or \
+                not 1 <= limit <= MAX_RATE_LIMIT:
+            raise KeyTemplateError(f"rate.limit is a whole number from 1 to {MAX_RATE_LIMIT}")
+        try:
+            seconds = triggers.parse_duration(per) if isinstance(per, str) else (
+                float(per) if isinstance(per, int | float) and not isinstance(per, bool)
+                else -1.0)
+        except triggers.InvalidTrigger:
+            seconds = -1.0
+        if not 0 < seconds <= MAX_RATE_PER_S or seconds / limit < MIN_RATE_INTERVAL_S:
+            raise KeyTemplateError("rate.per is a duration ('PT1S', or seconds) up to a day, "
+                                   "at least a millisecond per start")
+        return cls(KeyTemplate.parse(spec["key"]), limit, seconds)
+
+    def spec(self) -> dict[str, Any]:
+        return {"key": self.template.text, "limit": self.limit, "per": self.per_s}
+
+
+@dataclass(frozen=True, slots=True)
+class Paced:
+    """A run's rate budget: its key rendered, one start per ``interval_s``."""
+
+    key: str
+    interval_s: float
+    template: str
+
+
+def paced(limit: RateLimit, run: Mapping[str, Any]) -> Paced:
+    return Paced(limit.template.render(run), limit.interval_s, limit.template.text)
+
+
+def check_for_schedule(limit: ConcurrencyLimit | RateLimit, payload: Mapping[str, Any],
                        fans_out: bool) -> None:
     """A schedule's own key must render for each of its fires: its payload has each
     field named, and ``{tenant}`` needs a fan-out. Raises KeyTemplateError naming it."""

@@ -314,6 +314,25 @@ class ConcurrencySpec(_Strict):
         return value
 
 
+class RateSpec(_Strict):
+    """At most ``limit`` run starts per ``per`` for runs whose key renders alike, evenly
+    spaced, across every worker (core/flow.py, docs/WORKERS.md)."""
+
+    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
+        "a template over the run, as concurrency.key"), examples=["{target}"])
+    limit: int = Field(ge=1, le=flow.MAX_RATE_LIMIT)
+    per: float | str = Field(1.0, description="seconds, or an ISO-8601 duration",
+                             examples=["PT1S", 60])
+
+    @model_validator(mode="after")
+    def _valid(self) -> RateSpec:
+        try:
+            flow.RateLimit.of(self.model_dump())
+        except flow.KeyTemplateError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
 class ScheduleFields(_Strict):
     """What a client writes: everything but the server-managed fields."""
 
@@ -364,6 +383,12 @@ class ScheduleFields(_Strict):
         None, description="a concurrency limit by key for this schedule's runs, across "
                           "every worker (instead of its handler's, if that declares one): "
                           "runs over it wait, state 'waiting' (docs/WORKERS.md)")
+    rate: RateSpec | None = Field(
+        None, description="a start-rate limit by key for this schedule's runs, across every "
+                          "worker (instead of its handler's): runs over it wait")
+    priority: int = Field(0, ge=0, le=9, description=(
+        "under contention for a concurrency or rate limit, or for a worker's slots, "
+        "higher first (docs/WORKERS.md)"))
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
         "additionalProperties": {"type": "string", "maxLength": 200}})
@@ -409,15 +434,16 @@ class ScheduleFields(_Strict):
         return _checked_payload(value)
 
 
-    @field_validator("concurrency")
+    @field_validator("concurrency", "rate")
     @classmethod
-    def _concurrency_key(cls, value: ConcurrencySpec | None, info: ValidationInfo
-                         ) -> ConcurrencySpec | None:
+    def _flow_key(cls, value: ConcurrencySpec | RateSpec | None, info: ValidationInfo
+                  ) -> ConcurrencySpec | RateSpec | None:
         """The key renders for every fire: each payload field it names is there."""
         if value is not None:
+            limit = flow.ConcurrencyLimit.of(value.model_dump()) \
+                if isinstance(value, ConcurrencySpec) else flow.RateLimit.of(value.model_dump())
             try:
-                flow.check_for_schedule(flow.ConcurrencyLimit.of(value.model_dump()),
-                                        info.data.get("payload") or {},
+                flow.check_for_schedule(limit, info.data.get("payload") or {},
                                         info.data.get("fan_out") is not None)
             except flow.KeyTemplateError as exc:
                 raise ValueError(f"key: {exc}") from None
@@ -521,6 +547,8 @@ class TriggerIn(_Strict):
     overlap: Policy | None = Field(None, description="this fire's overlap policy, instead "
                                                      "of the schedule's")
     force: bool = Field(False, description="run a paused schedule too")
+    priority: int | None = Field(None, ge=0, le=9, description="this fire's priority, "
+                                                              "instead of the schedule's")
 
     @field_validator("payload")
     @classmethod

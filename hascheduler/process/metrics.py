@@ -63,6 +63,12 @@ class Metrics:
         self.runs_stuck = Gauge(
             "hascheduler_runs_stuck", "runs shown running whose heartbeat is stale (the run "
             "lease lapsed: the worker died or stalled), per target", ["target"], registry=r)
+        self.flow_in_flight = Gauge(
+            "hascheduler_flow_in_flight", "concurrency slots held now (runs of a limited "
+            "key running), per declared key template", ["key"], registry=r)
+        self.flow_waiting = Gauge(
+            "hascheduler_flow_waiting", "runs waiting for a slot of their concurrency key, "
+            "per declared key template", ["key"], registry=r)
         self.loop_lag = Histogram(
             "hascheduler_event_loop_lag_seconds",
             f"how late a {LOOP_PROBE_S:g} s timer fires on this replica's event loop: a long "
@@ -108,9 +114,13 @@ class Metrics:
 
         self.stream_lag.set_function(lag)
 
-    def runs_seen(self, running: dict[str, int], stuck: dict[str, int]) -> None:
-        """Set the runs gauges from one read of the ledger (a target gone reads 0)."""
-        for gauge, counts in ((self.runs_running, running), (self.runs_stuck, stuck)):
+    def runs_seen(self, running: dict[str, int], stuck: dict[str, int],
+                  in_flight: dict[str, int] | None = None,
+                  waiting: dict[str, int] | None = None) -> None:
+        """Set the runs gauges from one read of the ledger (a target or key gone reads 0)."""
+        for gauge, counts in ((self.runs_running, running), (self.runs_stuck, stuck),
+                              (self.flow_in_flight, in_flight or {}),
+                              (self.flow_waiting, waiting or {})):
             for (target,) in list(gauge._metrics):
                 if target not in counts:
                     gauge.labels(target).set(0)

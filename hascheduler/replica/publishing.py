@@ -124,7 +124,8 @@ class Publisher:
             async for doc in self.schedules.find({"_id": {"$in": missing}},
                                                  {"name": 1, "payload": 1, "target": 1,
                                                   "revision": 1, TRACE: 1,
-                                                  "concurrency": 1}):
+                                                  "concurrency": 1, "rate": 1,
+                                                  "priority": 1}):
                 template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._templates[doc["_id"]] = (doc.get("revision", 0), template)
@@ -203,6 +204,8 @@ class Publisher:
             template = templates[claim.schedule_id]
             if claim.payload is not None:  # a fire run now with its own payload
                 template = template.with_payload(claim.payload)
+            if claim.priority is not None:  # ... or its own priority
+                template = template.with_priority(claim.priority)
             messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
                                             term, attempt, fired_at,
                                             None if traced is None else traced[i][1]))

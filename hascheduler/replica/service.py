@@ -44,6 +44,7 @@ from hascheduler.core.constants import (
     RUNS,
     RUNS_WATCH_INTERVAL_S,
     SCHEDULES,
+    SLOTS,
     STREAM_RETRY_MAX_S,
     WEBHOOKS,
 )
@@ -64,6 +65,7 @@ from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
+from hascheduler.storage.flow import SlotStore
 from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger
@@ -139,10 +141,11 @@ def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror
     return beat
 
 
-def _count_runs(runs: RunLedger, metrics: Metrics, clock: ServerClock
+def _count_runs(runs: RunLedger, slots: SlotStore, metrics: Metrics, clock: ServerClock
                 ) -> Callable[[], Awaitable[None]]:
     """Count the running and the stuck runs for /metrics (a read of the running ones only:
-    at most each worker's concurrency)."""
+    at most each worker's concurrency), and the slots held and runs waiting by key
+    template."""
     async def count() -> None:
         with contextlib.suppress(PyMongoError):
             now = clock.now()
@@ -154,7 +157,8 @@ def _count_runs(runs: RunLedger, metrics: Metrics, clock: ServerClock
                 lease_until = as_utc(doc.get("lease_until"))
                 if isinstance(lease_until, dt.datetime) and lease_until < now:
                     stuck[target] = stuck.get(target, 0) + 1
-            metrics.runs_seen(running, stuck)
+            metrics.runs_seen(running, stuck, await slots.in_flight(),
+                              await runs.waiting_counts())
     return count
 
 
@@ -340,7 +344,7 @@ class Replica:
         lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
             db[MEMBERS], settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
-            runs, metrics, server_clock)))
+            runs, SlotStore(db[SLOTS]), metrics, server_clock)))
         webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
                                   mirror.entries, lambda: elector.is_leader, server_clock.now)
         lifecycle.start(stack, "webhooks", webhooks)

@@ -60,7 +60,8 @@ def claim_of(doc: Document) -> Claim:
     return Claim(doc["_id"], doc["schedule_id"], as_utc(doc["nominal_at"]),
                  as_utc(doc["due_at"]), doc.get("tenant"), int(doc.get("attempts", 0)),
                  doc.get("payload"), doc.get("overlap"), doc.get("manual") is True,
-                 doc["trace"] if isinstance(doc.get("trace"), str) else None)
+                 doc["trace"] if isinstance(doc.get("trace"), str) else None,
+                 doc["priority"] if isinstance(doc.get("priority"), int) else None)
 
 
 def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
@@ -70,7 +71,8 @@ def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
 def request_documents(schedule_id: str, now: dt.datetime, by: str,
                       payload: dict[str, Any] | None, overlap: str | None,
                       idempotency_key: str | None, tenants: list[str] | None = None,
-                      trace: str | None = None) -> list[Document]:
+                      trace: str | None = None, priority: int | None = None
+                      ) -> list[Document]:
     """A fire run now, as the API inserts it for the leader to claim and publish: one
     document, or for a fan-out one per tenant (``<fire id>/<tenant>``, as a fire of its
     trigger). The first carries the idempotency key."""
@@ -82,6 +84,8 @@ def request_documents(schedule_id: str, now: dt.datetime, by: str,
         base["payload"] = payload
     if overlap is not None:
         base["overlap"] = overlap
+    if priority is not None:
+        base["priority"] = priority
     if trace is not None:  # the request's traceparent: the fire's publish continues it
         base["trace"] = trace
     docs = [{"_id": fire, **base}] if tenants is None else [

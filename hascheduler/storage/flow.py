@@ -1,5 +1,5 @@
-"""Concurrency slots: every read and write of the ``slots`` collection (docs/WORKERS.md,
-"Flow control").
+"""Concurrency slots and start budgets: every read and write of the ``slots`` and ``rates``
+collections (docs/WORKERS.md, "Flow control").
 
 A key of limit N has slot documents ``<key>#0`` .. ``<key>#N-1``; a run holds one while it
 runs (``holder``: its fire id; ``until``: its lease, renewed with the run's). Taking one is
@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pymongo import ASCENDING, UpdateOne
-from pymongo.errors import OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
-from hascheduler.core.flow import Wanted
+from hascheduler.core.flow import Paced, Wanted
+from hascheduler.core.instants import as_utc
 from hascheduler.storage.bulk import insert_new
 
 UNUSED_SLOT_EXPIRY_S = 3600
@@ -148,3 +149,60 @@ class SlotStore:
                 {"$group": {"_id": "$template", "n": {"$sum": 1}}}]):
             counts[str(d["_id"])] = int(d["n"])
         return counts
+
+
+class RatesCollection(Protocol):
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
+    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
+    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class RateStore:
+    """Start budgets: every read and write of the ``rates`` collection. A key's document
+    holds ``tat``, the earliest instant its next run may start (GCRA's theoretical arrival
+    time, with no burst): a start at ``now >= tat`` moves it to ``now + interval`` in one
+    conditional write, so two workers never both start a run in one interval. ``waiting``
+    marks a key with parked runs, for the wakers (worker/flow.py)."""
+
+    def __init__(self, rates: RatesCollection) -> None:
+        self.rates = rates
+
+    async def ensure_indexes(self) -> None:
+        await self.rates.create_index([("waiting", ASCENDING), ("tat", ASCENDING)],
+                                      name="due", partialFilterExpression={"waiting": True})
+        with contextlib.suppress(OperationFailure):
+            await self.rates.create_index([("tat", ASCENDING)], name="unused",
+                                          expireAfterSeconds=UNUSED_SLOT_EXPIRY_S)
+
+    async def take(self, paced: Paced, now: dt.datetime) -> float:
+        """Start one run of the key now if its budget allows: 0.0; else the seconds until
+        it will (the key's ``tat``)."""
+        for _ in range(2):
+            try:
+                await self.rates.find_one_and_update(
+                    {"_id": paced.key, "tat": {"$lte": now}},
+                    {"$set": {"tat": now + dt.timedelta(seconds=paced.interval_s),
+                              "template": paced.template}}, upsert=True)
+                return 0.0
+            except DuplicateKeyError:  # the key exists, its next start still ahead
+                doc = await self.rates.find_one({"_id": paced.key}, {"tat": 1})
+                if doc is not None:
+                    tat: dt.datetime = as_utc(doc["tat"])
+                    return max(0.001, (tat - now).total_seconds())
+        return paced.interval_s  # expired and made again between the two: try later
+
+    async def contend(self, key: str) -> None:
+        await self.rates.update_one({"_id": key}, {"$set": {"waiting": True}})
+
+    async def uncontend(self, key: str) -> None:
+        await self.rates.update_one({"_id": key}, {"$unset": {"waiting": ""}})
+
+    async def next_due(self) -> tuple[str, dt.datetime] | None:
+        """The key with parked runs whose next start is earliest: (key, that instant)."""
+        async for doc in self.rates.find({"waiting": True}, {"tat": 1}).sort(
+                "tat", ASCENDING).limit(1):
+            return str(doc["_id"]), as_utc(doc["tat"])
+        return None

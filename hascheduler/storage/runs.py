@@ -46,7 +46,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
-from hascheduler.core.flow import Wanted
+from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
@@ -62,6 +62,7 @@ DEAD = "dead"
 CANCELLED = "cancelled"
 WAITING = "waiting"
 PARKED = "parked"  # a claim's answer: the run now waits for a slot of its key
+CONCURRENCY, RATE = "concurrency", "rate"  # what a parked run waits for
 STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED, WAITING)
 ENDED = (SUCCEEDED, DEAD, CANCELLED)
 ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
@@ -103,8 +104,12 @@ class Run(BaseModel):
     recorded_at: str | None = None
     trace_id: str | None = Field(None, description="the fire's trace, when traced")
     waiting_on: dict[str, str] | None = Field(
-        None, description='why a waiting run waits: {"concurrency": <its key>}')
+        None, description='why a waiting run waits: {"concurrency": <its key>} or '
+                          '{"rate": <its key>}')
     waiting_since: str | None = None
+    woken_at: str | None = Field(None, description="when a parked run's waker took the "
+                                                   "slot or the start it waited for")
+    priority: int | None = None
     attempt_history: list[dict[str, Any]] | None = Field(
         None, description="each attempt as it ended (the latest 20): attempt, worker_id, "
                           "started_at, finished_at, duration_s, state, error")
@@ -173,8 +178,10 @@ def open_key(schedule_id: str, tenant: str | None) -> str:
     return schedule_id if tenant is None else f"{schedule_id}/{tenant}"
 
 
+# Unset when a parked run is claimed; ``woken_at`` stays: when its waker took what it
+# waited for (for a rate key, the instant its start was counted).
 _PARKED_FIELDS = dict.fromkeys(("waiting_on", "waiting_since", "wait_key", "wait_limit",
-                                "wait_template", "woken_at"), "")
+                                "wait_interval_s", "wait_template"), "")
 
 
 def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
@@ -276,10 +283,10 @@ class RunLedger:
         await self.runs.create_index([("open_key", ASCENDING)], name=ONE_OPEN_RUN,
                                      unique=True, partialFilterExpression={
                                          "open_key": {"$exists": True}})
-        # Parked runs by key, longest waiting first: the one a release wakes.
-        await self.runs.create_index([("wait_key", ASCENDING), ("waiting_since", ASCENDING)],
-                                     name="parked", partialFilterExpression={
-                                         "wait_key": {"$exists": True}})
+        # Parked runs by key, in the order they are woken.
+        await self.runs.create_index(
+            [("wait_key", ASCENDING), ("priority", DESCENDING), ("waiting_since", ASCENDING)],
+            name="parked", partialFilterExpression={"wait_key": {"$exists": True}})
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
         # Replicas and workers both create it: the first one's period stands.
@@ -357,13 +364,18 @@ class RunLedger:
             return await self.claim(fire, worker_id, now, lease_s)
         return _blocked(current, now)
 
-    async def park(self, fire: FireRef, want: Wanted, now: dt.datetime) -> Claim:
-        """Park the run of ``fire`` (no slot of its key was free): ``waiting`` on the key,
-        keeping its event for the worker that wakes it. Claim("parked"), or the state that
-        stops it as ``claim`` says (running elsewhere, ended, a retry not yet due)."""
-        parked = {"state": WAITING, "waiting_on": {"concurrency": want.key},
-                  "wait_key": want.key, "wait_limit": want.limit,
-                  "wait_template": want.template, "event": fire.body, "recorded_at": now}
+    async def park(self, fire: FireRef, on: Wanted | Paced, now: dt.datetime,
+                   priority: int = 0) -> Claim:
+        """Park the run of ``fire`` (no slot of its key was free, or no start in its rate
+        budget): ``waiting`` on the key, keeping its event for the worker that wakes it.
+        Claim("parked"), or the state that stops it as ``claim`` says (running elsewhere,
+        ended, a retry not yet due)."""
+        kind = CONCURRENCY if isinstance(on, Wanted) else RATE
+        parked = {"state": WAITING, "waiting_on": {kind: on.key},
+                  "wait_key": f"{kind}:{on.key}", "wait_template": on.template,
+                  "priority": priority, "event": fire.body, "recorded_at": now,
+                  **({"wait_limit": on.limit} if isinstance(on, Wanted)
+                     else {"wait_interval_s": on.interval_s})}
         doc = {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
                "nominal_at": fire.nominal_at, "attempts": 0, "first_started_at": None,
                "replays": 0, "waiting_since": now, **parked}
@@ -389,17 +401,20 @@ class RunLedger:
                                            {"state": 1, "lease_until": 1, "next_attempt_at": 1})
         return Claim(PARKED) if current is None else _blocked(current, now)
 
-    async def next_waiting(self, key: str, now: dt.datetime, lease_s: float
+    async def next_waiting(self, kind: str, key: str, now: dt.datetime, lease_s: float
                            ) -> Document | None:
-        """The run parked longest on ``key`` that nobody is waking, marked as being woken
-        (by the caller, until ``lease_s`` from now); None when there is none."""
+        """The run parked on ``key`` (for ``kind``: CONCURRENCY or RATE) that comes next,
+        the highest priority first and of those the longest waiting, that nobody is
+        waking; marked as being woken (by the caller, until ``lease_s`` from now). None
+        when there is none."""
         doc: Document | None = await self.runs.find_one_and_update(
-            {"wait_key": key, "state": WAITING, "$or": [
+            {"wait_key": f"{kind}:{key}", "state": WAITING, "$or": [
                 {"woken_at": None},
                 {"woken_at": {"$lt": now - dt.timedelta(seconds=lease_s)}}]},
             {"$set": {"woken_at": now}},
-            sort=[("waiting_since", ASCENDING), ("_id", ASCENDING)],
-            projection={"event": 1, "wait_limit": 1, "wait_template": 1, "target": 1},
+            sort=[("priority", DESCENDING), ("waiting_since", ASCENDING), ("_id", ASCENDING)],
+            projection={"event": 1, "wait_limit": 1, "wait_interval_s": 1,
+                        "wait_template": 1, "target": 1},
             return_document=ReturnDocument.AFTER)
         return doc
 
@@ -408,8 +423,8 @@ class RunLedger:
         await self.runs.update_one({"_id": fire_id, "state": WAITING},
                                    {"$unset": {"woken_at": ""}})
 
-    async def still_waiting(self, key: str) -> bool:
-        return await self.runs.find_one({"wait_key": key, "state": WAITING},
+    async def still_waiting(self, kind: str, key: str) -> bool:
+        return await self.runs.find_one({"wait_key": f"{kind}:{key}", "state": WAITING},
                                         {"_id": 1}) is not None
 
     async def waiting_counts(self) -> dict[str, int]:

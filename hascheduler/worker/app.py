@@ -26,7 +26,7 @@ import structlog
 
 from hascheduler.core.constants import TARGET_PATTERN
 from hascheduler.core.errors import ConfigError
-from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError
+from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
 from hascheduler.worker.policy import RetryPolicy
 
 log = structlog.get_logger("hascheduler.worker")
@@ -78,6 +78,7 @@ class Route:
     # At most ``limit`` runs of a rendered key at once, cluster-wide (core/flow.py); a
     # schedule's own ``concurrency`` overrides it for that schedule's runs.
     concurrency: ConcurrencyLimit | None = None
+    rate: RateLimit | None = None  # at most so many starts per period of a rendered key
 
     def matches(self, target: str) -> bool:
         return pattern_matches(self.pattern, target)
@@ -120,23 +121,26 @@ class WorkerApp:
         self._declared: dict[str, dict[str, Any]] = {}
 
     def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None,
-            concurrency: Mapping[str, Any] | None = None) -> None:
-        """``concurrency``: ``{"key": <template>, "limit": N}`` (docs/WORKERS.md)."""
+            concurrency: Mapping[str, Any] | None = None,
+            rate: Mapping[str, Any] | None = None) -> None:
+        """``concurrency``: ``{"key": <template>, "limit": N}``; ``rate``: ``{"key":
+        <template>, "limit": N, "per": "PT1S"}`` (docs/WORKERS.md)."""
         check_pattern(pattern)
         if not callable(handler):
             raise WorkerConfigError(f"the handler for {pattern!r} is not callable")
         try:
             limit = None if concurrency is None else ConcurrencyLimit.of(concurrency)
+            paced = None if rate is None else RateLimit.of(rate)
         except KeyTemplateError as exc:
             raise WorkerConfigError(f"the handler for {pattern!r}: {exc}") from None
         self.routes.append(Route(pattern, handler, policy or self.default_policy,
-                                 inspect.iscoroutinefunction(handler), limit))
+                                 inspect.iscoroutinefunction(handler), limit, paced))
 
     def handler(self, pattern: str, *, policy: RetryPolicy | None = None,
-                concurrency: Mapping[str, Any] | None = None
-                ) -> Callable[[Handler], Handler]:
+                concurrency: Mapping[str, Any] | None = None,
+                rate: Mapping[str, Any] | None = None) -> Callable[[Handler], Handler]:
         def register(function: Handler) -> Handler:
-            self.add(pattern, function, policy, concurrency)
+            self.add(pattern, function, policy, concurrency, rate)
             return function
         return register
 

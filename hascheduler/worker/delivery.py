@@ -9,7 +9,7 @@ from typing import Any
 
 from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.core.constants import TARGET_PATTERN
-from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError
+from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
 from hascheduler.storage.runs import FireRef
 
 MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
@@ -34,9 +34,12 @@ class Delivery:
     # extension); a malformed one is ignored where it is read (process/tracing.py).
     traceparent: str | None = None
     tracestate: str | None = None
-    # The schedule's own concurrency limit (its ``concurrency`` field, in data).
+    # The schedule's own flow limits (its ``concurrency`` and ``rate`` fields, in data).
     concurrency: ConcurrencyLimit | None = None
+    rate: RateLimit | None = None
+    priority: int = 0  # 0 to 9: higher first, under contention
     woken: bool = False  # sent again by the worker that freed a slot for it (parked)
+    rate_granted: bool = False  # ... and the rate budget its waker took for it
 
 
 def read_delivery(subject: str, body: bytes) -> Delivery:
@@ -50,12 +53,15 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     data = event["data"]
     fire_id, term, nominal, replay = event.get("id"), data.get("term"), \
         data.get("nominal_at"), data.get("replay", 0)
-    concurrency = None
-    if data.get("concurrency") is not None:
-        try:
-            concurrency = ConcurrencyLimit.of(data["concurrency"])
-        except KeyTemplateError as exc:
-            raise NotAFire(f"data.concurrency: {exc}") from None
+    try:
+        concurrency = None if data.get("concurrency") is None else \
+            ConcurrencyLimit.of(data["concurrency"])
+        rate = None if data.get("rate") is None else RateLimit.of(data["rate"])
+    except KeyTemplateError as exc:
+        raise NotAFire(f"data: {exc}") from None
+    priority = data.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+        raise NotAFire("data.priority is not a whole number from 0 to 9")
     if not isinstance(fire_id, str) or not 0 < len(fire_id) <= MAX_FIRE_ID_CHARS:
         raise NotAFire("id is not a fire id")
     for name, value in (("term", term), ("replay", replay)):
@@ -85,8 +91,9 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
                      tenant=tenant),
         term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
         tenant=tenant, traceparent=_trace_field(event, "traceparent"),
-        tracestate=_trace_field(event, "tracestate"), concurrency=concurrency,
-        woken=data.get("woken") is True)
+        tracestate=_trace_field(event, "tracestate"), concurrency=concurrency, rate=rate,
+        priority=priority, woken=data.get("woken") is True,
+        rate_granted=data.get("woken") is True and data.get("rate_granted") is True)
 
 
 def _trace_field(event: dict[str, Any], name: str) -> str | None:

@@ -1,19 +1,23 @@
-"""A worker's side of concurrency limits (docs/WORKERS.md, "Flow control").
+"""A worker's side of concurrency and rate limits (docs/WORKERS.md, "Flow control").
 
 A fetched run whose handler or schedule declares a concurrency key takes a slot of that
-key (storage/flow.py) before its claim. One that finds none free is *parked*: its run is
-recorded ``waiting`` with its event and the broker's message acknowledged, so it holds no
-worker slot, no broker delivery and no timer. Whoever frees a slot of a key with parked
-runs wakes the one waiting longest: takes the slot for it and publishes its event again
-(message id ``<fire id>#wake-<n>``), which any worker then claims with that slot. A slot
-whose holder's lease lapsed (its worker died) is freed and handed on by any worker's
-sweep. Parking, not a delayed redelivery: a redelivery's backoff is either a spin or a
-wait past the moment the slot frees, and a key with 10,000 runs would hold the broker's
+key (storage/flow.py) before its claim, and one with a rate key a start from its budget.
+One that finds no slot free, or no start left, is *parked*: its run is recorded
+``waiting`` with its event and the broker's message acknowledged, so it holds no worker
+slot, no broker delivery and no timer. A parked run is woken by taking what it waits for
+on its behalf and publishing its event again (message id ``<fire id>#wake-<n>``), which
+any worker then claims: for a concurrency key, by whoever frees a slot of it; for a rate
+key, by any worker's rate waker at the instant the key's next start is due. The run woken
+is the key's highest priority, then longest waiting. A slot whose holder's lease lapsed
+(its worker died) is freed and handed on by any worker's sweep. Parking, not a delayed
+redelivery: a redelivery's backoff is either a spin or a wait past the moment the slot
+frees, it cannot honour priorities, and a key with 10,000 runs would hold the broker's
 deliveries while keys with one run wait behind them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -22,17 +26,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import structlog
+from pymongo.errors import PyMongoError
 
 from hascheduler.core.events import FireMessage
-from hascheduler.core.flow import MissingKeyField, Wanted, wanted
-from hascheduler.storage.flow import SlotStore
-from hascheduler.storage.runs import FireRef, RunLedger
+from hascheduler.core.flow import MissingKeyField, Paced, Wanted, paced, wanted
+from hascheduler.storage.flow import RateStore, SlotStore
+from hascheduler.storage.runs import CONCURRENCY, PARKED, RATE, FireRef, RunLedger
 from hascheduler.worker.app import Route
 from hascheduler.worker.delivery import Delivery
 
 log = structlog.get_logger()
 
 LAPSED_SWEEP_S = 1.0  # how often a worker looks for slots whose holder's lease lapsed
+RATE_LOOK_S = 1.0  # the longest a rate waker sleeps before looking again
 MAX_WAKES = 64  # runs one release may wake (a raised limit frees several slots at once)
 WAKE_PUBLISH_TIMEOUT_S = 5.0
 
@@ -44,32 +50,55 @@ class Publisher(Protocol):
     async def close(self) -> None: ...
 
 
+def run_fields(delivery: Delivery) -> dict[str, Any]:
+    fire = delivery.fire
+    return {"target": fire.target, "schedule_id": fire.schedule_id,
+            "tenant": delivery.tenant, "payload": delivery.payload}
+
+
 def slot_wanted(delivery: Delivery, route: Route) -> Wanted | str | None:
     """The slot a run needs (its schedule's limit, else its handler's), None for none, or
     why its key cannot be rendered (the run then ends dead: the error says which field)."""
     limit = delivery.concurrency or route.concurrency
     if limit is None:
         return None
-    fire = delivery.fire
     try:
-        return wanted(limit, {"target": fire.target, "schedule_id": fire.schedule_id,
-                              "tenant": delivery.tenant, "payload": delivery.payload})
+        return wanted(limit, run_fields(delivery))
     except MissingKeyField as exc:
         return f"concurrency key {limit.template.text!r}: {exc}"
 
 
-def woken_event(stored: bytes) -> bytes:
-    """A parked run's event, marked woken (never judged stale: delivery.StaleFilter)."""
+def start_paced(delivery: Delivery, route: Route) -> Paced | str | None:
+    """The rate budget a run starts from (its schedule's, else its handler's), None for
+    none (or granted already by its waker), or why its key cannot be rendered."""
+    limit = delivery.rate or route.rate
+    if limit is None or delivery.rate_granted:
+        return None
+    try:
+        return paced(limit, run_fields(delivery))
+    except MissingKeyField as exc:
+        return f"rate key {limit.template.text!r}: {exc}"
+
+
+def woken_event(stored: bytes, rate_granted: bool = False) -> bytes:
+    """A parked run's event, marked woken (never judged stale: delivery.StaleFilter), and
+    whether its waker took its start from the rate budget."""
     event = json.loads(stored)
     event["data"]["woken"] = True
+    event["data"].pop("rate_granted", None)
+    if rate_granted:
+        event["data"]["rate_granted"] = True
     return json.dumps(event, separators=(",", ":")).encode()
 
 
 class FlowGate:
-    def __init__(self, slots: SlotStore, runs: RunLedger, publisher: Callable[[], Publisher],
-                 lease_s: float, clock: Callable[[], dt.datetime]) -> None:
+    def __init__(self, slots: SlotStore, rates: RateStore, runs: RunLedger,
+                 publisher: Callable[[], Publisher], lease_s: float,
+                 clock: Callable[[], dt.datetime]) -> None:
         self.slots = slots
+        self.rates = rates
         self.runs = runs
+        self.rate_parked = asyncio.Event()  # this worker parked a run on a rate key
         self._make_publisher = publisher
         self._publisher: Publisher | None = None
         self.lease_s = lease_s
@@ -83,16 +112,25 @@ class FlowGate:
     async def take(self, wants: dict[str, Wanted]) -> set[str]:
         return await self.slots.take(list(wants.items()), self.clock(), self.lease_s)
 
-    async def park(self, fire: FireRef, want: Wanted) -> tuple[str, bool]:
-        """Park the run; (the claim's outcome, whether a slot was taken for it after all).
-        A slot freed between the failed take and the park found nobody to wake: the take
-        after the park (and the key marked contended) sees it."""
-        claim = await self.runs.park(fire, want, self.clock())
-        if claim.outcome != "parked":
+    async def park(self, fire: FireRef, on: Wanted | Paced, priority: int
+                   ) -> tuple[str, bool]:
+        """Park the run; (the claim's outcome, whether what it waits for was taken for it
+        after all). A slot freed between the failed take and the park found nobody to
+        wake: the take after the park (and the key marked contended) sees it."""
+        claim = await self.runs.park(fire, on, self.clock(), priority)
+        if claim.outcome != PARKED:
             return claim.outcome, False
-        await self.slots.contend(want.key)
-        got = await self.slots.take([(fire.fire_id, want)], self.clock(), self.lease_s)
+        if isinstance(on, Paced):
+            await self.rates.contend(on.key)
+            self.rate_parked.set()
+            return claim.outcome, False  # the rate waker starts it at its key's next start
+        await self.slots.contend(on.key)
+        got = await self.slots.take([(fire.fire_id, on)], self.clock(), self.lease_s)
         return claim.outcome, fire.fire_id in got
+
+    async def pace(self, paced: Paced, now: dt.datetime) -> bool:
+        """Start a run of the key now if its budget allows."""
+        return await self.rates.take(paced, now) == 0.0
 
     async def renew(self, fire_ids: Sequence[str]) -> None:
         await self.slots.renew(fire_ids, self.clock() + dt.timedelta(seconds=self.lease_s))
@@ -113,11 +151,11 @@ class FlowGate:
         woken = 0
         while woken < MAX_WAKES:
             now = self.clock()
-            doc = await self.runs.next_waiting(key, now, self.lease_s)
+            doc = await self.runs.next_waiting(CONCURRENCY, key, now, self.lease_s)
             if doc is None:
                 # Nobody left: releases stop looking, unless a run parked meanwhile.
                 await self.slots.uncontend(key)
-                if await self.runs.still_waiting(key):
+                if await self.runs.still_waiting(CONCURRENCY, key):
                     await self.slots.contend(key)
                     continue
                 break
@@ -132,9 +170,34 @@ class FlowGate:
             woken += 1
         return woken
 
-    async def _send(self, doc: dict[str, Any]) -> bool:
+    async def wake_paced(self) -> float:
+        """Start the next parked run of the rate key due soonest, if it is due; the
+        seconds until one might be (at most RATE_LOOK_S)."""
+        due = await self.rates.next_due()
+        now = self.clock()
+        if due is None:
+            return RATE_LOOK_S
+        key, tat = due
+        if tat > now:
+            return min(RATE_LOOK_S, (tat - now).total_seconds())
+        doc = await self.runs.next_waiting(RATE, key, now, self.lease_s)
+        if doc is None:
+            await self.rates.uncontend(key)
+            if await self.runs.still_waiting(RATE, key):
+                await self.rates.contend(key)
+            return 0.0
+        wait = await self.rates.take(
+            Paced(key, float(doc.get("wait_interval_s") or 1.0),
+                  str(doc.get("wait_template") or "")), now)
+        if wait:  # another worker's waker started one first
+            await self.runs.unwake(doc["_id"])
+            return min(RATE_LOOK_S, wait)
+        await self._send(doc, rate_granted=True)
+        return 0.0
+
+    async def _send(self, doc: dict[str, Any], rate_granted: bool = False) -> bool:
         try:
-            body = woken_event(doc["event"])
+            body = woken_event(doc["event"], rate_granted)
             if self._publisher is None:
                 publisher = self._make_publisher()
                 await publisher.start()
@@ -158,3 +221,28 @@ class FlowGate:
             if await self.slots.free_lapsed(key, holder, now):
                 log.warning("slot_lapsed", key=key, holder=holder)
                 await self.wake(key)
+
+
+class RateWaker:
+    """Starts parked rate-limited runs as their keys' budgets allow: sleeps until the
+    next is due (or a run is parked here), starts it, again (a lifecycle service)."""
+
+    def __init__(self, flow: FlowGate) -> None:
+        self.flow = flow
+        self._stopping = False
+
+    async def run(self) -> None:
+        while not self._stopping:
+            try:
+                wait = await self.flow.wake_paced()
+            except PyMongoError as exc:
+                log.warning("rate_wake_failed", error=repr(exc)[:300])
+                wait = RATE_LOOK_S
+            if wait > 0:
+                self.flow.rate_parked.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.flow.rate_parked.wait(), wait)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.flow.rate_parked.set()

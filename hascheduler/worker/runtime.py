@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime as dt
+import itertools
 import os
 import re
 import signal
@@ -50,15 +51,16 @@ from hascheduler.core.constants import (
     CLOCK_SAMPLE_S,
     DEFAULT_DATABASE,
     DEFAULT_RUN_RETENTION_S,
+    RATES,
     RUNS,
     SCHEDULES,
     SLOTS,
 )
-from hascheduler.core.flow import Wanted
+from hascheduler.core.flow import Paced, Wanted
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import watch_clock
-from hascheduler.storage.flow import SlotStore
+from hascheduler.storage.flow import RateStore, SlotStore
 from hascheduler.storage.runs import (
     CANCELLED,
     DEAD,
@@ -75,7 +77,13 @@ from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
 from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
-from hascheduler.worker.flow import LAPSED_SWEEP_S, FlowGate, slot_wanted
+from hascheduler.worker.flow import (
+    LAPSED_SWEEP_S,
+    FlowGate,
+    RateWaker,
+    slot_wanted,
+    start_paced,
+)
 from hascheduler.worker.metrics import WorkerMetrics
 from hascheduler.worker.policy import PermanentFailure, RetryPolicy, RunTimeout, after_failure
 
@@ -156,8 +164,9 @@ async def run_worker(settings: WorkerSettings) -> int:
         runs = RunLedger(db[RUNS])
         await _until_up("creating the runs ledger's indexes",
                         lambda: runs.ensure_indexes(settings.run_retention_s), stop)
-        slots = SlotStore(db[SLOTS])
+        slots, rates = SlotStore(db[SLOTS]), RateStore(db[RATES])
         await _until_up("creating the slots' indexes", slots.ensure_indexes, stop)
+        await _until_up("creating the rates' indexes", rates.ensure_indexes, stop)
         # Run leases and retry times are judged on the database's clock, whatever this
         # host's says: a worker whose clock ran ahead would take over runs still held.
         clock = ServerClock()
@@ -168,8 +177,8 @@ async def run_worker(settings: WorkerSettings) -> int:
             if traced:
                 stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
                                           lambda: asyncio.to_thread(tracing.flush))
-            flow = FlowGate(slots, runs, settings.broker.publisher, settings.ack_wait_s,
-                            clock.now)
+            flow = FlowGate(slots, rates, runs, settings.broker.publisher,
+                            settings.ack_wait_s, clock.now)
             await Worker(settings, runs, metrics, clock=clock.now,
                          schedules=ScheduleStore(db[SCHEDULES]), flow=flow).run(stop)
     finally:
@@ -286,7 +295,9 @@ class Worker:
         self.stale = StaleFilter()
         self.recorder = Recorder(runs, settings.ack_wait_s, self._answer, self._ended)
         self.held: dict[str, Held] = {}
-        self.queue: asyncio.Queue[Held] = asyncio.Queue()
+        # Claimed runs waiting for a runner: the highest priority first, then in order.
+        self.queue: asyncio.PriorityQueue[tuple[int, int, Held]] = asyncio.PriorityQueue()
+        self._queued = itertools.count()
         # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
         # the heartbeat keeps queued claims alive like running ones.
         self.capacity = settings.concurrency + max(2 * settings.concurrency, PREFETCH)
@@ -311,6 +322,7 @@ class Worker:
                 stack.push_async_callback(self.flow.close)
                 lifecycle.start(stack, "lapsed slot sweep",
                                 Every(LAPSED_SWEEP_S, self._sweep_slots))
+                lifecycle.start(stack, "rate waker", RateWaker(self.flow))
             runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
             stack.push_async_callback(_cancelled, runners)
             log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
@@ -394,7 +406,7 @@ class Worker:
         batch = [ready[i] for i in sorted(first.values())]
         again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
         s = self.settings
-        slots, key_errors, over = await self._take_slots(batch)
+        slots, key_errors, over = await self._take_slots(batch, received)
         batch = [r for r in batch if r[1].fire.fire_id not in over]
         spans = _claim_spans(batch, received) if tracing.enabled() else {}
         claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
@@ -409,43 +421,63 @@ class Worker:
             await self._claimed(message, delivery, route, claim,
                                 _claim_spans([(message, delivery, route)], received).get(
                                     delivery.fire.fire_id) if tracing.enabled() else None)
-        for message, delivery, route in over.values():
-            await self._park(message, delivery, route, slots[delivery.fire.fire_id])
+        for (message, delivery, route), on in over.values():
+            await self._park(message, delivery, route, on)
 
-    async def _take_slots(self, batch: list[tuple[Any, Delivery, Route]]
+    async def _take_slots(self, batch: list[tuple[Any, Delivery, Route]],
+                          now: dt.datetime
                           ) -> tuple[dict[str, Wanted], dict[str, str],
-                                     dict[str, tuple[Any, Delivery, Route]]]:
+                                     dict[str, tuple[tuple[Any, Delivery, Route],
+                                                     Wanted | Paced]]]:
         """The slots the batch's runs want (by fire id), why any cannot say which, and
-        the runs over their key's limit (to park), taking the slots in one go."""
+        the runs over their key's limit or rate (to park, with what they wait for):
+        the slots taken in one go, then each rate-limited run's start."""
         slots: dict[str, Wanted] = {}
+        paced: dict[str, Paced] = {}
         key_errors: dict[str, str] = {}
         if self.flow is None:
             return slots, key_errors, {}
         for _, delivery, route in batch:
-            want = slot_wanted(delivery, route)
-            if isinstance(want, Wanted):
-                slots[delivery.fire.fire_id] = want
-            elif want is not None:
-                key_errors[delivery.fire.fire_id] = want
-        if not slots:
+            fire_id = delivery.fire.fire_id
+            for want in (slot_wanted(delivery, route), start_paced(delivery, route)):
+                if isinstance(want, Wanted):
+                    slots[fire_id] = want
+                elif isinstance(want, Paced):
+                    paced[fire_id] = want
+                elif want is not None:
+                    key_errors.setdefault(fire_id, want)
+        if not slots and not paced:
             return slots, key_errors, {}
-        held = await self.flow.take(slots)
-        return slots, key_errors, {r[1].fire.fire_id: r for r in batch
-                                   if r[1].fire.fire_id in slots
-                                   and r[1].fire.fire_id not in held}
+        held = await self.flow.take(slots) if slots else set()
+        over: dict[str, tuple[tuple[Any, Delivery, Route], Wanted | Paced]] = {
+            r[1].fire.fire_id: (r, slots[r[1].fire.fire_id]) for r in batch
+            if r[1].fire.fire_id in slots and r[1].fire.fire_id not in held}
+        unpaced: dict[str, Wanted] = {}
+        for r in batch:
+            fire_id = r[1].fire.fire_id
+            if fire_id in paced and fire_id not in over and \
+                    not await self.flow.pace(paced[fire_id], now):
+                over[fire_id] = (r, paced[fire_id])
+                if fire_id in slots:
+                    unpaced[fire_id] = slots[fire_id]
+        await self.flow.release(unpaced)  # held a slot, but may not start yet
+        return slots, key_errors, over
 
     async def _park(self, message: Any, delivery: Delivery, route: Route,
-                    want: Wanted) -> None:
-        """Over its key's limit: wait in the ledger, not in the broker or a runner."""
+                    on: Wanted | Paced) -> None:
+        """Over its key's limit or rate: wait in the ledger, not in the broker or a
+        runner."""
         assert self.flow is not None
         fire = delivery.fire
-        outcome, taken = await self.flow.park(fire, want)
+        outcome, taken = await self.flow.park(fire, on, delivery.priority)
         if taken:  # a slot freed meanwhile: run it after all
+            assert isinstance(on, Wanted)
             claim = await self.runs.claim(fire, self.settings.worker_id, self.clock(),
                                           self.settings.ack_wait_s)
-            await self._claimed(message, delivery, route, claim, slot=want)
+            await self._claimed(message, delivery, route, claim, slot=on)
         elif outcome == PARKED:
-            log.info("run_waiting", fire_id=fire.fire_id, key=want.key)
+            log.info("run_waiting", fire_id=fire.fire_id, key=on.key,
+                     on="concurrency" if isinstance(on, Wanted) else "rate")
             self.metrics.count(fire.target, WAITING)
             with contextlib.suppress(*BROKER_ERRORS):
                 await message.ack()
@@ -497,7 +529,7 @@ class Worker:
                         trace=None if span is None else tracing.parent_of(span),
                         slot=slot, key_error=key_error)
             self.held[fire_id] = held
-            self.queue.put_nowait(held)
+            self.queue.put_nowait((-delivery.priority, next(self._queued), held))
         elif claim.outcome in (SUCCEEDED, DEAD):
             log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
             self.metrics.count(target, "duplicate")
@@ -519,7 +551,7 @@ class Worker:
 
     async def _runner(self) -> None:
         while True:
-            held = await self.queue.get()
+            _, _, held = await self.queue.get()
             if held.lost:  # taken over while it waited: the new owner runs it
                 self._release(held)
                 continue
@@ -538,7 +570,7 @@ class Worker:
         """Give back what waits in the queue; let the running runs finish within the
         drain bound; give back the rest."""
         while not self.queue.empty():
-            held = self.queue.get_nowait()
+            _, _, held = self.queue.get_nowait()
             if not held.lost:
                 await self._give_back(held)
             self._release(held)
