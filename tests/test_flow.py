@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import nats
 import pytest
 from pymongo import AsyncMongoClient
@@ -36,7 +37,7 @@ from hascheduler.worker import WorkerApp
 from hascheduler.worker.app import WorkerConfigError
 from hascheduler.worker.delivery import NotAFire, read_delivery
 from hascheduler.worker.flow import woken_event
-from tests.servers import ServerProcess, start_nats, with_database
+from tests.servers import ServerProcess, start_nats, start_replica, with_database
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -467,3 +468,62 @@ async def test_a_priority_9_run_starts_before_a_waiting_backlog(
     after = [at for fire_id, at in starts.items() if at > urgent]
     assert len(before) <= 2, len(before)  # the one running, and one woken already
     assert len(after) >= 40
+
+
+async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_a_replica(
+        fleet: tuple[Fleet, Any], mongo_uri: str) -> None:
+    """Written through the API, carried by the leader: a schedule at limit 1 run now 20
+    times (each run 0.3 s) has one run at a time, its runs wait with waiting_on (and in
+    the replica's gauges), and a run now at priority 9 starts before the ones waiting;
+    priority 10 is a 422."""
+    f, db = fleet
+    replica = await asyncio.to_thread(start_replica, f.mongo_uri, "flow-a", "--broker",
+                                      f.nats_uri)
+    try:
+        await f.start("w1")
+        async with aiohttp.ClientSession() as http:
+            async def leading() -> bool:
+                async with http.get(replica.uri + "/leader") as r:
+                    return r.status == 200 and (await r.json())["answered_by_leader"]
+            await wait_until(leading, 30, "the replica to lead")
+            body = {"id": "one-at-a-time", "name": "report", "target": "flow.report",
+                    "payload": {"account": "acme", "sleep": 0.3},
+                    "concurrency": {"key": "{payload.account}", "limit": 1},
+                    "trigger": {"kind": "cron", "cron": "0 0 1 1 *"}}
+            async with http.post(replica.uri + "/schedules", json=body) as r:
+                assert r.status == 201, await r.text()
+            url = replica.uri + "/schedules/one-at-a-time/trigger"
+            async with http.post(url, json={"priority": 10}) as r:
+                assert r.status == 422
+                assert "priority" in await r.text()
+            for _ in range(20):
+                async with http.post(url, json={}) as r:
+                    assert r.status == 202, await r.text()
+
+            async def waiting() -> list[dict[str, Any]]:
+                async with http.get(replica.uri + "/runs?state=waiting") as r:
+                    items: list[dict[str, Any]] = (await r.json())["items"]
+                    return items if len(items) >= 5 else []
+            parked = await wait_until(waiting, 30, "runs waiting")
+            assert parked[0]["waiting_on"] == {"concurrency": "acme"}
+
+            async def gauged() -> bool:
+                async with http.get(replica.uri + "/metrics") as r:
+                    text = await r.text()
+                return 'hascheduler_flow_waiting{key="{payload.account}"}' in text and \
+                    'hascheduler_flow_in_flight{key="{payload.account}"} 1.0' in text
+            await wait_until(gauged, 10, "the flow gauges")
+            async with http.post(url, json={"priority": 9}) as r:
+                assert r.status == 202, await r.text()
+                urgent = (await r.json())["fire_id"]
+
+        async def all_succeeded() -> bool:
+            return await db.runs.count_documents({"state": "succeeded"}) == 21
+        await wait_until(all_succeeded, 60.0, "every run succeeded")
+        records = f.records()
+        assert most_at_once(records)["acme"] == 1
+        starts = sorted((at, fire_id) for what, fire_id, _, at in records if what == "start")
+        order = [fire_id for _, fire_id in starts]
+        assert order.index(urgent) <= len(order) - 5, order  # ahead of the waiting ones
+    finally:
+        replica.stop()

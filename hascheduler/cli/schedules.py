@@ -152,6 +152,8 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("--overlap", choices=POLICIES, help="this fire's overlap policy")
     tr.add_argument("--force", action="store_true", help="run a paused schedule too")
     tr.add_argument("--idempotency-key", help="a retry with the same key fires nothing new")
+    tr.add_argument("--priority", type=int, choices=range(10), metavar="0-9",
+                    help="this fire's priority (higher first, under contention)")
 
     bf = cmd.add_parser("backfill", help="fire the schedule's times in [--start, --end) "
                                          "that were never fired")
@@ -457,7 +459,7 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
     if args.action == "trigger":
         payload = None if args.payload is None else _json_arg(args.payload, "--payload")
         fired = await api.trigger(sid, payload, args.overlap, args.force,
-                                  args.idempotency_key)
+                                  args.idempotency_key, args.priority)
         return _shown(fired) if args.json else fired.fire_id
     if args.action == "backfill":
         answer = await api.backfill(sid, args.start, args.end, args.overlap)

@@ -183,8 +183,11 @@ def resume(schedule_id: str, if_match: int | None = None) -> Call[models.Schedul
 
 def trigger(schedule_id: str, payload: Mapping[str, Any] | None = None,
             overlap: str | None = None, force: bool = False,
-            idempotency_key: str | None = None) -> Call[models.Triggered]:
+            idempotency_key: str | None = None,
+            priority: int | None = None) -> Call[models.Triggered]:
     body: Document = {"force": True} if force else {}
+    if priority is not None:
+        body["priority"] = priority
     if payload is not None:
         body["payload"] = dict(payload)
     if overlap is not None:

@@ -207,8 +207,10 @@ class Client:
     # Run control.
     def trigger(self, schedule_id: str, payload: Mapping[str, Any] | None = None,
                 overlap: str | None = None, force: bool = False,
-                idempotency_key: str | None = None) -> models.Triggered:
-        return self.send(calls.trigger(schedule_id, payload, overlap, force, idempotency_key))
+                idempotency_key: str | None = None,
+                priority: int | None = None) -> models.Triggered:
+        return self.send(calls.trigger(schedule_id, payload, overlap, force, idempotency_key,
+                                       priority))
 
     def backfill(self, schedule_id: str, start: dt.datetime | str, end: dt.datetime | str,
                  overlap: str | None = None) -> Document:
@@ -378,9 +380,10 @@ class AsyncClient:
 
     async def trigger(self, schedule_id: str, payload: Mapping[str, Any] | None = None,
                       overlap: str | None = None, force: bool = False,
-                      idempotency_key: str | None = None) -> models.Triggered:
+                      idempotency_key: str | None = None,
+                      priority: int | None = None) -> models.Triggered:
         return await self.send(calls.trigger(schedule_id, payload, overlap, force,
-                                             idempotency_key))
+                                             idempotency_key, priority))
 
     async def backfill(self, schedule_id: str, start: dt.datetime | str,
                        end: dt.datetime | str, overlap: str | None = None) -> Document:

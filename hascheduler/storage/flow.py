@@ -24,6 +24,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.streams import aggregate
 
 UNUSED_SLOT_EXPIRY_S = 3600
 
@@ -143,12 +144,9 @@ class SlotStore:
 
     async def in_flight(self) -> dict[str, int]:
         """Slots held now, by the template of their key (the metrics' label)."""
-        counts: dict[str, int] = {}
-        async for d in self.slots.aggregate([
-                {"$match": {"holder": {"$ne": None}}},
-                {"$group": {"_id": "$template", "n": {"$sum": 1}}}]):
-            counts[str(d["_id"])] = int(d["n"])
-        return counts
+        return {str(d["_id"]): int(d["n"]) for d in await aggregate(self.slots, [
+            {"$match": {"holder": {"$ne": None}}},
+            {"$group": {"_id": "$template", "n": {"$sum": 1}}}])}
 
 
 class RatesCollection(Protocol):

@@ -53,6 +53,7 @@ from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fires import state_counts
 from hascheduler.storage.pages import older_than
+from hascheduler.storage.streams import aggregate
 
 PENDING = "pending"
 RUNNING = "running"
@@ -429,12 +430,9 @@ class RunLedger:
 
     async def waiting_counts(self) -> dict[str, int]:
         """Parked runs, by the template of their key (the metrics' label)."""
-        counts: dict[str, int] = {}
-        async for d in self.runs.aggregate([
-                {"$match": {"state": WAITING}},
-                {"$group": {"_id": "$wait_template", "n": {"$sum": 1}}}]):
-            counts[str(d["_id"])] = int(d["n"])
-        return counts
+        return {str(d["_id"]): int(d["n"]) for d in await aggregate(self.runs, [
+            {"$match": {"state": WAITING}},
+            {"$group": {"_id": "$wait_template", "n": {"$sum": 1}}}])}
 
 
     async def heartbeat(self, claims: dict[str, int], worker_id: str, now: dt.datetime,
