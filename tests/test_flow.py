@@ -135,8 +135,14 @@ async def test_at_most_limit_fires_hold_a_key_and_a_release_hands_one_on(
     assert len(held) == 3
     assert await slots.take([("f0", want)], now, 30) == {"f0"}  # its own: kept
     assert await slots.take([("f3", want)], now, 30) == set()
-    await slots.release(["f0"], now)
+    # a batch of one key in one write when it fits, else one by one up to the limit
+    roomy = Wanted("roomy", 5, "{tenant}")
+    assert len(await slots.take([(f"r{i}", roomy) for i in range(3)], now, 30)) == 3
+    assert len(await slots.take([(f"s{i}", roomy) for i in range(3)], now, 30)) == 2
+    assert await slots.release({"f0": "acme"}, now) == set()  # nobody parked on it
     assert await slots.take([("f3", want), ("f4", want)], now, 30) in ({"f3"}, {"f4"})
+    await slots.contend("acme")
+    assert await slots.release({"f1": "acme"}, now) == {"acme"}
 
 
 async def test_a_slot_whose_lease_lapsed_is_free_again(slots: SlotStore) -> None:
@@ -145,6 +151,14 @@ async def test_a_slot_whose_lease_lapsed_is_free_again(slots: SlotStore) -> None
     assert await slots.take([("dead-worker's", want)], now, 1) == {"dead-worker's"}
     later = now + dt.timedelta(seconds=2)
     assert await slots.take([("next", want)], later, 30) == {"next"}
+    # ... and the sweep finds one of a key with parked runs
+    assert await slots.take([("held", Wanted("j", 1, "t"))], now, 1) == {"held"}
+    await slots.contend("j")
+    assert await slots.lapsed(now) == []
+    [(key, name, lease)] = await slots.lapsed(later)
+    assert key == "j"
+    assert await slots.free_lapsed(key, name, lease)
+    assert await slots.take([("after", Wanted("j", 1, "t"))], later, 30) == {"after"}
 
 
 async def test_raising_a_limit_makes_more_slots_and_lowering_one_starts_fewer(
@@ -154,19 +168,20 @@ async def test_raising_a_limit_makes_more_slots_and_lowering_one_starts_fewer(
                                 now, 30)) == 1
     assert len(await slots.take([(f"b{i}", Wanted("k", 3, "t")) for i in range(3)],
                                 now, 30)) == 2  # 3 in all
-    await slots.release(["a0", "b0", "b1"], now)  # one still held (of slot 1 or 2)
+    await slots.release({"a0": "k", "b0": "k", "b1": "k"}, now)  # one still held
     assert await slots.take([("c", Wanted("k", 1, "t"))], now, 30) == {"c"}
 
 
 async def test_a_hundred_thousand_keys_leave_nothing_behind(slots: SlotStore) -> None:
-    """Every key used once: its slot expires an hour after its release (the TTL index);
-    here released two hours ago, the development server's TTL pass removes them all."""
+    """Every key used once: its document expires an hour after its last use (the TTL
+    index); here used two hours ago, the development server's TTL pass removes them
+    all."""
     past = dt.datetime.now(dt.UTC) - dt.timedelta(hours=2)
     for start in range(0, 100_000, 5000):
         wants = [(f"f{i}", Wanted(f"tenant-{i}", 1, "{tenant}"))
                  for i in range(start, start + 5000)]
-        assert len(await slots.take(wants, dt.datetime.now(dt.UTC), 30)) == 5000
-        await slots.release([f for f, _ in wants], past)
+        assert len(await slots.take(wants, past, 30)) == 5000
+        await slots.release({f: w.key for f, w in wants}, past)
     collection = slots.slots
 
     async def expired() -> bool:

@@ -1,36 +1,38 @@
 """Concurrency slots and start budgets: every read and write of the ``slots`` and ``rates``
 collections (docs/WORKERS.md, "Flow control").
 
-A key of limit N has slot documents ``<key>#0`` .. ``<key>#N-1``; a run holds one while it
-runs (``holder``: its fire id; ``until``: its lease, renewed with the run's). Taking one is
-a single conditional write, so two workers never hold the same slot, and at most N runs of
-a key hold a slot at once: the worker takes the slot *before* it claims the run. A slot
-whose lease lapsed (its worker died) is free again. Slots are made when first wanted
-(``ensure``) and expire an hour after their last use, so 100,000 keys used once leave
-nothing behind. ``contended`` marks a key with parked runs: only then does a release look
-for one to wake.
+A concurrency key is one document: ``n``, how many runs hold a slot of it, and
+``holders``, each holder's lease (by a digest of its fire id: a fire id may hold dots)
+renewed with its run's. Taking a slot is one conditional write (``n`` below the limit,
+this fire not among the holders: ``n`` up by one, the fire added), so at most N runs of a
+key hold one at once, whichever workers ask: the worker takes the slot *before* it claims
+the run. A holder whose lease lapsed (its worker died) is dropped by the next take that
+finds the key full, or by the sweep. Documents are made by the first take (an upsert)
+and expire an hour after their last use, so 100,000 keys used once leave nothing behind.
+``contended`` marks a key with parked runs: only then does a release look for one to
+wake.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from pymongo import ASCENDING, UpdateOne
-from pymongo.errors import DuplicateKeyError, OperationFailure
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
+from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.instants import as_utc
-from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.streams import aggregate
 
 UNUSED_SLOT_EXPIRY_S = 3600
 
 
 class SlotsCollection(Protocol):
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def update_many(self, filter: Any, update: Any, *args: Any,
                           **kwargs: Any) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
@@ -40,10 +42,24 @@ class SlotsCollection(Protocol):
     def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def _free(want: Wanted, now: dt.datetime) -> dict[str, Any]:
-    """A slot of the key within its limit that nobody holds, or whose holder's lease lapsed."""
-    return {"key": want.key, "i": {"$lt": want.limit},
-            "$or": [{"holder": None}, {"until": {"$lt": now}}]}
+def holder(fire_id: str) -> str:
+    """A fire's name among a key's holders: a field name, so no dots or dollar signs."""
+    return hashlib.blake2b(fire_id.encode(), digest_size=12).hexdigest()
+
+
+async def _refused(collection: SlotsCollection, requests: list[UpdateOne]) -> set[int]:
+    """Run the upserts unordered in one round trip; the indexes of those whose filter did
+    not match an existing document (its upsert then collided with it)."""
+    if not requests:
+        return set()
+    try:
+        await collection.bulk_write(requests, ordered=False)
+    except BulkWriteError as exc:
+        errors: list[dict[str, Any]] = exc.details.get("writeErrors", [])
+        if any(e.get("code") != DUPLICATE_KEY for e in errors):
+            raise
+        return {int(e["index"]) for e in errors}
+    return set()
 
 
 class SlotStore:
@@ -51,102 +67,152 @@ class SlotStore:
         self.slots = slots
 
     async def ensure_indexes(self) -> None:
-        await self.slots.create_index([("key", ASCENDING), ("i", ASCENDING)], name="key")
-        await self.slots.create_index([("holder", ASCENDING)], name="holder")
-        # A held slot's lease is always ahead: only slots unused for an hour expire.
+        await self.slots.create_index([("contended", ASCENDING), ("until_min", ASCENDING)],
+                                      name="contended",
+                                      partialFilterExpression={"contended": True})
+        # ``until`` is the key's last take or renewal: a key in use never expires.
         with contextlib.suppress(OperationFailure):
             await self.slots.create_index([("until", ASCENDING)], name="unused",
                                           expireAfterSeconds=UNUSED_SLOT_EXPIRY_S)
 
     async def take(self, wants: Sequence[tuple[str, Wanted]], now: dt.datetime,
                    lease_s: float) -> set[str]:
-        """Give each fire (fire id, its slot wanted) a slot of its key; the fire ids that
-        hold one now. A fire holding one already (its run redelivered, or woken) keeps
-        it, lease renewed. Two round trips for the common case (every key with room)."""
+        """Give each fire (fire id, the slot it wants) a slot of its key; the fire ids
+        that hold one now. A fire holding one already (its run redelivered, or woken)
+        keeps it, lease renewed. One round trip when every key has room."""
         if not wants:
             return set()
         until = now + dt.timedelta(seconds=lease_s)
-        ids = [fire_id for fire_id, _ in wants]
-        held = await self._renew(ids, until)
-        rest = [(f, w) for f, w in wants if f not in held]
-        if rest:
-            got = await self._take(rest, now, until)
-            short = [(f, w) for f, w in rest if f not in got]
-            # A key never used (or unused for an hour, or whose limit was raised) lacks
-            # slot documents: made now, then taken again.
-            if short and await self._ensure([w for _, w in short], now):
-                got |= await self._take(short, now, until)
-            held |= got
+        # The fires of one key in one write when the key has room for them all (a batch
+        # is mostly of few keys); one write each for the rest.
+        groups: dict[str, list[tuple[str, Wanted]]] = {}
+        for fire_id, want in wants:
+            groups.setdefault(want.key, []).append((fire_id, want))
+        # (Only a group the limit could hold: on a key not yet made, the upsert inserts.)
+        batched = [g for g in groups.values()
+                   if 1 < len(g) <= g[0][1].limit and len({f for f, _ in g}) == len(g)]
+        refused_groups = await _refused(self.slots, [self._take_all(g, until)
+                                                     for g in batched])
+        taken = {g[0][1].key for i, g in enumerate(batched) if i not in refused_groups}
+        held = {f for f, w in wants if w.key in taken}
+        single = [(f, w) for f, w in wants if w.key not in taken]
+        refused = await _refused(self.slots, [self._take(f, w, until) for f, w in single])
+        held |= {f for i, (f, _) in enumerate(single) if i not in refused}
+        if not refused:
+            return held
+        # Refused: the key is full, or the fire holds a slot of it already. Read those
+        # keys once: renew the fire's own, drop holders whose lease lapsed, and try again.
+        again = [single[i] for i in sorted(refused)]
+        docs = {d["_id"]: d async for d in self.slots.find(
+            {"_id": {"$in": list({w.key for _, w in again})}}, {"holders": 1})}
+        retry: list[tuple[str, Wanted]] = []
+        for fire_id, want in again:
+            holders = (docs.get(want.key) or {}).get("holders") or {}
+            if holder(fire_id) in holders:
+                await self.slots.update_one(
+                    {"_id": want.key, f"holders.{holder(fire_id)}": {"$exists": True}},
+                    {"$set": {f"holders.{holder(fire_id)}": until, "until": until}})
+                held.add(fire_id)
+            else:
+                retry.append((fire_id, want))
+        lapsed = {(w.key, h, as_utc(u)) for _, w in retry
+                  for h, u in ((docs.get(w.key) or {}).get("holders") or {}).items()
+                  if as_utc(u) < now}
+        if retry and lapsed:
+            for key, name, lease in lapsed:
+                await self.free_lapsed(key, name, lease)
+            got = await _refused(self.slots, [self._take(f, w, until) for f, w in retry])
+            held |= {f for i, (f, _) in enumerate(retry) if i not in got}
         return held
 
-    async def _renew(self, fire_ids: list[str], until: dt.datetime) -> set[str]:
-        result = await self.slots.update_many({"holder": {"$in": fire_ids}},
-                                              {"$set": {"until": until}})
-        if not result.matched_count:
-            return set()
-        return {d["holder"] async for d in self.slots.find({"holder": {"$in": fire_ids}},
-                                                           {"holder": 1})}
+    @staticmethod
+    def _take_all(group: list[tuple[str, Wanted]], until: dt.datetime) -> UpdateOne:
+        """One slot for each of these fires of one key, or none (the limit is the
+        first's: they come from one declaration)."""
+        names = [f"holders.{holder(f)}" for f, _ in group]
+        want = group[0][1]
+        return UpdateOne({"_id": want.key, "n": {"$lte": want.limit - len(group)},
+                          **{name: {"$exists": False} for name in names}},
+                         {"$inc": {"n": len(group)},
+                          "$set": {**dict.fromkeys(names, until), "until": until,
+                                   "template": want.template},
+                          "$min": {"until_min": until}}, upsert=True)
 
-    async def _take(self, wants: Sequence[tuple[str, Wanted]], now: dt.datetime,
-                    until: dt.datetime) -> set[str]:
-        result = await self.slots.bulk_write(
-            [UpdateOne(_free(w, now), {"$set": {"holder": f, "until": until}})
-             for f, w in wants], ordered=False)
-        if not result.modified_count:
-            return set()
-        return {d["holder"] async for d in self.slots.find(
-            {"holder": {"$in": [f for f, _ in wants]}}, {"holder": 1})}
-
-    async def _ensure(self, wants: list[Wanted], now: dt.datetime) -> bool:
-        """Make the missing slot documents of these keys, in one write (the ids of those
-        that exist are refused); whether any was missing."""
-        docs = [{"_id": f"{w.key}#{i}", "key": w.key, "i": i, "holder": None, "until": now,
-                 "template": w.template}
-                for w in {w.key: w for w in wants}.values() for i in range(w.limit)]
-        return len(await insert_new(self.slots, docs)) < len(docs)
+    @staticmethod
+    def _take(fire_id: str, want: Wanted, until: dt.datetime) -> UpdateOne:
+        name = f"holders.{holder(fire_id)}"
+        return UpdateOne({"_id": want.key, "n": {"$lt": want.limit}, name: {"$exists": False}},
+                         {"$inc": {"n": 1}, "$set": {name: until, "until": until,
+                                                     "template": want.template},
+                          "$min": {"until_min": until}}, upsert=True)
 
     async def contend(self, key: str) -> None:
         """A run of ``key`` is parked: the key's releases look for it."""
-        await self.slots.update_many({"key": key}, {"$set": {"contended": True}})
+        await self.slots.update_one({"_id": key}, {"$set": {"contended": True}})
 
     async def uncontend(self, key: str) -> None:
-        await self.slots.update_many({"key": key}, {"$unset": {"contended": ""}})
+        await self.slots.update_one({"_id": key}, {"$unset": {"contended": ""}})
 
-    async def release(self, fire_ids: Sequence[str], now: dt.datetime) -> set[str]:
-        """Free the slots these fires hold; the keys among them with parked runs."""
-        if not fire_ids:
+    async def release(self, freed: Mapping[str, str], now: dt.datetime) -> set[str]:
+        """Free the slots these fires (fire id -> key) hold; the keys among them with
+        parked runs (read after the release: a run parked before it is seen)."""
+        if not freed:
             return set()
-        contended = {d["key"] async for d in self.slots.find(
-            {"holder": {"$in": list(fire_ids)}}, {"key": 1, "contended": 1})
-            if d.get("contended")}
-        await self.slots.update_many({"holder": {"$in": list(fire_ids)}},
-                                     {"$set": {"holder": None, "until": now}})
-        return contended
+        by_key: dict[str, list[str]] = {}
+        for fire_id, key in freed.items():
+            by_key.setdefault(key, []).append(holder(fire_id))
+        # A key's holders in one write while each is still there (the common case);
+        # any gone already (lapsed, and freed by another worker) one by one.
+        result = await self.slots.bulk_write([
+            UpdateOne({"_id": key, **{f"holders.{n}": {"$exists": True} for n in names}},
+                      {"$unset": {f"holders.{n}": "" for n in names},
+                       "$inc": {"n": -len(names)}})
+            for key, names in by_key.items()], ordered=False)
+        if result.modified_count < len(by_key):
+            await self.slots.bulk_write([
+                UpdateOne({"_id": key, f"holders.{n}": {"$exists": True}},
+                          {"$unset": {f"holders.{n}": ""}, "$inc": {"n": -1}})
+                for key, names in by_key.items() for n in names], ordered=False)
+        return {d["_id"] async for d in self.slots.find(
+            {"_id": {"$in": list(set(freed.values()))}, "contended": True}, {"_id": 1})}
 
-    async def renew(self, fire_ids: Sequence[str], until: dt.datetime) -> None:
-        """The heartbeat: these fires' runs still run."""
-        if fire_ids:
-            await self.slots.update_many({"holder": {"$in": list(fire_ids)}},
-                                         {"$set": {"until": until}})
+    async def renew(self, held: Mapping[str, str], until: dt.datetime) -> None:
+        """The heartbeat: these fires' runs (fire id -> key) still run."""
+        if held:
+            await self.slots.bulk_write([
+                UpdateOne({"_id": key, f"holders.{holder(fire_id)}": {"$exists": True}},
+                          {"$set": {f"holders.{holder(fire_id)}": until, "until": until}})
+                for fire_id, key in held.items()], ordered=False)
 
-    async def lapsed(self, now: dt.datetime, limit: int = 100) -> list[tuple[str, str]]:
-        """Slots still named for a run whose lease lapsed (its worker died, or a woken run
-        never arrived), of keys with parked runs: (key, holder) to free and wake for."""
-        return [(d["key"], d["holder"]) async for d in self.slots.find(
-            {"until": {"$lt": now}, "holder": {"$ne": None}, "contended": True},
-            {"key": 1, "holder": 1}).limit(limit)]
+    async def lapsed(self, now: dt.datetime, limit: int = 100
+                     ) -> list[tuple[str, str, dt.datetime]]:
+        """Holders whose lease lapsed (their worker died, or a woken run never arrived)
+        of keys with parked runs: (key, holder, its lease) to free and wake for. A key
+        whose earliest lease is past but whose holders all renewed has that bound
+        corrected."""
+        found: list[tuple[str, str, dt.datetime]] = []
+        async for doc in self.slots.find({"contended": True, "until_min": {"$lt": now}},
+                                         {"holders": 1}).limit(limit):
+            leases = {h: as_utc(u) for h, u in (doc.get("holders") or {}).items()}
+            gone = [(doc["_id"], h, u) for h, u in leases.items() if u < now]
+            found += gone
+            if not gone:
+                await self.slots.update_one({"_id": doc["_id"]}, {"$set": {
+                    "until_min": min(leases.values(), default=now + dt.timedelta(hours=1))}})
+        return found
 
-    async def free_lapsed(self, key: str, holder: str, now: dt.datetime) -> bool:
-        result = await self.slots.update_one(
-            {"key": key, "holder": holder, "until": {"$lt": now}},
-            {"$set": {"holder": None, "until": now}})
+    async def free_lapsed(self, key: str, name: str, lease: dt.datetime) -> bool:
+        """Drop a holder whose lease lapsed, unless it was renewed meanwhile."""
+        result = await self.slots.update_one({"_id": key, f"holders.{name}": lease},
+                                             {"$unset": {f"holders.{name}": ""},
+                                              "$inc": {"n": -1}})
         return bool(result.modified_count)
 
     async def in_flight(self) -> dict[str, int]:
         """Slots held now, by the template of their key (the metrics' label)."""
         return {str(d["_id"]): int(d["n"]) for d in await aggregate(self.slots, [
-            {"$match": {"holder": {"$ne": None}}},
-            {"$group": {"_id": "$template", "n": {"$sum": 1}}}])}
+            {"$match": {"n": {"$gt": 0}}},
+            {"$group": {"_id": "$template", "n": {"$sum": "$n"}}}])}
 
 
 class RatesCollection(Protocol):

@@ -132,8 +132,9 @@ class FlowGate:
         """Start a run of the key now if its budget allows."""
         return await self.rates.take(paced, now) == 0.0
 
-    async def renew(self, fire_ids: Sequence[str]) -> None:
-        await self.slots.renew(fire_ids, self.clock() + dt.timedelta(seconds=self.lease_s))
+    async def renew(self, held: dict[str, Wanted]) -> None:
+        await self.slots.renew({f: w.key for f, w in held.items()},
+                               self.clock() + dt.timedelta(seconds=self.lease_s))
 
     async def release(self, freed: dict[str, Wanted]) -> None:
         """Free the slots of these runs (ended, given back, or never claimed) and wake
@@ -141,7 +142,8 @@ class FlowGate:
         raised limit wakes as many more)."""
         if not freed:
             return
-        contended = await self.slots.release(list(freed), self.clock())
+        contended = await self.slots.release({f: w.key for f, w in freed.items()},
+                                             self.clock())
         limits = {w.key: w for w in freed.values()}
         for key in contended:
             await self.wake(key, limits[key].limit)
@@ -216,10 +218,9 @@ class FlowGate:
 
     async def sweep(self) -> None:
         """Hand on the slots whose holder's lease lapsed, of keys with parked runs."""
-        now = self.clock()
-        for key, holder in await self.slots.lapsed(now):
-            if await self.slots.free_lapsed(key, holder, now):
-                log.warning("slot_lapsed", key=key, holder=holder)
+        for key, name, lease in await self.slots.lapsed(self.clock()):
+            if await self.slots.free_lapsed(key, name, lease):
+                log.warning("slot_lapsed", key=key, holder=name)
                 await self.wake(key)
 
 

@@ -715,7 +715,8 @@ class Worker:
             lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
                                              s.worker_id, self.clock(), s.ack_wait_s)
             if self.flow is not None:
-                await self.flow.renew([f for f, h in held.items() if h.slot is not None])
+                await self.flow.renew({f: h.slot for f, h in held.items()
+                                       if h.slot is not None})
         except PyMongoError as exc:
             log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
             return
