@@ -3,7 +3,8 @@ is never reached against no key, and the time from a slot freeing to the next pa
 of its key starting.
 
     python -m bench.flow_bench [--fires 10000] [--concurrency 16] [--rounds 3]
-                               [--hot 500]
+                               [--hot 500] [--tenants 10000] [--fires-per-tenant 4]
+                               [--rate-seconds 60]
 
 Runs the development MongoDB server and a real nats-server, as bench/worker_bench.py does.
 
@@ -15,6 +16,17 @@ Runs the development MongoDB server and a real nats-server, as bench/worker_benc
   every run but the first waits parked, and is woken when the one before it ends. From
   the handler's records, each run's start minus the previous run's end. Target: p99 under
   50 ms.
+- Rate: two keys at 5 starts a second, each with --rate-seconds seconds of runs waiting
+  (5 a second's worth, published at once), through two workers: from the instant each
+  start was counted (the ledger's woken_at, else the run's first start), the most starts
+  of a key in any one second, and the mean over the full seconds. Target: never above 5,
+  close to 5.
+- Fan-out: a schedule fanning out to --tenants tenants with ``concurrency: {"key":
+  "{tenant}", "limit": 3}``, run now --fires-per-tenant times at once (each run 20 ms),
+  through one replica and four workers at concurrency 16, one of them SIGKILLed when a
+  third of the runs are done (run lease 3 s). From the handler's records: the most runs
+  of one tenant at once (a killed run counted as running until its worker was killed),
+  and every run succeeded.
 """
 
 from __future__ import annotations
@@ -31,25 +43,35 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import nats
+from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from bench.worker_bench import our_worker
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
-from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
+from tests.servers import (
+    ServerProcess,
+    start_devmongo,
+    start_nats,
+    start_replica,
+    with_database,
+)
 from tests.waiting import wait_until
 
 STREAM = "HASCHEDULER"
 
 
 def event(fire_id: str, target: str, payload: dict[str, Any],
-          concurrency: dict[str, Any] | None) -> bytes:
+          concurrency: dict[str, Any] | None, rate: dict[str, Any] | None = None) -> bytes:
     now = dt.datetime.now(dt.UTC).isoformat()
     data: dict[str, Any] = {"schedule_id": fire_id.partition("@")[0], "term": 1,
                             "nominal_at": now, "payload": payload}
     if concurrency is not None:
         data["concurrency"] = concurrency
+    if rate is not None:
+        data["rate"] = rate
     return json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
                        "type": "io.hascheduler.fire", "subject": data["schedule_id"],
                        "data": data}).encode()
@@ -127,6 +149,136 @@ async def hand_on(mongo: ServerProcess, nats_uri: str, hot: int) -> list[float]:
     return [start - end for start, end in zip(starts[1:], ends, strict=False)]
 
 
+def most_at_once(lines: list[list[str]], killed_at: float) -> int:
+    """The most runs of one key between their start and end at one instant; a start the
+    records never end (its worker was killed) ends at ``killed_at``."""
+    ends = {fire for what, fire, _, _ in lines if what == "end"}
+    events: list[tuple[float, int, str]] = []
+    started: dict[str, int] = {}
+    for what, fire, key, at in lines:
+        if what == "start":
+            started[fire] = started.get(fire, 0) + 1
+            events.append((float(at), 1, key))
+        else:
+            events.append((float(at), -1, key))
+    for what, fire, key, _ in lines:
+        if what == "start" and started[fire] > (1 if fire in ends else 0):
+            started[fire] -= 1
+            events.append((killed_at, -1, key))
+    running: dict[str, int] = {}
+    most = 0
+    for _, step, key in sorted(events):
+        running[key] = running.get(key, 0) + step
+        most = max(most, running[key])
+    return most
+
+
+async def fan_out(mongo: ServerProcess, nats_uri: str, tenants: int, fires: int
+                  ) -> dict[str, Any]:
+    record = Path(tempfile.mkdtemp()) / "flow.txt"
+    uri = with_database(mongo.uri, "fb_fanout")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    db = client.get_default_database()
+    await db.tenants.insert_many([{"_id": f"t{i:05d}"} for i in range(tenants)])
+    replica = start_replica(uri, "fb", "--broker", nats_uri)
+    env = {**os.environ, "RECORD_FLOW_TO": str(record)}
+    workers: list[asyncio.subprocess.Process] = []
+    try:
+        for w in range(4):
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+                "--broker", nats_uri, "--mongodb-uri", uri, "--app",
+                "tests.helpers.flow_handler:app", "--durable", "fb-fanout", "--worker-id",
+                f"w{w}", "--concurrency", "16", "--ack-wait", "3", env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            assert worker.stdout is not None
+            await asyncio.wait_for(worker.stdout.readline(), 60)
+            workers.append(worker)
+        async with aiohttp.ClientSession() as http:
+            async def leading() -> bool:
+                async with http.get(replica.uri + "/leader") as r:
+                    return r.status == 200 and bool((await r.json())["answered_by_leader"])
+            await wait_until(leading, 30, "the replica to lead")
+            body = {"id": "nightly", "name": "nightly", "target": "flow.nightly",
+                    "payload": {"sleep": 0.02}, "fan_out": {"collection": "tenants"},
+                    "concurrency": {"key": "{tenant}", "limit": 3},
+                    "trigger": {"kind": "cron", "cron": "0 0 1 1 *"}}
+            async with http.post(replica.uri + "/schedules", json=body) as r:
+                assert r.status == 201, await r.text()
+            began = time.perf_counter()
+            for _ in range(fires):
+                async with http.post(replica.uri + "/schedules/nightly/trigger",
+                                     json={}) as r:
+                    assert r.status == 202, await r.text()
+        total = tenants * fires
+
+        def a_third() -> bool:
+            return record.exists() and record.read_text().count("end ") >= total // 3
+        await wait_until(a_third, 600.0, "a third of the runs done")
+        workers[0].kill()
+        killed_at = time.time()
+
+        async def all_succeeded() -> bool:
+            return await db.runs.count_documents({"state": "succeeded"}) >= total
+        await wait_until(all_succeeded, 900.0, "every run succeeded")
+        seconds = time.perf_counter() - began
+        lines = [line.split() for line in record.read_text().splitlines()]
+        return {"runs": total, "seconds": seconds,
+                "most": most_at_once(lines, killed_at),
+                "succeeded": await db.runs.count_documents({"state": "succeeded"}),
+                "taken_over": sum(1 for line in lines if line[0] == "start") - total}
+    finally:
+        for worker in workers:
+            if worker.returncode is None:
+                worker.terminate()
+            await worker.wait()
+        replica.stop()
+        await client.close()
+
+
+async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, Any]:
+    database = "fb_rate"
+    rate = {"key": "{payload.account}", "limit": 5, "per": "PT1S"}
+    await fill(nats_uri, [("hascheduler.fire.flow.paced",
+                           event(f"p-{account}-{i}@x", "flow.paced", {"account": account},
+                                 None, rate))
+                          for i in range(5 * seconds) for account in ("a", "b")])
+    record = Path(tempfile.mkdtemp()) / "flow.txt"
+    uri = with_database(mongo.uri, database)
+    workers = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", nats_uri, "--mongodb-uri", uri, "--app",
+        "tests.helpers.flow_handler:app", "--durable", "fb-rate", "--worker-id", f"w{w}",
+        "--concurrency", "16", env={**os.environ, "RECORD_FLOW_TO": str(record)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        for w in range(2)]
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            await asyncio.wait_for(worker.stdout.readline(), 60)
+        runs = client.get_default_database().runs
+
+        async def done() -> bool:
+            return await runs.count_documents({"state": "succeeded"}) >= 10 * seconds
+        await wait_until(done, seconds * 3 + 60, "every paced run succeeded")
+        out: dict[str, Any] = {}
+        for account in ("a", "b"):
+            per_second: dict[int, int] = {}
+            async for d in runs.find({"_id": {"$regex": f"^p-{account}-"}}):
+                at = int((d.get("woken_at") or d["first_started_at"]).timestamp())
+                per_second[at] = per_second.get(at, 0) + 1
+            full = [per_second.get(s, 0) for s in range(min(per_second) + 1,
+                                                         max(per_second))]
+            out[account] = (max(per_second.values()), sum(full) / len(full), len(full))
+        return out
+    finally:
+        for worker in workers:
+            worker.terminate()
+            await worker.wait()
+        await client.close()
+
+
 async def main_async(args: argparse.Namespace) -> int:
     print(f"# flow control benchmark: {platform.processor() or platform.machine()}, "
           f"python {sys.version.split()[0]}")
@@ -147,6 +299,20 @@ async def main_async(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - began:.1f} s): a slot freeing to the next run "
               f"starting: p50 {pct(gaps, .5) * 1000:.1f} ms, p99 {pct(gaps, .99) * 1000:.1f}"
               f" ms, max {max(gaps) * 1000:.1f} ms (target p99 < 50 ms)")
+        if args.rate_seconds:
+            rates = await paced(mongo, broker.uri, args.rate_seconds)
+            for account, (most, mean, seconds) in rates.items():
+                print(f"rate 5 a second, key {account}: at most {most} starts in a second, "
+                      f"mean {mean:.2f} over {seconds} full seconds (target <= 5, close "
+                      "to 5)")
+        if args.tenants:
+            out = await fan_out(mongo, broker.uri, args.tenants, args.fires_per_tenant)
+            print(f"\nfan-out to {args.tenants:,} tenants, run now {args.fires_per_tenant} "
+                  f"times: {out['runs']:,} runs at limit 3 per tenant through four workers "
+                  f"(one SIGKILLed a third of the way) in {out['seconds']:.1f} s: "
+                  f"{out['succeeded']:,} succeeded; most runs of one tenant at once: "
+                  f"{out['most']} (limit 3); runs started again after the kill: "
+                  f"{out['taken_over']}")
     finally:
         broker.stop()
         mongo.stop()
@@ -160,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hot", type=int, default=500)
+    parser.add_argument("--tenants", type=int, default=10_000)
+    parser.add_argument("--fires-per-tenant", type=int, default=4)
+    parser.add_argument("--rate-seconds", type=int, default=60)
     return asyncio.run(main_async(args=parser.parse_args(argv)))
 
 

@@ -146,7 +146,7 @@ async def test_each_fire_runs_once_per_tenant_through_changes_and_a_leader_kill(
     assert first["fires"] == {"requested": 0, "claimed": 0, "buffered": 0, "published": 5,
                               "skipped": 0, "failed": 0, "total": 5}, first
     assert first["runs"] == {"pending": 0, "running": 0, "succeeded": 5, "retrying": 0,
-                             "dead": 0, "cancelled": 0, "total": 5}, first
+                             "dead": 0, "cancelled": 0, "waiting": 0, "total": 5}, first
     ran = Counter(line.split()[0] for line in record.read_text().splitlines())
     assert {f for f in counts} <= set(ran)
     assert all(ran[f] == 1 for f in counts)

@@ -139,10 +139,10 @@ async def test_at_most_limit_fires_hold_a_key_and_a_release_hands_one_on(
     roomy = Wanted("roomy", 5, "{tenant}")
     assert len(await slots.take([(f"r{i}", roomy) for i in range(3)], now, 30)) == 3
     assert len(await slots.take([(f"s{i}", roomy) for i in range(3)], now, 30)) == 2
-    assert await slots.release({"f0": "acme"}, now) == set()  # nobody parked on it
+    assert await slots.release({"f0": "acme"}, now) == {}  # nobody parked on it
     assert await slots.take([("f3", want), ("f4", want)], now, 30) in ({"f3"}, {"f4"})
     await slots.contend("acme")
-    assert await slots.release({"f1": "acme"}, now) == {"acme"}
+    assert await slots.release({"f1": "acme"}, now) == {"acme": 3}  # with its limit
 
 
 async def test_a_slot_whose_lease_lapsed_is_free_again(slots: SlotStore) -> None:
@@ -542,3 +542,34 @@ async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_
         assert order.index(urgent) <= len(order) - 5, order  # ahead of the waiting ones
     finally:
         replica.stop()
+
+
+async def test_a_limit_raised_while_runs_wait_lets_as_many_more_start(
+        fleet: tuple[Fleet, Any]) -> None:
+    """30 runs of one account at limit 1 (0.3 s each) wait their turn; a run declaring
+    limit 3 arrives: from then on up to 3 run at once (the key's latest limit is what
+    its releases wake under), never more, and before it only 1."""
+    f, db = fleet
+    await f.start("w1")
+    run = uuid.uuid4().hex[:6]
+    await publish(f.nats_uri, [
+        ("flow.report", fire_event(f"l{run}-{i}@x", "flow.report",
+                                   {"account": "acme", "sleep": 0.3},
+                                   {"key": "{payload.account}", "limit": 1}))
+        for i in range(30)])
+
+    async def parked() -> bool:
+        return await db.runs.count_documents({"state": "waiting"}) >= 20
+    await wait_until(parked, 30.0, "the runs waiting")
+    raised_at = dt.datetime.now(dt.UTC).timestamp()
+    await publish(f.nats_uri, [("flow.report", fire_event(
+        f"raise{run}@x", "flow.report", {"account": "acme", "sleep": 0.3},
+        {"key": "{payload.account}", "limit": 3}))])
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) == 31
+    await wait_until(all_succeeded, 60.0, "every run succeeded")
+    records = f.records()
+    before = [r for r in records if r[3] < raised_at]
+    assert most_at_once(before)["acme"] == 1
+    assert most_at_once(records)["acme"] == 3

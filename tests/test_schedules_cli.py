@@ -93,6 +93,7 @@ def test_add_from_a_file_on_stdin(replica: ServerProcess) -> None:
     (["add", "--name", "x", "--cron", "* * * * *"], "--target required"),
     (["add", "--name", "x", "--target", "t"], "give one trigger"),
     (["update", "ghost", "--set", "{}"], "does not exist"),
+    (["trigger", "ghost", "--priority", "10"], "--priority"),
 ])
 def test_refused_input_exits_2_naming_the_field(replica: ServerProcess, args: list[str],
                                                 message: str) -> None:

@@ -1,16 +1,16 @@
 """Concurrency slots and start budgets: every read and write of the ``slots`` and ``rates``
 collections (docs/WORKERS.md, "Flow control").
 
-A concurrency key is one document: ``n``, how many runs hold a slot of it, and
-``holders``, each holder's lease (by a digest of its fire id: a fire id may hold dots)
-renewed with its run's. Taking a slot is one conditional write (``n`` below the limit,
-this fire not among the holders: ``n`` up by one, the fire added), so at most N runs of a
-key hold one at once, whichever workers ask: the worker takes the slot *before* it claims
-the run. A holder whose lease lapsed (its worker died) is dropped by the next take that
-finds the key full, or by the sweep. Documents are made by the first take (an upsert)
-and expire an hour after their last use, so 100,000 keys used once leave nothing behind.
-``contended`` marks a key with parked runs: only then does a release look for one to
-wake.
+A concurrency key is one document: ``n``, how many runs hold a slot of it, ``holders``,
+each holder's lease (by a digest of its fire id: a fire id may hold dots) renewed with its
+run's, and ``limit``, the limit its latest take declared (what a release wakes under).
+Taking a slot is one conditional write (``n`` below the limit, this fire not among the
+holders: ``n`` up by one, the fire added), so at most N runs of a key hold one at once,
+whichever workers ask: the worker takes the slot *before* it claims the run. A holder
+whose lease lapsed (its worker died) is dropped by the next take that finds the key full,
+or by the sweep. Documents are made by the first take (an upsert) and expire an hour
+after their last use, so 100,000 keys used once leave nothing behind. ``contended`` marks
+a key with parked runs: only then does a release look for one to wake.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class SlotStore:
                           **{name: {"$exists": False} for name in names}},
                          {"$inc": {"n": len(group)},
                           "$set": {**dict.fromkeys(names, until), "until": until,
-                                   "template": want.template},
+                                   "template": want.template, "limit": want.limit},
                           "$min": {"until_min": until}}, upsert=True)
 
     @staticmethod
@@ -143,7 +143,8 @@ class SlotStore:
         name = f"holders.{holder(fire_id)}"
         return UpdateOne({"_id": want.key, "n": {"$lt": want.limit}, name: {"$exists": False}},
                          {"$inc": {"n": 1}, "$set": {name: until, "until": until,
-                                                     "template": want.template},
+                                                     "template": want.template,
+                                                     "limit": want.limit},
                           "$min": {"until_min": until}}, upsert=True)
 
     async def contend(self, key: str) -> None:
@@ -153,11 +154,12 @@ class SlotStore:
     async def uncontend(self, key: str) -> None:
         await self.slots.update_one({"_id": key}, {"$unset": {"contended": ""}})
 
-    async def release(self, freed: Mapping[str, str], now: dt.datetime) -> set[str]:
+    async def release(self, freed: Mapping[str, str], now: dt.datetime) -> dict[str, int]:
         """Free the slots these fires (fire id -> key) hold; the keys among them with
-        parked runs (read after the release: a run parked before it is seen)."""
+        parked runs (read after the release: a run parked before it is seen), each with
+        the limit its latest take declared."""
         if not freed:
-            return set()
+            return {}
         by_key: dict[str, list[str]] = {}
         for fire_id, key in freed.items():
             by_key.setdefault(key, []).append(holder(fire_id))
@@ -173,8 +175,8 @@ class SlotStore:
                 UpdateOne({"_id": key, f"holders.{n}": {"$exists": True}},
                           {"$unset": {f"holders.{n}": ""}, "$inc": {"n": -1}})
                 for key, names in by_key.items() for n in names], ordered=False)
-        return {d["_id"] async for d in self.slots.find(
-            {"_id": {"$in": list(set(freed.values()))}, "contended": True}, {"_id": 1})}
+        return {d["_id"]: int(d.get("limit") or 1) async for d in self.slots.find(
+            {"_id": {"$in": list(set(freed.values()))}, "contended": True}, {"limit": 1})}
 
     async def renew(self, held: Mapping[str, str], until: dt.datetime) -> None:
         """The heartbeat: these fires' runs (fire id -> key) still run."""
@@ -184,7 +186,7 @@ class SlotStore:
                           {"$set": {f"holders.{holder(fire_id)}": until, "until": until}})
                 for fire_id, key in held.items()], ordered=False)
 
-    async def lapsed(self, now: dt.datetime, limit: int = 100
+    async def lapsed(self, now: dt.datetime, count: int = 100
                      ) -> list[tuple[str, str, dt.datetime]]:
         """Holders whose lease lapsed (their worker died, or a woken run never arrived)
         of keys with parked runs: (key, holder, its lease) to free and wake for. A key
@@ -192,7 +194,7 @@ class SlotStore:
         corrected."""
         found: list[tuple[str, str, dt.datetime]] = []
         async for doc in self.slots.find({"contended": True, "until_min": {"$lt": now}},
-                                         {"holders": 1}).limit(limit):
+                                         {"holders": 1}).limit(count):
             leases = {h: as_utc(u) for h, u in (doc.get("holders") or {}).items()}
             gone = [(doc["_id"], h, u) for h, u in leases.items() if u < now]
             found += gone

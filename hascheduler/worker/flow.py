@@ -138,18 +138,18 @@ class FlowGate:
 
     async def release(self, freed: dict[str, Wanted]) -> None:
         """Free the slots of these runs (ended, given back, or never claimed) and wake
-        the runs parked on their keys, under the limit the freeing run declared (so a
-        raised limit wakes as many more)."""
+        the runs parked on their keys, under the limit the key's latest take declared
+        (so a raised limit wakes as many more)."""
         if not freed:
             return
         contended = await self.slots.release({f: w.key for f, w in freed.items()},
                                              self.clock())
-        limits = {w.key: w for w in freed.values()}
-        for key in contended:
-            await self.wake(key, limits[key].limit)
+        for key, limit in contended.items():
+            await self.wake(key, limit)
 
     async def wake(self, key: str, limit: int | None = None) -> int:
-        """Wake up to MAX_WAKES runs parked on ``key``, one per slot free; how many."""
+        """Wake up to MAX_WAKES runs parked on ``key``, one per slot free under ``limit``
+        (else under the limit each waiting run declared); how many."""
         woken = 0
         while woken < MAX_WAKES:
             now = self.clock()
@@ -161,7 +161,7 @@ class FlowGate:
                     await self.slots.contend(key)
                     continue
                 break
-            want = Wanted(key, max(limit or 0, int(doc.get("wait_limit") or 1)),
+            want = Wanted(key, limit or int(doc.get("wait_limit") or 1),
                           str(doc.get("wait_template") or ""))
             if doc["_id"] not in await self.slots.take([(doc["_id"], want)], now,
                                                        self.lease_s):
