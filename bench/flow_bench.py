@@ -175,6 +175,7 @@ def most_at_once(lines: list[list[str]], killed_at: float) -> int:
 
 async def fan_out(mongo: ServerProcess, nats_uri: str, tenants: int, fires: int
                   ) -> dict[str, Any]:
+    await fill(nats_uri, [])  # the stream emptied: the parts before left theirs in it
     record = Path(tempfile.mkdtemp()) / "flow.txt"
     uri = with_database(mongo.uri, "fb_fanout")
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)

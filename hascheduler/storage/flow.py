@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from pymongo import ASCENDING, UpdateOne
+from pymongo import ASCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from hascheduler.core.constants import DUPLICATE_KEY
@@ -33,6 +33,8 @@ UNUSED_SLOT_EXPIRY_S = 3600
 
 
 class SlotsCollection(Protocol):
+    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
+                                  **kwargs: Any) -> Any: ...
     async def update_many(self, filter: Any, update: Any, *args: Any,
                           **kwargs: Any) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
@@ -163,6 +165,14 @@ class SlotStore:
         by_key: dict[str, list[str]] = {}
         for fire_id, key in freed.items():
             by_key.setdefault(key, []).append(holder(fire_id))
+        if len(by_key) == 1:  # the common case: freed and read back in one round trip
+            [(key, names)] = by_key.items()
+            doc = await self.slots.find_one_and_update(
+                {"_id": key, **{f"holders.{n}": {"$exists": True} for n in names}},
+                {"$unset": {f"holders.{n}": "" for n in names}, "$inc": {"n": -len(names)}},
+                projection={"contended": 1, "limit": 1}, return_document=ReturnDocument.AFTER)
+            if doc is not None:
+                return {key: int(doc.get("limit") or 1)} if doc.get("contended") else {}
         # A key's holders in one write while each is still there (the common case);
         # any gone already (lapsed, and freed by another worker) one by one.
         result = await self.slots.bulk_write([
