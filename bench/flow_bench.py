@@ -4,7 +4,7 @@ of its key starting.
 
     python -m bench.flow_bench [--fires 10000] [--concurrency 16] [--rounds 3]
                                [--hot 500] [--tenants 10000] [--fires-per-tenant 4]
-                               [--rate-seconds 60]
+                               [--rate-seconds 60] [--crowd 10000]
 
 Runs the development MongoDB server and a real nats-server, as bench/worker_bench.py does.
 
@@ -16,6 +16,9 @@ Runs the development MongoDB server and a real nats-server, as bench/worker_benc
   every run but the first waits parked, and is woken when the one before it ends. From
   the handler's records, each run's start minus the previous run's end. Target: p99 under
   50 ms.
+- Fairness: --crowd runs of one key at limit 2 published ahead of 50 runs of 50 other
+  keys, through two workers: when each of the 50 started, after the last publish.
+  Target: all within the first seconds.
 - Rate: two keys at 5 starts a second, each with --rate-seconds seconds of runs waiting
   (5 a second's worth, published at once), through two workers: from the instant each
   start was counted (the ledger's woken_at, else the run's first start), the most starts
@@ -237,6 +240,46 @@ async def fan_out(mongo: ServerProcess, nats_uri: str, tenants: int, fires: int
         await client.close()
 
 
+async def fairness(mongo: ServerProcess, nats_uri: str, crowd: int) -> list[float]:
+    """Seconds from the last publish to each single key's run starting."""
+    limit = {"key": "{payload.account}", "limit": 2}
+    messages = [("hascheduler.fire.flow.crowd",
+                 event(f"c-{i}@x", "flow.crowd", {"account": "crowd"}, limit))
+                for i in range(crowd)]
+    messages += [("hascheduler.fire.flow.crowd",
+                  event(f"s-{i}@x", "flow.crowd", {"account": f"single{i}"}, limit))
+                 for i in range(50)]
+    await fill(nats_uri, [])
+    record = Path(tempfile.mkdtemp()) / "flow.txt"
+    uri = with_database(mongo.uri, "fb_crowd")
+    workers = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", nats_uri, "--mongodb-uri", uri, "--app",
+        "tests.helpers.flow_handler:app", "--durable", "fb-crowd", "--worker-id", f"w{w}",
+        "--concurrency", "16", env={**os.environ, "RECORD_FLOW_TO": str(record)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        for w in range(2)]
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            await asyncio.wait_for(worker.stdout.readline(), 60)
+        await fill(nats_uri, messages)
+        published = time.time()
+
+        def singles() -> list[float]:
+            if not record.exists():
+                return []
+            starts = [float(line.split()[3]) - published
+                      for line in record.read_text().splitlines()
+                      if line.startswith("start s-")]
+            return starts if len(starts) == 50 else []
+        return await wait_until(singles, 120.0, "the 50 single runs started")
+    finally:
+        for worker in workers:
+            worker.terminate()
+            await worker.wait()
+
+
 async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, Any]:
     database = "fb_rate"
     rate = {"key": "{payload.account}", "limit": 5, "per": "PT1S"}
@@ -300,6 +343,11 @@ async def main_async(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - began:.1f} s): a slot freeing to the next run "
               f"starting: p50 {pct(gaps, .5) * 1000:.1f} ms, p99 {pct(gaps, .99) * 1000:.1f}"
               f" ms, max {max(gaps) * 1000:.1f} ms (target p99 < 50 ms)")
+        if args.crowd:
+            starts = await fairness(mongo, broker.uri, args.crowd)
+            print(f"fairness: {args.crowd:,} runs of one key at limit 2 ahead of 50 runs of "
+                  f"50 other keys: those 50 started {min(starts):.1f} s to "
+                  f"{max(starts):.1f} s after the last publish (target: the first seconds)")
         if args.rate_seconds:
             rates = await paced(mongo, broker.uri, args.rate_seconds)
             for account, (most, mean, seconds) in rates.items():
@@ -330,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tenants", type=int, default=10_000)
     parser.add_argument("--fires-per-tenant", type=int, default=4)
     parser.add_argument("--rate-seconds", type=int, default=60)
+    parser.add_argument("--crowd", type=int, default=10_000)
     return asyncio.run(main_async(args=parser.parse_args(argv)))
 
 

@@ -263,6 +263,15 @@ def _stored_event(raw: Any) -> dict[str, Any] | None:
     return event
 
 
+def _parked(fire: FireRef, on: Wanted | Paced, priority: int, now: dt.datetime) -> Document:
+    kind = CONCURRENCY if isinstance(on, Wanted) else RATE
+    return {"state": WAITING, "waiting_on": {kind: on.key}, "wait_key": f"{kind}:{on.key}",
+            "wait_template": on.template, "priority": priority, "event": fire.body,
+            "recorded_at": now,
+            **({"wait_limit": on.limit} if isinstance(on, Wanted)
+               else {"wait_interval_s": on.interval_s})}
+
+
 def _blocked(current: Document, now: dt.datetime) -> Claim:
     """Why a run cannot be claimed now: its state, and how long until it might be."""
     state = current["state"]
@@ -365,42 +374,40 @@ class RunLedger:
             return await self.claim(fire, worker_id, now, lease_s)
         return _blocked(current, now)
 
-    async def park(self, fire: FireRef, on: Wanted | Paced, now: dt.datetime,
-                   priority: int = 0) -> Claim:
-        """Park the run of ``fire`` (no slot of its key was free, or no start in its rate
-        budget): ``waiting`` on the key, keeping its event for the worker that wakes it.
-        Claim("parked"), or the state that stops it as ``claim`` says (running elsewhere,
-        ended, a retry not yet due)."""
-        kind = CONCURRENCY if isinstance(on, Wanted) else RATE
-        parked = {"state": WAITING, "waiting_on": {kind: on.key},
-                  "wait_key": f"{kind}:{on.key}", "wait_template": on.template,
-                  "priority": priority, "event": fire.body, "recorded_at": now,
-                  **({"wait_limit": on.limit} if isinstance(on, Wanted)
-                     else {"wait_interval_s": on.interval_s})}
-        doc = {"_id": fire.fire_id, "schedule_id": fire.schedule_id, "target": fire.target,
-               "nominal_at": fire.nominal_at, "attempts": 0, "first_started_at": None,
-               "replays": 0, "waiting_since": now, **parked}
-        if fire.tenant is not None:
-            doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
-        try:
-            await self.runs.insert_one(doc)
-            return Claim(PARKED)
-        except DuplicateKeyError:
-            pass
-        before = await self.runs.find_one_and_update(
-            {"_id": fire.fire_id, "$or": [
-                {"state": PENDING},
-                {"state": RETRYING, "next_attempt_at": {"$lte": now}},
-                {"state": RUNNING, "lease_until": {"$lt": now}},
-                {"state": WAITING}]},
-            {"$set": parked, "$min": {"waiting_since": now},
-             "$unset": {"next_attempt_at": "", "woken_at": "", "lease_until": ""}},
-            return_document=ReturnDocument.BEFORE)
-        if before is not None:
-            return Claim(PARKED)
-        current = await self.runs.find_one({"_id": fire.fire_id},
-                                           {"state": 1, "lease_until": 1, "next_attempt_at": 1})
-        return Claim(PARKED) if current is None else _blocked(current, now)
+    async def park(self, parking: Sequence[tuple[FireRef, Wanted | Paced, int]],
+                   now: dt.datetime) -> dict[str, Claim]:
+        """Park the runs of these fires (each with what it waits for, and its priority):
+        ``waiting`` on the key (no slot of it was free, or no start in its rate budget),
+        keeping the event for the worker that wakes it. By fire id: Claim("parked"), or
+        the state that stops it as ``claim`` says (running elsewhere, ended, a retry not
+        yet due). The new ones (the common case) in one write."""
+        parked = {fire.fire_id: _parked(fire, on, priority, now)
+                  for fire, on, priority in parking}
+        docs = [{"_id": fire.fire_id, "schedule_id": fire.schedule_id,
+                 "target": fire.target, "nominal_at": fire.nominal_at, "attempts": 0,
+                 "first_started_at": None, "replays": 0, "waiting_since": now,
+                 **parked[fire.fire_id],
+                 **({"fire": fire.fire or fire.fire_id, "tenant": fire.tenant}
+                    if fire.tenant is not None else {})}
+                for fire, _, _ in parking]
+        existing = {docs[e["index"]]["_id"] for e in await insert_new(self.runs, docs)}
+        answers = {fire.fire_id: Claim(PARKED) for fire, _, _ in parking}
+        for fire_id in existing:
+            before = await self.runs.find_one_and_update(
+                {"_id": fire_id, "$or": [
+                    {"state": PENDING},
+                    {"state": RETRYING, "next_attempt_at": {"$lte": now}},
+                    {"state": RUNNING, "lease_until": {"$lt": now}},
+                    {"state": WAITING}]},
+                {"$set": parked[fire_id], "$min": {"waiting_since": now},
+                 "$unset": {"next_attempt_at": "", "woken_at": "", "lease_until": ""}},
+                return_document=ReturnDocument.BEFORE)
+            if before is None:
+                current = await self.runs.find_one(
+                    {"_id": fire_id}, {"state": 1, "lease_until": 1, "next_attempt_at": 1})
+                if current is not None:
+                    answers[fire_id] = _blocked(current, now)
+        return answers
 
     async def next_waiting(self, kind: str, key: str, now: dt.datetime, lease_s: float
                            ) -> Document | None:

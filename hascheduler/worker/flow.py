@@ -112,21 +112,23 @@ class FlowGate:
     async def take(self, wants: dict[str, Wanted]) -> set[str]:
         return await self.slots.take(list(wants.items()), self.clock(), self.lease_s)
 
-    async def park(self, fire: FireRef, on: Wanted | Paced, priority: int
-                   ) -> tuple[str, bool]:
-        """Park the run; (the claim's outcome, whether what it waits for was taken for it
-        after all). A slot freed between the failed take and the park found nobody to
-        wake: the take after the park (and the key marked contended) sees it."""
-        claim = await self.runs.park(fire, on, self.clock(), priority)
-        if claim.outcome != PARKED:
-            return claim.outcome, False
-        if isinstance(on, Paced):
-            await self.rates.contend(on.key)
-            self.rate_parked.set()
-            return claim.outcome, False  # the rate waker starts it at its key's next start
-        await self.slots.contend(on.key)
-        got = await self.slots.take([(fire.fire_id, on)], self.clock(), self.lease_s)
-        return claim.outcome, fire.fire_id in got
+    async def park(self, parking: list[tuple[FireRef, Wanted | Paced, int]]
+                   ) -> dict[str, tuple[str, bool]]:
+        """Park the runs (each with what it waits for, and its priority); by fire id,
+        the claim's outcome and whether what it waits for was taken for it after all. A
+        slot freed between the failed take and the park found nobody to wake: the take
+        after the park (and the key marked contended) sees it."""
+        claims = await self.runs.park(parking, self.clock())
+        parked = [(f, on) for f, on, _ in parking if claims[f.fire_id].outcome == PARKED]
+        for key in {on.key for _, on in parked if isinstance(on, Paced)}:
+            await self.rates.contend(key)
+            self.rate_parked.set()  # the rate waker starts them at their key's next start
+        slots = {f.fire_id: on for f, on in parked if isinstance(on, Wanted)}
+        for key in {on.key for on in slots.values()}:
+            await self.slots.contend(key)
+        got = await self.slots.take(list(slots.items()), self.clock(), self.lease_s) \
+            if slots else set()
+        return {fire_id: (claim.outcome, fire_id in got) for fire_id, claim in claims.items()}
 
     async def pace(self, paced: Paced, now: dt.datetime) -> bool:
         """Start a run of the key now if its budget allows."""

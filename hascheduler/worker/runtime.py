@@ -421,8 +421,8 @@ class Worker:
             await self._claimed(message, delivery, route, claim,
                                 _claim_spans([(message, delivery, route)], received).get(
                                     delivery.fire.fire_id) if tracing.enabled() else None)
-        for (message, delivery, route), on in over.values():
-            await self._park(message, delivery, route, on)
+        if over:
+            await self._park(list(over.values()))
 
     async def _take_slots(self, batch: list[tuple[Any, Delivery, Route]],
                           now: dt.datetime
@@ -463,26 +463,31 @@ class Worker:
         await self.flow.release(unpaced)  # held a slot, but may not start yet
         return slots, key_errors, over
 
-    async def _park(self, message: Any, delivery: Delivery, route: Route,
-                    on: Wanted | Paced) -> None:
-        """Over its key's limit or rate: wait in the ledger, not in the broker or a
+    async def _park(self, over: list[tuple[tuple[Any, Delivery, Route], Wanted | Paced]]
+                    ) -> None:
+        """Over their key's limit or rate: wait in the ledger, not in the broker or a
         runner."""
         assert self.flow is not None
-        fire = delivery.fire
-        outcome, taken = await self.flow.park(fire, on, delivery.priority)
-        if taken:  # a slot freed meanwhile: run it after all
-            assert isinstance(on, Wanted)
-            claim = await self.runs.claim(fire, self.settings.worker_id, self.clock(),
-                                          self.settings.ack_wait_s)
-            await self._claimed(message, delivery, route, claim, slot=on)
-        elif outcome == PARKED:
-            log.info("run_waiting", fire_id=fire.fire_id, key=on.key,
-                     on="concurrency" if isinstance(on, Wanted) else "rate")
-            self.metrics.count(fire.target, WAITING)
-            with contextlib.suppress(*BROKER_ERRORS):
-                await message.ack()
-        else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
-            await self._claimed(message, delivery, route, Claim(outcome))
+        answers = await self.flow.park([(d.fire, on, d.priority) for (_, d, _), on in over])
+        acks = []
+        for (message, delivery, route), on in over:
+            fire = delivery.fire
+            outcome, taken = answers[fire.fire_id]
+            if taken:  # a slot freed meanwhile: run it after all
+                assert isinstance(on, Wanted)
+                claim = await self.runs.claim(fire, self.settings.worker_id, self.clock(),
+                                              self.settings.ack_wait_s)
+                await self._claimed(message, delivery, route, claim, slot=on)
+            elif outcome == PARKED:
+                log.debug("run_waiting", fire_id=fire.fire_id, key=on.key,
+                          on="concurrency" if isinstance(on, Wanted) else "rate")
+                self.metrics.count(fire.target, WAITING)
+                acks.append(message.ack())
+            else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
+                await self._claimed(message, delivery, route, Claim(outcome))
+        for done in await asyncio.gather(*acks, return_exceptions=True):
+            if isinstance(done, BaseException) and not isinstance(done, BROKER_ERRORS):
+                raise done
 
     async def _screen(self, message: Any, received: dt.datetime
                       ) -> tuple[Delivery, Route] | None:
