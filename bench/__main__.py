@@ -165,13 +165,31 @@ SECTIONS = [
     ("bench.tracing_bench", "Tracing: lateness and worker throughput, on against off",
      [], ["--schedules", "100", "--seconds", "2", "--rounds", "1", "--fires", "300",
           "--concurrency", "4"],
-     "The development MongoDB server, a real nats-server and an OTLP/HTTP receiver in the "
-     "bench's process. 10,000 schedules every second for 20 s on three replicas with "
-     "tracing on (sampled 1%: parentbased_traceidratio) and off, two rounds each in ABBA "
-     "order, a fresh cluster, database and stream each: publish acknowledged minus due "
-     "time. Then a worker at concurrency 16 consuming 10,000 fires that each carry a "
-     "traceparent (1% sampled), tracing on against off, best of 2 alternated. Targets: "
-     "lateness p99 on within 1.1x of off; worker on within 1.15x of off."),
+     "An OTLP/HTTP receiver in the bench's process; each lateness round on a fresh "
+     "development MongoDB server, nats-server and three replicas: 10,000 schedules every "
+     "second for 20 s with tracing on (sampled 1%: parentbased_traceidratio) and off, "
+     "three rounds each in ABBA order: publish acknowledged minus due time, the median "
+     "round of each mode compared. Then a worker at concurrency 16 consuming 10,000 fires "
+     "that each carry a traceparent (1% sampled), tracing on against off, best of 3 "
+     "alternated. Targets: lateness p99 on within 1.1x of off; worker on within 1.15x of "
+     "off."),
+    ("bench.flow_bench", "Flow control: fairness, a concurrency key's cost, a freed slot "
+     "to the next start, a rate over a minute, a 10,000-tenant fan-out",
+     [], ["--fires", "500", "--rounds", "1", "--hot", "30", "--rate-seconds", "2",
+          "--tenants", "100", "--fires-per-tenant", "2", "--crowd", "100"],
+     "The development MongoDB server and a real nats-server. Fairness: 10,000 runs of one "
+     "key at limit 2 published ahead of 50 runs of 50 other keys, two workers: when each "
+     "of the 50 started. Throughput: 10,000 fires without a concurrency key and with the "
+     "schedule's key {target} at limit 1,000 (every run takes and frees a slot; none "
+     "waits), a worker at concurrency 16, alternated three times, the best of each. "
+     "Hand-on: 500 runs of one key at limit 1 through two workers, each run's start minus "
+     "the previous run's end. Rate: two keys at 5 starts a second, 300 runs each waiting, "
+     "starts counted per second at the instant each was granted. Fan-out: 10,000 tenants "
+     "at concurrency {tenant} limit 3, run now 4 times at once, through one replica and "
+     "four workers, one SIGKILLed a third of the way. Targets: the 50 start within the "
+     "first seconds; with the key within 1.2x of without; hand-on p99 under 50 ms; never "
+     "more than 5 starts of a key in a second, close to 5; every fan-out run succeeds, "
+     "never more than 3 of a tenant at once."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],
      "Round trips on a 100,000-document collection against an empty one (limit 2x), and "

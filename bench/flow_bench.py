@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -43,6 +44,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,33 @@ async def fill(nats_uri: str, messages: list[tuple[str, bytes]]) -> int:
         await nc.close()
 
 
+@contextlib.asynccontextmanager
+async def flow_workers(nats_uri: str, mongo_uri: str, durable: str, record: Path,
+                       count: int, *args: str
+                       ) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """``count`` workers running tests/helpers/flow_handler.py (recording to ``record``),
+    each consuming once this yields; terminated after."""
+    workers: list[asyncio.subprocess.Process] = []
+    try:
+        for w in range(count):
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+                "--broker", nats_uri, "--mongodb-uri", mongo_uri, "--app",
+                "tests.helpers.flow_handler:app", "--durable", durable, "--worker-id",
+                f"w{w}", "--concurrency", "16", *args,
+                env={**os.environ, "RECORD_FLOW_TO": str(record)},
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            workers.append(worker)
+            assert worker.stdout is not None
+            await asyncio.wait_for(worker.stdout.readline(), 60)
+        yield workers
+    finally:
+        for worker in workers:
+            if worker.returncode is None:
+                worker.terminate()
+            await worker.wait()
+
+
 async def throughput(mongo: ServerProcess, nats_uri: str, fires: int, concurrency: int,
                      rounds: int) -> dict[str, float]:
     best: dict[str, float] = {}
@@ -124,26 +153,11 @@ async def hand_on(mongo: ServerProcess, nats_uri: str, hot: int) -> list[float]:
                            event(f"hot-{i}@x", "flow.hot", {"account": "hot"},
                                  {"key": "{payload.account}", "limit": 1}))
                           for i in range(hot)])
-    workers = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", with_database(mongo.uri, database),
-        "--app", "tests.helpers.flow_handler:app", "--durable", "fb-hot",
-        "--worker-id", f"w{w}", "--concurrency", "16",
-        env={**os.environ, "RECORD_FLOW_TO": str(record)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        for w in range(2)]
-    try:
-        for worker in workers:
-            assert worker.stdout is not None
-            await asyncio.wait_for(worker.stdout.readline(), 60)
-
+    async with flow_workers(nats_uri, with_database(mongo.uri, database), "fb-hot",
+                            record, 2):
         def ended() -> bool:
             return record.exists() and record.read_text().count("end ") >= hot
         await wait_until(ended, 600.0, "every hot run ended")
-    finally:
-        for worker in workers:
-            worker.terminate()
-            await worker.wait()
     lines = [line.split() for line in record.read_text().splitlines()]
     starts = sorted(float(at) for what, _, _, at in lines if what == "start")
     ends = sorted(float(at) for what, _, _, at in lines if what == "end")
@@ -185,59 +199,51 @@ async def fan_out(mongo: ServerProcess, nats_uri: str, tenants: int, fires: int
     db = client.get_default_database()
     await db.tenants.insert_many([{"_id": f"t{i:05d}"} for i in range(tenants)])
     replica = start_replica(uri, "fb", "--broker", nats_uri)
-    env = {**os.environ, "RECORD_FLOW_TO": str(record)}
-    workers: list[asyncio.subprocess.Process] = []
     try:
-        for w in range(4):
-            worker = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-                "--broker", nats_uri, "--mongodb-uri", uri, "--app",
-                "tests.helpers.flow_handler:app", "--durable", "fb-fanout", "--worker-id",
-                f"w{w}", "--concurrency", "16", "--ack-wait", "3", env=env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-            assert worker.stdout is not None
-            await asyncio.wait_for(worker.stdout.readline(), 60)
-            workers.append(worker)
-        async with aiohttp.ClientSession() as http:
-            async def leading() -> bool:
-                async with http.get(replica.uri + "/leader") as r:
-                    return r.status == 200 and bool((await r.json())["answered_by_leader"])
-            await wait_until(leading, 30, "the replica to lead")
-            body = {"id": "nightly", "name": "nightly", "target": "flow.nightly",
-                    "payload": {"sleep": 0.02}, "fan_out": {"collection": "tenants"},
-                    "concurrency": {"key": "{tenant}", "limit": 3},
-                    "trigger": {"kind": "cron", "cron": "0 0 1 1 *"}}
-            async with http.post(replica.uri + "/schedules", json=body) as r:
-                assert r.status == 201, await r.text()
-            began = time.perf_counter()
-            for _ in range(fires):
-                async with http.post(replica.uri + "/schedules/nightly/trigger",
-                                     json={}) as r:
-                    assert r.status == 202, await r.text()
-        total = tenants * fires
-
-        def a_third() -> bool:
-            return record.exists() and record.read_text().count("end ") >= total // 3
-        await wait_until(a_third, 600.0, "a third of the runs done")
-        workers[0].kill()
-        killed_at = time.time()
-
-        async def all_succeeded() -> bool:
-            return await db.runs.count_documents({"state": "succeeded"}) >= total
-        await wait_until(all_succeeded, 900.0, "every run succeeded")
-        seconds = time.perf_counter() - began
-        lines = [line.split() for line in record.read_text().splitlines()]
-        return {"runs": total, "seconds": seconds,
-                "most": most_at_once(lines, killed_at),
-                "succeeded": await db.runs.count_documents({"state": "succeeded"}),
-                "taken_over": sum(1 for line in lines if line[0] == "start") - total}
+        async with flow_workers(nats_uri, uri, "fb-fanout", record, 4, "--ack-wait",
+                                "3") as workers:
+            return await _fan_out(replica.uri, db, record, workers, tenants, fires)
     finally:
-        for worker in workers:
-            if worker.returncode is None:
-                worker.terminate()
-            await worker.wait()
         replica.stop()
         await client.close()
+
+
+async def _fan_out(api: str, db: Any, record: Path,
+                   workers: list[asyncio.subprocess.Process], tenants: int, fires: int
+                   ) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http:
+        async def leading() -> bool:
+            async with http.get(api + "/leader") as r:
+                return r.status == 200 and bool((await r.json())["answered_by_leader"])
+        await wait_until(leading, 30, "the replica to lead")
+        body = {"id": "nightly", "name": "nightly", "target": "flow.nightly",
+                "payload": {"sleep": 0.02}, "fan_out": {"collection": "tenants"},
+                "concurrency": {"key": "{tenant}", "limit": 3},
+                "trigger": {"kind": "cron", "cron": "0 0 1 1 *"}}
+        async with http.post(api + "/schedules", json=body) as r:
+            assert r.status == 201, await r.text()
+        began = time.perf_counter()
+        for _ in range(fires):
+            async with http.post(api + "/schedules/nightly/trigger",
+                                 json={}) as r:
+                assert r.status == 202, await r.text()
+    total = tenants * fires
+
+    def a_third() -> bool:
+        return record.exists() and record.read_text().count("end ") >= total // 3
+    await wait_until(a_third, 600.0, "a third of the runs done")
+    workers[0].kill()
+    killed_at = time.time()
+
+    async def all_succeeded() -> bool:
+        return await db.runs.count_documents({"state": "succeeded"}) >= total
+    await wait_until(all_succeeded, 900.0, "every run succeeded")
+    seconds = time.perf_counter() - began
+    lines = [line.split() for line in (await asyncio.to_thread(record.read_text)).splitlines()]
+    return {"runs": total, "seconds": seconds,
+            "most": most_at_once(lines, killed_at),
+            "succeeded": await db.runs.count_documents({"state": "succeeded"}),
+            "taken_over": sum(1 for line in lines if line[0] == "start") - total}
 
 
 async def fairness(mongo: ServerProcess, nats_uri: str, crowd: int) -> list[float]:
@@ -252,17 +258,7 @@ async def fairness(mongo: ServerProcess, nats_uri: str, crowd: int) -> list[floa
     await fill(nats_uri, [])
     record = Path(tempfile.mkdtemp()) / "flow.txt"
     uri = with_database(mongo.uri, "fb_crowd")
-    workers = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", uri, "--app",
-        "tests.helpers.flow_handler:app", "--durable", "fb-crowd", "--worker-id", f"w{w}",
-        "--concurrency", "16", env={**os.environ, "RECORD_FLOW_TO": str(record)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        for w in range(2)]
-    try:
-        for worker in workers:
-            assert worker.stdout is not None
-            await asyncio.wait_for(worker.stdout.readline(), 60)
+    async with flow_workers(nats_uri, uri, "fb-crowd", record, 2):
         await fill(nats_uri, messages)
         published = time.time()
 
@@ -274,10 +270,6 @@ async def fairness(mongo: ServerProcess, nats_uri: str, crowd: int) -> list[floa
                       if line.startswith("start s-")]
             return starts if len(starts) == 50 else []
         return await wait_until(singles, 120.0, "the 50 single runs started")
-    finally:
-        for worker in workers:
-            worker.terminate()
-            await worker.wait()
 
 
 async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, Any]:
@@ -289,38 +281,28 @@ async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, 
                           for i in range(5 * seconds) for account in ("a", "b")])
     record = Path(tempfile.mkdtemp()) / "flow.txt"
     uri = with_database(mongo.uri, database)
-    workers = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", uri, "--app",
-        "tests.helpers.flow_handler:app", "--durable", "fb-rate", "--worker-id", f"w{w}",
-        "--concurrency", "16", env={**os.environ, "RECORD_FLOW_TO": str(record)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        for w in range(2)]
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
     try:
-        for worker in workers:
-            assert worker.stdout is not None
-            await asyncio.wait_for(worker.stdout.readline(), 60)
-        runs = client.get_default_database().runs
-
-        async def done() -> bool:
-            return await runs.count_documents({"state": "succeeded"}) >= 10 * seconds
-        await wait_until(done, seconds * 3 + 60, "every paced run succeeded")
-        out: dict[str, Any] = {}
-        for account in ("a", "b"):
-            per_second: dict[int, int] = {}
-            async for d in runs.find({"_id": {"$regex": f"^p-{account}-"}}):
-                at = int((d.get("woken_at") or d["first_started_at"]).timestamp())
-                per_second[at] = per_second.get(at, 0) + 1
-            full = [per_second.get(s, 0) for s in range(min(per_second) + 1,
-                                                         max(per_second))]
-            out[account] = (max(per_second.values()), sum(full) / len(full), len(full))
-        return out
+        async with flow_workers(nats_uri, uri, "fb-rate", record, 2):
+            return await _paced(client.get_default_database().runs, seconds)
     finally:
-        for worker in workers:
-            worker.terminate()
-            await worker.wait()
         await client.close()
+
+
+async def _paced(runs: Any, seconds: int) -> dict[str, Any]:
+    async def done() -> bool:
+        return await runs.count_documents({"state": "succeeded"}) >= 10 * seconds
+    await wait_until(done, seconds * 3 + 60, "every paced run succeeded")
+    out: dict[str, Any] = {}
+    for account in ("a", "b"):
+        per_second: dict[int, int] = {}
+        async for d in runs.find({"_id": {"$regex": f"^p-{account}-"}}):
+            at = int((d.get("woken_at") or d["first_started_at"]).timestamp())
+            per_second[at] = per_second.get(at, 0) + 1
+        full = [per_second.get(s, 0) for s in range(min(per_second) + 1, max(per_second))]
+        out[account] = (max(per_second.values()),
+                        sum(full) / len(full) if full else float("nan"), len(full))
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> int:

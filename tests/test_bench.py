@@ -25,7 +25,8 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
                     "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
                     "## Run control", "## Partitions and clocks", "## Schedules as code",
-                    "## Many teams", "## Development MongoDB"):
+                    "## Many teams", "## Tracing", "## Flow control",
+                    "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
@@ -39,11 +40,12 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "p99 skip / allow", "buffered p99", "backfill rate",
                     "Partition against kill", "offset estimate's error",
                     "apply / one by one", "create rate with the audit trail / without",
-                    "on / off"):
+                    "on / off", "key / no key", "a slot freeing to the next run starting",
+                    "fairness:", "rate 5 a second", "fan-out to 100 tenants"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 15
+    assert text.count("Command: `python -m bench.") == 16
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import nats
 import pytest
+from playwright.async_api import async_playwright, expect
 from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
@@ -38,6 +39,7 @@ from hascheduler.worker.app import WorkerConfigError
 from hascheduler.worker.delivery import NotAFire, read_delivery
 from hascheduler.worker.flow import woken_event
 from tests.servers import ServerProcess, start_nats, start_replica, with_database
+from tests.test_dashboard import CHROMIUM_ARGS, chromium_path
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -115,16 +117,22 @@ def test_a_schedule_limit_travels_in_its_fires_events() -> None:
 # -- the slots, on the development server -------------------------------------------------
 
 @pytest.fixture
-async def slots(mongo_uri: str) -> AsyncIterator[SlotStore]:
+async def scratch(mongo_uri: str) -> AsyncIterator[Any]:
+    """A database of its own on the development server, dropped after."""
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
     name = f"t_{uuid.uuid4().hex[:12]}"
-    store = SlotStore(client[name].slots)
-    await store.ensure_indexes()
     try:
-        yield store
+        yield client[name]
     finally:
         await client.drop_database(name)
         await client.close()
+
+
+@pytest.fixture
+async def slots(scratch: Any) -> SlotStore:
+    store = SlotStore(scratch.slots)
+    await store.ensure_indexes()
+    return store
 
 
 async def test_at_most_limit_fires_hold_a_key_and_a_release_hands_one_on(
@@ -190,16 +198,10 @@ async def test_a_hundred_thousand_keys_leave_nothing_behind(slots: SlotStore) ->
 
 
 @pytest.fixture
-async def rates(mongo_uri: str) -> AsyncIterator[RateStore]:
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    store = RateStore(client[name].rates)
+async def rates(scratch: Any) -> RateStore:
+    store = RateStore(scratch.rates)
     await store.ensure_indexes()
-    try:
-        yield store
-    finally:
-        await client.drop_database(name)
-        await client.close()
+    return store
 
 
 async def test_a_rate_key_starts_one_run_per_interval(rates: RateStore) -> None:
@@ -488,9 +490,9 @@ async def test_a_priority_9_run_starts_before_a_waiting_backlog(
 async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_a_replica(
         fleet: tuple[Fleet, Any], mongo_uri: str) -> None:
     """Written through the API, carried by the leader: a schedule at limit 1 run now 20
-    times (each run 0.3 s) has one run at a time, its runs wait with waiting_on (and in
-    the replica's gauges), and a run now at priority 9 starts before the ones waiting;
-    priority 10 is a 422."""
+    times (each run 0.5 s) has one run at a time, its runs wait with waiting_on (in the
+    replica's gauges and on the dashboard too), and a run now at priority 9 starts before
+    the ones waiting; priority 10 is a 422."""
     f, db = fleet
     replica = await asyncio.to_thread(start_replica, f.mongo_uri, "flow-a", "--broker",
                                       f.nats_uri)
@@ -502,7 +504,7 @@ async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_
                     return r.status == 200 and (await r.json())["answered_by_leader"]
             await wait_until(leading, 30, "the replica to lead")
             body = {"id": "one-at-a-time", "name": "report", "target": "flow.report",
-                    "payload": {"account": "acme", "sleep": 0.3},
+                    "payload": {"account": "acme", "sleep": 0.5},
                     "concurrency": {"key": "{payload.account}", "limit": 1},
                     "trigger": {"kind": "cron", "cron": "0 0 1 1 *"}}
             async with http.post(replica.uri + "/schedules", json=body) as r:
@@ -528,6 +530,7 @@ async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_
                 return 'hascheduler_flow_waiting{key="{payload.account}"}' in text and \
                     'hascheduler_flow_in_flight{key="{payload.account}"} 1.0' in text
             await wait_until(gauged, 10, "the flow gauges")
+            await dashboard_shows_waiting(replica.uri, parked[0]["id"])  # the last parked
             async with http.post(url, json={"priority": 9}) as r:
                 assert r.status == 202, await r.text()
                 urgent = (await r.json())["fire_id"]
@@ -573,3 +576,22 @@ async def test_a_limit_raised_while_runs_wait_lets_as_many_more_start(
     before = [r for r in records if r[3] < raised_at]
     assert most_at_once(before)["acme"] == 1
     assert most_at_once(records)["acme"] == 3
+
+
+async def dashboard_shows_waiting(api: str, fire_id: str) -> None:
+    """The dashboard, in a real browser: the waiting runs' table says what each waits
+    on, and a waiting run's page too."""
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True,
+                                           args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(api + "/ui")
+            rows = page.locator("#waiting tbody tr")
+            await expect(rows.first).to_contain_text("concurrency acme", timeout=10_000)
+            await page.goto(api + "/ui#run=" + fire_id)
+            await expect(page.locator("#detail")).to_contain_text("waiting on",
+                                                                  timeout=10_000)
+            await expect(page.locator("#detail")).to_contain_text("concurrency acme")
+        finally:
+            await browser.close()

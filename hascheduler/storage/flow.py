@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from pymongo import ASCENDING, ReturnDocument, UpdateOne
-from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
-from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.instants import as_utc
+from hascheduler.storage.bulk import refused_upserts
 from hascheduler.storage.streams import aggregate
 
 UNUSED_SLOT_EXPIRY_S = 3600
@@ -47,21 +47,6 @@ class SlotsCollection(Protocol):
 def holder(fire_id: str) -> str:
     """A fire's name among a key's holders: a field name, so no dots or dollar signs."""
     return hashlib.blake2b(fire_id.encode(), digest_size=12).hexdigest()
-
-
-async def _refused(collection: SlotsCollection, requests: list[UpdateOne]) -> set[int]:
-    """Run the upserts unordered in one round trip; the indexes of those whose filter did
-    not match an existing document (its upsert then collided with it)."""
-    if not requests:
-        return set()
-    try:
-        await collection.bulk_write(requests, ordered=False)
-    except BulkWriteError as exc:
-        errors: list[dict[str, Any]] = exc.details.get("writeErrors", [])
-        if any(e.get("code") != DUPLICATE_KEY for e in errors):
-            raise
-        return {int(e["index"]) for e in errors}
-    return set()
 
 
 class SlotStore:
@@ -93,12 +78,12 @@ class SlotStore:
         # (Only a group the limit could hold: on a key not yet made, the upsert inserts.)
         batched = [g for g in groups.values()
                    if 1 < len(g) <= g[0][1].limit and len({f for f, _ in g}) == len(g)]
-        refused_groups = await _refused(self.slots, [self._take_all(g, until)
+        refused_groups = await refused_upserts(self.slots, [self._take_all(g, until)
                                                      for g in batched])
         taken = {g[0][1].key for i, g in enumerate(batched) if i not in refused_groups}
         held = {f for f, w in wants if w.key in taken}
         single = [(f, w) for f, w in wants if w.key not in taken]
-        refused = await _refused(self.slots, [self._take(f, w, until) for f, w in single])
+        refused = await refused_upserts(self.slots, [self._take(f, w, until) for f, w in single])
         held |= {f for i, (f, _) in enumerate(single) if i not in refused}
         if not refused:
             return held
@@ -123,8 +108,9 @@ class SlotStore:
         if retry and lapsed:
             for key, name, lease in lapsed:
                 await self.free_lapsed(key, name, lease)
-            got = await _refused(self.slots, [self._take(f, w, until) for f, w in retry])
-            held |= {f for i, (f, _) in enumerate(retry) if i not in got}
+            still = await refused_upserts(self.slots,
+                                          [self._take(f, w, until) for f, w in retry])
+            held |= {f for i, (f, _) in enumerate(retry) if i not in still}
         return held
 
     @staticmethod
