@@ -95,10 +95,12 @@ class SlotStore:
         retry: list[tuple[str, Wanted]] = []
         for fire_id, want in again:
             holders = (docs.get(want.key) or {}).get("holders") or {}
-            if holder(fire_id) in holders:
-                await self.slots.update_one(
+            # Renewed only while still there: a lapsed one may have been dropped since the
+            # read, its slot taken by another run.
+            if holder(fire_id) in holders and (await self.slots.update_one(
                     {"_id": want.key, f"holders.{holder(fire_id)}": {"$exists": True}},
                     {"$set": {f"holders.{holder(fire_id)}": until, "until": until}})
+                    ).matched_count:
                 held.add(fire_id)
             else:
                 retry.append((fire_id, want))
