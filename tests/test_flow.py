@@ -35,6 +35,7 @@ from hascheduler.core.flow import (
     Wanted,
 )
 from hascheduler.storage.flow import RateStore, SlotStore
+from hascheduler.storage.runs import FireRef, RunLedger
 from hascheduler.worker import WorkerApp
 from hascheduler.worker.app import WorkerConfigError
 from hascheduler.worker.delivery import NotAFire, read_delivery
@@ -618,3 +619,27 @@ async def dashboard_shows_waiting(api: str, fire_id: str) -> None:
             await expect(page.locator("#detail")).to_contain_text("concurrency stuck")
         finally:
             await browser.close()
+
+
+async def test_a_higher_priority_goes_first_but_no_run_waits_behind_newer_ones_for_ever(
+        scratch: Any) -> None:
+    """A priority-9 run parked now goes before a priority-0 one parked a minute ago; a
+    priority-0 one parked ten minutes ago goes before both (each level is worth a minute
+    of waiting: core/flow.PRIORITY_AGE_S)."""
+    ledger = RunLedger(scratch.runs)
+    await ledger.ensure_indexes(3600)
+    now = dt.datetime.now(dt.UTC)
+    want = Wanted("acme", 1, "{payload.account}")
+
+    def fire(name: str) -> FireRef:
+        return FireRef(f"{name}@x", name, "flow.report", now, {}, b"{}")
+    await ledger.park([(fire("minute-old"), want, 0)], now - dt.timedelta(minutes=1))
+    await ledger.park([(fire("urgent"), want, 9)], now)
+    first = await ledger.next_waiting("concurrency", "acme", now, 30)
+    assert first is not None
+    assert first["_id"] == "urgent@x"
+    await ledger.park([(fire("ten-minutes-old"), want, 0)], now - dt.timedelta(minutes=10))
+    await ledger.park([(fire("urgent-too"), want, 9)], now)
+    order = [(await ledger.next_waiting("concurrency", "acme", now, 30) or {}).get("_id")
+             for _ in range(3)]
+    assert order == ["ten-minutes-old@x", "urgent-too@x", "minute-old@x"]

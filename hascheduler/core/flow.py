@@ -202,6 +202,19 @@ def check_for_schedule(limit: ConcurrencyLimit | RateLimit, payload: Mapping[str
                 raise KeyTemplateError(f"{{{'.'.join(path)}}}: {exc}") from None
 
 
+# What one level of priority is worth in waiting: a run is served as if it had been
+# waiting this much longer per level, so a priority-9 run overtakes runs that have waited
+# up to 9 minutes, and none waits behind newer ones for ever (a priority-0 run that has
+# waited 9 minutes goes before any priority-9 run parked after it).
+PRIORITY_AGE_S = 60.0
+
+
+def rank(priority: int, since: float) -> float:
+    """The order in which waiting runs are served, lowest first: their waiting start
+    (seconds, on any one clock), moved earlier by their priority."""
+    return since - priority * PRIORITY_AGE_S
+
+
 @dataclass(frozen=True, slots=True)
 class Wanted:
     """A run's concurrency slot: its key rendered, the limit it counts against, and the

@@ -46,7 +46,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
-from hascheduler.core.flow import Paced, Wanted
+from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
@@ -181,7 +181,8 @@ def open_key(schedule_id: str, tenant: str | None) -> str:
 
 # Unset when a parked run is claimed; ``woken_at`` stays: when its waker took what it
 # waited for (for a rate key, the instant its start was counted).
-_PARKED_FIELDS = dict.fromkeys(("waiting_on", "waiting_since", "wait_key", "wait_limit",
+_PARKED_FIELDS = dict.fromkeys(("waiting_on", "waiting_since", "wait_rank", "wait_key",
+                                "wait_limit",
                                 "wait_interval_s", "wait_template"), "")
 
 
@@ -267,6 +268,8 @@ def _parked(fire: FireRef, on: Wanted | Paced, priority: int, now: dt.datetime) 
     kind = CONCURRENCY if isinstance(on, Wanted) else RATE
     return {"state": WAITING, "waiting_on": {kind: on.key}, "wait_key": f"{kind}:{on.key}",
             "wait_template": on.template, "priority": priority, "event": fire.body,
+            # served by this, lowest first (core/flow.rank: priority, aged)
+            "wait_rank": rank(priority, now.timestamp()),
             "recorded_at": now,
             **({"wait_limit": on.limit} if isinstance(on, Wanted)
                else {"wait_interval_s": on.interval_s})}
@@ -295,7 +298,7 @@ class RunLedger:
                                          "open_key": {"$exists": True}})
         # Parked runs by key, in the order they are woken.
         await self.runs.create_index(
-            [("wait_key", ASCENDING), ("priority", DESCENDING), ("waiting_since", ASCENDING)],
+            [("wait_key", ASCENDING), ("wait_rank", ASCENDING)],
             name="parked", partialFilterExpression={"wait_key": {"$exists": True}})
         # Every write sets recorded_at and a live run renews it with each heartbeat, so
         # only runs nobody touched for the retention period expire, dead ones included.
@@ -399,7 +402,9 @@ class RunLedger:
                     {"state": RETRYING, "next_attempt_at": {"$lte": now}},
                     {"state": RUNNING, "lease_until": {"$lt": now}},
                     {"state": WAITING}]},
-                {"$set": parked[fire_id], "$min": {"waiting_since": now},
+                {"$set": {k: v for k, v in parked[fire_id].items() if k != "wait_rank"},
+                 # parked again (woken, and no slot after all): its place kept
+                 "$min": {"waiting_since": now, "wait_rank": parked[fire_id]["wait_rank"]},
                  "$unset": {"next_attempt_at": "", "woken_at": "", "lease_until": ""}},
                 return_document=ReturnDocument.BEFORE)
             if before is None:
@@ -412,15 +417,15 @@ class RunLedger:
     async def next_waiting(self, kind: str, key: str, now: dt.datetime, lease_s: float
                            ) -> Document | None:
         """The run parked on ``key`` (for ``kind``: CONCURRENCY or RATE) that comes next,
-        the highest priority first and of those the longest waiting, that nobody is
-        waking; marked as being woken (by the caller, until ``lease_s`` from now). None
-        when there is none."""
+        by its rank (its priority, aged: core/flow.rank), that nobody is waking; marked as
+        being woken (by the caller, until ``lease_s`` from now). None when there is
+        none."""
         doc: Document | None = await self.runs.find_one_and_update(
             {"wait_key": f"{kind}:{key}", "state": WAITING, "$or": [
                 {"woken_at": None},
                 {"woken_at": {"$lt": now - dt.timedelta(seconds=lease_s)}}]},
             {"$set": {"woken_at": now}},
-            sort=[("priority", DESCENDING), ("waiting_since", ASCENDING), ("_id", ASCENDING)],
+            sort=[("wait_rank", ASCENDING), ("_id", ASCENDING)],
             projection={"event": 1, "wait_limit": 1, "wait_interval_s": 1,
                         "wait_template": 1, "target": 1},
             return_document=ReturnDocument.AFTER)

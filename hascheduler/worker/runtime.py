@@ -56,7 +56,7 @@ from hascheduler.core.constants import (
     SCHEDULES,
     SLOTS,
 )
-from hascheduler.core.flow import Paced, Wanted
+from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import watch_clock
@@ -295,8 +295,8 @@ class Worker:
         self.stale = StaleFilter()
         self.recorder = Recorder(runs, settings.ack_wait_s, self._answer, self._ended)
         self.held: dict[str, Held] = {}
-        # Claimed runs waiting for a runner: the highest priority first, then in order.
-        self.queue: asyncio.PriorityQueue[tuple[int, int, Held]] = asyncio.PriorityQueue()
+        # Claimed runs waiting for a runner, by rank: priority, aged (core/flow.rank).
+        self.queue: asyncio.PriorityQueue[tuple[float, int, Held]] = asyncio.PriorityQueue()
         self._queued = itertools.count()
         # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
         # the heartbeat keeps queued claims alive like running ones.
@@ -534,7 +534,8 @@ class Worker:
                         trace=None if span is None else tracing.parent_of(span),
                         slot=slot, key_error=key_error)
             self.held[fire_id] = held
-            self.queue.put_nowait((-delivery.priority, next(self._queued), held))
+            self.queue.put_nowait((rank(delivery.priority, time.monotonic()),
+                                   next(self._queued), held))
         elif claim.outcome in (SUCCEEDED, DEAD):
             log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
             self.metrics.count(target, "duplicate")
