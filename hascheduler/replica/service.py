@@ -146,14 +146,22 @@ def _count_runs(runs: RunLedger, slots: SlotStore, metrics: Metrics, clock: Serv
     """Count the running and the stuck runs for /metrics (a read of the running ones only:
     at most each worker's concurrency), and the slots held and runs waiting by key
     template."""
+    flow_seen: dict[str, Any] = {"rounds": 0, "in_flight": {}, "waiting": {}}
+
     async def count() -> None:
         with contextlib.suppress(PyMongoError):
             now = clock.now()
             running: dict[str, int] = {}
             stuck: dict[str, int] = {}
-            # The three reads at once: one round trip's wait, on a slow link too.
-            docs, in_flight, waiting = await asyncio.gather(
-                runs.running(), slots.in_flight(), runs.waiting_counts())
+            docs = await runs.running()
+            # The flow gauges each round while any key is in use, else every sixth: one
+            # read a round is what a replica that no flow limit concerns pays (on a slow
+            # link, more reads a round contended with the lease's renewals).
+            if flow_seen["in_flight"] or flow_seen["waiting"] or flow_seen["rounds"] % 6 == 0:
+                flow_seen["in_flight"] = await slots.in_flight()
+                flow_seen["waiting"] = await runs.waiting_counts()
+            flow_seen["rounds"] += 1
+            in_flight, waiting = flow_seen["in_flight"], flow_seen["waiting"]
             for doc in docs:
                 target = str(doc.get("target"))
                 running[target] = running.get(target, 0) + 1
