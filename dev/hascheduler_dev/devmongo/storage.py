@@ -98,6 +98,7 @@ class Index:
     # An array value was indexed (any field): one document may satisfy two bounds with two
     # elements, and a key match no longer decides an equality exactly.
     multikey: bool = False
+    held: int = 0  # records indexed
     fields: list[str] = field(init=False)
     _top_level: bool = field(init=False)
     # The partial filter as a plain check when it is top-level equalities of scalars and
@@ -176,6 +177,7 @@ class Index:
             taken = self._taken(rid, keys)
             if taken is not None:
                 raise DuplicateKeyConflict(taken)
+        self.held += 1
         for k in keys:
             holders = self.entries.get(k)
             if holders is None:
@@ -193,6 +195,7 @@ class Index:
         if not self.applies_to(doc):
             return
         keys, firsts = self._keys(doc)
+        self.held -= 1
         for k in keys:
             holders = self.entries.get(k)
             if holders is not None:
@@ -215,6 +218,13 @@ class Index:
             if holders and (len(holders) > 1 or rid not in holders):
                 return k
         return None
+
+    def size(self) -> int:
+        """How many records the index holds (each once, arrays or not)."""
+        return self.held
+
+    def members(self) -> set[int]:
+        return set().union(*self.entries.values()) if self.entries else set()
 
     def lookup(self, values: tuple[Any, ...]) -> set[int]:
         return set(self.entries.get(tuple(key_of(v) for v in values), ()))
@@ -366,16 +376,38 @@ class Collection:
                     sk = sort_key(value)
                     size += index.range_size(sk, True, sk, True)
                 used = fields[:1]
+            elif index.partial_filter is not None:
+                # The filter implies the partial filter: the index holds every match (the
+                # fires asked to run now, a few among a million, sorted on nominal_at).
+                size, used = index.size(), []
             else:
                 continue
             if best_size is None or size < best_size:
                 best_size, best_plan = size, (index, used)
+        # A range on an index's first field competes by its size too: the claimed fires
+        # due for a retry (a range on next_attempt_at) are a few of the thousands the
+        # (term) index's equality names.
+        best_range: tuple[Index, tuple[tuple[Any, ...], bool, tuple[Any, ...], bool]] | None
+        best_range = None
+        ranges = _ranges(filter_)
+        for index in self.indexes.values():
+            cond = ranges.get(index.fields[0])
+            if cond is None or index.sparse or not _covers(index, equal):
+                continue
+            bounds = self._range_bounds(index, cond)
+            if bounds is None:
+                return [], frozenset()
+            size = index.range_size(*bounds)
+            if best_size is None or size < best_size:
+                best_size, best_plan, best_range = size, None, (index, bounds)
         best: set[int] | None = None
         decided: frozenset[str] = frozenset()
         if best_plan is not None:
             index, used = best_plan
             best = set()
-            if len(used) == len(index.fields):
+            if not used:
+                best = index.members()
+            elif len(used) == len(index.fields):
                 for combo in itertools.product(*(equal[f] for f in used)):
                     best |= index.lookup(combo)
             else:
@@ -384,14 +416,8 @@ class Collection:
                     best.update(index.range(sk, True, sk, True))
             if all(self._decides(index, f, filter_, equal) for f in used):
                 decided = frozenset(used)
-        if best is None:
-            ranges = _ranges(filter_)
-            for index in self.indexes.values():
-                cond = ranges.get(index.fields[0])
-                if cond is None or index.sparse or not _covers(index, equal):
-                    continue
-                best = set(self._range_scan(index, cond))
-                break
+        elif best_range is not None:
+            best = set(best_range[0].range(*best_range[1]))
         if best is None:
             return list(self.docs), frozenset()
         return sorted(best), decided
@@ -417,8 +443,12 @@ class Collection:
             if descending:
                 rids = (rid for _, rid in reversed(ordered))
         else:
-            ranged = list(self._range_scan(index, cond)) if descending else None
-            rids = reversed(ranged) if ranged is not None else self._range_scan(index, cond)
+            bounds = self._range_bounds(index, cond)
+            if bounds is None:
+                return []
+            rids = index.range(*bounds)
+            if descending:
+                rids = reversed(list(rids))
         found: list[Document] = []
         for rid in rids:
             doc = self.docs.get(rid)
@@ -435,7 +465,11 @@ class Collection:
         return (not index.multikey and "." not in path and _only_equality(filter_.get(path))
                 and all(_exact_scalar(v) for v in equal[path]))
 
-    def _range_scan(self, index: Index, cond: Document) -> Iterator[int]:
+    @staticmethod
+    def _range_bounds(index: Index, cond: Document
+                      ) -> tuple[tuple[Any, ...], bool, tuple[Any, ...], bool] | None:
+        """The sort-key bounds of a range condition on ``index``'s first field (None: no
+        value can match both bounds)."""
         bounds = [(op, v) for op, v in cond.items() if op in _RANGE_OPS]
         rank = type_rank(bounds[0][1])
         low: tuple[Any, ...] = (rank,)
@@ -443,13 +477,13 @@ class Collection:
         low_inc, high_inc = True, False
         for op, value in bounds:
             if type_rank(value) != rank:
-                return iter(())  # type bracketing: no value matches both bounds
+                return None  # type bracketing: no value matches both bounds
             sk = sort_key(value)
             if op in {"$gt", "$gte"}:
                 low, low_inc = sk, op == "$gte"
             elif not (index.multikey and len(bounds) > 1):
                 high, high_inc = sk, op == "$lte"
-        return index.range(low, low_inc, high, high_inc)
+        return low, low_inc, high, high_inc
 
     def find(self, op: engine.Operation, filter_: Document) -> list[tuple[int, Document]]:
         filter_ = op.prepare(filter_)
