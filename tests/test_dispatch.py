@@ -21,7 +21,9 @@ from hascheduler.replica.dispatch import (
     ADMIT_AHEAD_S,
     BACKFILL_QUIET_S,
     CLAIM_AHEAD_S,
+    PUBLISH_TICK_S,
     Dispatcher,
+    publish_tick,
 )
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
@@ -40,6 +42,18 @@ def test_backoff_is_full_jitter_capped_exponential() -> None:
     assert backoff_s(20, 0.5, 30, 1.0) == 30.0
     assert backoff_s(3, 0.5, 30, 0.25) == 1.0
     assert backoff_s(3, 0.5, 30, 0.0) == 0.0
+
+
+def test_a_fire_is_published_at_the_end_of_its_tick_never_before_its_due_time() -> None:
+    tick = dt.timedelta(seconds=PUBLISH_TICK_S)
+    assert publish_tick(T0) == T0  # on a tick's edge: at once
+    for offset_us in (1, 1_000, 4_999, 5_000, 5_001, 999_999):
+        due = T0 + dt.timedelta(microseconds=offset_us)
+        published = publish_tick(due)
+        assert due <= published < due + tick
+        assert (published - T0) % tick == dt.timedelta(0)
+    # Fires due within one tick go out together.
+    assert publish_tick(T0 + dt.timedelta(microseconds=1)) == publish_tick(T0 + tick)
 
 
 async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> None:
