@@ -25,7 +25,8 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
     for section in ("## Firing", "## Schedules", "## HTTP API", "## Cron", "## Worker",
                     "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
                     "## Run control", "## Partitions and clocks", "## Schedules as code",
-                    "## Many teams", "## Tracing", "## Flow control",
+                    "## Many teams", "## Tracing", "## Flow control", "## Ramp",
+                    "## Lease at ttl 1 s",
                     "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:",
@@ -41,11 +42,14 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "Partition against kill", "offset estimate's error",
                     "apply / one by one", "create rate with the audit trail / without",
                     "on / off", "key / no key", "a slot freeing to the next run starting",
-                    "fairness:", "rate 5 a second", "fan-out to 100 tenants"):
+                    "fairness:", "rate 5 a second", "fan-out to 100 tenants",
+                    "highest sustained rate", "leadership changes", "its first fire",
+                    "mirror / BSON", "raw find() drain"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 16
+    assert text.count("Command: `python -m bench.") == 18
+    assert (tmp_path / "ramp.png").stat().st_size > 0  # the ramp's plot, beside the report
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only",

@@ -320,6 +320,9 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
             entries["paused"] = dataclasses.replace(entries["paused"], paused=True)
             return claims
 
+        def ready(self, claims: list[Claim], term: int) -> None:
+            events.append(("ready", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
         async def unadmit(self, claims: list[Claim]) -> None:
             events.append(("unadmit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
 
@@ -342,12 +345,13 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
         await dispatcher._publish_when_due(claims, {"kept": 1, "paused": 1}, term)
         assert term.next_publish_at() is None
         assert not term.pending
-    # Each claim's publish span is prepared ahead and discarded once it is settled.
+    # Each claim's publish span is prepared ahead, the admitted fires rendered at their
+    # admission, and both discarded once settled.
     assert [(what, ids) for what, ids, _ in events] == [
         ("prepare", ["kept@x", "paused@x"]), ("admit", ["kept@x", "paused@x"]),
-        ("unadmit", ["paused@x"]), ("publish", ["kept@x"]),
-        ("discard", ["kept@x", "paused@x"])]
-    admitted_at, published_at = events[1][2], events[3][2]
+        ("ready", ["kept@x", "paused@x"]), ("unadmit", ["paused@x"]),
+        ("publish", ["kept@x"]), ("discard", ["kept@x", "paused@x"])]
+    admitted_at, published_at = events[1][2], events[4][2]
     ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
     assert due - ahead <= admitted_at < due
     assert published_at >= due

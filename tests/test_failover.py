@@ -32,6 +32,7 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.timeout(240)]
 
 TTL, DEADLINE, INTERVAL = 2.0, 1.4, 0.4
+TIMINGS = LeaseTimings(TTL, DEADLINE, INTERVAL)
 SCHEDULES = {
     "every-second": {"kind": "cron", "cron": "* * * * * *"},
     "every-700ms": {"kind": "interval", "every": 0.7},
@@ -39,7 +40,9 @@ SCHEDULES = {
 
 
 class Harness:
-    def __init__(self, mongo_uri: str, nats_server: ServerProcess | NatsCluster) -> None:
+    def __init__(self, mongo_uri: str, nats_server: ServerProcess | NatsCluster,
+                 timings: LeaseTimings = TIMINGS) -> None:
+        self.timings = timings
         self.db_name = f"failover_{uuid.uuid4().hex[:8]}"
         self.mongo_uri = with_database(mongo_uri, self.db_name)
         self.nats = nats_server
@@ -54,8 +57,10 @@ class Harness:
 
     def start(self, name: str, *extra: str) -> None:
         self.replicas[name] = start_replica(
-            self.mongo_uri, name, "--broker", self.nats.uri, "--lease-ttl", str(TTL),
-            "--renew-deadline", str(DEADLINE), "--renew-interval", str(INTERVAL),
+            self.mongo_uri, name, "--broker", self.nats.uri,
+            "--lease-ttl", str(self.timings.ttl), "--renew-deadline",
+            str(self.timings.renew_deadline), "--renew-interval",
+            str(self.timings.renew_interval),
             # Below the default floor of 1 s, so that a sub-second interval is covered.
             "--min-fire-interval", "0.5", *extra)
 
@@ -116,7 +121,7 @@ class Harness:
         try:
             if self.history is not None:
                 await self.history.__aexit__(None, None, None)
-                report = self.history.check(LeaseTimings(TTL, DEADLINE, INTERVAL))
+                report = self.history.check(self.timings)
                 assert report.ok, report.as_dict()
                 assert report.acts > 0 or not self.created, report.as_dict()
         finally:

@@ -77,7 +77,12 @@ class EventTemplate:
                attempt: int, fired_at_iso: str,
                trace: Mapping[str, str] | None = None) -> FireMessage:
         """``trace``: the publish span's ``traceparent`` (and ``tracestate``), if traced."""
-        fired = _quote(fired_at_iso)
+        return self.prepare(fire_id, nominal_at, tenant, term, attempt,
+                            trace).message(fired_at_iso)
+
+    def prepare(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
+                attempt: int, trace: Mapping[str, str] | None = None) -> PreparedEvent:
+        """The event but for the instant it is fired at, which only its publish knows."""
         # A fan-out fire names its tenant (core/fanout.py); others have no such field.
         tenant_field = f'"tenant":{_quote(tenant)},' if tenant is not None else ""
         priority = f'"priority":{self.priority},' if self.priority else ""
@@ -89,11 +94,35 @@ class EventTemplate:
                 trace_fields = f'"traceparent":{_quote(traceparent)},'
             if tracestate:
                 trace_fields += f'"tracestate":{_quote(tracestate)},'
-        body = (f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
-                f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":{fired},{trace_fields}'
-                f'"datacontenttype":"application/json","data":{{"schedule_id":{self.subject},'
-                f'"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
-                f'"fired_at":{fired},"term":{term},"attempt":{attempt},{tenant_field}'
-                f'{self.flow}{priority}"payload":{self.payload}}}}}')
-        return FireMessage(fire_id=fire_id, target=self.target, term=term,
-                           body=body.encode(), traceparent=traceparent, tracestate=tracestate)
+        return PreparedEvent(
+            fire_id, self.target, term,
+            f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
+            f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":',
+            f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
+            f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
+            '"fired_at":',
+            f',"term":{term},"attempt":{attempt},{tenant_field}{self.flow}{priority}'
+            f'"payload":{self.payload}}}}}',
+            traceparent, tracestate)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedEvent:
+    """An event rendered ahead of its due time, ``fired_at`` (twice in it) left out: the
+    leader prepares the fires due together a quarter second early, so that their publish
+    only joins the parts (10,000 fires due on one second were late by their rendering)."""
+
+    fire_id: str
+    target: str
+    term: int
+    head: str    # up to the CloudEvent's "time"
+    middle: str  # from there up to data's "fired_at"
+    tail: str
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+    def message(self, fired_at_iso: str) -> FireMessage:
+        fired = _quote(fired_at_iso)
+        return FireMessage(fire_id=self.fire_id, target=self.target, term=self.term,
+                           body=(self.head + fired + self.middle + fired + self.tail).encode(),
+                           traceparent=self.traceparent, tracestate=self.tracestate)

@@ -432,6 +432,7 @@ class Dispatcher:
         kept = {c.fire_id for c in passed}
         refused = [c for c in coming if c.fire_id not in kept]
         term.settled(refused)
+        self.publisher.ready(passed, term.number)
         return passed
 
     async def _until(self, at: dt.datetime, term: Term) -> bool:

@@ -23,7 +23,7 @@ from hascheduler.brokers.base import Broker, BrokerUnavailable
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
 from hascheduler.core.entries import Entry
-from hascheduler.core.events import EventTemplate
+from hascheduler.core.events import EventTemplate, PreparedEvent
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
@@ -101,6 +101,10 @@ class Publisher:
         # Tracing on: each claimed fire's publish span, begun ahead of its due time
         # (``prepare``), with the trace context its message carries.
         self._prepared: dict[str, tuple[tracing.Span | None, dict[str, str]]] = {}
+        # Admitted fires awaiting their due time, rendered but for their fired_at
+        # (``ready``), with the template they were rendered from and their trace.
+        self._ready: dict[str, tuple[EventTemplate, PreparedEvent,
+                                     tuple[tracing.Span | None, dict[str, str]] | None]] = {}
 
     @property
     def busy(self) -> bool:
@@ -144,11 +148,27 @@ class Publisher:
             if cached is not None:
                 self._prepared[claim.fire_id] = _begin_span(claim, cached[1])
 
+    def ready(self, claims: list[Claim], term: int) -> None:
+        """Render admitted claims now, ahead of their due time, but for the instant they
+        are fired at: their first publish then only joins the parts."""
+        traced_on = tracing.enabled()
+        for claim in claims:
+            cached = self._templates.get(claim.schedule_id)
+            if cached is None:
+                continue  # read at the publish
+            template = _own_template(cached[1], claim)
+            traced = self._traced(claim, template, term, 1) if traced_on else None
+            self._ready[claim.fire_id] = (cached[1], template.prepare(
+                claim.fire_id, claim.nominal_at, claim.tenant, term, 1,
+                None if traced is None else traced[1]), traced)
+
     def discard(self, claims: list[Claim]) -> None:
-        """The claims are settled, published or not: their prepared spans go."""
-        if self._prepared:
+        """The claims are settled, published or not: their prepared spans and renderings
+        go."""
+        if self._prepared or self._ready:
             for claim in claims:
                 self._prepared.pop(claim.fire_id, None)
+                self._ready.pop(claim.fire_id, None)
 
     def _traced(self, claim: Claim, template: EventTemplate, term: int, attempt: int
                 ) -> tuple[tracing.Span | None, dict[str, str]]:
@@ -196,19 +216,23 @@ class Publisher:
         if not sendable:
             return
         fired_at = iso_utc(self.clock())
-        traced = [self._traced(c, templates[c.schedule_id], term, attempt)
-                  for c in sendable] if tracing.enabled() else None
-        spans = None if traced is None else [span for span, _ in traced]
+        traced_on = tracing.enabled()
+        spans: list[tracing.Span | None] | None = [] if traced_on else None
         messages = []
-        for i, claim in enumerate(sendable):
+        for claim in sendable:
             template = templates[claim.schedule_id]
-            if claim.payload is not None:  # a fire run now with its own payload
-                template = template.with_payload(claim.payload)
-            if claim.priority is not None:  # ... or its own priority
-                template = template.with_priority(claim.priority)
-            messages.append(template.render(claim.fire_id, claim.nominal_at, claim.tenant,
-                                            term, attempt, fired_at,
-                                            None if traced is None else traced[i][1]))
+            ready = self._ready.pop(claim.fire_id, None) if attempt == 1 else None
+            if ready is not None and ready[0] is template:  # rendered ahead, unchanged since
+                prepared, traced = ready[1], ready[2]
+            else:
+                template = _own_template(template, claim)
+                traced = ready[2] if ready is not None else \
+                    self._traced(claim, template, term, attempt) if traced_on else None
+                prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant,
+                                            term, attempt, None if traced is None else traced[1])
+            if spans is not None:
+                spans.append(None if traced is None else traced[0])
+            messages.append(prepared.message(fired_at))
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:
@@ -235,9 +259,12 @@ class Publisher:
             await self.ledger.mark_published([c.fire_id for c in done], term, acked_at,
                                              attempt)
             self.metrics.fires.labels("published").inc(len(done))
+            # The logger's method looked up once: each lookup through structlog's lazy
+            # proxy cost a microsecond, a hundredth of a second for a 10,000 burst.
+            observe, fired = self.metrics.lateness.observe, log.debug
             for claim in done:
-                self.metrics.lateness.observe((acked_at - claim.due_at).total_seconds())
-                log.debug("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
+                observe((acked_at - claim.due_at).total_seconds())
+                fired("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
             if spans is not None:  # a sampled fire's line joins its trace
                 for claim, span, error in zip(sendable, spans, outcomes, strict=True):
                     if span is not None and tracing.sampled(span):
@@ -305,6 +332,16 @@ class Publisher:
             delay = backoff_s(attempt, self.settings.backoff_base_s, cap, random.random())
             await self.ledger.retry_later(claim.fire_id, term, attempt, repr(error),
                                           now + dt.timedelta(seconds=delay))
+
+
+def _own_template(template: EventTemplate, claim: Claim) -> EventTemplate:
+    """The template as ``claim`` renders it: a fire run now may carry its own payload and
+    priority."""
+    if claim.payload is not None:
+        template = template.with_payload(claim.payload)
+    if claim.priority is not None:
+        template = template.with_priority(claim.priority)
+    return template
 
 
 def _begin_span(claim: Claim, template: EventTemplate

@@ -43,6 +43,18 @@ def test_a_partial_index_the_filter_implies_narrows_without_a_condition_on_its_f
         assert [rid for rid, _ in coll.find(op(), filter_)] == scanned
     coll.delete(next(rid for rid, doc in coll.docs.items() if doc["tag"] == "t3"))
     assert len(list(coll.candidates({"tag": "t3"}))) == 99
+    # Writes that leave the partial filter's field alone, and writes that move a document
+    # into or out of the index, keep it exact.
+    t3 = [rid for rid, doc in coll.docs.items() if doc["tag"] == "t3"]
+    coll.replace(t3[0], {**coll.docs[t3[0]], "n": -1}, replacement=False)
+    coll.replace(t3[1], {**coll.docs[t3[1]], "tag": "t4"}, replacement=False)
+    t4 = next(rid for rid, doc in coll.docs.items() if doc["tag"] == "t4")
+    coll.replace(t4, {**coll.docs[t4], "tag": "t3", "n": 5000}, replacement=False)
+    for filter_ in ({"tag": "t3"}, {"tag": "t3", "n": {"$lt": 100}},
+                    {"tag": "t3", "n": {"$gt": 1000}}):
+        scanned = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+        assert [rid for rid, _ in coll.find(op(), filter_)] == scanned, filter_
+    assert len(list(coll.candidates({"tag": "t3"}))) == 99
 
 
 def op() -> engine.Operation:
@@ -322,3 +334,30 @@ def test_a_partial_index_holds_what_the_general_matcher_selects(partial: dict[st
             {"state": 1}]
     for doc in docs:
         assert index.applies_to(doc) == engine.matches(partial, doc), doc
+
+
+async def test_the_ttl_sweep_deletes_in_chunks_and_spares_a_document_refreshed_meanwhile(
+        ) -> None:
+    """The sweep yields between chunks (a big one held every client, a lease renewal too);
+    a document whose TTL field was moved forward during a yield is not deleted."""
+    import asyncio
+
+    from hascheduler_dev.devmongo.node import TTL_CHUNK, Node, Settings
+
+    node = Node(Settings())
+    coll = node.catalog.collection("db", "c")
+    coll.create_index({"key": {"at": 1}, "expireAfterSeconds": 0})
+    now = node.operation().now
+    n = 2 * TTL_CHUNK + 50
+    for i in range(n):
+        coll.insert({"_id": i, "at": now - datetime.timedelta(seconds=60)})
+    coll.insert({"_id": "fresh", "at": now + datetime.timedelta(hours=1)})
+    sweep = asyncio.create_task(node.reap_expired_documents())
+    await asyncio.sleep(0)  # the sweep's first chunk, up to its first yield
+    assert len(coll.docs) == n + 1 - TTL_CHUNK
+    last = coll.get_by_id(n - 1)
+    assert last is not None
+    rid = next(r for r, d in coll.docs.items() if d["_id"] == n - 1)
+    coll.replace(rid, {**last, "at": now + datetime.timedelta(hours=1)}, replacement=False)
+    assert await sweep == n - 1
+    assert {d["_id"] for d in coll.docs.values()} == {n - 1, "fresh"}

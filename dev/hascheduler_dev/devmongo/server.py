@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import signal
 import ssl
@@ -78,7 +79,9 @@ class DevMongoServer:
         while True:
             await asyncio.sleep(interval)
             try:
-                work()
+                done = work()
+                if inspect.isawaitable(done):
+                    await done
             except Exception:
                 log.exception("background_work_failed")
 

@@ -106,6 +106,7 @@ class Index:
     # write to every partial index, cost the leader's ledger writes a good share of the
     # server's time.
     _partial_check: Any = field(init=False, default=None)
+    partial_fields: tuple[str, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.fields = [f for f, _ in self.key]
@@ -113,6 +114,10 @@ class Index:
         # are scalars (the common case), skipping the general multikey walk.
         self._top_level = not any("." in f for f in self.fields)
         self._partial_check = _simple_filter(self.partial_filter)
+        # The top-level fields a simple partial filter reads: a write that changes none of
+        # them (nor the index's own) leaves the index as it was. None: any field may matter.
+        self.partial_fields = None if self._partial_check is None or self.partial_filter \
+            is None else tuple(self.partial_filter)
 
     def _sorted(self) -> SortedList[tuple[Any, Any]]:
         if self.ordered is None:
@@ -636,10 +641,27 @@ class Collection:
             found.update(index.range((RANK_DATE,), True, sort_key(cutoff), False))
         return sorted(found)
 
+    def still_expired(self, rid: int, now: datetime.datetime) -> bool:
+        """Whether record ``rid`` is still there and past a TTL index's expiry (the sweep
+        yields between chunks: a write meanwhile may have deleted or refreshed it)."""
+        doc = self.docs.get(rid)
+        if doc is None:
+            return False
+        for index in self.indexes.values():
+            if index.expire_after_seconds is None:
+                continue
+            cutoff = sort_key(now - datetime.timedelta(seconds=index.expire_after_seconds))
+            if any((RANK_DATE,) <= sort_key(v) < cutoff
+                   for v in index_values(doc, index.fields[0])):
+                return True
+        return False
+
 
 def _index_fields_differ(index: Index, old: Document, new: Document) -> bool:
-    if index.partial_filter is not None:
-        return True  # whether it applies may change with any field
+    if index.partial_filter is not None and (
+            index.partial_fields is None
+            or any(old.get(f, MISSING) != new.get(f, MISSING) for f in index.partial_fields)):
+        return True  # whether it applies may have changed
     for path in index.fields:
         head = path.split(".", 1)[0]
         a, b = old.get(head, MISSING), new.get(head, MISSING)

@@ -1,0 +1,126 @@
+"""Publishing renders a fire ahead of its due time (``Publisher.ready``) and only joins
+the parts at its publish: the message then carries the instant it is fired at, and a
+schedule changed in between is rendered afresh (pure logic, fakes for the I/O)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from hascheduler.brokers.base import FireMessage
+from hascheduler.core.claims import Claim
+from hascheduler.core.entries import Entry
+from hascheduler.core.triggers import Interval, fire_id, iso_utc
+from hascheduler.process.metrics import Metrics
+from hascheduler.replica.publishing import DispatchSettings, Publisher
+
+T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+class Broker:
+    def __init__(self) -> None:
+        self.sent: list[FireMessage] = []
+
+    async def publish(self, messages: Sequence[FireMessage],
+                      timeout_s: float) -> list[BaseException | None]:
+        self.sent.extend(messages)
+        return [None] * len(messages)
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.published: list[tuple[list[str], int, int]] = []
+
+    async def mark_published(self, ids: list[str], term: int, at: dt.datetime,
+                             attempt: int) -> None:
+        self.published.append((ids, term, attempt))
+
+
+class Schedules:
+    def __init__(self) -> None:
+        self.docs: dict[str, dict[str, Any]] = {}
+        self.reads = 0
+
+    async def find(self, query: dict[str, Any], projection: Any = None
+                   ) -> AsyncIterator[dict[str, Any]]:
+        self.reads += 1
+        for sid in query["_id"]["$in"]:
+            if sid in self.docs:
+                yield self.docs[sid]
+
+
+class Mirror:
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+
+
+def schedule(revision: int, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"_id": "s", "name": "s", "target": "t.x", "payload": payload,
+            "revision": revision}
+
+
+def claims(n: int) -> list[Claim]:
+    out = []
+    for i in range(n):
+        nominal = T0 + dt.timedelta(seconds=i)
+        out.append(Claim(fire_id("s", nominal), "s", nominal, nominal))
+    return out
+
+
+def setup() -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
+    broker, schedules, mirror = Broker(), Schedules(), Mirror()
+    now = [T0 - dt.timedelta(seconds=0.25)]
+    publisher = Publisher(broker, Ledger(), mirror, schedules,  # type: ignore[arg-type]
+                          DispatchSettings(), lambda: now[0], Metrics())
+    schedules.docs["s"] = schedule(1, {"v": 1})
+    mirror.entries["s"] = Entry(1, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
+    return publisher, broker, schedules, mirror, now
+
+
+async def test_a_fire_rendered_ahead_carries_the_instant_of_its_publish() -> None:
+    publisher, broker, schedules, _, now = setup()
+    due = claims(3)
+    await publisher.templates({"s"})
+    publisher.ready(due, 7)
+    now[0] = T0 + dt.timedelta(milliseconds=4)
+    await publisher.publish(due, 7, attempt=1, admitted=True)
+    assert schedules.reads == 1  # the template was read once, ahead
+    assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
+    for message, claim in zip(broker.sent, due, strict=True):
+        event = json.loads(message.body)
+        assert event["time"] == event["data"]["fired_at"] == iso_utc(now[0])
+        assert event["data"]["nominal_at"] == iso_utc(claim.nominal_at)
+        assert (event["data"]["term"], event["data"]["attempt"]) == (7, 1)
+        assert event["data"]["payload"] == {"v": 1}
+    assert not publisher._ready  # published: nothing kept
+
+
+async def test_a_schedule_changed_after_its_fire_was_rendered_is_rendered_afresh() -> None:
+    publisher, broker, schedules, mirror, now = setup()
+    due = claims(2)
+    await publisher.templates({"s"})
+    publisher.ready(due, 7)
+    # Edited meanwhile: the mirror applies the change and the publisher forgets the old
+    # template (Dispatcher.on_change).
+    schedules.docs["s"] = schedule(2, {"v": 2})
+    mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
+    publisher.forget("s")
+    now[0] = T0
+    await publisher.publish(due, 7, attempt=1, admitted=True)
+    assert [json.loads(m.body)["data"]["payload"] for m in broker.sent] == [{"v": 2}] * 2
+
+
+async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_nothing(
+        ) -> None:
+    publisher, broker, _, _, now = setup()
+    due = claims(2)
+    await publisher.templates({"s"})
+    publisher.ready(due, 7)
+    now[0] = T0 + dt.timedelta(seconds=3)
+    await publisher.publish(due[:1], 7, attempt=2)
+    assert json.loads(broker.sent[0].body)["data"]["attempt"] == 2
+    assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
+    publisher.discard(due)
+    assert not publisher._ready
