@@ -46,6 +46,8 @@ from hascheduler_dev.devmongo.values import MISSING, Document, get_path, key_of
 
 # Expired documents deleted between two turns of the loop (reap_expired_documents).
 TTL_CHUNK = 200
+# Statements of one write command run between two turns of the loop (_each_statement).
+STATEMENTS_PER_TURN = 100
 
 log = structlog.get_logger("hascheduler.devmongo")
 
@@ -655,11 +657,17 @@ class Node:
             err["keyValue"] = exc.extra["keyValue"]
         return err
 
-    def _each_statement(self, statements: list[Any], ordered: Any,
-                        apply: Callable[[Any, int], None]) -> list[Document]:
-        """Run each statement of a write command; an ordered one stops at the first error."""
+    async def _each_statement(self, statements: list[Any], ordered: Any,
+                              apply: Callable[[Any, int], None]) -> list[Document]:
+        """Run each statement of a write command; an ordered one stops at the first error.
+        The loop is yielded every STATEMENTS_PER_TURN statements, as mongod yields in a
+        long write: a leader's 1,000-fire claim otherwise held its lease renewal, queued on
+        another connection, for its whole length (with ten of them due together, past a
+        one-second lease's renew deadline)."""
         errors: list[Document] = []
         for i, stmt in enumerate(statements):
+            if i and not i % STATEMENTS_PER_TURN:
+                await asyncio.sleep(0)
             try:
                 apply(stmt, i)
             except MongoError as exc:
@@ -692,7 +700,7 @@ class Node:
             coll.insert(doc)
             n += 1
 
-        errors = self._each_statement(docs, body.get("ordered", True), apply)
+        errors = await self._each_statement(docs, body.get("ordered", True), apply)
         return self._with_errors({"n": n}, errors)
 
     async def _update(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
@@ -712,7 +720,7 @@ class Node:
             if new_id is not None:
                 upserted.append({"index": i, "_id": new_id})
 
-        errors = self._each_statement(statements, body.get("ordered", True), apply)
+        errors = await self._each_statement(statements, body.get("ordered", True), apply)
         reply: Document = {"n": n + len(upserted), "nModified": modified}
         if upserted:
             reply["upserted"] = upserted
@@ -775,7 +783,7 @@ class Node:
                 coll.delete(rid)  # type: ignore[union-attr]
                 n += 1
 
-        errors = self._each_statement(statements, body.get("ordered", True), apply)
+        errors = await self._each_statement(statements, body.get("ordered", True), apply)
         return self._with_errors({"n": n}, errors)
 
     async def _find_and_modify(self, db: str, body: Document,
