@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -34,11 +35,9 @@ import sys
 import time
 
 import nats
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
-from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica
 
@@ -103,23 +102,35 @@ async def crash(c: ShortLease, nats_uri: str) -> tuple[float, float]:
             (fired - killed).total_seconds())
 
 
+def stream_time(text: str) -> dt.datetime:
+    """The stream's RFC 3339 time (nanoseconds, trailing zeros trimmed, Z) as a datetime."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    return dt.datetime.fromisoformat(whole).replace(tzinfo=dt.UTC) + dt.timedelta(
+        microseconds=int((fraction + "000000")[:6]))
+
+
 async def first_stored(nats_uri: str, since: dt.datetime, term: int,
                        within_s: float = 30) -> dt.datetime:
-    """When the stream stored the first fire of a term after ``term``, from ``since``."""
+    """When the stream stored the first fire of a term after ``term``, from ``since``: the
+    stream's message API read from the first message stored at or after ``since``, one
+    sequence at a time (the dead leader sent nothing after it: a few messages at most)."""
     nc = await nats.connect(nats_uri)
+    api = "$JS.API.STREAM.MSG.GET.HASCHEDULER"
     try:
-        start = since.isoformat().replace("+00:00", "Z")
-        sub = await nc.jetstream().subscribe(
-            f"{SUBJECT_PREFIX}.>", ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
-                                  opt_start_time=start))
         end = time.monotonic() + within_s
+        ask: dict[str, object] = {"start_time": since.isoformat().replace("+00:00", "Z")}
         while time.monotonic() < end:
-            msg = await sub.next_msg(timeout=within_s)
-            if int((msg.headers or {}).get("Hascheduler-Term", "0")) > term:
-                stored: dt.datetime = msg.metadata.timestamp
-                await sub.unsubscribe()
-                return stored
+            reply = json.loads((await nc.request(api, json.dumps(ask).encode(), 2)).data)
+            message = reply.get("message")
+            if message is None:  # nothing stored yet at or after it: the takeover pending
+                await asyncio.sleep(0.05)
+                continue
+            headers = base64.b64decode(message.get("hdrs", "")).decode()
+            fired_by = next((int(line.split(":", 1)[1]) for line in headers.splitlines()
+                             if line.startswith("Hascheduler-Term:")), 0)
+            if fired_by > term:
+                return stream_time(message["time"])
+            ask = {"seq": int(message["seq"]) + 1}
         raise RuntimeError(f"no fire of a term after {term} within {within_s} s")
     finally:
         await nc.close()

@@ -21,7 +21,7 @@ def thawed() -> Iterator[None]:
 
 
 def test_survivors_of_a_full_collection_are_frozen_and_young_ones_are_not() -> None:
-    freezer = gcpolicy._SurvivorFreezer()
+    freezer = gcpolicy._SurvivorFreezer(gcpolicy.THAW_EVERY_S)
     freezer("stop", {"generation": 1, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() == 0
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
@@ -30,7 +30,7 @@ def test_survivors_of_a_full_collection_are_frozen_and_young_ones_are_not() -> N
 
 def test_frozen_objects_are_handed_back_after_the_thaw_interval(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    freezer = gcpolicy._SurvivorFreezer()
+    freezer = gcpolicy._SurvivorFreezer(gcpolicy.THAW_EVERY_S)
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() > 0
     later = freezer.thawed_at + gcpolicy.THAW_EVERY_S + 1
@@ -38,6 +38,18 @@ def test_frozen_objects_are_handed_back_after_the_thaw_interval(
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() == 0
     assert freezer.thawed_at == later
+
+
+def test_a_process_that_never_thaws_keeps_its_survivors_frozen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    freezer = gcpolicy._SurvivorFreezer(None)  # the development server's policy
+    freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    later = freezer.thawed_at + 100 * gcpolicy.THAW_EVERY_S
+    monkeypatch.setattr(gcpolicy.time, "monotonic", lambda: later)
+    freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    assert gc.get_freeze_count() >= frozen
 
 
 def test_installing_twice_adds_one_callback() -> None:

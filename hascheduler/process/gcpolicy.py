@@ -22,21 +22,26 @@ THAW_EVERY_S = 600.0
 
 
 class _SurvivorFreezer:
-    def __init__(self) -> None:
+    def __init__(self, thaw_every_s: float | None) -> None:
+        self.thaw_every_s = thaw_every_s
         self.thawed_at = time.monotonic()
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase != "stop" or info.get("generation") != 2:
             return
         now = time.monotonic()
-        if now - self.thawed_at >= THAW_EVERY_S:
+        if self.thaw_every_s is not None and now - self.thawed_at >= self.thaw_every_s:
             self.thawed_at = now
             gc.unfreeze()
         else:
             gc.freeze()
 
 
-def freeze_survivors() -> None:
-    """Install the policy for this process (once)."""
+def freeze_survivors(thaw_every_s: float | None = THAW_EVERY_S) -> None:
+    """Install the policy for this process (once). ``thaw_every_s`` None: never thaw. The
+    full collection after a thaw walks the whole heap; in the development server, holding
+    every stored document, that took over a second (a one-second lease's renewals missed
+    their deadline), and the cyclic garbage a freeze can keep there is a closed client
+    connection's few objects."""
     if not any(isinstance(cb, _SurvivorFreezer) for cb in gc.callbacks):
-        gc.callbacks.append(_SurvivorFreezer())
+        gc.callbacks.append(_SurvivorFreezer(thaw_every_s))

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"--tls-certificate-key-file "
                               f"{settings.tls_certificate_key_file}: {exc}") from None
-    gcpolicy.freeze_survivors()
+    gcpolicy.freeze_survivors(thaw_every_s=None)
     try:
         asyncio.run(serve_forever(settings))
     except OSError as exc:
