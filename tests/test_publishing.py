@@ -4,6 +4,7 @@ schedule changed in between is rendered afresh (pure logic, fakes for the I/O)."
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -15,6 +16,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.triggers import Interval, fire_id, iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.publishing import DispatchSettings, Publisher
+from tests.waiting import wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -31,11 +33,14 @@ class Broker:
 
 class Ledger:
     def __init__(self) -> None:
-        self.published: list[tuple[list[str], int, int]] = []
+        self.writes: list[list[tuple[list[str], int, dt.datetime, int]]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
 
-    async def mark_published(self, ids: list[str], term: int, at: dt.datetime,
-                             attempt: int) -> None:
-        self.published.append((ids, term, attempt))
+    async def mark_published_many(self, marks: list[tuple[list[str], int, dt.datetime, int]]
+                                  ) -> None:
+        self.writes.append(marks)
+        await self.gate.wait()
 
 
 class Schedules:
@@ -69,10 +74,11 @@ def claims(n: int) -> list[Claim]:
     return out
 
 
-def setup() -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
+def setup(ledger: Ledger | None = None
+          ) -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
     broker, schedules, mirror = Broker(), Schedules(), Mirror()
     now = [T0 - dt.timedelta(seconds=0.25)]
-    publisher = Publisher(broker, Ledger(), mirror, schedules,  # type: ignore[arg-type]
+    publisher = Publisher(broker, ledger or Ledger(), mirror, schedules,  # type: ignore[arg-type]
                           DispatchSettings(), lambda: now[0], Metrics())
     schedules.docs["s"] = schedule(1, {"v": 1})
     mirror.entries["s"] = Entry(1, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
@@ -124,3 +130,22 @@ async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_
     assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
     publisher.discard(due)
     assert not publisher._ready
+
+
+async def test_marks_of_publishes_ending_during_a_write_go_together_in_the_next() -> None:
+    ledger = Ledger()
+    publisher, _, _, _, now = setup(ledger)
+    now[0] = T0
+    due = claims(3)
+    ledger.gate.clear()  # the first write stays in flight
+    first = asyncio.create_task(publisher.publish(due[:1], 7, attempt=1))
+    await wait_until(lambda: ledger.writes, 5, "the first write")
+    rest = [asyncio.create_task(publisher.publish([c], 7, attempt=1)) for c in due[1:]]
+    # Both publishes reach their mark, behind the first write.
+    await wait_until(lambda: len(publisher._marks) == 2, 5, "two marks gathered")
+    assert len(ledger.writes) == 1
+    assert not any(task.done() for task in [first, *rest])
+    ledger.gate.set()
+    await asyncio.gather(first, *rest)
+    assert [[ids for ids, *_ in write] for write in ledger.writes] == [
+        [[due[0].fire_id]], [[due[1].fire_id], [due[2].fire_id]]]

@@ -20,7 +20,7 @@ import datetime as dt
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from pymongo import ASCENDING, DESCENDING
+from pymongo import ASCENDING, DESCENDING, UpdateMany
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from hascheduler.core.catchup import SkippedRange
@@ -134,6 +134,7 @@ class FiresCollection(Protocol):
     async def drop_index(self, index_or_name: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
     def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
+    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
 async def state_counts(collection: Any, schedule_id: str, nominals: list[dt.datetime]
@@ -337,10 +338,19 @@ class Ledger:
 
     async def mark_published(self, fire_ids: list[str], term: int, at: dt.datetime,
                              attempt: int) -> None:
-        await self.fires.update_many(
-            _own(term, fire_ids),
-            {"$set": {"state": PUBLISHED, "published_at": at, "attempts": attempt},
-             "$unset": {"next_attempt_at": ""}})
+        await self.mark_published_many([(fire_ids, term, at, attempt)])
+
+    async def mark_published_many(self, marks: list[tuple[list[str], int, dt.datetime, int]]
+                                  ) -> None:
+        """Several publishes' marks (fire ids, term, acknowledged at, attempt) in one round
+        trip, a statement each."""
+        updates = [UpdateMany(_own(term, fire_ids),
+                              {"$set": {"state": PUBLISHED, "published_at": at,
+                                        "attempts": attempt},
+                               "$unset": {"next_attempt_at": ""}})
+                   for fire_ids, term, at, attempt in marks if fire_ids]
+        if updates:
+            await self.fires.bulk_write(updates, ordered=False)
 
     async def mark_failed(self, fire_id_: str, term: int, attempt: int, error: str,
                           at: dt.datetime) -> None:
