@@ -194,7 +194,7 @@ SECTIONS = [
      "more than 5 starts of a key in a second, close to 5; every fan-out run succeeds, "
      "never more than 3 of a tenant at once."),
     ("bench.ramp_bench", "Ramp: the highest firing rate sustained, against APScheduler",
-     [], ["--spread", "300,600", "--aligned", "300", "--baseline-spread", "300",
+     ["--profile"], ["--spread", "300,600", "--aligned", "300", "--baseline-spread", "300",
           "--baseline-aligned", "300", "--seconds", "2"],
      "Schedules firing every second, stepped up until lateness p99 exceeds 100 ms or a "
      "fire due in the window is not published, in two shapes: spread (phases over the "
@@ -203,8 +203,9 @@ SECTIONS = [
      "nats-server and three replicas, fresh servers each step; baseline, same run: "
      "APScheduler 3 with the same triggers and an empty job (in process: no database, no "
      "broker, no failover). The plot (ramp.png beside this file) shows p50 and p99 "
-     "against the rate. Targets: at least 20,000 fires a second, at least 4x APScheduler's "
-     "highest sustained rate."),
+     "against the rate; the profile lines say where the leader's and the development "
+     "server's own time went (py-spy) in the step past each ceiling. Targets: at least "
+     "20,000 fires a second, at least 4x APScheduler's highest sustained rate."),
     ("bench.lease_bench", "Lease at ttl 1 s: held under load, taken over after a crash",
      [], ["--schedules", "200", "--seconds", "3", "--kills", "1"],
      "The development MongoDB server, a real nats-server and three replicas with "

@@ -288,7 +288,7 @@ def highest(steps: list[Step]) -> int:
 async def main() -> int:
     logs.configure("warning")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--spread", default="5000,10000,15000,20000,25000,30000")
+    parser.add_argument("--spread", default="5000,10000,12500,15000,17500,20000,25000")
     parser.add_argument("--aligned", default="2000,4000,6000,8000,10000,12000")
     parser.add_argument("--baseline-spread",
                         default="5000,10000,15000,20000,25000,30000,40000")
