@@ -46,8 +46,8 @@ from hascheduler_dev.devmongo.values import MISSING, Document, get_path, key_of
 
 # Expired documents deleted between two turns of the loop (reap_expired_documents).
 TTL_CHUNK = 200
-# Statements of one write command run between two turns of the loop (_each_statement).
-STATEMENTS_PER_TURN = 100
+# How long one write command runs before it yields the loop (_each_statement).
+TURN_S = 0.005
 
 log = structlog.get_logger("hascheduler.devmongo")
 
@@ -660,14 +660,16 @@ class Node:
     async def _each_statement(self, statements: list[Any], ordered: Any,
                               apply: Callable[[Any, int], None]) -> list[Document]:
         """Run each statement of a write command; an ordered one stops at the first error.
-        The loop is yielded every STATEMENTS_PER_TURN statements, as mongod yields in a
-        long write: a leader's 1,000-fire claim otherwise held its lease renewal, queued on
-        another connection, for its whole length (with ten of them due together, past a
-        one-second lease's renew deadline)."""
+        The loop is yielded once a turn has run TURN_S, between statements, as mongod yields
+        in a long write: a leader's 1,000-fire claim, or a bulk of several 1,000-fire
+        updates, otherwise held its lease renewal, queued on another connection, for its
+        whole length (past a one-second lease's renew deadline)."""
         errors: list[Document] = []
+        turn = time.monotonic()
         for i, stmt in enumerate(statements):
-            if i and not i % STATEMENTS_PER_TURN:
+            if time.monotonic() - turn >= TURN_S:
                 await asyncio.sleep(0)
+                turn = time.monotonic()
             try:
                 apply(stmt, i)
             except MongoError as exc:
