@@ -214,7 +214,7 @@ SECTIONS = [
      "million documents would measure the development server's dictionaries doubling, "
      "not the lease). Ten minutes without a fault, the term read every 0.1 s; then ten "
      "SIGKILLs of the leader: from the signal to the next lease and to that term's first "
-     "fire seen by a NATS subscriber. Targets: no leadership change; "
+     "fire as the stream stored it. Targets: no leadership change; "
      "first fire p99 within 1.1x of ttl + renew interval."),
     ("bench.devmongo_bench", "Development MongoDB server",
      [], ["--docs", "2000", "--ops", "200", "--events", "50"],

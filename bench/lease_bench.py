@@ -112,8 +112,7 @@ def stream_time(text: str) -> dt.datetime:
 async def first_stored(nats_uri: str, since: dt.datetime, term: int,
                        within_s: float = 30) -> dt.datetime:
     """When the stream stored the first fire of a term after ``term``, from ``since``: the
-    stream's message API read from the first message stored at or after ``since``, one
-    sequence at a time (the dead leader sent nothing after it: a few messages at most)."""
+    stream's message API read from the first message stored at or after ``since``."""
     nc = await nats.connect(nats_uri)
     api = "$JS.API.STREAM.MSG.GET.HASCHEDULER"
     try:
@@ -128,9 +127,13 @@ async def first_stored(nats_uri: str, since: dt.datetime, term: int,
             headers = base64.b64decode(message.get("hdrs", "")).decode()
             fired_by = next((int(line.split(":", 1)[1]) for line in headers.splitlines()
                              if line.startswith("Hascheduler-Term:")), 0)
+            stored = stream_time(message["time"])
             if fired_by > term:
-                return stream_time(message["time"])
-            ask = {"seq": int(message["seq"]) + 1}
+                return stored
+            # The dead leader's publishes still in flight at the kill (up to a whole
+            # second's fires): skipped a millisecond of store time at a time.
+            ask = {"start_time": (stored + dt.timedelta(milliseconds=1)).isoformat()
+                   .replace("+00:00", "Z")}
         raise RuntimeError(f"no fire of a term after {term} within {within_s} s")
     finally:
         await nc.close()
