@@ -211,9 +211,11 @@ async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]])
 
 async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
                           schedules: list[dict[str, Any]],
-                          env: dict[str, str] | None = None) -> Cluster:
-    """Three replicas over ``schedules`` (written first), ready and with a leader."""
-    c = Cluster(mongo, nats_uri, database, env)
+                          env: dict[str, str] | None = None,
+                          cluster: Cluster | None = None) -> Cluster:
+    """Three replicas over ``schedules`` (written first), ready and with a leader; in
+    ``cluster`` if given (a Cluster whose replicas start otherwise)."""
+    c = cluster or Cluster(mongo, nats_uri, database, env)
     for i in range(0, len(schedules), 1000):
         await c.db.schedules.insert_many(schedules[i:i + 1000])
     for name in ("a", "b", "c"):

@@ -37,7 +37,7 @@ import time
 import nats
 
 from bench.devmongo_bench import pct
-from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
+from bench.firing_bench import Cluster, cpu_seconds, schedule_doc, started_cluster
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica
 
@@ -159,14 +159,9 @@ async def main() -> int:
     c = ShortLease(mongo, broker.uri, "bench_lease")
     c.retention_s = args.fire_retention
     try:
-        docs = [schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": "* * * * * *"},
-                             "bench.lease") for i in range(args.schedules)]
-        for i in range(0, len(docs), 1000):
-            await c.db.schedules.insert_many(docs[i:i + 1000])
-        for name in ("a", "b", "c"):
-            c.start(name)
-        await c.wait_ready()
-        await c.wait_leader()
+        await started_cluster(mongo, broker.uri, "bench_lease", [
+            schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.lease")
+            for i in range(args.schedules)], cluster=c)
         await c.wait_firing()
         cpu_before = {name: cpu_seconds(r.pid) for name, r in c.replicas.items()}
         mongo_before = cpu_seconds(mongo.pid)
