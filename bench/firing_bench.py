@@ -54,8 +54,10 @@ TIMINGS = ["--lease-ttl", "2", "--renew-deadline", "1.4", "--renew-interval", "0
 
 class Cluster:
     def __init__(self, mongo: ServerProcess, nats_uri: str, database: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 replica_args: list[str] | None = None) -> None:
         self.env = env  # added to each replica's environment
+        self.replica_args = TIMINGS if replica_args is None else replica_args
         self.uri = with_database(mongo.uri, database)
         self.nats_uri = nats_uri
         self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.uri,
@@ -65,7 +67,7 @@ class Cluster:
 
     def start(self, name: str) -> None:
         self.replicas[name] = start_replica(self.uri, name, "--broker", self.nats_uri,
-                                            *TIMINGS, env=self.env)
+                                            *self.replica_args, env=self.env)
 
     async def lease(self) -> dict[str, Any]:
         return await self.db.leases.find_one({"_id": "scheduler"}) or {}

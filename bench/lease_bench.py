@@ -39,23 +39,14 @@ import nats
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc, started_cluster
 from hascheduler.process import logs
-from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica
+from tests.servers import ServerProcess, start_devmongo, start_nats
 
 TTL_S, DEADLINE_S, INTERVAL_S = 1.0, 0.7, 0.2
 TIMINGS = ["--lease-ttl", str(TTL_S), "--renew-deadline", str(DEADLINE_S),
            "--renew-interval", str(INTERVAL_S)]
 
 
-class ShortLease(Cluster):
-    retention_s = 60.0
-
-    def start(self, name: str) -> None:
-        self.replicas[name] = start_replica(self.uri, name, "--broker", self.nats_uri,
-                                            *TIMINGS, "--fire-retention",
-                                            str(self.retention_s), env=self.env)
-
-
-async def steady(c: ShortLease, seconds: float) -> tuple[int, int, int]:
+async def steady(c: Cluster, seconds: float) -> tuple[int, int, int]:
     """(leadership changes, first term, last term) over ``seconds`` without a fault."""
     first = (await c.lease())["term"]
     changes, last = 0, first
@@ -69,7 +60,7 @@ async def steady(c: ShortLease, seconds: float) -> tuple[int, int, int]:
     return changes, first, last
 
 
-def stopped_firing(c: ShortLease, since_iso: str) -> int:
+def stopped_firing(c: Cluster, since_iso: str) -> int:
     """The replicas' ``stopped_firing`` log events since ``since_iso`` (their logs)."""
     count = 0
     for replica in c.replicas.values():
@@ -84,12 +75,12 @@ def stopped_firing(c: ShortLease, since_iso: str) -> int:
     return count
 
 
-async def crash(c: ShortLease, nats_uri: str) -> tuple[float, float]:
+async def crash(c: Cluster, nats_uri: str) -> tuple[float, float]:
     """SIGKILL the leader: seconds to the next lease, and to that term's first fire as the
     stream stored it (the broker's clock: a subscriber in this process would add its own
     backlog at 10,000 messages a second)."""
     await c.wait_leader()
-    await asyncio.sleep(2.0)  # a steady leader, firing
+    await c.wait_firing()  # a steady leader, past its start-up
     doc = await c.wait_leader()
     leader, term = doc["holder"], doc["term"]
     killed = dt.datetime.now(dt.UTC)
@@ -156,8 +147,8 @@ async def main() -> int:
           f"second; fires kept {args.fire_retention:g} s\n", flush=True)
     mongo: ServerProcess = start_devmongo()
     broker = start_nats()
-    c = ShortLease(mongo, broker.uri, "bench_lease")
-    c.retention_s = args.fire_retention
+    c = Cluster(mongo, broker.uri, "bench_lease", replica_args=[
+        *TIMINGS, "--fire-retention", str(args.fire_retention)])
     try:
         await started_cluster(mongo, broker.uri, "bench_lease", [
             schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.lease")
