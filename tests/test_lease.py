@@ -118,6 +118,55 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
         await asyncio.wait_for(runner, 5)
 
 
+class SlowLeases:
+    """The lease collection behind a link whose renewals take ``delay_s`` each."""
+
+    def __init__(self, leases: Any, delay_s: float) -> None:
+        self._leases, self.delay_s = leases, delay_s
+        self.sent: list[float] = []
+
+    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._leases.find_one(*args, **kwargs)
+
+    async def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
+        self.sent.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(self.delay_s)
+        return await self._leases.find_one_and_update(*args, **kwargs)
+
+    async def update_one(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._leases.update_one(*args, **kwargs)
+
+
+async def test_renewals_keep_their_cadence_over_a_slow_link(leases: Any) -> None:
+    # Renewals taking 0.25 s against a 0.2 s interval and a 0.7 s deadline: sent a renew
+    # interval after the previous answer, each would leave the next 0.25 s (0.7 - 0.2 -
+    # 0.25) and the lease would lapse at once; sent a renew interval after the previous
+    # send (or at its answer, whichever is later), each has 0.45 s.
+    slow = SlowLeases(leases, delay_s=0.25)
+    dispatcher = IdleDispatcher()
+    elector = Elector(Lease(slow, "L", "a", FAST), dispatcher,  # type: ignore[arg-type]
+                      leases)
+    runner = asyncio.create_task(elector.run())
+    try:
+        async def leading() -> bool:
+            return dispatcher.leading
+
+        await wait_until(leading, 5, "a to lead")
+        first = elector.attempts
+
+        async def twelve_renewals() -> bool:
+            assert dispatcher.leading, "the leader lost its lease over the slow link"
+            assert elector.lease.term == 1
+            return elector.attempts >= first + 12
+
+        await wait_until(twelve_renewals, 10, "twelve renewals over the slow link")
+        gaps = [b - a for a, b in zip(slow.sent[-12:], slow.sent[-11:], strict=False)]
+        assert max(gaps) < 0.25 + 0.1, gaps  # back to back, not 0.25 + 0.2 apart
+    finally:
+        elector.stop()
+        await asyncio.wait_for(runner, 5)
+
+
 @pytest.mark.parametrize(("ttl", "deadline", "interval"), [
     (10, 10, 2), (10, 7, 6), (5, 7, 2), (10, 7, 0)])
 def test_lease_timings_that_cannot_fence_are_refused(ttl: float, deadline: float,
