@@ -259,10 +259,11 @@ class Replica:
         db = client.get_default_database(DEFAULT_DATABASE)
         # The lease renews through a pool of its own: when the link slows, the firing path's
         # requests hold every connection of the main pool and new ones open two at a time,
-        # each a round trip; a renewal queued behind them misses its deadline.
+        # each a round trip; a renewal queued behind them misses its deadline. Same appname:
+        # the database sees one replica (a fault injected for it cuts both pools).
         lease_client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
             settings.mongodb_uri, tz_aware=True, maxPoolSize=2,
-            appname=f"hascheduler/{settings.replica_id}/lease")
+            appname=f"hascheduler/{settings.replica_id}")
         stack.push_async_callback(lifecycle.bounded, "closing the lease's database client",
                                   lease_client.close)
         broker = settings.broker.publisher()
