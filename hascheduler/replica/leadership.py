@@ -67,6 +67,7 @@ class Elector:
         self._stopping = False
         self.attempts = 0  # acquire-or-renew turns taken, ready or not
         self._attempted_at = 0.0  # monotonic: when the last turn sent its request
+        self._failing = False  # the last turn's request failed
 
     def stop(self) -> None:
         """Make ``run`` return at its next step (see Mirror.stop for why a flag)."""
@@ -120,12 +121,19 @@ class Elector:
             self.metrics.renew_seconds.observe(time.monotonic() - sent)
         except (PyMongoError, TimeoutError) as exc:
             self.metrics.renew_failures.inc()
-            if leading and not self.lease.valid:
+            if not leading:
+                # Said once a streak: a standby that cannot reach the lease cannot take over.
+                if not self._failing:
+                    log.warning("acquire_failed", error=repr(exc)[:300],
+                                took_s=round(time.monotonic() - sent, 3))
+                self._failing = True
+            elif not self.lease.valid:
                 await self._stop_leading(f"renewal failed past the deadline: {exc!r}")
-            elif leading:
+            else:
                 log.warning("renewal_failed", error=repr(exc), term=self.lease.term,
                             remaining_s=round(self.lease.remaining(), 3))
             return
+        self._failing = False
         if view is not None:
             self.view = view
             logs.set_term(view.term)

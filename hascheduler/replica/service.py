@@ -257,15 +257,6 @@ class Replica:
             appname=f"hascheduler/{settings.replica_id}")
         stack.push_async_callback(lifecycle.bounded, "closing the database client", client.close)
         db = client.get_default_database(DEFAULT_DATABASE)
-        # The lease renews through a pool of its own: when the link slows, the firing path's
-        # requests hold every connection of the main pool and new ones open two at a time,
-        # each a round trip; a renewal queued behind them misses its deadline. Same appname:
-        # the database sees one replica (a fault injected for it cuts both pools).
-        lease_client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-            settings.mongodb_uri, tz_aware=True, maxPoolSize=2,
-            appname=f"hascheduler/{settings.replica_id}")
-        stack.push_async_callback(lifecycle.bounded, "closing the lease's database client",
-                                  lease_client.close)
         broker = settings.broker.publisher()
         await broker.start()
         stack.push_async_callback(lifecycle.bounded, "closing the broker", broker.close)
@@ -284,8 +275,8 @@ class Replica:
         runs = RunLedger(db[RUNS])
         health = HealthReader(ledger, runs, settings.late_after_s)
         webhook_store, deliveries = WebhookStore(db[WEBHOOKS]), Deliveries(db[DELIVERIES])
-        lease = Lease(lease_client.get_default_database(DEFAULT_DATABASE)[LEASES], LEASE_NAME,
-                      settings.replica_id, settings.timings, server_clock=server_clock)
+        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
+                      server_clock=server_clock)
         dispatcher: Dispatcher | None = None
 
         self.sources = sources = Sources(db)
