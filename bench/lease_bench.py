@@ -40,24 +40,35 @@ from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc, started_cluster
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats
+from tests.waiting import wait_until
 
 TTL_S, DEADLINE_S, INTERVAL_S = 1.0, 0.7, 0.2
 TIMINGS = ["--lease-ttl", str(TTL_S), "--renew-deadline", str(DEADLINE_S),
            "--renew-interval", str(INTERVAL_S)]
 
 
-async def steady(c: Cluster, seconds: float) -> tuple[int, int, int]:
-    """(leadership changes, first term, last term) over ``seconds`` without a fault."""
+async def steady(c: Cluster, seconds: float) -> tuple[int, int, int, list[float]]:
+    """(leadership changes, first term, last term, the leader's watermark at its furthest
+    behind minute by minute) over ``seconds`` without a fault. The watermark (the lease's
+    fired_through) runs ahead of now by the claim-ahead while the leader keeps up; behind
+    now, fires are late by as much."""
     first = (await c.lease())["term"]
     changes, last = 0, first
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        term = (await c.lease()).get("term", last)
+    worst: list[float] = []  # the furthest behind, minute by minute
+    began = time.monotonic()
+    while (now := time.monotonic()) < began + seconds:
+        lease = await c.lease()
+        term = lease.get("term", last)
         if term != last:
             changes += 1
             last = term
+        if lease.get("fired_through") is not None:
+            ahead = (lease["fired_through"] - dt.datetime.now(dt.UTC)).total_seconds()
+            minute = int((now - began) // 60)
+            worst += [float("inf")] * (minute + 1 - len(worst))
+            worst[minute] = min(worst[minute], ahead)
         await asyncio.sleep(0.1)
-    return changes, first, last
+    return changes, first, last, worst
 
 
 def stopped_firing(c: Cluster, since_iso: str) -> int:
@@ -80,7 +91,15 @@ async def crash(c: Cluster, nats_uri: str) -> tuple[float, float]:
     stream stored it (the broker's clock: a subscriber in this process would add its own
     backlog at 10,000 messages a second)."""
     await c.wait_leader()
-    await c.wait_firing()  # a steady leader, past its start-up
+    # A leader firing, past its start-up: its watermark moving (a saturated cluster's
+    # leader is behind now, and still fires).
+    moved_from = (await c.wait_leader()).get("fired_through") or dt.datetime.now(dt.UTC)
+
+    async def firing() -> bool:
+        through = (await c.lease()).get("fired_through")
+        return through is not None and through > moved_from + dt.timedelta(seconds=1)
+
+    await wait_until(firing, 60, "the leader firing", 0.1)
     doc = await c.wait_leader()
     leader, term = doc["holder"], doc["term"]
     killed = dt.datetime.now(dt.UTC)
@@ -157,11 +176,14 @@ async def main() -> int:
         cpu_before = {name: cpu_seconds(r.pid) for name, r in c.replicas.items()}
         mongo_before = cpu_seconds(mongo.pid)
         began = dt.datetime.now(dt.UTC).isoformat()
-        changes, first, last = await steady(c, args.seconds)
+        changes, first, last, ahead = await steady(c, args.seconds)
         stops = stopped_firing(c, began.replace("+00:00", "Z"))
         leader = (await c.lease())["holder"]
         print(f"steady: {args.seconds:,.0f} s at {args.schedules:,} fires a second, "
               f"{changes} leadership changes (terms {first} to {last}); target: none")
+        print("the leader's watermark (the lease's fired_through) at its furthest from now, "
+              "minute by minute (ahead by the claim-ahead, +1.5 s, while it keeps up; behind, "
+              f"its fires are late by as much): {', '.join(f'{a:+.1f} s' for a in ahead)}")
         print(f"times a leader stopped firing within its term (a fenced write past its "
               f"deadline; it leads again at once): {stops}")
         print(f"CPU during it, share of one core: development server "

@@ -10,6 +10,11 @@ Runs the development MongoDB server and a real nats-server as processes.
   from its start to the consumer's ack floor at the last message. Baseline, same run: a
   raw nats-py pull consumer fetching as many at a time and acknowledging each, no ledger.
   Target: within 2x of raw.
+- The same on RabbitMQ (--amqp-concurrency, default 16): --fires fires already in a
+  quorum queue bound to the fire exchange, one `hascheduler worker --broker amqp://...`
+  from its start until the queue is empty and every run recorded; baseline, same run: a
+  raw aio-pika consumer of another queue holding the same messages, prefetch as many,
+  acknowledging each. Target: within 1.3x of the raw consumer on either broker.
 - Latency: --rate schedules firing every second for --seconds, one replica leading and one
   worker (concurrency 16) whose handler notes when it starts; handler start minus due
   time. Baseline, same run: the scheduler half alone, publish-acknowledged minus due time
@@ -31,15 +36,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
 from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
 from hascheduler.worker import Run, WorkerApp
-from tests.servers import ServerProcess, start_devmongo, start_nats, with_database
+from tests.servers import RabbitServer, ServerProcess, start_devmongo, start_nats, with_database
 from tests.waiting import wait_until
 
 STREAM = "HASCHEDULER"
@@ -171,6 +178,119 @@ async def throughput(mongo: ServerProcess, nats_uri: str, fires: int,
     return rows
 
 
+AMQP_TARGET = "bench.noop"
+
+
+def start_worker(broker: str, mongo_uri: str, durable: str, concurrency: int,
+                 env: dict[str, str] | None = None) -> Any:
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", broker, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
+        "--durable", durable, "--concurrency", str(concurrency),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, **(env or {})})
+
+
+async def amqp_throughput(mongo: ServerProcess, fires: int, concurrency: int
+                          ) -> dict[str, Any]:
+    """Raw aio-pika against `hascheduler worker` on RabbitMQ, each draining ``fires``
+    messages already queued (the same messages, published once to both queues)."""
+    rabbit = RabbitServer().start()
+    try:
+        durable, raw_queue = f"ours-amqp-{concurrency}", f"raw-amqp-{concurrency}"
+        mongo_uri = with_database(mongo.uri, f"wb_amqp_{concurrency}")
+        # The worker declares its queue (quorum, a dead-letter exchange) and binds it: once
+        # started and stopped, the queue is there to fill.
+        worker = await start_worker(rabbit.url, mongo_uri, durable, concurrency)
+        assert worker.stdout is not None
+        await asyncio.wait_for(worker.stdout.readline(), 90)
+        worker.terminate()
+        await worker.wait()
+        connection = await aio_pika.connect(rabbit.url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = await channel.declare_exchange("hascheduler", aio_pika.ExchangeType.TOPIC,
+                                                      durable=True)
+            raw = await channel.declare_queue(raw_queue, durable=True,
+                                              arguments={"x-queue-type": "quorum"})
+            await raw.bind(exchange, AMQP_TARGET)
+            nominal = dt.datetime.now(dt.UTC)
+            for start in range(0, fires, 500):
+                await asyncio.gather(*(exchange.publish(aio_pika.Message(
+                    event(i, nominal), message_id=f"bench-{i}", content_type="application/json",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=AMQP_TARGET)
+                    for i in range(start, min(fires, start + 500))))
+            raw_s = await raw_amqp_consumer(connection, raw_queue, concurrency, fires)
+        finally:
+            await connection.close()
+        ours_s, worker_cpu, mongo_cpu = await amqp_worker(rabbit.url, mongo, mongo_uri,
+                                                          durable, concurrency, fires)
+        return {"concurrency": concurrency, "fires": fires, "raw_s": raw_s, "ours_s": ours_s,
+                "raw_per_s": fires / raw_s, "ours_per_s": fires / ours_s,
+                "ratio": ours_s / raw_s, "worker_cpu_s": worker_cpu, "mongo_cpu_s": mongo_cpu}
+    finally:
+        rabbit.close()
+
+
+async def raw_amqp_consumer(connection: Any, queue_name: str, concurrency: int,
+                            fires: int) -> float:
+    """Seconds for a raw aio-pika consumer (prefetch ``concurrency``) to receive and
+    acknowledge ``fires`` messages."""
+    channel = await connection.channel()
+    await channel.set_qos(prefetch_count=concurrency)
+    queue = await channel.declare_queue(queue_name, passive=True)
+    done = asyncio.Event()
+    count = 0
+
+    async def on_message(message: Any) -> None:
+        nonlocal count
+        await message.ack()
+        count += 1
+        if count == fires:
+            done.set()
+
+    started = time.perf_counter()
+    await queue.consume(on_message)
+    await asyncio.wait_for(done.wait(), 300)
+    elapsed = time.perf_counter() - started
+    await channel.close()
+    return elapsed
+
+
+async def amqp_worker(url: str, mongo: ServerProcess, mongo_uri: str, durable: str,
+                      concurrency: int, fires: int) -> tuple[float, float, float]:
+    """Seconds from the worker's start until its queue is empty and every run succeeded;
+    the CPU seconds of the worker and the development server meanwhile."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
+    connection = await aio_pika.connect(url)
+    worker = await start_worker(url, mongo_uri, durable, concurrency)
+    try:
+        assert worker.stdout is not None
+        await asyncio.wait_for(worker.stdout.readline(), 90)
+        started = time.perf_counter()
+        cpu = cpu_seconds(worker.pid), cpu_seconds(mongo.pid)
+        channel = await connection.channel()
+
+        async def drained() -> bool:
+            queue = await channel.declare_queue(durable, passive=True)
+            return queue.declaration_result.message_count == 0
+
+        await wait_until(drained, 300, "the worker's queue to empty", 0.02)
+        runs = client.get_default_database().runs
+
+        async def all_recorded() -> bool:
+            return bool(await runs.count_documents({"state": "succeeded"}) >= fires)
+
+        await wait_until(all_recorded, 60, "every run recorded", 0.02)
+        return (time.perf_counter() - started, cpu_seconds(worker.pid) - cpu[0],
+                cpu_seconds(mongo.pid) - cpu[1])
+    finally:
+        worker.terminate()
+        await worker.wait()
+        await connection.close()
+        await client.close()
+
+
 async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
                   seconds: float) -> dict[str, Any]:
     database = "wb_latency"
@@ -245,6 +365,20 @@ async def main_async(args: argparse.Namespace) -> int:
                   f"{r['mongo_cpu_s']:.2f} s ({r['mongo_cpu_s'] / r['ours_s']:.0%} of a core; "
                   f"{r['mongo_cpu_s'] / r['fires'] * 1e6:.0f} us per run for its claim and "
                   "its record).")
+        if args.amqp_concurrency:
+            r = await amqp_throughput(mongo, args.fires, args.amqp_concurrency)
+            print()
+            print("| worker on RabbitMQ, no-op handler | fires | raw aio-pika consumer (ack only) "
+                  "| `hascheduler worker` (claim, run, record, ack) | ours / raw |")
+            print("|---|---|---|---|---|")
+            print(f"| concurrency {r['concurrency']} | {r['fires']:,} | {r['raw_s']:.2f} s "
+                  f"({r['raw_per_s']:,.0f}/s) | {r['ours_s']:.2f} s ({r['ours_per_s']:,.0f}/s)"
+                  f" | {r['ratio']:.2f}x |")
+            print()
+            print(f"CPU while `hascheduler worker` ran on RabbitMQ: the worker "
+                  f"{r['worker_cpu_s']:.2f} s, the development MongoDB server "
+                  f"{r['mongo_cpu_s']:.2f} s ({r['mongo_cpu_s'] / r['fires'] * 1e6:.0f} us per "
+                  "run).")
         late = await latency(mongo, broker.uri, args.rate, args.seconds)
         print()
         print("| due time to ... | fires/s | fires | p50 | p99 |")
@@ -266,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fires", type=int, default=10_000)
     parser.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")],
                         default=[1, 16])
+    parser.add_argument("--amqp-concurrency", type=int, default=16,
+                        help="the RabbitMQ comparison's concurrency (0: skip it)")
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args(argv)

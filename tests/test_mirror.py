@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from bson import Timestamp
 
-from hascheduler.replica.mirror import Mirror, decide
+from hascheduler.replica.mirror import Mirror, decide, read_ahead
 from tests.drivers import Driver
 from tests.waiting import wait_until
 
@@ -80,6 +80,53 @@ def test_a_document_written_around_the_api_is_refused_not_fatal() -> None:
     mirror.load([doc("ok", 1), doc("junk", 1, trigger={"kind": "cron", "cron": "nope"})])
     assert set(mirror.entries) == {"ok"}
     assert "junk" in mirror.invalid
+
+
+class Batches:
+    """A cursor over ``batches``: each batch is a round trip that waits for ``arrive``;
+    ``asked`` records the order of what happened, batch requests and the caller's work."""
+
+    def __init__(self, batches: list[list[dict[str, Any]]], fail_after: int | None = None
+                 ) -> None:
+        self.batches, self.fail_after = batches, fail_after
+        self.asked: list[str] = []
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        for n, batch in enumerate(self.batches):
+            if n == self.fail_after:
+                raise ConnectionError("the link dropped mid-load")
+            self.asked.append(f"batch {n}")
+            await asyncio.sleep(0.01)  # the server encoding it
+            for d in batch:
+                yield d
+
+
+async def test_a_load_reads_the_next_batch_while_it_builds_from_the_last() -> None:
+    batches = [[doc(f"s{b}-{i}", 1) for i in range(5)] for b in range(3)]
+    cursor = Batches(batches)
+    got = []
+    async for docs in read_ahead(cursor, chunk=5, ahead=4):
+        got.extend(d["_id"] for d in docs)
+        cursor.asked.append(f"built {len(got)}")
+        await asyncio.sleep(0.03)  # building takes longer than a round trip
+    assert got == [d["_id"] for b in batches for d in b]  # each once, in order
+    # The second batch was asked for before the first was built, not after.
+    assert cursor.asked.index("batch 1") < cursor.asked.index("built 5"), cursor.asked
+
+
+async def test_a_load_that_fails_midway_raises_and_stops_reading() -> None:
+    cursor = Batches([[doc(f"s{b}-{i}", 1) for i in range(5)] for b in range(3)],
+                     fail_after=2)
+    seen = []
+
+    async def load() -> None:
+        async for docs in read_ahead(cursor, chunk=2, ahead=2):
+            seen.extend(docs)
+
+    with pytest.raises(ConnectionError):
+        await load()
+    assert len(seen) == 10  # what came before the failure, no more
+    assert "batch 2" not in cursor.asked
 
 
 @pytest.fixture

@@ -13,11 +13,12 @@ Entries are compact (no payload, name or labels): a trigger and the few fields f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -38,6 +39,10 @@ log = structlog.get_logger("hascheduler.mirror")
 HISTORY_LOST = 286
 RECENTLY_APPLIED = 1024
 INVALID_RESUME_TOKEN = 260
+# A load reads the collection in batches of LOAD_BATCH and builds from chunks of LOAD_CHUNK,
+# at most LOAD_AHEAD chunks read ahead of the building: a whole batch fits, so the next
+# batch is asked for as soon as one arrives.
+LOAD_BATCH, LOAD_CHUNK, LOAD_AHEAD = 10_000, 1_000, 16
 
 
 Action = tuple[Literal["upsert"], str, dict[str, Any]] | tuple[Literal["remove"], str, None] \
@@ -226,6 +231,38 @@ class ChangeMirror:
                 self._token = token
 
 
+async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CHUNK,
+                     ahead: int = LOAD_AHEAD) -> AsyncIterator[list[dict[str, Any]]]:
+    """The cursor's documents in chunks, read by a task of their own: while the caller
+    builds from one batch, the next is on its way (with a plain ``async for`` the server
+    waits while the caller builds, and the caller while the server encodes)."""
+    chunks: asyncio.Queue[list[dict[str, Any]] | BaseException | None] = asyncio.Queue(ahead)
+
+    async def read() -> None:
+        try:
+            docs: list[dict[str, Any]] = []
+            async for doc in cursor:
+                docs.append(doc)
+                if len(docs) == chunk:
+                    await chunks.put(docs)
+                    docs = []
+            await chunks.put(docs)
+            await chunks.put(None)
+        except Exception as exc:  # handed to the caller, raised there
+            await chunks.put(exc)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (docs := await chunks.get()) is not None:
+            if isinstance(docs, BaseException):
+                raise docs
+            yield docs
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
 class Mirror(ChangeMirror):
     """The mirror of the schedules; ``run()`` keeps it in sync until cancelled."""
 
@@ -301,21 +338,34 @@ class Mirror(ChangeMirror):
         Returns (changed, removed).
         """
         seen: set[str] = set()
+        changed = self._absorb(docs, seen)
+        return changed, self._drop_unseen(seen)
+
+    def _absorb(self, docs: Iterable[dict[str, Any]], seen: set[str]) -> int:
+        """Put those of ``docs`` whose revision differs, noting every id in ``seen``;
+        how many were put."""
         changed = 0
+        entries = self.entries
         for doc in docs:
             schedule_id = doc["_id"]
             seen.add(schedule_id)
-            current = self.entries.get(schedule_id)
+            current = entries.get(schedule_id)
             if current is None or current.revision != doc.get("revision"):
                 self._put(schedule_id, doc)
                 changed += 1
+        return changed
+
+    def _drop_unseen(self, seen: set[str]) -> int:
         gone = [s for s in self.entries if s not in seen]
         for schedule_id in gone:
             self._remove(schedule_id)
-        return changed, len(gone)
+        return len(gone)
 
     async def _load_all(self) -> tuple[int, int]:
-        # Its own frame, so the loaded documents are freed before following the stream.
-        docs = [d async for d in self._coll.find({}, {"payload": 0, "name": 0, "labels": 0,
-                                                      "created_at": 0, "updated_at": 0})]
-        return self.load(docs)
+        seen: set[str] = set()
+        changed = 0
+        cursor = self._coll.find({}, {"payload": 0, "name": 0, "labels": 0, "created_at": 0,
+                                      "updated_at": 0}, batch_size=LOAD_BATCH)
+        async for docs in read_ahead(cursor):
+            changed += self._absorb(docs, seen)
+        return changed, self._drop_unseen(seen)
