@@ -33,6 +33,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
                     "API rate / raw rate", "spawn to ready", "insert_one round trips/s",
                     "cronsim (baseline)", "plan 'latest'", "raw nats-py consumer (ack only)",
+                    "raw aio-pika consumer (ack only)",
                     "the handler's start", "one schedule fanning out",
                     "bytes in a source mirror", "3-node cluster, stream R3",
                     "SIGKILL of the NATS node leading the stream", "the database steps down",
@@ -43,7 +44,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "apply / one by one", "create rate with the audit trail / without",
                     "on / off", "key / no key", "a slot freeing to the next run starting",
                     "fairness:", "rate 5 a second", "fan-out to 100 tenants",
-                    "highest sustained rate", "leadership changes", "its first fire",
+                    "highest sustained rate", "leadership changes", "watermark", "its first fire",
                     "mirror / BSON", "raw find() drain"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.

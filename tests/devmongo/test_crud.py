@@ -46,6 +46,24 @@ async def test_insert_find_update_delete_round_trip(db: Any) -> None:
     assert await coll.count_documents({}) == 0
 
 
+async def test_an_update_stores_its_instants_as_the_server_does(db: Any) -> None:
+    # Milliseconds, UTC: what the update's own values become, in $set, in a $push's
+    # $each, and in an upsert's insert; the instants already stored stay as they were.
+    at = datetime.datetime(2030, 1, 1, 12, 0, 0, 123456, tzinfo=datetime.UTC)
+    stored = datetime.datetime(2030, 1, 1, 12, 0, 0, 123000)
+    coll = db.instants
+    await coll.create_index("state")
+    await coll.insert_one({"_id": 1, "state": "a", "first": at, "history": []})
+    await coll.update_one({"_id": 1, "state": "a"}, {
+        "$set": {"at": at, "state": "b"},
+        "$push": {"history": {"$each": [{"at": at}], "$slice": -5}}})
+    await coll.update_one({"_id": 2}, {"$set": {"at": at}}, upsert=True)
+    one, two = [d async for d in coll.find().sort("_id", 1)]
+    for value in (one["first"], one["at"], one["history"][0]["at"], two["at"]):
+        assert value.replace(tzinfo=None) == stored
+    assert one["state"] == "b"
+
+
 async def test_update_pipeline_with_now_and_date_arithmetic(db: Any) -> None:
     coll = db.pipes
     await coll.insert_one({"_id": 1, "term": 4, "drop": "me"})

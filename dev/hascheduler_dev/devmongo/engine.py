@@ -283,6 +283,7 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
     if fast is not None:
         return fast.apply(doc)
     new = copy.deepcopy(doc)
+    whole = True  # the result's every value patched to what the server stores
     try:
         if isinstance(update, list):
             pipeline = op.prepare(update)
@@ -291,6 +292,11 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
         elif is_operator_update(update):
             if "$currentDate" in update:
                 update = _current_date_as_set(op, update)
+            if not inserting:
+                # The stored document was patched when written: only the update's own
+                # values need it (an upsert's insert also takes values from the filter).
+                update = mm_helpers.patch_datetime_awareness_in_document(update)
+                whole = False
             _scratch._apply_update_document(new, filter_, update, inserting)
         else:
             new = copy.deepcopy(update)
@@ -303,6 +309,8 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
                              "to have been altered")
     if "_id" in new and next(iter(new)) != "_id":
         new = {"_id": new["_id"], **{k: v for k, v in new.items() if k != "_id"}}
+    if not whole:
+        return new
     patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
     return patched
 

@@ -362,6 +362,16 @@ class Collection:
         if not filter_:
             return list(self.docs), frozenset()
         equal = _equalities(filter_)
+        ids = equal.get("_id")
+        if ids is not None:
+            # _id is unique: no index narrows an equality on it further (a bulk write of
+            # outcomes by _id weighed every index of the runs for each statement).
+            index = self.indexes["_id_"]
+            found: set[int] = set()
+            for value in ids:
+                found |= index.lookup((value,))
+            return sorted(found), (frozenset(["_id"]) if self._decides(
+                index, "_id", filter_, equal) else frozenset())
         # Each usable index's candidate count is read off its structures first; only the
         # smallest is materialised (an update of 1,000 fires by _id also matched the
         # (state, term) index, and copying its 20,000 claimed ids cost more than the update).
