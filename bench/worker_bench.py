@@ -133,6 +133,21 @@ async def raw_consumer(nats_uri: str, concurrency: int, last: int) -> float:
         await nc.close()
 
 
+AMQP_TARGET = "bench.noop"
+
+
+def start_worker(broker: str, mongo_uri: str, durable: str, concurrency: int,
+                 env: dict[str, str] | None = None) -> Any:
+    """``hascheduler worker`` on this module's app, its stdout piped (it announces itself
+    there once consuming); ``env`` added to ours."""
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
+        "--broker", broker, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
+        "--durable", durable, "--concurrency", str(concurrency),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, **(env or {})})
+
+
 async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurrency: int,
                      last: int, env: dict[str, str] | None = None,
                      durable: str | None = None) -> tuple[float, float, float]:
@@ -140,12 +155,7 @@ async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurr
     development server spent meanwhile (``env`` added to the worker's environment)."""
     mongo_uri = with_database(mongo.uri, database)
     durable = durable or f"ours-{concurrency}"
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
-        "--durable", durable, "--concurrency", str(concurrency),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, **(env or {})})
+    worker = await start_worker(nats_uri, mongo_uri, durable, concurrency, env)
     nc = await nats.connect(nats_uri)
     try:
         assert worker.stdout is not None
@@ -176,19 +186,6 @@ async def throughput(mongo: ServerProcess, nats_uri: str, fires: int,
                      "ratio": ours / raw, "worker_cpu_s": worker_cpu,
                      "mongo_cpu_s": mongo_cpu})
     return rows
-
-
-AMQP_TARGET = "bench.noop"
-
-
-def start_worker(broker: str, mongo_uri: str, durable: str, concurrency: int,
-                 env: dict[str, str] | None = None) -> Any:
-    return asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", broker, "--mongodb-uri", mongo_uri, "--app", "bench.worker_bench:app",
-        "--durable", durable, "--concurrency", str(concurrency),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, **(env or {})})
 
 
 async def amqp_throughput(mongo: ServerProcess, fires: int, concurrency: int
@@ -299,12 +296,7 @@ async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
         schedule_doc(f"tick-{i}", {"kind": "cron", "cron": "* * * * * *",
                                    "timezone": "UTC"}, "bench.tick") for i in range(rate)])
     starts = Path(tempfile.mkdtemp(prefix="worker-bench-")) / "starts.txt"
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", c.uri, "--app", "bench.worker_bench:app",
-        "--durable", "latency", "--concurrency", "16",
-        env={**os.environ, "BENCH_STARTS": str(starts)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    worker = await start_worker(nats_uri, c.uri, "latency", 16, {"BENCH_STARTS": str(starts)})
     try:
         assert worker.stdout is not None
         await asyncio.wait_for(worker.stdout.readline(), 60)

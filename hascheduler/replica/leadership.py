@@ -183,7 +183,7 @@ class Elector:
             # come back within deadline - interval - the previous round trip, and on a slow
             # link one that needs a new connection costs the lease (test_lease.py).
             wait = max(0.0, wait - (time.monotonic() - self._attempted_at))
-        elif not self.is_leader and self.view is not None:
+        elif self.view is not None:
             left = (self.view.expires_at - self._clock()).total_seconds()
             wait = min(wait, max(0.0, left) + random.uniform(0, TAKEOVER_SPREAD_S))
         self._changed.clear()
