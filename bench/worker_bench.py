@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,28 +149,38 @@ def start_worker(broker: str, mongo_uri: str, durable: str, concurrency: int,
         env={**os.environ, **(env or {})})
 
 
-async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurrency: int,
-                     last: int, env: dict[str, str] | None = None,
-                     durable: str | None = None) -> tuple[float, float, float]:
-    """Seconds to acknowledge every fire, and the CPU seconds the worker and the
-    development server spent meanwhile (``env`` added to the worker's environment)."""
-    mongo_uri = with_database(mongo.uri, database)
-    durable = durable or f"ours-{concurrency}"
-    worker = await start_worker(nats_uri, mongo_uri, durable, concurrency, env)
-    nc = await nats.connect(nats_uri)
+async def timed_worker(broker: str, mongo: ServerProcess, mongo_uri: str, durable: str,
+                       concurrency: int, done: Callable[[], Awaitable[bool]],
+                       env: dict[str, str] | None = None) -> tuple[float, float, float]:
+    """Seconds from the worker's announcement (consuming) until ``done``, and the CPU
+    seconds the worker and the development server spent meanwhile; the worker stopped
+    after."""
+    worker = await start_worker(broker, mongo_uri, durable, concurrency, env)
     try:
         assert worker.stdout is not None
-        await asyncio.wait_for(worker.stdout.readline(), 60)
+        await asyncio.wait_for(worker.stdout.readline(), 90)
         started = time.perf_counter()
         cpu = cpu_seconds(worker.pid), cpu_seconds(mongo.pid)
-        js = nc.jetstream()
-        while not await acked_through(js, durable, last):  # noqa: ASYNC110 - a server's state
-            await asyncio.sleep(0.02)
+        await wait_until(done, 300, "the worker to be done", 0.02)
         return (time.perf_counter() - started, cpu_seconds(worker.pid) - cpu[0],
                 cpu_seconds(mongo.pid) - cpu[1])
     finally:
         worker.terminate()
         await worker.wait()
+
+
+async def our_worker(nats_uri: str, mongo: ServerProcess, database: str, concurrency: int,
+                     last: int, env: dict[str, str] | None = None,
+                     durable: str | None = None) -> tuple[float, float, float]:
+    """Seconds to acknowledge every fire, and the CPU seconds the worker and the
+    development server spent meanwhile (``env`` added to the worker's environment)."""
+    durable = durable or f"ours-{concurrency}"
+    nc = await nats.connect(nats_uri)
+    js = nc.jetstream()
+    try:
+        return await timed_worker(nats_uri, mongo, with_database(mongo.uri, database), durable,
+                                  concurrency, lambda: acked_through(js, durable, last), env)
+    finally:
         await nc.close()
 
 
@@ -260,30 +271,17 @@ async def amqp_worker(url: str, mongo: ServerProcess, mongo_uri: str, durable: s
     the CPU seconds of the worker and the development server meanwhile."""
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
     connection = await aio_pika.connect(url)
-    worker = await start_worker(url, mongo_uri, durable, concurrency)
     try:
-        assert worker.stdout is not None
-        await asyncio.wait_for(worker.stdout.readline(), 90)
-        started = time.perf_counter()
-        cpu = cpu_seconds(worker.pid), cpu_seconds(mongo.pid)
         channel = await connection.channel()
-
-        async def drained() -> bool:
-            queue = await channel.declare_queue(durable, passive=True)
-            return queue.declaration_result.message_count == 0
-
-        await wait_until(drained, 300, "the worker's queue to empty", 0.02)
         runs = client.get_default_database().runs
 
-        async def all_recorded() -> bool:
-            return bool(await runs.count_documents({"state": "succeeded"}) >= fires)
+        async def done() -> bool:
+            queue = await channel.declare_queue(durable, passive=True)
+            return queue.declaration_result.message_count == 0 and \
+                await runs.count_documents({"state": "succeeded"}) >= fires
 
-        await wait_until(all_recorded, 60, "every run recorded", 0.02)
-        return (time.perf_counter() - started, cpu_seconds(worker.pid) - cpu[0],
-                cpu_seconds(mongo.pid) - cpu[1])
+        return await timed_worker(url, mongo, mongo_uri, durable, concurrency, done)
     finally:
-        worker.terminate()
-        await worker.wait()
         await connection.close()
         await client.close()
 
