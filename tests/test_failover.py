@@ -14,7 +14,7 @@ import signal
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -313,15 +313,19 @@ async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harnes
     assert [m["replica_id"] for m in members if m["leader"]] == [lease["holder"]]
 
 
-@pytest.mark.alone  # timed: on an idle machine (scripts/test)
-async def test_sigkill_hands_over_within_ttl_plus_renew_interval(harness: Harness) -> None:
+def sigkill(harness: Harness) -> Callable[[str], Awaitable[dict[str, Any]]]:
+    """The fault of a leader SIGKILLed: when it was sent, as ``t0``."""
     async def fault(leader: str) -> dict[str, Any]:
         t0 = dt.datetime.now(dt.UTC)
         harness.signal(leader, signal.SIGKILL)
         harness.replicas.pop(leader).stop()
         return {"t0": t0}
+    return fault
 
-    info, _ = await run_fault(harness, fault)
+
+@pytest.mark.alone  # timed: on an idle machine (scripts/test)
+async def test_sigkill_hands_over_within_ttl_plus_renew_interval(harness: Harness) -> None:
+    info, _ = await run_fault(harness, sigkill(harness))
     gap = ((await harness.lease())["acquired_at"] - info["t0"]).total_seconds()
     assert gap <= TTL + INTERVAL + 0.3, f"takeover took {gap:.3f}s"
 
@@ -492,13 +496,7 @@ async def test_a_one_second_lease_holds_under_load_and_a_crash_loses_nothing(
                                               "schedule_id": {"$regex": "^load"}})
     assert fired >= 5 * LOAD, f"the load was not firing: {fired} fires published"
 
-    async def fault(leader: str) -> dict[str, Any]:
-        t0 = dt.datetime.now(dt.UTC)
-        h.signal(leader, signal.SIGKILL)
-        h.replicas.pop(leader).stop()
-        return {"t0": t0}
-
-    info, result = await run_fault(h, fault)
+    info, result = await run_fault(h, sigkill(h))
     assert result["expected"] > 0
     lease = await h.lease()
     assert lease["term"] > term
