@@ -100,6 +100,17 @@ async def fill_stream(nats_uri: str, fires: int, sampled_one_in: int | None = No
         await nc.close()
 
 
+async def empty_stream(nats_uri: str) -> None:
+    """Purge the fires stream: a new durable starts at its first message, and what the
+    throughput phases left there would queue ahead of the fires being measured."""
+    nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
+    try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await nc.jetstream().purge_stream(STREAM)
+    finally:
+        await nc.close()
+
+
 async def acked_through(js: Any, durable: str, last: int) -> bool:
     try:
         info = await js.consumer_info(STREAM, durable)
@@ -289,6 +300,7 @@ async def amqp_worker(url: str, mongo: ServerProcess, mongo_uri: str, durable: s
 async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
                   seconds: float) -> dict[str, Any]:
     database = "wb_latency"
+    await empty_stream(nats_uri)
     c = Cluster(mongo, nats_uri, database)
     await c.db.schedules.insert_many([
         schedule_doc(f"tick-{i}", {"kind": "cron", "cron": "* * * * * *",
