@@ -64,6 +64,43 @@ async def test_an_update_stores_its_instants_as_the_server_does(db: Any) -> None
     assert one["state"] == "b"
 
 
+async def test_a_push_grows_the_array_at_its_end_as_mongodb_does(db: Any) -> None:
+    coll = db.pushes
+    await coll.insert_many([{"_id": 1}, {"_id": 2, "h": [0]}, {"_id": 3, "h": "text"}])
+
+    async def h(_id: int) -> Any:
+        return (await coll.find_one({"_id": _id}))["h"]
+
+    await coll.update_one({"_id": 1}, {"$push": {"h": 1}})  # a missing field: created
+    assert await h(1) == [1]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [2, 3]}}})
+    assert await h(1) == [1, 2, 3]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [4, 5], "$slice": -3}}})
+    assert await h(1) == [3, 4, 5]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [6], "$slice": 2}}})
+    assert await h(1) == [3, 4]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [], "$position": 0}}})
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [9], "$position": 0}}})
+    assert await h(1) == [9, 3, 4]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"a": {"b": 1}}}, "$set": {"n": 1}})
+    assert await h(1) == [9, 3, 4, {"a": {"b": 1}}]
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [1], "$slice": 0}}})
+    assert await h(1) == []
+
+    # One update to many documents: each grows its own array.
+    await coll.update_many({"_id": {"$in": [1, 2]}}, {"$push": {"h": {"$each": [7]}}})
+    await coll.update_one({"_id": 2}, {"$push": {"h": 8}})
+    assert (await h(1), await h(2)) == ([7], [0, 7, 8])
+
+    with pytest.raises(OperationFailure) as not_an_array:
+        await coll.update_one({"_id": 3}, {"$push": {"h": 1}})
+    assert not_an_array.value.code == 2
+    with pytest.raises(OperationFailure) as conflict:
+        await coll.update_one({"_id": 2}, {"$push": {"h": 1}, "$set": {"h": []}})
+    assert conflict.value.code == 40
+    assert (await h(2), await h(3)) == ([0, 7, 8], "text")
+
+
 async def test_update_pipeline_with_now_and_date_arithmetic(db: Any) -> None:
     coll = db.pipes
     await coll.insert_one({"_id": 1, "term": 4, "drop": "me"})

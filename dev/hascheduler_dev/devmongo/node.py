@@ -744,7 +744,7 @@ class Node:
         array_filters = stmt.get("arrayFilters")
         changed = 0
         prepared = op.prepare(q)  # once: the filter may hold a long $in list
-        plan = engine.set_unset_plan(u) if array_filters is None else None
+        plan = engine.plain_update_plan(u) if array_filters is None else None
         for rid, doc in matches:
             new = engine.apply_update(op, doc, prepared, u, False, array_filters, plan)
             changed += coll.replace(rid, new, replacement, validated=plan is not None)

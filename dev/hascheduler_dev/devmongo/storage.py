@@ -557,7 +557,7 @@ class Collection:
     def replace(self, rid: int, new: Document, replacement: bool,
                 validated: bool = False) -> bool:
         """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey.
-        ``validated``: its field names are known good (a SetUnset checked them)."""
+        ``validated``: its field names are known good (a PlainUpdate checked them)."""
         if not validated:
             validate_document(new)
         old = self.docs[rid]
