@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
-from hascheduler.worker.app import WorkerConfigError, load_app, pattern_matches
+from hascheduler.worker.app import LazyEvent, WorkerConfigError, load_app, pattern_matches
 from hascheduler.worker.delivery import NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.policy import MAX_ERROR_CHARS, PolicyError, after_failure
 
@@ -170,3 +171,38 @@ def test_a_deposed_leaders_fire_after_the_new_term_is_stale() -> None:
     assert f.is_stale(delivery(1, minute(4)), minute(4))
     # An operator's replay of it is never stale.
     assert not f.is_stale(delivery(1, minute(4), replay=1), minute(5))
+
+
+def test_a_runs_cancel_flag_is_an_event_whose_lock_is_made_at_first_use() -> None:
+    flag = Run(fire_id="f", target="t", schedule_id="s", nominal_at=None, payload=None,
+               attempt=1, worker_id="w", event={}).cancelled
+    assert isinstance(flag, threading.Event)
+    assert not flag.is_set()
+    assert "_cond" not in vars(flag)
+    assert flag.wait(0) is False
+    flag.set()
+    assert flag.is_set()
+    assert flag.wait(0) is True
+    flag.clear()
+    assert not flag.is_set()
+
+
+def test_a_waiter_and_a_setter_racing_to_first_use_share_one_lock() -> None:
+    # Each waiter starts waiting as its setter sets: were each to make a Condition of its
+    # own, the waiter would sleep through the notify and its wait would time out (False).
+    for _ in range(64):
+        flag = LazyEvent()
+        both = threading.Barrier(2)
+        woken: list[bool] = []
+
+        def waiter(flag: LazyEvent = flag, both: threading.Barrier = both,
+                   woken: list[bool] = woken) -> None:
+            both.wait()
+            woken.append(flag.wait(10))
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        both.wait()
+        flag.set()
+        thread.join(15)
+        assert woken == [True]

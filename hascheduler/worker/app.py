@@ -32,6 +32,29 @@ from hascheduler.worker.policy import RetryPolicy
 log = structlog.get_logger("hascheduler.worker")
 
 
+_FIRST_USE = threading.Lock()
+
+
+class LazyEvent(threading.Event):
+    """A threading.Event whose Condition is made when first set or waited on.
+
+    A worker makes one per run for a cancel that almost never comes, and a Condition (with
+    its lock) is most of the cost of making an Event."""
+
+    def __init__(self) -> None:  # no super().__init__(): it makes the Condition
+        self._flag = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "_cond":
+            raise AttributeError(name)
+        # Made once under a lock: a waiter and a setter racing to make it must share one.
+        with _FIRST_USE:
+            cond = self.__dict__.get("_cond")
+            if cond is None:
+                cond = self.__dict__["_cond"] = threading.Condition(threading.Lock())
+        return cond
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """What a handler is given: one attempt at one fire."""
@@ -47,7 +70,7 @@ class Run:
     tenant: str | None = None  # a fan-out fire's tenant key (None for other fires)
     # Set when an operator cancels the run (POST /runs/{id}/cancel): an async handler is
     # cancelled outright; a synchronous one should look at cancel_requested and return.
-    cancelled: threading.Event = field(default_factory=threading.Event, repr=False,
+    cancelled: threading.Event = field(default_factory=LazyEvent, repr=False,
                                        compare=False)
 
     @property

@@ -75,7 +75,7 @@ from hascheduler.storage.runs import (
 )
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
-from hascheduler.worker.app import Route, Run, WorkerApp, WorkerConfigError, load_app
+from hascheduler.worker.app import LazyEvent, Route, Run, WorkerApp, WorkerConfigError, load_app
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.flow import (
     LAPSED_SWEEP_S,
@@ -271,7 +271,7 @@ class Held:
     started: bool = False
     lost: bool = False  # taken over by another worker after its lease lapsed
     runner: asyncio.Task[None] | None = None  # running it, once started
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=LazyEvent)
     trace: tracing.Context | None = None  # its claim span (tracing on): attempts' parent
     slot: Wanted | None = None  # the concurrency slot it holds (worker/flow.py)
     key_error: str | None = None  # why its concurrency key cannot be rendered: dead
