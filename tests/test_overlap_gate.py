@@ -97,3 +97,57 @@ async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_beh
     released = await gate.ready(TERM, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
     assert admitted_during_take == [[]]  # the third waits behind the second
+
+
+class CountedWrites:
+    """A fires collection that counts the leader's update commands."""
+
+    def __init__(self, fires: Any) -> None:
+        self.fires = fires
+        self.updates = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fires, name)
+
+    async def update_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.updates += 1
+        return await self.fires.update_many(*args, **kwargs)
+
+    async def bulk_write(self, *args: Any, **kwargs: Any) -> Any:
+        self.updates += 1
+        return await self.fires.bulk_write(*args, **kwargs)
+
+
+async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_write(
+        gate: OverlapGate) -> None:
+    """A busy second refuses fires of thousands of schedules, each for its own open run:
+    their records are one write for the skipped and one for the buffered, not one each."""
+    now = dt.datetime.now(dt.UTC)
+    trigger = compile_trigger({"kind": "cron", "cron": "* * * * *"})
+    ids = [f"skip{i}" for i in range(20)] + [f"buffer{i}" for i in range(20)]
+    gate.entries = {s: Entry(1, False, trigger, 0.0, "none", 0.0, "jobs.s",
+                             overlap="skip" if s.startswith("skip") else "buffer_one")
+                    for s in ids}
+    targets = dict.fromkeys(ids, "jobs.s")
+
+    async def fires_at(n: int) -> list[Claim]:
+        nominal = now + dt.timedelta(seconds=n)
+        await gate.ledger.claim([claim_document(s, nominal, nominal, TERM, now) for s in ids])
+        return [Claim(fire_id(s, nominal), s, nominal, nominal) for s in ids]
+
+    first = await fires_at(1)
+    assert await gate.admit(first, targets, TERM) == first  # each opens its schedule's run
+    counted = CountedWrites(gate.ledger.fires)
+    gate.ledger.fires = counted
+    assert await gate.admit(await fires_at(2), targets, TERM) == []
+    assert counted.updates == 2
+    opened = {c.schedule_id: c.fire_id for c in first}
+    held_back = [d async for d in counted.fires.find(
+        {"nominal_at": now + dt.timedelta(seconds=2)})]
+    assert len(held_back) == len(ids)
+    for doc in held_back:
+        assert doc["open_run"] == opened[doc["schedule_id"]]
+        assert doc["state"] == ("skipped" if doc["schedule_id"].startswith("skip")
+                                else BUFFERED)
+        if doc["state"] == "skipped":
+            assert doc["reason"] == "overlap"

@@ -273,19 +273,26 @@ class Ledger:
         groups: dict[tuple[str, str], list[str]] = {}
         for fire, why in skipped.items():
             groups.setdefault(why, []).append(fire)
-        for (reason, blocker), ids in groups.items():
-            await self.fires.update_many(_own(term, ids), {"$set": self._marked({
-                "state": SKIPPED, "reason": reason, "open_run": blocker}, SKIPPED)})
+        await self._update_groups(term, [({"$set": self._marked({
+            "state": SKIPPED, "reason": reason, "open_run": blocker}, SKIPPED)}, ids)
+            for (reason, blocker), ids in groups.items()])
 
     async def buffer(self, waiting: dict[str, str], term: int, now: dt.datetime) -> None:
         """Fires that wait for their schedule's open run (fire id -> its fire id)."""
         groups: dict[str, list[str]] = {}
         for fire, blocker in waiting.items():
             groups.setdefault(blocker, []).append(fire)
-        for blocker, ids in groups.items():
-            await self.fires.update_many(_own(term, ids), {
-                "$set": {"state": BUFFERED, "open_run": blocker, "buffered_at": now},
-                "$unset": {"next_attempt_at": ""}})
+        await self._update_groups(term, [({
+            "$set": {"state": BUFFERED, "open_run": blocker, "buffered_at": now},
+            "$unset": {"next_attempt_at": ""}}, ids) for blocker, ids in groups.items()])
+
+    async def _update_groups(self, term: int, updates: list[tuple[Document, list[str]]]
+                             ) -> None:
+        """Each group of this term's claims updated its own way, all in one round trip (a
+        group per open run: thousands at a busy second)."""
+        if updates:
+            await self.fires.bulk_write([UpdateMany(_own(term, ids), update)
+                                         for update, ids in updates], ordered=False)
 
     async def buffered_counts(self, schedule_ids: list[str]) -> dict[tuple[str, str | None], int]:
         """How many fires wait for each run key (schedule, tenant) of these schedules."""
