@@ -365,3 +365,23 @@ def test_the_ttl_sweep_deletes_in_chunks_and_spares_a_document_refreshed_meanwhi
             removed = stop.value
     assert removed == n - 1
     assert {d["_id"] for d in coll.docs.values()} == {n - 1, "fresh"}
+
+
+def test_a_partial_index_on_a_boolean_holds_true_and_not_what_python_equates_to_it() -> None:
+    # {"flag": true} matches true, or an array holding it; never 1 (True == 1 in Python).
+    coll = make_collection()
+    coll.create_index({"key": {"n": 1}, "name": "flagged",
+                       "partialFilterExpression": {"flag": True}})
+
+    def flagged() -> set[Any]:
+        return {coll.docs[rid]["_id"] for rid in coll.candidates({"flag": True})}
+
+    for n, flag in enumerate([True, 1, False, [0, True], "true", None]):
+        coll.insert({"_id": n, "n": n, "flag": flag})
+    assert flagged() == {0, 3}
+    rid = next(r for r, d in coll.docs.items() if d["_id"] == 0)
+    coll.replace(rid, {"_id": 0, "n": 0, "flag": 1}, replacement=True)  # True to 1: out
+    assert flagged() == {3}
+    rid = next(r for r, d in coll.docs.items() if d["_id"] == 1)
+    coll.replace(rid, {"_id": 1, "n": 1, "flag": True}, replacement=True)  # 1 to True: in
+    assert flagged() == {1, 3}

@@ -42,8 +42,9 @@ _POS_INF_RID = float("inf")
 
 def _simple_filter(spec: Document | None) -> Any:
     """A plain function deciding ``spec`` for a document, or None when ``spec`` is not
-    only top-level string equalities and ``{"$exists": true}`` tests. A value that is not
-    a string (an array may hold the string) goes to the general matcher."""
+    only top-level equalities to a string or a boolean and ``{"$exists": true}`` tests. A
+    value of another type than the one wanted goes to the general matcher (an array may
+    hold what is wanted)."""
     if not spec:
         return None
     equal: list[tuple[str, Any]] = []
@@ -55,7 +56,7 @@ def _simple_filter(spec: Document | None) -> Any:
             if want != {"$exists": True}:
                 return None
             present.append(name)
-        elif isinstance(want, str):
+        elif isinstance(want, str | bool):
             equal.append((name, want))
         else:
             return None
@@ -65,7 +66,8 @@ def _simple_filter(spec: Document | None) -> Any:
             value = doc.get(name, MISSING)
             if value is MISSING:
                 return False
-            if value.__class__ is not str:
+            if value.__class__ is not want.__class__:
+                # True == 1 in Python, not in MongoDB; an array may hold the value.
                 return engine.matches(spec, doc)
             if value != want:
                 return False
@@ -670,14 +672,14 @@ class Collection:
 def _index_fields_differ(index: Index, old: Document, new: Document) -> bool:
     if index.partial_filter is not None and (
             index.partial_fields is None
-            or any(old.get(f, MISSING) != new.get(f, MISSING) for f in index.partial_fields)):
+            or any(_differ(old, new, f) for f in index.partial_fields)):
         return True  # whether it applies may have changed
-    for path in index.fields:
-        head = path.split(".", 1)[0]
-        a, b = old.get(head, MISSING), new.get(head, MISSING)
-        if a is not b and (a != b or not _same_types(a, b)):
-            return True
-    return False
+    return any(_differ(old, new, path.split(".", 1)[0]) for path in index.fields)
+
+
+def _differ(old: Document, new: Document, field_: str) -> bool:
+    a, b = old.get(field_, MISSING), new.get(field_, MISSING)
+    return a is not b and (a != b or not _same_types(a, b))  # True == 1 in Python only
 
 
 def _only_equality(cond: Any) -> bool:
