@@ -237,8 +237,10 @@ async def main() -> int:
     parser.add_argument("--schedules", default="1000,10000",
                         help="schedule counts, each measured with skip and with allow")
     parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--buffered", type=int, default=50)
-    parser.add_argument("--backfill", type=int, default=100_000)
+    parser.add_argument("--buffered", type=int, default=50,
+                        help="buffer_one schedules (0: skip the buffered release)")
+    parser.add_argument("--backfill", type=int, default=100_000,
+                        help="fires backfilled (0: skip the backfill)")
     parser.add_argument("--regular", type=int, default=1_000)
     args = parser.parse_args()
     print(f"# run-control benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
@@ -260,33 +262,35 @@ async def main() -> int:
             print(f"| allow (baseline) | {n:,} | {len(allow):,} | {ms(allow, .5)} | "
                   f"{ms(allow, .99)} | | |", flush=True)
         print("\np99 skip / allow: see the table (target <= 1.2x)\n", flush=True)
-        gaps = await buffered_release(mongo, broker, args.buffered, args.seconds)
-        c = Cluster(mongo, broker.uri, "bench_raw_latency")
-        try:
-            raw = await event_latency(mongo.uri, c.client, 200)
-        finally:
-            await c.close()
-        print("| buffered fire: run end recorded to its publish acknowledged | samples | "
-              "p50 | p99 | max |")
-        print("|---|---|---|---|---|")
-        print(f"| buffer_one, {args.buffered} schedules, runs of 1.5 s every second | "
-              f"{len(gaps):,} | {ms(gaps, .5)} | {ms(gaps, .99)} | "
-              f"{max(gaps) * 1000:,.0f} ms |")
-        print(f"| raw insert to a raw change-stream watcher in another process "
-              f"(baseline) | {len(raw)} | "
-              f"{ms(raw, .5)} | {ms(raw, .99)} | {max(raw) * 1000:,.0f} ms |")
-        print(f"\nbuffered p99 {pct(gaps, .99) * 1000:.0f} ms (target <= 100 ms)\n",
-              flush=True)
-        rate, without, during = await backfill(mongo, broker, args.backfill, args.regular,
-                                               args.seconds)
-        print("| regular fires, every second | schedules | fires | p50 | p99 |")
-        print("|---|---|---|---|---|")
-        print(f"| while a {args.backfill:,}-fire backfill runs | {args.regular:,} | "
-              f"{len(during):,} | {ms(during, .5)} | {ms(during, .99)} |")
-        print(f"| without (baseline) | {args.regular:,} | {len(without):,} | "
-              f"{ms(without, .5)} | {ms(without, .99)} |")
-        print(f"\nbackfill rate: {rate:,.0f} fires/s; regular p99 with / without: "
-              f"{pct(during, .99) / pct(without, .99):.2f}x (target <= 1.2x)")
+        if args.buffered:
+            gaps = await buffered_release(mongo, broker, args.buffered, args.seconds)
+            c = Cluster(mongo, broker.uri, "bench_raw_latency")
+            try:
+                raw = await event_latency(mongo.uri, c.client, 200)
+            finally:
+                await c.close()
+            print("| buffered fire: run end recorded to its publish acknowledged | samples | "
+                  "p50 | p99 | max |")
+            print("|---|---|---|---|---|")
+            print(f"| buffer_one, {args.buffered} schedules, runs of 1.5 s every second | "
+                  f"{len(gaps):,} | {ms(gaps, .5)} | {ms(gaps, .99)} | "
+                  f"{max(gaps) * 1000:,.0f} ms |")
+            print(f"| raw insert to a raw change-stream watcher in another process "
+                  f"(baseline) | {len(raw)} | "
+                  f"{ms(raw, .5)} | {ms(raw, .99)} | {max(raw) * 1000:,.0f} ms |")
+            print(f"\nbuffered p99 {pct(gaps, .99) * 1000:.0f} ms (target <= 100 ms)\n",
+                  flush=True)
+        if args.backfill:
+            rate, without, during = await backfill(mongo, broker, args.backfill, args.regular,
+                                                   args.seconds)
+            print("| regular fires, every second | schedules | fires | p50 | p99 |")
+            print("|---|---|---|---|---|")
+            print(f"| while a {args.backfill:,}-fire backfill runs | {args.regular:,} | "
+                  f"{len(during):,} | {ms(during, .5)} | {ms(during, .99)} |")
+            print(f"| without (baseline) | {args.regular:,} | {len(without):,} | "
+                  f"{ms(without, .5)} | {ms(without, .99)} |")
+            print(f"\nbackfill rate: {rate:,.0f} fires/s; regular p99 with / without: "
+                  f"{pct(during, .99) / pct(without, .99):.2f}x (target <= 1.2x)")
         print("\n".join(["", *NOTES]), flush=True)
     finally:
         broker.stop()
