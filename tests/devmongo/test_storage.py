@@ -385,3 +385,20 @@ def test_a_partial_index_on_a_boolean_holds_true_and_not_what_python_equates_to_
     rid = next(r for r, d in coll.docs.items() if d["_id"] == 1)
     coll.replace(rid, {"_id": 1, "n": 1, "flag": True}, replacement=True)  # 1 to True: in
     assert flagged() == {1, 3}
+
+
+def test_equalities_left_after_an_id_lookup_match_as_the_general_matcher_does() -> None:
+    # What the _id lookup leaves (a term, a state, a flag) is checked by a plain check:
+    # 2 equals 2.0, Int64(2) and an array holding 2, never True; a string never 2.
+    coll = make_collection()
+    values = [2, 2.0, Int64(2), [1, 2], True, "2", None, 3, ["2"], False, 1]
+    for i, v in enumerate(values):
+        coll.insert({"_id": i, "term": v, "flag": v, "state": v, "here": i % 2 or None})
+    ids = {"$in": list(range(len(values)))}
+    for filter_ in ({"term": 2}, {"flag": True}, {"flag": False}, {"term": 1},
+                    {"state": "2"}, {"term": 2, "here": {"$exists": True}}):
+        expected = [rid for rid, doc in coll.docs.items() if engine.matches(filter_, doc)]
+        assert [rid for rid, _ in coll.find(op(), {"_id": ids, **filter_})] == expected, \
+            filter_
+    assert [coll.docs[r]["_id"] for r, _ in coll.find(op(), {"_id": ids, "term": 2})] == [
+        0, 1, 2, 3]

@@ -42,9 +42,9 @@ _POS_INF_RID = float("inf")
 
 def _simple_filter(spec: Document | None) -> Any:
     """A plain function deciding ``spec`` for a document, or None when ``spec`` is not
-    only top-level equalities to a string or a boolean and ``{"$exists": true}`` tests. A
-    value of another type than the one wanted goes to the general matcher (an array may
-    hold what is wanted)."""
+    only top-level equalities to a string, a boolean or an integer and ``{"$exists": true}``
+    tests. A value of another type than the one wanted goes to the general matcher (an
+    array may hold what is wanted; 2.0 equals 2)."""
     if not spec:
         return None
     equal: list[tuple[str, Any]] = []
@@ -56,10 +56,12 @@ def _simple_filter(spec: Document | None) -> Any:
             if want != {"$exists": True}:
                 return None
             present.append(name)
-        elif isinstance(want, str | bool):
+        elif isinstance(want, str | int):  # a bool is an int
             equal.append((name, want))
         else:
             return None
+
+    needed = frozenset(present)
 
     def check(doc: Document) -> bool:
         for name, want in equal:
@@ -71,7 +73,7 @@ def _simple_filter(spec: Document | None) -> Any:
                 return engine.matches(spec, doc)
             if value != want:
                 return False
-        return all(name in doc for name in present)
+        return needed <= doc.keys()
 
     return check
 
@@ -511,8 +513,9 @@ class Collection:
             else filter_
         if not residual:
             return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
+        check = _simple_filter(residual) or (lambda doc: engine.matches(residual, doc))
         return [(rid, self.docs[rid]) for rid in rids
-                if rid in self.docs and engine.matches(residual, self.docs[rid])]
+                if rid in self.docs and check(self.docs[rid])]
 
     def get_by_id(self, _id: Any) -> Document | None:
         rids = self.indexes["_id_"].lookup((_id,))
