@@ -39,7 +39,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "SIGKILL of the NATS node leading the stream", "the database steps down",
                     "raw aio-pika (baseline)", "copies beyond the first",
                     "Celery send_task (baseline)", "Runs per fire id",
-                    "p99 skip / allow", "buffered p99", "backfill rate",
+                    "p99 skip / allow", "CPU during each window", "buffered p99", "backfill rate",
                     "Partition against kill", "offset estimate's error",
                     "apply / one by one", "create rate with the audit trail / without",
                     "on / off", "key / no key", "a slot freeing to the next run starting",
