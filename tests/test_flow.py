@@ -562,7 +562,14 @@ async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_
         # 21 runs of 0.5 s one at a time, each woken by the last (the whole test takes
         # about 35 s alone): in a suite sharing two cores three ways this wait once took
         # longer than 60 s. The order is what is tested, not the pace.
-        await wait_until(all_succeeded, 120.0, "every run succeeded")
+        try:
+            await wait_until(all_succeeded, 120.0, "every run succeeded")
+        except AssertionError as exc:  # say where the runs stand: this once timed out
+            states = [(d["_id"], d["state"], d.get("waiting_on"), d.get("attempts"))
+                      async for d in db.runs.find({"state": {"$ne": "succeeded"}})]
+            handled = [r[:2] for r in f.records()]
+            raise AssertionError(f"{exc}; runs not succeeded: {states}; the handlers' "
+                                 f"records: {handled}") from None
         records = [r for r in f.records() if r[2] == "acme"]
         assert most_at_once(records)["acme"] == 1
         starts = sorted((at, fire_id) for what, fire_id, _, at in records if what == "start")
