@@ -354,9 +354,10 @@ class Worker:
             self.announced = True
         while not stop.is_set():
             free = self.capacity - len(self.held) - self.claiming
-            if free < max(1, s.concurrency // 2):
-                # Wait until half the runners' worth is free: one fetch and one claim
-                # serve them.
+            if free < max(1, s.concurrency):
+                # Wait until a runners' worth is free: one fetch and one claim serve them.
+                # RabbitMQ delivers a message per ack, one by one, so fetching sooner
+                # takes a handful each time, each handful a claim's round trip.
                 self._released.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._released.wait(), FETCH_WAIT_S)
