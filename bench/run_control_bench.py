@@ -186,12 +186,12 @@ async def buffered_release(mongo: ServerProcess, broker: ServerProcess, n: int,
                                                  "state": "published"}) >= samples
 
     try:
-        await wait_until(enough, 10 * seconds + 60, f"{samples} buffered fires published",
-                         0.2)
-    finally:
-        stop.set()
-        await worker
-    try:
+        try:
+            await wait_until(enough, 10 * seconds + 60,
+                             f"{samples} buffered fires published", 0.2)
+        finally:
+            stop.set()
+            await worker
         gaps = []
         async for fire in c.db.fires.find({"buffered_at": {"$exists": True},
                                            "state": "published"}):
