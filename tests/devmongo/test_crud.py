@@ -413,3 +413,28 @@ async def test_options_the_server_does_not_implement_are_refused_not_ignored(db:
     assert "things" in (await db.list_collection_names())
     # Nothing was changed by the refused writes.
     assert [d async for d in coll.find({"x": {"$exists": True}})] == []
+
+
+@pytest.mark.parametrize("push", [
+    {"h": {"$each": "not a list"}}, {"h": {"$each": [1], "$slice": "x"}},
+    {"h": {"$each": [1], "$slice": True}}, {"h": {"$each": [1], "$slice": 1.5}},
+    {"h": {"$each": [1], "$slice": -1, "$unknown": 1}}, {"": 1}, {"$h": 1}])
+async def test_a_malformed_push_is_refused_and_leaves_the_document(db: Any,
+                                                                   push: Any) -> None:
+    coll = db.hostile_pushes
+    await coll.insert_one({"_id": 1, "h": [0]})
+    with pytest.raises(OperationFailure):
+        await coll.update_one({"_id": 1}, {"$push": push})
+    assert await coll.find_one({"_id": 1}) == {"_id": 1, "h": [0]}
+
+
+async def test_valid_but_expensive_pushes_stay_bounded(db: Any) -> None:
+    # A $slice far past the array's length keeps all of it; a push of 100,000 values at
+    # once is stored whole; a bounded history stays bounded however many pushes come.
+    coll = db.big_pushes
+    await coll.insert_one({"_id": 1, "h": []})
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": list(range(100_000)),
+                                                       "$slice": -(2 ** 62)}}})
+    assert len((await coll.find_one({"_id": 1}))["h"]) == 100_000
+    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [-1], "$slice": -3}}})
+    assert (await coll.find_one({"_id": 1}))["h"] == [99_998, 99_999, -1]

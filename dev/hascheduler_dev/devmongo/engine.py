@@ -255,10 +255,31 @@ def validate_update(update: Any) -> None:
     if any(operators) and not all(operators):
         raise MongoError(9, "an update document must contain only update operators or only "
                             "fields (a replacement)")
-    for key in update:
-        if key.startswith("$") and key not in _UPDATE_OPERATORS:
+    for key, fields in update.items():
+        if not key.startswith("$"):
+            continue
+        if key not in _UPDATE_OPERATORS:
             raise MongoError(9, f"Unknown modifier: {key}. Expected a valid update modifier "
                                 "or pipeline-style update specified as an array")
+        if isinstance(fields, dict) and "" in fields:
+            raise MongoError(56, "An empty update path is not valid.")
+        if key == "$push" and isinstance(fields, dict):
+            for spec in fields.values():
+                _validate_push_modifiers(spec)
+
+
+def _validate_push_modifiers(spec: Any) -> None:
+    """MongoDB's refusals of a ``$push`` whose ``$each`` or ``$slice`` is malformed."""
+    if not isinstance(spec, dict) or "$each" not in spec:
+        return
+    if not isinstance(spec["$each"], list):
+        raise MongoError(2, "The argument to $each in $push must be an array but it was of "
+                            f"type: {type(spec['$each']).__name__}")
+    keep = spec.get("$slice", 0)
+    whole = isinstance(keep, int) or (isinstance(keep, float) and keep.is_integer())
+    if not whole or isinstance(keep, bool):
+        raise MongoError(2, "The value for $slice must be an integer value but was given "
+                            f"type: {type(keep).__name__}")
 
 
 _UPDATE_OPERATORS = frozenset({
@@ -530,7 +551,7 @@ def plain_update_plan(update: Any) -> PlainUpdate | None:
         if not _operator_like(spec):
             values, keep = [spec], None
         elif set(spec) <= {"$each", "$slice"} and isinstance(spec.get("$each"), list) and \
-                _slice_count(spec.get("$slice")):
+                _is_slice_count(spec.get("$slice")):
             values, keep = spec["$each"], spec.get("$slice")
             if any(_operator_like(v) for v in values):
                 return None
@@ -546,7 +567,7 @@ def _operator_like(value: Any) -> bool:
     return isinstance(value, dict) and any(str(k).startswith("$") for k in value)
 
 
-def _slice_count(value: Any) -> bool:
+def _is_slice_count(value: Any) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool))
 
 
