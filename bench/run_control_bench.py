@@ -43,7 +43,7 @@ from nats.js.api import AckPolicy, DeliverPolicy
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import event_latency, pct
-from bench.firing_bench import Cluster, cpu_seconds, ms, schedule_doc, started_cluster
+from bench.firing_bench import Cluster, ms, process_cpu, schedule_doc, started_cluster
 from bench.worker_bench import pull_consumer
 from tests.servers import ServerProcess, start_devmongo, start_nats
 from tests.waiting import wait_until
@@ -128,14 +128,13 @@ async def overlap_cost(mongo: ServerProcess, broker: ServerProcess, n: int, seco
     try:
         await asyncio.wait_for(ready.wait(), 30)
         await c.wait_firing()
-        replicas = [r.pid for r in c.replicas.values()]
-        before = cpu_seconds(mongo.pid), sum(map(cpu_seconds, replicas))
+        before = process_cpu(mongo, broker, c)
         window = asyncio.create_task(lateness_window(c, seconds, {},
                                                      f"{overlap} at {n:,} schedules"))
         await asyncio.sleep(seconds)  # beside the window: the CPU it took
-        CPU.append(f"{overlap} at {n:,} schedules: the development MongoDB server "
-                   f"{(cpu_seconds(mongo.pid) - before[0]) / seconds:.0%} of a core, the "
-                   f"replicas {(sum(map(cpu_seconds, replicas)) - before[1]) / seconds:.0%}")
+        CPU.append(f"{overlap} at {n:,} schedules: " + ", ".join(
+            f"{k} {(v - before[k]) / seconds:.0%}"
+            for k, v in process_cpu(mongo, broker, c).items()))
         late = await window
         skipped = await c.db.fires.count_documents({"reason": "overlap"})
         return late, skipped
@@ -270,7 +269,7 @@ async def main() -> int:
                   f"{ms(skip, .99)} | {skipped:,} | {ratio:.2f}x |")
             print(f"| allow (baseline) | {n:,} | {len(allow):,} | {ms(allow, .5)} | "
                   f"{ms(allow, .99)} | | |", flush=True)
-        print(f"\nCPU during each window: {'; '.join(CPU)}.")
+        print(f"\nCPU during each window, share of one core: {'; '.join(CPU)}.")
         print("\np99 skip / allow: see the table (target <= 1.2x)\n", flush=True)
         if args.buffered:
             gaps = await buffered_release(mongo, broker, args.buffered, args.seconds)
