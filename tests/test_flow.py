@@ -332,9 +332,24 @@ async def publish(nats_uri: str, messages: list[tuple[str, bytes]]) -> None:
         await nc.close()
 
 
+async def fresh_stream(nats_uri: str) -> None:
+    """Delete the fire stream (its consumers go with it): a message an earlier test left
+    unacknowledged (its worker killed holding it) would otherwise be redelivered to this
+    test's workers, into this test's database."""
+    endpoint = NatsEndpoint.parse(nats_uri)
+    nc = await nats.connect(endpoint.servers)
+    try:
+        js = nc.jetstream()
+        await ensure_stream(js, endpoint)
+        await js.delete_stream(endpoint.stream)
+    finally:
+        await nc.close()
+
+
 @pytest.fixture
 async def fleet(tmp_path: Path, broker: ServerProcess, mongo_uri: str
                 ) -> AsyncIterator[tuple[Fleet, Any]]:
+    await fresh_stream(broker.uri)
     name = f"t_{uuid.uuid4().hex[:12]}"
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
     f = Fleet(tmp_path, broker.uri, with_database(mongo_uri, name))
