@@ -16,6 +16,7 @@ tests/devmongo/test_crud.py:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import functools
 import importlib
@@ -506,6 +507,13 @@ class PlainUpdate:
     sets: Document
     unsets: frozenset[str]
     pushes: tuple[tuple[str, list[Any], int | None], ...] = ()  # field, values, $slice
+    # Every field it may change: the others stay the very same objects, so only these
+    # decide whether a document changed and which indexes it moves in.
+    touched: frozenset[str] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "touched", frozenset(self.sets) | self.unsets
+                           | {name for name, _, _ in self.pushes})
 
     def apply(self, doc: Document) -> Document:
         """The updated document. Raises MongoError (2 BadValue) when a push meets a field

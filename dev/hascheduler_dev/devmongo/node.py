@@ -747,7 +747,8 @@ class Node:
         plan = engine.plain_update_plan(u) if array_filters is None else None
         for rid, doc in matches:
             new = engine.apply_update(op, doc, prepared, u, False, array_filters, plan)
-            changed += coll.replace(rid, new, replacement, validated=plan is not None)
+            changed += coll.replace(rid, new, replacement, validated=plan is not None,
+                                    touched=plan.touched if plan is not None else None)
         if matches or not stmt.get("upsert"):
             return len(matches), changed, None
         return 0, 0, self._upsert(op, coll, q, u, replacement, array_filters)

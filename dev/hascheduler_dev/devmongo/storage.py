@@ -110,7 +110,10 @@ class Index:
     # write to every partial index, cost the leader's ledger writes a good share of the
     # server's time.
     _partial_check: Any = field(init=False, default=None)
-    partial_fields: tuple[str, ...] | None = field(init=False, default=None)
+    # The top-level fields whose values decide this index's keys for a document and
+    # whether it holds the document: a write that changes none of them leaves the index as
+    # it was. None: any field may (a partial filter the plain check cannot decide).
+    read_heads: tuple[str, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.fields = [f for f, _ in self.key]
@@ -118,10 +121,11 @@ class Index:
         # are scalars (the common case), skipping the general multikey walk.
         self._top_level = not any("." in f for f in self.fields)
         self._partial_check = _simple_filter(self.partial_filter)
-        # The top-level fields a simple partial filter reads: a write that changes none of
-        # them (nor the index's own) leaves the index as it was. None: any field may matter.
-        self.partial_fields = None if self._partial_check is None or self.partial_filter \
-            is None else tuple(self.partial_filter)
+        heads = [path.split(".", 1)[0] for path in self.fields]
+        if self.partial_filter is None:
+            self.read_heads = tuple(dict.fromkeys(heads))
+        elif self._partial_check is not None:
+            self.read_heads = tuple(dict.fromkeys([*self.partial_filter, *heads]))
 
     def _sorted(self) -> SortedList[tuple[Any, Any]]:
         if self.ordered is None:
@@ -142,6 +146,11 @@ class Index:
         if self.partial_filter is not None:
             out["partialFilterExpression"] = self.partial_filter
         return out
+
+    def reads_any(self, fields: frozenset[str]) -> bool:
+        """Whether a change to these top-level fields may change this index's keys for a
+        document, or whether it holds the document at all."""
+        return self.read_heads is None or not fields.isdisjoint(self.read_heads)
 
     def applies_to(self, doc: Document) -> bool:
         if not self.sparse and self.partial_filter is None:
@@ -345,6 +354,9 @@ class Collection:
         id_index = Index("_id_", [("_id", 1)], unique=True, docs=self.docs)
         self.indexes: dict[str, Index] = {"_id_": id_index}
         self.options: Document = {}
+        # The indexes an update of these top-level fields may move a document in, per set
+        # of fields updated (a few shapes of update, written thousands of times a second).
+        self._touching: dict[frozenset[str], list[Index]] = {}
 
     @property
     def ns(self) -> str:
@@ -560,18 +572,25 @@ class Collection:
             raise
 
     def replace(self, rid: int, new: Document, replacement: bool,
-                validated: bool = False) -> bool:
+                validated: bool = False, touched: frozenset[str] | None = None) -> bool:
         """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey.
-        ``validated``: its field names are known good (a PlainUpdate checked them)."""
+        ``validated``: its field names are known good (a PlainUpdate checked them).
+        ``touched``: the only top-level fields in which ``new`` may differ from the stored
+        document (the others are the same objects), as a PlainUpdate knows them."""
         if not validated:
             validate_document(new)
         old = self.docs[rid]
-        # Native equality is fast; the type walk rejects what Python equates (True == 1).
-        if old == new and _same_types(old, new):
-            return False
+        if touched is None:
+            # Native equality is fast; the type walk rejects what Python equates (True == 1).
+            if old == new and _same_types(old, new):
+                return False
+            candidates: Iterable[Index] = self.indexes.values()
+        else:
+            if not any(_differ(old, new, name) for name in touched):
+                return False
+            candidates = self._indexes_touching(touched)
         # Only the indexes whose keys changed are touched (a fire's state change moves one).
-        changed = [index for index in self.indexes.values()
-                   if _index_fields_differ(index, old, new)]
+        changed = [index for index in candidates if _index_fields_differ(index, old, new)]
         for index in changed:
             index.remove(rid, old)
         try:
@@ -588,6 +607,15 @@ class Collection:
             self.changes.append(self.db, self.name, "update", document_key={"_id": new["_id"]},
                                 full_document=new, before=old)
         return True
+
+    def _indexes_touching(self, fields: frozenset[str]) -> list[Index]:
+        found = self._touching.get(fields)
+        if found is None:
+            if len(self._touching) >= 1024:  # arbitrary shapes: a bound, not a leak
+                self._touching.clear()
+            found = self._touching[fields] = [index for index in self.indexes.values()
+                                              if index.reads_any(fields)]
+        return found
 
     def delete(self, rid: int) -> Document:
         doc = self.docs.pop(rid)
@@ -634,6 +662,7 @@ class Collection:
                                    {f: _first_value(doc, f) for f in index.fields})
             index.add(rid, doc)
         self.indexes[name] = index
+        self._touching.clear()
         self.catalog.ensure_registered(self)
         return True
 
@@ -643,6 +672,7 @@ class Collection:
         for name, index in list(self.indexes.items()):
             if name == name_or_key or dict(index.key) == name_or_key:
                 del self.indexes[name]
+                self._touching.clear()
                 return
         raise MongoError(27, f"index not found with name [{name_or_key}]")
 
@@ -673,11 +703,14 @@ class Collection:
 
 
 def _index_fields_differ(index: Index, old: Document, new: Document) -> bool:
-    if index.partial_filter is not None and (
-            index.partial_fields is None
-            or any(_differ(old, new, f) for f in index.partial_fields)):
+    heads = index.read_heads
+    if heads is None:
         return True  # whether it applies may have changed
-    return any(_differ(old, new, path.split(".", 1)[0]) for path in index.fields)
+    for name in heads:  # _differ, inlined: this runs for every index of every update
+        a, b = old.get(name, MISSING), new.get(name, MISSING)
+        if a is not b and (a != b or not _same_types(a, b)):
+            return True
+    return False
 
 
 def _differ(old: Document, new: Document, field_: str) -> bool:
