@@ -13,7 +13,7 @@ from hascheduler_dev.devmongo import engine
 from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
 from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError
 from hascheduler_dev.devmongo.storage import Catalog, Collection, _same_types
-from hascheduler_dev.devmongo.values import key_of, sort_key
+from hascheduler_dev.devmongo.values import index_values, key_of, sort_key
 
 
 def make_collection(n: int = 0, capacity: int = 10_000) -> Collection:
@@ -459,3 +459,47 @@ def test_an_update_knowing_its_fields_moves_every_index_as_a_rebuild_would() -> 
     for name, index in coll.indexes.items():
         assert index.entries == fresh.indexes[name].entries, name
         assert index.held == fresh.indexes[name].held, name
+
+
+def test_an_index_order_gives_what_sorting_every_value_and_record_gives() -> None:
+    """The first field's order keeps distinct values, each with its records: after random
+    inserts, updates and deletes (values that repeat, mixed types, arrays, NaN), every
+    range, its count, and the whole order forwards and backwards are what sorting each
+    (value, record) pair gives."""
+    import random
+    rng = random.Random(11)
+    values: list[Any] = [1, 2, 2.0, Int64(3), True, "a", "b", None,
+                         datetime.datetime(2030, 1, 1), datetime.datetime(2030, 1, 2),
+                         [1, "a"], {"x": 1}, float("nan"), float("-inf")]
+    coll = make_collection()
+    coll.create_index({"key": {"v": 1, "w": 1}})
+    index = coll.indexes["v_1_w_1"]
+    index.range((0,), True, (0,), True)  # a range scan: the order is kept from here on
+    for step in range(4000):
+        rids = list(coll.docs)
+        roll = rng.random()
+        if roll < 0.45 or not rids:
+            coll.insert({"_id": step, "v": rng.choice(values), "w": rng.randint(0, 3)})
+        elif roll < 0.85:
+            rid = rng.choice(rids)
+            coll.replace(rid, {**coll.docs[rid], "v": rng.choice(values)}, replacement=True)
+        else:
+            coll.delete(rng.choice(rids))
+
+    def placed(sk: tuple[Any, ...]) -> tuple[Any, ...]:  # NaN is held with -Infinity
+        nan = len(sk) == 2 and isinstance(sk[1], float) and sk[1] != sk[1]
+        return (sk[0], float("-inf")) if nan else sk
+
+    pairs = sorted((placed(sort_key(v)), rid) for rid, doc in coll.docs.items()
+                   for v in index_values(doc, "v"))
+    keys = sorted({sk for sk, _ in pairs})
+    assert any(sk[1:] == (float("-inf"),) for sk in keys)  # the NaNs among them
+    for low, high in itertools.combinations_with_replacement(keys, 2):
+        for lo_inc, hi_inc in itertools.product((True, False), repeat=2):
+            want = [rid for sk, rid in pairs if (low < sk or (lo_inc and low == sk))
+                    and (sk < high or (hi_inc and sk == high))]
+            assert list(index.range(low, lo_inc, high, hi_inc)) == want, (low, high)
+            assert index.range_size(low, lo_inc, high, hi_inc) == len(want)
+    order = index._sorted()
+    assert list(order) == [rid for _, rid in pairs]
+    assert list(reversed(order)) == [rid for _, rid in reversed(pairs)]
