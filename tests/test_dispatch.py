@@ -21,6 +21,8 @@ from hascheduler.replica.dispatch import (
     ADMIT_AHEAD_S,
     BACKFILL_QUIET_S,
     CLAIM_AHEAD_S,
+    CLAIM_BATCH,
+    CLAIMS_IN_FLIGHT,
     PUBLISH_TICK_S,
     Dispatcher,
     publish_tick,
@@ -356,3 +358,67 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
     assert due - ahead <= admitted_at < due
     assert published_at >= due
     assert skipped == ["paused@x"]
+
+
+async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all() -> None:
+    """A round's claim batches await the database CLAIMS_IN_FLIGHT at a time (never more,
+    and more than one when there are several), every one is made before the watermark
+    moves, and one that loses the lease ends the loop with LeadershipLost, the other in
+    flight cancelled or finished, none left running."""
+    now = dt.datetime.now(dt.UTC)
+    entries = {f"s{i:05d}": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t")
+               for i in range(5 * CLAIM_BATCH)}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease, clock=lambda: now)  # type: ignore[arg-type]
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    await dispatcher._seed(term, now - dt.timedelta(seconds=1))
+    at_once = most = 0
+    claimed: list[int] = []
+    watermark_at_claims: list[dt.datetime | None] = []
+    fail_batch: int | None = None
+    running: list[asyncio.Task[None] | None] = []
+
+    async def claim(batch: list[Due], term_: Term, now_: dt.datetime,
+                    *args: object, **kwargs: object) -> tuple[int, int]:
+        nonlocal at_once, most
+        at_once += 1
+        most = max(most, at_once)
+        started = len(running)
+        running.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            if fail_batch is None:
+                await asyncio.sleep(0.01 * (1 + started % 3))  # round trips of any length
+            else:  # the first ends, the next one started stays, the second loses the lease
+                await asyncio.sleep({0: 0.005, fail_batch: 0.05}.get(started, 5.0))
+                if started == fail_batch:
+                    raise LeadershipLost
+            claimed.append(len(batch))
+            watermark_at_claims.append(term_.watermark)
+            return len(batch), len(batch)
+        finally:
+            at_once -= 1
+
+    dispatcher._claim_and_publish = claim  # type: ignore[method-assign]
+    loop = asyncio.create_task(dispatcher._fire_loop(term))
+    await wait_until(lambda: term.watermark is not None, 10, "the round's watermark")
+    assert sum(claimed) == len(entries)
+    assert watermark_at_claims == [None] * len(claimed)  # all made before it moved
+    assert 1 < most <= CLAIMS_IN_FLIGHT
+    lease.valid = False
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(loop, 10)
+
+    # A round whose second claim loses the lease.
+    lease.valid, claimed[:], running[:] = True, [], []
+    fail_batch = 1
+    term.watermark = None
+    for schedule_id in entries:
+        dispatcher.on_change(schedule_id, dataclasses.replace(entries[schedule_id],
+                                                              revision=2))
+    await dispatcher._seed(term, now - dt.timedelta(seconds=1))
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(dispatcher._fire_loop(term), 10)
+    assert term.watermark is None
+    assert len(running) == 3
+    assert all(task is not None and task.done() for task in running)
