@@ -9,7 +9,12 @@ over a real socket:
   not degrade with size, so the ratio must stay within 2x);
 - find_one by _id, likewise;
 - change-event latency p50/p99 from this process's insert to a watcher in another process;
-- server CPU while five monitored clients sit idle.
+- server CPU while five monitored clients sit idle;
+- the server's CPU per fire for the firing path's ledger writes (the leader's claim, its
+  publish mark, an overlap policy's run reservation, the run's end), with the ledgers' own
+  indexes, their ordered ones built as the leader's range scans build them, against
+  plain inserts of as many claim documents into a collection with only ``_id`` (baseline,
+  same run).
 Prints a Markdown table and the command line that produced it.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import platform
@@ -27,6 +33,9 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
+from hascheduler.core.claims import Claim
+from hascheduler.storage.fires import Ledger, claim_record
+from hascheduler.storage.runs import RunLedger
 from tests.servers import start_devmongo
 
 WATCHER = r"""
@@ -88,23 +97,79 @@ async def event_latency(uri: str, client: Any, events: int) -> list[float]:
     return [float(x) for x in json.loads(out.decode().strip().splitlines()[-1])]
 
 
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
     clients = [AsyncMongoClient(uri) for _ in range(5)]
     for c in clients:
         await c.admin.command("ping")
 
-    def cpu() -> float:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    before, start = cpu(), time.monotonic()
+    before, start = process_cpu_s(pid), time.monotonic()
     await asyncio.sleep(seconds)
-    used = cpu() - before
+    used = process_cpu_s(pid) - before
     elapsed = time.monotonic() - start
     for c in clients:
         await c.close()
     return used / elapsed
+
+
+LEDGER_WRITES = ("claim", "publish mark", "run reserved", "run ended")
+
+
+async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[str, float]:
+    """Server CPU microseconds per fire for each ledger write (the rounds after two warm
+    ones), and for the baseline's plain insert."""
+    db = client.bench_ledgers
+    fires_ledger, runs = Ledger(db.fires), RunLedger(db.runs)
+    await fires_ledger.ensure_indexes(86400)
+    await runs.ensure_indexes(86400)
+    epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+    for coll, scan in ((db.fires, {"state": "claimed", "next_attempt_at": {"$lte": epoch}}),
+                       (db.fires, {"state": "claimed", "term": {"$lt": 0}}),
+                       (db.fires, {"recorded_at": {"$lt": epoch}}),
+                       (db.runs, {"recorded_at": {"$lt": epoch}}),
+                       (db.runs, {"state": "waiting"})):
+        await coll.find_one(scan)  # as the leader's scans do: the ordered indexes built
+    targets = {f"s{i:06d}": "bench" for i in range(fires)}
+    spent = dict.fromkeys([*LEDGER_WRITES, "plain insert"], 0.0)
+    base = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    for round_ in range(rounds + 2):
+        nominal = base + dt.timedelta(seconds=round_)
+        now = dt.datetime.now(dt.UTC)
+        claims = [Claim(f"{sid}@{nominal.isoformat()}", sid, nominal, nominal)
+                  for sid in targets]
+        ids = [c.fire_id for c in claims]
+        docs = [claim_record(c, 1, now, now + dt.timedelta(seconds=5)) for c in claims]
+        marks = [process_cpu_s(pid)]
+        for start in range(0, fires, 1000):
+            await fires_ledger.claim(docs[start:start + 1000])
+        marks.append(process_cpu_s(pid))
+        for start in range(0, fires, 500):
+            await fires_ledger.mark_published(ids[start:start + 500], 1, now, 1)
+        marks.append(process_cpu_s(pid))
+        for start in range(0, fires, 1000):
+            await runs.reserve(claims[start:start + 1000], targets, now)
+        marks.append(process_cpu_s(pid))
+        for start in range(0, fires, 1000):
+            await db.runs.update_many(
+                {"_id": {"$in": ids[start:start + 1000]}, "state": "pending"},
+                {"$set": {"state": "succeeded", "attempts": 1, "first_started_at": now,
+                          "finished_at": now, "recorded_at": now},
+                 "$unset": {"open_key": ""}})
+        marks.append(process_cpu_s(pid))
+        for start in range(0, fires, 1000):
+            await db.plain.insert_many([{**d, "_id": f"{d['_id']}#"}
+                                        for d in docs[start:start + 1000]])
+        marks.append(process_cpu_s(pid))
+        if round_ >= 2:
+            for name, before, after in zip(spent, marks[:-1], marks[1:], strict=True):
+                spent[name] += after - before
+    await client.drop_database("bench_ledgers")
+    return {name: s / (rounds * fires) * 1e6 for name, s in spent.items()}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -120,6 +185,9 @@ async def main() -> int:
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--ops", type=int, default=3000)
     parser.add_argument("--events", type=int, default=1000)
+    parser.add_argument("--ledger-fires", type=int, default=10_000,
+                        help="fires per round of the ledger writes (0: skip them)")
+    parser.add_argument("--ledger-rounds", type=int, default=10)
     args = parser.parse_args()
     server = start_devmongo()
     try:
@@ -128,6 +196,8 @@ async def main() -> int:
         lat = await event_latency(server.uri, client, args.events)
         assert server.pid is not None
         cpu = await idle_cpu(server.uri, server.pid)
+        ledgers = await ledger_cost(client, server.pid, args.ledger_fires,
+                                    args.ledger_rounds) if args.ledger_fires else {}
         await client.close()
     finally:
         server.stop()
@@ -147,6 +217,18 @@ async def main() -> int:
           f"p99 {pct(lat, 0.99) * 1000:.2f} ms, max {max(lat) * 1000:.2f} ms, "
           f"mean {statistics.mean(lat) * 1000:.2f} ms")
     print(f"server CPU with 5 idle monitored clients: {cpu * 100:.2f} % of one core")
+    if ledgers:
+        print(f"\n| ledger write, {args.ledger_fires:,} fires a round, {args.ledger_rounds} "
+              "rounds | server CPU per fire |")
+        print("|---|---|")
+        for name in LEDGER_WRITES:
+            print(f"| {name} | {ledgers[name]:.1f} us |")
+        total = sum(ledgers[name] for name in LEDGER_WRITES)
+        print(f"| all four (a governed fire) | {total:.1f} us |")
+        print(f"| plain insert of a claim document, `_id` index only (baseline) | "
+              f"{ledgers['plain insert']:.1f} us |")
+        print(f"\nfiring path per governed fire: {total / ledgers['plain insert']:.1f} plain "
+              "inserts' worth of server CPU")
     worst = max(r["insert_empty"] / r["insert_full"], r["find_empty"] / r["find_full"])
     if worst > 2.0:
         print(f"FAIL: a rate degraded {worst:.2f}x with size (limit 2x)")

@@ -45,7 +45,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "on / off", "key / no key", "a slot freeing to the next run starting",
                     "fairness:", "rate 5 a second", "fan-out to 100 tenants",
                     "highest sustained rate", "leadership changes", "watermark", "its first fire",
-                    "mirror / BSON", "raw find() drain"):
+                    "mirror / BSON", "raw find() drain", "plain inserts' worth"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
