@@ -464,8 +464,8 @@ def test_an_update_knowing_its_fields_moves_every_index_as_a_rebuild_would() -> 
 def test_an_index_order_gives_what_sorting_every_value_and_record_gives() -> None:
     """The first field's order keeps distinct values, each with its records: after random
     inserts, updates and deletes (values that repeat, mixed types, arrays, NaN), every
-    range, its count, and the whole order forwards and backwards are what sorting each
-    (value, record) pair gives."""
+    range, its count, its members, and the whole order forwards and backwards are what
+    sorting each (value, record) pair gives."""
     import random
     rng = random.Random(11)
     values: list[Any] = [1, 2, 2.0, Int64(3), True, "a", "b", None,
@@ -500,6 +500,7 @@ def test_an_index_order_gives_what_sorting_every_value_and_record_gives() -> Non
                     and (sk < high or (hi_inc and sk == high))]
             assert list(index.range(low, lo_inc, high, hi_inc)) == want, (low, high)
             assert index.range_size(low, lo_inc, high, hi_inc) == len(want)
+            assert index.range_members(low, lo_inc, high, hi_inc) == set(want)
     order = index._sorted()
     assert list(order) == [rid for _, rid in pairs]
     assert list(reversed(order)) == [rid for _, rid in reversed(pairs)]
