@@ -107,6 +107,16 @@ BACKFILL_QUIET_S = 0.3
 BACKFILL_MAX_WAIT_S = 2.0
 
 
+async def _fewer_than(tasks: set[asyncio.Task[Any]], bound: int) -> set[asyncio.Task[Any]]:
+    """Wait until fewer than ``bound`` of ``tasks`` run; those still running. A task's
+    error (LeadershipLost ends the term) is raised here."""
+    while len(tasks) >= bound:
+        done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    return tasks
+
+
 def publish_tick(due_at: dt.datetime) -> dt.datetime:
     """The end of the PUBLISH_TICK_S tick ``due_at`` falls in (``due_at`` itself on a
     tick's edge): when a fire due then is published."""
@@ -247,18 +257,10 @@ class Dispatcher:
                     batch = await self._within_quota(batch, term, now)
                     if not batch:
                         continue
-                    while len(claiming) >= CLAIMS_IN_FLIGHT:
-                        done, claiming = await asyncio.wait(
-                            claiming, return_when=asyncio.FIRST_COMPLETED)
-                        for task in done:
-                            task.result()  # its error (LeadershipLost) ends the term
+                    claiming = await _fewer_than(claiming, CLAIMS_IN_FLIGHT)
                     claiming.add(asyncio.create_task(
                         self._claim_and_publish(batch, term, now)))
-                while claiming:
-                    done, claiming = await asyncio.wait(
-                        claiming, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        task.result()
+                claiming = await _fewer_than(claiming, 1)
             finally:
                 for task in claiming:
                     task.cancel()

@@ -289,24 +289,26 @@ class FirstFieldOrder:
             return (sk[0], _NEG_INF)
         return sk
 
-    def add(self, sk: tuple[Any, ...], rid: int) -> None:
+    def _held(self, sk: tuple[Any, ...]) -> tuple[tuple[Any, ...], set[int] | None]:
+        """The key ``sk`` is held under, and its records (None: nobody holds it)."""
         holders = self.holders.get(sk)
-        if holders is None:
+        if holders is None:  # canonical only when missed: the common case pays nothing
             sk = self._canonical(sk)
             holders = self.holders.get(sk)
-            if holders is None:
-                self.holders[sk] = {rid}
-                self.keys.add(sk)
-                return
-        holders.add(rid)
+        return sk, holders
+
+    def add(self, sk: tuple[Any, ...], rid: int) -> None:
+        sk, holders = self._held(sk)
+        if holders is None:
+            self.holders[sk] = {rid}
+            self.keys.add(sk)
+        else:
+            holders.add(rid)
 
     def discard(self, sk: tuple[Any, ...], rid: int) -> None:
-        holders = self.holders.get(sk)
+        sk, holders = self._held(sk)
         if holders is None:
-            sk = self._canonical(sk)
-            holders = self.holders.get(sk)
-            if holders is None:
-                return
+            return
         holders.discard(rid)
         if not holders:
             del self.holders[sk]
