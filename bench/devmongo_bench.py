@@ -97,9 +97,10 @@ async def event_latency(uri: str, client: Any, events: int) -> list[float]:
     return [float(x) for x in json.loads(out.decode().strip().splitlines()[-1])]
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -108,9 +109,9 @@ async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
     for c in clients:
         await c.admin.command("ping")
 
-    before, start = process_cpu_s(pid), time.monotonic()
+    before, start = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(seconds)
-    used = process_cpu_s(pid) - before
+    used = cpu_seconds(pid) - before
     elapsed = time.monotonic() - start
     for c in clients:
         await c.close()
@@ -144,27 +145,27 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
                   for sid in targets]
         ids = [c.fire_id for c in claims]
         docs = [claim_record(c, 1, now, now + dt.timedelta(seconds=5)) for c in claims]
-        marks = [process_cpu_s(pid)]
+        marks = [cpu_seconds(pid)]
         for start in range(0, fires, 1000):
             await fires_ledger.claim(docs[start:start + 1000])
-        marks.append(process_cpu_s(pid))
+        marks.append(cpu_seconds(pid))
         for start in range(0, fires, 500):
             await fires_ledger.mark_published(ids[start:start + 500], 1, now, 1)
-        marks.append(process_cpu_s(pid))
+        marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
             await runs.reserve(claims[start:start + 1000], targets, now)
-        marks.append(process_cpu_s(pid))
+        marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
             await db.runs.update_many(
                 {"_id": {"$in": ids[start:start + 1000]}, "state": "pending"},
                 {"$set": {"state": "succeeded", "attempts": 1, "first_started_at": now,
                           "finished_at": now, "recorded_at": now},
                  "$unset": {"open_key": ""}})
-        marks.append(process_cpu_s(pid))
+        marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
             await db.plain.insert_many([{**d, "_id": f"{d['_id']}#"}
                                         for d in docs[start:start + 1000]])
-        marks.append(process_cpu_s(pid))
+        marks.append(cpu_seconds(pid))
         if round_ >= 2:
             for name, before, after in zip(spent, marks[:-1], marks[1:], strict=True):
                 spent[name] += after - before

@@ -41,7 +41,7 @@ import aiohttp
 import nats
 from pymongo import AsyncMongoClient
 
-from bench.devmongo_bench import pct
+from bench.devmongo_bench import cpu_seconds, pct
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
@@ -225,13 +225,6 @@ async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
     await c.wait_ready()
     await c.wait_leader()
     return c
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time a process has used so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.datetime,
