@@ -378,6 +378,8 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     watermark_at_claims: list[dt.datetime | None] = []
     fail_batch: int | None = None
     running: list[asyncio.Task[None] | None] = []
+    batches = len(entries) // CLAIM_BATCH
+    overlapped, third_started = asyncio.Event(), asyncio.Event()
 
     async def claim(batch: list[Due], term_: Term, now_: dt.datetime,
                     *args: object, **kwargs: object) -> tuple[int, int]:
@@ -388,11 +390,17 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
         running.append(asyncio.current_task())  # type: ignore[arg-type]
         try:
             if fail_batch is None:
-                await asyncio.sleep(0.01 * (1 + started % 3))  # round trips of any length
-            else:  # the first ends, the next one started stays, the second loses the lease
-                await asyncio.sleep({0: 0.005, fail_batch: 0.05}.get(started, 5.0))
-                if started == fail_batch:
-                    raise LeadershipLost
+                # Each round trip lasts until as many as may be are in flight (or this is
+                # the last batch): with a bound of one, that is at once.
+                if at_once >= CLAIMS_IN_FLIGHT or started == batches - 1:
+                    overlapped.set()
+                await overlapped.wait()
+            elif started == fail_batch + 1:  # in flight when the other loses the lease
+                third_started.set()
+                await asyncio.Event().wait()  # until cancelled
+            elif started == fail_batch:
+                await third_started.wait()
+                raise LeadershipLost
             claimed.append(len(batch))
             watermark_at_claims.append(term_.watermark)
             return len(batch), len(batch)
@@ -422,3 +430,6 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     assert term.watermark is None
     assert len(running) == 3
     assert all(task is not None and task.done() for task in running)
+    left_in_flight = running[2]
+    assert left_in_flight is not None
+    assert left_in_flight.cancelled()
