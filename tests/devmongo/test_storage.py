@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import unittest.mock
 from typing import Any
 
 import pytest
@@ -504,3 +505,32 @@ def test_an_index_order_gives_what_sorting_every_value_and_record_gives() -> Non
     order = index._sorted()
     assert list(order) == [rid for _, rid in pairs]
     assert list(reversed(order)) == [rid for _, rid in reversed(pairs)]
+
+
+def test_a_wide_range_beside_a_narrow_equality_is_not_counted_through() -> None:
+    """Valid but expensive: a range over 50,000 distinct values beside an equality that
+    names one document. The planner's count of the range stops once past the equality's
+    one candidate, and the plan reads that one."""
+    coll = make_collection()
+    coll.create_index({"key": {"at": 1}})
+    coll.create_index({"key": {"tag": 1}})
+    base = datetime.datetime(2030, 1, 1)
+    for i in range(50_000):
+        coll.insert({"_id": i, "at": base + datetime.timedelta(milliseconds=i),
+                     "tag": "needle" if i == 4_321 else f"t{i % 7}"})
+    index = coll.indexes["at_1"]
+    wide = (sort_key(base), True, sort_key(base + datetime.timedelta(days=1)), True)
+    assert index.range_size(*wide) == 50_000
+    assert index.range_size(*wide, at_most=1) == 2  # stopped just past what it beat
+    walked: list[int] = []
+    count = type(index._sorted()).count
+
+    def counting(self: Any, *args: Any) -> int:
+        walked.append(result := count(self, *args))
+        return result
+
+    with unittest.mock.patch.object(type(index._sorted()), "count", counting):
+        found = coll.candidates({"tag": "needle", "at": {"$gte": base}})
+    assert [coll.docs[rid]["_id"] for rid in found] == [4_321]
+    assert walked  # the range was sized
+    assert max(walked) <= 2, walked

@@ -263,8 +263,11 @@ class Index:
         return self._sorted().members(low, low_inclusive, high, high_inclusive)
 
     def range_size(self, low: tuple[Any, ...], low_inclusive: bool,
-                   high: tuple[Any, ...], high_inclusive: bool) -> int:
-        return self._sorted().count(low, low_inclusive, high, high_inclusive)
+                   high: tuple[Any, ...], high_inclusive: bool,
+                   at_most: int | None = None) -> int:
+        """How many records the range holds; with ``at_most``, the count stops once past
+        it (a planner comparing with a smaller candidate set needs no more)."""
+        return self._sorted().count(low, low_inclusive, high, high_inclusive, at_most)
 
 
 class FirstFieldOrder:
@@ -330,11 +333,17 @@ class FirstFieldOrder:
         return found
 
     def count(self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
-              high_inclusive: bool) -> int:
+              high_inclusive: bool, at_most: int | None = None) -> int:
+        """The records in the range, walking its distinct values: a wide range over
+        values that seldom repeat walks many, so ``at_most`` stops the walk once past."""
         if low == high and low_inclusive and high_inclusive:  # an equality: no walk
             return len(self.holders.get(self._canonical(low), ()))
-        return sum(len(self.holders[sk]) for sk in self.keys.irange(
-            low, high, (low_inclusive, high_inclusive)))
+        total = 0
+        for sk in self.keys.irange(low, high, (low_inclusive, high_inclusive)):
+            total += len(self.holders[sk])
+            if at_most is not None and total > at_most:
+                break
+        return total
 
     def __iter__(self) -> Iterator[int]:
         for sk in self.keys:
@@ -503,7 +512,7 @@ class Collection:
             bounds = self._range_bounds(index, cond)
             if bounds is None:
                 return [], frozenset()
-            size = index.range_size(*bounds)
+            size = index.range_size(*bounds, at_most=best_size)
             if best_size is None or size < best_size:
                 best_size, best_plan, best_range = size, None, (index, bounds)
         best: set[int] | None = None
