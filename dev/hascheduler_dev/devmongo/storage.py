@@ -275,8 +275,8 @@ class FirstFieldOrder:
     holding it. Ordered by distinct value, not by (value, record): the scheduler's indexed
     values repeat (a state, a term, the instant a batch was written), so most writes only
     add a record to, or take one from, a value already there; a sorted list of every
-    (value, record) pair cost each of them a sorted insert or delete, a tenth of the
-    server's time at 10,000 fires a second."""
+    (value, record) pair cost each of them a sorted insert or delete, an eighth of the
+    server's samples at 10,000 fires a second (docs/ARCHITECTURE.md)."""
 
     def __init__(self) -> None:
         self.keys: SortedList[Any] = SortedList()
