@@ -138,8 +138,10 @@ async def own_harness(mongo_uri: str) -> AsyncIterator[Any]:
         await h.record()
         yield h
     finally:
-        await h.close()
-        server.stop()
+        try:
+            await h.close()
+        finally:
+            server.stop()  # also when close() finds the history broken
 
 
 API_WRITE_TOKEN, API_READ_TOKEN = "client-write-token", "client-read-token"

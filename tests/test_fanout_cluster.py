@@ -49,8 +49,10 @@ async def cluster(mongo_uri: str, tmp_path: Path) -> AsyncIterator[tuple[Harness
         if worker is not None and worker.returncode is None:
             worker.terminate()
             await asyncio.wait_for(worker.wait(), 30)
-        await h.close()
-        server.stop()
+        try:
+            await h.close()
+        finally:
+            server.stop()
 
 
 def second(at: dt.datetime) -> dt.datetime:

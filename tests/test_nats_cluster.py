@@ -36,8 +36,10 @@ async def cluster(mongo_uri: str) -> AsyncIterator[tuple[Harness, NatsCluster]]:
         await h.record()
         yield h, nodes
     finally:
-        await h.close()
-        nodes.stop()
+        try:
+            await h.close()
+        finally:
+            nodes.stop()
 
 
 async def replicas_of_the_stream(nodes: NatsCluster) -> int:

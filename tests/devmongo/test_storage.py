@@ -13,7 +13,7 @@ from bson import Int64, ObjectId, Timestamp
 from hascheduler_dev.devmongo import engine
 from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
 from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError
-from hascheduler_dev.devmongo.storage import Catalog, Collection, _same_types
+from hascheduler_dev.devmongo.storage import Catalog, Collection, _same_types, _simple_filter
 from hascheduler_dev.devmongo.values import index_values, key_of, sort_key
 
 
@@ -277,6 +277,37 @@ def test_plain_equality_fast_path_agrees_with_the_general_matcher(want: Any) -> 
             assert engine.matches(filter_, doc) == expected, (filter_, doc)
 
 
+_IN_LISTS: list[list[Any]] = [
+    [1], [1.0, "a"], [Int64(2), 2.5], [True], [False, 0], ["1", "b", ObjectId("0" * 24)],
+    [datetime.datetime(2030, 1, 1), 2], [], ["a"] * 3]
+
+
+@pytest.mark.parametrize("wants", _IN_LISTS, ids=repr)
+def test_an_in_list_fast_path_agrees_with_the_general_matcher(wants: list[Any]) -> None:
+    """$in over plain scalars is decided by a lookup of the value's equality key: the same
+    answer as comparing it with each listed value, for every type a document may hold
+    (numbers of any width equal, a boolean never a number, an array by its elements)."""
+    docs = [{"_id": i, "v": v, "w": "x"} for i, v in enumerate(
+        [*_VALUES, [2, "b"], [[1]], Int64(1), 2.0])] + [{"_id": "none", "w": "x"}]
+    for filter_ in ({"v": {"$in": wants}}, {"w": "x", "v": {"$in": wants}},
+                    {"v": {"$in": wants}, "w": {"$exists": True}}):
+        check = _simple_filter(filter_)
+        assert check is not None, filter_
+        for doc in docs:
+            have = doc.get("v", [])
+            elements = [have, *have] if isinstance(have, list) else [have]
+            pairs = [(e, w) for e in elements for w in wants]
+            if isinstance(have, list) and any(bool in {type(e), type(w)} and e == w
+                                              for e, w in pairs):
+                continue  # an array: the general matcher's, which equates True with 1
+            assert check(doc) == any(key_of(e) == key_of(w) for e, w in pairs), (filter_, doc)
+
+
+@pytest.mark.parametrize("wants", [[None], [float("nan")], [[1]], [{"a": 1}], 3])
+def test_an_in_list_of_anything_else_takes_the_general_matcher(wants: Any) -> None:
+    assert _simple_filter({"v": {"$in": wants}}) is None
+
+
 _RANGE_VALUES: list[Any] = [0, 1, 1.5, Int64(2), True, False, "", "a", "b", None, [1], {"a": 1},
                             datetime.datetime(2029, 1, 1), datetime.datetime(2030, 1, 1),
                             float("nan"), ObjectId("0" * 24), ObjectId("1" * 24)]
@@ -534,3 +565,24 @@ def test_a_wide_range_beside_a_narrow_equality_is_not_counted_through() -> None:
     assert [coll.docs[rid]["_id"] for rid in found] == [4_321]
     assert walked  # the range was sized
     assert max(walked) <= 2, walked
+
+
+def test_a_long_in_list_over_many_candidates_is_looked_up_not_compared() -> None:
+    """Valid but expensive: the overlap policy's query for the waiting fires of 1,000
+    schedules ({"state": "buffered", "schedule_id": {"$in": [1,000 ids]}}) over their 5,000
+    fires. Each fire's schedule is looked up among the ids: the general matcher, which
+    compares a value with every listed one, is never called."""
+    coll = make_collection()
+    coll.create_index({"key": {"schedule_id": 1, "nominal_at": 1}, "name": "buffered",
+                       "partialFilterExpression": {"state": "buffered"}})
+    ids = [f"s{i:04d}" for i in range(1000)]
+    for i in range(5000):
+        coll.insert({"_id": f"f{i}", "schedule_id": ids[i % 1000], "state": "buffered",
+                     "nominal_at": datetime.datetime(2030, 1, 1) + datetime.timedelta(
+                         seconds=i)})
+    coll.insert({"_id": "other", "schedule_id": "elsewhere", "state": "buffered"})
+    filter_ = {"state": "buffered", "schedule_id": {"$in": ids}}
+    with unittest.mock.patch.object(engine, "matches", side_effect=AssertionError):
+        found = coll.find(op(), filter_)
+    assert len(found) == 5000
+    assert "other" not in {doc["_id"] for _, doc in found}

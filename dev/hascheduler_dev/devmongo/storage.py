@@ -41,20 +41,24 @@ _NEG_INF = float("-inf")
 
 def _simple_filter(spec: Document | None) -> Any:
     """A plain function deciding ``spec`` for a document, or None when ``spec`` is not
-    only top-level equalities to a string, a boolean or an integer and ``{"$exists": true}``
-    tests. A value of another type than the one wanted goes to the general matcher (an
-    array may hold what is wanted; 2.0 equals 2)."""
+    only top-level equalities to a string, a boolean or an integer, ``$in`` lists of plain
+    scalars and ``{"$exists": true}`` tests. A value of another type than the one wanted
+    goes to the general matcher (an array may hold what is wanted; 2.0 equals 2)."""
     if not spec:
         return None
     equal: list[tuple[str, Any]] = []
+    among: list[tuple[str, frozenset[Hashable]]] = []
     present: list[str] = []
     for name, want in spec.items():
         if name.startswith("$") or "." in name:
             return None
         if isinstance(want, dict):
-            if want != {"$exists": True}:
+            if want == {"$exists": True}:
+                present.append(name)
+            elif (keys := _plain_keys(want)) is not None:
+                among.append((name, keys))
+            else:
                 return None
-            present.append(name)
         elif isinstance(want, str | int):  # a bool is an int
             equal.append((name, want))
         else:
@@ -72,9 +76,29 @@ def _simple_filter(spec: Document | None) -> Any:
                 return engine.matches(spec, doc)
             if value != want:
                 return False
+        for name, keys in among:
+            value = doc.get(name, MISSING)
+            if value is MISSING:
+                return False  # null is not among the values: _plain_keys saw to it
+            if value.__class__ not in PLAIN_SCALARS or value != value:
+                return engine.matches(spec, doc)  # an array, a document, NaN
+            if key_of(value) not in keys:
+                return False
         return needed <= doc.keys()
 
     return check
+
+
+def _plain_keys(cond: Document) -> frozenset[Hashable] | None:
+    """For ``{"$in": [...]}`` of plain scalars (no null, NaN, array, document or regex):
+    the values' equality keys, so that a document's value is looked up rather than
+    compared with each (1,000 schedules' waiting fires checked against 1,000 ids held the
+    server for half a second)."""
+    values = cond.get("$in") if len(cond) == 1 else None
+    if not isinstance(values, list) or not all(
+            v.__class__ in PLAIN_SCALARS and v == v for v in values):
+        return None
+    return frozenset(key_of(v) for v in values)
 
 
 class DuplicateKeyConflict(Exception):
