@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
+from hascheduler.storage.streams import open_change_stream
 from tests.drivers import Driver
 from tests.servers import start_devmongo
 from tests.waiting import wait_until
@@ -438,3 +442,31 @@ async def test_valid_but_expensive_pushes_stay_bounded(db: Any) -> None:
     assert len((await coll.find_one({"_id": 1}))["h"]) == 100_000
     await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [-1], "$slice": -3}}})
     assert (await coll.find_one({"_id": 1}))["h"] == [99_998, 99_999, -1]
+
+
+@pytest.mark.devmongo_only
+async def test_commands_holding_the_server_past_slowms_are_logged(driver: Driver) -> None:
+    """Everything waits behind a command on the single-threaded server, a lease renewal
+    too: one that holds it past --slowms is logged with what it asked, as mongod logs slow
+    operations. A change stream's getMore waits for events; its wait is not logged."""
+    server = start_devmongo("--slowms", "0")
+    client = driver.client(server.uri)
+    try:
+        coll = client.slow.c
+        await coll.insert_many([{"i": i} for i in range(3)])
+        assert [d["i"] async for d in coll.find({"i": {"$in": [1, 2]}}).sort("i", 1)] == [1, 2]
+        async with await open_change_stream(coll, max_await_time_ms=300) as stream:
+            assert await stream.try_next() is None  # one awaited getMore, nothing new
+    finally:
+        await driver.close(client)
+        assert server.stop() == 0
+    assert server.log_path is not None
+    lines = (await asyncio.to_thread(Path(server.log_path).read_text)).splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    slow = [e for e in events if e.get("event") == "slow_command"]
+    assert {"command": "insert", "ns": "slow.c"} | {"shape": "3 documents "} in [
+        {k: e[k] for k in ("command", "ns", "shape")} for e in slow]
+    found = [e for e in slow if e["command"] == "find"]
+    assert [e["shape"] for e in found] == ["{'i': {'$in': [1, 2]}}"]
+    assert all(isinstance(e["ms"], float) and e["ms"] >= 0 for e in slow)
+    assert not [e for e in slow if e["command"] == "getMore"]

@@ -38,6 +38,8 @@ SETTINGS = tuple(cli.Setting(flag, default, parse, help_text, env=_env(flag)) fo
      "seconds before an idle cursor is killed"),
     ("--ttl-interval", _DEFAULTS.ttl_interval_s, cli.positive_float,
      "seconds between TTL index sweeps (mongod: 60)"),
+    ("--slowms", _DEFAULTS.slow_ms, cli.whole_number(0),
+     "log a command that holds the server this many milliseconds or longer (as mongod's)"),
     ("--tls-certificate-key-file", None, cli.text, "PEM file with the server's certificate and "
      "key: accept TLS connections only (as mongod's option)"),
 ))
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     v = cli.resolve(args, SETTINGS)
     settings = Settings(host=v["host"], port=v["port"], replset=v["replset"],
                         oplog_size=v["oplog_size"], cursor_timeout_s=v["cursor_timeout"],
-                        ttl_interval_s=v["ttl_interval"],
+                        ttl_interval_s=v["ttl_interval"], slow_ms=v["slowms"],
                         tls_certificate_key_file=v["tls_certificate_key_file"])
     if settings.tls_certificate_key_file:
         try:

@@ -63,6 +63,9 @@ ANSWERED_WHEN_SECONDARY = frozenset({
     "whatsmyuri", "getParameter"})
 READ_COMMANDS = frozenset({"find", "getMore", "aggregate", "count", "distinct",
                            "listIndexes", "listCollections", "listDatabases"})
+# Commands that wait (for events, for a topology change) rather than work: their time is
+# not the server's time held.
+WAITING_COMMANDS = frozenset({"getMore", "hello", "isMaster", "ismaster", "replSetStepDown"})
 MAX_STEP_DOWN_S = 3600.0
 MAX_REMEMBERED_SESSIONS = 100_000
 
@@ -75,6 +78,9 @@ class Settings:
     oplog_size: int = 1_000_000
     cursor_timeout_s: float = 600.0
     ttl_interval_s: float = 1.0
+    # A command that holds the (single-threaded) server longer is logged, as mongod's
+    # slow operations are: everything else waits behind it, a lease renewal too.
+    slow_ms: int = 100
     # PEM holding the certificate and its key, as mongod's --tlsCertificateKeyFile: the
     # server then accepts TLS connections only (mongod's --tlsMode requireTLS).
     tls_certificate_key_file: str | None = None
@@ -201,7 +207,12 @@ class Node:
                     raise MongoError(225, f"Retryable write with txnNumber {retry_key[1]} is "
                                           f"prohibited on session because a newer retryable "
                                           f"write with txnNumber {txn} has already started")
+        started = time.monotonic()
         result = await handler(db, body, ctx)
+        held_ms = (time.monotonic() - started) * 1000
+        if held_ms >= self.settings.slow_ms and name not in WAITING_COMMANDS:
+            log.warning("slow_command", command=name, ns=namespace, ms=round(held_ms, 1),
+                        shape=_shape(name, body))
         result.setdefault("ok", 1.0)
         if retry_key is not None:
             self._sessions[retry_key[0]] = (retry_key[1], copy.deepcopy(result))
@@ -977,3 +988,18 @@ def _plain_count(pipeline: list[Document], matched: int) -> list[Document] | Non
     n = n if limit is None else min(n, limit)
     return [{"_id": 1, "n": n}] if n else []
 
+
+def _shape(name: str, body: Document) -> str:
+    """What a slow command asked, briefly: its filter or pipeline, or how many documents
+    or statements it carried."""
+    for field in ("filter", "pipeline", "query"):
+        if field in body:
+            return repr(body[field])[:300]
+    for field in ("documents", "updates", "deletes"):
+        if isinstance(body.get(field), list):
+            statements = body[field]
+            first = statements[0] if statements else None
+            described = repr(first.get("q")) if isinstance(first, dict) and "q" in first \
+                else ""
+            return f"{len(statements)} {field} {described}"[:300]
+    return name
