@@ -12,6 +12,7 @@ import pytest
 from bson import Int64, ObjectId, Timestamp
 from hascheduler_dev.devmongo import engine
 from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
+from hascheduler_dev.devmongo.cursors import ChangeStreamCursor
 from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError
 from hascheduler_dev.devmongo.storage import Catalog, Collection, _same_types, _simple_filter
 from hascheduler_dev.devmongo.values import index_values, key_of, sort_key
@@ -207,6 +208,44 @@ def test_cluster_clock_strictly_increases() -> None:
     clock = ClusterClock()
     ticks = [clock.tick() for _ in range(1000)]
     assert all(a < b for a, b in itertools.pairwise(ticks))
+    assert clock.current == ticks[-1]
+    log = ChangeLog(clock, capacity=10)
+    events = [log.append("db", "c", "insert", document_key={"_id": i}) for i in range(5)]
+    assert all(ticks[-1] < a.cluster_time < b.cluster_time
+               for a, b in itertools.pairwise(events))
+    assert log.seq_at_time(events[2].cluster_time) == events[1].seq
+
+
+def test_a_collection_stream_passes_over_other_collections_unread() -> None:
+    """A stream on one collection moves past the events of the others without reading
+    them (the fires ledger's writes, past a schedules mirror's stream), and still sees its
+    collection's events, its database's drop, and the loss of its place in the ring."""
+    log = ChangeLog(ClusterClock(), capacity=100)
+    stream = ChangeStreamCursor(1, "db.schedules", changes=log, db="db", coll="schedules")
+    whole_db = ChangeStreamCursor(2, "db", changes=log, db="db")
+    for i in range(50):
+        log.append("db", "fires", "insert", document_key={"_id": i}, full_document={"_id": i})
+    last = log.append("other", "schedules", "insert", document_key={"_id": 0},
+                      full_document={"_id": 0})
+    with unittest.mock.patch.object(ChangeLog, "after", side_effect=AssertionError):
+        assert stream.collect(None) == []
+    assert stream.position == last.seq
+    assert stream.post_batch_token([]) == last.token
+    assert len(whole_db.collect(None)) == 50  # a database's stream reads its every event
+    mine = log.append("db", "schedules", "insert", document_key={"_id": "s"},
+                      full_document={"_id": "s"})
+    log.append("db", "fires", "insert", document_key={"_id": "f"}, full_document={"_id": "f"})
+    assert [e["documentKey"] for e in stream.collect(None)] == [{"_id": "s"}]
+    assert stream.position > mine.seq
+    log.append("db", None, "dropDatabase")
+    assert [e["operationType"] for e in stream.collect(None)] == ["invalidate"]
+    behind = ChangeStreamCursor(3, "db.schedules", changes=log, db="db", coll="schedules",
+                                position=mine.seq)
+    for i in range(100):
+        log.append("db", "fires", "delete", document_key={"_id": i})
+    with pytest.raises(MongoError) as lost:
+        behind.collect(None)
+    assert lost.value.code == 286
 
 
 def test_update_that_changes_nothing_emits_no_event() -> None:

@@ -26,24 +26,39 @@ _EPOCH = datetime.datetime(1970, 1, 1)  # naive UTC, as the server keeps dates
 
 
 class ClusterClock:
-    """The server's logical clock: a Timestamp that strictly increases with every tick."""
+    """The server's logical clock: a Timestamp that strictly increases with every tick.
+
+    Kept as two integers: every write ticks it, and a bson Timestamp built (and read
+    through its properties) per write cost more than the rest of recording the write's
+    change event."""
 
     def __init__(self) -> None:
-        self._last = Timestamp(int(time.time()), 0)
+        self._secs, self._inc = int(time.time()), 0
+        self._current: Timestamp | None = None
 
     @property
     def current(self) -> Timestamp:
-        return self._last
+        if self._current is None:
+            self._current = Timestamp(self._secs, self._inc)
+        return self._current
+
+    def advance(self, now_s: float) -> tuple[int, int]:
+        """The next tick at wall time ``now_s``, as (seconds, increment)."""
+        now = int(now_s)
+        if now > self._secs:
+            self._secs, self._inc = now, 1
+        else:
+            self._inc += 1
+        self._current = None
+        return self._secs, self._inc
 
     def tick(self) -> Timestamp:
-        now = int(time.time())
-        last = self._last
-        self._last = Timestamp(now, 1) if now > last.time else Timestamp(last.time, last.inc + 1)
-        return self._last
+        return Timestamp(*self.advance(time.time()))
 
 
-def encode_token(ts: Timestamp, seq: int, flags: int = 0) -> Document:
-    return {"_data": f"82{ts.time:08X}{ts.inc:08X}{seq:016X}{flags:02X}"}
+def encode_token(ts: Timestamp | tuple[int, int], seq: int, flags: int = 0) -> Document:
+    secs, inc = (ts.time, ts.inc) if isinstance(ts, Timestamp) else ts
+    return {"_data": f"82{secs:08X}{inc:08X}{seq:016X}{flags:02X}"}
 
 
 def decode_token(token: Any) -> tuple[int, int]:
@@ -63,7 +78,7 @@ def decode_token(token: Any) -> tuple[int, int]:
 @dataclass(slots=True)
 class ChangeEvent:
     seq: int
-    cluster_time: Timestamp
+    ticked: tuple[int, int]  # the cluster time (seconds, increment): see ClusterClock
     wall_time: datetime.datetime
     db: str
     coll: str | None
@@ -76,8 +91,12 @@ class ChangeEvent:
     before: Document | None = None
 
     @property
+    def cluster_time(self) -> Timestamp:
+        return Timestamp(*self.ticked)
+
+    @property
     def token(self) -> Document:
-        return encode_token(self.cluster_time, self.seq)
+        return encode_token(self.ticked, self.seq)
 
     def to_document(self) -> Document:
         doc: Document = {"_id": self.token, "operationType": self.operation_type,
@@ -109,16 +128,26 @@ class ChangeLog:
         self._last_seq = 0
         # History before the server started, or that fell off the ring, is lost: resuming
         # at or before this cluster time answers 286, as a real oplog's start does.
-        self._history_starts_after: Timestamp = clock.tick()
+        self._history_starts_after = clock.advance(time.time())
         # Set by the next append; created only when someone waits (most appends have no
         # waiter, and an Event per write showed in write profiles).
         self._appended: asyncio.Event | None = None
         self._wall_ms = 0
         self._wall = _EPOCH
+        # The last event's sequence number in each (database, collection) and each
+        # database: a stream on one collection skips, without looking at them, the many
+        # events of the others (a fires ledger's writes past a schedules mirror's stream).
+        self.last_in: dict[tuple[str, str | None], int] = {}
+        self.last_in_db: dict[str, int] = {}
 
     @property
     def last_seq(self) -> int:
         return self._last_seq
+
+    @property
+    def last_ticked(self) -> tuple[int, int] | None:
+        """The last event's cluster time (seconds, increment), if any is kept."""
+        return self._events[-1].ticked if self._events else None
 
     @property
     def first_seq(self) -> int:
@@ -126,17 +155,19 @@ class ChangeLog:
 
     def append(self, db: str, coll: str | None, operation_type: str, **fields: Any) -> ChangeEvent:
         if len(self._events) == self.capacity:
-            self._history_starts_after = self._events[0].cluster_time
-        self._last_seq += 1
-        ts = self.clock.tick()
+            self._history_starts_after = self._events[0].ticked
+        self._last_seq = seq = self._last_seq + 1
+        now_s = time.time()
+        ticked = self.clock.advance(now_s)
         # Millisecond precision, as BSON dates have; one datetime per millisecond is shared
         # by the events written in it (a batch of 1,000 writes is a handful of them).
-        now_ms = int(time.time() * 1000)
+        now_ms = int(now_s * 1000)
         if now_ms != self._wall_ms:
             self._wall_ms = now_ms
             self._wall = _EPOCH + datetime.timedelta(milliseconds=now_ms)
-        event = ChangeEvent(self._last_seq, ts, self._wall, db, coll, operation_type, **fields)
+        event = ChangeEvent(seq, ticked, self._wall, db, coll, operation_type, **fields)
         self._events.append(event)
+        self.last_in[db, coll] = self.last_in_db[db] = seq
         if self._appended is not None:  # wake every waiter once; later ones get a new event
             self._appended.set()
             self._appended = None
@@ -156,7 +187,8 @@ class ChangeLog:
 
         Raises 286 when events at or after ``ts`` fell off the ring.
         """
-        if ts <= self._history_starts_after:
+        wanted = (ts.time, ts.inc)
+        if wanted <= self._history_starts_after:
             raise MongoError(286, "Resume of change stream was not possible, as the resume "
                                   "point may no longer be in the oplog.",
                              errorLabels=["NonResumableChangeStreamError"])
@@ -164,7 +196,7 @@ class ChangeLog:
         lo, hi = 0, len(events)
         while lo < hi:
             mid = (lo + hi) // 2
-            if events[mid].cluster_time < ts:
+            if events[mid].ticked < wanted:
                 lo = mid + 1
             else:
                 hi = mid

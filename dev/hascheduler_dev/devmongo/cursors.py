@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bson
-from bson import Timestamp
 
 from hascheduler_dev.devmongo import engine
 from hascheduler_dev.devmongo.changes import (
@@ -70,7 +69,7 @@ class ChangeStreamCursor(Cursor):
     db: str | None = None
     coll: str | None = None
     position: int = 0  # sequence number of the last event examined
-    position_time: Timestamp | None = None
+    position_ticked: tuple[int, int] | None = None  # its cluster time (ClusterClock)
     full_document: str = "default"
     before_change: str = "off"
     show_expanded: bool = False
@@ -105,14 +104,29 @@ class ChangeStreamCursor(Cursor):
             doc["fullDocumentBeforeChange"] = None
         return doc
 
+    def _none_in_scope(self, changes: ChangeLog) -> bool:
+        """Whether no event after ``position`` is in scope, known without reading them."""
+        if self.db is None:
+            return False
+        if self.coll is None:
+            return changes.last_in_db.get(self.db, 0) <= self.position
+        return (changes.last_in.get((self.db, self.coll), 0) <= self.position
+                and changes.last_in.get((self.db, None), 0) <= self.position)
+
     def collect(self, batch_size: int | None) -> list[Document]:
         """The next events in scope after ``position``, advancing it; never waits."""
-        assert self.changes is not None
+        changes = self.changes
+        assert changes is not None
+        if self._none_in_scope(changes):
+            changes.check_resumable_after(self.position)
+            if changes.last_seq > self.position:
+                self.position, self.position_ticked = changes.last_seq, changes.last_ticked
+            return []
         batch: list[Document] = []
-        for event in self.changes.after(self.position):
+        for event in changes.after(self.position):
             if batch_size is not None and len(batch) >= batch_size:
                 break
-            self.position, self.position_time = event.seq, event.cluster_time
+            self.position, self.position_ticked = event.seq, event.ticked
             if not self._in_scope(event):
                 continue
             shown = self.show_expanded or event.operation_type in _DEFAULT_EVENTS
@@ -121,7 +135,7 @@ class ChangeStreamCursor(Cursor):
             if shown:
                 batch.extend(self._apply_stages(self._render(event)))
             if self._invalidates(event):
-                invalidate = {"_id": encode_token(event.cluster_time, event.seq,
+                invalidate = {"_id": encode_token(event.ticked, event.seq,
                                                   TOKEN_FLAG_INVALIDATE),
                               "operationType": "invalidate",
                               "clusterTime": event.cluster_time,
@@ -146,4 +160,4 @@ class ChangeStreamCursor(Cursor):
         if batch and self.invalidated:
             token: Document = batch[-1]["_id"]
             return token
-        return encode_token(self.position_time or self.changes.clock.current, self.position)
+        return encode_token(self.position_ticked or self.changes.clock.current, self.position)
