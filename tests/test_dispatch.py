@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime as dt
 from types import SimpleNamespace
 
@@ -319,7 +318,7 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time()
         async def admit(self, claims: list[Claim], term: int) -> list[Claim]:
             events.append(("admit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
             # The schedule is paused once its fire was admitted.
-            entries["paused"] = dataclasses.replace(entries["paused"], paused=True)
+            entries["paused"] = entries["paused"].replace(paused=True)
             return claims
 
         def ready(self, claims: list[Claim], term: int) -> None:
@@ -422,8 +421,7 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     fail_batch = 1
     term.watermark = None
     for schedule_id in entries:
-        dispatcher.on_change(schedule_id, dataclasses.replace(entries[schedule_id],
-                                                              revision=2))
+        dispatcher.on_change(schedule_id, entries[schedule_id].replace(revision=2))
     await dispatcher._seed(term, now - dt.timedelta(seconds=1))
     with pytest.raises(LeadershipLost):
         await asyncio.wait_for(dispatcher._fire_loop(term), 10)

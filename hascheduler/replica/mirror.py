@@ -294,7 +294,10 @@ class Mirror(ChangeMirror):
     def status(self) -> dict[str, Any]:
         return {**super().status(), "invalid": len(self.invalid)}
 
-    def _put(self, schedule_id: str, doc: dict[str, Any]) -> None:
+    def _put(self, schedule_id: str, doc: dict[str, Any], streamed: bool = True) -> None:
+        """Keep ``doc``'s entry; a ``streamed`` change's time is noted in
+        ``recently_applied`` (a load's are not: they propagate nothing, and noting a
+        million of them churned the record through a whole load)."""
         try:
             entry = entry_from_document(doc)
         except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
@@ -306,10 +309,11 @@ class Mirror(ChangeMirror):
         self.invalid.pop(schedule_id, None)
         self.entries[schedule_id] = entry
         self._digest = None
-        self.recently_applied[schedule_id] = time.time()
-        self.recently_applied.move_to_end(schedule_id)
-        if len(self.recently_applied) > RECENTLY_APPLIED:
-            self.recently_applied.popitem(last=False)
+        if streamed:
+            self.recently_applied[schedule_id] = time.time()
+            self.recently_applied.move_to_end(schedule_id)
+            if len(self.recently_applied) > RECENTLY_APPLIED:
+                self.recently_applied.popitem(last=False)
         if self.on_change:
             self.on_change(schedule_id, entry)
 
@@ -351,7 +355,7 @@ class Mirror(ChangeMirror):
             seen.add(schedule_id)
             current = entries.get(schedule_id)
             if current is None or current.revision != doc.get("revision"):
-                self._put(schedule_id, doc)
+                self._put(schedule_id, doc, streamed=False)
                 changed += 1
         return changed
 

@@ -625,3 +625,32 @@ def test_a_long_in_list_over_many_candidates_is_looked_up_not_compared() -> None
         found = coll.find(op(), filter_)
     assert len(found) == 5000
     assert "other" not in {doc["_id"] for _, doc in found}
+
+
+@pytest.mark.parametrize("stages", [
+    [{"$match": {"ns.coll": {"$in": ["leases", "fires"]}}}],
+    [{"$match": {"operationType": "update"}}, {"$match": {"documentKey._id": "b"}}],
+    [{"$match": {"fullDocument.term": {"$gte": 2}}}],
+    [{"$match": {"$or": [{"ns.coll": "runs"}, {"updateDescription.updatedFields.term": 3}]}}],
+    [{"$match": {"$expr": {"$eq": ["$operationType", "insert"]}}}],  # the pipeline's
+    [{"$match": {"ns.coll": "fires"}}, {"$project": {"operationType": 1}}],  # the pipeline's
+], ids=repr)
+def test_a_streams_match_stages_select_what_the_pipeline_engine_selects(
+        stages: list[dict[str, Any]]) -> None:
+    """Streams whose stages are only $match filters (no $expr) match each event directly;
+    they show exactly the events the pipeline engine would."""
+    log = ChangeLog(ClusterClock(), capacity=100)
+    for coll, key, term in (("fires", "a", 1), ("runs", "b", 2), ("leases", "b", 3),
+                            ("fires", "b", 3)):
+        log.append("db", coll, "insert", document_key={"_id": key},
+                   full_document={"_id": key, "term": term})
+        log.append("db", coll, "update", document_key={"_id": key},
+                   full_document={"_id": key, "term": term + 1},
+                   before={"_id": key, "term": term})
+    stream = ChangeStreamCursor(1, "db", changes=log, db="db", stages=stages)
+    shown = stream.collect(None)
+    rendered = [stream._render(e) for e in log.after(0)]
+    assert shown == [out for doc in rendered for out in engine.run_pipeline([doc], stages)]
+    assert 0 < len(shown) < len(rendered)
+    direct = all(list(stage) == ["$match"] for stage in stages) and "$expr" not in repr(stages)
+    assert bool(stream._filters) == direct
