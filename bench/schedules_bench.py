@@ -69,9 +69,10 @@ def schedule_documents(n: int, seed: int = 7) -> list[dict[str, Any]]:
 MEASURE_MIRROR = r"""
 import asyncio, gc, json, sys, time, tracemalloc
 from pymongo import AsyncMongoClient
-from hascheduler.process import logs
+from hascheduler.process import gcpolicy, logs
 from hascheduler.replica.mirror import Mirror
 logs.configure("warning")
+gcpolicy.freeze_survivors()  # as `hascheduler serve` does before its mirror loads
 
 async def main(uri, traced):
     client = AsyncMongoClient(uri, tz_aware=True)

@@ -62,9 +62,13 @@ class Entry:
         self.catchup = catchup
         self.catchup_window = catchup_window
         self.target = target
-        uncommon = _Uncommon(fan_out, overlap, paused_until, max_fires, completed, namespace,
-                             success_within)
-        self._uncommon = _DEFAULTS if uncommon == _DEFAULTS else uncommon
+        if (fan_out is None and overlap == "allow" and paused_until is None
+                and max_fires is None and not completed and namespace == "default"
+                and success_within is None):
+            self._uncommon = _DEFAULTS
+        else:
+            self._uncommon = _Uncommon(fan_out, overlap, paused_until, max_fires, completed,
+                                       namespace, success_within)
 
     @property
     def fan_out(self) -> FanOut | None:
