@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import math
+import random
 import unittest.mock
 from typing import Any
 
@@ -479,7 +481,6 @@ def test_an_update_knowing_its_fields_moves_every_index_as_a_rebuild_would() -> 
     """A PlainUpdate tells replace() the only fields it touched, so only the indexes that
     read them are looked at: after 3,000 random updates each index holds what the same
     index built afresh over the same documents holds, and what changed nothing says so."""
-    import random
     rng = random.Random(7)
     specs: list[dict[str, Any]] = [
         {"key": {"state": 1}},
@@ -537,7 +538,6 @@ def test_an_index_order_gives_what_sorting_every_value_and_record_gives() -> Non
     inserts, updates and deletes (values that repeat, mixed types, arrays, NaN), every
     range, its count, its members, and the whole order forwards and backwards are what
     sorting each (value, record) pair gives."""
-    import random
     rng = random.Random(11)
     values: list[Any] = [1, 2, 2.0, Int64(3), True, "a", "b", None,
                          datetime.datetime(2030, 1, 1), datetime.datetime(2030, 1, 2),
@@ -654,3 +654,64 @@ def test_a_streams_match_stages_select_what_the_pipeline_engine_selects(
     assert 0 < len(shown) < len(rendered)
     direct = all(list(stage) == ["$match"] for stage in stages) and "$expr" not in repr(stages)
     assert bool(stream._filters) == direct
+
+
+def test_a_sort_on_plain_values_orders_as_the_general_sort() -> None:
+    """Sorts on top-level fields holding plain scalars (or nothing) order by the values'
+    sort keys, as mongomock's sort (a comparator object per value, 26 us a document)
+    orders them: mixed types by MongoDB's type order, missing as null, ties stable, a
+    compound sort with mixed directions."""
+    from mongomock import aggregate as mm_aggregate
+    rng = random.Random(5)
+    pool: list[Any] = [None, 0, 1, 2.5, -3, Int64(2), "", "a", "b", "ab", True, False,
+                       datetime.datetime(2030, 1, 1), datetime.datetime(2029, 6, 1),
+                       ObjectId("0" * 24), ObjectId("f" * 24)]
+    docs = []
+    for i in range(400):
+        doc: dict[str, Any] = {"_id": i}
+        for name in ("a", "b"):
+            if rng.random() < 0.9:
+                doc[name] = rng.choice(pool)
+        docs.append(doc)
+    for sort in ({"a": 1}, {"a": -1}, {"b": 1, "a": -1}, {"a": -1, "b": 1}, {"a": 1.0}):
+        assert engine.plain_sort(docs, sort) is not None, sort
+        expected = mm_aggregate._handle_sort_stage(docs, None, sort)
+        assert [d["_id"] for d in engine.sort_documents(docs, sort)] == [
+            d["_id"] for d in expected], sort
+    for unplain in ([*docs, {"_id": "arr", "a": [3, 1]}], [*docs, {"_id": "nan", "a": math.nan}],
+                    [*docs, {"_id": "doc", "a": {"x": 1}}]):
+        assert engine.plain_sort(unplain, {"a": 1}) is None  # the general sort's
+    assert engine.plain_sort(docs, {"a.b": 1}) is None
+
+
+def test_the_first_in_order_under_a_costly_filter_reads_candidates_only_until_found() -> None:
+    """Valid but expensive: the next of 10,000 parked runs of a key to wake (a filter with
+    $or, sorted by rank, one wanted). The candidates are ordered first and matched until
+    one is found, and the answers equal matching all and sorting them."""
+    coll = make_collection()
+    coll.create_index({"key": {"wait_key": 1, "wait_rank": 1}, "name": "parked"})
+    rng = random.Random(3)
+    woken = datetime.datetime(2030, 1, 1)
+    for i in range(10_000):
+        coll.insert({"_id": i, "wait_key": "k", "wait_rank": rng.random(),
+                     "state": "waiting" if i % 3 else "running",
+                     "woken_at": None if i % 7 else woken})
+    filter_ = {"wait_key": "k", "state": "waiting",
+               "$or": [{"woken_at": None}, {"woken_at": {"$lt": woken}}]}
+    general = engine.matches
+    calls = 0
+
+    def counted(f: dict[str, Any], doc: dict[str, Any]) -> bool:
+        nonlocal calls
+        calls += 1
+        return general(f, doc)
+
+    for sort, count in (({"wait_rank": 1}, 1), ({"wait_rank": -1}, 5),
+                        ({"state": -1, "wait_rank": 1}, 3)):
+        everything = engine.sort_documents([d for _, d in coll.find(op(), filter_)], sort)
+        calls = 0
+        with unittest.mock.patch.object(engine, "matches", counted):
+            found = coll.find_sorted(op(), filter_, sort, count)
+        assert [d["_id"] for _, d in found] == [d["_id"] for d in everything[:count]]
+        assert all(coll.docs[rid] is d for rid, d in found)
+        assert calls < 100, (sort, calls)

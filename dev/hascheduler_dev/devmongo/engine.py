@@ -629,11 +629,41 @@ def run_pipeline(docs: Iterable[Document], pipeline: list[Document]) -> list[Doc
 def sort_documents(docs: list[Document], sort: Document) -> list[Document]:
     if not sort:
         return docs
+    plain = plain_sort(docs, sort)
+    if plain is not None:
+        return plain
     try:
         result: list[Document] = mm_aggregate._handle_sort_stage(docs, None, sort)
     except _MONGOMOCK_ERRORS as exc:
         raise _engine_error(exc) from exc
     return result
+
+
+def plain_sort(docs: list[Document], sort: Document) -> list[Document] | None:
+    """``docs`` sorted on top-level fields holding plain scalars (or missing: null), by
+    their sort keys; None for anything else (arrays sort by an element, documents field
+    by field: mongomock's). mongomock wraps every value in a comparator object: sorting
+    10,000 parked runs by rank took a quarter of a second of the server's one thread."""
+    fields: list[tuple[str, bool]] = []
+    for name, direction in sort.items():
+        if name[:1] == "$" or "." in name or type(direction) not in (int, float) \
+                or direction not in (1, -1):
+            return None
+        fields.append((name, direction == -1))
+    for doc in docs:
+        for name, _ in fields:
+            value = doc.get(name)
+            if value is not None and (type(value) not in PLAIN_SCALARS or value != value):
+                return None
+    ordered = list(docs)
+    # As MongoDB's compound order: the last field first, each sort stable.
+    for name, descending in reversed(fields):
+        ordered.sort(key=functools.partial(_sort_key_of, name), reverse=descending)
+    return ordered
+
+
+def _sort_key_of(name: str, doc: Document) -> tuple[Any, ...]:
+    return sort_key(doc.get(name))
 
 
 def project(docs: list[Document], projection: Document | None) -> list[Document]:

@@ -461,6 +461,9 @@ class Node:
         docs = None
         if coll and limit and list(sort) == ["_id"] and sort["_id"] in (1, -1):
             docs = coll.first_by_id(self.operation(), filter_, skip + limit, sort["_id"] == -1)
+        if docs is None and coll and sort and limit:
+            docs = [doc for _, doc in coll.find_sorted(self.operation(), filter_, sort,
+                                                         skip + limit)]
         if docs is None:
             docs = [doc for _, doc in coll.find(self.operation(), filter_)] if coll else []
             docs = engine.sort_documents(docs, sort)
@@ -815,11 +818,8 @@ class Node:
             engine.validate_update(update)
         coll = self.catalog.collection(db, name)
         op = self.operation()
-        matches = coll.find(op, q)
-        if body.get("sort"):
-            rid_of = {id(d): rid for rid, d in matches}
-            sorted_docs = engine.sort_documents([d for _, d in matches], body["sort"])
-            matches = [(rid_of[id(d)], d) for d in sorted_docs]
+        sort = body.get("sort")
+        matches = coll.find_sorted(op, q, sort, 1) if sort else coll.find(op, q)
         fields = body.get("fields")
         last_error: Document = {"n": 0}
         value: Document | None = None

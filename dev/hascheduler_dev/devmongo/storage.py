@@ -623,17 +623,49 @@ class Collection:
         return low, low_inc, high, high_inc
 
     def find(self, op: engine.Operation, filter_: Document) -> list[tuple[int, Document]]:
+        rids, residual, simple = self._matching(op, filter_)
+        if not residual:
+            return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
+        check = simple or (lambda doc: engine.matches(residual, doc))
+        return [(rid, self.docs[rid]) for rid in rids
+                if rid in self.docs and check(self.docs[rid])]
+
+    def find_sorted(self, op: engine.Operation, filter_: Document, sort: Document,
+                    count: int) -> list[tuple[int, Document]]:
+        """The first ``count`` matches in ``sort`` order. A filter only the general
+        matcher decides is tried on the candidates in order until ``count`` match (the
+        next of 10,000 parked runs to wake matched every one, then sorted them all)."""
+        rids, residual, simple = self._matching(op, filter_)
+        candidates = [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
+        if residual and simple is None:
+            ordered = engine.plain_sort([doc for _, doc in candidates], sort)
+            if ordered is not None:
+                rid_of = {id(doc): rid for rid, doc in candidates}
+                found: list[tuple[int, Document]] = []
+                for doc in ordered:
+                    if engine.matches(residual, doc):
+                        found.append((rid_of[id(doc)], doc))
+                        if len(found) >= count:
+                            break
+                return found
+        if residual:
+            check = simple or (lambda doc: engine.matches(residual, doc))
+            candidates = [(rid, doc) for rid, doc in candidates if check(doc)]
+        rid_of = {id(doc): rid for rid, doc in candidates}
+        return [(rid_of[id(doc)], doc) for doc in engine.sort_documents(
+            [doc for _, doc in candidates], sort)[:count]]
+
+    def _matching(self, op: engine.Operation, filter_: Document
+                  ) -> tuple[list[int], Document, Any]:
+        """The planner's candidates, the part of the filter left to check on each, and a
+        plain check of that part (None: only the general matcher decides it)."""
         filter_ = op.prepare(filter_)
         rids, decided = self._plan(filter_)
         # Fields the index decided exactly need not be re-checked per candidate (for an
         # $in list that check scans the whole list for every document).
         residual = {k: v for k, v in filter_.items() if k not in decided} if decided \
             else filter_
-        if not residual:
-            return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
-        check = _simple_filter(residual) or (lambda doc: engine.matches(residual, doc))
-        return [(rid, self.docs[rid]) for rid in rids
-                if rid in self.docs and check(self.docs[rid])]
+        return rids, residual, _simple_filter(residual) if residual else None
 
     def get_by_id(self, _id: Any) -> Document | None:
         rids = self.indexes["_id_"].lookup((_id,))
