@@ -715,3 +715,50 @@ def test_the_first_in_order_under_a_costly_filter_reads_candidates_only_until_fo
         assert [d["_id"] for _, d in found] == [d["_id"] for d in everything[:count]]
         assert all(coll.docs[rid] is d for rid, d in found)
         assert calls < 100, (sort, calls)
+
+
+def test_an_insert_deciding_partial_filters_inline_indexes_as_a_build_would() -> None:
+    """An insert decides a partial filter of one top-level equality to a string or an
+    integer, or one $exists, without asking the index; 2,000 random documents (values of
+    every type an equality might confuse: True and 1, 2.0 and 2, [2], missing, null) end
+    up in each index exactly as in the same index built afterwards over them, which asks
+    every index's full filter; a duplicate on a unique partial index leaves no trace."""
+    rng = random.Random(9)
+    specs: list[dict[str, Any]] = [
+        {"key": {"state": 1, "at": -1}},
+        {"key": {"term": 1}, "name": "claimed", "partialFilterExpression": {"state": "c"}},
+        {"key": {"at": 1}, "name": "second", "partialFilterExpression": {"term": 2}},
+        {"key": {"b": 1}, "name": "first", "partialFilterExpression": {"term": 1}},
+        {"key": {"term": -1}, "name": "flagged", "partialFilterExpression": {"flag": True}},
+        {"key": {"k": 1}, "name": "keyed", "unique": True,
+         "partialFilterExpression": {"k": {"$exists": True}}},
+        {"key": {"b.c": 1}, "sparse": True},
+    ]
+    values: list[Any] = [1, 1.0, True, False, 2, 2.0, Int64(2), [2], [1, "c"], "c", "p", None,
+                         {"c": 1}, datetime.datetime(2030, 1, 1)]
+    names = ["state", "term", "flag", "at", "b"]
+    coll = make_collection()
+    for spec in specs:
+        coll.create_index(spec)
+    refused = 0
+    for i in range(2000):
+        doc = {"_id": i, **{n: rng.choice(values) for n in names if rng.random() < 0.7}}
+        if rng.random() < 0.3:
+            doc["k"] = rng.choice([f"k{rng.randint(0, 300)}", None])
+        try:
+            coll.insert(doc)
+        except DuplicateKey:
+            refused += 1
+            assert all(d["_id"] != i for d in coll.docs.values())
+    assert refused > 0
+    fresh = make_collection()
+    for rid, doc in coll.docs.items():
+        fresh.docs[rid] = doc
+    for spec in specs:
+        fresh.create_index(spec)
+    for name, index in coll.indexes.items():
+        if name != "_id_":  # the fresh one's was made before its documents were put in
+            assert index.entries == fresh.indexes[name].entries, name
+            assert index.held == fresh.indexes[name].held, name
+    assert coll.indexes["second"].held > 0
+    assert coll.indexes["claimed"].held > 0

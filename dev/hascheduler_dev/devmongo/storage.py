@@ -34,6 +34,9 @@ from hascheduler_dev.devmongo.values import (
     type_rank,
 )
 
+# How an insert decides whether an index holds a document (Collection._insert_steps).
+_ALWAYS, _EQUAL, _PRESENT, _GENERAL = "always", "equal", "present", "general"
+
 # Values whose index keys need no array or document walk (a missing field indexes as null).
 _SCALAR_TYPES = PLAIN_SCALARS | {type(None)}
 _NEG_INF = float("-inf")
@@ -209,10 +212,12 @@ class Index:
         per_field = [[key_of(v) for v in vs] for vs in values]
         return list(dict.fromkeys(itertools.product(*per_field))), values[0]
 
-    def add(self, rid: int, doc: Document, unique_check: bool = False) -> None:
+    def add(self, rid: int, doc: Document, unique_check: bool = False,
+            applies: bool = False) -> None:
         """Index ``doc`` as record ``rid``; with ``unique_check``, first raise
-        DuplicateKeyConflict if a unique key is held by another record."""
-        if not self.applies_to(doc):
+        DuplicateKeyConflict if a unique key is held by another record. ``applies``: the
+        caller knows the index holds the document (its partial filter was checked)."""
+        if not applies and not self.applies_to(doc):
             return
         keys, firsts = self._keys(doc)
         if unique_check and self.unique:
@@ -465,6 +470,9 @@ class Collection:
         # The indexes an update of these top-level fields may move a document in, per set
         # of fields updated (a few shapes of update, written thousands of times a second).
         self._touching: dict[frozenset[str], list[Index]] = {}
+        # Each index in order, with how an insert decides whether it holds a document
+        # (None: built at the next insert; see _insert_steps).
+        self._inserting: list[tuple[Index, str, str, Any]] | None = None
 
     @property
     def ns(self) -> str:
@@ -697,17 +705,57 @@ class Collection:
         """Add ``doc`` to the indexes (all by default), undoing it all on a duplicate key."""
         added: list[Index] = []
         try:
-            for index in self.indexes.values() if indexes is None else indexes:
-                try:
-                    index.add(rid, doc, unique_check=True)
-                except DuplicateKeyConflict:
-                    raise DuplicateKey(self.ns, index.name, dict(index.key),
-                                       {f: _first_value(doc, f) for f in index.fields}) from None
-                added.append(index)
+            if indexes is None:
+                for index, how, field_, want in self._insert_steps():
+                    if how == _EQUAL:
+                        value = doc.get(field_, MISSING)
+                        if value.__class__ is want.__class__:
+                            if value != want:
+                                continue
+                        elif value is MISSING or not index.applies_to(doc):
+                            continue  # another type: True is not 1, 1.0 is
+                    elif how == _PRESENT and field_ not in doc:
+                        continue
+                    self._add_new(index, rid, doc, how != _GENERAL)
+                    added.append(index)
+            else:
+                for index in indexes:
+                    self._add_new(index, rid, doc, False)
+                    added.append(index)
         except BaseException:
             for index in added:
                 index.remove(rid, doc)
             raise
+
+    def _add_new(self, index: Index, rid: int, doc: Document, applies: bool) -> None:
+        try:
+            index.add(rid, doc, unique_check=True, applies=applies)
+        except DuplicateKeyConflict:
+            raise DuplicateKey(self.ns, index.name, dict(index.key),
+                               {f: _first_value(doc, f) for f in index.fields}) from None
+
+    def _insert_steps(self) -> list[tuple[Index, str, str, Any]]:
+        """Each index in order, with how an insert decides that it holds the document: a
+        partial filter of one top-level equality to a string or an integer, or one
+        ``$exists: true``, is decided inline (an insert into the fires ledger asked its
+        five partial indexes, four of which never hold a new claim, a method call each)."""
+        if self._inserting is None:
+            steps: list[tuple[Index, str, str, Any]] = []
+            for index in self.indexes.values():
+                how, field_, want = _GENERAL, "", None
+                partial = index.partial_filter
+                if partial is None and not index.sparse:
+                    how = _ALWAYS
+                elif partial is not None and not index.sparse and len(partial) == 1:
+                    name, wanted = next(iter(partial.items()))
+                    if name[:1] != "$" and "." not in name:
+                        if wanted.__class__ in (str, int):
+                            how, field_, want = _EQUAL, name, wanted
+                        elif wanted == {"$exists": True}:
+                            how, field_ = _PRESENT, name
+                steps.append((index, how, field_, want))
+            self._inserting = steps
+        return self._inserting
 
     def replace(self, rid: int, new: Document, replacement: bool,
                 validated: bool = False, touched: frozenset[str] | None = None) -> bool:
@@ -801,6 +849,7 @@ class Collection:
             index.add(rid, doc)
         self.indexes[name] = index
         self._touching.clear()
+        self._inserting = None
         self.catalog.ensure_registered(self)
         return True
 
@@ -811,6 +860,7 @@ class Collection:
             if name == name_or_key or dict(index.key) == name_or_key:
                 del self.indexes[name]
                 self._touching.clear()
+                self._inserting = None
                 return
         raise MongoError(27, f"index not found with name [{name_or_key}]")
 
