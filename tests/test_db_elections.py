@@ -76,7 +76,7 @@ class LeaderWatch:
                 leading = [name for name, says in zip(names, answers, strict=True) if says]
                 if len(leading) > 1:
                     self.overlaps.append(leading)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the sampling interval, not a wait for a state
 
     async def stop(self) -> None:
         self._task.cancel()

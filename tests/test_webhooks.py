@@ -68,6 +68,7 @@ class Receiver:
         self.endpoints = {name: Endpoint(name) for name in ("flaky", "hang", "slow", "huge")}
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._closing = asyncio.Event()  # what /hang's first attempts wait for
 
     async def start(self) -> Receiver:
         app = web.Application()
@@ -79,6 +80,7 @@ class Receiver:
         return self
 
     async def close(self) -> None:
+        self._closing.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -89,9 +91,9 @@ class Receiver:
         endpoint.tries[delivery] += 1
         attempt = endpoint.tries[delivery]
         if endpoint.behaviour == "hang" and attempt == 1:
-            await asyncio.sleep(30)
+            await self._closing.wait()  # no answer while the test runs
         if endpoint.behaviour == "slow":
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # the slowness under test, not a wait for a state
         if endpoint.behaviour == "flaky" and attempt <= 2:
             return web.Response(status=500, text="not now")
         if endpoint.behaviour == "huge":  # 20 MB of an error page, every time
