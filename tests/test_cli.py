@@ -23,6 +23,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["devmongo", "--port", "http"], "not a port number"),
     (["devmongo", "--port", "70000"], "not a port number"),
     (["devmongo", "--oplog-size", "0"], "must be at least 1"),
+    (["devmongo", "--slowms", "-1"], "must be at least 0"),
+    (["devmongo", "--slowms", "0.5"], "is not a whole number"),
     (["devmongo", "--replset", "a b"], "is not a replica set name"),
     (["nonsense"], "invalid choice"),
     (["serve"], "--mongodb-uri (or HASCHEDULER_MONGODB_URI) is required"),

@@ -4,6 +4,7 @@ one per schedule; an audit builds them to say what was due."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import sys
 from dataclasses import dataclass
@@ -28,15 +29,15 @@ class _Uncommon:
 
 
 _DEFAULTS = _Uncommon()
+_DEFAULT_VALUES = dataclasses.astuple(_DEFAULTS)
 
 
 class Entry:
     """One schedule as the firing engine keeps it.
 
     Compact because every replica holds one per schedule: the settings most schedules
-    leave at their defaults live in one shared object until a schedule sets one (the
-    mirror held 450 bytes per schedule at 10,000 schedules, above their documents' BSON
-    size; see docs/BENCHMARKS.md)."""
+    leave at their defaults live in one shared object until a schedule sets one (bytes
+    per schedule against the documents' BSON size: docs/BENCHMARKS.md, Schedules)."""
 
     __slots__ = (
         "_uncommon",
@@ -51,10 +52,11 @@ class Entry:
 
     def __init__(self, revision: int, paused: bool, trigger: triggers.Trigger, jitter: float,
                  catchup: str, catchup_window: float, target: str,
-                 fan_out: FanOut | None = None, overlap: str = "allow",
-                 paused_until: dt.datetime | None = None, max_fires: int | None = None,
-                 completed: bool = False, namespace: str = "default",
-                 success_within: float | None = None) -> None:
+                 fan_out: FanOut | None = _DEFAULTS.fan_out, overlap: str = _DEFAULTS.overlap,
+                 paused_until: dt.datetime | None = _DEFAULTS.paused_until,
+                 max_fires: int | None = _DEFAULTS.max_fires,
+                 completed: bool = _DEFAULTS.completed, namespace: str = _DEFAULTS.namespace,
+                 success_within: float | None = _DEFAULTS.success_within) -> None:
         self.revision = revision
         self.paused = paused
         self.trigger = trigger
@@ -62,13 +64,9 @@ class Entry:
         self.catchup = catchup
         self.catchup_window = catchup_window
         self.target = target
-        if (fan_out is None and overlap == "allow" and paused_until is None
-                and max_fires is None and not completed and namespace == "default"
-                and success_within is None):
-            self._uncommon = _DEFAULTS
-        else:
-            self._uncommon = _Uncommon(fan_out, overlap, paused_until, max_fires, completed,
-                                       namespace, success_within)
+        uncommon = (fan_out, overlap, paused_until, max_fires, completed, namespace,
+                    success_within)
+        self._uncommon = _DEFAULTS if uncommon == _DEFAULT_VALUES else _Uncommon(*uncommon)
 
     @property
     def fan_out(self) -> FanOut | None:
@@ -130,9 +128,9 @@ class Entry:
                                                    or nominal < self.paused_until))
 
 
-_FIELDS = ("revision", "paused", "trigger", "jitter", "catchup", "catchup_window", "target",
-           "fan_out", "overlap", "paused_until", "max_fires", "completed", "namespace",
-           "success_within")
+# Every constructor argument: the ones kept on the entry, then the uncommon ones.
+_FIELDS = (*(name for name in Entry.__slots__ if name != "_uncommon"),
+           *(f.name for f in dataclasses.fields(_Uncommon)))
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:

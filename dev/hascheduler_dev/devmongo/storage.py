@@ -95,8 +95,8 @@ def _simple_filter(spec: Document | None) -> Any:
 def _plain_keys(cond: Document) -> frozenset[Hashable] | None:
     """For ``{"$in": [...]}`` of plain scalars (no null, NaN, array, document or regex):
     the values' equality keys, so that a document's value is looked up rather than
-    compared with each (1,000 schedules' waiting fires checked against 1,000 ids held the
-    server for half a second)."""
+    compared with each (mongomock's way: a long list over many candidates holds the
+    server, and everything queued behind it, a lease renewal too)."""
     values = cond.get("$in") if len(cond) == 1 else None
     if not isinstance(values, list) or not all(
             v.__class__ in PLAIN_SCALARS and v == v for v in values):
@@ -641,8 +641,8 @@ class Collection:
     def find_sorted(self, op: engine.Operation, filter_: Document, sort: Document,
                     count: int) -> list[tuple[int, Document]]:
         """The first ``count`` matches in ``sort`` order. A filter only the general
-        matcher decides is tried on the candidates in order until ``count`` match (the
-        next of 10,000 parked runs to wake matched every one, then sorted them all)."""
+        matcher decides is tried on the candidates in order until ``count`` match, rather
+        than on every candidate before sorting (the next parked run of a long queue)."""
         rids, residual, simple = self._matching(op, filter_)
         candidates = [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
         if residual and simple is None:
