@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from bson import Timestamp
 
-from hascheduler.replica.mirror import Mirror, decide, read_ahead
+from hascheduler.replica.mirror import RECENTLY_APPLIED, Mirror, decide, read_ahead
 from tests.drivers import Driver
 from tests.waiting import wait_until
 
@@ -54,6 +54,17 @@ def test_events_in_order_converge_and_stale_ones_never_move_back() -> None:
     mirror.apply(event("delete", "a", ts=9))
     assert "a" not in mirror.entries
     assert mirror.last_applied == Timestamp(9, 1)
+
+
+def test_only_streamed_changes_are_noted_as_recently_applied() -> None:
+    """A load propagates nothing: its schedules are not noted (a million of them churned
+    the bounded record through the whole load); a streamed change is, the newest last."""
+    mirror = Mirror(collection=None)
+    mirror.load([doc(f"s{i}", 1) for i in range(3 * RECENTLY_APPLIED)])
+    assert not mirror.recently_applied
+    mirror.apply(event("insert", "new", doc("new", 1)))
+    mirror.apply(event("update", "s1", doc("s1", 2)))
+    assert list(mirror.recently_applied) == ["new", "s1"]
 
 
 def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
