@@ -14,7 +14,9 @@ over a real socket:
   publish mark, an overlap policy's run reservation, the run's end), with the ledgers' own
   indexes, their ordered ones built as the leader's range scans build them, against
   plain inserts of as many claim documents into a collection with only ``_id`` (baseline,
-  same run).
+  same run); and the same writes on a second server running its modules from their sources
+  (``--from-sources``) against the compiled build the first runs
+  (hascheduler_dev/devmongo/native.py).
 Prints a Markdown table and the command line that produced it.
 """
 
@@ -36,7 +38,7 @@ from pymongo import AsyncMongoClient
 from hascheduler.core.claims import Claim
 from hascheduler.storage.fires import Ledger, claim_record
 from hascheduler.storage.runs import RunLedger
-from tests.servers import start_devmongo
+from tests.servers import devmongo_compiled, start_devmongo
 
 WATCHER = r"""
 import asyncio, json, sys, time
@@ -191,6 +193,7 @@ async def main() -> int:
     parser.add_argument("--ledger-rounds", type=int, default=10)
     args = parser.parse_args()
     server = start_devmongo()
+    compiled = devmongo_compiled(server)
     try:
         client: Any = AsyncMongoClient(server.uri)
         r = await storage_rates(client, args.docs, args.ops)
@@ -202,10 +205,25 @@ async def main() -> int:
         await client.close()
     finally:
         server.stop()
+    sourced: dict[str, float] = {}
+    if args.ledger_fires and compiled:
+        plain = start_devmongo("--from-sources")
+        try:
+            client = AsyncMongoClient(plain.uri)
+            assert plain.pid is not None
+            sourced = await ledger_cost(client, plain.pid, args.ledger_fires,
+                                        args.ledger_rounds)
+            await client.close()
+        finally:
+            plain.stop()
     command = "python -m bench.devmongo_bench " + " ".join(sys.argv[1:])
     print(f"# devmongo benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
           f"{os.cpu_count()} cores, Python {platform.python_version()}")
     print(f"command: `{command.strip()}`\n")
+    print("development server: " + ("its compiled build (mypyc; hascheduler_dev/devmongo/"
+                                    "native.py)" if compiled else "from its sources (no "
+                                    "compiled build for them: `python -m "
+                                    "hascheduler_dev.devmongo.native build`)") + "\n")
     print("| measure | empty collection (baseline) | " f"{args.docs:,} documents | ratio |")
     print("|---|---|---|---|")
     print(f"| insert_one round trips/s | {r['insert_empty']:,.0f} | {r['insert_full']:,.0f} | "
@@ -230,6 +248,15 @@ async def main() -> int:
               f"{ledgers['plain insert']:.1f} us |")
         print(f"\nfiring path per governed fire: {total / ledgers['plain insert']:.1f} plain "
               "inserts' worth of server CPU")
+    if sourced:
+        print("\n| ledger write | compiled build | from its sources (baseline) | ratio |")
+        print("|---|---|---|---|")
+        for name in [*LEDGER_WRITES, "plain insert"]:
+            print(f"| {name} | {ledgers[name]:.1f} us | {sourced[name]:.1f} us | "
+                  f"{ledgers[name] / sourced[name]:.2f}x |")
+        total_sourced = sum(sourced[name] for name in LEDGER_WRITES)
+        print(f"| all four (a governed fire) | {total:.1f} us | {total_sourced:.1f} us | "
+              f"{total / total_sourced:.2f}x |")
     worst = max(r["insert_empty"] / r["insert_full"], r["find_empty"] / r["find_full"])
     if worst > 2.0:
         print(f"FAIL: a rate degraded {worst:.2f}x with size (limit 2x)")

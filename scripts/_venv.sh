@@ -19,6 +19,15 @@ ensure_venv() {
     .venv/bin/python -m pip install --quiet -e '.[dev,test]' -e ./dev
     touch .venv/.installed
   fi
+  # The development server's hot modules compiled with mypyc
+  # (dev/hascheduler_dev/devmongo/native.py), again whenever its sources or the venv
+  # changed; if that fails the server runs from its sources, and says why here.
+  local stamp=dev/.compiled/.checked
+  if [ ! -f "$stamp" ] || [ .venv/.installed -nt "$stamp" ] \
+      || [ -n "$(find dev/hascheduler_dev/devmongo -name '*.py' -newer "$stamp" -print -quit)" ]; then
+    .venv/bin/python -m hascheduler_dev.devmongo.native build >/dev/null || true
+    mkdir -p dev/.compiled && touch "$stamp"
+  fi
 }
 
 # Debian packages the test suite runs for real: chromium (the dashboard's browser test),

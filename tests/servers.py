@@ -88,6 +88,13 @@ def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
     return start_cli(["devmongo", "--port", "0", *args], "mongodb://", startup_s)
 
 
+def devmongo_compiled(server: ServerProcess) -> bool:
+    """Whether a started ``hascheduler devmongo`` runs its compiled build (its log says)."""
+    assert server.log_path is not None
+    return [json.loads(line)["compiled"] for line in Path(server.log_path).read_text(
+        ).splitlines() if '"devmongo_listening"' in line] == [True]
+
+
 def start_replica(mongodb_uri: str, replica_id: str, *args: str,
                   startup_s: float = 30.0, env: dict[str, str] | None = None) -> ServerProcess:
     """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL (http://

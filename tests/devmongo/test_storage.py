@@ -414,7 +414,8 @@ def test_the_ttl_sweep_deletes_in_chunks_and_spares_a_document_refreshed_meanwhi
     """The sweep yields between chunks (a big one held every client, a lease renewal too);
     a document whose TTL field was moved forward during a yield is not deleted. The sweep
     is stepped by hand: each send runs it to its next yield."""
-    from hascheduler_dev.devmongo.node import TTL_CHUNK, Node, Settings
+    from hascheduler_dev.devmongo.node import TTL_CHUNK, Node
+    from hascheduler_dev.devmongo.settings import Settings
 
     node = Node(Settings())
     coll = node.catalog.collection("db", "c")

@@ -11,8 +11,8 @@ from typing import Any
 from hascheduler.cli import settings as cli
 from hascheduler.core.errors import ConfigError
 from hascheduler.process import gcpolicy
-from hascheduler_dev.devmongo import Settings, serve_forever
-from hascheduler_dev.devmongo.server import tls_context
+from hascheduler_dev.devmongo import native
+from hascheduler_dev.devmongo.settings import Settings
 
 _DEFAULTS = Settings()
 
@@ -27,8 +27,8 @@ def _env(flag: str) -> str:
     return "HASCHEDULER_DEVMONGO_" + flag.removeprefix("--").replace("-", "_").upper()
 
 
-SETTINGS = tuple(cli.Setting(flag, default, parse, help_text, env=_env(flag)) for
-                 flag, default, parse, help_text in (
+SETTINGS = (*(cli.Setting(flag, default, parse, help_text, env=_env(flag)) for
+               flag, default, parse, help_text in (
     ("--host", _DEFAULTS.host, cli.text, "address to listen on and advertise"),
     ("--port", _DEFAULTS.port, cli.port, "TCP port (0: any free port)"),
     ("--replset", _DEFAULTS.replset, _replset, "replica set name"),
@@ -42,7 +42,9 @@ SETTINGS = tuple(cli.Setting(flag, default, parse, help_text, env=_env(flag)) fo
      "log a command that holds the server this many milliseconds or longer (as mongod's)"),
     ("--tls-certificate-key-file", None, cli.text, "PEM file with the server's certificate and "
      "key: accept TLS connections only (as mongod's option)"),
-))
+)), cli.Setting("--from-sources", False, cli.boolean, "run the server's modules from their "
+                "sources even when their compiled build exists (to compare the two)",
+                env=_env("--from-sources"), switch=True))
 
 
 def add_parser(sub: Any) -> None:
@@ -52,6 +54,10 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     v = cli.resolve(args, SETTINGS)
+    if not v["from_sources"]:
+        native.load()  # before the server's modules are imported, or they run from source
+    from hascheduler_dev.devmongo.server import serve_forever, tls_context
+
     settings = Settings(host=v["host"], port=v["port"], replset=v["replset"],
                         oplog_size=v["oplog_size"], cursor_timeout_s=v["cursor_timeout"],
                         ttl_interval_s=v["ttl_interval"], slow_ms=v["slowms"],

@@ -41,6 +41,7 @@ from hascheduler_dev.devmongo.errors import (
     type_mismatch,
 )
 from hascheduler_dev.devmongo.failpoints import Action, FailPoints
+from hascheduler_dev.devmongo.settings import Settings
 from hascheduler_dev.devmongo.storage import Catalog, Collection, validate_namespace
 from hascheduler_dev.devmongo.values import MISSING, Document, get_path, key_of
 
@@ -68,22 +69,6 @@ READ_COMMANDS = frozenset({"find", "getMore", "aggregate", "count", "distinct",
 WAITING_COMMANDS = frozenset({"getMore", "hello", "isMaster", "ismaster", "replSetStepDown"})
 MAX_STEP_DOWN_S = 3600.0
 MAX_REMEMBERED_SESSIONS = 100_000
-
-
-@dataclass
-class Settings:
-    host: str = "127.0.0.1"
-    port: int = 27017
-    replset: str = "rs0"
-    oplog_size: int = 1_000_000
-    cursor_timeout_s: float = 600.0
-    ttl_interval_s: float = 1.0
-    # A command that holds the (single-threaded) server longer is logged, as mongod's
-    # slow operations are: everything else waits behind it, a lease renewal too.
-    slow_ms: int = 100
-    # PEM holding the certificate and its key, as mongod's --tlsCertificateKeyFile: the
-    # server then accepts TLS connections only (mongod's --tlsMode requireTLS).
-    tls_certificate_key_file: str | None = None
 
 
 @dataclass

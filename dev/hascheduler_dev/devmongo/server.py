@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from hascheduler_dev.devmongo import wire
-from hascheduler_dev.devmongo.node import CloseConnection, ConnectionContext, Node, Settings
+from hascheduler_dev.devmongo import native, wire
+from hascheduler_dev.devmongo.node import CloseConnection, ConnectionContext, Node
+from hascheduler_dev.devmongo.settings import Settings
 
 log = structlog.get_logger("hascheduler.devmongo")
 
@@ -53,7 +54,7 @@ class DevMongoServer:
                                                             self.node.reap_expired_documents)),
                             asyncio.create_task(self._every(1.0, self.node.reap_idle_cursors))]
         log.info("devmongo_listening", uri=self.uri, replset=s.replset,
-                 oplog_size=s.oplog_size)
+                 oplog_size=s.oplog_size, compiled=native.running_compiled())
 
     async def stop(self) -> None:
         self.node.shutting_down.set()

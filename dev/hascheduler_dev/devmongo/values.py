@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import Hashable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, ClassVar
 
 from bson import Binary, Code, Decimal128, Int64, MaxKey, MinKey, ObjectId, Regex, Timestamp
 
@@ -22,7 +22,7 @@ Document = dict[str, Any]
 class _Missing:
     """A field absent from a document (distinct from an explicit null)."""
 
-    _instance: _Missing | None = None
+    _instance: ClassVar[_Missing | None] = None
 
     def __new__(cls) -> _Missing:
         if cls._instance is None:
