@@ -75,12 +75,20 @@ class OverlapGate:
         # The earliest fire of each key with nothing waiting asks the database for the
         # key's one open run; a key already open refuses it, naming its open run.
         first: dict[Key, Claim] = {}
-        for claim in sorted(governed, key=lambda c: (c.nominal_at, c.fire_id)):
-            key = (claim.schedule_id, claim.tenant)
-            if key not in first and not buffered.get(key):
-                first[key] = claim
+        if not buffered and len(keys) == len(governed):
+            first = {(c.schedule_id, c.tenant): c for c in governed}  # one fire per key
+        else:
+            for claim in sorted(governed, key=lambda c: (c.nominal_at, c.fire_id)):
+                key = (claim.schedule_id, claim.tenant)
+                if key not in first and not buffered.get(key):
+                    first[key] = claim
         now = self.clock()
         refused = await self.runs.reserve(list(first.values()), targets, now)
+        if not refused and len(first) == len(governed):
+            # Each fire holds its key's open run now: all go (as decide() would say).
+            if released:
+                self.releasing -= keys
+            return claims
         open_runs: dict[Key, list[str]] = {
             key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused}
         if buffered:  # what those keys wait for, for the record
