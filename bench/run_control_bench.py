@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import sys
@@ -80,17 +79,19 @@ async def workers_ending_at_once(c: Cluster, nats_uri: str, overlap: str, since:
             if not messages:
                 continue
             now = dt.datetime.now(dt.UTC)
-            events = [json.loads(m.data) for m in messages]
+            # The fire id is the message's deduplication header: no event body is parsed
+            # (a worker runs elsewhere; this stand-in shares the measured machine).
+            fires = [m.headers["Nats-Msg-Id"] for m in messages if m.headers]
             if overlap == "allow":
                 await c.db.runs.insert_many([{
-                    "_id": e["id"], "schedule_id": e["id"].split("@", 1)[0],
+                    "_id": fire, "schedule_id": fire.split("@", 1)[0],
                     "target": "bench.runs", "nominal_at": dt.datetime.fromisoformat(
-                        e["data"]["nominal_at"]), "attempts": 1, "replays": 0,
+                        fire.split("@", 1)[1]), "attempts": 1, "replays": 0,
                     "state": "succeeded", "first_started_at": now, "finished_at": now,
-                    "recorded_at": now} for e in events], ordered=False)
+                    "recorded_at": now} for fire in fires], ordered=False)
             else:
                 await c.db.runs.update_many(
-                    {"_id": {"$in": [e["id"] for e in events]}, "state": "pending"},
+                    {"_id": {"$in": fires}, "state": "pending"},
                     {"$set": {"state": "succeeded", "attempts": 1, "first_started_at": now,
                               "finished_at": now, "recorded_at": now},
                      "$unset": {"open_key": ""}})

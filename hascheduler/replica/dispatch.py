@@ -324,7 +324,8 @@ class Dispatcher:
         if not claims:
             return []
         term.check()
-        docs = [claim_record(c, term.number, now, self._retry_at(now)) for c in claims]
+        retry_at = self._retry_at(now)
+        docs = [claim_record(c, term.number, now, retry_at) for c in claims]
         try:
             with term.fenced():
                 taken = await asyncio.wait_for(self.ledger.claim(docs),

@@ -7,6 +7,7 @@ import datetime
 import itertools
 import math
 import random
+import re
 import unittest.mock
 from typing import Any
 
@@ -763,3 +764,80 @@ def test_an_insert_deciding_partial_filters_inline_indexes_as_a_build_would() ->
             assert index.held == fresh.indexes[name].held, name
     assert coll.indexes["second"].held > 0
     assert coll.indexes["claimed"].held > 0
+
+
+SYSTEM_VARIABLE_EXPRESSIONS: list[Any] = [
+    {"_id": {"$in": [f"f{i}" for i in range(50)]}, "term": 3, "state": "claimed"},
+    {"at": "$$NOW", "n": 1},
+    {"a": [1, "x", {"b": ["$$CLUSTER_TIME"]}]},
+    {"$expr": {"$lt": ["$expires_at", "$$NOW"]}},
+    {"$literal": "$$NOW"},
+    {"keep": {"$literal": "$$NOW"}, "x": ["$$NOW"]},
+    ["$$NOW", {"$literal": ["$$NOW"]}],
+    "$$NOW",
+    "$NOW",
+    {"s": "$$", "t": "$$$NOW"},
+    {"nested": [[["$$NOW"]]], "none": None, "when": datetime.datetime(2030, 1, 1)},
+]
+
+
+@pytest.mark.parametrize("expr", SYSTEM_VARIABLE_EXPRESSIONS)
+def test_system_variables_are_substituted_as_a_full_walk_does_and_nothing_is_copied_without(
+        expr: Any) -> None:
+    """The walk returns the expression itself when it names no system variable (a filter's
+    long $in list is not rebuilt); otherwise what the full rebuild gives."""
+    now = datetime.datetime(2031, 5, 6, 7, 8, 9)
+    ts = Timestamp(1, 2)
+    got = engine.substitute_system_vars(expr, now, ts)
+    assert got == engine._substituted(expr, now, ts)
+    if not engine._names_variables(expr):
+        assert got is expr
+    if engine._substituted(expr, now, ts) != expr:  # never missed where one is named
+        assert engine._names_variables(expr)
+
+
+@pytest.mark.parametrize("filter_", [
+    {"_id": {"$in": ["a", "b"]}, "term": 2, "state": "claimed"},
+    {"a.b": 1, "c": None, "d": datetime.datetime(2030, 1, 1), "e": {"$in": [None, 1.5]}},
+    {"x": {"$in": [1], "$nin": [2]}},
+    {"x": {"$bogus": 1}},
+    {"x": {"$in": 5}},
+    {"x": {"$in": [{"$gt": 1}]}},
+    {"$and": [{"x": 1}]},
+    {"$where": "1"},
+    {"x": {"$regex": "(unclosed"}},
+    {"x": {"$in": [re.compile("a")]}},
+])
+def test_a_filter_is_refused_exactly_when_mongomock_refuses_it(filter_: Any) -> None:
+    """Plain filters skip mongomock's validation: each is accepted or refused as
+    mongomock's check (the general path) accepts or refuses it."""
+    try:
+        engine.mm_filtering.filter_applies(filter_, {})
+        expected = None
+    except engine._MONGOMOCK_ERRORS as exc:
+        expected = type(engine._engine_error(exc))
+    if expected is None:
+        assert engine.check_filter(filter_) is filter_
+    else:
+        with pytest.raises(expected):
+            engine.check_filter(filter_)
+    if engine._plainly_valid(filter_):
+        assert expected is None
+
+
+def test_a_plain_update_stores_what_mongomocks_helper_makes_of_each_value() -> None:
+    """Scalars are set as given; datetimes (moved to UTC, to the millisecond), documents
+    and arrays as the helper rebuilds them, never shared with the command."""
+    aware = datetime.datetime(2030, 1, 1, 12, 0, 0, 123456,
+                              tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    inner = {"k": [1, aware]}
+    sets = {"s": "x", "i": 3, "f": 1.5, "b": True, "n": None, "l": Int64(7),
+            "o": ObjectId(), "d": aware, "doc": inner, "arr": [aware]}
+    plan = engine.plain_update_plan({"$set": sets})
+    assert plan is not None
+    for name, value in sets.items():
+        assert plan.sets[name] == engine.mm_helpers.patch_datetime_awareness_in_document(
+            value), name
+    assert plan.sets["d"] == datetime.datetime(2030, 1, 1, 10, 0, 0, 123000)
+    assert plan.sets["doc"] is not inner
+    assert plan.sets["doc"]["k"] is not inner["k"]
