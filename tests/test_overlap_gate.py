@@ -151,3 +151,30 @@ async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_writ
                                 else BUFFERED)
         if doc["state"] == "skipped":
             assert doc["reason"] == "overlap"
+
+
+async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_it(
+        gate: OverlapGate) -> None:
+    """Ahead of the due time an open run holds the fire back, recording nothing; at the
+    due time it goes if that run has ended, and only a run still open then skips it."""
+    now = dt.datetime.now(dt.UTC)
+    first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
+    for claim in (first, second, third):
+        claim.overlap = "skip"
+    targets = {"s": "jobs.s"}
+    assert await gate.admit_ahead([first], targets, TERM) == ([first], [])
+    assert await gate.admit_ahead([second], targets, TERM) == ([], [second])
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert doc["state"] == "claimed"  # nothing decided yet
+    await gate.runs.unreserve(first.fire_id)  # the first's run ends before the due time
+    assert await gate.admit([second], targets, TERM) == [second]
+    assert await gate.runs.open_runs([open_key("s", None)]) == {
+        open_key("s", None): second.fire_id}
+
+    assert await gate.admit_ahead([third], targets, TERM) == ([], [third])
+    assert await gate.admit([third], targets, TERM) == []  # still open at its due time
+    doc = await gate.ledger.fires.find_one({"_id": third.fire_id})
+    assert doc is not None
+    assert (doc["state"], doc["reason"], doc["open_run"]) == (
+        "skipped", "overlap", second.fire_id)

@@ -72,11 +72,10 @@ CLAIMS_IN_FLIGHT = 2
 CLAIM_AHEAD_S = 1.5
 
 
-# A claimed fire passes the overlap gate (its run reserved, or it is skipped or buffered)
-# this long before its due time, so the reservation's database round trip is not part of
-# its lateness; a run that ends in that last fraction of a second before the due time
-# counts as still open at the fire. Long enough for the reservations of thousands of
-# fires due together.
+# A claimed fire passes the overlap gate (its run reserved) this long before its due
+# time, so the reservation's database round trip is not part of its lateness; one whose
+# key's run is still open then is asked again at its due time. Long enough for the
+# reservations of thousands of fires due together.
 ADMIT_AHEAD_S = 0.25
 
 # Fires due within one tick are published together at its end (never before their due
@@ -419,6 +418,7 @@ class Dispatcher:
         time, and publish it at its due time, in groups due together."""
         claimed = sorted(claimed, key=lambda c: c.due_at)
         admitted: list[Claim] = []  # through the gate, awaiting their due time
+        held: set[str] = set()  # among them, those the gate asks again at their due time
         ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
         everything = claimed
         try:
@@ -435,33 +435,40 @@ class Dispatcher:
                 if claimed and claimed[0].due_at - ahead <= now:
                     coming = [c for c in claimed if c.due_at - ahead <= now]
                     claimed = claimed[len(coming):]
-                    admitted = sorted(admitted + await self._admit(coming, term),
-                                      key=lambda c: c.due_at)
+                    passed, again = await self._admit(coming, term)
+                    held.update(c.fire_id for c in again)
+                    admitted = sorted(admitted + passed + again, key=lambda c: c.due_at)
                     continue
                 due = [c for c in admitted if c.due_at <= now]
                 admitted = admitted[len(due):]
                 try:
                     wanted = await self._still_due(due, revisions, term)
                     kept = {c.fire_id for c in wanted}
-                    await self.publisher.unadmit([c for c in due if c.fire_id not in kept])
-                    if wanted:
-                        await self.publisher.publish(wanted, term.number, attempt=1,
+                    await self.publisher.unadmit([c for c in due if c.fire_id not in kept
+                                                  and c.fire_id not in held])
+                    through = [c for c in wanted if c.fire_id not in held]
+                    if through:
+                        await self.publisher.publish(through, term.number, attempt=1,
                                                      admitted=True)
+                    if len(through) < len(wanted):  # their run was open ahead: asked now
+                        await self.publisher.publish([c for c in wanted if c.fire_id in held],
+                                                     term.number, attempt=1)
                 finally:
                     term.settled(due)
         finally:
             term.settled(claimed + admitted)
             self.publisher.discard(everything)
 
-    async def _admit(self, coming: list[Claim], term: Term) -> list[Claim]:
-        """The claims the overlap gate lets through; the others (recorded skipped or
-        buffered by it) are done with."""
-        passed = await self.publisher.admit(coming, term.number)
-        kept = {c.fire_id for c in passed}
+    async def _admit(self, coming: list[Claim], term: Term
+                     ) -> tuple[list[Claim], list[Claim]]:
+        """The claims the overlap gate lets through, and those it holds to ask again at
+        their due time; the others (recorded skipped or buffered by it) are done with."""
+        passed, held = await self.publisher.admit(coming, term.number)
+        kept = {c.fire_id for c in passed} | {c.fire_id for c in held}
         refused = [c for c in coming if c.fire_id not in kept]
         term.settled(refused)
         self.publisher.ready(passed, term.number)
-        return passed
+        return passed, held
 
     async def _until(self, at: dt.datetime, term: Term) -> bool:
         """Wait until ``at``; False if the term began handing over meanwhile."""

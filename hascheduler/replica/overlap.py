@@ -62,9 +62,20 @@ class OverlapGate:
         """The claims to publish now; the others are recorded skipped or buffered.
         ``released`` fires were buffered and their wait is over: they go ahead of the
         fires still waiting."""
+        return (await self._admit(claims, targets, term, released, hold=False))[0]
+
+    async def admit_ahead(self, claims: list[Claim], targets: Mapping[str, str], term: int
+                          ) -> tuple[list[Claim], list[Claim]]:
+        """Before the claims' due time: (those to publish at it, those held). A fire whose
+        key's run is still open now is held, nothing recorded, to ask again at its due
+        time (``admit``): its fire is then, and a run may end before it."""
+        return await self._admit(claims, targets, term, False, hold=True)
+
+    async def _admit(self, claims: list[Claim], targets: Mapping[str, str], term: int,
+                     released: bool, hold: bool) -> tuple[list[Claim], list[Claim]]:
         governed = [c for c in claims if self.policy(c) != ALLOW]
         if not governed:
-            return claims
+            return claims, []
         keys = {(c.schedule_id, c.tenant) for c in governed}
         waiting = set() if released else keys & self.waiting
         buffered = {k: n for k, n in (await self.ledger.buffered_counts(
@@ -84,17 +95,26 @@ class OverlapGate:
                     first[key] = claim
         now = self.clock()
         refused = await self.runs.reserve(list(first.values()), targets, now)
+        held: list[Claim] = []
+        if hold and refused:
+            open_keys = {key for key, c in first.items() if c.fire_id in refused}
+            held = [c for c in governed if (c.schedule_id, c.tenant) in open_keys]
+            governed = [c for c in governed if (c.schedule_id, c.tenant) not in open_keys]
+            first = {key: c for key, c in first.items() if key not in open_keys}
+            refused = {}
+            gone = {c.fire_id for c in held}
+            claims = [c for c in claims if c.fire_id not in gone]
         if not refused and len(first) == len(governed):
             # Each fire holds its key's open run now: all go (as decide() would say).
             if released:
                 self.releasing -= keys
-            return claims
+            return claims, held
         open_runs: dict[Key, list[str]] = {
             key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused}
         if buffered:  # what those keys wait for, for the record
-            held = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
+            blockers = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
             for key in buffered:
-                open_runs.setdefault(key, [held.get(open_key(*key), "")])
+                open_runs.setdefault(key, [blockers.get(open_key(*key), "")])
         decision = decide([Candidate(c.fire_id, (c.schedule_id, c.tenant), c.nominal_at,
                                      self.policy(c)) for c in governed],
                           open_runs, buffered, self.max_buffered)
@@ -115,7 +135,7 @@ class OverlapGate:
         go = set(decision.publish)
         if released:
             self.releasing -= keys
-        return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW]
+        return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], held
 
     def released(self, claims: list[Claim]) -> None:
         """Claims ready() handed out are through admit() (or will never reach it)."""

@@ -179,17 +179,20 @@ class Publisher:
             _annotate(traced[0], claim, template, term, attempt)
         return traced
 
-    async def admit(self, claims: list[Claim], term: int) -> list[Claim]:
-        """The claims the overlap gate lets through now, to publish later with
-        ``admitted=True``; it records the others skipped or buffered."""
+    async def admit(self, claims: list[Claim], term: int) -> tuple[list[Claim], list[Claim]]:
+        """Ahead of the claims' due time: (those the overlap gate lets through, to publish
+        with ``admitted=True``; those it holds, whose run is still open, to publish through
+        it at their due time). It records the others skipped or buffered."""
         if self.gate is None:
-            return claims
+            return claims, []
         templates = await self.templates({c.schedule_id for c in claims})
         known = [c for c in claims if c.schedule_id in templates]
-        passed = {c.fire_id for c in await self.gate.admit(
-            known, {sid: t.target for sid, t in templates.items()}, term)}
+        through, held = await self.gate.admit_ahead(
+            known, {sid: t.target for sid, t in templates.items()}, term)
+        passed = {c.fire_id for c in through}
         # A schedule deleted meanwhile is recorded so by publish.
-        return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates]
+        return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates], \
+            held
 
     async def unadmit(self, claims: list[Claim]) -> None:
         """Admitted claims that will not be published after all: their reserved runs
