@@ -46,6 +46,7 @@ from bench.devmongo_bench import event_latency, pct
 from bench.firing_bench import Cluster, ms, process_cpu, schedule_doc, started_cluster
 from bench.worker_bench import pull_consumer
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
+from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats
 from tests.waiting import wait_until
 
@@ -265,6 +266,7 @@ async def main() -> int:
                         help="fires backfilled (0: skip the backfill)")
     parser.add_argument("--regular", type=int, default=1_000)
     args = parser.parse_args()
+    logs.configure("warning")  # to stderr: stdout is the report
     print(f"# run-control benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
           f"{os.cpu_count()} cores, Python {platform.python_version()}")
     print(f"command: `python -m bench.run_control_bench {' '.join(sys.argv[1:])}`".rstrip())
