@@ -16,6 +16,7 @@ reason.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import datetime as dt
 from collections.abc import Callable
@@ -114,6 +115,10 @@ async def _fewer_than(tasks: set[asyncio.Task[Any]], bound: int) -> set[asyncio.
         for task in done:
             task.result()
     return tasks
+
+
+def _due_at(claim: Claim) -> dt.datetime:
+    return claim.due_at
 
 
 def publish_tick(due_at: dt.datetime) -> dt.datetime:
@@ -416,7 +421,7 @@ class Dispatcher:
                                 term: Term) -> None:
         """Admit each claimed fire through the overlap gate ADMIT_AHEAD_S before its due
         time, and publish it at its due time, in groups due together."""
-        claimed = sorted(claimed, key=lambda c: c.due_at)
+        claimed = sorted(claimed, key=_due_at)
         admitted: list[Claim] = []  # through the gate, awaiting their due time
         held: set[str] = set()  # among them, those the gate asks again at their due time
         ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
@@ -433,19 +438,24 @@ class Dispatcher:
                 if not term.holds:
                     return  # deposed meanwhile: the next leader adopts these claims
                 if claimed and claimed[0].due_at - ahead <= now:
-                    coming = [c for c in claimed if c.due_at - ahead <= now]
-                    claimed = claimed[len(coming):]
+                    # Both lists are in due order: what is due is a prefix, found by
+                    # bisection (a scan of the rest at every tick of a spread second
+                    # was a twentieth of the leader's time).
+                    split = bisect.bisect_right(claimed, now + ahead, key=_due_at)
+                    coming, claimed = claimed[:split], claimed[split:]
                     passed, again = await self._admit(coming, term)
                     held.update(c.fire_id for c in again)
-                    admitted = sorted(admitted + passed + again, key=lambda c: c.due_at)
+                    admitted = sorted(admitted + passed + again, key=_due_at)
                     continue
-                due = [c for c in admitted if c.due_at <= now]
-                admitted = admitted[len(due):]
+                split = bisect.bisect_right(admitted, now, key=_due_at)
+                due, admitted = admitted[:split], admitted[split:]
                 try:
                     wanted = await self._still_due(due, revisions, term)
                     kept = {c.fire_id for c in wanted}
-                    await self.publisher.unadmit([c for c in due if c.fire_id not in kept
-                                                  and c.fire_id not in held])
+                    withdrawn = [c for c in due if c.fire_id not in kept
+                                 and c.fire_id not in held]  # held ones reserved nothing
+                    if withdrawn:
+                        await self.publisher.unadmit(withdrawn)
                     through = [c for c in wanted if c.fire_id not in held]
                     if through:
                         await self.publisher.publish(through, term.number, attempt=1,
