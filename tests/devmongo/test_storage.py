@@ -12,7 +12,7 @@ import unittest.mock
 from typing import Any
 
 import pytest
-from bson import Int64, ObjectId, Timestamp
+from bson import Code, Int64, ObjectId, Timestamp
 from hascheduler_dev.devmongo import engine
 from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_token, describe_update
 from hascheduler_dev.devmongo.cursors import ChangeStreamCursor
@@ -778,6 +778,8 @@ SYSTEM_VARIABLE_EXPRESSIONS: list[Any] = [
     "$NOW",
     {"s": "$$", "t": "$$$NOW"},
     {"nested": [[["$$NOW"]]], "none": None, "when": datetime.datetime(2030, 1, 1)},
+    [Code("$$NOW"), 1, None],
+    {"code": Code("$$NOW")},
 ]
 
 

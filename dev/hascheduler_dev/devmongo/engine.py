@@ -171,7 +171,9 @@ def _names_variables(expr: Any) -> bool:
             if v.__class__ is str:
                 if v[:2] == "$$":
                     return True
-            elif v.__class__ in (dict, list) and _names_variables(v):
+            elif v.__class__ in PLAIN_SCALARS or v is None:
+                continue
+            elif _names_variables(v):
                 return True
         return False
     return isinstance(expr, str | dict | list)  # a subclass: the general walk decides
