@@ -155,28 +155,20 @@ def _names_variables(expr: Any) -> bool:
     if cls is str:
         return bool(expr[:2] == "$$")
     if cls is dict:
-        if "$literal" in expr:
-            return False
-        for v in expr.values():
-            if v.__class__ is str:
-                if v[:2] == "$$":
-                    return True
-            elif v.__class__ in PLAIN_SCALARS or v is None:
-                continue
-            elif _names_variables(v):
-                return True
-        return False
+        return "$literal" not in expr and _any_names_variables(expr.values())
     if cls is list:
-        for v in expr:
-            if v.__class__ is str:
-                if v[:2] == "$$":
-                    return True
-            elif v.__class__ in PLAIN_SCALARS or v is None:
-                continue
-            elif _names_variables(v):
-                return True
-        return False
+        return _any_names_variables(expr)
     return isinstance(expr, str | dict | list)  # a subclass: the general walk decides
+
+
+def _any_names_variables(values: Iterable[Any]) -> bool:
+    for v in values:
+        if v.__class__ is str:
+            if v[:2] == "$$":
+                return True
+        elif v.__class__ not in PLAIN_SCALARS and v is not None and _names_variables(v):
+            return True
+    return False
 
 
 def _substituted(expr: Any, now: datetime.datetime, cluster_time: Timestamp) -> Any:
