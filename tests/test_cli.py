@@ -90,6 +90,8 @@ def test_bad_arguments_exit_2_naming_the_setting(args: list[str], message: str) 
      "--sync-schedules / HASCHEDULER_WORKER_SYNC_SCHEDULES: 'perhaps' is not true or false"),
     (["devmongo"], {"HASCHEDULER_DEVMONGO_PORT": "99999"},
      "--port / HASCHEDULER_DEVMONGO_PORT: 99999 is not a port number"),
+    (["devmongo"], {"HASCHEDULER_DEVMONGO_FROM_SOURCES": "maybe"},
+     "--from-sources / HASCHEDULER_DEVMONGO_FROM_SOURCES: 'maybe' is not true or false"),
     # The flag wins over the environment.
     (["worker", "--concurrency", "0"], {"HASCHEDULER_WORKER_CONCURRENCY": "4"},
      "--concurrency / HASCHEDULER_WORKER_CONCURRENCY: '0' must be at least 1"),
