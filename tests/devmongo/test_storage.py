@@ -193,7 +193,7 @@ def test_update_description_uses_dotted_paths() -> None:
 
 def test_tokens_order_like_events_and_the_ring_forgets_the_oldest() -> None:
     log = ChangeLog(ClusterClock(), capacity=3)
-    events = [log.append("db", "c", "insert", document_key={"_id": i}) for i in range(5)]
+    events = [log.append("db", "c", "insert", i) for i in range(5)]
     tokens = [e.token["_data"] for e in events]
     assert tokens == sorted(tokens)
     assert len(set(tokens)) == 5
@@ -213,7 +213,7 @@ def test_cluster_clock_strictly_increases() -> None:
     assert all(a < b for a, b in itertools.pairwise(ticks))
     assert clock.current == ticks[-1]
     log = ChangeLog(clock, capacity=10)
-    events = [log.append("db", "c", "insert", document_key={"_id": i}) for i in range(5)]
+    events = [log.append("db", "c", "insert", i) for i in range(5)]
     assert all(ticks[-1] < a.cluster_time < b.cluster_time
                for a, b in itertools.pairwise(events))
     assert log.seq_at_time(events[2].cluster_time) == events[1].seq
@@ -227,17 +227,17 @@ def test_a_collection_stream_passes_over_other_collections_unread() -> None:
     stream = ChangeStreamCursor(1, "db.schedules", changes=log, db="db", coll="schedules")
     whole_db = ChangeStreamCursor(2, "db", changes=log, db="db")
     for i in range(50):
-        log.append("db", "fires", "insert", document_key={"_id": i}, full_document={"_id": i})
-    last = log.append("other", "schedules", "insert", document_key={"_id": 0},
+        log.append("db", "fires", "insert", i, {"_id": i})
+    last = log.append("other", "schedules", "insert", key_id=0,
                       full_document={"_id": 0})
     with unittest.mock.patch.object(ChangeLog, "after", side_effect=AssertionError):
         assert stream.collect(None) == []
     assert stream.position == last.seq
     assert stream.post_batch_token([]) == last.token
     assert len(whole_db.collect(None)) == 50  # a database's stream reads its every event
-    mine = log.append("db", "schedules", "insert", document_key={"_id": "s"},
+    mine = log.append("db", "schedules", "insert", key_id="s",
                       full_document={"_id": "s"})
-    log.append("db", "fires", "insert", document_key={"_id": "f"}, full_document={"_id": "f"})
+    log.append("db", "fires", "insert", key_id="f", full_document={"_id": "f"})
     assert [e["documentKey"] for e in stream.collect(None)] == [{"_id": "s"}]
     assert stream.position > mine.seq
     log.append("db", None, "dropDatabase")
@@ -245,7 +245,7 @@ def test_a_collection_stream_passes_over_other_collections_unread() -> None:
     behind = ChangeStreamCursor(3, "db.schedules", changes=log, db="db", coll="schedules",
                                 position=mine.seq)
     for i in range(100):
-        log.append("db", "fires", "delete", document_key={"_id": i})
+        log.append("db", "fires", "delete", i)
     with pytest.raises(MongoError) as lost:
         behind.collect(None)
     assert lost.value.code == 286
@@ -644,9 +644,9 @@ def test_a_streams_match_stages_select_what_the_pipeline_engine_selects(
     log = ChangeLog(ClusterClock(), capacity=100)
     for coll, key, term in (("fires", "a", 1), ("runs", "b", 2), ("leases", "b", 3),
                             ("fires", "b", 3)):
-        log.append("db", coll, "insert", document_key={"_id": key},
+        log.append("db", coll, "insert", key_id=key,
                    full_document={"_id": key, "term": term})
-        log.append("db", coll, "update", document_key={"_id": key},
+        log.append("db", coll, "update", key_id=key,
                    full_document={"_id": key, "term": term + 1},
                    before={"_id": key, "term": term})
     stream = ChangeStreamCursor(1, "db", changes=log, db="db", stages=stages)
@@ -843,3 +843,41 @@ def test_a_plain_update_stores_what_mongomocks_helper_makes_of_each_value() -> N
     assert plan.sets["d"] == datetime.datetime(2030, 1, 1, 10, 0, 0, 123000)
     assert plan.sets["doc"] is not inner
     assert plan.sets["doc"]["k"] is not inner["k"]
+
+
+def test_an_index_answers_as_a_plain_model_through_adds_and_removes() -> None:
+    """A key held by one record keeps the record id itself, by more a set: through any
+    sequence of adds and removes (keys shared, unshared, emptied, arrays), lookups,
+    sizes, members and unique conflicts answer as a dictionary of sets would."""
+    from hascheduler_dev.devmongo.storage import Index
+
+    rng = random.Random(7)
+    index = Index("x_1", [("x", 1)])
+    unique = Index("u_1", [("x", 1)], unique=True)
+    model: dict[Any, set[int]] = {}
+    docs: dict[int, dict[str, Any]] = {}
+    for step in range(400):
+        if docs and rng.random() < 0.45:
+            rid = rng.choice(sorted(docs))
+            doc = docs.pop(rid)
+            index.remove(rid, doc)
+            for k in {key_of(v) for v in index_values(doc, "x")}:
+                model[k].discard(rid)
+        else:
+            rid = step
+            value = rng.choice([rng.randrange(40), [rng.randrange(40), rng.randrange(40)]])
+            doc = docs[rid] = {"_id": rid, "x": value}
+            index.add(rid, doc)
+            for k in {key_of(v) for v in index_values(doc, "x")}:
+                model.setdefault(k, set()).add(rid)
+        for v in range(40):
+            assert index.lookup((v,)) == model.get(key_of(v), set())
+            assert index.lookup_size((v,)) == len(model.get(key_of(v), set()))
+        assert index.members() == set(docs)
+    unique.entries = index.entries
+    for rid, doc in docs.items():  # each held key, as the record itself asks
+        others = any(model[key_of(v)] - {rid} for v in index_values(doc, "x"))
+        assert (unique.conflict(rid, doc) is not None) == others
+    assert {len(model.get(key_of(v), ())) for v in range(40)} >= {0, 1, 2}
+    for v in range(40):  # and as a new record would
+        assert (unique.conflict(-1, {"x": v}) is not None) == bool(model.get(key_of(v)))

@@ -178,3 +178,28 @@ def test_op_msg_parser_rejects_unknown_required_flags() -> None:
     header = wire.parse_header(data[:16])
     with pytest.raises(wire.ProtocolError):
         wire.parse_op_msg(header, data[16:])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overlong", "trailing"])
+def test_op_msg_parser_rejects_a_damaged_document_sequence(damage: str) -> None:
+    """A sequence's documents are decoded together: any one whose size does not fit the
+    section, or bytes left after the last, make the message a protocol error, never a
+    document cut short."""
+    body = bson.encode({"insert": "seq", "$db": "wiretest"})
+    docs = [bson.encode({"_id": i, "x": "y" * 10}) for i in range(3)]
+    if damage == "truncated":
+        docs[-1] = docs[-1][:-3]
+    elif damage == "overlong":
+        docs[1] = struct.pack("<i", len(docs[1]) + 40) + docs[1][4:]
+    else:
+        docs.append(b"\x07\x00")
+    section = b"documents\0" + b"".join(docs)
+    payload = (struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(section) + 4)
+               + section)
+    header = wire.Header(16 + len(payload), 1, 0, wire.OP_MSG)
+    with pytest.raises(wire.ProtocolError):
+        wire.parse_op_msg(header, payload)
+    intact = b"documents\0" + b"".join(bson.encode({"_id": i}) for i in range(3))
+    good = (struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(intact) + 4) + intact)
+    assert wire.parse_op_msg(wire.Header(16 + len(good), 1, 0, wire.OP_MSG),
+                             good).body["documents"] == [{"_id": i} for i in range(3)]

@@ -22,6 +22,7 @@ from hascheduler_dev.devmongo.errors import MongoError
 from hascheduler_dev.devmongo.values import Document, key_of
 
 TOKEN_FLAG_INVALIDATE = 0x01
+NO_KEY: Any = object()  # a ChangeEvent's key_id when it is about no document
 _EPOCH = datetime.datetime(1970, 1, 1)  # naive UTC, as the server keeps dates
 
 
@@ -83,12 +84,18 @@ class ChangeEvent:
     db: str
     coll: str | None
     operation_type: str
-    document_key: Document | None = None
+    # The written document's _id (NO_KEY: the event is about no document, as a drop):
+    # its documentKey is built only when a stream shows the event.
+    key_id: Any = NO_KEY
     full_document: Document | None = None
     update_description: Document | None = None
     # For updates: the document before, so the description is computed only when a stream
     # shows the event (most updates are never watched).
     before: Document | None = None
+
+    @property
+    def document_key(self) -> Document | None:
+        return None if self.key_id is NO_KEY else {"_id": self.key_id}
 
     @property
     def cluster_time(self) -> Timestamp:
@@ -153,7 +160,9 @@ class ChangeLog:
     def first_seq(self) -> int:
         return self._events[0].seq if self._events else self._last_seq + 1
 
-    def append(self, db: str, coll: str | None, operation_type: str, **fields: Any) -> ChangeEvent:
+    def append(self, db: str, coll: str | None, operation_type: str, key_id: Any = NO_KEY,
+               full_document: Document | None = None, before: Document | None = None
+               ) -> ChangeEvent:
         if len(self._events) == self.capacity:
             self._history_starts_after = self._events[0].ticked
         self._last_seq = seq = self._last_seq + 1
@@ -165,7 +174,8 @@ class ChangeLog:
         if now_ms != self._wall_ms:
             self._wall_ms = now_ms
             self._wall = _EPOCH + datetime.timedelta(milliseconds=now_ms)
-        event = ChangeEvent(seq, ticked, self._wall, db, coll, operation_type, **fields)
+        event = ChangeEvent(seq, ticked, self._wall, db, coll, operation_type, key_id,
+                            full_document, None, before)
         self._events.append(event)
         self.last_in[db, coll] = self.last_in_db[db] = seq
         if self._appended is not None:  # wake every waiter once; later ones get a new event

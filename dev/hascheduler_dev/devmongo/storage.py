@@ -116,8 +116,10 @@ class Index:
     sparse: bool = False
     expire_after_seconds: float | None = None
     partial_filter: Document | None = None
-    # key tuple -> record ids holding it
-    entries: dict[Hashable, set[int]] = field(default_factory=dict)
+    # key tuple -> the record id holding it, or the set of them when more than one does
+    # (most keys have one holder: a set for each was an allocation, and a tracked object
+    # for the collector, per document per index)
+    entries: dict[Hashable, int | set[int]] = field(default_factory=dict)
     # The collection's documents by record id, to build ``ordered`` from when first needed.
     docs: dict[int, Document] = field(default_factory=dict, repr=False)
     # The first field's values in order: built at the first range scan and maintained
@@ -225,10 +227,14 @@ class Index:
             if taken is not None:
                 raise DuplicateKeyConflict(taken)
         self.held += 1
+        entries = self.entries
         for k in keys:
-            holders = self.entries.get(k)
+            holders = entries.get(k)
             if holders is None:
-                self.entries[k] = {rid}
+                entries[k] = rid
+            elif isinstance(holders, int):
+                if holders != rid:
+                    entries[k] = {holders, rid}
             else:
                 holders.add(rid)
         if len(keys) > 1 or len(firsts) > 1:
@@ -243,12 +249,20 @@ class Index:
             return
         keys, firsts = self._keys(doc)
         self.held -= 1
+        entries = self.entries
         for k in keys:
-            holders = self.entries.get(k)
-            if holders is not None:
+            holders = entries.get(k)
+            if holders is None:
+                continue
+            if isinstance(holders, int):
+                if holders == rid:
+                    del entries[k]
+            else:
                 holders.discard(rid)
-                if not holders:
-                    del self.entries[k]
+                if len(holders) == 1:
+                    entries[k] = next(iter(holders))
+                elif not holders:
+                    del entries[k]
         if self.ordered is not None:
             for v in firsts:
                 self.ordered.discard(sort_key(v), rid)
@@ -262,7 +276,12 @@ class Index:
     def _taken(self, rid: int, keys: list[Hashable]) -> Hashable | None:
         for k in keys:
             holders = self.entries.get(k)
-            if holders and (len(holders) > 1 or rid not in holders):
+            if holders is None:
+                continue
+            if isinstance(holders, int):
+                if holders != rid:
+                    return k
+            elif len(holders) > 1 or rid not in holders:
                 return k
         return None
 
@@ -271,13 +290,25 @@ class Index:
         return self.held
 
     def members(self) -> set[int]:
-        return set().union(*self.entries.values()) if self.entries else set()
+        found: set[int] = set()
+        for holders in self.entries.values():
+            if isinstance(holders, int):
+                found.add(holders)
+            else:
+                found |= holders
+        return found
 
     def lookup(self, values: tuple[Any, ...]) -> set[int]:
-        return set(self.entries.get(tuple(key_of(v) for v in values), ()))
+        holders = self.entries.get(tuple(key_of(v) for v in values))
+        if holders is None:
+            return set()
+        return {holders} if isinstance(holders, int) else set(holders)
 
     def lookup_size(self, values: tuple[Any, ...]) -> int:
-        return len(self.entries.get(tuple(key_of(v) for v in values), ()))
+        holders = self.entries.get(tuple(key_of(v) for v in values))
+        if holders is None:
+            return 0
+        return 1 if isinstance(holders, int) else len(holders)
 
     def range(self, low: tuple[Any, ...], low_inclusive: bool,
               high: tuple[Any, ...], high_inclusive: bool) -> Iterator[int]:
@@ -696,8 +727,7 @@ class Collection:
         # Index first (rolling back on a duplicate), so a failed insert leaves no trace.
         self._index_new(rid, doc)
         self.docs[rid] = doc
-        self.changes.append(self.db, self.name, "insert", document_key={"_id": doc["_id"]},
-                            full_document=doc)
+        self.changes.append(self.db, self.name, "insert", doc["_id"], doc)
         return doc["_id"]
 
     def _index_new(self, rid: int, doc: Document,
@@ -787,11 +817,9 @@ class Collection:
             raise
         self.docs[rid] = new
         if replacement:
-            self.changes.append(self.db, self.name, "replace", document_key={"_id": new["_id"]},
-                                full_document=new)
+            self.changes.append(self.db, self.name, "replace", new["_id"], new)
         else:
-            self.changes.append(self.db, self.name, "update", document_key={"_id": new["_id"]},
-                                full_document=new, before=old)
+            self.changes.append(self.db, self.name, "update", new["_id"], new, old)
         return True
 
     def _indexes_touching(self, fields: frozenset[str]) -> list[Index]:
@@ -807,7 +835,7 @@ class Collection:
         doc = self.docs.pop(rid)
         for index in self.indexes.values():
             index.remove(rid, doc)
-        self.changes.append(self.db, self.name, "delete", document_key={"_id": doc["_id"]})
+        self.changes.append(self.db, self.name, "delete", doc["_id"])
         return doc
 
     # -- indexes ------------------------------------------------------------------------

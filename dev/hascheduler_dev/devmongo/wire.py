@@ -83,6 +83,18 @@ def _read_document(payload: bytes, offset: int, end: int | None = None) -> tuple
     return doc, offset + size
 
 
+def _read_documents(payload: bytes, offset: int, end: int) -> list[Document]:
+    """The documents laid end to end in ``payload[offset:end]`` (a document sequence):
+    decoded in one call, which checks each one's size against the rest (a call per
+    document, and its codec options read anew each time, was a tenth of an insert's
+    time)."""
+    try:
+        docs: list[Document] = bson.decode_all(payload[offset:end], CODEC)
+    except Exception as exc:  # bson raises several unrelated types for bad input
+        raise ProtocolError(f"invalid BSON: {exc}") from exc
+    return docs
+
+
 def _read_cstring(payload: bytes, offset: int) -> tuple[str, int]:
     end = payload.find(b"\0", offset)
     if end < 0:
@@ -115,11 +127,7 @@ def parse_op_msg(header: Header, payload: bytes) -> Message:
             if size < 5 or section_end > end:
                 raise ProtocolError("invalid document sequence size")
             identifier, cursor = _read_cstring(payload, offset + 4)
-            docs: list[Document] = []
-            while cursor < section_end:
-                doc, cursor = _read_document(payload, cursor, section_end)
-                docs.append(doc)
-            sequences[identifier] = docs
+            sequences[identifier] = _read_documents(payload, cursor, section_end)
             offset = section_end
         else:
             raise ProtocolError(f"unknown OP_MSG section kind {kind}")
