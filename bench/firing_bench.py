@@ -221,9 +221,9 @@ async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
     for i in range(0, len(schedules), 1000):
         await c.db.schedules.insert_many(schedules[i:i + 1000])
     for name in ("a", "b", "c"):
-        # In a thread: a replica's start blocks until it announces its port, and a task of
-        # the caller's (a stand-in worker taking fires from the first one) must not stall
-        # meanwhile while the first replica already fires.
+        # In a thread: a replica's start blocks until it announces its port, and the
+        # caller's tasks (a stand-in worker taking fires from the first one on) must not
+        # stall while the first replica already fires.
         await asyncio.to_thread(c.start, name)
     await c.wait_ready()
     await c.wait_leader()
