@@ -5,6 +5,7 @@ it."""
 from __future__ import annotations
 
 import datetime as dt
+import unittest.mock
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -163,7 +164,9 @@ async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_
         claim.overlap = "skip"
     targets = {"s": "jobs.s"}
     assert await gate.admit_ahead([first], targets, TERM) == ([first], [])
-    assert await gate.admit_ahead([second], targets, TERM) == ([], [second])
+    with unittest.mock.patch.object(gate.runs, "open_runs", side_effect=AssertionError(
+            "a held fire records nothing: its blocker is not looked up")):
+        assert await gate.admit_ahead([second], targets, TERM) == ([], [second])
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"  # nothing decided yet

@@ -227,6 +227,8 @@ async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_i
     targets = {"a": "jobs", "b": "jobs"}
     assert await ledger.reserve([reserved("a", 1), reserved("b", 1)], targets, at(1)) == {}
     assert await ledger.reserve([reserved("a", 2)], targets, at(2)) == {"a@2": "a@1"}
+    assert await ledger.reserve([reserved("a", 2)], targets, at(2),
+                                name_blockers=False) == {"a@2": ""}
     # Published again after a failover: its own run, not refused.
     assert await ledger.reserve([reserved("a", 1)], targets, at(2)) == {}
     claims = await ledger.claim_many([fire("a@1", "a", 1), fire("b@1", "b", 1),

@@ -94,7 +94,9 @@ class OverlapGate:
                 if key not in first and not buffered.get(key):
                     first[key] = claim
         now = self.clock()
-        refused = await self.runs.reserve(list(first.values()), targets, now)
+        # Held fires record nothing, so what holds them need not be named.
+        refused = await self.runs.reserve(list(first.values()), targets, now,
+                                          name_blockers=not hold)
         held: list[Claim] = []
         if hold and refused:
             open_keys = {key for key, c in first.items() if c.fire_id in refused}

@@ -501,10 +501,11 @@ class RunLedger:
     # -- the leader's writes (overlap policies) -------------------------------------------
 
     async def reserve(self, claims: Sequence[FireClaim], targets: Mapping[str, str],
-                      now: dt.datetime) -> dict[str, str]:
+                      now: dt.datetime, name_blockers: bool = True) -> dict[str, str]:
         """Open a ``pending`` run for each claimed fire (at most one per key), unless its
         key has another open run. Returns, for each fire refused, its key's open run's
-        fire id; a fire whose run exists already (published before) is not refused."""
+        fire id (with ``name_blockers`` False, "": no query for them); a fire whose run
+        exists already (published before) is not refused."""
         docs = []
         for claim in claims:
             doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
@@ -520,8 +521,8 @@ class RunLedger:
         held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
                 for e in await insert_new(self.runs, docs)
                 if "open_key" in (e.get("keyPattern") or {})}
-        if not held:
-            return {}
+        if not held or not name_blockers:
+            return dict.fromkeys(held, "")
         blockers = await self.open_runs(sorted(set(held.values())))
         return {fire: blockers.get(key, "") for fire, key in held.items()}
 
