@@ -99,7 +99,7 @@ class ChangeStreamCursor(Cursor):
         elif event.operation_type == "update":
             if self.full_document == "updateLookup" and self.lookup is not None:
                 doc["fullDocument"] = self.lookup(event.db, event.coll or "",
-                                                  (event.document_key or {}).get("_id"))
+                                                  event.key_id)
             elif self.full_document in {"whenAvailable", "required"}:
                 doc["fullDocument"] = event.full_document
         if self.before_change == "whenAvailable" and event.operation_type in {
