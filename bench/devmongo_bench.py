@@ -100,10 +100,18 @@ async def event_latency(uri: str, client: Any, events: int) -> list[float]:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time a process has used so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time a process has used so far, all its threads, dead ones too.
+
+    Read from the process's CPU-time clock (Linux encodes another process's as
+    ``(~pid << 3) | 2``, what clock_getcpuclockid(3) returns), to the nanosecond: /proc's
+    tick count moves in 10 ms steps, coarser than the quick run's whole ledger round."""
+    assert pid is not None
+    try:
+        return time.clock_gettime((~pid << 3) | 2)
+    except OSError:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
