@@ -14,9 +14,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
-from hascheduler.worker.app import LazyEvent, WorkerConfigError, load_app, pattern_matches
+from hascheduler.worker.app import (
+    ROUTED_TARGETS,
+    LazyEvent,
+    WorkerConfigError,
+    load_app,
+    pattern_matches,
+)
 from hascheduler.worker.delivery import NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.policy import MAX_ERROR_CHARS, PolicyError, after_failure
+from hascheduler.worker.runtime import AHEAD_S, PACE_WINDOW_S, ClaimAhead
 
 
 def test_a_permanent_failure_is_dead_at_once() -> None:
@@ -89,6 +96,60 @@ def test_the_first_registered_route_wins_and_bad_patterns_are_refused() -> None:
             app.add(bad, special)
     with pytest.raises(WorkerConfigError, match="no handler"):
         load_app("tests.test_worker_app:EMPTY_APP", None, None)
+
+
+def test_a_remembered_route_follows_new_routes_and_stays_bounded() -> None:
+    """Routes are remembered by target: a route added later still takes the targets it
+    matches first (no handler before, now one), and a broker full of distinct targets
+    cannot grow the memory past its bound."""
+    app = WorkerApp()
+
+    @app.handler("a.*")
+    async def a(run: Run) -> None: ...
+
+    assert app.route("b.x") is None
+    assert app.route("b.x") is None  # remembered: no handler
+    route = app.route("a.x")
+    assert route is not None
+    assert app.route("a.x") is route
+
+    @app.handler("b.>")
+    async def b(run: Run) -> None: ...
+
+    found = app.route("b.x")
+    assert found is not None
+    assert found.handler is b
+    for i in range(3 * ROUTED_TARGETS):
+        assert app.route(f"c.{i}") is None
+        assert len(app._routed) <= ROUTED_TARGETS
+    again = app.route("a.x")
+    assert again is not None
+    assert again.handler is a
+
+
+def test_runs_are_claimed_ahead_as_far_as_the_runners_pace_reaches() -> None:
+    """Ahead of the runners: what they finished in AHEAD_S over the last window, never
+    below the floor (slow runs stay spread over the workers) nor above the ceiling; a
+    window with nothing finished falls back to the floor."""
+    now = 0.0
+    ahead = ClaimAhead(32, 500, clock=lambda: now)
+    assert ahead.current() == 32
+
+    def finish(count: int, over_s: float) -> int:
+        nonlocal now
+        for _ in range(count):
+            ahead.finished()
+        now += over_s
+        return ahead.current()
+
+    window = PACE_WINDOW_S * 1.001  # a whole window, whatever the float sums round to
+    assert finish(100, PACE_WINDOW_S / 2) == 32  # the window is not over: as it was
+    assert finish(900, window / 2) == round(1000 / window * AHEAD_S)  # 10,000 a second
+    assert finish(int(100_000 * window), window) == 500  # 100,000 a second: the ceiling
+    assert finish(int(10 * window), window) == 32  # ten a second: below it, the floor
+    assert finish(int(100_000 * window), window) == 500
+    assert finish(0, 10 * window) == 32  # idle
+    assert ClaimAhead(64, 8).current() == 64  # a ceiling below the floor is the floor
 
 
 EMPTY_APP = WorkerApp()

@@ -132,6 +132,9 @@ def check_pattern(pattern: str) -> None:
 APP_LABEL = "app"
 
 
+ROUTED_TARGETS = 4096  # targets whose route is remembered (then forgotten all at once)
+
+
 class WorkerApp:
     """Handlers by target pattern; the first pattern registered that matches a target
     handles it. ``name`` is needed to declare schedules (``schedule``, ``schedules``):
@@ -142,6 +145,9 @@ class WorkerApp:
         self.routes: list[Route] = []
         self.name = name
         self._declared: dict[str, dict[str, Any]] = {}
+        # Each fire's target matched against every pattern was a few percent of a busy
+        # worker's CPU; targets are few. Bounded: targets come from the broker.
+        self._routed: dict[str, Route | None] = {}
 
     def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None,
             concurrency: Mapping[str, Any] | None = None,
@@ -158,6 +164,7 @@ class WorkerApp:
             raise WorkerConfigError(f"the handler for {pattern!r}: {exc}") from None
         self.routes.append(Route(pattern, handler, policy or self.default_policy,
                                  inspect.iscoroutinefunction(handler), limit, paced))
+        self._routed.clear()
 
     def handler(self, pattern: str, *, policy: RetryPolicy | None = None,
                 concurrency: Mapping[str, Any] | None = None,
@@ -214,7 +221,15 @@ class WorkerApp:
                 for d in self._declared.values()]
 
     def route(self, target: str) -> Route | None:
-        return next((r for r in self.routes if r.matches(target)), None)
+        try:
+            return self._routed[target]
+        except KeyError:
+            pass
+        if len(self._routed) >= ROUTED_TARGETS:
+            self._routed.clear()
+        found = self._routed[target] = next((r for r in self.routes if r.matches(target)),
+                                            None)
+        return found
 
     @property
     def patterns(self) -> list[str]:
