@@ -306,6 +306,13 @@ class Held:
     trace: tracing.Context | None = None  # its claim span (tracing on): attempts' parent
     slot: Wanted | None = None  # the concurrency slot it holds (worker/flow.py)
     key_error: str | None = None  # why its concurrency key cannot be rendered: dead
+    stops: int = 0  # cancels of its runner asked for this run (an operator's, its timeout)
+
+    def stop(self) -> None:
+        """Cancel the runner running it (an operator's cancel, or its timeout)."""
+        if self.runner is not None:
+            self.stops += 1
+            self.runner.cancel()
 
 
 class Worker:
@@ -658,17 +665,30 @@ class Worker:
                 if held.key_error is not None:
                     raise PermanentFailure(held.key_error)
                 if not held.cancelled.is_set():  # not cancelled while it was queued
-                    async with asyncio.timeout(route.policy.timeout_s) as limit:
+                    # A timer of the loop's own, cancelling the runner as an operator's
+                    # cancel does: asyncio.timeout's bookkeeping was a twentieth of a
+                    # busy worker's CPU.
+                    loop = asyncio.get_running_loop()
+                    timer = loop.call_at(loop.time() + route.policy.timeout_s,
+                                         _time_out, held)
+                    try:
                         await _call(route, run)
-            except TimeoutError as exc:
-                error = (RunTimeout(f"the run took longer than {route.policy.timeout_s:g} s")
-                         if limit.expired() else exc)
+                    finally:
+                        timer.cancel()
+                    task = asyncio.current_task()
+                    if held.stops and task is not None:
+                        # The handler swallowed its cancel: taken back, or the runner's
+                        # next run would take a cancel meant for this one as the drain's.
+                        _uncancelled(task, held.stops)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if not held.cancelled.is_set() or task is None or task.uncancel() > 0:
+                if not held.stops or task is None or _uncancelled(task, held.stops) > 0:
                     # The drain ran out: give the run back for another worker, right away.
                     await asyncio.shield(self._give_back(held))
                     raise
+                if not held.cancelled.is_set():
+                    error = RunTimeout(
+                        f"the run took longer than {route.policy.timeout_s:g} s")
             except Exception as exc:
                 error = exc
             finally:
@@ -782,8 +802,8 @@ class Worker:
             h = held[fire_id]
             h.cancelled.set()
             log.info("run_cancel_requested", fire_id=fire_id, started=h.started)
-            if h.started and h.route.is_async and h.runner is not None:
-                h.runner.cancel()
+            if h.started and h.route.is_async:
+                h.stop()
 
     async def _give_back(self, held: Held) -> None:
         with contextlib.suppress(PyMongoError, *BROKER_ERRORS):
@@ -817,6 +837,19 @@ async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.wait(tasks, timeout=lifecycle.STOP_STEP_S)
+
+
+def _time_out(held: Held) -> None:
+    """The attempt's timeout: its runner is cancelled, and the attempt ends RunTimeout."""
+    held.stop()
+
+
+def _uncancelled(task: asyncio.Task[Any], times: int) -> int:
+    """Take back ``times`` cancels of ``task``: the cancels still standing (others')."""
+    left = task.cancelling()
+    for _ in range(times):
+        left = task.uncancel()
+    return left
 
 
 async def _call(route: Route, run: Run) -> None:
