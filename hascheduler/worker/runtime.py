@@ -660,6 +660,7 @@ class Worker:
         started, began = self.clock(), time.monotonic()
         log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
         error: BaseException | None = None
+        task = held.runner  # this runner's task (None outside one: nothing cancels it)
         with self.metrics.in_flight(fire.target):
             try:
                 if held.key_error is not None:
@@ -675,13 +676,11 @@ class Worker:
                         await _call(route, run)
                     finally:
                         timer.cancel()
-                    task = asyncio.current_task()
                     if held.stops and task is not None:
                         # The handler swallowed its cancel: taken back, or the runner's
                         # next run would take a cancel meant for this one as the drain's.
                         _uncancelled(task, held.stops)
             except asyncio.CancelledError:
-                task = asyncio.current_task()
                 if not held.stops or task is None or _uncancelled(task, held.stops) > 0:
                     # The drain ran out: give the run back for another worker, right away.
                     await asyncio.shield(self._give_back(held))
