@@ -67,11 +67,14 @@ SECTIONS = [
      "the hour listed at each DST change."),
     ("bench.worker_bench", "Worker: throughput with the runs ledger, due time to handler start",
      [], ["--fires", "500", "--concurrency", "4", "--amqp-concurrency", "4", "--rate", "50",
-          "--seconds", "2"],
+          "--seconds", "2", "--rounds", "1"],
      "A `hascheduler worker` process with a no-op async handler consuming 10,000 fires "
      "already in the stream (each claimed in the runs ledger, run, recorded, acknowledged), "
      "at concurrency 1 and 16, against a raw nats-py pull consumer fetching as many at a time "
-     "and acknowledging each (no ledger); then the same at concurrency 16 on RabbitMQ (a "
+     "and acknowledging each (no ledger), three rounds of the two alternated, each with a "
+     "consumer of its own, the median round of each compared (one round on this shared "
+     "machine can be a third slower than the next); then the same at concurrency 16 on "
+     "RabbitMQ (a "
      "quorum queue), against a raw aio-pika consumer with as large a prefetch acknowledging "
      "each. Then 1,000 schedules firing every second for 20 s "
      "with one replica leading and one worker (concurrency 16): the handler's start minus "

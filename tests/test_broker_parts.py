@@ -124,3 +124,27 @@ async def test_the_source_delivers_each_fire_until_it_is_acknowledged(
         await again[0].ack()
     finally:
         await source.close()
+
+
+async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
+        served: tuple[BrokerUrl, str]) -> None:
+    """``pushes``: a pushing broker delivers no more than ``in_flight`` unacknowledged
+    (the worker then claims no further ahead); a pulling one gives a fetch what it asks."""
+    url, target = served
+    source = url.source(ack_wait_s=30.0)
+    await source.connect("contract")
+    try:
+        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], 30.0, 2)
+        await publish(url, [fire(i, target) for i in range(5)])
+        expected = 2 if source.pushes else 5
+        got: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(got) < expected:
+                got += await source.fetch(5, 0.5)
+        # Nothing past the bound while none is acknowledged: a fetch waits out its wait.
+        got += await source.fetch(5, 1.0)
+        assert len(got) == expected
+        for message in got:
+            await message.ack()
+    finally:
+        await source.close()

@@ -72,6 +72,11 @@ class FireSource(Protocol):
     kind's ``errors`` ends one subscription, never the worker, which subscribes again.
     """
 
+    # True when the broker pushes deliveries up to ``in_flight`` unacknowledged (a
+    # prefetch): a fetch then never has more to give than that. False when a fetch asks
+    # for as many as it wants (a pull).
+    pushes: bool
+
     async def connect(self, name: str) -> None: ...
 
     async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,

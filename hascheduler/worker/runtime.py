@@ -340,7 +340,7 @@ class Worker:
         # the heartbeat keeps queued claims alive like running ones.
         floor = max(2 * settings.concurrency, PREFETCH)
         self.ahead = ClaimAhead(floor, MAX_AHEAD)
-        self.capacity = settings.concurrency + floor  # the broker's bound on a push
+        self.capacity = settings.concurrency + floor  # a pushing broker's prefetch
         self._released = asyncio.Event()
         self.claims: set[asyncio.Task[None]] = set()  # claim writes in flight
         self.claiming = 0  # messages fetched, their claims in flight
@@ -393,8 +393,10 @@ class Worker:
                   f"{s.durable}", flush=True)
             self.announced = True
         while not stop.is_set():
-            free = (self.settings.concurrency + self.ahead.current() - len(self.held)
-                    - self.claiming)
+            bound = self.settings.concurrency + self.ahead.current()
+            if source.pushes:  # past the prefetch, a fetch takes each delivery alone
+                bound = min(bound, self.capacity)
+            free = bound - len(self.held) - self.claiming
             if free < max(1, s.concurrency):
                 # Wait until a runners' worth is free: one fetch and one claim serve them.
                 # RabbitMQ delivers a message per ack, one by one, so fetching sooner

@@ -82,6 +82,8 @@ class AmqpDelivery:
 
 
 class AmqpSource:
+    pushes = True  # up to the consumer's prefetch
+
     def __init__(self, endpoint: AmqpEndpoint, heartbeat_s: int) -> None:
         self.endpoint = endpoint
         self.heartbeat_s = heartbeat_s

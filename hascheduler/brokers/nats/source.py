@@ -24,6 +24,8 @@ async def _reconnected() -> None:
 
 
 class NatsSource:
+    pushes = False  # a pull consumer's fetch asks for a batch
+
     def __init__(self, endpoint: NatsEndpoint) -> None:
         self.endpoint = endpoint
         self._nc: Any = None
