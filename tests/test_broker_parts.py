@@ -7,6 +7,7 @@ passes these with its own server started below."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from hascheduler.brokers.amqp.reader import bind_audit_queue
-from hascheduler.brokers.base import SUBJECT_PREFIX, FireMessage
+from hascheduler.brokers.base import SUBJECT_PREFIX, FireMessage, FireSource
 from hascheduler.brokers.registry import KINDS, BrokerUrl, consumable_url, parse_broker_url
 from tests.servers import start_nats
 
@@ -99,14 +100,26 @@ async def test_the_reader_gives_back_every_fire_and_leaves_them(
         assert ids == [fire(i, target).fire_id for i in range(3)]
 
 
+@contextlib.asynccontextmanager
+async def subscribed(url: BrokerUrl, target: str, ack_wait_s: float, in_flight: int,
+                     fires: int) -> AsyncIterator[FireSource]:
+    """A source of a consumer of its own on ``target``, once ``fires`` fires are
+    published to it."""
+    source = url.source(ack_wait_s=ack_wait_s)
+    await source.connect("contract")
+    try:
+        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], ack_wait_s,
+                               in_flight)
+        await publish(url, [fire(i, target) for i in range(fires)])
+        yield source
+    finally:
+        await source.close()
+
+
 async def test_the_source_delivers_each_fire_until_it_is_acknowledged(
         served: tuple[BrokerUrl, str]) -> None:
     url, target = served
-    source = url.source(ack_wait_s=2.0)
-    await source.connect("contract")
-    try:
-        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], 2.0, 8)
-        await publish(url, [fire(i, target) for i in range(2)])
+    async with subscribed(url, target, 2.0, 8, 2) as source:
         got: list[Any] = []
         async with asyncio.timeout(20):
             while len(got) < 2:
@@ -122,8 +135,6 @@ async def test_the_source_delivers_each_fire_until_it_is_acknowledged(
         assert [json.loads(m.data)["data"]["i"] for m in again] == [
             json.loads(got[1].data)["data"]["i"]]
         await again[0].ack()
-    finally:
-        await source.close()
 
 
 async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
@@ -131,11 +142,7 @@ async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
     """``pushes``: a pushing broker delivers no more than ``in_flight`` unacknowledged
     (the worker then claims no further ahead); a pulling one gives a fetch what it asks."""
     url, target = served
-    source = url.source(ack_wait_s=30.0)
-    await source.connect("contract")
-    try:
-        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], 30.0, 2)
-        await publish(url, [fire(i, target) for i in range(5)])
+    async with subscribed(url, target, 30.0, 2, 5) as source:
         expected = 2 if source.pushes else 5
         got: list[Any] = []
         async with asyncio.timeout(20):
@@ -146,5 +153,3 @@ async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
         assert len(got) == expected
         for message in got:
             await message.ack()
-    finally:
-        await source.close()
