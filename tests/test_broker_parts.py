@@ -153,3 +153,32 @@ async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
         assert len(got) == expected
         for message in got:
             await message.ack()
+
+
+async def test_a_fetch_takes_no_more_than_asked_and_an_idle_one_sees_what_comes_later(
+        served: tuple[BrokerUrl, str]) -> None:
+    """A fetch returns at most ``up_to``; what it leaves comes with the next fetches, each
+    fire once; a fetch that waited out an empty stream still sees fires published after
+    (its pull request expired and the next one is made)."""
+    url, target = served
+    async with subscribed(url, target, 30.0, 10, 5) as source:
+        got: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(got) < 5:
+                batch = await source.fetch(2, 0.5)
+                assert len(batch) <= 2
+                got += batch
+        ids = [json.loads(m.data)["data"]["i"] for m in got]
+        assert sorted(ids) == [0, 1, 2, 3, 4]
+        for message in got:
+            await message.ack()
+        assert await source.fetch(5, 0.3) == []  # nothing left: the wait is waited out
+        assert await source.fetch(5, 0.3) == []
+        await publish(url, [fire(i, target) for i in range(5, 8)])
+        later: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(later) < 3:
+                later += await source.fetch(5, 0.5)
+        assert sorted(json.loads(m.data)["data"]["i"] for m in later) == [5, 6, 7]
+        for message in later:
+            await message.ack()
