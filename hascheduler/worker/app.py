@@ -130,8 +130,6 @@ def check_pattern(pattern: str) -> None:
 # The label every schedule an app declares carries: its name, so that applying the app's
 # declarations prunes only its own schedules.
 APP_LABEL = "app"
-
-
 ROUTED_TARGETS = 4096  # targets whose route is remembered (then forgotten all at once)
 
 

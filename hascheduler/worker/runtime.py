@@ -672,8 +672,7 @@ class Worker:
                     # cancel does: asyncio.timeout's bookkeeping was a twentieth of a
                     # busy worker's CPU.
                     loop = asyncio.get_running_loop()
-                    timer = loop.call_at(loop.time() + route.policy.timeout_s,
-                                         _time_out, held)
+                    timer = loop.call_at(loop.time() + route.policy.timeout_s, held.stop)
                     try:
                         await _call(route, run)
                     finally:
@@ -838,11 +837,6 @@ async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.wait(tasks, timeout=lifecycle.STOP_STEP_S)
-
-
-def _time_out(held: Held) -> None:
-    """The attempt's timeout: its runner is cancelled, and the attempt ends RunTimeout."""
-    held.stop()
 
 
 def _uncancelled(task: asyncio.Task[Any], times: int) -> int:
