@@ -34,8 +34,14 @@ def held_run(worker: Worker, route: Route, fire_id: str) -> tuple[Held, Run]:
     return held, run
 
 
-def a_worker(handler: Any) -> tuple[Worker, Route, list[str]]:
-    app = WorkerApp(policy=RetryPolicy(max_attempts=1, timeout_s=TIMEOUT_S))
+async def forever() -> None:
+    """A handler's work that never ends on its own: only a cancel stops it."""
+    await asyncio.Event().wait()
+
+
+def a_worker(handler: Any, timeout_s: float = TIMEOUT_S
+             ) -> tuple[Worker, Route, list[str]]:
+    app = WorkerApp(policy=RetryPolicy(max_attempts=1, timeout_s=timeout_s))
     app.add("jobs.*", handler)
     settings = WorkerSettings(broker=parse_broker_url("nats://127.0.0.1:4222"),
                               mongodb_uri="mongodb://127.0.0.1:1", app=app, durable="d",
@@ -78,7 +84,7 @@ async def attempts(worker: Worker, route: Route, fire_ids: list[str],
 async def test_an_attempt_past_its_timeout_ends_run_timeout_and_the_runner_goes_on() -> None:
     async def handler(run: Run) -> None:
         if run.fire_id == "slow@1":
-            await asyncio.sleep(30)
+            await forever()
 
     worker, route, given_back = a_worker(handler)
     slow, quick = await attempts(worker, route, ["slow@1", "quick@1"])
@@ -94,9 +100,7 @@ async def test_a_handler_that_swallows_its_timeout_ends_as_it_returns() -> None:
     async def handler(run: Run) -> None:
         if run.fire_id == "stubborn@1":
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(30)
-        else:
-            await asyncio.sleep(2 * TIMEOUT_S / 3)  # nearly its whole budget
+                await forever()
 
     worker, route, given_back = a_worker(handler)
     stubborn, after = await attempts(worker, route, ["stubborn@1", "after@1"])
@@ -105,24 +109,27 @@ async def test_a_handler_that_swallows_its_timeout_ends_as_it_returns() -> None:
     assert given_back == []
 
 
-@pytest.mark.parametrize("at_timeout", [False, True])
+@pytest.mark.parametrize("with_timeout", [False, True])
 async def test_an_operators_cancel_ends_the_attempt_cancelled_even_at_its_timeout(
-        at_timeout: bool) -> None:
+        with_timeout: bool) -> None:
+    """The operator's cancel alone (a timeout far off), or with the timeout's in the same
+    turn of the loop (the timer calls the same ``stop``): two cancels on the runner, both
+    taken back, and the attempt ends cancelled, not timed out."""
+    started = asyncio.Event()
+
     async def handler(run: Run) -> None:
         if run.fire_id == "wanted@1":
-            await asyncio.sleep(30)
+            started.set()
+            await forever()
 
     async def cancel(held: Held) -> None:
-        if at_timeout:  # both cancels land on the runner before it runs again
-            loop = asyncio.get_running_loop()
-            loop.call_at(loop.time() + TIMEOUT_S, lambda: (held.cancelled.set(),
-                                                           held.stop()))
-        else:
-            await asyncio.sleep(TIMEOUT_S / 5)
-            held.cancelled.set()
-            held.stop()
+        await asyncio.wait_for(started.wait(), 5)
+        held.cancelled.set()
+        held.stop()
+        if with_timeout:
+            held.stop()  # what the attempt's timer does when it fires
 
-    worker, route, given_back = a_worker(handler)
+    worker, route, given_back = a_worker(handler, TIMEOUT_S if with_timeout else 60.0)
     wanted, after = await attempts(worker, route, ["wanted@1", "after@1"], cancel)
     assert wanted.state == "cancelled"
     assert after.state == "succeeded"
@@ -134,7 +141,7 @@ async def test_a_drains_cancel_gives_the_run_back_and_stops_the_runner() -> None
 
     async def handler(run: Run) -> None:
         started.set()
-        await asyncio.sleep(30)
+        await forever()
 
     worker, route, given_back = a_worker(handler)
     held, run = held_run(worker, route, "drained@1")
