@@ -23,18 +23,25 @@ class Connection:
         self.requests.append(json.loads(payload))
 
 
-def message(i: int) -> Any:
-    return SimpleNamespace(headers={"Nats-Msg-Id": f"m{i}"}, data=str(i).encode())
+def message(i: int, reply: str = "$JS.ACK.HASCHEDULER.d.1.1.1.0.0") -> Any:
+    return SimpleNamespace(headers={"Nats-Msg-Id": f"m{i}"}, data=str(i).encode(),
+                           subject="hascheduler.fire.a", reply=reply)
 
 
 def status(code: str) -> Any:
-    return SimpleNamespace(headers={"Status": code, "Description": "why"}, data=b"")
+    return SimpleNamespace(headers={"Status": code, "Description": "why"}, data=b"",
+                           subject="_INBOX.x", reply="")
 
 
-async def test_one_pull_request_at_a_time_ended_by_a_status_or_its_expiry() -> None:
+def a_source() -> tuple[NatsSource, Connection]:
     source = NatsSource(NatsEndpoint.parse("nats://127.0.0.1:4222"))
     nc = source._nc = Connection()
     source._next, source._inbox = "$JS.API.CONSUMER.MSG.NEXT.HASCHEDULER.d", "_INBOX.x"
+    return source, nc
+
+
+async def test_one_pull_request_at_a_time_ended_by_a_status_or_its_expiry() -> None:
+    source, nc = a_source()
 
     assert await source.fetch(3, 0.01) == []  # an empty stream: the wait waited out
     assert nc.requests == [{"batch": 3, "expires": 10_000_000}]
@@ -63,3 +70,22 @@ async def test_one_pull_request_at_a_time_ended_by_a_status_or_its_expiry() -> N
     await source._on_message(status("409"))  # the consumer's trouble ends it too
     assert await source.fetch(7, 0.01) == []
     assert nc.requests[-1] == {"batch": 7, "expires": 10_000_000}
+
+
+async def test_what_nobody_asked_for_or_cannot_be_acknowledged_is_dropped() -> None:
+    """Anyone may publish to an inbox: a flood of messages with no request open, or more
+    than the request asked for, or messages JetStream did not send (no reply subject to
+    acknowledge to), never pile up or reach the worker."""
+    source, nc = a_source()
+    for i in range(10_000):  # no request open yet
+        await source._on_message(message(i))
+    assert len(source._ready) == 0
+    assert await source.fetch(3, 0.01) == []  # asks for 3
+    await source._on_message(message(1, reply=""))  # not JetStream's
+    await source._on_message(message(2, reply=None))
+    for i in range(10_000):  # far more than asked
+        await source._on_message(message(i))
+    assert len(source._ready) == 3
+    assert [m.data for m in await source.fetch(10, 0.01)] == [b"0", b"1", b"2"]
+    assert await source.fetch(10, 0.01) == []
+    assert nc.requests[-1] == {"batch": 10, "expires": 10_000_000}

@@ -90,9 +90,15 @@ class NatsSource:
                 log.warning("pull_request_ended", status=status,
                             description=msg.headers.get(Header.DESCRIPTION))
             self._left = 0
-        else:
+        elif self._left > 0 and msg.reply:
             self._ready.append(msg)
             self._left -= 1
+        else:
+            # Not asked for (anyone may publish to an inbox) or not JetStream's (nothing
+            # to acknowledge): dropped, so what waits here stays within the request. A
+            # delivery late past its request's end comes again after the ack wait.
+            log.debug("pull_message_dropped", subject=str(msg.subject)[:200])
+            return
         self._arrived.set()
 
     async def fetch(self, up_to: int, wait_s: float) -> list[Any]:
