@@ -13,6 +13,7 @@ import pytest
 from hascheduler_dev.devmongo import wire
 from pymongo import AsyncMongoClient
 
+from bench.devmongo_bench import cpu_seconds
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.devmongo_only  # speaks to the server's own framing limits
@@ -147,24 +148,16 @@ async def test_awaitable_hello_waits_and_streams_with_more_to_come(
     assert flags2 & wire.FLAG_MORE_TO_COME
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime + stime
-    import os
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 async def test_idle_clients_do_not_make_the_server_spin(mongo_server: ServerProcess) -> None:
     assert mongo_server.pid is not None
     clients = [AsyncMongoClient(mongo_server.uri) for _ in range(5)]
     try:
         for c in clients:
             await c.admin.command("ping")
-        before = _cpu_seconds(mongo_server.pid)
+        before = cpu_seconds(mongo_server.pid)
         start = time.monotonic()
         await asyncio.sleep(3.0)  # the measurement window itself: idle is what we measure
-        used = _cpu_seconds(mongo_server.pid) - before
+        used = cpu_seconds(mongo_server.pid) - before
         elapsed = time.monotonic() - start
     finally:
         for c in clients:
