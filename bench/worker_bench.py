@@ -49,6 +49,7 @@ from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
 from hascheduler.worker import Run, WorkerApp
+from hascheduler.worker.runtime import pushed_prefetch
 from tests.servers import RabbitServer, ServerProcess, start_devmongo, start_nats, with_database
 from tests.waiting import wait_until
 
@@ -268,10 +269,10 @@ async def amqp_throughput(mongo: ServerProcess, fires: int, concurrency: int
 
 async def raw_amqp_consumer(connection: Any, queue_name: str, concurrency: int,
                             fires: int) -> float:
-    """Seconds for a raw aio-pika consumer (prefetch ``concurrency``) to receive and
-    acknowledge ``fires`` messages."""
+    """Seconds for a raw aio-pika consumer (the prefetch of a worker of ``concurrency``)
+    to receive and acknowledge ``fires`` messages."""
     channel = await connection.channel()
-    await channel.set_qos(prefetch_count=concurrency)
+    await channel.set_qos(prefetch_count=pushed_prefetch(concurrency))
     queue = await channel.declare_queue(queue_name, passive=True)
     done = asyncio.Event()
     count = 0

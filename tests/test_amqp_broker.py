@@ -1,10 +1,14 @@
 """The RabbitMQ broker beyond the contract: its URL and a Celery target's payload taken
-apart adversarially (pure), unroutable fires failing, and a real RabbitMQ stopped for
-10 s under a firing replica: fires late, none lost."""
+apart adversarially (pure), unroutable fires failing, a real RabbitMQ stopped for 10 s
+under a firing replica: fires late, none lost; acknowledgements batched (pure, then on a
+real RabbitMQ in any order: each delivery settled once, the channel kept)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
+import random
 import re
 import uuid
 from collections import Counter
@@ -16,7 +20,12 @@ import aiohttp
 import pytest
 
 from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
-from hascheduler.brokers.amqp.source import binding_key, delay_bucket_ms
+from hascheduler.brokers.amqp.source import (
+    Acknowledgements,
+    AmqpSource,
+    binding_key,
+    delay_bucket_ms,
+)
 from hascheduler.brokers.base import BrokerUnavailable, FireMessage
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_message
@@ -258,3 +267,108 @@ async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
     assert (got[traced.fire_id]["traceparent"], got[traced.fire_id]["tracestate"]) == (
         traced.traceparent, "vendor=1")
     assert "traceparent" not in got[plain.fire_id]
+
+
+@pytest.mark.parametrize(("delivered", "acked", "settled", "upto", "alone", "left"), [
+    ([1, 2, 3], [1, 2, 3], [], 3, [], 0),  # all of them: one frame
+    ([1, 2, 3, 4], [1, 2, 4], [], 2, [4], 1),  # 4 does not wait for 3, nor is 3 covered
+    ([1, 2, 3, 4], [2, 3], [], None, [2, 3], 2),  # 1 still running: nothing covers it
+    ([1, 2, 3, 4], [1, 3, 4], [2], 4, [], 0),  # 2 rejected alone: past it the run goes on
+    ([1, 2], [], [], None, [], 2),
+    ([5, 9, 12], [5, 9, 12, 13], [], 12, [], 0),  # an unknown tag (13) is nobody's ack
+])
+def test_acknowledgements_take_the_run_from_the_oldest_as_one_and_the_rest_alone(
+        delivered: list[int], acked: list[int], settled: list[int], upto: int | None,
+        alone: list[int], left: int) -> None:
+    acks = Acknowledgements()
+    for tag in delivered:
+        acks.delivered(tag)
+    for tag in settled:
+        acks.settled(tag)
+    for tag in acked:
+        acks.ack(tag)
+    assert acks.take() == (upto, alone)
+    assert len(acks) == left  # still unsettled
+    assert acks.take() == (None, [])  # each taken once
+
+
+async def test_acknowledgements_in_any_order_settle_each_delivery_once_on_one_channel(
+        rabbit: RabbitServer) -> None:
+    """300 deliveries acknowledged in a shuffled order, a few at a time, the loop turning
+    a random number of times between (a batch's frames are often still being written when
+    the next acks come): RabbitMQ closes a channel on a tag acknowledged twice, so the
+    channel staying open and the queue ending empty show each ack was sent once."""
+    exchange, target = f"acks-{uuid.uuid4().hex[:6]}", "acks.x"
+    url = parse_broker_url(f"{rabbit.url}?exchange={exchange}")
+    source = url.source(ack_wait_s=30.0)
+    assert isinstance(source, AmqpSource)
+    durable = f"acks-{uuid.uuid4().hex[:6]}"
+    await source.connect(durable)
+    try:
+        await source.subscribe(durable, [target], 30.0, 300)
+        publisher = url.publisher()
+        await publisher.start()
+        try:
+            assert await publisher.publish([FireMessage(
+                f"a{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
+                for i in range(300)], 10.0) == [None] * 300
+        finally:
+            await publisher.close()
+        got: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(got) < 300:
+                got += await source.fetch(300, 0.5)
+        order = random.Random(7)
+        order.shuffle(got)
+        while got:
+            for _ in range(order.randint(1, 6)):
+                await got.pop().ack()
+                if not got:
+                    break
+            for _ in range(order.randint(0, 3)):
+                await asyncio.sleep(0)  # let the sender write part of a batch
+        assert await source.fetch(1, 0.3) == []  # the channel is still open
+    finally:
+        await source.close()  # writes the last acks first
+    connection = await aio_pika.connect(rabbit.url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(durable, passive=True)
+        assert queue.declaration_result.message_count == 0  # none requeued: all acked
+    finally:
+        await connection.close()
+
+
+async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
+        rabbit: RabbitServer) -> None:
+    """With a prefetch of 3, the oldest delivery unacknowledged and the two after it
+    acknowledged, RabbitMQ has two places free and sends two more."""
+    exchange, target = f"held-{uuid.uuid4().hex[:6]}", "held.x"
+    url = parse_broker_url(f"{rabbit.url}?exchange={exchange}")
+    source = url.source(ack_wait_s=30.0)
+    durable = f"held-{uuid.uuid4().hex[:6]}"
+    await source.connect(durable)
+    try:
+        await source.subscribe(durable, [target], 30.0, 3)
+        publisher = url.publisher()
+        await publisher.start()
+        try:
+            await publisher.publish([FireMessage(
+                f"h{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
+                for i in range(5)], 10.0)
+        finally:
+            await publisher.close()
+        first: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(first) < 3:
+                first += await source.fetch(5, 0.5)
+        assert len(first) == 3
+        for message in first[1:]:
+            await message.ack()
+        more: list[Any] = []
+        async with asyncio.timeout(20):
+            while len(more) < 2:
+                more += await source.fetch(5, 0.5)
+        assert sorted(json.loads(m.data)["i"] for m in first + more) == [0, 1, 2, 3, 4]
+    finally:
+        await source.close()

@@ -214,6 +214,18 @@ async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> 
 Answer = Callable[[Any, "Outcome", "bool | None"], Awaitable[None]]
 
 
+def claim_floor(concurrency: int) -> int:
+    """The fewest runs a worker claims ahead of its runners."""
+    return max(2 * concurrency, PREFETCH)
+
+
+def pushed_prefetch(concurrency: int) -> int:
+    """A pushing broker's prefetch: twice the runners and the claim-ahead's floor, so
+    that the next batch is on its way while one is claimed and run (with once, every
+    fetch would take the whole prefetch, then wait behind its acks for the next)."""
+    return 2 * (concurrency + claim_floor(concurrency))
+
+
 class Recorder:
     """Writes attempts' outcomes to the runs ledger behind the handlers, then has each
     answered: whatever ended while the previous write was in flight goes in the next one
@@ -338,9 +350,8 @@ class Worker:
         self._queued = itertools.count()
         # Claimed ahead of a free runner, so one fetch and one claim serve several fires;
         # the heartbeat keeps queued claims alive like running ones.
-        floor = max(2 * settings.concurrency, PREFETCH)
-        self.ahead = ClaimAhead(floor, MAX_AHEAD)
-        self.capacity = settings.concurrency + floor  # a pushing broker's prefetch
+        self.ahead = ClaimAhead(claim_floor(settings.concurrency), MAX_AHEAD)
+        self.prefetch = pushed_prefetch(settings.concurrency)
         self._released = asyncio.Event()
         self.claims: set[asyncio.Task[None]] = set()  # claim writes in flight
         self.claiming = 0  # messages fetched, their claims in flight
@@ -384,7 +395,7 @@ class Worker:
         """Subscribe (creating the queues or the durable consumer if they are gone) and
         claim runs until ``stop``."""
         s = self.settings
-        await source.subscribe(s.durable, self.app.patterns, s.ack_wait_s, self.capacity)
+        await source.subscribe(s.durable, self.app.patterns, s.ack_wait_s, self.prefetch)
         log.info("worker_subscribed", durable=s.durable)
         if not self.announced:
             # Once subscribed: on RabbitMQ a fire published before the queue is bound has
@@ -395,7 +406,7 @@ class Worker:
         while not stop.is_set():
             bound = self.settings.concurrency + self.ahead.current()
             if source.pushes:  # past the prefetch, a fetch takes each delivery alone
-                bound = min(bound, self.capacity)
+                bound = min(bound, self.prefetch)
             free = bound - len(self.held) - self.claiming
             if free < max(1, s.concurrency):
                 # Wait until a runners' worth is free: one fetch and one claim serve them.

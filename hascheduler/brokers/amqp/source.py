@@ -11,26 +11,39 @@ dead-letter exchange: the consumer's ``.dead`` queue keeps dead runs' messages. 
 unacknowledged message is redelivered when its channel closes: a worker killed, or one
 whose heartbeats stopped (the connection's heartbeat is a third of the ack wait);
 ``in_progress`` has nothing to tell RabbitMQ.
+
+Deliveries are consumed on aiormq's channel underneath aio-pika's (aio-pika's message
+object and its per-delivery wrapping were a third of a busy worker's receive path), and
+acknowledgements leave in batches: the acks asked for in one turn of the loop go out
+together, the run of them from the oldest unsettled delivery as one frame (AMQP's
+``multiple``), an ack behind a delivery still running on its own, at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+import aiormq
+import structlog
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aiormq.abc import DeliveredMessage
 
 from hascheduler.brokers.amqp.publisher import AmqpEndpoint
 from hascheduler.brokers.base import SUBJECT_PREFIX
 
 TARGET_HEADER = "hascheduler-target"  # a delayed copy's target (its routing key changed)
 SUBSCRIBE_TIMEOUT_S = 10.0
+SETTLE_TURNS = 3  # turns of the loop without a delivery: the burst has arrived
 SHORTEST_DELAY_MS = 100
 STEPS_PER_DOUBLING = 4
 LONGEST_STEP = 56  # 100 ms * 2 ** 14: 27 min, past any backoff cap
+
+log = structlog.get_logger("hascheduler.brokers.amqp")
 
 
 def delay_bucket_ms(delay_s: float) -> int:
@@ -52,30 +65,126 @@ def binding_key(pattern: str) -> str:
     return pattern
 
 
+class Acknowledgements:
+    """The unsettled deliveries of one channel, in delivery order, and which of them are
+    to be acknowledged (pure). RabbitMQ's ``multiple`` acknowledges every unsettled
+    delivery up to a tag: the run of acknowledged ones from the oldest unsettled takes
+    one frame; one behind a delivery still unsettled is acknowledged alone rather than
+    waiting for it (it holds a place of the prefetch meanwhile)."""
+
+    def __init__(self) -> None:
+        self._unsettled: dict[int, bool] = {}  # delivery tag: its ack asked for
+
+    def __len__(self) -> int:
+        return len(self._unsettled)
+
+    def delivered(self, tag: int) -> None:
+        self._unsettled[tag] = False
+
+    def ack(self, tag: int) -> None:
+        if tag in self._unsettled:
+            self._unsettled[tag] = True
+
+    def settled(self, tag: int) -> None:
+        """Rejected or requeued on its own: no acknowledgement may cover it."""
+        self._unsettled.pop(tag, None)
+
+    def take(self) -> tuple[int | None, list[int]]:
+        """The tag to acknowledge with ``multiple`` (None: none), and the tags to
+        acknowledge one by one; all of them settled from here on."""
+        upto = None
+        for tag, acked in self._unsettled.items():
+            if not acked:
+                break
+            upto = tag
+        if upto is not None:
+            while next(iter(self._unsettled)) != upto:
+                del self._unsettled[next(iter(self._unsettled))]
+            del self._unsettled[upto]
+        alone = [tag for tag, acked in self._unsettled.items() if acked]
+        for tag in alone:
+            del self._unsettled[tag]
+        return upto, alone
+
+
+class Consumer:
+    """One subscription's channel: its deliveries' settlements, acknowledgements sent
+    in batches."""
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
+        self.channel = channel
+        self.acks = Acknowledgements()
+        self._sending: asyncio.Task[None] | None = None
+
+    def ack(self, tag: int) -> None:
+        self.acks.ack(tag)
+        if self._sending is None:
+            self._sending = asyncio.get_running_loop().create_task(self._send())
+
+    async def nack(self, tag: int) -> None:
+        self.acks.settled(tag)
+        await self.channel.basic_nack(tag, requeue=True)
+
+    async def reject(self, tag: int) -> None:
+        self.acks.settled(tag)
+        await self.channel.basic_reject(tag, requeue=False)
+
+    async def _send(self) -> None:
+        """The one sender: a multiple ack may cover no tag acknowledged alone before it,
+        so the frames of one take are written before the next take (RabbitMQ closes the
+        channel on an ack of a tag already acknowledged)."""
+        await asyncio.sleep(0)  # the acks the rest of this turn asks for go along
+        try:
+            while True:
+                upto, alone = self.acks.take()
+                if upto is None and not alone:
+                    return
+                if upto is not None:
+                    await self.channel.basic_ack(upto, multiple=True)
+                for tag in alone:
+                    await self.channel.basic_ack(tag)
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+            # The channel is gone: RabbitMQ requeued its unsettled deliveries, and the
+            # runs ledger keeps the recorded runs from running again.
+            log.info("amqp_acks_lost", error=repr(exc)[:200])
+        finally:
+            self._sending = None
+
+    async def flushed(self) -> None:
+        """Once the acknowledgements asked for so far are written."""
+        while self._sending is not None:
+            await asyncio.shield(self._sending)
+
+
 class AmqpDelivery:
     """A RabbitMQ delivery seen as the runtime sees every broker's (runtime.Delivered)."""
 
-    def __init__(self, message: AbstractIncomingMessage, source: AmqpSource) -> None:
+    __slots__ = ("consumer", "data", "message", "source", "subject", "tag", "target")
+
+    def __init__(self, message: DeliveredMessage, consumer: Consumer,
+                 source: AmqpSource) -> None:
         self.message = message
+        self.consumer = consumer
         self.source = source
-        headers = message.headers or {}
+        headers = message.header.properties.headers or {}
         target = headers.get(TARGET_HEADER) or message.routing_key or ""
         self.target = str(target)
         self.subject = f"{SUBJECT_PREFIX}.{self.target}"
         self.data = message.body
+        self.tag: int = message.delivery_tag or 0
 
     async def ack(self) -> None:
-        await self.message.ack()
+        self.consumer.ack(self.tag)
 
     async def nak(self, delay: float | None = None) -> None:
         if not delay or delay <= 0:
-            await self.message.nack(requeue=True)
+            await self.consumer.nack(self.tag)
             return
         await self.source.delay(self, delay)
-        await self.message.ack()
+        self.consumer.ack(self.tag)
 
     async def term(self) -> None:
-        await self.message.reject(requeue=False)
+        await self.consumer.reject(self.tag)
 
     async def in_progress(self) -> None:
         return None
@@ -92,7 +201,9 @@ class AmqpSource:
         self._publisher: AbstractChannel | None = None
         self._queue = ""
         self._delays: set[int] = set()
-        self._arrived: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self._consumer: Consumer | None = None
+        self._arrived: collections.deque[AmqpDelivery] = collections.deque()
+        self._arrival = asyncio.Event()
 
     async def connect(self, name: str) -> None:
         self._connection = await aio_pika.connect(
@@ -119,7 +230,7 @@ class AmqpSource:
             await self.connect(durable)
         assert self._connection is not None
         # Deliveries of a closed channel were requeued by RabbitMQ: forget ours.
-        self._arrived = asyncio.Queue()
+        self._arrived.clear()
         self._delays.clear()
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=in_flight)
@@ -138,7 +249,17 @@ class AmqpSource:
             await queue.bind(fires, binding_key(pattern))
         self._queue = durable
         self._channel = channel
-        await queue.consume(self._arrived.put)
+        consumer = self._consumer = Consumer(await channel.get_underlay_channel())
+
+        async def delivered(message: DeliveredMessage) -> None:
+            # aiormq calls this in delivery order: each tag is known before any later
+            # one's acknowledgement can cover it.
+            delivery = AmqpDelivery(message, consumer, self)
+            consumer.acks.delivered(delivery.tag)
+            self._arrived.append(delivery)
+            self._arrival.set()
+
+        await consumer.channel.basic_consume(durable, delivered)
 
     async def delay(self, delivery: AmqpDelivery, delay_s: float) -> None:
         """A copy of the delivery back in the consumer's queue after ``delay_s`` or a
@@ -152,27 +273,37 @@ class AmqpSource:
                 "x-message-ttl": ttl, "x-dead-letter-exchange": "",
                 "x-dead-letter-routing-key": self._queue})
             self._delays.add(ttl)
-        original = delivery.message
-        headers = dict(original.headers or {})
+        properties = delivery.message.header.properties
+        headers = dict(properties.headers or {})
         headers[TARGET_HEADER] = delivery.target
         await self._publisher.default_exchange.publish(aio_pika.Message(
-            original.body, headers=headers, message_id=original.message_id,
-            content_type=original.content_type,
+            delivery.data, headers=headers, message_id=properties.message_id,
+            content_type=properties.content_type,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=name)
 
     async def fetch(self, up_to: int, wait_s: float) -> list[Any]:
         if self._channel is None or self._channel.is_closed:
             raise ConnectionError("the RabbitMQ channel closed")
-        try:
-            first = await asyncio.wait_for(self._arrived.get(), wait_s)
-        except TimeoutError:
-            return []
-        got = [first]
-        while len(got) < up_to and not self._arrived.empty():
-            got.append(self._arrived.get_nowait())
-        return [AmqpDelivery(m, self) for m in got]
+        if not self._arrived:
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), wait_s)
+            except TimeoutError:
+                return []
+        # What RabbitMQ sends after a batch of acks arrives over several turns of the
+        # loop (aiormq reads it a frame at a time): taken once it stops growing, it is
+        # one claim's batch rather than a handful each, each its own round trip.
+        arrived = self._arrived
+        still = 0
+        while len(arrived) < up_to and still < SETTLE_TURNS:
+            before = len(arrived)
+            await asyncio.sleep(0)
+            still = still + 1 if len(arrived) == before else 0
+        return [arrived.popleft() for _ in range(min(up_to, len(arrived)))]
 
     async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.flushed()  # the last runs' acks, before the channel goes
         if self._connection is not None:
             with contextlib.suppress(Exception):  # already broken: nothing to close
                 await self._connection.close()
