@@ -14,8 +14,9 @@ Runs the development MongoDB server and a real nats-server as processes.
 - The same on RabbitMQ (--amqp-concurrency, default 16): --fires fires already in a
   quorum queue bound to the fire exchange, one `hascheduler worker --broker amqp://...`
   from its start until the queue is empty and every run recorded; baseline, same run: a
-  raw aio-pika consumer of another queue holding the same messages, prefetch as many,
-  acknowledging each. Target: within 1.3x of the raw consumer on either broker.
+  raw aio-pika consumer of another queue holding the same messages, with the worker's
+  prefetch, acknowledging each; --rounds rounds alternated, medians compared. Target:
+  within 1.3x of the raw consumer on either broker.
 - Latency: --rate schedules firing every second for --seconds, one replica leading and one
   worker (concurrency 16) whose handler notes when it starts; handler start minus due
   time. Baseline, same run: the scheduler half alone, publish-acknowledged minus due time
@@ -226,43 +227,53 @@ async def throughput(mongo: ServerProcess, nats_uri: str, fires: int,
     return rows
 
 
-async def amqp_throughput(mongo: ServerProcess, fires: int, concurrency: int
-                          ) -> dict[str, Any]:
+async def amqp_throughput(mongo: ServerProcess, fires: int, concurrency: int,
+                          rounds: int) -> dict[str, Any]:
     """Raw aio-pika against `hascheduler worker` on RabbitMQ, each draining ``fires``
-    messages already queued (the same messages, published once to both queues)."""
+    messages already queued (the same messages, published to both queues at once), in
+    ``rounds`` rounds (ours on a runs ledger of its own each): the median round of each."""
     rabbit = RabbitServer().start()
     try:
         durable, raw_queue = f"ours-amqp-{concurrency}", f"raw-amqp-{concurrency}"
-        mongo_uri = with_database(mongo.uri, f"wb_amqp_{concurrency}")
         # The worker declares its queue (quorum, a dead-letter exchange) and binds it: once
         # started and stopped, the queue is there to fill.
-        worker = await start_worker(rabbit.url, mongo_uri, durable, concurrency)
+        worker = await start_worker(rabbit.url, with_database(mongo.uri, "wb_amqp_declare"),
+                                    durable, concurrency)
         assert worker.stdout is not None
         await asyncio.wait_for(worker.stdout.readline(), 90)
         worker.terminate()
         await worker.wait()
-        connection = await aio_pika.connect(rabbit.url)
-        try:
-            channel = await connection.channel(publisher_confirms=True)
-            exchange = await channel.declare_exchange("hascheduler", aio_pika.ExchangeType.TOPIC,
-                                                      durable=True)
-            raw = await channel.declare_queue(raw_queue, durable=True,
-                                              arguments={"x-queue-type": "quorum"})
-            await raw.bind(exchange, AMQP_TARGET)
-            nominal = dt.datetime.now(dt.UTC)
-            for start in range(0, fires, 500):
-                await asyncio.gather(*(exchange.publish(aio_pika.Message(
-                    event(i, nominal), message_id=f"bench-{i}", content_type="application/json",
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=AMQP_TARGET)
-                    for i in range(start, min(fires, start + 500))))
-            raw_s = await raw_amqp_consumer(connection, raw_queue, concurrency, fires)
-        finally:
-            await connection.close()
-        ours_s, worker_cpu, mongo_cpu = await amqp_worker(rabbit.url, mongo, mongo_uri,
-                                                          durable, concurrency, fires)
+        raws: list[float] = []
+        ours: list[tuple[float, float, float]] = []
+        for round_ in range(rounds):
+            connection = await aio_pika.connect(rabbit.url)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                exchange = await channel.declare_exchange(
+                    "hascheduler", aio_pika.ExchangeType.TOPIC, durable=True)
+                raw = await channel.declare_queue(raw_queue, durable=True,
+                                                  arguments={"x-queue-type": "quorum"})
+                await raw.bind(exchange, AMQP_TARGET)
+                nominal = dt.datetime.now(dt.UTC)
+                for start in range(0, fires, 500):
+                    await asyncio.gather(*(exchange.publish(aio_pika.Message(
+                        event(i, nominal), message_id=f"bench-{i}",
+                        content_type="application/json",
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                        routing_key=AMQP_TARGET)
+                        for i in range(start, min(fires, start + 500))))
+                raws.append(await raw_amqp_consumer(connection, raw_queue, concurrency, fires))
+            finally:
+                await connection.close()
+            ours.append(await amqp_worker(
+                rabbit.url, mongo, with_database(mongo.uri, f"wb_amqp_{concurrency}_{round_}"),
+                durable, concurrency, fires))
+        raw_s = statistics.median(raws)
+        ours_s, worker_cpu, mongo_cpu = sorted(ours)[len(ours) // 2]
         return {"concurrency": concurrency, "fires": fires, "raw_s": raw_s, "ours_s": ours_s,
                 "raw_per_s": fires / raw_s, "ours_per_s": fires / ours_s,
-                "ratio": ours_s / raw_s, "worker_cpu_s": worker_cpu, "mongo_cpu_s": mongo_cpu}
+                "ratio": ours_s / raw_s, "worker_cpu_s": worker_cpu, "mongo_cpu_s": mongo_cpu,
+                "raw_rounds": raws, "ours_rounds": [o[0] for o in ours]}
     finally:
         rabbit.close()
 
@@ -389,7 +400,7 @@ async def main_async(args: argparse.Namespace) -> int:
                   f"{r['mongo_cpu_s'] / r['fires'] * 1e6:.0f} us per run for its claim and "
                   "its record).")
         if args.amqp_concurrency:
-            r = await amqp_throughput(mongo, args.fires, args.amqp_concurrency)
+            r = await amqp_throughput(mongo, args.fires, args.amqp_concurrency, args.rounds)
             print()
             print("| worker on RabbitMQ, no-op handler | fires | raw aio-pika consumer (ack only) "
                   "| `hascheduler worker` (claim, run, record, ack) | ours / raw |")
@@ -398,7 +409,11 @@ async def main_async(args: argparse.Namespace) -> int:
                   f"({r['raw_per_s']:,.0f}/s) | {r['ours_s']:.2f} s ({r['ours_per_s']:,.0f}/s)"
                   f" | {r['ratio']:.2f}x |")
             print()
-            print(f"CPU while `hascheduler worker` ran on RabbitMQ: the worker "
+            print(f"rounds on RabbitMQ, alternated (the table: the median of each): raw "
+                  f"{', '.join(f'{t:.2f} s' for t in r['raw_rounds'])}; ours "
+                  f"{', '.join(f'{t:.2f} s' for t in r['ours_rounds'])}.")
+            print()
+            print(f"CPU while `hascheduler worker` ran on RabbitMQ (its median round): the worker "
                   f"{r['worker_cpu_s']:.2f} s, the development MongoDB server "
                   f"{r['mongo_cpu_s']:.2f} s ({r['mongo_cpu_s'] / r['fires'] * 1e6:.0f} us per "
                   "run).")
