@@ -69,21 +69,20 @@ SECTIONS = [
      [], ["--fires", "500", "--concurrency", "4", "--amqp-concurrency", "4", "--rate", "50",
           "--seconds", "2", "--rounds", "1"],
      "A `hascheduler worker` process with a no-op async handler consuming 10,000 fires "
-     "already in the stream (each claimed in the runs ledger, run, recorded, acknowledged), "
-     "at concurrency 1 and 16, against a raw nats-py pull consumer fetching as many at a time "
-     "and acknowledging each (no ledger), three rounds of the two alternated, each with a "
-     "consumer of its own, the median round of each compared (one round on this shared "
-     "machine can be a third slower than the next); then the same at concurrency 16 on "
-     "RabbitMQ (a quorum queue), against a raw aio-pika consumer with the worker's prefetch "
-     "acknowledging each, three rounds alternated likewise. Then 1,000 schedules firing every second for 20 s "
-     "with one replica leading and one worker (concurrency 16): the handler's start minus "
-     "the due time, against the scheduler half alone (publish acknowledged minus due time, "
-     "from the fire ledger). Target: throughput within 1.3x of the raw consumer on both "
-     "brokers. The runs "
-     "ledger lives on the development MongoDB server on the same two cores: the CPU lines "
-     "under the table show where a run's time goes (at concurrency 16 the worker, the "
-     "development server and nats-server together keep both cores busy; the raw consumer "
-     "writes nothing)."),
+     "already in the stream (each claimed in the runs ledger, run, recorded, "
+     "acknowledged), at concurrency 1 and 16, against a raw nats-py pull consumer fetching"
+     " as many at a time and acknowledging each (no ledger), three rounds of the two "
+     "alternated, each with a consumer of its own, the median round of each compared (one "
+     "round on this shared machine can be a third slower than the next); then the same at "
+     "concurrency 16 on RabbitMQ (a quorum queue), against a raw aio-pika consumer with "
+     "the worker's prefetch acknowledging each, three rounds alternated likewise. Then "
+     "1,000 schedules firing every second for 20 s with one replica leading and one worker"
+     " (concurrency 16): the handler's start minus the due time, against the scheduler "
+     "half alone (publish acknowledged minus due time, from the fire ledger). Target: "
+     "throughput within 1.3x of the raw consumer on both brokers. The runs ledger lives on"
+     " the development MongoDB server on the same two cores: the CPU lines under the table"
+     " show where a run's time goes (at concurrency 16 the worker, the development server "
+     "and nats-server together keep both cores busy; the raw consumer writes nothing)."),
     ("bench.fanout_bench", "Fan-out: one schedule to 10,000 tenants, memory per tenant",
      [], ["--tenants", "200", "--workers", "1", "--mirror", "2000", "--lead", "8"],
      "The development MongoDB server, a real nats-server and three replicas. One one-off "

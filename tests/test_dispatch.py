@@ -21,6 +21,7 @@ from hascheduler.replica.dispatch import (
     BACKFILL_QUIET_S,
     CLAIM_AHEAD_S,
     CLAIM_BATCH,
+    CLAIM_EVERY_S,
     CLAIMS_IN_FLIGHT,
     PUBLISH_TICK_S,
     Dispatcher,
@@ -438,3 +439,42 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     left_in_flight = running[2]
     assert left_in_flight is not None
     assert left_in_flight.cancelled()
+
+
+async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one() -> None:
+    """A schedule due every millisecond of the second (1,000 phases): the loop claims what
+    falls within CLAIM_AHEAD_S at most once every CLAIM_EVERY_S on the clock, never
+    later than that round's lag behind the horizon (a round per fire, thousands a second,
+    made an insert and its round trip each)."""
+    now = dt.datetime.now(dt.UTC)
+    base = now.replace(microsecond=0)
+    entries = {f"s{i:04d}": Entry(1, False, Interval(1.0, base + dt.timedelta(milliseconds=i)),
+                                  0.0, "all", 3600.0, "t") for i in range(1000)}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    await dispatcher._seed(term, now)
+    rounds: list[tuple[dt.datetime, dt.datetime]] = []  # (claimed at, earliest due)
+
+    async def claim(batch: list[Due], term_: Term, now_: dt.datetime,
+                    *args: object, **kwargs: object) -> tuple[int, int]:
+        rounds.append((dt.datetime.now(dt.UTC), min(d.fire_at for d in batch)))
+        return len(batch), len(batch)
+
+    dispatcher._claim_and_publish = claim  # type: ignore[method-assign]
+    loop = asyncio.create_task(dispatcher._fire_loop(term))
+    try:
+        first = await wait_until(lambda: rounds[0][0] if rounds else None, 10, "a round")
+        await wait_until(lambda: rounds[-1][0] - first > dt.timedelta(seconds=0.5), 10,
+                         "half a second of rounds")
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    span_s = (rounds[-1][0] - first).total_seconds()
+    # 500-odd fires fell due for claiming meanwhile: a round each would be hundreds.
+    assert len(rounds) <= span_s / CLAIM_EVERY_S + 3, (len(rounds), span_s)
+    # Every round but the start-up one claims ahead: at most a round (and this loaded
+    # machine's lag) short of CLAIM_AHEAD_S.
+    for claimed_at, due in rounds[1:]:
+        assert (due - claimed_at).total_seconds() > CLAIM_AHEAD_S - CLAIM_EVERY_S - 0.5
