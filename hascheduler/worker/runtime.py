@@ -221,8 +221,9 @@ def claim_floor(concurrency: int) -> int:
 
 def pushed_prefetch(concurrency: int) -> int:
     """A pushing broker's prefetch: twice the runners and the claim-ahead's floor, so
-    that the next batch is on its way while one is claimed and run (with once, every
-    fetch would take the whole prefetch, then wait behind its acks for the next)."""
+    that the next batch is on its way while one is claimed and run (with a prefetch of
+    one batch, every fetch took the whole of it, then waited behind its acks for the
+    next)."""
     return 2 * (concurrency + claim_floor(concurrency))
 
 
