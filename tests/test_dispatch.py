@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -478,3 +480,81 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
     # machine's lag) short of CLAIM_AHEAD_S.
     for claimed_at, due in rounds[1:]:
         assert (due - claimed_at).total_seconds() > CLAIM_AHEAD_S - CLAIM_EVERY_S - 0.5
+
+
+async def test_a_retry_turn_takes_no_fire_twice_while_its_marks_are_written() -> None:
+    """A turn of the retry loop takes batch after batch of claimed fires due for a retry:
+    a publish's marks are written behind it, so the turn waits for them before taking the
+    next batch, or it would take (and publish) the same fires again."""
+    now = dt.datetime.now(dt.UTC)
+    due = [Claim(f"s@{i}", "s", now - dt.timedelta(seconds=60), now - dt.timedelta(seconds=60))
+           for i in range(CLAIM_BATCH + 10)]
+    state = {c.fire_id: "claimed" for c in due}
+    sent: list[str] = []
+
+    class Ledger:
+        async def due_for_retry(self, term: int, at: dt.datetime, limit: int) -> list[Claim]:
+            return [c for c in due if state[c.fire_id] == "claimed"][:limit]
+
+        async def mark_published_many(
+                self, marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
+            for _ in range(3):  # the round trip: other tasks run meanwhile
+                await asyncio.sleep(0)
+            for fire_ids, *_ in marks:
+                state.update(dict.fromkeys(fire_ids, "published"))
+
+    class Broker:
+        async def publish(self, messages: list[Any], timeout_s: float
+                          ) -> list[BaseException | None]:
+            sent.extend(m.fire_id for m in messages)
+            return [None] * len(messages)
+
+    class Schedules:
+        async def find(self, query: dict[str, Any], projection: Any = None
+                       ) -> AsyncIterator[dict[str, Any]]:
+            yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
+
+    entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), Schedules(), Ledger(),  # type: ignore[arg-type]
+                            Broker(), SimpleNamespace(valid=True))  # type: ignore[arg-type]
+    await dispatcher._retry_due(SimpleNamespace(number=1, holds=True))  # type: ignore[arg-type]
+    assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
+    assert set(state.values()) == {"published"}
+
+
+async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
+    """The drain lets the marks written behind the last publishes land (within the drain
+    timeout): a fire left claimed would be republished by the next leader."""
+    now = dt.datetime.now(dt.UTC)
+    written = asyncio.Event()
+    gate = asyncio.Event()
+
+    class Ledger:
+        async def mark_published_many(
+                self, marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
+            await gate.wait()
+            written.set()
+
+    class Broker:
+        async def publish(self, messages: list[Any], timeout_s: float
+                          ) -> list[BaseException | None]:
+            return [None] * len(messages)
+
+    class Schedules:
+        async def find(self, query: dict[str, Any], projection: Any = None
+                       ) -> AsyncIterator[dict[str, Any]]:
+            yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
+
+    entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), Schedules(), Ledger(),  # type: ignore[arg-type]
+                            Broker(), lease)  # type: ignore[arg-type]
+    dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], 1, attempt=1)
+    drained = asyncio.create_task(dispatcher.drain())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not drained.done()  # its mark is still being written
+    gate.set()
+    await asyncio.wait_for(drained, 5)
+    assert written.is_set()

@@ -10,6 +10,8 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pymongo.errors import AutoReconnect
+
 from hascheduler.brokers.base import FireMessage
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
@@ -132,20 +134,46 @@ async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_
     assert not publisher._ready
 
 
-async def test_marks_of_publishes_ending_during_a_write_go_together_in_the_next() -> None:
+async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_go_together(
+        ) -> None:
+    """A publish returns once the broker acknowledged it: the next tick's fires do not
+    wait for this one's database round trip. The marks of publishes ending while a write
+    is in flight go together in the next write; ``marked`` waits for every one."""
     ledger = Ledger()
     publisher, _, _, _, now = setup(ledger)
     now[0] = T0
     due = claims(3)
     ledger.gate.clear()  # the first write stays in flight
-    first = asyncio.create_task(publisher.publish(due[:1], 7, attempt=1))
+    await asyncio.wait_for(publisher.publish(due[:1], 7, attempt=1), 5)
     await wait_until(lambda: ledger.writes, 5, "the first write")
-    rest = [asyncio.create_task(publisher.publish([c], 7, attempt=1)) for c in due[1:]]
-    # Both publishes reach their mark, behind the first write.
+    for claim in due[1:]:
+        await asyncio.wait_for(publisher.publish([claim], 7, attempt=1), 5)
+    # Both marks gathered behind the first write.
     await wait_until(lambda: len(publisher._marks) == 2, 5, "two marks gathered")
     assert len(ledger.writes) == 1
-    assert not any(task.done() for task in [first, *rest])
+    marked = asyncio.create_task(publisher.marked())
+    await asyncio.sleep(0)
+    assert not marked.done()
     ledger.gate.set()
-    await asyncio.gather(first, *rest)
+    await asyncio.wait_for(marked, 5)
     assert [[ids for ids, *_ in write] for write in ledger.writes] == [
         [[due[0].fire_id]], [[due[1].fire_id], [due[2].fire_id]]]
+
+
+async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
+        capsys: Any) -> None:
+    """The publish stands (the broker has the fires); the fires stay claimed in the
+    ledger, so the retry loop republishes them (deduplicated), and the failure is
+    logged, not raised into the publishing of the fires due next."""
+    ledger = Ledger()
+    publisher, broker, _, _, now = setup(ledger)
+    now[0] = T0
+
+    async def refused(marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
+        raise AutoReconnect("the database is gone")
+    ledger.mark_published_many = refused  # type: ignore[method-assign]
+    due = claims(2)
+    await publisher.publish(due, 7, attempt=1)
+    await asyncio.wait_for(publisher.marked(), 5)
+    assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
+    assert "fires_unmarked" in capsys.readouterr().out

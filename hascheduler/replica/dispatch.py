@@ -19,6 +19,7 @@ import asyncio
 import bisect
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -246,7 +247,12 @@ class Dispatcher:
         """The handover: the last term's publishes in flight finish (bounded by the drain
         timeout); its claims not yet due are left for the next leader."""
         if self.term is not None:
+            began = time.monotonic()
             await self.term.drain(self.settings.drain_timeout_s)
+            # Marked before the next leader looks: a fire left claimed is republished.
+            left = self.settings.drain_timeout_s - (time.monotonic() - began)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.publisher.marked(), max(left, 0.001))
 
     async def _seed(self, term: Term, now: dt.datetime) -> None:
         for _ in term.queue.seed(now):
@@ -563,6 +569,7 @@ class Dispatcher:
             if batch:
                 attempt = max(c.attempts for c in batch) + 1
                 await self.publisher.publish(batch, term.number, attempt)
+                await self.publisher.marked()  # or the next batch would take them again
             if len(batch) < CLAIM_BATCH or not term.holds:
                 return
 

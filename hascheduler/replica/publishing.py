@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
+from pymongo.errors import PyMongoError
 
 from hascheduler.brokers.base import Broker, BrokerUnavailable
 from hascheduler.core.claims import Claim
@@ -95,6 +96,7 @@ class Publisher:
         self._awaiting_broker = 0  # batches sent, acks not all in
         self._broker_idle = asyncio.Event()
         self._broker_idle.set()
+        self._marking_tasks: set[asyncio.Task[None]] = set()  # marks behind publishes
         # What a message needs from a schedule (name, target, payload, encoded) by id, with
         # the revision it was read at: a recurring schedule's fires skip the database read.
         self._templates: dict[str, tuple[int, EventTemplate]] = {}
@@ -256,12 +258,12 @@ class Publisher:
             _end_publish_spans(spans, outcomes)
         done = [c for c, error in zip(sendable, outcomes, strict=True) if error is None]
         if done:
-            # Marking waits (briefly) for the batches published with this one: with the
-            # database, the broker and the leader sharing a machine, the database's work
-            # for the first batches slowed the broker's acks of the last ones.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
-            await self._mark([c.fire_id for c in done], term, acked_at, attempt)
+            # Marked behind the publish: the next tick's fires do not wait for this one's
+            # database round trip (``marked`` waits for it).
+            task = asyncio.create_task(self._mark_later([c.fire_id for c in done], term,
+                                                        acked_at, attempt))
+            self._marking_tasks.add(task)
+            task.add_done_callback(self._marking_tasks.discard)
             self.metrics.fires.labels("published").inc(len(done))
             # The logger's method looked up once: each lookup through structlog's lazy
             # proxy cost a microsecond, a hundredth of a second for a 10,000 burst.
@@ -282,13 +284,33 @@ class Publisher:
             log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
                         error=repr(failures[0][1]))
 
+    async def marked(self) -> None:
+        """Once the marks of the publishes made so far are written (or failed)."""
+        while self._marking_tasks:
+            await asyncio.wait(list(self._marking_tasks))
+
+    async def _mark_later(self, fire_ids: list[str], term: int, at: dt.datetime,
+                          attempt: int) -> None:
+        """Mark published fires, after (briefly) the batches published with them: with
+        the database, the broker and the leader sharing a machine, the database's work for
+        the first batches slowed the broker's acks of the last ones. A failed write leaves
+        the fires claimed: the retry loop republishes them (deduplicated by the broker,
+        runs once by the runs ledger)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
+        try:
+            await self._mark(fire_ids, term, at, attempt)
+        except PyMongoError as exc:
+            log.warning("fires_unmarked", count=len(fire_ids), term=term,
+                        error=repr(exc)[:300])
+
     async def _mark(self, fire_ids: list[str], term: int, at: dt.datetime,
                     attempt: int) -> None:
         """Mark fires published, in a group commit: while one write is in flight, the marks
         of the publishes that end meanwhile gather and go in the next write, together
         (fires whose phases spread over the second made a write per 5 ms tick). Returns
-        once a write holding these marks has been made; a failed write raises in the caller
-        that made it, and its fires, still claimed, are republished by the retry loop."""
+        once a write holding these marks has been made; a failed write raises in the
+        caller that made it."""
         self._marks.append((fire_ids, term, at, attempt))
         async with self._marking:
             marks, self._marks = self._marks, []
