@@ -6,6 +6,7 @@ real RabbitMQ in any order: each delivery settled once, the channel kept)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import random
@@ -292,32 +293,49 @@ def test_acknowledgements_take_the_run_from_the_oldest_as_one_and_the_rest_alone
     assert acks.take() == (None, [])  # each taken once
 
 
+@contextlib.asynccontextmanager
+async def queued(rabbit: RabbitServer, prefetch: int, fires: int
+                 ) -> AsyncIterator[tuple[AmqpSource, str]]:
+    """A source subscribed with ``prefetch`` on a queue of its own, once ``fires`` fires
+    are published to it; the queue's name. Closed (its last acks written) on leaving."""
+    prefix = uuid.uuid4().hex[:6]
+    target = f"acks.{prefix}"
+    url = parse_broker_url(f"{rabbit.url}?exchange=acks-{prefix}")
+    source = url.source(ack_wait_s=30.0)
+    assert isinstance(source, AmqpSource)
+    durable = f"acks-{prefix}"
+    await source.connect(durable)
+    try:
+        await source.subscribe(durable, [target], 30.0, prefetch)
+        publisher = url.publisher()
+        await publisher.start()
+        try:
+            assert await publisher.publish([FireMessage(
+                f"a{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
+                for i in range(fires)], 10.0) == [None] * fires
+        finally:
+            await publisher.close()
+        yield source, durable
+    finally:
+        await source.close()
+
+
+async def fetched(source: AmqpSource, n: int) -> list[Any]:
+    got: list[Any] = []
+    async with asyncio.timeout(20):
+        while len(got) < n:
+            got += await source.fetch(n, 0.5)
+    return got
+
+
 async def test_acknowledgements_in_any_order_settle_each_delivery_once_on_one_channel(
         rabbit: RabbitServer) -> None:
     """300 deliveries acknowledged in a shuffled order, a few at a time, the loop turning
     a random number of times between (a batch's frames are often still being written when
     the next acks come): RabbitMQ closes a channel on a tag acknowledged twice, so the
     channel staying open and the queue ending empty show each ack was sent once."""
-    exchange, target = f"acks-{uuid.uuid4().hex[:6]}", "acks.x"
-    url = parse_broker_url(f"{rabbit.url}?exchange={exchange}")
-    source = url.source(ack_wait_s=30.0)
-    assert isinstance(source, AmqpSource)
-    durable = f"acks-{uuid.uuid4().hex[:6]}"
-    await source.connect(durable)
-    try:
-        await source.subscribe(durable, [target], 30.0, 300)
-        publisher = url.publisher()
-        await publisher.start()
-        try:
-            assert await publisher.publish([FireMessage(
-                f"a{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
-                for i in range(300)], 10.0) == [None] * 300
-        finally:
-            await publisher.close()
-        got: list[Any] = []
-        async with asyncio.timeout(20):
-            while len(got) < 300:
-                got += await source.fetch(300, 0.5)
+    async with queued(rabbit, 300, 300) as (source, durable):
+        got = await fetched(source, 300)
         order = random.Random(7)
         order.shuffle(got)
         while got:
@@ -328,8 +346,7 @@ async def test_acknowledgements_in_any_order_settle_each_delivery_once_on_one_ch
             for _ in range(order.randint(0, 3)):
                 await asyncio.sleep(0)  # let the sender write part of a batch
         assert await source.fetch(1, 0.3) == []  # the channel is still open
-    finally:
-        await source.close()  # writes the last acks first
+    # Closed: its last acks were written first.
     connection = await aio_pika.connect(rabbit.url)
     try:
         channel = await connection.channel()
@@ -343,32 +360,10 @@ async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
         rabbit: RabbitServer) -> None:
     """With a prefetch of 3, the oldest delivery unacknowledged and the two after it
     acknowledged, RabbitMQ has two places free and sends two more."""
-    exchange, target = f"held-{uuid.uuid4().hex[:6]}", "held.x"
-    url = parse_broker_url(f"{rabbit.url}?exchange={exchange}")
-    source = url.source(ack_wait_s=30.0)
-    durable = f"held-{uuid.uuid4().hex[:6]}"
-    await source.connect(durable)
-    try:
-        await source.subscribe(durable, [target], 30.0, 3)
-        publisher = url.publisher()
-        await publisher.start()
-        try:
-            await publisher.publish([FireMessage(
-                f"h{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
-                for i in range(5)], 10.0)
-        finally:
-            await publisher.close()
-        first: list[Any] = []
-        async with asyncio.timeout(20):
-            while len(first) < 3:
-                first += await source.fetch(5, 0.5)
+    async with queued(rabbit, 3, 5) as (source, _):
+        first = await fetched(source, 3)
         assert len(first) == 3
         for message in first[1:]:
             await message.ack()
-        more: list[Any] = []
-        async with asyncio.timeout(20):
-            while len(more) < 2:
-                more += await source.fetch(5, 0.5)
+        more = await fetched(source, 2)
         assert sorted(json.loads(m.data)["i"] for m in first + more) == [0, 1, 2, 3, 4]
-    finally:
-        await source.close()

@@ -483,6 +483,26 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
         assert (due - claimed_at).total_seconds() > CLAIM_AHEAD_S - CLAIM_EVERY_S - 0.5
 
 
+
+class AckingBroker:
+    """Acknowledges every message, noting its fire id."""
+
+    def __init__(self, sent: list[str]) -> None:
+        self.sent = sent
+
+    async def publish(self, messages: list[Any], timeout_s: float
+                      ) -> list[BaseException | None]:
+        self.sent.extend(m.fire_id for m in messages)
+        return [None] * len(messages)
+
+
+class OneSchedule:
+    """The stored schedules: "s" alone."""
+
+    async def find(self, query: dict[str, Any], projection: Any = None
+                   ) -> AsyncIterator[dict[str, Any]]:
+        yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
+
 async def test_a_retry_turn_takes_no_fire_twice_while_its_marks_are_written() -> None:
     """A turn of the retry loop takes batch after batch of claimed fires due for a retry:
     a publish's marks are written behind it, so the turn waits for them before taking the
@@ -504,20 +524,9 @@ async def test_a_retry_turn_takes_no_fire_twice_while_its_marks_are_written() ->
             for fire_ids, *_ in marks:
                 state.update(dict.fromkeys(fire_ids, "published"))
 
-    class Broker:
-        async def publish(self, messages: list[Any], timeout_s: float
-                          ) -> list[BaseException | None]:
-            sent.extend(m.fire_id for m in messages)
-            return [None] * len(messages)
-
-    class Schedules:
-        async def find(self, query: dict[str, Any], projection: Any = None
-                       ) -> AsyncIterator[dict[str, Any]]:
-            yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
-
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), Schedules(), Ledger(),  # type: ignore[arg-type]
-                            Broker(), SimpleNamespace(valid=True))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
+                            AckingBroker(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
     await dispatcher._retry_due(SimpleNamespace(number=1, holds=True))  # type: ignore[arg-type]
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
     assert set(state.values()) == {"published"}
@@ -536,20 +545,10 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
             await gate.wait()
             written.set()
 
-    class Broker:
-        async def publish(self, messages: list[Any], timeout_s: float
-                          ) -> list[BaseException | None]:
-            return [None] * len(messages)
-
-    class Schedules:
-        async def find(self, query: dict[str, Any], projection: Any = None
-                       ) -> AsyncIterator[dict[str, Any]]:
-            yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
-
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), Schedules(), Ledger(),  # type: ignore[arg-type]
-                            Broker(), lease)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
+                            AckingBroker([]), lease)  # type: ignore[arg-type]
     dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], 1, attempt=1)
     drained = asyncio.create_task(dispatcher.drain())
