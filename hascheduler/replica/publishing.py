@@ -205,8 +205,8 @@ class Publisher:
     async def publish(self, claims: list[Claim], term: int, attempt: int,
                       released: bool = False, admitted: bool = False) -> None:
         """Publish claimed fires (through the overlap gate, unless ``admitted`` through it
-        already: ``released`` ones were buffered); mark each published, or schedule its
-        retry."""
+        already: ``released`` ones were buffered); mark each published (behind the
+        publish: ``marked`` waits for the marks), or schedule its retry."""
         templates = await self.templates({c.schedule_id for c in claims})
         gone = [c for c in claims if c.schedule_id not in templates]
         if gone:
