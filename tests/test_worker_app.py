@@ -201,6 +201,21 @@ def test_what_is_not_a_fire_is_refused_with_a_reason(raw: bytes) -> None:
         read_delivery("hascheduler.fire.a", raw)
 
 
+
+@pytest.mark.parametrize("target", ["a" * 201, "jobs." + "x" * 100_000, "a..b", "a b", ""])
+def test_a_subject_naming_no_target_is_refused(target: str) -> None:
+    """On RabbitMQ the target comes from a header as long as a frame: over the API's
+    200 characters it is no schedule's (and the worker would remember its route)."""
+    with pytest.raises(NotAFire, match="names no target"):
+        read_delivery(f"hascheduler.fire.{target}", body())
+
+
+def test_a_target_as_long_as_the_api_allows_is_read() -> None:
+    target = ".".join(["t" * 99, "u" * 100])
+    assert len(target) == 200
+    assert read_delivery(f"hascheduler.fire.{target}", body()).fire.target == target
+
+
 @given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
 def test_reading_any_bytes_answers_a_delivery_or_not_a_fire(raw: bytes) -> None:
     try:

@@ -47,6 +47,7 @@ MAX_PREVIEW = 1000
 # The API refuses any other, and the broker checks again before framing a message with it
 # (a document written around the API must not break the wire protocol).
 TARGET_PATTERN = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+MAX_TARGET_CHARS = 200
 
 # Mirror: how long to wait before reopening a failed change stream (doubles up to max).
 STREAM_RETRY_INITIAL_S = 0.1

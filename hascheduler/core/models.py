@@ -35,6 +35,7 @@ from hascheduler.core.constants import (
     MAX_JITTER_S,
     MAX_PAYLOAD_BYTES,
     MAX_SUCCESS_WITHIN_S,
+    MAX_TARGET_CHARS,
     TARGET_PATTERN,
 )
 from hascheduler.core.fanout import FanOut
@@ -350,7 +351,7 @@ class ScheduleFields(_Strict):
                               "them within catchup_window, or none")
     catchup_window: float = Field(3600.0, gt=0, le=30 * 86400,
                                   description="seconds of missed fires replayed with 'all'")
-    target: str = Field(min_length=1, max_length=200,
+    target: str = Field(min_length=1, max_length=MAX_TARGET_CHARS,
                         description="broker subject suffix or routing key; celery:<task> "
                                     "sends a Celery task (an amqp:// broker only), its "
                                     "payload {args, kwargs, queue}",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hascheduler.brokers.base import SUBJECT_PREFIX
-from hascheduler.core.constants import TARGET_PATTERN
+from hascheduler.core.constants import MAX_TARGET_CHARS, TARGET_PATTERN
 from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
 from hascheduler.storage.runs import FireRef
 
@@ -76,7 +76,9 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     if nominal_at.tzinfo is None:
         raise NotAFire("data.nominal_at has no offset")
     target = subject.removeprefix(SUBJECT_PREFIX + ".")
-    if not TARGET_PATTERN.fullmatch(target):
+    # Bounded as the API bounds a schedule's: on RabbitMQ the target comes from a header,
+    # as long as a frame, and the worker remembers the route of each target it meets.
+    if len(target) > MAX_TARGET_CHARS or not TARGET_PATTERN.fullmatch(target):
         raise NotAFire(f"subject {subject[:200]!r} names no target")
     schedule_id = data.get("schedule_id")
     tenant = data.get("tenant")
