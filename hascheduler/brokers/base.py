@@ -7,6 +7,9 @@ tests/test_broker_contract.py runs these rules over every kind in the registry.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import datetime as dt
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +65,39 @@ class Delivered(Protocol):
 
     async def in_progress(self) -> None: ...  # not to be redelivered yet
 
+
+
+_Item = TypeVar("_Item")
+
+
+class Arrivals(Generic[_Item]):
+    """What a broker's callback handed over, waiting for a source's fetch (a fetch takes
+    what is there, or waits for the first to come)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[_Item] = collections.deque()
+        self._came = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: _Item) -> None:
+        self._items.append(item)
+        self._came.set()
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    async def wait(self, wait_s: float) -> bool:
+        """Whether anything is there, waiting up to ``wait_s`` for it."""
+        if not self._items:
+            self._came.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._came.wait(), wait_s)
+        return bool(self._items)
+
+    def take(self, up_to: int) -> list[_Item]:
+        return [self._items.popleft() for _ in range(min(up_to, len(self._items)))]
 
 class FireSource(Protocol):
     """Where a worker's fires come from (the worker's side).

@@ -22,8 +22,8 @@ together, the run of them from the oldest unsettled delivery as one frame (AMQP'
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import itertools
 import math
 from typing import Any
 
@@ -34,7 +34,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 
 from hascheduler.brokers.amqp.publisher import AmqpEndpoint
-from hascheduler.brokers.base import SUBJECT_PREFIX
+from hascheduler.brokers.base import SUBJECT_PREFIX, Arrivals
 
 TARGET_HEADER = "hascheduler-target"  # a delayed copy's target (its routing key changed)
 SUBSCRIBE_TIMEOUT_S = 10.0
@@ -92,19 +92,11 @@ class Acknowledgements:
     def take(self) -> tuple[int | None, list[int]]:
         """The tag to acknowledge with ``multiple`` (None: none), and the tags to
         acknowledge one by one; all of them settled from here on."""
-        upto = None
-        for tag, acked in self._unsettled.items():
-            if not acked:
-                break
-            upto = tag
-        if upto is not None:
-            while next(iter(self._unsettled)) != upto:
-                del self._unsettled[next(iter(self._unsettled))]
-            del self._unsettled[upto]
-        alone = [tag for tag, acked in self._unsettled.items() if acked]
-        for tag in alone:
+        run = list(itertools.takewhile(self._unsettled.get, self._unsettled))
+        alone = [tag for tag, acked in self._unsettled.items() if acked][len(run):]
+        for tag in run + alone:
             del self._unsettled[tag]
-        return upto, alone
+        return (run[-1] if run else None), alone
 
 
 class Consumer:
@@ -202,8 +194,7 @@ class AmqpSource:
         self._queue = ""
         self._delays: set[int] = set()
         self._consumer: Consumer | None = None
-        self._arrived: collections.deque[AmqpDelivery] = collections.deque()
-        self._arrival = asyncio.Event()
+        self._arrived: Arrivals[AmqpDelivery] = Arrivals()
 
     async def connect(self, name: str) -> None:
         self._connection = await aio_pika.connect(
@@ -256,8 +247,7 @@ class AmqpSource:
             # one's acknowledgement can cover it.
             delivery = AmqpDelivery(message, consumer, self)
             consumer.acks.delivered(delivery.tag)
-            self._arrived.append(delivery)
-            self._arrival.set()
+            self._arrived.put(delivery)
 
         await consumer.channel.basic_consume(durable, delivered)
 
@@ -284,12 +274,8 @@ class AmqpSource:
     async def fetch(self, up_to: int, wait_s: float) -> list[Any]:
         if self._channel is None or self._channel.is_closed:
             raise ConnectionError("the RabbitMQ channel closed")
-        if not self._arrived:
-            self._arrival.clear()
-            try:
-                await asyncio.wait_for(self._arrival.wait(), wait_s)
-            except TimeoutError:
-                return []
+        if not await self._arrived.wait(wait_s):
+            return []
         # What RabbitMQ sends after a batch of acks arrives over several turns of the
         # loop (aiormq reads it a frame at a time): taken once it stops growing, it is
         # one claim's batch rather than a handful each, each its own round trip.
@@ -299,7 +285,7 @@ class AmqpSource:
             before = len(arrived)
             await asyncio.sleep(0)
             still = still + 1 if len(arrived) == before else 0
-        return [arrived.popleft() for _ in range(min(up_to, len(arrived)))]
+        return arrived.take(up_to)
 
     async def close(self) -> None:
         if self._consumer is not None:

@@ -12,8 +12,6 @@ messages are handed out as they arrive, so a fetch returns as soon as there is o
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
 import json
 import time
@@ -22,7 +20,7 @@ from typing import Any
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
-from hascheduler.brokers.base import SUBJECT_PREFIX
+from hascheduler.brokers.base import SUBJECT_PREFIX, Arrivals
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 
 log = structlog.get_logger("hascheduler.worker")
@@ -50,8 +48,7 @@ class NatsSource:
         self._inbox_sub: Any = None
         self._inbox = ""
         self._next = ""  # the consumer's pull-request subject
-        self._ready: collections.deque[Any] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._ready: Arrivals[Any] = Arrivals()
         self._left = 0  # messages the open request may still bring
         self._open_until = 0.0  # when it is taken as ended at the latest (monotonic)
 
@@ -91,15 +88,13 @@ class NatsSource:
                             description=msg.headers.get(Header.DESCRIPTION))
             self._left = 0
         elif self._left > 0 and msg.reply:
-            self._ready.append(msg)
+            self._ready.put(msg)
             self._left -= 1
         else:
             # Not asked for (anyone may publish to an inbox) or not JetStream's (nothing
             # to acknowledge): dropped, so what waits here stays within the request. A
             # delivery late past its request's end comes again after the ack wait.
             log.debug("pull_message_dropped", subject=str(msg.subject)[:200])
-            return
-        self._arrived.set()
 
     async def fetch(self, up_to: int, wait_s: float) -> list[Any]:
         now = time.monotonic()
@@ -108,11 +103,8 @@ class NatsSource:
             request = {"batch": up_to, "expires": int(wait_s * 1e9)}
             await self._nc.publish(self._next, json.dumps(request).encode(),
                                    reply=self._inbox)
-        if not self._ready:
-            self._arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), wait_s)
-        return [self._ready.popleft() for _ in range(min(up_to, len(self._ready)))]
+        await self._ready.wait(wait_s)
+        return self._ready.take(up_to)
 
     async def close(self) -> None:
         # Every message is acknowledged explicitly, so nothing is left to drain from the
