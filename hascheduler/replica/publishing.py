@@ -260,8 +260,8 @@ class Publisher:
         if done:
             # Marked behind the publish: the next tick's fires do not wait for this one's
             # database round trip (``marked`` waits for it).
-            task = asyncio.create_task(self._mark_later([c.fire_id for c in done], term,
-                                                        acked_at, attempt))
+            task = asyncio.create_task(self._mark([c.fire_id for c in done], term,
+                                                  acked_at, attempt))
             self._marking_tasks.add(task)
             task.add_done_callback(self._marking_tasks.discard)
             self.metrics.fires.labels("published").inc(len(done))
@@ -289,33 +289,28 @@ class Publisher:
         while self._marking_tasks:
             await asyncio.wait(list(self._marking_tasks))
 
-    async def _mark_later(self, fire_ids: list[str], term: int, at: dt.datetime,
-                          attempt: int) -> None:
-        """Mark published fires, after (briefly) the batches published with them: with
-        the database, the broker and the leader sharing a machine, the database's work for
-        the first batches slowed the broker's acks of the last ones. A failed write leaves
-        the fires claimed: the retry loop republishes them (deduplicated by the broker,
-        runs once by the runs ledger)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
-        try:
-            await self._mark(fire_ids, term, at, attempt)
-        except PyMongoError as exc:
-            log.warning("fires_unmarked", count=len(fire_ids), term=term,
-                        error=repr(exc)[:300])
-
     async def _mark(self, fire_ids: list[str], term: int, at: dt.datetime,
                     attempt: int) -> None:
-        """Mark fires published, in a group commit: while one write is in flight, the marks
-        of the publishes that end meanwhile gather and go in the next write, together
-        (fires whose phases spread over the second made a write per 5 ms tick). Returns
-        once a write holding these marks has been made; a failed write raises in the
-        caller that made it."""
+        """Mark published fires, behind their publish, in a group commit: while one write
+        is in flight, the marks of the publishes that end meanwhile gather and go in the
+        next write together (fires whose phases spread over the second made a write per
+        5 ms tick). First it waits (briefly) for the batches published with these: with
+        the database, the broker and the leader sharing a machine, the database's work for
+        the first batches slowed the broker's acks of the last ones. A failed write leaves
+        every fire it held claimed: the retry loop republishes them (deduplicated by the
+        broker, run once by the runs ledger)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
         self._marks.append((fire_ids, term, at, attempt))
         async with self._marking:
             marks, self._marks = self._marks, []
-            if marks:
+            if not marks:
+                return  # another publish's write took these
+            try:
                 await self.ledger.mark_published_many(marks)
+            except PyMongoError as exc:
+                log.warning("fires_unmarked", count=sum(len(ids) for ids, *_ in marks),
+                            term=term, error=repr(exc)[:300])
 
     async def _within_max_fires(self, claims: list[Claim], term: int) -> list[Claim]:
         """The claims that fit their schedule's max_fires (each counted once, runs now
