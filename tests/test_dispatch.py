@@ -477,10 +477,10 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
     span_s = (rounds[-1][0] - first).total_seconds()
     # 500-odd fires fell due for claiming meanwhile: a round each would be hundreds.
     assert len(rounds) <= span_s / CLAIM_EVERY_S + 3, (len(rounds), span_s)
-    # Every round claims ahead: at most a round (and a loaded machine's lag) short of
-    # CLAIM_AHEAD_S.
+    # Every round claims ahead: at most a round short of CLAIM_AHEAD_S, and a busy
+    # machine's lag (up to a second allowed: the suite runs beside other processes).
     for claimed_at, due in rounds:
-        assert (due - claimed_at).total_seconds() > CLAIM_AHEAD_S - CLAIM_EVERY_S - 0.5
+        assert (due - claimed_at).total_seconds() > CLAIM_AHEAD_S - CLAIM_EVERY_S - 1.0
 
 
 
