@@ -91,11 +91,15 @@ async def test_one_trace_from_the_run_now_request_to_the_handlers_own_span(
 
         # Two attempts (the first fails), each with its claim, its run and the handler's
         # span: a run's span ends after its handler's, and may come in a later export, so
-        # the trace is complete once both runs' spans are in too.
+        # the trace is complete once both runs' spans are in too, and the publish's: it
+        # ends when the replica reads the broker's ack, which on a busy machine can come
+        # after the worker has run both attempts.
         def complete() -> list[ReceivedSpan]:
             handlers = receiver.named("handler work")
             runs = receiver.named("run traced.report")
-            return handlers if len(handlers) == 2 and len(runs) == 2 else []
+            published = [s for s in receiver.named("publish traced.report")
+                         if s.attributes["messaging.message.id"] == fire_id]
+            return handlers if len(handlers) == 2 and len(runs) == 2 and published else []
         handlers = await wait_until(complete, 30, "the handler's spans of both attempts")
     finally:
         if worker is not None:
