@@ -179,11 +179,14 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
     assert ("refused", "failed", None) in recorded
 
 
+@pytest.mark.parametrize("contested", [False, True])
 async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
-        mongo_uri: str) -> None:
+        mongo_uri: str, contested: bool) -> None:
     """Against the development server: a duplicate key on claiming means another claim;
     only an unpublished one from an older term is taken over (with our term), never a
-    published one, a newer term's, or one this replica is already publishing."""
+    published one, a newer term's, or one this replica is already publishing. The same
+    when the fires are due while a term before may have claimed them (``contested``): the
+    ledger is read first, and only the fire not in it is inserted."""
     import uuid
     from types import SimpleNamespace
 
@@ -203,6 +206,16 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
                                 ledger.Ledger(fires), None, lease, clock=lambda: now)  # type: ignore[arg-type]
         term = Term(2, lease, {})  # type: ignore[arg-type]
+        if contested:
+            term.contested_until = at(10)
+        inserted: list[str] = []
+        insert = dispatcher.ledger.claim
+
+        async def recorded_insert(docs: list[dict[str, Any]]) -> set[str]:
+            inserted.extend(str(d["_id"]) for d in docs)
+            return await insert(docs)
+
+        dispatcher.ledger.claim = recorded_insert  # type: ignore[method-assign]
 
         def claim(sid: str, term: int) -> dict[str, object]:
             return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
@@ -226,6 +239,8 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         assert stored["newer"]["term"] == 3
         assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
         assert stored["fresh"]["term"] == 2
+        assert inserted == [c.fire_id for c in mine][-1:] if contested else \
+            [c.fire_id for c in mine]
     finally:
         await client.close()
 
@@ -503,19 +518,25 @@ class OneSchedule:
                    ) -> AsyncIterator[dict[str, Any]]:
         yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
 
-async def test_a_retry_turn_takes_no_fire_twice_while_its_marks_are_written() -> None:
-    """A turn of the retry loop takes batch after batch of claimed fires due for a retry:
-    a publish's marks are written behind it, so the turn waits for them before taking the
-    next batch, or it would take (and publish) the same fires again."""
+async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_side() -> None:
+    """A turn of the retry loop reads the claimed fires due for a retry with one cursor and
+    publishes each batch as it is read, a second while the first awaits the broker (a new
+    leader's adopted claims, thousands, went out one batch after another). Its marks are
+    written behind the publishes: the turn ends once they are, so the next turn takes
+    none of them again."""
     now = dt.datetime.now(dt.UTC)
     due = [Claim(f"s@{i}", "s", now - dt.timedelta(seconds=60), now - dt.timedelta(seconds=60))
-           for i in range(CLAIM_BATCH + 10)]
+           for i in range(3 * CLAIM_BATCH + 10)]
     state = {c.fire_id: "claimed" for c in due}
     sent: list[str] = []
+    side_by_side = asyncio.Event()
 
     class Ledger:
-        async def due_for_retry(self, term: int, at: dt.datetime, limit: int) -> list[Claim]:
-            return [c for c in due if state[c.fire_id] == "claimed"][:limit]
+        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int
+                                ) -> AsyncIterator[list[Claim]]:
+            read = [c for c in due if state[c.fire_id] == "claimed"][:limit]
+            for i in range(0, len(read), batch):
+                yield read[i:i + batch]
 
         async def mark_published_many(
                 self, marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
@@ -524,12 +545,27 @@ async def test_a_retry_turn_takes_no_fire_twice_while_its_marks_are_written() ->
             for fire_ids, *_ in marks:
                 state.update(dict.fromkeys(fire_ids, "published"))
 
+    class TwoAtOnce(AckingBroker):
+        """The first publish is acknowledged once a second one is under way."""
+        publishing = 0
+
+        async def publish(self, messages: list[Any], timeout_s: float
+                          ) -> list[BaseException | None]:
+            self.publishing += 1
+            if self.publishing == 2:
+                side_by_side.set()
+            await side_by_side.wait()
+            return await super().publish(messages, timeout_s)
+
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
-                            AckingBroker(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
-    await dispatcher._retry_due(SimpleNamespace(number=1, holds=True))  # type: ignore[arg-type]
+                            TwoAtOnce(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
+    term = SimpleNamespace(number=1, holds=True)
+    await asyncio.wait_for(dispatcher._retry_due(term), 10)  # type: ignore[arg-type]
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
     assert set(state.values()) == {"published"}
+    await dispatcher._retry_due(term)  # type: ignore[arg-type]
+    assert len(sent) == len(due)
 
 
 async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
@@ -558,3 +594,67 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
     gate.set()
     await asyncio.wait_for(drained, 5)
     assert written.is_set()
+
+
+async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor_fired(
+        mongo_uri: str) -> None:
+    """Against the development server: a new leader's catch-up starts where the lease's
+    watermark was last written, up to a fifth of a second and more before its
+    predecessor stopped, so it meets fires that predecessor published. It reads the ledger
+    for them rather than inserting claims the unique index refuses (each refusal cost the
+    database ten times the read: a second's 10,000 fires held the first new fire back half
+    a second), publishes none of them again, and goes on firing."""
+    import uuid
+
+    from pymongo import AsyncMongoClient
+
+    from hascheduler.core.triggers import fire_id
+    from hascheduler.storage import fires as ledger
+    from hascheduler.storage.lease import LeaseView
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"successor_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        db = client.get_default_database()
+        fires = ledger.Ledger(db.fires)
+        await fires.ensure_indexes(3600)
+        await db.schedules.insert_one({"_id": "s", "name": "s", "target": "t.x",
+                                       "payload": {}, "revision": 1})
+        now = dt.datetime.now(dt.UTC)
+        base = now.replace(microsecond=0) - dt.timedelta(seconds=10)
+        entries = {"s": Entry(1, False, Interval(1.0, base), 0.0, "all", 3600.0, "t.x")}
+        # The predecessor (term 1) published every fire due by now.
+        fired = [base + dt.timedelta(seconds=k) for k in range(11)
+                 if base + dt.timedelta(seconds=k) <= now]
+        for nominal in fired:
+            doc = ledger.claim_document("s", nominal, nominal, 1, nominal)
+            doc["state"] = ledger.PUBLISHED
+            await db.fires.insert_one(doc)
+        predecessors = {fire_id("s", nominal) for nominal in fired}
+        inserted: list[str] = []
+        insert = fires.claim
+
+        async def recorded_insert(docs: list[dict[str, Any]]) -> set[str]:
+            inserted.extend(str(d["_id"]) for d in docs)
+            return await insert(docs)
+
+        fires.claim = recorded_insert  # type: ignore[method-assign]
+        sent: list[str] = []
+        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
+                                timings=SimpleNamespace(ttl=1.0))
+        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
+                                AckingBroker(sent), lease)  # type: ignore[arg-type]
+        view = LeaseView("b", 2, now + dt.timedelta(seconds=1),
+                         fired_through=now - dt.timedelta(seconds=3))
+        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
+        try:
+            await wait_until(lambda: sent, 10, "the successor's first fire")
+        finally:
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
+        assert not predecessors & set(sent)
+        assert not predecessors & set(inserted)
+        assert set(sent) <= set(inserted)  # its own fires: claimed, then published
+    finally:
+        await client.close()

@@ -109,12 +109,29 @@ async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) ->
     ])
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 1
     assert (await ledger.fires.find_one({"schedule_id": "due"}) or {})["term"] == 2
-    retries = await ledger.due_for_retry(2, at(12), limit=10)
+    retries = [c async for batch in ledger.due_for_retry(2, at(12), limit=10, batch=10)
+               for c in batch]
     assert [c.schedule_id for c in retries] == ["due"]
     # This term's own claims only when asked (a new lead of the same term).
     await ledger.fires.insert_one(claim_document("own", at(10), at(10), 2, at(9)))
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 0
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11), own=True) == 1
+
+
+async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
+        ledger: Ledger) -> None:
+    await ledger.fires.insert_many([claim_document(f"s{i}", at(10), at(10), 2, at(9))
+                                    for i in range(25)])
+    await ledger.fires.insert_one(claim_document("later", at(20), at(20), 2, at(9)))
+    await ledger.fires.insert_one(claim_document("other term", at(10), at(10), 1, at(9)))
+    await ledger.fires.update_many({}, {"$set": {"next_attempt_at": at(10)}})
+    await ledger.fires.update_one({"schedule_id": "later"},
+                                  {"$set": {"next_attempt_at": at(20)}})
+    batches = [batch async for batch in ledger.due_for_retry(2, at(12), limit=22, batch=10)]
+    assert [len(batch) for batch in batches] == [10, 10, 2]
+    read = [c.schedule_id for batch in batches for c in batch]
+    assert len(set(read)) == 22
+    assert set(read) <= {f"s{i}" for i in range(25)}
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:

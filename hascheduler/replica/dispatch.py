@@ -20,7 +20,7 @@ import bisect
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -96,6 +96,9 @@ SHORT_WAIT_S = 0.05
 # Retries published per turn of the retry loop, a claim batch each: a 10,000 burst held up
 # by a broker outage goes out in one turn, and the loop still yields between batches.
 RETRY_BATCHES_PER_TURN = 20
+# Retry batches awaiting their publish at once: the fires due now keep the publisher's
+# other slots.
+RETRIES_IN_FLIGHT = 2
 # How often the leader takes the fires the API asked to run now.
 REQUESTED_POLL_S = 0.25
 # Backfills are worked a chunk of nominal times per running backfill at most every
@@ -113,14 +116,41 @@ BACKFILL_QUIET_S = 0.3
 BACKFILL_MAX_WAIT_S = 2.0
 
 
-async def _fewer_than(tasks: set[asyncio.Task[Any]], bound: int) -> set[asyncio.Task[Any]]:
-    """Wait until fewer than ``bound`` of ``tasks`` run; those still running. A task's
-    error (LeadershipLost ends the term) is raised here."""
-    while len(tasks) >= bound:
-        done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()
-    return tasks
+class _InFlight:
+    """Tasks ``bound`` at a time: ``start`` waits for a place; leaving the block waits for
+    them all, or cancels them if it is left by an error. A task's error (LeadershipLost
+    ends the term) is raised at the next ``start`` or on leaving."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self, work: Coroutine[Any, Any, Any]) -> None:
+        try:
+            await self._fewer_than(self.bound)
+        except BaseException:
+            work.close()  # never to run
+            raise
+        self._tasks.add(asyncio.create_task(work))
+
+    async def _fewer_than(self, bound: int) -> None:
+        while len(self._tasks) >= bound:
+            done, self._tasks = await asyncio.wait(self._tasks,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+
+    async def __aenter__(self) -> _InFlight:
+        return self
+
+    async def __aexit__(self, error: type[BaseException] | None, *rest: object) -> None:
+        try:
+            if error is None:
+                await self._fewer_than(1)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _due_at(claim: Claim) -> dt.datetime:
@@ -222,6 +252,9 @@ class Dispatcher:
         log.info("leading", term=view.term, fired_through=since.isoformat())
         async with Term(view.term, self.lease, self.mirror.entries) as term:
             self.term = term
+            # A term before this one claimed up to CLAIM_AHEAD_S past its last instant
+            # (before ours, but for the replicas' clocks' skew: doubled).
+            term.contested_until = now + dt.timedelta(seconds=2 * CLAIM_AHEAD_S)
             self.rates, self.reserved = FireRates(), set()
             if self.gate is not None:
                 await self.gate.begin()
@@ -266,20 +299,11 @@ class Dispatcher:
             horizon = now + dt.timedelta(seconds=CLAIM_AHEAD_S)
             # A claim batch at a time off the heap (taking 10,000 fires at once held the
             # loop for a fifth of a second), CLAIMS_IN_FLIGHT of them awaiting the database.
-            claiming: set[asyncio.Task[tuple[int, int]]] = set()
-            try:
+            async with _InFlight(CLAIMS_IN_FLIGHT) as claiming:
                 while batch := term.queue.take_due(horizon, CLAIM_BATCH):
                     batch = await self._within_quota(batch, term, now)
-                    if not batch:
-                        continue
-                    claiming = await _fewer_than(claiming, CLAIMS_IN_FLIGHT)
-                    claiming.add(asyncio.create_task(
-                        self._claim_and_publish(batch, term, now)))
-                claiming = await _fewer_than(claiming, 1)
-            finally:
-                for task in claiming:
-                    task.cancel()
-                await asyncio.gather(*claiming, return_exceptions=True)
+                    if batch:
+                        await claiming.start(self._claim_and_publish(batch, term, now))
             term.watermark = now
             self._wake.clear()
             wait = 0.25  # re-check the lease at least this often
@@ -341,10 +365,16 @@ class Dispatcher:
         term.check()
         retry_at = self._retry_at(now)
         docs = [claim_record(c, term.number, now, retry_at) for c in claims]
+        taken: set[str] = set()
         try:
             with term.fenced():
-                taken = await asyncio.wait_for(self.ledger.claim(docs),
-                                               max(term.remaining(), 0.001))
+                if min(c.due_at for c in claims) <= term.contested_until:
+                    taken = await asyncio.wait_for(
+                        self.ledger.existing([d["_id"] for d in docs]),
+                        max(term.remaining(), 0.001))
+                    docs = [d for d in docs if d["_id"] not in taken]
+                taken |= await asyncio.wait_for(self.ledger.claim(docs),
+                                                max(term.remaining(), 0.001))
         except TimeoutError:
             raise LeadershipLost from None
         if not taken:
@@ -357,8 +387,9 @@ class Dispatcher:
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
 
     async def _claim_all(self, dues: list[Due], term: Term, now: dt.datetime) -> None:
-        for i in range(0, len(dues), CLAIM_BATCH):
-            await self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now)
+        async with _InFlight(CLAIMS_IN_FLIGHT) as claiming:
+            for i in range(0, len(dues), CLAIM_BATCH):
+                await claiming.start(self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
 
     async def _claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
                                  may_defer: bool = True, overlap: str | None = None
@@ -562,16 +593,19 @@ class Dispatcher:
         return adopted
 
     async def _retry_due(self, term: Term) -> None:
-        # Batch after batch: a burst that waited out a broker outage goes out at once.
-        for _ in range(RETRY_BATCHES_PER_TURN):
-            batch = await self.ledger.due_for_retry(term.number, self.clock(),
-                                                    limit=CLAIM_BATCH)
-            if batch:
+        """A turn of retries: each batch published as the cursor reads it, not after the
+        batch before it (a new leader's adopted claims, thousands, are its first fires
+        after a crash); the turn ends once their marks are written, or the next turn would
+        take them again."""
+        async with contextlib.aclosing(self.ledger.due_for_retry(
+                term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
+                CLAIM_BATCH)) as batches, _InFlight(RETRIES_IN_FLIGHT) as publishing:
+            async for batch in batches:
                 attempt = max(c.attempts for c in batch) + 1
-                await self.publisher.publish(batch, term.number, attempt)
-                await self.publisher.marked()  # or the next batch would take them again
-            if len(batch) < CLAIM_BATCH or not term.holds:
-                return
+                await publishing.start(self.publisher.publish(batch, term.number, attempt))
+                if not term.holds:
+                    break
+        await self.publisher.marked()
 
     async def _retry_loop(self, term: Term) -> None:
         while True:

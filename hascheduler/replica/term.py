@@ -56,6 +56,10 @@ class Term:
         self.number = number
         self._lease = lease
         self.watermark: dt.datetime | None = None
+        # Fires due up to this instant may be in the ledger already (claimed ahead by the
+        # term before, or fired by it before its successor's catch-up looks at them): their
+        # claims read the ledger first.
+        self.contested_until = dt.datetime.min.replace(tzinfo=dt.UTC)
         self.queue = FireQueue(entries)
         # The claims of this term not yet published (or given up), by fire id, with their
         # due times; and those due times counted, for when the next publish is due.

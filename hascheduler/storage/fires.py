@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any, Protocol
 
 from pymongo import ASCENDING, DESCENDING, UpdateMany
@@ -234,7 +234,15 @@ class Ledger:
 
     async def claim(self, docs: list[Document]) -> set[str]:
         """Insert claims; the ids already in the ledger (claimed by someone: maybe us)."""
+        if not docs:
+            return set()
         return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
+
+    async def existing(self, fire_ids: list[str]) -> set[str]:
+        """Those of ``fire_ids`` in the ledger already. Read before claiming fires that
+        are likely there: an insert refused as a duplicate costs the database ten times
+        what reading the document does."""
+        return {d["_id"] async for d in self.fires.find({"_id": {"$in": fire_ids}}, {"_id": 1})}
 
     async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
         """Take over those of ``fire_ids`` still claimed and unpublished by an older term (a
@@ -389,9 +397,21 @@ class Ledger:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def due_for_retry(self, term: int, now: dt.datetime, limit: int) -> list[Claim]:
-        return [claim_of(d) async for d in self.fires.find(
-            {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}).limit(limit)]
+    async def due_for_retry(self, term: int, now: dt.datetime, limit: int, batch: int
+                            ) -> AsyncGenerator[list[Claim]]:
+        """This term's claims due for a (re)publish by ``now``, at most ``limit``, in lists
+        of ``batch`` as one cursor reads them. One cursor: a query per list would return
+        the claims of the lists before it until their marks are written."""
+        claims: list[Claim] = []
+        async for doc in self.fires.find(
+                {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
+        ).limit(limit).batch_size(batch):
+            claims.append(claim_of(doc))
+            if len(claims) == batch:
+                yield claims
+                claims = []
+        if claims:
+            yield claims
 
     async def get(self, fire_id_: str) -> Document | None:
         doc: Document | None = await self.fires.find_one({"_id": fire_id_})
