@@ -239,8 +239,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         assert stored["newer"]["term"] == 3
         assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
         assert stored["fresh"]["term"] == 2
-        assert inserted == [c.fire_id for c in mine][-1:] if contested else \
-            [c.fire_id for c in mine]
+        assert inserted == ([mine[-1].fire_id] if contested else [c.fire_id for c in mine])
     finally:
         await client.close()
 
