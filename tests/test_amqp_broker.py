@@ -14,6 +14,7 @@ import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import aio_pika
@@ -22,6 +23,7 @@ import pytest
 
 from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
 from hascheduler.brokers.amqp.source import (
+    SETTLE_TURNS,
     Acknowledgements,
     AmqpSource,
     binding_key,
@@ -367,3 +369,41 @@ async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
             await message.ack()
         more = await fetched(source, 2)
         assert sorted(json.loads(m.data)["i"] for m in first + more) == [0, 1, 2, 3, 4]
+
+
+async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_at_a_lull(
+        ) -> None:
+    """What RabbitMQ sends after a batch of acks arrives a frame per turn of the loop: a
+    fetch takes all of it once SETTLE_TURNS turns pass with nothing new, not the first
+    delivery alone (a claim batch of one, each its own round trip), and a lull that long
+    ends the fetch; it never waits past ``up_to``."""
+    source = AmqpSource(AmqpEndpoint("amqp://127.0.0.1:1/"), heartbeat_s=10)
+    source._channel = SimpleNamespace(is_closed=False)  # type: ignore[assignment]
+    arrived: Any = source._arrived
+
+    async def arrive(items: range, turns_between: int) -> None:
+        for item in items:
+            arrived.put(item)
+            for _ in range(turns_between):
+                await asyncio.sleep(0)
+
+    feeding = asyncio.create_task(arrive(range(10), SETTLE_TURNS - 1))
+    assert await source.fetch(100, 5.0) == list(range(10))
+    await feeding
+
+    feeding = asyncio.create_task(arrive(range(3), 0))
+    await asyncio.sleep(0)
+    assert await source.fetch(2, 5.0) == [0, 1]  # up to: no wait for more
+    assert await source.fetch(100, 5.0) == [2]
+    await feeding
+
+    async def lull() -> None:
+        await arrive(range(3), 0)
+        for _ in range(SETTLE_TURNS + 20):  # and the turns the fetch takes to wake
+            await asyncio.sleep(0)
+        await arrive(range(3, 6), 0)
+
+    feeding = asyncio.create_task(lull())
+    assert await source.fetch(100, 5.0) == [0, 1, 2]
+    await feeding
+    assert await source.fetch(100, 5.0) == [3, 4, 5]
