@@ -399,7 +399,7 @@ async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_a
 
     async def lull() -> None:
         await arrive(range(3), 0)
-        for _ in range(SETTLE_TURNS + 20):  # and the turns the fetch takes to wake
+        for _ in range(SETTLE_TURNS + 8):  # and the turns the fetch takes to wake
             await asyncio.sleep(0)
         await arrive(range(3, 6), 0)
 
