@@ -179,6 +179,21 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
     assert ("refused", "failed", None) in recorded
 
 
+class InsertsNoted:
+    """A collection that notes the id of every document it is asked to insert."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.inserted: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    async def insert_many(self, docs: list[dict[str, Any]], **kwargs: Any) -> Any:
+        self.inserted.extend(str(d["_id"]) for d in docs)
+        return await self._collection.insert_many(docs, **kwargs)
+
+
 @pytest.mark.parametrize("contested", [False, True])
 async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         mongo_uri: str, contested: bool) -> None:
@@ -204,19 +219,11 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         now = at(10)
         lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0)
         dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
-                                ledger.Ledger(fires), None, lease, clock=lambda: now)  # type: ignore[arg-type]
+                                ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
+                                None, lease, clock=lambda: now)  # type: ignore[arg-type]
         term = Term(2, lease, {})  # type: ignore[arg-type]
         if contested:
             term.contested_until = at(10)
-        inserted: list[str] = []
-        insert = dispatcher.ledger.claim
-
-        async def recorded_insert(docs: list[dict[str, Any]]) -> set[str]:
-            inserted.extend(str(d["_id"]) for d in docs)
-            return await insert(docs)
-
-        dispatcher.ledger.claim = recorded_insert  # type: ignore[method-assign]
-
         def claim(sid: str, term: int) -> dict[str, object]:
             return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
 
@@ -239,7 +246,8 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         assert stored["newer"]["term"] == 3
         assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
         assert stored["fresh"]["term"] == 2
-        assert inserted == ([mine[-1].fire_id] if contested else [c.fire_id for c in mine])
+        assert recorded.inserted == (
+            [mine[-1].fire_id] if contested else [c.fire_id for c in mine])
     finally:
         await client.close()
 
@@ -616,7 +624,8 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
         with_database(mongo_uri, f"successor_{uuid.uuid4().hex[:8]}"), tz_aware=True)
     try:
         db = client.get_default_database()
-        fires = ledger.Ledger(db.fires)
+        recorded = InsertsNoted(db.fires)
+        fires = ledger.Ledger(recorded)  # type: ignore[arg-type]
         await fires.ensure_indexes(3600)
         await db.schedules.insert_one({"_id": "s", "name": "s", "target": "t.x",
                                        "payload": {}, "revision": 1})
@@ -631,14 +640,6 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
             doc["state"] = ledger.PUBLISHED
             await db.fires.insert_one(doc)
         predecessors = {fire_id("s", nominal) for nominal in fired}
-        inserted: list[str] = []
-        insert = fires.claim
-
-        async def recorded_insert(docs: list[dict[str, Any]]) -> set[str]:
-            inserted.extend(str(d["_id"]) for d in docs)
-            return await insert(docs)
-
-        fires.claim = recorded_insert  # type: ignore[method-assign]
         sent: list[str] = []
         lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
                                 timings=SimpleNamespace(ttl=1.0))
@@ -653,7 +654,7 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
             leading.cancel()
             await asyncio.gather(leading, return_exceptions=True)
         assert not predecessors & set(sent)
-        assert not predecessors & set(inserted)
-        assert set(sent) <= set(inserted)  # its own fires: claimed, then published
+        assert not predecessors & set(recorded.inserted)
+        assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
     finally:
         await client.close()

@@ -66,7 +66,6 @@ class Delivered(Protocol):
     async def in_progress(self) -> None: ...  # not to be redelivered yet
 
 
-
 _Item = TypeVar("_Item")
 
 
@@ -98,6 +97,7 @@ class Arrivals(Generic[_Item]):
 
     def take(self, up_to: int) -> list[_Item]:
         return [self._items.popleft() for _ in range(min(up_to, len(self._items)))]
+
 
 class FireSource(Protocol):
     """Where a worker's fires come from (the worker's side).

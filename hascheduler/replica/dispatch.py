@@ -365,16 +365,11 @@ class Dispatcher:
         term.check()
         retry_at = self._retry_at(now)
         docs = [claim_record(c, term.number, now, retry_at) for c in claims]
-        taken: set[str] = set()
+        contested = min(c.due_at for c in claims) <= term.contested_until
         try:
             with term.fenced():
-                if min(c.due_at for c in claims) <= term.contested_until:
-                    taken = await asyncio.wait_for(
-                        self.ledger.existing([d["_id"] for d in docs]),
-                        max(term.remaining(), 0.001))
-                    docs = [d for d in docs if d["_id"] not in taken]
-                taken |= await asyncio.wait_for(self.ledger.claim(docs),
-                                                max(term.remaining(), 0.001))
+                taken = await asyncio.wait_for(self.ledger.claim(docs, read_first=contested),
+                                               max(term.remaining(), 0.001))
         except TimeoutError:
             raise LeadershipLost from None
         if not taken:
@@ -389,7 +384,8 @@ class Dispatcher:
     async def _claim_all(self, dues: list[Due], term: Term, now: dt.datetime) -> None:
         async with _InFlight(CLAIMS_IN_FLIGHT) as claiming:
             for i in range(0, len(dues), CLAIM_BATCH):
-                await claiming.start(self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
+                await claiming.start(
+                    self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
 
     async def _claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
                                  may_defer: bool = True, overlap: str | None = None

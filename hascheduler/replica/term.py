@@ -58,7 +58,7 @@ class Term:
         self.watermark: dt.datetime | None = None
         # Fires due up to this instant may be in the ledger already (claimed ahead by the
         # term before, or fired by it before its successor's catch-up looks at them): their
-        # claims read the ledger first.
+        # claims read the ledger first (Ledger.claim's read_first).
         self.contested_until = dt.datetime.min.replace(tzinfo=dt.UTC)
         self.queue = FireQueue(entries)
         # The claims of this term not yet published (or given up), by fire id, with their

@@ -232,17 +232,19 @@ class Ledger:
 
     # -- a leader's writes ----------------------------------------------------------------
 
-    async def claim(self, docs: list[Document]) -> set[str]:
-        """Insert claims; the ids already in the ledger (claimed by someone: maybe us)."""
+    async def claim(self, docs: list[Document], read_first: bool = False) -> set[str]:
+        """Insert claims; the ids already in the ledger (claimed by someone: maybe us).
+        ``read_first`` when many are likely there: those found are not inserted, as an
+        insert the unique index refuses costs the database several times the read
+        (docs/BENCHMARKS.md, Development MongoDB server)."""
+        there: set[str] = set()
+        if read_first:
+            there = {d["_id"] async for d in self.fires.find(
+                {"_id": {"$in": [d["_id"] for d in docs]}}, {"_id": 1})}
+            docs = [d for d in docs if d["_id"] not in there]
         if not docs:
-            return set()
-        return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
-
-    async def existing(self, fire_ids: list[str]) -> set[str]:
-        """Those of ``fire_ids`` in the ledger already. Read before claiming fires that
-        are likely there: an insert refused as a duplicate costs the database ten times
-        what reading the document does."""
-        return {d["_id"] async for d in self.fires.find({"_id": {"$in": fire_ids}}, {"_id": 1})}
+            return there
+        return there | {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
 
     async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
         """Take over those of ``fire_ids`` still claimed and unpublished by an older term (a
