@@ -244,7 +244,10 @@ SECTIONS = [
      "firing path's ledger writes (the leader's claim and publish mark, an overlap "
      "policy's run reservation, the run's end; the ledgers' own indexes, their ordered "
      "ones built as the leader's range scans build them) against plain inserts of as "
-     "many claim documents into a collection with only `_id` (baseline, same run)."),
+     "many claim documents into a collection with only `_id` (baseline, same run). And a "
+     "claim whose fire is in the ledger already (a new leader meeting its predecessor's "
+     "fires), inserted and refused as a duplicate, against read first (baseline, same "
+     "run)."),
 ]
 
 

@@ -16,7 +16,10 @@ over a real socket:
   plain inserts of as many claim documents into a collection with only ``_id`` (baseline,
   same run); and the same writes on a second server running its modules from their sources
   (``--from-sources``) against the compiled build the first runs
-  (hascheduler_dev/devmongo/native.py).
+  (hascheduler_dev/devmongo/native.py);
+- the server's CPU per claim whose fire is in the ledger already (a new leader meeting its
+  predecessor's fires), inserted and refused as a duplicate, against read first
+  (``Ledger.claim``'s ``read_first``, baseline, same run).
 Prints a Markdown table and the command line that produced it.
 """
 
@@ -128,6 +131,7 @@ async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
     return used / elapsed
 
 
+CLAIMED_AGAIN = ("claim met again, inserted", "claim met again, read first")
 LEDGER_WRITES = ("claim", "publish mark", "run reserved", "run ended")
 
 
@@ -146,7 +150,7 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
                        (db.runs, {"state": "waiting"})):
         await coll.find_one(scan)  # as the leader's scans do: the ordered indexes built
     targets = {f"s{i:06d}": "bench" for i in range(fires)}
-    spent = dict.fromkeys([*LEDGER_WRITES, "plain insert"], 0.0)
+    spent = dict.fromkeys([*LEDGER_WRITES, "plain insert", *CLAIMED_AGAIN], 0.0)
     base = dt.datetime.now(dt.UTC).replace(microsecond=0)
     for round_ in range(rounds + 2):
         nominal = base + dt.timedelta(seconds=round_)
@@ -176,6 +180,10 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
             await db.plain.insert_many([{**d, "_id": f"{d['_id']}#"}
                                         for d in docs[start:start + 1000]])
         marks.append(cpu_seconds(pid))
+        for read_first in (False, True):  # the round's claims met again (a successor's)
+            for start in range(0, fires, 1000):
+                await fires_ledger.claim(docs[start:start + 1000], read_first=read_first)
+            marks.append(cpu_seconds(pid))
         if round_ >= 2:
             for name, before, after in zip(spent, marks[:-1], marks[1:], strict=True):
                 spent[name] += after - before
@@ -256,6 +264,10 @@ async def main() -> int:
               f"{ledgers['plain insert']:.1f} us |")
         print(f"\nfiring path per governed fire: {total / ledgers['plain insert']:.1f} plain "
               "inserts' worth of server CPU")
+        inserted, read = (ledgers[name] for name in CLAIMED_AGAIN)
+        print(f"a claim whose fire is in the ledger already (a successor meeting its "
+              f"predecessor's): inserted, refused as a duplicate {inserted:.1f} us; read first "
+              f"(Ledger.claim's read_first, baseline) {read:.1f} us; ratio {inserted / read:.1f}x")
     if sourced:
         print("\n| ledger write | compiled build | from its sources (baseline) | ratio |")
         print("|---|---|---|---|")
