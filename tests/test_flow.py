@@ -263,7 +263,7 @@ class Fleet:
                 sys.executable, "-m", "hascheduler.cli", "worker", "--broker", self.nats_uri,
                 "--mongodb-uri", self.mongo_uri, "--app", "tests.helpers.flow_handler:app",
                 "--durable", "flow", "--worker-id", name, "--concurrency", "16", *args,
-                env={**os.environ, "RECORD_FLOW_TO": str(self.record)},
+                env={**os.environ, "RECORD_FLOW_TO": str(self.record), "FLOW_WORKER": name},
                 stdout=asyncio.subprocess.PIPE, stderr=log)
         assert worker.stdout is not None
         assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
@@ -281,9 +281,20 @@ class Fleet:
             return []
         out = []
         for line in self.record.read_text().splitlines():
-            what, fire_id, key, at = line.split()
+            what, fire_id, key, at, _ = line.split()
             out.append((what, fire_id, key, float(at)))
         return out
+
+    def running_on(self, name: str) -> set[str]:
+        """The fires whose handler the worker started and has not ended."""
+        if not self.record.exists():
+            return set()
+        started: set[str] = set()
+        for line in self.record.read_text().splitlines():
+            what, fire_id, _, _, worker = line.split()
+            if worker == name:
+                (started.add if what == "start" else started.discard)(fire_id)
+        return started
 
 
 def most_at_once(records: list[tuple[str, str, str, float]]) -> dict[str, int]:
@@ -410,10 +421,17 @@ async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
                 for n in range(12) for t in range(8)]
     await publish(f.nats_uri, messages)
 
-    async def some_running_on_w1() -> bool:
-        return await db.runs.count_documents({"state": "running", "worker_id": "w1"}) > 0
-    await wait_until(some_running_on_w1, 30.0, "w1 runs some")
-    f.workers["w1"].send_signal(signal.SIGKILL)
+    w1 = f.workers["w1"]
+
+    async def w1_frozen_holding_runs() -> set[str]:
+        # Frozen, w1 can end no run between the look and the kill: what it holds is known.
+        w1.send_signal(signal.SIGSTOP)
+        held = f.running_on("w1")
+        if not held:
+            w1.send_signal(signal.SIGCONT)
+        return held
+    held = await wait_until(w1_frozen_holding_runs, 30.0, "w1 running some")
+    w1.send_signal(signal.SIGKILL)
     killed_at = dt.datetime.now(dt.UTC).timestamp()
 
     async def all_succeeded() -> bool:
@@ -433,7 +451,11 @@ async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
     assert max(most.values()) <= 3, most
     assert any(m == 3 for m in most.values())
     assert len(starts) == len(messages)
-    assert any(len(v) > 1 for v in starts.values())  # runs taken over from w1
+    # Each run w1 held was taken over: started again, and succeeded on another worker.
+    assert all(len(starts[fire_id]) > 1 for fire_id in held), held
+    taken_over = await db.runs.find({"_id": {"$in": sorted(held)}}).to_list(None)
+    assert len(taken_over) == len(held)
+    assert {r["worker_id"] for r in taken_over} <= {"w2", "w3", "w4"}, taken_over
     assert await db.slots.count_documents({"holder": {"$ne": None},
                                            "until": {"$gt": dt.datetime.now(dt.UTC)}}) == 0
 

@@ -1,7 +1,8 @@
 """Worker handlers for flow-control tests (tests/test_flow.py): each run appends
-"start <fire id> <key> <time>" and "end <fire id> <key> <time>" to RECORD_FLOW_TO around
-an async sleep of {"sleep": S} seconds, so a test can count the runs of a key running at
-once from the handler's side."""
+"start <fire id> <key> <time> <worker>" and "end <fire id> <key> <time> <worker>" to
+RECORD_FLOW_TO around an async sleep of {"sleep": S} seconds (the worker named by
+FLOW_WORKER), so a test can count the runs of a key running at once from the handler's
+side, and see which worker held a run."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def _note(what: str, run: Run) -> None:
     payload = run.payload if isinstance(run.payload, dict) else {}
     key = run.tenant or payload.get("account") or "-"
     with open(os.environ["RECORD_FLOW_TO"], "a") as out:
-        out.write(f"{what} {run.fire_id} {key} {time.time():.6f}\n")
+        out.write(f"{what} {run.fire_id} {key} {time.time():.6f} "
+                  f"{os.environ.get('FLOW_WORKER', '-')}\n")
 
 
 async def _run(run: Run) -> None:
