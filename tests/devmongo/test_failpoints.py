@@ -153,3 +153,38 @@ async def test_a_write_held_past_its_max_time_is_refused_not_applied(
     await db.command({"insert": "fenced", "documents": [{"_id": "in-time"}],
                       "maxTimeMS": 2000})
     assert await db.fenced.find_one({"_id": "in-time"}) is not None
+
+
+async def test_wait_for_fail_point_answers_while_the_command_it_caught_is_held(
+        admin: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
+    name = app_name()
+    stalled = driver.client(mongo_uri, appname=name)
+    try:
+        await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 1},
+                             "data": {"failCommands": ["insert"], "appName": name,
+                                      "blockConnection": True, "blockTimeMS": 2000}})
+        with pytest.raises(OperationFailure) as caught:  # nothing caught yet
+            await admin.command({"waitForFailPoint": "failCommand", "timesEntered": 1,
+                                 "maxTimeMS": 100})
+        assert caught.value.code == 50
+        inserting = asyncio.ensure_future(stalled[db_name].held.insert_one({"_id": "x"}))
+        await admin.command({"waitForFailPoint": "failCommand", "timesEntered": 1,
+                             "maxTimeMS": 10_000})
+        assert not inserting.done()  # caught, and still held
+        assert await admin.client[db_name].held.count_documents({}) == 0
+        await inserting
+        assert await admin.client[db_name].held.count_documents({}) == 1
+    finally:
+        await driver.close(stalled)
+
+
+@pytest.mark.parametrize("body", [
+    {"waitForFailPoint": "failCommand", "timesEntered": 0, "maxTimeMS": 100},
+    {"waitForFailPoint": "failCommand", "timesEntered": 1},
+    {"waitForFailPoint": "failCommand", "timesEntered": "1", "maxTimeMS": 100},
+    {"waitForFailPoint": "somethingElse", "timesEntered": 1, "maxTimeMS": 100},
+])
+async def test_wait_for_fail_point_refuses_what_it_cannot_wait_for(
+        admin: Any, body: dict[str, Any]) -> None:
+    with pytest.raises(OperationFailure):
+        await admin.command(body)

@@ -2,7 +2,9 @@
 
 Supported: modes alwaysOn / off / {times: n} / {skip: n} / {activationProbability: p};
 data fields failCommands, errorCode, errorLabels, closeConnection, blockConnection with
-blockTimeMS, writeConcernError, appName, namespace. One development-server extension:
+blockTimeMS, writeConcernError, appName, namespace; and ``waitForFailPoint`` (its
+timesEntered counted since the fail point was last configured, where mongod counts over
+the process's life). One development-server extension:
 ``closeConnectionAfterExecution`` runs the command and then closes the connection instead
 of replying (a write applied but its reply lost); a real mongod ignores unknown data
 fields, so tests using it run against the development server only.
@@ -10,6 +12,7 @@ fields, so tests using it run against the development server only.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,7 @@ class FailPoints:
         self._count = 0  # times left, or skips left
         self._probability = 1.0
         self.times_entered = 0
+        self._entered = asyncio.Event()  # set, and replaced, at each entry
 
     def configure(self, cmd: Document) -> Document:
         """Handle ``configureFailPoint``; returns the reply fields."""
@@ -110,7 +114,15 @@ class FailPoints:
         elif self._mode == "random" and random.random() >= self._probability:
             return None
         self.times_entered += 1
+        self._entered.set()
+        self._entered = asyncio.Event()
         return Action(rule)
+
+    async def wait_entered(self, times: int) -> None:
+        """Return once the fail point has caught ``times`` commands since it was
+        configured (a test's proof that a command is held, say, before it acts)."""
+        while self.times_entered < times:
+            await self._entered.wait()
 
 
 def _opt_int(data: Document, key: str) -> int | None:

@@ -61,12 +61,13 @@ ANSWERED_WHEN_SECONDARY = frozenset({
     "hello", "isMaster", "ismaster", "ping", "buildInfo", "buildinfo", "serverStatus",
     "endSessions", "refreshSessions", "killAllSessions", "killSessions", "killCursors",
     "replSetGetStatus", "replSetStepDown", "configureFailPoint", "connectionStatus",
-    "whatsmyuri", "getParameter"})
+    "whatsmyuri", "getParameter", "waitForFailPoint"})
 READ_COMMANDS = frozenset({"find", "getMore", "aggregate", "count", "distinct",
                            "listIndexes", "listCollections", "listDatabases"})
 # Commands that wait (for events, for a topology change) rather than work: their time is
 # not the server's time held.
-WAITING_COMMANDS = frozenset({"getMore", "hello", "isMaster", "ismaster", "replSetStepDown"})
+WAITING_COMMANDS = frozenset({"getMore", "hello", "isMaster", "ismaster", "replSetStepDown",
+                              "waitForFailPoint"})
 MAX_STEP_DOWN_S = 3600.0
 MAX_REMEMBERED_SESSIONS = 100_000
 
@@ -123,6 +124,7 @@ class Node:
             "listCollections": self._list_collections,
             "listDatabases": self._list_databases, "dropDatabase": self._drop_database,
             "configureFailPoint": self._configure_fail_point,
+            "waitForFailPoint": self._wait_for_fail_point,
             "replSetGetStatus": self._repl_set_get_status,
             "connectionStatus": self._connection_status, "whatsmyuri": self._whatsmyuri,
             "getParameter": self._get_parameter,
@@ -395,6 +397,27 @@ class Node:
             raise MongoError(13, "configureFailPoint may only be run against the admin "
                                  "database.")
         return self.failpoints.configure(body)
+
+    async def _wait_for_fail_point(self, db: str, body: Document,
+                                   ctx: ConnectionContext) -> Document:
+        """``{waitForFailPoint: "failCommand", timesEntered: n, maxTimeMS: ms}``: answer
+        once the fail point has caught n commands, or fail with MaxTimeMSExpired."""
+        if db != "admin":
+            raise MongoError(13, "waitForFailPoint may only be run against the admin "
+                                 "database.")
+        if body.get("waitForFailPoint") != "failCommand":
+            raise MongoError(2, f"unknown fail point: {body.get('waitForFailPoint')!r} (the "
+                                "development server implements failCommand)")
+        times, limit = body.get("timesEntered"), body.get("maxTimeMS")
+        if isinstance(times, bool) or not isinstance(times, int) or times <= 0:
+            raise bad_value("waitForFailPoint needs timesEntered, a positive integer")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise bad_value("waitForFailPoint needs maxTimeMS, a positive integer")
+        try:
+            await asyncio.wait_for(self.failpoints.wait_entered(times), limit / 1000)
+        except TimeoutError:
+            raise MongoError(50, "operation exceeded time limit") from None
+        return {}
 
     # -- helpers --------------------------------------------------------------------------
 
