@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, NetworkTimeout
 
 from hascheduler.brokers.base import BrokerUnavailable
 from hascheduler.core.claims import Claim
@@ -278,6 +279,68 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
     assert waiting.cancelled()
 
 
+async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_it() -> None:
+    """A write whose caller is cancelled (the handover stops the lead) goes on to its
+    answer, and ``settle`` returns once it has it: the lease is released after the write
+    was applied or refused, never while it may still land."""
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=2.0))
+    answer = asyncio.Event()
+    applied: list[str] = []
+
+    async def claim() -> str:
+        await answer.wait()
+        applied.append("claim")
+        return "claim"
+
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        caller = asyncio.create_task(term.write(claim()))
+        await wait_until(lambda: term._writes, 5, "the write in flight")
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        settling = asyncio.create_task(term.settle(5.0))
+        await asyncio.sleep(0)  # the settle task runs up to its wait
+        assert not settling.done()
+        assert not applied
+        answer.set()
+        assert await settling
+        assert applied == ["claim"]
+        assert await term.settle(0.0)  # nothing in flight
+
+
+@pytest.mark.parametrize(("error", "settled"), [
+    (AutoReconnect("connection lost mid-write"), False),  # sent, fate unknown
+    (NetworkTimeout("timed out waiting for the reply"), False),
+    (DuplicateKeyError("E11000"), True),  # the server answered: refused
+    (ExecutionTimeout("operation exceeded time limit", 50), True),
+])
+async def test_a_write_that_ended_unanswered_keeps_the_lease_from_being_released(
+        error: Exception, settled: bool) -> None:
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=60.0))
+
+    async def failing() -> None:
+        raise error
+
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        with pytest.raises(type(error)):
+            await term.write(failing())
+        assert await term.settle(1.0) is settled
+
+
+async def test_a_write_past_what_remains_of_the_term_ends_the_term() -> None:
+    left = [0.05]
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: left[0],
+                            timings=SimpleNamespace(ttl=60.0))
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        with pytest.raises(LeadershipLost):
+            await term.write(asyncio.Event().wait())
+        # Still in flight once the term gave up on it: the release waits, then lapses.
+        assert not await term.settle(0.05)
+        for task in term._writes:
+            task.cancel()
+
+
 async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() -> None:
     """A backfill's chunk waits while a regular publish or claim is due within
     BACKFILL_QUIET_S, so its claims and publishes never land in front of a cron's
@@ -366,7 +429,7 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
         async def skip(self, ids: list[str], term: int, reason: str) -> None:
             skipped.extend(ids)
 
-    lease = SimpleNamespace(valid=True, term=1)
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0)
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, Ledger(), None,  # type: ignore[arg-type]
                             lease)  # type: ignore[arg-type]
     dispatcher.publisher = Publisher()  # type: ignore[assignment]

@@ -80,8 +80,11 @@ class IdleDispatcher:
         finally:
             self.leading = False
 
-    async def drain(self) -> None:
-        return None
+    async def drain(self) -> bool:
+        return True
+
+    async def settle(self, timeout_s: float) -> bool:
+        return True
 
 
 async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(

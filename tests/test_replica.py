@@ -14,6 +14,7 @@ from pymongo import AsyncMongoClient
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.replica.service import Replica, ReplicaSettings
 from hascheduler.storage.lease import LeaseTimings
+from hascheduler.storage.lease_history import LeaseHistory
 from tests.servers import with_database
 from tests.waiting import wait_until
 
@@ -51,3 +52,54 @@ async def test_a_replica_runs_in_process_and_stops_everything_it_started(
         await client.close()
     leftover = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not [t for t in leftover if not t.done()], leftover
+
+
+async def test_a_handover_releases_the_lease_only_once_its_terms_writes_are_answered(
+        mongo_uri: str) -> None:
+    """The database holds the replica's claim (a fail point) when the replica is told to
+    stop. The replica waits for the claim's answer before it releases the lease: released
+    first, the claim would land after the release, where the next leader may already act
+    (the lease history calls such a write stale)."""
+    name = f"handover_{uuid.uuid4().hex[:8]}"
+    uri = with_database(mongo_uri, name)
+    timings = LeaseTimings(ttl=2.0, renew_deadline=1.4, renew_interval=0.4)
+    settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
+                               replica_id="handing-over", broker=parse_broker_url("log:"),
+                               timings=timings)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    db = client.get_default_database()
+    try:
+        async with LeaseHistory(db) as history:
+            async with Replica(settings) as replica, aiohttp.ClientSession() as http:
+                await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
+                await client.admin.command({
+                    "configureFailPoint": "failCommand", "mode": {"times": 1},
+                    "data": {"failCommands": ["insert"], "namespace": f"{name}.fires",
+                             "appName": "hascheduler/handing-over",
+                             "blockConnection": True, "blockTimeMS": 700}})
+                due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2.5)
+                async with http.post(replica.url + "/schedules", json={
+                        "id": "once", "name": "once", "target": "in.process",
+                        "trigger": {"kind": "at", "at": [due.isoformat()]}}) as r:
+                    assert r.status == 201, await r.text()
+                # Its claim (made ahead of the due time) is held: the replica stops now.
+                await client.admin.command({"waitForFailPoint": "failCommand",
+                                            "timesEntered": 1, "maxTimeMS": 10_000})
+
+            async def claimed() -> bool:
+                return await db.fires.count_documents({"schedule_id": "once"}) == 1
+
+            await wait_until(claimed, 10, "the held claim applied")
+        report = history.check(timings)
+        assert report.ok, report.as_dict()
+        assert report.acts == 1, report.as_dict()
+        released = history.terms[1].released_at
+        assert released is not None
+        assert history.acts[0].at <= released
+        lease = await db.leases.find_one({"_id": "scheduler"})
+        assert lease is not None
+        assert lease["expires_at"] <= dt.datetime.now(dt.UTC)
+    finally:
+        await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        await client.drop_database(db)
+        await client.close()

@@ -276,16 +276,25 @@ class Dispatcher:
                     tasks.create_task(self._backfill_loop(term, self.backfills))
                 await self._fire_loop(term)
 
-    async def drain(self) -> None:
+    async def drain(self) -> bool:
         """The handover: the last term's publishes in flight finish (bounded by the drain
-        timeout); its claims not yet due are left for the next leader."""
-        if self.term is not None:
-            began = time.monotonic()
-            await self.term.drain(self.settings.drain_timeout_s)
-            # Marked before the next leader looks: a fire left claimed is republished.
-            left = self.settings.drain_timeout_s - (time.monotonic() - began)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.publisher.marked(), max(left, 0.001))
+        timeout); its claims not yet due are left for the next leader. True when the lease
+        may be released (``settle``)."""
+        if self.term is None:
+            return True
+        began = time.monotonic()
+        await self.term.drain(self.settings.drain_timeout_s)
+        # Marked before the next leader looks: a fire left claimed is republished.
+        left = self.settings.drain_timeout_s - (time.monotonic() - began)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.publisher.marked(), max(left, 0.001))
+        return await self.settle(self.settings.drain_timeout_s - (time.monotonic() - began))
+
+    async def settle(self, timeout_s: float) -> bool:
+        """True once every ledger write of the last term has had its answer (at most
+        ``timeout_s``): released after that, the lease cannot see one land where the next
+        term may act. False: let the lease lapse instead (its margin covers the rest)."""
+        return self.term is None or await self.term.settle(timeout_s)
 
     async def _seed(self, term: Term, now: dt.datetime) -> None:
         for _ in term.queue.seed(now):
@@ -366,17 +375,11 @@ class Dispatcher:
         retry_at = self._retry_at(now)
         docs = [claim_record(c, term.number, now, retry_at) for c in claims]
         contested = min(c.due_at for c in claims) <= term.contested_until
-        try:
-            with term.fenced():
-                taken = await asyncio.wait_for(self.ledger.claim(docs, read_first=contested),
-                                               max(term.remaining(), 0.001))
-        except TimeoutError:
-            raise LeadershipLost from None
+        taken = await term.write(self.ledger.claim(docs, read_first=contested))
         if not taken:
             return claims
-        with term.fenced():
-            adopted = await self.ledger.adopt(taken - term.pending.keys(), term.number,
-                                              self.clock())
+        adopted = await term.write(self.ledger.adopt(taken - term.pending.keys(), term.number,
+                                                     self.clock()))
         if adopted:
             log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
@@ -449,9 +452,9 @@ class Dispatcher:
         """A fire that cannot go (a fan-out whose source mirror is out of sync or that
         selects more tenants than the bound, a namespace far over its quota) is recorded as
         skipped, saying why, never silently dropped."""
-        await self.ledger.record_skipped([skipped_range_document(
+        await term.write(self.ledger.record_skipped([skipped_range_document(
             d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now)
-            for d, reason in dues])
+            for d, reason in dues]))
         self.metrics.fires.labels("skipped").inc(len(dues))
         log.warning("fires_refused", count=len(dues), term=term.number, reason=dues[0][1])
 
@@ -566,7 +569,7 @@ class Dispatcher:
             else:
                 skipped.setdefault(reason, []).append(claim.fire_id)
         for reason, ids in skipped.items():  # one write per reason: a fan-out skips many
-            await self.ledger.skip(ids, term.number, reason)
+            await term.write(self.ledger.skip(ids, term.number, reason))
             self.metrics.fires.labels("skipped").inc(len(ids))
             log.info("skipped_before_due", count=len(ids), term=term.number, reason=reason)
         return keep
@@ -581,9 +584,8 @@ class Dispatcher:
         """
         now = self.clock()
         # Not before its due time: a claim made ahead waits for it (_claim takes it then).
-        with term.fenced():
-            adopted = await self.ledger.adopt_due(term.number, now,
-                                                  now - dt.timedelta(seconds=grace_s), own)
+        adopted = await term.write(self.ledger.adopt_due(
+            term.number, now, now - dt.timedelta(seconds=grace_s), own))
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
@@ -625,9 +627,8 @@ class Dispatcher:
             ids = await self.ledger.requested(CLAIM_BATCH)
             if ids:
                 now = self.clock()
-                with term.fenced():
-                    claims = await self.ledger.take(ids, REQUESTED, term.number, now,
-                                                    self._retry_at(now))
+                claims = await term.write(self.ledger.take(ids, REQUESTED, term.number, now,
+                                                           self._retry_at(now)))
                 log.info("running_now", count=len(claims), term=term.number)
                 await self.publisher.publish(claims, term.number, attempt=1)
 
@@ -698,7 +699,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(BUFFER_POLL_S)
             term.check()
-            claims = await gate.ready(term.number, self._retry_at(self.clock()))
+            claims = await term.write(gate.ready(term.number, self._retry_at(self.clock())))
             if claims:
                 log.info("released_buffered", count=len(claims), term=term.number)
                 try:
@@ -716,7 +717,7 @@ class Dispatcher:
         term.check()
         skipped = [skipped_range_document(schedule_id, skip, term.number, now)
                    for schedule_id, skip in ranges]
-        await self.ledger.record_skipped(skipped)
+        await term.write(self.ledger.record_skipped(skipped))
         if to_fire or skipped:
             log.info("catching_up", fires=len(to_fire), skipped_ranges=len(skipped),
                      skipped=sum(d["count"] for d in skipped), term=term.number)

@@ -40,7 +40,9 @@ class Firing(Protocol):
 
     async def lead(self, view: LeaseView) -> None: ...
 
-    async def drain(self) -> None: ...
+    async def drain(self) -> bool: ...
+
+    async def settle(self, timeout_s: float) -> bool: ...
 
 
 class Watchable(Protocol):
@@ -105,8 +107,9 @@ class Elector:
             # hand over rather than fire from it.
             if self._leading is not None:
                 await self._stop_leading(reason)
-                with contextlib.suppress(PyMongoError, TimeoutError):
-                    await asyncio.wait_for(self.lease.release(None), 2.0)
+                if await self.dispatcher.settle(2.0):
+                    with contextlib.suppress(PyMongoError, TimeoutError):
+                        await asyncio.wait_for(self.lease.release(None), 2.0)
             return
         leading = self.is_leader
         timings = self.lease.timings
@@ -218,7 +221,11 @@ class Elector:
         watermark = self.dispatcher.fired_through
         task.cancel()
         await asyncio.wait({task}, timeout=2.0)
-        await self.dispatcher.drain()
+        if not await self.dispatcher.drain():
+            # Released now, a write of the term still unanswered could land where the next
+            # leader acts; lapsing, the lease leaves the margin for it.
+            log.warning("release_skipped", reason="a write of the term is unanswered")
+            return
         try:
             released = await asyncio.wait_for(self.lease.release(watermark), 2.0)
             log.info("released_lease", released=released)

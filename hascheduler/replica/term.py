@@ -8,20 +8,22 @@ fires waiting for their source, and the tasks publishing its claims. Entering it
 with``) begins the term; leaving it stops everything that would claim more (the queue is
 emptied, the waits for sources cancelled: nothing was claimed for those, so the next
 leader's catch-up covers them). ``drain`` is the handover: publishes in flight finish
-(bounded), claims not yet due are left for the next leader, which adopts them.
+(bounded), claims not yet due are left for the next leader, which adopts them; ``settle``
+says whether every write of the term has had its answer, so the lease may be released.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
+import time
 from collections import Counter
 from collections.abc import Coroutine, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pymongo
 import structlog
+from pymongo.errors import OperationFailure
 
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
@@ -29,6 +31,8 @@ from hascheduler.core.fire_queue import Due, FireQueue
 from hascheduler.storage.lease import LeaseTimings
 
 log = structlog.get_logger("hascheduler.dispatch")
+
+T = TypeVar("T")
 
 
 class HeldLease(Protocol):
@@ -70,6 +74,11 @@ class Term:
         self.handing_over = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
         self._waiting: set[asyncio.Task[None]] = set()
+        self._writes: set[asyncio.Task[Any]] = set()
+        # When a write last ended without the server's answer (a timeout, a lost
+        # connection): it may be applied yet, so the term does not release the lease soon
+        # after (monotonic seconds).
+        self._unanswered_at: float | None = None
 
     async def __aenter__(self) -> Term:
         self.active = True
@@ -96,11 +105,40 @@ class Term:
         """Seconds the term may still act without another renewal."""
         return self._lease.remaining()
 
-    def fenced(self) -> contextlib.AbstractContextManager[None]:
-        """Bounds the database calls made inside it by what remains of the term: the
-        driver sends the rest as maxTimeMS, so a write the server holds up (a stall, a lock)
-        past the renew deadline is refused rather than applied for a deposed leader."""
-        return pymongo.timeout(max(self.remaining(), 0.001))
+    async def write(self, work: Coroutine[Any, Any, T]) -> T:
+        """A ledger write of this term (``work``), bounded by what remains of the term:
+        the driver sends the rest as maxTimeMS, so a write the server holds up past the
+        renew deadline is refused rather than applied for a deposed leader. It is carried
+        on to its answer if the caller is cancelled: abandoned in flight, it could be
+        applied after the handover released the lease, when the next term may act
+        (``settle`` waits for it). Raises LeadershipLost when the term's time runs out."""
+        remaining = max(self.remaining(), 0.001)
+        with pymongo.timeout(remaining):  # the task copies the deadline with the context
+            task = asyncio.create_task(work)
+        self._writes.add(task)
+        task.add_done_callback(self._written)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), remaining)
+        except TimeoutError:
+            raise LeadershipLost from None
+
+    def _written(self, task: asyncio.Task[Any]) -> None:
+        self._writes.discard(task)
+        # The server answered, if only to refuse: the write's fate is known.
+        answered = not task.cancelled() and (
+            task.exception() is None or isinstance(task.exception(), OperationFailure))
+        if not answered:
+            self._unanswered_at = time.monotonic()
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for the writes of this term in flight; True when
+        every one had its answer, and none went unanswered within the lease's ttl: then
+        releasing the lease cannot let a write of this term land after it."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=max(timeout_s, 0.001))
+        recent = self._unanswered_at is not None and \
+            time.monotonic() - self._unanswered_at < self._lease.timings.ttl
+        return not self._writes and not recent
 
     @property
     def fired_through(self) -> dt.datetime | None:
