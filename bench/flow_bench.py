@@ -158,7 +158,7 @@ async def hand_on(mongo: ServerProcess, nats_uri: str, hot: int) -> list[float]:
         def ended() -> bool:
             return record.exists() and record.read_text().count("end ") >= hot
         await wait_until(ended, 600.0, "every hot run ended")
-    lines = [line.split() for line in record.read_text().splitlines()]
+    lines = [line.split()[:4] for line in record.read_text().splitlines()]
     starts = sorted(float(at) for what, _, _, at in lines if what == "start")
     ends = sorted(float(at) for what, _, _, at in lines if what == "end")
     # Limit 1: runs alternate start, end, start ...; each start after the first follows
@@ -239,7 +239,7 @@ async def _fan_out(api: str, db: Any, record: Path,
         return await db.runs.count_documents({"state": "succeeded"}) >= total
     await wait_until(all_succeeded, 900.0, "every run succeeded")
     seconds = time.perf_counter() - began
-    lines = [line.split() for line in (await asyncio.to_thread(record.read_text)).splitlines()]
+    lines = [line.split()[:4] for line in (await asyncio.to_thread(record.read_text)).splitlines()]
     return {"runs": total, "seconds": seconds,
             "most": most_at_once(lines, killed_at),
             "succeeded": await db.runs.count_documents({"state": "succeeded"}),
