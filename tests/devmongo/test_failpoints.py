@@ -139,7 +139,7 @@ async def test_block_connection_stalls_only_the_named_app(
 
 async def test_a_write_held_past_its_max_time_is_refused_not_applied(
         admin: Any, db: Any) -> None:
-    """mongod's rule, which a leader's writes rely on (Term.fenced): maxTimeMS runs from
+    """mongod's rule, which a leader's writes rely on (Term.write): maxTimeMS runs from
     when the server took the command, so a write held up longer is never applied."""
     await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 2},
                          "data": {"failCommands": ["insert"], "blockConnection": True,
