@@ -76,7 +76,7 @@ async def test_a_handover_releases_the_lease_only_once_its_terms_writes_are_answ
                     "configureFailPoint": "failCommand", "mode": {"times": 1},
                     "data": {"failCommands": ["insert"], "namespace": f"{name}.fires",
                              "appName": "hascheduler/handing-over",
-                             "blockConnection": True, "blockTimeMS": 700}})
+                             "blockConnection": True, "blockTimeMS": 400}})
                 due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2.5)
                 async with http.post(replica.url + "/schedules", json={
                         "id": "once", "name": "once", "target": "in.process",
