@@ -295,7 +295,7 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
 
     async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
         caller = asyncio.create_task(term.write(claim()))
-        await wait_until(lambda: term._writes, 5, "the write in flight")
+        await wait_until(lambda: term._writes.tasks, 5, "the write in flight")
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
         settling = asyncio.create_task(term.settle(5.0))
@@ -337,8 +337,16 @@ async def test_a_write_past_what_remains_of_the_term_ends_the_term() -> None:
             await term.write(asyncio.Event().wait())
         # Still in flight once the term gave up on it: the release waits, then lapses.
         assert not await term.settle(0.05)
-        for task in term._writes:
+    # The same term led again (the dispatcher's next lead) answers for that write too.
+    async with Term(1, lease, {}) as again:  # type: ignore[arg-type]
+        again.follows(term)
+        assert not await again.settle(0.05)
+        held = list(again._writes.tasks)
+        for task in held:
             task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        assert not again._writes.tasks
+        assert not await again.settle(0.05)  # ended unanswered, within the ttl
 
 
 async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() -> None:

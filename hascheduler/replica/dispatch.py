@@ -251,6 +251,8 @@ class Dispatcher:
         since = view.fired_through or now
         log.info("leading", term=view.term, fired_through=since.isoformat())
         async with Term(view.term, self.lease, self.mirror.entries) as term:
+            if self.term is not None:
+                term.follows(self.term)
             self.term = term
             # A term before this one claimed up to CLAIM_AHEAD_S past its last instant
             # (before ours, but for the replicas' clocks' skew: doubled).

@@ -55,6 +55,24 @@ class LeadershipLost(Exception):
     began): stop claiming at once."""
 
 
+class _Writes:
+    """The ledger writes of a replica's terms in flight, and when one last ended without
+    the server's answer (a timeout, a lost connection: it may be applied yet, so no lease
+    is released soon after; monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.unanswered_at: float | None = None
+
+    def ended(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        # The server answered, if only to refuse: the write's fate is known.
+        answered = not task.cancelled() and (
+            task.exception() is None or isinstance(task.exception(), OperationFailure))
+        if not answered:
+            self.unanswered_at = time.monotonic()
+
+
 class Term:
     def __init__(self, number: int, lease: HeldLease, entries: Mapping[str, Entry]) -> None:
         self.number = number
@@ -74,11 +92,7 @@ class Term:
         self.handing_over = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
         self._waiting: set[asyncio.Task[None]] = set()
-        self._writes: set[asyncio.Task[Any]] = set()
-        # When a write last ended without the server's answer (a timeout, a lost
-        # connection): it may be applied yet, so the term does not release the lease soon
-        # after (monotonic seconds).
-        self._unanswered_at: float | None = None
+        self._writes = _Writes()
 
     async def __aenter__(self) -> Term:
         self.active = True
@@ -115,30 +129,28 @@ class Term:
         remaining = max(self.remaining(), 0.001)
         with pymongo.timeout(remaining):  # the task copies the deadline with the context
             task = asyncio.create_task(work)
-        self._writes.add(task)
-        task.add_done_callback(self._written)
+        self._writes.tasks.add(task)
+        task.add_done_callback(self._writes.ended)
         try:
             return await asyncio.wait_for(asyncio.shield(task), remaining)
         except TimeoutError:
             raise LeadershipLost from None
 
-    def _written(self, task: asyncio.Task[Any]) -> None:
-        self._writes.discard(task)
-        # The server answered, if only to refuse: the write's fate is known.
-        answered = not task.cancelled() and (
-            task.exception() is None or isinstance(task.exception(), OperationFailure))
-        if not answered:
-            self._unanswered_at = time.monotonic()
+    def follows(self, earlier: Term) -> None:
+        """This replica's lead before this one was ``earlier`` (the same term, led again
+        after a write timed out, say): its writes still in flight are this one's too."""
+        self._writes = earlier._writes
 
     async def settle(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) for the writes of this term in flight; True when
         every one had its answer, and none went unanswered within the lease's ttl: then
         releasing the lease cannot let a write of this term land after it."""
-        if self._writes:
-            await asyncio.wait(list(self._writes), timeout=max(timeout_s, 0.001))
-        recent = self._unanswered_at is not None and \
-            time.monotonic() - self._unanswered_at < self._lease.timings.ttl
-        return not self._writes and not recent
+        writes = self._writes
+        if writes.tasks:
+            await asyncio.wait(list(writes.tasks), timeout=max(timeout_s, 0.001))
+        recent = writes.unanswered_at is not None and \
+            time.monotonic() - writes.unanswered_at < self._lease.timings.ttl
+        return not writes.tasks and not recent
 
     @property
     def fired_through(self) -> dt.datetime | None:
