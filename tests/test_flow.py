@@ -276,22 +276,19 @@ class Fleet:
         for worker in self.workers.values():
             await asyncio.wait_for(worker.wait(), 60)
 
-    def records(self) -> list[tuple[str, str, str, float]]:
+    def _lines(self) -> list[list[str]]:
+        """The handler's records: what, fire id, key, time, worker."""
         if not self.record.exists():
             return []
-        out = []
-        for line in self.record.read_text().splitlines():
-            what, fire_id, key, at, _ = line.split()
-            out.append((what, fire_id, key, float(at)))
-        return out
+        return [line.split() for line in self.record.read_text().splitlines()]
+
+    def records(self) -> list[tuple[str, str, str, float]]:
+        return [(what, fire_id, key, float(at)) for what, fire_id, key, at, _ in self._lines()]
 
     def running_on(self, name: str) -> set[str]:
         """The fires whose handler the worker started and has not ended."""
-        if not self.record.exists():
-            return set()
         started: set[str] = set()
-        for line in self.record.read_text().splitlines():
-            what, fire_id, _, _, worker = line.split()
+        for what, fire_id, _, _, worker in self._lines():
             if worker == name:
                 (started.add if what == "start" else started.discard)(fire_id)
         return started

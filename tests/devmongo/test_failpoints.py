@@ -27,6 +27,13 @@ def app_name() -> str:
     return f"app-{uuid.uuid4().hex[:8]}"
 
 
+async def hold_once(admin: Any, command: str, app: str, ms: int) -> None:
+    """The next ``command`` from ``app`` is held ``ms`` before the server runs it."""
+    await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 1},
+                         "data": {"failCommands": [command], "appName": app,
+                                  "blockConnection": True, "blockTimeMS": ms}})
+
+
 async def test_watcher_resumes_after_getmore_connection_drops_losing_nothing(
         admin: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
     name = app_name()
@@ -123,9 +130,7 @@ async def test_block_connection_stalls_only_the_named_app(
     name = app_name()
     stalled = driver.client(mongo_uri, appname=name)
     try:
-        await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 1},
-                             "data": {"failCommands": ["find"], "appName": name,
-                                      "blockConnection": True, "blockTimeMS": 600}})
+        await hold_once(admin, "find", name, 600)
         start = time.monotonic()
         await admin.command("ping")  # another app is not blocked
         await admin.client[db_name].c.find_one()
@@ -160,9 +165,7 @@ async def test_wait_for_fail_point_answers_while_the_command_it_caught_is_held(
     name = app_name()
     stalled = driver.client(mongo_uri, appname=name)
     try:
-        await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 1},
-                             "data": {"failCommands": ["insert"], "appName": name,
-                                      "blockConnection": True, "blockTimeMS": 2000}})
+        await hold_once(admin, "insert", name, 2000)
         with pytest.raises(OperationFailure) as caught:  # nothing caught yet
             await admin.command({"waitForFailPoint": "failCommand", "timesEntered": 1,
                                  "maxTimeMS": 100})
