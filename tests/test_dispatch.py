@@ -610,8 +610,8 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     side_by_side = asyncio.Event()
 
     class Ledger:
-        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int
-                                ) -> AsyncIterator[list[Claim]]:
+        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int,
+                                newest_first: bool = False) -> AsyncIterator[list[Claim]]:
             read = [c for c in due if state[c.fire_id] == "claimed"][:limit]
             for i in range(0, len(read), batch):
                 yield read[i:i + batch]
@@ -727,5 +727,57 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
         assert not predecessors & set(sent)
         assert not predecessors & set(recorded.inserted)
         assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
+    finally:
+        await client.close()
+
+
+async def test_a_successor_republishes_its_predecessors_latest_claims_first(
+        mongo_uri: str) -> None:
+    """Against the development server: a dead leader's claims due by the takeover are
+    republished latest due first. It published in due
+    order, so its earlier claims are mostly published (duplicates to the broker) and its
+    latest the likeliest not: behind 10,000 duplicates they came a third of a second
+    later."""
+    import uuid
+
+    from pymongo import AsyncMongoClient
+
+    from hascheduler.core.triggers import fire_id
+    from hascheduler.storage import fires as ledger
+    from hascheduler.storage.lease import LeaseView
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"latest_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        db = client.get_default_database()
+        fires = ledger.Ledger(db.fires)
+        await fires.ensure_indexes(3600)
+        await db.schedules.insert_one({"_id": "s", "name": "s", "target": "t.x",
+                                       "payload": {}, "revision": 1})
+        now = dt.datetime.now(dt.UTC)
+        entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
+        # Inserted oldest first, as the dead leader claimed them: the order a plain read
+        # of the collection returns.
+        due = [now - dt.timedelta(milliseconds=k) for k in range(2 * CLAIM_BATCH + 500, 0, -1)]
+        await db.fires.insert_many([ledger.claim_document("s", d, d, 1, d - dt.timedelta(
+            seconds=1)) for d in due])
+        sent: list[str] = []
+        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
+                                timings=SimpleNamespace(ttl=1.0))
+        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
+                                AckingBroker(sent), lease)  # type: ignore[arg-type]
+        view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=now)
+        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
+        try:
+            await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
+        finally:
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
+        # The first batch is the latest claims, in order; the batches after it go out two
+        # at a time (RETRIES_IN_FLIGHT), each whole.
+        latest_first = [fire_id("s", d) for d in reversed(due)]
+        assert sent[:CLAIM_BATCH] == latest_first[:CLAIM_BATCH]
+        assert sorted(sent) == sorted(latest_first)
     finally:
         await client.close()

@@ -134,6 +134,20 @@ async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
     assert set(read) <= {f"s{i}" for i in range(25)}
 
 
+async def test_a_takeovers_adopted_claims_come_latest_due_first(ledger: Ledger) -> None:
+    """A dead leader published in due order: its latest claims are the likeliest
+    unpublished, so a takeover republishes them before the earlier ones (mostly
+    duplicates), across batches; the retry loop's turns keep the cursor's order."""
+    await ledger.fires.insert_many([claim_document(f"s{i}", at(i), at(i), 1, at(0))
+                                    for i in range(1, 26)])
+    assert await ledger.adopt_due(2, at(30), claimed_before=at(30)) == 25
+    batches = [batch async for batch in ledger.due_for_retry(
+        2, at(30), limit=22, batch=10, newest_first=True)]
+    assert [len(batch) for batch in batches] == [10, 10, 2]
+    assert [c.schedule_id for batch in batches for c in batch] == \
+        [f"s{i}" for i in range(25, 3, -1)]
+
+
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:
     doc = skipped_range_document("s", SkippedRange(at(1), at(9), 9, "policy 'none'"), 2, at(10))
     await ledger.record_skipped([doc])

@@ -265,7 +265,10 @@ class Dispatcher:
             # A lead may follow one of the same term that stopped firing (a fenced write
             # that timed out): its claims, due now, are taken at once with the older ones.
             await self._adopt_claims(term, grace_s=0.0, own=True)
-            await self._retry_due(term)
+            # Latest due first: the dead leader published in due order, so its latest
+            # claims are the likeliest unpublished, and its earlier ones, mostly published
+            # and not yet marked, would hold them back behind their duplicates.
+            await self._retry_due(term, newest_first=True)
             await self._catch_up(term, since, now)
             await self._seed(term, now)
             term.watermark = now
@@ -592,14 +595,15 @@ class Dispatcher:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
 
-    async def _retry_due(self, term: Term) -> None:
+    async def _retry_due(self, term: Term, newest_first: bool = False) -> None:
         """A turn of retries: each batch published as the cursor reads it, not after the
         batch before it (a new leader's adopted claims, thousands, are its first fires
         after a crash); the turn ends once their marks are written, or the next turn would
         take them again."""
         async with contextlib.aclosing(self.ledger.due_for_retry(
                 term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
-                CLAIM_BATCH)) as batches, _InFlight(RETRIES_IN_FLIGHT) as publishing:
+                CLAIM_BATCH, newest_first)) as batches, \
+                _InFlight(RETRIES_IN_FLIGHT) as publishing:
             async for batch in batches:
                 attempt = max(c.attempts for c in batch) + 1
                 await publishing.start(self.publisher.publish(batch, term.number, attempt))

@@ -399,15 +399,18 @@ class Ledger:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def due_for_retry(self, term: int, now: dt.datetime, limit: int, batch: int
-                            ) -> AsyncGenerator[list[Claim]]:
+    async def due_for_retry(self, term: int, now: dt.datetime, limit: int, batch: int,
+                            newest_first: bool = False) -> AsyncGenerator[list[Claim]]:
         """This term's claims due for a (re)publish by ``now``, at most ``limit``, in lists
         of ``batch`` as one cursor reads them. One cursor: a query per list would return
-        the claims of the lists before it until their marks are written."""
+        the claims of the lists before it until their marks are written. ``newest_first``:
+        latest due time first (a takeover's adopted claims: see ``Dispatcher.lead``)."""
         claims: list[Claim] = []
-        async for doc in self.fires.find(
-                {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
-        ).limit(limit).batch_size(batch):
+        cursor = self.fires.find(
+            {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}})
+        if newest_first:
+            cursor = cursor.sort([("due_at", DESCENDING), ("_id", ASCENDING)])
+        async for doc in cursor.limit(limit).batch_size(batch):
             claims.append(claim_of(doc))
             if len(claims) == batch:
                 yield claims
