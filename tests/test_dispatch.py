@@ -610,8 +610,8 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     side_by_side = asyncio.Event()
 
     class Ledger:
-        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int,
-                                newest_first: bool = False) -> AsyncIterator[list[Claim]]:
+        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int
+                                ) -> AsyncIterator[list[Claim]]:
             read = [c for c in due if state[c.fire_id] == "claimed"][:limit]
             for i in range(0, len(read), batch):
                 yield read[i:i + batch]
@@ -779,5 +779,72 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(
         latest_first = [fire_id("s", d) for d in reversed(due)]
         assert sent[:CLAIM_BATCH] == latest_first[:CLAIM_BATCH]
         assert sorted(sent) == sorted(latest_first)
+    finally:
+        await client.close()
+
+
+async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due_before(
+        mongo_uri: str) -> None:
+    """Against the development server: a new leader's first fires are not held behind its
+    predecessor's claims being republished (10,000 of them took the first new fire a
+    second past its due time), and until that republish and the catch-up after it end,
+    the lease keeps the predecessor's watermark, so a leader after this one catches up
+    from there."""
+    import uuid
+
+    from pymongo import AsyncMongoClient
+
+    from hascheduler.core.triggers import fire_id
+    from hascheduler.storage import fires as ledger
+    from hascheduler.storage.lease import LeaseView
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"beside_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        db = client.get_default_database()
+        fires = ledger.Ledger(db.fires)
+        await fires.ensure_indexes(3600)
+        for sid in ("old", "new"):
+            await db.schedules.insert_one({"_id": sid, "name": sid, "target": "t.x",
+                                           "payload": {}, "revision": 1})
+        now = dt.datetime.now(dt.UTC)
+        # "new" falls due 0.3 s into the term; "old" never again, but its predecessor's
+        # claim, due a second ago, awaits its republish.
+        entries = {"new": Entry(1, False, Interval(3600.0, now + dt.timedelta(seconds=0.3)),
+                                0.0, "all", 3600.0, "t.x"),
+                   "old": Entry(1, False, Interval(3600.0, now - dt.timedelta(seconds=1)),
+                                0.0, "all", 3600.0, "t.x")}
+        left = now - dt.timedelta(seconds=1)
+        await db.fires.insert_one(ledger.claim_document("old", left, left, 1,
+                                                        left - dt.timedelta(seconds=1)))
+        republish = asyncio.Event()
+        sent: list[str] = []
+
+        class HeldRepublish(AckingBroker):
+            async def publish(self, messages: list[Any], timeout_s: float
+                              ) -> list[BaseException | None]:
+                if any(m.fire_id == fire_id("old", left) for m in messages):
+                    await republish.wait()
+                return await super().publish(messages, timeout_s)
+
+        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
+                                timings=SimpleNamespace(ttl=1.0))
+        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
+                                HeldRepublish(sent), lease)  # type: ignore[arg-type]
+        since = now - dt.timedelta(seconds=2)
+        view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=since)
+        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
+        try:
+            await wait_until(lambda: sent, 5, "the new fire beside the held republish")
+            assert sent == [fire_id("new", now + dt.timedelta(seconds=0.3))]
+            assert dispatcher.fired_through == since
+            republish.set()
+            await wait_until(lambda: dispatcher.fired_through not in (None, since), 5,
+                             "the watermark moving once the take-over ended")
+            assert fire_id("old", left) in sent
+        finally:
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
     finally:
         await client.close()

@@ -112,10 +112,9 @@ async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) ->
     retries = [c async for batch in ledger.due_for_retry(2, at(12), limit=10, batch=10)
                for c in batch]
     assert [c.schedule_id for c in retries] == ["due"]
-    # This term's own claims only when asked (a new lead of the same term).
+    # Never this term's own claims (its publishes in flight).
     await ledger.fires.insert_one(claim_document("own", at(10), at(10), 2, at(9)))
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 0
-    assert await ledger.adopt_due(2, at(12), claimed_before=at(11), own=True) == 1
 
 
 async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
@@ -134,18 +133,23 @@ async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
     assert set(read) <= {f"s{i}" for i in range(25)}
 
 
-async def test_a_takeovers_adopted_claims_come_latest_due_first(ledger: Ledger) -> None:
+async def test_a_new_lead_reads_the_claims_left_latest_due_first(ledger: Ledger) -> None:
     """A dead leader published in due order: its latest claims are the likeliest
-    unpublished, so a takeover republishes them before the earlier ones (mostly
-    duplicates), across batches; the retry loop's turns keep the cursor's order."""
+    unpublished, so a new lead takes them first, across batches: every unpublished claim
+    of the terms up to its own (its own: a previous lead of the same term) made and due by
+    the start of its lead, and nothing else."""
     await ledger.fires.insert_many([claim_document(f"s{i}", at(i), at(i), 1, at(0))
                                     for i in range(1, 26)])
-    assert await ledger.adopt_due(2, at(30), claimed_before=at(30)) == 25
-    batches = [batch async for batch in ledger.due_for_retry(
-        2, at(30), limit=22, batch=10, newest_first=True)]
-    assert [len(batch) for batch in batches] == [10, 10, 2]
+    await ledger.fires.insert_many([
+        claim_document("own", at(26), at(26), 2, at(0)),         # a previous lead's
+        claim_document("ahead", at(40), at(40), 1, at(0)),       # not due yet
+        claim_document("just made", at(20), at(20), 2, at(31)),  # this lead's own
+        claim_document("newer", at(20), at(20), 3, at(0)),       # a later term's
+        {**claim_document("published", at(27), at(27), 1, at(0)), "state": PUBLISHED}])
+    batches = [batch async for batch in ledger.left_due(2, at(30), batch=10)]
+    assert [len(batch) for batch in batches] == [10, 10, 6]
     assert [c.schedule_id for batch in batches for c in batch] == \
-        [f"s{i}" for i in range(25, 3, -1)]
+        ["own"] + [f"s{i}" for i in range(25, 0, -1)]
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:

@@ -10,7 +10,7 @@ CLAIM_AHEAD_S before the due time and re-checked against the mirror when it come
 schedule paused, deleted or edited meanwhile is recorded as skipped). On becoming leader:
 adopt and republish claims left by older terms, then fire what fell due since the previous
 leader's watermark, per schedule catch-up policy, recording every skipped time with its
-reason.
+reason; all beside the firing of what falls due from then on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import bisect
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -262,18 +262,13 @@ class Dispatcher:
                 await self.gate.begin()
             self.resumes = {sid: e.paused_until for sid, e in self.mirror.entries.items()
                             if e.paused and e.paused_until is not None}
-            # A lead may follow one of the same term that stopped firing (a fenced write
-            # that timed out): its claims, due now, are taken at once with the older ones.
-            await self._adopt_claims(term, grace_s=0.0, own=True)
-            # Latest due first: the dead leader published in due order, so its latest
-            # claims are the likeliest unpublished, and its earlier ones, mostly published
-            # and not yet marked, would hold them back behind their duplicates.
-            await self._retry_due(term, newest_first=True)
-            await self._catch_up(term, since, now)
-            await self._seed(term, now)
-            term.watermark = now
+            # What fell due before the term is taken over beside the firing of what falls
+            # due in it (_take_over): behind it, the first new fire waited up to a second.
+            term.catching_up_from = since
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._retry_loop(term))
+                tasks.create_task(self._take_over(term, since, now))
+                await self._seed(term, now)
+                term.watermark = now
                 tasks.create_task(self._requested_loop(term))
                 if self.gate is not None:
                     tasks.create_task(self._release_loop(term, self.gate))
@@ -581,35 +576,66 @@ class Dispatcher:
 
     # -- retries, takeover, catch-up ------------------------------------------------------
 
-    async def _adopt_claims(self, term: Term, grace_s: float, own: bool = False) -> int:
-        """Take over fires still claimed by older terms (``own``: by this term's previous
-        lead too), republished: dedup makes it safe.
+    async def _adopt_claims(self, term: Term, grace_s: float) -> int:
+        """Take over fires still claimed by older terms, republished: dedup makes it safe.
 
         ``grace_s`` leaves a deposed leader's just-made claims to its in-flight publish.
         """
         now = self.clock()
         # Not before its due time: a claim made ahead waits for it (_claim takes it then).
         adopted = await term.write(self.ledger.adopt_due(
-            term.number, now, now - dt.timedelta(seconds=grace_s), own))
+            term.number, now, now - dt.timedelta(seconds=grace_s)))
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
 
-    async def _retry_due(self, term: Term, newest_first: bool = False) -> None:
-        """A turn of retries: each batch published as the cursor reads it, not after the
-        batch before it (a new leader's adopted claims, thousands, are its first fires
-        after a crash); the turn ends once their marks are written, or the next turn would
-        take them again."""
-        async with contextlib.aclosing(self.ledger.due_for_retry(
-                term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
-                CLAIM_BATCH, newest_first)) as batches, \
+    async def _adopt_left(self, term: Term, now: dt.datetime
+                          ) -> AsyncGenerator[list[Claim]]:
+        """The claims left unpublished by older terms (and by this term's previous lead,
+        if it stopped firing and leads again), due by the start of the term, adopted a
+        batch at a time as they are republished, latest due first: the dead leader
+        published in due order, so its latest claims are the likeliest unpublished, and
+        its earlier ones, mostly published and not yet marked, held them back behind their
+        duplicates (and behind adopting them all first)."""
+        adopted = 0
+        async with contextlib.aclosing(self.ledger.left_due(term.number, now,
+                                                            CLAIM_BATCH)) as batches:
+            async for batch in batches:
+                taken = await term.write(self.ledger.adopt(
+                    {c.fire_id for c in batch}, term.number, self.clock()))
+                adopted += len(taken)
+                yield [c for c in batch if c.fire_id in taken]
+        if adopted:
+            log.info("adopted_claims", count=adopted, term=term.number)
+
+    async def _retry_due(self, term: Term) -> None:
+        """A turn of retries, up to RETRY_BATCHES_PER_TURN batches."""
+        await self._republish(term, self.ledger.due_for_retry(
+            term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN, CLAIM_BATCH))
+
+    async def _republish(self, term: Term, batches: AsyncGenerator[list[Claim]]) -> None:
+        """Each batch published as it is read, not after the batch before it (a new
+        leader's adopted claims, thousands, are among its first fires after a crash); done
+        once their marks are written, or the next turn of retries would take them again."""
+        async with contextlib.aclosing(batches), \
                 _InFlight(RETRIES_IN_FLIGHT) as publishing:
             async for batch in batches:
-                attempt = max(c.attempts for c in batch) + 1
-                await publishing.start(self.publisher.publish(batch, term.number, attempt))
+                if batch:
+                    attempt = max(c.attempts for c in batch) + 1
+                    await publishing.start(self.publisher.publish(batch, term.number,
+                                                                  attempt))
                 if not term.holds:
                     break
         await self.publisher.marked()
+
+    async def _take_over(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
+        """The claims left by the terms before adopted and republished, then the catch-up
+        of what fell due since the previous leader's watermark (the lease records that
+        watermark until it is done), then the retry loop."""
+        await self._republish(term, self._adopt_left(term, now))
+        await self._catch_up(term, since, now)
+        term.catching_up_from = None
+        await self._retry_loop(term)
 
     async def _retry_loop(self, term: Term) -> None:
         while True:

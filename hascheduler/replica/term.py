@@ -78,6 +78,9 @@ class Term:
         self.number = number
         self._lease = lease
         self.watermark: dt.datetime | None = None
+        # While the term catches up on what fell due before it, the watermark it took
+        # over: recorded in its place, so a next leader catches up from there.
+        self.catching_up_from: dt.datetime | None = None
         # Fires due up to this instant may be in the ledger already (claimed ahead by the
         # term before, or fired by it before its successor's catch-up looks at them): their
         # claims read the ledger first (Ledger.claim's read_first).
@@ -154,12 +157,18 @@ class Term:
 
     @property
     def fired_through(self) -> dt.datetime | None:
-        """What the lease records as handled: the watermark, held back before any fan-out
-        fire still waiting for its source, so a next leader's catch-up covers it."""
-        if self.watermark is None or not self.deferred:
-            return self.watermark
-        earliest = min(d.fire_at for d in self.deferred.values())
-        return min(self.watermark, earliest - dt.timedelta(microseconds=1))
+        """What the lease records as handled: the watermark, held back to the one taken
+        over while the catch-up runs and before any fan-out fire still waiting for its
+        source, so a next leader's catch-up covers them."""
+        if self.watermark is None:
+            return None
+        held = [self.watermark]
+        if self.catching_up_from is not None:
+            held.append(self.catching_up_from)
+        if self.deferred:
+            earliest = min(d.fire_at for d in self.deferred.values())
+            held.append(earliest - dt.timedelta(microseconds=1))
+        return min(held)
 
     def claimed(self, claims: Iterable[Claim]) -> None:
         """These claims of this term await their publish."""

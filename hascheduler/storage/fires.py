@@ -260,13 +260,12 @@ class Ledger:
                                          {"$set": {"term": term, "claimed_at": now}})
         return found
 
-    async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime,
-                        own: bool = False) -> int:
-        """Take over every older term's claim (``own``: this term's too, left by its
-        previous lead) made before ``claimed_before`` whose due time has come (one made
-        ahead waits for it), to be republished now; how many."""
+    async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime
+                        ) -> int:
+        """Take over every older term's claim made before ``claimed_before`` whose due time
+        has come (one made ahead waits for it), to be republished now; how many."""
         result = await self.fires.update_many(
-            {"state": CLAIMED, "term": {"$lte" if own else "$lt": term},
+            {"state": CLAIMED, "term": {"$lt": term},
              "claimed_at": {"$lte": claimed_before},
              "due_at": {"$lte": now}},
             {"$set": {"term": term, "next_attempt_at": now}})
@@ -399,18 +398,33 @@ class Ledger:
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def due_for_retry(self, term: int, now: dt.datetime, limit: int, batch: int,
-                            newest_first: bool = False) -> AsyncGenerator[list[Claim]]:
+    async def due_for_retry(self, term: int, now: dt.datetime, limit: int, batch: int
+                            ) -> AsyncGenerator[list[Claim]]:
         """This term's claims due for a (re)publish by ``now``, at most ``limit``, in lists
         of ``batch`` as one cursor reads them. One cursor: a query per list would return
-        the claims of the lists before it until their marks are written. ``newest_first``:
-        latest due time first (a takeover's adopted claims: see ``Dispatcher.lead``)."""
+        the claims of the lists before it until their marks are written."""
         claims: list[Claim] = []
-        cursor = self.fires.find(
-            {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}})
-        if newest_first:
-            cursor = cursor.sort([("due_at", DESCENDING), ("_id", ASCENDING)])
-        async for doc in cursor.limit(limit).batch_size(batch):
+        async for doc in self.fires.find(
+                {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
+        ).limit(limit).batch_size(batch):
+            claims.append(claim_of(doc))
+            if len(claims) == batch:
+                yield claims
+                claims = []
+        if claims:
+            yield claims
+
+    async def left_due(self, term: int, now: dt.datetime, batch: int
+                       ) -> AsyncGenerator[list[Claim]]:
+        """The claims older terms left unpublished (or this term's previous lead: it stopped
+        firing and led again), made and due by ``now``, latest due first, in lists of
+        ``batch`` as one cursor reads them: a new lead's to adopt (``adopt``) and
+        republish."""
+        claims: list[Claim] = []
+        async for doc in self.fires.find(
+                {"state": CLAIMED, "term": {"$lte": term}, "claimed_at": {"$lte": now},
+                 "due_at": {"$lte": now}}
+        ).sort([("due_at", DESCENDING), ("_id", ASCENDING)]).batch_size(batch):
             claims.append(claim_of(doc))
             if len(claims) == batch:
                 yield claims
