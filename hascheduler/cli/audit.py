@@ -15,13 +15,13 @@ import os
 import sys
 from typing import Any
 
-from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from hascheduler.brokers.registry import BrokerUrl, parse_broker_url
 from hascheduler.core.audit import audit, describe, parse_instant
 from hascheduler.core.constants import DEFAULT_DATABASE, SCHEDULES
 from hascheduler.core.errors import ConfigError
+from hascheduler.storage.driver import connect
 
 
 def _instant(text: str) -> Any:
@@ -74,8 +74,7 @@ async def run(args: argparse.Namespace) -> int:
     if args.since >= args.until:
         raise ConfigError("--since must be before --until")
     try:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-            args.mongodb_uri, tz_aware=True, serverSelectionTimeoutMS=10_000)
+        client = connect(args.mongodb_uri, serverSelectionTimeoutMS=10_000)
     except (PyMongoError, ValueError) as exc:
         raise ConfigError(f"--mongodb-uri: {exc}") from None
     try:

@@ -15,7 +15,6 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
@@ -63,6 +62,7 @@ from hascheduler.replica.tenants import Sources
 from hascheduler.replica.webhooks import WebhookService
 from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
+from hascheduler.storage.driver import connect
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.flow import SlotStore
@@ -252,9 +252,7 @@ class Replica:
         if tracing.configure("hascheduler"):
             stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
                                       lambda: asyncio.to_thread(tracing.flush))
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-            settings.mongodb_uri, tz_aware=True,
-            appname=f"hascheduler/{settings.replica_id}")
+        client = connect(settings.mongodb_uri, appname=f"hascheduler/{settings.replica_id}")
         stack.push_async_callback(lifecycle.bounded, "closing the database client", client.close)
         db = client.get_default_database(DEFAULT_DATABASE)
         broker = settings.broker.publisher()

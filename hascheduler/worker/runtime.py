@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 from tenacity import (
     AsyncRetrying,
@@ -60,6 +59,7 @@ from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import watch_clock
+from hascheduler.storage.driver import connect
 from hascheduler.storage.flow import RateStore, SlotStore
 from hascheduler.storage.runs import (
     CANCELLED,
@@ -164,9 +164,9 @@ async def run_worker(settings: WorkerSettings) -> int:
     metrics = WorkerMetrics()
     if settings.metrics_port is not None:
         metrics.serve(settings.metrics_port)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        settings.mongodb_uri, tz_aware=True, appname=f"hascheduler-worker/{settings.worker_id}",
-        serverSelectionTimeoutMS=5000)
+    client = connect(settings.mongodb_uri,
+                     appname=f"hascheduler-worker/{settings.worker_id}",
+                     serverSelectionTimeoutMS=5000)
     try:
         db = client.get_default_database(DEFAULT_DATABASE)
         runs = RunLedger(db[RUNS])

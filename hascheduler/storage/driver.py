@@ -1,0 +1,53 @@
+"""The database client every process makes (replica, worker, CLI): the async PyMongo driver,
+with its condition wait made safe against a task cancelled twice on Python 3.11.
+
+On Python before 3.12, ``asyncio.wait_for`` runs the awaited coroutine as a task of its
+own. The driver waits for a server, or for a connection, with ``wait_for(condition.wait(),
+timeout)`` while it holds the topology's (or the pool's) lock. A task cancelled a second
+time while ``wait_for`` cancels that inner task leaves it behind: the caller's ``async
+with lock`` then releases a lock another task holds, and the inner task takes it back and
+never releases it. From then on every operation of the client waits for that lock, past
+any timeout (a replica's API, ledger and renewals stop; seen in CI during a primary
+step-down, where many tasks wait for a server and a lost term cancels them). Upstream:
+PYTHON-5167 (mongodb/mongo-python-driver#2165). The replacement waits in the calling task
+under ``asyncio.timeout``, which Python 3.11 has: ``Condition.wait`` takes the lock back
+before any cancellation leaves it, however many arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+# Checked by tests/test_driver.py against the driver installed: these are the
+# modules that bind the function by name.
+PATCHED_MODULES = ("pymongo.lock", "pymongo.asynchronous.topology",
+                   "pymongo.asynchronous.pool")
+
+
+async def _cond_wait(condition: Any, timeout: float | None) -> bool:  # noqa: ASYNC109
+    """The driver's ``_async_cond_wait``: True when notified, False on the timeout."""
+    try:
+        async with asyncio.timeout(timeout):
+            return bool(await condition.wait())
+    except TimeoutError:
+        return False
+
+
+def _patch_condition_wait() -> None:
+    if sys.version_info >= (3, 12):  # wait_for runs the coroutine in the caller's task
+        return
+    for name in PATCHED_MODULES:
+        module = sys.modules.get(name) or __import__(name, fromlist=["_async_cond_wait"])
+        module._async_cond_wait = _cond_wait  # type: ignore[attr-defined]
+
+
+_patch_condition_wait()
+
+
+def connect(uri: str, **options: Any) -> AsyncMongoClient[dict[str, Any]]:
+    """An async client for ``uri``, datetimes timezone-aware (the ledger's times are UTC)."""
+    return AsyncMongoClient(uri, tz_aware=True, **options)
