@@ -674,177 +674,145 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
     assert written.is_set()
 
 
+@pytest.fixture
+async def fresh_db(mongo_uri: str) -> AsyncIterator[Any]:
+    """A database of its own on the development server."""
+    import uuid
+
+    from pymongo import AsyncMongoClient
+
+    from tests.servers import with_database
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        with_database(mongo_uri, f"dispatch_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+    try:
+        yield client.get_default_database()
+    finally:
+        await client.close()
+
+
+@contextlib.asynccontextmanager
+async def leading(db: Any, fires: Any, entries: dict[str, Entry], broker: Any,
+                  fired_through: dt.datetime) -> AsyncIterator[Dispatcher]:
+    """A dispatcher leading term 2 over ``entries`` (stored as schedules), its predecessor's
+    watermark ``fired_through``; stopped on the way out."""
+    from hascheduler.storage.lease import LeaseView
+
+    await fires.ensure_indexes(3600)
+    await db.schedules.insert_many([{"_id": sid, "name": sid, "target": "t.x", "payload": {},
+                                     "revision": 1} for sid in entries])
+    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=1.0))
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,
+                            broker, lease)
+    now = dt.datetime.now(dt.UTC)
+    view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=fired_through)
+    lead = asyncio.create_task(dispatcher.lead(view))
+    try:
+        yield dispatcher
+    finally:
+        lead.cancel()
+        await asyncio.gather(lead, return_exceptions=True)
+
+
 async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor_fired(
-        mongo_uri: str) -> None:
+        fresh_db: Any) -> None:
     """Against the development server: a new leader's catch-up starts where the lease's
     watermark was last written, up to a fifth of a second and more before its
     predecessor stopped, so it meets fires that predecessor published. It reads the ledger
     for them rather than inserting claims the unique index refuses (each refusal cost the
     database ten times the read: a second's 10,000 fires held the first new fire back half
     a second), publishes none of them again, and goes on firing."""
-    import uuid
-
-    from pymongo import AsyncMongoClient
-
     from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
-    from hascheduler.storage.lease import LeaseView
-    from tests.servers import with_database
 
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"successor_{uuid.uuid4().hex[:8]}"), tz_aware=True)
-    try:
-        db = client.get_default_database()
-        recorded = InsertsNoted(db.fires)
-        fires = ledger.Ledger(recorded)  # type: ignore[arg-type]
-        await fires.ensure_indexes(3600)
-        await db.schedules.insert_one({"_id": "s", "name": "s", "target": "t.x",
-                                       "payload": {}, "revision": 1})
-        now = dt.datetime.now(dt.UTC)
-        base = now.replace(microsecond=0) - dt.timedelta(seconds=10)
-        entries = {"s": Entry(1, False, Interval(1.0, base), 0.0, "all", 3600.0, "t.x")}
-        # The predecessor (term 1) published every fire due by now.
-        fired = [base + dt.timedelta(seconds=k) for k in range(11)
-                 if base + dt.timedelta(seconds=k) <= now]
-        for nominal in fired:
-            doc = ledger.claim_document("s", nominal, nominal, 1, nominal)
-            doc["state"] = ledger.PUBLISHED
-            await db.fires.insert_one(doc)
-        predecessors = {fire_id("s", nominal) for nominal in fired}
-        sent: list[str] = []
-        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
-                                timings=SimpleNamespace(ttl=1.0))
-        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
-                                AckingBroker(sent), lease)  # type: ignore[arg-type]
-        view = LeaseView("b", 2, now + dt.timedelta(seconds=1),
-                         fired_through=now - dt.timedelta(seconds=3))
-        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
-        try:
-            await wait_until(lambda: sent, 10, "the successor's first fire")
-        finally:
-            leading.cancel()
-            await asyncio.gather(leading, return_exceptions=True)
-        assert not predecessors & set(sent)
-        assert not predecessors & set(recorded.inserted)
-        assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
-    finally:
-        await client.close()
+    db = fresh_db
+    recorded = InsertsNoted(db.fires)
+    now = dt.datetime.now(dt.UTC)
+    base = now.replace(microsecond=0) - dt.timedelta(seconds=10)
+    entries = {"s": Entry(1, False, Interval(1.0, base), 0.0, "all", 3600.0, "t.x")}
+    # The predecessor (term 1) published every fire due by now.
+    fired = [base + dt.timedelta(seconds=k) for k in range(11)
+             if base + dt.timedelta(seconds=k) <= now]
+    for nominal in fired:
+        doc = ledger.claim_document("s", nominal, nominal, 1, nominal)
+        doc["state"] = ledger.PUBLISHED
+        await db.fires.insert_one(doc)
+    predecessors = {fire_id("s", nominal) for nominal in fired}
+    sent: list[str] = []
+    async with leading(db, ledger.Ledger(recorded), entries,  # type: ignore[arg-type]
+                       AckingBroker(sent), now - dt.timedelta(seconds=3)):
+        await wait_until(lambda: sent, 10, "the successor's first fire")
+    assert not predecessors & set(sent)
+    assert not predecessors & set(recorded.inserted)
+    assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
 
 
 async def test_a_successor_republishes_its_predecessors_latest_claims_first(
-        mongo_uri: str) -> None:
+        fresh_db: Any) -> None:
     """Against the development server: a dead leader's claims due by the takeover are
-    republished latest due first. It published in due
-    order, so its earlier claims are mostly published (duplicates to the broker) and its
-    latest the likeliest not: behind 10,000 duplicates they came a third of a second
-    later."""
-    import uuid
-
-    from pymongo import AsyncMongoClient
-
+    republished latest due first. It published in due order, so its earlier claims are
+    mostly published (duplicates to the broker) and its latest the likeliest not: behind
+    10,000 duplicates they came a third of a second later."""
     from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
-    from hascheduler.storage.lease import LeaseView
-    from tests.servers import with_database
 
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"latest_{uuid.uuid4().hex[:8]}"), tz_aware=True)
-    try:
-        db = client.get_default_database()
-        fires = ledger.Ledger(db.fires)
-        await fires.ensure_indexes(3600)
-        await db.schedules.insert_one({"_id": "s", "name": "s", "target": "t.x",
-                                       "payload": {}, "revision": 1})
-        now = dt.datetime.now(dt.UTC)
-        entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
-        # Inserted oldest first, as the dead leader claimed them: the order a plain read
-        # of the collection returns.
-        due = [now - dt.timedelta(milliseconds=k) for k in range(2 * CLAIM_BATCH + 500, 0, -1)]
-        await db.fires.insert_many([ledger.claim_document("s", d, d, 1, d - dt.timedelta(
-            seconds=1)) for d in due])
-        sent: list[str] = []
-        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
-                                timings=SimpleNamespace(ttl=1.0))
-        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
-                                AckingBroker(sent), lease)  # type: ignore[arg-type]
-        view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=now)
-        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
-        try:
-            await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
-        finally:
-            leading.cancel()
-            await asyncio.gather(leading, return_exceptions=True)
-        # The first batch is the latest claims, in order; the batches after it go out two
-        # at a time (RETRIES_IN_FLIGHT), each whole.
-        latest_first = [fire_id("s", d) for d in reversed(due)]
-        assert sent[:CLAIM_BATCH] == latest_first[:CLAIM_BATCH]
-        assert sorted(sent) == sorted(latest_first)
-    finally:
-        await client.close()
+    db = fresh_db
+    now = dt.datetime.now(dt.UTC)
+    entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
+    # Inserted oldest first, as the dead leader claimed them: the order a plain read of
+    # the collection returns.
+    due = [now - dt.timedelta(milliseconds=k) for k in range(2 * CLAIM_BATCH + 500, 0, -1)]
+    await db.fires.insert_many([ledger.claim_document("s", d, d, 1, d - dt.timedelta(
+        seconds=1)) for d in due])
+    sent: list[str] = []
+    async with leading(db, ledger.Ledger(db.fires), entries, AckingBroker(sent), now):
+        await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
+    # The first batch is the latest claims, in order; the batches after it go out two at
+    # a time (RETRIES_IN_FLIGHT), each whole.
+    latest_first = [fire_id("s", d) for d in reversed(due)]
+    assert sent[:CLAIM_BATCH] == latest_first[:CLAIM_BATCH]
+    assert sorted(sent) == sorted(latest_first)
 
 
 async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due_before(
-        mongo_uri: str) -> None:
+        fresh_db: Any) -> None:
     """Against the development server: a new leader's first fires are not held behind its
     predecessor's claims being republished (10,000 of them took the first new fire a
     second past its due time), and until that republish and the catch-up after it end,
     the lease keeps the predecessor's watermark, so a leader after this one catches up
     from there."""
-    import uuid
-
-    from pymongo import AsyncMongoClient
-
     from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
-    from hascheduler.storage.lease import LeaseView
-    from tests.servers import with_database
 
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"beside_{uuid.uuid4().hex[:8]}"), tz_aware=True)
-    try:
-        db = client.get_default_database()
-        fires = ledger.Ledger(db.fires)
-        await fires.ensure_indexes(3600)
-        for sid in ("old", "new"):
-            await db.schedules.insert_one({"_id": sid, "name": sid, "target": "t.x",
-                                           "payload": {}, "revision": 1})
-        now = dt.datetime.now(dt.UTC)
-        # "new" falls due 0.3 s into the term; "old" never again, but its predecessor's
-        # claim, due a second ago, awaits its republish.
-        entries = {"new": Entry(1, False, Interval(3600.0, now + dt.timedelta(seconds=0.3)),
-                                0.0, "all", 3600.0, "t.x"),
-                   "old": Entry(1, False, Interval(3600.0, now - dt.timedelta(seconds=1)),
-                                0.0, "all", 3600.0, "t.x")}
-        left = now - dt.timedelta(seconds=1)
-        await db.fires.insert_one(ledger.claim_document("old", left, left, 1,
-                                                        left - dt.timedelta(seconds=1)))
-        republish = asyncio.Event()
-        sent: list[str] = []
+    db = fresh_db
+    now = dt.datetime.now(dt.UTC)
+    # "new" falls due 0.3 s into the term; "old" never again, but its predecessor's claim,
+    # due a second ago, awaits its republish.
+    entries = {"new": Entry(1, False, Interval(3600.0, now + dt.timedelta(seconds=0.3)),
+                            0.0, "all", 3600.0, "t.x"),
+               "old": Entry(1, False, Interval(3600.0, now - dt.timedelta(seconds=1)),
+                            0.0, "all", 3600.0, "t.x")}
+    left = now - dt.timedelta(seconds=1)
+    await db.fires.insert_one(ledger.claim_document("old", left, left, 1,
+                                                    left - dt.timedelta(seconds=1)))
+    republish = asyncio.Event()
+    sent: list[str] = []
 
-        class HeldRepublish(AckingBroker):
-            async def publish(self, messages: list[Any], timeout_s: float
-                              ) -> list[BaseException | None]:
-                if any(m.fire_id == fire_id("old", left) for m in messages):
-                    await republish.wait()
-                return await super().publish(messages, timeout_s)
+    class HeldRepublish(AckingBroker):
+        async def publish(self, messages: list[Any], timeout_s: float
+                          ) -> list[BaseException | None]:
+            if any(m.fire_id == fire_id("old", left) for m in messages):
+                await republish.wait()
+            return await super().publish(messages, timeout_s)
 
-        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
-                                timings=SimpleNamespace(ttl=1.0))
-        dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,  # type: ignore[arg-type]
-                                HeldRepublish(sent), lease)  # type: ignore[arg-type]
-        since = now - dt.timedelta(seconds=2)
-        view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=since)
-        leading = asyncio.create_task(dispatcher.lead(view))  # type: ignore[arg-type]
-        try:
-            await wait_until(lambda: sent, 5, "the new fire beside the held republish")
-            assert sent == [fire_id("new", now + dt.timedelta(seconds=0.3))]
-            assert dispatcher.fired_through == since
-            republish.set()
-            await wait_until(lambda: dispatcher.fired_through not in (None, since), 5,
-                             "the watermark moving once the take-over ended")
-            assert fire_id("old", left) in sent
-        finally:
-            leading.cancel()
-            await asyncio.gather(leading, return_exceptions=True)
-    finally:
-        await client.close()
+    since = now - dt.timedelta(seconds=2)
+    async with leading(db, ledger.Ledger(db.fires), entries, HeldRepublish(sent),
+                       since) as dispatcher:
+        await wait_until(lambda: sent, 5, "the new fire beside the held republish")
+        assert sent == [fire_id("new", now + dt.timedelta(seconds=0.3))]
+        assert dispatcher.fired_through == since
+        republish.set()
+        await wait_until(lambda: dispatcher.fired_through not in (None, since), 5,
+                         "the watermark moving once the take-over ended")
+        assert fire_id("old", left) in sent
