@@ -17,6 +17,7 @@ before any cancellation leaves it, however many arrive.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import sys
 from typing import Any
 
@@ -41,8 +42,7 @@ def _patch_condition_wait() -> None:
     if sys.version_info >= (3, 12):  # wait_for runs the coroutine in the caller's task
         return
     for name in PATCHED_MODULES:
-        module = sys.modules.get(name) or __import__(name, fromlist=["_async_cond_wait"])
-        module._async_cond_wait = _cond_wait  # type: ignore[attr-defined]
+        importlib.import_module(name)._async_cond_wait = _cond_wait  # type: ignore[attr-defined]
 
 
 _patch_condition_wait()
