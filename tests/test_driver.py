@@ -5,9 +5,6 @@ lock held for good and every later operation of the client waiting forever."""
 from __future__ import annotations
 
 import asyncio
-import sys
-
-import pytest
 
 from hascheduler.storage import driver
 from tests.test_db_elections import STEP_DOWN_S, step_down
@@ -45,8 +42,6 @@ async def test_tasks_cancelled_twice_while_waiting_for_a_server_leave_the_client
         await asyncio.wait_for(client.close(), 5)
 
 
-@pytest.mark.skipif(sys.version_info >= (3, 12), reason="wait_for runs in the caller's "
-                    "task from Python 3.12: nothing to replace (CI runs 3.11)")
 def test_every_module_of_the_driver_that_waits_on_a_condition_waits_with_ours() -> None:
     """The driver binds the function by name in each module that uses it: a new driver
     that moved or renamed it would silently bring the hang back."""
