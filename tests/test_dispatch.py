@@ -748,12 +748,29 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
     assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
 
 
+class AdoptionsNoted:
+    """The ledger, noting the fire ids of each adoption in turn."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.adoptions: list[list[str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
+        taken: set[str] = await self.ledger.adopt(fire_ids, term, now)
+        self.adoptions.append(sorted(taken))
+        return taken
+
+
 async def test_a_successor_republishes_its_predecessors_latest_claims_first(
         fresh_db: Any) -> None:
     """Against the development server: a dead leader's claims due by the takeover are
-    republished latest due first. It published in due order, so its earlier claims are
-    mostly published (duplicates to the broker) and its latest the likeliest not: behind
-    10,000 duplicates they came a third of a second later."""
+    adopted and republished a batch at a time, latest due first. It published in due
+    order, so its earlier claims are mostly published (duplicates to the broker) and its
+    latest the likeliest not: behind 10,000 duplicates they came a third of a second
+    later. Every one is published."""
     from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
 
@@ -766,13 +783,47 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(
     await db.fires.insert_many([ledger.claim_document("s", d, d, 1, d - dt.timedelta(
         seconds=1)) for d in due])
     sent: list[str] = []
-    async with leading(db, ledger.Ledger(db.fires), entries, AckingBroker(sent), now):
+    fires = AdoptionsNoted(ledger.Ledger(db.fires))
+    async with leading(db, fires, entries, AckingBroker(sent), now):
         await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
-    # The first batch is the latest claims, in order; the batches after it go out two at
-    # a time (RETRIES_IN_FLIGHT), each whole.
     latest_first = [fire_id("s", d) for d in reversed(due)]
-    assert sent[:CLAIM_BATCH] == latest_first[:CLAIM_BATCH]
+    batches = [latest_first[i:i + CLAIM_BATCH] for i in range(0, len(due), CLAIM_BATCH)]
+    assert fires.adoptions == [sorted(batch) for batch in batches]
     assert sorted(sent) == sorted(latest_first)
+
+
+async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
+        fresh_db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the development server: a takeover reads at most a turn of retries' worth
+    of the claims left (a sorted read of an hour's backlog would be millions of
+    documents); the retry loop adopts and publishes the rest, an older term's and this
+    term's previous lead's alike."""
+    from hascheduler.core.triggers import fire_id
+    from hascheduler.replica import dispatch
+    from hascheduler.storage import fires as ledger
+
+    monkeypatch.setattr(dispatch, "RETRY_BATCHES_PER_TURN", 1)
+    db = fresh_db
+    now = dt.datetime.now(dt.UTC)
+    entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
+    due = [now - dt.timedelta(milliseconds=k) for k in range(1, 2 * CLAIM_BATCH + 301)]
+    # The oldest 300 were claimed by this term's previous lead, the rest by term 1.
+    await db.fires.insert_many([ledger.claim_document(
+        "s", d, d, 2 if i >= 2 * CLAIM_BATCH else 1, d - dt.timedelta(seconds=3))
+        for i, d in enumerate(due)])
+    sent: list[str] = []
+    fires = AdoptionsNoted(ledger.Ledger(db.fires))
+    async with leading(db, fires, entries, AckingBroker(sent), now):
+        await wait_until(lambda: len(set(sent)) >= len(due), 20,
+                         "every claim left published")
+
+        async def none_claimed() -> bool:
+            return await db.fires.count_documents({"state": ledger.CLAIMED}) == 0
+
+        await wait_until(none_claimed, 10, "every claim marked published")
+    # The takeover adopted the latest batch alone; the retry loop the rest.
+    assert fires.adoptions == [sorted(fire_id("s", d) for d in due[:CLAIM_BATCH])]
+    assert set(sent) == {fire_id("s", d) for d in due}
 
 
 async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due_before(

@@ -135,9 +135,9 @@ async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
 
 async def test_a_new_lead_reads_the_claims_left_latest_due_first(ledger: Ledger) -> None:
     """A dead leader published in due order: its latest claims are the likeliest
-    unpublished, so a new lead takes them first, across batches: every unpublished claim
-    of the terms up to its own (its own: a previous lead of the same term) made and due by
-    the start of its lead, and nothing else."""
+    unpublished, so a new lead takes them first, across batches, up to its limit: the
+    unpublished claims of the terms up to its own (its own: a previous lead of the same
+    term) made and due by the start of its lead, and nothing else."""
     await ledger.fires.insert_many([claim_document(f"s{i}", at(i), at(i), 1, at(0))
                                     for i in range(1, 26)])
     await ledger.fires.insert_many([
@@ -146,10 +146,13 @@ async def test_a_new_lead_reads_the_claims_left_latest_due_first(ledger: Ledger)
         claim_document("just made", at(20), at(20), 2, at(31)),  # this lead's own
         claim_document("newer", at(20), at(20), 3, at(0)),       # a later term's
         {**claim_document("published", at(27), at(27), 1, at(0)), "state": PUBLISHED}])
-    batches = [batch async for batch in ledger.left_due(2, at(30), batch=10)]
+    batches = [batch async for batch in ledger.left_due(2, at(30), limit=100, batch=10)]
     assert [len(batch) for batch in batches] == [10, 10, 6]
     assert [c.schedule_id for batch in batches for c in batch] == \
         ["own"] + [f"s{i}" for i in range(25, 0, -1)]
+    limited = [batch async for batch in ledger.left_due(2, at(30), limit=15, batch=10)]
+    assert [c.schedule_id for batch in limited for c in batch] == \
+        ["own"] + [f"s{i}" for i in range(25, 11, -1)]
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:

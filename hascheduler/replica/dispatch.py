@@ -596,15 +596,19 @@ class Dispatcher:
         batch at a time as they are republished, latest due first: the dead leader
         published in due order, so its latest claims are the likeliest unpublished, and
         its earlier ones, mostly published and not yet marked, held them back behind their
-        duplicates (and behind adopting them all first)."""
+        duplicates (and behind adopting them all first). At most a turn of retries' worth:
+        the retry loop takes any left beyond it (older terms' by ``_adopt_claims``, this
+        term's by ``_retry_due``)."""
         adopted = 0
-        async with contextlib.aclosing(self.ledger.left_due(term.number, now,
-                                                            CLAIM_BATCH)) as batches:
+        async with contextlib.aclosing(self.ledger.left_due(
+                term.number, now, CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
+                CLAIM_BATCH)) as batches:
             async for batch in batches:
                 taken = await term.write(self.ledger.adopt(
                     {c.fire_id for c in batch}, term.number, self.clock()))
                 adopted += len(taken)
-                yield [c for c in batch if c.fire_id in taken]
+                if taken:
+                    yield [c for c in batch if c.fire_id in taken]
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
 
@@ -620,10 +624,8 @@ class Dispatcher:
         async with contextlib.aclosing(batches), \
                 _InFlight(RETRIES_IN_FLIGHT) as publishing:
             async for batch in batches:
-                if batch:
-                    attempt = max(c.attempts for c in batch) + 1
-                    await publishing.start(self.publisher.publish(batch, term.number,
-                                                                  attempt))
+                attempt = max(c.attempts for c in batch) + 1
+                await publishing.start(self.publisher.publish(batch, term.number, attempt))
                 if not term.holds:
                     break
         await self.publisher.marked()

@@ -414,17 +414,18 @@ class Ledger:
         if claims:
             yield claims
 
-    async def left_due(self, term: int, now: dt.datetime, batch: int
+    async def left_due(self, term: int, now: dt.datetime, limit: int, batch: int
                        ) -> AsyncGenerator[list[Claim]]:
         """The claims older terms left unpublished (or this term's previous lead: it stopped
-        firing and led again), made and due by ``now``, latest due first, in lists of
+        firing and led again), made and due by ``now``, latest due first, at most
+        ``limit`` (a bounded sort: an hour's backlog would be millions), in lists of
         ``batch`` as one cursor reads them: a new lead's to adopt (``adopt``) and
         republish."""
         claims: list[Claim] = []
         async for doc in self.fires.find(
                 {"state": CLAIMED, "term": {"$lte": term}, "claimed_at": {"$lte": now},
                  "due_at": {"$lte": now}}
-        ).sort([("due_at", DESCENDING), ("_id", ASCENDING)]).batch_size(batch):
+        ).sort([("due_at", DESCENDING), ("_id", ASCENDING)]).limit(limit).batch_size(batch):
             claims.append(claim_of(doc))
             if len(claims) == batch:
                 yield claims
