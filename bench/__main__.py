@@ -126,8 +126,8 @@ SECTIONS = [
      "1,000 tasks sent with Celery's own `send_task`, first send to last run, same run "
      "and worker. Every fire id's run is counted: one each."),
     ("bench.run_control_bench", "Run control: an overlap policy's cost, buffered fires, backfill",
-     [], ["--schedules", "200", "--seconds", "2", "--buffered", "5", "--backfill", "1000",
-          "--regular", "50", "--baseline", "2"],
+     [], ["--schedules", "200", "--seconds", "2", "--warmup", "1", "--buffered", "5",
+          "--backfill", "1000", "--regular", "50", "--baseline", "2"],
      "The development MongoDB server (its compiled build: see the development-server "
      "section), a real nats-server and three replicas. 1,000 and 10,000 schedules every "
      "second all with `overlap: skip`, against the same with `allow`, each its own "
@@ -251,8 +251,10 @@ SECTIONS = [
 ]
 
 
-# Started first with --jobs: the rest fit beside them.
-LONGEST = ("bench.ha_bench", "bench.firing_bench", "bench.amqp_bench")
+# Started first with --jobs (the longest quick versions, longest first): the rest fit
+# beside them.
+LONGEST = ("bench.run_control_bench", "bench.ha_bench", "bench.ramp_bench",
+           "bench.firing_bench", "bench.partition_bench")
 
 
 def run_section(module: str, args: list[str], docs_dir: Path, echo: bool = True
@@ -343,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {module: quick if args.quick else full for module, _, full, quick, _ in SECTIONS}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         # The longest first, so that the short ones fill the other lanes meanwhile.
-        order = sorted(SECTIONS, key=lambda s: s[0] not in LONGEST)
+        order = sorted(SECTIONS, key=lambda s: LONGEST.index(s[0]) if s[0] in LONGEST
+                       else len(LONGEST))
         results = {module: pool.submit(run_section, module, chosen[module], args.out.parent,
                                        args.jobs == 1)
                    for module, *_ in order}
