@@ -78,7 +78,7 @@ class EventTemplate:
                trace: Mapping[str, str] | None = None) -> FireMessage:
         """``trace``: the publish span's ``traceparent`` (and ``tracestate``), if traced."""
         return self.prepare(fire_id, nominal_at, tenant, term, attempt,
-                            trace).message(fired_at_iso)
+                            trace).message(fired_field(fired_at_iso))
 
     def prepare(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
                 attempt: int, trace: Mapping[str, str] | None = None) -> PreparedEvent:
@@ -97,12 +97,12 @@ class EventTemplate:
         return PreparedEvent(
             fire_id, self.target, term,
             f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
-            f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":',
-            f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
-            f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
-            '"fired_at":',
-            f',"term":{term},"attempt":{attempt},{tenant_field}{self.flow}{priority}'
-            f'"payload":{self.payload}}}}}',
+            f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":'.encode(),
+            (f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
+             f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
+             '"fired_at":').encode(),
+            (f',"term":{term},"attempt":{attempt},{tenant_field}{self.flow}{priority}'
+             f'"payload":{self.payload}}}}}').encode(),
             traceparent, tracestate)
 
 
@@ -115,14 +115,20 @@ class PreparedEvent:
     fire_id: str
     target: str
     term: int
-    head: str    # up to the CloudEvent's "time"
-    middle: str  # from there up to data's "fired_at"
-    tail: str
+    head: bytes    # up to the CloudEvent's "time"
+    middle: bytes  # from there up to data's "fired_at"
+    tail: bytes
     traceparent: str | None = None
     tracestate: str | None = None
 
-    def message(self, fired_at_iso: str) -> FireMessage:
-        fired = _quote(fired_at_iso)
+    def message(self, fired: bytes) -> FireMessage:
+        """The message fired at ``fired`` (``fired_field``: one per publish, shared by its
+        messages)."""
         return FireMessage(fire_id=self.fire_id, target=self.target, term=self.term,
-                           body=(self.head + fired + self.middle + fired + self.tail).encode(),
+                           body=b"".join((self.head, fired, self.middle, fired, self.tail)),
                            traceparent=self.traceparent, tracestate=self.tracestate)
+
+
+def fired_field(fired_at_iso: str) -> bytes:
+    """The instant a publish fires its messages at, as PreparedEvent.message takes it."""
+    return _quote(fired_at_iso).encode()

@@ -24,7 +24,7 @@ from hascheduler.brokers.base import Broker, BrokerUnavailable
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
 from hascheduler.core.entries import Entry
-from hascheduler.core.events import EventTemplate, PreparedEvent
+from hascheduler.core.events import EventTemplate, PreparedEvent, fired_field
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
@@ -222,7 +222,7 @@ class Publisher:
         sendable = await self._within_max_fires(sendable, term)
         if not sendable:
             return
-        fired_at = iso_utc(self.clock())
+        fired = fired_field(iso_utc(self.clock()))
         traced_on = tracing.enabled()
         spans: list[tracing.Span | None] | None = [] if traced_on else None
         messages = []
@@ -239,7 +239,7 @@ class Publisher:
                                             term, attempt, None if traced is None else traced[1])
             if spans is not None:
                 spans.append(None if traced is None else traced[0])
-            messages.append(prepared.message(fired_at))
+            messages.append(prepared.message(fired))
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:

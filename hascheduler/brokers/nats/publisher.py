@@ -139,10 +139,14 @@ class NatsPublisher:
         except BrokerUnavailable as exc:
             log.warning("broker_unavailable", error=str(exc))
 
+    @property
+    def _connected(self) -> bool:
+        return self._ready and self._nc is not None and self._nc.is_connected and \
+            self._wire.alive
+
     async def _connect(self) -> Any:
         async with self._connecting:
-            if self._ready and self._nc is not None and self._nc.is_connected and \
-                    self._wire.alive:
+            if self._connected:
                 return self._nc
             try:
                 if self._nc is None or self._nc.is_closed:
@@ -199,7 +203,11 @@ class NatsPublisher:
     async def publish(self, messages: Sequence[FireMessage],
                       timeout_s: float) -> list[BaseException | None]:
         try:
-            await asyncio.wait_for(self._connect(), timeout_s)
+            # Connected, a batch goes straight to framing: a wait_for made a task and gave
+            # the loop away, so the batches due together were each rendered before the first
+            # was framed and written.
+            if not self._connected:
+                await asyncio.wait_for(self._connect(), timeout_s)
         except (BrokerUnavailable, TimeoutError) as exc:
             return [exc if isinstance(exc, BrokerUnavailable)
                     else BrokerUnavailable("connecting to NATS timed out")] * len(messages)
