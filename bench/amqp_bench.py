@@ -31,7 +31,7 @@ from collections import Counter
 
 import aio_pika
 
-from bench.firing_bench import schedule_doc, started_cluster, until_all
+from bench.firing_bench import schedule_doc, scheduler_burst, started_cluster, until_all
 from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
 from hascheduler.brokers.base import FireMessage
 from hascheduler.process.logs import configure
@@ -94,17 +94,6 @@ async def broker_burst(url: str, exchange: str, n: int) -> float:
         await broker.close()
 
 
-async def scheduler_burst(mongo: ServerProcess, url: str, n: int, lead_s: float) -> float:
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
-    c = await started_cluster(mongo, url, "bench_amqp_burst", [
-        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
-        for i in range(n)])
-    try:
-        return await until_all(c.db.fires, "published", "published_at", n, due, 180)
-    finally:
-        await c.close()
-
-
 async def republishes(mongo: ServerProcess, rabbit: RabbitServer, url: str, queue: str,
                       ticks: int, kills: int) -> tuple[int, int, int]:
     """(fires, distinct fire ids in the queue, copies beyond the first)."""
@@ -163,7 +152,7 @@ async def main_async(args: argparse.Namespace) -> int:
             ourses.append(await broker_burst(url, exchange, args.burst))
             await purge(url, queue)
         raw, ours = min(raws), min(ourses)
-        drained = await scheduler_burst(mongo, url, args.burst, args.lead)
+        drained = await scheduler_burst(mongo, url, "bench_amqp_burst", args.burst, args.lead)
         await purge(url, queue)
         fires, distinct, copies = await republishes(mongo, rabbit, url, queue, args.ticks,
                                                     args.kills)

@@ -291,14 +291,32 @@ def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
+async def burst_cluster(mongo: ServerProcess, broker_uri: str, database: str, n: int,
+                        lead_s: float) -> tuple[dt.datetime, Cluster]:
+    """Three replicas over ``n`` one-off schedules all due on the whole second ``lead_s``
+    ahead (room for the replicas to start and load them); that second and the cluster."""
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
+    c = await started_cluster(mongo, broker_uri, database, [
+        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
+        for i in range(n)])
+    return due, c
+
+
+async def scheduler_burst(mongo: ServerProcess, broker_uri: str, database: str, n: int,
+                          lead_s: float) -> float:
+    """Seconds from the burst's second until its last fire is published and acknowledged."""
+    due, c = await burst_cluster(mongo, broker_uri, database, n, lead_s)
+    try:
+        return await until_all(c.db.fires, "published", "published_at", n, due, 180)
+    finally:
+        await c.close()
+
+
 async def burst(mongo: ServerProcess, broker: ServerProcess, n: int,
                 lead_s: float) -> tuple[float, float, float, float, dict[str, float]]:
     """Drain time, the three raw baselines, and each process's CPU seconds during the
     burst."""
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
-    c = await started_cluster(mongo, broker.uri, "bench_burst", [
-        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
-        for i in range(n)])
+    due, c = await burst_cluster(mongo, broker.uri, "bench_burst", n, lead_s)
     try:
         # CPU is counted from three seconds before the burst, after start-up and catch-up.
         await asyncio.sleep(max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds() - 3))

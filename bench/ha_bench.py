@@ -34,7 +34,13 @@ from typing import Any
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import pct
-from bench.firing_bench import Cluster, schedule_doc, started_cluster, until_all
+from bench.firing_bench import (
+    Cluster,
+    schedule_doc,
+    scheduler_burst,
+    started_cluster,
+    until_all,
+)
 from hascheduler.brokers.nats.reader import stream_leader
 from tests.servers import (
     NatsCluster,
@@ -45,18 +51,6 @@ from tests.servers import (
 )
 
 STEP_DOWN_S = 2
-
-
-async def burst(mongo: ServerProcess, nats_uri: str, database: str, n: int,
-                lead_s: float) -> float:
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
-    c = await started_cluster(mongo, nats_uri, database, [
-        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
-        for i in range(n)])
-    try:
-        return await until_all(c.db.fires, "published", "published_at", n, due, 180)
-    finally:
-        await c.close()
 
 
 async def every_second(mongo: ServerProcess, nats_uri: str, database: str, n: int,
@@ -135,9 +129,10 @@ async def main_async(args: argparse.Namespace) -> int:
     single = start_nats()
     cluster = start_nats_cluster(3)
     try:
-        bursts = {"single": await burst(mongo, single.uri, "ha_burst_1", args.burst, args.lead),
-                  "cluster": await burst(mongo, cluster.uri, "ha_burst_3", args.burst,
-                                         args.lead)}
+        bursts = {"single": await scheduler_burst(mongo, single.uri, "ha_burst_1", args.burst,
+                                                  args.lead),
+                  "cluster": await scheduler_burst(mongo, cluster.uri, "ha_burst_3", args.burst,
+                                                   args.lead)}
         _, replicas = await stream_leader(cluster.uri)
         late = {"single": await every_second(mongo, single.uri, "ha_late_1", args.steady,
                                              steady(args.seconds)),

@@ -64,6 +64,18 @@ def claim_of(doc: Document) -> Claim:
                  doc["priority"] if isinstance(doc.get("priority"), int) else None)
 
 
+async def _in_lists(cursor: Any, size: int) -> AsyncGenerator[list[Claim]]:
+    """A cursor's claims in lists of ``size``, each as soon as the cursor has read it."""
+    claims: list[Claim] = []
+    async for doc in cursor:
+        claims.append(claim_of(doc))
+        if len(claims) == size:
+            yield claims
+            claims = []
+    if claims:
+        yield claims
+
+
 def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
     return f"{schedule_id}@manual-{iso_utc(now)}"
 
@@ -403,15 +415,9 @@ class Ledger:
         """This term's claims due for a (re)publish by ``now``, at most ``limit``, in lists
         of ``batch`` as one cursor reads them. One cursor: a query per list would return
         the claims of the lists before it until their marks are written."""
-        claims: list[Claim] = []
-        async for doc in self.fires.find(
+        async for claims in _in_lists(self.fires.find(
                 {"state": CLAIMED, "term": term, "next_attempt_at": {"$lte": now}}
-        ).limit(limit).batch_size(batch):
-            claims.append(claim_of(doc))
-            if len(claims) == batch:
-                yield claims
-                claims = []
-        if claims:
+        ).limit(limit).batch_size(batch), batch):
             yield claims
 
     async def left_due(self, term: int, now: dt.datetime, limit: int, batch: int
@@ -421,16 +427,11 @@ class Ledger:
         ``limit`` (a bounded sort: an hour's backlog would be millions), in lists of
         ``batch`` as one cursor reads them: a new lead's to adopt (``adopt``) and
         republish."""
-        claims: list[Claim] = []
-        async for doc in self.fires.find(
+        async for claims in _in_lists(self.fires.find(
                 {"state": CLAIMED, "term": {"$lte": term}, "claimed_at": {"$lte": now},
                  "due_at": {"$lte": now}}
-        ).sort([("due_at", DESCENDING), ("_id", ASCENDING)]).limit(limit).batch_size(batch):
-            claims.append(claim_of(doc))
-            if len(claims) == batch:
-                yield claims
-                claims = []
-        if claims:
+        ).sort([("due_at", DESCENDING), ("_id", ASCENDING)]).limit(limit).batch_size(batch),
+                batch):
             yield claims
 
     async def get(self, fire_id_: str) -> Document | None:
