@@ -29,7 +29,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "## Lease at ttl 1 s",
                     "## Development MongoDB"):
         assert section in text
-    for measure in ("TERM lease", "KILL first fire", "burst:",
+    for measure in ("TERM lease", "KILL first fire", "burst:", "the broker's floor",
                     "APScheduler p50 (baseline)", "propagation", "bytes/schedule",
                     "API rate / raw rate", "spawn to ready", "insert_one round trips/s",
                     "cronsim (baseline)", "plan 'latest'", "raw nats-py consumer (ack only)",
