@@ -234,7 +234,10 @@ class NatsPublisher:
         try:
             if frames:
                 try:
-                    await asyncio.wait_for(self._wire.send(frames), timeout_s)
+                    # In this task, not a wait_for's: the frames are written now, before
+                    # the other batches due together are rendered.
+                    async with asyncio.timeout(timeout_s):
+                        await self._wire.send(frames)
                 except (WireError, TimeoutError) as exc:
                     unavailable = BrokerUnavailable(f"NATS at {self.servers}: {exc!r}")
                     return [unavailable if not done else outcome
