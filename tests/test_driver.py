@@ -49,3 +49,18 @@ def test_every_module_of_the_driver_that_waits_on_a_condition_waits_with_ours() 
 
     for name in driver.PATCHED_MODULES:
         assert importlib.import_module(name)._async_cond_wait is driver._cond_wait, name
+
+
+def test_every_process_makes_its_client_through_connect() -> None:
+    """A process whose client came from AsyncMongoClient directly would run the driver's
+    own wait (if nothing imported storage/driver.py), and could hang after a step-down."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [*(root / "hascheduler").rglob("*.py"),
+               *(root / "dev" / "hascheduler_dev").rglob("*.py")]
+    assert len(sources) > 50
+    direct = [str(path.relative_to(root)) for path in sources
+              if "AsyncMongoClient(" in path.read_text()
+              and path != root / "hascheduler" / "storage" / "driver.py"]
+    assert direct == []

@@ -37,6 +37,7 @@ from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.cli.local_cluster import STATE_FILE
 from hascheduler.core.audit import audit, parse_instant
 from hascheduler.core.constants import DEFAULT_DATABASE, LEASE_NAME, LEASES, SCHEDULES
+from hascheduler.storage.driver import connect
 from hascheduler.storage.lease import LeaseView
 from hascheduler_dev.devcluster.rabbitmq import RabbitNode, rabbitmq_server_binary
 from hascheduler_dev.netns import Network, Node
@@ -368,7 +369,7 @@ class Supervisor:
             "devmongo", "--port", port)
         head, _, query = mongo.address.partition("?")
         self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
-        self._client = AsyncMongoClient(self.mongodb_uri, tz_aware=True)
+        self._client = connect(self.mongodb_uri)
         if s.broker is None:
             shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
             names = (["nats-server"] if s.nats_cluster == 1
