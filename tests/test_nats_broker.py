@@ -4,6 +4,7 @@ its own connection."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
@@ -66,6 +67,27 @@ async def test_every_message_is_acknowledged_once_and_a_republish_is_deduplicate
     stored, headers = await stream_info(nats_server.uri)
     assert stored == 2500
     assert headers == [(batch[0].fire_id, "7")]
+
+
+async def test_a_connected_publish_writes_its_frames_before_giving_the_loop_away(
+        broker: NatsPublisher) -> None:
+    """Batches due together each start a publish in one turn of the loop: each must write
+    its frames in its own first step, or every batch is rendered before any reaches the
+    broker (a wait_for around the connection check or the write made a task of its own)."""
+    assert await broker.publish(messages(1, "warm"), 5.0) == [None]  # connected
+    written: list[int] = []
+    send = broker._wire.send
+
+    async def recorded(frames: list[bytes]) -> None:
+        written.append(len(frames))
+        await send(frames)
+
+    broker._wire.send = recorded  # type: ignore[method-assign]
+    publishes = [asyncio.create_task(broker.publish(messages(100, f"b{i}-"), 5.0))
+                 for i in range(3)]
+    await asyncio.sleep(0)  # one turn: each publish's first step, in order
+    assert written == [100, 100, 100]
+    assert await asyncio.gather(*publishes) == [[None] * 100] * 3
 
 
 async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
