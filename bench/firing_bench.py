@@ -44,7 +44,12 @@ import nats
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import cpu_seconds, pct
-from hascheduler.brokers.nats.publisher import SUBJECT_PREFIX, NatsEndpoint, ensure_stream
+from hascheduler.brokers.nats.publisher import (
+    SUBJECT_PREFIX,
+    NatsEndpoint,
+    ack_error,
+    ensure_stream,
+)
 from hascheduler.brokers.nats.wire import PublishConnection, frame
 from hascheduler.core.events import EventTemplate
 from hascheduler.process import logs
@@ -209,9 +214,13 @@ async def raw_frames_burst(nats_uri: str, n: int) -> float:
     due = dt.datetime.now(dt.UTC).replace(microsecond=0)
     stamp = due.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     inbox, left, all_acked = f"_INBOX.floor{time.time_ns()}", n, asyncio.Event()
+    errors: list[BaseException] = []
 
-    def acked(_subject: bytes, _data: bytes, _status: bytes | None) -> None:
+    def acked(_subject: bytes, data: bytes, status: bytes | None) -> None:
         nonlocal left
+        error = ack_error(data, status)  # a refusal is no floor: it comes back at once
+        if error is not None:
+            errors.append(error)
         left -= 1
         if left == 0:
             all_acked.set()
@@ -225,15 +234,22 @@ async def raw_frames_burst(nats_uri: str, n: int) -> float:
         frames.append(frame(f"{SUBJECT_PREFIX}.bench.burst", f"{inbox}.{i}",
                             f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n", body))
     endpoint = NatsEndpoint.parse(nats_uri)
+    nc = await nats.connect(endpoint.servers)
+    try:
+        await ensure_stream(nc.jetstream(), endpoint)
+    finally:
+        await nc.close()
     connection = PublishConnection(endpoint.servers, endpoint.tls_context(), acked)
     await connection.start(f"{inbox}.>")
     try:
         start = time.perf_counter()
         await connection.send(frames)
         await asyncio.wait_for(all_acked.wait(), 60)
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
     finally:
         await connection.close()
+    assert not errors, f"{len(errors)} of the floor's {n} publishes refused: {errors[0]!r}"
+    return took
 
 
 async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]]) -> float:
