@@ -758,10 +758,9 @@ class AdoptionsNoted:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ledger, name)
 
-    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
-        taken: set[str] = await self.ledger.adopt(fire_ids, term, now)
-        self.adoptions.append(sorted(taken))
-        return taken
+    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> None:
+        await self.ledger.adopt(fire_ids, term, now)
+        self.adoptions.append(sorted(fire_ids))
 
 
 async def test_a_successor_republishes_its_predecessors_latest_claims_first(

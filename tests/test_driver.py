@@ -64,3 +64,16 @@ def test_every_process_makes_its_client_through_connect() -> None:
               if "AsyncMongoClient(" in path.read_text()
               and path != root / "hascheduler" / "storage" / "driver.py"]
     assert direct == []
+
+
+async def test_the_pool_opens_more_connections_at_once_unless_the_uri_says() -> None:
+    """Two at a time (the driver's default), a slowed link's new connections queued past a
+    fenced write's budget (test_slow_link.py)."""
+    made = driver.connect("mongodb://127.0.0.1:1/?directConnection=true")
+    told = driver.connect("mongodb://127.0.0.1:1/?directConnection=true&maxConnecting=3")
+    try:
+        assert made.options.pool_options.max_connecting == driver.MAX_CONNECTING > 2
+        assert told.options.pool_options.max_connecting == 3
+    finally:
+        await made.close()
+        await told.close()

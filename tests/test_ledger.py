@@ -94,9 +94,12 @@ async def test_adoption_takes_unpublished_claims_of_this_term_and_older_only(
     docs["done"]["state"] = PUBLISHED
     await ledger.fires.insert_many(list(docs.values()))
     ids = {str(d["_id"]) for d in docs.values()}
-    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10)),
-                                                  fire_id("mine", at(10))}
+    assert await ledger.adoptable(ids, 2) == {fire_id("old", at(10)), fire_id("mine", at(10))}
+    # The write itself takes only those: a claim published, or taken by a newer term,
+    # since the read is left alone.
+    await ledger.adopt(ids, 2, at(12))
     assert (await state(ledger, "old"))["term"] == 2
+    assert (await state(ledger, "old"))["claimed_at"] == at(12)
     assert (await state(ledger, "newer"))["term"] == 3
     assert (await state(ledger, "done"))["term"] == 1
 

@@ -18,7 +18,9 @@ from hascheduler.core.entries import Entry, compile_trigger
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
+from hascheduler.replica.term import Term
 from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
+from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger, open_key
 from tests.servers import with_database
 
@@ -26,18 +28,33 @@ TERM = 1
 
 
 @pytest.fixture
-async def gate(mongo_uri: str) -> AsyncIterator[OverlapGate]:
+async def db(mongo_uri: str) -> AsyncIterator[Any]:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         with_database(mongo_uri, f"gate_{uuid.uuid4().hex[:8]}"), tz_aware=True)
-    db = client.get_default_database()
+    database = client.get_default_database()
+    yield database
+    await client.drop_database(database)
+    await client.close()
+
+
+@pytest.fixture
+async def gate(db: Any) -> OverlapGate:
     ledger, runs = Ledger(db.fires), RunLedger(db.runs)
     await ledger.ensure_indexes(3600)
     await runs.ensure_indexes(3600)
     entry = Entry(1, False, compile_trigger({"kind": "cron", "cron": "* * * * *"}), 0.0, "none",
                   0.0, "jobs.s", overlap="buffer_all")
-    yield OverlapGate(ledger, runs, {"s": entry}, 10, lambda: dt.datetime.now(dt.UTC), Metrics())
-    await client.drop_database(db)
-    await client.close()
+    return OverlapGate(ledger, runs, {"s": entry}, 10, lambda: dt.datetime.now(dt.UTC), Metrics())
+
+
+@pytest.fixture
+async def term(db: Any) -> Term:
+    """Term TERM of a real lease, held: the gate's reads and writes are fenced by it."""
+    lease = Lease(db.leases, "scheduler", "a", LeaseTimings())
+    view = await lease.acquire_or_renew()
+    assert view is not None
+    assert view.term == TERM
+    return Term(TERM, lease, {})
 
 
 async def claimed(gate: OverlapGate, n: int, now: dt.datetime) -> Claim:
@@ -47,7 +64,7 @@ async def claimed(gate: OverlapGate, n: int, now: dt.datetime) -> Claim:
 
 
 async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
-        gate: OverlapGate) -> None:
+        gate: OverlapGate, term: Term) -> None:
     now = dt.datetime.now(dt.UTC)
     first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
     targets = {"s": "jobs.s"}
@@ -55,7 +72,7 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
     assert await gate.admit([second], targets, TERM) == []  # waits for the first's run
     await gate.runs.unreserve(first.fire_id)  # the first's run ends
 
-    released = await gate.ready(TERM, now + dt.timedelta(minutes=1))
+    released = await gate.ready(term, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
     # Between the release and the reservation of its run the database shows neither a
     # buffered fire nor an open run for the key: the third fire must still wait.
@@ -71,12 +88,12 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
         open_key("s", None): second.fire_id}
     # Once the second's run ends, the third goes, in order.
     await gate.runs.unreserve(second.fire_id)
-    assert [c.fire_id for c in await gate.ready(TERM, now + dt.timedelta(minutes=1))] == [
+    assert [c.fire_id for c in await gate.ready(term, now + dt.timedelta(minutes=1))] == [
         third.fire_id]
 
 
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(
-        gate: OverlapGate) -> None:
+        gate: OverlapGate, term: Term) -> None:
     """The window inside the take itself: the waiting fire is already claimed (no longer
     buffered) and its run not yet reserved when the next fire is admitted."""
     now = dt.datetime.now(dt.UTC)
@@ -89,13 +106,12 @@ async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_beh
     admitted_during_take: list[list[Claim]] = []
     take = gate.ledger.take
 
-    async def take_then_admit(*args: Any, **kwargs: Any) -> list[Claim]:
-        taken = await take(*args, **kwargs)
+    async def take_then_admit(*args: Any, **kwargs: Any) -> None:
+        await take(*args, **kwargs)
         admitted_during_take.append(await gate.admit([third], targets, TERM))
-        return taken
 
     gate.ledger.take = take_then_admit  # type: ignore[method-assign]
-    released = await gate.ready(TERM, now + dt.timedelta(minutes=1))
+    released = await gate.ready(term, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
     assert admitted_during_take == [[]]  # the third waits behind the second
 

@@ -103,3 +103,47 @@ async def test_a_handover_releases_the_lease_only_once_its_terms_writes_are_answ
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         await client.drop_database(db)
         await client.close()
+
+
+async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: str) -> None:
+    """Reads of the fires that the database holds for 2 s each (a fail point), as many as
+    the pool has connections (the API's, here) and the leader's own behind them: the
+    leader's renewals, on a client of their own, still come every interval, so it leads
+    throughout. In the ledger's pool, a renewal waited behind them past its 1.4 s
+    deadline."""
+    name = f"starve_{uuid.uuid4().hex[:8]}"
+    uri = with_database(mongo_uri, name) + "&maxPoolSize=4"
+    timings = LeaseTimings(ttl=2.0, renew_deadline=1.4, renew_interval=0.4)
+    settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
+                               replica_id="busy", broker=parse_broker_url("log:"),
+                               timings=timings)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    db = client.get_default_database()
+    try:
+        async with Replica(settings) as replica, aiohttp.ClientSession() as http:
+            await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
+            term = replica.elector.lease.term
+            await client.admin.command({
+                "configureFailPoint": "failCommand", "mode": "alwaysOn",
+                "data": {"failCommands": ["find"], "namespace": f"{name}.fires",
+                         "appName": "hascheduler/busy",
+                         "blockConnection": True, "blockTimeMS": 2000}})
+
+            async def read_fire(i: int) -> int:
+                async with http.get(f"{replica.url}/fires/none@{i}") as r:
+                    return r.status
+
+            reads = asyncio.gather(*(read_fire(i) for i in range(4)))
+            leading: list[bool] = []
+            while not reads.done():  # a pool held, and the leader's own reads behind it
+                leading.append(replica.elector.is_leader)
+                await asyncio.sleep(0.05)
+            assert await reads == [404] * 4
+            await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+            assert len(leading) > 40
+            assert all(leading), f"not leading in {leading.count(False)} of {len(leading)} looks"
+            assert replica.elector.lease.term == term
+    finally:
+        await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        await client.drop_database(db)
+        await client.close()

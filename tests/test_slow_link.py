@@ -14,6 +14,7 @@ import datetime as dt
 import signal
 import statistics
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -129,6 +130,13 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
         # a fire late by at most about a second, never lost (docs/RELIABILITY.md).
         assert statistics.median(slowed) < 0.05, f"lateness over the slow link: {slowed}"
         assert max(slowed) < 1.5, f"lateness over the slow link: {slowed}"
+        # Each fenced write is one round trip (the reads that decide it go before it), the
+        # pool opens the connections a slowed link needs at once, and the renewals have a
+        # client of their own: a keeps its lead over the slowed link.
+        assert a.log_path is not None
+        log = await asyncio.to_thread(Path(a.log_path).read_text)
+        stops = [line for line in log.splitlines() if '"stopped_firing"' in line]
+        assert stops == [], stops
         report = history.check(LeaseTimings(TTL, DEADLINE, INTERVAL))
         assert report.ok, report.as_dict()
         assert {t.holder for t in history.terms.values()} == {"a", "c"}

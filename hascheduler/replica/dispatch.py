@@ -374,12 +374,16 @@ class Dispatcher:
         term.check()
         retry_at = self._retry_at(now)
         docs = [claim_record(c, term.number, now, retry_at) for c in claims]
-        contested = min(c.due_at for c in claims) <= term.contested_until
-        taken = await term.write(self.ledger.claim(docs, read_first=contested))
+        taken: set[str] = set()
+        if min(c.due_at for c in claims) <= term.contested_until:
+            # Many are likely claimed already: those found are not inserted.
+            taken = await term.read(self.ledger.claimed([d["_id"] for d in docs]))
+            docs = [d for d in docs if d["_id"] not in taken]
+        if docs:
+            taken |= await term.write(self.ledger.claim(docs))
         if not taken:
             return claims
-        adopted = await term.write(self.ledger.adopt(taken - term.pending.keys(), term.number,
-                                                     self.clock()))
+        adopted = await self._adopt(taken - term.pending.keys(), term)
         if adopted:
             log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
@@ -604,13 +608,20 @@ class Dispatcher:
                 term.number, now, CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
                 CLAIM_BATCH)) as batches:
             async for batch in batches:
-                taken = await term.write(self.ledger.adopt(
-                    {c.fire_id for c in batch}, term.number, self.clock()))
+                taken = await self._adopt({c.fire_id for c in batch}, term)
                 adopted += len(taken)
                 if taken:
                     yield [c for c in batch if c.fire_id in taken]
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
+
+    async def _adopt(self, fire_ids: set[str], term: Term) -> set[str]:
+        """Those of ``fire_ids`` left unpublished by an older term or this one, taken over
+        by this term (Ledger.adoptable)."""
+        found = await term.read(self.ledger.adoptable(fire_ids, term.number))
+        if found:
+            await term.write(self.ledger.adopt(found, term.number, self.clock()))
+        return found
 
     async def _retry_due(self, term: Term) -> None:
         """A turn of retries, up to RETRY_BATCHES_PER_TURN batches."""
@@ -661,8 +672,9 @@ class Dispatcher:
             ids = await self.ledger.requested(CLAIM_BATCH)
             if ids:
                 now = self.clock()
-                claims = await term.write(self.ledger.take(ids, REQUESTED, term.number, now,
-                                                           self._retry_at(now)))
+                await term.write(self.ledger.take(ids, REQUESTED, term.number, now,
+                                                  self._retry_at(now)))
+                claims = await term.read(self.ledger.taken(ids, term.number))
                 log.info("running_now", count=len(claims), term=term.number)
                 await self.publisher.publish(claims, term.number, attempt=1)
 
@@ -733,7 +745,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(BUFFER_POLL_S)
             term.check()
-            claims = await term.write(gate.ready(term.number, self._retry_at(self.clock())))
+            claims = await gate.ready(term, self._retry_at(self.clock()))
             if claims:
                 log.info("released_buffered", count=len(claims), term=term.number)
                 try:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -31,6 +32,21 @@ log = structlog.get_logger("hascheduler.dispatch")
 # How often the leader looks whether a waiting fire's open run has ended, while any waits:
 # a buffered fire is published within this (plus a round trip) of the run's end.
 BUFFER_POLL_S = 0.05
+
+T = TypeVar("T")
+
+
+class Fenced(Protocol):
+    """The leader's term, as far as the gate goes: its number, and its ledger reads and
+    writes, each bounded by what remains of the term (replica/term.py)."""
+
+    @property
+    def number(self) -> int: ...
+
+    async def read(self, work: Coroutine[Any, Any, T]) -> T: ...
+
+    async def write(self, work: Coroutine[Any, Any, T]) -> T: ...
+
 
 class OverlapGate:
     def __init__(self, ledger: Ledger, runs: RunLedger, entries: Mapping[str, Entry],
@@ -150,26 +166,28 @@ class OverlapGate:
             if self.policy(claim) != ALLOW:
                 await self.runs.unreserve(claim.fire_id)
 
-    async def ready(self, term: int, retry_at: dt.datetime) -> list[Claim]:
+    async def ready(self, term: Fenced, retry_at: dt.datetime) -> list[Claim]:
         """Buffered fires whose key has no open run any more, claimed for ``term``: the
         earliest waiting fire of each such key."""
         if not self.waiting:
             return []
         keys = set(self.waiting)
-        held = await self.runs.open_runs(sorted(open_key(*k) for k in keys))
+        held = await term.read(self.runs.open_runs(sorted(open_key(*k) for k in keys)))
         free = [k for k in keys if open_key(*k) not in held]
         if not free:
             return []
-        firsts = await self.ledger.first_buffered(free)
+        firsts = await term.read(self.ledger.first_buffered(free))
         for key in free:
             if key not in firsts:
                 self.waiting.discard(key)  # nothing waits there any more
         # Releasing from before the take: once a fire is taken, the database shows its key
         # neither a buffered fire nor an open run until admit() reserves its run.
         self.releasing.update(firsts)
+        ids = sorted(firsts.values())
         try:
-            taken = await self.ledger.take(sorted(firsts.values()), BUFFERED, term,
-                                           self.clock(), retry_at)
+            await term.write(self.ledger.take(ids, BUFFERED, term.number, self.clock(),
+                                              retry_at))
+            taken = await term.read(self.ledger.taken(ids, term.number))
         except BaseException:
             self.releasing.difference_update(firsts)
             raise

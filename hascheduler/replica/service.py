@@ -252,7 +252,10 @@ class Replica:
         if tracing.configure("hascheduler"):
             stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
                                       lambda: asyncio.to_thread(tracing.flush))
-        client = connect(settings.mongodb_uri, appname=f"hascheduler/{settings.replica_id}")
+        # The name the database knows this replica's connections by, both clients' (a fail
+        # point aimed at the replica covers its renewals too: test_failover.py, bench/chaos.py).
+        appname = f"hascheduler/{settings.replica_id}"
+        client = connect(settings.mongodb_uri, appname=appname)
         stack.push_async_callback(lifecycle.bounded, "closing the database client", client.close)
         db = client.get_default_database(DEFAULT_DATABASE)
         broker = settings.broker.publisher()
@@ -273,8 +276,16 @@ class Replica:
         runs = RunLedger(db[RUNS])
         health = HealthReader(ledger, runs, settings.late_after_s)
         webhook_store, deliveries = WebhookStore(db[WEBHOOKS]), Deliveries(db[DELIVERIES])
-        lease = Lease(db[LEASES], LEASE_NAME, settings.replica_id, settings.timings,
-                      server_clock=server_clock)
+        # The lease's renewals have a client of their own: in the ledger's pool, a renewal
+        # waited for a connection behind the ledger's and the API's traffic, and a slowed
+        # link or slow reads made the term lapse between two renewals (test_slow_link.py,
+        # test_replica.py). Not queued behind others, their round trips also make the
+        # server clock's tightest samples.
+        lease_client = connect(settings.mongodb_uri, appname=appname)
+        stack.push_async_callback(lifecycle.bounded, "closing the lease's database client",
+                                  lease_client.close)
+        lease = Lease(lease_client.get_default_database(DEFAULT_DATABASE)[LEASES], LEASE_NAME,
+                      settings.replica_id, settings.timings, server_clock=server_clock)
         dispatcher: Dispatcher | None = None
 
         self.sources = sources = Sources(db)

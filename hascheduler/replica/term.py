@@ -83,7 +83,7 @@ class Term:
         self.catching_up_from: dt.datetime | None = None
         # Fires due up to this instant may be in the ledger already (claimed ahead by the
         # term before, or fired by it before its successor's catch-up looks at them): their
-        # claims read the ledger first (Ledger.claim's read_first).
+        # claims read the ledger first (Ledger.claimed).
         self.contested_until = dt.datetime.min.replace(tzinfo=dt.UTC)
         self.queue = FireQueue(entries)
         # The claims of this term not yet published (or given up), by fire id, with their
@@ -136,6 +136,20 @@ class Term:
         task.add_done_callback(self._writes.ended)
         try:
             return await asyncio.wait_for(asyncio.shield(task), remaining)
+        except TimeoutError:
+            raise LeadershipLost from None
+
+    async def read(self, work: Coroutine[Any, Any, T]) -> T:
+        """A ledger read that decides a write of this term (which fires are claimed
+        already, which left claims to adopt), bounded like a write by what remains of the
+        term. Made before the write, not inside it: each gets the term's time as it is
+        when it starts, so a write is one round trip within its budget, which a slow
+        link's round trip must fit (docs/RELIABILITY.md). Raises LeadershipLost when the
+        term's time runs out."""
+        remaining = max(self.remaining(), 0.001)
+        try:
+            with pymongo.timeout(remaining):
+                return await asyncio.wait_for(work, remaining)
         except TimeoutError:
             raise LeadershipLost from None
 

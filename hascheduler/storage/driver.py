@@ -12,6 +12,13 @@ step-down, where many tasks wait for a server and a lost term cancels them). Ups
 PYTHON-5167 (mongodb/mongo-python-driver#2165). The replacement waits in the calling task
 under ``asyncio.timeout``, which Python 3.11 has: ``Condition.wait`` takes the lock back
 before any cancellation leaves it, however many arrive.
+
+The pool also opens more connections at once than the driver's default of two
+(``maxConnecting``, unless the URI sets it). When the link to the database slows, each of a
+leader's loops holds its connection longer, so more are needed at once, and each new one
+costs a round trip: opened two at a time, the last of a dozen waited three round trips,
+which on a 300 ms link is more than what remains of a term for one fenced write
+(docs/RELIABILITY.md, test_slow_link.py).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from pymongo import AsyncMongoClient
 # modules that bind the function by name.
 PATCHED_MODULES = ("pymongo.lock", "pymongo.asynchronous.topology",
                    "pymongo.asynchronous.pool")
+# Connections the pool opens at once: about as many as a leader's loops use together.
+MAX_CONNECTING = 10
 
 
 async def _cond_wait(condition: Any, timeout: float | None) -> bool:  # noqa: ASYNC109
@@ -48,5 +57,9 @@ _patch_condition_wait()
 
 
 def connect(uri: str, **options: Any) -> AsyncMongoClient[dict[str, Any]]:
-    """An async client for ``uri``, datetimes timezone-aware (the ledger's times are UTC)."""
+    """An async client for ``uri``, datetimes timezone-aware (the ledger's times are UTC).
+    A keyword would override the URI's own options: ``maxConnecting`` is given only when
+    the URI does not set it."""
+    if "maxconnecting=" not in uri.partition("?")[2].lower():
+        options.setdefault("maxConnecting", MAX_CONNECTING)
     return AsyncMongoClient(uri, tz_aware=True, **options)

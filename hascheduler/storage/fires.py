@@ -168,6 +168,11 @@ def _own(term: int, fire_ids: Iterable[str]) -> Document:
     return {"_id": {"$in": sorted(fire_ids)}, "term": term, "state": CLAIMED}
 
 
+def _stale(fire_ids: Iterable[str], term: int) -> Document:
+    """Claims among ``fire_ids`` left unpublished by ``term`` or an older term."""
+    return {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": {"$lte": term}}
+
+
 class Ledger:
     def __init__(self, fires: FiresCollection) -> None:
         self.fires = fires
@@ -244,33 +249,35 @@ class Ledger:
 
     # -- a leader's writes ----------------------------------------------------------------
 
-    async def claim(self, docs: list[Document], read_first: bool = False) -> set[str]:
-        """Insert claims; the ids already in the ledger (claimed by someone: maybe us).
-        ``read_first`` when many are likely there: those found are not inserted, as an
-        insert the unique index refuses costs the database several times the read
-        (docs/BENCHMARKS.md, Development MongoDB server)."""
-        there: set[str] = set()
-        if read_first:
-            there = {d["_id"] async for d in self.fires.find(
-                {"_id": {"$in": [d["_id"] for d in docs]}}, {"_id": 1})}
-            docs = [d for d in docs if d["_id"] not in there]
-        if not docs:
-            return there
-        return there | {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
+    async def claimed(self, fire_ids: list[str]) -> set[str]:
+        """Those of ``fire_ids`` in the ledger (claimed by someone: maybe us). Read before
+        claiming when many are likely there: an insert the unique index refuses costs the
+        database several times the read (docs/BENCHMARKS.md, Development MongoDB
+        server)."""
+        return {d["_id"] async for d in self.fires.find({"_id": {"$in": fire_ids}},
+                                                        {"_id": 1})}
 
-    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
-        """Take over those of ``fire_ids`` still claimed and unpublished by an older term (a
-        deposed leader) or by this term before it stopped firing and led again (its
-        in-flight publishes went with it); returns the ones taken. The caller passes only
-        claims its own pending publishes do not hold."""
+    async def claim(self, docs: list[Document]) -> set[str]:
+        """Insert claims; the ids already in the ledger (claimed by someone: maybe us)."""
+        if not docs:
+            return set()
+        return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
+
+    async def adoptable(self, fire_ids: set[str], term: int) -> set[str]:
+        """Those of ``fire_ids`` still claimed and unpublished by an older term (a deposed
+        leader) or by this term before it stopped firing and led again (its in-flight
+        publishes went with it). The caller passes only claims its own pending publishes
+        do not hold, and takes them over with ``adopt``."""
         if not fire_ids:
             return set()
-        stale = {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": {"$lte": term}}
-        found = {d["_id"] async for d in self.fires.find(stale, {"_id": 1})}
-        if found:
-            await self.fires.update_many({**stale, "_id": {"$in": sorted(found)}},
+        return {d["_id"] async for d in self.fires.find(_stale(fire_ids, term), {"_id": 1})}
+
+    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> None:
+        """Take over those of ``fire_ids`` (found by ``adoptable``) still left unpublished
+        by an older term or this one."""
+        if fire_ids:
+            await self.fires.update_many(_stale(fire_ids, term),
                                          {"$set": {"term": term, "claimed_at": now}})
-        return found
 
     async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime
                         ) -> int:
@@ -348,15 +355,20 @@ class Ledger:
         return firsts
 
     async def take(self, fire_ids: list[str], state: str, term: int, now: dt.datetime,
-                   retry_at: dt.datetime) -> list[Claim]:
+                   retry_at: dt.datetime) -> None:
         """Claim for ``term`` those of ``fire_ids`` still in ``state`` (buffered fires
-        whose wait is over, fires requested by the API), to publish now."""
+        whose wait is over, fires requested by the API), to publish now (``taken`` reads
+        which)."""
+        if fire_ids:
+            await self.fires.update_many(
+                {"_id": {"$in": sorted(fire_ids)}, "state": state},
+                {"$set": {"state": CLAIMED, "term": term, "claimed_at": now,
+                          "next_attempt_at": retry_at}})
+
+    async def taken(self, fire_ids: list[str], term: int) -> list[Claim]:
+        """Those of ``fire_ids`` claimed and unpublished by ``term``."""
         if not fire_ids:
             return []
-        await self.fires.update_many(
-            {"_id": {"$in": sorted(fire_ids)}, "state": state},
-            {"$set": {"state": CLAIMED, "term": term, "claimed_at": now,
-                      "next_attempt_at": retry_at}})
         return [claim_of(d) async for d in self.fires.find(_own(term, fire_ids))]
 
     async def requested(self, limit: int) -> list[str]:
