@@ -148,8 +148,11 @@ class Term:
         term's time runs out."""
         remaining = max(self.remaining(), 0.001)
         try:
+            # In the calling task: a task of its own (wait_for's, on Python 3.11) would wait
+            # its turn behind the loop's other work at a busy second.
             with pymongo.timeout(remaining):
-                return await asyncio.wait_for(work, remaining)
+                async with asyncio.timeout(remaining):
+                    return await work
         except TimeoutError:
             raise LeadershipLost from None
 
