@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,20 @@ from typing import Any
 from tests.waiting import wait_until_sync
 
 REAL_MONGODB_ENV = "HASCHEDULER_TEST_MONGODB_URI"
+
+
+@contextlib.contextmanager
+def losing_sockets() -> Iterator[None]:
+    """Where the driver is expected to lose connections (the server drops them as it steps
+    down; a replica stops while the server holds its reads): the driver may leave a socket
+    it lost to the garbage collector, finalised here rather than as a ResourceWarning in
+    whatever runs next."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        try:
+            yield
+        finally:
+            gc.collect()
 
 
 @dataclass

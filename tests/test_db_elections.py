@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import gc
 import signal
 import time
-import warnings
 from typing import Any
 
 import aiohttp
 import pytest
 from pymongo import AsyncMongoClient
 
+from tests.servers import losing_sockets
 from tests.test_failover import DEADLINE, TTL, Harness, audit, harness, nats_server, published_by
 from tests.waiting import wait_until
 
@@ -30,16 +29,11 @@ SAMPLE_WINDOW_S = (TTL - DEADLINE) / 2
 
 async def step_down(mongo_uri: str) -> None:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri)
-    try:
-        await client.admin.command({"replSetStepDown": STEP_DOWN_S, "force": True})
-    finally:
-        await client.close()
-        # The server drops every connection as it steps down, and the driver may leave
-        # the socket it lost for the garbage collector: finalised here, where losing it is
-        # expected, not as a ResourceWarning in whatever the test does next.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            gc.collect()
+    with losing_sockets():  # the server drops every connection as it steps down
+        try:
+            await client.admin.command({"replSetStepDown": STEP_DOWN_S, "force": True})
+        finally:
+            await client.close()
 
 
 class LeaderWatch:

@@ -15,17 +15,22 @@ from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.replica.service import Replica, ReplicaSettings
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
-from tests.servers import with_database
+from tests.servers import losing_sockets, with_database
 from tests.waiting import wait_until
+
+
+def in_process(uri: str, replica_id: str) -> ReplicaSettings:
+    """A replica run in the test's process, publishing to the log, on a 2 s lease."""
+    return ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
+                           replica_id=replica_id, broker=parse_broker_url("log:"),
+                           timings=LeaseTimings(ttl=2.0, renew_deadline=1.4,
+                                                renew_interval=0.4))
 
 
 async def test_a_replica_runs_in_process_and_stops_everything_it_started(
         mongo_uri: str) -> None:
     uri = with_database(mongo_uri, f"inproc_{uuid.uuid4().hex[:8]}")
-    settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
-                               replica_id="in-process", broker=parse_broker_url("log:"),
-                               timings=LeaseTimings(ttl=2.0, renew_deadline=1.4,
-                                                    renew_interval=0.4))
+    settings = in_process(uri, "in-process")
     before = asyncio.all_tasks()
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
     db = client.get_default_database()
@@ -62,10 +67,8 @@ async def test_a_handover_releases_the_lease_only_once_its_terms_writes_are_answ
     (the lease history calls such a write stale)."""
     name = f"handover_{uuid.uuid4().hex[:8]}"
     uri = with_database(mongo_uri, name)
-    timings = LeaseTimings(ttl=2.0, renew_deadline=1.4, renew_interval=0.4)
-    settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
-                               replica_id="handing-over", broker=parse_broker_url("log:"),
-                               timings=timings)
+    settings = in_process(uri, "handing-over")
+    timings = settings.timings
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
     db = client.get_default_database()
     try:
@@ -112,37 +115,38 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
     throughout. In the ledger's pool, a renewal waited behind them past its 1.4 s
     deadline."""
     name = f"starve_{uuid.uuid4().hex[:8]}"
-    uri = with_database(mongo_uri, name) + "&maxPoolSize=4"
-    timings = LeaseTimings(ttl=2.0, renew_deadline=1.4, renew_interval=0.4)
-    settings = ReplicaSettings(mongodb_uri=uri, http_host="127.0.0.1", http_port=0,
-                               replica_id="busy", broker=parse_broker_url("log:"),
-                               timings=timings)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    settings = in_process(with_database(mongo_uri, name) + "&maxPoolSize=4", "busy")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(settings.mongodb_uri,
+                                                                 tz_aware=True)
     db = client.get_default_database()
+    held = {"configureFailPoint": "failCommand", "mode": "alwaysOn",
+            "data": {"failCommands": ["find"], "namespace": f"{name}.fires",
+                     "appName": "hascheduler/busy", "blockConnection": True,
+                     "blockTimeMS": 2000}}
     try:
-        async with Replica(settings) as replica, aiohttp.ClientSession() as http:
-            await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
-            term = replica.elector.lease.term
-            await client.admin.command({
-                "configureFailPoint": "failCommand", "mode": "alwaysOn",
-                "data": {"failCommands": ["find"], "namespace": f"{name}.fires",
-                         "appName": "hascheduler/busy",
-                         "blockConnection": True, "blockTimeMS": 2000}})
+        # The replica stops while the database still holds reads of its own: cancelled.
+        with losing_sockets():
+            async with Replica(settings) as replica, aiohttp.ClientSession() as http:
+                await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
+                term = replica.elector.lease.term
+                await client.admin.command(held)
 
-            async def read_fire(i: int) -> int:
-                async with http.get(f"{replica.url}/fires/none@{i}") as r:
-                    return r.status
+                async def read_fire(i: int) -> int:
+                    async with http.get(f"{replica.url}/fires/none@{i}") as r:
+                        return r.status
 
-            reads = asyncio.gather(*(read_fire(i) for i in range(4)))
-            leading: list[bool] = []
-            while not reads.done():  # a pool held, and the leader's own reads behind it
-                leading.append(replica.elector.is_leader)
-                await asyncio.sleep(0.05)
-            assert await reads == [404] * 4
-            await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
-            assert len(leading) > 40
-            assert all(leading), f"not leading in {leading.count(False)} of {len(leading)} looks"
-            assert replica.elector.lease.term == term
+                reads = asyncio.gather(*(read_fire(i) for i in range(4)))
+                leading: list[bool] = []
+                while not reads.done():  # a pool held, and the leader's own reads behind it
+                    leading.append(replica.elector.is_leader)
+                    await asyncio.sleep(0.05)
+                assert await reads == [404] * 4
+                await client.admin.command({"configureFailPoint": "failCommand",
+                                            "mode": "off"})
+                assert len(leading) > 40
+                assert all(leading), \
+                    f"not leading in {leading.count(False)} of {len(leading)} looks"
+                assert replica.elector.lease.term == term
     finally:
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         await client.drop_database(db)
