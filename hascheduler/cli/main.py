@@ -4,18 +4,25 @@ tools (``devmongo``, ``dev``) join by entry point when installed."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from hascheduler.cli import apply, audit, schedules, serve, tokens, worker
 from hascheduler.core.errors import ConfigError
 from hascheduler.process import logs
 
-# A command module offers add_parser(subparsers), which sets ``run`` (args -> exit code)
-# as its parsers' default.
-COMMANDS: tuple[Any, ...] = (serve, worker, schedules, apply, audit, tokens)
+# A command module (hascheduler.cli.<module>) offers add_parser(subparsers), which adds
+# these commands and sets ``run`` (args -> exit code) as their parsers' default. Only the
+# named command's module is imported: every module together takes 0.66 s to import, the
+# API's commands alone 0.36 s (the replica and the worker stay unloaded).
+COMMAND_MODULES = {
+    "serve": "serve", "worker": "worker",
+    "schedules": "schedules", "audit-log": "schedules", "runs": "schedules",
+    "webhooks": "schedules", "apply": "apply", "export": "apply", "audit": "audit",
+    "token": "tokens",
+}
 # The entry point group the development tools register their commands in (dev/pyproject.toml).
 PLUGIN_GROUP = "hascheduler.commands"
 DEVELOPMENT_COMMANDS = {
@@ -43,9 +50,10 @@ def _command_in(argv: Sequence[str] | None) -> str | None:
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; of the commands that come by entry point, only the one ``argv`` names is
-    imported (the development server's, for one, imports mongomock: no replica's start
-    pays for that)."""
+    """The parser for the command ``argv`` names: only its module is imported, and of the
+    commands that come by entry point only the one named (the development server's, for
+    one, imports mongomock: no replica's start pays for that). With no command, or one
+    that does not exist, every built-in command is listed."""
     parser = argparse.ArgumentParser(
         prog="hascheduler", description="A highly available scheduler cluster: replicas "
         "(serve), workers (worker), the HTTP API from a terminal (schedules, runs, audit), "
@@ -53,10 +61,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
     plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     wanted = _command_in(argv)
+    if wanted in COMMAND_MODULES:
+        modules = [COMMAND_MODULES[wanted]]
+    elif wanted in plugins:
+        modules = []
+    else:  # no command, or one to refuse: the full list, for the usage and the error
+        modules = list(dict.fromkeys(COMMAND_MODULES.values()))
+    for module in modules:
+        importlib.import_module(f"hascheduler.cli.{module}").add_parser(sub)
     for name in sorted(plugins.keys() | DEVELOPMENT_COMMANDS.keys()):
         text = DEVELOPMENT_COMMANDS.get(name, f"from {plugins[name].value}"
                                         if name in plugins else "")
