@@ -7,11 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.servers import start_devmongo
+from tests.servers import free_port, start_devmongo
+from tests.waiting import wait_until_sync
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -153,3 +155,28 @@ async def test_devmongo_prints_its_uri_and_stops_cleanly_on_signal(sig: int) -> 
     finally:
         await client.close()
     assert server.stop(sig) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_replica_waiting_for_its_database_stops_on_signal(sig: int, tmp_path: Path) -> None:
+    """A replica started before its database (nothing listens there) waits for it without
+    end; a stop asked for meanwhile ends it within seconds, as it would once started."""
+    port = free_port()  # nothing listens there: every connection is refused
+    log = tmp_path / "replica.log"
+    with open(log, "w") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hascheduler.cli", "serve", "--mongodb-uri",
+             f"mongodb://127.0.0.1:{port}/x?directConnection=true", "--http-port", "0",
+             "--broker", "log:", "--replica-id", "early"],
+            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        # Its API is up; next it creates its indexes, waiting for the database.
+        wait_until_sync(lambda: "replica_listening" in log.read_text(), 60,
+                        "the replica waiting for its database")
+        process.send_signal(sig)
+        assert process.wait(timeout=15) == 0, log.read_text()[-2000:]
+        assert "stopped_while_starting" in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

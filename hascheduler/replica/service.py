@@ -394,14 +394,31 @@ def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLConte
 
 async def run_replica(settings: ReplicaSettings, announce: bool = True) -> None:
     """``hascheduler serve``: run a replica until SIGTERM (graceful handover) or SIGINT."""
-    stop = asyncio.Event()
+    stop, started = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    async with Replica(settings) as replica:
-        if announce:
-            print(replica.url, flush=True)
-        await stop.wait()
+
+    async def serve() -> None:
+        async with Replica(settings) as replica:
+            started.set()
+            if announce:
+                print(replica.url, flush=True)
+            await stop.wait()
+
+    serving = asyncio.create_task(serve())
+    asked = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, asked}, return_when=asyncio.FIRST_COMPLETED)
+    asked.cancel()
+    if stop.is_set() and not started.is_set():
+        # Asked to stop while starting (a database not up yet is waited for without end):
+        # the start is cancelled, and what it started so far is stopped in reverse.
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        log.info("stopped_while_starting")
+        return
+    await serving  # once started, a stop hands over as the block ends
 
 
 async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> None:
