@@ -16,9 +16,8 @@ before any cancellation leaves it, however many arrive.
 The pool also opens more connections at once than the driver's default of two
 (``maxConnecting``, unless the URI sets it). When the link to the database slows, each of a
 leader's loops holds its connection longer, so more are needed at once, and each new one
-costs a round trip: opened two at a time, the last of a dozen waited three round trips,
-which on a 300 ms link is more than what remains of a term for one fenced write
-(docs/RELIABILITY.md, test_slow_link.py).
+costs a round trip: opened two at a time, the last waited several, more than what remains
+of a term for one fenced write on a slow link (docs/RELIABILITY.md, test_slow_link.py).
 """
 
 from __future__ import annotations
