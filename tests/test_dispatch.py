@@ -866,3 +866,31 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
         await wait_until(lambda: dispatcher.fired_through not in (None, since), 5,
                          "the watermark moving once the take-over ended")
         assert fire_id("old", left) in sent
+
+
+class SlowLedger:
+    """A ledger each of whose calls takes 0.6 s (a round trip and a new connection on a
+    slow link)."""
+
+    async def claimed(self, fire_ids: list[str]) -> set[str]:
+        await asyncio.sleep(0.6)
+        return set()
+
+    async def claim(self, docs: list[dict[str, Any]]) -> set[str]:
+        await asyncio.sleep(0.6)
+        return set()
+
+
+async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_term() -> None:
+    """Near the start of a term a claim reads the ledger first, then inserts: each within
+    what remains of the term when it starts (1 s here, the lease renewed meanwhile), not
+    both within one budget, which their 1.2 s together would outlast (the leader stopped
+    firing over a slowed link: test_slow_link.py)."""
+    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 1.0)
+    dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
+                            SlowLedger(), None, lease,  # type: ignore[arg-type]
+                            clock=lambda: at(9.99))
+    term = Term(2, lease, {})  # type: ignore[arg-type]
+    term.contested_until = at(10)
+    mine = [Claim("s@10", "s", at(10), at(10))]
+    assert await dispatcher._claim(mine, term, at(9.99)) == mine
