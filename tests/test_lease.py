@@ -114,7 +114,13 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
         ready = False  # the mirror fell out of sync while leading
         await wait_until(stopped, 5, "the leader to stop firing")
         assert not elector.is_leader
-        # It released the lease instead of letting it run out: another gets it at once.
+        # It released the lease instead of letting it run out (the release follows the
+        # stop by a round trip: waited for, not assumed): another gets it at once.
+        async def released() -> bool:
+            doc = await leases.find_one({"_id": "L"})
+            return doc is not None and "released_at" in doc
+
+        await wait_until(released, 5, "the lease released")
         assert await Lease(leases, "L", "b", FAST).acquire_or_renew() is not None
     finally:
         elector.stop()
