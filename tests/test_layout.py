@@ -137,3 +137,26 @@ print(heavy)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+def test_a_replica_starts_without_the_libraries_only_some_settings_need() -> None:
+    """``serve`` and ``worker`` import neither PyJWT (and cryptography) nor PyYAML, nor look
+    for command plugins among the installed packages' entry points: each costs every
+    replica's and worker's start, and the suite starts hundreds. Only an access file or a
+    JWKS file loads the libraries."""
+    script = """
+import sys
+import importlib.metadata as md
+read = md.entry_points
+def refuse(**kwargs):
+    assert kwargs.get("group") != "hascheduler.commands", "plugins read for a built-in"
+    return read(**kwargs)
+md.entry_points = refuse
+from hascheduler.cli.main import build_parser
+build_parser(["serve"])
+build_parser(["worker"])
+print(sorted(m for m in sys.modules if m.split(".")[0] in {"jwt", "cryptography", "yaml"}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]

@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jwt
 import structlog
-import yaml
 
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.models import NAMESPACE
@@ -139,6 +137,10 @@ class JwtKeys:
 
     @classmethod
     def load(cls, path: str, audience: str, issuer: str | None = None) -> JwtKeys:
+        # Imported only where JWTs are configured: PyJWT brings in cryptography, which
+        # every replica and command would load at start otherwise.
+        import jwt
+
         try:
             keys = jwt.PyJWKSet.from_json(Path(path).read_text())
         except OSError as exc:
@@ -154,6 +156,8 @@ class JwtKeys:
     def grant_of(self, token: str) -> Grant | None:
         if len(token) > MAX_JWT_CHARS:
             return None
+        import jwt
+
         try:
             header = jwt.get_unverified_header(token)
             kid = header.get("kid")
@@ -310,6 +314,8 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
     namespaces:
       billing: {require_reason: true, max_schedules: 500}
     """
+    import yaml  # only a replica given an access file reads YAML: not at every start
+
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:

@@ -7,7 +7,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
 from typing import NoReturn
 
 from hascheduler.core.errors import ConfigError
@@ -61,16 +60,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
-    plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     wanted = _command_in(argv)
     if wanted in COMMAND_MODULES:
-        modules = [COMMAND_MODULES[wanted]]
-    elif wanted in plugins:
-        modules = []
-    else:  # no command, or one to refuse: the full list, for the usage and the error
-        modules = list(dict.fromkeys(COMMAND_MODULES.values()))
-    for module in modules:
-        importlib.import_module(f"hascheduler.cli.{module}").add_parser(sub)
+        # The other commands are not listed: reading every installed package's entry
+        # points was most of the time building the parser took.
+        importlib.import_module(f"hascheduler.cli.{COMMAND_MODULES[wanted]}").add_parser(sub)
+        return parser
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    if wanted not in plugins:  # no command, or one to refuse: the full list, for the
+        # usage and the error
+        for module in dict.fromkeys(COMMAND_MODULES.values()):
+            importlib.import_module(f"hascheduler.cli.{module}").add_parser(sub)
     for name in sorted(plugins.keys() | DEVELOPMENT_COMMANDS.keys()):
         text = DEVELOPMENT_COMMANDS.get(name, f"from {plugins[name].value}"
                                         if name in plugins else "")

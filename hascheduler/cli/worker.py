@@ -8,7 +8,6 @@ import asyncio
 from typing import Any
 
 from hascheduler.brokers.registry import consumable_url
-from hascheduler.cli.apply import sync_app
 from hascheduler.cli.settings import (
     Setting,
     add_command,
@@ -93,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     settings = worker_settings(args)
     values = resolve(args, SETTINGS)
     if values["sync_schedules"]:
+        from hascheduler.cli.apply import sync_app  # and PyYAML: only a worker that syncs
+
         synced = sync_app(settings.app, values["api"], None)
         if synced != 0:
             return synced

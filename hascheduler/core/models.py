@@ -141,7 +141,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-_ZONE_ENUM: list[JsonValue] = [*sorted(triggers.ZONE_NAMES)]
+def _zone_enum(schema: dict[str, JsonValue]) -> None:
+    # A callable: the zone database is read when the OpenAPI document is made, not when
+    # the models are imported.
+    schema["enum"] = [*sorted(triggers.zone_names())]
 
 
 class _Window(_Strict):
@@ -174,7 +177,7 @@ class CronSpec(_Window):
                                   "and L, LW, nW (day of month), nL, n#k (day of week)",
                       examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
     timezone: str = Field("UTC", description="IANA time zone name",
-                          json_schema_extra={"enum": _ZONE_ENUM})
+                          json_schema_extra=_zone_enum)
 
     @field_validator("timezone")
     @classmethod

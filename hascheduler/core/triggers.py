@@ -42,14 +42,18 @@ class InvalidTrigger(ValueError):
     """A trigger specification that cannot fire as written; the message says why."""
 
 
-# The names the zone database on this machine knows, as the OpenAPI document lists them.
-ZONE_NAMES = frozenset(available_timezones())
+@functools.cache
+def zone_names() -> frozenset[str]:
+    """The names the zone database on this machine knows, as the OpenAPI document lists
+    them. Read when first asked: walking the database is most of this module's import
+    otherwise, in processes that never name a zone."""
+    return frozenset(available_timezones())
 
 
 def zone(name: str) -> ZoneInfo:
     """The IANA time zone; raises InvalidTrigger for an unknown name."""
     try:
-        if name not in ZONE_NAMES:
+        if name not in zone_names():
             raise ValueError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
