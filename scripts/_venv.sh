@@ -30,6 +30,21 @@ ensure_venv() {
   fi
 }
 
+# schemathesis (tests/test_schemathesis.py) in a venv of its own, .venv/schemathesis: it
+# needs rich, and structlog imports rich wherever it is installed, so in .venv every
+# replica, worker and command the suite starts would load what no production install has.
+SCHEMATHESIS_SPEC='schemathesis>=4.0,<5'
+ensure_schemathesis() {
+  local venv=.venv/schemathesis
+  if [ ! -x "$venv/bin/schemathesis" ] \
+      || [ "$(cat "$venv/.spec" 2>/dev/null)" != "$SCHEMATHESIS_SPEC" ]; then
+    .venv/bin/python -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet "$SCHEMATHESIS_SPEC"
+    echo "$SCHEMATHESIS_SPEC" > "$venv/.spec"
+  fi
+}
+
 # Debian packages the test suite runs for real: chromium (the dashboard's browser test),
 # openssl (certificates for the TLS tests), rabbitmq-server (the RabbitMQ and Celery
 # tests, run as the tests' own child), faketime (libfaketime: replicas whose wall clock

@@ -143,7 +143,9 @@ def test_a_replica_starts_without_the_libraries_only_some_settings_need() -> Non
     """``serve`` and ``worker`` import neither PyJWT (and cryptography) nor PyYAML, nor look
     for command plugins among the installed packages' entry points: each costs every
     replica's and worker's start, and the suite starts hundreds. Only an access file or a
-    JWKS file loads the libraries."""
+    JWKS file loads the libraries. Nor rich, which structlog imports wherever it is
+    installed: the suite's venv must not have it (scripts/_venv.sh, ensure_schemathesis),
+    or the replicas it tests would start slower than the ones users run."""
     script = """
 import sys
 import importlib.metadata as md
@@ -155,7 +157,8 @@ md.entry_points = refuse
 from hascheduler.cli.main import build_parser
 build_parser(["serve"])
 build_parser(["worker"])
-print(sorted(m for m in sys.modules if m.split(".")[0] in {"jwt", "cryptography", "yaml"}))
+print(sorted(m for m in sys.modules
+             if m.split(".")[0] in {"jwt", "cryptography", "yaml", "rich", "pygments"}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
