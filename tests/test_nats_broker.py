@@ -5,7 +5,6 @@ its own connection."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -92,8 +91,8 @@ async def test_a_connected_publish_writes_its_frames_before_giving_the_loop_away
 
 async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
         broker: NatsPublisher, nats_server: ServerProcess) -> None:
-    traced = dataclasses.replace(
-        messages(1)[0], traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+    traced = messages(1)[0]._replace(
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
         tracestate="vendor=1")
     assert await broker.publish([traced, *messages(1, prefix="plain")], 5.0) == [None, None]
     nc = await nats.connect(nats_server.uri)

@@ -8,7 +8,7 @@ import json
 import json.encoder
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hascheduler.core.triggers import iso_utc
 
@@ -17,9 +17,10 @@ EVENT_SOURCE = "/hascheduler"
 
 
 
-@dataclass(frozen=True, slots=True)
-class FireMessage:
-    """What the leader hands a broker for one fire."""
+class FireMessage(NamedTuple):
+    """What the leader hands a broker for one fire. A named tuple: the cheapest immutable
+    record to build, and the leader builds one per fire in the instant they fall due
+    (a frozen dataclass sets each field through object.__setattr__)."""
 
     fire_id: str  # the broker's deduplication key (Nats-Msg-Id, AMQP message_id)
     target: str   # the schedule's target: subject suffix or routing key

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import secrets
@@ -274,10 +275,15 @@ class NatsPublisher:
             self._ready = False
 
 
+@functools.lru_cache(maxsize=4096)  # a handful of targets, matched once per fire
+def _subject_suffix(target: str) -> bool:
+    return TARGET_PATTERN.fullmatch(target) is not None
+
+
 def _unsendable(message: FireMessage, max_payload: int) -> str | None:
     """Why ``message`` cannot go on the wire as it is, if so. The API validates targets and
     ids; this keeps a document written around it from breaking the protocol's framing."""
-    if not TARGET_PATTERN.fullmatch(message.target):
+    if not _subject_suffix(message.target):
         return f"target {message.target!r} is not a valid NATS subject suffix"
     if "\r" in message.fire_id or "\n" in message.fire_id:
         return f"fire id {message.fire_id!r} holds a line break"
