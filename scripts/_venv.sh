@@ -36,6 +36,9 @@ ensure_venv() {
 SCHEMATHESIS_SPEC='schemathesis>=4.0,<5'
 ensure_schemathesis() {
   local venv=.venv/schemathesis
+  if [ -e .venv/bin/schemathesis ]; then  # a .venv from before it moved out
+    .venv/bin/python -m pip uninstall --quiet --yes schemathesis rich
+  fi
   if [ ! -x "$venv/bin/schemathesis" ] \
       || [ "$(cat "$venv/.spec" 2>/dev/null)" != "$SCHEMATHESIS_SPEC" ]; then
     .venv/bin/python -m venv "$venv"
