@@ -178,3 +178,46 @@ async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
     assert "fires_unmarked" in (out := capsys.readouterr().out)
     assert "count=2" in out  # every fire the failed write held
+
+
+class HeldBroker(Broker):
+    """Acknowledges a publish of fires whose ids are in ``held`` only once ``release``
+    is set; the others at once."""
+
+    def __init__(self, held: set[str]) -> None:
+        super().__init__()
+        self.held, self.release = held, asyncio.Event()
+
+    async def publish(self, messages: Sequence[FireMessage],
+                      timeout_s: float) -> list[BaseException | None]:
+        if any(m.fire_id in self.held for m in messages):
+            await self.release.wait()
+        return await super().publish(messages, timeout_s)
+
+
+def lateness_count(metrics: Metrics) -> float:
+    return next(s.value for m in metrics.lateness.collect() for s in m.samples
+                if s.name.endswith("_count"))
+
+
+async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_broker(
+        ) -> None:
+    """A batch's publish time is when its acks are read: the per-fire lateness metric and
+    debug lines of batches already acknowledged wait (like their marks) until no batch
+    awaits the broker, so that they do not hold back the reading of the others' acks."""
+    publisher, _, _, _, now = setup()
+    now[0] = T0
+    due = claims(3)
+    broker = HeldBroker({due[2].fire_id})
+    publisher.broker = broker  # type: ignore[assignment]
+    late = asyncio.create_task(publisher.publish(due[2:], 7, attempt=1))
+    await wait_until(lambda: publisher._awaiting_broker == 1, 5, "the held batch sent")
+    await asyncio.wait_for(publisher.publish(due[:2], 7, attempt=1), 5)
+    # Its mark task waits for the held batch, and its metrics with it.
+    finished, _ = await asyncio.wait(set(publisher._marking_tasks), timeout=0.05)
+    assert not finished
+    assert lateness_count(publisher.metrics) == 0
+    broker.release.set()
+    await asyncio.wait_for(late, 5)
+    await asyncio.wait_for(publisher.marked(), 5)
+    assert lateness_count(publisher.metrics) == 3

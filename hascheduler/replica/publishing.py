@@ -263,17 +263,9 @@ class Publisher:
         if done:
             # Marked behind the publish: the next tick's fires do not wait for this one's
             # database round trip (``marked`` waits for it).
-            task = asyncio.create_task(self._mark([c.fire_id for c in done], term,
-                                                  acked_at, attempt))
+            task = asyncio.create_task(self._mark(done, term, acked_at, attempt))
             self._marking_tasks.add(task)
             task.add_done_callback(self._marking_tasks.discard)
-            self.metrics.fires.labels("published").inc(len(done))
-            # The logger's method looked up once: each lookup through structlog's lazy
-            # proxy cost a microsecond, a hundredth of a second for a 10,000 burst.
-            observe, fired = self.metrics.lateness.observe, log.debug
-            for claim in done:
-                observe((acked_at - claim.due_at).total_seconds())
-                fired("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
             if spans is not None:  # a sampled fire's line joins its trace
                 for claim, span, error in zip(sendable, spans, outcomes, strict=True):
                     if span is not None and tracing.sampled(span):
@@ -292,19 +284,28 @@ class Publisher:
         while self._marking_tasks:
             await asyncio.wait(list(self._marking_tasks))
 
-    async def _mark(self, fire_ids: list[str], term: int, at: dt.datetime,
+    async def _mark(self, done: list[Claim], term: int, at: dt.datetime,
                     attempt: int) -> None:
         """Mark published fires, behind their publish, in a group commit: while one write
         is in flight, the marks of the publishes that end meanwhile gather and go in the
         next write together (fires whose phases spread over the second made a write per
         5 ms tick). First it waits (briefly) for the batches published with these: with
         the database, the broker and the leader sharing a machine, the database's work for
-        the first batches slowed the broker's acks of the last ones. A failed write leaves
-        every fire it held claimed: the retry loop republishes them (deduplicated by the
-        broker, run once by the runs ledger)."""
+        the first batches slowed the broker's acks of the last ones. The fires' metrics and
+        debug lines wait too: a batch's publish time is when the leader reads its last ack,
+        and made as each batch's acks came in they held back the reading of the next
+        batches' acks. A failed write leaves every fire it held claimed: the retry loop
+        republishes them (deduplicated by the broker, run once by the runs ledger)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
-        self._marks.append((fire_ids, term, at, attempt))
+        self.metrics.fires.labels("published").inc(len(done))
+        # The logger's method looked up once: each lookup through structlog's lazy proxy
+        # cost a microsecond, a hundredth of a second for a 10,000 burst.
+        observe, fired = self.metrics.lateness.observe, log.debug
+        for claim in done:
+            observe((at - claim.due_at).total_seconds())
+            fired("fired", fire_id=claim.fire_id, term=term, attempt=attempt)
+        self._marks.append(([c.fire_id for c in done], term, at, attempt))
         async with self._marking:
             marks, self._marks = self._marks, []
             if not marks:
