@@ -153,9 +153,11 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
                 await client.admin.command({"configureFailPoint": "failCommand",
                                             "mode": "off"})
                 assert held_s >= 1.9, f"the reads were not held ({held_s:.2f} s)"
-                # Renewed at its interval all along, none timed out, the same term.
+                # Renewed all along, none timed out, the same term.
                 interval = settings.timings.renew_interval
-                assert elector.attempts - attempts >= held_s / interval - 1, \
+                # Half the cadence at least, so a loaded machine's lag passes; in the
+                # ledger's pool it was about a third, every renewal waiting its turn.
+                assert elector.attempts - attempts >= held_s / interval / 2, \
                     f"{elector.attempts - attempts} renewals in {held_s:.2f} s"
                 assert renew_failures(replica) == failures
                 assert elector.is_leader
