@@ -125,6 +125,19 @@ class Cluster:
                             break
                     await asyncio.sleep(0.05)
 
+    def warnings(self, last: int = 8) -> str:
+        """Each replica's last warning and error lines: why a benchmark's fires did not
+        land."""
+        lines = []
+        for name, replica in self.replicas.items():
+            if replica.log_path is None:
+                continue
+            with open(replica.log_path, errors="replace") as f:
+                flagged = [line.rstrip()[:400] for line in f
+                           if '"level": "warning"' in line or '"level": "error"' in line]
+            lines += [f"{name}: {line}" for line in flagged[-last:]]
+        return "\n".join(lines) or "no replica logged a warning"
+
     async def close(self) -> None:
         for replica in self.replicas.values():
             replica.stop(signal.SIGKILL)
@@ -297,8 +310,18 @@ async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.d
             break
         await asyncio.sleep(0.5)
     last = await collection.find_one(query, sort=[(stamp, -1)])
-    assert last is not None, f"no document reached {state}"
+    assert last is not None, f"no document reached {state}: {await states_of(collection, among)}"
     return float((last[stamp] - since).total_seconds())
+
+
+async def states_of(collection: Any, among: dict[str, Any] | None = None) -> str:
+    """How many documents are in each state, with the last errors recorded: what a
+    benchmark that found none done says of them."""
+    counts = {doc["_id"]: doc["n"] async for doc in await collection.aggregate([
+        {"$match": among or {}}, {"$group": {"_id": "$state", "n": {"$sum": 1}}}])}
+    errors = await collection.distinct("last_error", {**(among or {}),
+                                                      "last_error": {"$exists": True}})
+    return f"states {counts}, last errors {errors[:3]}"
 
 
 def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict[str, float]:
@@ -324,6 +347,8 @@ async def scheduler_burst(mongo: ServerProcess, broker_uri: str, database: str, 
     due, c = await burst_cluster(mongo, broker_uri, database, n, lead_s)
     try:
         return await until_all(c.db.fires, "published", "published_at", n, due, 180)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{c.warnings()}") from None
     finally:
         await c.close()
 

@@ -260,7 +260,7 @@ class NatsCluster:
             node.stop()
 
 
-def start_nats_cluster(size: int = 3) -> NatsCluster:
+def start_nats_cluster(size: int = 3, startup_s: float = 60.0) -> NatsCluster:
     """``size`` nats-servers with JetStream, routed to each other (hascheduler dev's
     --nats-cluster arguments)."""
     from hascheduler_dev.devcluster.supervisor import nats_cluster_args
@@ -272,11 +272,47 @@ def start_nats_cluster(size: int = 3) -> NatsCluster:
         for i, (port, route) in enumerate(zip(ports, routes, strict=True)):
             name = f"n{i + 1}"
             nodes[name] = start_nats(port, extra=tuple(nats_cluster_args(name, route, routes)))
+        # Listening is not yet clustered: until the routes are up and the meta group has
+        # elected its leader, JetStream's API answers no one, and a stream asked for then
+        # is made with fewer replicas or not at all.
+        if not started(nodes["n1"].process, lambda: all(map(jetstream_answers, nodes.values())),
+                       startup_s, "the JetStream cluster to elect its meta leader", 0.2):
+            logs = {name: Path(n.log_path).read_text()[-2000:] for name, n in nodes.items()
+                    if n.log_path is not None}
+            raise RuntimeError(f"the JetStream cluster did not form: {logs}")
     except BaseException:
         for node in nodes.values():
             node.stop()
         raise
     return NatsCluster(nodes)
+
+
+def jetstream_answers(node: ServerProcess) -> bool:
+    """Whether ``node``'s JetStream API answers an account-info request (in a cluster: the
+    meta group has a leader)."""
+    import asyncio
+    import concurrent.futures
+
+    import nats
+    from nats.errors import Error as NatsError
+    from nats.js.errors import Error as JetStreamError
+
+    async def ask() -> bool:
+        try:
+            nc = await nats.connect(node.uri, connect_timeout=1, allow_reconnect=False)
+        except (NatsError, OSError):
+            return False
+        try:
+            await nc.jetstream(timeout=1).account_info()
+            return True
+        except (NatsError, JetStreamError, TimeoutError):
+            return False
+        finally:
+            await nc.close()
+
+    # Its own thread and loop: the callers may be inside a running loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, ask()).result()
 
 
 class RabbitServer:
