@@ -218,7 +218,8 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
     try:
         fires = client.get_default_database().fires
         now = at(10)
-        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0)
+        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
+                                timings=SimpleNamespace(ttl=10.0))
         dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
                                 ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
                                 None, lease, clock=lambda: now)  # type: ignore[arg-type]
@@ -437,7 +438,8 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
         async def skip(self, ids: list[str], term: int, reason: str) -> None:
             skipped.extend(ids)
 
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0)
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=10.0))
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, Ledger(), None,  # type: ignore[arg-type]
                             lease)  # type: ignore[arg-type]
     dispatcher.publisher = Publisher()  # type: ignore[assignment]
@@ -882,11 +884,12 @@ class SlowLedger:
 
 
 async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_term() -> None:
-    """Near the start of a term a claim reads the ledger first, then inserts: each within
-    what remains of the term when it starts (1 s here, the lease renewed meanwhile), not
-    both within one budget, which their 1.2 s together would outlast (the leader stopped
-    firing over a slowed link: test_slow_link.py)."""
-    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 1.0)
+    """Near the start of a term a claim reads the ledger first, then inserts: the insert
+    within what remains of the term when it starts (1 s here, the lease renewed
+    meanwhile), not within what remained when the read began, which their 1.2 s together
+    would outlast (the leader stopped firing over a slowed link: test_slow_link.py)."""
+    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 1.0,
+                            timings=SimpleNamespace(ttl=2.0))
     dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
                             SlowLedger(), None, lease,  # type: ignore[arg-type]
                             clock=lambda: at(9.99))
@@ -894,3 +897,90 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
     term.contested_until = at(10)
     mine = [Claim("s@10", "s", at(10), at(10))]
     assert await dispatcher._claim(mine, term, at(9.99)) == mine
+
+
+class RenewedLease:
+    """A held lease whose renew deadline lies ``budget_s`` past its last renewal (by the
+    loop's clock), with a ttl of ``ttl_s``."""
+
+    def __init__(self, budget_s: float, ttl_s: float) -> None:
+        self.term = 1
+        self.budget_s = budget_s
+        self.timings = SimpleNamespace(ttl=ttl_s)
+        self.renew()
+
+    def renew(self) -> None:
+        self.until = asyncio.get_running_loop().time() + self.budget_s
+
+    def remaining(self) -> float:
+        return max(0.0, self.until - asyncio.get_running_loop().time())
+
+    @property
+    def valid(self) -> bool:
+        return self.remaining() > 0
+
+
+@contextlib.asynccontextmanager
+async def renewed(lease: RenewedLease, every_s: float = 0.05) -> AsyncIterator[None]:
+    """The elector's renewals, every ``every_s`` (well inside the budget) while inside."""
+    async def renewing() -> None:
+        while True:
+            lease.renew()
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(renewing())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_lapses() -> None:
+    """A read that decides a write changes nothing: it goes on past what remained of the
+    term when it began for as long as the lease is renewed (with that fixed budget, a pool
+    the database held up stopped the fire loop), and is abandoned when the renewals stop,
+    once the last one's time runs out and not before."""
+    loop = asyncio.get_running_loop()
+    lease = RenewedLease(0.3, ttl_s=10.0)
+    answer = asyncio.Event()
+
+    async def read() -> str:
+        await answer.wait()
+        return "read"
+
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        reading = asyncio.create_task(term.read(read()))
+        async with renewed(lease):
+            # Time passing is what is tested: four budgets' worth of renewals.
+            await asyncio.sleep(4 * lease.budget_s)
+            assert not reading.done()
+            answer.set()
+            assert await asyncio.wait_for(reading, 5) == "read"
+
+        answer.clear()
+        lease.renew()
+        began = loop.time()
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(term.read(read()), 5)
+        assert loop.time() - began >= lease.budget_s - 0.01
+
+
+async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_three_ttls(
+        ) -> None:
+    """Renewed or not, a read ends with LeadershipLost when the lease is another term's
+    (re-elected meanwhile), and when it outlasts three lease ttls (a connection gone
+    silent, which the driver would wait on for ever)."""
+    loop = asyncio.get_running_loop()
+    lease = RenewedLease(0.3, ttl_s=10.0)
+    async with Term(1, lease, {}) as term, renewed(lease):  # type: ignore[arg-type]
+        reading = asyncio.create_task(term.read(asyncio.Event().wait()))
+        lease.term = 2
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(reading, 5)
+
+    lease = RenewedLease(0.3, ttl_s=0.5)
+    async with Term(1, lease, {}) as term, renewed(lease):  # type: ignore[arg-type]
+        began = loop.time()
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(term.read(asyncio.Event().wait()), 10)
+        assert loop.time() - began >= 3 * 0.5 - 0.01

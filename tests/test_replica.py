@@ -119,8 +119,9 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
     the pool has connections (the API's, here) and the leader's own behind them: the
     leader's renewals, on a client of their own, still come every interval and none
     fails, so it keeps its term. In the ledger's pool, a renewal waited behind them past
-    its 1.4 s deadline. (The fire loop's own read of the held fires outlasts what remains
-    of the term and is abandoned: the loop starts again in the same term.)"""
+    its 1.4 s deadline. And the fire loop goes on: its retry turn's adoption, whose write
+    waits for a connection past what remained of the term, is put off to the next turn
+    (it stopped the loop, which led again in the same term)."""
     name = f"starve_{uuid.uuid4().hex[:8]}"
     settings = in_process(with_database(mongo_uri, name) + "&maxPoolSize=4", "busy")
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(settings.mongodb_uri,
@@ -144,6 +145,7 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
 
                 elector = replica.elector
                 attempts = elector.attempts
+                leading = elector._leading
                 failures = renew_failures(replica)
                 started = time.monotonic()
                 # A pool held, and the leader's own reads behind it.
@@ -162,6 +164,10 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
                 assert renew_failures(replica) == failures
                 assert elector.is_leader
                 assert replica.elector.lease.term == term
+                # ... and the fire loop that led before the hold still leads.
+                assert leading is not None
+                assert elector._leading is leading
+                assert not leading.done()
     finally:
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         await client.drop_database(db)

@@ -654,7 +654,16 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.settings.retry_interval_s)
             term.check()
-            await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
+            try:
+                await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
+            except LeadershipLost:
+                # Its write outlasted what remained of the term when it began (waiting for
+                # a connection in a pool the database holds up, say). Still holding the
+                # lease, the term skips this turn's adoption: it is made again next turn,
+                # and took only older terms' claims.
+                if not term.holds:
+                    raise
+                log.info("adoption_deferred", term=term.number)
             await self._retry_due(term)
 
     def _retry_at(self, now: dt.datetime) -> dt.datetime:

@@ -34,6 +34,9 @@ log = structlog.get_logger("hascheduler.dispatch")
 
 T = TypeVar("T")
 
+# A ledger read of a term lasts at most this many lease ttls, however long the term holds.
+READ_LIMIT_TTLS = 3.0
+
 
 class HeldLease(Protocol):
     """What a term asks of the lease before each claim and publish."""
@@ -141,18 +144,39 @@ class Term:
 
     async def read(self, work: Coroutine[Any, Any, T]) -> T:
         """A ledger read that decides a write of this term (which fires are claimed
-        already, which left claims to adopt), bounded like a write by what remains of the
-        term. Made before the write, not inside it: each gets the term's time as it is
-        when it starts, so a write is one round trip within its budget, which a slow
-        link's round trip must fit (docs/RELIABILITY.md). Raises LeadershipLost when the
-        term's time runs out."""
-        remaining = max(self.remaining(), 0.001)
+        already, which left claims to adopt). It changes nothing, and the write it decides
+        is fenced on its own (by the term in its filter, and by what remains of the term
+        when it starts), so a read may last as long as the term holds the lease, renewals
+        included: a pool the database holds up delays the fire loop, but stops it only
+        when the lease is lost (with a fixed budget, it stopped and led again in the same
+        term). Raises LeadershipLost once the term no longer holds, or when the read
+        outlasts READ_LIMIT_TTLS lease ttls (a connection that went silent: the driver
+        sets no socket timeout of its own)."""
+        loop = asyncio.get_running_loop()
+        limit_s = READ_LIMIT_TTLS * self._lease.timings.ttl
+        looking: asyncio.TimerHandle | None = None
+
+        def look() -> None:
+            # At the moment the term's time would run out: renewed meanwhile, the read
+            # goes on until the new end; otherwise it is abandoned now.
+            nonlocal looking
+            left = self.remaining() if self.holds else 0.0
+            if left > 0:
+                looking = loop.call_later(left, look)
+            else:
+                bound.reschedule(loop.time())
+
         try:
             # In the calling task: a task of its own (wait_for's, on Python 3.11) would wait
             # its turn behind the loop's other work at a busy second.
-            with pymongo.timeout(remaining):
-                async with asyncio.timeout(remaining):
-                    return await work
+            with pymongo.timeout(limit_s):
+                async with asyncio.timeout(limit_s) as bound:
+                    looking = loop.call_later(max(self.remaining(), 0.001), look)
+                    try:
+                        return await work
+                    finally:
+                        if looking is not None:
+                            looking.cancel()
         except TimeoutError:
             raise LeadershipLost from None
 
