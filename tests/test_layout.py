@@ -163,3 +163,29 @@ print(sorted(m for m in sys.modules
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+def test_a_commands_modules_are_imported_with_the_collector_paused_and_then_frozen() -> None:
+    """A command's modules are imported with the garbage collector off (what they build
+    lives as long as the process: the collections their allocations set off freed
+    nothing) and frozen after; the collector is on again when the command runs, and one
+    that was off stays off."""
+    script = """
+import gc
+from hascheduler.cli.main import build_parser
+from hascheduler.process import gcpolicy
+assert gc.isenabled()
+build_parser(["worker"])
+print(gc.isenabled(), gc.get_freeze_count() > 100_000)
+collections = []
+gc.callbacks.append(lambda phase, info: collections.append(info) if phase == "stop" else None)
+with gcpolicy.importing():
+    import hascheduler.cli.serve  # what build_parser(["serve"]) imports
+print(len(collections))  # a hundred and more without the pause
+gc.disable()
+build_parser(["schedules"])
+print(gc.isenabled())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split() == ["True", "True", "0", "False"], done.stdout + done.stderr

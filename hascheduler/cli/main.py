@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from hascheduler.core.errors import ConfigError
-from hascheduler.process import logs
+from hascheduler.process import gcpolicy, logs
 
 # A command module (hascheduler.cli.<module>) offers add_parser(subparsers), which adds
 # these commands and sets ``run`` (args -> exit code) as their parsers' default. Only the
@@ -64,7 +64,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if wanted in COMMAND_MODULES:
         # The other commands are not listed: reading every installed package's entry
         # points was most of the time building the parser took.
-        importlib.import_module(f"hascheduler.cli.{COMMAND_MODULES[wanted]}").add_parser(sub)
+        with gcpolicy.importing():
+            command = importlib.import_module(f"hascheduler.cli.{COMMAND_MODULES[wanted]}")
+        command.add_parser(sub)
         return parser
     from importlib.metadata import entry_points
 
@@ -77,7 +79,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         text = DEVELOPMENT_COMMANDS.get(name, f"from {plugins[name].value}"
                                         if name in plugins else "")
         if name in plugins and name == wanted:
-            plugins[name].load().add_parser(sub)
+            with gcpolicy.importing():
+                plugin = plugins[name].load()
+            plugin.add_parser(sub)
         elif name in plugins:
             sub.add_parser(name, help=text)  # listed; built when it is the one asked for
         else:
