@@ -28,7 +28,6 @@ from aiohttp import web
 from pymongo import AsyncMongoClient
 
 from bench.api_bench import body, timed
-from hascheduler.api import create_app
 from hascheduler.api.access import (
     Access,
     Action,
@@ -39,6 +38,7 @@ from hascheduler.api.access import (
     create_token,
     entry_line,
 )
+from hascheduler.api.routes import create_app
 from hascheduler.core.history import Actor
 from hascheduler.core.models import ScheduleIn
 from hascheduler.replica.mirror import Mirror

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pymongo import AsyncMongoClient
 
-from hascheduler.api import create_app
+from hascheduler.api.routes import create_app
 from hascheduler.core.constants import MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES
 from hascheduler.replica.mirror import Mirror
 from hascheduler.storage.audit_log import LIVE, AuditLog

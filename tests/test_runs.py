@@ -12,16 +12,8 @@ import pytest
 
 from hascheduler.core.claims import Claim
 from hascheduler.core.errors import RunConflict
-from hascheduler.storage.runs import (
-    DEAD,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    FireRef,
-    Outcome,
-    RunLedger,
-    public_view,
-)
+from hascheduler.core.run_states import DEAD, RETRYING, RUNNING, SUCCEEDED
+from hascheduler.storage.runs import FireRef, Outcome, RunLedger, public_view
 
 T0 = dt.datetime.now(dt.UTC).replace(microsecond=0)
 

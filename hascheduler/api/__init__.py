@@ -1,5 +1,3 @@
-"""The HTTP API every replica serves (aiohttp)."""
-
-from hascheduler.api.routes import create_app
-
-__all__ = ["create_app"]
+"""The HTTP API every replica serves (aiohttp): ``routes.create_app`` builds it. Nothing is
+imported here: the commands that only read this package's access rules (``token``) need
+not load the server."""

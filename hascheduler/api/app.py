@@ -60,6 +60,7 @@ from hascheduler.core.fanout import FanOut
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
+from hascheduler.core.run_states import STATES
 from hascheduler.core.triggers import count_between, fire_id, fire_times, just_before
 from hascheduler.process import tracing
 from hascheduler.process.metrics import CONTENT_TYPE, Metrics
@@ -74,7 +75,7 @@ from hascheduler.storage.fires import (
 )
 from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import LeaseView
-from hascheduler.storage.runs import STATES, FireRef, RunLedger, open_key, public_view
+from hascheduler.storage.runs import FireRef, RunLedger, open_key, public_view
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookExists, WebhookStore
 

@@ -29,7 +29,7 @@ from hascheduler.core.constants import MAX_PAGE
 from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.models import WEBHOOK_EVENTS
 from hascheduler.core.overlap import POLICIES
-from hascheduler.storage.runs import STATES as RUN_STATES
+from hascheduler.core.run_states import STATES as RUN_STATES
 
 EXIT_REFUSED = 2
 EXIT_UNAVAILABLE = 1

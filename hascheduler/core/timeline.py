@@ -12,12 +12,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hascheduler.core.run_states import PENDING, RETRYING, RUNNING
+
 # A published fire this much after its due time is ``late`` (the lateness objective the
 # shipped alert rules burn against: k8s/monitoring/rules.yaml, le="1.0").
 LATE_MARK_S = 1.0
 SEVERITY = ("dead", "failed", "late", "skipped", "cancelled", "running", "waiting",
             "on_time")
-_OPEN_RUN = frozenset({"pending", "running", "retrying"})
+_OPEN_RUN = frozenset({PENDING, RUNNING, RETRYING})
 _WAITING_FIRE = frozenset({"requested", "claimed", "buffered"})
 
 

@@ -48,6 +48,17 @@ from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.core.instants import as_utc
+from hascheduler.core.run_states import (
+    CANCELLED,
+    DEAD,
+    ENDED,
+    PARKED,
+    PENDING,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    WAITING,
+)
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
@@ -55,17 +66,7 @@ from hascheduler.storage.fires import state_counts
 from hascheduler.storage.pages import older_than
 from hascheduler.storage.streams import aggregate
 
-PENDING = "pending"
-RUNNING = "running"
-SUCCEEDED = "succeeded"
-RETRYING = "retrying"
-DEAD = "dead"
-CANCELLED = "cancelled"
-WAITING = "waiting"
-PARKED = "parked"  # a claim's answer: the run now waits for a slot of its key
 CONCURRENCY, RATE = "concurrency", "rate"  # what a parked run waits for
-STATES = (PENDING, RUNNING, SUCCEEDED, RETRYING, DEAD, CANCELLED, WAITING)
-ENDED = (SUCCEEDED, DEAD, CANCELLED)
 ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 
 Document = dict[str, Any]

@@ -30,8 +30,9 @@ from pymongo.errors import PyMongoError
 
 from hascheduler.core.events import FireMessage
 from hascheduler.core.flow import MissingKeyField, Paced, Wanted, paced, wanted
+from hascheduler.core.run_states import PARKED
 from hascheduler.storage.flow import RateStore, SlotStore
-from hascheduler.storage.runs import CONCURRENCY, PARKED, RATE, FireRef, RunLedger
+from hascheduler.storage.runs import CONCURRENCY, RATE, FireRef, RunLedger
 from hascheduler.worker.app import Route
 from hascheduler.worker.delivery import Delivery
 

@@ -56,12 +56,7 @@ from hascheduler.core.constants import (
     SLOTS,
 )
 from hascheduler.core.flow import Paced, Wanted, rank
-from hascheduler.process import lifecycle, logs, tracing
-from hascheduler.process.lifecycle import Every
-from hascheduler.process.metrics import watch_clock
-from hascheduler.storage.driver import connect
-from hascheduler.storage.flow import RateStore, SlotStore
-from hascheduler.storage.runs import (
+from hascheduler.core.run_states import (
     CANCELLED,
     DEAD,
     PARKED,
@@ -69,10 +64,13 @@ from hascheduler.storage.runs import (
     RUNNING,
     SUCCEEDED,
     WAITING,
-    Claim,
-    Outcome,
-    RunLedger,
 )
+from hascheduler.process import lifecycle, logs, tracing
+from hascheduler.process.lifecycle import Every
+from hascheduler.process.metrics import watch_clock
+from hascheduler.storage.driver import connect
+from hascheduler.storage.flow import RateStore, SlotStore
+from hascheduler.storage.runs import Claim, Outcome, RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
 from hascheduler.worker.app import LazyEvent, Route, Run, WorkerApp, WorkerConfigError, load_app
