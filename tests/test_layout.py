@@ -189,3 +189,12 @@ print(gc.isenabled())
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.split() == ["True", "True", "0", "False"], done.stdout + done.stderr
+
+
+def test_the_collector_is_on_while_the_tests_run() -> None:
+    """conftest.py turns the garbage collector off while the suite is collected: it must be
+    on again for the tests (ResourceWarnings, cycles a test leaves behind)."""
+    import gc
+
+    assert gc.isenabled()
+    assert gc.get_freeze_count() > 0
