@@ -197,3 +197,20 @@ def test_the_collector_is_on_while_the_tests_run() -> None:
     import gc
 
     assert gc.isenabled()
+
+
+def test_the_commands_that_talk_to_the_api_load_no_server_database_or_broker_client() -> None:
+    """``schedules``, ``runs``, ``token``, ``apply`` and ``export`` speak HTTP to a replica
+    (or hash a token): they load neither the HTTP server (aiohttp), the database driver,
+    nor a broker's client, each of which a command run in a loop pays on every start."""
+    script = """
+import sys
+from hascheduler.cli.main import build_parser
+for command in ("schedules", "runs", "token", "apply", "export"):
+    build_parser([command])
+print(sorted(m for m in sys.modules
+             if m.split(".")[0] in {"aiohttp", "pymongo", "nats", "aio_pika", "aiormq"}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
