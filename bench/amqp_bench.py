@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--burst", type=int, default=10_000)
     parser.add_argument("--lead", type=float, default=8.0,
-                        help="seconds from the replicas' start to the burst's due time")
+                        help="seconds from writing the burst (once the replicas lead) to "
+                             "its due time")
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds of the two publisher bursts (best taken)")

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.firing_bench import schedule_doc, started_cluster
+from bench.firing_bench import due_after_leading, schedule_doc, started_cluster
 from tests.servers import CeleryWorker, RabbitServer, start_devmongo
 from tests.waiting import wait_until
 
@@ -77,16 +77,14 @@ async def main_async(args: argparse.Namespace) -> int:
         baseline = max(r["ran_at"] for r in await all_ran(worker, "send_task", n, 300))
         baseline_s = baseline - first_send
 
-        due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=args.lead)).replace(
-            microsecond=0)
-        schedules = []
-        for i in range(n):
-            doc = schedule_doc(f"c{i:05d}", {"kind": "at", "at": [due]}, f"celery:{TASK}")
-            doc["payload"] = {"args": ["scheduled", i]}
-            schedules.append(doc)
+        def schedules(due: dt.datetime) -> list[dict[str, Any]]:
+            return [{**schedule_doc(f"c{i:05d}", {"kind": "at", "at": [due]}, f"celery:{TASK}"),
+                     "payload": {"args": ["scheduled", i]}} for i in range(n)]
+
         cluster = await started_cluster(mongo, f"{rabbit.url}?celery_queue={queue}",
-                                        "bench_celery", schedules)
+                                        "bench_celery", [])
         try:
+            due = await due_after_leading(cluster, args.lead, schedules)
             scheduled = await all_ran(worker, "scheduled", n, 300)
         finally:
             await cluster.close()
@@ -113,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fires", type=int, default=1000)
     parser.add_argument("--lead", type=float, default=8.0,
-                        help="seconds from the replicas' start to the fires' due time")
+                        help="seconds from writing the schedules (once the replicas lead) "
+                             "to the fires' due time")
     parser.add_argument("--processes", type=int, default=2)
     return asyncio.run(main_async(parser.parse_args(argv)))
 

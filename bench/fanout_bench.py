@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import math
 import sys
 import tracemalloc
@@ -29,7 +28,14 @@ import tracemalloc
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.firing_bench import TIMINGS, Cluster, schedule_doc, started_cluster, until_all
+from bench.firing_bench import (
+    TIMINGS,
+    Cluster,
+    due_after_leading,
+    schedule_doc,
+    started_cluster,
+    until_all,
+)
 from hascheduler.core.fanout import FanOut
 from hascheduler.replica.tenants import SourceMirror
 from tests.servers import ServerProcess, start_devmongo, start_nats
@@ -61,11 +67,11 @@ async def separate(mongo: ServerProcess, nats_uri: str, n: int,
                    lead_s: float) -> tuple[float, float]:
     """Seconds from the due time to every fire published, and the leader's longest loop
     lag meanwhile."""
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
-    c = await started_cluster(mongo, nats_uri, "fanout_bench_separate", [
-        schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
-        for i in range(n)])
+    c = await started_cluster(mongo, nats_uri, "fanout_bench_separate", [])
     try:
+        due = await due_after_leading(c, lead_s, lambda due: [
+            schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
+            for i in range(n)])
         before = await loop_lag_buckets(c)
         published = await until_all(c.db.fires, "published", "published_at", n, due, 180)
         return published, longest_lag(before, await loop_lag_buckets(c))
@@ -78,14 +84,12 @@ async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
     """Seconds from the due time to every tenant's fire published, and to every run
     succeeded; the leader's longest loop lag until all were published."""
     database = "fanout_bench_fanned"
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead_s)).replace(microsecond=0)
     seed = Cluster(mongo, nats_uri, database)
     for i in range(0, n, 1000):
         await seed.db.tenants.insert_many([{"_id": f"t{j:06d}", "active": True}
                                            for j in range(i, min(n, i + 1000))])
     await seed.client.close()
-    fan = {**schedule_doc("fan", {"kind": "at", "at": [due]}, "bench.fan"), "fan_out": FAN_OUT}
-    c = await started_cluster(mongo, nats_uri, database, [fan])
+    c = await started_cluster(mongo, nats_uri, database, [])
     procs = [await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
         "--broker", nats_uri, "--mongodb-uri", c.uri, "--app", "bench.worker_bench:app",
@@ -93,6 +97,9 @@ async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         for _ in range(workers)]
     try:
+        due = await due_after_leading(c, lead_s, lambda due: [
+            {**schedule_doc("fan", {"kind": "at", "at": [due]}, "bench.fan"),
+             "fan_out": FAN_OUT}])
         before = await loop_lag_buckets(c)
         published = await until_all(c.db.fires, "published", "published_at", n, due, 180)
         lag = longest_lag(before, await loop_lag_buckets(c))
@@ -162,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mirror", type=int, default=100_000)
     parser.add_argument("--lead", type=float, default=25.0,
-                        help="seconds from writing the schedules to their due time (room "
-                             "for three replicas to start and elect)")
+                        help="seconds from writing the schedules (once the replicas lead) "
+                             "to their due time")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

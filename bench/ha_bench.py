@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--ticks", type=int, default=100)
     parser.add_argument("--lead", type=float, default=25.0,
-                        help="seconds from writing the burst to its due time (room for three "
-                             "replicas to start and load it)")
+                        help="seconds from writing the burst (once the replicas lead) to its due "
+                             "time: room for their mirrors to load it")
     parser.add_argument("--settle", type=float, default=15.0,
                         help="seconds measured after each fault")
     return asyncio.run(main_async(parser.parse_args(argv)))
