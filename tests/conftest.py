@@ -60,19 +60,58 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "alone: asserts how long something takes, or benchmarks; scripts/test runs "
                    "these after the others, on an otherwise idle machine")
+    config.addinivalue_line(
+        "markers", "long(seconds): takes about that long here; started first, one to each "
+                   "parallel process in turn (see long_tests_first)")
     destination = os.environ.get(TRAVEL_ENV)
     if destination:
         time_machine.travel(dt.datetime.fromisoformat(destination), tick=True).start()
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if external_uri() is None:
+    if external_uri() is not None:
+        # Against a real MongoDB, tests that start their own development server cannot
+        # run. This is the one place tests are deselected, and only when a real server is
+        # asked for.
+        kept = [i for i in items if i.get_closest_marker("devmongo_only") is None]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+    long_tests_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def long_tests_first(items: list[pytest.Item], workers: int) -> None:
+    """Order ``items`` so that the tests marked ``long`` start first, spread over the
+    workers: pytest-xdist's worksteal mode (scripts/test) hands each worker a contiguous
+    block of the collection, of the sizes computed here, and idle workers steal what is
+    left. Left in collection order, the longest tests came last and the run ended with
+    one or two processes still busy (a minute at a quarter of the machine). Each worker's
+    process orders its own collection, identically."""
+    def seconds(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("long")
+        return float(mark.args[0]) if mark is not None and mark.args else 0.0
+
+    long = sorted((i for i in items if i.get_closest_marker("long") is not None),
+                  key=seconds, reverse=True)
+    if not long:
         return
-    # Against a real MongoDB, tests that start their own development server cannot run.
-    # This is the one place tests are deselected, and only when a real server is asked for.
-    kept = [i for i in items if i.get_closest_marker("devmongo_only") is None]
-    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-    items[:] = kept
+    rest = (i for i in items if i.get_closest_marker("long") is None)
+    workers = max(workers, 1)
+    blocks: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for item in long:  # the longest first, each to the least loaded block
+        lightest = load.index(min(load))
+        blocks[lightest].append(item)
+        load[lightest] += seconds(item)
+    ordered: list[pytest.Item] = []
+    left = len(items)
+    for k, block in enumerate(blocks):
+        size = left // (workers - k)  # as worksteal splits the collection
+        left -= size
+        ordered += block
+        ordered += [item for _, item in zip(range(size - len(block)), rest, strict=False)]
+    ordered += list(rest)
+    items[:] = ordered
 
 
 @pytest.fixture(scope="session", autouse=True)

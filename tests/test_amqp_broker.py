@@ -138,6 +138,7 @@ async def _audit_queue(url: str, exchange: str) -> tuple[aio_pika.abc.AbstractQu
     return queue, connection
 
 
+@pytest.mark.long(19)
 async def test_rabbitmq_stopped_for_ten_seconds_delays_fires_and_loses_none(
         own_rabbit: RabbitServer, mongo_uri: str) -> None:
     exchange = f"outage-{uuid.uuid4().hex[:6]}"

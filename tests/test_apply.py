@@ -209,6 +209,7 @@ def test_json_lists_and_directories_are_read_alike(api_replica: ApiReplica, tmp_
         assert {s.id for s in api.schedules()} == {"j1", "j2", "y1"}
 
 
+@pytest.mark.long(15)
 def test_a_file_of_ten_thousand_schedules(api_replica: ApiReplica, tmp_path: Path) -> None:
     path = write(tmp_path / "many.yaml", *[schedule(f"m{i:05d}", jitter=i % 7)
                                            for i in range(10_000)])

@@ -161,6 +161,7 @@ def test_chaos_refuses_bad_arguments() -> None:
     assert "at least 10" in done.stderr
 
 
+@pytest.mark.long(75)
 @pytest.mark.timeout(420)
 def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"

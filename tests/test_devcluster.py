@@ -148,6 +148,7 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
     assert not (state / "state.json").exists()
 
 
+@pytest.mark.long(28)
 @pytest.mark.timeout(180)
 def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> None:
     """`hascheduler dev --workers 2 --nats-cluster 3`: fires run to outcomes the CLI shows
@@ -277,6 +278,7 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.long(18)
 def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
     """`hascheduler dev --broker rabbitmq`: a RabbitMQ node as its child (Debian's server,
     its state under the state directory), the replicas publishing to it, its worker running

@@ -182,6 +182,7 @@ async def test_raising_a_limit_makes_more_slots_and_lowering_one_starts_fewer(
     assert await slots.take([("c", Wanted("k", 1, "t"))], now, 30) == {"c"}
 
 
+@pytest.mark.long(24)
 async def test_a_hundred_thousand_keys_leave_nothing_behind(slots: SlotStore) -> None:
     """Every key used once: its document expires an hour after its last use (the TTL
     index); here used two hours ago, the development server's TTL pass removes them
@@ -369,6 +370,7 @@ async def fleet(tmp_path: Path, broker: ServerProcess, mongo_uri: str
         await client.close()
 
 
+@pytest.mark.long(17)
 async def test_a_hot_key_waits_its_turn_while_keys_with_one_run_start_at_once(
         fleet: tuple[Fleet, Any]) -> None:
     """400 runs of one account (limit 2, 50 ms each: 10 s of work at that limit) are
@@ -457,6 +459,7 @@ async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
                                            "until": {"$gt": dt.datetime.now(dt.UTC)}}) == 0
 
 
+@pytest.mark.long(16)
 async def test_a_rate_key_starts_at_most_its_limit_a_second_and_close_to_it(
         fleet: tuple[Fleet, Any]) -> None:
     """5 per second per account, two accounts of 75 runs each, two workers: counted by
@@ -523,6 +526,7 @@ async def test_a_priority_9_run_starts_before_a_waiting_backlog(
     assert len(after) >= 40
 
 
+@pytest.mark.long(34)
 async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_a_replica(
         fleet: tuple[Fleet, Any], mongo_uri: str) -> None:
     """Written through the API, carried by the leader: a schedule at limit 1 run now 20

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,3 +215,24 @@ print(sorted(m for m in sys.modules
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+def test_long_tests_start_first_one_to_each_workers_block() -> None:
+    """scripts/test runs xdist's worksteal mode, which hands each worker a contiguous block
+    of the collection: the long tests head the blocks, the longest spread first, and every
+    other test keeps its order."""
+    from types import SimpleNamespace
+
+    from tests.conftest import long_tests_first
+
+    def item(name: str, seconds: float | None = None) -> SimpleNamespace:
+        mark = None if seconds is None else SimpleNamespace(args=(seconds,))
+        return SimpleNamespace(name=name, get_closest_marker=lambda _: mark)
+
+    items: list[Any] = [item(f"t{i:02d}") for i in range(12)]
+    items[3], items[7], items[10] = item("a", 40), item("b", 30), item("c", 20)
+    long_tests_first(items, 2)  # two blocks of 6: "a" heads one, "b" and "c" the other
+    names = [i.name for i in items]
+    assert names[:1] + names[6:8] == ["a", "b", "c"]
+    assert [n for n in names if n.startswith("t")] == [
+        f"t{i:02d}" for i in range(12) if i not in (3, 7, 10)]

@@ -51,6 +51,7 @@ async def replicas_of_the_stream(nodes: NatsCluster) -> int:
         await nc.close()
 
 
+@pytest.mark.long(16)
 async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_once(
         cluster: tuple[Harness, NatsCluster], tmp_path: Path) -> None:
     """One election serves both cases: schedules firing steadily (run by a worker) and a

@@ -186,6 +186,7 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
         await asyncio.wait_for(worker.wait(), 40)
 
 
+@pytest.mark.long(16)
 async def test_skip_holds_across_a_leader_kill_a_worker_kill_and_a_step_down(
         own_harness: Harness, tmp_path: Path) -> None:
     h = own_harness

@@ -238,6 +238,7 @@ async def run_faults(cluster: Partitioned, db: Any, http: aiohttp.ClientSession
     return outcomes
 
 
+@pytest.mark.long(21)
 async def test_partitions_lose_nothing_duplicate_nothing_and_fire_nothing_early(
         tmp_path: Path) -> None:
     with Network() as net:

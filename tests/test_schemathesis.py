@@ -31,6 +31,7 @@ def replica(mongo_uri: str) -> Iterator[ServerProcess]:
     assert process.stop() == 0
 
 
+@pytest.mark.long(39)
 @pytest.mark.timeout(300)
 def test_every_schemathesis_check_passes(replica: ServerProcess) -> None:
     # In a venv of its own (scripts/_venv.sh, ensure_schemathesis), which scripts/test

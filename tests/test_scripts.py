@@ -30,6 +30,7 @@ def test_schedules_demo_passes_its_own_checks() -> None:
             assert probe.connect_ex(("127.0.0.1", int(port))) != 0, f"port {port} still open"
 
 
+@pytest.mark.long(22)
 @pytest.mark.devmongo_only
 @pytest.mark.timeout(240)
 def test_local_demo_shows_takeover_and_no_fire_missed_or_duplicated(tmp_path: Path) -> None:

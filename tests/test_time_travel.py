@@ -59,6 +59,7 @@ def test_destinations_are_what_they_say() -> None:
                                                                      tzinfo=dt.UTC)
 
 
+@pytest.mark.long(41)
 @pytest.mark.timeout(300)
 def test_date_sensitive_tests_pass_with_the_clock_moved() -> None:
     """One pytest process per destination, all at once: they run pure tests only (nothing

@@ -112,6 +112,7 @@ async def receiver() -> AsyncIterator[Receiver]:
     await r.close()
 
 
+@pytest.mark.long(16)
 async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoints(
         mongo_uri: str, receiver: Receiver, tmp_path: Path) -> None:
     db_name = f"hooks_{uuid.uuid4().hex[:8]}"
