@@ -140,6 +140,22 @@ print(heavy)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
 
 
+def loaded_by(commands: tuple[str, ...], roots: set[str], setup: str = "") -> list[str]:
+    """The modules of the top-level packages ``roots`` that a fresh interpreter holds once
+    it has built the parser of each of ``commands`` (after running ``setup``)."""
+    script = f"""{setup}
+import sys
+from hascheduler.cli.main import build_parser
+for command in {commands!r}:
+    build_parser([command])
+print(sorted(m for m in sys.modules if m.split(".")[0] in {sorted(roots)!r}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    loaded: list[str] = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    return loaded
+
+
 def test_a_replica_starts_without_the_libraries_only_some_settings_need() -> None:
     """``serve`` and ``worker`` import neither PyJWT (and cryptography) nor PyYAML, nor look
     for command plugins among the installed packages' entry points: each costs every
@@ -147,23 +163,16 @@ def test_a_replica_starts_without_the_libraries_only_some_settings_need() -> Non
     JWKS file loads the libraries. Nor rich, which structlog imports wherever it is
     installed: the suite's venv must not have it (scripts/_venv.sh, ensure_schemathesis),
     or the replicas it tests would start slower than the ones users run."""
-    script = """
-import sys
+    refuse_plugins = """
 import importlib.metadata as md
 read = md.entry_points
 def refuse(**kwargs):
     assert kwargs.get("group") != "hascheduler.commands", "plugins read for a built-in"
     return read(**kwargs)
 md.entry_points = refuse
-from hascheduler.cli.main import build_parser
-build_parser(["serve"])
-build_parser(["worker"])
-print(sorted(m for m in sys.modules
-             if m.split(".")[0] in {"jwt", "cryptography", "yaml", "rich", "pygments"}))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    assert loaded_by(("serve", "worker"), {"jwt", "cryptography", "yaml", "rich", "pygments"},
+                     refuse_plugins) == []
 
 
 def test_a_commands_modules_are_imported_with_the_collector_paused_and_then_frozen() -> None:
@@ -204,17 +213,8 @@ def test_the_commands_that_talk_to_the_api_load_no_server_database_or_broker_cli
     """``schedules``, ``runs``, ``token``, ``apply`` and ``export`` speak HTTP to a replica
     (or hash a token): they load neither the HTTP server (aiohttp), the database driver,
     nor a broker's client, each of which a command run in a loop pays on every start."""
-    script = """
-import sys
-from hascheduler.cli.main import build_parser
-for command in ("schedules", "runs", "token", "apply", "export"):
-    build_parser([command])
-print(sorted(m for m in sys.modules
-             if m.split(".")[0] in {"aiohttp", "pymongo", "nats", "aio_pika", "aiormq"}))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    assert loaded_by(("schedules", "runs", "token", "apply", "export"),
+                     {"aiohttp", "pymongo", "nats", "aio_pika", "aiormq"}) == []
 
 
 def test_long_tests_start_first_one_to_each_workers_block() -> None:
