@@ -900,39 +900,29 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
 
 
 class RenewedLease:
-    """A held lease whose renew deadline lies ``budget_s`` past its last renewal (by the
-    loop's clock), with a ttl of ``ttl_s``."""
+    """A held lease of term 1 whose renew deadline, while it is renewed, lies ``budget_s``
+    past each time the term asks what remains (the elector's renewals, as the term sees
+    them); after ``lapse`` it ends ``budget_s`` past the last ask. ``asks`` counts them.
+    Its ttl is ``ttl_s``."""
 
     def __init__(self, budget_s: float, ttl_s: float) -> None:
         self.term = 1
         self.budget_s = budget_s
         self.timings = SimpleNamespace(ttl=ttl_s)
-        self.renew()
-
-    def renew(self) -> None:
-        self.until = asyncio.get_running_loop().time() + self.budget_s
+        self.renewed = True
+        self.asks = 0
+        self.until = asyncio.get_running_loop().time() + budget_s
 
     def remaining(self) -> float:
-        return max(0.0, self.until - asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        self.asks += 1
+        if self.renewed:
+            self.until = now + self.budget_s
+        return max(0.0, self.until - now)
 
     @property
     def valid(self) -> bool:
-        return self.remaining() > 0
-
-
-@contextlib.asynccontextmanager
-async def renewed(lease: RenewedLease, every_s: float = 0.05) -> AsyncIterator[None]:
-    """The elector's renewals, every ``every_s`` (well inside the budget) while inside."""
-    async def renewing() -> None:
-        while True:
-            lease.renew()
-            await asyncio.sleep(every_s)
-
-    task = asyncio.create_task(renewing())
-    try:
-        yield
-    finally:
-        task.cancel()
+        return self.renewed or self.until > asyncio.get_running_loop().time()
 
 
 async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_lapses() -> None:
@@ -941,7 +931,7 @@ async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_la
     the database held up stopped the fire loop), and is abandoned when the renewals stop,
     once the last one's time runs out and not before."""
     loop = asyncio.get_running_loop()
-    lease = RenewedLease(0.3, ttl_s=10.0)
+    lease = RenewedLease(0.2, ttl_s=10.0)
     answer = asyncio.Event()
 
     async def read() -> str:
@@ -950,19 +940,21 @@ async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_la
 
     async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
         reading = asyncio.create_task(term.read(read()))
-        async with renewed(lease):
-            # Time passing is what is tested: four budgets' worth of renewals.
-            await asyncio.sleep(4 * lease.budget_s)
-            assert not reading.done()
-            answer.set()
-            assert await asyncio.wait_for(reading, 5) == "read"
+        # The term looks again each time what remained runs out: four looks past its
+        # first budget, the read goes on.
+        await wait_until(lambda: lease.asks >= 5, 10, "four renewed budgets")
+        assert not reading.done()
+        answer.set()
+        assert await asyncio.wait_for(reading, 5) == "read"
 
         answer.clear()
-        lease.renew()
+        reading = asyncio.create_task(term.read(read()))
+        await wait_until(lambda: lease.asks >= 6, 5, "the second read's first ask")
+        lease.renewed = False
         began = loop.time()
         with pytest.raises(LeadershipLost):
-            await asyncio.wait_for(term.read(read()), 5)
-        assert loop.time() - began >= lease.budget_s - 0.01
+            await asyncio.wait_for(reading, 5)
+        assert loop.time() - began >= lease.budget_s - 0.05
 
 
 async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_three_ttls(
@@ -971,16 +963,43 @@ async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_thre
     (re-elected meanwhile), and when it outlasts three lease ttls (a connection gone
     silent, which the driver would wait on for ever)."""
     loop = asyncio.get_running_loop()
-    lease = RenewedLease(0.3, ttl_s=10.0)
-    async with Term(1, lease, {}) as term, renewed(lease):  # type: ignore[arg-type]
+    lease = RenewedLease(0.2, ttl_s=10.0)
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
         reading = asyncio.create_task(term.read(asyncio.Event().wait()))
         lease.term = 2
         with pytest.raises(LeadershipLost):
             await asyncio.wait_for(reading, 5)
 
-    lease = RenewedLease(0.3, ttl_s=0.5)
-    async with Term(1, lease, {}) as term, renewed(lease):  # type: ignore[arg-type]
+    lease = RenewedLease(0.2, ttl_s=0.5)
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
         began = loop.time()
         with pytest.raises(LeadershipLost):
             await asyncio.wait_for(term.read(asyncio.Event().wait()), 10)
-        assert loop.time() - began >= 3 * 0.5 - 0.01
+        assert loop.time() - began >= 3 * 0.5 - 0.05
+        assert lease.asks > 3  # renewed all along: the bound, not the lease, ended it
+
+
+async def test_a_deferrable_write_that_outlasts_the_term_is_put_off_while_the_term_holds(
+        ) -> None:
+    """``write_or_defer`` (the retry loop's periodic adoption): past what remains of the
+    term, a write returns None while the term still holds the lease, so the lead goes on
+    and makes it again next turn; the write is still one ``settle`` waits for. Once the
+    term no longer holds, it raises LeadershipLost, as ``write`` does."""
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 0.2,
+                            timings=SimpleNamespace(ttl=2.0))
+    answer = asyncio.Event()
+
+    async def adopt() -> int:
+        await answer.wait()
+        return 3
+
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        assert await asyncio.wait_for(term.write_or_defer(adopt()), 5) is None
+        assert len(term._writes.tasks) == 1  # in flight: settle waits for it
+        lease.valid = False
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(term.write_or_defer(adopt()), 5)
+        answer.set()
+        assert await term.settle(5)
+        lease.valid = True
+        assert await asyncio.wait_for(term.write_or_defer(adopt()), 5) == 3

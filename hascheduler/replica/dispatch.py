@@ -587,8 +587,9 @@ class Dispatcher:
         """
         now = self.clock()
         # Not before its due time: a claim made ahead waits for it (_claim takes it then).
-        adopted = await term.write(self.ledger.adopt_due(
-            term.number, now, now - dt.timedelta(seconds=grace_s)))
+        # Made again next turn if it does not finish in this term's time.
+        adopted = await term.write_or_defer(self.ledger.adopt_due(
+            term.number, now, now - dt.timedelta(seconds=grace_s))) or 0
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
@@ -654,16 +655,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.settings.retry_interval_s)
             term.check()
-            try:
-                await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
-            except LeadershipLost:
-                # Its write outlasted what remained of the term when it began (waiting for
-                # a connection in a pool the database holds up, say). Still holding the
-                # lease, the term skips this turn's adoption: it is made again next turn,
-                # and took only older terms' claims.
-                if not term.holds:
-                    raise
-                log.info("adoption_deferred", term=term.number)
+            await self._adopt_claims(term, grace_s=self.lease.timings.ttl)
             await self._retry_due(term)
 
     def _retry_at(self, now: dt.datetime) -> dt.datetime:

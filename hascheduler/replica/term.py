@@ -142,6 +142,21 @@ class Term:
         except TimeoutError:
             raise LeadershipLost from None
 
+    async def write_or_defer(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """A write the caller makes again at its next turn: idempotent, and no state of the
+        term waits on its outcome (a periodic adoption of older terms' claims). Bounded as
+        ``write``; when it outlasts what remains of the term while the term still holds
+        the lease (waiting for a connection in a pool the database holds up, say), it
+        returns None rather than stop the lead (``settle`` still waits for it). Raises
+        LeadershipLost once the term no longer holds."""
+        try:
+            return await self.write(work)
+        except LeadershipLost:
+            if not self.holds:
+                raise
+            log.info("write_deferred", term=self.number)
+            return None
+
     async def read(self, work: Coroutine[Any, Any, T]) -> T:
         """A ledger read that decides a write of this term (which fires are claimed
         already, which left claims to adopt). It changes nothing, and the write it decides
