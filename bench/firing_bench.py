@@ -53,7 +53,14 @@ from hascheduler.brokers.nats.publisher import (
 from hascheduler.brokers.nats.wire import PublishConnection, frame
 from hascheduler.core.events import EventTemplate
 from hascheduler.process import logs
-from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
+from tests.servers import (
+    ServerProcess,
+    log_lines,
+    start_devmongo,
+    start_nats,
+    start_replica,
+    with_database,
+)
 from tests.waiting import wait_until
 
 # Printed after the lateness table, not inside it.
@@ -130,12 +137,9 @@ class Cluster:
         land."""
         lines = []
         for name, replica in self.replicas.items():
-            if replica.log_path is None:
-                continue
-            with open(replica.log_path, errors="replace") as f:
-                flagged = [line.rstrip()[:400] for line in f
-                           if '"level": "warning"' in line or '"level": "error"' in line]
-            lines += [f"{name}: {line}" for line in flagged[-last:]]
+            flagged = [line for line in log_lines(replica)
+                       if line.get("level") in ("warning", "error")]
+            lines += [f"{name}: {json.dumps(line)[:400]}" for line in flagged[-last:]]
         return "\n".join(lines) or "no replica logged a warning"
 
     async def close(self) -> None:

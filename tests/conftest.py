@@ -36,15 +36,20 @@ from tests.servers import (
 )
 
 # Collecting imports every test module and the libraries they use: with the collector off
-# (a fifth of the collection's CPU, in each of the suite's pytest processes), and what
-# they built frozen once it is done (hascheduler.process.gcpolicy.importing, for the
-# same reason).
+# (its collections there freed nothing), and what they built frozen once it is done
+# (hascheduler.process.gcpolicy.importing, for the same reason). Off from this import on,
+# on again whatever collecting does, in every process (xdist's controller collects
+# nothing).
 gc.disable()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    gc.freeze()
-    gc.enable()
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 # Set by tests/test_time_travel.py: this session's clock starts at that instant and runs on
@@ -85,8 +90,8 @@ def long_tests_first(items: list[pytest.Item], workers: int) -> None:
     workers: pytest-xdist's worksteal mode (scripts/test) hands each worker a contiguous
     block of the collection, of the sizes computed here, and idle workers steal what is
     left. Left in collection order, the longest tests came last and the run ended with
-    one or two processes still busy (a minute at a quarter of the machine). Each worker's
-    process orders its own collection, identically."""
+    one or two processes still busy. Each worker's process orders its own collection,
+    identically."""
     def seconds(item: pytest.Item) -> float:
         mark = item.get_closest_marker("long")
         return float(mark.args[0]) if mark is not None and mark.args else 0.0

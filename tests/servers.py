@@ -99,6 +99,13 @@ def stop_process(process: subprocess.Popen[Any], within_s: float = 5.0) -> None:
     wait_until_sync(all_stopped, within_s, f"process {process.pid} stopped", 0.005)
 
 
+def log_lines(process: ServerProcess) -> list[dict[str, object]]:
+    """The structured lines (one JSON event each) a process we started has logged."""
+    assert process.log_path is not None
+    return [json.loads(line) for line in Path(process.log_path).read_text(
+        errors="replace").splitlines() if line.startswith("{")]
+
+
 def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
     """Start ``hascheduler devmongo --port 0`` and read the URI it prints on one line."""
     return start_cli(["devmongo", "--port", "0", *args], "mongodb://", startup_s)

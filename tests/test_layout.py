@@ -236,3 +236,18 @@ def test_long_tests_start_first_one_to_each_workers_block() -> None:
     assert names[:1] + names[6:8] == ["a", "b", "c"]
     assert [n for n in names if n.startswith("t")] == [
         f"t{i:02d}" for i in range(12) if i not in (3, 7, 10)]
+
+
+def test_the_worker_packages_public_names_are_each_where_it_says() -> None:
+    """``hascheduler.worker`` loads its public names when first asked for: each one in
+    ``__all__`` has a home, and comes from it (a user's ``from hascheduler.worker import
+    WorkerApp``)."""
+    import importlib
+
+    worker = importlib.import_module("hascheduler.worker")
+    assert sorted(worker.__all__) == sorted(worker._HOMES)
+    for name in worker.__all__:
+        assert getattr(worker, name) is getattr(
+            importlib.import_module(f"hascheduler.worker.{worker._HOMES[name]}"), name)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = worker.Nope

@@ -7,7 +7,6 @@ schedule, a retry is an event, and every process's log lines inside a span name 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +20,7 @@ from hascheduler.process import tracing
 from tests.helpers.otlp import OtlpReceiver, ReceivedSpan
 from tests.servers import (
     RabbitServer,
-    ServerProcess,
+    log_lines,
     start_cli,
     start_nats,
     start_replica,
@@ -40,15 +39,6 @@ async def receiver() -> AsyncIterator[OtlpReceiver]:
     r = await OtlpReceiver().start()
     yield r
     await r.close()
-
-
-def log_lines(process: ServerProcess) -> list[dict[str, object]]:
-    assert process.log_path is not None
-    lines = []
-    for line in Path(process.log_path).read_text().splitlines():
-        if line.startswith("{"):
-            lines.append(json.loads(line))
-    return lines
 
 
 @pytest.fixture(params=["nats", "rabbitmq"])

@@ -54,8 +54,8 @@ def freeze_survivors(thaw_every_s: float | None = THAW_EVERY_S) -> None:
 def importing() -> Iterator[None]:
     """The collector off while a command's modules are imported, and what they made frozen
     after. Module bodies build classes, schemas and tables that live as long as the
-    process: the collections their allocations set off (a tenth of a replica's import
-    time) found nothing to free, and later ones need not walk them again."""
+    process: the collections their allocations set off found nothing to free, and later
+    ones need not walk them again (docs/ARCHITECTURE.md, garbage collector)."""
     if not gc.isenabled():
         yield
         return
