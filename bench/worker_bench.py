@@ -329,9 +329,6 @@ async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
     database = "wb_latency"
     await empty_stream(nats_uri)
     c = Cluster(mongo, nats_uri, database)
-    await c.db.schedules.insert_many([
-        schedule_doc(f"tick-{i}", {"kind": "cron", "cron": "* * * * * *",
-                                   "timezone": "UTC"}, "bench.tick") for i in range(rate)])
     starts = Path(tempfile.mkdtemp(prefix="worker-bench-")) / "starts.txt"
     worker = await start_worker(nats_uri, c.uri, "latency", 16, {"BENCH_STARTS": str(starts)})
     try:
@@ -339,8 +336,11 @@ async def latency(mongo: ServerProcess, nats_uri: str, rate: int,
         await asyncio.wait_for(worker.stdout.readline(), 60)
         c.start("a")
         await c.wait_ready()
-        await c.wait_leader()
-        await c.wait_firing()  # past the start-up catch-up
+        await c.write_when_leading([
+            schedule_doc(f"tick-{i}", {"kind": "cron", "cron": "* * * * * *",
+                                       "timezone": "UTC"}, "bench.tick")
+            for i in range(rate)])
+        await c.wait_firing()
         begin = dt.datetime.now(dt.UTC)
         await asyncio.sleep(seconds)  # the window itself, not a wait for something
         end = dt.datetime.now(dt.UTC)

@@ -143,6 +143,44 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
     await wait_until(released, 5, "the watermark released")
 
 
+async def test_a_databases_first_term_records_no_watermark_while_it_catches_up() -> None:
+    """A term that took over no watermark (no term of the database had fired) has the
+    lease record none while its catch-up runs: a next leader then catches each schedule up
+    from its creation again, not from this term's start. One that took a watermark over
+    has the lease keep it until then."""
+    now = dt.datetime.now(dt.UTC)
+    lease = SimpleNamespace(valid=True, term=1)
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        term.watermark = now
+        term.catching_up, term.taken_over = True, None
+        assert term.fired_through is None
+        term.taken_over = now - dt.timedelta(minutes=1)
+        assert term.fired_through == now - dt.timedelta(minutes=1)
+        term.catching_up = False
+        assert term.fired_through == now
+
+
+async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(
+        ) -> None:
+    """A failed or timed-out read of the schedules' creation times is no reason to stop
+    leading: the catch-up goes on from the watermark (or the term's start), as before
+    creation times were read."""
+    class Unreadable:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def find(self, *args: Any, **kwargs: Any) -> Any:
+            raise self.error
+
+    lease = SimpleNamespace(valid=True, term=1)
+    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+        for error in (ExecutionTimeout("operation exceeded time limit"),
+                      AutoReconnect("connection reset")):
+            dispatcher = Dispatcher(SimpleNamespace(entries={}), Unreadable(error),  # type: ignore[arg-type]
+                                    None, None, lease)  # type: ignore[arg-type]
+            assert await dispatcher._created_after(term, None) == {}
+
+
 async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> None:
     """BrokerUnavailable is retried past the attempt limit, with a short backoff, until
     max_unavailable_s past the due time; a refusal fails at the attempt limit."""

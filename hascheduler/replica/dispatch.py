@@ -20,10 +20,12 @@ import bisect
 import contextlib
 import datetime as dt
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
+import pymongo
 import structlog
+from pymongo.errors import PyMongoError
 
 from hascheduler.brokers.base import Broker
 from hascheduler.core.catchup import SkippedRange, plan_catchup
@@ -176,14 +178,21 @@ class TenantSource(Protocol):
     async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool: ...
 
 
-def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime
+# How long a term waits for the schedules' creation times before catching up without them
+# (a first term reads every schedule's: 1,000,000 take seconds on the development server).
+CREATED_READ_S = 60.0
+
+
+def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime,
+                   created: Mapping[str, dt.datetime]
                    ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
-    and the range each skips (pure)."""
+    and the range each skips (pure). Each schedule from ``since``, or from its creation
+    when ``created`` has it (pure)."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
-        start = since - dt.timedelta(seconds=entry.jitter)
+        start = created.get(schedule_id, since) - dt.timedelta(seconds=entry.jitter)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
                                   start, now)
         for nominal in fire:
@@ -221,6 +230,7 @@ class Dispatcher:
             ledger, runs, mirror.entries, self.settings.max_buffered, clock, self.metrics)
         self.publisher = Publisher(broker, ledger, mirror, schedules, self.settings, clock,
                                    self.metrics, self.gate, counts, store)
+        self.schedules = schedules
         self.store = store
         self.backfills = backfills
         self.term: Term | None = None  # the current term, or the last one
@@ -248,8 +258,9 @@ class Dispatcher:
     async def lead(self, view: LeaseView) -> None:
         """Fire as the leader of ``view.term`` until cancelled or the term loses the lease."""
         now = self.clock()
-        since = view.fired_through or now
-        log.info("leading", term=view.term, fired_through=since.isoformat())
+        since = view.fired_through  # None: no term of this database has fired yet
+        log.info("leading", term=view.term,
+                 fired_through=since.isoformat() if since is not None else None)
         async with Term(view.term, self.lease, self.mirror.entries) as term:
             if self.term is not None:
                 term.follows(self.term)
@@ -264,7 +275,7 @@ class Dispatcher:
                             if e.paused and e.paused_until is not None}
             # What fell due before the term is taken over beside the firing of what falls
             # due in it (_take_over): behind it, the first new fire waited up to a second.
-            term.catching_up_from = since
+            term.catching_up, term.taken_over = True, since
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._take_over(term, since, now))
                 await self._seed(term, now)
@@ -642,13 +653,14 @@ class Dispatcher:
                     break
         await self.publisher.marked()
 
-    async def _take_over(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
+    async def _take_over(self, term: Term, since: dt.datetime | None, now: dt.datetime
+                         ) -> None:
         """The claims left by the terms before adopted and republished, then the catch-up
         of what fell due since the previous leader's watermark (the lease records that
         watermark until it is done), then the retry loop."""
         await self._republish(term, self._adopt_left(term, now))
         await self._catch_up(term, since, now)
-        term.catching_up_from = None
+        term.catching_up = False
         await self._retry_loop(term)
 
     async def _retry_loop(self, term: Term) -> None:
@@ -755,12 +767,39 @@ class Dispatcher:
                 finally:
                     gate.released(claims)
 
-    async def _catch_up(self, term: Term, since: dt.datetime, now: dt.datetime) -> None:
+    async def _created_after(self, term: Term, since: dt.datetime | None
+                             ) -> dict[str, dt.datetime]:
+        """When each schedule written after ``since`` (every one, with none) was created:
+        a range of the ``created_at`` index, on dates only (a stored value of another type
+        matches nothing). Not one of the term's reads, bound to its lease: in a first term
+        it reads every schedule, which on a large database outlasts a few ttls, and the
+        term would stop and lead again for ever. Unread within CREATED_READ_S, or failed,
+        each schedule is caught up from ``since`` (or the term's start), as it was before
+        creation times were read, and a warning says so."""
+        after = since or dt.datetime.min.replace(tzinfo=dt.UTC)
+        try:
+            with pymongo.timeout(CREATED_READ_S):
+                return {doc["_id"]: as_utc(doc["created_at"])
+                        async for doc in self.schedules.find(
+                            {"created_at": {"$gt": after}}, {"created_at": 1})}
+        except PyMongoError as exc:
+            log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
+            return {}
+
+    async def _catch_up(self, term: Term, since: dt.datetime | None, now: dt.datetime
+                        ) -> None:
+        """What fell due in (since, now] and no leader fired, by each schedule's catch-up
+        policy; a schedule written after ``since`` from its creation on (before it, nothing
+        was due), and with no ``since`` (a database's first term) every schedule from its
+        creation."""
+        created = await self._created_after(term, since)
+        term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
         entries = [(sid, e) for sid, e in self.mirror.entries.items()
                    if not e.paused and not e.completed]
-        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now)
+        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since or now, now,
+                                                  created)
         term.check()
         skipped = [skipped_range_document(schedule_id, skip, term.number, now)
                    for schedule_id, skip in ranges]

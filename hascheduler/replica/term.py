@@ -81,9 +81,13 @@ class Term:
         self.number = number
         self._lease = lease
         self.watermark: dt.datetime | None = None
-        # While the term catches up on what fell due before it, the watermark it took
-        # over: recorded in its place, so a next leader catches up from there.
-        self.catching_up_from: dt.datetime | None = None
+        # While the term catches up on what fell due before it (``catching_up``), the
+        # watermark it took over (``taken_over``) is recorded in its place, so a next
+        # leader catches up from there; in a database's first term there is none, and
+        # none is recorded, so a next leader catches each schedule up from its creation
+        # again.
+        self.catching_up = False
+        self.taken_over: dt.datetime | None = None
         # Fires due up to this instant may be in the ledger already (claimed ahead by the
         # term before, or fired by it before its successor's catch-up looks at them): their
         # claims read the ledger first (Ledger.claimed).
@@ -219,8 +223,10 @@ class Term:
         if self.watermark is None:
             return None
         held = [self.watermark]
-        if self.catching_up_from is not None:
-            held.append(self.catching_up_from)
+        if self.catching_up:
+            if self.taken_over is None:
+                return None
+            held.append(self.taken_over)
         if self.deferred:
             earliest = min(d.fire_at for d in self.deferred.values())
             held.append(earliest - dt.timedelta(microseconds=1))

@@ -159,6 +159,8 @@ class ScheduleStore:
     async def ensure_indexes(self) -> None:
         await self._coll.create_index([("paused", 1)], name="paused")
         await self._coll.create_index([("namespace", 1), ("_id", 1)], name="namespace")
+        # A leader's catch-up reads the schedules written since the last watermark.
+        await self._coll.create_index([("created_at", 1)], name="created_at")
 
     def _new_document(self, new: ScheduleIn, now: dt.datetime, actor: Actor,
                       trace: str | None) -> dict[str, Any]:
