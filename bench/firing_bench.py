@@ -95,11 +95,7 @@ class Cluster:
         their policy (docs/RELIABILITY.md, guarantee 7): a backlog, where the benchmarks
         measure a cluster its schedules were written to."""
         await self.wait_leader()
-
-        async def watermarked() -> bool:
-            return (await self.lease()).get("fired_through") is not None
-
-        await wait_until(watermarked, 30, "the first term's watermark", 0.05)
+        await self.wait_firing(ahead_s=0.0)
         await write_schedules(self, schedules)
         n = await self.db.schedules.count_documents({})
 

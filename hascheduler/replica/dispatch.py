@@ -777,14 +777,18 @@ class Dispatcher:
         each schedule is caught up from ``since`` (or the term's start), as it was before
         creation times were read, and a warning says so."""
         after = since or dt.datetime.min.replace(tzinfo=dt.UTC)
+        began = time.monotonic()
         try:
             with pymongo.timeout(CREATED_READ_S):
-                return {doc["_id"]: as_utc(doc["created_at"])
-                        async for doc in self.schedules.find(
-                            {"created_at": {"$gt": after}}, {"created_at": 1})}
+                created = {doc["_id"]: as_utc(doc["created_at"])
+                           async for doc in self.schedules.find(
+                               {"created_at": {"$gt": after}}, {"created_at": 1})}
         except PyMongoError as exc:
             log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
             return {}
+        log.info("creation_times_read", schedules=len(created), first_term=since is None,
+                 seconds=round(time.monotonic() - began, 3), term=term.number)
+        return created
 
     async def _catch_up(self, term: Term, since: dt.datetime | None, now: dt.datetime
                         ) -> None:

@@ -218,8 +218,9 @@ class Term:
     @property
     def fired_through(self) -> dt.datetime | None:
         """What the lease records as handled: the watermark, held back to the one taken
-        over while the catch-up runs and before any fan-out fire still waiting for its
-        source, so a next leader's catch-up covers them."""
+        over while the catch-up runs (none, in a database's first term) and before any
+        fan-out fire still waiting for its source, so a next leader's catch-up covers
+        them."""
         if self.watermark is None:
             return None
         held = [self.watermark]
