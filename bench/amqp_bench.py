@@ -32,7 +32,8 @@ from collections import Counter
 import aio_pika
 
 from bench.firing_bench import schedule_doc, scheduler_burst, started_cluster, until_all
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpPublisher
 from hascheduler.brokers.base import FireMessage
 from hascheduler.process.logs import configure
 from tests.servers import RabbitServer, ServerProcess, start_devmongo

@@ -21,7 +21,8 @@ import aio_pika
 import aiohttp
 import pytest
 
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpPublisher, Unroutable
 from hascheduler.brokers.amqp.source import (
     SETTLE_TURNS,
     Acknowledgements,

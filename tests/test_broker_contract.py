@@ -16,7 +16,8 @@ import nats
 import pytest
 import structlog
 
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpPublisher
 from hascheduler.brokers.base import Broker, FireMessage
 from hascheduler.brokers.log.publisher import LogPublisher
 from hascheduler.brokers.nats.publisher import NatsEndpoint, NatsPublisher

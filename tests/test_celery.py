@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher, Unroutable
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpPublisher, Unroutable
 from hascheduler.brokers.base import FireMessage
 from hascheduler.core.events import EventTemplate
 from tests.servers import CeleryWorker, RabbitServer, start_replica

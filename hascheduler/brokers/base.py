@@ -151,5 +151,6 @@ class BrokerKind(Generic[E]):
     # every fire the broker holds, left in place
     reader: Callable[[E], FireReader] | None = None
     # what the broker's client raises when the broker is away: a consumer's
-    # subscription ends and is made again
-    errors: tuple[type[BaseException], ...] = ()
+    # subscription ends and is made again (a function: the client is imported only by the
+    # processes that use this kind)
+    errors: Callable[[], tuple[type[BaseException], ...]] = tuple

@@ -44,7 +44,7 @@ from tenacity import (
 )
 
 from hascheduler.brokers.base import Delivered, FireSource
-from hascheduler.brokers.registry import KINDS, BrokerUrl
+from hascheduler.brokers.registry import BrokerUrl
 from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
     CLOCK_SAMPLE_S,
@@ -109,8 +109,6 @@ CANCEL_POLL_S = 0.5
 # A fire's W3C traceparent: its trace id is kept on the run, for the dashboard's link.
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
-# What any broker's client may throw at a consumer: one subscription ends, not the worker.
-BROKER_ERRORS = tuple({error for kind in KINDS for error in kind.errors})
 
 
 @dataclass(frozen=True)
@@ -335,6 +333,9 @@ class Worker:
                  schedules: ScheduleStore | None = None, flow: FlowGate | None = None
                  ) -> None:
         self.settings = settings
+        # What the broker's client may throw at a consumer: one subscription ends, not
+        # the worker.
+        self.broker_errors = settings.broker.kind.errors()
         self.schedules = schedules
         self.flow = flow
         self.app = settings.app
@@ -380,7 +381,7 @@ class Worker:
             # A broker hiccup (a restart, a lost consumer, a request timing out) ends one
             # subscription, never the worker: subscribe again after a capped, jittered wait.
             async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(BROKER_ERRORS),
+                    retry=retry_if_exception_type(self.broker_errors),
                     wait=wait_exponential_jitter(initial=0.2, max=5.0),
                     before_sleep=_log_resubscribe, reraise=True):
                 with attempt:
@@ -432,9 +433,9 @@ class Worker:
         except PyMongoError as exc:
             log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
             for message in messages:
-                with contextlib.suppress(*BROKER_ERRORS):
+                with contextlib.suppress(*self.broker_errors):
                     await message.nak(delay=LEDGER_DOWN_DELAY_S)
-        except BROKER_ERRORS as exc:
+        except self.broker_errors as exc:
             log.warning("run_claim_failed", count=len(messages), error=repr(exc)[:300])
         except Exception as exc:
             # A defect, not the broker or the ledger: said loudly, and the messages are left
@@ -540,7 +541,7 @@ class Worker:
             else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
                 await self._claimed(message, delivery, route, Claim(outcome))
         for done in await asyncio.gather(*acks, return_exceptions=True):
-            if isinstance(done, BaseException) and not isinstance(done, BROKER_ERRORS):
+            if isinstance(done, BaseException) and not isinstance(done, self.broker_errors):
                 raise done
 
     async def _screen(self, message: Any, received: dt.datetime
@@ -731,7 +732,7 @@ class Worker:
                 log.warning("run_lease_lost", fire_id=outcome.fire_id,
                             message="another worker took this run over; its outcome stands")
             self.metrics.count(held.delivery.fire.target, outcome.state)
-            with contextlib.suppress(*BROKER_ERRORS):
+            with contextlib.suppress(*self.broker_errors):
                 await self._tell_broker(held.message, outcome)
             if kept and outcome.state == DEAD:
                 await self._pause_if_failing(held.delivery.fire.schedule_id, outcome)
@@ -782,7 +783,7 @@ class Worker:
         if not held:
             return
         for h in held.values():
-            with contextlib.suppress(*BROKER_ERRORS):
+            with contextlib.suppress(*self.broker_errors):
                 await h.message.in_progress()
         try:
             lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
@@ -816,7 +817,7 @@ class Worker:
                 h.stop()
 
     async def _give_back(self, held: Held) -> None:
-        with contextlib.suppress(PyMongoError, *BROKER_ERRORS):
+        with contextlib.suppress(PyMongoError, *self.broker_errors):
             await self.runs.release(held.delivery.fire.fire_id, self.settings.worker_id,
                                     held.attempt, self.clock(),
                                     "the worker stopped before the run finished")

@@ -1,29 +1,45 @@
 """RabbitMQ (AMQP 0-9-1): fires on a topic exchange, Celery task messages for celery:
-targets, quorum queues for workers."""
+targets, quorum queues for workers.
+
+Only the URL's parsing is imported here: the publisher, the consumer, the reader and
+the client's errors load aio-pika, and are imported when a RabbitMQ broker is used (every
+process reads the broker registry; a NATS one would pay for an AMQP client it never
+uses)."""
 
 from __future__ import annotations
 
-import aiormq.exceptions
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.base import Broker, BrokerKind, FireReader, FireSource
 
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint, AmqpPublisher
-from hascheduler.brokers.amqp.reader import read_audit_queue
-from hascheduler.brokers.amqp.source import AmqpSource
-from hascheduler.brokers.base import BrokerKind, FireReader, FireSource
+
+def _publisher(endpoint: AmqpEndpoint) -> Broker:
+    from hascheduler.brokers.amqp.publisher import AmqpPublisher
+
+    return AmqpPublisher(endpoint)
 
 
 def _source(endpoint: AmqpEndpoint, ack_wait_s: float) -> FireSource:
+    from hascheduler.brokers.amqp.source import AmqpSource
+
     # Missed heartbeats close the connection and requeue what it held: a stalled worker's
     # fires go to another within about the ack wait.
     return AmqpSource(endpoint, heartbeat_s=max(1, round(ack_wait_s / 3)))
 
 
 def _reader(endpoint: AmqpEndpoint) -> FireReader:
+    from hascheduler.brokers.amqp.reader import read_audit_queue
+
     return lambda: read_audit_queue(endpoint.url)
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    import aiormq.exceptions
+
+    return (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError,
+            TimeoutError)
 
 
 KIND = BrokerKind(
     name="RabbitMQ", schemes=frozenset({"amqp", "amqps"}),
     example="amqp://user:password@host:port/vhost", parse=AmqpEndpoint.parse,
-    publisher=AmqpPublisher, source=_source, reader=_reader,
-    errors=(aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError,
-            TimeoutError))
+    publisher=_publisher, source=_source, reader=_reader, errors=_errors)

@@ -22,14 +22,13 @@ import contextlib
 import json
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlparse
 
 import aio_pika
 import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
 from hascheduler.brokers.base import BrokerUnavailable, FireMessage
 from hascheduler.core.celery_message import (
     CeleryPayloadError,
@@ -41,9 +40,6 @@ from hascheduler.core.constants import TARGET_PATTERN
 
 log = structlog.get_logger("hascheduler.brokers.amqp")
 
-OPTIONS = ("exchange", "celery_queue", "heartbeat")
-
-
 class Unroutable(Exception):
     """RabbitMQ returned the message: no queue is bound to take it."""
 
@@ -51,60 +47,6 @@ class Unroutable(Exception):
 class Refused(BrokerUnavailable):
     """RabbitMQ could not take the message (basic.nack): a quorum queue electing its
     leader, a full queue. Retried as an unavailable broker is."""
-
-
-@dataclass(frozen=True)
-class AmqpEndpoint:
-    """``amqp://user:password@host:port/vhost?options`` or ``amqps://...``. Options:
-    exchange (the fires' topic exchange, default hascheduler), celery_queue (where
-    ``celery:`` targets go unless their payload names a queue, default celery) and
-    heartbeat (seconds)."""
-
-    url: str  # for aio-pika, without our options
-    exchange: str = "hascheduler"
-    celery_queue: str = "celery"
-    display: str = ""  # host:port/vhost, no credentials
-
-    @classmethod
-    def parse(cls, url: str) -> AmqpEndpoint:
-        """Raises ValueError naming what is wrong with the URL."""
-        parsed = urlparse(url)
-        if parsed.scheme not in {"amqp", "amqps"}:
-            raise ValueError(f"{url!r} is not an amqp:// or amqps:// URL")
-        if not parsed.hostname:
-            raise ValueError("the amqp:// broker URL names no host")
-        try:
-            port = parsed.port
-        except ValueError:
-            raise ValueError("the amqp:// broker URL's port is not a port number") from None
-        query = {k: v[-1] for k, v in parse_qs(parsed.query, keep_blank_values=True).items()}
-        unknown = set(query) - set(OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
-                             f"use {', '.join(OPTIONS)}")
-        exchange = query.get("exchange", "hascheduler")
-        if not exchange or len(exchange) > 255 or exchange.startswith("amq."):
-            raise ValueError(f"exchange={exchange!r} in the broker URL: a name of 1 to 255 "
-                             "characters, not starting amq. (RabbitMQ's own)")
-        celery_queue = query.get("celery_queue", "celery")
-        if not celery_queue or len(celery_queue) > 255:
-            raise ValueError(f"celery_queue={celery_queue!r} in the broker URL: a name of 1 "
-                             "to 255 characters")
-        passed = ""
-        if "heartbeat" in query:
-            if not query["heartbeat"].isdigit():
-                raise ValueError(f"heartbeat={query['heartbeat']!r} in the broker URL is not "
-                                 "a whole number of seconds")
-            passed = f"?heartbeat={query['heartbeat']}"
-        vhost = unquote(parsed.path[1:]) if len(parsed.path) > 1 else "/"
-        host = parsed.hostname
-        display = f"{host}:{port or (5671 if parsed.scheme == 'amqps' else 5672)}/{vhost}"
-        return cls(url=url.split("?", 1)[0] + passed, exchange=exchange,
-                   celery_queue=celery_queue, display=display)
-
-    async def connect(self, timeout_s: float) -> AbstractConnection:
-        return await aio_pika.connect(self.url, timeout=timeout_s,
-                                      client_properties={"connection_name": "hascheduler"})
 
 
 class AmqpPublisher:

@@ -33,7 +33,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 
-from hascheduler.brokers.amqp.publisher import AmqpEndpoint
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
 from hascheduler.brokers.base import SUBJECT_PREFIX, Arrivals
 
 TARGET_HEADER = "hascheduler-target"  # a delayed copy's target (its routing key changed)

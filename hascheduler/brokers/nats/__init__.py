@@ -18,8 +18,12 @@ def _reader(endpoint: NatsEndpoint) -> FireReader:
     return lambda: read_stream(endpoint)
 
 
+def _errors() -> tuple[type[BaseException], ...]:
+    # TimeoutError is also what nats-py raises when a request gets no answer in time.
+    return (nats.errors.Error, OSError, TimeoutError)
+
+
 KIND = BrokerKind(
     name="NATS JetStream", schemes=frozenset({"nats", "tls"}), example="nats://host:port",
     parse=NatsEndpoint.parse, publisher=NatsPublisher, source=_source, reader=_reader,
-    # TimeoutError is also what nats-py raises when a request gets no answer in time.
-    errors=(nats.errors.Error, OSError, TimeoutError))
+    errors=_errors)
