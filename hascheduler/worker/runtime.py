@@ -110,7 +110,6 @@ CANCEL_POLL_S = 0.5
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-
 @dataclass(frozen=True)
 class WorkerSettings:
     broker: BrokerUrl
