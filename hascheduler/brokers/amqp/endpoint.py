@@ -1,8 +1,5 @@
-"""A RabbitMQ broker URL, parsed: what a replica needs to know its broker's kind and to
-check its URL. It loads no AMQP client (aio-pika is imported when a connection is made):
-every process reads the broker registry, and a NATS replica or worker has no use for
-one.
-"""
+"""A RabbitMQ broker URL, parsed. aio-pika is imported only when a connection is made
+(brokers/amqp/__init__.py says why)."""
 
 from __future__ import annotations
 
@@ -66,7 +63,7 @@ class AmqpEndpoint:
                    celery_queue=celery_queue, display=display)
 
     async def connect(self, timeout_s: float) -> AbstractConnection:
-        import aio_pika  # only once connecting: see the module docstring
+        import aio_pika
 
         return await aio_pika.connect(self.url, timeout=timeout_s,
                                       client_properties={"connection_name": "hascheduler"})
