@@ -362,6 +362,29 @@ async def test_a_killed_workers_run_is_taken_over_and_finishes_once(workers: Wor
     assert workers.logged("run_taken_over") == 1
 
 
+@pytest.mark.parametrize("workers", ["nats"], indirect=True)
+async def test_a_worker_that_lost_its_run_leaves_the_new_owners_retry_to_come(
+        workers: Workers) -> None:
+    """A worker stalled past its run's lease finishes the attempt it began after another
+    worker took the run over and asked the broker for a retry. Both hold the same NATS
+    message: the stalled one's ack settled it, the retry never came, and the run stayed
+    retrying for ever (seen in the chaos soak). Given back undecided, the retry comes."""
+    stalled = await workers.start("--ack-wait", "2", name="stalled")
+    await workers.publish("jobs.lost", event("lost@1", 1, NOW, {"sleep": 1,
+                                                                 "fail_on": [2]}), "lost")
+    await wait_until(lambda: workers.runs_of("lost@1") == 1, 20, "the first attempt")
+    stalled.send_signal(signal.SIGSTOP)
+    await workers.start("--ack-wait", "2", name="heir")
+    await wait_until(lambda: workers.logged("run_failed") >= 1, 30,
+                     "the heir's attempt to fail and ask for a retry")
+    stalled.send_signal(signal.SIGCONT)  # its attempt's sleep is over: it answers at once
+    await wait_until(lambda: workers.logged("run_lease_lost") >= 1, 20,
+                     "the stalled worker to find its run taken over")
+    doc = await workers.wait_state("lost@1", "succeeded", 30)
+    assert doc["attempts"] == 3
+    assert [a[2] for a in workers.attempts()] == ["1", "2", "3"]
+
+
 async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
         workers: Workers) -> None:
     worker = await workers.start("--drain-timeout", "5")

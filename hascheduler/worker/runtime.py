@@ -723,13 +723,21 @@ class Worker:
     async def _answer(self, held: Held, outcome: Outcome, kept: bool | None) -> None:
         """Once the outcome's write is done, tell the broker: ack, nak after the backoff
         (the broker does the waiting), or term. An unrecorded outcome is not answered:
-        the broker redelivers, and the run is claimed again once its lease lapses."""
+        the broker redelivers, and the run is claimed again once its lease lapses. An
+        outcome refused (another worker took the run over) is given back undecided."""
         try:
             if kept is None:
                 return
             if not kept:
                 log.warning("run_lease_lost", fire_id=outcome.fire_id,
                             message="another worker took this run over; its outcome stands")
+                # Given back undecided: the new owner may hold the same message (on NATS, a
+                # redelivery of it), and an ack or term from here would settle its run, a
+                # retry it asked for included (the run stayed retrying for ever). A
+                # redelivery is answered by a claim, as any duplicate is.
+                with contextlib.suppress(*self.broker_errors):
+                    await held.message.nak()
+                return
             self.metrics.count(held.delivery.fire.target, outcome.state)
             with contextlib.suppress(*self.broker_errors):
                 await self._tell_broker(held.message, outcome)

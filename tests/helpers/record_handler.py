@@ -2,7 +2,8 @@
 
 ``handle`` appends "<fire id> <term> <attempt>" to RECORD_FIRES_TO (the side effect the
 tests count). ``app`` routes target ``jobs.*`` with behaviours chosen by the schedule's
-payload: {"fail": N} fails the first N attempts, {"permanent": true} raises
+payload: {"fail": N} fails the first N attempts, {"fail_on": [N, ...]} those attempts,
+{"permanent": true} raises
 PermanentFailure, {"dead_until_replay": true} raises it unless the delivery is a replay
 of the dead run, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
 succeeds; each attempt is recorded first. ``long.*`` is an async run of {"sleep": S}
@@ -43,7 +44,7 @@ def behave(run: Run) -> None:
         raise PermanentFailure("this account no longer exists")
     if payload.get("always_fail"):
         raise RuntimeError(f"attempt {run.attempt} failed")
-    if run.attempt <= int(payload.get("fail", 0)):
+    if run.attempt <= int(payload.get("fail", 0)) or run.attempt in payload.get("fail_on", ()):
         raise RuntimeError(f"transient failure on attempt {run.attempt}")
     time.sleep(float(payload.get("sleep", 0)))
 
