@@ -369,15 +369,17 @@ async def test_a_worker_that_lost_its_run_leaves_the_new_owners_retry_to_come(
     worker took the run over and asked the broker for a retry. Both hold the same NATS
     message: the stalled one's ack settled it, the retry never came, and the run stayed
     retrying for ever (seen in the chaos soak). Given back undecided, the retry comes."""
+    release = workers.tmp / "release-lost"  # the first attempt ends once it exists
     stalled = await workers.start("--ack-wait", "2", name="stalled")
-    await workers.publish("jobs.lost", event("lost@1", 1, NOW, {"sleep": 1,
+    await workers.publish("jobs.lost", event("lost@1", 1, NOW, {"hold": str(release),
                                                                  "fail_on": [2]}), "lost")
     await wait_until(lambda: workers.runs_of("lost@1") == 1, 20, "the first attempt")
     stalled.send_signal(signal.SIGSTOP)
     await workers.start("--ack-wait", "2", name="heir")
     await wait_until(lambda: workers.logged("run_failed") >= 1, 30,
                      "the heir's attempt to fail and ask for a retry")
-    stalled.send_signal(signal.SIGCONT)  # its attempt's sleep is over: it answers at once
+    release.touch()
+    stalled.send_signal(signal.SIGCONT)  # its attempt ends at once, and it answers
     await wait_until(lambda: workers.logged("run_lease_lost") >= 1, 20,
                      "the stalled worker to find its run taken over")
     doc = await workers.wait_state("lost@1", "succeeded", 30)

@@ -3,7 +3,7 @@
 ``handle`` appends "<fire id> <term> <attempt>" to RECORD_FIRES_TO (the side effect the
 tests count). ``app`` routes target ``jobs.*`` with behaviours chosen by the schedule's
 payload: {"fail": N} fails the first N attempts, {"fail_on": [N, ...]} those attempts,
-{"permanent": true} raises
+{"hold": PATH} waits until PATH exists (at most 60 s), {"permanent": true} raises
 PermanentFailure, {"dead_until_replay": true} raises it unless the delivery is a replay
 of the dead run, {"sleep": S} runs S seconds (a long run), {"always_fail": true} never
 succeeds; each attempt is recorded first. ``long.*`` is an async run of {"sleep": S}
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
 
@@ -46,7 +47,16 @@ def behave(run: Run) -> None:
         raise RuntimeError(f"attempt {run.attempt} failed")
     if run.attempt <= int(payload.get("fail", 0)) or run.attempt in payload.get("fail_on", ()):
         raise RuntimeError(f"transient failure on attempt {run.attempt}")
+    if "hold" in payload:
+        _hold(Path(payload["hold"]))
     time.sleep(float(payload.get("sleep", 0)))
+
+
+def _hold(until_exists: Path) -> None:
+    """Until the test creates the file (at most 60 s): an attempt it decides the end of."""
+    deadline = time.monotonic() + 60
+    while not until_exists.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 @app.handler("async.>", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.1,
