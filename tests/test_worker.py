@@ -387,6 +387,40 @@ async def test_a_worker_that_lost_its_run_leaves_the_new_owners_retry_to_come(
     assert [a[2] for a in workers.attempts()] == ["1", "2", "3"]
 
 
+@pytest.mark.parametrize("workers", ["amqp"], indirect=True)
+async def test_a_run_taken_over_while_it_waited_for_a_runner_is_given_back_to_the_broker(
+        workers: Workers) -> None:
+    """A run claimed ahead of the runners, then taken over before one started it, is
+    handed back undecided. On RabbitMQ an unanswered delivery stays on its channel until
+    the connection closes: before, the run was never delivered again and never ran (on
+    NATS its ack wait brings it back, so NATS would not show the fault)."""
+    release = workers.tmp / "release-first"  # the run ahead of it holds the only runner
+    await workers.start("--concurrency", "1", "--ack-wait", "2")
+    await workers.publish("jobs.ahead", event("ahead@1", 1, NOW, {"hold": str(release)}),
+                          "ahead")
+    await wait_until(lambda: workers.runs_of("ahead@1") == 1, 20, "the first run to start")
+    await workers.publish("jobs.queued", event("queued@1", 1, NOW), "queued")
+    claimed = await workers.wait_state("queued@1", "running", 20)
+    assert workers.runs_of("queued@1") == 0  # claimed, waiting for the runner
+    # Another worker's takeover, as the ledger records one: a later attempt, a live lease.
+    taken = await workers.client[workers.db_name].runs.update_one(
+        {"_id": "queued@1", "worker_id": claimed["worker_id"]},
+        {"$set": {"worker_id": "elsewhere", "attempts": claimed["attempts"] + 1,
+                  "lease_until": dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)}})
+    assert taken.modified_count == 1
+    await wait_until(lambda: workers.logged("run_lease_lost") >= 1, 20,
+                     "the worker's heartbeat to find the run taken over")
+    release.touch()
+    # Back from the broker at once, it meets the live lease (busy); once that lapses, a
+    # claim takes the run over and runs it here.
+    await wait_until(lambda: workers.logged("fire_busy") >= 1, 20,
+                     "the handed-back run to be delivered again")
+    doc = await workers.wait_state("queued@1", "succeeded", 30)
+    assert doc["attempts"] == claimed["attempts"] + 2
+    assert workers.runs_of("queued@1") == 1
+    assert (await workers.wait_state("ahead@1", "succeeded", 20))["attempts"] == 1
+
+
 async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
         workers: Workers) -> None:
     worker = await workers.start("--drain-timeout", "5")

@@ -615,7 +615,10 @@ class Worker:
         while True:
             _, _, held = await self.queue.get()
             if held.lost:  # taken over while it waited: the new owner runs it
-                self._release(held)
+                try:
+                    await self._hand_over(held)
+                finally:
+                    self._release(held)
                 continue
             held.started = True
             held.runner = task
@@ -633,8 +636,7 @@ class Worker:
         drain bound; give back the rest."""
         while not self.queue.empty():
             _, _, held = self.queue.get_nowait()
-            if not held.lost:
-                await self._give_back(held)
+            await (self._hand_over(held) if held.lost else self._give_back(held))
             self._release(held)
         if not self.held:
             return
@@ -731,12 +733,7 @@ class Worker:
             if not kept:
                 log.warning("run_lease_lost", fire_id=outcome.fire_id,
                             message="another worker took this run over; its outcome stands")
-                # Given back undecided: the new owner may hold the same message (on NATS, a
-                # redelivery of it), and an ack or term from here would settle its run, a
-                # retry it asked for included (the run stayed retrying for ever). A
-                # redelivery is answered by a claim, as any duplicate is.
-                with contextlib.suppress(*self.broker_errors):
-                    await held.message.nak()
+                await self._hand_over(held)
                 return
             self.metrics.count(held.delivery.fire.target, outcome.state)
             with contextlib.suppress(*self.broker_errors):
@@ -745,6 +742,16 @@ class Worker:
                 await self._pause_if_failing(held.delivery.fire.schedule_id, outcome)
         finally:
             self._release(held)
+
+    async def _hand_over(self, held: Held) -> None:
+        """A run another worker took over: its message is given back undecided. The new
+        owner may hold the same message (on NATS, a redelivery of it), and an ack or term
+        from here would settle its run, a retry it asked for included (the run stayed
+        retrying for ever). Unanswered, RabbitMQ would keep it on this channel, its
+        prefetch slot taken, until the connection closed. A redelivery is answered by a
+        claim, as any duplicate is."""
+        with contextlib.suppress(*self.broker_errors):
+            await held.message.nak()
 
     async def _pause_if_failing(self, schedule_id: str, outcome: Outcome) -> None:
         """pause_on_failure: N consecutive dead runs of a schedule pause it, saying why."""
