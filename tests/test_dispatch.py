@@ -18,7 +18,7 @@ from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
-from hascheduler.core.triggers import Interval
+from hascheduler.core.triggers import At, Interval
 from hascheduler.replica.dispatch import (
     ADMIT_AHEAD_S,
     BACKFILL_QUIET_S,
@@ -26,9 +26,11 @@ from hascheduler.replica.dispatch import (
     CLAIM_BATCH,
     CLAIM_EVERY_S,
     CLAIMS_IN_FLIGHT,
+    LATE_CHANGE_S,
     PUBLISH_TICK_S,
     Dispatcher,
     publish_tick,
+    replan_from,
 )
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
@@ -158,6 +160,43 @@ async def test_a_databases_first_term_records_no_watermark_while_it_catches_up()
         assert term.fired_through == now - dt.timedelta(minutes=1)
         term.catching_up = False
         assert term.fired_through == now
+
+
+async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires() -> None:
+    """The mirror applies a new one-off after the loop has passed its instant (its change
+    stream lagging, or the schedule written just before the term began): planned from the
+    watermark, the fire was never queued. Planned from the change's commit it is queued
+    at once, and the lease's watermark waits before it until it is claimed; a change with
+    no commit time (a load's) is planned from the watermark, as before."""
+    w = dt.datetime.now(dt.UTC)
+    second = dt.timedelta(seconds=1)
+    late = dt.timedelta(seconds=LATE_CHANGE_S)
+    assert replan_from(w, w - 3 * second) == w - 3 * second
+    assert replan_from(w, w + second) == w  # applied in time: from the watermark
+    assert replan_from(w, None) == w
+    assert replan_from(None, w) is None  # not yet seeded: the seed reads it
+    assert replan_from(w, w - 2 * late) == w - late  # at most LATE_CHANGE_S back
+
+    def one_off(at: dt.datetime, revision: int = 1) -> Entry:
+        return Entry(revision, False, At((at,)), 0.0, "all", 3600.0, "t")
+
+    entries: dict[str, Entry] = {}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        dispatcher.term = term
+        term.watermark = w
+        for schedule_id, at, written_at in [("late", w - second, w - 2 * second),
+                                            ("loaded", w - second, None),
+                                            ("lost", w - 2 * late, w - 3 * late)]:
+            entries[schedule_id] = one_off(at)
+            dispatcher.on_change(schedule_id, entries[schedule_id], written_at)
+        assert [(d.schedule_id, d.fire_at) for d in term.queue.items()] == [
+            ("late", w - second)]
+        assert term.fired_through == w - second - dt.timedelta(microseconds=1)
+        assert term.queue.take_due(w, 10)[0].schedule_id == "late"
+        assert term.fired_through == w
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

@@ -165,7 +165,10 @@ async def running(mirror: Mirror) -> AsyncIterator[asyncio.Task[None]]:
 
 async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -> None:
     await collection.insert_many([doc(f"pre{i}", 1) for i in range(5)])
-    mirror = Mirror(collection)
+    changes: list[tuple[str, bool, dt.datetime | None]] = []
+    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written_at:
+                    changes.append((schedule_id, entry is not None, written_at)))
+    began = dt.datetime.now(dt.UTC)
     async with running(mirror):
         await asyncio.wait_for(mirror.wait_ready(), 10)
         assert mirror.size == 5
@@ -180,6 +183,14 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
 
         await wait_until(caught_up, 10, "the mirror to apply the live changes")
         assert "pre1" not in mirror.entries
+        # A load's entries have no commit time; each streamed change has the server's.
+        assert sorted(changes[:5]) == [(f"pre{i}", True, None) for i in range(5)]
+        assert [c[:2] for c in changes[5:]] == [("live", True), ("pre0", True),
+                                                ("pre1", False)]
+        written = [c[2] for c in changes[5:]]
+        assert all(w is not None and began - dt.timedelta(seconds=1) <= w
+                   <= dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1) for w in written)
+        assert written == sorted(written)  # type: ignore[type-var]
         now = dt.datetime.now(dt.UTC)
         nxt = mirror.entries["live"].trigger.next_after(now)
         assert nxt is not None

@@ -172,3 +172,51 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         await client.drop_database(db)
         await client.close()
+
+
+async def test_a_schedule_the_mirror_learns_of_after_its_instant_still_fires(
+        mongo_uri: str) -> None:
+    """The leader's change stream lags (the database holds each of its getMores 2.5 s, a
+    fail point) while a one-off due half a second later is written. The mirror applies it
+    after the fire loop has passed its instant: planned from the loop's watermark, it was
+    never fired. Planned from the change's commit, it fires, late by the lag."""
+    name = f"lagging_{uuid.uuid4().hex[:8]}"
+    uri = with_database(mongo_uri, name)
+    settings = in_process(uri, "lagging")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    db = client.get_default_database()
+    try:
+        async with Replica(settings) as replica, aiohttp.ClientSession() as http:
+            await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
+            await asyncio.wait_for(replica.mirror.wait_ready(), 15)
+            await client.admin.command({
+                "configureFailPoint": "failCommand", "mode": "alwaysOn",
+                "data": {"failCommands": ["getMore"], "appName": "hascheduler/lagging",
+                         "blockConnection": True, "blockTimeMS": 2500}})
+            # The replica's two change streams (the mirror's, the lease watch's) each
+            # await one getMore at a time, for at most half a second: two entries are
+            # both held, and what is written now reaches the mirror when its hold ends.
+            await client.admin.command({"waitForFailPoint": "failCommand",
+                                        "timesEntered": 2, "maxTimeMS": 10_000})
+            due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.5)
+            async with http.post(replica.url + "/schedules", json={
+                    "id": "soon", "name": "soon", "target": "in.process",
+                    "trigger": {"kind": "at", "at": due.isoformat()}}) as r:
+                assert r.status == 201, await r.text()
+            await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+
+            async def fired() -> dict[str, Any] | None:
+                doc: dict[str, Any] | None = await db.fires.find_one(
+                    {"schedule_id": "soon", "state": "published"})
+                return doc
+
+            fire = await wait_until(fired, 15, "the one-off to be fired")
+            assert fire["nominal_at"] == due.replace(microsecond=due.microsecond // 1000
+                                                     * 1000)
+            # Claimed after its instant: the mirror did learn of it late.
+            assert fire["claimed_at"] > due
+            assert await db.fires.count_documents({"schedule_id": "soon"}) == 1
+    finally:
+        await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        await client.drop_database(db)
+        await client.close()

@@ -79,6 +79,13 @@ CLAIM_AHEAD_S = 1.5
 # fraction of a millisecond away, and claiming at each made an insert of a few fires,
 # and its round trip, thousands of times a second.
 CLAIM_EVERY_S = 0.025
+# A change the mirror applies after the loop has passed the instants it makes due (its
+# change stream lagging a busy server, a schedule written just before a term began) is
+# planned from when the database committed it, not from the watermark: planned from the
+# watermark, a one-off due in between was never fired, nor a cron's first fire. At most
+# this far back: a change applied later than that (a stream resumed after an outage) is
+# planned from this far back, as a catch-up window of its own would bound it.
+LATE_CHANGE_S = 10.0
 
 
 # A claimed fire passes the overlap gate (its run reserved) this long before its due
@@ -153,6 +160,15 @@ class _InFlight:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def replan_from(watermark: dt.datetime | None, written_at: dt.datetime | None
+                ) -> dt.datetime | None:
+    """Where a changed schedule's fires are planned from: the watermark, or, for a change
+    committed before it, the commit (at most LATE_CHANGE_S back)."""
+    if watermark is None or written_at is None or written_at >= watermark:
+        return watermark
+    return max(written_at, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
 
 
 def _due_at(claim: Claim) -> dt.datetime:
@@ -243,16 +259,18 @@ class Dispatcher:
     def fired_through(self) -> dt.datetime | None:
         return self.term.fired_through if self.term is not None else None
 
-    def on_change(self, schedule_id: str, entry: Entry | None) -> None:
-        """Called by the mirror for every applied change; reschedules while leading."""
+    def on_change(self, schedule_id: str, entry: Entry | None,
+                  written_at: dt.datetime | None = None) -> None:
+        """Called by the mirror for every applied change (committed at ``written_at``,
+        when the change stream says); reschedules while leading."""
         self.publisher.forget(schedule_id)
         if entry is not None and entry.paused and entry.paused_until is not None:
             self.resumes[schedule_id] = entry.paused_until
         else:
             self.resumes.pop(schedule_id, None)
         term = self.term
-        if term is not None and term.active and term.queue.changed(schedule_id, entry,
-                                                                    term.watermark):
+        if term is not None and term.active and term.queue.changed(
+                schedule_id, entry, replan_from(term.watermark, written_at)):
             self._wake.set()
 
     async def lead(self, view: LeaseView) -> None:

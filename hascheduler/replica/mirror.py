@@ -32,6 +32,7 @@ from hascheduler.core.constants import (
     STREAM_RETRY_MAX_S,
 )
 from hascheduler.core.entries import Entry, entry_from_document
+from hascheduler.core.instants import as_utc
 from hascheduler.storage.streams import open_change_stream
 
 log = structlog.get_logger("hascheduler.mirror")
@@ -263,11 +264,17 @@ async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CH
             await reader
 
 
+# Called for every change the mirror applies: the schedule's id, its entry (None: gone),
+# and when the database committed the change (the event's ``wallTime``; None for a load's
+# documents, and from a server older than MongoDB 6.0).
+OnChange = Callable[[str, Entry | None, dt.datetime | None], None]
+
+
 class Mirror(ChangeMirror):
     """The mirror of the schedules; ``run()`` keeps it in sync until cancelled."""
 
     def __init__(self, collection: WatchedCollection,
-                 on_change: Callable[[str, Entry | None], None] | None = None) -> None:
+                 on_change: OnChange | None = None) -> None:
         super().__init__(collection)
         self.on_change = on_change
         self.entries: dict[str, Entry] = {}
@@ -294,7 +301,8 @@ class Mirror(ChangeMirror):
     def status(self) -> dict[str, Any]:
         return {**super().status(), "invalid": len(self.invalid)}
 
-    def _put(self, schedule_id: str, doc: dict[str, Any], streamed: bool = True) -> None:
+    def _put(self, schedule_id: str, doc: dict[str, Any], streamed: bool = True,
+             written_at: dt.datetime | None = None) -> None:
         """Keep ``doc``'s entry; a ``streamed`` change's time is noted in
         ``recently_applied`` (a load's are not: they propagate nothing, and noting a
         million of them churned the record through a whole load)."""
@@ -303,7 +311,7 @@ class Mirror(ChangeMirror):
         except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
             # A document written around the API: keep the replica alive, say so.
             log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
-            self._remove(schedule_id)
+            self._remove(schedule_id, written_at)
             self.invalid[schedule_id] = str(exc)
             return
         self.invalid.pop(schedule_id, None)
@@ -315,24 +323,26 @@ class Mirror(ChangeMirror):
             if len(self.recently_applied) > RECENTLY_APPLIED:
                 self.recently_applied.popitem(last=False)
         if self.on_change:
-            self.on_change(schedule_id, entry)
+            self.on_change(schedule_id, entry, written_at)
 
-    def _remove(self, schedule_id: str) -> None:
+    def _remove(self, schedule_id: str, written_at: dt.datetime | None = None) -> None:
         self.invalid.pop(schedule_id, None)
         if self.entries.pop(schedule_id, None) is not None:
             self._digest = None
             if self.on_change:
-                self.on_change(schedule_id, None)
+                self.on_change(schedule_id, None, written_at)
 
     def apply(self, event: dict[str, Any]) -> str:
         key = event.get("documentKey", {}).get("_id")
         current = self.entries.get(key) if key is not None else None
         action, schedule_id, detail = decide(event, current.revision if current else None)
+        wall = event.get("wallTime")
+        written_at = as_utc(wall) if isinstance(wall, dt.datetime) else None
         if action == "upsert":
             assert isinstance(detail, dict)
-            self._put(schedule_id, detail)
+            self._put(schedule_id, detail, written_at=written_at)
         elif action == "remove":
-            self._remove(schedule_id)
+            self._remove(schedule_id, written_at)
         self._applied(event)
         return action
 

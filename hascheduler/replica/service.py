@@ -291,10 +291,11 @@ class Replica:
         self.sources = sources = Sources(db)
         stack.push_async_callback(lifecycle.bounded, "stopping the source mirrors", sources.close)
 
-        def changed(schedule_id: str, entry: Entry | None) -> None:
+        def changed(schedule_id: str, entry: Entry | None,
+                    written_at: dt.datetime | None) -> None:
             sources.on_change(schedule_id, entry.fan_out if entry is not None else None)
             if dispatcher is not None:
-                dispatcher.on_change(schedule_id, entry)
+                dispatcher.on_change(schedule_id, entry, written_at)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,

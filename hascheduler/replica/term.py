@@ -219,8 +219,8 @@ class Term:
     def fired_through(self) -> dt.datetime | None:
         """What the lease records as handled: the watermark, held back to the one taken
         over while the catch-up runs (none, in a database's first term) and before any
-        fan-out fire still waiting for its source, so a next leader's catch-up covers
-        them."""
+        fan-out fire still waiting for its source or fire still queued, so a next leader's
+        catch-up covers them."""
         if self.watermark is None:
             return None
         held = [self.watermark]
@@ -231,6 +231,11 @@ class Term:
         if self.deferred:
             earliest = min(d.fire_at for d in self.deferred.values())
             held.append(earliest - dt.timedelta(microseconds=1))
+        # A change applied late queues fires due before the watermark (Dispatcher.
+        # on_change); until they are claimed, a next leader's catch-up must cover them.
+        first = self.queue.first_at()
+        if first is not None:
+            held.append(first - dt.timedelta(microseconds=1))
         return min(held)
 
     def claimed(self, claims: Iterable[Claim]) -> None:
