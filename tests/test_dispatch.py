@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import structlog.testing
 from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, NetworkTimeout
 
 from hascheduler.brokers.base import BrokerUnavailable
@@ -187,11 +188,15 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
         term.watermark = w
-        for schedule_id, at, written_at in [("late", w - second, w - 2 * second),
-                                            ("loaded", w - second, None),
-                                            ("lost", w - 2 * late, w - 3 * late)]:
-            entries[schedule_id] = one_off(at)
-            dispatcher.on_change(schedule_id, entries[schedule_id], written_at)
+        with structlog.testing.capture_logs() as logged:
+            for schedule_id, at, written_at in [("late", w - second, w - 2 * second),
+                                                ("loaded", w - second, None),
+                                                ("lost", w - 2 * late, w - 3 * late)]:
+                entries[schedule_id] = one_off(at)
+                dispatcher.on_change(schedule_id, entries[schedule_id], written_at)
+        # Only the change past the bound, whose fire is lost, is said to be late.
+        assert [(e["event"], e["schedule_id"]) for e in logged
+                if e["log_level"] == "warning"] == [("change_applied_late", "lost")]
         assert [(d.schedule_id, d.fire_at) for d in term.queue.items()] == [
             ("late", w - second)]
         assert term.fired_through == w - second - dt.timedelta(microseconds=1)

@@ -269,8 +269,15 @@ class Dispatcher:
         else:
             self.resumes.pop(schedule_id, None)
         term = self.term
-        if term is not None and term.active and term.queue.changed(
-                schedule_id, entry, replan_from(term.watermark, written_at)):
+        if term is None or not term.active:
+            return
+        since = replan_from(term.watermark, written_at)
+        if written_at is not None and since is not None and written_at < since:
+            # Its fires between the commit and this bound are not fired: say so.
+            log.warning("change_applied_late", schedule_id=schedule_id, term=term.number,
+                        lag_s=round((since - written_at).total_seconds() + LATE_CHANGE_S, 3),
+                        planned_from=since.isoformat())
+        if term.queue.changed(schedule_id, entry, since):
             self._wake.set()
 
     async def lead(self, view: LeaseView) -> None:
