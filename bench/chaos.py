@@ -67,6 +67,7 @@ from bench.chaos_audit import (
     audit_runs,
     stored_fire,
 )
+from bench.chaos_records import Fault, LeaseSample
 from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
 from hascheduler.brokers.nats.reader import read_stream, stream_leader
@@ -104,29 +105,6 @@ COMPLETE_WITHIN_S = 120.0  # after the last fault is healed, for the stream to b
 # heartbeat interval never lets another worker take a run over.
 WORKER_ACK_WAIT_S = 6.0
 STREAM_LEADER = "a nats node"  # nats-node-kill picks it when injected (_nats_victim)
-
-
-@dataclass
-class Fault:
-    kind: str
-    target: str
-    started: dt.datetime
-    hold_s: float
-    term: int  # the lease's term when injected
-    leader: bool  # the target held the lease
-    settle_s: float  # after it ends, fires may still be late because of it
-    ended: dt.datetime | None = None
-
-    def window(self) -> Window:
-        end = self.ended or self.started
-        return self.started, end + dt.timedelta(seconds=self.settle_s)
-
-
-@dataclass
-class LeaseSample:
-    at: dt.datetime
-    holder: str | None
-    term: int
 
 
 @dataclass

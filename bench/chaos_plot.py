@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from bench.chaos import Fault, LeaseSample
+    from bench.chaos_records import Fault, LeaseSample
 
 FAULT_COLOURS = {"leader": "tab:red", "standby": "tab:blue", "db": "tab:purple",
                  "nats": "tab:orange", "devmongo": "tab:brown", "worker": "tab:green",

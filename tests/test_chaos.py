@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import KINDS, PARTITIONS, Fault, LeaseSample, Soak, failover_gaps
+from bench.chaos import KINDS, PARTITIONS, Soak, failover_gaps
 from bench.chaos_audit import SoakSchedule, audit, audit_runs, stored_fire
+from bench.chaos_records import Fault, LeaseSample
 from hascheduler.core.models import ScheduleIn
 from hascheduler.core.triggers import iso_utc
 
