@@ -242,12 +242,27 @@ async def raw_core_burst(nats_uri: str, n: int) -> float:
     return await timed_on_stream(nats_uri, send)
 
 
+def fire_frames(n: int, inbox: str, subject: Callable[[int], str]) -> list[bytes]:
+    """``n`` fires' HPUB frames as the leader writes them (its event bodies, fire ids as
+    ``Nats-Msg-Id`` and the term header), the i-th on ``subject(i)``, each acknowledged to
+    ``<inbox>.<i>``; the fire ids are new in each call."""
+    due = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    stamp = due.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    frames = []
+    for i in range(n):
+        sid = f"floor{i:06d}"
+        fire_id = f"{sid}@{stamp}-{inbox[-8:]}"
+        body = EventTemplate.of(schedule_doc(sid, {"kind": "at", "at": [due]}, "bench.burst")
+                                ).render(fire_id, due, None, 1, 1, stamp).body
+        frames.append(frame(subject(i), f"{inbox}.{i}",
+                            f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n", body))
+    return frames
+
+
 async def raw_frames_burst(nats_uri: str, n: int) -> float:
     """The broker's floor for a client with nothing else to do: ``n`` fires' HPUB frames as
     the leader writes them (the same event bodies and headers), all built before the clock
     starts and written at once on one connection, until the last JetStream ack is in."""
-    due = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    stamp = due.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     inbox, left, all_acked = f"_INBOX.floor{time.time_ns()}", n, asyncio.Event()
     errors: list[BaseException] = []
 
@@ -260,14 +275,7 @@ async def raw_frames_burst(nats_uri: str, n: int) -> float:
         if left == 0:
             all_acked.set()
 
-    frames = []
-    for i in range(n):
-        sid = f"floor{i:06d}"
-        fire_id = f"{sid}@{stamp}-{inbox[-8:]}"
-        body = EventTemplate.of(schedule_doc(sid, {"kind": "at", "at": [due]}, "bench.burst")
-                                ).render(fire_id, due, None, 1, 1, stamp).body
-        frames.append(frame(f"{SUBJECT_PREFIX}.bench.burst", f"{inbox}.{i}",
-                            f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n", body))
+    frames = fire_frames(n, inbox, lambda i: f"{SUBJECT_PREFIX}.bench.burst")
     endpoint = NatsEndpoint.parse(nats_uri)
     nc = await nats.connect(endpoint.servers)
     try:

@@ -26,7 +26,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "## Fan-out", "## High availability", "## RabbitMQ", "## Celery",
                     "## Run control", "## Partitions and clocks", "## Schedules as code",
                     "## Many teams", "## Tracing", "## Flow control", "## Ramp",
-                    "## Lease at ttl 1 s",
+                    "## Lease at ttl 1 s", "## Broker floor",
                     "## Development MongoDB"):
         assert section in text
     for measure in ("TERM lease", "KILL first fire", "burst:", "the broker's floor",
@@ -45,11 +45,12 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
                     "on / off", "key / no key", "a slot freeing to the next run starting",
                     "fairness:", "rate 5 a second", "fan-out to 100 tenants",
                     "highest sustained rate", "leadership changes", "watermark", "its first fire",
-                    "mirror / BSON", "raw find() drain", "plain inserts' worth"):
+                    "mirror / BSON", "raw find() drain", "plain inserts' worth",
+                    "the lowest p99 of a durable layout"):
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 18
+    assert text.count("Command: `python -m bench.") == 19
     assert (tmp_path / "ramp.png").stat().st_size > 0  # the ramp's plot, beside the report
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]
