@@ -9,6 +9,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -419,6 +420,65 @@ async def test_a_run_taken_over_while_it_waited_for_a_runner_is_given_back_to_th
     assert doc["attempts"] == claimed["attempts"] + 2
     assert workers.runs_of("queued@1") == 1
     assert (await workers.wait_state("ahead@1", "succeeded", 20))["attempts"] == 1
+
+
+@pytest.mark.parametrize("workers", ["amqp"], indirect=True)
+async def test_workers_killed_and_stalled_on_rabbitmq_leave_every_run_ended(
+        workers: Workers) -> None:
+    """A short soak of the workers alone on RabbitMQ (the chaos soak's are on NATS): fires
+    published ten a second for 16 s, a third failing their first attempt, while every 2 s
+    one worker is SIGKILLed (and replaced) or SIGSTOPped for 4 s, past its run lease and
+    its broker heartbeat, so RabbitMQ closes its connection and its runs are taken over.
+    Every run ends: succeeded, or dead after its last attempt; none is left running or
+    retrying."""
+    rng = random.Random(33)
+    common = ("--ack-wait", "3", "--concurrency", "2")
+    live = [await workers.start(*common, name=f"w{i}") for i in range(3)]
+    fire_ids: list[str] = []
+    stalls: set[asyncio.Task[None]] = set()
+
+    async def publish() -> None:
+        for i in range(160):
+            fire_id = f"soak{i:03d}@1"
+            payload: dict[str, Any] = {"sleep": 0.5}
+            if i % 3 == 0:
+                payload["fail_on"] = [1]
+            await workers.publish("jobs.soak", event(fire_id, 1, NOW, payload), fire_id)
+            fire_ids.append(fire_id)
+            await asyncio.sleep(0.1)
+
+    async def stall(worker: asyncio.subprocess.Process) -> None:
+        worker.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(4)  # the fault's length, not a wait for a condition
+        worker.send_signal(signal.SIGCONT)
+
+    publishing = asyncio.create_task(publish())
+    for n in range(8):
+        await asyncio.sleep(2)  # the fault's cadence
+        victim = rng.choice(live)
+        if rng.random() < 0.5:
+            victim.kill()
+            await victim.wait()
+            live.remove(victim)
+            live.append(await workers.start(*common, name=f"r{n}"))
+        else:
+            task = asyncio.create_task(stall(victim))
+            stalls.add(task)
+    await publishing
+    await asyncio.gather(*stalls)
+
+    async def all_ended() -> bool:
+        states = {d["_id"]: (d["state"], d["attempts"]) async for d in
+                  workers.client[workers.db_name].runs.find({"_id": {"$in": fire_ids}})}
+        return len(states) == len(fire_ids) and all(
+            state == "succeeded" or (state == "dead" and attempts == 4)
+            for state, attempts in states.values())
+
+    await wait_until(all_ended, 120, "every run to end (succeeded, or dead after 4 attempts)")
+    assert {a[0] for a in workers.attempts()} == set(fire_ids)  # each handler ran
+    # The faults did what they are for: runs taken over, a stalled worker cut off.
+    assert workers.logged("run_taken_over") >= 1
+    assert workers.logged("worker_resubscribing") >= 1
 
 
 async def test_sigterm_drains_a_run_in_flight_then_gives_back_what_overruns(
