@@ -67,6 +67,22 @@ def test_only_streamed_changes_are_noted_as_recently_applied() -> None:
     assert list(mirror.recently_applied) == ["new", "s1"]
 
 
+def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() -> None:
+    """A server older than MongoDB 6.0 sends no wallTime; anything but a date is none."""
+    seen: list[tuple[str, dt.datetime | None]] = []
+    mirror = Mirror(collection=None, on_change=lambda schedule_id, _entry, written_at:
+                    seen.append((schedule_id, written_at)))
+    committed = dt.datetime(2030, 1, 1, 12, 0, 0, 123000)  # naive, as a driver may give it
+    for schedule_id, wall in [("dated", committed), ("old", None), ("odd", "yesterday")]:
+        change = event("insert", schedule_id, doc(schedule_id, 1))
+        if wall is not None:
+            change["wallTime"] = wall
+        mirror.apply(change)
+    mirror.apply({**event("delete", "dated"), "wallTime": committed})
+    assert seen == [("dated", committed.replace(tzinfo=dt.UTC)), ("old", None), ("odd", None),
+                    ("dated", committed.replace(tzinfo=dt.UTC))]
+
+
 def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
     mirror = Mirror(collection=None)
     mirror.load([doc("keep", 1), doc("change", 1), doc("gone", 1)])
