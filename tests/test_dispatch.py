@@ -16,7 +16,7 @@ from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, N
 
 from hascheduler.brokers.base import BrokerUnavailable
 from hascheduler.core.claims import Claim
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
 from hascheduler.core.triggers import At, Interval
@@ -172,11 +172,19 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
     w = dt.datetime.now(dt.UTC)
     second = dt.timedelta(seconds=1)
     late = dt.timedelta(seconds=LATE_CHANGE_S)
-    assert replan_from(w, w - 3 * second) == w - 3 * second
-    assert replan_from(w, w + second) == w  # applied in time: from the watermark
-    assert replan_from(w, None) == w
-    assert replan_from(None, w) is None  # not yet seeded: the seed reads it
-    assert replan_from(w, w - 2 * late) == w - late  # at most LATE_CHANGE_S back
+    def made(at: dt.datetime | None, created_at: dt.datetime | None = None) -> Written:
+        return Written(at, created_at)
+
+    assert replan_from(w, made(w - 3 * second)) == w - 3 * second
+    assert replan_from(w, made(w + second)) == w  # applied in time: from the watermark
+    assert replan_from(w, None) == w  # a load's: from the watermark
+    assert replan_from(w, made(None)) == w  # a server before MongoDB 6.0
+    assert replan_from(None, made(w)) is None  # not yet seeded: the seed reads it
+    assert replan_from(w, made(w - 2 * late)) == w - late  # at most LATE_CHANGE_S back
+    # Never from before the schedule's creation: not what fell due before it was written.
+    ms = dt.timedelta(milliseconds=1)
+    assert replan_from(w, made(w - 2 * second, w - 3 * second)) == w - 2 * second
+    assert replan_from(w, made(w + second, w + second / 2)) == w + second / 2 - ms
 
     def one_off(at: dt.datetime, revision: int = 1) -> Entry:
         return Entry(revision, False, At((at,)), 0.0, "all", 3600.0, "t")
@@ -189,11 +197,11 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
         dispatcher.term = term
         term.watermark = w
         with structlog.testing.capture_logs() as logged:
-            for schedule_id, at, written_at in [("late", w - second, w - 2 * second),
-                                                ("loaded", w - second, None),
-                                                ("lost", w - 2 * late, w - 3 * late)]:
+            for schedule_id, at, written in [("late", w - second, made(w - 2 * second)),
+                                             ("loaded", w - second, None),
+                                             ("lost", w - 2 * late, made(w - 3 * late))]:
                 entries[schedule_id] = one_off(at)
-                dispatcher.on_change(schedule_id, entries[schedule_id], written_at)
+                dispatcher.on_change(schedule_id, entries[schedule_id], written)
         # Only the change past the bound, whose fire is lost, is said to be late.
         assert [(e["event"], e["schedule_id"]) for e in logged
                 if e["log_level"] == "warning"] == [("change_applied_late", "lost")]
@@ -202,6 +210,26 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
         assert term.fired_through == w - second - dt.timedelta(microseconds=1)
         assert term.queue.take_due(w, 10)[0].schedule_id == "late"
         assert term.fired_through == w
+
+
+async def test_a_schedule_created_after_the_watermark_fires_nothing_due_before_it() -> None:
+    """The loop last ran 10 ms before a whole second; a per-second cron created 10 ms
+    after that second is applied at once. Planned from the watermark, that second (before
+    the schedule existed) was fired; planned from its creation, its first fire is the
+    next second."""
+    second = dt.timedelta(seconds=1)
+    ms = dt.timedelta(milliseconds=1)
+    w = T0 - 10 * ms
+    entries = {"new": Entry(1, False, Interval(1.0, T0 - 60 * second), 0.0, "all", 3600.0,
+                            "t")}
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        dispatcher.term = term
+        term.watermark = w
+        dispatcher.on_change("new", entries["new"], Written(T0 + 12 * ms, T0 + 10 * ms))
+        assert [d.nominal for d in term.queue.items()] == [T0 + second]
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from bson import Timestamp
 
+from hascheduler.core.entries import Written
 from hascheduler.replica.mirror import RECENTLY_APPLIED, Mirror, decide, read_ahead
 from tests.drivers import Driver
 from tests.waiting import wait_until
@@ -70,8 +71,8 @@ def test_only_streamed_changes_are_noted_as_recently_applied() -> None:
 def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() -> None:
     """A server older than MongoDB 6.0 sends no wallTime; anything but a date is none."""
     seen: list[tuple[str, dt.datetime | None]] = []
-    mirror = Mirror(collection=None, on_change=lambda schedule_id, _entry, written_at:
-                    seen.append((schedule_id, written_at)))
+    mirror = Mirror(collection=None, on_change=lambda schedule_id, _entry, written:
+                    seen.append((schedule_id, written.at if written else None)))
     committed = dt.datetime(2030, 1, 1, 12, 0, 0, 123000)  # naive, as a driver may give it
     for schedule_id, wall in [("dated", committed), ("old", None), ("odd", "yesterday")]:
         change = event("insert", schedule_id, doc(schedule_id, 1))
@@ -181,9 +182,9 @@ async def running(mirror: Mirror) -> AsyncIterator[asyncio.Task[None]]:
 
 async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -> None:
     await collection.insert_many([doc(f"pre{i}", 1) for i in range(5)])
-    changes: list[tuple[str, bool, dt.datetime | None]] = []
-    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written_at:
-                    changes.append((schedule_id, entry is not None, written_at)))
+    changes: list[tuple[str, bool, Written | None]] = []
+    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written:
+                    changes.append((schedule_id, entry is not None, written)))
     async def server_now() -> dt.datetime:  # the server's clock, not this process's
         reply = await collection.database.command("hello")
         return reply["localTime"].replace(tzinfo=dt.UTC)  # type: ignore[no-any-return]
@@ -192,7 +193,8 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
     async with running(mirror):
         await asyncio.wait_for(mirror.wait_ready(), 10)
         assert mirror.size == 5
-        await collection.insert_one(doc("live", 1))
+        created = await server_now()
+        await collection.insert_one(doc("live", 1, created_at=created))
         await collection.update_one({"_id": "pre0"}, {"$set": {"paused": True},
                                                       "$inc": {"revision": 1}})
         await collection.delete_one({"_id": "pre1"})
@@ -207,11 +209,15 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
         assert sorted(changes[:5]) == [(f"pre{i}", True, None) for i in range(5)]
         assert [c[:2] for c in changes[5:]] == [("live", True), ("pre0", True),
                                                 ("pre1", False)]
-        written = [c[2] for c in changes[5:]]
         ended = await server_now()
+        written = [c[2].at for c in changes[5:] if c[2] is not None]
+        assert len(written) == 3
         assert all(w is not None and began - dt.timedelta(seconds=1) <= w
                    <= ended + dt.timedelta(seconds=1) for w in written), (began, written)
         assert written == sorted(written)  # type: ignore[type-var]
+        # A document's own creation time comes with it; a delete has none.
+        assert [c[2].created_at for c in changes[5:] if c[2] is not None] == [
+            created.replace(microsecond=created.microsecond // 1000 * 1000), None, None]
         now = dt.datetime.now(dt.UTC)
         nxt = mirror.entries["live"].trigger.next_after(now)
         assert nxt is not None

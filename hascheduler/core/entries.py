@@ -8,7 +8,7 @@ import dataclasses
 import datetime as dt
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hascheduler.core import triggers
 from hascheduler.core.fanout import FanOut
@@ -26,6 +26,15 @@ class _Uncommon:
     completed: bool = False
     namespace: str = "default"
     success_within: float | None = None
+
+
+class Written(NamedTuple):
+    """When a change to a schedule was made, as its change event says: ``at``, when the
+    database committed it (the event's ``wallTime``: none from a server before MongoDB
+    6.0), and ``created_at``, when the schedule was created (its document's)."""
+
+    at: dt.datetime | None
+    created_at: dt.datetime | None
 
 
 _DEFAULTS = _Uncommon()

@@ -31,7 +31,7 @@ from hascheduler.brokers.base import Broker
 from hascheduler.core.catchup import SkippedRange, plan_catchup
 from hascheduler.core.claims import Claim, expand
 from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.instants import as_utc
@@ -84,7 +84,8 @@ CLAIM_EVERY_S = 0.025
 # planned from when the database committed it, not from the watermark: planned from the
 # watermark, a one-off due in between was never fired, nor a cron's first fire. At most
 # this far back: a change applied later than that (a stream resumed after an outage) is
-# planned from this far back, as a catch-up window of its own would bound it.
+# planned from this far back, as a catch-up window of its own would bound it. And never
+# from before the schedule's creation: what fell due before it was written was never due.
 LATE_CHANGE_S = 10.0
 
 
@@ -162,13 +163,20 @@ class _InFlight:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def replan_from(watermark: dt.datetime | None, written_at: dt.datetime | None
+def replan_from(watermark: dt.datetime | None, written: Written | None
                 ) -> dt.datetime | None:
     """Where a changed schedule's fires are planned from: the watermark, or, for a change
-    committed before it, the commit (at most LATE_CHANGE_S back)."""
-    if watermark is None or written_at is None or written_at >= watermark:
+    committed before it, the commit (at most LATE_CHANGE_S back); and not from before the
+    schedule's creation."""
+    if watermark is None or written is None:
         return watermark
-    return max(written_at, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
+    since = watermark
+    if written.at is not None and written.at < watermark:
+        since = max(written.at, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
+    # A millisecond before: a stored date has whole milliseconds, and a one-off may be due
+    # within the millisecond of its creation.
+    created = written.created_at and written.created_at - dt.timedelta(milliseconds=1)
+    return max(since, created) if created is not None else since
 
 
 def _due_at(claim: Claim) -> dt.datetime:
@@ -260,9 +268,9 @@ class Dispatcher:
         return self.term.fired_through if self.term is not None else None
 
     def on_change(self, schedule_id: str, entry: Entry | None,
-                  written_at: dt.datetime | None = None) -> None:
-        """Called by the mirror for every applied change (committed at ``written_at``,
-        when the change stream says); reschedules while leading."""
+                  written: Written | None = None) -> None:
+        """Called by the mirror for every applied change (made when ``written`` says, for a
+        streamed one); reschedules while leading."""
         self.publisher.forget(schedule_id)
         if entry is not None and entry.paused and entry.paused_until is not None:
             self.resumes[schedule_id] = entry.paused_until
@@ -271,12 +279,14 @@ class Dispatcher:
         term = self.term
         if term is None or not term.active:
             return
-        since = replan_from(term.watermark, written_at)
-        if written_at is not None and since is not None and written_at < since:
-            # Its fires between the commit and this bound are not fired: say so.
+        since = replan_from(term.watermark, written)
+        watermark = term.watermark
+        if written is not None and written.at is not None and watermark is not None and \
+                written.at < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
+            # Its fires between the commit and the bound are not fired: say so.
             log.warning("change_applied_late", schedule_id=schedule_id, term=term.number,
-                        lag_s=round((since - written_at).total_seconds() + LATE_CHANGE_S, 3),
-                        planned_from=since.isoformat())
+                        lag_s=round((watermark - written.at).total_seconds(), 3),
+                        planned_from=(since or watermark).isoformat())
         if term.queue.changed(schedule_id, entry, since):
             self._wake.set()
 

@@ -31,7 +31,7 @@ from hascheduler.core.constants import (
     STREAM_RETRY_INITIAL_S,
     STREAM_RETRY_MAX_S,
 )
-from hascheduler.core.entries import Entry, entry_from_document
+from hascheduler.core.entries import Entry, Written, entry_from_document
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.streams import open_change_stream
 
@@ -232,6 +232,11 @@ class ChangeMirror:
                 self._token = token
 
 
+def _date(value: Any) -> dt.datetime | None:
+    """A stored or streamed instant, in UTC; None for anything but a date."""
+    return as_utc(value) if isinstance(value, dt.datetime) else None
+
+
 async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CHUNK,
                      ahead: int = LOAD_AHEAD) -> AsyncIterator[list[dict[str, Any]]]:
     """The cursor's documents in chunks, read by a task of their own: while the caller
@@ -265,9 +270,8 @@ async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CH
 
 
 # Called for every change the mirror applies: the schedule's id, its entry (None: gone),
-# and when the database committed the change (the event's ``wallTime``; None for a load's
-# documents, and from a server older than MongoDB 6.0).
-OnChange = Callable[[str, Entry | None, dt.datetime | None], None]
+# and when the change was made (None for a load's documents).
+OnChange = Callable[[str, Entry | None, Written | None], None]
 
 
 class Mirror(ChangeMirror):
@@ -302,7 +306,7 @@ class Mirror(ChangeMirror):
         return {**super().status(), "invalid": len(self.invalid)}
 
     def _put(self, schedule_id: str, doc: dict[str, Any], streamed: bool = True,
-             written_at: dt.datetime | None = None) -> None:
+             written: Written | None = None) -> None:
         """Keep ``doc``'s entry; a ``streamed`` change's time is noted in
         ``recently_applied`` (a load's are not: they propagate nothing, and noting a
         million of them churned the record through a whole load)."""
@@ -311,7 +315,7 @@ class Mirror(ChangeMirror):
         except (triggers.InvalidTrigger, KeyError, TypeError, ValueError) as exc:
             # A document written around the API: keep the replica alive, say so.
             log.warning("schedule_document_refused", schedule_id=schedule_id, error=str(exc))
-            self._remove(schedule_id, written_at)
+            self._remove(schedule_id, written)
             self.invalid[schedule_id] = str(exc)
             return
         self.invalid.pop(schedule_id, None)
@@ -323,26 +327,25 @@ class Mirror(ChangeMirror):
             if len(self.recently_applied) > RECENTLY_APPLIED:
                 self.recently_applied.popitem(last=False)
         if self.on_change:
-            self.on_change(schedule_id, entry, written_at)
+            self.on_change(schedule_id, entry, written)
 
-    def _remove(self, schedule_id: str, written_at: dt.datetime | None = None) -> None:
+    def _remove(self, schedule_id: str, written: Written | None = None) -> None:
         self.invalid.pop(schedule_id, None)
         if self.entries.pop(schedule_id, None) is not None:
             self._digest = None
             if self.on_change:
-                self.on_change(schedule_id, None, written_at)
+                self.on_change(schedule_id, None, written)
 
     def apply(self, event: dict[str, Any]) -> str:
         key = event.get("documentKey", {}).get("_id")
         current = self.entries.get(key) if key is not None else None
         action, schedule_id, detail = decide(event, current.revision if current else None)
-        wall = event.get("wallTime")
-        written_at = as_utc(wall) if isinstance(wall, dt.datetime) else None
         if action == "upsert":
             assert isinstance(detail, dict)
-            self._put(schedule_id, detail, written_at=written_at)
+            self._put(schedule_id, detail, written=Written(
+                _date(event.get("wallTime")), _date(detail.get("created_at"))))
         elif action == "remove":
-            self._remove(schedule_id, written_at)
+            self._remove(schedule_id, Written(_date(event.get("wallTime")), None))
         self._applied(event)
         return action
 

@@ -47,7 +47,7 @@ from hascheduler.core.constants import (
     STREAM_RETRY_MAX_S,
     WEBHOOKS,
 )
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.health import DEFAULT_LATE_AFTER_S, ScheduleHealth
 from hascheduler.core.instants import as_utc
@@ -291,11 +291,10 @@ class Replica:
         self.sources = sources = Sources(db)
         stack.push_async_callback(lifecycle.bounded, "stopping the source mirrors", sources.close)
 
-        def changed(schedule_id: str, entry: Entry | None,
-                    written_at: dt.datetime | None) -> None:
+        def changed(schedule_id: str, entry: Entry | None, written: Written | None) -> None:
             sources.on_change(schedule_id, entry.fan_out if entry is not None else None)
             if dispatcher is not None:
-                dispatcher.on_change(schedule_id, entry, written_at)
+                dispatcher.on_change(schedule_id, entry, written)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
