@@ -79,6 +79,8 @@ BAD_SCHEDULES = [
     ("trigger.every", {"trigger": {"kind": "interval", "every": "P1M"}}),
     ("trigger.at", {"trigger": {"kind": "at", "at": "2029-12-31T00:00:00Z"}}),
     ("trigger.at", {"trigger": {"kind": "at", "at": "2031-01-01T00:00:00"}}),
+    # Within the millisecond of now (12:00:00): stored, it would be its creation time.
+    ("trigger.at", {"trigger": {"kind": "at", "at": "2030-01-01T12:00:00.000400Z"}}),
     ("trigger.kind", {"trigger": {"kind": "sometimes"}}),
     ("payload", {"payload": {"blob": "x" * (MAX_PAYLOAD_BYTES + 10)}}),
     ("surprise", {"surprise": True}),

@@ -99,6 +99,10 @@ def _utc(value: dt.datetime, field: str) -> dt.datetime:
     return value.astimezone(dt.UTC)
 
 
+def _whole_ms(value: dt.datetime) -> dt.datetime:
+    return value.replace(microsecond=value.microsecond - value.microsecond % 1000)
+
+
 _INT64 = 2**63
 
 
@@ -260,12 +264,16 @@ class AtSpec(_Window):
             raise ValueError("at needs at least one instant")
         if len(instants) > 10_000:
             raise ValueError("at holds at most 10000 instants")
-        now = _now(info)
+        # To the millisecond, as they are stored (BSON dates): an instant within the
+        # millisecond of the schedule's creation would not be after its stored creation
+        # time, and nothing due by then is fired (replica/dispatch.py, replan_from).
+        now = _whole_ms(_now(info))
         out = []
         for instant in instants:
             utc = _utc(instant, "at")
-            if utc <= now and not _stored(info):
-                raise ValueError(f"instant {utc.isoformat()} is not in the future")
+            if _whole_ms(utc) <= now and not _stored(info):
+                raise ValueError(f"instant {utc.isoformat()} is not in the future (to the "
+                                 "millisecond)")
             out.append(utc)
         return sorted(set(out))
 

@@ -173,9 +173,9 @@ def replan_from(watermark: dt.datetime | None, written: Written | None
     since = watermark
     if written.at is not None and written.at < watermark:
         since = max(written.at, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
-    # A millisecond before: a stored date has whole milliseconds, and a one-off may be due
-    # within the millisecond of its creation.
-    created = written.created_at and written.created_at - dt.timedelta(milliseconds=1)
+    # Strictly after, as the catch-up plans (_plan_catchups): the API takes a one-off's
+    # instant only after its creation's millisecond.
+    created = written.created_at
     return max(since, created) if created is not None else since
 
 
