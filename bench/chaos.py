@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -119,6 +120,9 @@ class Soak:
     busy: set[str] = field(default_factory=set)
     heals: set[asyncio.Task[None]] = field(default_factory=set)
     interrupted: set[str] = field(default_factory=set)  # workers killed or stopped
+    # Schedules asked for while the faults run (whether each was created is read back
+    # from the database once they are healed).
+    asked: list[SoakSchedule] = field(default_factory=list)
     t0: dt.datetime = dt.datetime.min  # the window's start, set by run()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -161,6 +165,46 @@ class Soak:
                 async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
                     if r.status != 201:
                         raise RuntimeError(f"creating {s.id}: {r.status} {await r.text()}")
+
+    async def create_while_faulted(self) -> None:
+        """Every --creates-every seconds, ask a replica picked at random for a new
+        schedule: one firing every second, or a one-off due within a second and a half.
+        Created during a takeover or a lagging change stream, they are what the leader
+        learns of late; a request the faults refuse or lose is fine (read back later)."""
+        rng = random.Random(self.args.seed + 1)  # the faults' own draws stay as they were
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while True:
+                await asyncio.sleep(self.args.creates_every)
+                sid = f"soak-new-{len(self.asked):04d}"
+                now = dt.datetime.now(UTC)
+                now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # as stored
+                if len(self.asked) % 2:
+                    s = SoakSchedule(sid, "at", instants=tuple(
+                        now + dt.timedelta(milliseconds=ms) for ms in (300, 1500)))
+                else:
+                    s = SoakSchedule(sid, "second_step", step_s=1)
+                self.asked.append(s)
+                api = rng.choice(self.supervisor.replicas).address
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
+                        await r.read()
+
+    async def read_back_created(self) -> None:
+        """Those of the schedules asked for while faulted that exist, with their stored
+        creation times, join the audit."""
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri, tz_aware=True)
+        try:
+            stored = {d["_id"]: d["created_at"] async for d in
+                      client.get_default_database()["schedules"].find(
+                          {"_id": {"$in": [s.id for s in self.asked]}}, {"created_at": 1})}
+        finally:
+            await client.close()
+        self.schedules += [dataclasses.replace(s, created=stored[s.id].astimezone(UTC))
+                           for s in self.asked if s.id in stored]
+        print(f"schedules created while faulted: {len(stored)} of {len(self.asked)} asked",
+              flush=True)
 
     # -- observation ----------------------------------------------------------------------
 
@@ -644,9 +688,18 @@ async def run(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(soak.watch_lease())
         await asyncio.sleep(max(0.0, (since - dt.datetime.now(UTC)).total_seconds()))
         print(f"window {since.isoformat()} .. {until.isoformat()}; faults:", flush=True)
-        await soak.inject_until(time.monotonic() + args.duration)
+        creating = asyncio.create_task(soak.create_while_faulted()) \
+            if args.creates_every else None
+        try:
+            await soak.inject_until(time.monotonic() + args.duration)
+        finally:
+            if creating is not None:
+                creating.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await creating
         await soak.heal_all()
         await soak.supervisor.reconcile()
+        await soak.read_back_created()
         await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
         report, messages = await complete_stream(soak, since, until, windows)
@@ -805,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", action=argparse.BooleanOptionalAction, default=True,
                         help="run every process in a network namespace of its own and cut "
                              "links among the faults (needs root; default on)")
+    parser.add_argument("--creates-every", type=_positive(float, 0), default=5.0,
+                        help="while the faults run, a new schedule every this many seconds "
+                             "(0: none; default 5)")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
     args = parser.parse_args(argv)
     logs.configure("warning")  # the supervisor's own lines; the soak prints its faults

@@ -32,6 +32,9 @@ class SoakSchedule:
     instants: tuple[dt.datetime, ...] = ()
     jitter_s: float = 0.0
     tenants: tuple[str, ...] = ()  # fans out over these documents of TENANTS
+    # Its stored creation time, for one created while the faults run: what fell due by
+    # then was never due.
+    created: dt.datetime | None = None
 
     @property
     def audit_ids(self) -> list[str]:
@@ -59,7 +62,9 @@ class SoakSchedule:
         return body
 
     def nominal_times(self, since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
-        """Nominal times t with since <= t <= until."""
+        """Nominal times t with since <= t <= until, and after its creation."""
+        if self.created is not None:
+            since = max(since, self.created + dt.timedelta(microseconds=1))
         if self.kind == "at":
             return [t for t in self.instants if since <= t <= until]
         if self.kind == "interval":

@@ -181,9 +181,12 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
     assert replan_from(w, made(None)) == w  # a server before MongoDB 6.0
     assert replan_from(None, made(w)) is None  # not yet seeded: the seed reads it
     assert replan_from(w, made(w - 2 * late)) == w - late  # at most LATE_CHANGE_S back
-    # Never from before the schedule's creation: not what fell due before it was written.
-    assert replan_from(w, made(w - 2 * second, w - 3 * second)) == w - 2 * second
+    # A new schedule from its creation, whenever its write was committed (held up past the
+    # watermark, say), and never from before it: what fell due then was never due.
+    assert replan_from(w, made(w - 2 * second, w - 3 * second)) == w - 3 * second
+    assert replan_from(w, made(w + second, w - 3 * second)) == w - 3 * second
     assert replan_from(w, made(w + second, w + second / 2)) == w + second / 2
+    assert replan_from(w, made(w + second, w - 2 * late)) == w - late
 
     def one_off(at: dt.datetime, revision: int = 1) -> Entry:
         return Entry(revision, False, At((at,)), 0.0, "all", 3600.0, "t")

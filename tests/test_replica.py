@@ -220,3 +220,50 @@ async def test_a_schedule_the_mirror_learns_of_after_its_instant_still_fires(
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
         await client.drop_database(db)
         await client.close()
+
+
+async def test_a_one_off_whose_write_is_held_past_its_instant_still_fires(
+        mongo_uri: str) -> None:
+    """The database holds the schedule's insert 2.5 s (a fail point) while its one-off is
+    due after 0.5 s: the schedule is created (its created_at, the API's clock when it took
+    the request) before its instant, and committed after it. Planned from the loop's
+    watermark, or from the commit, the instant was never fired (the chaos soak found it,
+    a devmongo stall holding a write); planned from its creation, as the catch-up plans a
+    new schedule, it fires late by the hold."""
+    name = f"held_{uuid.uuid4().hex[:8]}"
+    uri = with_database(mongo_uri, name)
+    settings = in_process(uri, "held")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    db = client.get_default_database()
+    try:
+        async with Replica(settings) as replica, aiohttp.ClientSession() as http:
+            await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
+            await asyncio.wait_for(replica.mirror.wait_ready(), 15)
+            await client.admin.command({
+                "configureFailPoint": "failCommand", "mode": {"times": 1},
+                "data": {"failCommands": ["insert"], "namespace": f"{name}.schedules",
+                         "blockConnection": True, "blockTimeMS": 2500}})
+            due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.5)
+            async with http.post(replica.url + "/schedules", json={
+                    "id": "held", "name": "held", "target": "in.process",
+                    "trigger": {"kind": "at", "at": due.isoformat()}}) as r:
+                assert r.status == 201, await r.text()
+                created = dt.datetime.fromisoformat(
+                    (await r.json())["created_at"].replace("Z", "+00:00"))
+            assert created < due
+
+            async def fired() -> dict[str, Any] | None:
+                doc: dict[str, Any] | None = await db.fires.find_one(
+                    {"schedule_id": "held", "state": "published"})
+                return doc
+
+            fire = await wait_until(fired, 15, "the one-off to be fired")
+            assert fire["nominal_at"] == due.replace(microsecond=due.microsecond // 1000
+                                                     * 1000)
+            # Claimed after its instant: its write was held past it.
+            assert fire["claimed_at"] > due
+            assert await db.fires.count_documents({"schedule_id": "held"}) == 1
+    finally:
+        await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        await client.drop_database(db)
+        await client.close()

@@ -31,7 +31,9 @@ class _Uncommon:
 class Written(NamedTuple):
     """When a change to a schedule was made, as its change event says: ``at``, when the
     database committed it (the event's ``wallTime``: none from a server before MongoDB
-    6.0), and ``created_at``, when the schedule was created (its document's)."""
+    6.0), and, for a new schedule (an insert), ``created_at``, its document's creation
+    time (the API's clock when it took the request: before the commit, and by as much as
+    the write was held up)."""
 
     at: dt.datetime | None
     created_at: dt.datetime | None

@@ -163,20 +163,27 @@ class _InFlight:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def change_start(written: Written | None) -> dt.datetime | None:
+    """From when a change makes fires due: a new schedule's creation, or its commit."""
+    if written is None:
+        return None
+    return written.created_at if written.created_at is not None else written.at
+
+
 def replan_from(watermark: dt.datetime | None, written: Written | None
                 ) -> dt.datetime | None:
-    """Where a changed schedule's fires are planned from: the watermark, or, for a change
-    committed before it, the commit (at most LATE_CHANGE_S back); and not from before the
-    schedule's creation."""
-    if watermark is None or written is None:
+    """Where a changed schedule's fires are planned from: a new schedule from its
+    creation, as the catch-up plans one (_plan_catchups: its write may have been held up
+    past the watermark, and the instants after its creation are due all the same); a
+    change to one from the watermark, or from the commit of a change committed before it;
+    either at most LATE_CHANGE_S before the watermark."""
+    start = change_start(written)
+    if watermark is None or start is None:
         return watermark
-    since = watermark
-    if written.at is not None and written.at < watermark:
-        since = max(written.at, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
-    # Strictly after, as the catch-up plans (_plan_catchups): the API takes a one-off's
-    # instant only after its creation's millisecond.
-    created = written.created_at
-    return max(since, created) if created is not None else since
+    new = written is not None and written.created_at is not None
+    if not new and start >= watermark:
+        return watermark
+    return max(start, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
 
 
 def _due_at(claim: Claim) -> dt.datetime:
@@ -280,12 +287,12 @@ class Dispatcher:
         if term is None or not term.active:
             return
         since = replan_from(term.watermark, written)
-        watermark = term.watermark
-        if written is not None and written.at is not None and watermark is not None and \
-                written.at < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
-            # Its fires between the commit and the bound are not fired: say so.
+        watermark, start = term.watermark, change_start(written)
+        if start is not None and watermark is not None and \
+                start < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
+            # Its fires between its start and the bound are not fired: say so.
             log.warning("change_applied_late", schedule_id=schedule_id, term=term.number,
-                        lag_s=round((watermark - written.at).total_seconds(), 3),
+                        lag_s=round((watermark - start).total_seconds(), 3),
                         planned_from=(since or watermark).isoformat())
         if term.queue.changed(schedule_id, entry, since):
             self._wake.set()

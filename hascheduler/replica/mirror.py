@@ -342,8 +342,11 @@ class Mirror(ChangeMirror):
         action, schedule_id, detail = decide(event, current.revision if current else None)
         if action == "upsert":
             assert isinstance(detail, dict)
-            self._put(schedule_id, detail, written=Written(
-                _date(event.get("wallTime")), _date(detail.get("created_at"))))
+            # A new schedule's creation time; a change to one is planned from its commit.
+            created = _date(detail.get("created_at")) \
+                if event.get("operationType") == "insert" else None
+            self._put(schedule_id, detail,
+                      written=Written(_date(event.get("wallTime")), created))
         elif action == "remove":
             self._remove(schedule_id, Written(_date(event.get("wallTime")), None))
         self._applied(event)
