@@ -163,6 +163,20 @@ async def test_a_databases_first_term_records_no_watermark_while_it_catches_up()
         assert term.fired_through == now
 
 
+@contextlib.asynccontextmanager
+async def changes_applied(entries: dict[str, Entry], watermark: dt.datetime
+                          ) -> AsyncIterator[tuple[Dispatcher, Term]]:
+    """A dispatcher over ``entries`` leading a term whose loop has got to ``watermark``
+    (no database, no broker: for what a change queues)."""
+    lease = SimpleNamespace(valid=True, term=1)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        dispatcher.term = term
+        term.watermark = watermark
+        yield dispatcher, term
+
+
 async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires() -> None:
     """The mirror applies a new one-off after the loop has passed its instant (its change
     stream lagging, or the schedule written just before the term began): planned from the
@@ -192,12 +206,7 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
         return Entry(revision, False, At((at,)), 0.0, "all", 3600.0, "t")
 
     entries: dict[str, Entry] = {}
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        dispatcher.term = term
-        term.watermark = w
+    async with changes_applied(entries, w) as (dispatcher, term):
         with structlog.testing.capture_logs() as logged:
             for schedule_id, at, written in [("late", w - second, made(w - 2 * second)),
                                              ("loaded", w - second, None),
@@ -224,12 +233,7 @@ async def test_a_schedule_created_after_the_watermark_fires_nothing_due_before_i
     w = T0 - 10 * ms
     entries = {"new": Entry(1, False, Interval(1.0, T0 - 60 * second), 0.0, "all", 3600.0,
                             "t")}
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        dispatcher.term = term
-        term.watermark = w
+    async with changes_applied(entries, w) as (dispatcher, term):
         dispatcher.on_change("new", entries["new"], Written(T0 + 12 * ms, T0 + 10 * ms))
         assert [d.nominal for d in term.queue.items()] == [T0 + second]
 
