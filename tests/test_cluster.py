@@ -160,16 +160,21 @@ async def test_dropped_stream_connections_resume_with_nothing_lost(
 
 async def test_history_lost_makes_the_replica_resync(cluster: Cluster, admin: Any) -> None:
     before = (await cluster.request("b", "GET", "/readyz"))[1]["resyncs"]
-    await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 1},
+    # Every getMore of b's until it resyncs: b has two change streams (the mirror's and
+    # the lease watch's), and a fail point for one getMore could be spent on the lease's.
+    await admin.command({"configureFailPoint": "failCommand", "mode": "alwaysOn",
                          "data": {"failCommands": ["getMore"], "errorCode": 286,
                                   "appName": "hascheduler/b"}})
     sid = f"h-{uuid.uuid4().hex[:6]}"
-    await cluster.request("a", "POST", "/schedules", json=schedule(sid))
+    try:
+        await cluster.request("a", "POST", "/schedules", json=schedule(sid))
 
-    async def resynced() -> bool:
-        status = (await cluster.request("b", "GET", "/readyz"))[1]
-        return bool(status["resyncs"] > before)
+        async def resynced() -> bool:
+            status = (await cluster.request("b", "GET", "/readyz"))[1]
+            return bool(status["resyncs"] > before)
 
-    await wait_until(resynced, 15, "b to resync after history loss")
+        await wait_until(resynced, 15, "b to resync after history loss")
+    finally:
+        await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
     await cluster.await_everywhere(sid, "the schedule written around the loss")
     await cluster.converged()

@@ -80,12 +80,11 @@ CLAIM_AHEAD_S = 1.5
 # and its round trip, thousands of times a second.
 CLAIM_EVERY_S = 0.025
 # A change the mirror applies after the loop has passed the instants it makes due (its
-# change stream lagging a busy server, a schedule written just before a term began) is
-# planned from when the database committed it, not from the watermark: planned from the
-# watermark, a one-off due in between was never fired, nor a cron's first fire. At most
-# this far back: a change applied later than that (a stream resumed after an outage) is
-# planned from this far back, as a catch-up window of its own would bound it. And never
-# from before the schedule's creation: what fell due before it was written was never due.
+# change stream lagging a busy server, its write held up, a schedule written just before a
+# term began) is planned from when it was made (replan_from), not from the watermark:
+# planned from the watermark, a one-off due in between was never fired, nor a cron's
+# first fires. At most this far back: a change applied later than that (a stream resumed
+# after an outage) is planned from this far back, as a catch-up window would bound it.
 LATE_CHANGE_S = 10.0
 
 
