@@ -161,7 +161,7 @@ async def held_burst(nats_uri: str, n: int, round_no: int) -> list[float]:
         while len(late) < n and time.monotonic() < deadline:
             try:
                 batch = await consumer.fetch(min(1000, n - len(late)), timeout=2)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # none due yet: fetch again
                 continue
             for message in batch:
                 stored = message.metadata.timestamp
