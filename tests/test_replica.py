@@ -178,8 +178,8 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
 @pytest.mark.parametrize("held", ["change stream", "insert"])
 async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
         mongo_uri: str, held: str) -> None:
-    """The database holds, 2.5 s (a fail point), either the leader's change stream (each
-    of its getMores) or the schedule's own insert, while a one-off due after 0.5 s is
+    """The database holds, 4 s (a fail point), either the leader's change stream (each
+    of its getMores) or the schedule's own insert, while a one-off due after 1.5 s is
     written: the mirror applies it after the fire loop has passed its instant. Planned
     from the loop's watermark (or, for the held insert, from its commit), it was never
     fired; a new schedule is planned from its creation (the API's clock when it took the
@@ -190,7 +190,7 @@ async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
     settings = in_process(uri, "late")
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
     db = client.get_default_database()
-    hold = {"blockConnection": True, "blockTimeMS": 2500}
+    hold = {"blockConnection": True, "blockTimeMS": 4000}
     try:
         async with Replica(settings) as replica, aiohttp.ClientSession() as http:
             await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
@@ -210,7 +210,8 @@ async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
                     "configureFailPoint": "failCommand", "mode": {"times": 1},
                     "data": {"failCommands": ["insert"], "namespace": f"{name}.schedules",
                              **hold}})
-            due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.5)
+            # Due well within the hold, with room for a slow request on a busy machine.
+            due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1.5)
             async with http.post(replica.url + "/schedules", json={
                     "id": "soon", "name": "soon", "target": "in.process",
                     "trigger": {"kind": "at", "at": due.isoformat()}}) as r:
