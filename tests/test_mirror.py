@@ -222,3 +222,52 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
         nxt = mirror.entries["live"].trigger.next_after(now)
         assert nxt is not None
         assert nxt.second % 5 == 0
+
+
+async def test_a_resync_hands_on_each_documents_write_times(
+        driver: Driver, mongo_uri: str, db_name: str) -> None:
+    """History lost (286) while schedules were written: the resync's load is the only
+    record of those writes, and each hands on its document's times as a streamed change
+    would (the leader plans a new schedule from its creation: a one-off due while the
+    stream was lost fires late, not never); the first load's carry none."""
+    app = f"resync-{db_name}"
+    client = driver.client(mongo_uri, tz_aware=True, appname=app)
+    collection = client[db_name].schedules
+    changes: list[tuple[str, Written | None]] = []
+    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written:
+                    changes.append((schedule_id, written)))
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    created, changed = now - dt.timedelta(seconds=3), now - dt.timedelta(seconds=2)
+    await collection.insert_many([doc(f"pre{i}", 1, created_at=created, updated_at=created)
+                                  for i in range(3)])
+    try:
+        async with running(mirror):
+            await asyncio.wait_for(mirror.wait_ready(), 10)
+            assert sorted(changes) == [(f"pre{i}", None) for i in range(3)]
+            changes.clear()
+            # The mirror's next getMore is held, then told its history is lost.
+            await client.admin.command({
+                "configureFailPoint": "failCommand", "mode": {"times": 1},
+                "data": {"failCommands": ["getMore"], "appName": app, "errorCode": 286,
+                         "blockConnection": True, "blockTimeMS": 1500}})
+            await client.admin.command({"waitForFailPoint": "failCommand",
+                                        "timesEntered": 1, "maxTimeMS": 10_000})
+            await collection.insert_one(doc("new", 1, created_at=now, updated_at=now))
+            await collection.update_one({"_id": "pre0"}, {
+                "$set": {"paused": True, "updated_at": changed}, "$inc": {"revision": 1}})
+            await collection.update_one({"_id": "pre1"}, {"$set": {"updated_at": "soon"},
+                                                          "$inc": {"revision": 1}})
+            await collection.delete_one({"_id": "pre2"})
+            await wait_until(lambda: mirror.resyncs == 2 and mirror.ready, 15,
+                             "the mirror to resync")
+            assert dict(changes) == {
+                "new": Written(now, now),          # new to the mirror: its creation too
+                "pre0": Written(changed, None),    # changed: when
+                "pre1": Written(None, None),       # a time that is no date: none
+                "pre2": None}                      # removed
+            assert mirror.entries["pre0"].paused
+            assert "pre2" not in mirror.entries
+    finally:
+        await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        await client.drop_database(db_name)
+        await driver.close(client)

@@ -175,16 +175,18 @@ async def test_a_pool_held_by_slow_reads_does_not_starve_the_lease(mongo_uri: st
         await client.close()
 
 
-@pytest.mark.parametrize("held", ["change stream", "insert"])
+@pytest.mark.parametrize("held", ["change stream", "insert", "history lost"])
 async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
         mongo_uri: str, held: str) -> None:
     """The database holds, 4 s (a fail point), either the leader's change stream (each
-    of its getMores) or the schedule's own insert, while a one-off due after 1.5 s is
-    written: the mirror applies it after the fire loop has passed its instant. Planned
-    from the loop's watermark (or, for the held insert, from its commit), it was never
-    fired; a new schedule is planned from its creation (the API's clock when it took the
-    request), and it fires, late by the hold. The held insert was found by the chaos soak:
-    a stalled server held a new schedule's write past five of its fires."""
+    of its getMores; with history lost, they then fail with 286 and the mirror learns of
+    the one-off from a resync's load) or the schedule's own insert, while a one-off due
+    after 1.5 s is written: the mirror applies it after the fire loop has passed its
+    instant. Planned from the loop's watermark (or, for the held insert, from its
+    commit), it was never fired; a new schedule is planned from its creation (the API's
+    clock when it took the request), and it fires, late by the hold. The held insert was
+    found by the chaos soak: a stalled server held a new schedule's write past five of
+    its fires."""
     name = f"late_{uuid.uuid4().hex[:8]}"
     uri = with_database(mongo_uri, name)
     settings = in_process(uri, "late")
@@ -195,11 +197,12 @@ async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
         async with Replica(settings) as replica, aiohttp.ClientSession() as http:
             await wait_until(lambda: replica.elector.is_leader, 15, "the replica leads")
             await asyncio.wait_for(replica.mirror.wait_ready(), 15)
-            if held == "change stream":
+            if held != "insert":
+                lost = {"errorCode": 286} if held == "history lost" else {}
                 await client.admin.command({
                     "configureFailPoint": "failCommand", "mode": "alwaysOn",
                     "data": {"failCommands": ["getMore"], "appName": "hascheduler/late",
-                             **hold}})
+                             **hold, **lost}})
                 # The replica's two change streams (the mirror's, the lease watch's) each
                 # await one getMore at a time, for at most half a second: two entries are
                 # both held, and what is written now reaches the mirror when its hold ends.
@@ -231,6 +234,8 @@ async def test_a_one_off_the_leader_learns_of_after_its_instant_still_fires(
                                                      * 1000)
             # Claimed after its instant: the leader did learn of it late.
             assert fire["claimed_at"] > due
+            if held == "history lost":  # learned of from a resync's load
+                assert replica.mirror.resyncs >= 2
             assert await db.fires.count_documents({"schedule_id": "soon"}) == 1
     finally:
         await client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})

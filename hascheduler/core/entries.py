@@ -33,7 +33,8 @@ class Written(NamedTuple):
     database committed it (the event's ``wallTime``: none from a server before MongoDB
     6.0), and, for a new schedule (an insert), ``created_at``, its document's creation
     time (the API's clock when it took the request: before the commit, and by as much as
-    the write was held up)."""
+    the write was held up). A resync, which has no events, takes both from the document:
+    ``at`` is its ``updated_at`` (the API's clock again)."""
 
     at: dt.datetime | None
     created_at: dt.datetime | None

@@ -270,7 +270,7 @@ async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CH
 
 
 # Called for every change the mirror applies: the schedule's id, its entry (None: gone),
-# and when the change was made (None for a load's documents).
+# and when the change was made (None for the first load's documents).
 OnChange = Callable[[str, Entry | None, Written | None], None]
 
 
@@ -363,7 +363,9 @@ class Mirror(ChangeMirror):
 
     def _absorb(self, docs: Iterable[dict[str, Any]], seen: set[str]) -> int:
         """Put those of ``docs`` whose revision differs, noting every id in ``seen``;
-        how many were put."""
+        how many were put. A document carrying its write times (a resync's) hands them on
+        as a streamed change's: ``updated_at`` for when it was changed, and for a schedule
+        new to the mirror ``created_at`` (replan_from in dispatch.py)."""
         changed = 0
         entries = self.entries
         for doc in docs:
@@ -371,7 +373,11 @@ class Mirror(ChangeMirror):
             seen.add(schedule_id)
             current = entries.get(schedule_id)
             if current is None or current.revision != doc.get("revision"):
-                self._put(schedule_id, doc, streamed=False)
+                written = None
+                if "updated_at" in doc:
+                    written = Written(_date(doc["updated_at"]), None if current else
+                                      _date(doc.get("created_at")))
+                self._put(schedule_id, doc, streamed=False, written=written)
                 changed += 1
         return changed
 
@@ -384,8 +390,14 @@ class Mirror(ChangeMirror):
     async def _load_all(self) -> tuple[int, int]:
         seen: set[str] = set()
         changed = 0
-        cursor = self._coll.find({}, {"payload": 0, "name": 0, "labels": 0, "created_at": 0,
-                                      "updated_at": 0}, batch_size=LOAD_BATCH)
+        projection = {"payload": 0, "name": 0, "labels": 0}
+        if not self.resyncs:
+            # The first load's write times would be read for nothing: no term leads on a
+            # mirror not yet in sync. A resync's are the only record of what was written
+            # while the stream was lost: a one-off created then, its instant passed before
+            # the resync, is fired late rather than never.
+            projection |= {"created_at": 0, "updated_at": 0}
+        cursor = self._coll.find({}, projection, batch_size=LOAD_BATCH)
         async for docs in read_ahead(cursor):
             changed += self._absorb(docs, seen)
         return changed, self._drop_unseen(seen)
