@@ -14,6 +14,14 @@ layout would buy):
 - split over 2 and over 4 streams (each its own subjects, the same frames);
 - memory storage (not durable: a nats-server restart loses the fires);
 - 20-byte bodies (what the events' size costs);
+- fast-ingest batches (nats-server 2.14 and later, a stream with ``allow_batched``): the
+  same frames as one batch whose reply subjects carry the batch's control
+  (``<inbox>.<batch>.<flow>.fail.<seq>.<op>.$FI``, the JetStream batch publishing ADR),
+  the server acknowledging
+  every ``flow`` messages instead of each; a fire's lateness is the arrival of the first
+  acknowledgement covering its sequence. The first message waits for the server's
+  answer, as the protocol asks (it says whether the stream takes batches and at what
+  flow);
 - held by the broker: each fire published 2 s ahead as a message schedule
   (``Nats-Schedule: @at <due>``, nats-server 2.12 and later), which the server publishes
   into the stream at its due time; its lateness is the stored message's timestamp minus
@@ -32,6 +40,7 @@ import datetime as dt
 import json
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -51,6 +60,7 @@ from tests.servers import start_nats
 
 HELD_AHEAD_S = 2.0  # a held fire is published this long before its due time
 SMALL_BODY = b'{"id":"floor-small"}'
+FAST_FLOW = 1000  # the flow a fast-ingest batch asks for (the server may lower it)
 
 
 @dataclass
@@ -59,6 +69,7 @@ class Layout:
     # The subject of the i-th fire (None: held by the broker, measured apart).
     subject: Callable[[int], str] | None
     small: bool = False
+    fast: bool = False  # one fast-ingest batch
     rounds: list[list[float]] = field(default_factory=list)  # each round's latenesses (s)
 
 
@@ -70,6 +81,8 @@ def layouts() -> list[Layout]:
         Layout("split over 4 streams", lambda i: f"floor4.s{i % 4}.t"),
         Layout("memory storage (not durable)", lambda i: "floormem.t"),
         Layout("20-byte bodies", lambda i: fire, small=True),
+        Layout("fast-ingest batch (acknowledged every flow messages)",
+               lambda i: "floorfast.t", fast=True),
         Layout("held by the broker (Nats-Schedule @at)", None),
     ]
 
@@ -89,13 +102,16 @@ async def create_streams(nats_uri: str) -> None:
         await js.add_stream(StreamConfig(name="FLOORMEM", subjects=["floormem.>"],
                                          storage=StorageType.MEMORY,
                                          duplicate_window=window))
-        # nats-py's StreamConfig has no allow_msg_schedules yet: the API's own request.
-        config = {"name": "FLOORHELD", "subjects": ["floorheld.>"], "storage": "file",
-                  "allow_msg_schedules": True, "duplicate_window": int(window * 1e9)}
-        reply = json.loads((await nc.request("$JS.API.STREAM.CREATE.FLOORHELD",
-                                              json.dumps(config).encode(), 10)).data)
-        if "error" in reply:
-            raise RuntimeError(f"a stream with message schedules: {reply['error']}")
+        # nats-py's StreamConfig has neither allow_msg_schedules nor allow_batched yet:
+        # the API's own requests.
+        for name, allow in (("FLOORHELD", "allow_msg_schedules"),
+                            ("FLOORFAST", "allow_batched")):
+            config = {"name": name, "subjects": [f"{name.lower()}.>"], "storage": "file",
+                      allow: True, "duplicate_window": int(window * 1e9)}
+            reply = json.loads((await nc.request(f"$JS.API.STREAM.CREATE.{name}",
+                                                  json.dumps(config).encode(), 10)).data)
+            if "error" in reply:
+                raise RuntimeError(f"a stream with {allow}: {reply['error']}")
     finally:
         await nc.close()
 
@@ -134,6 +150,61 @@ async def acked_burst(nats_uri: str, layout: Layout, n: int, round_no: int) -> l
     finally:
         await connection.close()
     assert not errors, f"{len(errors)} of {n} publishes refused: {errors[0]!r}"
+    return arrived
+
+
+async def fast_burst(nats_uri: str, layout: Layout, n: int, flows: list[int]
+                     ) -> list[float]:
+    """Each fire's acknowledgement in one fast-ingest batch, in seconds after the first
+    frame was written: the arrival of the first flow acknowledgement (or of the batch's
+    final one) whose sequence reaches it. ``flows`` gets the flow the server chose."""
+    assert layout.subject is not None
+    prefix, batch = f"_INBOX.fast{time.time_ns()}", secrets.token_hex(8)
+    arrived = [0.0] * n
+    covered = 0  # acknowledged up to this many fires
+    errors: list[str] = []
+    answered, ended = asyncio.Event(), asyncio.Event()
+    start = 0.0
+
+    def acked(_subject: bytes, data: bytes, status: bytes | None) -> None:
+        nonlocal covered
+        at = time.perf_counter() - start
+        reply = json.loads(data) if data else {}
+        if status or "error" in reply:
+            errors.append(f"{status!r} {reply.get('error')}")
+            answered.set()
+            ended.set()
+            return
+        if "batch" in reply:  # the final acknowledgement: the whole batch is stored
+            upto = n
+        else:
+            upto = int(reply.get("seq", 0))
+            if not answered.is_set():
+                flows.append(int(reply.get("msgs", 0)))
+                answered.set()
+        for i in range(covered, min(upto, n)):
+            arrived[i] = at
+        covered = max(covered, upto)
+        if covered >= n:
+            ended.set()
+
+    def control(i: int) -> str:  # 0 starts the batch, 2 ends it storing the last message
+        op = 0 if i == 0 else 2 if i == n - 1 else 1
+        return f"{prefix}.{batch}.{FAST_FLOW}.fail.{i + 1}.{op}.$FI"
+
+    frames = fire_frames(n, prefix, layout.subject, reply=control)
+    connection = PublishConnection(NatsEndpoint.parse(nats_uri).servers, None, acked)
+    await connection.start(f"{prefix}.{batch}.>")
+    try:
+        start = time.perf_counter()
+        await connection.send(frames[:1])
+        await asyncio.wait_for(answered.wait(), 10)
+        if not errors:
+            await connection.send(frames[1:])
+            await asyncio.wait_for(ended.wait(), 60)
+    finally:
+        await connection.close()
+    assert not errors, f"the fast-ingest batch failed: {errors[0]}"
     return arrived
 
 
@@ -192,11 +263,15 @@ async def main() -> int:
     try:
         await create_streams(broker.uri)
         all_layouts = layouts()
+        flows: list[int] = []  # the flow the server chose for each fast-ingest batch
         for round_no in range(args.rounds):
             for layout in all_layouts:
                 await asyncio.sleep(0.5)  # the last round's writes settle
                 if layout.subject is None:
                     layout.rounds.append(await held_burst(broker.uri, args.fires, round_no))
+                elif layout.fast:
+                    layout.rounds.append(await fast_burst(broker.uri, layout, args.fires,
+                                                          flows))
                 else:
                     layout.rounds.append(await acked_burst(broker.uri, layout, args.fires,
                                                            round_no))
@@ -214,6 +289,8 @@ async def main() -> int:
         each = ", ".join(f"{pct(r, 0.99) * 1000:.0f}" for r in layout.rounds)
         print(f"| {layout.name} | {ms(p50)} | {ms(p99)} | {ms(last)} | "
               f"{p99 / baseline:.2f}x | {each} ms |")
+    print(f"\nfast-ingest batches: the server acknowledged every {', '.join(map(str, flows))} "
+          f"messages ({FAST_FLOW} asked)")
     durable = [lay for lay in all_layouts if not lay.name.startswith("memory")]
     best = min(statistics.median(pct(r, 0.99) for r in lay.rounds) for lay in durable)
     print(f"\nthe lowest p99 of a durable layout: {ms(best)} (the target at 10,000 aligned fires "

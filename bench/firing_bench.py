@@ -242,10 +242,11 @@ async def raw_core_burst(nats_uri: str, n: int) -> float:
     return await timed_on_stream(nats_uri, send)
 
 
-def fire_frames(n: int, inbox: str, subject: Callable[[int], str]) -> list[bytes]:
+def fire_frames(n: int, inbox: str, subject: Callable[[int], str],
+                reply: Callable[[int], str] | None = None) -> list[bytes]:
     """``n`` fires' HPUB frames as the leader writes them (its event bodies, fire ids as
     ``Nats-Msg-Id`` and the term header), the i-th on ``subject(i)``, each acknowledged to
-    ``<inbox>.<i>``; the fire ids are new in each call."""
+    ``reply(i)`` (by default ``<inbox>.<i>``); the fire ids are new in each call."""
     due = dt.datetime.now(dt.UTC).replace(microsecond=0)
     stamp = due.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     frames = []
@@ -254,7 +255,7 @@ def fire_frames(n: int, inbox: str, subject: Callable[[int], str]) -> list[bytes
         fire_id = f"{sid}@{stamp}-{inbox[-8:]}"
         body = EventTemplate.of(schedule_doc(sid, {"kind": "at", "at": [due]}, "bench.burst")
                                 ).render(fire_id, due, None, 1, 1, stamp).body
-        frames.append(frame(subject(i), f"{inbox}.{i}",
+        frames.append(frame(subject(i), reply(i) if reply else f"{inbox}.{i}",
                             f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n", body))
     return frames
 
