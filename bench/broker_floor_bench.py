@@ -17,11 +17,10 @@ layout would buy):
 - fast-ingest batches (nats-server 2.14 and later, a stream with ``allow_batched``): the
   same frames as one batch whose reply subjects carry the batch's control
   (``<inbox>.<batch>.<flow>.fail.<seq>.<op>.$FI``, the JetStream batch publishing ADR),
-  the server acknowledging
-  every ``flow`` messages instead of each; a fire's lateness is the arrival of the first
-  acknowledgement covering its sequence. The first message waits for the server's
-  answer, as the protocol asks (it says whether the stream takes batches and at what
-  flow);
+  the server acknowledging every ``flow`` messages instead of each; a fire's lateness is
+  the arrival of the first acknowledgement covering its sequence. The first message
+  waits for the server's answer, as the protocol asks (it says whether the stream takes
+  batches and at what flow);
 - held by the broker: each fire published 2 s ahead as a message schedule
   (``Nats-Schedule: @at <due>``, nats-server 2.12 and later), which the server publishes
   into the stream at its due time; its lateness is the stored message's timestamp minus
