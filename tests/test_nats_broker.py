@@ -5,6 +5,8 @@ its own connection."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime as dt
 import json
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -18,9 +20,11 @@ from hascheduler.brokers.nats.publisher import (
     NatsEndpoint,
     NatsPublisher,
     PublishRejected,
+    StagedFrame,
     ack_error,
 )
 from hascheduler.brokers.nats.wire import PublishConnection, WireError, frame
+from hascheduler.core.events import EventTemplate, PreparedEvent, fired_field
 from tests.servers import ServerProcess, start_nats, stop_process
 
 
@@ -167,6 +171,99 @@ async def test_a_stalled_server_times_out_and_a_fresh_connection_publishes_after
     assert await broker.publish(messages(3, prefix="after"), 5.0) == [None] * 3
     stored, _ = await stream_info(nats_server.uri)
     assert stored in (3, 6)  # the stalled three may have been stored once it resumed
+
+
+def prepared(n: int, prefix: str, target: str = "t.x",
+             trace: dict[str, str] | None = None) -> list[PreparedEvent]:
+    """Fires rendered ahead (Publisher.ready), fired at their publish."""
+    due = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    template = EventTemplate.of({"_id": "s", "name": "s", "target": target,
+                                 "payload": {"k": "v" * 40}})
+    return [template.prepare(f"{prefix}{i}@2030-01-01T00:00:00.000Z", due, None, 7, 1,
+                             trace) for i in range(n)]
+
+
+async def stored_messages(uri: str, count: int) -> list[tuple[dict[str, str], bytes]]:
+    nc = await nats.connect(uri)
+    try:
+        js = nc.jetstream()
+        found = [await js.get_msg("HASCHEDULER", seq) for seq in range(1, count + 1)]
+    finally:
+        await nc.close()
+    return [(dict(m.headers or {}), m.data) for m in found]
+
+
+def staged_of(broker: NatsPublisher, events: list[PreparedEvent]) -> list[StagedFrame]:
+    staged = [broker.stage(event) for event in events]
+    assert all(frame_ is not None for frame_ in staged)
+    return [frame_ for frame_ in staged if frame_ is not None]
+
+
+async def test_a_fire_framed_ahead_is_stored_as_the_same_message_a_plain_publish_stores(
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
+    """The frames built ahead (``stage``) with the instant joined in at the publish
+    (``publish_staged``) carry what ``publish`` sends of the same events: the body, the
+    dedup id, the term and the trace context; their acknowledgements come back to them."""
+    trace = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+             "tracestate": "vendor=1"}
+    fired = fired_field("2030-01-01T00:00:00.004Z")
+    plain = prepared(2, "plain", trace=trace) + prepared(1, "plain-untraced")
+    ahead = prepared(2, "ahead", trace=trace) + prepared(1, "ahead-untraced")
+    staged = staged_of(broker, ahead)
+    assert await broker.publish([event.message(fired) for event in plain], 5.0) == [None] * 3
+    assert await broker.publish_staged(staged, fired, 5.0) == [None] * 3
+    stored = await stored_messages(nats_server.uri, 6)
+    for (plain_headers, plain_body), (ahead_headers, ahead_body), event in zip(
+            stored[:3], stored[3:], ahead, strict=True):
+        assert ahead_body == event.message(fired).body
+        assert json.loads(ahead_body)["time"] == "2030-01-01T00:00:00.004Z"
+        assert ahead_headers["Nats-Msg-Id"] == event.fire_id
+        assert {k: v for k, v in ahead_headers.items() if k != "Nats-Msg-Id"} == \
+            {k: v for k, v in plain_headers.items() if k != "Nats-Msg-Id"}
+        assert plain_body.replace(b"plain", b"ahead") == ahead_body
+    assert stored[3][0]["traceparent"] == trace["traceparent"]
+    assert "traceparent" not in stored[5][0]
+    assert not broker._waiting  # every token answered
+
+
+async def test_fires_framed_ahead_are_deduplicated_and_refused_one_by_one(
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
+    fired = fired_field("2030-01-01T00:00:00.004Z")
+    events = prepared(3, "f")
+    assert await broker.publish_staged(staged_of(broker, events), fired, 5.0) == [None] * 3
+    # Framed again (a republish): acknowledged as a duplicate, stored once.
+    assert await broker.publish_staged(staged_of(broker, events[:1]), fired, 5.0) == [None]
+    stored, _ = await stream_info(nats_server.uri)
+    assert stored == 3
+    # What cannot go on the wire is not framed: its publish refuses it.
+    for bad in (prepared(1, "a", target="has space"), prepared(1, "b\r\n"),
+                [dataclasses.replace(prepared(1, "c")[0], tail=b"x" * (2 << 20))]):
+        assert broker.stage(bad[0]) is None
+        [outcome] = await broker.publish([bad[0].message(fired)], 5.0)
+        assert isinstance(outcome, PublishRejected)
+    # A frame staged for a server that took larger messages than the one now: refused
+    # alone, the others stored.
+    events = prepared(3, "g")
+    events[1] = dataclasses.replace(events[1], tail=events[1].tail + b" " * 2000)
+    staged = staged_of(broker, events)
+    broker._wire.max_payload = staged[0].body_len + 256 + 100
+    outcomes = await broker.publish_staged(staged, fired, 5.0)
+    assert outcomes[0] is None
+    assert outcomes[2] is None
+    assert isinstance(outcomes[1], PublishRejected)
+    with pytest.raises(ValueError, match="fired field"):
+        await broker.publish_staged(staged, b'"2030"', 5.0)
+
+
+async def test_fires_framed_ahead_for_a_server_gone_fail_within_the_timeout(
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
+    staged = staged_of(broker, prepared(3, "f"))
+    nats_server.stop()
+    outcomes = await broker.publish_staged(staged, fired_field("2030-01-01T00:00:00.004Z"),
+                                           1.0)
+    assert len(outcomes) == 3
+    assert all(isinstance(o, BrokerUnavailable) for o in outcomes), outcomes
+    assert not broker._waiting
 
 
 @pytest.mark.parametrize(("data", "status", "expected"), [

@@ -15,6 +15,7 @@ from pymongo.errors import AutoReconnect
 from hascheduler.brokers.base import FireMessage
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
+from hascheduler.core.events import PreparedEvent
 from hascheduler.core.triggers import Interval, fire_id, iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.publishing import DispatchSettings, Publisher
@@ -31,6 +32,24 @@ class Broker:
                       timeout_s: float) -> list[BaseException | None]:
         self.sent.extend(messages)
         return [None] * len(messages)
+
+
+class StagingBroker(Broker):
+    """A broker that frames fires ahead (as NATS does): what it staged comes back to it at
+    the publish, fired then."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.refuse = refuse  # fire ids it cannot frame
+        self.staged_sent: list[FireMessage] = []
+
+    def stage(self, event: PreparedEvent) -> tuple[str, PreparedEvent] | None:
+        return None if event.fire_id in self.refuse else ("framed", event)
+
+    async def publish_staged(self, staged: Sequence[tuple[str, PreparedEvent]], fired: bytes,
+                             timeout_s: float) -> list[BaseException | None]:
+        self.staged_sent.extend(event.message(fired) for _, event in staged)
+        return [None] * len(staged)
 
 
 class Ledger:
@@ -118,6 +137,42 @@ async def test_a_schedule_changed_after_its_fire_was_rendered_is_rendered_afresh
     now[0] = T0
     await publisher.publish(due, 7, attempt=1, admitted=True)
     assert [json.loads(m.body)["data"]["payload"] for m in broker.sent] == [{"v": 2}] * 2
+
+
+async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them() -> None:
+    """Every fire of a publish framed ahead: the broker joins in the instant (one join
+    for the batch, brokers/nats/publisher.py); one not framed, a schedule changed since,
+    or a retry, and the whole publish goes as messages, rendered as without staging."""
+    publisher, _, schedules, mirror, now = setup()
+    broker = publisher.broker = StagingBroker(refuse=frozenset({claims(5)[4].fire_id}))
+    await publisher.templates({"s"})
+    due = claims(5)
+    publisher.ready(due, 7)
+    now[0] = T0 + dt.timedelta(milliseconds=4)
+    await publisher.publish(due[:3], 7, attempt=1, admitted=True)
+    assert [m.fire_id for m in broker.staged_sent] == [c.fire_id for c in due[:3]]
+    assert not broker.sent
+    for message in broker.staged_sent:
+        event = json.loads(message.body)
+        assert event["time"] == event["data"]["fired_at"] == iso_utc(now[0])
+    # The last fire was not framed (the broker could not): all of its publish as messages.
+    await publisher.publish(due[3:], 7, attempt=1, admitted=True)
+    assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[3:]]
+    assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
+    # A retry is rendered afresh, with its attempt: a message too.
+    await publisher.publish(due[:1], 7, attempt=2)
+    assert json.loads(broker.sent[-1].body)["data"]["attempt"] == 2
+    # A schedule changed after its fires were framed: rendered afresh, as messages.
+    again = [Claim(fire_id("s", T0 + dt.timedelta(seconds=9)), "s",
+                   T0 + dt.timedelta(seconds=9), T0 + dt.timedelta(seconds=9))]
+    publisher.ready(again, 7)
+    schedules.docs["s"] = schedule(2, {"v": 2})
+    mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
+    publisher.forget("s")
+    await publisher.publish(again, 7, attempt=1, admitted=True)
+    assert json.loads(broker.sent[-1].body)["data"]["payload"] == {"v": 2}
+    assert len(broker.staged_sent) == 3
+    assert not publisher._ready
 
 
 async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_nothing(

@@ -133,3 +133,8 @@ class PreparedEvent:
 def fired_field(fired_at_iso: str) -> bytes:
     """The instant a publish fires its messages at, as PreparedEvent.message takes it."""
     return _quote(fired_at_iso).encode()
+
+
+# Its length, the same for every instant of years 1000 to 9999 (iso_utc: milliseconds and
+# a Z): a frame built ahead knows its size before the instant is joined in.
+FIRED_FIELD_LEN = len(fired_field(iso_utc(dt.datetime(2000, 1, 1, tzinfo=dt.UTC))))

@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import datetime as dt
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 from pymongo.errors import PyMongoError
@@ -58,6 +58,19 @@ class DispatchSettings:
     max_in_flight_batches: int = 16
     max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out fire may select
     max_buffered: int = DEFAULT_MAX_BUFFERED  # fires one run key may hold waiting
+
+
+@runtime_checkable
+class StagingBroker(Protocol):
+    """A broker that frames a fire ahead of its due time (NATS): ``stage`` when the fire
+    is rendered ahead, ``publish_staged`` at its publish, which joins in the instant it is
+    fired at (``fired_field``). ``stage`` answers None for a fire it cannot frame; that
+    fire goes through ``publish``, which refuses it as it says."""
+
+    def stage(self, event: PreparedEvent) -> Any: ...
+
+    async def publish_staged(self, staged: Sequence[Any], fired: bytes,
+                             timeout_s: float) -> list[BaseException | None]: ...
 
 
 class MirroredSchedules(Protocol):
@@ -106,9 +119,11 @@ class Publisher:
         # (``prepare``), with the trace context its message carries.
         self._prepared: dict[str, tuple[tracing.Span | None, dict[str, str]]] = {}
         # Admitted fires awaiting their due time, rendered but for their fired_at
-        # (``ready``), with the template they were rendered from and their trace.
+        # (``ready``), with the template they were rendered from, their trace, and their
+        # frame when the broker stages them.
         self._ready: dict[str, tuple[EventTemplate, PreparedEvent,
-                                     tuple[tracing.Span | None, dict[str, str]] | None]] = {}
+                                     tuple[tracing.Span | None, dict[str, str]] | None,
+                                     Any]] = {}
         self._marks: list[tuple[list[str], int, dt.datetime, int]] = []  # awaiting a write
         self._marking = asyncio.Lock()
 
@@ -155,19 +170,26 @@ class Publisher:
             if cached is not None:
                 self._prepared[claim.fire_id] = _begin_span(claim, cached[1])
 
+    @property
+    def _staging(self) -> StagingBroker | None:
+        return self.broker if isinstance(self.broker, StagingBroker) else None
+
     def ready(self, claims: list[Claim], term: int) -> None:
         """Render admitted claims now, ahead of their due time, but for the instant they
-        are fired at: their first publish then only joins the parts."""
+        are fired at (and frame them, when the broker stages): their first publish then
+        only joins the parts."""
         traced_on = tracing.enabled()
+        staging = self._staging
         for claim in claims:
             cached = self._templates.get(claim.schedule_id)
             if cached is None:
                 continue  # read at the publish
             template = _own_template(cached[1], claim)
             traced = self._traced(claim, template, term, 1) if traced_on else None
-            self._ready[claim.fire_id] = (cached[1], template.prepare(
-                claim.fire_id, claim.nominal_at, claim.tenant, term, 1,
-                None if traced is None else traced[1]), traced)
+            prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant, term,
+                                        1, None if traced is None else traced[1])
+            self._ready[claim.fire_id] = (cached[1], prepared, traced,
+                                          staging.stage(prepared) if staging else None)
 
     def discard(self, claims: list[Claim]) -> None:
         """The claims are settled, published or not: their prepared spans and renderings
@@ -228,13 +250,23 @@ class Publisher:
         fired = fired_field(iso_utc(self.clock()))
         traced_on = tracing.enabled()
         spans: list[tracing.Span | None] | None = [] if traced_on else None
-        messages = []
+        events: list[PreparedEvent] = []
+        # Every fire framed ahead, by a broker that stages: the publish joins the instant
+        # into the frames; any other, and every fire goes as a message.
+        staging = self._staging if attempt == 1 else None
+        staged: list[Any] = []
         for claim in sendable:
             template = templates[claim.schedule_id]
             ready = self._ready.pop(claim.fire_id, None) if attempt == 1 else None
             if ready is not None and ready[0] is template:  # rendered ahead, unchanged since
                 prepared, traced = ready[1], ready[2]
+                if staging is not None:
+                    if ready[3] is None:
+                        staging = None
+                    else:
+                        staged.append(ready[3])
             else:
+                staging = None
                 template = _own_template(template, claim)
                 traced = ready[2] if ready is not None else \
                     self._traced(claim, template, term, attempt) if traced_on else None
@@ -242,7 +274,7 @@ class Publisher:
                                             term, attempt, None if traced is None else traced[1])
             if spans is not None:
                 spans.append(None if traced is None else traced[0])
-            messages.append(prepared.message(fired))
+            events.append(prepared)
         # The slot bounds what awaits the broker; marking below is outside it, so a batch
         # due now never waits for an earlier batch's database round trip.
         async with self._slots:
@@ -250,7 +282,12 @@ class Publisher:
             self._broker_idle.clear()
             try:
                 sent = self.clock()
-                outcomes = await self.broker.publish(messages, self.settings.publish_timeout_s)
+                timeout_s = self.settings.publish_timeout_s
+                if staging is not None:
+                    outcomes = await staging.publish_staged(staged, fired, timeout_s)
+                else:
+                    outcomes = await self.broker.publish(
+                        [event.message(fired) for event in events], timeout_s)
                 acked_at = self.clock()
             finally:
                 self._awaiting_broker -= 1
