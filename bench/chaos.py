@@ -72,6 +72,7 @@ from bench.chaos_records import Fault, LeaseSample
 from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
 from hascheduler.brokers.nats.reader import read_stream, stream_leader
+from hascheduler.core.triggers import iso_utc
 from hascheduler.process import logs
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
@@ -189,6 +190,30 @@ class Soak:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
                         await r.read()
+
+    async def ledger_of(self, missing: list[tuple[str, dt.datetime]]) -> list[str]:
+        """What the database holds of fires the stream misses: each schedule's write times
+        and each fire's ledger record (state, term, attempts, error), to tell a fire never
+        claimed from one claimed and not published."""
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri, tz_aware=True)
+        lines: list[str] = []
+        try:
+            db = client.get_default_database()
+            for sid in sorted({sid for sid, _ in missing}):
+                doc = await db["schedules"].find_one(
+                    {"_id": sid}, {"created_at": 1, "updated_at": 1, "revision": 1})
+                lines.append(f"schedule {sid}: {doc}")
+            ids = [f"{sid}@{iso_utc(nominal)}" for sid, nominal in missing]
+            found = {d["_id"]: d async for d in db["fires"].find(
+                {"_id": {"$in": ids}}, {"state": 1, "term": 1, "attempts": 1,
+                                        "claimed_at": 1, "published_at": 1,
+                                        "last_error": 1, "reason": 1, "retry_at": 1})}
+            lines += [f"ledger {fire_id}: {found.get(fire_id, 'never claimed')}"
+                      for fire_id in ids]
+        finally:
+            await client.close()
+        return lines
 
     async def read_back_created(self) -> None:
         """Those of the schedules asked for while faulted that exist, with their stored
@@ -669,6 +694,7 @@ async def run(args: argparse.Namespace) -> int:
           flush=True)
     watcher: asyncio.Task[None] | None = None
     history: LeaseHistory | None = None
+    missing_records: list[str] = []  # the database's record of fires the stream misses
     history_client: AsyncMongoClient[dict[str, Any]] | None = None
     try:
         await soak.supervisor.start()
@@ -703,6 +729,9 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
         report, messages = await complete_stream(soak, since, until, windows)
+        if report.missing:
+            with contextlib.suppress(Exception):
+                missing_records = await soak.ledger_of(report.missing[:20])
         fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
         runs = await settled_runs(soak, fire_ids)
         await history.settle()
@@ -762,6 +791,8 @@ async def run(args: argparse.Namespace) -> int:
                         ("unexpected", report.unexpected[:5]), ("early", report.early[:5])):
         for sid, nominal in keys:
             print(f"  {label}: {sid} @ {nominal.isoformat()}")
+    for line in missing_records:
+        print(f"  {line}")
     for (sid, nominal), late in report.over_bound[:5]:
         print(f"  late: {sid} @ {nominal.isoformat()} by {late:.2f} s")
     for violation in leases.violations[:5]:

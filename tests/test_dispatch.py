@@ -30,6 +30,7 @@ from hascheduler.replica.dispatch import (
     LATE_CHANGE_S,
     PUBLISH_TICK_S,
     Dispatcher,
+    _plan_catchups,
     publish_tick,
     replan_from,
 )
@@ -236,6 +237,41 @@ async def test_a_schedule_created_after_the_watermark_fires_nothing_due_before_i
     async with changes_applied(entries, w) as (dispatcher, term):
         dispatcher.on_change("new", entries["new"], Written(T0 + 12 * ms, T0 + 10 * ms))
         assert [d.nominal for d in term.queue.items()] == [T0 + second]
+
+
+def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a_schedule(
+        ) -> None:
+    """A schedule created 4.5 s before the previous leader's watermark (``since``) whose
+    write was held up, or whose change reached that leader's mirror late, and the lease
+    lost before it did: the catch-up fires its instants from its creation to ``since``
+    too, whatever its policy (as a late change's are, replan_from), then by its policy
+    from ``since``; one the catch-up knows no creation of, from ``since``. Planned from
+    ``since`` alone, the first instants were never fired (the chaos soak: five fires of a
+    schedule created while its replica's database link stalled, never claimed)."""
+    since = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    now = since + dt.timedelta(seconds=3)
+    every = Interval(1.0, since - dt.timedelta(seconds=20))
+
+    def entry(policy: str) -> Entry:
+        return Entry(1, False, every, 0.0, policy, 3600.0, "t.x")
+
+    seconds = [since + dt.timedelta(seconds=k) for k in range(-4, 4)]  # since-4 .. since+3
+    fire, skipped = _plan_catchups(
+        [("late", entry("latest")), ("late-none", entry("none")), ("known", entry("latest")),
+         ("new", entry("all"))], since, now,
+        {"late": since - dt.timedelta(seconds=4.5),
+         "late-none": since - dt.timedelta(seconds=4.5),
+         "new": since + dt.timedelta(seconds=1.5)})
+    fired = {sid: sorted(d.nominal for d in fire if d.schedule_id == sid)
+             for sid in ("late", "late-none", "known", "new")}
+    assert fired["late"] == [*seconds[:5], seconds[-1]]  # since-4 .. since, then the latest
+    assert fired["late-none"] == seconds[:5]
+    assert fired["known"] == [seconds[-1]]
+    assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
+    # The skipped ranges are those of the policies, after since only.
+    assert {sid: (r.first, r.last) for sid, r in skipped} == {
+        "late": (seconds[5], seconds[6]), "late-none": (seconds[5], seconds[7]),
+        "known": (seconds[5], seconds[6])}
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import json
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import nats
@@ -26,6 +27,7 @@ from hascheduler.brokers.nats.publisher import (
 from hascheduler.brokers.nats.wire import PublishConnection, WireError, frame
 from hascheduler.core.events import EventTemplate, PreparedEvent, fired_field
 from tests.servers import ServerProcess, start_nats, stop_process
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -263,6 +265,32 @@ async def test_fires_framed_ahead_for_a_server_gone_fail_within_the_timeout(
                                            1.0)
     assert len(outcomes) == 3
     assert all(isinstance(o, BrokerUnavailable) for o in outcomes), outcomes
+    assert not broker._waiting
+
+
+async def test_a_connection_that_breaks_while_acks_are_awaited_fails_them_at_once(
+        broker: NatsPublisher, nats_server: ServerProcess) -> None:
+    """Frames written, their acks awaited, and the server dies: every fire awaiting an ack
+    on that connection, framed ahead or not, fails then (BrokerUnavailable: retried on the
+    next connection, deduplicated by the stream), not at its timeout, and no token is left
+    waiting."""
+    assert await broker.publish(messages(1, "warm"), 5.0) == [None]  # connected
+    staged = staged_of(broker, prepared(2, "s"))
+    process = nats_server.process
+    assert process is not None
+    stop_process(process)  # the frames reach its socket; no ack comes back
+    started = time.monotonic()
+    pending = [asyncio.create_task(broker.publish(messages(2, "m"), 30.0)),
+               asyncio.create_task(broker.publish_staged(
+                   staged, fired_field("2030-01-01T00:00:00.004Z"), 30.0))]
+    await wait_until(lambda: len(broker._waiting) == 4, 5, "both publishes awaiting acks")
+    process.kill()
+    results = await asyncio.wait_for(asyncio.gather(*pending), 10)
+    assert time.monotonic() - started < 15  # well before the publishes' 30 s timeout
+    for outcomes in results:
+        assert len(outcomes) == 2
+        assert all(isinstance(o, BrokerUnavailable) and "broke" in str(o)
+                   for o in outcomes), outcomes
     assert not broker._waiting
 
 

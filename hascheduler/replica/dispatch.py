@@ -19,8 +19,9 @@ import asyncio
 import bisect
 import contextlib
 import datetime as dt
+import itertools
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Mapping
 from typing import Any, Protocol
 
 import pymongo
@@ -86,6 +87,9 @@ CLAIM_EVERY_S = 0.025
 # first fires. At most this far back: a change applied later than that (a stream resumed
 # after an outage) is planned from this far back, as a catch-up window would bound it.
 LATE_CHANGE_S = 10.0
+# The instants a catch-up fires of one schedule created just before the previous leader's
+# watermark (_plan_catchups): LATE_CHANGE_S of a dense trigger.
+LATE_FIRES_MAX = 10_000
 
 
 # A claimed fire passes the overlap gate (its run reserved) this long before its due
@@ -218,14 +222,25 @@ def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt
                    ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
     and the range each skips (pure). Each schedule from ``since``, or from its creation
-    when ``created`` has it (pure)."""
+    when ``created`` has it. One created before ``since`` (it holds those created up to
+    LATE_CHANGE_S before) also fires every instant between its creation and ``since``:
+    the previous leader's watermark may have passed them before it learned of the
+    schedule (a write held up, a change stream lagging) and then lost the lease, as a
+    late change's are fired (replan_from). Those it did fire keep their one fire: a
+    claim is the fire id's insert."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
-        start = created.get(schedule_id, since) - dt.timedelta(seconds=entry.jitter)
+        jitter = dt.timedelta(seconds=entry.jitter)
+        born = created.get(schedule_id)
+        late: Iterable[dt.datetime] = ()
+        if born is not None and born < since:
+            late = fire_times(entry.trigger, born - jitter, until=since - jitter,
+                              limit=LATE_FIRES_MAX)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                  start, now)
-        for nominal in fire:
+                                  (since if born is None else max(born, since)) - jitter,
+                                  now)
+        for nominal in itertools.chain(late, fire):
             fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
             if fire_at <= now:
                 to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
@@ -837,7 +852,8 @@ class Dispatcher:
         policy; a schedule written after ``since`` from its creation on (before it, nothing
         was due), and with no ``since`` (a database's first term) every schedule from its
         creation."""
-        created = await self._created_after(term, since)
+        created = await self._created_after(
+            term, None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S))
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
