@@ -255,23 +255,32 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     def entry(policy: str) -> Entry:
         return Entry(1, False, every, 0.0, policy, 3600.0, "t.x")
 
+    # A fan-out's late instants would be claimed for the tenants selected now: not fired.
+    fan_out = Entry(1, False, every, 0.0, "latest", 3600.0, "t.x",
+                    fan_out=FanOut(collection="tenants"))
     seconds = [since + dt.timedelta(seconds=k) for k in range(-4, 4)]  # since-4 .. since+3
     fire, skipped = _plan_catchups(
         [("late", entry("latest")), ("late-none", entry("none")), ("known", entry("latest")),
-         ("new", entry("all"))], since, now,
+         ("new", entry("all")), ("fan-out", fan_out)], since, now,
         {"late": since - dt.timedelta(seconds=4.5),
          "late-none": since - dt.timedelta(seconds=4.5),
-         "new": since + dt.timedelta(seconds=1.5)})
+         "new": since + dt.timedelta(seconds=1.5),
+         "fan-out": since - dt.timedelta(seconds=4.5)}, since)
     fired = {sid: sorted(d.nominal for d in fire if d.schedule_id == sid)
-             for sid in ("late", "late-none", "known", "new")}
+             for sid in ("late", "late-none", "known", "new", "fan-out")}
     assert fired["late"] == [*seconds[:5], seconds[-1]]  # since-4 .. since, then the latest
     assert fired["late-none"] == seconds[:5]
     assert fired["known"] == [seconds[-1]]
     assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
+    assert fired["fan-out"] == [seconds[-1]]
+    # A database's first term (no watermark): each from its creation, by its policy.
+    first, _ = _plan_catchups([("late", entry("latest"))], now, now,
+                              {"late": since - dt.timedelta(seconds=4.5)})
+    assert [d.nominal for d in first] == [seconds[-1]]
     # The skipped ranges are those of the policies, after since only.
     assert {sid: (r.first, r.last) for sid, r in skipped} == {
         "late": (seconds[5], seconds[6]), "late-none": (seconds[5], seconds[7]),
-        "known": (seconds[5], seconds[6])}
+        "known": (seconds[5], seconds[6]), "fan-out": (seconds[5], seconds[6])}
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

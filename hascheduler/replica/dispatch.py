@@ -218,28 +218,31 @@ CREATED_READ_S = 60.0
 
 
 def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime,
-                   created: Mapping[str, dt.datetime]
+                   created: Mapping[str, dt.datetime], watermark: dt.datetime | None = None
                    ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
     and the range each skips (pure). Each schedule from ``since``, or from its creation
-    when ``created`` has it. One created before ``since`` (it holds those created up to
-    LATE_CHANGE_S before) also fires every instant between its creation and ``since``:
-    the previous leader's watermark may have passed them before it learned of the
-    schedule (a write held up, a change stream lagging) and then lost the lease, as a
-    late change's are fired (replan_from). Those it did fire keep their one fire: a
-    claim is the fire id's insert."""
+    when ``created`` has it. With the previous leader's ``watermark`` (``since``), one
+    created before it (``created`` holds those created up to LATE_CHANGE_S before) also
+    fires every instant between its creation and it: that leader's watermark may have
+    passed them before it learned of the schedule (a write held up, a change stream
+    lagging) and then lost the lease, as a late change's are fired (replan_from). Those
+    it did fire keep their one fire: a claim is the fire id's insert. Not a fan-out's:
+    its instants would be claimed again for the tenants selected now, not then."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
         jitter = dt.timedelta(seconds=entry.jitter)
         born = created.get(schedule_id)
+        start = since if born is None else born
         late: Iterable[dt.datetime] = ()
-        if born is not None and born < since:
-            late = fire_times(entry.trigger, born - jitter, until=since - jitter,
-                              limit=LATE_FIRES_MAX)
+        if born is not None and watermark is not None and born < watermark:
+            start = watermark  # by its policy from there
+            if entry.fan_out is None:
+                late = fire_times(entry.trigger, born - jitter, until=watermark - jitter,
+                                  limit=LATE_FIRES_MAX)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                  (since if born is None else max(born, since)) - jitter,
-                                  now)
+                                  start - jitter, now)
         for nominal in itertools.chain(late, fire):
             fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
             if fire_at <= now:
@@ -860,7 +863,7 @@ class Dispatcher:
         entries = [(sid, e) for sid, e in self.mirror.entries.items()
                    if not e.paused and not e.completed]
         to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since or now, now,
-                                                  created)
+                                                  created, since)
         term.check()
         skipped = [skipped_range_document(schedule_id, skip, term.number, now)
                    for schedule_id, skip in ranges]
