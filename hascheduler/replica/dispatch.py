@@ -853,8 +853,9 @@ class Dispatcher:
                         ) -> None:
         """What fell due in (since, now] and no leader fired, by each schedule's catch-up
         policy; a schedule written after ``since`` from its creation on (before it, nothing
-        was due), and with no ``since`` (a database's first term) every schedule from its
-        creation."""
+        was due), one written up to LATE_CHANGE_S before it also from its creation
+        (_plan_catchups), and with no ``since`` (a database's first term) every schedule
+        from its creation."""
         created = await self._created_after(
             term, None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S))
         term.check()
