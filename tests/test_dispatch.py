@@ -31,6 +31,7 @@ from hascheduler.replica.dispatch import (
     PUBLISH_TICK_S,
     Dispatcher,
     _plan_catchups,
+    late_fires,
     publish_tick,
     replan_from,
 )
@@ -165,7 +166,7 @@ async def test_a_databases_first_term_records_no_watermark_while_it_catches_up()
 
 
 @contextlib.asynccontextmanager
-async def changes_applied(entries: dict[str, Entry], watermark: dt.datetime
+async def changes_applied(entries: dict[str, Entry], watermark: dt.datetime | None
                           ) -> AsyncIterator[tuple[Dispatcher, Term]]:
     """A dispatcher over ``entries`` leading a term whose loop has got to ``watermark``
     (no database, no broker: for what a change queues)."""
@@ -281,6 +282,39 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     assert {sid: (r.first, r.last) for sid, r in skipped} == {
         "late": (seconds[5], seconds[6]), "late-none": (seconds[5], seconds[7]),
         "known": (seconds[5], seconds[6]), "fan-out": (seconds[5], seconds[6])}
+
+
+async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_it() -> None:
+    """The mirror applies a new schedule (its write held up) while a term starts, before
+    the term has a watermark: the term's seed plans it from the term's start, and, the
+    catch-up having read creation times before it was committed, nothing planned its
+    instants between its creation and the start. The change is kept with its times, and
+    once seeded those instants are claimed (late_fires), as a late change's are."""
+    second = dt.timedelta(seconds=1)
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    every = Interval(1.0, now - 60 * second)
+    entries = {"new": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
+               "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
+               "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
+               "fan-out": Entry(1, False, every, 0.0, "all", 3600.0, "t.x",
+                                fan_out=FanOut(collection="tenants"))}
+    async with changes_applied(entries, None) as (dispatcher, term):
+        dispatcher.on_change("new", entries["new"], Written(now, now - 2.5 * second))
+        dispatcher.on_change("new", entries["new"], Written(now, None))  # the first counts
+        dispatcher.on_change("changed", entries["changed"], Written(now - 1.5 * second, None))
+        dispatcher.on_change("paused", entries["paused"], Written(now, now - 2.5 * second))
+        dispatcher.on_change("fan-out", entries["fan-out"], Written(now, now - 2.5 * second))
+        dispatcher.on_change("loaded", None, None)
+        assert set(term.early_changes) == {"new", "changed", "paused", "fan-out"}
+        due = late_fires(term.early_changes, entries, now)
+        assert [(d.schedule_id, d.nominal) for d in due] == [
+            ("new", now - 2 * second), ("changed", now - second), ("new", now - second),
+            ("changed", now), ("new", now)]
+        # Made after the term's start, or more than LATE_CHANGE_S before it: from the
+        # start, or from LATE_CHANGE_S back.
+        assert late_fires({"new": Written(now + second, now + second)}, entries, now) == []
+        far = late_fires({"new": Written(now, now - 60 * second)}, entries, now)
+        assert len(far) == LATE_CHANGE_S
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

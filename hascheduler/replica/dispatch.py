@@ -189,6 +189,27 @@ def replan_from(watermark: dt.datetime | None, written: Written | None
     return max(start, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
 
 
+def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
+               now: dt.datetime) -> list[Due]:
+    """The fires due by ``now`` of changes applied while a term started (pure): planned
+    from when each was made (replan_from), where the term's seed plans them from ``now``.
+    Not a fan-out's: its instants would be claimed for the tenants selected now."""
+    due: list[Due] = []
+    for schedule_id, written in changes.items():
+        entry = entries.get(schedule_id)
+        start = replan_from(now, written)
+        if entry is None or entry.dormant or entry.fan_out is not None or start is None \
+                or start >= now:
+            continue
+        jitter = dt.timedelta(seconds=entry.jitter)
+        for nominal in fire_times(entry.trigger, start - jitter, until=now,
+                                  limit=LATE_FIRES_MAX):
+            fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+            if start < fire_at <= now:
+                due.append(Due(fire_at, nominal, schedule_id, entry.revision))
+    return sorted(due)
+
+
 def _due_at(claim: Claim) -> dt.datetime:
     return claim.due_at
 
@@ -303,6 +324,11 @@ class Dispatcher:
         term = self.term
         if term is None or not term.active:
             return
+        if term.watermark is None and written is not None:
+            # The term is starting: its seed plans this from its start, and what fell due
+            # before it is claimed once the seed is done (late_fires). The first change
+            # of a schedule says when it began to make fires due.
+            term.early_changes.setdefault(schedule_id, written)
         since = replan_from(term.watermark, written)
         watermark, start = term.watermark, change_start(written)
         if start is not None and watermark is not None and \
@@ -339,6 +365,10 @@ class Dispatcher:
                 tasks.create_task(self._take_over(term, since, now))
                 await self._seed(term, now)
                 term.watermark = now
+                late = late_fires(term.early_changes, self.mirror.entries, now)
+                term.early_changes.clear()
+                if late:
+                    tasks.create_task(self._claim_all(late, term, now))
                 tasks.create_task(self._requested_loop(term))
                 if self.gate is not None:
                     tasks.create_task(self._release_loop(term, self.gate))

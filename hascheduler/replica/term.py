@@ -26,7 +26,7 @@ import structlog
 from pymongo.errors import OperationFailure
 
 from hascheduler.core.claims import Claim
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fire_queue import Due, FireQueue
 from hascheduler.storage.lease import LeaseTimings
 
@@ -98,6 +98,10 @@ class Term:
         self.pending: dict[str, dt.datetime] = {}
         self._due: Counter[dt.datetime] = Counter()
         self.deferred: dict[str, Due] = {}  # fan-out fires waiting for their source, by id
+        # Changes the mirror applied before the term had a watermark (while it started),
+        # with when each was made: their seed plans them from the term's start, and what
+        # fell due before it is claimed apart (Dispatcher.lead, late_fires).
+        self.early_changes: dict[str, Written] = {}
         self.active = False
         self.handing_over = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
