@@ -28,6 +28,7 @@ from hascheduler.replica.dispatch import (
     CLAIM_EVERY_S,
     CLAIMS_IN_FLIGHT,
     LATE_CHANGE_S,
+    LATE_FIRES_MAX,
     PUBLISH_TICK_S,
     Dispatcher,
     _plan_catchups,
@@ -315,6 +316,15 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
         assert late_fires({"new": Written(now + second, now + second)}, entries, now) == []
         far = late_fires({"new": Written(now, now - 60 * second)}, entries, now)
         assert len(far) == LATE_CHANGE_S
+        # Valid but expensive: a trigger every half millisecond makes 20,000 fires in
+        # those 10 s; at most LATE_FIRES_MAX are planned, in both late paths.
+        dense = {"dense": Entry(1, False, Interval(0.0005, now - 60 * second), 0.0, "all",
+                                3600.0, "t.x")}
+        assert len(late_fires({"dense": Written(now, now - 60 * second)}, dense, now)) == \
+            LATE_FIRES_MAX
+        caught, _ = _plan_catchups(list(dense.items()), now, now,
+                                   {"dense": now - LATE_CHANGE_S * second}, now)
+        assert len(caught) == LATE_FIRES_MAX  # the late ones; after the watermark, none due
 
 
 async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(

@@ -201,13 +201,22 @@ def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
         if entry is None or entry.dormant or entry.fan_out is not None or start is None \
                 or start >= now:
             continue
-        jitter = dt.timedelta(seconds=entry.jitter)
-        for nominal in fire_times(entry.trigger, start - jitter, until=now,
-                                  limit=LATE_FIRES_MAX):
-            fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-            if start < fire_at <= now:
-                due.append(Due(fire_at, nominal, schedule_id, entry.revision))
+        due += _dues(schedule_id, entry, fire_times(
+            entry.trigger, start - dt.timedelta(seconds=entry.jitter), until=now,
+            limit=LATE_FIRES_MAX), now, after=start)
     return sorted(due)
+
+
+def _dues(schedule_id: str, entry: Entry, nominals: Iterable[dt.datetime],
+          now: dt.datetime, after: dt.datetime | None = None) -> list[Due]:
+    """``nominals`` as fires to claim: those whose jittered time is by ``now`` (and after
+    ``after``)."""
+    due = []
+    for nominal in nominals:
+        fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
+        if fire_at <= now and (after is None or fire_at > after):
+            due.append(Due(fire_at, nominal, schedule_id, entry.revision))
+    return due
 
 
 def _due_at(claim: Claim) -> dt.datetime:
@@ -264,10 +273,7 @@ def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt
                                   limit=LATE_FIRES_MAX)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
                                   start - jitter, now)
-        for nominal in itertools.chain(late, fire):
-            fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-            if fire_at <= now:
-                to_fire.append(Due(fire_at, nominal, schedule_id, entry.revision))
+        to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now)
         if skip is not None:
             skipped.append((schedule_id, skip))
     return to_fire, skipped
