@@ -87,8 +87,9 @@ CLAIM_EVERY_S = 0.025
 # first fires. At most this far back: a change applied later than that (a stream resumed
 # after an outage) is planned from this far back, as a catch-up window would bound it.
 LATE_CHANGE_S = 10.0
-# The instants a catch-up fires of one schedule created just before the previous leader's
-# watermark (_plan_catchups): LATE_CHANGE_S of a dense trigger.
+# The most instants one schedule's late fires take (a catch-up's of one created just before
+# the previous leader's watermark, _plan_catchups; a term's start, late_fires): those of
+# LATE_CHANGE_S of a dense trigger.
 LATE_FIRES_MAX = 10_000
 
 
