@@ -267,7 +267,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
         {"late": since - dt.timedelta(seconds=4.5),
          "late-none": since - dt.timedelta(seconds=4.5),
          "new": since + dt.timedelta(seconds=1.5),
-         "fan-out": since - dt.timedelta(seconds=4.5)}, since)
+         "fan-out": since - dt.timedelta(seconds=4.5)})
     fired = {sid: sorted(d.nominal for d in fire if d.schedule_id == sid)
              for sid in ("late", "late-none", "known", "new", "fan-out")}
     assert fired["late"] == [*seconds[:5], seconds[-1]]  # since-4 .. since, then the latest
@@ -276,7 +276,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
     assert fired["fan-out"] == [seconds[-1]]
     # A database's first term (no watermark): each from its creation, by its policy.
-    first, _ = _plan_catchups([("late", entry("latest"))], now, now,
+    first, _ = _plan_catchups([("late", entry("latest"))], None, now,
                               {"late": since - dt.timedelta(seconds=4.5)})
     assert [d.nominal for d in first] == [seconds[-1]]
     # The skipped ranges are those of the policies, after since only.
@@ -323,7 +323,7 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
         assert len(late_fires({"dense": Written(now, now - 60 * second)}, dense, now)) == \
             LATE_FIRES_MAX
         caught, _ = _plan_catchups(list(dense.items()), now, now,
-                                   {"dense": now - LATE_CHANGE_S * second}, now)
+                                   {"dense": now - LATE_CHANGE_S * second})
         assert len(caught) == LATE_FIRES_MAX  # the late ones; after the watermark, none due
 
 

@@ -248,24 +248,25 @@ class TenantSource(Protocol):
 CREATED_READ_S = 60.0
 
 
-def _plan_catchups(entries: list[tuple[str, Entry]], since: dt.datetime, now: dt.datetime,
-                   created: Mapping[str, dt.datetime], watermark: dt.datetime | None = None
+def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | None,
+                   now: dt.datetime, created: Mapping[str, dt.datetime]
                    ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
-    and the range each skips (pure). Each schedule from ``since``, or from its creation
-    when ``created`` has it. With the previous leader's ``watermark`` (``since``), one
-    created before it (``created`` holds those created up to LATE_CHANGE_S before) also
-    fires every instant between its creation and it: that leader's watermark may have
-    passed them before it learned of the schedule (a write held up, a change stream
-    lagging) and then lost the lease, as a late change's are fired (replan_from). Those
-    it did fire keep their one fire: a claim is the fire id's insert. Not a fan-out's:
-    its instants would be claimed again for the tenants selected now, not then."""
+    and the range each skips (pure). Each schedule from the previous leader's
+    ``watermark`` (with none, a database's first term, from ``now``), or from its creation
+    when ``created`` has it. One created before the watermark (``created`` holds those
+    created up to LATE_CHANGE_S before) also fires every instant between its creation and
+    it: that leader's watermark may have passed them before it learned of the schedule (a
+    write held up, a change stream lagging) and then lost the lease, as a late change's
+    are fired (replan_from). Those it did fire keep their one fire: a claim is the fire
+    id's insert. Not a fan-out's: its instants would be claimed again for the tenants
+    selected now, not then."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
         jitter = dt.timedelta(seconds=entry.jitter)
         born = created.get(schedule_id)
-        start = since if born is None else born
+        start = (watermark or now) if born is None else born
         late: Iterable[dt.datetime] = ()
         if born is not None and watermark is not None and born < watermark:
             start = watermark  # by its policy from there
@@ -900,8 +901,8 @@ class Dispatcher:
         # a second for a dense schedule, and the loop must keep renewing the lease.
         entries = [(sid, e) for sid, e in self.mirror.entries.items()
                    if not e.paused and not e.completed]
-        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since or now, now,
-                                                  created, since)
+        to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now,
+                                                  created)
         term.check()
         skipped = [skipped_range_document(schedule_id, skip, term.number, now)
                    for schedule_id, skip in ranges]
