@@ -965,9 +965,10 @@ class AdoptionsNoted:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ledger, name)
 
-    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> None:
-        await self.ledger.adopt(fire_ids, term, now)
+    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
+        taken: set[str] = await self.ledger.adopt(fire_ids, term, now)
         self.adoptions.append(sorted(fire_ids))
+        return taken
 
 
 async def test_a_successor_republishes_its_predecessors_latest_claims_first(

@@ -94,14 +94,21 @@ async def test_adoption_takes_unpublished_claims_of_this_term_and_older_only(
     docs["done"]["state"] = PUBLISHED
     await ledger.fires.insert_many(list(docs.values()))
     ids = {str(d["_id"]) for d in docs.values()}
-    assert await ledger.adoptable(ids, 2) == {fire_id("old", at(10)), fire_id("mine", at(10))}
-    # The write itself takes only those: a claim published, or taken by a newer term,
-    # since the read is left alone.
-    await ledger.adopt(ids, 2, at(12))
+    # A claim published, or taken by a newer term, since the caller found it is left
+    # alone, and the ids taken say so.
+    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10)),
+                                                   fire_id("mine", at(10))}
     assert (await state(ledger, "old"))["term"] == 2
     assert (await state(ledger, "old"))["claimed_at"] == at(12)
     assert (await state(ledger, "newer"))["term"] == 3
     assert (await state(ledger, "done"))["term"] == 1
+    # All of them still left (the usual case): taken in the one write.
+    more = {s: claim_document(s, at(20), at(20), 1, at(19)) for s in ("a", "b")}
+    await ledger.fires.insert_many(list(more.values()))
+    assert await ledger.adopt({str(d["_id"]) for d in more.values()}, 2, at(22)) == {
+        fire_id("a", at(20)), fire_id("b", at(20))}
+    assert (await ledger.fires.find_one({"_id": fire_id("b", at(20))}) or {})["term"] == 2
+    assert await ledger.adopt(set(), 2, at(23)) == set()
 
 
 async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) -> None:

@@ -263,21 +263,22 @@ class Ledger:
             return set()
         return {docs[e["index"]]["_id"] for e in await insert_new(self.fires, docs)}
 
-    async def adoptable(self, fire_ids: set[str], term: int) -> set[str]:
-        """Those of ``fire_ids`` still claimed and unpublished by an older term (a deposed
-        leader) or by this term before it stopped firing and led again (its in-flight
-        publishes went with it). The caller passes only claims its own pending publishes
-        do not hold, and takes them over with ``adopt``."""
+    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
+        """Take over those of ``fire_ids`` still claimed and unpublished by an older term (a
+        deposed leader) or by this term before it stopped firing and led again (its
+        in-flight publishes went with it); the ids taken. The caller passes only claims its
+        own pending publishes do not hold. One write when it takes them all (the claims
+        were found left so); else a read says which it took (one published or taken by a
+        newer term since is left alone)."""
         if not fire_ids:
             return set()
-        return {d["_id"] async for d in self.fires.find(_stale(fire_ids, term), {"_id": 1})}
-
-    async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> None:
-        """Take over those of ``fire_ids`` (found by ``adoptable``) still left unpublished
-        by an older term or this one."""
-        if fire_ids:
-            await self.fires.update_many(_stale(fire_ids, term),
-                                         {"$set": {"term": term, "claimed_at": now}})
+        result = await self.fires.update_many(_stale(fire_ids, term),
+                                              {"$set": {"term": term, "claimed_at": now}})
+        if result.matched_count == len(fire_ids):
+            return set(fire_ids)
+        return {d["_id"] async for d in self.fires.find(
+            {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": term,
+             "claimed_at": now}, {"_id": 1})}
 
     async def adopt_due(self, term: int, now: dt.datetime, claimed_before: dt.datetime
                         ) -> int:
