@@ -19,7 +19,7 @@ from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
-from hascheduler.core.triggers import At, Interval
+from hascheduler.core.triggers import At, Interval, fire_id
 from hascheduler.replica.dispatch import (
     ADMIT_AHEAD_S,
     BACKFILL_QUIET_S,
@@ -31,7 +31,9 @@ from hascheduler.replica.dispatch import (
     LATE_FIRES_MAX,
     PUBLISH_TICK_S,
     Dispatcher,
+    _none_withdrawn,
     _plan_catchups,
+    _withdrawn,
     late_fires,
     publish_tick,
     replan_from,
@@ -413,7 +415,6 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
 
     from pymongo import AsyncMongoClient
 
-    from hascheduler.core.triggers import fire_id
     from hascheduler.replica.dispatch import Dispatcher
     from hascheduler.storage import fires as ledger
     from tests.servers import with_database
@@ -595,6 +596,85 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         assert dispatcher._quiet(term)
 
 
+def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
+    """The check made ahead (_none_withdrawn) says yes only where the one at the due time
+    (_still_due, through _withdrawn) keeps every claim."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    every = Interval(1.0, now - dt.timedelta(seconds=60))
+    entries = {"s": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
+               "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
+               "moved": Entry(2, False, Interval(1.0, now - dt.timedelta(seconds=59.5)),
+                              0.0, "all", 3600.0, "t.x"),
+               "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
+               "until": Entry(1, True, every, 0.0, "all", 3600.0, "t.x",
+                              paused_until=now + dt.timedelta(seconds=5)),
+               "completed": Entry(1, False, every, 0.0, "all", 3600.0, "t.x",
+                                  completed=True)}
+    revisions = {s: 1 for s in (*entries, "deleted")}
+
+    def claim(sid: str, tenant: str | None = None) -> Claim:
+        return Claim(fire_id(sid, now), sid, now, now, tenant=tenant)
+
+    assert _none_withdrawn([claim("s"), claim("changed")], entries, revisions)
+    assert _withdrawn(claim("changed"), entries["changed"], 1) is None  # still a fire time
+    for withdrawn in ("moved", "paused", "until", "completed", "deleted"):
+        assert _withdrawn(claim(withdrawn), entries.get(withdrawn), 1) is not None
+        assert not _none_withdrawn([claim("s"), claim(withdrawn)], entries, revisions)
+    # A tenant's claim waits for the selection at its due time.
+    assert not _none_withdrawn([claim("s", tenant="acme")], entries, revisions)
+    assert _withdrawn(claim("s", tenant="acme"), entries["s"], 1) is not None  # no fan-out
+
+
+async def test_claims_unchanged_since_their_check_are_published_without_another(
+        ) -> None:
+    """Nothing changed (the publisher's count of changes) between the check made once the
+    claims are in and their due time: they are published as they are, no look at each
+    then (_still_due), and the publisher takes their templates as rendered."""
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.4)
+    entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")
+               for s in ("a", "b")}
+    published: list[tuple[list[str], bool]] = []
+
+    class Publisher:
+        changes = 0
+
+        async def templates(self, ids: set[str]) -> dict[str, object]:
+            return {}
+
+        def prepare(self, claims: list[Claim]) -> None:
+            pass
+
+        def discard(self, claims: list[Claim]) -> None:
+            pass
+
+        async def admit(self, claims: list[Claim], term: int
+                        ) -> tuple[list[Claim], list[Claim]]:
+            return claims, []
+
+        def ready(self, claims: list[Claim], term: int) -> None:
+            pass
+
+        async def publish(self, claims: list[Claim], term: int, attempt: int,
+                          admitted: bool = False, unchanged: bool = False) -> None:
+            published.append(([c.fire_id for c in claims], unchanged))
+
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=10.0))
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    dispatcher.publisher = Publisher()  # type: ignore[assignment]
+
+    async def not_asked(*args: Any) -> list[Claim]:
+        raise AssertionError("checked again at the due time")
+
+    dispatcher._still_due = not_asked  # type: ignore[method-assign]
+    claims = [Claim(f"{s}@x", s, due, due) for s in ("a", "b")]
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        term.claimed(claims)
+        await dispatcher._publish_when_due(claims, {"a": 1, "b": 1}, term)
+    assert published == [(["a@x", "b@x"], True)]
+
+
 @pytest.mark.alone  # times the admission against the real clock: on an idle machine
 @pytest.mark.parametrize("held_ahead", [False, True])
 async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
@@ -611,6 +691,8 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
     skipped: list[str] = []
 
     class Publisher:
+        changes = 0
+
         async def templates(self, ids: set[str]) -> dict[str, object]:
             return {}
 
@@ -623,8 +705,10 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
         async def admit(self, claims: list[Claim], term: int
                         ) -> tuple[list[Claim], list[Claim]]:
             events.append(("admit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-            # The schedule is paused once its fire was admitted.
+            # The schedule is paused once its fire was admitted (the mirror's change
+            # reaches the publisher: ``forget`` counts it).
             entries["paused"] = entries["paused"].replace(paused=True)
+            self.changes += 1
             return (claims, []) if not held_ahead else ([], claims)
 
         def ready(self, claims: list[Claim], term: int) -> None:
@@ -634,9 +718,10 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
             events.append(("unadmit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
 
         async def publish(self, claims: list[Claim], term: int, attempt: int,
-                          admitted: bool = False) -> None:
+                          admitted: bool = False, unchanged: bool = False) -> None:
             # A fire held ahead (its run still open then) goes through the gate now.
             assert admitted is not held_ahead
+            assert not unchanged  # a schedule changed since the claims were checked
             events.append(("publish", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
 
     class Ledger:
@@ -930,7 +1015,6 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
     for them rather than inserting claims the unique index refuses (each refusal cost the
     database ten times the read: a second's 10,000 fires held the first new fire back half
     a second), publishes none of them again, and goes on firing."""
-    from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
 
     db = fresh_db
@@ -978,7 +1062,6 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(
     order, so its earlier claims are mostly published (duplicates to the broker) and its
     latest the likeliest not: behind 10,000 duplicates they came a third of a second
     later. Every one is published."""
-    from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
 
     db = fresh_db
@@ -1005,7 +1088,6 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
     of the claims left (a sorted read of an hour's backlog would be millions of
     documents); the retry loop adopts and publishes the rest, an older term's and this
     term's previous lead's alike."""
-    from hascheduler.core.triggers import fire_id
     from hascheduler.replica import dispatch
     from hascheduler.storage import fires as ledger
 
@@ -1040,7 +1122,6 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
     second past its due time), and until that republish and the catch-up after it end,
     the lease keeps the predecessor's watermark, so a leader after this one catches up
     from there."""
-    from hascheduler.core.triggers import fire_id
     from hascheduler.storage import fires as ledger
 
     db = fresh_db

@@ -175,6 +175,36 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     assert not publisher._ready
 
 
+async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_from(
+        ) -> None:
+    """``unchanged``: the caller counted no change (``changes``, which ``forget`` counts)
+    since the fires were rendered ahead, so their templates are not looked up again; a
+    fire not rendered ahead is, as before."""
+    publisher, broker, _, _, now = setup()
+    await publisher.templates({"s"})
+    due = claims(3)
+    publisher.ready(due[:2], 7)
+    looked_up: list[set[str]] = []
+    templates = publisher.templates
+
+    async def spied(ids: set[str]) -> Any:
+        looked_up.append(ids)
+        return await templates(ids)
+
+    publisher.templates = spied  # type: ignore[method-assign]
+    now[0] = T0 + dt.timedelta(milliseconds=4)
+    await publisher.publish(due[:2], 7, attempt=1, admitted=True, unchanged=True)
+    assert looked_up == []
+    assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[:2]]
+    assert json.loads(broker.sent[0].body)["data"]["payload"] == {"v": 1}
+    await publisher.publish(due[2:], 7, attempt=1, admitted=True, unchanged=True)
+    assert looked_up == [{"s"}]  # not rendered ahead: looked up
+    assert len(broker.sent) == 3
+    before = publisher.changes
+    publisher.forget("s")
+    assert publisher.changes == before + 1
+
+
 async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_nothing(
         ) -> None:
     publisher, broker, _, _, now = setup()

@@ -125,6 +125,9 @@ class Publisher:
                                      tuple[tracing.Span | None, dict[str, str]] | None,
                                      Any]] = {}
         self._marks: list[tuple[list[str], int, dt.datetime, int]] = []  # awaiting a write
+        # Schedules changed so far (``forget``): a caller that counted the same before it
+        # had claims rendered ahead knows their schedules, and templates, stand.
+        self.changes = 0
         self._marking = asyncio.Lock()
 
     @property
@@ -136,6 +139,7 @@ class Publisher:
     def forget(self, schedule_id: str) -> None:
         """The schedule changed: its next message is read afresh."""
         self._templates.pop(schedule_id, None)
+        self.changes += 1
 
     async def templates(self, ids: set[str]) -> dict[str, EventTemplate]:
         """The event template (name, target, payload) of each schedule still stored."""
@@ -228,11 +232,18 @@ class Publisher:
             await self.gate.unreserve(claims)
 
     async def publish(self, claims: list[Claim], term: int, attempt: int,
-                      released: bool = False, admitted: bool = False) -> None:
+                      released: bool = False, admitted: bool = False,
+                      unchanged: bool = False) -> None:
         """Publish claimed fires (through the overlap gate, unless ``admitted`` through it
         already: ``released`` ones were buffered); mark each published (behind the
-        publish: ``marked`` waits for the marks), or schedule its retry."""
-        templates = await self.templates({c.schedule_id for c in claims})
+        publish: ``marked`` waits for the marks), or schedule its retry. ``unchanged``: no
+        schedule changed (``changes``) since the claims were rendered ahead (``ready``),
+        so the templates they were rendered from stand."""
+        rendered = self._ready
+        if unchanged and attempt == 1 and all(c.fire_id in rendered for c in claims):
+            templates = {c.schedule_id: rendered[c.fire_id][0] for c in claims}
+        else:
+            templates = await self.templates({c.schedule_id for c in claims})
         gone = [c for c in claims if c.schedule_id not in templates]
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
