@@ -608,9 +608,9 @@ class Dispatcher:
             await self.publisher.templates({c.schedule_id for c in claimed})  # warm the cache
             self.publisher.prepare(claimed)
             # Every claim still a fire of its schedule as of this count of changes: at its
-            # due time the same count says so again, without a look at each (_still_due: a
-            # twentieth of a millisecond a hundred fires, and the fires due together at an
-            # instant wait for it one batch after another).
+            # due time the same count says so again, without a look at each (_still_due,
+            # which the fires due together at an instant waited for one batch after
+            # another).
             checked_at = self.publisher.changes
             verified = _none_withdrawn(claimed, self.mirror.entries, revisions)
             while claimed or admitted:
