@@ -40,7 +40,7 @@ from hascheduler.replica.dispatch import (
 )
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
-from tests.waiting import wait_until
+from tests.waiting import still_pending, wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -506,8 +506,7 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
         settling = asyncio.create_task(term.settle(5.0))
-        await asyncio.sleep(0)  # the settle task runs up to its wait
-        assert not settling.done()
+        await still_pending(settling, 0.2, "the settle with a write unanswered")
         assert not applied
         answer.set()
         assert await settling
@@ -625,6 +624,56 @@ def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
     assert _withdrawn(claim("s", tenant="acme"), entries["s"], 1) is not None  # no fan-out
 
 
+class NotedPublisher:
+    """The publisher of claims awaiting their due time (Dispatcher._publish_when_due),
+    noting each call: what, the fire ids, when; a publish's ``admitted`` and ``unchanged``
+    too. It admits every claim, and counts no change unless a test says so."""
+
+    def __init__(self) -> None:
+        self.changes = 0
+        self.events: list[tuple[str, list[str], dt.datetime]] = []
+        self.published: list[tuple[list[str], bool, bool]] = []
+
+    def _note(self, what: str, claims: list[Claim]) -> None:
+        self.events.append((what, [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+
+    async def templates(self, ids: set[str]) -> dict[str, object]:
+        return {}
+
+    def prepare(self, claims: list[Claim]) -> None:
+        self._note("prepare", claims)
+
+    def discard(self, claims: list[Claim]) -> None:
+        self._note("discard", claims)
+
+    async def admit(self, claims: list[Claim], term: int
+                    ) -> tuple[list[Claim], list[Claim]]:
+        self._note("admit", claims)
+        return claims, []
+
+    def ready(self, claims: list[Claim], term: int) -> None:
+        self._note("ready", claims)
+
+    async def unadmit(self, claims: list[Claim]) -> None:
+        self._note("unadmit", claims)
+
+    async def publish(self, claims: list[Claim], term: int, attempt: int,
+                      admitted: bool = False, unchanged: bool = False) -> None:
+        self._note("publish", claims)
+        self.published.append(([c.fire_id for c in claims], admitted, unchanged))
+
+
+def publishing_dispatcher(entries: dict[str, Entry], publisher: NotedPublisher,
+                          ledger: Any = None) -> tuple[Dispatcher, Any]:
+    """A dispatcher over ``entries`` publishing through ``publisher``, and its lease."""
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
+                            timings=SimpleNamespace(ttl=10.0))
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, ledger, None,  # type: ignore[arg-type]
+                            lease)  # type: ignore[arg-type]
+    dispatcher.publisher = publisher  # type: ignore[assignment]
+    return dispatcher, lease
+
+
 async def test_claims_unchanged_since_their_check_are_published_without_another(
         ) -> None:
     """Nothing changed (the publisher's count of changes) between the check made once the
@@ -633,36 +682,8 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
     due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.4)
     entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")
                for s in ("a", "b")}
-    published: list[tuple[list[str], bool]] = []
-
-    class Publisher:
-        changes = 0
-
-        async def templates(self, ids: set[str]) -> dict[str, object]:
-            return {}
-
-        def prepare(self, claims: list[Claim]) -> None:
-            pass
-
-        def discard(self, claims: list[Claim]) -> None:
-            pass
-
-        async def admit(self, claims: list[Claim], term: int
-                        ) -> tuple[list[Claim], list[Claim]]:
-            return claims, []
-
-        def ready(self, claims: list[Claim], term: int) -> None:
-            pass
-
-        async def publish(self, claims: list[Claim], term: int, attempt: int,
-                          admitted: bool = False, unchanged: bool = False) -> None:
-            published.append(([c.fire_id for c in claims], unchanged))
-
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=10.0))
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
-    dispatcher.publisher = Publisher()  # type: ignore[assignment]
+    publisher = NotedPublisher()
+    dispatcher, lease = publishing_dispatcher(entries, publisher)
 
     async def not_asked(*args: Any) -> list[Claim]:
         raise AssertionError("checked again at the due time")
@@ -672,7 +693,7 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         term.claimed(claims)
         await dispatcher._publish_when_due(claims, {"a": 1, "b": 1}, term)
-    assert published == [(["a@x", "b@x"], True)]
+    assert publisher.published == [(["a@x", "b@x"], True, True)]
 
 
 @pytest.mark.alone  # times the admission against the real clock: on an idle machine
@@ -687,52 +708,24 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
     due = start + dt.timedelta(seconds=0.6)
     entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t",
                         overlap="skip") for s in ("kept", "paused")}
-    events: list[tuple[str, list[str], dt.datetime]] = []
     skipped: list[str] = []
 
-    class Publisher:
-        changes = 0
-
-        async def templates(self, ids: set[str]) -> dict[str, object]:
-            return {}
-
-        def prepare(self, claims: list[Claim]) -> None:
-            events.append(("prepare", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-
-        def discard(self, claims: list[Claim]) -> None:
-            events.append(("discard", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-
+    class PausedOnceAdmitted(NotedPublisher):
         async def admit(self, claims: list[Claim], term: int
                         ) -> tuple[list[Claim], list[Claim]]:
-            events.append(("admit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
+            await super().admit(claims, term)
             # The schedule is paused once its fire was admitted (the mirror's change
             # reaches the publisher: ``forget`` counts it).
             entries["paused"] = entries["paused"].replace(paused=True)
             self.changes += 1
             return (claims, []) if not held_ahead else ([], claims)
 
-        def ready(self, claims: list[Claim], term: int) -> None:
-            events.append(("ready", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-
-        async def unadmit(self, claims: list[Claim]) -> None:
-            events.append(("unadmit", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-
-        async def publish(self, claims: list[Claim], term: int, attempt: int,
-                          admitted: bool = False, unchanged: bool = False) -> None:
-            # A fire held ahead (its run still open then) goes through the gate now.
-            assert admitted is not held_ahead
-            assert not unchanged  # a schedule changed since the claims were checked
-            events.append(("publish", [c.fire_id for c in claims], dt.datetime.now(dt.UTC)))
-
     class Ledger:
         async def skip(self, ids: list[str], term: int, reason: str) -> None:
             skipped.extend(ids)
 
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=10.0))
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, Ledger(), None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
-    dispatcher.publisher = Publisher()  # type: ignore[assignment]
+    publisher = PausedOnceAdmitted()
+    dispatcher, lease = publishing_dispatcher(entries, publisher, Ledger())
     claims = [Claim(f"{s}@x", s, due, due) for s in ("kept", "paused")]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         term.claimed(claims)
@@ -741,12 +734,16 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
         assert not term.pending
     # Each claim's publish span is prepared ahead, the admitted fires rendered at their
     # admission, and both discarded once settled. Held ones hold no reservation to
-    # withdraw, and are rendered when published.
+    # withdraw, and are rendered when published. A fire held ahead (its run still open
+    # then) goes through the gate at its due time; a schedule changed since the claims
+    # were checked, so none is published as unchanged.
+    events = publisher.events
     assert [(what, ids) for what, ids, _ in events] == [
         ("prepare", ["kept@x", "paused@x"]), ("admit", ["kept@x", "paused@x"]),
         ("ready", [] if held_ahead else ["kept@x", "paused@x"]),
         *([] if held_ahead else [("unadmit", ["paused@x"])]),
         ("publish", ["kept@x"]), ("discard", ["kept@x", "paused@x"])]
+    assert publisher.published == [(["kept@x"], not held_ahead, False)]
     admitted_at, published_at = events[1][2], events[-2][2]
     ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
     assert due - ahead <= admitted_at < due
@@ -958,9 +955,7 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
     dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], 1, attempt=1)
     drained = asyncio.create_task(dispatcher.drain())
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert not drained.done()  # its mark is still being written
+    await still_pending(drained, 0.2, "the drain while its mark is written")
     gate.set()
     await asyncio.wait_for(drained, 5)
     assert written.is_set()

@@ -19,7 +19,7 @@ from hascheduler.core.events import PreparedEvent
 from hascheduler.core.triggers import Interval, fire_id, iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.publishing import DispatchSettings, Publisher
-from tests.waiting import wait_until
+from tests.waiting import still_pending, wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -237,8 +237,7 @@ async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_g
     await wait_until(lambda: len(publisher._marks) == 2, 5, "two marks gathered")
     assert len(ledger.writes) == 1
     marked = asyncio.create_task(publisher.marked())
-    await asyncio.sleep(0)
-    assert not marked.done()
+    await still_pending(marked, 0.2, "marked while the first write is in flight")
     ledger.gate.set()
     await asyncio.wait_for(marked, 5)
     assert [[ids for ids, *_ in write] for write in ledger.writes] == [

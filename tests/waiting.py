@@ -39,3 +39,10 @@ def wait_until_sync(probe: Callable[[], T], deadline_s: float, what: str,
             raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
                                  f"(last value {value!r})")
         time.sleep(interval_s)
+
+
+async def still_pending(task: asyncio.Future[object], within_s: float, what: str) -> None:
+    """Assert that ``task`` does not finish within ``within_s``: waits on its end with
+    that deadline (a turn of the loop or two would give a wrong early end less room)."""
+    done, _ = await asyncio.wait({task}, timeout=within_s)
+    assert not done, f"{what}: ended within {within_s}s"
