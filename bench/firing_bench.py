@@ -18,7 +18,8 @@ replicas (lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s) as processe
   the clock starts and written at once on one connection (no scheduler, no database).
 - Lateness: N schedules for --seconds, every second, or N/P: spread over P seconds (P
   divides 60), so N/P fire each second; lateness is publish-acknowledged time minus due
-  time, from the fire ledger. Baseline, same run: plain APScheduler 3
+  time, from the fire ledger; a note under the table gives the same on the broker's clock
+  (each fire's store time in the stream). Baseline, same run: plain APScheduler 3
   AsyncIOScheduler running the same N cron triggers with an empty async job, lateness
   measured when the job has run.
 """
@@ -50,6 +51,7 @@ from hascheduler.brokers.nats.publisher import (
     ack_error,
     ensure_stream,
 )
+from hascheduler.brokers.nats.reader import read_stream
 from hascheduler.brokers.nats.wire import PublishConnection, frame
 from hascheduler.core.events import EventTemplate
 from hascheduler.process import logs
@@ -426,9 +428,31 @@ def seconds_field(i: int, period: int) -> str:
     return str(i % 60) if period == 60 else f"{i % period}/{period}"
 
 
+async def broker_clock_note(broker_uri: str, fires: list[dict[str, Any]], n: int) -> str:
+    """The window's lateness on the broker's clock (the time the stream stored each fire,
+    minus its due time), and how long after that store the ledger's ``published_at`` (the
+    leader reading the batch's last acknowledgement) came."""
+    stored = {m.event.get("id"): m.stored_at for m in await read_stream(broker_uri)}
+    on_broker, after = [], []
+    for f in fires:
+        at = stored.get(f["_id"])
+        if at is not None:
+            at = at if at.tzinfo else at.replace(tzinfo=dt.UTC)
+            on_broker.append((at - f["due_at"]).total_seconds())
+            after.append((f["published_at"] - at).total_seconds())
+    if not on_broker:
+        return f"no fire of the window at {n:,} found in the stream"
+    return (f"lateness on the broker's clock at {n:,} (stored - due_at, {len(on_broker):,} "
+            f"fires): p50 {pct(on_broker, .5) * 1000:.0f} ms, p99 "
+            f"{pct(on_broker, .99) * 1000:.0f} ms; published_at after the store: p50 "
+            f"{pct(after, .5) * 1000:.0f} ms, p99 {pct(after, .99) * 1000:.0f} ms")
+
+
 async def lateness(mongo: ServerProcess, broker: ServerProcess, n: int, period: int,
                    seconds: float, env: dict[str, str] | None = None,
-                   database: str | None = None) -> list[float]:
+                   database: str | None = None, broker_clock: bool = False) -> list[float]:
+    """Publish-acknowledged minus due time of each fire due in the window; with
+    ``broker_clock``, a note of the same on the stream's store times too."""
     c = await started_cluster(mongo, broker.uri, database or f"bench_late_{n}", [
         schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": f"{seconds_field(i, period)} * * * * *"},
                      "bench.late")
@@ -450,6 +474,8 @@ async def lateness(mongo: ServerProcess, broker: ServerProcess, n: int, period: 
         fires = [f async for f in c.db.fires.find(
             {"due_at": {"$gte": start, "$lt": end}, "state": "published"},
             {"published_at": 1, "due_at": 1, "claimed_at": 1})]
+        if broker_clock:
+            NOTES.append(await broker_clock_note(broker.uri, fires, n))
         late = [(f["published_at"] - f["due_at"]).total_seconds() for f in fires]
         claim = [(f["claimed_at"] - f["due_at"]).total_seconds() for f in fires]
         if claim:
@@ -556,7 +582,8 @@ async def main() -> int:
                   "APScheduler p50 (baseline) | p99 | runs | p99 ratio |")
             print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for n, period in sizes:
-            values = await lateness(mongo, broker, n, period, args.seconds)
+            values = await lateness(mongo, broker, n, period, args.seconds,
+                                    broker_clock=True)
             b = apscheduler_lateness(n, period, args.seconds)
             expected = n * int(args.seconds) // period
             row = f"| {n:,} | {n // period:,} |"
