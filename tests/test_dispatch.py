@@ -20,9 +20,9 @@ from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
 from hascheduler.core.triggers import At, Interval, fire_id
+from hascheduler.replica.backfilling import BACKFILL_QUIET_S, Backfilling
 from hascheduler.replica.dispatch import (
     ADMIT_AHEAD_S,
-    BACKFILL_QUIET_S,
     CLAIM_AHEAD_S,
     CLAIM_BATCH,
     CLAIM_EVERY_S,
@@ -125,7 +125,8 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
     term.watermark = now
     claimed: list[Claim] = []
 
-    async def claim(claims: list[Claim], term: Term, now: dt.datetime) -> list[Claim]:
+    async def claim(claims: list[Claim], term: Term, now: dt.datetime,
+                    backfill: str | None = None) -> list[Claim]:
         claimed.extend(claims)
         return []  # nothing to publish in this test
 
@@ -565,34 +566,35 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
                             lease, clock=lambda: now)  # type: ignore[arg-type]
     quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
+    backfilling = Backfilling(dispatcher, None, CLAIM_AHEAD_S)  # type: ignore[arg-type]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        assert dispatcher._quiet(term)  # nothing due at all
+        assert backfilling.quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2
         first, second, third = (Claim(f"f{i}", "s", due, due)
                                 for i, due in enumerate((soon, soon, later)))
         term.claimed([first, second, third, first])  # a claim counted once
         assert term.next_publish_at() == soon
-        assert not dispatcher._quiet(term)  # a regular publish is due within the window
+        assert not backfilling.quiet(term)  # a regular publish is due within the window
         term.settled([first, first])
-        assert not dispatcher._quiet(term)  # the other one still is
+        assert not backfilling.quiet(term)  # the other one still is
         term.settled([second])
         assert term.next_publish_at() == later
-        assert dispatcher._quiet(term)
+        assert backfilling.quiet(term)
         # The queue's first fire is claimed CLAIM_AHEAD_S before it is due: the claims
         # need the path too. Due in a second: its claim is now; in a minute: quiet.
         list(term.queue.seed(now))
         assert term.queue.first_at() == now + dt.timedelta(seconds=1)
         assert dt.timedelta(seconds=1 - CLAIM_AHEAD_S) < quiet
-        assert not dispatcher._quiet(term)
+        assert not backfilling.quiet(term)
         term.queue.clear()
         list(term.queue.seed(now + dt.timedelta(seconds=2)))
         assert term.queue.first_at() == now + dt.timedelta(seconds=61)
-        assert dispatcher._quiet(term)
+        assert backfilling.quiet(term)
         term.queue.clear()
         term.settled([third])
         assert term.next_publish_at() is None
         assert term.pending == {}
-        assert dispatcher._quiet(term)
+        assert backfilling.quiet(term)
 
 
 def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:

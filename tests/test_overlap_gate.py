@@ -92,6 +92,30 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
         third.fire_id]
 
 
+async def test_a_buffered_fire_of_a_paused_schedule_waits_for_the_resume(
+        gate: OverlapGate, term: Term) -> None:
+    """The open run ends while the schedule is paused: its buffered fire is not released
+    (on 19ca195 it was published 2.8 s into the pause); resumed, it goes."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([second], targets, TERM) == []  # buffered behind the first
+    entries: dict[str, Entry] = gate.entries  # type: ignore[assignment]
+    running = entries["s"]
+    entries["s"] = running.replace(revision=2, paused=True)
+    await gate.runs.unreserve(first.fire_id)  # the first's run ends during the pause
+    assert await gate.ready(term, now + dt.timedelta(minutes=1)) == []
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert doc["state"] == BUFFERED
+    # Paused until an instant now passed: as good as resumed.
+    entries["s"] = running.replace(revision=3, paused=True,
+                                   paused_until=now - dt.timedelta(seconds=1))
+    assert [c.fire_id for c in await gate.ready(term, now + dt.timedelta(minutes=1))] == [
+        second.fire_id]
+
+
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(
         gate: OverlapGate, term: Term) -> None:
     """The window inside the take itself: the waiting fire is already claimed (no longer

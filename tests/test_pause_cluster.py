@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import json
 import signal
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from hascheduler.storage.lease import LeaseTimings
+from tests.servers import start_nats
 from tests.test_cli import run_cli
 from tests.test_failover import Harness
 from tests.test_overlap_cluster import start_worker
@@ -67,6 +70,83 @@ async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
     # when the grid started on a whole second, else the next one).
     first_after = min(d["nominal_at"] for d in await fired_after())
     assert first_after - until < dt.timedelta(seconds=1)
+
+
+async def test_a_pause_running_out_as_its_leader_is_killed_loses_no_instant_after_it(
+        mongo_uri: str) -> None:
+    """The leader is SIGKILLed just before a pause's ``until`` (its fires at ``until`` and
+    the next claimed ahead): its successor's catch-up runs while its mirror still shows
+    the schedule paused, and writes the resume itself. Every instant from ``until`` on is
+    fired once: on 19ca195 the ones between the claimed-ahead fires and the successor's
+    resume (two of them) were in neither the ledger nor the stream. A lease ttl of 4 s, so
+    that the successor takes over well after the claimed-ahead fires."""
+    server = start_nats()
+    h = Harness(mongo_uri, server, LeaseTimings(4.0, 2.8, 0.8))
+    try:
+        await h.record()
+        await _pause_runs_out_across_a_kill(h)
+    finally:
+        try:
+            await h.close()
+        finally:
+            server.stop()
+
+
+async def _pause_runs_out_across_a_kill(h: Harness) -> None:
+    for name in ("a", "b", "c"):
+        h.start(name)
+    first = await h.leader()
+    sid = f"{h.prefix}-until-kill"
+    status, _ = await h.call("POST", "/schedules", {
+        "id": sid, "name": sid, "target": f"audit.{h.prefix}", "catchup": "all",
+        "trigger": {"kind": "interval", "every": 1}})
+    assert status == 201
+    until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=4)
+    status, paused = await h.call("POST", f"/schedules/{sid}/pause",
+                                  {"until": until.isoformat()})
+    assert status == 200, paused
+    until = dt.datetime.fromisoformat(paused["pause"]["until"])
+    # The fault at its moment: 0.3 s before the pause runs out.
+    await asyncio.sleep((until - dt.timedelta(seconds=0.3)
+                         - dt.datetime.now(dt.UTC)).total_seconds())
+    h.signal(first, signal.SIGKILL)
+    process = h.replicas[first].process
+    assert process is not None
+    process.wait(10)
+
+    async def successor_holds() -> str | None:
+        holder = (await h.lease()).get("holder")
+        return holder if holder not in (None, first) else None
+
+    successor = await wait_until(successor_holds, 20, "a successor", 0.05)
+
+    async def fired_through() -> dt.datetime | None:
+        through = (await h.lease()).get("fired_through")
+        held = (await h.lease()).get("holder") == successor
+        return through.replace(tzinfo=dt.UTC) if held and through else None
+
+    # The successor has handled a few seconds past its takeover.
+    took_over = dt.datetime.now(dt.UTC)
+
+    async def handled() -> bool:
+        through = await fired_through()
+        return through is not None and through > took_over + dt.timedelta(seconds=3)
+
+    await wait_until(handled, 40, "the successor to handle 3 s past its takeover", 0.2)
+
+    async def published() -> list[dt.datetime]:
+        return sorted([d["nominal_at"].replace(tzinfo=dt.UTC) async for d in h.db.fires.find(
+            {"schedule_id": sid, "state": "published", "nominal_at": {"$gte": until},
+             "manual": {"$ne": True}})])
+
+    nominals = await wait_until(published, 20, "fires from the instant on", 0.2)
+    assert nominals[0] - until < dt.timedelta(seconds=1)
+    gaps = [(a, b) for a, b in itertools.pairwise(nominals) if b - a != dt.timedelta(seconds=1)]
+    assert gaps == [], gaps
+    assert nominals[-1] > took_over + dt.timedelta(seconds=2)
+    # Each fired once, none skipped.
+    assert await h.db.fires.count_documents({"schedule_id": sid, "state": "skipped",
+                                             "nominal_at": {"$gte": until}}) == 0
 
 
 async def test_bad_pauses_are_refused_naming_the_field(own_harness: Harness) -> None:

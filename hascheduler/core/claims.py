@@ -19,6 +19,10 @@ from hascheduler.core.fanout import FanOut, tenant_fire_id
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import fire_id
 
+# Why a claim is recorded skipped when its schedule was paused before its due time: a
+# backfill's claim skipped so is freed and fired after the resume (core/backfill.py).
+PAUSED_BEFORE_DUE = "schedule paused before its due time"
+
 
 @dataclass(slots=True)
 class Claim:

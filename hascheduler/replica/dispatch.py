@@ -30,7 +30,7 @@ from pymongo.errors import PyMongoError
 
 from hascheduler.brokers.base import Broker
 from hascheduler.core.catchup import SkippedRange, plan_catchup
-from hascheduler.core.claims import Claim, expand
+from hascheduler.core.claims import PAUSED_BEFORE_DUE, Claim, expand
 from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
@@ -40,6 +40,7 @@ from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.quota import ADMIT, DEFER, FireRates
 from hascheduler.core.triggers import fire_id, fire_times, jitter_offset, just_before
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica.backfilling import Backfilling
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
 from hascheduler.replica.publishing import (
     Clock,
@@ -48,7 +49,7 @@ from hascheduler.replica.publishing import (
     Publisher,
     StoredSchedules,
 )
-from hascheduler.replica.term import HeldLease, LeadershipLost, Term
+from hascheduler.replica.term import HeldLease, Term
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
@@ -113,23 +114,11 @@ RETRY_BATCHES_PER_TURN = 20
 # Retry batches awaiting their publish at once: the fires due now keep the publisher's
 # other slots.
 RETRIES_IN_FLIGHT = 2
+# A deferred fan-out fire whose claim failed while its term goes on is taken again this
+# much later (put back into the queue, which holds the watermark before it meanwhile).
+RETRY_AFTER_S = 0.5
 # How often the leader takes the fires the API asked to run now.
 REQUESTED_POLL_S = 0.25
-# Backfills are worked a chunk of nominal times per running backfill at most every
-# BACKFILL_INTERVAL_S (1,000 fires a second each at most), and only in the quiet between
-# the regular fires' publishes: never while half the publish slots await the broker, and
-# not when a regular publish or claim is due within BACKFILL_QUIET_S (a chunk's claims and
-# publishes then land between the bursts of a cron's seconds instead of in front of
-# them). A backfill takes a bounded share of the firing path, and the regular fires go
-# first; when they leave no quiet at all, it still works a chunk every
-# BACKFILL_MAX_WAIT_S.
-BACKFILL_CHUNK = 500
-BACKFILL_INTERVAL_S = 0.5
-BACKFILL_POLL_S = 0.05
-BACKFILL_QUIET_S = 0.3
-BACKFILL_MAX_WAIT_S = 2.0
-
-
 class _InFlight:
     """Tasks ``bound`` at a time: ``start`` waits for a place; leaving the block waits for
     them all, or cancels them if it is left by an error. A task's error (LeadershipLost
@@ -260,7 +249,8 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
     write held up, a change stream lagging) and then lost the lease, as a late change's
     are fired (replan_from). Those it did fire keep their one fire: a claim is the fire
     id's insert. Not a fan-out's: its instants would be claimed again for the tenants
-    selected now, not then."""
+    selected now, not then. One paused until an instant is planned from that instant
+    (``until`` is its resume, whoever writes the resume and whenever its change comes)."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
@@ -271,8 +261,11 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
         if born is not None and watermark is not None and born < watermark:
             start = watermark  # by its policy from there
             if entry.fan_out is None:
-                late = fire_times(entry.trigger, born - jitter, until=watermark - jitter,
-                                  limit=LATE_FIRES_MAX)
+                late = (n for n in fire_times(entry.trigger, born - jitter,
+                                              until=watermark - jitter, limit=LATE_FIRES_MAX)
+                        if not entry.paused_at(n))
+        if entry.paused and entry.paused_until is not None:
+            start = max(start, just_before(entry.paused_until) + jitter)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
                                   start - jitter, now)
         to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now)
@@ -289,7 +282,7 @@ def _withdrawn(claim: Claim, entry: Entry | None, revision: int) -> str | None:
     if entry.completed:
         return "schedule completed (its max_fires fires are used)"
     if entry.paused_at(claim.nominal_at):
-        return "schedule paused before its due time"
+        return PAUSED_BEFORE_DUE
     if entry.revision != revision and not is_fire_time(entry, claim.nominal_at):
         return "schedule changed before its due time; no longer a fire time"
     if claim.tenant is not None and entry.fan_out is None:
@@ -334,7 +327,8 @@ class Dispatcher:
                                    self.metrics, self.gate, counts, store)
         self.schedules = schedules
         self.store = store
-        self.backfills = backfills
+        self.backfilling = None if backfills is None else Backfilling(
+            self, backfills, CLAIM_AHEAD_S)
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
         # Schedules paused until an instant, by id: the leader writes their resume once it
@@ -401,12 +395,13 @@ class Dispatcher:
                 late = late_fires(term.early_changes, self.mirror.entries, now)
                 term.early_changes.clear()
                 if late:
+                    term.opened(late)  # before the watermark the lease records moves on
                     tasks.create_task(self._claim_all(late, term, now))
                 tasks.create_task(self._requested_loop(term))
                 if self.gate is not None:
                     tasks.create_task(self._release_loop(term, self.gate))
-                if self.backfills is not None:
-                    tasks.create_task(self._backfill_loop(term, self.backfills))
+                if self.backfilling is not None:
+                    tasks.create_task(self.backfilling.run(term))
                 await self._fire_loop(term)
 
     async def drain(self) -> bool:
@@ -442,7 +437,7 @@ class Dispatcher:
             # A claim batch at a time off the heap (taking 10,000 fires at once held the
             # loop for a fifth of a second), CLAIMS_IN_FLIGHT of them awaiting the database.
             async with _InFlight(CLAIMS_IN_FLIGHT) as claiming:
-                while batch := term.queue.take_due(horizon, CLAIM_BATCH):
+                while batch := term.take(horizon, CLAIM_BATCH):
                     batch = await self._within_quota(batch, term, now)
                     if batch:
                         await claiming.start(self._claim_and_publish(batch, term, now))
@@ -484,7 +479,7 @@ class Dispatcher:
             if decision == ADMIT:
                 admitted.append(due)
             elif decision == DEFER:
-                term.queue.defer(due, slot)
+                term.put_back(due, slot)
                 self.reserved.add((due.schedule_id, due.nominal))
                 self.metrics.quota_deferred.labels(namespace).inc()
             else:
@@ -494,7 +489,8 @@ class Dispatcher:
             await self._record_refused(skipped, term, now)
         return admitted
 
-    async def _claim(self, claims: list[Claim], term: Term, now: dt.datetime) -> list[Claim]:
+    async def _claim(self, claims: list[Claim], term: Term, now: dt.datetime,
+                     backfill: str | None = None) -> list[Claim]:
         """Insert claims; returns those we now own.
 
         A duplicate key is another term's claim, or one of ours already pending. Another
@@ -506,7 +502,7 @@ class Dispatcher:
             return []
         term.check()
         retry_at = self._retry_at(now)
-        docs = [claim_record(c, term.number, now, retry_at) for c in claims]
+        docs = [claim_record(c, term.number, now, retry_at, backfill) for c in claims]
         taken: set[str] = set()
         if min(c.due_at for c in claims) <= term.contested_until:
             # Many are likely claimed already: those found are not inserted.
@@ -522,16 +518,24 @@ class Dispatcher:
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
 
     async def _claim_all(self, dues: list[Due], term: Term, now: dt.datetime) -> None:
+        """Claim ``dues`` (planned apart from the queue), open until each is claimed."""
+        term.opened(dues)
         async with _InFlight(CLAIMS_IN_FLIGHT) as claiming:
             for i in range(0, len(dues), CLAIM_BATCH):
                 await claiming.start(
                     self._claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
 
     async def _claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
-                                 may_defer: bool = True, overlap: str | None = None
+                                 may_defer: bool = True, overlap: str | None = None,
+                                 backfill: str | None = None,
+                                 published: list[asyncio.Task[None]] | None = None
                                  ) -> tuple[int, int]:
         """Claim ``batch`` (expanded per tenant) and publish what we now own at its due
-        time; (claims owned, claims tried). ``overlap`` overrides the schedules' policy."""
+        time; (claims owned, claims tried). ``overlap`` overrides the schedules' policy;
+        ``backfill`` marks the claims a backfill's; ``published`` collects the tasks
+        publishing them.
+        Each instant is resolved for the term once all its claims are made (or it is
+        recorded skipped); one waiting for its fan-out source stays open."""
         sources = self.sources
         expansion = expand(batch, self.mirror.entries,
                            sources.tenants if sources is not None else None,
@@ -540,30 +544,39 @@ class Dispatcher:
         for due, fan_out in expansion.waiting:
             self._defer(due, fan_out, term)
         if expansion.refused:
-            await self._record_refused(expansion.refused, term, now)
+            await self._record_refused(expansion.refused, term, now, backfill)
         revisions = {d.schedule_id: d.revision for d in batch}
         claims = expansion.claims
+        waiting = {(d.schedule_id, d.nominal) for d, _ in expansion.waiting}
         if overlap is not None:
             for claim in claims:
                 claim.overlap = overlap
         owned = 0
         for i in range(0, len(claims), CLAIM_BATCH):
-            claimed = await self._claim(claims[i:i + CLAIM_BATCH], term, now)
+            claimed = await self._claim(claims[i:i + CLAIM_BATCH], term, now, backfill)
             self.metrics.fires.labels("claimed").inc(len(claimed))
             self._count_by_namespace(claimed)
             owned += len(claimed)
             if claimed:
                 term.claimed(claimed)
-                term.publishing(self._publish_when_due(claimed, revisions, term))
+                task = term.publishing(self._publish_when_due(claimed, revisions, term))
+                if published is not None:
+                    published.append(task)
+        term.resolved(d for d in batch if (d.schedule_id, d.nominal) not in waiting)
         return owned, len(claims)
 
     def _defer(self, due: Due, fan_out: FanOut, term: Term) -> None:
         """Claim ``due`` once its source mirror is in sync (it is loading: a source a
-        schedule just started to use, or one resyncing), late rather than lost."""
+        schedule just started to use, or one resyncing), late rather than lost. It stays
+        open for the term until claimed or recorded skipped: a claim that fails while the
+        term goes on (a write outlasting what remained of the term, then renewed) puts it
+        back into the queue, and a term that ends leaves it to the next leader's
+        catch-up."""
         fire = fire_id(due.schedule_id, due.nominal)
         if fire in term.deferred:
             return
-        term.deferred[fire] = due
+        term.deferred.add(fire)
+        term.opened([due])
         log.info("fan_out_deferred", fire_id=fire, term=term.number,
                  collection=fan_out.collection)
 
@@ -572,26 +585,28 @@ class Dispatcher:
             try:
                 wait = (due.fire_at - self.clock()).total_seconds() + SOURCE_SYNC_WAIT_S
                 await self.sources.wait_ready(fan_out, max(wait, 0.0))
-                if term.active and term.holds:
-                    await self._claim_and_publish([due], term, self.clock(), may_defer=False)
-            except LeadershipLost:
-                pass  # nothing claimed: the next leader's catch-up covers it
+                term.check()
+                await self._claim_and_publish([due], term, self.clock(), may_defer=False)
             except Exception as exc:  # a task of its own: nobody else would see it
-                log.error("fan_out_deferred_failed", fire_id=fire, term=term.number,
-                          error=repr(exc))
+                if term.active:
+                    term.put_back(due, self.clock() + dt.timedelta(seconds=RETRY_AFTER_S))
+                    self._wake.set()
+                log.warning("fan_out_deferred_failed", fire_id=fire, term=term.number,
+                            error=repr(exc), again=term.active)
             finally:
-                term.deferred.pop(fire, None)
+                term.deferred.discard(fire)
 
         term.waiting(when_in_sync())
 
     async def _record_refused(self, dues: list[tuple[Due, str]], term: Term,
-                              now: dt.datetime) -> None:
+                              now: dt.datetime, backfill: str | None = None) -> None:
         """A fire that cannot go (a fan-out whose source mirror is out of sync or that
         selects more tenants than the bound, a namespace far over its quota) is recorded as
         skipped, saying why, never silently dropped."""
         await term.write(self.ledger.record_skipped([skipped_range_document(
-            d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now)
-            for d, reason in dues]))
+            d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now,
+            backfill) for d, reason in dues]))
+        term.resolved(d for d, _ in dues)
         self.metrics.fires.labels("skipped").inc(len(dues))
         log.warning("fires_refused", count=len(dues), term=term.number, reason=dues[0][1])
 
@@ -819,59 +834,6 @@ class Dispatcher:
                 log.info("pause_ended", schedule_id=schedule_id, until=until.isoformat())
             self.resumes.pop(schedule_id, None)
 
-    async def _backfill_loop(self, term: Term, backfills: Backfills) -> None:
-        loop = asyncio.get_running_loop()
-        worked = loop.time() - BACKFILL_INTERVAL_S
-        while True:
-            await asyncio.sleep(BACKFILL_POLL_S)
-            term.check()
-            since = loop.time() - worked
-            # Regular fires so dense that the path is never quiet still leave a backfill
-            # a chunk every BACKFILL_MAX_WAIT_S: slower, never stopped.
-            if since < BACKFILL_INTERVAL_S or self.publisher.busy:
-                continue  # busy: the fires due now wait for the broker, they go first
-            if since < BACKFILL_MAX_WAIT_S and not self._quiet(term):
-                continue
-            worked = loop.time()
-            for doc in await backfills.running(limit=10):
-                await self._backfill_chunk(doc, term, backfills)
-
-    def _quiet(self, term: Term) -> bool:
-        """No regular fire needs the firing path soon: no publish or claim is due within
-        BACKFILL_QUIET_S."""
-        publish_at = term.next_publish_at()
-        claim_at = term.queue.first_at()  # claimed CLAIM_AHEAD_S before it is due
-        if claim_at is not None:
-            claim_at -= dt.timedelta(seconds=CLAIM_AHEAD_S)
-        soon = self.clock() + dt.timedelta(seconds=BACKFILL_QUIET_S)
-        return all(t is None or t > soon for t in (publish_at, claim_at))
-
-    async def _backfill_chunk(self, doc: dict[str, Any], term: Term,
-                              backfills: Backfills) -> None:
-        """The next chunk of a backfill's nominal times: claimed (a time the ledger holds
-        is not fired again) and published now, its progress recorded."""
-        now = self.clock()
-        entry = self.mirror.entries.get(doc["schedule_id"])
-        end = as_utc(doc["end"])
-        if entry is None:  # deleted since: nothing more to fire
-            await backfills.advance(doc["_id"], end, 0, 0, True, now)
-            return
-        cursor = as_utc(doc["cursor"])
-        nominals = [n for n in fire_times(entry.trigger, just_before(cursor), until=end,
-                                          limit=BACKFILL_CHUNK + 1) if n < end]
-        more = len(nominals) > BACKFILL_CHUNK
-        nominals = nominals[:BACKFILL_CHUNK]
-        # Due now, not at their nominal times: they are late by design, and the lateness
-        # of the trigger's fires is what the metric is about.
-        dues = [Due(now, n, doc["schedule_id"], entry.revision) for n in nominals]
-        owned, tried = await self._claim_and_publish(dues, term, now, may_defer=False,
-                                                     overlap=doc.get("overlap"))
-        following = nominals[-1] + dt.timedelta(microseconds=1) if more else end
-        await backfills.advance(doc["_id"], following, owned, tried - owned, not more, now)
-        if owned:
-            log.info("backfilled", backfill=doc["_id"], fired=owned, skipped=tried - owned,
-                     term=term.number)
-
     async def _release_loop(self, term: Term, gate: OverlapGate) -> None:
         """Buffered fires whose schedule's open run has ended: published at once."""
         while True:
@@ -921,8 +883,7 @@ class Dispatcher:
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
-        entries = [(sid, e) for sid, e in self.mirror.entries.items()
-                   if not e.paused and not e.completed]
+        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.dormant]
         to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now,
                                                   created)
         term.check()

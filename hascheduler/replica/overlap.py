@@ -69,6 +69,11 @@ class OverlapGate:
         entry = self.entries.get(claim.schedule_id)
         return entry.overlap if entry is not None else ALLOW
 
+    def _paused(self, schedule_id: str, now: dt.datetime) -> bool:
+        entry = self.entries.get(schedule_id)
+        return entry is not None and entry.paused and (
+            entry.paused_until is None or now < entry.paused_until)
+
     async def begin(self) -> None:
         """A term begins: learn which keys have fires waiting (an older term's)."""
         self.waiting = await self.ledger.buffered_keys()
@@ -171,7 +176,11 @@ class OverlapGate:
         earliest waiting fire of each such key."""
         if not self.waiting:
             return []
-        keys = set(self.waiting)
+        # A paused schedule publishes nothing: its buffered fires wait for the resume.
+        now = self.clock()
+        keys = {k for k in self.waiting if not self._paused(k[0], now)}
+        if not keys:
+            return []
         held = await term.read(self.runs.open_runs(sorted(open_key(*k) for k in keys)))
         free = [k for k in keys if open_key(*k) not in held]
         if not free:

@@ -3,13 +3,17 @@ term is made when it begins and dropped when it ends, and "may this term still a
 asked of it alone (``check``: the fence, invariants 3 and 4, docs/ARCHITECTURE.md).
 
 A term owns its number, the watermark (every fire due up to it is handled), the queue of
-fires waiting for their due time, the fires claimed and not yet published, the fan-out
-fires waiting for their source, and the tasks publishing its claims. Entering it (``async
-with``) begins the term; leaving it stops everything that would claim more (the queue is
-emptied, the waits for sources cancelled: nothing was claimed for those, so the next
-leader's catch-up covers them). ``drain`` is the handover: publishes in flight finish
-(bounded), claims not yet due are left for the next leader, which adopts them; ``settle``
-says whether every write of the term has had its answer, so the lease may be released.
+fires waiting for their due time, the instants taken off it and not yet claimed or recorded
+skipped (``open``), the fires claimed and not yet published, and the tasks publishing its
+claims. The one rule of the watermark the lease records (``fired_through``, invariant 5):
+an instant falls behind it only once it is claimed or recorded skipped, so every path that
+takes an instant off the queue takes it through ``take``, and gives it back by ``resolved``
+or ``put_back``. Entering the term (``async with``) begins it; leaving it stops everything
+that would claim more (the queue is emptied, the waits for sources cancelled: what was not
+claimed stays open, so the next leader's catch-up covers it). ``drain`` is the handover:
+publishes in flight finish (bounded), claims not yet due are left for the next leader,
+which adopts them; ``settle`` says whether every write of the term has had its answer, so
+the lease may be released.
 """
 
 from __future__ import annotations
@@ -97,7 +101,10 @@ class Term:
         # due times; and those due times counted, for when the next publish is due.
         self.pending: dict[str, dt.datetime] = {}
         self._due: Counter[dt.datetime] = Counter()
-        self.deferred: dict[str, Due] = {}  # fan-out fires waiting for their source, by id
+        # Instants taken off the queue (or planned late) and not yet claimed or recorded
+        # skipped, by (schedule id, nominal time): the lease's watermark stays before them.
+        self.open: dict[tuple[str, dt.datetime], Due] = {}
+        self.deferred: set[str] = set()  # fan-out fires waiting for their source, by id
         # Changes the mirror applied before the term had a watermark (while it started),
         # with when each was made: their seed plans them from the term's start, and what
         # fell due before it is claimed apart (Dispatcher.lead, late_fires).
@@ -107,12 +114,15 @@ class Term:
         self._publishing: set[asyncio.Task[None]] = set()
         self._waiting: set[asyncio.Task[None]] = set()
         self._writes = _Writes()
+        self._ended_through: dt.datetime | None = None  # fired_through when the term ended
 
     async def __aenter__(self) -> Term:
         self.active = True
         return self
 
     async def __aexit__(self, *_: object) -> None:
+        # Fixed as the term ends: what it had not claimed stays ahead of the watermark.
+        self._ended_through = self.fired_through
         self.active = False
         self.queue.clear()
         for task in self._waiting:
@@ -222,9 +232,13 @@ class Term:
     @property
     def fired_through(self) -> dt.datetime | None:
         """What the lease records as handled: the watermark, held back to the one taken
-        over while the catch-up runs (none, in a database's first term) and before any
-        fan-out fire still waiting for its source or fire still queued, so a next leader's
-        catch-up covers them."""
+        over while the catch-up runs (none, in a database's first term), before every
+        instant taken and not yet claimed or recorded skipped (``open``: a fan-out fire
+        waiting for its source, a batch whose claim is in flight, a late change's fires)
+        and before every fire still queued, so a next leader's catch-up covers them. Once
+        the term has ended, what it was then."""
+        if not self.active and self._ended_through is not None:
+            return self._ended_through
         if self.watermark is None:
             return None
         held = [self.watermark]
@@ -232,8 +246,8 @@ class Term:
             if self.taken_over is None:
                 return None
             held.append(self.taken_over)
-        if self.deferred:
-            earliest = min(d.fire_at for d in self.deferred.values())
+        if self.open:
+            earliest = min(d.fire_at for d in self.open.values())
             held.append(earliest - dt.timedelta(microseconds=1))
         # A change applied late queues fires due before the watermark (Dispatcher.
         # on_change); until they are claimed, a next leader's catch-up must cover them.
@@ -241,6 +255,28 @@ class Term:
         if first is not None:
             held.append(first - dt.timedelta(microseconds=1))
         return min(held)
+
+    def take(self, horizon: dt.datetime, limit: int) -> list[Due]:
+        """Up to ``limit`` queued fires due by ``horizon``, taken open."""
+        batch = self.queue.take_due(horizon, limit)
+        self.opened(batch)
+        return batch
+
+    def opened(self, dues: Iterable[Due]) -> None:
+        """These instants (planned apart from the queue: a late change's) are taken."""
+        for due in dues:
+            self.open[(due.schedule_id, due.nominal)] = due
+
+    def resolved(self, dues: Iterable[Due]) -> None:
+        """These instants are claimed or recorded skipped: the watermark may pass them."""
+        for due in dues:
+            self.open.pop((due.schedule_id, due.nominal), None)
+
+    def put_back(self, due: Due, at: dt.datetime) -> None:
+        """Take ``due`` again from the queue at ``at`` (a quota's later slot, a claim to
+        try again): the queue holds the watermark before it meanwhile."""
+        self.queue.defer(due, at)
+        self.resolved([due])
 
     def claimed(self, claims: Iterable[Claim]) -> None:
         """These claims of this term await their publish."""
@@ -262,11 +298,12 @@ class Term:
         """When the earliest claim awaiting its publish is due, if any."""
         return min(self._due) if self._due else None
 
-    def publishing(self, work: Coroutine[Any, Any, None]) -> None:
+    def publishing(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` (publishing claims of this term) until done or drained."""
         task = asyncio.create_task(work)
         self._publishing.add(task)
         task.add_done_callback(self._published)
+        return task
 
     def _published(self, task: asyncio.Task[None]) -> None:
         self._publishing.discard(task)

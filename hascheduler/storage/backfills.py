@@ -4,9 +4,12 @@ at a time (replica/dispatch.py) and so carried across failovers.
 
 A backfill is ``running`` -> ``done`` | ``cancelled``. ``cursor`` is the first nominal time
 not yet handled; the leader advances it after each chunk, adding what it fired (claims it
-made) and what it skipped (times the ledger already held). Fire ids are the ordinary
+made and published), what it skipped (times the ledger already held) and what was
+withdrawn at its publish (the schedule deleted or changed, its overlap policy, max_fires),
+each counted from the ledger (core/backfill.py). Fire ids are the ordinary
 ``<id>@<nominal>``: a time fired before, by the trigger or another backfill, is never fired
-again.
+again. A backfill waits while its schedule is paused, and its claims a pause withdrew
+before their publish are freed and fired after the resume.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ class Backfill(BaseModel):
     state: str = Field(description="running, done or cancelled")
     total: int = Field(description="nominal times in [start, end)")
     fired: int
-    skipped: int = Field(description="times the ledger already held: fired before")
+    skipped: int = Field(description="times the ledger already held: fired or recorded "
+                                     "before, by the trigger or another backfill")
+    withdrawn: int = Field(0, description="times this backfill claimed and skipped at their "
+                                          "publish (withdrawn_reasons says why)")
+    withdrawn_reasons: list[str] = Field(default_factory=list)
     remaining: int
     requested_by: str
     created_at: dt.datetime
@@ -59,7 +66,8 @@ class Backfill(BaseModel):
     def of(cls, doc: Document) -> Backfill:
         fields = {k: as_utc(v) if isinstance(v, dt.datetime) else v for k, v in doc.items()}
         return cls(id=doc["_id"], remaining=max(0, doc["total"] - doc["fired"]
-                                                - doc["skipped"]), **{
+                                                - doc["skipped"] - doc.get("withdrawn", 0)),
+                   **{
             k: v for k, v in fields.items() if k in cls.model_fields and k != "id"})
 
 
@@ -76,7 +84,8 @@ class Backfills:
                      record: Document | None = None) -> Document:
         doc: Document = {"_id": uuid.uuid4().hex, "schedule_id": schedule_id, "start": start,
                          "end": end, "overlap": overlap, "state": RUNNING, "cursor": start,
-                         "total": total, "fired": 0, "skipped": 0, "requested_by": by,
+                         "total": total, "fired": 0, "skipped": 0, "withdrawn": 0,
+                         "withdrawn_reasons": [], "requested_by": by,
                          "created_at": now}
         await self.coll.insert_one(doc if record is None else with_record(doc, record))
         return doc
@@ -101,11 +110,15 @@ class Backfills:
             "created_at", ASCENDING).limit(limit)]
 
     async def advance(self, backfill_id: str, cursor: dt.datetime, fired: int, skipped: int,
-                      done: bool, now: dt.datetime) -> None:
+                      done: bool, now: dt.datetime,
+                      withdrawn: dict[str, int] | None = None) -> None:
         """Record a chunk handled (only while the backfill still runs: a cancel stands)."""
         changes: Document = {"cursor": cursor}
         if done:
             changes.update(state=DONE, finished_at=now)
-        await self.coll.update_one({"_id": backfill_id, "state": RUNNING},
-                                   {"$set": changes, "$inc": {"fired": fired,
-                                                              "skipped": skipped}})
+        withdrawn = withdrawn or {}
+        update: Document = {"$set": changes, "$inc": {
+            "fired": fired, "skipped": skipped, "withdrawn": sum(withdrawn.values())}}
+        if withdrawn:
+            update["$addToSet"] = {"withdrawn_reasons": {"$each": sorted(withdrawn)}}
+        await self.coll.update_one({"_id": backfill_id, "state": RUNNING}, update)

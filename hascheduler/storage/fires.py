@@ -44,14 +44,17 @@ Document = dict[str, Any]
 
 
 def claim_record(claim: Claim, term: int, now: dt.datetime,
-                 next_attempt_at: dt.datetime) -> Document:
-    """A claim as its ledger document: inserted, it is the claim."""
+                 next_attempt_at: dt.datetime, backfill: str | None = None) -> Document:
+    """A claim as its ledger document: inserted, it is the claim (made by ``backfill``,
+    when a backfill's)."""
     doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
            "nominal_at": claim.nominal_at, "due_at": claim.due_at, "term": term,
            "state": CLAIMED, "claimed_at": now, "recorded_at": now, "attempts": claim.attempts,
            "next_attempt_at": next_attempt_at}
     if claim.tenant is not None:
         doc["tenant"] = claim.tenant
+    if backfill is not None:
+        doc["backfill"] = backfill
     return doc
 
 
@@ -123,13 +126,18 @@ def claim_document(schedule_id: str, nominal: dt.datetime, due: dt.datetime, ter
 
 
 def skipped_range_document(schedule_id: str, skipped: SkippedRange, term: int,
-                           now: dt.datetime) -> Document:
+                           now: dt.datetime, backfill: str | None = None) -> Document:
     """What one catch-up skipped for one schedule, as one entry: its first nominal time
-    (``nominal_at``, so the history sorts it in place), its last, their count and why."""
-    return {"_id": f"{fire_id(schedule_id, skipped.first)}..{iso_utc(skipped.last)}",
-            "schedule_id": schedule_id, "nominal_at": skipped.first,
-            "last_nominal_at": skipped.last, "count": skipped.count, "term": term,
-            "state": SKIPPED, "reason": skipped.reason, "recorded_at": now}
+    (``nominal_at``, so the history sorts it in place), its last, their count and why
+    (and the backfill whose times they were, if one's)."""
+    doc: Document = {
+        "_id": f"{fire_id(schedule_id, skipped.first)}..{iso_utc(skipped.last)}",
+        "schedule_id": schedule_id, "nominal_at": skipped.first,
+        "last_nominal_at": skipped.last, "count": skipped.count, "term": term,
+        "state": SKIPPED, "reason": skipped.reason, "recorded_at": now}
+    if backfill is not None:
+        doc["backfill"] = backfill
+    return doc
 
 
 class FiresCollection(Protocol):
@@ -142,6 +150,7 @@ class FiresCollection(Protocol):
                          **kwargs: Any) -> Any: ...
     async def update_many(self, filter: Any, update: Any, *args: Any,
                           **kwargs: Any) -> Any: ...
+    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
     async def drop_index(self, index_or_name: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -411,6 +420,22 @@ class Ledger:
             with contextlib.suppress(BulkWriteError, DuplicateKeyError):
                 await self.fires.insert_many([self._marked(d, SKIPPED) for d in docs],
                                              ordered=False)
+
+    async def backfilled(self, schedule_id: str, nominals: list[dt.datetime]
+                         ) -> list[Document]:
+        """The entries of a schedule's fires at ``nominals`` (not those run now), as a
+        backfill's chunk counts them (core/backfill.py)."""
+        return [d async for d in self.fires.find(
+            {"schedule_id": schedule_id, "nominal_at": {"$in": nominals},
+             "manual": {"$ne": True}},
+            {"nominal_at": 1, "state": 1, "reason": 1, "backfill": 1, "count": 1})]
+
+    async def release(self, fire_ids: list[str], term: int, reason: str) -> None:
+        """Free fires this term recorded skipped for ``reason`` (a backfill's, withdrawn by
+        a pause): their times may be fired again."""
+        if fire_ids:
+            await self.fires.delete_many({"_id": {"$in": sorted(fire_ids)}, "term": term,
+                                          "state": SKIPPED, "reason": reason})
 
     async def noticed_entries(self, limit: int) -> list[Document]:
         """Entries marked for the webhooks (skipped or failed), oldest marks first."""

@@ -1,0 +1,123 @@
+"""A term's backfills (POST /schedules/{id}/backfill): the running ones worked a chunk of
+nominal times at a time, in the quiet between the regular fires' publishes, each chunk's
+counts read back from the ledger (core/backfill.py) so that they are exact across a
+failover and a pause. A backfill waits while its schedule is paused; a claim of it that a
+pause withdrew before its publish is freed, and fired after the resume."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from hascheduler.core.backfill import ChunkOutcome, chunk_outcome
+from hascheduler.core.claims import PAUSED_BEFORE_DUE
+from hascheduler.core.fire_queue import Due
+from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_times, just_before
+from hascheduler.replica.term import Term
+from hascheduler.storage.backfills import Backfills
+
+if TYPE_CHECKING:
+    from hascheduler.replica.dispatch import Dispatcher
+
+log = structlog.get_logger("hascheduler.dispatch")
+
+# Backfills are worked a chunk of nominal times per running backfill at most every
+# BACKFILL_INTERVAL_S (1,000 fires a second each at most), and only in the quiet between
+# the regular fires' publishes: never while half the publish slots await the broker, and
+# not when a regular publish or claim is due within BACKFILL_QUIET_S (a chunk's claims and
+# publishes then land between the bursts of a cron's seconds instead of in front of
+# them). A backfill takes a bounded share of the firing path, and the regular fires go
+# first; when they leave no quiet at all, it still works a chunk every
+# BACKFILL_MAX_WAIT_S.
+BACKFILL_CHUNK = 500
+BACKFILL_INTERVAL_S = 0.5
+BACKFILL_POLL_S = 0.05
+BACKFILL_QUIET_S = 0.3
+BACKFILL_MAX_WAIT_S = 2.0
+
+
+class Backfilling:
+    """The backfill work of the dispatcher's terms."""
+
+    def __init__(self, dispatcher: Dispatcher, backfills: Backfills,
+                 claim_ahead_s: float) -> None:
+        self.dispatcher = dispatcher
+        self.backfills = backfills
+        self.claim_ahead_s = claim_ahead_s  # the queue's fires are claimed this far ahead
+
+    async def run(self, term: Term) -> None:
+        loop = asyncio.get_running_loop()
+        worked = loop.time() - BACKFILL_INTERVAL_S
+        while True:
+            await asyncio.sleep(BACKFILL_POLL_S)
+            term.check()
+            since = loop.time() - worked
+            # Regular fires so dense that the path is never quiet still leave a backfill
+            # a chunk every BACKFILL_MAX_WAIT_S: slower, never stopped.
+            if since < BACKFILL_INTERVAL_S or self.dispatcher.publisher.busy:
+                continue  # busy: the fires due now wait for the broker, they go first
+            if since < BACKFILL_MAX_WAIT_S and not self.quiet(term):
+                continue
+            worked = loop.time()
+            for doc in await self.backfills.running(limit=10):
+                await self.chunk(doc, term)
+
+    def quiet(self, term: Term) -> bool:
+        """No regular fire needs the firing path soon: no publish or claim is due within
+        BACKFILL_QUIET_S."""
+        publish_at = term.next_publish_at()
+        claim_at = term.queue.first_at()
+        if claim_at is not None:
+            claim_at -= dt.timedelta(seconds=self.claim_ahead_s)
+        soon = self.dispatcher.clock() + dt.timedelta(seconds=BACKFILL_QUIET_S)
+        return all(t is None or t > soon for t in (publish_at, claim_at))
+
+    async def chunk(self, doc: dict[str, Any], term: Term) -> ChunkOutcome | None:
+        """The next chunk of a backfill's nominal times: claimed (a time the ledger holds
+        is not fired again), published now and counted from the ledger, its progress
+        recorded; None while its schedule is paused (nothing done)."""
+        dispatcher = self.dispatcher
+        now = dispatcher.clock()
+        schedule_id = doc["schedule_id"]
+        entry = dispatcher.mirror.entries.get(schedule_id)
+        end = as_utc(doc["end"])
+        if entry is None:  # deleted since: nothing more to fire
+            await self.backfills.advance(doc["_id"], end, 0, 0, True, now)
+            return ChunkOutcome(end)
+        cursor = as_utc(doc["cursor"])
+        if entry.paused and entry.paused_at(cursor):
+            return None  # waits for the resume
+        nominals = [n for n in fire_times(entry.trigger, just_before(cursor), until=end,
+                                          limit=BACKFILL_CHUNK + 1) if n < end]
+        # The cursor is the next nominal time itself (stored to the millisecond, as the
+        # instants are): one a microsecond past the chunk's last was read back as that one.
+        following = nominals[BACKFILL_CHUNK] if len(nominals) > BACKFILL_CHUNK else end
+        nominals = nominals[:BACKFILL_CHUNK]
+        outcome = ChunkOutcome(following)
+        if nominals:
+            # Due now, not at their nominal times: they are late by design, and the
+            # lateness of the trigger's fires is what the metric is about.
+            dues = [Due(now, n, schedule_id, entry.revision) for n in nominals]
+            published: list[asyncio.Task[None]] = []
+            await dispatcher._claim_and_publish(dues, term, now, may_defer=False,
+                                                overlap=doc.get("overlap"),
+                                                backfill=doc["_id"], published=published)
+            if published:  # each ends published, buffered, skipped or left for a retry
+                await asyncio.wait(published)
+            outcome = chunk_outcome(await term.read(dispatcher.ledger.backfilled(
+                schedule_id, nominals)), doc["_id"], following)
+            if outcome.released:
+                await term.write(dispatcher.ledger.release(outcome.released, term.number,
+                                                           PAUSED_BEFORE_DUE))
+        await self.backfills.advance(doc["_id"], outcome.cursor, outcome.fired,
+                                     outcome.held, outcome.cursor >= end, now,
+                                     outcome.withdrawn)
+        if outcome.fired or outcome.released:
+            log.info("backfilled", backfill=doc["_id"], fired=outcome.fired,
+                     skipped=outcome.held, withdrawn=sum(outcome.withdrawn.values()),
+                     freed_after_pause=len(outcome.released), term=term.number)
+        return outcome

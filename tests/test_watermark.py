@@ -1,0 +1,197 @@
+"""The one rule of the watermark a lease records (Term.fired_through, invariant 5): an
+instant falls behind it only once it is claimed or recorded skipped. One test per path
+that takes an instant off the queue, each with a fault at its worst moment (no database,
+no broker: the dispatcher's claim is a fake that fails or holds as the test says)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hascheduler.core.claims import Claim
+from hascheduler.core.entries import Entry
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.fire_queue import Due
+from hascheduler.core.triggers import At, Interval
+from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.term import LeadershipLost, Term
+from tests.waiting import wait_until
+
+SECOND = dt.timedelta(seconds=1)
+
+
+class Sources:
+    """A fan-out source whose mirror is loading until ``in_sync`` is set."""
+
+    def __init__(self) -> None:
+        self.in_sync = asyncio.Event()
+
+    def tenants(self, wanted: FanOut) -> list[str] | None:
+        return ["a", "b"] if self.in_sync.is_set() else None
+
+    async def wait_ready(self, wanted: FanOut, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.in_sync.wait(), timeout_s)
+        return self.in_sync.is_set()
+
+
+@contextlib.asynccontextmanager
+async def leading(entries: dict[str, Entry], now: dt.datetime, sources: Sources | None = None,
+                  quota: Any = lambda namespace: None
+                  ) -> AsyncIterator[tuple[Dispatcher, Term, SimpleNamespace]]:
+    """A dispatcher leading term 1 over ``entries`` at ``now`` (its clock), the term's
+    watermark at ``now``; yields it, the term and the fake lease."""
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0)
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
+                            lease, clock=lambda: now, sources=sources,  # type: ignore[arg-type]
+                            quota=quota)
+    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+        dispatcher.term = term
+        term.watermark = now
+        yield dispatcher, term, lease
+
+
+def fan_out_entry(start: dt.datetime) -> Entry:
+    return Entry(1, False, Interval(60.0, start), 0.0, "all", 3600.0, "t",
+                 FanOut.model_validate({"collection": "tenants"}))
+
+
+async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_is_kept(
+) -> None:
+    """The fire waits for its source; when the source is in sync its claim's write outlasts
+    what remained of the term (LeadershipLost), but the lease is renewed and the term goes
+    on. On 19ca195 the fire was dropped there and the watermark moved past it; now it
+    stays open, goes back into the queue and is claimed for every tenant."""
+    now = dt.datetime.now(dt.UTC)
+    sources = Sources()
+    entries = {"f": fan_out_entry(now)}
+    async with leading(entries, now, sources) as (dispatcher, term, _):
+        claimed: list[Claim] = []
+        failures = 1
+
+        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
+                        backfill: str | None = None) -> list[Claim]:
+            nonlocal failures
+            if failures:
+                failures -= 1
+                raise LeadershipLost  # the write outlasted the term; renewed meanwhile
+            claimed.extend(claims)
+            return []
+
+        dispatcher._claim = claim  # type: ignore[method-assign]
+        due = Due(now + SECOND, now + SECOND, "f", 1)
+        await dispatcher._claim_and_publish([due], term, now)
+        assert term.fired_through is not None
+        assert term.fired_through < due.fire_at
+        sources.in_sync.set()
+        # The claim failed: the instant went back into the queue, still held.
+        await wait_until(lambda: failures == 0 and not term.deferred, 5, "the failed claim")
+        term.watermark = now + 3 * SECOND  # the loop's own watermark moves on meanwhile
+        fired_through = term.fired_through
+        assert fired_through is not None
+        assert fired_through < due.fire_at, fired_through
+        loop = asyncio.create_task(dispatcher._fire_loop(term))
+        try:
+            await wait_until(lambda: len(claimed) == 2, 5, "the fire claimed again")
+            await wait_until(lambda: not term.open, 5, "the instant resolved")
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+        assert sorted(c.tenant or "" for c in claimed) == ["a", "b"]
+        assert term.fired_through == term.watermark
+
+
+async def test_a_term_that_ends_before_its_deferred_fire_is_claimed_records_it_unhandled(
+) -> None:
+    """The term ends (its lease lost) while a fan-out fire waits for its source: what the
+    term says it fired through, as it ends and after, stays before that fire, so the next
+    leader's catch-up covers it."""
+    now = dt.datetime.now(dt.UTC)
+    sources = Sources()
+    async with leading({"f": fan_out_entry(now)}, now, sources) as (dispatcher, term, lease):
+        due = Due(now + SECOND, now + SECOND, "f", 1)
+        await dispatcher._claim_and_publish([due], term, now)
+        term.watermark = now + 3 * SECOND  # the loop moved on meanwhile
+        lease.valid = False
+    # Left: the wait cancelled, the instant still open.
+    await asyncio.sleep(0)
+    assert not term.active
+    assert term.fired_through is not None
+    assert term.fired_through < due.fire_at
+    # Even were the source in sync now, a term that ended claims nothing.
+    sources.in_sync.set()
+    await asyncio.sleep(0)
+    assert term.fired_through < due.fire_at
+
+
+async def test_a_batch_whose_claim_is_in_flight_holds_the_watermark() -> None:
+    """A batch taken off the queue is open until its claim is answered: a renewal made
+    meanwhile records a watermark before it, even for an instant before the loop's
+    watermark (a late change's), and a claim that loses the lease leaves it open."""
+    now = dt.datetime.now(dt.UTC)
+    late = now - 2 * SECOND  # queued by a change applied late
+    entries = {"one": Entry(1, False, At((late,)), 0.0, "all", 3600.0, "t")}
+    async with leading(entries, now) as (dispatcher, term, _):
+        term.queue.defer(Due(late, late, "one", 1), late)
+        assert term.fired_through == late - dt.timedelta(microseconds=1)
+        answer: asyncio.Future[list[Claim]] = asyncio.get_running_loop().create_future()
+        asked = asyncio.Event()
+
+        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
+                        backfill: str | None = None) -> list[Claim]:
+            asked.set()
+            return await answer
+
+        dispatcher._claim = claim  # type: ignore[method-assign]
+        loop = asyncio.create_task(dispatcher._fire_loop(term))
+        await asyncio.wait_for(asked.wait(), 5)
+        assert term.queue.first_at() is None  # off the queue, its claim in flight
+        assert term.fired_through == late - dt.timedelta(microseconds=1)
+        answer.set_exception(LeadershipLost())
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(loop, 5)
+        assert term.fired_through == late - dt.timedelta(microseconds=1)
+
+
+async def test_late_fires_planned_at_a_terms_start_hold_the_watermark_until_claimed(
+) -> None:
+    """The fires of changes applied while a term started are open from the moment they are
+    planned, before the task that claims them runs."""
+    now = dt.datetime.now(dt.UTC)
+    async with leading({}, now) as (_, term, _lease):
+        due = Due(now - SECOND, now - SECOND, "late", 1)
+        term.opened([due])
+        assert term.fired_through == due.fire_at - dt.timedelta(microseconds=1)
+        term.resolved([due])
+        assert term.fired_through == now
+
+
+async def test_a_fire_a_quota_puts_off_holds_the_watermark_at_its_slot() -> None:
+    """A namespace's quota gives a fire a later slot: it goes back into the queue, and the
+    watermark stays before that slot until it is claimed."""
+    now = dt.datetime.now(dt.UTC)
+    entries = {f"s{i}": Entry(1, False, At((now + SECOND,)), 0.0, "all", 3600.0, "t")
+               for i in range(5)}
+    async with leading(entries, now, quota=lambda namespace: 1.0) as (dispatcher, term, _):
+        batch = [Due(now + SECOND, now + SECOND, sid, 1) for sid in entries]
+        term.opened(batch)
+        admitted = await dispatcher._within_quota(batch, term, now)
+        assert 0 < len(admitted) < len(batch)
+        put_off = [d for d in batch if d not in admitted]
+        first_slot = term.queue.first_at()
+        assert first_slot is not None
+        assert first_slot > now + SECOND
+        # The admitted ones are still open (their claim is next); the others are queued.
+        assert {(d.schedule_id, d.nominal) for d in admitted} == set(term.open)
+        term.resolved(admitted)
+        assert term.fired_through == now
+        term.watermark = first_slot + SECOND  # the loop's watermark passes the slot
+        assert term.fired_through == first_slot - dt.timedelta(microseconds=1)
+        assert len(put_off) == len(batch) - len(admitted)
