@@ -55,9 +55,10 @@ class Harness:
         self.created = False  # whether schedules were made (so claims were written)
         self.history: LeaseHistory | None = None
 
-    def start(self, name: str, *extra: str) -> None:
+    def start(self, name: str, *extra: str, replica_id: str | None = None) -> None:
+        """Start replica ``name`` (its id ``name`` too, unless ``replica_id`` says)."""
         self.replicas[name] = start_replica(
-            self.mongo_uri, name, "--broker", self.nats.uri,
+            self.mongo_uri, replica_id or name, "--broker", self.nats.uri,
             "--lease-ttl", str(self.timings.ttl), "--renew-deadline",
             str(self.timings.renew_deadline), "--renew-interval",
             str(self.timings.renew_interval),

@@ -3,7 +3,11 @@
 Acquire and renew are the same single findAndModify (invariant 3, docs/ARCHITECTURE.md): its filter
 admits only the current holder or an expired lease, judged on the server's ``$$NOW``; its
 update pipeline sets the holder and ``expires_at = $$NOW + ttl``, and bumps ``term`` (the
-fencing token) whenever the holder changes. Losing the race is a normal outcome (no match,
+fencing token) whenever the holder changes. The holder is a process, not only a replica id:
+``instance`` is new with every Lease object, so a process restarted under the same
+``--replica-id`` (a StatefulSet's pod, a host name) waits for the lease to expire like any
+other replica and takes it in a new term, and the old process, should it still run, is
+fenced. Losing the race is a normal outcome (no match,
 or a duplicate key on the upsert), never an error.
 
 The holder may act only while its own monotonic clock says a renewal succeeded less than
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -91,6 +96,7 @@ class Lease:
         self._coll = collection
         self.name = name
         self.holder = holder
+        self.instance = uuid.uuid4().hex  # this process's hold, apart from its replica id
         self.timings = timings
         self._monotonic = monotonic
         # Each renewal's reply carries the server's time (renewed_at): a free sample.
@@ -114,11 +120,12 @@ class Lease:
         Raises PyMongoError when the database cannot be reached.
         """
         started = self._monotonic()
-        me = self.holder
-        mine = {"$eq": ["$holder", me]}
+        me, instance = self.holder, self.instance
+        mine = {"$and": [{"$eq": ["$holder", me]}, {"$eq": ["$instance", instance]}]}
         fields: dict[str, Any] = {
             "term": {"$cond": [mine, "$term", {"$add": [{"$ifNull": ["$term", 0]}, 1]}]},
             "holder": me,
+            "instance": instance,
             "expires_at": {"$add": ["$$NOW", int(self.timings.ttl * 1000)]},
             "acquired_at": {"$cond": [mine, "$acquired_at", "$$NOW"]},
             "renewed_at": "$$NOW",
@@ -128,14 +135,15 @@ class Lease:
         try:
             doc = await self._coll.find_one_and_update(
                 {"_id": self.name,
-                 "$or": [{"holder": me}, {"$expr": {"$lt": ["$expires_at", "$$NOW"]}}]},
+                 "$or": [{"holder": me, "instance": instance},
+                         {"$expr": {"$lt": ["$expires_at", "$$NOW"]}}]},
                 [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER)
         except DuplicateKeyError:
             doc = None  # the lease exists and is held: the upsert lost, as it should
         renewed_at = as_utc(doc.get("renewed_at")) if doc is not None else None
         if self._server_clock is not None and isinstance(renewed_at, dt.datetime):
             self._server_clock.observe(started, self._monotonic(), renewed_at)
-        if doc is None or doc.get("holder") != me:
+        if doc is None or doc.get("holder") != me or doc.get("instance") != instance:
             self.term = None
             self._valid_until = float("-inf")
             return None
@@ -157,7 +165,8 @@ class Lease:
         if fired_through is not None:
             update["fired_through"] = fired_through
         result = await self._coll.update_one({"_id": self.name, "holder": self.holder,
-                                              "term": term}, [{"$set": update}])
+                                              "instance": self.instance, "term": term},
+                                             [{"$set": update}])
         return bool(result.modified_count)
 
     def step_down(self) -> None:
