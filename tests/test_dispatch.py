@@ -260,7 +260,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     def entry(policy: str) -> Entry:
         return Entry(1, False, every, 0.0, policy, 3600.0, "t.x")
 
-    # A fan-out's late instants would be claimed for the tenants selected now: not fired.
+    # A fan-out's late instants are fired too, for the tenants selected at the claim.
     fan_out = Entry(1, False, every, 0.0, "latest", 3600.0, "t.x",
                     fan_out=FanOut(collection="tenants"))
     seconds = [since + dt.timedelta(seconds=k) for k in range(-4, 4)]  # since-4 .. since+3
@@ -277,7 +277,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     assert fired["late-none"] == seconds[:5]
     assert fired["known"] == [seconds[-1]]
     assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
-    assert fired["fan-out"] == [seconds[-1]]
+    assert fired["fan-out"] == [*seconds[:5], seconds[-1]]
     # A database's first term (no watermark): each from its creation, by its policy.
     first, _ = _plan_catchups([("late", entry("latest"))], None, now,
                               {"late": since - dt.timedelta(seconds=4.5)})
@@ -311,9 +311,11 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
         dispatcher.on_change("loaded", None, None)
         assert set(term.early_changes) == {"new", "changed", "paused", "fan-out"}
         due = late_fires(term.early_changes, entries, now)
+        # A fan-out's too, for the tenants it selects when claimed (no carve-out).
         assert [(d.schedule_id, d.nominal) for d in due] == [
-            ("new", now - 2 * second), ("changed", now - second), ("new", now - second),
-            ("changed", now), ("new", now)]
+            ("fan-out", now - 2 * second), ("new", now - 2 * second),
+            ("changed", now - second), ("fan-out", now - second), ("new", now - second),
+            ("changed", now), ("fan-out", now), ("new", now)]
         # Made after the term's start, or more than LATE_CHANGE_S before it: from the
         # start, or from LATE_CHANGE_S back.
         assert late_fires({"new": Written(now + second, now + second)}, entries, now) == []

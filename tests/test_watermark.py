@@ -19,7 +19,7 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import At, Interval
-from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.dispatch import Dispatcher, _plan_catchups
 from hascheduler.replica.term import LeadershipLost, Term
 from tests.waiting import wait_until
 
@@ -195,3 +195,21 @@ async def test_a_fire_a_quota_puts_off_holds_the_watermark_at_its_slot() -> None
         term.watermark = first_slot + SECOND  # the loop's watermark passes the slot
         assert term.fired_through == first_slot - dt.timedelta(microseconds=1)
         assert len(put_off) == len(batch) - len(admitted)
+
+
+def test_a_catch_up_plans_a_schedule_paused_until_an_instant_from_that_instant() -> None:
+    """The successor's mirror still shows the schedule paused until an instant now past
+    (the resume not yet written): its catch-up fires every instant from ``until`` on, by
+    its policy; on 19ca195 it passed the schedule over, and the resume it wrote later was
+    planned from its commit, so the instants in between were never fired."""
+    since = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    until = since + 2.5 * SECOND
+    now = since + 6 * SECOND
+    entry = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
+                  paused_until=until)
+    fire, skipped = _plan_catchups([("p", entry)], since, now, {})
+    assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]
+    assert skipped == []
+    # Created in the seconds before the watermark: its late instants skip the pause too.
+    fire, _ = _plan_catchups([("p", entry)], since + 4 * SECOND, now, {"p": since})
+    assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]

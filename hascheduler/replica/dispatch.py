@@ -183,13 +183,13 @@ def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
                now: dt.datetime) -> list[Due]:
     """The fires due by ``now`` of changes applied while a term started (pure): planned
     from when each was made (replan_from), where the term's seed plans them from ``now``.
-    Not a fan-out's: its instants would be claimed for the tenants selected now."""
+    A fan-out's too, for the tenants it selects now (each tenant's fire id is claimed
+    once, whoever claimed it first)."""
     due: list[Due] = []
     for schedule_id, written in changes.items():
         entry = entries.get(schedule_id)
         start = replan_from(now, written)
-        if entry is None or entry.dormant or entry.fan_out is not None or start is None \
-                or start >= now:
+        if entry is None or entry.dormant or start is None or start >= now:
             continue
         due += _dues(schedule_id, entry, fire_times(
             entry.trigger, start - dt.timedelta(seconds=entry.jitter), until=now,
@@ -200,9 +200,11 @@ def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
 def _dues(schedule_id: str, entry: Entry, nominals: Iterable[dt.datetime],
           now: dt.datetime, after: dt.datetime | None = None) -> list[Due]:
     """``nominals`` as fires to claim: those whose jittered time is by ``now`` (and after
-    ``after``)."""
+    ``after``), and at which the schedule is not paused (until an instant)."""
     due = []
     for nominal in nominals:
+        if entry.paused_at(nominal):
+            continue
         fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
         if fire_at <= now and (after is None or fire_at > after):
             due.append(Due(fire_at, nominal, schedule_id, entry.revision))
@@ -248,9 +250,9 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
     it: that leader's watermark may have passed them before it learned of the schedule (a
     write held up, a change stream lagging) and then lost the lease, as a late change's
     are fired (replan_from). Those it did fire keep their one fire: a claim is the fire
-    id's insert. Not a fan-out's: its instants would be claimed again for the tenants
-    selected now, not then. One paused until an instant is planned from that instant
-    (``until`` is its resume, whoever writes the resume and whenever its change comes)."""
+    id's insert (a fan-out's, each tenant's: one selected since the first claim fires
+    too). One paused until an instant is planned from that instant (``until`` is its
+    resume, whoever writes the resume and whenever its change comes)."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
@@ -260,10 +262,8 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
         late: Iterable[dt.datetime] = ()
         if born is not None and watermark is not None and born < watermark:
             start = watermark  # by its policy from there
-            if entry.fan_out is None:
-                late = (n for n in fire_times(entry.trigger, born - jitter,
-                                              until=watermark - jitter, limit=LATE_FIRES_MAX)
-                        if not entry.paused_at(n))
+            late = fire_times(entry.trigger, born - jitter, until=watermark - jitter,
+                              limit=LATE_FIRES_MAX)
         if entry.paused and entry.paused_until is not None:
             start = max(start, just_before(entry.paused_until) + jitter)
         fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
