@@ -337,3 +337,21 @@ async def test_preview_after_takes_rfc3339_as_the_document_says(api: TestClient[
     await api.post("/schedules", json=cron_schedule(id="p"))
     response = await api.get("/schedules/p/next", params={"after": after, "count": 3})
     assert response.status == status, await response.text()
+
+
+async def test_an_unknown_query_parameter_is_400_naming_it(api: TestClient[Any, Any]) -> None:
+    """Ignored, a misspelt filter answered as if it filtered (GET /runs?schedule=X gave
+    every schedule's runs); refused, it names itself and what the route takes. Declared
+    ones still pass, on every route that takes any and on one that takes none."""
+    for path, unknown in (("/schedules?labels=a%3Db", "labels"),
+                          ("/schedules?limit=5&pausd=true", "pausd"),
+                          ("/healthz?verbose=1", "verbose")):
+        r = await api.get(path)
+        assert r.status == 400, (path, await r.text())
+        body = await r.json()
+        assert body["errors"][0]["field"] == unknown
+        assert "unknown query parameter" in body["errors"][0]["message"]
+    r = await api.get("/schedules?limit=5&paused=true")
+    assert r.status == 200
+    r = await api.get("/healthz")
+    assert r.status == 200

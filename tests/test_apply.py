@@ -92,6 +92,33 @@ def test_export_then_apply_is_a_no_op(api_replica: ApiReplica, tmp_path: Path) -
         == "nothing to do"
 
 
+def test_apply_carries_a_pause_until_an_instant_and_a_file_saying_unpaused_resumes(
+        api_replica: ApiReplica, tmp_path: Path) -> None:
+    """A schedule an operator paused until an instant: a file saying `paused: true` leaves
+    it so (unchanged: the pause route owns the instant, and it still resumes by itself
+    then), export then apply stays a no-op; a file saying `paused: false` resumes it now."""
+    path = write(tmp_path / "s.yaml", schedule("nightly", paused=True))
+    assert hascheduler(api_replica, "apply", "-f", str(path)).returncode == 0
+    until = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    with Client(api_replica.url, WRITE) as api:
+        api.pause("nightly", "partner maintenance", until)
+        again = hascheduler(api_replica, "apply", "-f", str(path))
+        assert again.stdout.splitlines()[-1] == "nothing to do", again.stdout
+        kept = api.get_schedule("nightly")
+        assert kept.pause is not None
+        assert kept.pause.until is not None
+        assert abs(kept.pause.until - until) < dt.timedelta(milliseconds=2)
+        exported = hascheduler(api_replica, "export")
+        back = hascheduler(api_replica, "apply", "-f", "-", stdin=exported.stdout.encode())
+        assert back.stdout.splitlines()[-1] == "nothing to do", back.stdout
+        write(path, schedule("nightly", paused=False))
+        resumed = hascheduler(api_replica, "apply", "-f", str(path))
+        assert resumed.returncode == 0, resumed.stderr
+        assert "paused: true -> false" in resumed.stdout
+        after = api.get_schedule("nightly")
+        assert (after.paused, after.pause) == (False, None)
+
+
 def test_one_invalid_document_among_a_hundred_writes_nothing(api_replica: ApiReplica,
                                                              tmp_path: Path) -> None:
     documents = [schedule(f"s{i:03d}") for i in range(100)]

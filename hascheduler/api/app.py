@@ -225,6 +225,28 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
     return answer
 
 
+# The query parameters each route takes, by (method, route template): from the route
+# table's OpenAPI operations, so what is served and what is documented are one list.
+QUERY: web.AppKey[dict[tuple[str, str], frozenset[str]]] = web.AppKey("query")
+
+
+@web.middleware
+async def known_query(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A query parameter the route does not take is refused with 400 naming it: ignored,
+    ``GET /runs?schedule=X`` answered every schedule's runs as if filtered."""
+    route = request.match_info.route.resource
+    known = request.app[QUERY].get((request.method, route.canonical)) \
+        if route is not None else None
+    if known is not None:
+        unknown = sorted(set(request.query) - known)
+        if unknown:
+            takes = ", ".join(sorted(known)) or "none"
+            raise BadRequest(400, unknown[0], f"unknown query parameter {unknown[0]!r}; "
+                                              f"this route takes: {takes}")
+    answer: web.StreamResponse = await handler(request)
+    return answer
+
+
 def grant_of(request: web.Request) -> Grant:
     grant: Grant = request[GRANT]
     return grant

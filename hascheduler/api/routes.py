@@ -661,13 +661,17 @@ def create_app(
     trace_url: str | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[app.observe_requests, error_middleware, app.access_control],
+        middlewares=[app.observe_requests, error_middleware, app.access_control,
+                     app.known_query],
         client_max_size=MAX_REQUEST_BYTES,
     )
     api[app.METRICS] = metrics_ or Metrics()
     api[app.ACCESS] = access or AccessFile(Access())
     api[app.AUDIT] = audit
     api[app.GUARDS] = {(r.method, r.path): r.guard for r in ROUTES}
+    api[app.QUERY] = {(r.method, r.path): frozenset(
+        p["name"] for p in r.operation.get("parameters", []) if p.get("in") == "query")
+        for r in ROUTES}
     api[app.LIMITER] = WriteLimiter(write_limit or WriteLimit())
     api[app.STORE] = store
     api[app.MIRROR] = mirror
