@@ -20,9 +20,19 @@ without faults:
 - a stall of the development MongoDB server itself (SIGSTOP/SIGCONT);
 - SIGKILL of a worker (restarted under its name), SIGSTOP/SIGCONT of one.
 
+Beside the faults, the run control meets them: every --pauses-every seconds a pause until
+an instant a few seconds on, of an every-second schedule (an API call to a replica picked
+at random); every --backfills-every seconds a backfill of a minute of an every-second
+schedule, long before the window (each its own range); and some every-second schedules
+have `overlap: buffer_one`, so a worker stopped or killed mid-run holds their next fire
+back and skips the ones after it.
+
 Afterwards every fault is healed and the auditor (bench/chaos_audit.py, no scheduler code)
 reads the whole stream: each (schedule, nominal time) due in the window must be there
-exactly once, never early, and outside fault windows within --late-bound seconds. Then
+exactly once, never early, and outside fault windows within --late-bound seconds; one a
+pause covered at most once, every one from its end on exactly once; one of a buffer_one
+schedule either there once or recorded skipped in the ledger (read back), never both; each
+instant of each backfill once, and the backfill's record done with every one fired. Then
 every fire in the stream must end in the runs ledger `succeeded` (its side effect done) or,
 for the fires the handler dooms, `dead` with its error; none lost or left running, and a
 side effect done twice only by a worker the soak interrupted. Prints a
@@ -60,11 +70,15 @@ from pymongo import AsyncMongoClient
 
 from bench.chaos_audit import (
     TENANTS,
+    BackfillAudit,
+    Key,
     RunsAudit,
     SoakAudit,
+    SoakBackfill,
     SoakSchedule,
     Window,
     audit,
+    audit_backfills,
     audit_runs,
     stored_fire,
 )
@@ -124,6 +138,10 @@ class Soak:
     # Schedules asked for while the faults run (whether each was created is read back
     # from the database once they are healed).
     asked: list[SoakSchedule] = field(default_factory=list)
+    # Schedules asked to pause while the faults run (their pauses are read back from the
+    # audit trail), and the backfills asked for.
+    pause_asked: set[str] = field(default_factory=set)
+    backfills: list[SoakBackfill] = field(default_factory=list)
     t0: dt.datetime = dt.datetime.min  # the window's start, set by run()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -138,7 +156,9 @@ class Soak:
             if roll == 3:  # every second, one fire per tenant
                 s = SoakSchedule(sid, "second_step", step_s=1, tenants=SOAK_TENANTS)
             elif roll < 4:
-                s = SoakSchedule(sid, "second_step", step_s=1)
+                # Every fifth of them holds a fire back while the one before runs.
+                s = SoakSchedule(sid, "second_step", step_s=1,
+                                 overlap="buffer_one" if i % 50 in (1, 12) else None)
             elif roll < 6:
                 s = SoakSchedule(sid, "second_step", step_s=rng.choice([2, 3, 5, 10]),
                                  jitter_s=rng.choice([0.0, 0.5, 1.5]))
@@ -191,26 +211,143 @@ class Soak:
                     async with http.post(f"{api}/schedules", json=s.api_body(TARGET)) as r:
                         await r.read()
 
+    def run_controlled(self) -> list[SoakSchedule]:
+        """The every-second schedules the soak pauses and backfills: plain ones."""
+        return [s for s in self.schedules if s.kind == "second_step" and s.step_s == 1
+                and not s.tenants and s.overlap is None and not s.jitter_s
+                and s.created is None]
+
+    async def pause_while_faulted(self) -> None:
+        """Every --pauses-every seconds, pause one of the run-controlled schedules until an
+        instant 2 to 6 s on (the pause route of a replica picked at random); a request the
+        faults refuse or lose is fine: what was paused is read back from the audit trail."""
+        rng = random.Random(self.args.seed + 2)
+        pool = self.run_controlled()
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while pool:
+                await asyncio.sleep(self.args.pauses_every)
+                s = rng.choice(pool)
+                until = dt.datetime.now(UTC) + dt.timedelta(seconds=rng.uniform(2.0, 6.0))
+                self.pause_asked.add(s.id)
+                api = rng.choice(self.supervisor.replicas).address
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.post(f"{api}/schedules/{s.id}/pause",
+                                         json={"until": until.isoformat(),
+                                               "note": "chaos soak"}) as r:
+                        await r.read()
+
+    async def backfill_while_faulted(self) -> None:
+        """Every --backfills-every seconds, a backfill of 60 whole seconds of a
+        run-controlled schedule, each its own range an hour or more before the window. A
+        refusal (409: paused) is dropped; an answer lost leaves a backfill that may exist,
+        audited at most once."""
+        rng = random.Random(self.args.seed + 3)
+        pool = self.run_controlled()
+        base = self.t0.replace(microsecond=0) - dt.timedelta(hours=2)
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while pool:
+                await asyncio.sleep(self.args.backfills_every)
+                s = rng.choice(pool)
+                start = base + dt.timedelta(seconds=120 * len(self.backfills))
+                asked = SoakBackfill(s.id, start, start + dt.timedelta(seconds=60))
+                api = rng.choice(self.supervisor.replicas).address
+                try:
+                    async with http.post(f"{api}/schedules/{s.id}/backfill", json={
+                            "start": asked.start.isoformat(),
+                            "end": asked.end.isoformat()}) as r:
+                        body = await r.json(content_type=None)
+                        if r.status == 202:
+                            asked = dataclasses.replace(asked, id=str(body["id"]))
+                        elif r.status < 500:
+                            continue  # refused: it does not exist
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    pass  # lost: it may exist
+                self.backfills.append(asked)
+
+    async def read_back_pauses(self) -> None:
+        """The pauses made, from the audit trail (the API relays it before it answers):
+        each schedule's [at, until) windows join its audit."""
+        api = self.supervisor.replicas[0].address
+        windows: dict[str, list[Window]] = {}
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers) as http:
+            for sid in sorted(self.pause_asked):
+                async with http.get(f"{api}/audit",
+                                    params={"schedule": sid, "limit": "500"}) as r:
+                    records = (await r.json()).get("items", []) if r.status == 200 else []
+                for record in records:
+                    pause = ((record.get("after") or {}).get("pause") or {}) \
+                        if record.get("action") == "pause" else {}
+                    if pause.get("until") and record.get("at"):
+                        windows.setdefault(sid, []).append(
+                            (_instant(record["at"]), _instant(pause["until"])))
+        self.schedules = [dataclasses.replace(s, pauses=tuple(sorted(windows[s.id])))
+                          if s.id in windows else s for s in self.schedules]
+        print(f"pauses until an instant: {sum(map(len, windows.values()))} made "
+              f"on {len(windows)} schedules", flush=True)
+
+    async def backfill_records(self) -> dict[str, dict[str, Any]]:
+        """Each answered backfill's record, once it is done (or after COMPLETE_WITHIN_S)."""
+        api = self.supervisor.replicas[0].address
+        records: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + COMPLETE_WITHIN_S
+        async with aiohttp.ClientSession(headers=self.supervisor.api_headers) as http:
+            for b in self.backfills:
+                if b.id is None:
+                    continue
+                while True:
+                    async with http.get(f"{api}/backfills/{b.id}") as r:
+                        records[b.id] = await r.json() if r.status == 200 else {}
+                    if records[b.id].get("state") != "running" \
+                            or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.5)
+        return records
+
+    async def skipped_by_overlap(self) -> frozenset[Key]:
+        """The fires of the buffer_one schedules the ledger records skipped."""
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.supervisor.mongodb_uri, tz_aware=True)
+        try:
+            ids = [s.id for s in self.schedules if s.overlap is not None]
+            skipped = [(d["schedule_id"], d["nominal_at"].astimezone(UTC)) async for d in
+                       client.get_default_database()["fires"].find(
+                           {"schedule_id": {"$in": ids}, "state": "skipped"},
+                           {"schedule_id": 1, "nominal_at": 1})]
+            return frozenset(skipped)
+        finally:
+            await client.close()
+
     async def ledger_of(self, missing: list[tuple[str, dt.datetime]]) -> list[str]:
         """What the database holds of fires the stream misses: each schedule's write times
-        and each fire's ledger record (state, term, attempts, error), to tell a fire never
-        claimed from one claimed and not published."""
+        and each fire's ledger record (state, term, attempts, error), or the skipped range
+        that covers it, to tell a fire never claimed from one claimed and not published. A
+        fan-out fire is audited as ``<schedule>/<tenant>``: its schedule is the part before
+        the slash and its fire id ``<schedule>@<nominal>/<tenant>``."""
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
             self.supervisor.mongodb_uri, tz_aware=True)
         lines: list[str] = []
         try:
             db = client.get_default_database()
-            for sid in sorted({sid for sid, _ in missing}):
+            for sid in sorted({audit_id.partition("/")[0] for audit_id, _ in missing}):
                 doc = await db["schedules"].find_one(
-                    {"_id": sid}, {"created_at": 1, "updated_at": 1, "revision": 1})
+                    {"_id": sid}, {"created_at": 1, "updated_at": 1, "revision": 1,
+                                   "pause": 1})
                 lines.append(f"schedule {sid}: {doc}")
-            ids = [f"{sid}@{iso_utc(nominal)}" for sid, nominal in missing]
-            found = {d["_id"]: d async for d in db["fires"].find(
-                {"_id": {"$in": ids}}, {"state": 1, "term": 1, "attempts": 1,
-                                        "claimed_at": 1, "published_at": 1,
-                                        "last_error": 1, "reason": 1, "retry_at": 1})}
-            lines += [f"ledger {fire_id}: {found.get(fire_id, 'never claimed')}"
-                      for fire_id in ids]
+            for audit_id, nominal in missing:
+                sid, _, tenant = audit_id.partition("/")
+                fire = f"{sid}@{iso_utc(nominal)}" + (f"/{tenant}" if tenant else "")
+                found = await db["fires"].find_one(
+                    {"_id": fire}, {"state": 1, "term": 1, "attempts": 1, "claimed_at": 1,
+                                    "published_at": 1, "last_error": 1, "reason": 1,
+                                    "next_attempt_at": 1, "backfill": 1})
+                if found is None:  # recorded skipped as part of a range?
+                    found = await db["fires"].find_one(
+                        {"schedule_id": sid, "last_nominal_at": {"$gte": nominal},
+                         "nominal_at": {"$lte": nominal}},
+                        {"state": 1, "term": 1, "count": 1, "reason": 1})
+                lines.append(f"ledger {fire}: {found or 'never claimed nor recorded'}")
         finally:
             await client.close()
         return lines
@@ -567,6 +704,10 @@ class Soak:
                       flush=True)
 
 
+def _instant(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
+
+
 LEADER_FAULTS = ("leader-kill", "leader-term", "leader-stop", "db-cutoff", "db-stall",
                  "clock-skew", "leader-cut-db", "leader-isolated", "leader-one-way-db")
 
@@ -629,6 +770,16 @@ def table(report: SoakAudit, faults: list[Fault], gaps: list[dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def backfills_table(b: BackfillAudit, report: SoakAudit) -> str:
+    return "\n".join([
+        "| backfills asked (answered) | instants expected | delivered | missing | "
+        "duplicated | records not exact | pause-covered instants | skipped by overlap |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {b.asked} ({b.answered}) | {b.expected:,} | {b.delivered:,} | "
+        f"{len(b.missing)} | {len(b.duplicated)} | {len(b.miscounted)} | "
+        f"{report.paused_optional:,} | {report.skipped_accounted:,} |"])
+
+
 def runs_table(r: RunsAudit) -> str:
     attempts = ", ".join(f"{n}: {c:,}" for n, c in sorted(r.attempts.items()))
     return "\n".join([
@@ -666,7 +817,8 @@ async def complete_stream(soak: Soak, since: dt.datetime, until: dt.datetime,
     while True:
         messages = [(m.event, m.stored_at)
                     for m in await read_stream(soak.supervisor.nats_uri)]
-        report = audit(soak.schedules, messages, since, until, windows, soak.args.late_bound)
+        report = audit(soak.schedules, messages, since, until, windows, soak.args.late_bound,
+                       await soak.skipped_by_overlap())
         if not report.missing or time.monotonic() > deadline:
             return report, messages
         await asyncio.sleep(2.0)  # catch-up and retries are still publishing
@@ -714,21 +866,26 @@ async def run(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(soak.watch_lease())
         await asyncio.sleep(max(0.0, (since - dt.datetime.now(UTC)).total_seconds()))
         print(f"window {since.isoformat()} .. {until.isoformat()}; faults:", flush=True)
-        creating = asyncio.create_task(soak.create_while_faulted()) \
-            if args.creates_every else None
+        meanwhile = [asyncio.create_task(work()) for work, every in (
+            (soak.create_while_faulted, args.creates_every),
+            (soak.pause_while_faulted, args.pauses_every),
+            (soak.backfill_while_faulted, args.backfills_every)) if every]
         try:
             await soak.inject_until(time.monotonic() + args.duration)
         finally:
-            if creating is not None:
-                creating.cancel()
+            for task in meanwhile:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await creating
+                    await task
         await soak.heal_all()
         await soak.supervisor.reconcile()
         await soak.read_back_created()
+        await soak.read_back_pauses()
         await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
         report, messages = await complete_stream(soak, since, until, windows)
+        backfill_report = audit_backfills(soak.backfills, messages,
+                                          await soak.backfill_records())
         if report.missing:
             with contextlib.suppress(Exception):
                 missing_records = await soak.ledger_of(report.missing[:20])
@@ -768,6 +925,8 @@ async def run(args: argparse.Namespace) -> int:
     print(table(report, soak.faults, gaps))
     print()
     print(runs_table(runs_report))
+    print()
+    print(backfills_table(backfill_report, report))
     checks = {"every due fire delivered": not report.missing,
               "none duplicated": not report.duplicated,
               "none unexpected or early": not (report.unexpected or report.early),
@@ -779,6 +938,9 @@ async def run(args: argparse.Namespace) -> int:
                        or runs_report.wrongly_alive or runs_report.not_done),
               "a side effect repeated only by an interrupted worker":
                   not runs_report.unexplained,
+              "no instant both fired and recorded skipped": not report.fired_and_skipped,
+              "every backfilled instant once, each backfill's record exact":
+                  backfill_report.ok,
               "lease history: no two terms valid at once; a write of a term only within "
               "it, or held up by a fault":
                   not leases.violations and not unexplained and leases.terms > 0
@@ -793,6 +955,14 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {label}: {sid} @ {nominal.isoformat()}")
     for line in missing_records:
         print(f"  {line}")
+    for sid, nominal in report.fired_and_skipped[:5]:
+        print(f"  fired and recorded skipped: {sid} @ {nominal.isoformat()}")
+    for (sid, nominal) in backfill_report.missing[:5]:
+        print(f"  backfill missing: {sid} @ {nominal.isoformat()}")
+    for (sid, nominal), count in backfill_report.duplicated[:5]:
+        print(f"  backfill duplicated: {sid} @ {nominal.isoformat()} x{count}")
+    for backfill_id, record in backfill_report.miscounted[:5]:
+        print(f"  backfill record: {backfill_id} {record}")
     for (sid, nominal), late in report.over_bound[:5]:
         print(f"  late: {sid} @ {nominal.isoformat()} by {late:.2f} s")
     for violation in leases.violations[:5]:
@@ -821,6 +991,15 @@ async def run(args: argparse.Namespace) -> int:
                     "ended": f.ended.isoformat() if f.ended else None} for f in soak.faults],
         "expected": report.expected, "delivered": report.delivered,
         "tenant_fires": report.tenant_fires,
+        "paused_optional": report.paused_optional,
+        "skipped_accounted": report.skipped_accounted,
+        "fired_and_skipped": len(report.fired_and_skipped),
+        "backfills": {"asked": backfill_report.asked, "answered": backfill_report.answered,
+                      "expected": backfill_report.expected,
+                      "delivered": backfill_report.delivered,
+                      "missing": len(backfill_report.missing),
+                      "duplicated": len(backfill_report.duplicated),
+                      "miscounted": len(backfill_report.miscounted)},
         "missing": len(report.missing), "duplicated": len(report.duplicated),
         "unexpected": len(report.unexpected), "early": len(report.early),
         "malformed": report.malformed, "over_bound": len(report.over_bound),
@@ -892,6 +1071,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--creates-every", type=_positive(float, 0), default=5.0,
                         help="while the faults run, a new schedule every this many seconds "
                              "(0: none; default 5)")
+    parser.add_argument("--pauses-every", type=_positive(float, 0), default=15.0,
+                        help="while the faults run, a pause until an instant every this many "
+                             "seconds (0: none; default 15)")
+    parser.add_argument("--backfills-every", type=_positive(float, 0), default=20.0,
+                        help="while the faults run, a 60-instant backfill every this many "
+                             "seconds (0: none; default 20)")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
     args = parser.parse_args(argv)
     logs.configure("warning")  # the supervisor's own lines; the soak prints its faults

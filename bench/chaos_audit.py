@@ -5,7 +5,12 @@ It shares no code with the scheduler (no trigger library, no mirror, no ledger),
 in the scheduler's own idea of "due" cannot hide itself here. The schedule kinds the soak
 uses are the ones whose fire times are simple to compute by hand: a seconds step within
 the minute (6-field cron in UTC), a fixed interval from an anchor, and one-off instants;
-a fan-out schedule's fires are audited per tenant, each as a schedule of its own.
+a fan-out schedule's fires are audited per tenant, each as a schedule of its own. A pause
+until an instant makes the instants it covers optional (the pause takes effect when the
+leader learns of it) and every one from its end on due again; a schedule whose overlap
+policy may hold a fire back has each instant either in the stream once or recorded skipped
+in the ledger, never both and never neither; a backfill's instants are each in the stream
+once, and its record says so.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ class SoakSchedule:
     # Its stored creation time, for one created while the faults run: what fell due by
     # then was never due.
     created: dt.datetime | None = None
+    overlap: str | None = None  # an overlap policy that may hold a fire back or skip it
+    pauses: tuple[Window, ...] = ()  # [at, until) of each pause made on it, as stored
+
+    def paused_at(self, nominal: dt.datetime) -> bool:
+        return any(start <= nominal < end for start, end in self.pauses)
 
     @property
     def audit_ids(self) -> list[str]:
@@ -59,6 +69,8 @@ class SoakSchedule:
         if self.tenants:
             body["fan_out"] = {"collection": TENANTS,
                                "filter": {"_id": {"$in": list(self.tenants)}}}
+        if self.overlap is not None:
+            body["overlap"] = self.overlap
         return body
 
     def nominal_times(self, since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
@@ -130,6 +142,9 @@ class SoakAudit:
     delivered: int = 0
     tenant_fires: int = 0  # of those delivered, fan-out fires (one per tenant)
     missing: list[Key] = field(default_factory=list)
+    fired_and_skipped: list[Key] = field(default_factory=list)  # in the stream, and skipped
+    paused_optional: int = 0  # instants a pause covered (fired or not: either is right)
+    skipped_accounted: int = 0  # instants not fired, each recorded skipped in the ledger
     duplicated: list[tuple[Key, int]] = field(default_factory=list)
     unexpected: list[Key] = field(default_factory=list)
     early: list[Key] = field(default_factory=list)  # stored before its nominal time
@@ -140,7 +155,8 @@ class SoakAudit:
 
     @property
     def exactly_once(self) -> bool:
-        return not (self.missing or self.duplicated or self.unexpected or self.early)
+        return not (self.missing or self.duplicated or self.unexpected or self.early
+                    or self.fired_and_skipped)
 
     @property
     def ok(self) -> bool:
@@ -154,16 +170,21 @@ def overlaps(first: dt.datetime, last: dt.datetime, windows: list[Window]) -> bo
 
 def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt.datetime]],
           since: dt.datetime, until: dt.datetime, fault_windows: list[Window],
-          late_bound_s: float) -> SoakAudit:
+          late_bound_s: float, skipped: frozenset[Key] = frozenset()) -> SoakAudit:
     """Each (schedule, nominal time) in [since, until] must be in the stream exactly once,
     never before its nominal time, and outside fault windows within ``late_bound_s`` of
-    its due time (nominal plus at most the schedule's jitter)."""
+    its due time (nominal plus at most the schedule's jitter). One a pause covers may be
+    in the stream at most once; one of a schedule with an overlap policy may instead be
+    among ``skipped`` (the ledger's record), never in both."""
     report = SoakAudit(since, until, late_bound_s)
     by_id = {audit_id: s for s in schedules for audit_id in s.audit_ids}
     ours = {s.id for s in schedules}
-    expected = {(audit_id, t) for s in schedules for t in s.nominal_times(since, until)
-                for audit_id in s.audit_ids}
-    report.expected = len(expected)
+    due = {(audit_id, t, s.paused_at(t)) for s in schedules
+           for t in s.nominal_times(since, until) for audit_id in s.audit_ids}
+    expected = {(audit_id, t) for audit_id, t, _ in due}
+    required = {(audit_id, t) for audit_id, t, paused in due if not paused}
+    report.expected = len(required)
+    report.paused_optional = len(expected) - len(required)
     first_stored: dict[Key, dt.datetime] = {}
     counts: Counter[Key] = Counter()
     for event, stored_at in messages:
@@ -184,10 +205,15 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
         report.tenant_fires += key[0] != by_id[key[0]].id
         if count > 1:
             report.duplicated.append((key, count))
+        if key in skipped:
+            report.fired_and_skipped.append(key)
         stored, nominal = first_stored[key], key[1]
         if stored < nominal:
             report.early.append(key)
-        jitter = by_id[key[0]].jitter_s
+        schedule = by_id[key[0]]
+        if schedule.overlap is not None or schedule.paused_at(nominal):
+            continue  # held back by its policy, or fired as a pause began: late by design
+        jitter = schedule.jitter_s
         # A jittered fire's due time is somewhere in [nominal, nominal + jitter): judge it
         # against the latest, and keep it out of the figures (its exact offset is unknown).
         late = (stored - nominal).total_seconds() - jitter
@@ -200,7 +226,77 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
                 report.lateness_clear.append(late)
             if late > late_bound_s:
                 report.over_bound.append((key, late))
-    report.missing = sorted(k for k in expected if k not in counts)
+    unfired = [k for k in required if k not in counts]
+    accounted = {k for k in unfired if k in skipped and by_id[k[0]].overlap is not None}
+    report.skipped_accounted = len(accounted)
+    report.missing = sorted(k for k in unfired if k not in accounted)
+    return report
+
+
+@dataclass(frozen=True)
+class SoakBackfill:
+    """A backfill the soak asked for over whole seconds [start, end) of an every-second
+    schedule; ``id`` None when its request's answer was lost (it may exist)."""
+
+    schedule_id: str
+    start: dt.datetime
+    end: dt.datetime
+    id: str | None = None
+
+    def instants(self) -> list[Key]:
+        count = int((self.end - self.start).total_seconds())
+        return [(self.schedule_id, self.start + dt.timedelta(seconds=k)) for k in range(count)]
+
+
+@dataclass
+class BackfillAudit:
+    asked: int = 0
+    answered: int = 0  # of those asked, the ones whose request had its 202
+    expected: int = 0  # instants of the backfills whose request was answered
+    delivered: int = 0
+    missing: list[Key] = field(default_factory=list)
+    duplicated: list[tuple[Key, int]] = field(default_factory=list)
+    # Backfills whose record, once done, does not say every instant fired exactly.
+    miscounted: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.duplicated or self.miscounted)
+
+
+def audit_backfills(backfills: list[SoakBackfill],
+                    messages: list[tuple[dict[str, Any], dt.datetime]],
+                    records: dict[str, dict[str, Any]]) -> BackfillAudit:
+    """Each instant of an answered backfill in the stream exactly once, and its record
+    ``done`` with ``fired`` its total and nothing skipped or withdrawn (each range is the
+    soak's own: no other fire is there); an unanswered one's at most once."""
+    report = BackfillAudit(asked=len(backfills))
+    wanted = {k: b for b in backfills for k in b.instants()}
+    counts: Counter[Key] = Counter()
+    for event, stored_at in messages:
+        fire = stored_fire(event, stored_at)
+        if fire is not None and (fire.schedule_id, fire.nominal) in wanted:
+            counts[(fire.schedule_id, fire.nominal)] += 1
+    for key, backfill in wanted.items():
+        count = counts[key]
+        if count > 1:
+            report.duplicated.append((key, count))
+        if backfill.id is None:
+            continue
+        report.expected += 1
+        report.delivered += count > 0
+        if count == 0:
+            report.missing.append(key)
+    for backfill in backfills:
+        if backfill.id is None:
+            continue
+        report.answered += 1
+        record = records.get(backfill.id) or {}
+        total = len(backfill.instants())
+        if (record.get("state"), record.get("fired"), record.get("skipped"),
+                record.get("withdrawn")) != ("done", total, 0, 0):
+            report.miscounted.append((backfill.id, record))
+    report.missing.sort()
     return report
 
 

@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 
 from bench.chaos import KINDS, PARTITIONS, Soak, failover_gaps
-from bench.chaos_audit import SoakSchedule, audit, audit_runs, stored_fire
+from bench.chaos_audit import (
+    SoakBackfill,
+    SoakSchedule,
+    audit,
+    audit_backfills,
+    audit_runs,
+    stored_fire,
+)
 from bench.chaos_records import Fault, LeaseSample
 from hascheduler.core.models import ScheduleIn
 from hascheduler.core.triggers import iso_utc
@@ -257,3 +264,56 @@ def test_runs_audit_catches_lost_unsettled_wrong_and_unexplained_runs() -> None:
     assert report.repeated == [("f4", 2), ("f5", 2)]
     assert report.unexplained == ["f5"]
     assert not report.ok
+
+
+def test_a_pause_makes_the_instants_it_covers_optional_and_every_later_one_due() -> None:
+    """Paused from 1 s to 3.5 s: 1, 2 and 3 may be in the stream (at most once) or not;
+    0 and 4 must be there once; a lost instant after the pause's end is missing."""
+    paused = SoakSchedule("p", "second_step", pauses=((at(1), at(3.5)),))
+    stream = [message("p", at(0), at(0.1)), message("p", at(1), at(1.1)),
+              message("p", at(4), at(4.1))]
+    report = audit([paused], stream, at(0), at(5), [], late_bound_s=1.0)
+    assert (report.expected, report.paused_optional) == (3, 3)
+    assert report.missing == [("p", at(5))]
+    twice = audit([paused], [*stream, message("p", at(2), at(2.1)),
+                             message("p", at(2), at(2.2))], at(0), at(4), [], 1.0)
+    assert twice.duplicated == [(("p", at(2)), 2)]
+    assert twice.missing == []
+
+
+def test_an_overlap_schedules_instant_is_fired_or_recorded_skipped_never_both() -> None:
+    buffered = SoakSchedule("b", "second_step", overlap="buffer_one")
+    plain = SoakSchedule("e", "second_step")
+    assert buffered.api_body("chaos")["overlap"] == "buffer_one"
+    stream = [message("b", at(0), at(0.1)), message("b", at(2), at(5.0)),  # held back
+              message("e", at(0), at(0.1)), message("e", at(1), at(1.1)),
+              message("e", at(2), at(2.1))]
+    skipped = frozenset({("b", at(1)), ("b", at(2)), ("e", at(1))})
+    report = audit([buffered, plain], stream, at(0), at(2), [], 1.0, skipped)
+    assert report.skipped_accounted == 1  # b at 1
+    assert report.fired_and_skipped == [("b", at(2)), ("e", at(1))]
+    assert report.missing == []
+    assert report.over_bound == []  # a held-back fire is late by design
+    assert not report.exactly_once
+    # A plain schedule's instant recorded skipped is still missing: only a policy's count.
+    lost = audit([plain], [message("e", at(0), at(0.1))], at(0), at(1), [], 1.0,
+                 frozenset({("e", at(1))}))
+    assert lost.missing == [("e", at(1))]
+
+
+def test_backfills_are_audited_instant_by_instant_and_by_their_record() -> None:
+    answered = SoakBackfill("e", at(-600), at(-597), "b1")
+    lost = SoakBackfill("e", at(-500), at(-498))  # its answer lost: may or may not exist
+    stream = [message("e", at(-600), at(1)), message("e", at(-599), at(1)),
+              message("e", at(-599), at(2)),  # twice
+              message("e", at(-500), at(1)), message("e", at(-499), at(1)),
+              message("e", at(-499), at(2))]  # the unanswered one's, twice
+    exact = {"state": "done", "fired": 3, "skipped": 0, "withdrawn": 0}
+    report = audit_backfills([answered, lost], stream, {"b1": exact})
+    assert (report.asked, report.answered, report.expected, report.delivered) == (2, 1, 3, 2)
+    assert report.missing == [("e", at(-598))]
+    assert report.duplicated == [(("e", at(-599)), 2), (("e", at(-499)), 2)]
+    assert report.miscounted == []
+    assert not report.ok
+    wrong = audit_backfills([answered], [], {"b1": {**exact, "skipped": 1}})
+    assert wrong.miscounted == [("b1", {**exact, "skipped": 1})]
