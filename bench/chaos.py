@@ -90,6 +90,7 @@ from hascheduler.core.triggers import iso_utc
 from hascheduler.process import logs
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
+from hascheduler.storage.runs import open_key
 
 UTC = dt.UTC
 TARGET = "chaos"
@@ -334,7 +335,8 @@ class Soak:
                 doc = await db["schedules"].find_one(
                     {"_id": sid}, {"created_at": 1, "updated_at": 1, "revision": 1,
                                    "pause": 1})
-                lines.append(f"schedule {sid}: {doc}")
+                pauses = [s.pauses for s in self.schedules if s.id == sid]
+                lines.append(f"schedule {sid}: {doc}; pauses read back: {pauses}")
             for audit_id, nominal in missing:
                 sid, _, tenant = audit_id.partition("/")
                 fire = f"{sid}@{iso_utc(nominal)}" + (f"/{tenant}" if tenant else "")
@@ -348,6 +350,10 @@ class Soak:
                          "nominal_at": {"$lte": nominal}},
                         {"state": 1, "term": 1, "count": 1, "reason": 1})
                 lines.append(f"ledger {fire}: {found or 'never claimed nor recorded'}")
+                if found is not None and found.get("state") == "buffered":
+                    key = open_key(sid, tenant or None)
+                    run = await db["runs"].find_one({"open_key": key})
+                    lines.append(f"  its key's open run: {run}")
         finally:
             await client.close()
         return lines

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hascheduler.core.claims import Claim
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import At, Interval
@@ -213,3 +213,31 @@ def test_a_catch_up_plans_a_schedule_paused_until_an_instant_from_that_instant()
     # Created in the seconds before the watermark: its late instants skip the pause too.
     fire, _ = _plan_catchups([("p", entry)], since + 4 * SECOND, now, {"p": since})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]
+
+
+async def test_a_resume_applied_after_its_until_fires_from_the_until() -> None:
+    """Paused until U; the resume (written by the leader once U passed, or by hand) is
+    applied with the loop's watermark already past U (a slow change stream, a busy
+    server): the schedule fires from U, not from the resume's commit. On 19ca195 the
+    instants between were dropped from the queue as paused and never planned again (the
+    chaos soak: two instants of a schedule resumed during a leader kill, never claimed).
+    A U before the term's start is left to the catch-up."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    until = now - 2.5 * SECOND
+    paused = Entry(1, True, Interval(1.0, now - 60 * SECOND), 0.0, "all", 3600.0, "t",
+                   paused_until=until)
+    entries = {"p": paused}
+    async with leading(entries, now) as (dispatcher, term, _):
+        dispatcher.on_change("p", paused)  # the pause, as the mirror applied it
+        entries["p"] = paused.replace(revision=2, paused=False, paused_until=None)
+        dispatcher.on_change("p", entries["p"], Written(now, None))  # the resume, late
+        queued = sorted(d.nominal for d in term.queue.items() if d.revision == 2)
+        assert queued[0] == now - 2 * SECOND
+    async with leading(dict(entries), now) as (dispatcher, term, _):
+        term.started_at = now - SECOND
+        entries["p"] = paused
+        dispatcher.on_change("p", paused)
+        entries["p"] = paused.replace(revision=2, paused=False, paused_until=None)
+        dispatcher.on_change("p", entries["p"], Written(now, None))
+        queued = sorted(d.nominal for d in term.queue.items() if d.revision == 2)
+        assert queued[0] == now

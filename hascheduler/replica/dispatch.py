@@ -344,10 +344,12 @@ class Dispatcher:
         """Called by the mirror for every applied change (made when ``written`` says, for a
         streamed one); reschedules while leading."""
         self.publisher.forget(schedule_id)
+        # Paused until an instant before this change: resumed now (by the leader once the
+        # instant passed, or by hand), it fires from that instant, not from the resume's
+        # commit (the instants between were dropped from the queue as paused).
+        until = self.resumes.pop(schedule_id, None)
         if entry is not None and entry.paused and entry.paused_until is not None:
             self.resumes[schedule_id] = entry.paused_until
-        else:
-            self.resumes.pop(schedule_id, None)
         term = self.term
         if term is None or not term.active:
             return
@@ -357,6 +359,9 @@ class Dispatcher:
             # of a schedule says when it began to make fires due.
             term.early_changes.setdefault(schedule_id, written)
         since = replan_from(term.watermark, written)
+        if until is not None and since is not None and entry is not None and \
+                not entry.paused:
+            since = min(since, max(just_before(until), term.started_at))
         watermark, start = term.watermark, change_start(written)
         if start is not None and watermark is not None and \
                 start < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
@@ -373,7 +378,7 @@ class Dispatcher:
         since = view.fired_through  # None: no term of this database has fired yet
         log.info("leading", term=view.term,
                  fired_through=since.isoformat() if since is not None else None)
-        async with Term(view.term, self.lease, self.mirror.entries) as term:
+        async with Term(view.term, self.lease, self.mirror.entries, now) as term:
             if self.term is not None:
                 term.follows(self.term)
             self.term = term

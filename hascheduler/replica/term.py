@@ -38,6 +38,7 @@ log = structlog.get_logger("hascheduler.dispatch")
 
 T = TypeVar("T")
 
+BEGINNING = dt.datetime.min.replace(tzinfo=dt.UTC)
 # A ledger read of a term lasts at most this many lease ttls, however long the term holds.
 READ_LIMIT_TTLS = 3.0
 
@@ -81,8 +82,11 @@ class _Writes:
 
 
 class Term:
-    def __init__(self, number: int, lease: HeldLease, entries: Mapping[str, Entry]) -> None:
+    def __init__(self, number: int, lease: HeldLease, entries: Mapping[str, Entry],
+                 started_at: dt.datetime = BEGINNING) -> None:
         self.number = number
+        # When the term began: what fell due before it is its catch-up's.
+        self.started_at = started_at
         self._lease = lease
         self.watermark: dt.datetime | None = None
         # While the term catches up on what fell due before it (``catching_up``), the
@@ -95,7 +99,7 @@ class Term:
         # Fires due up to this instant may be in the ledger already (claimed ahead by the
         # term before, or fired by it before its successor's catch-up looks at them): their
         # claims read the ledger first (Ledger.claimed).
-        self.contested_until = dt.datetime.min.replace(tzinfo=dt.UTC)
+        self.contested_until = BEGINNING
         self.queue = FireQueue(entries)
         # The claims of this term not yet published (or given up), by fire id, with their
         # due times; and those due times counted, for when the next publish is due.
