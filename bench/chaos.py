@@ -141,7 +141,10 @@ class Soak:
     asked: list[SoakSchedule] = field(default_factory=list)
     # Schedules asked to pause while the faults run (their pauses are read back from the
     # audit trail), and the backfills asked for.
-    pause_asked: set[str] = field(default_factory=set)
+    # (schedule id, until) -> when the request was sent: a pause takes effect at its
+    # commit, after that (its audit record's time is the answering replica's clock, which
+    # a clock-skew fault moves).
+    pause_asked: dict[tuple[str, str], dt.datetime] = field(default_factory=dict)
     backfills: list[SoakBackfill] = field(default_factory=list)
     t0: dt.datetime = dt.datetime.min  # the window's start, set by run()
 
@@ -229,8 +232,10 @@ class Soak:
             while pool:
                 await asyncio.sleep(self.args.pauses_every)
                 s = rng.choice(pool)
-                until = dt.datetime.now(UTC) + dt.timedelta(seconds=rng.uniform(2.0, 6.0))
-                self.pause_asked.add(s.id)
+                sent = dt.datetime.now(UTC)
+                until = sent + dt.timedelta(seconds=rng.uniform(2.0, 6.0))
+                until = until.replace(microsecond=until.microsecond // 1000 * 1000)
+                self.pause_asked[(s.id, iso_utc(until))] = sent
                 api = rng.choice(self.supervisor.replicas).address
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with http.post(f"{api}/schedules/{s.id}/pause",
@@ -269,20 +274,23 @@ class Soak:
 
     async def read_back_pauses(self) -> None:
         """The pauses made, from the audit trail (the API relays it before it answers):
-        each schedule's [at, until) windows join its audit."""
+        each schedule's [sent, until) windows join its audit, from when the soak sent the
+        request that made it."""
         api = self.supervisor.replicas[0].address
         windows: dict[str, list[Window]] = {}
         async with aiohttp.ClientSession(headers=self.supervisor.api_headers) as http:
-            for sid in sorted(self.pause_asked):
+            for sid in sorted({sid for sid, _ in self.pause_asked}):
                 async with http.get(f"{api}/audit",
                                     params={"schedule": sid, "limit": "500"}) as r:
                     records = (await r.json()).get("items", []) if r.status == 200 else []
                 for record in records:
                     pause = ((record.get("after") or {}).get("pause") or {}) \
                         if record.get("action") == "pause" else {}
-                    if pause.get("until") and record.get("at"):
-                        windows.setdefault(sid, []).append(
-                            (_instant(record["at"]), _instant(pause["until"])))
+                    if pause.get("until"):
+                        until = _instant(pause["until"])
+                        sent = self.pause_asked.get((sid, iso_utc(until)))
+                        start = sent if sent is not None else _instant(record["at"])
+                        windows.setdefault(sid, []).append((start, until))
         self.schedules = [dataclasses.replace(s, pauses=tuple(sorted(windows[s.id])))
                           if s.id in windows else s for s in self.schedules]
         print(f"pauses until an instant: {sum(map(len, windows.values()))} made "

@@ -116,6 +116,26 @@ async def test_a_buffered_fire_of_a_paused_schedule_waits_for_the_resume(
         second.fire_id]
 
 
+async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behind_it(
+        gate: OverlapGate, term: Term) -> None:
+    """Fire 1 reserved its key's run and its publish failed (the broker down, or its
+    leader deposed); fire 2 was buffered behind that run. Fire 1 retried (or adopted by the
+    next leader) comes through the gate again: it holds the open run itself, so it goes.
+    On 19ca195 it was buffered or skipped behind fire 2, its reservation held the key, and
+    fire 2 waited for ever (the chaos soak: a buffer_one schedule's fire never published)."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([second], targets, TERM) == []  # waits for the first's run
+    assert await gate.admit([first], targets, TERM) == [first]  # the retry goes
+    doc = await gate.ledger.fires.find_one({"_id": first.fire_id})
+    assert doc is not None
+    assert doc["state"] == "claimed"
+    assert await gate.runs.open_runs([open_key("s", None)]) == {
+        open_key("s", None): first.fire_id}
+
+
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(
         gate: OverlapGate, term: Term) -> None:
     """The window inside the take itself: the waiting fire is already claimed (no longer

@@ -104,6 +104,15 @@ class OverlapGate:
         if not released:
             for key in keys & self.releasing:
                 buffered[key] = buffered.get(key, 0) + 1
+        # A fire that holds its key's open run itself (reserved before its publish failed,
+        # or before its leader was deposed) goes: queued behind the fires buffered behind
+        # its own run, it was skipped and its reservation held the key for ever.
+        own: set[str] = set()
+        if buffered:
+            holders = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
+            own = {c.fire_id for c in governed
+                   if holders.get(open_key(c.schedule_id, c.tenant)) == c.fire_id}
+            governed = [c for c in governed if c.fire_id not in own]
         # The earliest fire of each key with nothing waiting asks the database for the
         # key's one open run; a key already open refuses it, naming its open run.
         first: dict[Key, Claim] = {}
@@ -155,7 +164,7 @@ class OverlapGate:
             # poll.
             with contextlib.suppress(RunConflict, RunNotFound):
                 await self.runs.cancel(fire, now, "overlap policy cancel_other")
-        go = set(decision.publish)
+        go = set(decision.publish) | own
         if released:
             self.releasing -= keys
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], held
