@@ -241,3 +241,31 @@ async def test_a_resume_applied_after_its_until_fires_from_the_until() -> None:
         dispatcher.on_change("p", entries["p"], Written(now, None))
         queued = sorted(d.nominal for d in term.queue.items() if d.revision == 2)
         assert queued[0] == now
+
+
+def test_a_catch_up_fires_what_fell_due_before_a_pause_began() -> None:
+    """The leader died; during the outage the schedule was paused (at P, until U, or for
+    good): its instants between the previous leader's watermark and P were due, and are
+    fired by its policy; those from P to U are not (the pause is their record); those from
+    U on are. The chaos soak: an instant due 3 ms before a pause, its leader SIGSTOPped,
+    was planned by no one."""
+    since = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    now = since + 10 * SECOND
+    paused = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
+                   paused_since=since + 3.5 * SECOND, paused_until=since + 6.5 * SECOND)
+    fire, skipped = _plan_catchups([("p", paused)], since, now, {})
+    assert [d.nominal for d in fire] == [since + k * SECOND for k in (1, 2, 3, 7, 8, 9, 10)]
+    assert skipped == []
+    for_good = paused.replace(paused_until=None)
+    fire, _ = _plan_catchups([("p", for_good)], since, now, {})
+    assert [d.nominal for d in fire] == [since + k * SECOND for k in (1, 2, 3)]
+    # With catch-up `latest`: the latest of each span it is not paused in.
+    latest = paused.replace(catchup="latest")
+    fire, skipped = _plan_catchups([("p", latest)], since, now, {})
+    assert [d.nominal for d in fire] == [since + 3 * SECOND, since + 10 * SECOND]
+    assert [(r.first, r.last, r.count) for _, r in skipped] == [
+        (since + SECOND, since + 2 * SECOND, 2), (since + 7 * SECOND, since + 9 * SECOND, 3)]
+    # At its due time, an instant before the pause began is not withdrawn by it.
+    assert not paused.paused_at(since + 3 * SECOND)
+    assert paused.paused_at(since + 4 * SECOND)
+    assert not paused.paused_at(since + 7 * SECOND)

@@ -26,6 +26,7 @@ class _Uncommon:
     completed: bool = False
     namespace: str = "default"
     success_within: float | None = None
+    paused_since: dt.datetime | None = None
 
 
 class Written(NamedTuple):
@@ -68,7 +69,8 @@ class Entry:
                  paused_until: dt.datetime | None = _DEFAULTS.paused_until,
                  max_fires: int | None = _DEFAULTS.max_fires,
                  completed: bool = _DEFAULTS.completed, namespace: str = _DEFAULTS.namespace,
-                 success_within: float | None = _DEFAULTS.success_within) -> None:
+                 success_within: float | None = _DEFAULTS.success_within,
+                 paused_since: dt.datetime | None = _DEFAULTS.paused_since) -> None:
         self.revision = revision
         self.paused = paused
         self.trigger = trigger
@@ -77,7 +79,7 @@ class Entry:
         self.catchup_window = catchup_window
         self.target = target
         uncommon = (fan_out, overlap, paused_until, max_fires, completed, namespace,
-                    success_within)
+                    success_within, paused_since)
         self._uncommon = _DEFAULTS if uncommon == _DEFAULT_VALUES else _Uncommon(*uncommon)
 
     @property
@@ -93,6 +95,13 @@ class Entry:
         """Paused with an end (POST /schedules/{id}/pause {"until": ...}): fires from this
         instant on, whether or not the leader has written the resume yet."""
         return self._uncommon.paused_until
+
+    @property
+    def paused_since(self) -> dt.datetime | None:
+        """When the pause route paused it (its record's ``at``, on the database's clock):
+        its instants before that were due. None: paused by a write saying ``paused``, from
+        no known instant."""
+        return self._uncommon.paused_since
 
     @property
     def max_fires(self) -> int | None:
@@ -135,9 +144,15 @@ class Entry:
         return self.completed or (self.paused and self.paused_until is None)
 
     def paused_at(self, nominal: dt.datetime) -> bool:
-        """Not to fire at ``nominal``: paused then, or completed."""
-        return self.completed or (self.paused and (self.paused_until is None
-                                                   or nominal < self.paused_until))
+        """Not to fire at ``nominal``: paused then (from its pause's start, when known, to
+        its end, if any), or completed."""
+        since, until = self.paused_since, self.paused_until
+        return self.completed or (self.paused and (since is None or nominal >= since)
+                                  and (until is None or nominal < until))
+
+    def paused_now(self, now: dt.datetime) -> bool:
+        """Paused at ``now``: nothing of it is published (a backfill, a buffered fire)."""
+        return self.paused and (self.paused_until is None or now < self.paused_until)
 
 
 # Every constructor argument: the ones kept on the entry, then the uncommon ones.
@@ -212,7 +227,7 @@ def entry_from_document(doc: dict[str, Any]) -> Entry:
                  paused_until=_paused_until(doc), max_fires=doc.get("max_fires"),
                  completed=bool(doc.get("completed", False)),
                  namespace=sys.intern(doc.get("namespace") or "default"),
-                 success_within=_success_within(doc))
+                 success_within=_success_within(doc), paused_since=_pause_field(doc, "at"))
 
 
 def _success_within(doc: dict[str, Any]) -> float | None:
@@ -222,6 +237,10 @@ def _success_within(doc: dict[str, Any]) -> float | None:
 
 
 def _paused_until(doc: dict[str, Any]) -> dt.datetime | None:
+    return _pause_field(doc, "until")
+
+
+def _pause_field(doc: dict[str, Any], name: str) -> dt.datetime | None:
     pause = doc.get("pause") if doc.get("paused") else None
-    until = pause.get("until") if isinstance(pause, dict) else None
-    return as_utc(until) if isinstance(until, dt.datetime) else None
+    value = pause.get(name) if isinstance(pause, dict) else None
+    return as_utc(value) if isinstance(value, dt.datetime) else None

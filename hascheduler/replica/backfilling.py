@@ -89,7 +89,7 @@ class Backfilling:
             await self.backfills.advance(doc["_id"], end, 0, 0, True, now)
             return ChunkOutcome(end)
         cursor = as_utc(doc["cursor"])
-        if entry.paused and entry.paused_at(cursor):
+        if entry.paused_now(now):
             return None  # waits for the resume
         nominals = [n for n in fire_times(entry.trigger, just_before(cursor), until=end,
                                           limit=BACKFILL_CHUNK + 1) if n < end]

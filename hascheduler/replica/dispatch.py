@@ -251,8 +251,11 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
     write held up, a change stream lagging) and then lost the lease, as a late change's
     are fired (replan_from). Those it did fire keep their one fire: a claim is the fire
     id's insert (a fan-out's, each tenant's: one selected since the first claim fires
-    too). One paused until an instant is planned from that instant (``until`` is its
-    resume, whoever writes the resume and whenever its change comes)."""
+    too). A paused one is planned, by its policy, up to its pause's start (its instants
+    before were due: the previous leader may have died before it fired them) and from
+    its pause's end, if that has come (``until`` is its resume, whoever writes the resume
+    and whenever its change comes); a pause from no known instant (a write saying
+    ``paused``) covers everything before its end."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
@@ -264,14 +267,30 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
             start = watermark  # by its policy from there
             late = fire_times(entry.trigger, born - jitter, until=watermark - jitter,
                               limit=LATE_FIRES_MAX)
-        if entry.paused and entry.paused_until is not None:
-            start = max(start, just_before(entry.paused_until) + jitter)
-        fire, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                  start - jitter, now)
+        fire: list[dt.datetime] = []
+        for since, until in _unpaused(entry, start, now):
+            planned, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
+                                         since - jitter, until)
+            fire += planned
+            if skip is not None:
+                skipped.append((schedule_id, skip))
         to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now)
-        if skip is not None:
-            skipped.append((schedule_id, skip))
     return to_fire, skipped
+
+
+def _unpaused(entry: Entry, start: dt.datetime, now: dt.datetime
+              ) -> list[tuple[dt.datetime, dt.datetime]]:
+    """The spans of (``start``, ``now``] in which ``entry`` is not paused, each as
+    (after, until]: the whole of it, or the part before its pause's start and the part from
+    its pause's end (pure)."""
+    if not entry.paused:
+        return [(start, now)]
+    spans = []
+    if entry.paused_since is not None and entry.paused_since > start:
+        spans.append((start, min(now, just_before(entry.paused_since))))
+    if entry.paused_until is not None and entry.paused_until <= now:
+        spans.append((max(start, just_before(entry.paused_until)), now))
+    return spans
 
 
 def _withdrawn(claim: Claim, entry: Entry | None, revision: int) -> str | None:
@@ -888,7 +907,7 @@ class Dispatcher:
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
-        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.dormant]
+        entries = [(sid, e) for sid, e in self.mirror.entries.items() if not e.completed]
         to_fire, ranges = await asyncio.to_thread(_plan_catchups, entries, since, now,
                                                   created)
         term.check()

@@ -71,8 +71,7 @@ class OverlapGate:
 
     def _paused(self, schedule_id: str, now: dt.datetime) -> bool:
         entry = self.entries.get(schedule_id)
-        return entry is not None and entry.paused and (
-            entry.paused_until is None or now < entry.paused_until)
+        return entry is not None and entry.paused_now(now)
 
     async def begin(self) -> None:
         """A term begins: learn which keys have fires waiting (an older term's)."""
