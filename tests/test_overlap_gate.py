@@ -134,6 +134,27 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     assert doc["state"] == "claimed"
     assert await gate.runs.open_runs([open_key("s", None)]) == {
         open_key("s", None): first.fire_id}
+    # Its run ended and the second went; then the first, its mark lost, is retried: it
+    # was let through before (its run exists), so it goes again (the broker drops the
+    # copy), never recorded skipped behind the one buffered since.
+    third = await claimed(gate, 3, now)
+    await gate.runs.unreserve(first.fire_id)
+    released = await gate.ready(term, now + dt.timedelta(minutes=1))
+    assert [c.fire_id for c in released] == [second.fire_id]
+    assert [c.fire_id for c in await gate.admit(released, targets, TERM, released=True)
+            ] == [second.fire_id]
+    gate.released(released)
+    # The second's run ends (its worker is done); the third opens the key, a fourth
+    # waits behind it.
+    await gate.runs.runs.update_one({"_id": second.fire_id},
+                                    {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
+    fourth = await claimed(gate, 4, now)
+    assert await gate.admit([third], targets, TERM) == [third]
+    assert await gate.admit([fourth], targets, TERM) == []
+    assert await gate.admit([second], targets, TERM) == [second]  # its mark lost: again
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert doc["state"] == "claimed"
 
 
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(

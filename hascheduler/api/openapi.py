@@ -52,7 +52,8 @@ def responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
     return out
 
 
-_ERRORS = {400: "malformed request (JSON, If-Match)",
+_ERRORS = {400: "malformed request (JSON, If-Match, a query parameter the route does not "
+                "take)",
            401: "a token is configured and this request has none, or a wrong one",
            403: "the token has the read scope; writes need the write scope",
            404: "no such schedule (or run)",
@@ -122,7 +123,11 @@ def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, operation in routes:
         item = paths.setdefault(path, {"parameters": [ID]} if "{id}" in path else {})
-        item[method.lower()] = operation
+        # Every route refuses a query parameter it does not take (app.known_query).
+        unknown = {"description": "a query parameter the route does not take",
+                   "content": {"application/json": {"schema": ref("Problem")}}}
+        item[method.lower()] = {**operation,
+                                "responses": {"400": unknown, **operation["responses"]}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "hascheduler", "version": __version__,

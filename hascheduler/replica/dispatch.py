@@ -183,8 +183,8 @@ def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
                now: dt.datetime) -> list[Due]:
     """The fires due by ``now`` of changes applied while a term started (pure): planned
     from when each was made (replan_from), where the term's seed plans them from ``now``.
-    A fan-out's too, for the tenants it selects now (each tenant's fire id is claimed
-    once, whoever claimed it first)."""
+    A fan-out's too: an instant the ledger holds nothing of, for the tenants it selects
+    now (Dispatcher._claim_late)."""
     due: list[Due] = []
     for schedule_id, written in changes.items():
         entry = entries.get(schedule_id)
@@ -250,12 +250,12 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
     it: that leader's watermark may have passed them before it learned of the schedule (a
     write held up, a change stream lagging) and then lost the lease, as a late change's
     are fired (replan_from). Those it did fire keep their one fire: a claim is the fire
-    id's insert (a fan-out's, each tenant's: one selected since the first claim fires
-    too). A paused one is planned, by its policy, up to its pause's start (its instants
-    before were due: the previous leader may have died before it fired them) and from
-    its pause's end, if that has come (``until`` is its resume, whoever writes the resume
-    and whenever its change comes); a pause from no known instant (a write saying
-    ``paused``) covers everything before its end."""
+    id's insert (a fan-out's instant the ledger holds any claim of is left out,
+    Dispatcher._claim_late). A paused one is planned, by its policy, up to its pause's
+    start (its instants before were due: the previous leader may have died before it
+    fired them) and from its pause's end, if that has come (``until`` is its resume,
+    whoever writes the resume and whenever its change comes); a pause from no known
+    instant (a write saying ``paused``) covers everything before its end."""
     to_fire: list[Due] = []
     skipped: list[tuple[str, SkippedRange]] = []
     for schedule_id, entry in entries:
@@ -420,7 +420,7 @@ class Dispatcher:
                 term.early_changes.clear()
                 if late:
                     term.opened(late)  # before the watermark the lease records moves on
-                    tasks.create_task(self._claim_all(late, term, now))
+                    tasks.create_task(self._claim_late(late, term, now, now))
                 tasks.create_task(self._requested_loop(term))
                 if self.gate is not None:
                     tasks.create_task(self._release_loop(term, self.gate))
@@ -540,6 +540,29 @@ class Dispatcher:
         if adopted:
             log.info("adopted_claims", count=len(adopted), term=term.number, at="due time")
         return [c for c in claims if c.fire_id not in taken or c.fire_id in adopted]
+
+    async def _claim_late(self, dues: list[Due], term: Term, now: dt.datetime,
+                          passed: dt.datetime | None) -> None:
+        """Claim fires due before the term (a catch-up's, a late change's). A fan-out's
+        instant due by ``passed`` (the watermark an earlier term passed) that the ledger
+        holds any claim or record of was handled then, for the tenants selected then: it
+        is left out, or a tenant selected since would get a fire of an instant that had
+        none for it. One it holds nothing of is claimed for the tenants selected now."""
+        term.opened(dues)
+        handled: set[tuple[str, dt.datetime]] = set()
+        earlier: dict[str, list[dt.datetime]] = {}
+        for due in dues:
+            entry = self.mirror.entries.get(due.schedule_id)
+            if entry is not None and entry.fan_out is not None and passed is not None \
+                    and due.fire_at <= passed:
+                earlier.setdefault(due.schedule_id, []).append(due.nominal)
+        for schedule_id, nominals in earlier.items():
+            held = await term.read(self.ledger.instants_held(schedule_id, nominals))
+            handled.update((schedule_id, n) for n in held)
+        if handled:
+            term.resolved(d for d in dues if (d.schedule_id, d.nominal) in handled)
+            dues = [d for d in dues if (d.schedule_id, d.nominal) not in handled]
+        await self._claim_all(dues, term, now)
 
     async def _claim_all(self, dues: list[Due], term: Term, now: dt.datetime) -> None:
         """Claim ``dues`` (planned apart from the queue), open until each is claimed."""
@@ -919,4 +942,4 @@ class Dispatcher:
                      skipped=sum(d["count"] for d in skipped), term=term.number)
         if to_fire:
             to_fire.sort()
-            await self._claim_all(to_fire, term, self.clock())
+            await self._claim_late(to_fire, term, self.clock(), since)

@@ -103,14 +103,13 @@ class OverlapGate:
         if not released:
             for key in keys & self.releasing:
                 buffered[key] = buffered.get(key, 0) + 1
-        # A fire that holds its key's open run itself (reserved before its publish failed,
-        # or before its leader was deposed) goes: queued behind the fires buffered behind
-        # its own run, it was skipped and its reservation held the key for ever.
+        # A fire with a run of its own was let through before (its publish failed, its
+        # leader was deposed, its mark lost): it goes, as reserve() lets it when nothing
+        # waits. Decided anew behind the fires buffered since, it was skipped: its own
+        # reservation held the key for ever, or its first publish had landed.
         own: set[str] = set()
         if buffered:
-            holders = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
-            own = {c.fire_id for c in governed
-                   if holders.get(open_key(c.schedule_id, c.tenant)) == c.fire_id}
+            own = await self.runs.with_runs([c.fire_id for c in governed])
             governed = [c for c in governed if c.fire_id not in own]
         # The earliest fire of each key with nothing waiting asks the database for the
         # key's one open run; a key already open refuses it, naming its open run.

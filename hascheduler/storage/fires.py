@@ -430,6 +430,14 @@ class Ledger:
              "manual": {"$ne": True}},
             {"nominal_at": 1, "state": 1, "reason": 1, "backfill": 1, "count": 1})]
 
+    async def instants_held(self, schedule_id: str, nominals: list[dt.datetime]
+                            ) -> set[dt.datetime]:
+        """Those of a schedule's ``nominals`` the ledger holds any entry at (a claim, a
+        tenant's, a record), runs now aside."""
+        return {as_utc(d["nominal_at"]) async for d in self.fires.find(
+            {"schedule_id": schedule_id, "nominal_at": {"$in": nominals},
+             "manual": {"$ne": True}}, {"nominal_at": 1})}
+
     async def release(self, fire_ids: list[str], term: int, reason: str) -> None:
         """Free fires this term recorded skipped for ``reason`` (a backfill's, withdrawn by
         a pause): their times may be fired again."""

@@ -527,6 +527,13 @@ class RunLedger:
         blockers = await self.open_runs(sorted(set(held.values())))
         return {fire: blockers.get(key, "") for fire, key in held.items()}
 
+    async def with_runs(self, fire_ids: list[str]) -> set[str]:
+        """Those of ``fire_ids`` that have a run (reserved, running or ended)."""
+        if not fire_ids:
+            return set()
+        return {d["_id"] async for d in self.runs.find({"_id": {"$in": sorted(fire_ids)}},
+                                                      {"_id": 1})}
+
     async def unreserve(self, fire_id: str) -> None:
         """The fire was never published (it failed): its reservation goes."""
         await self.runs.delete_one({"_id": fire_id, "state": PENDING})
