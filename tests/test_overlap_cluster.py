@@ -68,8 +68,9 @@ def assert_one_at_a_time(runs: list[dict[str, Any]], sid: str) -> None:
 
 async def settle(h: Harness, sids: list[str], within_s: float,
                  cancel: str | None = None) -> None:
-    """Pause the schedules, then wait until nothing of theirs is open or waiting; the last
-    run of ``cancel`` (a schedule whose runs never end by themselves) is cancelled."""
+    """Pause the schedules, then wait until nothing of theirs is open or claimed (their
+    buffered fires wait for a resume); the last run of ``cancel`` (a schedule whose runs
+    never end by themselves) is cancelled."""
     api = h.live()
     for sid in sids:
         async with h.http.post(f"{api}/schedules/{sid}/pause") as r:
@@ -93,8 +94,9 @@ async def settle(h: Harness, sids: list[str], within_s: float,
         open_runs = await h.db.runs.count_documents(
             {"schedule_id": {"$in": sids}, "state": {"$in": ["pending", "running",
                                                              "retrying"]}})
+        # A paused schedule's buffered fires wait for its resume: claimed ones must go.
         waiting = await h.db.fires.count_documents(
-            {"schedule_id": {"$in": sids}, "state": {"$in": ["buffered", "claimed"]}})
+            {"schedule_id": {"$in": sids}, "state": "claimed"})
         return open_runs == 0 and waiting == 0
 
     await wait_until(quiet, within_s, "every run ended and no fire waiting", 0.2)

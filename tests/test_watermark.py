@@ -21,6 +21,7 @@ from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import At, Interval
 from hascheduler.replica.dispatch import Dispatcher, _plan_catchups
 from hascheduler.replica.term import LeadershipLost, Term
+from hascheduler.storage.lease import LeaseTimings
 from tests.waiting import wait_until
 
 SECOND = dt.timedelta(seconds=1)
@@ -47,7 +48,7 @@ async def leading(entries: dict[str, Entry], now: dt.datetime, sources: Sources 
                   ) -> AsyncIterator[tuple[Dispatcher, Term, SimpleNamespace]]:
     """A dispatcher leading term 1 over ``entries`` at ``now`` (its clock), the term's
     watermark at ``now``; yields it, the term and the fake lease."""
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0)
+    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0, timings=LeaseTimings())
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
                             lease, clock=lambda: now, sources=sources,  # type: ignore[arg-type]
                             quota=quota)
@@ -269,3 +270,35 @@ def test_a_catch_up_fires_what_fell_due_before_a_pause_began() -> None:
     assert not paused.paused_at(since + 3 * SECOND)
     assert paused.paused_at(since + 4 * SECOND)
     assert not paused.paused_at(since + 7 * SECOND)
+
+
+async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_claimed() -> None:
+    """A catch-up's fan-out instants before the watermark the previous leader passed:
+    one the ledger holds any tenant's claim of was handled then (for the tenants selected
+    then) and is left out, resolved; one it holds nothing of is claimed for the tenants
+    selected now; one after the watermark is claimed whatever the ledger holds (a partly
+    claimed instant gets its missing tenants)."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    sources = Sources()
+    sources.in_sync.set()
+    entries = {"f": fan_out_entry(now - 60 * SECOND)}
+    handled, unhandled, after = (now - 3 * SECOND, now - 2 * SECOND, now - SECOND)
+    async with leading(entries, now, sources) as (dispatcher, term, _):
+        async def instants_held(schedule_id: str, nominals: list[dt.datetime]
+                                ) -> set[dt.datetime]:
+            return {n for n in nominals if n in (handled, after)}
+
+        dispatcher.ledger = SimpleNamespace(instants_held=instants_held)  # type: ignore[assignment]
+        claimed: list[Claim] = []
+
+        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
+                        backfill: str | None = None) -> list[Claim]:
+            claimed.extend(claims)
+            return []
+
+        dispatcher._claim = claim  # type: ignore[method-assign]
+        dues = [Due(n, n, "f", 1) for n in (handled, unhandled, after)]
+        await dispatcher._claim_late(dues, term, now, passed=now - 1.5 * SECOND)
+        assert sorted({c.nominal_at for c in claimed}) == [unhandled, after]
+        assert {c.tenant for c in claimed} == {"a", "b"}
+        assert term.open == {}
