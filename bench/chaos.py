@@ -361,7 +361,9 @@ class Soak:
                 if found is not None and found.get("state") == "buffered":
                     key = open_key(sid, tenant or None)
                     run = await db["runs"].find_one({"open_key": key})
-                    lines.append(f"  its key's open run: {run}")
+                    blocker = await db["fires"].find_one(
+                        {"_id": run["_id"]}) if run is not None else None
+                    lines.append(f"  its key's open run: {run}; its fire: {blocker}")
         finally:
             await client.close()
         return lines

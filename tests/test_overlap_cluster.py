@@ -78,7 +78,7 @@ async def settle(h: Harness, sids: list[str], within_s: float,
 
     async def cancelled_last() -> bool:
         waiting = await h.db.fires.count_documents({"schedule_id": cancel,
-                                                    "state": {"$in": ["buffered", "claimed"]}})
+                                                    "state": "claimed"})
         if waiting:
             return False
         async for run in h.db.runs.find({"schedule_id": cancel,

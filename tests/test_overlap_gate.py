@@ -155,6 +155,14 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"
+    # Retried in one batch with an earlier fire of its key (a term's retries, adopted
+    # claims), nothing waiting: the one that holds the run goes, the other waits behind.
+    await gate.runs.unreserve(third.fire_id)
+    await gate.runs.runs.delete_many({"_id": {"$in": [fourth.fire_id, second.fire_id]}})
+    gate.waiting.clear()
+    await gate.ledger.fires.update_many({"state": "buffered"}, {"$set": {"state": "claimed"}})
+    assert await gate.admit([fourth], targets, TERM) == [fourth]  # reserves the key
+    assert await gate.admit([third, fourth], targets, TERM) == [fourth]
 
 
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(

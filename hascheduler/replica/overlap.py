@@ -107,10 +107,13 @@ class OverlapGate:
         # leader was deposed, its mark lost): it goes, as reserve() lets it when nothing
         # waits. Decided anew behind the fires buffered since, it was skipped: its own
         # reservation held the key for ever, or its first publish had landed.
+        # Where it is the one to check (several fires of a key, or fires waiting): with one
+        # fire a key and none waiting, reserve() finds its run itself.
         own: set[str] = set()
-        if buffered:
+        if buffered or len(keys) < len(governed):
             own = await self.runs.with_runs([c.fire_id for c in governed])
             governed = [c for c in governed if c.fire_id not in own]
+            keys = {(c.schedule_id, c.tenant) for c in governed}
         # The earliest fire of each key with nothing waiting asks the database for the
         # key's one open run; a key already open refuses it, naming its open run.
         first: dict[Key, Claim] = {}
