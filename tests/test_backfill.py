@@ -38,6 +38,40 @@ async def finished(h: Harness, backfill: str) -> dict[str, Any]:
     return await wait_until(done, 60, f"backfill {backfill} to finish", 0.1)
 
 
+async def seconds_backfilled(h: Harness, sid: str, count: int
+                             ) -> tuple[dt.datetime, dt.datetime, dict[str, Any]]:
+    """An every-second schedule ``sid`` and a backfill of its ``count`` seconds ending a
+    minute ago, once its first chunk is fired: (start, end, the backfill)."""
+    await add(h, sid, "* * * * * *")
+    end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
+    start = end - dt.timedelta(seconds=count)
+    status, backfill = await h.call("POST", f"/schedules/{sid}/backfill",
+                                    {"start": start.isoformat(), "end": end.isoformat()})
+    assert status == 202, backfill
+
+    async def fired() -> bool:
+        _, body = await h.call("GET", f"/backfills/{backfill['id']}")
+        return bool(body["fired"] > 0)
+
+    await wait_until(fired, 20, "the backfill's first chunk", 0.02)
+    return start, end, backfill
+
+
+async def every_second_published(h: Harness, sid: str, start: dt.datetime,
+                                 end: dt.datetime) -> set[str]:
+    """Wait until every second of [start, end) of ``sid`` is published; their fire ids."""
+    expected = {fire_id(sid, n) for n in fire_times(Cron("* * * * * *"),
+                                                    start - dt.timedelta(microseconds=1),
+                                                    until=end - dt.timedelta(microseconds=1))}
+
+    async def published() -> bool:
+        return await h.db.fires.count_documents({"_id": {"$in": sorted(expected)},
+                                                 "state": "published"}) == len(expected)
+
+    await wait_until(published, 60, "every backfilled time published", 0.2)
+    return expected
+
+
 async def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(cli, *args)
 
@@ -85,19 +119,8 @@ async def test_a_backfill_goes_on_across_a_leader_kill_firing_each_time_once(
         h.start(name)
     first = await h.leader()
     sid = f"{h.prefix}-seconds"
-    await add(h, sid, "* * * * * *")
-    end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
-    start = end - dt.timedelta(seconds=3000)
-    status, backfill = await h.call("POST", f"/schedules/{sid}/backfill",
-                                  {"start": start.isoformat(), "end": end.isoformat()})
-    assert status == 202
+    start, end, backfill = await seconds_backfilled(h, sid, 3000)
     assert backfill["total"] == 3000
-
-    async def begun() -> bool:
-        _, body = await h.call("GET", f"/backfills/{backfill['id']}")
-        return bool(body["fired"] > 0)
-
-    await wait_until(begun, 20, "the backfill's first chunk", 0.05)
     h.signal(first, signal.SIGKILL)
     process = h.replicas[first].process
     assert process is not None
@@ -106,16 +129,8 @@ async def test_a_backfill_goes_on_across_a_leader_kill_firing_each_time_once(
     assert done["state"] == "done"
     # Counted from the ledger: a chunk redone by the successor counts each claim once.
     assert (done["fired"], done["skipped"], done["withdrawn"]) == (3000, 0, 0), done
-    expected = {fire_id(sid, n) for n in fire_times(Cron("* * * * * *"),
-                                                    start - dt.timedelta(microseconds=1),
-                                                    until=end - dt.timedelta(microseconds=1))}
+    expected = await every_second_published(h, sid, start, end)
     assert len(expected) == 3000
-
-    async def all_published() -> bool:
-        return await h.db.fires.count_documents({"_id": {"$in": sorted(expected)},
-                                                 "state": "published"}) == 3000
-
-    await wait_until(all_published, 60, "every backfilled time published", 0.2)
     counts, _ = await stream_counts(h.nats.uri, h.prefix)
     missing = sorted(f for f in expected if counts[f] == 0)
     twice = sorted(f for f in expected if counts[f] > 1)
@@ -132,18 +147,7 @@ async def test_a_backfill_a_pause_interrupts_waits_and_fires_every_time_after_th
     h.start("a")
     await h.leader()
     sid = f"{h.prefix}-paused"
-    await add(h, sid, "* * * * * *")
-    end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=1)
-    start = end - dt.timedelta(seconds=1200)
-    status, backfill = await h.call("POST", f"/schedules/{sid}/backfill",
-                                    {"start": start.isoformat(), "end": end.isoformat()})
-    assert status == 202
-
-    async def begun() -> bool:
-        _, body = await h.call("GET", f"/backfills/{backfill['id']}")
-        return bool(body["fired"] > 0)
-
-    await wait_until(begun, 20, "the backfill's first chunk", 0.02)
+    start, end, backfill = await seconds_backfilled(h, sid, 1200)
     status, _ = await h.call("POST", f"/schedules/{sid}/pause", {"note": "mid-backfill"})
     assert status == 200
     _, at_pause = await h.call("GET", f"/backfills/{backfill['id']}")
@@ -163,15 +167,7 @@ async def test_a_backfill_a_pause_interrupts_waits_and_fires_every_time_after_th
     done = await finished(h, backfill["id"])
     assert (done["state"], done["fired"], done["skipped"], done["withdrawn"],
             done["remaining"]) == ("done", 1200, 0, 0, 0), done
-    expected = {fire_id(sid, n) for n in fire_times(Cron("* * * * * *"),
-                                                    start - dt.timedelta(microseconds=1),
-                                                    until=end - dt.timedelta(microseconds=1))}
-
-    async def all_published() -> bool:
-        return await h.db.fires.count_documents({"_id": {"$in": sorted(expected)},
-                                                 "state": "published"}) == 1200
-
-    await wait_until(all_published, 60, "every backfilled time published", 0.2)
+    expected = await every_second_published(h, sid, start, end)
     counts, _ = await stream_counts(h.nats.uri, h.prefix)
     assert {f: counts[f] for f in expected} == dict.fromkeys(expected, 1)
     # A repeat finds every time fired: none fired again, each counted skipped.

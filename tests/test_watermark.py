@@ -18,7 +18,7 @@ from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due
-from hascheduler.core.triggers import At, Interval
+from hascheduler.core.triggers import At, Interval, jitter_offset
 from hascheduler.replica.dispatch import Dispatcher, _plan_catchups
 from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.lease import LeaseTimings
@@ -302,3 +302,23 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
         assert sorted({c.nominal_at for c in claimed}) == [unhandled, after]
         assert {c.tenant for c in claimed} == {"a", "b"}
         assert term.open == {}
+
+
+def test_a_jittered_catch_up_counts_no_instant_its_predecessor_handled() -> None:
+    """Planned from the watermark less the jitter, a skipped range counted again the
+    instants whose jittered time was by the watermark (fired or recorded skipped by the
+    previous leader: 4 said, 3 missed); now each is counted once."""
+    w = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    while jitter_offset("j", w - SECOND, 1.5) > SECOND:  # one instant handled, at least
+        w += SECOND
+    now = w + 5 * SECOND
+    entry = Entry(1, False, Interval(1.0, w - 60 * SECOND), 1.5, "none", 3600.0, "t")
+    nominals = [w + k * SECOND for k in range(-1, 6)]  # (w - 1.5 s, now]
+    handled = [n for n in nominals if n + jitter_offset("j", n, 1.5) <= w]
+    assert handled
+    _, skipped = _plan_catchups([("j", entry)], w, now, {})
+    assert len(skipped) == 1
+    skip = skipped[0][1]
+    assert skip.count == len(nominals) - len(handled)
+    assert skip.first == next(n for n in nominals if n not in handled)
+    assert skip.last == now

@@ -272,10 +272,33 @@ def _plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | No
             planned, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
                                          since - jitter, until)
             fire += planned
+            if skip is not None and since == watermark and jitter:
+                skip = _less_handled(schedule_id, entry, skip, since)
             if skip is not None:
                 skipped.append((schedule_id, skip))
         to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now)
     return to_fire, skipped
+
+
+def _less_handled(schedule_id: str, entry: Entry, skip: SkippedRange,
+                  watermark: dt.datetime) -> SkippedRange | None:
+    """``skip`` less the instants the previous leader handled (pure): a jittered
+    schedule's instants with nominal times in the jitter before ``watermark`` whose
+    jittered time is by it were fired or recorded skipped by then; planned from
+    ``watermark`` less the jitter, they were counted again."""
+    handled = {n for n in fire_times(entry.trigger,
+                                     watermark - dt.timedelta(seconds=entry.jitter),
+                                     until=watermark)
+               if skip.first <= n <= skip.last
+               and n + jitter_offset(schedule_id, n, entry.jitter) <= watermark}
+    if not handled:
+        return skip
+    count = skip.count - len(handled)
+    if count <= 0:
+        return None
+    first = next(n for n in fire_times(entry.trigger, just_before(skip.first),
+                                       until=skip.last) if n not in handled)
+    return SkippedRange(first, skip.last, count, skip.reason)
 
 
 def _unpaused(entry: Entry, start: dt.datetime, now: dt.datetime
