@@ -351,13 +351,17 @@ class Soak:
                 found = await db["fires"].find_one(
                     {"_id": fire}, {"state": 1, "term": 1, "attempts": 1, "claimed_at": 1,
                                     "published_at": 1, "last_error": 1, "reason": 1,
-                                    "next_attempt_at": 1, "backfill": 1})
+                                    "next_attempt_at": 1, "backfill": 1, "open_run": 1,
+                                    "buffered_at": 1, "recorded_at": 1})
                 if found is None:  # recorded skipped as part of a range?
                     found = await db["fires"].find_one(
                         {"schedule_id": sid, "last_nominal_at": {"$gte": nominal},
                          "nominal_at": {"$lte": nominal}},
                         {"state": 1, "term": 1, "count": 1, "reason": 1})
                 lines.append(f"ledger {fire}: {found or 'never claimed nor recorded'}")
+                run = await db["runs"].find_one({"_id": fire}, {"state": 1, "attempts": 1,
+                                                                "recorded_at": 1})
+                lines.append(f"  its run: {run}")
                 if found is not None and found.get("state") == "buffered":
                     key = open_key(sid, tenant or None)
                     run = await db["runs"].find_one({"open_key": key})
@@ -902,9 +906,10 @@ async def run(args: argparse.Namespace) -> int:
         report, messages = await complete_stream(soak, since, until, windows)
         backfill_report = audit_backfills(soak.backfills, messages,
                                           await soak.backfill_records())
-        if report.missing:
+        if report.missing or report.fired_and_skipped:
             with contextlib.suppress(Exception):
-                missing_records = await soak.ledger_of(report.missing[:20])
+                missing_records = await soak.ledger_of(
+                    (report.missing + report.fired_and_skipped)[:20])
         fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
         runs = await settled_runs(soak, fire_ids)
         await history.settle()

@@ -432,7 +432,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
                                 ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
                                 None, lease, clock=lambda: now)  # type: ignore[arg-type]
-        term = Term(2, lease, {})  # type: ignore[arg-type]
+        term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
         if contested:
             term.contested_until = at(10)
         def claim(sid: str, term: int) -> dict[str, object]:
@@ -1179,7 +1179,7 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
     dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
                             SlowLedger(), None, lease,  # type: ignore[arg-type]
                             clock=lambda: at(9.99))
-    term = Term(2, lease, {})  # type: ignore[arg-type]
+    term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
     term.contested_until = at(10)
     mine = [Claim("s@10", "s", at(10), at(10))]
     assert await dispatcher._claim(mine, term, at(9.99)) == mine

@@ -54,7 +54,7 @@ async def term(db: Any) -> Term:
     view = await lease.acquire_or_renew()
     assert view is not None
     assert view.term == TERM
-    return Term(TERM, lease, {})
+    return await Term(TERM, lease, {}).__aenter__()
 
 
 async def claimed(gate: OverlapGate, n: int, now: dt.datetime) -> Claim:

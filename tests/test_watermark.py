@@ -322,3 +322,19 @@ def test_a_jittered_catch_up_counts_no_instant_its_predecessor_handled() -> None
     assert skip.count == len(nominals) - len(handled)
     assert skip.first == next(n for n in nominals if n not in handled)
     assert skip.last == now
+
+
+async def test_a_lead_that_ended_acts_no_more_when_its_term_is_led_again() -> None:
+    """A replica stops firing (its renewal late past the deadline) and, the renewal then
+    made, leads the same term again: the lead before must not act beside the new one (its
+    publishing tasks decided on fires the new lead adopted). Only a handover's drain keeps
+    the ended lead acting while the lease holds."""
+    lease = SimpleNamespace(valid=True, term=7, remaining=lambda: 5.0, timings=LeaseTimings())
+    async with Term(7, lease, {}) as old:  # type: ignore[arg-type]
+        assert old.holds
+    assert not old.holds  # the lease is valid and still term 7's: led anew, not by it
+    async with Term(7, lease, {}) as draining:  # type: ignore[arg-type]
+        draining.handing_over.set()
+    assert draining.holds
+    lease.valid = False
+    assert not draining.holds

@@ -135,8 +135,13 @@ class Term:
     @property
     def holds(self) -> bool:
         """The fence: the lease is still this term's and its renew deadline has not
-        passed."""
-        return self._lease.valid and self._lease.term == self.number
+        passed, and this lead of it has not ended (but for its handover's drain). A
+        replica that stops firing and leads again in the same term (a renewal late past
+        its deadline, then made) leads it anew: the tasks of the lead before must not act
+        beside it, or the two decide on one fire apart (the chaos soak: a fire published
+        by the old lead's task after the new lead recorded it skipped)."""
+        return (self.active or self.handing_over.is_set()) and self._lease.valid \
+            and self._lease.term == self.number
 
     def check(self) -> None:
         """Raises LeadershipLost unless the term still holds the lease."""
