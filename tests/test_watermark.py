@@ -338,3 +338,27 @@ async def test_a_lead_that_ended_acts_no_more_when_its_term_is_led_again() -> No
     assert draining.holds
     lease.valid = False
     assert not draining.holds
+
+
+async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_not_fire(
+) -> None:
+    """A new schedule whose insert reached the leader 30 s after its creation (past
+    LATE_CHANGE_S) is planned from the bound; the instants between its creation and the
+    bound are recorded skipped, saying why, not left to a log line. A changed schedule's
+    are not (the leader fired them as it stood)."""
+    w = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    every = Entry(1, False, Interval(1.0, w - 60 * SECOND), 0.0, "all", 3600.0, "t")
+    entries = {"new": every, "changed": every.replace(revision=2)}
+    recorded: list[dict[str, Any]] = []
+
+    async def record_skipped(docs: list[dict[str, Any]]) -> None:
+        recorded.extend(docs)
+
+    async with leading(entries, w) as (dispatcher, _term, _):
+        dispatcher.ledger = SimpleNamespace(record_skipped=record_skipped)  # type: ignore[assignment]
+        dispatcher.on_change("new", every, Written(w, w - 30 * SECOND))
+        dispatcher.on_change("changed", entries["changed"], Written(w - 30 * SECOND, None))
+        await wait_until(lambda: recorded, 5, "the skipped range recorded")
+    assert [(d["schedule_id"], d["nominal_at"], d["last_nominal_at"], d["count"])
+            for d in recorded] == [("new", w - 29 * SECOND, w - 10 * SECOND, 20)]
+    assert "30 s late" in recorded[0]["reason"]

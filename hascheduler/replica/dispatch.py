@@ -38,7 +38,14 @@ from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.instants import as_utc
 from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.quota import ADMIT, DEFER, FireRates
-from hascheduler.core.triggers import fire_id, fire_times, jitter_offset, just_before
+from hascheduler.core.triggers import (
+    count_between,
+    fire_id,
+    fire_times,
+    jitter_offset,
+    just_before,
+    latest_at_or_before,
+)
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.backfilling import Backfilling
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
@@ -49,7 +56,7 @@ from hascheduler.replica.publishing import (
     Publisher,
     StoredSchedules,
 )
-from hascheduler.replica.term import HeldLease, Term
+from hascheduler.replica.term import HeldLease, LeadershipLost, Term
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import REQUESTED, Ledger, claim_record, skipped_range_document
@@ -177,6 +184,25 @@ def replan_from(watermark: dt.datetime | None, written: Written | None
     if not new and start >= watermark:
         return watermark
     return max(start, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
+
+
+def _unplanned(entry: Entry | None, written: Written | None, start: dt.datetime,
+               planned_from: dt.datetime, lag_s: float) -> SkippedRange | None:
+    """The instants of a new schedule whose change was applied later than LATE_CHANGE_S
+    that fell due between its creation and where it is planned from, as a skipped range
+    (pure); None for a change to a schedule (the leader fired it as it was) or none due."""
+    if entry is None or written is None or written.created_at is None or entry.dormant:
+        return None
+    # Due (jittered) in (start, planned_from]: with jitter, those whose nominal time is
+    # surely so (the few in the jitter before planned_from may have been planned).
+    until = planned_from - dt.timedelta(seconds=entry.jitter)
+    first = next(iter(fire_times(entry.trigger, start, until=until, limit=1)), None)
+    last = latest_at_or_before(entry.trigger, start, until)
+    if first is None or last is None:
+        return None
+    return SkippedRange(first, last, count_between(entry.trigger, start, until),
+                        f"its creation reached the leader {lag_s:.0f} s late (more than "
+                        f"{LATE_CHANGE_S:g} s): its fires before were not planned")
 
 
 def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
@@ -407,12 +433,25 @@ class Dispatcher:
         watermark, start = term.watermark, change_start(written)
         if start is not None and watermark is not None and \
                 start < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
-            # Its fires between its start and the bound are not fired: say so.
+            # Its fires between its start and the bound are not fired: say so, and for a
+            # new schedule (a changed one's were fired as it was) record them skipped.
             log.warning("change_applied_late", schedule_id=schedule_id, term=term.number,
                         lag_s=round((watermark - start).total_seconds(), 3),
                         planned_from=(since or watermark).isoformat())
+            unplanned = _unplanned(entry, written, start, since or watermark,
+                                   (watermark - start).total_seconds())
+            if unplanned is not None:
+                term.waiting(self._record_unplanned(schedule_id, unplanned, term))
         if term.queue.changed(schedule_id, entry, since):
             self._wake.set()
+
+    async def _record_unplanned(self, schedule_id: str, skipped: SkippedRange,
+                                term: Term) -> None:
+        try:
+            await term.write(self.ledger.record_skipped([skipped_range_document(
+                schedule_id, skipped, term.number, self.clock())]))
+        except LeadershipLost:
+            log.warning("unplanned_not_recorded", schedule_id=schedule_id, term=term.number)
 
     async def lead(self, view: LeaseView) -> None:
         """Fire as the leader of ``view.term`` until cancelled or the term loses the lease."""
