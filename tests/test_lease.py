@@ -80,6 +80,9 @@ class IdleDispatcher:
         finally:
             self.leading = False
 
+    def hand_over(self) -> None:
+        pass
+
     async def drain(self) -> bool:
         return True
 

@@ -334,7 +334,7 @@ async def test_a_lead_that_ended_acts_no_more_when_its_term_is_led_again() -> No
         assert old.holds
     assert not old.holds  # the lease is valid and still term 7's: led anew, not by it
     async with Term(7, lease, {}) as draining:  # type: ignore[arg-type]
-        draining.handing_over.set()
+        draining.handing_over.set()  # Dispatcher.hand_over, before its lead is cancelled
     assert draining.holds
     lease.valid = False
     assert not draining.holds

@@ -490,6 +490,12 @@ class Dispatcher:
                     tasks.create_task(self.backfilling.run(term))
                 await self._fire_loop(term)
 
+    def hand_over(self) -> None:
+        """The handover begins: the last term's publishes drain (Term.holds keeps it
+        acting, its lead cancelled, until the lease is released)."""
+        if self.term is not None:
+            self.term.handing_over.set()
+
     async def drain(self) -> bool:
         """The handover: the last term's publishes in flight finish (bounded by the drain
         timeout); its claims not yet due are left for the next leader. True when the lease

@@ -40,6 +40,8 @@ class Firing(Protocol):
 
     async def lead(self, view: LeaseView) -> None: ...
 
+    def hand_over(self) -> None: ...
+
     async def drain(self) -> bool: ...
 
     async def settle(self, timeout_s: float) -> bool: ...
@@ -219,6 +221,7 @@ class Elector:
         if task is None:
             return
         watermark = self.dispatcher.fired_through
+        self.dispatcher.hand_over()  # its publishes drain, ended lead or not
         task.cancel()
         await asyncio.wait({task}, timeout=2.0)
         if not await self.dispatcher.drain():
