@@ -568,7 +568,8 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
                             lease, clock=lambda: now)  # type: ignore[arg-type]
     quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
-    backfilling = Backfilling(dispatcher, None, CLAIM_AHEAD_S)  # type: ignore[arg-type]
+    backfilling = Backfilling(None, None, entries, dispatcher._claim_and_publish,  # type: ignore[arg-type]
+                              lambda: False, lambda: now, CLAIM_AHEAD_S)
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         assert backfilling.quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2

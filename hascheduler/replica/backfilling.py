@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import structlog
 
 from hascheduler.core.backfill import ChunkOutcome, chunk_outcome
 from hascheduler.core.claims import PAUSED_BEFORE_DUE
+from hascheduler.core.entries import Entry
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_times, just_before
 from hascheduler.replica.term import Term
 from hascheduler.storage.backfills import Backfills
-
-if TYPE_CHECKING:
-    from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.storage.fires import Ledger
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -40,13 +40,28 @@ BACKFILL_QUIET_S = 0.3
 BACKFILL_MAX_WAIT_S = 2.0
 
 
+class ClaimAndPublish(Protocol):
+    """The dispatcher's claim of a batch of fires, published when due (its counts)."""
+
+    async def __call__(self, batch: list[Due], term: Term, now: dt.datetime,
+                       may_defer: bool = True, overlap: str | None = None,
+                       backfill: str | None = None,
+                       published: list[asyncio.Task[None]] | None = None
+                       ) -> tuple[int, int]: ...
+
+
 class Backfilling:
     """The backfill work of the dispatcher's terms."""
 
-    def __init__(self, dispatcher: Dispatcher, backfills: Backfills,
-                 claim_ahead_s: float) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, backfills: Backfills, ledger: Ledger, entries: Mapping[str, Entry],
+                 claim: ClaimAndPublish, busy: Callable[[], bool],
+                 clock: Callable[[], dt.datetime], claim_ahead_s: float) -> None:
         self.backfills = backfills
+        self.ledger = ledger
+        self.entries = entries  # the mirror's
+        self.claim = claim
+        self.busy = busy  # the fires due now await the broker: they go first
+        self.clock = clock
         self.claim_ahead_s = claim_ahead_s  # the queue's fires are claimed this far ahead
 
     async def run(self, term: Term) -> None:
@@ -58,7 +73,7 @@ class Backfilling:
             since = loop.time() - worked
             # Regular fires so dense that the path is never quiet still leave a backfill
             # a chunk every BACKFILL_MAX_WAIT_S: slower, never stopped.
-            if since < BACKFILL_INTERVAL_S or self.dispatcher.publisher.busy:
+            if since < BACKFILL_INTERVAL_S or self.busy():
                 continue  # busy: the fires due now wait for the broker, they go first
             if since < BACKFILL_MAX_WAIT_S and not self.quiet(term):
                 continue
@@ -73,17 +88,16 @@ class Backfilling:
         claim_at = term.queue.first_at()
         if claim_at is not None:
             claim_at -= dt.timedelta(seconds=self.claim_ahead_s)
-        soon = self.dispatcher.clock() + dt.timedelta(seconds=BACKFILL_QUIET_S)
+        soon = self.clock() + dt.timedelta(seconds=BACKFILL_QUIET_S)
         return all(t is None or t > soon for t in (publish_at, claim_at))
 
     async def chunk(self, doc: dict[str, Any], term: Term) -> ChunkOutcome | None:
         """The next chunk of a backfill's nominal times: claimed (a time the ledger holds
         is not fired again), published now and counted from the ledger, its progress
         recorded; None while its schedule is paused (nothing done)."""
-        dispatcher = self.dispatcher
-        now = dispatcher.clock()
+        now = self.clock()
         schedule_id = doc["schedule_id"]
-        entry = dispatcher.mirror.entries.get(schedule_id)
+        entry = self.entries.get(schedule_id)
         end = as_utc(doc["end"])
         if entry is None:  # deleted since: nothing more to fire
             await self.backfills.advance(doc["_id"], end, 0, 0, True, now)
@@ -103,16 +117,15 @@ class Backfilling:
             # lateness of the trigger's fires is what the metric is about.
             dues = [Due(now, n, schedule_id, entry.revision) for n in nominals]
             published: list[asyncio.Task[None]] = []
-            await dispatcher._claim_and_publish(dues, term, now, may_defer=False,
-                                                overlap=doc.get("overlap"),
-                                                backfill=doc["_id"], published=published)
+            await self.claim(dues, term, now, may_defer=False, overlap=doc.get("overlap"),
+                             backfill=doc["_id"], published=published)
             if published:  # each ends published, buffered, skipped or left for a retry
                 await asyncio.wait(published)
-            outcome = chunk_outcome(await term.read(dispatcher.ledger.backfilled(
+            outcome = chunk_outcome(await term.read(self.ledger.backfilled(
                 schedule_id, nominals)), doc["_id"], following)
             if outcome.released:
-                await term.write(dispatcher.ledger.release(outcome.released, term.number,
-                                                           PAUSED_BEFORE_DUE))
+                await term.write(self.ledger.release(outcome.released, term.number,
+                                                     PAUSED_BEFORE_DUE))
         await self.backfills.advance(doc["_id"], outcome.cursor, outcome.fired,
                                      outcome.held, outcome.cursor >= end, now,
                                      outcome.withdrawn)

@@ -396,7 +396,8 @@ class Dispatcher:
         self.schedules = schedules
         self.store = store
         self.backfilling = None if backfills is None else Backfilling(
-            self, backfills, CLAIM_AHEAD_S)
+            backfills, ledger, mirror.entries, self._claim_and_publish,
+            lambda: self.publisher.busy, lambda: self.clock(), CLAIM_AHEAD_S)
         self.term: Term | None = None  # the current term, or the last one
         self._wake = asyncio.Event()
         # Schedules paused until an instant, by id: the leader writes their resume once it
