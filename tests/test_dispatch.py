@@ -932,8 +932,8 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
                             TwoAtOnce(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
-    term = SimpleNamespace(number=1, holds=True)
-    await asyncio.wait_for(dispatcher._retry_due(term), 10)  # type: ignore[arg-type]
+    term = await Term(1, SimpleNamespace(valid=True, term=1), entries).__aenter__()  # type: ignore[arg-type]
+    await asyncio.wait_for(dispatcher._retry_due(term), 10)
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
     assert set(state.values()) == {"published"}
     await dispatcher._retry_due(term)  # type: ignore[arg-type]

@@ -362,3 +362,31 @@ async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_no
     assert [(d["schedule_id"], d["nominal_at"], d["last_nominal_at"], d["count"])
             for d in recorded] == [("new", w - 29 * SECOND, w - 10 * SECOND, 20)]
     assert "30 s late" in recorded[0]["reason"]
+
+
+async def test_a_claim_the_term_is_publishing_is_not_republished_beside_it() -> None:
+    """A retry turn or a takeover's republish reads a claim this term is publishing
+    already (taken over at its due time by a catch-up's claim, or its publish in flight):
+    it is left to that publish. Published twice at once, the two passed the overlap gate
+    apart, one reserving its run and the other recording it skipped, and the fire buffered
+    behind that run waited for ever (the chaos soak, seed 2)."""
+    now = dt.datetime.now(dt.UTC)
+    async with leading({}, now) as (dispatcher, term, _):
+        in_flight, left = (Claim(f"s@{i}", "s", now, now) for i in range(2))
+        term.claimed([in_flight])
+        published: list[str] = []
+
+        async def publish(claims: list[Claim], term_: int, attempt: int) -> None:
+            published.extend(c.fire_id for c in claims)
+
+        async def marked() -> None:
+            return None
+
+        dispatcher.publisher = SimpleNamespace(publish=publish, marked=marked)  # type: ignore[assignment]
+
+        async def batches() -> Any:
+            yield [in_flight, left]
+
+        await dispatcher._republish(term, batches())
+        assert published == [left.fire_id]
+        assert set(term.pending) == {in_flight.fire_id}  # the republished one settled

@@ -897,11 +897,24 @@ class Dispatcher:
         async with contextlib.aclosing(batches), \
                 _InFlight(RETRIES_IN_FLIGHT) as publishing:
             async for batch in batches:
-                attempt = max(c.attempts for c in batch) + 1
-                await publishing.start(self.publisher.publish(batch, term.number, attempt))
+                # One the term is publishing already (a catch-up's claim that took it over
+                # at its due time, a retry read while its publish is in flight) is left to
+                # that publish: two at once decided apart at the overlap gate, one
+                # reserving its run and the other recording it skipped.
+                fresh = [c for c in batch if c.fire_id not in term.pending]
+                if fresh:
+                    term.claimed(fresh)
+                    await publishing.start(self._publish_pending(fresh, term))
                 if not term.holds:
                     break
         await self.publisher.marked()
+
+    async def _publish_pending(self, claims: list[Claim], term: Term) -> None:
+        try:
+            attempt = max(c.attempts for c in claims) + 1
+            await self.publisher.publish(claims, term.number, attempt)
+        finally:
+            term.settled(claims)
 
     async def _take_over(self, term: Term, since: dt.datetime | None, now: dt.datetime
                          ) -> None:
