@@ -952,7 +952,11 @@ class Dispatcher:
                                                   self._retry_at(now)))
                 claims = await term.read(self.ledger.taken(ids, term.number))
                 log.info("running_now", count=len(claims), term=term.number)
-                await self.publisher.publish(claims, term.number, attempt=1)
+                term.claimed(claims)  # its retries leave them to this publish
+                try:
+                    await self.publisher.publish(claims, term.number, attempt=1)
+                finally:
+                    term.settled(claims)
 
     async def _resume_ended_pauses(self) -> None:
         if self.store is None or not self.resumes:
@@ -971,10 +975,12 @@ class Dispatcher:
             claims = await gate.ready(term, self._retry_at(self.clock()))
             if claims:
                 log.info("released_buffered", count=len(claims), term=term.number)
+                term.claimed(claims)  # its retries leave them to this publish
                 try:
                     await self.publisher.publish(claims, term.number, attempt=1,
                                                  released=True)
                 finally:
+                    term.settled(claims)
                     gate.released(claims)
 
     async def _created_after(self, term: Term, since: dt.datetime | None
