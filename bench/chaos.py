@@ -161,8 +161,9 @@ class Soak:
                 s = SoakSchedule(sid, "second_step", step_s=1, tenants=SOAK_TENANTS)
             elif roll < 4:
                 # Every fifth of them holds a fire back while the one before runs.
+                buffered = self.args.buffer_one and i % 50 in (1, 12)
                 s = SoakSchedule(sid, "second_step", step_s=1,
-                                 overlap="buffer_one" if i % 50 in (1, 12) else None)
+                                 overlap="buffer_one" if buffered else None)
             elif roll < 6:
                 s = SoakSchedule(sid, "second_step", step_s=rng.choice([2, 3, 5, 10]),
                                  jitter_s=rng.choice([0.0, 0.5, 1.5]))
@@ -1098,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backfills-every", type=_positive(float, 0), default=20.0,
                         help="while the faults run, a 60-instant backfill every this many "
                              "seconds (0: none; default 20)")
+    parser.add_argument("--buffer-one", action=argparse.BooleanOptionalAction, default=True,
+                        help="two every-second schedules in fifty with overlap buffer_one "
+                             "(default on)")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
     args = parser.parse_args(argv)
     logs.configure("warning")  # the supervisor's own lines; the soak prints its faults

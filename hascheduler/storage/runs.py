@@ -522,6 +522,12 @@ class RunLedger:
         held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
                 for e in await insert_new(self.runs, docs)
                 if "open_key" in (e.get("keyPattern") or {})}
+        if held:
+            # A fire whose own run exists (ended since, another open now) may be refused
+            # on the key rather than on its id, whichever index the server checks first:
+            # it was let through before, and is not refused.
+            for fire_id in await self.with_runs(list(held)):
+                del held[fire_id]
         if not held or not name_blockers:
             return dict.fromkeys(held, "")
         blockers = await self.open_runs(sorted(set(held.values())))
