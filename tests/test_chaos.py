@@ -216,7 +216,8 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
     # gate's own tests hold what was fixed of it.
     done = run_chaos("--duration", "50", "--fault-every", "1.6", "--calm", "5", "--replicas",
                      "3", "--schedules", "40", "--seed", "11", "--min-faults", str(len(KINDS)),
-                     "--no-buffer-one", "--out", str(out), timeout=400)
+                     "--no-buffer-one", "--pauses-every", "6", "--backfills-every", "8",
+                     "--out", str(out), timeout=400)
     print(done.stdout[-4000:], done.stderr[-4000:])
     report = json.loads((out / "report.json").read_text())
     assert report["expected"] > 1000
