@@ -5,6 +5,7 @@ stream itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import signal
@@ -18,7 +19,7 @@ from hascheduler.core.claims import PAUSED_BEFORE_DUE
 from hascheduler.core.triggers import Cron, fire_id, fire_times
 from tests.test_cli import run_cli as cli
 from tests.test_failover import Harness, stream_counts
-from tests.waiting import wait_until
+from tests.waiting import still_pending, wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -152,13 +153,20 @@ async def test_a_backfill_a_pause_interrupts_waits_and_fires_every_time_after_th
     assert status == 200
     _, at_pause = await h.call("GET", f"/backfills/{backfill['id']}")
     # Through several of the leader's backfill turns (one at least every 2 s), nothing
-    # more is fired and the backfill stays running.
-    turns_end = asyncio.get_running_loop().time() + 5
-    while asyncio.get_running_loop().time() < turns_end:
+    # more is fired (a chunk in flight at most) and the backfill stays running: waited on
+    # with a deadline, as a task that ends only if it moves on.
+    async def moved_on() -> dict[str, Any] | None:
         _, now_ = await h.call("GET", f"/backfills/{backfill['id']}")
-        assert now_["state"] == "running", now_
-        assert now_["fired"] <= at_pause["fired"] + 500, now_  # a chunk in flight at most
-        await asyncio.sleep(0.25)
+        return now_ if now_["state"] != "running" \
+            or now_["fired"] > at_pause["fired"] + 500 else None
+
+    watching = asyncio.create_task(wait_until(moved_on, 30, "the paused backfill", 0.25))
+    try:
+        await still_pending(watching, 5, "a paused schedule's backfill went on")
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError, AssertionError):
+            await watching
     _, held = await h.call("GET", f"/backfills/{backfill['id']}")
     assert held["fired"] < 1200
     assert held["remaining"] == 1200 - held["fired"], held

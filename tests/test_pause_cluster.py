@@ -106,7 +106,8 @@ async def _pause_runs_out_across_a_kill(h: Harness) -> None:
                                   {"until": until.isoformat()})
     assert status == 200, paused
     until = dt.datetime.fromisoformat(paused["pause"]["until"])
-    # The fault at its moment: 0.3 s before the pause runs out.
+    # The fault at its moment, 0.3 s before the pause runs out: an instant to inject at,
+    # not a condition to wait for.
     await asyncio.sleep((until - dt.timedelta(seconds=0.3)
                          - dt.datetime.now(dt.UTC)).total_seconds())
     h.signal(first, signal.SIGKILL)
