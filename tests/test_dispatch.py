@@ -38,6 +38,7 @@ from hascheduler.replica.dispatch import (
     publish_tick,
     replan_from,
 )
+from hascheduler.replica.overlap import Fenced
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import LeadershipLost, Term
 from tests.waiting import still_pending, wait_until
@@ -651,7 +652,7 @@ class NotedPublisher:
     def discard(self, claims: list[Claim]) -> None:
         self._note("discard", claims)
 
-    async def admit(self, claims: list[Claim], term: int
+    async def admit(self, claims: list[Claim], term: Fenced
                     ) -> tuple[list[Claim], list[Claim]]:
         self._note("admit", claims)
         return claims, []
@@ -659,10 +660,10 @@ class NotedPublisher:
     def ready(self, claims: list[Claim], term: int) -> None:
         self._note("ready", claims)
 
-    async def unadmit(self, claims: list[Claim]) -> None:
+    async def unadmit(self, claims: list[Claim], term: int) -> None:
         self._note("unadmit", claims)
 
-    async def publish(self, claims: list[Claim], term: int, attempt: int,
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,
                       admitted: bool = False, unchanged: bool = False) -> None:
         self._note("publish", claims)
         self.published.append(([c.fire_id for c in claims], admitted, unchanged))
@@ -716,7 +717,7 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
     skipped: list[str] = []
 
     class PausedOnceAdmitted(NotedPublisher):
-        async def admit(self, claims: list[Claim], term: int
+        async def admit(self, claims: list[Claim], term: Fenced
                         ) -> tuple[list[Claim], list[Claim]]:
             await super().admit(claims, term)
             # The schedule is paused once its fire was admitted (the mirror's change
@@ -958,7 +959,8 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
                             AckingBroker([]), lease)  # type: ignore[arg-type]
     dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
-    await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], 1, attempt=1)
+    await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], dispatcher.term,
+                                       attempt=1)
     drained = asyncio.create_task(dispatcher.drain())
     await still_pending(drained, 0.2, "the drain while its mark is written")
     gate.set()

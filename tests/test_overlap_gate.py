@@ -18,7 +18,7 @@ from hascheduler.core.entries import Entry, compile_trigger
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
-from hascheduler.replica.term import Term
+from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.runs import RunLedger, open_key
@@ -68,26 +68,26 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
     now = dt.datetime.now(dt.UTC)
     first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
     targets = {"s": "jobs.s"}
-    assert await gate.admit([first], targets, TERM) == [first]
-    assert await gate.admit([second], targets, TERM) == []  # waits for the first's run
-    await gate.runs.unreserve(first.fire_id)  # the first's run ends
+    assert await gate.admit([first], targets, term) == [first]
+    assert await gate.admit([second], targets, term) == []  # waits for the first's run
+    await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends
 
     released = await gate.ready(term, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
     # Between the release and the reservation of its run the database shows neither a
     # buffered fire nor an open run for the key: the third fire must still wait.
-    assert await gate.admit([third], targets, TERM) == []
+    assert await gate.admit([third], targets, term) == []
     doc = await gate.ledger.fires.find_one({"_id": third.fire_id})
     assert doc is not None
     assert doc["state"] == BUFFERED
 
-    assert [c.fire_id for c in await gate.admit(released, targets, TERM, released=True)
+    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)
             ] == [second.fire_id]
     gate.released(released)
     assert await gate.runs.open_runs([open_key("s", None)]) == {
         open_key("s", None): second.fire_id}
     # Once the second's run ends, the third goes, in order.
-    await gate.runs.unreserve(second.fire_id)
+    await gate.runs.unreserve(second.fire_id, TERM)
     assert [c.fire_id for c in await gate.ready(term, now + dt.timedelta(minutes=1))] == [
         third.fire_id]
 
@@ -99,12 +99,12 @@ async def test_a_buffered_fire_of_a_paused_schedule_waits_for_the_resume(
     now = dt.datetime.now(dt.UTC)
     first, second = [await claimed(gate, n, now) for n in (1, 2)]
     targets = {"s": "jobs.s"}
-    assert await gate.admit([first], targets, TERM) == [first]
-    assert await gate.admit([second], targets, TERM) == []  # buffered behind the first
+    assert await gate.admit([first], targets, term) == [first]
+    assert await gate.admit([second], targets, term) == []  # buffered behind the first
     entries: dict[str, Entry] = gate.entries  # type: ignore[assignment]
     running = entries["s"]
     entries["s"] = running.replace(revision=2, paused=True)
-    await gate.runs.unreserve(first.fire_id)  # the first's run ends during the pause
+    await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends during the pause
     assert await gate.ready(term, now + dt.timedelta(minutes=1)) == []
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
@@ -126,9 +126,9 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     now = dt.datetime.now(dt.UTC)
     first, second = [await claimed(gate, n, now) for n in (1, 2)]
     targets = {"s": "jobs.s"}
-    assert await gate.admit([first], targets, TERM) == [first]
-    assert await gate.admit([second], targets, TERM) == []  # waits for the first's run
-    assert await gate.admit([first], targets, TERM) == [first]  # the retry goes
+    assert await gate.admit([first], targets, term) == [first]
+    assert await gate.admit([second], targets, term) == []  # waits for the first's run
+    assert await gate.admit([first], targets, term) == [first]  # the retry goes
     doc = await gate.ledger.fires.find_one({"_id": first.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"
@@ -138,10 +138,10 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     # was let through before (its run exists), so it goes again (the broker drops the
     # copy), never recorded skipped behind the one buffered since.
     third = await claimed(gate, 3, now)
-    await gate.runs.unreserve(first.fire_id)
+    await gate.runs.unreserve(first.fire_id, TERM)
     released = await gate.ready(term, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
-    assert [c.fire_id for c in await gate.admit(released, targets, TERM, released=True)
+    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)
             ] == [second.fire_id]
     gate.released(released)
     # The second's run ends (its worker is done); the third opens the key, a fourth
@@ -149,20 +149,20 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     await gate.runs.runs.update_one({"_id": second.fire_id},
                                     {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
     fourth = await claimed(gate, 4, now)
-    assert await gate.admit([third], targets, TERM) == [third]
-    assert await gate.admit([fourth], targets, TERM) == []
-    assert await gate.admit([second], targets, TERM) == [second]  # its mark lost: again
+    assert await gate.admit([third], targets, term) == [third]
+    assert await gate.admit([fourth], targets, term) == []
+    assert await gate.admit([second], targets, term) == [second]  # its mark lost: again
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"
     # Retried in one batch with an earlier fire of its key (a term's retries, adopted
     # claims), nothing waiting: the one that holds the run goes, the other waits behind.
-    await gate.runs.unreserve(third.fire_id)
+    await gate.runs.unreserve(third.fire_id, TERM)
     await gate.runs.runs.delete_many({"_id": {"$in": [fourth.fire_id, second.fire_id]}})
     gate.waiting.clear()
     await gate.ledger.fires.update_many({"state": "buffered"}, {"$set": {"state": "claimed"}})
-    assert await gate.admit([fourth], targets, TERM) == [fourth]  # reserves the key
-    assert await gate.admit([third, fourth], targets, TERM) == [fourth]
+    assert await gate.admit([fourth], targets, term) == [fourth]  # reserves the key
+    assert await gate.admit([third, fourth], targets, term) == [fourth]
 
 
 async def test_a_fire_whose_run_ended_goes_again_alone_though_another_run_is_open(
@@ -174,11 +174,11 @@ async def test_a_fire_whose_run_ended_goes_again_alone_though_another_run_is_ope
     now = dt.datetime.now(dt.UTC)
     first, second = [await claimed(gate, n, now) for n in (1, 2)]
     targets = {"s": "jobs.s"}
-    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([first], targets, term) == [first]
     await gate.runs.runs.update_one({"_id": first.fire_id},
                                     {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
-    assert await gate.admit([second], targets, TERM) == [second]
-    assert await gate.admit([first], targets, TERM) == [first]
+    assert await gate.admit([second], targets, term) == [second]
+    assert await gate.admit([first], targets, term) == [first]
     doc = await gate.ledger.fires.find_one({"_id": first.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"
@@ -191,16 +191,16 @@ async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_beh
     now = dt.datetime.now(dt.UTC)
     first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
     targets = {"s": "jobs.s"}
-    assert await gate.admit([first], targets, TERM) == [first]
-    assert await gate.admit([second], targets, TERM) == []
-    await gate.runs.unreserve(first.fire_id)
+    assert await gate.admit([first], targets, term) == [first]
+    assert await gate.admit([second], targets, term) == []
+    await gate.runs.unreserve(first.fire_id, TERM)
 
     admitted_during_take: list[list[Claim]] = []
     take = gate.ledger.take
 
     async def take_then_admit(*args: Any, **kwargs: Any) -> None:
         await take(*args, **kwargs)
-        admitted_during_take.append(await gate.admit([third], targets, TERM))
+        admitted_during_take.append(await gate.admit([third], targets, term))
 
     gate.ledger.take = take_then_admit  # type: ignore[method-assign]
     released = await gate.ready(term, now + dt.timedelta(minutes=1))
@@ -228,7 +228,7 @@ class CountedWrites:
 
 
 async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_write(
-        gate: OverlapGate) -> None:
+        gate: OverlapGate, term: Term) -> None:
     """A busy second refuses fires of thousands of schedules, each for its own open run:
     their records are one write for the skipped and one for the buffered, not one each."""
     now = dt.datetime.now(dt.UTC)
@@ -245,10 +245,10 @@ async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_writ
         return [Claim(fire_id(s, nominal), s, nominal, nominal) for s in ids]
 
     first = await fires_at(1)
-    assert await gate.admit(first, targets, TERM) == first  # each opens its schedule's run
+    assert await gate.admit(first, targets, term) == first  # each opens its schedule's run
     counted = CountedWrites(gate.ledger.fires)
     gate.ledger.fires = counted
-    assert await gate.admit(await fires_at(2), targets, TERM) == []
+    assert await gate.admit(await fires_at(2), targets, term) == []
     assert counted.updates == 2
     opened = {c.schedule_id: c.fire_id for c in first}
     held_back = [d async for d in counted.fires.find(
@@ -263,7 +263,7 @@ async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_writ
 
 
 async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_it(
-        gate: OverlapGate) -> None:
+        gate: OverlapGate, term: Term) -> None:
     """Ahead of the due time an open run holds the fire back, recording nothing; at the
     due time it goes if that run has ended, and only a run still open then skips it."""
     now = dt.datetime.now(dt.UTC)
@@ -271,21 +271,114 @@ async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_
     for claim in (first, second, third):
         claim.overlap = "skip"
     targets = {"s": "jobs.s"}
-    assert await gate.admit_ahead([first], targets, TERM) == ([first], [])
+    assert await gate.admit_ahead([first], targets, term) == ([first], [])
     with unittest.mock.patch.object(gate.runs, "open_runs", side_effect=AssertionError(
             "a held fire records nothing: its blocker is not looked up")):
-        assert await gate.admit_ahead([second], targets, TERM) == ([], [second])
+        assert await gate.admit_ahead([second], targets, term) == ([], [second])
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"  # nothing decided yet
-    await gate.runs.unreserve(first.fire_id)  # the first's run ends before the due time
-    assert await gate.admit([second], targets, TERM) == [second]
+    await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends before the due time
+    assert await gate.admit([second], targets, term) == [second]
     assert await gate.runs.open_runs([open_key("s", None)]) == {
         open_key("s", None): second.fire_id}
 
-    assert await gate.admit_ahead([third], targets, TERM) == ([], [third])
-    assert await gate.admit([third], targets, TERM) == []  # still open at its due time
+    assert await gate.admit_ahead([third], targets, term) == ([], [third])
+    assert await gate.admit([third], targets, term) == []  # still open at its due time
     doc = await gate.ledger.fires.find_one({"_id": third.fire_id})
     assert doc is not None
     assert (doc["state"], doc["reason"], doc["open_run"]) == (
         "skipped", "overlap", second.fire_id)
+
+
+async def next_term(db: Any, gate: OverlapGate, term: Term) -> tuple[OverlapGate, Term]:
+    """Term ``term`` is deposed (its lease released) and another replica's term begins,
+    with its own gate over the same database."""
+    await term._lease.release(None)  # type: ignore[attr-defined]
+    lease = Lease(db.leases, "scheduler", "b", LeaseTimings())
+    view = await lease.acquire_or_renew()
+    assert view is not None
+    assert view.term == TERM + 1
+    successor = OverlapGate(Ledger(db.fires), RunLedger(db.runs), gate.entries, 10,
+                            gate.clock, Metrics())
+    await successor.begin()
+    return successor, await Term(TERM + 1, lease, {}).__aenter__()
+
+
+async def test_a_reservation_landing_after_its_term_was_deposed_holds_nothing_and_goes_nowhere(
+        db: Any, gate: OverlapGate, term: Term) -> None:
+    """Term 1 reserves fire 2's run; before the write lands, term 1 is deposed, term 2
+    adopts fire 2 and records it skipped behind fire 1's open run, and fire 1's run ends;
+    then term 1's reservation lands (the key is free by then). Term 1 publishes nothing
+    and withdraws it: on 8dea6d2 it published fire 2 (recorded skipped, yet run: the chaos
+    soak's buffer_one schedules), or, deposed before its publish, left the reservation
+    pending to hold the key for ever."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    for claim in (first, second):
+        claim.overlap = "skip"
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, term) == [first]
+    reserve = gate.runs.reserve
+
+    async def deposed_meanwhile(*args: Any, **kwargs: Any) -> dict[str, str]:
+        successor, later = await next_term(db, gate, term)
+        await gate.ledger.fires.update_one({"_id": second.fire_id},
+                                           {"$set": {"term": later.number}})
+        assert await successor.admit([second], targets, later) == []  # fire 1's run is open
+        await gate.runs.runs.update_one(
+            {"_id": first.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
+        return await reserve(*args, **kwargs)  # lands now, on a free key
+
+    gate.runs.reserve = deposed_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(LeadershipLost):
+        await gate.admit([second], targets, term)
+    assert await gate.runs.with_runs([second.fire_id]) == set()
+    assert await gate.runs.open_runs([open_key("s", None)]) == {}
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert (doc["state"], doc["reason"], doc["term"]) == ("skipped", "overlap", TERM + 1)
+
+
+async def test_a_reservation_a_newer_term_went_on_with_stays_when_the_deposed_one_withdraws(
+        db: Any, gate: OverlapGate, term: Term) -> None:
+    """Term 1 reserved fire 1's run and was deposed before publishing it; term 2 adopts the
+    fire and goes on its run (the fire's own). Term 1's withdrawal, late, leaves that run
+    to term 2: the key stays held by it until its worker ends it."""
+    now = dt.datetime.now(dt.UTC)
+    first = await claimed(gate, 1, now)
+    first.overlap = "skip"
+    targets = {"s": "jobs.s"}
+    assert await gate.admit([first], targets, term) == [first]
+    successor, later = await next_term(db, gate, term)
+    await gate.ledger.fires.update_one({"_id": first.fire_id}, {"$set": {"term": later.number}})
+    assert await successor.admit([first], targets, later) == [first]
+    await gate.runs.withdraw([first.fire_id], TERM)
+    await gate.runs.unreserve(first.fire_id, TERM)
+    assert await gate.runs.open_runs([open_key("s", None)]) == {
+        open_key("s", None): first.fire_id}
+    run = await gate.runs.get(first.fire_id)
+    assert run is not None
+    assert (run["state"], run["term"]) == ("pending", TERM + 1)
+
+
+async def test_a_reservation_left_by_a_term_killed_before_withdrawing_it_is_withdrawn(
+        gate: OverlapGate, term: Term) -> None:
+    """Fire 1's run reserved by a term killed before it could withdraw it, though fire 1
+    is recorded skipped (the reservation landed after the decision); fire 2 waits behind
+    it. The leader finds it stale and releases fire 2: on 8dea6d2 fire 2 waited for good
+    (the chaos soak's buffer_one schedules)."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    targets = {"s": "jobs.s"}
+    await gate.runs.reserve([first], targets, now, TERM - 1)  # the killed term's
+    await gate.ledger.skip([first.fire_id], TERM, "overlap")
+    assert await gate.admit([second], targets, term) == []
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert (doc["state"], doc["open_run"]) == (BUFFERED, first.fire_id)
+    released = await gate.ready(term, now + dt.timedelta(minutes=1))
+    assert [c.fire_id for c in released] == [second.fire_id]
+    assert await gate.runs.with_runs([first.fire_id]) == set()
+    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)] == [
+        second.fire_id]

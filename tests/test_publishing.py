@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from pymongo.errors import AutoReconnect
 
@@ -22,6 +23,24 @@ from hascheduler.replica.publishing import DispatchSettings, Publisher
 from tests.waiting import still_pending, wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+T = TypeVar("T")
+
+
+@dataclass
+class HeldTerm:
+    """A term that holds its lease throughout (these publishes pass no overlap gate)."""
+
+    number: int = 7
+    holds: bool = True
+
+    async def read(self, work: Coroutine[Any, Any, T]) -> T:
+        return await work
+
+    async def write(self, work: Coroutine[Any, Any, T]) -> T:
+        return await work
+
+
+HELD = HeldTerm()
 
 
 class Broker:
@@ -112,7 +131,7 @@ async def test_a_fire_rendered_ahead_carries_the_instant_of_its_publish() -> Non
     await publisher.templates({"s"})
     publisher.ready(due, 7)
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due, 7, attempt=1, admitted=True)
+    await publisher.publish(due, HELD, attempt=1, admitted=True)
     assert schedules.reads == 1  # the template was read once, ahead
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
     for message, claim in zip(broker.sent, due, strict=True):
@@ -135,7 +154,7 @@ async def test_a_schedule_changed_after_its_fire_was_rendered_is_rendered_afresh
     mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
     publisher.forget("s")
     now[0] = T0
-    await publisher.publish(due, 7, attempt=1, admitted=True)
+    await publisher.publish(due, HELD, attempt=1, admitted=True)
     assert [json.loads(m.body)["data"]["payload"] for m in broker.sent] == [{"v": 2}] * 2
 
 
@@ -149,18 +168,18 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     due = claims(5)
     publisher.ready(due, 7)
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due[:3], 7, attempt=1, admitted=True)
+    await publisher.publish(due[:3], HELD, attempt=1, admitted=True)
     assert [m.fire_id for m in broker.staged_sent] == [c.fire_id for c in due[:3]]
     assert not broker.sent
     for message in broker.staged_sent:
         event = json.loads(message.body)
         assert event["time"] == event["data"]["fired_at"] == iso_utc(now[0])
     # The last fire was not framed (the broker could not): all of its publish as messages.
-    await publisher.publish(due[3:], 7, attempt=1, admitted=True)
+    await publisher.publish(due[3:], HELD, attempt=1, admitted=True)
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[3:]]
     assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
     # A retry is rendered afresh, with its attempt: a message too.
-    await publisher.publish(due[:1], 7, attempt=2)
+    await publisher.publish(due[:1], HELD, attempt=2)
     assert json.loads(broker.sent[-1].body)["data"]["attempt"] == 2
     # A schedule changed after its fires were framed: rendered afresh, as messages.
     again = [Claim(fire_id("s", T0 + dt.timedelta(seconds=9)), "s",
@@ -169,7 +188,7 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     schedules.docs["s"] = schedule(2, {"v": 2})
     mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
     publisher.forget("s")
-    await publisher.publish(again, 7, attempt=1, admitted=True)
+    await publisher.publish(again, HELD, attempt=1, admitted=True)
     assert json.loads(broker.sent[-1].body)["data"]["payload"] == {"v": 2}
     assert len(broker.staged_sent) == 3
     assert not publisher._ready
@@ -193,11 +212,11 @@ async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_
 
     publisher.templates = spied  # type: ignore[method-assign]
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due[:2], 7, attempt=1, admitted=True, unchanged=True)
+    await publisher.publish(due[:2], HELD, attempt=1, admitted=True, unchanged=True)
     assert looked_up == []
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[:2]]
     assert json.loads(broker.sent[0].body)["data"]["payload"] == {"v": 1}
-    await publisher.publish(due[2:], 7, attempt=1, admitted=True, unchanged=True)
+    await publisher.publish(due[2:], HELD, attempt=1, admitted=True, unchanged=True)
     assert looked_up == [{"s"}]  # not rendered ahead: looked up
     assert len(broker.sent) == 3
     before = publisher.changes
@@ -212,7 +231,7 @@ async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_
     await publisher.templates({"s"})
     publisher.ready(due, 7)
     now[0] = T0 + dt.timedelta(seconds=3)
-    await publisher.publish(due[:1], 7, attempt=2)
+    await publisher.publish(due[:1], HELD, attempt=2)
     assert json.loads(broker.sent[0].body)["data"]["attempt"] == 2
     assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
     publisher.discard(due)
@@ -229,10 +248,10 @@ async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_g
     now[0] = T0
     due = claims(3)
     ledger.gate.clear()  # the first write stays in flight
-    await asyncio.wait_for(publisher.publish(due[:1], 7, attempt=1), 5)
+    await asyncio.wait_for(publisher.publish(due[:1], HELD, attempt=1), 5)
     await wait_until(lambda: ledger.writes, 5, "the first write")
     for claim in due[1:]:
-        await asyncio.wait_for(publisher.publish([claim], 7, attempt=1), 5)
+        await asyncio.wait_for(publisher.publish([claim], HELD, attempt=1), 5)
     # Both marks gathered behind the first write.
     await wait_until(lambda: len(publisher._marks) == 2, 5, "two marks gathered")
     assert len(ledger.writes) == 1
@@ -257,7 +276,7 @@ async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
         raise AutoReconnect("the database is gone")
     ledger.mark_published_many = refused  # type: ignore[method-assign]
     due = claims(2)
-    await publisher.publish(due, 7, attempt=1)
+    await publisher.publish(due, HELD, attempt=1)
     await asyncio.wait_for(publisher.marked(), 5)
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
     assert "fires_unmarked" in (out := capsys.readouterr().out)
@@ -296,9 +315,9 @@ async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_br
         awaiting_at_each.append(publisher._awaiting_broker)
         observe(amount)
     publisher.metrics.lateness.observe = noted  # type: ignore[method-assign]
-    late = asyncio.create_task(publisher.publish(due[2:], 7, attempt=1))
+    late = asyncio.create_task(publisher.publish(due[2:], HELD, attempt=1))
     await wait_until(lambda: publisher._awaiting_broker == 1, 5, "the held batch sent")
-    await asyncio.wait_for(publisher.publish(due[:2], 7, attempt=1), 5)
+    await asyncio.wait_for(publisher.publish(due[:2], HELD, attempt=1), 5)
     broker.release.set()
     await asyncio.wait_for(late, 5)
     await asyncio.wait_for(publisher.marked(), 5)

@@ -118,7 +118,7 @@ async def test_a_replay_under_an_overlap_policy_is_open_and_never_beside_another
 
     await ledger.claim(fire(), "a", at(0), 10)
     await ended(ledger, "s@1", "a", 1, at(0), at(1), DEAD, "E")
-    assert await ledger.reserve([governed("s@2")], {"s": "jobs"}, at(1)) == {}
+    assert await ledger.reserve([governed("s@2")], {"s": "jobs"}, at(1), 1) == {}
     with pytest.raises(RunConflict, match="s@2"):
         await ledger.replay("s@1", at(2), key="s")
     untouched = await ledger.get("s@1")
@@ -129,11 +129,11 @@ async def test_a_replay_under_an_overlap_policy_is_open_and_never_beside_another
     replayed = await ledger.replay("s@1", at(4), key="s")
     assert replayed is not None
     assert (replayed["state"], replayed["open_key"]) == (RETRYING, "s")
-    assert await ledger.reserve([governed("s@3")], {"s": "jobs"}, at(5)) == {"s@3": "s@1"}
+    assert await ledger.reserve([governed("s@3")], {"s": "jobs"}, at(5), 1) == {"s@3": "s@1"}
     # The replay runs and ends: the key is free again.
     assert (await ledger.claim(fire(), "b", at(6), 10)).claimed
     await ended(ledger, "s@1", "b", 1, at(6), at(7), SUCCEEDED)
-    assert await ledger.reserve([governed("s@4")], {"s": "jobs"}, at(8)) == {}
+    assert await ledger.reserve([governed("s@4")], {"s": "jobs"}, at(8), 1) == {}
 
 
 async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(
@@ -217,12 +217,12 @@ async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_i
         return FireClaim(f"{schedule}@{n}", schedule, at(n), at(n))
 
     targets = {"a": "jobs", "b": "jobs"}
-    assert await ledger.reserve([reserved("a", 1), reserved("b", 1)], targets, at(1)) == {}
-    assert await ledger.reserve([reserved("a", 2)], targets, at(2)) == {"a@2": "a@1"}
-    assert await ledger.reserve([reserved("a", 2)], targets, at(2),
+    assert await ledger.reserve([reserved("a", 1), reserved("b", 1)], targets, at(1), 1) == {}
+    assert await ledger.reserve([reserved("a", 2)], targets, at(2), 1) == {"a@2": "a@1"}
+    assert await ledger.reserve([reserved("a", 2)], targets, at(2), 1,
                                 name_blockers=False) == {"a@2": ""}
     # Published again after a failover: its own run, not refused.
-    assert await ledger.reserve([reserved("a", 1)], targets, at(2)) == {}
+    assert await ledger.reserve([reserved("a", 1)], targets, at(2), 1) == {}
     claims = await ledger.claim_many([fire("a@1", "a", 1), fire("b@1", "b", 1),
                                       fire("c@1", "c", 1)], "w", at(3), 10)
     assert [(c.outcome, c.attempt) for c in claims] == [("claimed", 1)] * 3
@@ -233,4 +233,4 @@ async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_i
     assert again[0].outcome == RUNNING
     assert await ended(ledger, "a@1", "w", 1, at(3), at(5), SUCCEEDED)
     assert await ledger.open_runs(["a", "b"]) == {"b": "b@1"}
-    assert await ledger.reserve([reserved("a", 6)], targets, at(6)) == {}
+    assert await ledger.reserve([reserved("a", 6)], targets, at(6), 1) == {}

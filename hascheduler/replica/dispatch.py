@@ -771,14 +771,14 @@ class Dispatcher:
                     withdrawn = [c for c in due if c.fire_id not in kept
                                  and c.fire_id not in held]  # held ones reserved nothing
                     if withdrawn:
-                        await self.publisher.unadmit(withdrawn)
+                        await self.publisher.unadmit(withdrawn, term.number)
                     through = [c for c in wanted if c.fire_id not in held]
                     if through:
-                        await self.publisher.publish(through, term.number, attempt=1,
+                        await self.publisher.publish(through, term, attempt=1,
                                                      admitted=True, unchanged=unchanged)
                     if len(through) < len(wanted):  # their run was open ahead: asked now
                         await self.publisher.publish([c for c in wanted if c.fire_id in held],
-                                                     term.number, attempt=1)
+                                                     term, attempt=1)
                 finally:
                     term.settled(due)
         finally:
@@ -789,7 +789,7 @@ class Dispatcher:
                      ) -> tuple[list[Claim], list[Claim]]:
         """The claims the overlap gate lets through, and those it holds to ask again at
         their due time; the others (recorded skipped or buffered by it) are done with."""
-        passed, held = await self.publisher.admit(coming, term.number)
+        passed, held = await self.publisher.admit(coming, term)
         kept = {c.fire_id for c in passed} | {c.fire_id for c in held}
         refused = [c for c in coming if c.fire_id not in kept]
         term.settled(refused)
@@ -912,7 +912,7 @@ class Dispatcher:
     async def _publish_pending(self, claims: list[Claim], term: Term) -> None:
         try:
             attempt = max(c.attempts for c in claims) + 1
-            await self.publisher.publish(claims, term.number, attempt)
+            await self.publisher.publish(claims, term, attempt)
         finally:
             term.settled(claims)
 
@@ -954,7 +954,7 @@ class Dispatcher:
                 log.info("running_now", count=len(claims), term=term.number)
                 term.claimed(claims)  # its retries leave them to this publish
                 try:
-                    await self.publisher.publish(claims, term.number, attempt=1)
+                    await self.publisher.publish(claims, term, attempt=1)
                 finally:
                     term.settled(claims)
 
@@ -977,7 +977,7 @@ class Dispatcher:
                 log.info("released_buffered", count=len(claims), term=term.number)
                 term.claimed(claims)  # its retries leave them to this publish
                 try:
-                    await self.publisher.publish(claims, term.number, attempt=1,
+                    await self.publisher.publish(claims, term, attempt=1,
                                                  released=True)
                 finally:
                     term.settled(claims)

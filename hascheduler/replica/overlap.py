@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
+import pymongo
 import structlog
+from pymongo.errors import PyMongoError
 
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
 from hascheduler.core.errors import RunConflict, RunNotFound
 from hascheduler.core.overlap import ALLOW, Candidate, Key, decide
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica.term import LeadershipLost
 from hascheduler.storage.fires import BUFFERED, Ledger
 from hascheduler.storage.runs import RunLedger, open_key
 
@@ -32,16 +36,25 @@ log = structlog.get_logger("hascheduler.dispatch")
 # How often the leader looks whether a waiting fire's open run has ended, while any waits:
 # a buffered fire is published within this (plus a round trip) of the run's end.
 BUFFER_POLL_S = 0.05
+# How long a deposed term tries to withdraw the reservations it made as it lost the lease.
+WITHDRAW_TIMEOUT_S = 2.0
+# How often, while fires wait, the leader looks whether what holds them is such a
+# reservation that a term killed before withdrawing it left.
+STALE_CHECK_S = 1.0
 
 T = TypeVar("T")
 
 
 class Fenced(Protocol):
-    """The leader's term, as far as the gate goes: its number, and its ledger reads and
-    writes, each bounded by what remains of the term (replica/term.py)."""
+    """The leader's term, as far as the gate goes: its number, whether it still holds the
+    lease, and its reads and writes, each bounded by what remains of the term
+    (replica/term.py)."""
 
     @property
     def number(self) -> int: ...
+
+    @property
+    def holds(self) -> bool: ...
 
     async def read(self, work: Coroutine[Any, Any, T]) -> T: ...
 
@@ -62,6 +75,7 @@ class OverlapGate:
         # run for: a fire of the key arriving meanwhile waits behind it (buffer_all keeps
         # nominal order), though the database shows neither a buffered fire nor an open run.
         self.releasing: set[Key] = set()
+        self._stale_check_at = 0.0  # monotonic: when ready() next looks for stale reservations
 
     def policy(self, claim: Claim) -> str:
         if claim.overlap is not None:
@@ -77,21 +91,21 @@ class OverlapGate:
         """A term begins: learn which keys have fires waiting (an older term's)."""
         self.waiting = await self.ledger.buffered_keys()
 
-    async def admit(self, claims: list[Claim], targets: Mapping[str, str], term: int,
+    async def admit(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced,
                     released: bool = False) -> list[Claim]:
         """The claims to publish now; the others are recorded skipped or buffered.
         ``released`` fires were buffered and their wait is over: they go ahead of the
         fires still waiting."""
         return (await self._admit(claims, targets, term, released, hold=False))[0]
 
-    async def admit_ahead(self, claims: list[Claim], targets: Mapping[str, str], term: int
+    async def admit_ahead(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced
                           ) -> tuple[list[Claim], list[Claim]]:
         """Before the claims' due time: (those to publish at it, those held). A fire whose
         key's run is still open now is held, nothing recorded, to ask again at its due
         time (``admit``): its fire is then, and a run may end before it."""
         return await self._admit(claims, targets, term, False, hold=True)
 
-    async def _admit(self, claims: list[Claim], targets: Mapping[str, str], term: int,
+    async def _admit(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced,
                      released: bool, hold: bool) -> tuple[list[Claim], list[Claim]]:
         governed = [c for c in claims if self.policy(c) != ALLOW]
         if not governed:
@@ -112,6 +126,7 @@ class OverlapGate:
         own: set[str] = set()
         if buffered or len(keys) < len(governed):
             own = await self.runs.with_runs([c.fire_id for c in governed])
+            await self.runs.adopt(sorted(own), term.number)
             governed = [c for c in governed if c.fire_id not in own]
             keys = {(c.schedule_id, c.tenant) for c in governed}
         # The earliest fire of each key with nothing waiting asks the database for the
@@ -126,8 +141,7 @@ class OverlapGate:
                     first[key] = claim
         now = self.clock()
         # Held fires record nothing, so what holds them need not be named.
-        refused = await self.runs.reserve(list(first.values()), targets, now,
-                                          name_blockers=not hold)
+        refused = await self._reserve(list(first.values()), targets, now, term, hold)
         held: list[Claim] = []
         if hold and refused:
             open_keys = {key for key, c in first.items() if c.fire_id in refused}
@@ -152,14 +166,14 @@ class OverlapGate:
                                      self.policy(c)) for c in governed],
                           open_runs, buffered, self.max_buffered)
         if decision.skip:
-            await self.ledger.skip_overlapping(decision.skip, term)
+            await self.ledger.skip_overlapping(decision.skip, term.number)
             self.metrics.fires.labels("skipped").inc(len(decision.skip))
-            log.info("skipped_overlap", count=len(decision.skip), term=term)
+            log.info("skipped_overlap", count=len(decision.skip), term=term.number)
         if decision.buffer:
-            await self.ledger.buffer(decision.buffer, term, now)
+            await self.ledger.buffer(decision.buffer, term.number, now)
             self.waiting.update((c.schedule_id, c.tenant) for c in governed
                                 if c.fire_id in decision.buffer)
-            log.info("buffered", count=len(decision.buffer), term=term)
+            log.info("buffered", count=len(decision.buffer), term=term.number)
         for fire in sorted(decision.cancel):
             # One that ended meanwhile needs nothing: the buffered fire goes at the next
             # poll.
@@ -170,16 +184,48 @@ class OverlapGate:
             self.releasing -= keys
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], held
 
+    async def _reserve(self, first: list[Claim], targets: Mapping[str, str], now: dt.datetime,
+                       term: Fenced, hold: bool) -> dict[str, str]:
+        """``runs.reserve`` for ``term``, fenced: a term deposed before the answer lets
+        nothing through and withdraws what it reserved. A reservation that lands after a
+        newer term decided its fire (recorded it skipped, or buffered it behind the run
+        it was refused on) is neither published nor left to hold its key; one that landed
+        before is what the newer term finds and publishes (the fire's own run)."""
+        refused: dict[str, str] | None = None
+        with contextlib.suppress(LeadershipLost):  # out of time: it may land yet
+            refused = await term.write(self.runs.reserve(first, targets, now, term.number,
+                                                         name_blockers=not hold))
+        if refused is not None and term.holds:
+            return refused
+        with contextlib.suppress(PyMongoError), pymongo.timeout(WITHDRAW_TIMEOUT_S):
+            await self.runs.withdraw([c.fire_id for c in first
+                                      if refused is None or c.fire_id not in refused],
+                                     term.number)
+        raise LeadershipLost
+
+    async def _without_stale(self, held: dict[str, str], term: Fenced) -> dict[str, str]:
+        """``held`` (open key -> its run's fire) less the reservations left by a term
+        killed between a reservation that landed late and its withdrawal: a ``pending`` run
+        whose fire is recorded skipped, failed or buffered, which no term will publish.
+        They are withdrawn."""
+        pending = await term.read(self.runs.pending(sorted(held.values())))
+        stale = await term.read(self.ledger.undone(sorted(pending))) if pending else set()
+        if not stale:
+            return held
+        await term.write(self.runs.withdraw_stale(sorted(stale)))
+        log.warning("stale_reservations_withdrawn", count=len(stale), term=term.number)
+        return {key: fire for key, fire in held.items() if fire not in stale}
+
     def released(self, claims: list[Claim]) -> None:
         """Claims ready() handed out are through admit() (or will never reach it)."""
         self.releasing -= {(c.schedule_id, c.tenant) for c in claims}
 
-    async def unreserve(self, claims: list[Claim]) -> None:
+    async def unreserve(self, claims: list[Claim], term: int) -> None:
         """Claims it let through that will not be published after all (skipped at their
         due time, failed, over max_fires): their reserved runs are not open."""
         for claim in claims:
             if self.policy(claim) != ALLOW:
-                await self.runs.unreserve(claim.fire_id)
+                await self.runs.unreserve(claim.fire_id, term)
 
     async def ready(self, term: Fenced, retry_at: dt.datetime) -> list[Claim]:
         """Buffered fires whose key has no open run any more, claimed for ``term``: the
@@ -192,6 +238,9 @@ class OverlapGate:
         if not keys:
             return []
         held = await term.read(self.runs.open_runs(sorted(open_key(*k) for k in keys)))
+        if held and time.monotonic() >= self._stale_check_at:
+            self._stale_check_at = time.monotonic() + STALE_CHECK_S
+            held = await self._without_stale(held, term)
         free = [k for k in keys if open_key(*k) not in held]
         if not free:
             return []

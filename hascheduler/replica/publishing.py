@@ -28,7 +28,7 @@ from hascheduler.core.events import EventTemplate, PreparedEvent, fired_field
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
-from hascheduler.replica.overlap import OverlapGate
+from hascheduler.replica.overlap import Fenced, OverlapGate
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.schedules import TRACE, ScheduleStore
@@ -210,7 +210,7 @@ class Publisher:
             _annotate(traced[0], claim, template, term, attempt)
         return traced
 
-    async def admit(self, claims: list[Claim], term: int) -> tuple[list[Claim], list[Claim]]:
+    async def admit(self, claims: list[Claim], term: Fenced) -> tuple[list[Claim], list[Claim]]:
         """Ahead of the claims' due time: (those the overlap gate lets through, to publish
         with ``admitted=True``; those it holds, whose run is still open, to publish through
         it at their due time). It records the others skipped or buffered."""
@@ -225,13 +225,13 @@ class Publisher:
         return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates], \
             held
 
-    async def unadmit(self, claims: list[Claim]) -> None:
+    async def unadmit(self, claims: list[Claim], term: int) -> None:
         """Admitted claims that will not be published after all: their reserved runs
         are not open."""
         if self.gate is not None:
-            await self.gate.unreserve(claims)
+            await self.gate.unreserve(claims, term)
 
-    async def publish(self, claims: list[Claim], term: int, attempt: int,
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,
                       released: bool = False, admitted: bool = False,
                       unchanged: bool = False) -> None:
         """Publish claimed fires (through the overlap gate, unless ``admitted`` through it
@@ -239,6 +239,7 @@ class Publisher:
         publish: ``marked`` waits for the marks), or schedule its retry. ``unchanged``: no
         schedule changed (``changes``) since the claims were rendered ahead (``ready``),
         so the templates they were rendered from stand."""
+        number = term.number
         rendered = self._ready
         if unchanged and attempt == 1 and all(c.fire_id in rendered for c in claims):
             templates = {c.schedule_id: rendered[c.fire_id][0] for c in claims}
@@ -247,15 +248,15 @@ class Publisher:
         gone = [c for c in claims if c.schedule_id not in templates]
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
-            await self.ledger.skip([c.fire_id for c in gone], term,
+            await self.ledger.skip([c.fire_id for c in gone], number,
                                    "schedule deleted before its fire was published")
             if admitted:
-                await self.unadmit(gone)
+                await self.unadmit(gone, number)
         sendable = [c for c in claims if c.schedule_id in templates]
         if self.gate is not None and not admitted:
             sendable = await self.gate.admit(
                 sendable, {sid: t.target for sid, t in templates.items()}, term, released)
-        sendable = await self._within_max_fires(sendable, term)
+        sendable = await self._within_max_fires(sendable, number)
         if not sendable:
             return
         fired = fired_field(iso_utc(self.clock()))
@@ -280,9 +281,9 @@ class Publisher:
                 staging = None
                 template = _own_template(template, claim)
                 traced = ready[2] if ready is not None else \
-                    self._traced(claim, template, term, attempt) if traced_on else None
+                    self._traced(claim, template, number, attempt) if traced_on else None
                 prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant,
-                                            term, attempt, None if traced is None else traced[1])
+                                            number, attempt, None if traced is None else traced[1])
             if spans is not None:
                 spans.append(None if traced is None else traced[0])
             events.append(prepared)
@@ -311,20 +312,20 @@ class Publisher:
         if done:
             # Marked behind the publish: the next tick's fires do not wait for this one's
             # database round trip (``marked`` waits for it).
-            task = asyncio.create_task(self._mark(done, term, acked_at, attempt))
+            task = asyncio.create_task(self._mark(done, number, acked_at, attempt))
             self._marking_tasks.add(task)
             task.add_done_callback(self._marking_tasks.discard)
             if spans is not None:  # a sampled fire's line joins its trace
                 for claim, span, error in zip(sendable, spans, outcomes, strict=True):
                     if span is not None and tracing.sampled(span):
                         with tracing.attached(tracing.parent_of(span)):
-                            log.info("fire_traced", fire_id=claim.fire_id, term=term,
+                            log.info("fire_traced", fire_id=claim.fire_id, term=number,
                                      published=error is None)
         failures = [(c, e) for c, e in zip(sendable, outcomes, strict=True) if e is not None]
         for claim, error in failures:
-            await self.record_failure(claim, term, attempt, error)
+            await self.record_failure(claim, number, attempt, error)
         if failures:
-            log.warning("publish_failed", count=len(failures), term=term, attempt=attempt,
+            log.warning("publish_failed", count=len(failures), term=number, attempt=attempt,
                         error=repr(failures[0][1]))
 
     async def marked(self) -> None:
@@ -390,7 +391,7 @@ class Publisher:
             await self.ledger.skip([c.fire_id for c in refused], term, "max_fires reached")
             self.metrics.fires.labels("skipped").inc(len(refused))
             if self.gate is not None:
-                await self.gate.unreserve(refused)
+                await self.gate.unreserve(refused, term)
         if self.store is not None:
             for schedule_id, limit in used_up.items():
                 if await self.store.complete(schedule_id, limit, self.clock()):
@@ -409,7 +410,7 @@ class Publisher:
             await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
             if self.gate is not None:  # never published: its reserved run is not open
-                await self.gate.unreserve([claim])
+                await self.gate.unreserve([claim], term)
             if self.counts is not None:  # ... nor does it count against max_fires
                 await self.counts.release(claim.schedule_id, claim.fire_id)
         else:

@@ -381,6 +381,15 @@ class Ledger:
             return []
         return [claim_of(d) async for d in self.fires.find(_own(term, fire_ids))]
 
+    async def undone(self, fire_ids: list[str]) -> set[str]:
+        """Those of ``fire_ids`` recorded skipped or failed, or buffered: not published,
+        and not to be published on a run reserved for them before."""
+        if not fire_ids:
+            return set()
+        return {d["_id"] async for d in self.fires.find(
+            {"_id": {"$in": sorted(fire_ids)}, "state": {"$in": [SKIPPED, FAILED, BUFFERED]}},
+            {"_id": 1})}
+
     async def requested(self, limit: int) -> list[str]:
         """Fires the API asked to run now, oldest request first."""
         return [d["_id"] async for d in self.fires.find(
