@@ -361,7 +361,7 @@ class Soak:
                         {"state": 1, "term": 1, "count": 1, "reason": 1})
                 lines.append(f"ledger {fire}: {found or 'never claimed nor recorded'}")
                 run = await db["runs"].find_one({"_id": fire}, {"state": 1, "attempts": 1,
-                                                                "recorded_at": 1})
+                                                                "recorded_at": 1, "term": 1})
                 lines.append(f"  its run: {run}")
                 if found is not None and found.get("state") == "buffered":
                     key = open_key(sid, tenant or None)
@@ -907,10 +907,11 @@ async def run(args: argparse.Namespace) -> int:
         report, messages = await complete_stream(soak, since, until, windows)
         backfill_report = audit_backfills(soak.backfills, messages,
                                           await soak.backfill_records())
-        if report.missing or report.fired_and_skipped:
+        if report.missing or report.fired_and_skipped or backfill_report.missing:
             with contextlib.suppress(Exception):
                 missing_records = await soak.ledger_of(
-                    (report.missing + report.fired_and_skipped)[:20])
+                    (report.missing + report.fired_and_skipped)[:20]
+                    + backfill_report.missing[:5])
         fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
         runs = await settled_runs(soak, fire_ids)
         await history.settle()

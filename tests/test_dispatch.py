@@ -15,28 +15,27 @@ import structlog.testing
 from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, NetworkTimeout
 
 from hascheduler.brokers.base import BrokerUnavailable
-from hascheduler.core.claims import Claim
+from hascheduler.core.catchup import (
+    LATE_CHANGE_S,
+    LATE_FIRES_MAX,
+    late_fires,
+    plan_catchups,
+    replan_from,
+)
+from hascheduler.core.claims import Claim, none_withdrawn, withdrawn
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import SEED_STEP, Due
 from hascheduler.core.triggers import At, Interval, fire_id
 from hascheduler.replica.backfilling import BACKFILL_QUIET_S, Backfilling
-from hascheduler.replica.dispatch import (
+from hascheduler.replica.dispatch import CLAIM_EVERY_S, Dispatcher
+from hascheduler.replica.firing import (
     ADMIT_AHEAD_S,
     CLAIM_AHEAD_S,
     CLAIM_BATCH,
-    CLAIM_EVERY_S,
     CLAIMS_IN_FLIGHT,
-    LATE_CHANGE_S,
-    LATE_FIRES_MAX,
     PUBLISH_TICK_S,
-    Dispatcher,
-    _none_withdrawn,
-    _plan_catchups,
-    _withdrawn,
-    late_fires,
     publish_tick,
-    replan_from,
 )
 from hascheduler.replica.overlap import Fenced
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
@@ -123,7 +122,7 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
                             lease,  # type: ignore[arg-type]
                             clock=lambda: now, sources=Sources())
     term = dispatcher.term = await Term(1, lease, {"f": entry}).__aenter__()  # type: ignore[arg-type]
-    term.watermark = now
+    term.advance(now)
     claimed: list[Claim] = []
 
     async def claim(claims: list[Claim], term: Term, now: dt.datetime,
@@ -131,9 +130,9 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
         claimed.extend(claims)
         return []  # nothing to publish in this test
 
-    dispatcher._claim = claim  # type: ignore[method-assign]
+    dispatcher.firing.claim = claim  # type: ignore[method-assign]
     due = Due(now + dt.timedelta(seconds=1), now + dt.timedelta(seconds=1), "f", 1)
-    await dispatcher._claim_and_publish([due], term, now)
+    await dispatcher.firing.claim_and_publish([due], term, now)
     assert claimed == []
     held = dispatcher.fired_through
     assert held is not None
@@ -161,12 +160,12 @@ async def test_a_databases_first_term_records_no_watermark_while_it_catches_up()
     now = dt.datetime.now(dt.UTC)
     lease = SimpleNamespace(valid=True, term=1)
     async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
-        term.watermark = now
-        term.catching_up, term.taken_over = True, None
+        term.advance(now)
+        term.take_over(None)
         assert term.fired_through is None
-        term.taken_over = now - dt.timedelta(minutes=1)
+        term.take_over(now - dt.timedelta(minutes=1))
         assert term.fired_through == now - dt.timedelta(minutes=1)
-        term.catching_up = False
+        term.caught_up()
         assert term.fired_through == now
 
 
@@ -180,7 +179,8 @@ async def changes_applied(entries: dict[str, Entry], watermark: dt.datetime | No
                             lease)  # type: ignore[arg-type]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
-        term.watermark = watermark
+        if watermark is not None:
+            term.advance(watermark)
         yield dispatcher, term
 
 
@@ -265,7 +265,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     fan_out = Entry(1, False, every, 0.0, "latest", 3600.0, "t.x",
                     fan_out=FanOut(collection="tenants"))
     seconds = [since + dt.timedelta(seconds=k) for k in range(-4, 4)]  # since-4 .. since+3
-    fire, skipped = _plan_catchups(
+    fire, skipped = plan_catchups(
         [("late", entry("latest")), ("late-none", entry("none")), ("known", entry("latest")),
          ("new", entry("all")), ("fan-out", fan_out)], since, now,
         {"late": since - dt.timedelta(seconds=4.5),
@@ -280,7 +280,7 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
     assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
     assert fired["fan-out"] == [*seconds[:5], seconds[-1]]
     # A database's first term (no watermark): each from its creation, by its policy.
-    first, _ = _plan_catchups([("late", entry("latest"))], None, now,
+    first, _ = plan_catchups([("late", entry("latest"))], None, now,
                               {"late": since - dt.timedelta(seconds=4.5)})
     assert [d.nominal for d in first] == [seconds[-1]]
     # The skipped ranges are those of the policies, after since only.
@@ -328,7 +328,7 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
                                 3600.0, "t.x")}
         assert len(late_fires({"dense": Written(now, now - 60 * second)}, dense, now)) == \
             LATE_FIRES_MAX
-        caught, _ = _plan_catchups(list(dense.items()), now, now,
+        caught, _ = plan_catchups(list(dense.items()), now, now,
                                    {"dense": now - LATE_CHANGE_S * second})
         assert len(caught) == LATE_FIRES_MAX  # the late ones; after the watermark, none due
 
@@ -351,7 +351,7 @@ async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_wa
                       AutoReconnect("connection reset")):
             dispatcher = Dispatcher(SimpleNamespace(entries={}), Unreadable(error),  # type: ignore[arg-type]
                                     None, None, lease)  # type: ignore[arg-type]
-            assert await dispatcher._created_after(term, None) == {}
+            assert await dispatcher.takeover.created_after(term, None) == {}
 
 
 async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> None:
@@ -435,7 +435,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
                                 None, lease, clock=lambda: now)  # type: ignore[arg-type]
         term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
         if contested:
-            term.contested_until = at(10)
+            term.contest_until(at(10))
         def claim(sid: str, term: int) -> dict[str, object]:
             return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
 
@@ -443,11 +443,11 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
                                            claim("newer", 3), claim("ours", 2))
         published["state"] = ledger.PUBLISHED
         await fires.insert_many([deposed, published, newer, ours])
-        term.claimed([Claim(str(ours["_id"]), "ours", at(10), at(10))])
+        term.add_pending([Claim(str(ours["_id"]), "ours", at(10), at(10))])
 
         mine = [Claim(fire_id(sid, at(10)), sid, at(10), at(10))
                 for sid in ("deposed", "published", "newer", "ours", "fresh")]
-        owned = await dispatcher._claim(mine, term, at(9.99))
+        owned = await dispatcher.firing.claim(mine, term, at(9.99))
 
         assert sorted(c.fire_id for c in owned) == [
             fire_id("deposed", at(10)), fire_id("fresh", at(10))]
@@ -482,7 +482,7 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
         list(term.queue.seed(at(0)))
         assert list(term.queue.items())
         never = asyncio.Event()
-        term.waiting(never.wait())  # type: ignore[arg-type]
+        term.start_waiting(never.wait())  # type: ignore[arg-type]
         (waiting,) = term._waiting
     assert not term.active
     assert list(term.queue.items()) == []
@@ -569,19 +569,19 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
                             lease, clock=lambda: now)  # type: ignore[arg-type]
     quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
-    backfilling = Backfilling(None, None, entries, dispatcher._claim_and_publish,  # type: ignore[arg-type]
+    backfilling = Backfilling(None, None, entries, dispatcher.firing.claim_and_publish,  # type: ignore[arg-type]
                               lambda: False, lambda: now, CLAIM_AHEAD_S)
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         assert backfilling.quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2
         first, second, third = (Claim(f"f{i}", "s", due, due)
                                 for i, due in enumerate((soon, soon, later)))
-        term.claimed([first, second, third, first])  # a claim counted once
+        term.add_pending([first, second, third, first])  # a claim counted once
         assert term.next_publish_at() == soon
         assert not backfilling.quiet(term)  # a regular publish is due within the window
-        term.settled([first, first])
+        term.remove_pending([first, first])
         assert not backfilling.quiet(term)  # the other one still is
-        term.settled([second])
+        term.remove_pending([second])
         assert term.next_publish_at() == later
         assert backfilling.quiet(term)
         # The queue's first fire is claimed CLAIM_AHEAD_S before it is due: the claims
@@ -595,15 +595,15 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         assert term.queue.first_at() == now + dt.timedelta(seconds=61)
         assert backfilling.quiet(term)
         term.queue.clear()
-        term.settled([third])
+        term.remove_pending([third])
         assert term.next_publish_at() is None
         assert term.pending == {}
         assert backfilling.quiet(term)
 
 
 def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
-    """The check made ahead (_none_withdrawn) says yes only where the one at the due time
-    (_still_due, through _withdrawn) keeps every claim."""
+    """The check made ahead (none_withdrawn) says yes only where the one at the due time
+    (still_due, through withdrawn) keeps every claim."""
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     every = Interval(1.0, now - dt.timedelta(seconds=60))
     entries = {"s": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
@@ -620,18 +620,18 @@ def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
     def claim(sid: str, tenant: str | None = None) -> Claim:
         return Claim(fire_id(sid, now), sid, now, now, tenant=tenant)
 
-    assert _none_withdrawn([claim("s"), claim("changed")], entries, revisions)
-    assert _withdrawn(claim("changed"), entries["changed"], 1) is None  # still a fire time
-    for withdrawn in ("moved", "paused", "until", "completed", "deleted"):
-        assert _withdrawn(claim(withdrawn), entries.get(withdrawn), 1) is not None
-        assert not _none_withdrawn([claim("s"), claim(withdrawn)], entries, revisions)
+    assert none_withdrawn([claim("s"), claim("changed")], entries, revisions)
+    assert withdrawn(claim("changed"), entries["changed"], 1) is None  # still a fire time
+    for gone in ("moved", "paused", "until", "completed", "deleted"):
+        assert withdrawn(claim(gone), entries.get(gone), 1) is not None
+        assert not none_withdrawn([claim("s"), claim(gone)], entries, revisions)
     # A tenant's claim waits for the selection at its due time.
-    assert not _none_withdrawn([claim("s", tenant="acme")], entries, revisions)
-    assert _withdrawn(claim("s", tenant="acme"), entries["s"], 1) is not None  # no fan-out
+    assert not none_withdrawn([claim("s", tenant="acme")], entries, revisions)
+    assert withdrawn(claim("s", tenant="acme"), entries["s"], 1) is not None  # no fan-out
 
 
 class NotedPublisher:
-    """The publisher of claims awaiting their due time (Dispatcher._publish_when_due),
+    """The publisher of claims awaiting their due time (FiringPath.publish_when_due),
     noting each call: what, the fire ids, when; a publish's ``admitted`` and ``unchanged``
     too. It admits every claim, and counts no change unless a test says so."""
 
@@ -676,7 +676,7 @@ def publishing_dispatcher(entries: dict[str, Entry], publisher: NotedPublisher,
                             timings=SimpleNamespace(ttl=10.0))
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, ledger, None,  # type: ignore[arg-type]
                             lease)  # type: ignore[arg-type]
-    dispatcher.publisher = publisher  # type: ignore[assignment]
+    dispatcher.publisher = dispatcher.firing.publisher = publisher  # type: ignore[assignment]
     return dispatcher, lease
 
 
@@ -694,11 +694,11 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
     async def not_asked(*args: Any) -> list[Claim]:
         raise AssertionError("checked again at the due time")
 
-    dispatcher._still_due = not_asked  # type: ignore[method-assign]
+    dispatcher.firing.still_due = not_asked  # type: ignore[method-assign]
     claims = [Claim(f"{s}@x", s, due, due) for s in ("a", "b")]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        term.claimed(claims)
-        await dispatcher._publish_when_due(claims, {"a": 1, "b": 1}, term)
+        term.add_pending(claims)
+        await dispatcher.firing.publish_when_due(claims, {"a": 1, "b": 1}, term)
     assert publisher.published == [(["a@x", "b@x"], True, True)]
 
 
@@ -734,8 +734,8 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
     dispatcher, lease = publishing_dispatcher(entries, publisher, Ledger())
     claims = [Claim(f"{s}@x", s, due, due) for s in ("kept", "paused")]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
-        term.claimed(claims)
-        await dispatcher._publish_when_due(claims, {"kept": 1, "paused": 1}, term)
+        term.add_pending(claims)
+        await dispatcher.firing.publish_when_due(claims, {"kept": 1, "paused": 1}, term)
         assert term.next_publish_at() is None
         assert not term.pending
     # Each claim's publish span is prepared ahead, the admitted fires rendered at their
@@ -804,7 +804,7 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
         finally:
             at_once -= 1
 
-    dispatcher._claim_and_publish = claim  # type: ignore[method-assign]
+    dispatcher.firing.claim_and_publish = claim  # type: ignore[method-assign]
     loop = asyncio.create_task(dispatcher._fire_loop(term))
     await wait_until(lambda: term.watermark is not None, 10, "the round's watermark")
     assert sum(claimed) == len(entries)
@@ -853,7 +853,7 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
         rounds.append((dt.datetime.now(dt.UTC), min(d.fire_at for d in batch)))
         return len(batch), len(batch)
 
-    dispatcher._claim_and_publish = claim  # type: ignore[method-assign]
+    dispatcher.firing.claim_and_publish = claim  # type: ignore[method-assign]
     loop = asyncio.create_task(dispatcher._fire_loop(term))
     try:
         first = await wait_until(lambda: rounds[0][0] if rounds else None, 10, "a round")
@@ -934,10 +934,10 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
                             TwoAtOnce(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
     term = await Term(1, SimpleNamespace(valid=True, term=1), entries).__aenter__()  # type: ignore[arg-type]
-    await asyncio.wait_for(dispatcher._retry_due(term), 10)
+    await asyncio.wait_for(dispatcher.takeover.retry_due(term), 10)
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
     assert set(state.values()) == {"published"}
-    await dispatcher._retry_due(term)  # type: ignore[arg-type]
+    await dispatcher.takeover.retry_due(term)  # type: ignore[arg-type]
     assert len(sent) == len(due)
 
 
@@ -1090,10 +1090,10 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
     of the claims left (a sorted read of an hour's backlog would be millions of
     documents); the retry loop adopts and publishes the rest, an older term's and this
     term's previous lead's alike."""
-    from hascheduler.replica import dispatch
+    from hascheduler.replica import takeover
     from hascheduler.storage import fires as ledger
 
-    monkeypatch.setattr(dispatch, "RETRY_BATCHES_PER_TURN", 1)
+    monkeypatch.setattr(takeover, "RETRY_BATCHES_PER_TURN", 1)
     db = fresh_db
     now = dt.datetime.now(dt.UTC)
     entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
@@ -1183,9 +1183,9 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
                             SlowLedger(), None, lease,  # type: ignore[arg-type]
                             clock=lambda: at(9.99))
     term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
-    term.contested_until = at(10)
+    term.contest_until(at(10))
     mine = [Claim("s@10", "s", at(10), at(10))]
-    assert await dispatcher._claim(mine, term, at(9.99)) == mine
+    assert await dispatcher.firing.claim(mine, term, at(9.99)) == mine
 
 
 class RenewedLease:

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
+from hascheduler.core.catchup import plan_catchups
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import At, Interval, jitter_offset
-from hascheduler.replica.dispatch import Dispatcher, _plan_catchups
+from hascheduler.replica.dispatch import Dispatcher
 from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.lease import LeaseTimings
 from tests.waiting import wait_until
@@ -54,7 +55,7 @@ async def leading(entries: dict[str, Entry], now: dt.datetime, sources: Sources 
                             quota=quota)
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
-        term.watermark = now
+        term.advance(now)
         yield dispatcher, term, lease
 
 
@@ -85,15 +86,15 @@ async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_
             claimed.extend(claims)
             return []
 
-        dispatcher._claim = claim  # type: ignore[method-assign]
+        dispatcher.firing.claim = claim  # type: ignore[method-assign]
         due = Due(now + SECOND, now + SECOND, "f", 1)
-        await dispatcher._claim_and_publish([due], term, now)
+        await dispatcher.firing.claim_and_publish([due], term, now)
         assert term.fired_through is not None
         assert term.fired_through < due.fire_at
         sources.in_sync.set()
         # The claim failed: the instant went back into the queue, still held.
         await wait_until(lambda: failures == 0 and not term.deferred, 5, "the failed claim")
-        term.watermark = now + 3 * SECOND  # the loop's own watermark moves on meanwhile
+        term.advance(now + 3 * SECOND)  # the loop's own watermark moves on meanwhile
         fired_through = term.fired_through
         assert fired_through is not None
         assert fired_through < due.fire_at, fired_through
@@ -118,8 +119,8 @@ async def test_a_term_that_ends_before_its_deferred_fire_is_claimed_records_it_u
     sources = Sources()
     async with leading({"f": fan_out_entry(now)}, now, sources) as (dispatcher, term, lease):
         due = Due(now + SECOND, now + SECOND, "f", 1)
-        await dispatcher._claim_and_publish([due], term, now)
-        term.watermark = now + 3 * SECOND  # the loop moved on meanwhile
+        await dispatcher.firing.claim_and_publish([due], term, now)
+        term.advance(now + 3 * SECOND)  # the loop moved on meanwhile
         lease.valid = False
     # Left: the wait cancelled, the instant still open (fixed as the term ended).
     assert not term.active
@@ -149,7 +150,7 @@ async def test_a_batch_whose_claim_is_in_flight_holds_the_watermark() -> None:
             asked.set()
             return await answer
 
-        dispatcher._claim = claim  # type: ignore[method-assign]
+        dispatcher.firing.claim = claim  # type: ignore[method-assign]
         loop = asyncio.create_task(dispatcher._fire_loop(term))
         await asyncio.wait_for(asked.wait(), 5)
         assert term.queue.first_at() is None  # off the queue, its claim in flight
@@ -182,7 +183,7 @@ async def test_a_fire_a_quota_puts_off_holds_the_watermark_at_its_slot() -> None
     async with leading(entries, now, quota=lambda namespace: 1.0) as (dispatcher, term, _):
         batch = [Due(now + SECOND, now + SECOND, sid, 1) for sid in entries]
         term.opened(batch)
-        admitted = await dispatcher._within_quota(batch, term, now)
+        admitted = await dispatcher.quotas.admit(batch, term, now)
         assert 0 < len(admitted) < len(batch)
         put_off = [d for d in batch if d not in admitted]
         first_slot = term.queue.first_at()
@@ -192,7 +193,7 @@ async def test_a_fire_a_quota_puts_off_holds_the_watermark_at_its_slot() -> None
         assert {(d.schedule_id, d.nominal) for d in admitted} == set(term.open)
         term.resolved(admitted)
         assert term.fired_through == now
-        term.watermark = first_slot + SECOND  # the loop's watermark passes the slot
+        term.advance(first_slot + SECOND)  # the loop's watermark passes the slot
         assert term.fired_through == first_slot - dt.timedelta(microseconds=1)
         assert len(put_off) == len(batch) - len(admitted)
 
@@ -207,11 +208,11 @@ def test_a_catch_up_plans_a_schedule_paused_until_an_instant_from_that_instant()
     now = since + 6 * SECOND
     entry = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
                   paused_until=until)
-    fire, skipped = _plan_catchups([("p", entry)], since, now, {})
+    fire, skipped = plan_catchups([("p", entry)], since, now, {})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]
     assert skipped == []
     # Created in the seconds before the watermark: its late instants skip the pause too.
-    fire, _ = _plan_catchups([("p", entry)], since + 4 * SECOND, now, {"p": since})
+    fire, _ = plan_catchups([("p", entry)], since + 4 * SECOND, now, {"p": since})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]
 
 
@@ -253,15 +254,15 @@ def test_a_catch_up_fires_what_fell_due_before_a_pause_began() -> None:
     now = since + 10 * SECOND
     paused = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
                    paused_since=since + 3.5 * SECOND, paused_until=since + 6.5 * SECOND)
-    fire, skipped = _plan_catchups([("p", paused)], since, now, {})
+    fire, skipped = plan_catchups([("p", paused)], since, now, {})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (1, 2, 3, 7, 8, 9, 10)]
     assert skipped == []
     for_good = paused.replace(paused_until=None)
-    fire, _ = _plan_catchups([("p", for_good)], since, now, {})
+    fire, _ = plan_catchups([("p", for_good)], since, now, {})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (1, 2, 3)]
     # With catch-up `latest`: the latest of each span it is not paused in.
     latest = paused.replace(catchup="latest")
-    fire, skipped = _plan_catchups([("p", latest)], since, now, {})
+    fire, skipped = plan_catchups([("p", latest)], since, now, {})
     assert [d.nominal for d in fire] == [since + 3 * SECOND, since + 10 * SECOND]
     assert [(r.first, r.last, r.count) for _, r in skipped] == [
         (since + SECOND, since + 2 * SECOND, 2), (since + 7 * SECOND, since + 9 * SECOND, 3)]
@@ -287,7 +288,7 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
                                 ) -> set[dt.datetime]:
             return {n for n in nominals if n in (handled, after)}
 
-        dispatcher.ledger = SimpleNamespace(instants_held=instants_held)  # type: ignore[assignment]
+        dispatcher.firing.ledger = SimpleNamespace(instants_held=instants_held)  # type: ignore[assignment]
         claimed: list[Claim] = []
 
         async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
@@ -295,9 +296,9 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
             claimed.extend(claims)
             return []
 
-        dispatcher._claim = claim  # type: ignore[method-assign]
+        dispatcher.firing.claim = claim  # type: ignore[method-assign]
         dues = [Due(n, n, "f", 1) for n in (handled, unhandled, after)]
-        await dispatcher._claim_late(dues, term, now, passed=now - 1.5 * SECOND)
+        await dispatcher.firing.claim_late(dues, term, now, passed=now - 1.5 * SECOND)
         assert sorted({c.nominal_at for c in claimed}) == [unhandled, after]
         assert {c.tenant for c in claimed} == {"a", "b"}
         assert term.open == {}
@@ -315,7 +316,7 @@ def test_a_jittered_catch_up_counts_no_instant_its_predecessor_handled() -> None
     nominals = [w + k * SECOND for k in range(-1, 6)]  # (w - 1.5 s, now]
     handled = [n for n in nominals if n + jitter_offset("j", n, 1.5) <= w]
     assert handled
-    _, skipped = _plan_catchups([("j", entry)], w, now, {})
+    _, skipped = plan_catchups([("j", entry)], w, now, {})
     assert len(skipped) == 1
     skip = skipped[0][1]
     assert skip.count == len(nominals) - len(handled)
@@ -372,7 +373,7 @@ async def test_a_claim_the_term_is_publishing_is_not_republished_beside_it() -> 
     now = dt.datetime.now(dt.UTC)
     async with leading({}, now) as (dispatcher, term, _):
         in_flight, left = (Claim(f"s@{i}", "s", now, now) for i in range(2))
-        term.claimed([in_flight])
+        term.add_pending([in_flight])
         published: list[str] = []
 
         async def publish(claims: list[Claim], term_: int, attempt: int) -> None:
@@ -381,11 +382,12 @@ async def test_a_claim_the_term_is_publishing_is_not_republished_beside_it() -> 
         async def marked() -> None:
             return None
 
-        dispatcher.publisher = SimpleNamespace(publish=publish, marked=marked)  # type: ignore[assignment]
+        dispatcher.takeover.publisher = SimpleNamespace(  # type: ignore[assignment]
+            publish=publish, marked=marked)
 
         async def batches() -> Any:
             yield [in_flight, left]
 
-        await dispatcher._republish(term, batches())
+        await dispatcher.takeover.republish(term, batches())
         assert published == [left.fire_id]
         assert set(term.pending) == {in_flight.fire_id}  # the republished one settled

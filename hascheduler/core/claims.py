@@ -16,7 +16,7 @@ from typing import Any
 
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut, tenant_fire_id
-from hascheduler.core.fire_queue import Due
+from hascheduler.core.fire_queue import Due, is_fire_time
 from hascheduler.core.triggers import fire_id
 
 # Why a claim is recorded skipped when its schedule was paused before its due time: a
@@ -87,3 +87,28 @@ def expand(batch: Sequence[Due], entries: Mapping[str, Entry], tenants: Tenants 
         else:
             out.claims.extend(Claim.of(due, tenant) for tenant in selected)
     return out
+
+
+def withdrawn(claim: Claim, entry: Entry | None, revision: int) -> str | None:
+    """Why ``claim``, made when its schedule was at ``revision``, is no longer one of its
+    fires as ``entry`` stands (its tenant's selection aside), or None (pure)."""
+    if entry is None:
+        return "schedule deleted before its due time"
+    if entry.completed:
+        return "schedule completed (its max_fires fires are used)"
+    if entry.paused_at(claim.nominal_at):
+        return PAUSED_BEFORE_DUE
+    if entry.revision != revision and not is_fire_time(entry, claim.nominal_at):
+        return "schedule changed before its due time; no longer a fire time"
+    if claim.tenant is not None and entry.fan_out is None:
+        return "schedule changed before its due time; it no longer fans out"
+    return None
+
+
+def none_withdrawn(claims: list[Claim], entries: Mapping[str, Entry],
+                    revisions: Mapping[str, int]) -> bool:
+    """Whether every one of ``claims``, none a tenant's, is still a fire of its schedule
+    as ``entries`` stand (pure): what ``FiringPath.still_due`` would keep them all for."""
+    return all(c.tenant is None and withdrawn(c, entries.get(c.schedule_id),
+                                               revisions[c.schedule_id]) is None
+               for c in claims)

@@ -41,7 +41,7 @@ BACKFILL_MAX_WAIT_S = 2.0
 
 
 class ClaimAndPublish(Protocol):
-    """The dispatcher's claim of a batch of fires, published when due (its counts)."""
+    """The firing path's claim of a batch of fires, published when due (its counts)."""
 
     async def __call__(self, batch: list[Due], term: Term, now: dt.datetime,
                        may_defer: bool = True, overlap: str | None = None,
@@ -51,7 +51,7 @@ class ClaimAndPublish(Protocol):
 
 
 class Backfilling:
-    """The backfill work of the dispatcher's terms."""
+    """The backfill work of a term (a service of it)."""
 
     def __init__(self, backfills: Backfills, ledger: Ledger, entries: Mapping[str, Entry],
                  claim: ClaimAndPublish, busy: Callable[[], bool],

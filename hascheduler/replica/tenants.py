@@ -120,7 +120,7 @@ def _order(key: Any) -> tuple[str, str]:
 class Sources:
     """The source mirrors a replica's schedules need: one per distinct (collection,
     fields), started when a schedule first names it, stopped when none does. A fan-out fire
-    whose source is not in sync waits for it (the dispatcher's ``_defer``)."""
+    whose source is not in sync waits for it (the firing path's ``defer``)."""
 
     def __init__(self, database: Any) -> None:
         self.database = database

@@ -58,6 +58,13 @@ class HeldLease(Protocol):
     def remaining(self) -> float: ...
 
 
+class TermService(Protocol):
+    """A piece of leader work: started when a term begins, in the term's task group, and
+    stopped with it; it asks the term (``check``, ``holds``) whether it may act."""
+
+    async def run(self, term: Term) -> None: ...
+
+
 class LeadershipLost(Exception):
     """The term no longer holds the lease (its renew deadline passed, or a newer term
     began): stop claiming at once."""
@@ -119,6 +126,34 @@ class Term:
         self._waiting: set[asyncio.Task[None]] = set()
         self._writes = _Writes()
         self._ended_through: dt.datetime | None = None  # fired_through when the term ended
+
+    def take_over(self, since: dt.datetime | None) -> None:
+        """The term catches up from ``since``, the watermark it took over (None: a
+        database's first term), which the lease records until ``caught_up``."""
+        self.catching_up, self.taken_over = True, since
+
+    def caught_up(self) -> None:
+        """What fell due before the term is claimed or recorded skipped."""
+        self.catching_up = False
+
+    def advance(self, now: dt.datetime) -> None:
+        """Every fire due by ``now`` is taken off the queue (its instant held open until
+        claimed or recorded skipped): the watermark moves to ``now``."""
+        self.watermark = now
+
+    def contest_until(self, at: dt.datetime) -> None:
+        """Fires due up to ``at`` may be in the ledger already: their claims read it
+        first."""
+        self.contested_until = at
+
+    def note_early_change(self, schedule_id: str, written: Written) -> None:
+        """A change applied before the term had a watermark; its first one counts."""
+        self.early_changes.setdefault(schedule_id, written)
+
+    def take_early_changes(self) -> dict[str, Written]:
+        """The changes applied while the term started, handed over once."""
+        changes, self.early_changes = self.early_changes, {}
+        return changes
 
     async def __aenter__(self) -> Term:
         self.active = True
@@ -287,14 +322,14 @@ class Term:
         self.queue.defer(due, at)
         self.resolved([due])
 
-    def claimed(self, claims: Iterable[Claim]) -> None:
+    def add_pending(self, claims: Iterable[Claim]) -> None:
         """These claims of this term await their publish."""
         for claim in claims:
             if claim.fire_id not in self.pending:
                 self.pending[claim.fire_id] = claim.due_at
                 self._due[claim.due_at] += 1
 
-    def settled(self, claims: Iterable[Claim]) -> None:
+    def remove_pending(self, claims: Iterable[Claim]) -> None:
         """These claims are published, or will not be by this term."""
         for claim in claims:
             due = self.pending.pop(claim.fire_id, None)
@@ -307,7 +342,7 @@ class Term:
         """When the earliest claim awaiting its publish is due, if any."""
         return min(self._due) if self._due else None
 
-    def publishing(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def start_publishing(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` (publishing claims of this term) until done or drained."""
         task = asyncio.create_task(work)
         self._publishing.add(task)
@@ -319,7 +354,7 @@ class Term:
         if not task.cancelled() and task.exception() is not None:
             log.error("publish_batch_failed", term=self.number, error=repr(task.exception()))
 
-    def waiting(self, work: Coroutine[Any, Any, None]) -> None:
+    def start_waiting(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` (a wait for a fan-out source) until done or the term ends."""
         task = asyncio.create_task(work)
         self._waiting.add(task)
