@@ -74,7 +74,8 @@ from hascheduler.storage.fires import (
     requested_fire,
 )
 from hascheduler.storage.health import HealthReader
-from hascheduler.storage.lease import LeaseView
+from hascheduler.storage.lease import LeaseCollection, read_lease
+from hascheduler.storage.members import Members
 from hascheduler.storage.runs import FireRef, RunLedger, open_key, public_view
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookExists, WebhookStore
@@ -651,13 +652,6 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(status, status=200 if status["ready"] else 503)
 
 
-class Readable(Protocol):
-    """A collection the API reads (the lease, the members' heartbeats)."""
-
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 class Leading(Protocol):
     """Whether this replica leads now (the elector)."""
 
@@ -671,7 +665,7 @@ class Leading(Protocol):
 class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
-    def __init__(self, leases: Readable, members: Readable, ledger: Ledger,
+    def __init__(self, leases: LeaseCollection, members: Members, ledger: Ledger,
                  elector: Leading, runs: RunLedger, broker: Broker,
                  backfills: Backfills | None = None,
                  max_backfill: int = DEFAULT_MAX_BACKFILL,
@@ -700,8 +694,7 @@ def _cluster(request: web.Request) -> Cluster:
 
 
 async def _leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
-    doc = await cluster.leases.find_one({"_id": LEASE_NAME})
-    view = LeaseView.from_document(doc) if doc else None
+    view = await read_lease(cluster.leases, LEASE_NAME)
     held = view is not None and view.held_at(_now(request))
     return {"holder": view.holder if held and view else None,
             "last_holder": view.holder if view else None, "term": view.term if view else 0,
@@ -721,11 +714,10 @@ async def _members_view(request: web.Request, cluster: Cluster) -> list[dict[str
     fresh = now - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
     # The leader is the live lease's holder: a heartbeat only says what its replica
     # believed when it was sent, and a departed leader's last one said so.
-    lease = await cluster.leases.find_one({"_id": LEASE_NAME})
-    view = LeaseView.from_document(lease) if lease else None
+    view = await read_lease(cluster.leases, LEASE_NAME)
     holder = view.holder if view is not None and view.held_at(now) else None
     out = []
-    async for doc in cluster.members.find({"seen_at": {"$gte": fresh}}).sort("_id", 1):
+    for doc in await cluster.members.seen_since(fresh):
         out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
                     "size": doc.get("size"), "digest": doc.get("digest"),
                     "leader": doc["_id"] == holder, "term": doc.get("term"),

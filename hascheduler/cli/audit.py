@@ -22,6 +22,7 @@ from hascheduler.core.audit import audit, describe, parse_instant
 from hascheduler.core.constants import DEFAULT_DATABASE, SCHEDULES
 from hascheduler.core.errors import ConfigError
 from hascheduler.storage.driver import connect
+from hascheduler.storage.streams import read_all
 
 
 def _instant(text: str) -> Any:
@@ -78,8 +79,8 @@ async def run(args: argparse.Namespace) -> int:
     except (PyMongoError, ValueError) as exc:
         raise ConfigError(f"--mongodb-uri: {exc}") from None
     try:
-        schedules = [doc async for doc in
-                     client.get_default_database(DEFAULT_DATABASE)[SCHEDULES].find({})]
+        schedules = [doc async for doc in read_all(
+            client.get_default_database(DEFAULT_DATABASE)[SCHEDULES])]
     finally:
         await client.close()
     events = [fire.event for fire in await broker.reader()()]

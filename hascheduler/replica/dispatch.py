@@ -43,7 +43,6 @@ from hascheduler.replica.publishing import (
     DispatchSettings,
     MirroredSchedules,
     Publisher,
-    StoredSchedules,
 )
 from hascheduler.replica.quotas import QuotaAdmission
 from hascheduler.replica.release import OverlapRelease
@@ -55,7 +54,7 @@ from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger, skipped_range_document
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import RunLedger
-from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.schedules import ScheduleReads, ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -67,7 +66,7 @@ CLAIM_EVERY_S = 0.025
 
 
 class Dispatcher:
-    def __init__(self, mirror: MirroredSchedules, schedules: StoredSchedules, ledger: Ledger,
+    def __init__(self, mirror: MirroredSchedules, schedules: ScheduleReads, ledger: Ledger,
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,

@@ -33,7 +33,7 @@ from hascheduler.core.constants import (
 )
 from hascheduler.core.entries import Entry, Written, entry_from_document
 from hascheduler.core.instants import as_utc
-from hascheduler.storage.streams import open_change_stream
+from hascheduler.storage.streams import open_change_stream, read_all
 
 log = structlog.get_logger("hascheduler.mirror")
 
@@ -397,7 +397,7 @@ class Mirror(ChangeMirror):
             # while the stream was lost: a one-off created then, its instant passed before
             # the resync, is fired late rather than never.
             projection |= {"created_at": 0, "updated_at": 0}
-        cursor = self._coll.find({}, projection, batch_size=LOAD_BATCH)
+        cursor = read_all(self._coll, projection, LOAD_BATCH)
         async for docs in read_ahead(cursor):
             changed += self._absorb(docs, seen)
         return changed, self._drop_unseen(seen)

@@ -31,7 +31,7 @@ from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import Fenced, OverlapGate
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.schedules import TRACE, ScheduleStore
+from hascheduler.storage.schedules import ScheduleReads, ScheduleStore, message_fields
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -80,12 +80,6 @@ class MirroredSchedules(Protocol):
     def entries(self) -> Mapping[str, Entry]: ...
 
 
-class StoredSchedules(Protocol):
-    """The schedules collection, read for what a message carries (name, target, payload)."""
-
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
     """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^attempt))."""
     return float(rand * min(cap_s, base_s * 2 ** min(attempt, 30)))
@@ -93,7 +87,7 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 
 class Publisher:
     def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
-                 schedules: StoredSchedules, settings: DispatchSettings, clock: Clock,
+                 schedules: ScheduleReads, settings: DispatchSettings, clock: Clock,
                  metrics: Metrics, gate: OverlapGate | None = None,
                  counts: FireCounts | None = None, store: ScheduleStore | None = None
                  ) -> None:
@@ -151,11 +145,7 @@ class Publisher:
                 found[schedule_id] = cached[1]
         missing = list(ids - found.keys())
         if missing:
-            async for doc in self.schedules.find({"_id": {"$in": missing}},
-                                                 {"name": 1, "payload": 1, "target": 1,
-                                                  "revision": 1, TRACE: 1,
-                                                  "concurrency": 1, "rate": 1,
-                                                  "priority": 1}):
+            for doc in await message_fields(self.schedules, missing):
                 template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._templates[doc["_id"]] = (doc.get("revision", 0), template)

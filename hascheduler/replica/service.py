@@ -68,6 +68,7 @@ from hascheduler.storage.fires import Ledger
 from hascheduler.storage.flow import SlotStore
 from hascheduler.storage.health import HealthReader
 from hascheduler.storage.lease import Lease, LeaseTimings
+from hascheduler.storage.members import Members
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.server_time import sample, sampler
@@ -126,18 +127,17 @@ async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
             await work()
 
 
-def _heartbeat(members: Any, settings: ReplicaSettings, url: str, mirror: Mirror,
+def _heartbeat(members: Members, settings: ReplicaSettings, url: str, mirror: Mirror,
                elector: Elector, clock: ServerClock) -> Callable[[], Awaitable[None]]:
     """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
     async def beat() -> None:
         with contextlib.suppress(PyMongoError):
-            await members.update_one({"_id": settings.replica_id}, {"$set": {
+            await members.beat(settings.replica_id, {
                 "url": url, "ready": mirror.ready, "size": mirror.size,
                 "digest": mirror.digest, "leader": elector.is_leader,
                 # The term last seen, as on every log line, so standbys show theirs too.
                 "term": elector.view.term if elector.view is not None else elector.lease.term,
-                "seen_at": clock.now()}},
-                upsert=True)
+            }, clock.now())
     return beat
 
 
@@ -274,6 +274,7 @@ class Replica:
         access = AccessFile(settings.access, settings.access_file)
         ledger = Ledger(db[FIRES])
         runs = RunLedger(db[RUNS])
+        members = Members(db[MEMBERS])
         health = HealthReader(ledger, runs, settings.late_after_s)
         webhook_store, deliveries = WebhookStore(db[WEBHOOKS]), Deliveries(db[DELIVERIES])
         # The lease's renewals have a client of their own: in the ledger's pool, a renewal
@@ -321,7 +322,7 @@ class Replica:
 
         app = create_app(store, mirror, settings.replica_id, audit, clock=server_clock.now,
                          server_clock=server_clock,
-                         cluster=Cluster(db[LEASES], db[MEMBERS], ledger, elector,
+                         cluster=Cluster(db[LEASES], members, ledger, elector,
                                          runs, broker, Backfills(db[BACKFILLS]),
                                          settings.max_backfill, health,
                                          (webhook_store, deliveries)),
@@ -358,10 +359,10 @@ class Replica:
         lifecycle.start(stack, "audit relay", audit)
         if settings.access_file is not None:
             lifecycle.start(stack, "access file", Every(ACCESS_POLL_S, access.poll))
-        stack.push_async_callback(lifecycle.bounded, "leaving the members", lambda: db[
-            MEMBERS].delete_one({"_id": settings.replica_id}))
+        stack.push_async_callback(lifecycle.bounded, "leaving the members",
+                                  lambda: members.leave(settings.replica_id))
         lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
-            db[MEMBERS], settings, self.url, mirror, elector, server_clock)))
+            members, settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
             runs, SlotStore(db[SLOTS]), metrics, server_clock)))
         webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
@@ -430,5 +431,4 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await Deliveries(db[DELIVERIES]).ensure_indexes()
     await AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
                    settings.audit_retention_days).ensure_indexes()
-    await db[MEMBERS].create_index("seen_at", name="forget_dead_members",
-                                   expireAfterSeconds=int(HEARTBEAT_TTL_S))
+    await Members(db[MEMBERS]).ensure_indexes(HEARTBEAT_TTL_S)

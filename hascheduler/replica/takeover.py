@@ -20,12 +20,12 @@ from pymongo.errors import PyMongoError
 from hascheduler.core.catchup import LATE_CHANGE_S, plan_catchups
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
-from hascheduler.core.instants import as_utc
 from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.in_flight import InFlight
-from hascheduler.replica.publishing import Clock, Publisher, StoredSchedules
+from hascheduler.replica.publishing import Clock, Publisher
 from hascheduler.replica.term import HeldLease, Term
 from hascheduler.storage.fires import Ledger, skipped_range_document
+from hascheduler.storage.schedules import ScheduleReads, created_after
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -42,7 +42,7 @@ CREATED_READ_S = 60.0
 
 class TakeOver:
     def __init__(self, firing: FiringPath, ledger: Ledger, publisher: Publisher,
-                 schedules: StoredSchedules, entries: Mapping[str, Entry],
+                 schedules: ScheduleReads, entries: Mapping[str, Entry],
                  retry_interval_s: float, lease: HeldLease, clock: Clock) -> None:
         self.firing = firing
         self.ledger = ledger
@@ -165,9 +165,8 @@ class TakeOver:
 
     async def created_after(self, term: Term, since: dt.datetime | None
                              ) -> dict[str, dt.datetime]:
-        """When each schedule written after ``since`` (every one, with none) was created:
-        a range of the ``created_at`` index, on dates only (a stored value of another type
-        matches nothing). Not one of the term's reads, bound to its lease: in a first term
+        """When each schedule written after ``since`` (every one, with none) was created.
+        Not one of the term's reads, bound to its lease: in a first term
         it reads every schedule, which on a large database outlasts a few ttls, and the
         term would stop and lead again for ever. Unread within CREATED_READ_S, or failed,
         each schedule is caught up from ``since`` (or the term's start), as it was before
@@ -176,9 +175,7 @@ class TakeOver:
         began = time.monotonic()
         try:
             with pymongo.timeout(CREATED_READ_S):
-                created = {doc["_id"]: as_utc(doc["created_at"])
-                           async for doc in self.schedules.find(
-                               {"created_at": {"$gt": after}}, {"created_at": 1})}
+                created = await created_after(self.schedules, after)
         except PyMongoError as exc:
             log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
             return {}

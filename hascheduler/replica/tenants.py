@@ -21,6 +21,7 @@ import structlog
 
 from hascheduler.core.fanout import MISSING, FanOut, lookup, matches, tenant_key
 from hascheduler.replica.mirror import ChangeMirror, WatchedCollection
+from hascheduler.storage.streams import read_all
 
 log = structlog.get_logger("hascheduler.tenants")
 
@@ -98,7 +99,7 @@ class SourceMirror(ChangeMirror):
         self._selected.clear()
 
     async def _load_all(self) -> tuple[int, int]:
-        docs = [d async for d in self._coll.find({}, dict.fromkeys(self.fields, 1))]
+        docs = [d async for d in read_all(self._coll, dict.fromkeys(self.fields, 1))]
         return self.load(docs)
 
     def tenants(self, fan_out: FanOut) -> list[str]:

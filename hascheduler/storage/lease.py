@@ -174,5 +174,10 @@ class Lease:
         self._valid_until = float("-inf")
 
     async def read(self) -> LeaseView | None:
-        doc = await self._coll.find_one({"_id": self.name})
-        return LeaseView.from_document(doc) if doc else None
+        return await read_lease(self._coll, self.name)
+
+
+async def read_lease(leases: LeaseCollection, name: str) -> LeaseView | None:
+    """The lease ``name`` as the database holds it, if any."""
+    doc = await leases.find_one({"_id": name})
+    return LeaseView.from_document(doc) if doc else None

@@ -1,10 +1,18 @@
-"""Where the two async drivers differ (PyMongo's async API awaits what Motor returns at
-once): opening a change stream and running an aggregation."""
+"""What a mirror reads of a collection (every document, then its change stream), and where
+the two async drivers differ (PyMongo's async API awaits what Motor returns at once):
+opening a change stream and running an aggregation."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+
+def read_all(collection: Any, projection: dict[str, Any] | None = None,
+             batch_size: int = 0) -> Any:
+    """A cursor over every document of ``collection``, whole or with ``projection`` (an
+    async iterable; ``batch_size`` 0: the driver's)."""
+    return collection.find({}, projection, batch_size=batch_size)
 
 
 async def open_change_stream(collection: Any, pipeline: list[dict[str, Any]] | None = None,
