@@ -15,7 +15,7 @@ import httpx
 import pytest
 from pymongo import MongoClient
 
-from hascheduler.api import app
+from hascheduler.api import guards
 from hascheduler.api.access import ACTIONS, Action, create_token, entry_line
 from hascheduler.api.routes import ROUTES, Route
 from tests.servers import ServerProcess, start_replica, with_database
@@ -73,8 +73,8 @@ def _resources(replica: ServerProcess) -> dict[str, str]:
         assert backfill.status_code == 202, backfill.text
         hook = http.post("/webhooks", json=_webhook())
         assert hook.status_code == 201, hook.text
-    return {app.SCHEDULE: "home", app.FIRE: fire, app.BACKFILL: backfill.json()["id"],
-            app.WEBHOOK: hook.json()["id"]}
+    return {guards.SCHEDULE: "home", guards.FIRE: fire, guards.BACKFILL: backfill.json()["id"],
+            guards.WEBHOOK: hook.json()["id"]}
 
 
 def _webhook() -> dict[str, Any]:
@@ -84,7 +84,7 @@ def _webhook() -> dict[str, Any]:
 def _request(route: Route, ids: dict[str, str]) -> dict[str, Any]:
     """The request for ``route`` against HOME's resources."""
     path = route.path.replace("{id}", ids.get(route.guard.scope, "home"))
-    params = {"namespace": HOME} if route.guard.scope == app.LISTING else {}
+    params = {"namespace": HOME} if route.guard.scope == guards.LISTING else {}
     body: Any = None
     if route.method in ("POST", "PUT", "PATCH"):
         body = {}
@@ -125,7 +125,7 @@ def test_every_route_refuses_every_other_action_and_namespace(cluster: Cluster) 
             for action in ACTIONS:
                 for namespace in (HOME, OTHER):
                     if _allowed(route, action) and (namespace == HOME or
-                                                    route.guard.scope == app.CLUSTER_WIDE):
+                                                    route.guard.scope == guards.CLUSTER_WIDE):
                         continue
                     answer = http.request(**_request(route, cluster.ids), headers={
                         "Authorization": f"Bearer {cluster.secrets[action, namespace]}"})

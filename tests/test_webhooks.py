@@ -350,7 +350,7 @@ def api_replica(mongo_uri: str) -> Any:
 
 
 def test_a_namespace_holds_a_bounded_number_of_webhooks(api_replica: ServerProcess) -> None:
-    from hascheduler.api.app import MAX_WEBHOOKS_PER_NAMESPACE
+    from hascheduler.api.webhooks import MAX_WEBHOOKS_PER_NAMESPACE
 
     with httpx.Client(base_url=api_replica.uri) as http:
         for i in range(MAX_WEBHOOKS_PER_NAMESPACE):

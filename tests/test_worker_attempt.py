@@ -16,7 +16,8 @@ from hascheduler.worker import RetryPolicy, Run, WorkerApp
 from hascheduler.worker.app import Route
 from hascheduler.worker.delivery import read_delivery
 from hascheduler.worker.metrics import WorkerMetrics
-from hascheduler.worker.runtime import Held, Worker, WorkerSettings
+from hascheduler.worker.runtime import Held, Worker
+from hascheduler.worker.settings import WorkerSettings
 
 TIMEOUT_S = 0.05
 

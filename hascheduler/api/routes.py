@@ -11,9 +11,32 @@ from typing import Any
 
 from aiohttp import web
 
-from hascheduler.api import app
 from hascheduler.api.access import Access, AccessFile, Action, WriteLimit, WriteLimiter
+from hascheduler.api.audit import audit_log
+from hascheduler.api.backfills import backfill_schedule, cancel_backfill, get_backfill
+from hascheduler.api.cluster import healthz, leader, members, metrics, mirror_entry, readyz, whoami
+from hascheduler.api.context import (
+    CONTEXT,
+    Clock,
+    Cluster,
+    Context,
+    Mirror,
+    SourceMirrors,
+    TenantReads,
+)
+from hascheduler.api.dashboard import dashboard, timeline, ui
 from hascheduler.api.errors import Handler, error_middleware
+from hascheduler.api.guards import (
+    BACKFILL,
+    BODY,
+    CLUSTER_WIDE,
+    FIRE,
+    LISTING,
+    SCHEDULE,
+    WEBHOOK,
+    Guard,
+)
+from hascheduler.api.middleware import access_control, known_query, observe_requests
 from hascheduler.api.openapi import (
     DOCS_PAGE,
     IDEMPOTENCY_KEY_HEADER,
@@ -26,6 +49,38 @@ from hascheduler.api.openapi import (
     json_body,
     ref,
     responses,
+)
+from hascheduler.api.runs import (
+    cancel_run,
+    fire_history,
+    get_fire,
+    get_run,
+    list_runs,
+    retry_run,
+    schedule_runs,
+)
+from hascheduler.api.schedules import (
+    create_schedule,
+    create_schedules,
+    delete_schedule,
+    get_schedule,
+    list_schedules,
+    next_fires,
+    patch_schedule,
+    pause_schedule,
+    put_schedule,
+    restore_schedule,
+    resume_schedule,
+    schedule_health,
+    schedule_history,
+    trigger_schedule,
+)
+from hascheduler.api.webhooks import (
+    create_webhook,
+    delete_webhook,
+    get_webhook,
+    list_webhooks,
+    webhook_deliveries,
 )
 from hascheduler.core.clock import ServerClock
 from hascheduler.core.constants import (
@@ -44,11 +99,11 @@ class Route:
     method: str
     path: str
     handler: Handler
-    guard: app.Guard  # who may call it (api/access.py)
+    guard: Guard  # who may call it (api/access.py)
     operation: dict[str, Any]  # its OpenAPI operation object
 
 
-OPEN = app.Guard(None)
+OPEN = Guard(None)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -70,8 +125,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules",
-        app.create_schedule,
-        app.Guard(Action.WRITE, app.BODY),
+        create_schedule,
+        Guard(Action.WRITE, BODY),
         {
             "summary": "create a schedule",
             "description": SEMANTIC,
@@ -82,8 +137,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules:batch",
-        app.create_schedules,
-        app.Guard(Action.WRITE, app.BODY),
+        create_schedules,
+        Guard(Action.WRITE, BODY),
         {
             "summary": "create many schedules: all are checked before any is written; an "
                        "id already taken is left as it was",
@@ -95,8 +150,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules",
-        app.list_schedules,
-        app.Guard(Action.READ, app.LISTING),
+        list_schedules,
+        Guard(Action.READ, LISTING),
         {
             "summary": "list schedules (id order, cursor pagination)",
             "parameters": [
@@ -131,15 +186,15 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules/{id}",
-        app.get_schedule,
-        app.Guard(Action.READ, app.SCHEDULE),
+        get_schedule,
+        Guard(Action.READ, SCHEDULE),
         {"summary": "one schedule", "responses": responses(200, "Schedule", 404)},
     ),
     Route(
         "PUT",
         "/schedules/{id}",
-        app.put_schedule,
-        app.Guard(Action.WRITE, app.SCHEDULE),
+        put_schedule,
+        Guard(Action.WRITE, SCHEDULE),
         {
             "summary": "replace a schedule",
             "description": SEMANTIC,
@@ -151,8 +206,8 @@ ROUTES: list[Route] = [
     Route(
         "PATCH",
         "/schedules/{id}",
-        app.patch_schedule,
-        app.Guard(Action.WRITE, app.SCHEDULE),
+        patch_schedule,
+        Guard(Action.WRITE, SCHEDULE),
         {
             "summary": "change some fields (JSON merge patch: null removes a field)",
             "description": SEMANTIC,
@@ -170,8 +225,8 @@ ROUTES: list[Route] = [
     Route(
         "DELETE",
         "/schedules/{id}",
-        app.delete_schedule,
-        app.Guard(Action.WRITE, app.SCHEDULE),
+        delete_schedule,
+        Guard(Action.WRITE, SCHEDULE),
         {
             "summary": "delete a schedule",
             "parameters": [IF_MATCH_HEADER],
@@ -181,8 +236,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules/{id}/pause",
-        app.pause_schedule,
-        app.Guard(Action.PAUSE, app.SCHEDULE),
+        pause_schedule,
+        Guard(Action.PAUSE, SCHEDULE),
         {
             "summary": "pause, with an optional note and an instant to resume at by itself",
             "parameters": [IF_MATCH_HEADER],
@@ -193,8 +248,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules/{id}/resume",
-        app.resume_schedule,
-        app.Guard(Action.PAUSE, app.SCHEDULE),
+        resume_schedule,
+        Guard(Action.PAUSE, SCHEDULE),
         {
             "summary": "resume (the record of the pause goes)",
             "parameters": [IF_MATCH_HEADER],
@@ -204,8 +259,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules/{id}/trigger",
-        app.trigger_schedule,
-        app.Guard(Action.TRIGGER, app.SCHEDULE),
+        trigger_schedule,
+        Guard(Action.TRIGGER, SCHEDULE),
         {
             "summary": "run now: a fire outside the trigger, published by the leader "
             "within a fraction of a second, under the schedule's overlap policy (or the "
@@ -220,8 +275,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules/{id}/backfill",
-        app.backfill_schedule,
-        app.Guard(Action.TRIGGER, app.SCHEDULE),
+        backfill_schedule,
+        Guard(Action.TRIGGER, SCHEDULE),
         {
             "summary": "fire every nominal time in [start, end) the ledger has no fire "
             "for (ordinary fire ids: nothing fires twice), worked by the leader at a "
@@ -233,24 +288,24 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/backfills/{id}",
-        app.get_backfill,
-        app.Guard(Action.READ, app.BACKFILL),
+        get_backfill,
+        Guard(Action.READ, BACKFILL),
         {"summary": "a backfill's progress: fired, skipped, remaining",
          "responses": responses(200, "Backfill", 404, 503)},
     ),
     Route(
         "DELETE",
         "/backfills/{id}",
-        app.cancel_backfill,
-        app.Guard(Action.CANCEL, app.BACKFILL),
+        cancel_backfill,
+        Guard(Action.CANCEL, BACKFILL),
         {"summary": "cancel a running backfill (what it fired stays fired)",
          "responses": responses(200, "Backfill", 403, 404, 409, 429, 503)},
     ),
     Route(
         "GET",
         "/schedules/{id}/next",
-        app.next_fires,
-        app.Guard(Action.READ, app.SCHEDULE),
+        next_fires,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "the next nominal and jittered fire times",
             "parameters": [
@@ -271,8 +326,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules/{id}/health",
-        app.schedule_health,
-        app.Guard(Action.READ, app.SCHEDULE),
+        schedule_health,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "its last fire, last success, consecutive failures, whether it is "
             "late against its own trigger and whether its objective (expect) is met",
@@ -282,8 +337,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules/{id}/fires",
-        app.fire_history,
-        app.Guard(Action.READ, app.SCHEDULE),
+        fire_history,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
             "entry with last_nominal_at and count)",
@@ -300,8 +355,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules/{id}/runs",
-        app.schedule_runs,
-        app.Guard(Action.READ, app.SCHEDULE),
+        schedule_runs,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
             "its latest fires, each with its ledger entries (fires) and its runs "
@@ -320,8 +375,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/runs",
-        app.list_runs,
-        app.Guard(Action.READ, app.LISTING),
+        list_runs,
+        Guard(Action.READ, LISTING),
         {
             "summary": "runs, most recently changed first (state=dead: the dead letters)",
             "parameters": [
@@ -353,15 +408,15 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/runs/{id}",
-        app.get_run,
-        app.Guard(Action.READ, app.FIRE),
+        get_run,
+        Guard(Action.READ, FIRE),
         {"summary": "one fire's run", "responses": responses(200, "Run", 404, 503)},
     ),
     Route(
         "POST",
         "/runs/{id}/retry",
-        app.retry_run,
-        app.Guard(Action.TRIGGER, app.FIRE),
+        retry_run,
+        Guard(Action.TRIGGER, FIRE),
         {
             "summary": "replay a dead run: it is published again and runs with a fresh "
             "attempt budget; under its schedule's overlap policy it is open like any run, "
@@ -372,8 +427,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/runs/{id}/cancel",
-        app.cancel_run,
-        app.Guard(Action.CANCEL, app.FIRE),
+        cancel_run,
+        Guard(Action.CANCEL, FIRE),
         {
             "summary": "cancel a run: a pending or retrying run (or a fire no worker has "
             "claimed yet) ends cancelled at once (200); a running one is stopped by its "
@@ -386,8 +441,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/fires/{id}",
-        app.get_fire,
-        app.Guard(Action.READ, app.FIRE),
+        get_fire,
+        Guard(Action.READ, FIRE),
         {
             "summary": "one fire's ledger entry (state, reason, who ran it now), with its "
             "run; a fan-out fire (no tenant in its id) as its tenants' entries and runs "
@@ -398,8 +453,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/mirror/{id}",
-        app.mirror_entry,
-        app.Guard(Action.READ, app.SCHEDULE),
+        mirror_entry,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "what this replica's mirror holds for a schedule (revision, paused, "
             "next nominal time)",
@@ -409,8 +464,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/audit",
-        app.audit_log,
-        app.Guard(Action.READ, app.LISTING),
+        audit_log,
+        Guard(Action.READ, LISTING),
         {
             "summary": "the audit trail, newest first: every change to a schedule or its "
             "runs, with who, when, from where, what (before and after) and why",
@@ -430,8 +485,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/schedules/{id}/history",
-        app.schedule_history,
-        app.Guard(Action.READ, app.SCHEDULE),
+        schedule_history,
+        Guard(Action.READ, SCHEDULE),
         {
             "summary": "a schedule's audit records, newest first (kept after a delete)",
             "parameters": AUDIT_PAGE,
@@ -441,8 +496,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/schedules/{id}/restore",
-        app.restore_schedule,
-        app.Guard(Action.WRITE, app.SCHEDULE),
+        restore_schedule,
+        Guard(Action.WRITE, SCHEDULE),
         {
             "summary": "put back the fields a schedule had at an earlier revision of its "
             "history (a new revision, recorded as a restore)",
@@ -454,8 +509,8 @@ ROUTES: list[Route] = [
     Route(
         "POST",
         "/webhooks",
-        app.create_webhook,
-        app.Guard(Action.ADMIN, app.BODY),
+        create_webhook,
+        Guard(Action.ADMIN, BODY),
         {
             "summary": "a webhook: a namespace's (or a schedule's) events POSTed to a URL, "
             "signed; the answer holds its secret, shown once",
@@ -466,8 +521,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/webhooks",
-        app.list_webhooks,
-        app.Guard(Action.READ, app.LISTING),
+        list_webhooks,
+        Guard(Action.READ, LISTING),
         {
             "summary": "the webhooks of the namespaces the caller may read",
             "parameters": [NAMESPACE_PARAM],
@@ -477,24 +532,24 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/webhooks/{id}",
-        app.get_webhook,
-        app.Guard(Action.READ, app.WEBHOOK),
+        get_webhook,
+        Guard(Action.READ, WEBHOOK),
         {"summary": "one webhook (never its secret)",
          "responses": responses(200, "Webhook", 403, 404)},
     ),
     Route(
         "DELETE",
         "/webhooks/{id}",
-        app.delete_webhook,
-        app.Guard(Action.ADMIN, app.WEBHOOK),
+        delete_webhook,
+        Guard(Action.ADMIN, WEBHOOK),
         {"summary": "delete a webhook and its deliveries",
          "responses": responses(204, None, 403, 404)},
     ),
     Route(
         "GET",
         "/webhooks/{id}/deliveries",
-        app.webhook_deliveries,
-        app.Guard(Action.READ, app.WEBHOOK),
+        webhook_deliveries,
+        Guard(Action.READ, WEBHOOK),
         {
             "summary": "a webhook's deliveries, newest first: state (pending, delivered, "
             "failed), attempts with their status, error and duration",
@@ -506,8 +561,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/leader",
-        app.leader,
-        app.Guard(Action.READ, app.CLUSTER_WIDE),
+        leader,
+        Guard(Action.READ, CLUSTER_WIDE),
         {
             "summary": "the lease: holder, term, expiry; who answered",
             "responses": responses(200, None, 503),
@@ -516,15 +571,15 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/cluster",
-        app.members,
-        app.Guard(Action.READ, app.CLUSTER_WIDE),
+        members,
+        Guard(Action.READ, CLUSTER_WIDE),
         {"summary": "members seen recently (heartbeats)", "responses": responses(200, None, 503)},
     ),
     Route(
         "GET",
         "/dashboard",
-        app.dashboard,
-        app.Guard(Action.READ, app.LISTING),
+        dashboard,
+        Guard(Action.READ, LISTING),
         {
             "summary": "what /ui shows: leader, members, schedules with "
             "their next fire, recent fires",
@@ -535,8 +590,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/timeline",
-        app.timeline,
-        app.Guard(Action.READ, app.LISTING),
+        timeline,
+        Guard(Action.READ, LISTING),
         {
             "summary": "what /ui draws: each schedule's fires over the last hours as marks "
             "(on_time, late, skipped, failed, dead, running...), lateness over the window, "
@@ -551,8 +606,8 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/whoami",
-        app.whoami,
-        app.Guard(Action.READ, app.CLUSTER_WIDE),
+        whoami,
+        Guard(Action.READ, CLUSTER_WIDE),
         {
             "summary": "the caller's token: its name, actions and namespaces (the dashboard "
             "shows only the buttons they allow)",
@@ -562,7 +617,7 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/metrics",
-        app.metrics,
+        metrics,
         OPEN,
         {
             "summary": "Prometheus metrics (no token needed)",
@@ -573,7 +628,7 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/ui",
-        app.ui,
+        ui,
         OPEN,
         {
             "summary": "the dashboard page (it asks for a token itself)",
@@ -584,7 +639,7 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/healthz",
-        app.healthz,
+        healthz,
         OPEN,
         {
             "summary": "the process is alive (no token needed)",
@@ -595,7 +650,7 @@ ROUTES: list[Route] = [
     Route(
         "GET",
         "/readyz",
-        app.readyz,
+        readyz,
         OPEN,
         {
             "summary": "the mirror is in sync (no token needed)",
@@ -646,47 +701,35 @@ def _document() -> dict[str, Any]:
 
 def create_app(
     store: ScheduleStore,
-    mirror: app.Mirror,
+    mirror: Mirror,
     replica_id: str,
     audit: AuditLog,
-    clock: app.Clock = lambda: dt.datetime.now(dt.UTC),
-    cluster: app.Cluster | None = None,
+    clock: Clock = lambda: dt.datetime.now(dt.UTC),
+    cluster: Cluster | None = None,
     metrics_: Metrics | None = None,
     access: AccessFile | None = None,
     write_limit: WriteLimit | None = None,
     min_fire_interval_s: float = DEFAULT_MIN_FIRE_INTERVAL_S,
-    fan_out: tuple[int, app.TenantReads] | None = None,
-    sources: app.SourceMirrors | None = None,
+    fan_out: tuple[int, TenantReads] | None = None,
+    sources: SourceMirrors | None = None,
     server_clock: ServerClock | None = None,
     trace_url: str | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[app.observe_requests, error_middleware, app.access_control,
-                     app.known_query],
+        middlewares=[observe_requests, error_middleware, access_control,
+                     known_query],
         client_max_size=MAX_REQUEST_BYTES,
     )
-    api[app.METRICS] = metrics_ or Metrics()
-    api[app.ACCESS] = access or AccessFile(Access())
-    api[app.AUDIT] = audit
-    api[app.GUARDS] = {(r.method, r.path): r.guard for r in ROUTES}
-    api[app.QUERY] = {(r.method, r.path): frozenset(
-        p["name"] for p in r.operation.get("parameters", []) if p.get("in") == "query")
-        for r in ROUTES}
-    api[app.LIMITER] = WriteLimiter(write_limit or WriteLimit())
-    api[app.STORE] = store
-    api[app.MIRROR] = mirror
-    api[app.REPLICA] = replica_id
-    api[app.CLOCK] = clock
-    api[app.MIN_FIRE_INTERVAL] = min_fire_interval_s
-    api[app.TRACE_URL] = trace_url
-    if fan_out is not None:
-        api[app.FAN_OUT] = fan_out
-    if sources is not None:
-        api[app.SOURCES] = sources
-    if server_clock is not None:
-        api[app.SERVER_CLOCK] = server_clock
-    if cluster is not None:
-        api[app.CLUSTER] = cluster
+    api[CONTEXT] = Context(
+        store=store, mirror=mirror, replica_id=replica_id, audit=audit, clock=clock,
+        metrics=metrics_ or Metrics(), access=access or AccessFile(Access()),
+        limiter=WriteLimiter(write_limit or WriteLimit()),
+        guards={(r.method, r.path): r.guard for r in ROUTES},
+        query={(r.method, r.path): frozenset(
+            p["name"] for p in r.operation.get("parameters", []) if p.get("in") == "query")
+            for r in ROUTES},
+        min_fire_interval_s=min_fire_interval_s, trace_url=trace_url, cluster=cluster,
+        fan_out=fan_out, sources=sources, server_clock=server_clock)
     for route in ROUTES:
         api.router.add_route(route.method, route.path, route.handler)
     return api

@@ -22,7 +22,8 @@ from hascheduler.cli.settings import (
 from hascheduler.core.constants import DEFAULT_RUN_RETENTION_S
 from hascheduler.core.errors import ConfigError
 from hascheduler.worker.policy import PolicyError, RetryPolicy
-from hascheduler.worker.runtime import WorkerSettings, run_worker
+from hascheduler.worker.service import run_worker
+from hascheduler.worker.settings import WorkerSettings
 
 _POLICY = RetryPolicy()
 

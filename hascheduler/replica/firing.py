@@ -97,6 +97,7 @@ class TenantSource(Protocol):
 
     async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool: ...
 
+
 class FiringPath:
     """Claim and publish at the due time, for whichever piece of a term's work fires."""
 
@@ -113,7 +114,7 @@ class FiringPath:
         self.wake = wake  # the fire loop: a fire put back into the queue is due sooner
 
     async def claim(self, claims: list[Claim], term: Term, now: dt.datetime,
-                     backfill: str | None = None) -> list[Claim]:
+                    backfill: str | None = None) -> list[Claim]:
         """Insert claims; returns those we now own.
 
         A duplicate key is another term's claim, or one of ours already pending. Another
@@ -151,7 +152,7 @@ class FiringPath:
         return taken
 
     async def claim_late(self, dues: list[Due], term: Term, now: dt.datetime,
-                          passed: dt.datetime | None) -> None:
+                         passed: dt.datetime | None) -> None:
         """Claim fires due before the term (a catch-up's, a late change's). A fan-out's
         instant due by ``passed`` (the watermark an earlier term passed) that the ledger
         holds any claim or record of was handled then, for the tenants selected then: it
@@ -182,10 +183,10 @@ class FiringPath:
                     self.claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
 
     async def claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
-                                 may_defer: bool = True, overlap: str | None = None,
-                                 backfill: str | None = None,
-                                 published: list[asyncio.Task[None]] | None = None
-                                 ) -> tuple[int, int]:
+                                may_defer: bool = True, overlap: str | None = None,
+                                backfill: str | None = None,
+                                published: list[asyncio.Task[None]] | None = None
+                                ) -> tuple[int, int]:
         """Claim ``batch`` (expanded per tenant) and publish what we now own at its due
         time; (claims owned, claims tried). ``overlap`` overrides the schedules' policy;
         ``backfill`` marks the claims a backfill's; ``published`` collects the tasks
@@ -265,7 +266,7 @@ class FiringPath:
         term.start_waiting(when_in_sync())
 
     async def record_refused(self, dues: list[tuple[Due, str]], term: Term,
-                              now: dt.datetime, backfill: str | None = None) -> None:
+                             now: dt.datetime, backfill: str | None = None) -> None:
         """A fire that cannot go (a fan-out whose source mirror is out of sync or that
         selects more tenants than the bound, a namespace far over its quota) is recorded as
         skipped, saying why, never silently dropped."""
@@ -277,7 +278,7 @@ class FiringPath:
         log.warning("fires_refused", count=len(dues), term=term.number, reason=dues[0][1])
 
     async def publish_when_due(self, claimed: list[Claim], revisions: dict[str, int],
-                                term: Term) -> None:
+                               term: Term) -> None:
         """Admit each claimed fire through the overlap gate ADMIT_AHEAD_S before its due
         time, and publish it at its due time, in groups due together."""
         claimed = sorted(claimed, key=_due_at)
@@ -359,7 +360,7 @@ class FiringPath:
         return not term.handing_over.is_set()
 
     async def still_due(self, due: list[Claim], revisions: dict[str, int],
-                         term: Term) -> list[Claim]:
+                        term: Term) -> list[Claim]:
         """The fires still wanted at their due time; the others are recorded as skipped."""
         keep: list[Claim] = []
         skipped: dict[str, list[str]] = {}

@@ -19,7 +19,7 @@ from pymongo.errors import PyMongoError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from hascheduler.api.access import ACCESS_POLL_S, Access, AccessFile, WriteLimit
-from hascheduler.api.app import Cluster
+from hascheduler.api.context import Cluster
 from hascheduler.api.routes import create_app
 from hascheduler.brokers.registry import BrokerUrl
 from hascheduler.core.clock import DEFAULT_TOLERANCE_S, ServerClock

@@ -164,7 +164,7 @@ class TakeOver:
             await self.firing.claim_late(to_fire, term, self.clock(), since)
 
     async def created_after(self, term: Term, since: dt.datetime | None
-                             ) -> dict[str, dt.datetime]:
+                            ) -> dict[str, dt.datetime]:
         """When each schedule written after ``since`` (every one, with none) was created.
         Not one of the term's reads, bound to its lease: in a first term
         it reads every schedule, which on a large database outlasts a few ttls, and the

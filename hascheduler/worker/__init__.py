@@ -15,12 +15,13 @@ if TYPE_CHECKING:
     from hascheduler.worker.app import Run, WorkerApp, WorkerConfigError
     from hascheduler.worker.delivery import StaleFilter
     from hascheduler.worker.policy import PermanentFailure, RetryPolicy, RunTimeout
-    from hascheduler.worker.runtime import WorkerSettings, run_worker
+    from hascheduler.worker.service import run_worker
+    from hascheduler.worker.settings import WorkerSettings
 
 # Each public name and the module that defines it.
 _HOMES = {"Run": "app", "WorkerApp": "app", "WorkerConfigError": "app",
           "StaleFilter": "delivery", "PermanentFailure": "policy", "RetryPolicy": "policy",
-          "RunTimeout": "policy", "WorkerSettings": "runtime", "run_worker": "runtime"}
+          "RunTimeout": "policy", "WorkerSettings": "settings", "run_worker": "service"}
 
 __all__ = ["PermanentFailure", "RetryPolicy", "Run", "RunTimeout", "StaleFilter",
            "WorkerApp", "WorkerConfigError", "WorkerSettings", "run_worker"]

@@ -23,15 +23,12 @@ import contextvars
 import dataclasses
 import datetime as dt
 import itertools
-import os
 import re
-import signal
-import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from pymongo.errors import PyMongoError
@@ -39,22 +36,10 @@ from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception_type,
-    stop_after_delay,
     wait_exponential_jitter,
 )
 
 from hascheduler.brokers.base import Delivered, FireSource
-from hascheduler.brokers.registry import BrokerUrl
-from hascheduler.core.clock import ServerClock
-from hascheduler.core.constants import (
-    CLOCK_SAMPLE_S,
-    DEFAULT_DATABASE,
-    DEFAULT_RUN_RETENTION_S,
-    RATES,
-    RUNS,
-    SCHEDULES,
-    SLOTS,
-)
 from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.core.run_states import (
     CANCELLED,
@@ -65,15 +50,11 @@ from hascheduler.core.run_states import (
     SUCCEEDED,
     WAITING,
 )
-from hascheduler.process import lifecycle, logs, tracing
+from hascheduler.process import lifecycle, tracing
 from hascheduler.process.lifecycle import Every
-from hascheduler.process.metrics import watch_clock
-from hascheduler.storage.driver import connect
-from hascheduler.storage.flow import RateStore, SlotStore
 from hascheduler.storage.runs import Claim, Outcome, RunLedger
 from hascheduler.storage.schedules import ScheduleStore
-from hascheduler.storage.server_time import sample, sampler
-from hascheduler.worker.app import LazyEvent, Route, Run, WorkerApp, WorkerConfigError, load_app
+from hascheduler.worker.app import LazyEvent, Route, Run
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.flow import (
     LAPSED_SWEEP_S,
@@ -83,7 +64,9 @@ from hascheduler.worker.flow import (
     start_paced,
 )
 from hascheduler.worker.metrics import WorkerMetrics
-from hascheduler.worker.policy import PermanentFailure, RetryPolicy, RunTimeout, after_failure
+from hascheduler.worker.policy import PermanentFailure, RunTimeout, after_failure
+from hascheduler.worker.recorder import Recorder
+from hascheduler.worker.settings import WorkerSettings
 
 log = structlog.get_logger("hascheduler.worker")
 
@@ -110,103 +93,12 @@ CANCEL_POLL_S = 0.5
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    broker: BrokerUrl
-    mongodb_uri: str
-    app: WorkerApp
-    durable: str
-    worker_id: str
-    concurrency: int = 8
-    # The broker redelivers an unacknowledged fire after this; the ledger's run lease is as
-    # long, and both are renewed every third of it while the handler runs.
-    ack_wait_s: float = 30.0
-    drain_timeout_s: float = 30.0
-    run_retention_s: float = DEFAULT_RUN_RETENTION_S
-    metrics_port: int | None = None
+class Fetched(NamedTuple):
+    """A delivered fire read and routed, before its run is claimed."""
 
-    @classmethod
-    def parse(cls, *, broker: BrokerUrl, mongodb_uri: str, app: str | None,
-              handler: str | None, target: str | None, durable: str | None,
-              worker_id: str | None, concurrency: int, ack_wait_s: float,
-              drain_timeout_s: float, run_retention_s: float, metrics_port: int | None,
-              policy: RetryPolicy) -> WorkerSettings:
-        """The worker's settings from their values (cli/worker.py parses each); what only
-        holds between them is checked here. Raises WorkerConfigError naming the flag."""
-        if app and target:
-            raise WorkerConfigError("--target goes with --handler; an --app's handlers name "
-                                    "their targets")
-        loaded = load_app(app, handler, target, policy)
-        name = durable or "worker-" + "".join(
-            c if c.isalnum() else "-" for c in "_".join(loaded.patterns))[:200]
-        if ack_wait_s < 1:
-            raise WorkerConfigError("--ack-wait must be at least 1 second")
-        return cls(broker, mongodb_uri, loaded, name,
-                   worker_id or f"{socket.gethostname()}-{os.getpid()}",
-                   concurrency=concurrency, ack_wait_s=ack_wait_s,
-                   drain_timeout_s=drain_timeout_s, run_retention_s=run_retention_s,
-                   metrics_port=metrics_port)
-
-
-async def run_worker(settings: WorkerSettings) -> int:
-    """Run until SIGTERM or SIGINT, then drain within ``drain_timeout_s``."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    logs.identify(settings.worker_id)
-    traced = tracing.configure("hascheduler-worker")
-    metrics = WorkerMetrics()
-    if settings.metrics_port is not None:
-        metrics.serve(settings.metrics_port)
-    client = connect(settings.mongodb_uri,
-                     appname=f"hascheduler-worker/{settings.worker_id}",
-                     serverSelectionTimeoutMS=5000)
-    try:
-        db = client.get_default_database(DEFAULT_DATABASE)
-        runs = RunLedger(db[RUNS])
-        await _until_up("creating the runs ledger's indexes",
-                        lambda: runs.ensure_indexes(settings.run_retention_s), stop)
-        slots, rates = SlotStore(db[SLOTS]), RateStore(db[RATES])
-        await _until_up("creating the slots' indexes", slots.ensure_indexes, stop)
-        await _until_up("creating the rates' indexes", rates.ensure_indexes, stop)
-        # Run leases and retry times are judged on the database's clock, whatever this
-        # host's says: a worker whose clock ran ahead would take over runs still held.
-        clock = ServerClock()
-        await _until_up("reading the database's clock", lambda: sample(db, clock), stop)
-        watch_clock(metrics.registry, clock)
-        async with contextlib.AsyncExitStack() as stack:
-            lifecycle.start(stack, "server clock", Every(CLOCK_SAMPLE_S, sampler(db, clock)))
-            if traced:
-                stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
-                                          lambda: asyncio.to_thread(tracing.flush))
-            flow = FlowGate(slots, rates, runs, settings.broker.publisher,
-                            settings.ack_wait_s, clock.now)
-            await Worker(settings, runs, metrics, clock=clock.now,
-                         schedules=ScheduleStore(db[SCHEDULES]), flow=flow).run(stop)
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.close(), 5)
-    log.info("worker_stopped")
-    return 0
-
-
-async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> None:
-    async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(PyMongoError),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0),
-            before_sleep=lambda state: log.warning(
-                "database_unreachable", during=what,
-                error=repr(state.outcome.exception() if state.outcome else None))):
-        with attempt:
-            if stop.is_set():
-                return
-            await work()
-
-
-# Told how an outcome's write went: True written, False the claim was no longer this
-# worker's (the record dropped), None the write failed.
-Answer = Callable[[Any, "Outcome", "bool | None"], Awaitable[None]]
+    message: Any  # the broker's message (Delivered), answered once its run is dealt with
+    delivery: Delivery
+    route: Route
 
 
 def claim_floor(concurrency: int) -> int:
@@ -220,60 +112,6 @@ def pushed_prefetch(concurrency: int) -> int:
     one batch, every fetch took the whole of it, then waited behind its acks for the
     next)."""
     return 2 * (concurrency + claim_floor(concurrency))
-
-
-class Recorder:
-    """Writes attempts' outcomes to the runs ledger behind the handlers, then has each
-    answered: whatever ended while the previous write was in flight goes in the next one
-    (no timer), so at high concurrency one write records many runs."""
-
-    def __init__(self, runs: RunLedger, give_up_after_s: float, answer: Answer,
-                 ended: Callable[[list[Any]], Awaitable[None]] | None = None) -> None:
-        self.runs = runs
-        self.give_up_after_s = give_up_after_s
-        self.answer = answer
-        self.ended = ended  # the tokens of the batch's runs whose outcome stands
-        self._pending: list[tuple[Any, Outcome]] = []
-        self._wake = asyncio.Event()
-        self._stopping = False
-
-    def submit(self, token: Any, outcome: Outcome) -> None:
-        self._pending.append((token, outcome))
-        self._wake.set()
-
-    async def run(self) -> None:
-        """Until stopped and every outcome submitted by then is written."""
-        while not (self._stopping and not self._pending):
-            await self._wake.wait()
-            self._wake.clear()
-            batch, self._pending = self._pending, []
-            lost: set[str] | None
-            try:
-                lost = await self._write([o for _, o in batch])
-            except PyMongoError as exc:
-                log.warning("runs_unrecorded", count=len(batch), error=repr(exc)[:300])
-                lost = None
-            for token, outcome in batch:
-                await self.answer(token, outcome,
-                                  None if lost is None else outcome.fire_id not in lost)
-            if self.ended is not None and lost is not None:
-                await self.ended([token for token, outcome in batch
-                                  if outcome.fire_id not in lost])
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-
-    async def _write(self, outcomes: list[Outcome]) -> set[str]:
-        """Through a database failover, for as long as a run's lease: after that another
-        worker may have taken the runs over anyway."""
-        async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(PyMongoError),
-                wait=wait_exponential_jitter(initial=0.1, max=2.0),
-                stop=stop_after_delay(self.give_up_after_s), reraise=True):
-            with attempt:
-                return await self.runs.record(outcomes)
-        raise AssertionError("unreachable: AsyncRetrying reraises")
 
 
 class ClaimAhead:
@@ -447,21 +285,21 @@ class Worker:
     async def _claim(self, messages: Sequence[Delivered]) -> None:
         """Read a fetched batch, claim its runs in one write, queue the claimed ones."""
         received = self.clock()
-        ready: list[tuple[Any, Delivery, Route]] = []
+        ready: list[Fetched] = []
         for message in messages:
             picked = await self._screen(message, received)
             if picked is not None:
-                ready.append((message, *picked))
+                ready.append(Fetched(message, *picked))
         # The same fire twice in one batch: the first is claimed with the batch, the
         # second afterwards (it then finds the first's claim).
         first: dict[str, int] = {}
         for i, (_, delivery, _) in enumerate(ready):
             first.setdefault(delivery.fire.fire_id, i)
         batch = [ready[i] for i in sorted(first.values())]
-        again = [r for i, r in enumerate(ready) if first[r[1].fire.fire_id] != i]
+        again = [r for i, r in enumerate(ready) if first[r.delivery.fire.fire_id] != i]
         s = self.settings
         slots, key_errors, over = await self._take_slots(batch, received)
-        batch = [r for r in batch if r[1].fire.fire_id not in over]
+        batch = [r for r in batch if r.delivery.fire.fire_id not in over]
         spans = _claim_spans(batch, received) if tracing.enabled() else {}
         claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
                                             received, s.ack_wait_s)
@@ -473,15 +311,15 @@ class Worker:
             claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(),
                                           s.ack_wait_s)
             await self._claimed(message, delivery, route, claim,
-                                _claim_spans([(message, delivery, route)], received).get(
+                                _claim_spans([Fetched(message, delivery, route)], received).get(
                                     delivery.fire.fire_id) if tracing.enabled() else None)
         if over:
             await self._park(list(over.values()))
 
-    async def _take_slots(self, batch: list[tuple[Any, Delivery, Route]],
+    async def _take_slots(self, batch: list[Fetched],
                           now: dt.datetime
                           ) -> tuple[dict[str, Wanted], dict[str, str],
-                                     dict[str, tuple[tuple[Any, Delivery, Route],
+                                     dict[str, tuple[Fetched,
                                                      Wanted | Paced]]]:
         """The slots the batch's runs want (by fire id), why any cannot say which, and
         the runs over their key's limit or rate (to park, with what they wait for):
@@ -503,12 +341,12 @@ class Worker:
         if not slots and not paced:
             return slots, key_errors, {}
         held = await self.flow.take(slots) if slots else set()
-        over: dict[str, tuple[tuple[Any, Delivery, Route], Wanted | Paced]] = {
-            r[1].fire.fire_id: (r, slots[r[1].fire.fire_id]) for r in batch
-            if r[1].fire.fire_id in slots and r[1].fire.fire_id not in held}
+        over: dict[str, tuple[Fetched, Wanted | Paced]] = {
+            r.delivery.fire.fire_id: (r, slots[r.delivery.fire.fire_id]) for r in batch
+            if r.delivery.fire.fire_id in slots and r.delivery.fire.fire_id not in held}
         unpaced: dict[str, Wanted] = {}
         for r in batch:
-            fire_id = r[1].fire.fire_id
+            fire_id = r.delivery.fire.fire_id
             if fire_id in paced and fire_id not in over and \
                     not await self.flow.pace(paced[fire_id], now):
                 over[fire_id] = (r, paced[fire_id])
@@ -517,7 +355,7 @@ class Worker:
         await self.flow.release(unpaced)  # held a slot, but may not start yet
         return slots, key_errors, over
 
-    async def _park(self, over: list[tuple[tuple[Any, Delivery, Route], Wanted | Paced]]
+    async def _park(self, over: list[tuple[Fetched, Wanted | Paced]]
                     ) -> None:
         """Over their key's limit or rate: wait in the ledger, not in the broker or a
         runner."""
@@ -910,7 +748,7 @@ def _log_resubscribe(state: RetryCallState) -> None:
     log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
 
 
-def _claim_spans(batch: Sequence[tuple[Any, Delivery, Route]], received: dt.datetime
+def _claim_spans(batch: Sequence[Fetched], received: dt.datetime
                  ) -> dict[str, tracing.Span]:
     """One consumer span per fire claimed, child of its publish span (tracing on); only a
     sampled one is given attributes."""

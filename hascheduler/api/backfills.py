@@ -1,0 +1,65 @@
+"""Backfills: asked of a schedule, read, cancelled."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from hascheduler.api.context import backfills_of, cluster_of, context
+from hascheduler.api.errors import BadRequest
+from hascheduler.api.middleware import UNKNOWN_NAMESPACE, change_by, runs_record
+from hascheduler.api.params import as_json, json_body, now_of
+from hascheduler.api.views import (
+    shown_time,
+)
+from hascheduler.core import history, models
+from hascheduler.core.errors import RunConflict
+from hascheduler.core.triggers import count_between, just_before
+from hascheduler.storage.backfills import Backfill
+
+
+async def backfill_schedule(request: web.Request) -> web.Response:
+    """Fire the schedule's nominal times in [start, end) the ledger has no fire for, worked
+    by the leader (storage/backfills.py)."""
+    cluster = cluster_of(request)
+    backfills = backfills_of(request)
+    now = now_of(request)
+    wanted = models.BackfillIn.model_validate(await json_body(request), context={"now": now})
+    schedule = await context(request).store.get(request.match_info["id"])
+    who = change_by(request, schedule.namespace)
+    if schedule.paused:
+        raise RunConflict(f"schedule {schedule.id!r} is paused; resume it to backfill")
+    total = count_between(schedule.compile(), just_before(wanted.start),
+                          just_before(wanted.end))
+    if total > cluster.max_backfill:
+        raise BadRequest(422, "end", f"the range holds {total} fire times; a backfill fires "
+                                     f"at most {cluster.max_backfill} (serve --max-backfill)")
+    doc = await backfills.create(
+        schedule.id, wanted.start, wanted.end, wanted.overlap, total, who.name, now,
+        runs_record(request, history.BACKFILL, who, schedule.namespace, schedule.id,
+                {"start": shown_time(wanted.start), "end": shown_time(wanted.end),
+                 "total": total, "overlap": wanted.overlap}))
+    return as_json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
+
+
+async def get_backfill(request: web.Request) -> web.Response:
+    doc = await backfills_of(request).get(request.match_info["id"])
+    if doc is None:
+        raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+    return as_json(Backfill.of(doc))
+
+
+async def cancel_backfill(request: web.Request) -> web.Response:
+    backfills = backfills_of(request)
+    current = await backfills.get(request.match_info["id"])
+    if current is None:
+        raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
+    schedule_id = str(current["schedule_id"])
+    namespace = await context(request).store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    doc = await backfills.cancel(current["_id"], now_of(request), runs_record(
+        request, history.CANCEL, change_by(request, namespace), namespace, schedule_id,
+        {"backfill_id": current["_id"]}))
+    if doc is None:
+        current = await backfills.get(current["_id"]) or current
+        raise RunConflict(f"backfill {current['_id']!r} is {current['state']}; only a "
+                          "running one can be cancelled")
+    return as_json(Backfill.of(doc))

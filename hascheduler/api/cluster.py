@@ -1,0 +1,109 @@
+"""The cluster's own state: liveness and readiness, the leader, the members, a mirror's
+entry, metrics, and who a token is."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from aiohttp import web
+
+from hascheduler.api.context import Cluster, cluster_of, context
+from hascheduler.api.errors import problem
+from hascheduler.api.middleware import grant_of
+from hascheduler.api.params import now_of
+from hascheduler.api.views import (
+    shown_time,
+)
+from hascheduler.core.constants import (
+    HEARTBEAT_INTERVAL_S,
+    LEASE_NAME,
+)
+from hascheduler.core.triggers import fire_times
+from hascheduler.process.metrics import CONTENT_TYPE
+from hascheduler.storage.lease import read_lease
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = context(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def mirror_entry(request: web.Request) -> web.Response:
+    """What this replica's mirror holds for one schedule (for comparing replicas)."""
+    schedule_id = request.match_info["id"]
+    mirror = context(request).mirror
+    entry = mirror.entries.get(schedule_id)
+    if entry is None:
+        return problem(404, f"schedule {schedule_id!r} is not in this replica's mirror",
+                       replica_id=context(request).replica_id)
+    nominal = next(fire_times(entry.trigger, now_of(request), limit=1), None)
+    return web.json_response({
+        "id": schedule_id, "revision": entry.revision, "paused": entry.paused,
+        "next_nominal": nominal.isoformat() if nominal else None,
+        "applied_at": mirror.recently_applied.get(schedule_id),
+        "replica_id": context(request).replica_id})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive", "replica_id": context(request).replica_id})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    status = context(request).mirror.status()
+    status["replica_id"] = context(request).replica_id
+    sources = context(request).sources
+    if sources is not None:  # each fan-out source's mirror: equal digests, equal copies
+        status["sources"] = sources.digests()
+        status["sources_ready"] = sources.ready
+    server_clock = context(request).server_clock
+    if server_clock is not None:  # a replica that may not lead says why (invariant 12)
+        status["clock"] = server_clock.status()
+    cluster = context(request).cluster
+    if cluster is not None:
+        status["unfit_to_lead"] = cluster.elector.unfit_reason
+    return web.json_response(status, status=200 if status["ready"] else 503)
+
+
+async def leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
+    view = await read_lease(cluster.leases, LEASE_NAME)
+    held = view is not None and view.held_at(now_of(request))
+    return {"holder": view.holder if held and view else None,
+            "last_holder": view.holder if view else None, "term": view.term if view else 0,
+            "expires_at": shown_time(view.expires_at) if view else None,
+            "fired_through": shown_time(view.fired_through) if view else None,
+            "answered_by": context(request).replica_id,
+            "answered_by_leader": bool(cluster.elector.is_leader)}
+
+
+async def leader(request: web.Request) -> web.Response:
+    """The lease as the database holds it, and which replica answered."""
+    return web.json_response(await leader_view(request, cluster_of(request)))
+
+
+async def members_view(request: web.Request, cluster: Cluster) -> list[dict[str, Any]]:
+    now = now_of(request)
+    fresh = now - dt.timedelta(seconds=3 * HEARTBEAT_INTERVAL_S)
+    # The leader is the live lease's holder: a heartbeat only says what its replica
+    # believed when it was sent, and a departed leader's last one said so.
+    view = await read_lease(cluster.leases, LEASE_NAME)
+    holder = view.holder if view is not None and view.held_at(now) else None
+    out = []
+    for doc in await cluster.members.seen_since(fresh):
+        out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
+                    "size": doc.get("size"), "digest": doc.get("digest"),
+                    "leader": doc["_id"] == holder, "term": doc.get("term"),
+                    "seen_at": shown_time(doc.get("seen_at"))})
+    return out
+
+
+async def members(request: web.Request) -> web.Response:
+    return web.json_response({"members": await members_view(request, cluster_of(request)),
+                              "answered_by": context(request).replica_id})
+
+
+async def whoami(request: web.Request) -> web.Response:
+    grant = grant_of(request)
+    return web.json_response({"name": grant.name,
+                              "actions": sorted(a.value for a in grant.actions),
+                              "namespaces": sorted(grant.namespaces)})

@@ -1,0 +1,154 @@
+"""Fires and runs: a schedule's fire history and runs, the runs list, one fire, one run,
+its retry and its cancel."""
+
+from __future__ import annotations
+
+import contextlib
+
+from aiohttp import web
+
+from hascheduler.api.context import cluster_of, context
+from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.middleware import (
+    UNKNOWN_NAMESPACE,
+    change_by,
+    readable_namespaces,
+    runs_record,
+)
+from hascheduler.api.params import int_param, now_of
+from hascheduler.api.views import (
+    fan_out_fire,
+    fire_groups,
+    fire_view,
+)
+from hascheduler.core import history
+from hascheduler.core.constants import (
+    DEFAULT_PAGE,
+    MAX_PAGE,
+)
+from hascheduler.core.errors import ScheduleNotFound
+from hascheduler.core.instants import as_utc
+from hascheduler.core.overlap import ALLOW
+from hascheduler.core.run_states import STATES
+from hascheduler.core.triggers import fire_id
+from hascheduler.storage.fires import (
+    BUFFERED,
+    REQUESTED,
+)
+from hascheduler.storage.runs import FireRef, open_key, public_view
+
+
+async def fire_history(request: web.Request) -> web.Response:
+    cluster = cluster_of(request)
+    schedule_id = request.match_info["id"]
+    await context(request).store.get(schedule_id)  # 404 for a schedule that does not exist
+    limit = int_param(request, "limit", 50, 1, MAX_PAGE)
+    items = [fire_view(doc) for doc in await cluster.ledger.history(schedule_id, limit)]
+    return web.json_response({"schedule_id": schedule_id, "items": items})
+
+
+async def schedule_runs(request: web.Request) -> web.Response:
+    cluster = cluster_of(request)
+    schedule_id = request.match_info["id"]
+    await context(request).store.get(schedule_id)  # 404 for a schedule that does not exist
+    limit = int_param(request, "limit", 50, 1, MAX_PAGE)
+    by = request.query.get("by")
+    if by not in (None, "fire"):
+        raise BadRequest(422, "by", "by must be fire (runs counted per fire) or absent")
+    if by == "fire":
+        nominals = await cluster.ledger.fire_times(schedule_id, limit)
+        groups = await fire_groups(cluster.ledger, cluster.runs, schedule_id, nominals)
+        return web.json_response({"schedule_id": schedule_id, "fires": groups})
+    docs = await cluster.runs.for_schedule(schedule_id, limit)
+    return web.json_response({"schedule_id": schedule_id,
+                              "items": [public_view(d) for d in docs]})
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    cluster = cluster_of(request)
+    state = request.query.get("state")
+    if state is not None and state not in STATES:
+        raise BadRequest(422, "state", f"state must be one of {', '.join(STATES)}")
+    limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    namespaces = readable_namespaces(request)
+    ids = None if namespaces is None else await context(request).store.ids_in(namespaces)
+    try:
+        docs, after = await cluster.runs.page(state, request.query.get("after"), limit, ids)
+    except LookupError:
+        return problem(404, "after names no run (it may have expired): list from the start")
+    return web.json_response({"items": [public_view(d) for d in docs], "next": after})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    doc = await cluster_of(request).runs.get(request.match_info["id"])
+    if doc is None:
+        return problem(404, f"no run for fire {request.match_info['id']!r}")
+    return web.json_response(public_view(doc))
+
+
+async def retry_run(request: web.Request) -> web.Response:
+    """Replay a dead run (RunLedger.replay_dead); under its schedule's overlap policy, not
+    beside another open run of the same key (409)."""
+    cluster = cluster_of(request)
+    fire = request.match_info["id"]
+    run = await cluster.runs.get(fire)
+    key, record = None, None
+    if run is not None:
+        schedule_id, namespace = str(run["schedule_id"]), UNKNOWN_NAMESPACE
+        with contextlib.suppress(ScheduleNotFound):
+            schedule = await context(request).store.get(schedule_id)
+            namespace = schedule.namespace
+            if schedule.overlap != ALLOW:
+                key = open_key(schedule.id, run.get("tenant"))
+        record = runs_record(request, history.RETRY, change_by(request, namespace), namespace,
+                         schedule_id, {"fire_id": fire})
+    doc = await cluster.runs.replay_dead(fire, now_of(request), cluster.broker, key, record)
+    return web.json_response(public_view(doc), status=202)
+
+
+async def get_fire(request: web.Request) -> web.Response:
+    """One fire's ledger entry, with its run when it has one; a fan-out fire as counts of
+    its tenants' entries and runs."""
+    cluster = cluster_of(request)
+    fire = request.match_info["id"]
+    doc = await cluster.ledger.get(fire)
+    if doc is None:
+        group = await fan_out_fire(cluster.ledger, cluster.runs, fire)
+        if group is None:
+            raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
+        return web.json_response(group)
+    run = await cluster.runs.get(fire)
+    return web.json_response({**fire_view(doc),
+                              "run": public_view(run) if run is not None else None})
+
+
+async def cancel_run(request: web.Request) -> web.Response:
+    """Cancel a run (RunLedger.cancel): 200 when it ended now, 202 when its worker was
+    asked to stop it (within a second). A fire published but not yet claimed by a worker
+    is cancelled too; one still waiting (buffered, requested) is not published at all."""
+    cluster = cluster_of(request)
+    fire_id_ = request.match_info["id"]
+    schedule_id = fire_id_.partition("@")[0]
+    namespace = await context(request).store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    who = change_by(request, namespace)
+    now, by = now_of(request), who.name
+    ref = None
+    fire = await cluster.ledger.get(fire_id_)
+    if fire is not None and fire.get("state") not in ("skipped", "failed"):
+        if fire["state"] in (BUFFERED, REQUESTED):
+            await cluster.ledger.withdraw(fire_id_, f"cancelled by {by}")
+        nominal, tenant = as_utc(fire["nominal_at"]), fire.get("tenant")
+        ref = FireRef(fire_id_, fire["schedule_id"],
+                      await _target_of(request, fire["schedule_id"]), nominal, {}, b"",
+                      fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
+                      tenant=tenant)
+    doc, ended = await cluster.runs.cancel(fire_id_, now, by, ref, runs_record(
+        request, history.CANCEL, who, namespace, schedule_id, {"fire_id": fire_id_}))
+    return web.json_response(public_view(doc), status=200 if ended else 202)
+
+
+async def _target_of(request: web.Request, schedule_id: str) -> str:
+    try:
+        return (await context(request).store.get(schedule_id)).target
+    except ScheduleNotFound:
+        return ""

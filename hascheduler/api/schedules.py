@@ -1,0 +1,365 @@
+"""Schedules: create, list, read, replace, patch, delete, pause and resume, the next fires,
+health, run now, history and restore."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from typing import Any
+from urllib.parse import quote
+
+import structlog
+from aiohttp import web
+
+from hascheduler.api.access import (
+    Action,
+)
+from hascheduler.api.context import cluster_of, context
+from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.middleware import actor, change_by, readable_namespaces, require, runs_record
+from hascheduler.api.openapi import LABEL_FILTER
+from hascheduler.api.params import (
+    as_json,
+    bool_param,
+    expected_revision,
+    int_param,
+    json_body,
+    now_of,
+    optional_json_body,
+    time_param,
+    validate,
+)
+from hascheduler.core import history, models
+from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
+from hascheduler.core.constants import (
+    DEFAULT_PAGE,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_PAGE,
+    MAX_PREVIEW,
+)
+from hascheduler.core.errors import RunConflict, ScheduleNotFound
+from hascheduler.core.fanout import FanOut
+from hascheduler.core.history import Actor
+from hascheduler.process import tracing
+from hascheduler.storage.audit_log import with_record
+from hascheduler.storage.fires import (
+    request_documents,
+    requested_fire,
+)
+
+log = structlog.get_logger("hascheduler.api")
+
+
+def _schedule_response(schedule: models.Schedule, status: int = 200,
+                       **headers: str) -> web.Response:
+    return as_json(schedule, status, ETag=f'"{schedule.revision}"', **headers)
+
+
+async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) -> None:
+    """A fan-out selecting more tenants than the cluster's bound is refused when written
+    (422 on fan_out); counting stops one past the bound, so the check costs what it may."""
+    bounded = context(request).fan_out
+    if fields.fan_out is None or bounded is None:
+        return
+    limit, tenants = bounded
+    quota = context(request).access.current.rules_of(fields.namespace).max_fan_out
+    bound = ("the cluster's bound is serve --max-fan-out" if quota is None or quota >= limit
+             else f"namespace {fields.namespace!r} has a max_fan_out quota of {quota}")
+    limit = limit if quota is None else min(limit, quota)
+    selected = await tenants.count(fields.fan_out, limit + 1)
+    if selected > limit:
+        raise BadRequest(422, "fan_out", f"the filter selects more than {limit} documents "
+                                         f"of {fields.fan_out.collection!r}; {bound}")
+
+
+async def _check_quota(request: web.Request, namespace: str, adding: int) -> None:
+    """A namespace at its max_schedules takes no more (422 naming the quota)."""
+    limit = context(request).access.current.rules_of(namespace).max_schedules
+    if limit is not None and await context(request).store.count(namespace) + adding > limit:
+        raise BadRequest(422, "namespace", f"namespace {namespace!r} holds at most {limit} "
+                                           "schedules (its max_schedules quota)")
+
+
+async def create_schedule(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    now = now_of(request)
+    new = validate(request, models.ScheduleIn, body, now)
+    require(request, Action.WRITE, new.namespace)
+    who = change_by(request, new.namespace)
+    await _check_quota(request, new.namespace, 1)
+    await _check_fan_out(request, new)
+    schedule = await context(request).store.create(new, now, who)
+    return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
+
+
+async def create_schedules(request: web.Request) -> web.Response:
+    """Many schedules in one round trip (``hascheduler apply``): every one is checked
+    first, as POST /schedules checks it; nothing is written unless all are valid. An id
+    already taken is left as it was and answered in ``existing``."""
+    body = await json_body(request)
+    now = now_of(request)
+    batch = validate(request, models.ScheduleBatchIn, body, now)
+    who = actor(request)
+    added: dict[str, int] = {}
+    for new in batch.schedules:
+        added[new.namespace] = added.get(new.namespace, 0) + 1
+    for namespace, count in sorted(added.items()):
+        require(request, Action.WRITE, namespace)
+        change_by(request, namespace, who)
+        await _check_quota(request, namespace, count)
+    for new in batch.schedules:
+        await _check_fan_out(request, new)
+    created, existing = await context(request).store.create_many(batch.schedules, now, who)
+    return as_json(models.BatchCreated(created=created, existing=existing))
+
+
+async def list_schedules(request: web.Request) -> web.Response:
+    labels: dict[str, str] = {}
+    for value in request.query.getall("label", []):
+        if not re.match(LABEL_FILTER, value):
+            raise BadRequest(422, "label", "label filters look like label=key=value")
+        key, _, text = value.partition("=")
+        labels[key] = text
+    items, after = await context(request).store.list(
+        labels=labels, paused=bool_param(request, "paused"),
+        after=request.query.get("after"),
+        limit=int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
+        namespaces=readable_namespaces(request))
+    health = None
+    if bool_param(request, "health"):
+        found = await cluster_of(request).health.many(items, now_of(request))
+        health = {h.schedule_id: h for h in found}
+    return as_json(models.ScheduleList(items=items, next=after, health=health))
+
+
+async def schedule_health(request: web.Request) -> web.Response:
+    """Its last fire, last success, consecutive failures, lateness against its own trigger
+    and its objective (core/health.py)."""
+    schedule = await context(request).store.get(request.match_info["id"])
+    return as_json(await cluster_of(request).health.of(schedule, now_of(request)))
+
+
+async def get_schedule(request: web.Request) -> web.Response:
+    return _schedule_response(await context(request).store.get(request.match_info["id"]))
+
+
+async def put_schedule(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if "id" in body and body["id"] != request.match_info["id"]:
+        raise BadRequest(422, "id", "the id in the body differs from the one in the path")
+    body.pop("id", None)
+    now = now_of(request)
+    fields = validate(request, models.ScheduleFields, body, now)
+    who = await _writing(request, request.match_info["id"], fields.namespace)
+    await _check_fan_out(request, fields)
+    schedule = await context(request).store.replace(request.match_info["id"], fields, now,
+                                                expected_revision(request), who)
+    return _schedule_response(schedule)
+
+
+async def _schedule_actor(request: web.Request, schedule_id: str,
+                          given: Actor | None = None) -> Actor:
+    """``actor`` (or ``given``) for a change to a stored schedule, refused without the
+    reason its namespace may require (read only when some namespace requires one)."""
+    who = given or actor(request)
+    rules = context(request).access.current.rules
+    if who.reason is None and any(r.require_reason for r in rules.values()):
+        namespace = await context(request).store.namespace_of(schedule_id)
+        if namespace is not None:
+            change_by(request, namespace, who)
+    return who
+
+
+async def _writing(request: web.Request, schedule_id: str, namespace: str) -> Actor:
+    """A replacement of a schedule's fields, which may move it to ``namespace``: the
+    caller must reach that namespace too, and its quota and rules apply."""
+    require(request, Action.WRITE, namespace)
+    who = change_by(request, namespace, await _schedule_actor(request, schedule_id))
+    if context(request).access.current.rules_of(namespace).max_schedules is not None and \
+            await context(request).store.namespace_of(schedule_id) not in (namespace, None):
+        await _check_quota(request, namespace, 1)
+    return who
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+async def patch_schedule(request: web.Request) -> web.Response:
+    patch = await json_body(request)
+    schedule_id = request.match_info["id"]
+    for server_field in ("id", "created_at", "updated_at", "revision", "pause", "completed",
+                         "fires_remaining"):
+        if server_field in patch:
+            raise BadRequest(422, server_field, f"{server_field} is set by the server")
+    store = context(request).store
+    expected = expected_revision(request)
+    current = await store.get(schedule_id)
+    client_fields = set(models.ScheduleFields.model_fields)
+    merged = _merge_patch(current.model_dump(mode="json", include=client_fields), patch)
+    now = now_of(request)
+    fields = validate(request, models.ScheduleFields, merged, now,
+                       stored_trigger="trigger" not in patch)
+    who = await _writing(request, schedule_id, fields.namespace)
+    await _check_fan_out(request, fields)
+    # Without If-Match, the revision read above still guards against a lost update.
+    schedule = await store.replace(schedule_id, fields, now,
+                                   expected if expected is not None else current.revision, who)
+    return _schedule_response(schedule)
+
+
+async def delete_schedule(request: web.Request) -> web.Response:
+    schedule_id = request.match_info["id"]
+    await context(request).store.delete(schedule_id, expected_revision(request),
+                                    await _schedule_actor(request, schedule_id), now_of(request))
+    return web.Response(status=204)
+
+
+async def pause_schedule(request: web.Request) -> web.Response:
+    """Pause, with an optional note and an instant to resume at by itself."""
+    now = now_of(request)
+    wanted = models.PauseIn.model_validate(await optional_json_body(request),
+                                           context={"now": now})
+    schedule_id = request.match_info["id"]
+    who = actor(request)
+    if who.reason is None and wanted.note is not None:  # the pause's note says why
+        who = dataclasses.replace(who, reason=wanted.note)
+    who = await _schedule_actor(request, schedule_id, who)
+    schedule = await context(request).store.pause(
+        schedule_id, now, who, wanted.note, wanted.until, expected_revision(request))
+    return _schedule_response(schedule)
+
+
+async def resume_schedule(request: web.Request) -> web.Response:
+    schedule_id = request.match_info["id"]
+    schedule = await context(request).store.resume(
+        schedule_id, now_of(request), expected_revision(request),
+        await _schedule_actor(request, schedule_id))
+    return _schedule_response(schedule)
+
+
+async def next_fires(request: web.Request) -> web.Response:
+    count = int_param(request, "count", 5, 1, MAX_PREVIEW)
+    after = time_param(request, "after", now_of(request))
+    schedule = await context(request).store.get(request.match_info["id"])
+    # A thousand times of a rare expression take a quarter of a second to work out: off
+    # the loop, which must keep renewing the lease meanwhile.
+    return as_json(await asyncio.to_thread(models.preview, schedule, after, count))
+
+
+_IDEMPOTENCY_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}")
+
+
+async def trigger_schedule(request: web.Request) -> web.Response:
+    """Run a schedule now: a fire ``<id>@manual-<instant>`` the leader publishes within a
+    poll (REQUESTED_POLL_S); an Idempotency-Key makes a retried request answer with the
+    first one's fire."""
+    cluster = cluster_of(request)
+    wanted = models.TriggerIn.model_validate(await optional_json_body(request))
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
+                         f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces")
+    schedule = await context(request).store.get(request.match_info["id"])
+    who = change_by(request, schedule.namespace)
+    if (schedule.paused or schedule.completed) and not wanted.force:
+        state = "paused" if schedule.paused else "completed (its max_fires are used)"
+        raise RunConflict(f"schedule {schedule.id!r} is {state}; send \"force\": true to "
+                          "run it anyway")
+    if wanted.payload is not None and celery_task(schedule.target) is not None:
+        try:
+            celery_call(wanted.payload)
+        except CeleryPayloadError as exc:
+            raise BadRequest(422, "payload", str(exc)) from None
+    earlier = None if key is None else await cluster.ledger.requested_with_key(
+        f"{schedule.id}/{key}")
+    if earlier is not None:
+        doc, created = earlier, False
+    else:
+        tenants = None if schedule.fan_out is None else await _tenants_now(
+            request, schedule.fan_out)
+        docs = request_documents(schedule.id, now_of(request), who.name, wanted.payload,
+                                 wanted.overlap, key, tenants, tracing.current_traceparent(),
+                                 wanted.priority)
+        docs[0] = with_record(docs[0], runs_record(
+            request, history.TRIGGER, who, schedule.namespace, schedule.id,
+            {"fire_id": requested_fire(docs[0]), "force": wanted.force,
+             "overlap": wanted.overlap, "payload_given": wanted.payload is not None,
+             "tenants": len(tenants) if tenants is not None else None}))
+        doc, created = await cluster.ledger.request(docs)
+    fire = requested_fire(doc)
+    log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name,
+             created=created)
+    return as_json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
+                                  created=created), 202)
+
+
+async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
+    """A fan-out run now fires once per tenant its filter selects now (read from its
+    source, not a mirror), within the cluster's bound."""
+    bounded = context(request).fan_out
+    if bounded is None:
+        raise web.HTTPServiceUnavailable(reason="this replica reads no fan-out sources")
+    limit, reads = bounded
+    keys = await reads.keys(fan_out, limit)
+    if keys is None:
+        raise RunConflict(f"the fan-out selects more than {limit} documents of "
+                          f"{fan_out.collection!r} now; the cluster's bound is "
+                          "serve --max-fan-out")
+    if not keys:
+        raise RunConflict(f"the fan-out selects no tenant of {fan_out.collection!r} now: "
+                          "nothing to run")
+    return keys
+
+
+async def schedule_history(request: web.Request) -> web.Response:
+    """Every recorded change of one schedule, newest first (kept after it is deleted)."""
+    schedule_id = request.match_info["id"]
+    limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    try:
+        docs = await context(request).audit.query(namespaces=readable_namespaces(request),
+                                              schedule_id=schedule_id,
+                                              before=request.query.get("before"), limit=limit)
+    except LookupError:
+        return problem(404, "before names no record of this schedule")
+    if not docs and request.query.get("before") is None:
+        raise ScheduleNotFound(schedule_id)
+    items = [history.public(d) for d in docs]
+    return web.json_response({"schedule_id": schedule_id, "items": items,
+                              "next": items[-1]["id"] if len(items) == limit else None})
+
+
+async def restore_schedule(request: web.Request) -> web.Response:
+    """Put a schedule's fields back as they were at an earlier revision (a new revision,
+    recorded as a restore). A payload the trail keeps redacted stays as it is now."""
+    schedule_id = request.match_info["id"]
+    wanted = models.RestoreIn.model_validate(await json_body(request))
+    record = await context(request).audit.revision(schedule_id, wanted.revision)
+    if record is None:
+        raise BadRequest(404, "revision", f"schedule {schedule_id!r} has no revision "
+                                          f"{wanted.revision} in its history")
+    store = context(request).store
+    current = await store.get(schedule_id)
+    fields = {k: v for k, v in record["after"].items() if k not in ("pause", "completed")}
+    if any(isinstance(v, str) and v.startswith("redacted:")
+           for v in (fields.get("payload") or {}).values()):
+        fields["payload"] = current.payload
+    now = now_of(request)
+    restored = validate(request, models.ScheduleFields, fields, now, stored_trigger=True)
+    who = await _writing(request, schedule_id, restored.namespace)
+    await _check_fan_out(request, restored)
+    expected = expected_revision(request)
+    schedule = await store.replace(schedule_id, restored, now,
+                                   expected if expected is not None else current.revision,
+                                   dataclasses.replace(who, origin=None), history.RESTORE)
+    return _schedule_response(schedule)
