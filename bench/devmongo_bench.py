@@ -167,7 +167,7 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
             await fires_ledger.mark_published(ids[start:start + 500], 1, now, 1)
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
-            await runs.reserve(claims[start:start + 1000], targets, now)
+            await runs.reserve(claims[start:start + 1000], targets, now, 1)
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
             await db.runs.update_many(

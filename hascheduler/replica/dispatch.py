@@ -219,8 +219,8 @@ class Dispatcher:
             term.check()
             now = self.clock()
             horizon = now + dt.timedelta(seconds=CLAIM_AHEAD_S)
-            # A claim batch at a time off the heap (taking 10,000 fires at once held the
-            # loop for a fifth of a second), CLAIMS_IN_FLIGHT of them awaiting the database.
+            # A claim batch at a time off the heap, so a burst never holds the loop,
+            # CLAIMS_IN_FLIGHT of them awaiting the database.
             async with InFlight(CLAIMS_IN_FLIGHT) as claiming:
                 while batch := term.take(horizon, CLAIM_BATCH):
                     batch = await self.quotas.admit(batch, term, now)

@@ -38,21 +38,17 @@ from hascheduler.storage.fires import Ledger, claim_record, skipped_range_docume
 
 log = structlog.get_logger("hascheduler.dispatch")
 
-# Fires claimed (and published) per database round trip. Bounded so that one burst never
-# holds the database longer than a lease renewal can wait: with 10,000 claims in one
-# insert, the single-threaded development server starved the leader's renewal past its
-# deadline and leadership thrashed mid-burst.
+# Fires claimed (and published) per database round trip, bounded so that one burst never
+# holds the database longer than a lease renewal can wait (docs/BENCHMARKS.md).
 CLAIM_BATCH = 1000
-# Claim batches awaiting the database at once: one at a time, each claim's round trip
-# waited behind the other connections' turns on a busy server, and a burst's claims fell
-# behind their due times while the server had time to spare.
+# Claim batches awaiting the database at once, so that a burst's claims do not wait one
+# round trip each behind the other connections' turns.
 CLAIMS_IN_FLIGHT = 2
 # Fires are claimed up to this long before they are due, and published at their due time
 # after a re-check (paused, deleted, edited meanwhile): a burst's claims are then made
-# before its second instead of delaying its publishes. The claims of 10,000 fires due
-# together take about a third of a second of the development server's time. A second and
-# a half, not two: cron fires cluster on whole seconds, and claiming the next-but-one
-# second's fires then happens mid-second instead of at the instant this second's publish.
+# before its second instead of delaying its publishes. Under two seconds, because cron
+# fires cluster on whole seconds: the next-but-one second's claims then fall mid-second,
+# not at the instant of this second's publish.
 # A claim made ahead is published only if its term still holds the lease at the due time.
 CLAIM_AHEAD_S = 1.5
 
@@ -305,8 +301,7 @@ class FiringPath:
                     return  # deposed meanwhile: the next leader adopts these claims
                 if claimed and claimed[0].due_at - ahead <= now:
                     # Both lists are in due order: what is due is a prefix, found by
-                    # bisection (a scan of the rest at every tick of a spread second
-                    # was a twentieth of the leader's time).
+                    # bisection rather than a scan of the rest at every tick.
                     split = bisect.bisect_right(claimed, now + ahead, key=_due_at)
                     coming, claimed = claimed[:split], claimed[split:]
                     passed, again = await self._admit(coming, term)
@@ -351,8 +346,8 @@ class FiringPath:
         """Wait until ``at``; False if the term began handing over meanwhile."""
         delay = (at - self.clock()).total_seconds()
         if 0 < delay <= SHORT_WAIT_S:
-            # A tick's wait: a plain timer (wait_for's task and its cancellation, at every
-            # tick of every publishing batch, cost the leader a tenth of its time).
+            # A tick's wait: a plain timer, not wait_for's task and its cancellation at
+            # every tick of every publishing batch.
             await asyncio.sleep(delay)
         elif delay > 0:
             with contextlib.suppress(TimeoutError):

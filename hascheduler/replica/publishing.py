@@ -155,8 +155,7 @@ class Publisher:
 
     def prepare(self, claims: list[Claim]) -> None:
         """Tracing on: begin the claims' publish spans now, at their claim, ahead of their
-        due time, so that publishing them then only reads them (10,000 fires due in one
-        second were made later by making their spans then)."""
+        due time, so that publishing them then only reads them."""
         if not tracing.enabled():
             return
         for claim in claims:
@@ -327,19 +326,16 @@ class Publisher:
                     attempt: int) -> None:
         """Mark published fires, behind their publish, in a group commit: while one write
         is in flight, the marks of the publishes that end meanwhile gather and go in the
-        next write together (fires whose phases spread over the second made a write per
-        5 ms tick). First it waits (briefly) for the batches published with these: with
-        the database, the broker and the leader sharing a machine, the database's work for
-        the first batches slowed the broker's acks of the last ones. The fires' metrics and
-        debug lines wait too: a batch's publish time is when the leader reads its last ack,
-        and made as each batch's acks came in they held back the reading of the next
+        next write together, not a write per publishing tick. First it waits (briefly) for
+        the batches published with these, so the database's work for the first batches
+        does not slow the broker's acks of the last ones; the fires' metrics and debug
+        lines wait too, so making them does not hold back the reading of the next
         batches' acks. A failed write leaves every fire it held claimed: the retry loop
         republishes them (deduplicated by the broker, run once by the runs ledger)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._broker_idle.wait(), MARK_DEFER_MAX_S)
         self.metrics.fires.labels("published").inc(len(done))
-        # The logger's method looked up once: each lookup through structlog's lazy proxy
-        # cost a microsecond, a hundredth of a second for a 10,000 burst.
+        # The logger's method looked up once, not through structlog's lazy proxy per fire.
         observe, fired = self.metrics.lateness.observe, log.debug
         for claim in done:
             observe((at - claim.due_at).total_seconds())

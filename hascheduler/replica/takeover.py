@@ -29,14 +29,14 @@ from hascheduler.storage.schedules import ScheduleReads, created_after
 
 log = structlog.get_logger("hascheduler.dispatch")
 
-# Retries published per turn of the retry loop, a claim batch each: a 10,000 burst held up
-# by a broker outage goes out in one turn, and the loop still yields between batches.
+# Retries published per turn of the retry loop, a claim batch each: a burst held up by a
+# broker outage goes out in one turn, and the loop still yields between batches.
 RETRY_BATCHES_PER_TURN = 20
 # Retry batches awaiting their publish at once: the fires due now keep the publisher's
 # other slots.
 RETRIES_IN_FLIGHT = 2
 # How long a term waits for the schedules' creation times before catching up without them
-# (a first term reads every schedule's: 1,000,000 take seconds on the development server).
+# (a first term reads every schedule's, which takes seconds for a large database).
 CREATED_READ_S = 60.0
 
 

@@ -173,8 +173,8 @@ class Term:
         passed, and this lead of it has not ended (but for its handover's drain). A
         replica that stops firing and leads again in the same term (a renewal late past
         its deadline, then made) leads it anew: the tasks of the lead before must not act
-        beside it, or the two decide on one fire apart (the chaos soak: a fire published
-        by the old lead's task after the new lead recorded it skipped)."""
+        beside it, or the two decide on one fire apart (one publishes a fire the other
+        recorded skipped)."""
         return (self.active or self.handing_over.is_set()) and self._lease.valid \
             and self._lease.term == self.number
 

@@ -519,8 +519,7 @@ class Worker:
                     raise PermanentFailure(held.key_error)
                 if not held.cancelled.is_set():  # not cancelled while it was queued
                     # A timer of the loop's own, cancelling the runner as an operator's
-                    # cancel does: asyncio.timeout's bookkeeping was a twentieth of a
-                    # busy worker's CPU.
+                    # cancel does: lighter than asyncio.timeout's bookkeeping per run.
                     loop = asyncio.get_running_loop()
                     timer = loop.call_at(loop.time() + route.policy.timeout_s, held.stop)
                     try:
