@@ -11,18 +11,17 @@ from typing import Any
 
 import pytest
 
-from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.worker import RetryPolicy, Run, WorkerApp
 from hascheduler.worker.app import Route
+from hascheduler.worker.attempts import Attempts
 from hascheduler.worker.delivery import read_delivery
+from hascheduler.worker.held import Held
 from hascheduler.worker.metrics import WorkerMetrics
-from hascheduler.worker.runtime import Held, Worker
-from hascheduler.worker.settings import WorkerSettings
 
 TIMEOUT_S = 0.05
 
 
-def held_run(worker: Worker, route: Route, fire_id: str) -> tuple[Held, Run]:
+def held_run(route: Route, fire_id: str) -> tuple[Held, Run]:
     nominal = dt.datetime.now(dt.UTC)
     body = json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
                        "type": "io.hascheduler.fire", "data": {
@@ -41,25 +40,21 @@ async def forever() -> None:
 
 
 def a_worker(handler: Any, timeout_s: float = TIMEOUT_S
-             ) -> tuple[Worker, Route, list[str]]:
+             ) -> tuple[Attempts, Route, list[str]]:
     app = WorkerApp(policy=RetryPolicy(max_attempts=1, timeout_s=timeout_s))
     app.add("jobs.*", handler)
-    settings = WorkerSettings(broker=parse_broker_url("nats://127.0.0.1:4222"),
-                              mongodb_uri="mongodb://127.0.0.1:1", app=app, durable="d",
-                              worker_id="w")
-    worker = Worker(settings, None, WorkerMetrics())  # type: ignore[arg-type]
     given_back: list[str] = []
 
     async def give_back(held: Held) -> None:
         given_back.append(held.delivery.fire.fire_id)
 
-    worker._give_back = give_back  # type: ignore[method-assign]
     route = app.route("jobs.a")
     assert route is not None
-    return worker, route, given_back
+    return Attempts("w", lambda: dt.datetime.now(dt.UTC), WorkerMetrics(), give_back), \
+        route, given_back
 
 
-async def attempts(worker: Worker, route: Route, fire_ids: list[str],
+async def attempts(worker: Attempts, route: Route, fire_ids: list[str],
                    meanwhile: Any = None) -> list[Any]:
     """Each fire's attempt in turn, in one runner task (as Worker._runner runs them);
     ``meanwhile(held)`` is started beside the first. The runner's task is checked for
@@ -70,10 +65,10 @@ async def attempts(worker: Worker, route: Route, fire_ids: list[str],
         task = asyncio.current_task()
         assert task is not None
         for i, fire_id in enumerate(fire_ids):
-            held, run = held_run(worker, route, fire_id)
+            held, run = held_run(route, fire_id)
             held.runner = task
             side = asyncio.create_task(meanwhile(held)) if meanwhile and i == 0 else None
-            outcomes.append(await worker._attempt(held, run, route))
+            outcomes.append(await worker.attempt(held, run, route))
             assert task.cancelling() == 0
             if side is not None:
                 await side
@@ -145,8 +140,8 @@ async def test_a_drains_cancel_gives_the_run_back_and_stops_the_runner() -> None
         await forever()
 
     worker, route, given_back = a_worker(handler)
-    held, run = held_run(worker, route, "drained@1")
-    runner = asyncio.create_task(worker._attempt(held, run, route))
+    held, run = held_run(route, "drained@1")
+    runner = asyncio.create_task(worker.attempt(held, run, route))
     held.runner = runner
     await asyncio.wait_for(started.wait(), 5)
     runner.cancel()

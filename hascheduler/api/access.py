@@ -305,7 +305,7 @@ def parse_namespaces(text: str | Iterable[str], where: str) -> frozenset[str]:
     return frozenset(words)
 
 
-def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, NamespaceRules]]:
+def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, NamespaceRules]]:  # noqa: C901 (one pass over the file, each entry checked where it is read)
     """The named tokens and namespace rules of an access file (YAML or JSON):
 
     tokens:

@@ -3,8 +3,7 @@ record (``Context``) on the application, and the protocols of the parts it reads
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,7 +15,7 @@ from hascheduler.api.access import (
 )
 from hascheduler.api.guards import Guard
 from hascheduler.brokers.base import Broker
-from hascheduler.core.clock import ServerClock
+from hascheduler.core.clock import Clock, ServerClock
 from hascheduler.core.constants import (
     DEFAULT_MAX_BACKFILL,
 )
@@ -35,10 +34,8 @@ from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookStore
 
-Clock = Callable[[], dt.datetime]
 
-
-class Mirror(Protocol):
+class MirrorReads(Protocol):
     """The replica's schedules mirror (replica/mirror.py), as the API reads it."""
 
     @property
@@ -100,7 +97,7 @@ class Context:
     """The replica's parts, as every handler and middleware reads them."""
 
     store: ScheduleStore
-    mirror: Mirror
+    mirror: MirrorReads
     replica_id: str
     audit: AuditLog
     clock: Clock

@@ -10,10 +10,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from hascheduler.api.context import Clock, context
+from hascheduler.api.context import context
 from hascheduler.api.errors import BadRequest
 from hascheduler.api.openapi import IF_MATCH
 from hascheduler.core import models
+from hascheduler.core.clock import Clock
 
 _JSON_TYPES = {"application/json", "application/merge-patch+json"}
 

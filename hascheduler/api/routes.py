@@ -17,10 +17,9 @@ from hascheduler.api.backfills import backfill_schedule, cancel_backfill, get_ba
 from hascheduler.api.cluster import healthz, leader, members, metrics, mirror_entry, readyz, whoami
 from hascheduler.api.context import (
     CONTEXT,
-    Clock,
     Cluster,
     Context,
-    Mirror,
+    MirrorReads,
     SourceMirrors,
     TenantReads,
 )
@@ -82,7 +81,7 @@ from hascheduler.api.webhooks import (
     list_webhooks,
     webhook_deliveries,
 )
-from hascheduler.core.clock import ServerClock
+from hascheduler.core.clock import Clock, ServerClock
 from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     MAX_PAGE,
@@ -699,9 +698,9 @@ def _document() -> dict[str, Any]:
         for r in ROUTES])
 
 
-def create_app(
+def create_app(  # noqa: PLR0913 (the composition root of the API: every part it serves)
     store: ScheduleStore,
-    mirror: Mirror,
+    mirror: MirrorReads,
     replica_id: str,
     audit: AuditLog,
     clock: Clock = lambda: dt.datetime.now(dt.UTC),

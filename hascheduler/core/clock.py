@@ -26,6 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# What every part that reads the time is given: a function of now (the server's clock,
+# ServerClock.now, in a replica and a worker).
+Clock = Callable[[], dt.datetime]
+
 # How far the monotonic clock may run fast or slow against the server's: NTP slews a clock
 # by at most 500 ppm, and crystals drift by tens.
 MAX_DRIFT = 500e-6
@@ -44,7 +48,7 @@ class ServerClock:
     """Bounds on the database server's clock, kept from the replies that carry it."""
 
     def __init__(self, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+                 wall: Clock = lambda: dt.datetime.now(dt.UTC),
                  drift: float = MAX_DRIFT, tolerance_s: float = DEFAULT_TOLERANCE_S) -> None:
         self.monotonic = monotonic  # samplers time their round trips with it
         self._wall = wall

@@ -63,7 +63,7 @@ class Entry:
         "trigger",
     )
 
-    def __init__(self, revision: int, paused: bool, trigger: triggers.Trigger, jitter: float,
+    def __init__(self, revision: int, paused: bool, trigger: triggers.Trigger, jitter: float,  # noqa: PLR0913 (a record of the fields firing reads)
                  catchup: str, catchup_window: float, target: str,
                  fan_out: FanOut | None = _DEFAULTS.fan_out, overlap: str = _DEFAULTS.overlap,
                  paused_until: dt.datetime | None = _DEFAULTS.paused_until,

@@ -15,6 +15,7 @@ import structlog
 
 from hascheduler.core.backfill import ChunkOutcome, chunk_outcome
 from hascheduler.core.claims import PAUSED_BEFORE_DUE
+from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.instants import as_utc
@@ -55,7 +56,7 @@ class Backfilling:
 
     def __init__(self, backfills: Backfills, ledger: Ledger, entries: Mapping[str, Entry],
                  claim: ClaimAndPublish, busy: Callable[[], bool],
-                 clock: Callable[[], dt.datetime], claim_ahead_s: float) -> None:
+                 clock: Clock, claim_ahead_s: float) -> None:
         self.backfills = backfills
         self.ledger = ledger
         self.entries = entries  # the mirror's

@@ -25,6 +25,7 @@ from hascheduler.core.catchup import (
     replan_from,
     unplanned,
 )
+from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.triggers import just_before
 from hascheduler.process.metrics import Metrics
@@ -39,7 +40,6 @@ from hascheduler.replica.firing import (
 from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.publishing import (
-    Clock,
     DispatchSettings,
     MirroredSchedules,
     Publisher,
@@ -66,7 +66,7 @@ CLAIM_EVERY_S = 0.025
 
 
 class Dispatcher:
-    def __init__(self, mirror: MirroredSchedules, schedules: ScheduleReads, ledger: Ledger,
+    def __init__(self, mirror: MirroredSchedules, schedules: ScheduleReads, ledger: Ledger,  # noqa: PLR0913 (builds the term's services from what they use)
                  broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
                  clock: Clock = lambda: dt.datetime.now(dt.UTC),
                  metrics: Metrics | None = None, sources: TenantSource | None = None,

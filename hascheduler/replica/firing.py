@@ -24,6 +24,7 @@ import structlog
 
 from hascheduler.core.catchup import SkippedRange
 from hascheduler.core.claims import Claim, expand, none_withdrawn, withdrawn
+from hascheduler.core.clock import Clock
 from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
@@ -32,7 +33,7 @@ from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.in_flight import InFlight
-from hascheduler.replica.publishing import Clock, DispatchSettings, Publisher
+from hascheduler.replica.publishing import DispatchSettings, Publisher
 from hascheduler.replica.term import Term
 from hascheduler.storage.fires import Ledger, claim_record, skipped_range_document
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 from pymongo.errors import PyMongoError
 
+from hascheduler.core.clock import Clock
 from hascheduler.process import logs
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.term import LeadershipLost
@@ -57,7 +58,7 @@ class Elector:
     def __init__(self, lease: Lease, dispatcher: Firing, leases: Watchable,
                  unfit: Callable[[], str | None] = lambda: None,
                  metrics: Metrics | None = None,
-                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> None:
+                 clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
         self.lease = lease
         self.metrics = metrics or Metrics()
         self._unfit = unfit

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +22,7 @@ from pymongo.errors import PyMongoError
 
 from hascheduler.brokers.base import Broker, BrokerUnavailable
 from hascheduler.core.claims import Claim
+from hascheduler.core.clock import Clock
 from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
 from hascheduler.core.entries import Entry
 from hascheduler.core.events import EventTemplate, PreparedEvent, fired_field
@@ -34,8 +35,6 @@ from hascheduler.storage.fires import Ledger
 from hascheduler.storage.schedules import ScheduleReads, ScheduleStore, message_fields
 
 log = structlog.get_logger("hascheduler.dispatch")
-
-Clock = Callable[[], dt.datetime]
 
 # Marking fires published waits at most this long for the other batches then awaiting
 # the broker (see Publisher.publish).
@@ -220,7 +219,7 @@ class Publisher:
         if self.gate is not None:
             await self.gate.unreserve(claims, term)
 
-    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,  # noqa: C901, PLR0915 (the hot path, kept in one frame: docs/BENCHMARKS.md)
                       released: bool = False, admitted: bool = False,
                       unchanged: bool = False) -> None:
         """Publish claimed fires (through the overlap gate, unless ``admitted`` through it

@@ -7,9 +7,10 @@ import asyncio
 
 import structlog
 
+from hascheduler.core.clock import Clock
 from hascheduler.replica.firing import FiringPath
 from hascheduler.replica.overlap import BUFFER_POLL_S, OverlapGate
-from hascheduler.replica.publishing import Clock, Publisher
+from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import Term
 
 log = structlog.get_logger("hascheduler.dispatch")

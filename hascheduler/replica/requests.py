@@ -11,9 +11,10 @@ from collections.abc import Mapping
 
 import structlog
 
+from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry
 from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
-from hascheduler.replica.publishing import Clock, Publisher
+from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import Term
 from hascheduler.storage.fires import REQUESTED, Ledger
 from hascheduler.storage.schedules import ScheduleStore

@@ -246,7 +246,7 @@ class Replica:
         await self._stack.aclose()
         log.info("replica_stopped")
 
-    async def _start(self) -> None:
+    async def _start(self) -> None:  # noqa: PLR0915 (the replica's composition root, one exit stack)
         settings, stack = self.settings, self._stack
         logs.identify(settings.replica_id)
         if tracing.configure("hascheduler"):

@@ -19,10 +19,11 @@ from pymongo.errors import PyMongoError
 
 from hascheduler.core.catchup import LATE_CHANGE_S, plan_catchups
 from hascheduler.core.claims import Claim
+from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry
 from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.in_flight import InFlight
-from hascheduler.replica.publishing import Clock, Publisher
+from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import HeldLease, Term
 from hascheduler.storage.fires import Ledger, skipped_range_document
 from hascheduler.storage.schedules import ScheduleReads, created_after

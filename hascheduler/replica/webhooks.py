@@ -30,6 +30,7 @@ import aiohttp
 import structlog
 from pymongo.errors import PyMongoError
 
+from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry
 from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.models import DEFAULT_NAMESPACE
@@ -70,7 +71,7 @@ LOOK_BACK_S = 60.0
 class WebhookService:
     def __init__(self, store: WebhookStore, deliveries: Deliveries, ledger: Ledger,
                  runs: RunLedger, schedules: ScheduleStore, entries: Mapping[str, Entry],
-                 is_leader: Callable[[], bool], clock: Callable[[], dt.datetime]) -> None:
+                 is_leader: Callable[[], bool], clock: Clock) -> None:
         self.store = store
         self.deliveries = deliveries
         self.ledger = ledger

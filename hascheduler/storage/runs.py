@@ -147,7 +147,7 @@ class RunsCollection(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
+class RunClaim:
     """The answer to a claim: ``claimed`` (run the handler, this is attempt ``attempt``),
     or the state that stopped it: ``running`` elsewhere or ``retrying`` not yet due (both
     with ``wait_s`` until it may be claimed), ``succeeded`` or ``dead``."""
@@ -277,12 +277,12 @@ def _parked(fire: FireRef, on: Wanted | Paced, priority: int, now: dt.datetime) 
                else {"wait_interval_s": on.interval_s})}
 
 
-def _blocked(current: Document, now: dt.datetime) -> Claim:
+def _blocked(current: Document, now: dt.datetime) -> RunClaim:
     """Why a run cannot be claimed now: its state, and how long until it might be."""
     state = current["state"]
     until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
     wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
-    return Claim(state, wait_s=max(0.0, wait))
+    return RunClaim(state, wait_s=max(0.0, wait))
 
 
 class RunLedger:
@@ -312,7 +312,7 @@ class RunLedger:
     # -- a worker's writes ----------------------------------------------------------------
 
     async def claim_many(self, fires: list[FireRef], worker_id: str, now: dt.datetime,
-                         lease_s: float) -> list[Claim]:
+                         lease_s: float) -> list[RunClaim]:
         """``claim`` for each of ``fires`` (distinct fire ids), in one insert for those
         seen for the first time (the common case), and one update for those the leader
         reserved (``pending``: an overlap policy's)."""
@@ -323,7 +323,7 @@ class RunLedger:
             self.runs, [_new_run(f, running, now) for f in fires])}
         started = await self._start_reserved([fires[i].fire_id for i in sorted(taken)],
                                              running, now)
-        return [Claim("claimed", attempt=1) if i not in taken or f.fire_id in started
+        return [RunClaim("claimed", attempt=1) if i not in taken or f.fire_id in started
                 else await self._claim_existing(f, worker_id, now, lease_s)
                 for i, f in enumerate(fires)]
 
@@ -344,16 +344,16 @@ class RunLedger:
                                                         "claim_token": token}, {"_id": 1})}
 
     async def claim(self, fire: FireRef, worker_id: str, now: dt.datetime,
-                    lease_s: float) -> Claim:
+                    lease_s: float) -> RunClaim:
         """Claim the run of ``fire`` for ``worker_id`` until ``now + lease_s``."""
         try:
             await self.runs.insert_one(_new_run(fire, _running(worker_id, now, lease_s), now))
-            return Claim("claimed", attempt=1)
+            return RunClaim("claimed", attempt=1)
         except DuplicateKeyError:
             return await self._claim_existing(fire, worker_id, now, lease_s)
 
     async def _claim_existing(self, fire: FireRef, worker_id: str, now: dt.datetime,
-                              lease_s: float) -> Claim:
+                              lease_s: float) -> RunClaim:
         running = _running(worker_id, now, lease_s)
         before = await self.runs.find_one_and_update(
             {"_id": fire.fire_id, "$or": [
@@ -372,7 +372,7 @@ class RunLedger:
                 await self.runs.update_one({"_id": fire.fire_id, "first_started_at": None},
                                            {"$set": {"first_started_at": now}})
             took_over = before.get("worker_id") if before["state"] == RUNNING else None
-            return Claim("claimed", attempt=int(before["attempts"]) + 1, took_over=took_over)
+            return RunClaim("claimed", attempt=int(before["attempts"]) + 1, took_over=took_over)
         current = await self.runs.find_one({"_id": fire.fire_id},
                                            {"state": 1, "lease_until": 1, "next_attempt_at": 1})
         if current is None:  # expired between the two writes: as if never run
@@ -380,10 +380,10 @@ class RunLedger:
         return _blocked(current, now)
 
     async def park(self, parking: Sequence[tuple[FireRef, Wanted | Paced, int]],
-                   now: dt.datetime) -> dict[str, Claim]:
+                   now: dt.datetime) -> dict[str, RunClaim]:
         """Park the runs of these fires (each with what it waits for, and its priority):
         ``waiting`` on the key (no slot of it was free, or no start in its rate budget),
-        keeping the event for the worker that wakes it. By fire id: Claim("parked"), or
+        keeping the event for the worker that wakes it. By fire id: RunClaim("parked"), or
         the state that stops it as ``claim`` says (running elsewhere, ended, a retry not
         yet due). The new ones (the common case) in one write."""
         parked = {fire.fire_id: _parked(fire, on, priority, now)
@@ -396,7 +396,7 @@ class RunLedger:
                     if fire.tenant is not None else {})}
                 for fire, _, _ in parking]
         existing = {docs[e["index"]]["_id"] for e in await insert_new(self.runs, docs)}
-        answers = {fire.fire_id: Claim(PARKED) for fire, _, _ in parking}
+        answers = {fire.fire_id: RunClaim(PARKED) for fire, _, _ in parking}
         for fire_id in existing:
             before = await self.runs.find_one_and_update(
                 {"_id": fire_id, "$or": [

@@ -55,7 +55,7 @@ _FIELDS = frozenset(ScheduleFields.model_fields)
 SYSTEM = Actor("hascheduler")
 
 
-class Collection(Protocol):
+class SchedulesCollection(Protocol):
     """The slice of a driver collection the store uses (PyMongo async or Motor)."""
 
     async def insert_one(self, document: Any) -> Any: ...
@@ -153,7 +153,7 @@ def _view(doc: dict[str, Any]) -> dict[str, Any]:
 class ScheduleStore:
     """Every write records who made it, in the same write (storage/audit_log.py)."""
 
-    def __init__(self, collection: Collection, counts: FireCounts | None = None,
+    def __init__(self, collection: SchedulesCollection, counts: FireCounts | None = None,
                  audit: AuditLog | None = None, redact_payload: bool = False,
                  traced: WriteTracer = _untraced) -> None:
         self._coll = collection

@@ -39,7 +39,7 @@ class WebhookExists(Exception):
     pass
 
 
-class Collection(Protocol):
+class WebhooksCollection(Protocol):
     async def insert_one(self, document: Any) -> Any: ...
     async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
@@ -51,7 +51,7 @@ class Collection(Protocol):
 
 
 class WebhookStore:
-    def __init__(self, webhooks: Collection) -> None:
+    def __init__(self, webhooks: WebhooksCollection) -> None:
         self.webhooks = webhooks
 
     async def ensure_indexes(self) -> None:
@@ -83,7 +83,7 @@ class WebhookStore:
 
 
 class Deliveries:
-    def __init__(self, deliveries: Collection) -> None:
+    def __init__(self, deliveries: WebhooksCollection) -> None:
         self.deliveries = deliveries
 
     async def ensure_indexes(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import structlog
 from pymongo.errors import PyMongoError
 
+from hascheduler.core.clock import Clock
 from hascheduler.core.events import FireMessage
 from hascheduler.core.flow import MissingKeyField, Paced, Wanted, paced, wanted
 from hascheduler.core.run_states import PARKED
@@ -44,7 +45,7 @@ MAX_WAKES = 64  # runs one release may wake (a raised limit frees several slots 
 WAKE_PUBLISH_TIMEOUT_S = 5.0
 
 
-class Publisher(Protocol):
+class WakePublisher(Protocol):
     async def start(self) -> None: ...
     async def publish(self, messages: Sequence[FireMessage],
                       timeout_s: float) -> list[BaseException | None]: ...
@@ -94,14 +95,14 @@ def woken_event(stored: bytes, rate_granted: bool = False) -> bytes:
 
 class FlowGate:
     def __init__(self, slots: SlotStore, rates: RateStore, runs: RunLedger,
-                 publisher: Callable[[], Publisher], lease_s: float,
-                 clock: Callable[[], dt.datetime]) -> None:
+                 publisher: Callable[[], WakePublisher], lease_s: float,
+                 clock: Clock) -> None:
         self.slots = slots
         self.rates = rates
         self.runs = runs
         self.rate_parked = asyncio.Event()  # this worker parked a run on a rate key
         self._make_publisher = publisher
-        self._publisher: Publisher | None = None
+        self._publisher: WakePublisher | None = None
         self.lease_s = lease_s
         self.clock = clock
 

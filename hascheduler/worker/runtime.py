@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import dataclasses
 import datetime as dt
 import itertools
-import re
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -40,6 +35,7 @@ from tenacity import (
 )
 
 from hascheduler.brokers.base import Delivered, FireSource
+from hascheduler.core.clock import Clock
 from hascheduler.core.flow import Paced, Wanted, rank
 from hascheduler.core.run_states import (
     CANCELLED,
@@ -52,9 +48,10 @@ from hascheduler.core.run_states import (
 )
 from hascheduler.process import lifecycle, tracing
 from hascheduler.process.lifecycle import Every
-from hascheduler.storage.runs import Claim, Outcome, RunLedger
+from hascheduler.storage.runs import Outcome, RunClaim, RunLedger
 from hascheduler.storage.schedules import ScheduleStore
-from hascheduler.worker.app import LazyEvent, Route, Run
+from hascheduler.worker.app import Route
+from hascheduler.worker.attempts import Attempts
 from hascheduler.worker.delivery import Delivery, NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.flow import (
     LAPSED_SWEEP_S,
@@ -63,14 +60,12 @@ from hascheduler.worker.flow import (
     slot_wanted,
     start_paced,
 )
+from hascheduler.worker.held import Held
 from hascheduler.worker.metrics import WorkerMetrics
-from hascheduler.worker.policy import PermanentFailure, RunTimeout, after_failure
 from hascheduler.worker.recorder import Recorder
 from hascheduler.worker.settings import WorkerSettings
 
 log = structlog.get_logger("hascheduler.worker")
-
-Clock = Callable[[], dt.datetime]
 
 FETCH_WAIT_S = 0.5  # an idle fetch's wait: how promptly a stop is noticed
 PREFETCH = 8  # runs claimed ahead of the runners, at least (twice --concurrency)
@@ -89,8 +84,6 @@ LEDGER_DOWN_DELAY_S = 2.0
 # How often a worker holding runs asks which were cancelled: a cancel takes effect within
 # this plus a round trip (under the promised second).
 CANCEL_POLL_S = 0.5
-# A fire's W3C traceparent: its trace id is kept on the run, for the dashboard's link.
-TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 class Fetched(NamedTuple):
@@ -137,30 +130,6 @@ class ClaimAhead:
         return self._ahead
 
 
-@dataclass(slots=True)
-class Held:
-    """A run this worker has claimed: queued for a runner, or running."""
-
-    message: Any
-    delivery: Delivery
-    route: Route
-    attempt: int
-    started: bool = False
-    lost: bool = False  # taken over by another worker after its lease lapsed
-    runner: asyncio.Task[None] | None = None  # running it, once started
-    cancelled: threading.Event = field(default_factory=LazyEvent)
-    trace: tracing.Context | None = None  # its claim span (tracing on): attempts' parent
-    slot: Wanted | None = None  # the concurrency slot it holds (worker/flow.py)
-    key_error: str | None = None  # why its concurrency key cannot be rendered: dead
-    stops: int = 0  # cancels of its runner asked for this run (an operator's, its timeout)
-
-    def stop(self) -> None:
-        """Cancel the runner running it (an operator's cancel, or its timeout)."""
-        if self.runner is not None:
-            self.stops += 1
-            self.runner.cancel()
-
-
 class Worker:
     """Consumes fires and runs them: a fetch loop claims runs in batches and queues them;
     ``concurrency`` runners take them one at a time; one heartbeat renews every claim."""
@@ -181,6 +150,7 @@ class Worker:
         self.clock = clock
         self.stale = StaleFilter()
         self.recorder = Recorder(runs, settings.ack_wait_s, self._answer, self._ended)
+        self.attempts = Attempts(settings.worker_id, clock, metrics, self._give_back)
         self.held: dict[str, Held] = {}
         # Claimed runs waiting for a runner, by rank: priority, aged (core/flow.rank).
         self.queue: asyncio.PriorityQueue[tuple[float, int, Held]] = asyncio.PriorityQueue()
@@ -376,7 +346,7 @@ class Worker:
                 self.metrics.count(fire.target, WAITING)
                 acks.append(message.ack())
             else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
-                await self._claimed(message, delivery, route, Claim(outcome))
+                await self._claimed(message, delivery, route, RunClaim(outcome))
         for done in await asyncio.gather(*acks, return_exceptions=True):
             if isinstance(done, BaseException) and not isinstance(done, self.broker_errors):
                 raise done
@@ -405,7 +375,7 @@ class Worker:
         return delivery, route
 
     async def _claimed(self, message: Any, delivery: Delivery, route: Route,
-                       claim: Claim, span: tracing.Span | None = None,
+                       claim: RunClaim, span: tracing.Span | None = None,
                        slot: Wanted | None = None, key_error: str | None = None) -> None:
         fire_id, target = delivery.fire.fire_id, delivery.fire.target
         if slot is not None and not claim.claimed and claim.outcome != RUNNING \
@@ -461,7 +431,7 @@ class Worker:
             held.started = True
             held.runner = task
             try:
-                outcome = await self._run_handler(held)
+                outcome = await self.attempts.run(held)
             except BaseException:
                 self._release(held)
                 raise
@@ -490,74 +460,6 @@ class Worker:
             await _cancelled(runners)
             log.warning("runs_given_back", count=len(running))
 
-    async def _run_handler(self, held: Held) -> Outcome:
-        s = self.settings
-        fire, attempt, route = held.delivery.fire, held.attempt, held.route
-        run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
-                  nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
-                  worker_id=s.worker_id, event=fire.event, tenant=held.delivery.tenant,
-                  cancelled=held.cancelled)
-        with _attempt_span(held) as span:
-            outcome = await self._attempt(held, run, route)
-            if span is not None:
-                _record_outcome(span, outcome)
-        traced = TRACEPARENT.fullmatch(held.delivery.traceparent or "")
-        if traced is not None:
-            outcome = dataclasses.replace(outcome, trace_id=traced.group(1))
-        return outcome
-
-    async def _attempt(self, held: Held, run: Run, route: Route) -> Outcome:
-        s = self.settings
-        fire, attempt = held.delivery.fire, held.attempt
-        started, began = self.clock(), time.monotonic()
-        log.debug("run_started", fire_id=fire.fire_id, attempt=attempt)
-        error: BaseException | None = None
-        task = held.runner  # this runner's task (None outside one: nothing cancels it)
-        with self.metrics.in_flight(fire.target):
-            try:
-                if held.key_error is not None:
-                    raise PermanentFailure(held.key_error)
-                if not held.cancelled.is_set():  # not cancelled while it was queued
-                    # A timer of the loop's own, cancelling the runner as an operator's
-                    # cancel does: lighter than asyncio.timeout's bookkeeping per run.
-                    loop = asyncio.get_running_loop()
-                    timer = loop.call_at(loop.time() + route.policy.timeout_s, held.stop)
-                    try:
-                        await _call(route, run)
-                    finally:
-                        timer.cancel()
-                    if held.stops and task is not None:
-                        # The handler swallowed its cancel: taken back, or the runner's
-                        # next run would take a cancel meant for this one as the drain's.
-                        _uncancelled(task, held.stops)
-            except asyncio.CancelledError:
-                if not held.stops or task is None or _uncancelled(task, held.stops) > 0:
-                    # The drain ran out: give the run back for another worker, right away.
-                    await asyncio.shield(self._give_back(held))
-                    raise
-                if not held.cancelled.is_set():
-                    error = RunTimeout(
-                        f"the run took longer than {route.policy.timeout_s:g} s")
-            except Exception as exc:
-                error = exc
-            finally:
-                held.runner = None  # the runner goes on to other runs: not to be cancelled
-        # The duration is the monotonic clock's: two readings of the server clock's bounds
-        # may narrow or widen between them.
-        finished = started + dt.timedelta(seconds=time.monotonic() - began)
-        self.metrics.duration(fire.target, (finished - started).total_seconds())
-        if held.cancelled.is_set():  # whatever the handler did after the cancel
-            log.info("run_cancelled", fire_id=fire.fire_id, attempt=attempt)
-            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, CANCELLED,
-                           "cancelled by an operator")
-        if error is None:
-            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, SUCCEEDED)
-        verdict = after_failure(route.policy, attempt, error)
-        if verdict.outcome == "retry":
-            return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, RETRYING,
-                           verdict.error, verdict.delay_s)
-        return Outcome(fire.fire_id, s.worker_id, attempt, started, finished, DEAD,
-                       verdict.error, event=fire.body)
 
     async def _answer(self, held: Held, outcome: Outcome, kept: bool | None) -> None:
         """Once the outcome's write is done, tell the broker: ack, nak after the backoff
@@ -701,47 +603,6 @@ async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
     await asyncio.wait(tasks, timeout=lifecycle.STOP_STEP_S)
 
 
-def _uncancelled(task: asyncio.Task[Any], times: int) -> int:
-    """Take back ``times`` cancels of ``task``: the cancels still standing (others')."""
-    left = task.cancelling()
-    for _ in range(times):
-        left = task.uncancel()
-    return left
-
-
-async def _call(route: Route, run: Run) -> None:
-    if route.is_async:
-        await route.handler(run)  # type: ignore[misc]
-        return
-    # A thread of its own, a daemon: a synchronous handler cannot be interrupted, and one
-    # that outlives its timeout or the drain must not hold the process at exit.
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if not done.done():
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-    def body() -> None:
-        try:
-            result = route.handler(run)
-            if result is not None and hasattr(result, "__await__"):
-                raise TypeError("a synchronous handler returned an awaitable")
-        except BaseException as exc:  # handed to the loop, raised there
-            loop.call_soon_threadsafe(settle, exc)
-        else:
-            loop.call_soon_threadsafe(settle, None)
-
-    # In a copy of the caller's context: the attempt's span (tracing on) is current in the
-    # handler's thread too, so the handler's own spans and log lines join its trace.
-    threading.Thread(target=contextvars.copy_context().run, args=(body,),
-                     name=f"run {run.fire_id}"[:60], daemon=True).start()
-    await done
-
-
 def _log_resubscribe(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
     log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
@@ -768,32 +629,3 @@ def _claim_spans(batch: Sequence[Fetched], received: dt.datetime
     return spans
 
 
-@contextlib.contextmanager
-def _attempt_span(held: Held) -> Iterator[tracing.Span | None]:
-    """The span of one attempt, current while the handler runs (its own spans nest)."""
-    if held.trace is None:
-        yield None
-        return
-    fire = held.delivery.fire
-    with tracing.tracer().start_as_current_span(
-            f"run {fire.target}", context=held.trace, attributes={
-                "hascheduler.fire_id": fire.fire_id, "hascheduler.schedule_id": fire.schedule_id,
-                "hascheduler.attempt": held.attempt}, record_exception=False,
-            set_status_on_exception=False) as span:
-        yield span
-
-
-def _record_outcome(span: tracing.Span, outcome: Outcome) -> None:
-    """Retries and dead outcomes are events on the attempt's span."""
-    span.set_attribute("hascheduler.outcome", outcome.state)
-    if outcome.state == SUCCEEDED:
-        span.set_status(tracing.Status(tracing.StatusCode.OK))
-        return
-    attributes: dict[str, str | float] = {"error": (outcome.error or "")[:1000]}
-    if outcome.state == RETRYING:
-        attributes["retry_in_s"] = round(outcome.retry_in_s, 3)
-    span.add_event({RETRYING: "retry", DEAD: "dead"}.get(outcome.state, outcome.state),
-                   attributes)
-    if outcome.state in (RETRYING, DEAD):
-        span.set_status(tracing.Status(tracing.StatusCode.ERROR,
-                                       (outcome.error or "")[:200]))

@@ -30,7 +30,7 @@ class WorkerSettings:
     metrics_port: int | None = None
 
     @classmethod
-    def parse(cls, *, broker: BrokerUrl, mongodb_uri: str, app: str | None,
+    def parse(cls, *, broker: BrokerUrl, mongodb_uri: str, app: str | None,  # noqa: PLR0913 (one value per flag of the command)
               handler: str | None, target: str | None, durable: str | None,
               worker_id: str | None, concurrency: int, ack_wait_s: float,
               drain_timeout_s: float, run_retention_s: float, metrics_port: int | None,
