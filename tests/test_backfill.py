@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hascheduler.core.backfill import chunk_outcome
+from hascheduler.core.backfill import PUBLISH_FAILED, chunk_outcome
 from hascheduler.core.claims import PAUSED_BEFORE_DUE
 from hascheduler.core.triggers import Cron, fire_id, fire_times
 from tests.test_cli import run_cli as cli
@@ -205,6 +205,9 @@ def test_a_chunks_counts_come_from_the_ledger_and_a_pause_sends_its_cursor_back(
     outcome = chunk_outcome(docs, ours, t[5])
     assert (outcome.cursor, outcome.fired, outcome.held, outcome.withdrawn,
             outcome.released) == (t[3], 1, 1, {"an overlapping run": 1}, ["s@3"])
+    # A claim whose publish failed for good is not counted fired: withdrawn, saying so.
+    failed = chunk_outcome([{**docs[0], "state": "failed"}, docs[1]], ours, t[2])
+    assert (failed.fired, failed.held, failed.withdrawn) == (0, 1, {PUBLISH_FAILED: 1})
     # Worked again after the resume from t[3]: s@3 fired anew, s@4 counted now, once.
     again = chunk_outcome([{**docs[3], "state": "published", "reason": None}, docs[4]],
                           ours, t[5])

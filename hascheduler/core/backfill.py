@@ -13,10 +13,16 @@ from hascheduler.core.claims import PAUSED_BEFORE_DUE
 from hascheduler.core.instants import as_utc
 
 
+# What a backfill's record says of its claims whose publish failed for good (the fire
+# ledger holds each one's error).
+PUBLISH_FAILED = "publish failed (the fire's ledger entry holds the error)"
+
+
 @dataclass(frozen=True)
 class ChunkOutcome:
     cursor: dt.datetime  # the first nominal time still to work
     fired: int = 0  # claims of this backfill, published or on their way (buffered, retried)
+    # ... and those recorded skipped at their publish, or failed to publish, by why
     held: int = 0  # claims the ledger held already: fired or recorded before
     withdrawn: dict[str, int] = field(default_factory=dict)  # skipped at their publish, why
     released: list[str] = field(default_factory=list)  # skipped by a pause: to be freed
@@ -43,6 +49,8 @@ def chunk_outcome(docs: Iterable[dict[str, Any]], backfill_id: str, following: d
         elif doc.get("state") == "skipped":
             reason = str(doc.get("reason"))
             withdrawn[reason] = withdrawn.get(reason, 0) + int(doc.get("count", 1))
+        elif doc.get("state") == "failed":  # never published: not fired, and said why
+            withdrawn[PUBLISH_FAILED] = withdrawn.get(PUBLISH_FAILED, 0) + 1
         else:
             fired += 1
     return ChunkOutcome(cursor, fired, held, withdrawn, [str(d["_id"]) for d in released])
