@@ -12,7 +12,6 @@ from typing import Any
 from hascheduler.core.claims import PAUSED_BEFORE_DUE
 from hascheduler.core.instants import as_utc
 
-
 # What a backfill's record says of its claims whose publish failed for good (the fire
 # ledger holds each one's error).
 PUBLISH_FAILED = "publish failed (the fire's ledger entry holds the error)"
