@@ -268,7 +268,7 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
         await deliveries.ensure_indexes()
         now = dt.datetime.now(dt.UTC)
         service = WebhookService(store, deliveries, ledger, None, None, {},  # type: ignore[arg-type]
-                                 lambda: True, lambda: now)
+                                 lambda: now)
         nominal = now.replace(microsecond=0)
         await ledger.claim([claim_document(s, nominal, nominal, 1, now) for s in ("a", "b")])
         # No webhook wants failed fires yet: no mark.
@@ -277,7 +277,7 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
                             "namespace": "default", "schedule_id": None, "secret": SECRET,
                             "created_at": now})
         await service.find()
-        assert ledger.noticed == frozenset({"failed"})
+        assert ledger.notices.wanted == frozenset({"failed"})
         await ledger.mark_failed(f"b@{_iso(nominal)}", 1, 10, "refused", now)
         assert [d["_id"] for d in await ledger.noticed_entries(10)] == [f"b@{_iso(nominal)}"]
         await service.find()
@@ -407,3 +407,47 @@ def test_the_cli_adds_lists_and_deletes_webhooks(api_replica: ServerProcess) -> 
     assert _cli(api_replica.uri, "deliveries", "cli-1", "--limit", "0").returncode == 2
     assert _cli(api_replica.uri, "delete", "cli-1").returncode == 0
     assert "cli-1" not in _cli(api_replica.uri, "list").stdout
+
+
+async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
+        mongo_uri: str) -> None:
+    """The leader's half of webhooks is a service of the term: while the term holds it finds
+    (the marks a webhook wants are made), and once the term no longer holds it stops and
+    the ledger's writes mark nothing more, with no poll of who leads."""
+    from hascheduler.replica.term import LeadershipLost, Term
+    from hascheduler.replica.webhooks import WebhookDuty, WebhookService
+    from hascheduler.storage.lease import Lease, LeaseTimings
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    db = client[f"hookduty_{uuid.uuid4().hex[:8]}"]
+    try:
+        ledger = Ledger(db.fires)
+        await ledger.ensure_indexes(3600)
+        store, deliveries = WebhookStore(db.webhooks), Deliveries(db.webhook_deliveries)
+        await deliveries.ensure_indexes()
+        now = dt.datetime.now(dt.UTC)
+        await store.create({"_id": "w", "url": "http://127.0.0.1:9/", "events": ["fire.failed"],
+                            "namespace": "default", "schedule_id": None, "secret": SECRET,
+                            "created_at": now})
+        service = WebhookService(store, deliveries, ledger, None, None, {},  # type: ignore[arg-type]
+                                 lambda: dt.datetime.now(dt.UTC))
+        lease = Lease(db.leases, "scheduler", "a", LeaseTimings())
+        view = await lease.acquire_or_renew()
+        assert view is not None
+        term = await Term(view.term, lease, {}).__aenter__()
+        duty = asyncio.create_task(WebhookDuty(service).run(term))
+        await wait_until(lambda: ledger.notices.wanted == frozenset({"failed"}), 5,
+                         "the duty's first look")
+        assert service.leading
+        lease.step_down()  # the term no longer holds
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(duty, 5)
+        assert not service.leading
+        assert ledger.notices.wanted == frozenset()
+        nominal = now.replace(microsecond=0)
+        await ledger.claim([claim_document("a", nominal, nominal, view.term, now)])
+        await ledger.mark_failed(f"a@{_iso(nominal)}", view.term, 10, "refused", now)
+        assert await ledger.noticed_entries(10) == []
+    finally:
+        await client.drop_database(db.name)
+        await client.close()

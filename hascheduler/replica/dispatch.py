@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -72,7 +72,8 @@ class Dispatcher:
                  metrics: Metrics | None = None, sources: TenantSource | None = None,
                  runs: RunLedger | None = None, store: ScheduleStore | None = None,
                  counts: FireCounts | None = None, backfills: Backfills | None = None,
-                 quota: Callable[[str], float | None] = lambda namespace: None) -> None:
+                 quota: Callable[[str], float | None] = lambda namespace: None,
+                 services: Sequence[TermService] = ()) -> None:
         self.mirror = mirror
         self.ledger = ledger
         self.lease = lease
@@ -91,8 +92,9 @@ class Dispatcher:
                                  mirror.entries, settings.retry_interval_s,
                                  lease, clock)
         self.requests = Requests(ledger, self.publisher, store, self.firing, clock)
-        # The term's services beside the fire loop and the take-over.
-        self.services: list[TermService] = [self.requests]
+        # The term's services beside the fire loop and the take-over (and those of other
+        # parts of the replica: the leader's half of webhooks).
+        self.services: list[TermService] = [self.requests, *services]
         if self.gate is not None:
             self.services.append(OverlapRelease(self.gate, self.publisher, self.firing, clock))
         if backfills is not None:

@@ -59,7 +59,7 @@ from hascheduler.replica.leadership import Elector
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.tenants import Sources
-from hascheduler.replica.webhooks import WebhookService
+from hascheduler.replica.webhooks import WebhookDuty, WebhookService
 from hascheduler.storage.audit_log import DEFAULT_RETENTION_DAYS, AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.driver import connect
@@ -298,13 +298,16 @@ class Replica:
                 dispatcher.on_change(schedule_id, entry, written)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
+        webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
+                                  mirror.entries, server_clock.now)
         dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
                                 settings.dispatch, clock=server_clock.now, metrics=metrics,
                                 sources=sources,
                                 runs=runs, store=store, counts=counts,
                                 backfills=Backfills(db[BACKFILLS]),
                                 quota=lambda namespace: access.current.rules_of(
-                                    namespace).max_fires_per_second)
+                                    namespace).max_fires_per_second,
+                                services=[WebhookDuty(webhooks)])
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(
             lease, dispatcher, db[LEASES],
@@ -365,8 +368,6 @@ class Replica:
             members, settings, self.url, mirror, elector, server_clock)))
         lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
             runs, SlotStore(db[SLOTS]), metrics, server_clock)))
-        webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
-                                  mirror.entries, lambda: elector.is_leader, server_clock.now)
         lifecycle.start(stack, "webhooks", webhooks)
         lifecycle.start(stack, "health watch", Every(HEALTH_WATCH_INTERVAL_S, _judge_health(
             mirror, store, health, metrics, server_clock, webhooks.judged)))

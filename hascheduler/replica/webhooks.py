@@ -1,8 +1,9 @@
 """Webhooks, delivered by the leader (docs/OPERATIONS.md, "Webhooks").
 
-Every replica runs this service; it acts only while its replica leads. Two loops, apart
-from firing (a webhook endpoint that is down or slow never delays a fire: nothing here is
-awaited by the dispatcher, and a delivery's attempts run as their own tasks):
+Every replica runs the service (its HTTP client and the attempts in flight); its leader's
+half (``WebhookDuty``) is a service of the term, started and stopped with it. Two steps,
+apart from firing (a webhook endpoint that is down or slow never delays a fire: nothing
+here is awaited by the firing path, and a delivery's attempts run as their own tasks):
 
 - finding, every FIND_EVERY_S: the events since the last look, from where each is already
   recorded: fires the leader marked when it recorded them skipped or failed (the mark is in
@@ -20,7 +21,6 @@ awaited by the dispatcher, and a delivery's attempts run as their own tasks):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +50,7 @@ from hascheduler.core.webhooks import (
     Subscription,
     sign,
 )
+from hascheduler.replica.term import Term
 from hascheduler.storage.fires import FAILED, SKIPPED, Ledger
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
@@ -71,15 +72,15 @@ LOOK_BACK_S = 60.0
 class WebhookService:
     def __init__(self, store: WebhookStore, deliveries: Deliveries, ledger: Ledger,
                  runs: RunLedger, schedules: ScheduleStore, entries: Mapping[str, Entry],
-                 is_leader: Callable[[], bool], clock: Clock) -> None:
+                 clock: Clock) -> None:
         self.store = store
         self.deliveries = deliveries
         self.ledger = ledger
         self.runs = runs
         self.schedules = schedules
         self.entries = entries
-        self.is_leader = is_leader
         self.clock = clock
+        self.leading = False  # while the duty of a term of this replica runs
         self._stopping = asyncio.Event()
         self._judged: list[Event] = []  # from the health round, for the next look
         self._in_flight: dict[str, asyncio.Task[None]] = {}
@@ -90,28 +91,31 @@ class WebhookService:
         self._stopping.set()
 
     async def run(self) -> None:
-        self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT_S),
-            connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT))
+        """Until stopped: then the attempts in flight are cancelled (tried again once due,
+        by whichever replica leads) and the HTTP client closed."""
         try:
-            last_find = 0.0
-            while not self._stopping.is_set():
-                if self.is_leader():
-                    if time.monotonic() - last_find >= FIND_EVERY_S:
-                        last_find = time.monotonic()
-                        await self._guarded("webhook_find_failed", self.find)
-                    await self._guarded("webhook_delivery_failed", self.deliver)
-                else:
-                    self.ledger.noticed = frozenset()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), DELIVER_EVERY_S)
+            await self._stopping.wait()
         finally:
             for task in self._in_flight.values():
                 task.cancel()
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
-            await self._http.close()
+            if self._http is not None:
+                await self._http.close()
 
-    async def _guarded(self, what: str, step: Callable[[], Any]) -> None:
+    def _client(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT_S),
+                connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT))
+        return self._http
+
+    def stepped_down(self) -> None:
+        """The term whose duty ran ended: no more marks, no verdicts kept for it."""
+        self.leading = False
+        self.ledger.notices.wanted = frozenset()
+        self._judged.clear()
+
+    async def guarded(self, what: str, step: Callable[[], Any]) -> None:
         try:
             await step()
         except PyMongoError as exc:
@@ -123,7 +127,7 @@ class WebhookService:
         """The health round's verdicts: a schedule late against its trigger, or past its
         objective, is a ``schedule.late`` event (one per late fire, one per missed
         deadline)."""
-        if not self.is_leader():
+        if not self.leading:
             return
         for h in healths:
             if h.late and h.overdue_since is not None:
@@ -149,7 +153,7 @@ class WebhookService:
         judged, self._judged = self._judged, []
         subscriptions, self._hooks = await self.store.subscriptions()
         wanted = {t for s in subscriptions for t in s.events}
-        self.ledger.noticed = frozenset(
+        self.ledger.notices.wanted = frozenset(
             state for state, kind in ((SKIPPED, FIRE_SKIPPED), (FAILED, FIRE_FAILED))
             if kind in wanted)
         now = self.clock()
@@ -255,7 +259,6 @@ class WebhookService:
             self._done(doc["_id"])
 
     async def _post(self, doc: dict[str, Any], hook: dict[str, Any]) -> None:
-        assert self._http is not None
         body: bytes = doc["body"]
         timestamp = int(time.time())
         headers = {"Content-Type": CONTENT_TYPE, DELIVERY_HEADER: doc["_id"],
@@ -265,7 +268,7 @@ class WebhookService:
         error: str | None = None
         began = time.monotonic()
         try:
-            async with self._http.post(hook["url"], data=body, headers=headers,
+            async with self._client().post(hook["url"], data=body, headers=headers,
                                        allow_redirects=False) as answer:
                 status = answer.status
                 if not 200 <= status < 300:
@@ -288,3 +291,27 @@ class WebhookService:
         if error is not None:
             log.info("webhook_attempt_failed", delivery=doc["_id"], webhook=hook["_id"],
                      attempt=int(doc["attempts"]) + 1, error=error, state=state)
+
+
+class WebhookDuty:
+    """The leader's half of webhooks, a service of its term: every FIND_EVERY_S the events
+    since the last look become deliveries, every DELIVER_EVERY_S the deliveries due are
+    sent, while the term holds."""
+
+    def __init__(self, webhooks: WebhookService) -> None:
+        self.webhooks = webhooks
+
+    async def run(self, term: Term) -> None:
+        webhooks = self.webhooks
+        webhooks.leading = True
+        try:
+            last_find = 0.0
+            while True:
+                term.check()
+                if time.monotonic() - last_find >= FIND_EVERY_S:
+                    last_find = time.monotonic()
+                    await webhooks.guarded("webhook_find_failed", webhooks.find)
+                await webhooks.guarded("webhook_delivery_failed", webhooks.deliver)
+                await asyncio.sleep(DELIVER_EVERY_S)
+        finally:
+            webhooks.stepped_down()

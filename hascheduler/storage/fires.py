@@ -38,7 +38,7 @@ FAILED = "failed"
 BUFFERED = "buffered"
 REQUESTED = "requested"
 STATES = (REQUESTED, CLAIMED, BUFFERED, PUBLISHED, SKIPPED, FAILED)
-NOTICE = "notice"  # an entry a webhook is to be told of (Ledger.noticed)
+NOTICE = "notice"  # an entry a webhook is to be told of (Notices)
 
 Document = dict[str, Any]
 
@@ -182,16 +182,22 @@ def _stale(fire_ids: Iterable[str], term: int) -> Document:
     return {"_id": {"$in": sorted(fire_ids)}, "state": CLAIMED, "term": {"$lte": term}}
 
 
+class Notices:
+    """The states (skipped, failed) a webhook is to be told of now: the leader's write of
+    such a state marks the entry (NOTICE) in that same write, until the leader's webhook
+    work has made its deliveries (replica/webhooks.py). None wanted: no mark, no cost."""
+
+    def __init__(self) -> None:
+        self.wanted: frozenset[str] = frozenset()
+
+
 class Ledger:
-    def __init__(self, fires: FiresCollection) -> None:
+    def __init__(self, fires: FiresCollection, notices: Notices | None = None) -> None:
         self.fires = fires
-        # The states (skipped, failed) a webhook is told of: the leader's write of such a
-        # state marks the entry (NOTICE) in that same write, until the webhooks' poll has
-        # made its deliveries (replica/webhooks.py). Empty: no mark, no cost.
-        self.noticed: frozenset[str] = frozenset()
+        self.notices = notices or Notices()
 
     def _marked(self, sets: Document, state: str) -> Document:
-        return {**sets, NOTICE: True} if state in self.noticed else sets
+        return {**sets, NOTICE: True} if state in self.notices.wanted else sets
 
     async def ensure_indexes(self, retention_s: float) -> None:
         # Claimed fires only (a partial index): the leader's retry and adoption scans look
