@@ -86,10 +86,14 @@ class NotedPublisher:
     async def unadmit(self, claims: list[Claim], term: int) -> None:
         self._note("unadmit", claims)
 
-    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,
-                      admitted: bool = False, unchanged: bool = False) -> None:
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int) -> None:
         self._note("publish", claims)
-        self.published.append(([c.fire_id for c in claims], admitted, unchanged))
+        self.published.append(([c.fire_id for c in claims], False, False))
+
+    async def publish_admitted(self, claims: list[Claim], term: Fenced,
+                               unchanged: bool) -> None:
+        self._note("publish", claims)
+        self.published.append(([c.fire_id for c in claims], True, unchanged))
 
 
 def publishing_dispatcher(entries: dict[str, Entry], publisher: NotedPublisher,

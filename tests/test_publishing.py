@@ -131,7 +131,7 @@ async def test_a_fire_rendered_ahead_carries_the_instant_of_its_publish() -> Non
     await publisher.templates({"s"})
     publisher.ready(due, 7)
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due, HELD, attempt=1, admitted=True)
+    await publisher.publish_admitted(due, HELD, unchanged=False)
     assert schedules.reads == 1  # the template was read once, ahead
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due]
     for message, claim in zip(broker.sent, due, strict=True):
@@ -154,7 +154,7 @@ async def test_a_schedule_changed_after_its_fire_was_rendered_is_rendered_afresh
     mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
     publisher.forget("s")
     now[0] = T0
-    await publisher.publish(due, HELD, attempt=1, admitted=True)
+    await publisher.publish_admitted(due, HELD, unchanged=False)
     assert [json.loads(m.body)["data"]["payload"] for m in broker.sent] == [{"v": 2}] * 2
 
 
@@ -168,14 +168,14 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     due = claims(5)
     publisher.ready(due, 7)
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due[:3], HELD, attempt=1, admitted=True)
+    await publisher.publish_admitted(due[:3], HELD, unchanged=False)
     assert [m.fire_id for m in broker.staged_sent] == [c.fire_id for c in due[:3]]
     assert not broker.sent
     for message in broker.staged_sent:
         event = json.loads(message.body)
         assert event["time"] == event["data"]["fired_at"] == iso_utc(now[0])
     # The last fire was not framed (the broker could not): all of its publish as messages.
-    await publisher.publish(due[3:], HELD, attempt=1, admitted=True)
+    await publisher.publish_admitted(due[3:], HELD, unchanged=False)
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[3:]]
     assert json.loads(broker.sent[0].body)["time"] == iso_utc(now[0])
     # A retry is rendered afresh, with its attempt: a message too.
@@ -188,7 +188,7 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     schedules.docs["s"] = schedule(2, {"v": 2})
     mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
     publisher.forget("s")
-    await publisher.publish(again, HELD, attempt=1, admitted=True)
+    await publisher.publish_admitted(again, HELD, unchanged=False)
     assert json.loads(broker.sent[-1].body)["data"]["payload"] == {"v": 2}
     assert len(broker.staged_sent) == 3
     assert not publisher._ready
@@ -212,11 +212,11 @@ async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_
 
     publisher.templates = spied  # type: ignore[method-assign]
     now[0] = T0 + dt.timedelta(milliseconds=4)
-    await publisher.publish(due[:2], HELD, attempt=1, admitted=True, unchanged=True)
+    await publisher.publish_admitted(due[:2], HELD, unchanged=True)
     assert looked_up == []
     assert [m.fire_id for m in broker.sent] == [c.fire_id for c in due[:2]]
     assert json.loads(broker.sent[0].body)["data"]["payload"] == {"v": 1}
-    await publisher.publish(due[2:], HELD, attempt=1, admitted=True, unchanged=True)
+    await publisher.publish_admitted(due[2:], HELD, unchanged=True)
     assert looked_up == [{"s"}]  # not rendered ahead: looked up
     assert len(broker.sent) == 3
     before = publisher.changes

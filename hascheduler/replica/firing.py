@@ -321,8 +321,7 @@ class FiringPath:
                         await self.publisher.unadmit(withdrawn, term.number)
                     through = [c for c in wanted if c.fire_id not in held]
                     if through:
-                        await self.publisher.publish(through, term, attempt=1,
-                                                     admitted=True, unchanged=unchanged)
+                        await self.publisher.publish_admitted(through, term, unchanged)
                     if len(through) < len(wanted):  # their run was open ahead: asked now
                         await self.publisher.publish([c for c in wanted if c.fire_id in held],
                                                      term, attempt=1)

@@ -15,7 +15,7 @@ import datetime as dt
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import structlog
 from pymongo.errors import PyMongoError
@@ -84,6 +84,20 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
     return float(rand * min(cap_s, base_s * 2 ** min(attempt, 30)))
 
 
+# A fire's publish span (None: not sampled), and the trace context its message carries.
+Traced = tuple[tracing.Span | None, dict[str, str]]
+
+
+class Rendered(NamedTuple):
+    """An admitted fire rendered ahead of its due time but for the instant it is fired at
+    (``Publisher.ready``)."""
+
+    template: EventTemplate  # what it was rendered from: stale once its schedule changed
+    prepared: PreparedEvent
+    traced: Traced | None
+    staged: Any  # its frame, when the broker stages them (None otherwise)
+
+
 class Publisher:
     def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
                  schedules: ScheduleReads, settings: DispatchSettings, clock: Clock,
@@ -110,13 +124,11 @@ class Publisher:
         self._templates: dict[str, tuple[int, EventTemplate]] = {}
         # Tracing on: each claimed fire's publish span, begun ahead of its due time
         # (``prepare``), with the trace context its message carries.
-        self._prepared: dict[str, tuple[tracing.Span | None, dict[str, str]]] = {}
+        self._prepared: dict[str, Traced] = {}
         # Admitted fires awaiting their due time, rendered but for their fired_at
         # (``ready``), with the template they were rendered from, their trace, and their
         # frame when the broker stages them.
-        self._ready: dict[str, tuple[EventTemplate, PreparedEvent,
-                                     tuple[tracing.Span | None, dict[str, str]] | None,
-                                     Any]] = {}
+        self._ready: dict[str, Rendered] = {}
         self._marks: list[tuple[list[str], int, dt.datetime, int]] = []  # awaiting a write
         # Schedules changed so far (``forget``): a caller that counted the same before it
         # had claims rendered ahead knows their schedules, and templates, stand.
@@ -180,8 +192,8 @@ class Publisher:
             traced = self._traced(claim, template, term, 1) if traced_on else None
             prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant, term,
                                         1, None if traced is None else traced[1])
-            self._ready[claim.fire_id] = (cached[1], prepared, traced,
-                                          staging.stage(prepared) if staging else None)
+            self._ready[claim.fire_id] = Rendered(cached[1], prepared, traced,
+                                                  staging.stage(prepared) if staging else None)
 
     def discard(self, claims: list[Claim]) -> None:
         """The claims are settled, published or not: their prepared spans and renderings
@@ -192,7 +204,7 @@ class Publisher:
                 self._ready.pop(claim.fire_id, None)
 
     def _traced(self, claim: Claim, template: EventTemplate, term: int, attempt: int
-                ) -> tuple[tracing.Span | None, dict[str, str]]:
+                ) -> Traced:
         traced = self._prepared.pop(claim.fire_id, None) or _begin_span(claim, template)
         if traced[0] is not None and traced[0].is_recording():
             _annotate(traced[0], claim, template, term, attempt)
@@ -219,18 +231,32 @@ class Publisher:
         if self.gate is not None:
             await self.gate.unreserve(claims, term)
 
-    async def publish(self, claims: list[Claim], term: Fenced, attempt: int,  # noqa: C901, PLR0915 (the hot path, kept in one frame: docs/BENCHMARKS.md)
-                      released: bool = False, admitted: bool = False,
-                      unchanged: bool = False) -> None:
-        """Publish claimed fires (through the overlap gate, unless ``admitted`` through it
-        already: ``released`` ones were buffered); mark each published (behind the
-        publish: ``marked`` waits for the marks), or schedule its retry. ``unchanged``: no
-        schedule changed (``changes``) since the claims were rendered ahead (``ready``),
-        so the templates they were rendered from stand."""
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int) -> None:
+        """Publish claimed fires through the overlap gate: a retry, an adopted claim, a
+        fire run now, one held ahead of its due time; mark each published (behind the
+        publish: ``marked`` waits for the marks), or schedule its retry."""
+        await self._publish(claims, term, attempt, released=False, admitted=False,
+                            unchanged=False)
+
+    async def publish_admitted(self, claims: list[Claim], term: Fenced,
+                               unchanged: bool) -> None:
+        """Publish, at their due time, claims the gate admitted ahead (``admit``) and that
+        were rendered then (``ready``); ``unchanged``: no schedule changed (``changes``)
+        since, so the templates they were rendered from stand."""
+        await self._publish(claims, term, 1, released=False, admitted=True,
+                            unchanged=unchanged)
+
+    async def publish_released(self, claims: list[Claim], term: Fenced) -> None:
+        """Publish buffered fires whose wait is over: they go ahead of the fires still
+        waiting."""
+        await self._publish(claims, term, 1, released=True, admitted=False, unchanged=False)
+
+    async def _publish(self, claims: list[Claim], term: Fenced, attempt: int,  # noqa: C901, PLR0915 (the hot path, kept in one frame: docs/BENCHMARKS.md)
+                       released: bool, admitted: bool, unchanged: bool) -> None:
         number = term.number
         rendered = self._ready
         if unchanged and attempt == 1 and all(c.fire_id in rendered for c in claims):
-            templates = {c.schedule_id: rendered[c.fire_id][0] for c in claims}
+            templates = {c.schedule_id: rendered[c.fire_id].template for c in claims}
         else:
             templates = await self.templates({c.schedule_id for c in claims})
         gone = [c for c in claims if c.schedule_id not in templates]
@@ -258,17 +284,17 @@ class Publisher:
         for claim in sendable:
             template = templates[claim.schedule_id]
             ready = self._ready.pop(claim.fire_id, None) if attempt == 1 else None
-            if ready is not None and ready[0] is template:  # rendered ahead, unchanged since
-                prepared, traced = ready[1], ready[2]
+            if ready is not None and ready.template is template:  # unchanged since
+                prepared, traced = ready.prepared, ready.traced
                 if staging is not None:
-                    if ready[3] is None:
+                    if ready.staged is None:
                         staging = None
                     else:
-                        staged.append(ready[3])
+                        staged.append(ready.staged)
             else:
                 staging = None
                 template = _own_template(template, claim)
-                traced = ready[2] if ready is not None else \
+                traced = ready.traced if ready is not None else \
                     self._traced(claim, template, number, attempt) if traced_on else None
                 prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant,
                                             number, attempt, None if traced is None else traced[1])
@@ -417,7 +443,7 @@ def _own_template(template: EventTemplate, claim: Claim) -> EventTemplate:
 
 
 def _begin_span(claim: Claim, template: EventTemplate
-                ) -> tuple[tracing.Span | None, dict[str, str]]:
+                ) -> Traced:
     """A fire's producer span (None when it is not sampled) and the trace context its
     message carries: a fire run now continues the trace of the request that asked for it;
     a fire of its trigger starts a trace."""

@@ -33,7 +33,7 @@ class OverlapRelease:
                 log.info("released_buffered", count=len(claims), term=term.number)
                 term.add_pending(claims)  # its retries leave them to this publish
                 try:
-                    await self.publisher.publish(claims, term, attempt=1, released=True)
+                    await self.publisher.publish_released(claims, term)
                 finally:
                     term.remove_pending(claims)
                     self.gate.released(claims)
