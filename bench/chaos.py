@@ -90,7 +90,7 @@ from hascheduler.core.triggers import iso_utc
 from hascheduler.process import logs
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
-from hascheduler.storage.runs import open_key
+from hascheduler.storage.reservations import open_key
 
 UTC = dt.UTC
 TARGET = "chaos"

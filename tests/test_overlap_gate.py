@@ -21,7 +21,8 @@ from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
 from hascheduler.storage.lease import Lease, LeaseTimings
-from hascheduler.storage.runs import RunLedger, open_key
+from hascheduler.storage.reservations import open_key
+from hascheduler.storage.runs import RunLedger
 from tests.servers import with_database
 
 TERM = 1

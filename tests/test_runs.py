@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from hascheduler.api.run_view import public_view
 from hascheduler.core.claims import Claim
 from hascheduler.core.errors import RunConflict
 from hascheduler.core.run_states import DEAD, RETRYING, RUNNING, SUCCEEDED
-from hascheduler.storage.runs import FireRef, Outcome, RunLedger, public_view
+from hascheduler.storage.runs import FireRef, Outcome, RunLedger
 
 T0 = dt.datetime.now(dt.UTC).replace(microsecond=0)
 

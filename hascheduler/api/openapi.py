@@ -9,11 +9,11 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from hascheduler import __version__
+from hascheduler.api.run_view import Run, RunList
 from hascheduler.core import models
 from hascheduler.core.constants import MAX_IDEMPOTENCY_KEY_CHARS
 from hascheduler.core.health import ScheduleHealth
 from hascheduler.storage.backfills import Backfill
-from hascheduler.storage.runs import Run, RunList
 
 
 class Problem(BaseModel):

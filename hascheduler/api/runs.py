@@ -16,6 +16,7 @@ from hascheduler.api.middleware import (
     runs_record,
 )
 from hascheduler.api.params import int_param, now_of
+from hascheduler.api.run_view import public_view
 from hascheduler.api.views import (
     fan_out_fire,
     fire_groups,
@@ -35,7 +36,8 @@ from hascheduler.storage.fires import (
     BUFFERED,
     REQUESTED,
 )
-from hascheduler.storage.runs import FireRef, open_key, public_view
+from hascheduler.storage.reservations import open_key
+from hascheduler.storage.runs import FireRef
 
 
 async def fire_history(request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hascheduler.api.run_view import public_view
 from hascheduler.core import models, timeline
 from hascheduler.core.instants import as_utc
 from hascheduler.core.run_states import DEAD, STATES
@@ -17,7 +18,7 @@ from hascheduler.core.triggers import fire_id
 from hascheduler.storage.audit_log import OUTBOX, PENDING
 from hascheduler.storage.fires import STATES as FIRE_STATES
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.runs import RunLedger, public_view
+from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 
 DASHBOARD_SCHEDULES = 200

@@ -30,7 +30,8 @@ from hascheduler.core.overlap import ALLOW, Candidate, Key, decide
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.term import LeadershipLost
 from hascheduler.storage.fires import BUFFERED, Ledger
-from hascheduler.storage.runs import RunLedger, open_key
+from hascheduler.storage.reservations import open_key
+from hascheduler.storage.runs import RunLedger
 
 log = structlog.get_logger("hascheduler.dispatch")
 

@@ -39,11 +39,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
-from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
 from hascheduler.core.events import FireMessage
 from hascheduler.core.flow import Paced, Wanted, rank
@@ -59,11 +57,11 @@ from hascheduler.core.run_states import (
     SUCCEEDED,
     WAITING,
 )
-from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.fires import state_counts
 from hascheduler.storage.pages import older_than
+from hascheduler.storage.reservations import Reservations
 from hascheduler.storage.streams import aggregate
 
 CONCURRENCY, RATE = "concurrency", "rate"  # what a parked run waits for
@@ -73,57 +71,6 @@ Document = dict[str, Any]
 
 
 ATTEMPTS_KEPT = 20
-
-
-class Run(BaseModel):
-    """One fire's run as the API shows it (instants in RFC 3339): never the stored event
-    (it is the payload again). Declared once: ``public_view`` and the OpenAPI document
-    both read it."""
-
-    id: str = Field(description="the fire id: every handler's idempotency key")
-    schedule_id: str
-    fire: str | None = Field(None, description="a fan-out run's fire: its id without the "
-                                                "tenant")
-    tenant: str | None = None
-    target: str
-    nominal_at: str | None = None
-    state: str = Field(description="pending, running, succeeded, retrying, dead, "
-                                   "cancelled or waiting (over a concurrency limit)")
-    attempts: int
-    worker_id: str | None = None
-    started_at: str | None = None
-    first_started_at: str | None = None
-    heartbeat_at: str | None = None
-    lease_until: str | None = None
-    finished_at: str | None = None
-    duration_s: float | None = None
-    last_error: str | None = None
-    next_attempt_at: str | None = None
-    replays: int = 0
-    cancel_requested: bool | None = Field(None, description="a cancel was asked for while "
-                                                            "the run was running")
-    cancelled_by: str | None = None
-    recorded_at: str | None = None
-    trace_id: str | None = Field(None, description="the fire's trace, when traced")
-    waiting_on: dict[str, str] | None = Field(
-        None, description='why a waiting run waits: {"concurrency": <its key>} or '
-                          '{"rate": <its key>}')
-    waiting_since: str | None = None
-    woken_at: str | None = Field(None, description="when a parked run's waker took the "
-                                                   "slot or the start it waited for")
-    priority: int | None = None
-    attempt_history: list[dict[str, Any]] | None = Field(
-        None, description="each attempt as it ended (the latest 20): attempt, worker_id, "
-                          "started_at, finished_at, duration_s, state, error")
-
-
-class RunList(BaseModel):
-    items: list[Run]
-    next: str | None = Field(default=None, description="the after= of the next page (the "
-                                                       "fire id of this page's last run)")
-
-
-_PUBLIC_FIELDS = tuple(name for name in Run.model_fields if name != "id")
 
 
 class RunsCollection(Protocol):
@@ -174,11 +121,6 @@ class FireRef:
     body: bytes  # ... as its bytes: what a dead run keeps for a replay
     fire: str = ""  # a fan-out run's fire (the fire id without the tenant); else fire_id
     tenant: str | None = None
-
-
-def open_key(schedule_id: str, tenant: str | None) -> str:
-    """The key whose runs an overlap policy holds to one open at a time."""
-    return schedule_id if tenant is None else f"{schedule_id}/{tenant}"
 
 
 # Unset when a parked run is claimed; ``woken_at`` stays: when its waker took what it
@@ -285,7 +227,12 @@ def _blocked(current: Document, now: dt.datetime) -> RunClaim:
     return RunClaim(state, wait_s=max(0.0, wait))
 
 
-class RunLedger:
+class RunLedger(Reservations):
+    """The runs ledger: a worker's writes, an operator's, and the reads; the leader's
+    reservations are its own room (storage/reservations.py)."""
+
+    runs: RunsCollection
+
     def __init__(self, runs: RunsCollection) -> None:
         self.runs = runs
 
@@ -500,98 +447,6 @@ class RunLedger:
             {"_id": {"$in": sorted(fire_ids)}, "worker_id": worker_id,
              "cancel_requested": True}, {"_id": 1})}
 
-    # -- the leader's writes (overlap policies) -------------------------------------------
-
-    async def reserve(self, claims: Sequence[FireClaim], targets: Mapping[str, str],
-                      now: dt.datetime, term: int, name_blockers: bool = True
-                      ) -> dict[str, str]:
-        """Open a ``pending`` run for each claimed fire (at most one per key), unless its
-        key has another open run, reserved by ``term``. Returns, for each fire refused, its
-        key's open run's fire id (with ``name_blockers`` False, "": no query for them); a
-        fire whose run exists already (published before) is not refused, and its
-        reservation, if still pending, becomes this term's (``adopt``)."""
-        docs = []
-        for claim in claims:
-            doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
-                   "target": targets[claim.schedule_id], "nominal_at": claim.nominal_at,
-                   "attempts": 0, "state": PENDING, "first_started_at": None, "replays": 0,
-                   "recorded_at": now, "open_key": open_key(claim.schedule_id, claim.tenant),
-                   "term": term}
-            if claim.tenant is not None:
-                doc.update(fire=fire_id_of(claim.schedule_id, claim.nominal_at),
-                           tenant=claim.tenant)
-            docs.append(doc)
-        if not docs:
-            return {}
-        refused = await insert_new(self.runs, docs)
-        held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
-                for e in refused if "open_key" in (e.get("keyPattern") or {})}
-        own = [docs[e["index"]]["_id"] for e in refused
-               if "open_key" not in (e.get("keyPattern") or {})]
-        if held:
-            # A fire whose own run exists (ended since, another open now) may be refused
-            # on the key rather than on its id, whichever index the server checks first:
-            # it was let through before, and is not refused.
-            for fire_id in await self.with_runs(list(held)):
-                del held[fire_id]
-                own.append(fire_id)
-        await self.adopt(own, term)
-        if not held or not name_blockers:
-            return dict.fromkeys(held, "")
-        blockers = await self.open_runs(sorted(set(held.values())))
-        return {fire: blockers.get(key, "") for fire, key in held.items()}
-
-    async def with_runs(self, fire_ids: list[str]) -> set[str]:
-        """Those of ``fire_ids`` that have a run (reserved, running or ended)."""
-        if not fire_ids:
-            return set()
-        return {d["_id"] async for d in self.runs.find({"_id": {"$in": sorted(fire_ids)}},
-                                                      {"_id": 1})}
-
-    async def adopt(self, fire_ids: list[str], term: int) -> None:
-        """Fires ``term`` lets through on a run of their own made before (by an older term
-        that reserved them and was deposed): their reservations still pending become this
-        term's, so the older term's withdrawal (``withdraw``) leaves them."""
-        if fire_ids:
-            await self.runs.update_many(
-                {"_id": {"$in": sorted(fire_ids)}, "state": PENDING,
-                 "term": {"$not": {"$gte": term}}}, {"$set": {"term": term}})
-
-    async def unreserve(self, fire_id: str, term: int) -> None:
-        """The fire was never published (it failed): its reservation goes, unless a newer
-        term has made it its own."""
-        await self.runs.delete_one({"_id": fire_id, "state": PENDING,
-                                    "term": {"$not": {"$gt": term}}})
-
-    async def withdraw(self, fire_ids: list[str], term: int) -> None:
-        """``term`` was deposed while reserving these fires' runs: what it reserved goes (a
-        newer term may have decided the fires already, skipping them, and a reservation
-        that landed after would hold their key for ever); what a newer term made its own
-        stays."""
-        if fire_ids:
-            await self.runs.delete_many({"_id": {"$in": sorted(fire_ids)}, "state": PENDING,
-                                         "term": term})
-
-    async def pending(self, fire_ids: list[str]) -> set[str]:
-        """Those of ``fire_ids`` whose run is reserved and not yet started."""
-        if not fire_ids:
-            return set()
-        return {d["_id"] async for d in self.runs.find(
-            {"_id": {"$in": sorted(fire_ids)}, "state": PENDING}, {"_id": 1})}
-
-    async def withdraw_stale(self, fire_ids: list[str]) -> None:
-        """Reservations whose fires no term will publish (recorded skipped, failed or
-        buffered, which reserves nothing): they hold their keys for nothing."""
-        if fire_ids:
-            await self.runs.delete_many({"_id": {"$in": sorted(fire_ids)}, "state": PENDING})
-
-    async def open_runs(self, keys: list[str]) -> dict[str, str]:
-        """The open run of each of these keys that has one: key -> its fire id."""
-        if not keys:
-            return {}
-        return {d["open_key"]: d["_id"] async for d in self.runs.find(
-            {"open_key": {"$in": keys}}, {"open_key": 1})}
-
     # -- operators' writes ----------------------------------------------------------------
 
     async def cancel(self, fire_id: str, now: dt.datetime, by: str,
@@ -771,21 +626,3 @@ class RunLedger:
         """Every run now claimed (few: at most each worker's concurrency)."""
         return [d async for d in self.runs.find(
             {"state": RUNNING}, {"target": 1, "heartbeat_at": 1, "lease_until": 1})]
-
-
-def _shown(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return as_utc(value).isoformat()
-    if isinstance(value, list):
-        return [{k: _shown(v) for k, v in item.items()} if isinstance(item, dict) else item
-                for item in value]
-    return value
-
-
-def public_view(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A run as the API shows it: instants in RFC 3339, the stored event left out."""
-    view: dict[str, Any] = {"id": doc["_id"]}
-    for name in _PUBLIC_FIELDS:
-        if name in doc:
-            view[name] = _shown(doc[name])
-    return view
