@@ -17,7 +17,8 @@ from pymongo import MongoClient
 
 from hascheduler.api import guards
 from hascheduler.api.access import ACTIONS, Action, create_token, entry_line
-from hascheduler.api.routes import ROUTES, Route
+from hascheduler.api.route import Route
+from hascheduler.api.routes import ROUTES
 from tests.servers import ServerProcess, start_replica, with_database
 from tests.waiting import wait_until_sync
 

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from hascheduler.api.access import Action
 from hascheduler.api.context import context
 from hascheduler.api.errors import problem
+from hascheduler.api.guards import (
+    LISTING,
+    Guard,
+)
 from hascheduler.api.middleware import readable_namespaces
+from hascheduler.api.openapi import (
+    NAMESPACE_PARAM,
+    responses,
+)
 from hascheduler.api.params import int_param, now_of, time_param
+from hascheduler.api.route import Route
 from hascheduler.core import history
 from hascheduler.core.constants import (
     DEFAULT_PAGE,
@@ -32,3 +42,35 @@ async def audit_log(request: web.Request) -> web.Response:
     return web.json_response({"items": items, "next": items[-1]["id"] if len(items) ==
                               int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
                               else None})
+
+
+# A page of audit records: the id of the previous page's last record, and its size.
+AUDIT_PAGE = [
+    {"name": "before", "in": "query", "schema": {"type": "string"}},
+    {"name": "limit", "in": "query",
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+]
+
+ROUTES: list[Route] = [
+    Route(
+        "GET",
+        "/audit",
+        audit_log,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "the audit trail, newest first: every change to a schedule or its "
+            "runs, with who, when, from where, what (before and after) and why",
+            "parameters": [
+                NAMESPACE_PARAM,
+            ] + [
+                {"name": name, "in": "query", "schema": {"type": "string"}}
+                for name in ("schedule", "actor")
+            ] + [
+                {"name": "since", "in": "query",
+                 "schema": {"type": "string", "format": "date-time"}},
+                *AUDIT_PAGE,
+            ],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+]

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from hascheduler.api.access import Action
 from hascheduler.api.context import backfills_of, cluster_of, context
 from hascheduler.api.errors import BadRequest
+from hascheduler.api.guards import (
+    BACKFILL,
+    SCHEDULE,
+    Guard,
+)
 from hascheduler.api.middleware import UNKNOWN_NAMESPACE, change_by, runs_record
-from hascheduler.api.params import as_json, json_body, now_of
+from hascheduler.api.openapi import (
+    WRITE,
+    json_body,
+    responses,
+)
+from hascheduler.api.params import as_json, now_of, read_json
+from hascheduler.api.route import Route
 from hascheduler.api.views import (
     shown_time,
 )
@@ -23,7 +35,7 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     cluster = cluster_of(request)
     backfills = backfills_of(request)
     now = now_of(request)
-    wanted = models.BackfillIn.model_validate(await json_body(request), context={"now": now})
+    wanted = models.BackfillIn.model_validate(await read_json(request), context={"now": now})
     schedule = await context(request).store.get(request.match_info["id"])
     who = change_by(request, schedule.namespace)
     if schedule.paused:
@@ -63,3 +75,36 @@ async def cancel_backfill(request: web.Request) -> web.Response:
         raise RunConflict(f"backfill {current['_id']!r} is {current['state']}; only a "
                           "running one can be cancelled")
     return as_json(Backfill.of(doc))
+
+
+ROUTES: list[Route] = [
+    Route(
+        "POST",
+        "/schedules/{id}/backfill",
+        backfill_schedule,
+        Guard(Action.TRIGGER, SCHEDULE),
+        {
+            "summary": "fire every nominal time in [start, end) the ledger has no fire "
+            "for (ordinary fire ids: nothing fires twice), worked by the leader at a "
+            "bounded pace and carried across failovers",
+            "requestBody": json_body("BackfillIn"),
+            "responses": responses(202, "Backfill", *WRITE, 404, 409, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/backfills/{id}",
+        get_backfill,
+        Guard(Action.READ, BACKFILL),
+        {"summary": "a backfill's progress: fired, skipped, remaining",
+         "responses": responses(200, "Backfill", 404, 503)},
+    ),
+    Route(
+        "DELETE",
+        "/backfills/{id}",
+        cancel_backfill,
+        Guard(Action.CANCEL, BACKFILL),
+        {"summary": "cancel a running backfill (what it fired stays fired)",
+         "responses": responses(200, "Backfill", 403, 404, 409, 429, 503)},
+    ),
+]

@@ -8,10 +8,21 @@ from typing import Any
 
 from aiohttp import web
 
+from hascheduler.api.access import Action
 from hascheduler.api.context import Cluster, cluster_of, context
 from hascheduler.api.errors import problem
+from hascheduler.api.guards import (
+    CLUSTER_WIDE,
+    SCHEDULE,
+    Guard,
+)
 from hascheduler.api.middleware import grant_of
+from hascheduler.api.openapi import (
+    ref,
+    responses,
+)
 from hascheduler.api.params import now_of
+from hascheduler.api.route import OPEN, Route
 from hascheduler.api.views import (
     shown_time,
 )
@@ -107,3 +118,88 @@ async def whoami(request: web.Request) -> web.Response:
     return web.json_response({"name": grant.name,
                               "actions": sorted(a.value for a in grant.actions),
                               "namespaces": sorted(grant.namespaces)})
+
+
+ROUTES: list[Route] = [
+    Route(
+        "GET",
+        "/mirror/{id}",
+        mirror_entry,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "what this replica's mirror holds for a schedule (revision, paused, "
+            "next nominal time)",
+            "responses": responses(200, None, 404),
+        },
+    ),
+    Route(
+        "GET",
+        "/leader",
+        leader,
+        Guard(Action.READ, CLUSTER_WIDE),
+        {
+            "summary": "the lease: holder, term, expiry; who answered",
+            "responses": responses(200, None, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/cluster",
+        members,
+        Guard(Action.READ, CLUSTER_WIDE),
+        {"summary": "members seen recently (heartbeats)", "responses": responses(200, None, 503)},
+    ),
+    Route(
+        "GET",
+        "/whoami",
+        whoami,
+        Guard(Action.READ, CLUSTER_WIDE),
+        {
+            "summary": "the caller's token: its name, actions and namespaces (the dashboard "
+            "shows only the buttons they allow)",
+            "responses": responses(200, None, 403),
+        },
+    ),
+    Route(
+        "GET",
+        "/metrics",
+        metrics,
+        OPEN,
+        {
+            "summary": "Prometheus metrics (no token needed)",
+            "security": [],
+            "responses": {"200": {"description": "text exposition format"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/healthz",
+        healthz,
+        OPEN,
+        {
+            "summary": "the process is alive (no token needed)",
+            "security": [],
+            "responses": {"200": {"description": "alive"}},
+        },
+    ),
+    Route(
+        "GET",
+        "/readyz",
+        readyz,
+        OPEN,
+        {
+            "summary": "the mirror is in sync (no token needed)",
+            "security": [],
+            "responses": {
+                "200": {
+                    "description": "ready",
+                    "content": {"application/json": {"schema": ref("MirrorStatus")}},
+                },
+                "503": {
+                    "description": "not ready",
+                    "content": {"application/json": {"schema": ref("MirrorStatus")}},
+                },
+            },
+        },
+    ),
+]

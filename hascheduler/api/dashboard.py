@@ -7,14 +7,21 @@ from pathlib import Path
 
 from aiohttp import web
 
-from hascheduler.api.access import (
-    Action,
-)
+from hascheduler.api.access import Action
 from hascheduler.api.cluster import leader_view, members_view
 from hascheduler.api.context import cluster_of, context
 from hascheduler.api.errors import BadRequest
+from hascheduler.api.guards import (
+    LISTING,
+    Guard,
+)
 from hascheduler.api.middleware import readable_namespaces, require
+from hascheduler.api.openapi import (
+    NAMESPACE_PARAM,
+    responses,
+)
 from hascheduler.api.params import now_of
+from hascheduler.api.route import OPEN, Route
 from hascheduler.api.views import (
     TIMELINE_MAX_HOURS,
     read_dashboard,
@@ -69,3 +76,46 @@ async def ui(request: web.Request) -> web.Response:
     return web.Response(text=UI_PAGE, content_type="text/html",
                         headers={"Cache-Control": "no-cache",
                                  "Content-Security-Policy": UI_CSP})
+
+
+ROUTES: list[Route] = [
+    Route(
+        "GET",
+        "/dashboard",
+        dashboard,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "what /ui shows: leader, members, schedules with "
+            "their next fire, recent fires",
+            "parameters": [NAMESPACE_PARAM],
+            "responses": responses(200, None, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/timeline",
+        timeline,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "what /ui draws: each schedule's fires over the last hours as marks "
+            "(on_time, late, skipped, failed, dead, running...), lateness over the window, "
+            "the runs in flight",
+            "parameters": [NAMESPACE_PARAM,
+                           {"name": "hours", "in": "query",
+                            "schema": {"type": "number", "minimum": 0.05, "maximum": 24}},
+                           {"name": "schedule", "in": "query", "schema": {"type": "string"}}],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/ui",
+        ui,
+        OPEN,
+        {
+            "summary": "the dashboard page (it asks for a token itself)",
+            "security": [],
+            "responses": {"200": {"description": "HTML"}},
+        },
+    ),
+]

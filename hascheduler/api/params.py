@@ -24,7 +24,7 @@ def as_json(model: BaseModel, status: int = 200, **headers: str) -> web.Response
                         content_type="application/json", headers=headers)
 
 
-async def json_body(request: web.Request) -> dict[str, Any]:
+async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type not in _JSON_TYPES:
         raise BadRequest(415, "Content-Type", "send the body as application/json")
     raw = await request.read()
@@ -37,9 +37,9 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def optional_json_body(request: web.Request) -> dict[str, Any]:
-    """``json_body``, or {} for a request sent without one."""
-    return await json_body(request) if (await request.read()).strip() else {}
+async def read_optional_json(request: web.Request) -> dict[str, Any]:
+    """``read_json``, or {} for a request sent without one."""
+    return await read_json(request) if (await request.read()).strip() else {}
 
 
 def expected_revision(request: web.Request) -> int | None:

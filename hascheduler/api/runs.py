@@ -7,15 +7,28 @@ import contextlib
 
 from aiohttp import web
 
+from hascheduler.api.access import Action
 from hascheduler.api.context import cluster_of, context
 from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.guards import (
+    FIRE,
+    LISTING,
+    SCHEDULE,
+    Guard,
+)
 from hascheduler.api.middleware import (
     UNKNOWN_NAMESPACE,
     change_by,
     readable_namespaces,
     runs_record,
 )
+from hascheduler.api.openapi import (
+    NAMESPACE_PARAM,
+    ref,
+    responses,
+)
 from hascheduler.api.params import int_param, now_of
+from hascheduler.api.route import Route
 from hascheduler.api.run_view import public_view
 from hascheduler.api.views import (
     fan_out_fire,
@@ -154,3 +167,123 @@ async def _target_of(request: web.Request, schedule_id: str) -> str:
         return (await context(request).store.get(schedule_id)).target
     except ScheduleNotFound:
         return ""
+
+
+ROUTES: list[Route] = [
+    Route(
+        "GET",
+        "/schedules/{id}/fires",
+        fire_history,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "the fire ledger of a schedule, newest first (a skipped range is one "
+            "entry with last_nominal_at and count)",
+            "parameters": [
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                }
+            ],
+            "responses": responses(200, None, 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/runs",
+        schedule_runs,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "the runs of a schedule's fires, newest nominal time first; by=fire: "
+            "its latest fires, each with its ledger entries (fires) and its runs "
+            "counted by state (a fan-out fire has one of each per tenant)",
+            "parameters": [
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+                {"name": "by", "in": "query", "schema": {"type": "string", "enum": ["fire"]}},
+            ],
+            "responses": responses(200, None, 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/runs",
+        list_runs,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "runs, most recently changed first (state=dead: the dead letters)",
+            "parameters": [
+                {
+                    "name": "state",
+                    "in": "query",
+                    "schema": {
+                        "type": "string",
+                        "enum": ["running", "succeeded", "retrying", "dead"],
+                    },
+                },
+                NAMESPACE_PARAM,
+                {
+                    "name": "after",
+                    "in": "query",
+                    "schema": {"type": "string"},
+                    "description": "the next of the previous page: the fire id of its last run "
+                    "(404 once that run has expired)",
+                },
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+            ],
+            "responses": responses(200, "RunList", 404, 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/runs/{id}",
+        get_run,
+        Guard(Action.READ, FIRE),
+        {"summary": "one fire's run", "responses": responses(200, "Run", 404, 503)},
+    ),
+    Route(
+        "POST",
+        "/runs/{id}/retry",
+        retry_run,
+        Guard(Action.TRIGGER, FIRE),
+        {
+            "summary": "replay a dead run: it is published again and runs with a fresh "
+            "attempt budget; under its schedule's overlap policy it is open like any run, "
+            "and refused (409) while another run of the same schedule (or tenant) is open",
+            "responses": responses(202, "Run", 403, 404, 409, 429, 503),
+        },
+    ),
+    Route(
+        "POST",
+        "/runs/{id}/cancel",
+        cancel_run,
+        Guard(Action.CANCEL, FIRE),
+        {
+            "summary": "cancel a run: a pending or retrying run (or a fire no worker has "
+            "claimed yet) ends cancelled at once (200); a running one is stopped by its "
+            "worker within a second (202); one already ended is a 409",
+            "responses": responses(200, "Run", 403, 404, 409, 429, 503)
+            | {"202": {"description": "its worker was asked to stop it",
+                       "content": {"application/json": {"schema": ref("Run")}}}},
+        },
+    ),
+    Route(
+        "GET",
+        "/fires/{id}",
+        get_fire,
+        Guard(Action.READ, FIRE),
+        {
+            "summary": "one fire's ledger entry (state, reason, who ran it now), with its "
+            "run; a fan-out fire (no tenant in its id) as its tenants' entries and runs "
+            "counted by state",
+            "responses": responses(200, None, 404, 503),
+        },
+    ),
+]

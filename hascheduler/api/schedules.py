@@ -12,24 +12,39 @@ from urllib.parse import quote
 import structlog
 from aiohttp import web
 
-from hascheduler.api.access import (
-    Action,
-)
+from hascheduler.api.access import Action
 from hascheduler.api.context import cluster_of, context
 from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.guards import (
+    BODY,
+    LISTING,
+    SCHEDULE,
+    Guard,
+)
 from hascheduler.api.middleware import actor, change_by, readable_namespaces, require, runs_record
-from hascheduler.api.openapi import LABEL_FILTER
+from hascheduler.api.openapi import (
+    IDEMPOTENCY_KEY_HEADER,
+    IF_MATCH_HEADER,
+    LABEL_FILTER,
+    NAMESPACE_PARAM,
+    SEMANTIC,
+    WRITE,
+    json_body,
+    ref,
+    responses,
+)
 from hascheduler.api.params import (
     as_json,
     bool_param,
     expected_revision,
     int_param,
-    json_body,
     now_of,
-    optional_json_body,
+    read_json,
+    read_optional_json,
     time_param,
     validate,
 )
+from hascheduler.api.route import Route
 from hascheduler.core import history, models
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
@@ -82,7 +97,7 @@ async def _check_quota(request: web.Request, namespace: str, adding: int) -> Non
 
 
 async def create_schedule(request: web.Request) -> web.Response:
-    body = await json_body(request)
+    body = await read_json(request)
     now = now_of(request)
     new = validate(request, models.ScheduleIn, body, now)
     require(request, Action.WRITE, new.namespace)
@@ -97,7 +112,7 @@ async def create_schedules(request: web.Request) -> web.Response:
     """Many schedules in one round trip (``hascheduler apply``): every one is checked
     first, as POST /schedules checks it; nothing is written unless all are valid. An id
     already taken is left as it was and answered in ``existing``."""
-    body = await json_body(request)
+    body = await read_json(request)
     now = now_of(request)
     batch = validate(request, models.ScheduleBatchIn, body, now)
     who = actor(request)
@@ -145,7 +160,7 @@ async def get_schedule(request: web.Request) -> web.Response:
 
 
 async def put_schedule(request: web.Request) -> web.Response:
-    body = await json_body(request)
+    body = await read_json(request)
     if "id" in body and body["id"] != request.match_info["id"]:
         raise BadRequest(422, "id", "the id in the body differs from the one in the path")
     body.pop("id", None)
@@ -196,7 +211,7 @@ def _merge_patch(target: Any, patch: Any) -> Any:
 
 
 async def patch_schedule(request: web.Request) -> web.Response:
-    patch = await json_body(request)
+    patch = await read_json(request)
     schedule_id = request.match_info["id"]
     for server_field in ("id", "created_at", "updated_at", "revision", "pause", "completed",
                          "fires_remaining"):
@@ -228,7 +243,7 @@ async def delete_schedule(request: web.Request) -> web.Response:
 async def pause_schedule(request: web.Request) -> web.Response:
     """Pause, with an optional note and an instant to resume at by itself."""
     now = now_of(request)
-    wanted = models.PauseIn.model_validate(await optional_json_body(request),
+    wanted = models.PauseIn.model_validate(await read_optional_json(request),
                                            context={"now": now})
     schedule_id = request.match_info["id"]
     who = actor(request)
@@ -265,7 +280,7 @@ async def trigger_schedule(request: web.Request) -> web.Response:
     poll (REQUESTED_POLL_S); an Idempotency-Key makes a retried request answer with the
     first one's fire."""
     cluster = cluster_of(request)
-    wanted = models.TriggerIn.model_validate(await optional_json_body(request))
+    wanted = models.TriggerIn.model_validate(await read_optional_json(request))
     key = request.headers.get("Idempotency-Key")
     if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
         raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
@@ -343,7 +358,7 @@ async def restore_schedule(request: web.Request) -> web.Response:
     """Put a schedule's fields back as they were at an earlier revision (a new revision,
     recorded as a restore). A payload the trail keeps redacted stays as it is now."""
     schedule_id = request.match_info["id"]
-    wanted = models.RestoreIn.model_validate(await json_body(request))
+    wanted = models.RestoreIn.model_validate(await read_json(request))
     record = await context(request).audit.revision(schedule_id, wanted.revision)
     if record is None:
         raise BadRequest(404, "revision", f"schedule {schedule_id!r} has no revision "
@@ -363,3 +378,221 @@ async def restore_schedule(request: web.Request) -> web.Response:
                                    expected if expected is not None else current.revision,
                                    dataclasses.replace(who, origin=None), history.RESTORE)
     return _schedule_response(schedule)
+
+
+# A page of audit records: the id of the previous page's last record, and its size.
+AUDIT_PAGE = [
+    {"name": "before", "in": "query", "schema": {"type": "string"}},
+    {"name": "limit", "in": "query",
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+]
+
+ROUTES: list[Route] = [
+    Route(
+        "POST",
+        "/schedules",
+        create_schedule,
+        Guard(Action.WRITE, BODY),
+        {
+            "summary": "create a schedule",
+            "description": SEMANTIC,
+            "requestBody": json_body("ScheduleIn"),
+            "responses": responses(201, "Schedule", *WRITE, 409),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules:batch",
+        create_schedules,
+        Guard(Action.WRITE, BODY),
+        {
+            "summary": "create many schedules: all are checked before any is written; an "
+                       "id already taken is left as it was",
+            "description": SEMANTIC,
+            "requestBody": json_body("ScheduleBatchIn"),
+            "responses": responses(200, "BatchCreated", *WRITE),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules",
+        list_schedules,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "list schedules (id order, cursor pagination)",
+            "parameters": [
+                {
+                    "name": "label",
+                    "in": "query",
+                    "description": "key=value; repeat to AND",
+                    "schema": {"type": "string", "pattern": LABEL_FILTER},
+                },
+                {
+                    "name": "paused",
+                    "in": "query",
+                    "schema": {"type": "string", "enum": ["true", "false"]},
+                },
+                NAMESPACE_PARAM,
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                },
+                {
+                    "name": "health",
+                    "in": "query",
+                    "description": "true: each schedule's health too (health, by id)",
+                    "schema": {"type": "string", "enum": ["true", "false"]},
+                },
+            ],
+            "responses": responses(200, "ScheduleList", 422, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}",
+        get_schedule,
+        Guard(Action.READ, SCHEDULE),
+        {"summary": "one schedule", "responses": responses(200, "Schedule", 404)},
+    ),
+    Route(
+        "PUT",
+        "/schedules/{id}",
+        put_schedule,
+        Guard(Action.WRITE, SCHEDULE),
+        {
+            "summary": "replace a schedule",
+            "description": SEMANTIC,
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": json_body("ScheduleFields"),
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "PATCH",
+        "/schedules/{id}",
+        patch_schedule,
+        Guard(Action.WRITE, SCHEDULE),
+        {
+            "summary": "change some fields (JSON merge patch: null removes a field)",
+            "description": SEMANTIC,
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/merge-patch+json": {"schema": ref("SchedulePatch")},
+                    "application/json": {"schema": ref("SchedulePatch")},
+                },
+            },
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "DELETE",
+        "/schedules/{id}",
+        delete_schedule,
+        Guard(Action.WRITE, SCHEDULE),
+        {
+            "summary": "delete a schedule",
+            "parameters": [IF_MATCH_HEADER],
+            "responses": responses(204, None, 400, 403, 404, 409, 429),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/pause",
+        pause_schedule,
+        Guard(Action.PAUSE, SCHEDULE),
+        {
+            "summary": "pause, with an optional note and an instant to resume at by itself",
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": {**json_body("PauseIn"), "required": False},
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/resume",
+        resume_schedule,
+        Guard(Action.PAUSE, SCHEDULE),
+        {
+            "summary": "resume (the record of the pause goes)",
+            "parameters": [IF_MATCH_HEADER],
+            "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/trigger",
+        trigger_schedule,
+        Guard(Action.TRIGGER, SCHEDULE),
+        {
+            "summary": "run now: a fire outside the trigger, published by the leader "
+            "within a fraction of a second, under the schedule's overlap policy (or the "
+            "one given); a fan-out runs once per tenant its filter selects now "
+            "(<fire id>/<tenant>). 409: paused or completed without force, or a fan-out "
+            "selecting no tenant or more than the cluster's bound",
+            "parameters": [IDEMPOTENCY_KEY_HEADER],
+            "requestBody": {**json_body("TriggerIn"), "required": False},
+            "responses": responses(202, "Triggered", *WRITE, 404, 409),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/next",
+        next_fires,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "the next nominal and jittered fire times",
+            "parameters": [
+                {
+                    "name": "count",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PREVIEW},
+                },
+                {
+                    "name": "after",
+                    "in": "query",
+                    "schema": {"type": "string", "format": "date-time"},
+                },
+            ],
+            "responses": responses(200, "Preview", 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/health",
+        schedule_health,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "its last fire, last success, consecutive failures, whether it is "
+            "late against its own trigger and whether its objective (expect) is met",
+            "responses": responses(200, "ScheduleHealth", 404, 503),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/history",
+        schedule_history,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "a schedule's audit records, newest first (kept after a delete)",
+            "parameters": AUDIT_PAGE,
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "POST",
+        "/schedules/{id}/restore",
+        restore_schedule,
+        Guard(Action.WRITE, SCHEDULE),
+        {
+            "summary": "put back the fields a schedule had at an earlier revision of its "
+            "history (a new revision, recorded as a restore)",
+            "parameters": [IF_MATCH_HEADER],
+            "requestBody": json_body("RestoreIn"),
+            "responses": responses(200, "Schedule", *WRITE, 404, 409),
+        },
+    ),
+]

@@ -10,13 +10,24 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from hascheduler.api.access import (
-    Action,
-)
+from hascheduler.api.access import Action
 from hascheduler.api.context import context, webhooks_of
 from hascheduler.api.errors import BadRequest
+from hascheduler.api.guards import (
+    BODY,
+    LISTING,
+    WEBHOOK,
+    Guard,
+)
 from hascheduler.api.middleware import grant_of, readable_namespaces, require
-from hascheduler.api.params import as_json, int_param, json_body, now_of
+from hascheduler.api.openapi import (
+    NAMESPACE_PARAM,
+    WRITE,
+    json_body,
+    responses,
+)
+from hascheduler.api.params import as_json, int_param, now_of, read_json
+from hascheduler.api.route import Route
 from hascheduler.api.views import (
     shown_time,
 )
@@ -44,7 +55,7 @@ def _webhook_view(doc: dict[str, Any], secret: str | None = None) -> models.Webh
 async def create_webhook(request: web.Request) -> web.Response:
     """A webhook in a namespace (admin there): its secret is in this answer, never again."""
     store, _ = webhooks_of(request)
-    wanted = models.WebhookIn.model_validate(await json_body(request))
+    wanted = models.WebhookIn.model_validate(await read_json(request))
     require(request, Action.ADMIN, wanted.namespace)
     if wanted.schedule_id is not None:
         namespace = await context(request).store.namespace_of(wanted.schedule_id)
@@ -112,3 +123,59 @@ def _delivery_view(doc: dict[str, Any]) -> dict[str, Any]:
             "last_at": shown(doc.get("last_at")), "last_status": doc.get("last_status"),
             "last_error": doc.get("last_error"),
             "history": [{k: shown(v) for k, v in a.items()} for a in doc.get("history", [])]}
+
+
+ROUTES: list[Route] = [
+    Route(
+        "POST",
+        "/webhooks",
+        create_webhook,
+        Guard(Action.ADMIN, BODY),
+        {
+            "summary": "a webhook: a namespace's (or a schedule's) events POSTed to a URL, "
+            "signed; the answer holds its secret, shown once",
+            "requestBody": json_body("WebhookIn"),
+            "responses": responses(201, "Webhook", *WRITE, 409),
+        },
+    ),
+    Route(
+        "GET",
+        "/webhooks",
+        list_webhooks,
+        Guard(Action.READ, LISTING),
+        {
+            "summary": "the webhooks of the namespaces the caller may read",
+            "parameters": [NAMESPACE_PARAM],
+            "responses": responses(200, "WebhookList", 403, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/webhooks/{id}",
+        get_webhook,
+        Guard(Action.READ, WEBHOOK),
+        {"summary": "one webhook (never its secret)",
+         "responses": responses(200, "Webhook", 403, 404)},
+    ),
+    Route(
+        "DELETE",
+        "/webhooks/{id}",
+        delete_webhook,
+        Guard(Action.ADMIN, WEBHOOK),
+        {"summary": "delete a webhook and its deliveries",
+         "responses": responses(204, None, 403, 404)},
+    ),
+    Route(
+        "GET",
+        "/webhooks/{id}/deliveries",
+        webhook_deliveries,
+        Guard(Action.READ, WEBHOOK),
+        {
+            "summary": "a webhook's deliveries, newest first: state (pending, delivered, "
+            "failed), attempts with their status, error and duration",
+            "parameters": [{"name": "limit", "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+]
