@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from hascheduler.core import models
+from hascheduler.core import models, specs
 from hascheduler.core.triggers import At, Bounded, Cron, count_between, fire_times
 from tests.test_failover import Harness
 from tests.waiting import wait_until
@@ -43,11 +43,11 @@ def test_a_bounded_instant_list_drops_what_lies_outside() -> None:
 
 
 def test_the_models_compile_windows_for_cron_and_at() -> None:
-    spec = models.CronSpec.model_validate(
+    spec = specs.CronSpec.model_validate(
         {"kind": "cron", "cron": "0 9 * * *", "start_at": "2030-01-03T00:00:00Z",
          "end_at": "2030-01-05T00:00:00Z"}, context={"now": NOW})
     assert [t.day for t in fire_times(spec.compile(), T0)] == [3, 4]
-    plain = models.CronSpec.model_validate({"kind": "cron", "cron": "0 9 * * *"},
+    plain = specs.CronSpec.model_validate({"kind": "cron", "cron": "0 9 * * *"},
                                            context={"now": NOW})
     assert isinstance(plain.compile(), Cron)
 

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from hascheduler.core.errors import ConfigError
-from hascheduler.core.models import NAMESPACE
+from hascheduler.core.fields import NAMESPACE
 
 log = structlog.get_logger("hascheduler.access")
 

@@ -22,7 +22,7 @@ from hascheduler.api.context import context, webhooks_of
 from hascheduler.api.errors import BadRequest, Forbidden, problem
 from hascheduler.api.guards import BACKFILL, FIRE, SCHEDULE, WEBHOOK
 from hascheduler.api.params import now_of
-from hascheduler.core import history, models
+from hascheduler.core import fields, history
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.process import tracing
 
@@ -131,7 +131,7 @@ def readable_namespaces(request: web.Request) -> list[str] | None:
     asked = request.query.get("namespace")
     grant = grant_of(request)
     if asked is not None:
-        if not models.NAMESPACE.fullmatch(asked):
+        if not fields.NAMESPACE.fullmatch(asked):
             raise BadRequest(422, "namespace", "namespace must be a DNS label: lowercase "
                                                "letters, digits or '-'")
         require(request, Action.READ, asked)

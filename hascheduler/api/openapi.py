@@ -10,7 +10,7 @@ from pydantic.json_schema import models_json_schema
 
 from hascheduler import __version__
 from hascheduler.api.run_view import Run, RunList
-from hascheduler.core import models
+from hascheduler.core import fields, models
 from hascheduler.core.constants import MAX_IDEMPOTENCY_KEY_CHARS
 from hascheduler.core.health import ScheduleHealth
 from hascheduler.storage.backfills import Backfill
@@ -67,12 +67,12 @@ _ERRORS = {400: "malformed request (JSON, If-Match, a query parameter the route 
 # revision as the ETag gives it, optionally weak and quoted.
 IF_MATCH = re.compile(r'\s*(?:\*|(?:W/)?"?([1-9][0-9]{0,17})"?)\s*')
 # ?label=key=value, as the server splits it: a label key (a slug) and any value.
-LABEL_FILTER = rf"^{models.SLUG.pattern}=[\s\S]*$"
+LABEL_FILTER = rf"^{fields.SLUG.pattern}=[\s\S]*$"
 
 ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 NAMESPACE_PARAM = {
     "name": "namespace", "in": "query", "required": False,
-    "schema": {"type": "string", "pattern": f"^{models.NAMESPACE.pattern}$"},
+    "schema": {"type": "string", "pattern": f"^{fields.NAMESPACE.pattern}$"},
     "description": "one namespace (the token must reach it); without it, every namespace "
                    "the token reaches"}
 IF_MATCH_HEADER = {"name": "If-Match", "in": "header", "required": False,

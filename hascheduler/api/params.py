@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from hascheduler.api.context import context
 from hascheduler.api.errors import BadRequest
 from hascheduler.api.openapi import IF_MATCH
-from hascheduler.core import models
+from hascheduler.core import fields
 from hascheduler.core.clock import Clock
 
 _JSON_TYPES = {"application/json", "application/merge-patch+json"}
@@ -76,7 +76,7 @@ def time_param(request: web.Request, name: str, default: dt.datetime) -> dt.date
     if text is None:
         return default
     try:
-        return models.parse_instant(text)
+        return fields.parse_instant(text)
     except ValueError as exc:
         raise BadRequest(422, name, f"{name} {exc}") from None
 

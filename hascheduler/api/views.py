@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hascheduler.api.run_view import public_view
-from hascheduler.core import models, timeline
+from hascheduler.core import fields, models, timeline
 from hascheduler.core.instants import as_utc
 from hascheduler.core.run_states import DEAD, STATES
 from hascheduler.core.triggers import fire_id
@@ -65,7 +65,7 @@ async def fan_out_fire(ledger: Ledger, runs: RunLedger, fire: str) -> dict[str, 
     now) as counts of its tenants' entries and runs; None if the ledger has none."""
     schedule_id, _, when = fire.rpartition("@")
     try:
-        nominal = models.parse_instant(when.removeprefix("manual-"))
+        nominal = fields.parse_instant(when.removeprefix("manual-"))
     except ValueError:
         return None
     if not schedule_id:

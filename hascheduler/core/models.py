@@ -1,351 +1,58 @@
 """The schedule as the API accepts it and as MongoDB stores it (pydantic v2).
 
 Validation needs "now" (instants must lie in the future): callers pass it in the
-validation context, ``{"now": datetime}``, so the rules stay pure and testable.
-"""
+validation context, ``{"now": datetime}``, so the rules stay pure and testable."""
 
 from __future__ import annotations
 
 import datetime as dt
-import json
-import re
 import urllib.parse
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    JsonValue,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from hascheduler.core import cron, flow, triggers
+from hascheduler.core import flow, triggers
 from hascheduler.core.catchup import MAX_CATCHUP_FIRES
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
-    DEFAULT_MIN_FIRE_INTERVAL_S,
     MAX_BATCH,
     MAX_FIRES,
-    MAX_INTERVAL_S,
     MAX_JITTER_S,
-    MAX_PAYLOAD_BYTES,
-    MAX_SUCCESS_WITHIN_S,
     MAX_TARGET_CHARS,
     TARGET_PATTERN,
 )
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.fields import (
+    DEFAULT_NAMESPACE,
+    NAMESPACE,
+    SLUG,
+    Instant,
+    NamespaceName,
+    Strict,
+    checked_payload,
+    context_now,
+    utc_field,
+)
 from hascheduler.core.health import ScheduleHealth
 from hascheduler.core.overlap import Policy
-
-# Schedule ids and label keys, matched whole (fullmatch).
-SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# A namespace is a DNS label, as Kubernetes names them: it appears in URLs, metric labels
-# and file names, so no character there needs escaping.
-NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-DEFAULT_NAMESPACE = "default"
-
-
-def _stored(info: ValidationInfo) -> bool:
-    """Validating a schedule read back from MongoDB: its instants may have passed since."""
-    return bool((info.context or {}).get("stored"))
-
-
-def _now(info: ValidationInfo) -> dt.datetime:
-    context = info.context or {}
-    now = context.get("now")
-    return now if isinstance(now, dt.datetime) else dt.datetime.now(dt.UTC)
-
-
-def _min_interval(info: ValidationInfo) -> float:
-    """The floor on how often one schedule may fire (``serve --min-fire-interval``)."""
-    floor = (info.context or {}).get("min_fire_interval_s")
-    return float(floor) if isinstance(floor, int | float) else DEFAULT_MIN_FIRE_INTERVAL_S
-
-
-# RFC 3339, as JSON Schema's date-time format says (pydantic alone also takes numbers and
-# numeric strings as Unix times).
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
-
-
-def parse_instant(text: str) -> dt.datetime:
-    """An RFC 3339 date-time with an offset, as the API takes every instant (bodies and
-    query parameters alike). Raises ValueError."""
-    if not _RFC3339.fullmatch(text):
-        raise ValueError("must be an RFC 3339 date-time with an offset, such as "
-                         "'2030-01-01T09:00:00Z'")
-    return dt.datetime.fromisoformat(text.upper())
-
-
-def _instant(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return value
-    if isinstance(value, str):
-        return parse_instant(value)
-    raise ValueError("must be an RFC 3339 date-time with an offset, such as "
-                     "'2030-01-01T09:00:00Z'")
-
-
-Instant = Annotated[dt.datetime, BeforeValidator(_instant)]
-
-
-def _utc(value: dt.datetime, field: str) -> dt.datetime:
-    if value.tzinfo is None:
-        raise ValueError(f"{field} needs a time zone offset (for example 'Z' or '+02:00')")
-    return value.astimezone(dt.UTC)
-
-
-def _whole_ms(value: dt.datetime) -> dt.datetime:
-    return value.replace(microsecond=value.microsecond - value.microsecond % 1000)
-
-
-_INT64 = 2**63
-
-
-def _storable(value: Any, path: str) -> None:
-    """Refuse what JSON allows but BSON cannot store: NUL in keys, integers beyond 64 bits."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if "\0" in key:
-                raise ValueError(f"{path}: field names cannot contain the NUL character")
-            _storable(item, f"{path}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _storable(item, f"{path}[{i}]")
-    elif isinstance(value, int) and not isinstance(value, bool) and \
-            not -_INT64 <= value < _INT64:
-        raise ValueError(f"{path}: integers must fit in 64 bits")
-
-
-def _checked_payload(value: dict[str, Any]) -> dict[str, Any]:
-    size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
-    if size > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"payload is {size} bytes as JSON; the limit is {MAX_PAYLOAD_BYTES}")
-    _storable(value, "payload")
-    return value
-
-
-def _checked_namespace(value: str) -> str:
-    if not NAMESPACE.fullmatch(value):
-        raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
-                         "or '-', starting and ending with a letter or digit")
-    return value
-
-
-NamespaceName = Annotated[str, AfterValidator(_checked_namespace)]
-
-
-class _Strict(BaseModel):
-    # Strict: JSON types are taken as written ("30" is not a number, true not 1), so the
-    # OpenAPI document the models give is exactly what the API accepts.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _zone_enum(schema: dict[str, JsonValue]) -> None:
-    # A callable: the zone database is read when the OpenAPI document is made, not when
-    # the models are imported.
-    schema["enum"] = [*sorted(triggers.zone_names())]
-
-
-class _Window(_Strict):
-    """start_at and end_at: a trigger fires only within them."""
-
-    start_at: Instant | None = Field(None, description="no fire before this instant")
-    end_at: Instant | None = Field(None, description="no fire after this instant")
-
-    @field_validator("start_at", "end_at")
-    @classmethod
-    def _aware(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
-        return None if value is None else _utc(value, info.field_name or "time")
-
-    def _check_window(self, info: ValidationInfo) -> None:
-        if self.end_at is not None:
-            if self.start_at is not None and self.end_at <= self.start_at:
-                raise ValueError("end_at must be after start_at")
-            if not _stored(info) and self.end_at <= _now(info):
-                raise ValueError("end_at must be in the future")
-
-
-class CronSpec(_Window):
-    kind: Literal["cron"]
-    cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
-                      json_schema_extra={"pattern": cron.SHAPE},
-                      description="5 fields (minute first) or 6 (second first) as crontab(5) "
-                                  "reads them (day of month and day of week either match "
-                                  "when both are restricted; day of week 0 or 7 = Sunday), "
-                                  "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
-                                  "and L, LW, nW (day of month), nL, n#k (day of week)",
-                      examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
-    timezone: str = Field("UTC", description="IANA time zone name",
-                          json_schema_extra=_zone_enum)
-
-    @field_validator("timezone")
-    @classmethod
-    def _known_zone(cls, value: str) -> str:
-        triggers.zone(value)
-        return value
-
-    @model_validator(mode="after")
-    def _parses(self, info: ValidationInfo) -> CronSpec:
-        self._check_window(info)
-        compiled = triggers.compile_cron(self.cron.strip(), self.timezone)
-        self.cron = " ".join(self.cron.split())
-        floor = _min_interval(info)
-        gap = compiled.expression.min_gap_s()
-        if not _stored(info) and gap < floor:
-            raise ValueError(f"fires {gap:g} s apart at times; this cluster's floor is "
-                             f"{floor:g} s between two fires of one schedule")
-        return self
-
-    def compile(self) -> triggers.Trigger:
-        return triggers.bounded(triggers.Cron(self.cron, self.timezone), self.start_at,
-                                self.end_at)
-
-
-class IntervalSpec(_Strict):
-    kind: Literal["interval"]
-    every: float | str = Field(description="seconds, or an ISO-8601 duration such as 'PT30S'",
-                               examples=[30, "PT1H"])
-    start_at: Instant | None = Field(
-        None, description="anchor of the grid start_at + k * every; defaults to creation time")
-    end_at: Instant | None = None
-
-    @field_validator("every")
-    @classmethod
-    def _positive(cls, value: float | str, info: ValidationInfo) -> float:
-        seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
-        if not seconds > 0:
-            raise ValueError("every must be greater than 0 seconds")
-        if seconds < 0.001:  # the catch-up's bisection resolves fires this far apart
-            raise ValueError("every must be at least 1 millisecond")
-        floor = _min_interval(info)
-        if seconds < floor and not _stored(info):
-            raise ValueError(f"every must be at least {floor:g} s (this cluster's floor "
-                             "between two fires of one schedule)")
-        if seconds > MAX_INTERVAL_S:
-            raise ValueError(f"every must be at most {MAX_INTERVAL_S:.0f} seconds (10 years)")
-        return seconds
-
-    @field_validator("start_at", "end_at")
-    @classmethod
-    def _aware(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
-        return None if value is None else _utc(value, info.field_name or "time")
-
-    @model_validator(mode="after")
-    def _window(self, info: ValidationInfo) -> IntervalSpec:
-        if self.end_at is not None:
-            if self.start_at is not None and self.end_at <= self.start_at:
-                raise ValueError("end_at must be after start_at")
-            if not _stored(info) and self.end_at <= _now(info):
-                raise ValueError("end_at must be in the future")
-        return self
-
-    def compile(self) -> triggers.Trigger:
-        assert self.start_at is not None, "start_at is set when the schedule is stored"
-        assert isinstance(self.every, float)
-        return triggers.Interval(self.every, self.start_at, self.end_at)
-
-
-class AtSpec(_Window):
-    kind: Literal["at"]
-    at: Instant | list[Instant] = Field(
-        description="one instant or a list of instants, each in the future")
-
-    @field_validator("at")
-    @classmethod
-    def _future(cls, value: dt.datetime | list[dt.datetime],
-                info: ValidationInfo) -> list[dt.datetime]:
-        instants = value if isinstance(value, list) else [value]
-        if not instants:
-            raise ValueError("at needs at least one instant")
-        if len(instants) > 10_000:
-            raise ValueError("at holds at most 10000 instants")
-        # To the millisecond, as they are stored (BSON dates): an instant within the
-        # millisecond of the schedule's creation would not be after its stored creation
-        # time, and nothing due by then is fired (replica/dispatch.py, replan_from).
-        now = _whole_ms(_now(info))
-        out = []
-        for instant in instants:
-            utc = _utc(instant, "at")
-            if _whole_ms(utc) <= now and not _stored(info):
-                raise ValueError(f"instant {utc.isoformat()} is not in the future (to the "
-                                 "millisecond)")
-            out.append(utc)
-        return sorted(set(out))
-
-    @model_validator(mode="after")
-    def _within(self, info: ValidationInfo) -> AtSpec:
-        self._check_window(info)
-        return self
-
-    def compile(self) -> triggers.Trigger:
-        assert isinstance(self.at, list)
-        return triggers.bounded(triggers.At(tuple(self.at)), self.start_at, self.end_at)
-
-
-TriggerSpec = Annotated[CronSpec | IntervalSpec | AtSpec, Field(discriminator="kind")]
-
-
-class Expectation(_Strict):
-    """What a schedule promises its operators: an objective its health and metrics judge
-    (core/health.py)."""
-
-    success_within: float | str = Field(
-        description="a run of it succeeds at least this often: seconds, or an ISO-8601 "
-                    "duration such as 'PT2H'", examples=["PT2H", 3600])
-
-    @field_validator("success_within")
-    @classmethod
-    def _seconds(cls, value: float | str) -> float:
-        seconds = triggers.parse_duration(value) if isinstance(value, str) else float(value)
-        if not 1 <= seconds <= MAX_SUCCESS_WITHIN_S:
-            raise ValueError("success_within must be from 1 second to 400 days")
-        return seconds
-
-
-class ConcurrencySpec(_Strict):
-    """At most ``limit`` runs whose key renders alike run at once, across every worker
-    (core/flow.py, docs/WORKERS.md)."""
-
-    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
-        "a template over the run: {target}, {schedule_id}, {tenant}, {payload.<name>}"),
-        examples=["{tenant}", "{payload.account}"])
-    limit: int = Field(ge=1, le=flow.MAX_LIMIT)
-
-    @field_validator("key")
-    @classmethod
-    def _template(cls, value: str) -> str:
-        try:
-            flow.KeyTemplate.parse(value)
-        except flow.KeyTemplateError as exc:
-            raise ValueError(str(exc)) from None
-        return value
-
-
-class RateSpec(_Strict):
-    """At most ``limit`` run starts per ``per`` for runs whose key renders alike, evenly
-    spaced, across every worker (core/flow.py, docs/WORKERS.md)."""
-
-    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
-        "a template over the run, as concurrency.key"), examples=["{target}"])
-    limit: int = Field(ge=1, le=flow.MAX_RATE_LIMIT)
-    per: float | str = Field(1.0, description="seconds, or an ISO-8601 duration",
-                             examples=["PT1S", 60])
-
-    @model_validator(mode="after")
-    def _valid(self) -> RateSpec:
-        try:
-            flow.RateLimit.of(self.model_dump())
-        except flow.KeyTemplateError as exc:
-            raise ValueError(str(exc)) from None
-        return self
-
-
-class ScheduleFields(_Strict):
+from hascheduler.core.specs import (
+    ConcurrencySpec,
+    CronSpec,
+    Expectation,
+    IntervalSpec,
+    RateSpec,
+    TriggerSpec,
+)
+
+
+class ScheduleFields(Strict):
     """What a client writes: everything but the server-managed fields."""
 
     name: str = Field(min_length=1, max_length=200)
@@ -443,7 +150,7 @@ class ScheduleFields(_Strict):
     @field_validator("payload")
     @classmethod
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _checked_payload(value)
+        return checked_payload(value)
 
 
     @field_validator("concurrency", "rate")
@@ -487,7 +194,7 @@ class ScheduleIn(ScheduleFields):
         return value
 
 
-class ScheduleBatchIn(_Strict):
+class ScheduleBatchIn(Strict):
     """Many new schedules in one request (POST /schedules:batch): all are checked before
     any is written."""
 
@@ -499,13 +206,13 @@ class BatchCreated(BaseModel):
     existing: list[str] = Field(description="ids taken already: left as they were")
 
 
-class RestoreIn(_Strict):
+class RestoreIn(Strict):
     """Which earlier revision to put back (POST /schedules/{id}/restore)."""
 
     revision: int = Field(ge=1, description="a revision in the schedule's history")
 
 
-class PauseIn(_Strict):
+class PauseIn(Strict):
     """Why, and for how long, a schedule is paused (POST /schedules/{id}/pause)."""
 
     note: str | None = Field(None, max_length=1000)
@@ -517,8 +224,8 @@ class PauseIn(_Strict):
     def _future(cls, value: dt.datetime | None, info: ValidationInfo) -> dt.datetime | None:
         if value is None:
             return None
-        utc = _utc(value, "until")
-        if utc <= _now(info):
+        utc = utc_field(value, "until")
+        if utc <= context_now(info):
             raise ValueError("until must be in the future")
         return utc
 
@@ -551,7 +258,7 @@ class Schedule(ScheduleFields):
         return self.trigger.compile()
 
 
-class TriggerIn(_Strict):
+class TriggerIn(Strict):
     """A request to run a schedule now (POST /schedules/{id}/trigger)."""
 
     payload: dict[str, Any] | None = Field(None, description="this fire's payload, instead "
@@ -565,10 +272,10 @@ class TriggerIn(_Strict):
     @field_validator("payload")
     @classmethod
     def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if value is None else _checked_payload(value)
+        return None if value is None else checked_payload(value)
 
 
-class BackfillIn(_Strict):
+class BackfillIn(Strict):
     """A request to fire a schedule's nominal times in a past range."""
 
     start: Instant = Field(description="the first nominal time it may fire (inclusive)")
@@ -579,16 +286,16 @@ class BackfillIn(_Strict):
     @field_validator("start")
     @classmethod
     def _aware(cls, value: dt.datetime) -> dt.datetime:
-        return _utc(value, "start")
+        return utc_field(value, "start")
 
     @field_validator("end")
     @classmethod
     def _past_range(cls, value: dt.datetime, info: ValidationInfo) -> dt.datetime:
-        end = _utc(value, "end")
+        end = utc_field(value, "end")
         start = info.data.get("start")
         if isinstance(start, dt.datetime) and end <= start:
             raise ValueError("end must be after start")
-        if end > _now(info):
+        if end > context_now(info):
             raise ValueError("end is in the future: a backfill fires past times only (the "
                              "trigger fires the rest)")
         return end
@@ -604,11 +311,15 @@ class Triggered(BaseModel):
 
 WebhookEvent = Literal["run.dead", "fire.skipped", "fire.failed", "schedule.paused",
                        "schedule.late"]
+
+
 WEBHOOK_EVENTS: tuple[str, ...] = get_args(WebhookEvent)
+
+
 MAX_WEBHOOK_URL_CHARS = 2048
 
 
-class WebhookIn(_Strict):
+class WebhookIn(Strict):
     """A webhook: the events of a namespace (or of one of its schedules) POSTed to a URL,
     signed with its secret (docs/OPERATIONS.md, "Webhooks")."""
 

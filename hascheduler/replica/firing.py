@@ -28,8 +28,8 @@ from hascheduler.core.clock import Clock
 from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.fire_queue import Due
-from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.in_flight import InFlight

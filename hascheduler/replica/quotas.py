@@ -8,8 +8,8 @@ import datetime as dt
 from collections.abc import Callable, Mapping
 
 from hascheduler.core.entries import Entry
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.fire_queue import Due
-from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.quota import ADMIT, DEFER, FireRates
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.firing import FiringPath

@@ -32,8 +32,8 @@ from pymongo.errors import PyMongoError
 
 from hascheduler.core.clock import Clock
 from hascheduler.core.entries import Entry
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.health import ScheduleHealth
-from hascheduler.core.models import DEFAULT_NAMESPACE
 from hascheduler.core.triggers import iso_utc
 from hascheduler.core.webhooks import (
     ATTEMPT_TIMEOUT_S,

@@ -21,6 +21,7 @@ from pymongo.errors import DuplicateKeyError
 from hascheduler.core import history
 from hascheduler.core.constants import MAX_PAGE
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.history import (
     COMPLETE,
     CREATE,
@@ -31,13 +32,8 @@ from hascheduler.core.history import (
     Actor,
 )
 from hascheduler.core.instants import as_utc, as_utc_deep
-from hascheduler.core.models import (
-    DEFAULT_NAMESPACE,
-    IntervalSpec,
-    Schedule,
-    ScheduleFields,
-    ScheduleIn,
-)
+from hascheduler.core.models import Schedule, ScheduleFields, ScheduleIn
+from hascheduler.core.specs import IntervalSpec
 from hascheduler.storage.audit_log import (
     DELETED,
     LIVE,
