@@ -51,10 +51,10 @@ ROUNDS = 3
 
 async def serve(db: Any, recorded: bool) -> tuple[web.AppRunner, str, AuditLog]:
     audit = AuditLog(db.audit, [db.schedules] if recorded else [])
-    store = (ScheduleStore(db.schedules, audit=audit) if recorded
-             else _unrecorded(db.schedules))
-    app = create_app(store, Mirror(db.schedules), "bench", audit,
-                     write_limit=WriteLimit(per_second=0))
+    store = ScheduleStore(db.schedules, audit=audit) if recorded else _unrecorded(db.schedules)
+    app = create_app(
+        store, Mirror(db.schedules), "bench", audit, write_limit=WriteLimit(per_second=0)
+    )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -65,8 +65,7 @@ async def serve(db: Any, recorded: bool) -> tuple[web.AppRunner, str, AuditLog]:
 def _unrecorded(collection: Any) -> ScheduleStore:
     store = ScheduleStore(collection)
 
-    def plain(new: ScheduleIn, now: dt.datetime, actor: Actor,
-              trace: str | None) -> dict[str, Any]:
+    def plain(new: ScheduleIn, now: dt.datetime, actor: Actor, trace: str | None) -> dict[str, Any]:
         doc = ScheduleStore._new_document(store, new, now, actor, trace)
         return {k: v for k, v in doc.items() if k not in ("audit_outbox", "audit_pending")}
 
@@ -86,12 +85,13 @@ async def create_rates(uri: str, n: int, concurrency: int) -> tuple[list[float],
                 relay = asyncio.create_task(audit.run())
                 try:
                     async with aiohttp.ClientSession() as http:
+
                         def post(i: int, url: str = url) -> Any:
                             async def call() -> None:
-                                async with http.post(f"{url}/schedules",
-                                                     json=body(i, "a")) as r:
+                                async with http.post(f"{url}/schedules", json=body(i, "a")) as r:
                                     if r.status != 201:
                                         raise RuntimeError(f"{r.status} {await r.text()}")
+
                             return call
 
                         seconds, _ = await timed([post(i) for i in range(n)], concurrency)
@@ -111,8 +111,10 @@ async def create_rates(uri: str, n: int, concurrency: int) -> tuple[list[float],
 
 def check_cost(tokens: int, checks: int) -> tuple[float, float]:
     """Nanoseconds per check with ``tokens`` named tokens configured, and with one."""
-    made = [create_token(f"t{i}", frozenset({Action.READ}), frozenset({f"ns{i % 50}"}))
-            for i in range(tokens)]
+    made = [
+        create_token(f"t{i}", frozenset({Action.READ}), frozenset({f"ns{i % 50}"}))
+        for i in range(tokens)
+    ]
     folder = Path(tempfile.mkdtemp(prefix="access-bench-"))
 
     def access_of(entries: list[NewToken], name: str) -> Access:
@@ -150,15 +152,21 @@ def main() -> None:
     rate_on, rate_off = statistics.median(on), statistics.median(off)
     print("| what | with | baseline | ratio |")
     print("|---|---|---|---|")
-    print(f"| POST /schedules, {args.concurrency} in flight (creates/s, median of {ROUNDS} "
-          f"rounds of {args.creates:,}) | audit trail: {rate_on:,.0f} | no record: "
-          f"{rate_off:,.0f} | {rate_on / rate_off:.2f}x |")
-    print(f"| authenticate + check a named token (ns per request) | {args.tokens:,} tokens: "
-          f"{many_ns:,.0f} | 1 token: {one_ns:,.0f} | {many_ns / one_ns:.2f}x |")
+    print(
+        f"| POST /schedules, {args.concurrency} in flight (creates/s, median of {ROUNDS} "
+        f"rounds of {args.creates:,}) | audit trail: {rate_on:,.0f} | no record: "
+        f"{rate_off:,.0f} | {rate_on / rate_off:.2f}x |"
+    )
+    print(
+        f"| authenticate + check a named token (ns per request) | {args.tokens:,} tokens: "
+        f"{many_ns:,.0f} | 1 token: {one_ns:,.0f} | {many_ns / one_ns:.2f}x |"
+    )
     print()
-    print(f"create rate with the audit trail / without: {rate_on / rate_off:.2f}x (target "
-          f">= 0.8x); token check with {args.tokens:,} tokens / 1: {many_ns / one_ns:.2f}x "
-          "(target <= 1.1x)")
+    print(
+        f"create rate with the audit trail / without: {rate_on / rate_off:.2f}x (target "
+        f">= 0.8x); token check with {args.tokens:,} tokens / 1: {many_ns / one_ns:.2f}x "
+        "(target <= 1.1x)"
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,7 @@ async def bound_queue(url: str, exchange: str) -> str:
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
-        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
-                                            durable=True)
+        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(f"bench-{exchange}", durable=True)
         await queue.bind(ex, "#")
         return queue.name
@@ -63,17 +62,25 @@ async def raw_burst(url: str, exchange: str, n: int) -> float:
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
-                                            durable=True)
+        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
         start = time.perf_counter()
         for first in range(0, n, BATCH):
-            await asyncio.gather(*(ex.publish(
-                aio_pika.Message(BODY, message_id=f"raw-{uuid.uuid4().hex}",
-                                 content_type="application/cloudevents+json",
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                                 headers={"hascheduler-term": 1}),
-                routing_key="bench.raw", mandatory=True)
-                for _ in range(first, min(n, first + BATCH))))
+            await asyncio.gather(
+                *(
+                    ex.publish(
+                        aio_pika.Message(
+                            BODY,
+                            message_id=f"raw-{uuid.uuid4().hex}",
+                            content_type="application/cloudevents+json",
+                            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                            headers={"hascheduler-term": 1},
+                        ),
+                        routing_key="bench.raw",
+                        mandatory=True,
+                    )
+                    for _ in range(first, min(n, first + BATCH))
+                )
+            )
         return time.perf_counter() - start
     finally:
         await connection.close()
@@ -86,8 +93,10 @@ async def broker_burst(url: str, exchange: str, n: int) -> float:
     try:
         start = time.perf_counter()
         for first in range(0, n, BATCH):
-            messages = [FireMessage(f"ours-{uuid.uuid4().hex}", "bench.ours", 1, BODY)
-                        for _ in range(first, min(n, first + BATCH))]
+            messages = [
+                FireMessage(f"ours-{uuid.uuid4().hex}", "bench.ours", 1, BODY)
+                for _ in range(first, min(n, first + BATCH))
+            ]
             outcomes = await broker.publish(messages, 30.0)
             assert not any(outcomes), [o for o in outcomes if o][:3]
         return time.perf_counter() - start
@@ -95,23 +104,36 @@ async def broker_burst(url: str, exchange: str, n: int) -> float:
         await broker.close()
 
 
-async def republishes(mongo: ServerProcess, rabbit: RabbitServer, url: str, queue: str,
-                      ticks: int, kills: int) -> tuple[int, int, int]:
+async def republishes(
+    mongo: ServerProcess, rabbit: RabbitServer, url: str, queue: str, ticks: int, kills: int
+) -> tuple[int, int, int]:
     """(fires, distinct fire ids in the queue, copies beyond the first)."""
-    c = await started_cluster(mongo, url, "bench_amqp_kills", [
-        schedule_doc(f"t{i:04d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
-        for i in range(ticks)])
+    c = await started_cluster(
+        mongo,
+        url,
+        "bench_amqp_kills",
+        [
+            schedule_doc(f"t{i:04d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
+            for i in range(ticks)
+        ],
+    )
     names = iter(f"r{i}" for i in range(100))
 
     async def fired_twice(term: int) -> None:
         """Until the leader of ``term`` has published two seconds' fires."""
-        await until_all(c.db.fires, "published", "published_at", 2 * ticks,
-                        dt.datetime.now(dt.UTC), 60, {"term": term})
+        await until_all(
+            c.db.fires,
+            "published",
+            "published_at",
+            2 * ticks,
+            dt.datetime.now(dt.UTC),
+            60,
+            {"term": term},
+        )
 
     async def none_unpublished() -> bool:
         before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
-        return not await c.db.fires.count_documents({"state": "claimed",
-                                                     "due_at": {"$lt": before}})
+        return not await c.db.fires.count_documents({"state": "claimed", "due_at": {"$lt": before}})
 
     try:
         term = (await c.wait_leader())["term"]
@@ -155,8 +177,9 @@ async def main_async(args: argparse.Namespace) -> int:
         raw, ours = min(raws), min(ourses)
         drained = await scheduler_burst(mongo, url, "bench_amqp_burst", args.burst, args.lead)
         await purge(url, queue)
-        fires, distinct, copies = await republishes(mongo, rabbit, url, queue, args.ticks,
-                                                    args.kills)
+        fires, distinct, copies = await republishes(
+            mongo, rabbit, url, queue, args.ticks, args.kills
+        )
     finally:
         rabbit.close()
         mongo.stop()
@@ -164,16 +187,24 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"| {n:,} burst to confirmed | seconds | msg/s | vs raw aio-pika |")
     print("|---|---|---|---|")
     best = f"best of {args.rounds}"
-    print(f"| raw aio-pika (baseline), {BATCH} in flight, {best} | {raw:.2f} | "
-          f"{n / raw:,.0f} | 1.00x |")
-    print(f"| AmqpPublisher alone, {BATCH} a call, {best} | {ours:.2f} | {n / ours:,.0f} | "
-          f"{ours / raw:.2f}x |")
-    print(f"| scheduler: due time to all published (3 replicas) | {drained:.2f} | "
-          f"{n / drained:,.0f} | {drained / raw:.2f}x |")
+    print(
+        f"| raw aio-pika (baseline), {BATCH} in flight, {best} | {raw:.2f} | "
+        f"{n / raw:,.0f} | 1.00x |"
+    )
+    print(
+        f"| AmqpPublisher alone, {BATCH} a call, {best} | {ours:.2f} | {n / ours:,.0f} | "
+        f"{ours / raw:.2f}x |"
+    )
+    print(
+        f"| scheduler: due time to all published (3 replicas) | {drained:.2f} | "
+        f"{n / drained:,.0f} | {drained / raw:.2f}x |"
+    )
     print()
-    print(f"Republishes: {args.ticks} schedules every second, the leader SIGKILLed "
-          f"{args.kills} times: {fires:,} messages for {distinct:,} fires, {copies} "
-          f"copies beyond the first ({copies / max(1, args.kills):.1f} per kill).")
+    print(
+        f"Republishes: {args.ticks} schedules every second, the leader SIGKILLed "
+        f"{args.kills} times: {fires:,} messages for {distinct:,} fires, {copies} "
+        f"copies beyond the first ({copies / max(1, args.kills):.1f} per kill)."
+    )
     return 0
 
 
@@ -189,12 +220,19 @@ async def purge(url: str, queue: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--burst", type=int, default=10_000)
-    parser.add_argument("--lead", type=float, default=8.0,
-                        help="seconds from writing the burst (once the replicas lead) to "
-                             "its due time")
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=8.0,
+        help="seconds from writing the burst (once the replicas lead) to its due time",
+    )
     parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating rounds of the two publisher bursts (best taken)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternating rounds of the two publisher bursts (best taken)",
+    )
     parser.add_argument("--ticks", type=int, default=200)
     configure("warning")  # our publisher's events to stderr, off the printed tables
     return asyncio.run(main_async(parser.parse_args(argv)))

@@ -31,10 +31,14 @@ SELECTOR = ("team", "bench")
 
 
 def declaration(i: int) -> dict[str, Any]:
-    return {"id": f"bench-{i:05d}", "name": f"bench {i}", "target": f"bench.s{i % 100}",
-            "trigger": {"kind": "cron", "cron": f"{i % 60} {i % 24} * * *",
-                        "timezone": "Europe/Paris"},
-            "payload": {"n": i}, "labels": {"team": "bench"}}
+    return {
+        "id": f"bench-{i:05d}",
+        "name": f"bench {i}",
+        "target": f"bench.s{i % 100}",
+        "trigger": {"kind": "cron", "cron": f"{i % 60} {i % 24} * * *", "timezone": "Europe/Paris"},
+        "payload": {"n": i},
+        "labels": {"team": "bench"},
+    }
 
 
 def replica(mongo: ServerProcess, database: str) -> ServerProcess:
@@ -72,22 +76,28 @@ def run(args: argparse.Namespace) -> str:
         for process in (applied, one_by_one, mongo):
             process.stop(signal.SIGKILL)
     n = args.schedules
-    return "\n".join([
-        "| what | schedules | seconds | per second |", "|---|---|---|---|",
-        f"| apply to an empty cluster | {written:,} | {apply_s:.2f} | {n / apply_s:,.0f} |",
-        f"| the same, one create request each through the client (baseline) | {n:,} | "
-        f"{create_s:.2f} | {n / create_s:,.0f} |",
-        f"| apply again: nothing to do ({rewritten} written) | {n:,} | {noop_s:.2f} | "
-        f"{n / noop_s:,.0f} |",
-        f"| of which the plan (read the file, check it, read the cluster) | {n:,} | "
-        f"{plan_s:.2f} | |", "",
-        f"apply / one by one: {create_s / apply_s:.2f}x faster (target >= 5x); no-op apply "
-        f"{noop_s:.2f} s (target < 2 s)"])
+    return "\n".join(
+        [
+            "| what | schedules | seconds | per second |",
+            "|---|---|---|---|",
+            f"| apply to an empty cluster | {written:,} | {apply_s:.2f} | {n / apply_s:,.0f} |",
+            f"| the same, one create request each through the client (baseline) | {n:,} | "
+            f"{create_s:.2f} | {n / create_s:,.0f} |",
+            f"| apply again: nothing to do ({rewritten} written) | {n:,} | {noop_s:.2f} | "
+            f"{n / noop_s:,.0f} |",
+            f"| of which the plan (read the file, check it, read the cluster) | {n:,} | "
+            f"{plan_s:.2f} | |",
+            "",
+            f"apply / one by one: {create_s / apply_s:.2f}x faster (target >= 5x); no-op apply "
+            f"{noop_s:.2f} s (target < 2 s)",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.apply_bench",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.apply_bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--schedules", type=int, default=10_000)
     args = parser.parse_args(argv)
     if args.schedules < 1:

@@ -80,8 +80,11 @@ def layouts() -> list[Layout]:
         Layout("split over 4 streams", lambda i: f"floor4.s{i % 4}.t"),
         Layout("memory storage (not durable)", lambda i: "floormem.t"),
         Layout("20-byte bodies", lambda i: fire, small=True),
-        Layout("fast-ingest batch (acknowledged every flow messages)",
-               lambda i: "floorfast.t", fast=True),
+        Layout(
+            "fast-ingest batch (acknowledged every flow messages)",
+            lambda i: "floorfast.t",
+            fast=True,
+        ),
         Layout("held by the broker (Nats-Schedule @at)", None),
     ]
 
@@ -95,20 +98,36 @@ async def create_streams(nats_uri: str) -> None:
         window = endpoint.dedup_window_s
         for k in (2, 4):
             for s in range(k):
-                await js.add_stream(StreamConfig(name=f"FLOOR{k}_{s}",
-                                                 subjects=[f"floor{k}.s{s}.>"],
-                                                 duplicate_window=window))
-        await js.add_stream(StreamConfig(name="FLOORMEM", subjects=["floormem.>"],
-                                         storage=StorageType.MEMORY,
-                                         duplicate_window=window))
+                await js.add_stream(
+                    StreamConfig(
+                        name=f"FLOOR{k}_{s}", subjects=[f"floor{k}.s{s}.>"], duplicate_window=window
+                    )
+                )
+        await js.add_stream(
+            StreamConfig(
+                name="FLOORMEM",
+                subjects=["floormem.>"],
+                storage=StorageType.MEMORY,
+                duplicate_window=window,
+            )
+        )
         # nats-py's StreamConfig has neither allow_msg_schedules nor allow_batched yet:
         # the API's own requests.
-        for name, allow in (("FLOORHELD", "allow_msg_schedules"),
-                            ("FLOORFAST", "allow_batched")):
-            config = {"name": name, "subjects": [f"{name.lower()}.>"], "storage": "file",
-                      allow: True, "duplicate_window": int(window * 1e9)}
-            reply = json.loads((await nc.request(f"$JS.API.STREAM.CREATE.{name}",
-                                                  json.dumps(config).encode(), 10)).data)
+        for name, allow in (("FLOORHELD", "allow_msg_schedules"), ("FLOORFAST", "allow_batched")):
+            config = {
+                "name": name,
+                "subjects": [f"{name.lower()}.>"],
+                "storage": "file",
+                allow: True,
+                "duplicate_window": int(window * 1e9),
+            }
+            reply = json.loads(
+                (
+                    await nc.request(
+                        f"$JS.API.STREAM.CREATE.{name}", json.dumps(config).encode(), 10
+                    )
+                ).data
+            )
             if "error" in reply:
                 raise RuntimeError(f"a stream with {allow}: {reply['error']}")
     finally:
@@ -134,9 +153,15 @@ async def acked_burst(nats_uri: str, layout: Layout, n: int, round_no: int) -> l
     assert layout.subject is not None
     subject = layout.subject
     if layout.small:
-        frames = [frame(subject(i), f"{inbox}.{i}",
-                        f"Nats-Msg-Id: small-{round_no}-{i}-{inbox[-8:]}\r\n", SMALL_BODY)
-                  for i in range(n)]
+        frames = [
+            frame(
+                subject(i),
+                f"{inbox}.{i}",
+                f"Nats-Msg-Id: small-{round_no}-{i}-{inbox[-8:]}\r\n",
+                SMALL_BODY,
+            )
+            for i in range(n)
+        ]
     else:
         frames = fire_frames(n, inbox, subject)
     endpoint = NatsEndpoint.parse(nats_uri)
@@ -152,8 +177,7 @@ async def acked_burst(nats_uri: str, layout: Layout, n: int, round_no: int) -> l
     return arrived
 
 
-async def fast_burst(nats_uri: str, layout: Layout, n: int, flows: list[int]
-                     ) -> list[float]:
+async def fast_burst(nats_uri: str, layout: Layout, n: int, flows: list[int]) -> list[float]:
     """Each fire's acknowledgement in one fast-ingest batch, in seconds after the first
     frame was written: the arrival of the first flow acknowledgement (or of the batch's
     final one) whose sequence reaches it. ``flows`` gets the flow the server chose."""
@@ -218,10 +242,14 @@ async def held_burst(nats_uri: str, n: int, round_no: int) -> list[float]:
         due = due.replace(microsecond=0) + dt.timedelta(seconds=1)
         at = due.isoformat().replace("+00:00", "Z")
         target = f"floorheld.fire.r{round_no}"
-        acks = [js.publish(f"floorheld.schedule.r{round_no}.{i}", b'{"held":true}',
-                           headers={"Nats-Schedule": f"@at {at}",
-                                    "Nats-Schedule-Target": f"{target}.{i}"})
-                for i in range(n)]
+        acks = [
+            js.publish(
+                f"floorheld.schedule.r{round_no}.{i}",
+                b'{"held":true}',
+                headers={"Nats-Schedule": f"@at {at}", "Nats-Schedule-Target": f"{target}.{i}"},
+            )
+            for i in range(n)
+        ]
         await asyncio.gather(*acks)
         if dt.datetime.now(dt.UTC) >= due:
             raise RuntimeError("the held fires were not all stored before their due time")
@@ -255,8 +283,10 @@ async def main() -> int:
     parser.add_argument("--fires", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print(f"# broker floor benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# broker floor benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `python -m bench.broker_floor_bench {' '.join(sys.argv[1:])}`".rstrip())
     broker = start_nats()
     try:
@@ -269,16 +299,18 @@ async def main() -> int:
                 if layout.subject is None:
                     layout.rounds.append(await held_burst(broker.uri, args.fires, round_no))
                 elif layout.fast:
-                    layout.rounds.append(await fast_burst(broker.uri, layout, args.fires,
-                                                          flows))
+                    layout.rounds.append(await fast_burst(broker.uri, layout, args.fires, flows))
                 else:
-                    layout.rounds.append(await acked_burst(broker.uri, layout, args.fires,
-                                                           round_no))
+                    layout.rounds.append(
+                        await acked_burst(broker.uri, layout, args.fires, round_no)
+                    )
     finally:
         broker.stop()
     baseline = statistics.median(pct(r, 0.99) for r in all_layouts[0].rounds)
-    print(f"\n{args.fires:,} fires due at one instant, {args.rounds} rounds alternated "
-          "(medians over the rounds)\n")
+    print(
+        f"\n{args.fires:,} fires due at one instant, {args.rounds} rounds alternated "
+        "(medians over the rounds)\n"
+    )
     print("| layout | p50 | p99 | last | p99 against hascheduler's layout | each round's p99 |")
     print("|---|---|---|---|---|---|")
     for layout in all_layouts:
@@ -286,14 +318,20 @@ async def main() -> int:
         p99 = statistics.median(pct(r, 0.99) for r in layout.rounds)
         last = statistics.median(max(r) for r in layout.rounds)
         each = ", ".join(f"{pct(r, 0.99) * 1000:.0f}" for r in layout.rounds)
-        print(f"| {layout.name} | {ms(p50)} | {ms(p99)} | {ms(last)} | "
-              f"{p99 / baseline:.2f}x | {each} ms |")
-    print(f"\nfast-ingest batches: the server acknowledged every {', '.join(map(str, flows))} "
-          f"messages ({FAST_FLOW} asked)")
+        print(
+            f"| {layout.name} | {ms(p50)} | {ms(p99)} | {ms(last)} | "
+            f"{p99 / baseline:.2f}x | {each} ms |"
+        )
+    print(
+        f"\nfast-ingest batches: the server acknowledged every {', '.join(map(str, flows))} "
+        f"messages ({FAST_FLOW} asked)"
+    )
     durable = [lay for lay in all_layouts if not lay.name.startswith("memory")]
     best = min(statistics.median(pct(r, 0.99) for r in lay.rounds) for lay in durable)
-    print(f"\nthe lowest p99 of a durable layout: {ms(best)} (the target at 10,000 aligned fires "
-          f"a second: 50 ms, the scheduler's own work not counted)")
+    print(
+        f"\nthe lowest p99 of a durable layout: {ms(best)} (the target at 10,000 aligned fires "
+        f"a second: 50 ms, the scheduler's own work not counted)"
+    )
     return 0
 
 

@@ -35,10 +35,12 @@ from tests.waiting import wait_until
 TASK = "tests.helpers.celery_app.record"
 
 
-async def all_ran(worker: CeleryWorker, marker: str, n: int,
-                  within_s: float) -> list[dict[str, Any]]:
+async def all_ran(
+    worker: CeleryWorker, marker: str, n: int, within_s: float
+) -> list[dict[str, Any]]:
     """The worker's runs carrying ``marker`` once there are ``n`` of them (polled slowly:
     the worker and this loop share two cores)."""
+
     def ran() -> list[dict[str, Any]] | None:
         found = [r for r in worker.runs() if r["args"][:1] == [marker]]
         return found if len(found) >= n else None
@@ -78,11 +80,17 @@ async def main_async(args: argparse.Namespace) -> int:
         baseline_s = baseline - first_send
 
         def schedules(due: dt.datetime) -> list[dict[str, Any]]:
-            return [{**schedule_doc(f"c{i:05d}", {"kind": "at", "at": [due]}, f"celery:{TASK}"),
-                     "payload": {"args": ["scheduled", i]}} for i in range(n)]
+            return [
+                {
+                    **schedule_doc(f"c{i:05d}", {"kind": "at", "at": [due]}, f"celery:{TASK}"),
+                    "payload": {"args": ["scheduled", i]},
+                }
+                for i in range(n)
+            ]
 
-        cluster = await started_cluster(mongo, f"{rabbit.url}?celery_queue={queue}",
-                                        "bench_celery", [])
+        cluster = await started_cluster(
+            mongo, f"{rabbit.url}?celery_queue={queue}", "bench_celery", []
+        )
         try:
             due = await due_after_leading(cluster, args.lead, schedules)
             scheduled = await all_ran(worker, "scheduled", n, 300)
@@ -94,25 +102,36 @@ async def main_async(args: argparse.Namespace) -> int:
         worker.stop()
         rabbit.close()
         mongo.stop()
-    print(f"| {n:,} tasks to all run by a {args.processes}-process Celery worker | seconds "
-          "| tasks/s | vs send_task |")
+    print(
+        f"| {n:,} tasks to all run by a {args.processes}-process Celery worker | seconds "
+        "| tasks/s | vs send_task |"
+    )
     print("|---|---|---|---|")
-    print(f"| Celery send_task (baseline): first send to last run | {baseline_s:.2f} | "
-          f"{n / baseline_s:,.0f} | 1.00x |")
-    print(f"| hascheduler, 3 replicas: due time to last run | {scheduled_s:.2f} | "
-          f"{n / scheduled_s:,.0f} | {scheduled_s / baseline_s:.2f}x |")
+    print(
+        f"| Celery send_task (baseline): first send to last run | {baseline_s:.2f} | "
+        f"{n / baseline_s:,.0f} | 1.00x |"
+    )
+    print(
+        f"| hascheduler, 3 replicas: due time to last run | {scheduled_s:.2f} | "
+        f"{n / scheduled_s:,.0f} | {scheduled_s / baseline_s:.2f}x |"
+    )
     print()
-    print(f"Runs per fire id: {len(per_fire):,} fire ids, "
-          f"{sum(per_fire.values()) - len(per_fire)} run more than once.")
+    print(
+        f"Runs per fire id: {len(per_fire):,} fire ids, "
+        f"{sum(per_fire.values()) - len(per_fire)} run more than once."
+    )
     return 0 if len(per_fire) == n else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fires", type=int, default=1000)
-    parser.add_argument("--lead", type=float, default=8.0,
-                        help="seconds from writing the schedules (once the replicas lead) "
-                             "to the fires' due time")
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=8.0,
+        help="seconds from writing the schedules (once the replicas lead) to the fires' due time",
+    )
     parser.add_argument("--processes", type=int, default=2)
     return asyncio.run(main_async(parser.parse_args(argv)))
 

@@ -59,16 +59,27 @@ class SoakSchedule:
             trigger = {"kind": "cron", "cron": f"{seconds} * * * * *", "timezone": "UTC"}
         elif self.kind == "interval":
             assert self.anchor is not None
-            trigger = {"kind": "interval", "every": self.every_s,
-                       "start_at": self.anchor.isoformat()}
+            trigger = {
+                "kind": "interval",
+                "every": self.every_s,
+                "start_at": self.anchor.isoformat(),
+            }
         else:
             trigger = {"kind": "at", "at": [t.isoformat() for t in self.instants]}
-        body = {"id": self.id, "name": f"chaos {self.kind} {self.id}", "trigger": trigger,
-                "jitter": self.jitter_s, "catchup": "all", "target": target,
-                "payload": {"soak": True}}
+        body = {
+            "id": self.id,
+            "name": f"chaos {self.kind} {self.id}",
+            "trigger": trigger,
+            "jitter": self.jitter_s,
+            "catchup": "all",
+            "target": target,
+            "payload": {"soak": True},
+        }
         if self.tenants:
-            body["fan_out"] = {"collection": TENANTS,
-                               "filter": {"_id": {"$in": list(self.tenants)}}}
+            body["fan_out"] = {
+                "collection": TENANTS,
+                "filter": {"_id": {"$in": list(self.tenants)}},
+            }
         if self.overlap is not None:
             body["overlap"] = self.overlap
         return body
@@ -155,8 +166,13 @@ class SoakAudit:
 
     @property
     def exactly_once(self) -> bool:
-        return not (self.missing or self.duplicated or self.unexpected or self.early
-                    or self.fired_and_skipped)
+        return not (
+            self.missing
+            or self.duplicated
+            or self.unexpected
+            or self.early
+            or self.fired_and_skipped
+        )
 
     @property
     def ok(self) -> bool:
@@ -168,9 +184,15 @@ def overlaps(first: dt.datetime, last: dt.datetime, windows: list[Window]) -> bo
     return any(start <= last and first <= end for start, end in windows)
 
 
-def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt.datetime]],
-          since: dt.datetime, until: dt.datetime, fault_windows: list[Window],
-          late_bound_s: float, skipped: frozenset[Key] = frozenset()) -> SoakAudit:
+def audit(
+    schedules: list[SoakSchedule],
+    messages: list[tuple[dict[str, Any], dt.datetime]],
+    since: dt.datetime,
+    until: dt.datetime,
+    fault_windows: list[Window],
+    late_bound_s: float,
+    skipped: frozenset[Key] = frozenset(),
+) -> SoakAudit:
     """Each (schedule, nominal time) in [since, until] must be in the stream exactly once,
     never before its nominal time, and outside fault windows within ``late_bound_s`` of
     its due time (nominal plus at most the schedule's jitter). One a pause covers may be
@@ -179,8 +201,12 @@ def audit(schedules: list[SoakSchedule], messages: list[tuple[dict[str, Any], dt
     report = SoakAudit(since, until, late_bound_s)
     by_id = {audit_id: s for s in schedules for audit_id in s.audit_ids}
     ours = {s.id for s in schedules}
-    due = {(audit_id, t, s.paused_at(t)) for s in schedules
-           for t in s.nominal_times(since, until) for audit_id in s.audit_ids}
+    due = {
+        (audit_id, t, s.paused_at(t))
+        for s in schedules
+        for t in s.nominal_times(since, until)
+        for audit_id in s.audit_ids
+    }
     expected = {(audit_id, t) for audit_id, t, _ in due}
     required = {(audit_id, t) for audit_id, t, paused in due if not paused}
     report.expected = len(required)
@@ -264,9 +290,11 @@ class BackfillAudit:
         return not (self.missing or self.duplicated or self.miscounted)
 
 
-def audit_backfills(backfills: list[SoakBackfill],
-                    messages: list[tuple[dict[str, Any], dt.datetime]],
-                    records: dict[str, dict[str, Any]]) -> BackfillAudit:
+def audit_backfills(
+    backfills: list[SoakBackfill],
+    messages: list[tuple[dict[str, Any], dt.datetime]],
+    records: dict[str, dict[str, Any]],
+) -> BackfillAudit:
     """Each instant of an answered backfill in the stream exactly once, and its record
     ``done`` with ``fired`` its total and nothing skipped or withdrawn (each range is the
     soak's own: no other fire is there); an unanswered one's at most once."""
@@ -293,12 +321,15 @@ def audit_backfills(backfills: list[SoakBackfill],
         report.answered += 1
         record = records.get(backfill.id) or {}
         total = len(backfill.instants())
-        if (record.get("state"), record.get("fired"), record.get("skipped"),
-                record.get("withdrawn")) != ("done", total, 0, 0):
+        if (
+            record.get("state"),
+            record.get("fired"),
+            record.get("skipped"),
+            record.get("withdrawn"),
+        ) != ("done", total, 0, 0):
             report.miscounted.append((backfill.id, record))
     report.missing.sort()
     return report
-
 
 
 @dataclass
@@ -308,24 +339,34 @@ class RunsAudit:
     fires: int = 0
     succeeded: int = 0
     dead: int = 0
-    lost: list[str] = field(default_factory=list)          # in the stream, no final run
-    unsettled: list[str] = field(default_factory=list)     # still running or retrying
+    lost: list[str] = field(default_factory=list)  # in the stream, no final run
+    unsettled: list[str] = field(default_factory=list)  # still running or retrying
     wrongly_dead: list[str] = field(default_factory=list)  # dead, not doomed, or no error
     wrongly_alive: list[str] = field(default_factory=list)  # doomed, yet succeeded
-    not_done: list[str] = field(default_factory=list)      # succeeded, no side effect done
+    not_done: list[str] = field(default_factory=list)  # succeeded, no side effect done
     repeated: list[tuple[str, int]] = field(default_factory=list)  # done more than once
-    unexplained: list[str] = field(default_factory=list)   # ... by no interrupted worker
+    unexplained: list[str] = field(default_factory=list)  # ... by no interrupted worker
     attempts: Counter[int] = field(default_factory=Counter)
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.unsettled or self.wrongly_dead or self.wrongly_alive
-                    or self.not_done or self.unexplained)
+        return not (
+            self.lost
+            or self.unsettled
+            or self.wrongly_dead
+            or self.wrongly_alive
+            or self.not_done
+            or self.unexplained
+        )
 
 
-def audit_runs(fire_ids: set[str], runs: dict[str, dict[str, Any]],
-               side_effects: list[tuple[str, str, int, str]], doomed: Any,
-               interrupted: set[str]) -> RunsAudit:
+def audit_runs(
+    fire_ids: set[str],
+    runs: dict[str, dict[str, Any]],
+    side_effects: list[tuple[str, str, int, str]],
+    doomed: Any,
+    interrupted: set[str],
+) -> RunsAudit:
     """``runs``: the runs ledger by fire id; ``side_effects``: (fire id, worker, attempt,
     start|done) lines; ``doomed(fire_id)``: the handler raises PermanentFailure for it;
     ``interrupted``: the workers the soak killed or stopped.

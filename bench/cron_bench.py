@@ -38,8 +38,11 @@ KINDS = [
     ("1st or Monday (OR)", "0 9 1 * mon", None),
     ("last Friday", "0 9 * * 5L", {"minute": "0", "hour": "9", "day": "last fri"}),
     ("Feb 29th", "0 0 29 2 *", {"minute": "0", "hour": "0", "day": "29", "month": "2"}),
-    ("Feb 29th on a Monday", "0 0 * 2 mon#5",
-     {"minute": "0", "hour": "0", "day": "5th mon", "month": "2"}),
+    (
+        "Feb 29th on a Monday",
+        "0 0 * 2 mon#5",
+        {"minute": "0", "hour": "0", "day": "5th mon", "month": "2"},
+    ),
 ]
 
 
@@ -57,6 +60,7 @@ def ours(expression: str) -> Callable[[dt.datetime], object]:
     def call(after: dt.datetime) -> object:
         triggers._cron_next_after.cache_clear()
         return trigger.next_after(after)
+
     return call
 
 
@@ -99,9 +103,11 @@ def main() -> None:
     with contextlib.suppress(StopIteration, CronSimError):
         next(CronSim(impossible, START))
     sim_ms = (time.perf_counter() - began) * 1000
-    print(f"\nrefusing `{impossible}`: hascheduler {refuse_ms:.2f} ms (parse); APScheduler "
-          f"searching to year 9999 (baseline) {search_ms:.0f} ms; cronsim (it refuses some, "
-          f"gives up on others after 50 years) {sim_ms:.0f} ms")
+    print(
+        f"\nrefusing `{impossible}`: hascheduler {refuse_ms:.2f} ms (parse); APScheduler "
+        f"searching to year 9999 (baseline) {search_ms:.0f} ms; cronsim (it refuses some, "
+        f"gives up on others after 50 years) {sim_ms:.0f} ms"
+    )
 
     every_second = triggers.Cron("* * * * * *", ZONE)
     now = START + dt.timedelta(days=max(days) + 1, milliseconds=400)
@@ -115,13 +121,18 @@ def main() -> None:
             _, skipped = plan_catchup(every_second, policy, 3600, since, now)
             timings.append(time.perf_counter() - began)
         assert skipped is not None
-        print(f"| {outage} d | {timings[0] * 1000:,.0f} ms | {timings[1] * 1000:,.0f} ms | "
-              f"{skipped.count:,} |")
+        print(
+            f"| {outage} d | {timings[0] * 1000:,.0f} ms | {timings[1] * 1000:,.0f} ms | "
+            f"{skipped.count:,} |"
+        )
     began = time.perf_counter()
-    listed = sum(1 for _ in triggers.fire_times(every_second, now - dt.timedelta(days=days[0]),
-                                                until=now))
-    print(f"\nbaseline: listing the {listed:,} missed times of the {days[0]}-day outage one "
-          f"by one: {(time.perf_counter() - began) * 1000:,.0f} ms")
+    listed = sum(
+        1 for _ in triggers.fire_times(every_second, now - dt.timedelta(days=days[0]), until=now)
+    )
+    print(
+        f"\nbaseline: listing the {listed:,} missed times of the {days[0]}-day outage one "
+        f"by one: {(time.perf_counter() - began) * 1000:,.0f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,12 @@ async def storage_rates(client: Any, docs: int, ops: int) -> dict[str, float]:
     batch = 1000
     load_start = time.perf_counter()
     for start in range(0, docs, batch):
-        await full.insert_many([{"_id": i, "payload": "x" * 64, "n": i}
-                                for i in range(start, min(start + batch, docs))])
+        await full.insert_many(
+            [
+                {"_id": i, "payload": "x" * 64, "n": i}
+                for i in range(start, min(start + batch, docs))
+            ]
+        )
     load_s = time.perf_counter() - load_start
     await empty.insert_one({"_id": -1})
     out = {"load_s": load_s}
@@ -91,7 +95,8 @@ async def storage_rates(client: Any, docs: int, ops: int) -> dict[str, float]:
 
 async def event_latency(uri: str, client: Any, events: int) -> list[float]:
     watcher = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", WATCHER, uri, str(events), stdout=asyncio.subprocess.PIPE)
+        sys.executable, "-c", WATCHER, uri, str(events), stdout=asyncio.subprocess.PIPE
+    )
     assert watcher.stdout is not None
     assert (await asyncio.wait_for(watcher.stdout.readline(), 30)).strip() == b"ready"
     coll = client.bench.latency
@@ -143,11 +148,13 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
     await fires_ledger.ensure_indexes(86400)
     await runs.ensure_indexes(86400)
     epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
-    for coll, scan in ((db.fires, {"state": "claimed", "next_attempt_at": {"$lte": epoch}}),
-                       (db.fires, {"state": "claimed", "term": {"$lt": 0}}),
-                       (db.fires, {"recorded_at": {"$lt": epoch}}),
-                       (db.runs, {"recorded_at": {"$lt": epoch}}),
-                       (db.runs, {"state": "waiting"})):
+    for coll, scan in (
+        (db.fires, {"state": "claimed", "next_attempt_at": {"$lte": epoch}}),
+        (db.fires, {"state": "claimed", "term": {"$lt": 0}}),
+        (db.fires, {"recorded_at": {"$lt": epoch}}),
+        (db.runs, {"recorded_at": {"$lt": epoch}}),
+        (db.runs, {"state": "waiting"}),
+    ):
         await coll.find_one(scan)  # as the leader's scans do: the ordered indexes built
     targets = {f"s{i:06d}": "bench" for i in range(fires)}
     spent = dict.fromkeys([*LEDGER_WRITES, "plain insert", *CLAIMED_AGAIN], 0.0)
@@ -155,38 +162,46 @@ async def ledger_cost(client: Any, pid: int, fires: int, rounds: int) -> dict[st
     for round_ in range(rounds + 2):
         nominal = base + dt.timedelta(seconds=round_)
         now = dt.datetime.now(dt.UTC)
-        claims = [Claim(f"{sid}@{nominal.isoformat()}", sid, nominal, nominal)
-                  for sid in targets]
+        claims = [Claim(f"{sid}@{nominal.isoformat()}", sid, nominal, nominal) for sid in targets]
         ids = [c.fire_id for c in claims]
         docs = [claim_record(c, 1, now, now + dt.timedelta(seconds=5)) for c in claims]
         marks = [cpu_seconds(pid)]
         for start in range(0, fires, 1000):
-            await fires_ledger.claim(docs[start:start + 1000])
+            await fires_ledger.claim(docs[start : start + 1000])
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 500):
-            await fires_ledger.mark_published(ids[start:start + 500], 1, now, 1)
+            await fires_ledger.mark_published(ids[start : start + 500], 1, now, 1)
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
-            await runs.reserve(claims[start:start + 1000], targets, now, 1)
+            await runs.reserve(claims[start : start + 1000], targets, now, 1)
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
             await db.runs.update_many(
-                {"_id": {"$in": ids[start:start + 1000]}, "state": "pending"},
-                {"$set": {"state": "succeeded", "attempts": 1, "first_started_at": now,
-                          "finished_at": now, "recorded_at": now},
-                 "$unset": {"open_key": ""}})
+                {"_id": {"$in": ids[start : start + 1000]}, "state": "pending"},
+                {
+                    "$set": {
+                        "state": "succeeded",
+                        "attempts": 1,
+                        "first_started_at": now,
+                        "finished_at": now,
+                        "recorded_at": now,
+                    },
+                    "$unset": {"open_key": ""},
+                },
+            )
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
-            await db.plain.insert_many([{**d, "_id": f"{d['_id']}#"}
-                                        for d in docs[start:start + 1000]])
+            await db.plain.insert_many(
+                [{**d, "_id": f"{d['_id']}#"} for d in docs[start : start + 1000]]
+            )
         marks.append(cpu_seconds(pid))
         # The round's claims met again (a successor's): inserted and refused, then read
         # first as the leader does near the start of its term (none left to insert).
         for start in range(0, fires, 1000):
-            await fires_ledger.claim(docs[start:start + 1000])
+            await fires_ledger.claim(docs[start : start + 1000])
         marks.append(cpu_seconds(pid))
         for start in range(0, fires, 1000):
-            batch = docs[start:start + 1000]
+            batch = docs[start : start + 1000]
             there = await fires_ledger.claimed([d["_id"] for d in batch])
             await fires_ledger.claim([d for d in batch if d["_id"] not in there])
         marks.append(cpu_seconds(pid))
@@ -210,8 +225,12 @@ async def main() -> int:
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--ops", type=int, default=3000)
     parser.add_argument("--events", type=int, default=1000)
-    parser.add_argument("--ledger-fires", type=int, default=10_000,
-                        help="fires per round of the ledger writes (0: skip them)")
+    parser.add_argument(
+        "--ledger-fires",
+        type=int,
+        default=10_000,
+        help="fires per round of the ledger writes (0: skip them)",
+    )
     parser.add_argument("--ledger-rounds", type=int, default=10)
     args = parser.parse_args()
     server = start_devmongo()
@@ -222,8 +241,11 @@ async def main() -> int:
         lat = await event_latency(server.uri, client, args.events)
         assert server.pid is not None
         cpu = await idle_cpu(server.uri, server.pid)
-        ledgers = await ledger_cost(client, server.pid, args.ledger_fires,
-                                    args.ledger_rounds) if args.ledger_fires else {}
+        ledgers = (
+            await ledger_cost(client, server.pid, args.ledger_fires, args.ledger_rounds)
+            if args.ledger_fires
+            else {}
+        )
         await client.close()
     finally:
         server.stop()
@@ -233,57 +255,83 @@ async def main() -> int:
         try:
             client = AsyncMongoClient(plain.uri)
             assert plain.pid is not None
-            sourced = await ledger_cost(client, plain.pid, args.ledger_fires,
-                                        args.ledger_rounds)
+            sourced = await ledger_cost(client, plain.pid, args.ledger_fires, args.ledger_rounds)
             await client.close()
         finally:
             plain.stop()
     command = "python -m bench.devmongo_bench " + " ".join(sys.argv[1:])
-    print(f"# devmongo benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# devmongo benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `{command.strip()}`\n")
-    print("development server: " + ("its compiled build (mypyc; hascheduler_dev/devmongo/"
-                                    "native.py)" if compiled else "from its sources (no "
-                                    "compiled build for them: `python -m "
-                                    "hascheduler_dev.devmongo.native build`)") + "\n")
-    print("| measure | empty collection (baseline) | " f"{args.docs:,} documents | ratio |")
+    print(
+        "development server: "
+        + (
+            "its compiled build (mypyc; hascheduler_dev/devmongo/native.py)"
+            if compiled
+            else "from its sources (no "
+            "compiled build for them: `python -m "
+            "hascheduler_dev.devmongo.native build`)"
+        )
+        + "\n"
+    )
+    print(f"| measure | empty collection (baseline) | {args.docs:,} documents | ratio |")
     print("|---|---|---|---|")
-    print(f"| insert_one round trips/s | {r['insert_empty']:,.0f} | {r['insert_full']:,.0f} | "
-          f"{r['insert_empty'] / r['insert_full']:.2f}x |")
-    print(f"| find_one by _id round trips/s | {r['find_empty']:,.0f} | {r['find_full']:,.0f} | "
-          f"{r['find_empty'] / r['find_full']:.2f}x |")
+    print(
+        f"| insert_one round trips/s | {r['insert_empty']:,.0f} | {r['insert_full']:,.0f} | "
+        f"{r['insert_empty'] / r['insert_full']:.2f}x |"
+    )
+    print(
+        f"| find_one by _id round trips/s | {r['find_empty']:,.0f} | {r['find_full']:,.0f} | "
+        f"{r['find_empty'] / r['find_full']:.2f}x |"
+    )
     print(f"\nloading {args.docs:,} documents (insert_many, 1000 a batch): {r['load_s']:.1f} s")
-    print(f"change-event latency, insert here -> watcher in another process "
-          f"({len(lat)} events): p50 {pct(lat, 0.5) * 1000:.2f} ms, "
-          f"p99 {pct(lat, 0.99) * 1000:.2f} ms, max {max(lat) * 1000:.2f} ms, "
-          f"mean {statistics.mean(lat) * 1000:.2f} ms")
+    print(
+        f"change-event latency, insert here -> watcher in another process "
+        f"({len(lat)} events): p50 {pct(lat, 0.5) * 1000:.2f} ms, "
+        f"p99 {pct(lat, 0.99) * 1000:.2f} ms, max {max(lat) * 1000:.2f} ms, "
+        f"mean {statistics.mean(lat) * 1000:.2f} ms"
+    )
     print(f"server CPU with 5 idle monitored clients: {cpu * 100:.2f} % of one core")
     if ledgers:
-        print(f"\n| ledger write, {args.ledger_fires:,} fires a round, {args.ledger_rounds} "
-              "rounds | server CPU per fire |")
+        print(
+            f"\n| ledger write, {args.ledger_fires:,} fires a round, {args.ledger_rounds} "
+            "rounds | server CPU per fire |"
+        )
         print("|---|---|")
         for name in LEDGER_WRITES:
             print(f"| {name} | {ledgers[name]:.1f} us |")
         total = sum(ledgers[name] for name in LEDGER_WRITES)
         print(f"| all four (a governed fire) | {total:.1f} us |")
-        print(f"| plain insert of a claim document, `_id` index only (baseline) | "
-              f"{ledgers['plain insert']:.1f} us |")
-        print(f"\nfiring path per governed fire: {total / ledgers['plain insert']:.1f} plain "
-              "inserts' worth of server CPU")
+        print(
+            f"| plain insert of a claim document, `_id` index only (baseline) | "
+            f"{ledgers['plain insert']:.1f} us |"
+        )
+        print(
+            f"\nfiring path per governed fire: {total / ledgers['plain insert']:.1f} plain "
+            "inserts' worth of server CPU"
+        )
         inserted, read = (ledgers[name] for name in CLAIMED_AGAIN)
-        print(f"a claim whose fire is in the ledger already (a successor meeting its "
-              f"predecessor's): inserted, refused as a duplicate {inserted:.1f} us; read first "
-              f"(Ledger.claimed before the claim, baseline) {read:.1f} us; "
-              f"ratio {inserted / read:.1f}x")
+        print(
+            f"a claim whose fire is in the ledger already (a successor meeting its "
+            f"predecessor's): inserted, refused as a duplicate {inserted:.1f} us; read first "
+            f"(Ledger.claimed before the claim, baseline) {read:.1f} us; "
+            f"ratio {inserted / read:.1f}x"
+        )
     if sourced:
         print("\n| ledger write | compiled build | from its sources (baseline) | ratio |")
         print("|---|---|---|---|")
         for name in [*LEDGER_WRITES, "plain insert"]:
-            print(f"| {name} | {ledgers[name]:.1f} us | {sourced[name]:.1f} us | "
-                  f"{ledgers[name] / sourced[name]:.2f}x |")
+            print(
+                f"| {name} | {ledgers[name]:.1f} us | {sourced[name]:.1f} us | "
+                f"{ledgers[name] / sourced[name]:.2f}x |"
+            )
         total_sourced = sum(sourced[name] for name in LEDGER_WRITES)
-        print(f"| all four (a governed fire) | {total:.1f} us | {total_sourced:.1f} us | "
-              f"{total / total_sourced:.2f}x |")
+        print(
+            f"| all four (a governed fire) | {total:.1f} us | {total_sourced:.1f} us | "
+            f"{total / total_sourced:.2f}x |"
+        )
     worst = max(r["insert_empty"] / r["insert_full"], r["find_empty"] / r["find_full"])
     if worst > 2.0:
         print(f"FAIL: a rate degraded {worst:.2f}x with size (limit 2x)")

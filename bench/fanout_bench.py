@@ -48,13 +48,15 @@ FAN_OUT = {"collection": "tenants", "filter": {"active": True}, "key": "_id"}
 async def loop_lag_buckets(c: Cluster) -> dict[float, float]:
     """The leader's event-loop lag histogram: bucket bound -> observations at or under."""
     holder = (await c.lease())["holder"]
-    async with aiohttp.ClientSession() as http, \
-            http.get(c.replicas[holder].uri + "/metrics") as r:
+    async with aiohttp.ClientSession() as http, http.get(c.replicas[holder].uri + "/metrics") as r:
         text = await r.text()
-    return {float(sample.labels["le"]): sample.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "hascheduler_event_loop_lag_seconds"
-            for sample in family.samples if sample.name.endswith("_bucket")}
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "hascheduler_event_loop_lag_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
 
 
 def longest_lag(before: dict[float, float], after: dict[float, float]) -> float:
@@ -63,15 +65,21 @@ def longest_lag(before: dict[float, float], after: dict[float, float]) -> float:
     return min(le for le, count in after.items() if count - before.get(le, 0.0) >= total)
 
 
-async def separate(mongo: ServerProcess, nats_uri: str, n: int,
-                   lead_s: float) -> tuple[float, float]:
+async def separate(
+    mongo: ServerProcess, nats_uri: str, n: int, lead_s: float
+) -> tuple[float, float]:
     """Seconds from the due time to every fire published, and the leader's longest loop
     lag meanwhile."""
     c = await started_cluster(mongo, nats_uri, "fanout_bench_separate", [])
     try:
-        due = await due_after_leading(c, lead_s, lambda due: [
-            schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
-            for i in range(n)])
+        due = await due_after_leading(
+            c,
+            lead_s,
+            lambda due: [
+                schedule_doc(f"s{i:05d}", {"kind": "at", "at": [due]}, "bench.separate")
+                for i in range(n)
+            ],
+        )
         before = await loop_lag_buckets(c)
         published = await until_all(c.db.fires, "published", "published_at", n, due, 180)
         return published, longest_lag(before, await loop_lag_buckets(c))
@@ -79,27 +87,53 @@ async def separate(mongo: ServerProcess, nats_uri: str, n: int,
         await c.close()
 
 
-async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
-                 lead_s: float) -> tuple[float, float, float]:
+async def fanned(
+    mongo: ServerProcess, nats_uri: str, n: int, workers: int, lead_s: float
+) -> tuple[float, float, float]:
     """Seconds from the due time to every tenant's fire published, and to every run
     succeeded; the leader's longest loop lag until all were published."""
     database = "fanout_bench_fanned"
     seed = Cluster(mongo, nats_uri, database)
     for i in range(0, n, 1000):
-        await seed.db.tenants.insert_many([{"_id": f"t{j:06d}", "active": True}
-                                           for j in range(i, min(n, i + 1000))])
+        await seed.db.tenants.insert_many(
+            [{"_id": f"t{j:06d}", "active": True} for j in range(i, min(n, i + 1000))]
+        )
     await seed.client.close()
     c = await started_cluster(mongo, nats_uri, database, [])
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hascheduler.cli", "--log-level", "warning", "worker",
-        "--broker", nats_uri, "--mongodb-uri", c.uri, "--app", "bench.worker_bench:app",
-        "--durable", "fanout-bench", "--concurrency", "16",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        for _ in range(workers)]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "--log-level",
+            "warning",
+            "worker",
+            "--broker",
+            nats_uri,
+            "--mongodb-uri",
+            c.uri,
+            "--app",
+            "bench.worker_bench:app",
+            "--durable",
+            "fanout-bench",
+            "--concurrency",
+            "16",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        for _ in range(workers)
+    ]
     try:
-        due = await due_after_leading(c, lead_s, lambda due: [
-            {**schedule_doc("fan", {"kind": "at", "at": [due]}, "bench.fan"),
-             "fan_out": FAN_OUT}])
+        due = await due_after_leading(
+            c,
+            lead_s,
+            lambda due: [
+                {
+                    **schedule_doc("fan", {"kind": "at", "at": [due]}, "bench.fan"),
+                    "fan_out": FAN_OUT,
+                }
+            ],
+        )
         before = await loop_lag_buckets(c)
         published = await until_all(c.db.fires, "published", "published_at", n, due, 180)
         lag = longest_lag(before, await loop_lag_buckets(c))
@@ -114,8 +148,7 @@ async def fanned(mongo: ServerProcess, nats_uri: str, n: int, workers: int,
 
 def mirror_bytes(n: int) -> tuple[float, float]:
     """Bytes per tenant in a source mirror, and per tenant as plain dicts (baseline)."""
-    docs = [{"_id": f"t{i:06d}", "active": True, "plan": "pro", "name": "x" * 40}
-            for i in range(n)]
+    docs = [{"_id": f"t{i:06d}", "active": True, "plan": "pro", "name": "x" * 40} for i in range(n)]
     fields = FanOut.model_validate({**FAN_OUT, "filter": {"active": True, "plan": "pro"}})
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -123,8 +156,7 @@ def mirror_bytes(n: int) -> tuple[float, float]:
     mirror.load(docs)
     kept = tracemalloc.get_traced_memory()[0] - before
     before = tracemalloc.get_traced_memory()[0]
-    plain = {d["_id"]: {"_id": d["_id"], "active": d["active"], "plan": d["plan"]}
-             for d in docs}
+    plain = {d["_id"]: {"_id": d["_id"], "active": d["active"], "plan": d["plan"]} for d in docs}
     baseline = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert mirror.size == len(plain) == n
@@ -136,41 +168,53 @@ async def main_async(args: argparse.Namespace) -> int:
     broker = start_nats()
     try:
         base, base_lag = await separate(mongo, broker.uri, args.tenants, args.lead)
-        published, ran, lag = await fanned(mongo, broker.uri, args.tenants, args.workers,
-                                           args.lead)
+        published, ran, lag = await fanned(mongo, broker.uri, args.tenants, args.workers, args.lead)
     finally:
         broker.stop()
         mongo.stop()
     per_tenant, plain = mirror_bytes(args.mirror)
-    print(f"| due time to every fire published and acknowledged | {args.tenants:,} separate "
-          "schedules (baseline) | one schedule fanning out | fan-out / separate |")
+    print(
+        f"| due time to every fire published and acknowledged | {args.tenants:,} separate "
+        "schedules (baseline) | one schedule fanning out | fan-out / separate |"
+    )
     print("|---|---|---|---|")
-    print(f"| {args.tenants:,} fires | {base:.2f} s | {published:.2f} s | "
-          f"{published / base:.2f}x |")
+    print(
+        f"| {args.tenants:,} fires | {base:.2f} s | {published:.2f} s | {published / base:.2f}x |"
+    )
     print()
-    print(f"The leader's longest event-loop stall from before the due time until all were "
-          f"published (the lag histogram's bucket): at most {lag:g} s fanning out, at most "
-          f"{base_lag:g} s for the separate schedules (baseline); its lease is renewed every "
-          f"{RENEW_INTERVAL_S:g} s and lost after {RENEW_DEADLINE_S:g} s without a renewal.")
+    print(
+        f"The leader's longest event-loop stall from before the due time until all were "
+        f"published (the lag histogram's bucket): at most {lag:g} s fanning out, at most "
+        f"{base_lag:g} s for the separate schedules (baseline); its lease is renewed every "
+        f"{RENEW_INTERVAL_S:g} s and lost after {RENEW_DEADLINE_S:g} s without a renewal."
+    )
     print()
-    print(f"Due time to every tenant's run succeeded, {args.workers} workers at concurrency "
-          f"16: {ran:.2f} s.")
+    print(
+        f"Due time to every tenant's run succeeded, {args.workers} workers at concurrency "
+        f"16: {ran:.2f} s."
+    )
     print()
-    print(f"Memory per mirrored tenant ({args.mirror:,} documents, a key and two filter "
-          f"fields): {per_tenant:,.0f} bytes in a source mirror, {plain:,.0f} bytes as plain "
-          "dicts of the same fields (baseline).")
+    print(
+        f"Memory per mirrored tenant ({args.mirror:,} documents, a key and two filter "
+        f"fields): {per_tenant:,.0f} bytes in a source mirror, {plain:,.0f} bytes as plain "
+        "dicts of the same fields (baseline)."
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fanout_bench",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fanout_bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--tenants", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mirror", type=int, default=100_000)
-    parser.add_argument("--lead", type=float, default=25.0,
-                        help="seconds from writing the schedules (once the replicas lead) "
-                             "to their due time")
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=25.0,
+        help="seconds from writing the schedules (once the replicas lead) to their due time",
+    )
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

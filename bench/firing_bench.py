@@ -71,21 +71,26 @@ TIMINGS = ["--lease-ttl", "2", "--renew-deadline", "1.4", "--renew-interval", "0
 
 
 class Cluster:
-    def __init__(self, mongo: ServerProcess, nats_uri: str, database: str,
-                 env: dict[str, str] | None = None,
-                 replica_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        mongo: ServerProcess,
+        nats_uri: str,
+        database: str,
+        env: dict[str, str] | None = None,
+        replica_args: list[str] | None = None,
+    ) -> None:
         self.env = env  # added to each replica's environment
         self.replica_args = TIMINGS if replica_args is None else replica_args
         self.uri = with_database(mongo.uri, database)
         self.nats_uri = nats_uri
-        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.uri,
-                                                                          tz_aware=True)
+        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.uri, tz_aware=True)
         self.db = self.client[database]
         self.replicas: dict[str, ServerProcess] = {}
 
     def start(self, name: str) -> None:
-        self.replicas[name] = start_replica(self.uri, name, "--broker", self.nats_uri,
-                                            *self.replica_args, env=self.env)
+        self.replicas[name] = start_replica(
+            self.uri, name, "--broker", self.nats_uri, *self.replica_args, env=self.env
+        )
 
     async def lease(self) -> dict[str, Any]:
         return await self.db.leases.find_one({"_id": "scheduler"}) or {}
@@ -102,8 +107,9 @@ class Cluster:
         n = await self.db.schedules.count_documents({})
 
         async def holding() -> bool:
-            sizes = {d["_id"]: d.get("size") or 0
-                     async for d in self.db.members.find({}, {"size": 1})}
+            sizes = {
+                d["_id"]: d.get("size") or 0 async for d in self.db.members.find({}, {"size": 1})
+            }
             return all(sizes.get(name, 0) >= n for name in self.replicas)
 
         await wait_until(holding, 120, f"every mirror holding {n:,} schedules", 0.2)
@@ -112,8 +118,11 @@ class Cluster:
         end = time.monotonic() + within_s
         while time.monotonic() < end:
             doc = await self.lease()
-            if doc.get("term", 0) > above_term and doc.get("holder") in self.replicas and \
-                    doc["expires_at"] > dt.datetime.now(dt.UTC):
+            if (
+                doc.get("term", 0) > above_term
+                and doc.get("holder") in self.replicas
+                and doc["expires_at"] > dt.datetime.now(dt.UTC)
+            ):
                 return doc
             await asyncio.sleep(0.01)
         raise RuntimeError("no leader")
@@ -157,8 +166,9 @@ class Cluster:
         land."""
         lines = []
         for name, replica in self.replicas.items():
-            flagged = [line for line in log_lines(replica)
-                       if line.get("level") in ("warning", "error")]
+            flagged = [
+                line for line in log_lines(replica) if line.get("level") in ("warning", "error")
+            ]
             lines += [f"{name}: {json.dumps(line)[:400]}" for line in flagged[-last:]]
         return "\n".join(lines) or "no replica logged a warning"
 
@@ -170,19 +180,36 @@ class Cluster:
 
 def schedule_doc(sid: str, trigger: dict[str, Any], target: str) -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC)
-    return {"_id": sid, "name": sid, "trigger": trigger, "jitter": 0.0, "paused": False,
-            "catchup": "all", "catchup_window": 3600.0, "target": target, "payload": {},
-            "labels": {}, "created_at": now, "updated_at": now, "revision": 1}
+    return {
+        "_id": sid,
+        "name": sid,
+        "trigger": trigger,
+        "jitter": 0.0,
+        "paused": False,
+        "catchup": "all",
+        "catchup_window": 3600.0,
+        "target": target,
+        "payload": {},
+        "labels": {},
+        "created_at": now,
+        "updated_at": now,
+        "revision": 1,
+    }
 
 
 async def failover(mongo: ServerProcess, nats_uri: str, kills: int) -> dict[str, list[float]]:
     c = Cluster(mongo, nats_uri, "bench_failover")
-    await c.db.schedules.insert_one(schedule_doc("tick", {"kind": "cron",
-                                                          "cron": "* * * * * *"}, "bench.tick"))
+    await c.db.schedules.insert_one(
+        schedule_doc("tick", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
+    )
     for name in ("a", "b", "c"):
         c.start(name)
-    gaps: dict[str, list[float]] = {"TERM lease": [], "TERM first fire": [],
-                                    "KILL lease": [], "KILL first fire": []}
+    gaps: dict[str, list[float]] = {
+        "TERM lease": [],
+        "TERM first fire": [],
+        "KILL lease": [],
+        "KILL first fire": [],
+    }
     try:
         await c.wait_ready()
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -199,7 +226,8 @@ async def failover(mongo: ServerProcess, nats_uri: str, kills: int) -> dict[str,
                 first = None
                 for _ in range(500):
                     first = await c.db.fires.find_one(
-                        {"term": new["term"], "state": "published"}, sort=[("published_at", 1)])
+                        {"term": new["term"], "state": "published"}, sort=[("published_at", 1)]
+                    )
                     if first:
                         break
                     await asyncio.sleep(0.01)
@@ -216,17 +244,27 @@ RAW_BODY = json.dumps({"specversion": "1.0", "data": {"payload": {}}}).encode()
 
 async def raw_burst(nats_uri: str, n: int) -> float:
     """Baseline: nats-py's JetStream publish of ``n`` messages, pipelined."""
+
     async def send(nc: Any) -> None:
         js = nc.jetstream()
-        await asyncio.gather(*(js.publish("hascheduler.fire.raw", RAW_BODY,
-                                          headers={"Nats-Msg-Id": f"raw-{time.time()}-{i}"})
-                               for i in range(n)))
+        await asyncio.gather(
+            *(
+                js.publish(
+                    "hascheduler.fire.raw",
+                    RAW_BODY,
+                    headers={"Nats-Msg-Id": f"raw-{time.time()}-{i}"},
+                )
+                for i in range(n)
+            )
+        )
+
     return await timed_on_stream(nats_uri, send)
 
 
 async def raw_core_burst(nats_uri: str, n: int) -> float:
     """The broker's technique with plain nats-py: core publishes whose replies (the
     JetStream acks) all land on one wildcard subscription, counted until the last."""
+
     async def send(nc: Any) -> None:
         inbox, left, all_acked = nc.new_inbox(), n, asyncio.Event()
 
@@ -238,14 +276,20 @@ async def raw_core_burst(nats_uri: str, n: int) -> float:
 
         await nc.subscribe(f"{inbox}.>", cb=acked, pending_msgs_limit=-1)
         for i in range(n):
-            await nc.publish("hascheduler.fire.raw", RAW_BODY, reply=f"{inbox}.{i}",
-                             headers={"Nats-Msg-Id": f"core-{time.time()}-{i}"})
+            await nc.publish(
+                "hascheduler.fire.raw",
+                RAW_BODY,
+                reply=f"{inbox}.{i}",
+                headers={"Nats-Msg-Id": f"core-{time.time()}-{i}"},
+            )
         await asyncio.wait_for(all_acked.wait(), 60)
+
     return await timed_on_stream(nats_uri, send)
 
 
-def fire_frames(n: int, inbox: str, subject: Callable[[int], str],
-                reply: Callable[[int], str] | None = None) -> list[bytes]:
+def fire_frames(
+    n: int, inbox: str, subject: Callable[[int], str], reply: Callable[[int], str] | None = None
+) -> list[bytes]:
     """``n`` fires' HPUB frames as the leader writes them (its event bodies, fire ids as
     ``Nats-Msg-Id`` and the term header), the i-th on ``subject(i)``, each acknowledged to
     ``reply(i)`` (by default ``<inbox>.<i>``); the fire ids are new in each call."""
@@ -255,10 +299,19 @@ def fire_frames(n: int, inbox: str, subject: Callable[[int], str],
     for i in range(n):
         sid = f"floor{i:06d}"
         fire_id = f"{sid}@{stamp}-{inbox[-8:]}"
-        body = EventTemplate.of(schedule_doc(sid, {"kind": "at", "at": [due]}, "bench.burst")
-                                ).render(fire_id, due, None, 1, 1, stamp).body
-        frames.append(frame(subject(i), reply(i) if reply else f"{inbox}.{i}",
-                            f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n", body))
+        body = (
+            EventTemplate.of(schedule_doc(sid, {"kind": "at", "at": [due]}, "bench.burst"))
+            .render(fire_id, due, None, 1, 1, stamp)
+            .body
+        )
+        frames.append(
+            frame(
+                subject(i),
+                reply(i) if reply else f"{inbox}.{i}",
+                f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: 1\r\n",
+                body,
+            )
+        )
     return frames
 
 
@@ -311,10 +364,14 @@ async def timed_on_stream(nats_uri: str, send: Callable[[Any], Awaitable[None]])
         await nc.close()
 
 
-async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
-                          schedules: list[dict[str, Any]],
-                          env: dict[str, str] | None = None,
-                          cluster: Cluster | None = None) -> Cluster:
+async def started_cluster(
+    mongo: ServerProcess,
+    nats_uri: str,
+    database: str,
+    schedules: list[dict[str, Any]],
+    env: dict[str, str] | None = None,
+    cluster: Cluster | None = None,
+) -> Cluster:
     """Three replicas, ready and leading, with ``schedules`` in every mirror
     (``Cluster.write_when_leading``); in ``cluster`` if given (a Cluster whose replicas
     start otherwise)."""
@@ -331,12 +388,12 @@ async def started_cluster(mongo: ServerProcess, nats_uri: str, database: str,
 
 async def write_schedules(c: Cluster, schedules: list[dict[str, Any]]) -> None:
     for i in range(0, len(schedules), 1000):
-        await c.db.schedules.insert_many(schedules[i:i + 1000])
+        await c.db.schedules.insert_many(schedules[i : i + 1000])
 
 
-async def due_after_leading(c: Cluster, lead_s: float,
-                            schedules: Callable[[dt.datetime], list[dict[str, Any]]]
-                            ) -> dt.datetime:
+async def due_after_leading(
+    c: Cluster, lead_s: float, schedules: Callable[[dt.datetime], list[dict[str, Any]]]
+) -> dt.datetime:
     """Write ``schedules(due)``, one-offs due on the whole second ``lead_s`` from now (room
     for the replicas' mirrors to load them), once ``c`` has a leader; returns ``due``.
     Written before, a one-off could fall due before a slow start's first term, and be
@@ -347,8 +404,15 @@ async def due_after_leading(c: Cluster, lead_s: float,
     return due
 
 
-async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.datetime,
-                    within_s: float, among: dict[str, Any] | None = None) -> float:
+async def until_all(
+    collection: Any,
+    state: str,
+    stamp: str,
+    n: int,
+    since: dt.datetime,
+    within_s: float,
+    among: dict[str, Any] | None = None,
+) -> float:
     """Seconds from ``since`` to the latest ``stamp`` once ``n`` documents of
     ``collection`` (those matching ``among``, or all) are in ``state``. The figure comes
     from the ledger's own times, not from when this loop notices; polling slowly keeps the
@@ -367,32 +431,46 @@ async def until_all(collection: Any, state: str, stamp: str, n: int, since: dt.d
 async def states_of(collection: Any, among: dict[str, Any] | None = None) -> str:
     """How many documents are in each state, with the last errors recorded: what a
     benchmark that found none done says of them."""
-    counts = {doc["_id"]: doc["n"] async for doc in await collection.aggregate([
-        {"$match": among or {}}, {"$group": {"_id": "$state", "n": {"$sum": 1}}}])}
-    errors = await collection.distinct("last_error", {**(among or {}),
-                                                      "last_error": {"$exists": True}})
+    counts = {
+        doc["_id"]: doc["n"]
+        async for doc in await collection.aggregate(
+            [{"$match": among or {}}, {"$group": {"_id": "$state", "n": {"$sum": 1}}}]
+        )
+    }
+    errors = await collection.distinct(
+        "last_error", {**(among or {}), "last_error": {"$exists": True}}
+    )
     return f"states {counts}, last errors {errors[:3]}"
 
 
 def process_cpu(mongo: ServerProcess, broker: ServerProcess, c: Cluster) -> dict[str, float]:
-    pids = {"development server": mongo.pid, "nats-server": broker.pid,
-            **{f"replica {name}": r.pid for name, r in c.replicas.items()}}
+    pids = {
+        "development server": mongo.pid,
+        "nats-server": broker.pid,
+        **{f"replica {name}": r.pid for name, r in c.replicas.items()},
+    }
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
-async def burst_cluster(mongo: ServerProcess, broker_uri: str, database: str, n: int,
-                        lead_s: float) -> tuple[dt.datetime, Cluster]:
+async def burst_cluster(
+    mongo: ServerProcess, broker_uri: str, database: str, n: int, lead_s: float
+) -> tuple[dt.datetime, Cluster]:
     """Three replicas, then ``n`` one-off schedules all due on the whole second ``lead_s``
     after they lead; that second and the cluster."""
     c = await started_cluster(mongo, broker_uri, database, [])
-    due = await due_after_leading(c, lead_s, lambda due: [
-        schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst")
-        for i in range(n)])
+    due = await due_after_leading(
+        c,
+        lead_s,
+        lambda due: [
+            schedule_doc(f"b{i:05d}", {"kind": "at", "at": [due]}, "bench.burst") for i in range(n)
+        ],
+    )
     return due, c
 
 
-async def scheduler_burst(mongo: ServerProcess, broker_uri: str, database: str, n: int,
-                          lead_s: float) -> float:
+async def scheduler_burst(
+    mongo: ServerProcess, broker_uri: str, database: str, n: int, lead_s: float
+) -> float:
     """Seconds from the burst's second until its last fire is published and acknowledged."""
     due, c = await burst_cluster(mongo, broker_uri, database, n, lead_s)
     try:
@@ -403,8 +481,9 @@ async def scheduler_burst(mongo: ServerProcess, broker_uri: str, database: str, 
         await c.close()
 
 
-async def burst(mongo: ServerProcess, broker: ServerProcess, n: int,
-                lead_s: float) -> tuple[float, float, float, float, dict[str, float]]:
+async def burst(
+    mongo: ServerProcess, broker: ServerProcess, n: int, lead_s: float
+) -> tuple[float, float, float, float, dict[str, float]]:
     """Drain time, the three raw baselines, and each process's CPU seconds during the
     burst."""
     due, c = await burst_cluster(mongo, broker.uri, "bench_burst", n, lead_s)
@@ -416,8 +495,13 @@ async def burst(mongo: ServerProcess, broker: ServerProcess, n: int,
         cpu = {k: v - before[k] for k, v in process_cpu(mongo, broker, c).items()}
     finally:
         await c.close()
-    return (drained, await raw_burst(broker.uri, n), await raw_core_burst(broker.uri, n),
-            await raw_frames_burst(broker.uri, n), cpu)
+    return (
+        drained,
+        await raw_burst(broker.uri, n),
+        await raw_core_burst(broker.uri, n),
+        await raw_frames_burst(broker.uri, n),
+        cpu,
+    )
 
 
 def seconds_field(i: int, period: int) -> str:
@@ -442,49 +526,77 @@ async def broker_clock_note(broker_uri: str, fires: list[dict[str, Any]], n: int
             after.append((f["published_at"] - at).total_seconds())
     if not on_broker:
         return f"no fire of the window at {n:,} found in the stream"
-    return (f"lateness on the broker's clock at {n:,} (stored - due_at, {len(on_broker):,} "
-            f"fires): p50 {pct(on_broker, .5) * 1000:.0f} ms, p99 "
-            f"{pct(on_broker, .99) * 1000:.0f} ms; published_at after the store: p50 "
-            f"{pct(after, .5) * 1000:.0f} ms, p99 {pct(after, .99) * 1000:.0f} ms")
+    return (
+        f"lateness on the broker's clock at {n:,} (stored - due_at, {len(on_broker):,} "
+        f"fires): p50 {pct(on_broker, 0.5) * 1000:.0f} ms, p99 "
+        f"{pct(on_broker, 0.99) * 1000:.0f} ms; published_at after the store: p50 "
+        f"{pct(after, 0.5) * 1000:.0f} ms, p99 {pct(after, 0.99) * 1000:.0f} ms"
+    )
 
 
-async def lateness(mongo: ServerProcess, broker: ServerProcess, n: int, period: int,
-                   seconds: float, env: dict[str, str] | None = None,
-                   database: str | None = None, broker_clock: bool = False) -> list[float]:
+async def lateness(
+    mongo: ServerProcess,
+    broker: ServerProcess,
+    n: int,
+    period: int,
+    seconds: float,
+    env: dict[str, str] | None = None,
+    database: str | None = None,
+    broker_clock: bool = False,
+) -> list[float]:
     """Publish-acknowledged minus due time of each fire due in the window; with
     ``broker_clock``, a note of the same on the stream's store times too."""
-    c = await started_cluster(mongo, broker.uri, database or f"bench_late_{n}", [
-        schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": f"{seconds_field(i, period)} * * * * *"},
-                     "bench.late")
-        for i in range(n)], env)
+    c = await started_cluster(
+        mongo,
+        broker.uri,
+        database or f"bench_late_{n}",
+        [
+            schedule_doc(
+                f"l{i:06d}",
+                {"kind": "cron", "cron": f"{seconds_field(i, period)} * * * * *"},
+                "bench.late",
+            )
+            for i in range(n)
+        ],
+        env,
+    )
     try:
         await c.wait_firing()
         start = dt.datetime.now(dt.UTC)
         cpu_before = process_cpu(mongo, broker, c)
         await asyncio.sleep(seconds)
         end = dt.datetime.now(dt.UTC)
-        cpu = {k: (v - cpu_before[k]) / seconds
-               for k, v in process_cpu(mongo, broker, c).items()}
-        NOTES.append(f"CPU at {n:,} schedules, share of one core during the window: " +
-                     ", ".join(f"{k} {v:.0%}" for k, v in cpu.items()))
+        cpu = {k: (v - cpu_before[k]) / seconds for k, v in process_cpu(mongo, broker, c).items()}
+        NOTES.append(
+            f"CPU at {n:,} schedules, share of one core during the window: "
+            + ", ".join(f"{k} {v:.0%}" for k, v in cpu.items())
+        )
         left = await c.wait_landed({"due_at": {"$gte": start, "$lt": end}})
         if left:
-            NOTES.append(f"{left:,} fires of the window at {n:,} still unpublished a minute "
-                         "after it")
-        fires = [f async for f in c.db.fires.find(
-            {"due_at": {"$gte": start, "$lt": end}, "state": "published"},
-            {"published_at": 1, "due_at": 1, "claimed_at": 1})]
+            NOTES.append(
+                f"{left:,} fires of the window at {n:,} still unpublished a minute after it"
+            )
+        fires = [
+            f
+            async for f in c.db.fires.find(
+                {"due_at": {"$gte": start, "$lt": end}, "state": "published"},
+                {"published_at": 1, "due_at": 1, "claimed_at": 1},
+            )
+        ]
         if broker_clock:
             NOTES.append(await broker_clock_note(broker.uri, fires, n))
         late = [(f["published_at"] - f["due_at"]).total_seconds() for f in fires]
         claim = [(f["claimed_at"] - f["due_at"]).total_seconds() for f in fires]
         if claim:
-            NOTES.append(f"claim lateness at {n:,} (claimed_at - due_at): "
-                         f"p50 {pct(claim, .5) * 1000:.0f} ms, p99 {pct(claim, .99) * 1000:.0f} ms")
+            NOTES.append(
+                f"claim lateness at {n:,} (claimed_at - due_at): "
+                f"p50 {pct(claim, 0.5) * 1000:.0f} ms, p99 {pct(claim, 0.99) * 1000:.0f} ms"
+            )
         expected = n * int(seconds) // period
         if len(late) < 0.95 * expected:
-            NOTES.append(f"{len(late):,} of about {expected:,} fires published in the window "
-                         f"at {n:,}")
+            NOTES.append(
+                f"{len(late):,} of about {expected:,} fires published in the window at {n:,}"
+            )
         return late
     finally:
         await c.close()
@@ -518,8 +630,13 @@ asyncio.run(main())
 
 
 def apscheduler_lateness(n: int, period: int, seconds: float) -> list[float]:
-    out = subprocess.run([sys.executable, "-c", APSCHEDULER, str(n), str(period), str(seconds)],
-                         capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", APSCHEDULER, str(n), str(period), str(seconds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return [float(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
@@ -532,19 +649,30 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--burst", type=int, default=10_000)
-    parser.add_argument("--lateness", default="1000,10000,100000/60",
-                        help="schedule counts, each N (every second) or N/P (spread over "
-                             "P seconds, P dividing 60)")
+    parser.add_argument(
+        "--lateness",
+        default="1000,10000,100000/60",
+        help="schedule counts, each N (every second) or N/P (spread over P seconds, P dividing 60)",
+    )
     parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--lead", type=float, default=25.0,
-                        help="seconds from writing the burst (once the replicas lead) to its due "
-                             "time: room for their mirrors to load it")
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=25.0,
+        help="seconds from writing the burst (once the replicas lead) to its due "
+        "time: room for their mirrors to load it",
+    )
     args = parser.parse_args()
-    print(f"# firing benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# firing benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `python -m bench.firing_bench {' '.join(sys.argv[1:])}`".rstrip())
-    print("lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s; everything on this "
-          "one machine\n", flush=True)
+    print(
+        "lease ttl 2 s, renew deadline 1.4 s, renew interval 0.4 s; everything on this "
+        "one machine\n",
+        flush=True,
+    )
     mongo = start_devmongo()
     broker = start_nats()
     try:
@@ -553,47 +681,70 @@ async def main() -> int:
             # No in-run baseline exists for a failover; the reference is the bound the design
             # promises: 1 s for a graceful handover, ttl + renew interval (2.4 s) for a crash,
             # plus the every-second schedule's period for its first fire.
-            bounds = {"TERM lease": 1.0, "TERM first fire": 2.0, "KILL lease": 2.4,
-                      "KILL first fire": 3.4}
+            bounds = {
+                "TERM lease": 1.0,
+                "TERM first fire": 2.0,
+                "KILL lease": 2.4,
+                "KILL first fire": 3.4,
+            }
             print("| failover (signal to ...) | samples | p50 | p99 | max | bound | p99 / bound |")
             print("|---|---|---|---|---|---|---|")
             for label, values in gaps.items():
-                print(f"| {label} | {len(values)} | {ms(values, .5)} | {ms(values, .99)} | "
-                      f"{max(values) * 1000:,.0f} ms | {bounds[label]:g} s | "
-                      f"{pct(values, .99) / bounds[label]:.2f}x |")
+                print(
+                    f"| {label} | {len(values)} | {ms(values, 0.5)} | {ms(values, 0.99)} | "
+                    f"{max(values) * 1000:,.0f} ms | {bounds[label]:g} s | "
+                    f"{pct(values, 0.99) / bounds[label]:.2f}x |"
+                )
             print(flush=True)
         if args.burst:
             drained, raw, core, floor, cpu = await burst(mongo, broker, args.burst, args.lead)
-            print(f"burst: {args.burst:,} fires due in one second published and acknowledged "
-                  f"{drained:.2f} s after it; raw nats-py pipelined publish of as many "
-                  f"messages (baseline): {raw:.2f} s; ratio {drained / raw:.2f}x")
-            print(f"the broker's technique raw (core publishes, their acks on one wildcard "
-                  f"subscription): {core:.2f} s; ratio {drained / core:.2f}x")
-            print(f"the broker's floor (the leader's frames for as many fires built ahead, "
-                  f"written at once on one connection, acknowledged): {floor * 1000:.0f} ms; "
-                  f"ratio {drained / floor:.2f}x")
-            print("CPU seconds from 3 s before the burst until it drained (polling "
-                  "included): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + "\n",
-                  flush=True)
-        sizes = [(int(n), int(p or 1)) for n, _, p in
-                 (x.partition("/") for x in args.lateness.split(",") if x)]
+            print(
+                f"burst: {args.burst:,} fires due in one second published and acknowledged "
+                f"{drained:.2f} s after it; raw nats-py pipelined publish of as many "
+                f"messages (baseline): {raw:.2f} s; ratio {drained / raw:.2f}x"
+            )
+            print(
+                f"the broker's technique raw (core publishes, their acks on one wildcard "
+                f"subscription): {core:.2f} s; ratio {drained / core:.2f}x"
+            )
+            print(
+                f"the broker's floor (the leader's frames for as many fires built ahead, "
+                f"written at once on one connection, acknowledged): {floor * 1000:.0f} ms; "
+                f"ratio {drained / floor:.2f}x"
+            )
+            print(
+                "CPU seconds from 3 s before the burst until it drained (polling "
+                "included): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + "\n",
+                flush=True,
+            )
+        sizes = [
+            (int(n), int(p or 1))
+            for n, _, p in (x.partition("/") for x in args.lateness.split(",") if x)
+        ]
         if sizes:
-            print("| schedules | fires/s | hascheduler p50 | p99 | fires published | "
-                  "APScheduler p50 (baseline) | p99 | runs | p99 ratio |")
+            print(
+                "| schedules | fires/s | hascheduler p50 | p99 | fires published | "
+                "APScheduler p50 (baseline) | p99 | runs | p99 ratio |"
+            )
             print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for n, period in sizes:
-            values = await lateness(mongo, broker, n, period, args.seconds,
-                                    broker_clock=True)
+            values = await lateness(mongo, broker, n, period, args.seconds, broker_clock=True)
             b = apscheduler_lateness(n, period, args.seconds)
             expected = n * int(args.seconds) // period
             row = f"| {n:,} | {n // period:,} |"
             if values:
-                print(f"{row} {ms(values, .5)} | {ms(values, .99)} | "
-                      f"{len(values):,} of {expected:,} | {ms(b, .5)} | {ms(b, .99)} | "
-                      f"{len(b):,} | {pct(values, .99) / pct(b, .99):.2f}x |", flush=True)
+                print(
+                    f"{row} {ms(values, 0.5)} | {ms(values, 0.99)} | "
+                    f"{len(values):,} of {expected:,} | {ms(b, 0.5)} | {ms(b, 0.99)} | "
+                    f"{len(b):,} | {pct(values, 0.99) / pct(b, 0.99):.2f}x |",
+                    flush=True,
+                )
             else:
-                print(f"{row} backlog: none of {expected:,} published within 5 s of the "
-                      f"window | | | {ms(b, .5)} | {ms(b, .99)} | {len(b):,} | |", flush=True)
+                print(
+                    f"{row} backlog: none of {expected:,} published within 5 s of the "
+                    f"window | | | {ms(b, 0.5)} | {ms(b, 0.99)} | {len(b):,} | |",
+                    flush=True,
+                )
         print("\n".join(["", *NOTES]), flush=True)
     finally:
         broker.stop()

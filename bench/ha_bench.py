@@ -53,32 +53,47 @@ from tests.servers import (
 STEP_DOWN_S = 2
 
 
-async def every_second(mongo: ServerProcess, nats_uri: str, database: str, n: int,
-                       run: Callable[[Cluster], Awaitable[tuple[dt.datetime, dt.datetime]]]
-                       ) -> list[tuple[dt.datetime, float]]:
+async def every_second(
+    mongo: ServerProcess,
+    nats_uri: str,
+    database: str,
+    n: int,
+    run: Callable[[Cluster], Awaitable[tuple[dt.datetime, dt.datetime]]],
+) -> list[tuple[dt.datetime, float]]:
     """``n`` schedules firing every second while ``run`` returns the window to measure:
     each fire due in it, with its lateness (published minus due), by due time."""
-    c = await started_cluster(mongo, nats_uri, database, [
-        schedule_doc(f"t{i:05d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
-        for i in range(n)])
+    c = await started_cluster(
+        mongo,
+        nats_uri,
+        database,
+        [
+            schedule_doc(f"t{i:05d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.tick")
+            for i in range(n)
+        ],
+    )
     try:
         # Measured once every schedule's fire of the second after the first one published
         # is published too: the leader's start-up catch-up is behind it.
-        await until_all(c.db.fires, "published", "published_at", 1, dt.datetime.now(dt.UTC),
-                        30)
+        await until_all(c.db.fires, "published", "published_at", 1, dt.datetime.now(dt.UTC), 30)
         first = await c.db.fires.find_one({"state": "published"}, sort=[("due_at", 1)])
         assert first is not None
         next_second = first["due_at"] + dt.timedelta(seconds=1)
-        await until_all(c.db.fires, "published", "published_at", n, next_second, 30,
-                        {"due_at": next_second})
+        await until_all(
+            c.db.fires, "published", "published_at", n, next_second, 30, {"due_at": next_second}
+        )
         start, end = await run(c)
         expected = n * int((end - start).total_seconds())
         window = {"due_at": {"$gte": start, "$lt": end}}
         await until_all(c.db.fires, "published", "published_at", expected, start, 60, window)
-        fires = [f async for f in c.db.fires.find({**window, "state": "published"},
-                                                  {"published_at": 1, "due_at": 1})]
-        return sorted((f["due_at"], (f["published_at"] - f["due_at"]).total_seconds())
-                      for f in fires)
+        fires = [
+            f
+            async for f in c.db.fires.find(
+                {**window, "state": "published"}, {"published_at": 1, "due_at": 1}
+            )
+        ]
+        return sorted(
+            (f["due_at"], (f["published_at"] - f["due_at"]).total_seconds()) for f in fires
+        )
     finally:
         await c.close()
 
@@ -88,16 +103,19 @@ def steady(seconds: float) -> Callable[[Cluster], Awaitable[tuple[dt.datetime, d
         start = dt.datetime.now(dt.UTC)
         await asyncio.sleep(seconds)
         return start, dt.datetime.now(dt.UTC)
+
     return run
 
 
-def after(fault: Callable[[], Awaitable[None]], settle_s: float = 15.0
-          ) -> Callable[[Cluster], Awaitable[tuple[dt.datetime, dt.datetime]]]:
+def after(
+    fault: Callable[[], Awaitable[None]], settle_s: float = 15.0
+) -> Callable[[Cluster], Awaitable[tuple[dt.datetime, dt.datetime]]]:
     async def run(c: Cluster) -> tuple[dt.datetime, dt.datetime]:
         at = dt.datetime.now(dt.UTC)
         await fault()
         await asyncio.sleep(settle_s)
         return at - dt.timedelta(seconds=1), at + dt.timedelta(seconds=settle_s - 3)
+
     return run
 
 
@@ -129,59 +147,97 @@ async def main_async(args: argparse.Namespace) -> int:
     single = start_nats()
     cluster = start_nats_cluster(3)
     try:
-        bursts = {"single": await scheduler_burst(mongo, single.uri, "ha_burst_1", args.burst,
-                                                  args.lead),
-                  "cluster": await scheduler_burst(mongo, cluster.uri, "ha_burst_3", args.burst,
-                                                   args.lead)}
+        bursts = {
+            "single": await scheduler_burst(mongo, single.uri, "ha_burst_1", args.burst, args.lead),
+            "cluster": await scheduler_burst(
+                mongo, cluster.uri, "ha_burst_3", args.burst, args.lead
+            ),
+        }
         _, replicas = await stream_leader(cluster.uri)
-        late = {"single": await every_second(mongo, single.uri, "ha_late_1", args.steady,
-                                             steady(args.seconds)),
-                "cluster": await every_second(mongo, cluster.uri, "ha_late_3", args.steady,
-                                              steady(args.seconds))}
-        node_lost = gap(await every_second(mongo, cluster.uri, "ha_kill", args.ticks,
-                                           after(lambda: kill_stream_leader(cluster),
-                                                 args.settle)))
-        stepped = gap(await every_second(mongo, single.uri, "ha_step", args.ticks,
-                                         after(lambda: step_down(mongo), args.settle)))
+        late = {
+            "single": await every_second(
+                mongo, single.uri, "ha_late_1", args.steady, steady(args.seconds)
+            ),
+            "cluster": await every_second(
+                mongo, cluster.uri, "ha_late_3", args.steady, steady(args.seconds)
+            ),
+        }
+        node_lost = gap(
+            await every_second(
+                mongo,
+                cluster.uri,
+                "ha_kill",
+                args.ticks,
+                after(lambda: kill_stream_leader(cluster), args.settle),
+            )
+        )
+        stepped = gap(
+            await every_second(
+                mongo,
+                single.uri,
+                "ha_step",
+                args.ticks,
+                after(lambda: step_down(mongo), args.settle),
+            )
+        )
     finally:
         cluster.stop()
         single.stop()
         mongo.stop()
-    print(f"| | 1 nats-server, stream R1 (baseline) | 3-node cluster, stream R{replicas} | "
-          "cluster / single |")
+    print(
+        f"| | 1 nats-server, stream R1 (baseline) | 3-node cluster, stream R{replicas} | "
+        "cluster / single |"
+    )
     print("|---|---|---|---|")
-    print(f"| burst: {args.burst:,} fires due together, to all acknowledged | "
-          f"{bursts['single']:.2f} s | {bursts['cluster']:.2f} s | "
-          f"{bursts['cluster'] / bursts['single']:.2f}x |")
-    for q, name in ((.5, "p50"), (.99, "p99")):
+    print(
+        f"| burst: {args.burst:,} fires due together, to all acknowledged | "
+        f"{bursts['single']:.2f} s | {bursts['cluster']:.2f} s | "
+        f"{bursts['cluster'] / bursts['single']:.2f}x |"
+    )
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
         one = [v for _, v in late["single"]]
         three = [v for _, v in late["cluster"]]
-        print(f"| lateness {name}, {args.steady:,} schedules every second for "
-              f"{args.seconds:g} s | {ms(one, q)} | {ms(three, q)} | "
-              f"{pct(three, q) / max(pct(one, q), 1e-9):.2f}x |")
+        print(
+            f"| lateness {name}, {args.steady:,} schedules every second for "
+            f"{args.seconds:g} s | {ms(one, q)} | {ms(three, q)} | "
+            f"{pct(three, q) / max(pct(one, q), 1e-9):.2f}x |"
+        )
     print()
-    print("| fault, with " f"{args.ticks} schedules firing every second | the latest fire's "
-          "lateness (the gap) | fires over 1 s late | fires measured |")
+    print(
+        "| fault, with "
+        f"{args.ticks} schedules firing every second | the latest fire's "
+        "lateness (the gap) | fires over 1 s late | fires measured |"
+    )
     print("|---|---|---|---|")
-    print(f"| SIGKILL of the NATS node leading the stream (3-node cluster) | "
-          f"{node_lost[0]:.2f} s | {node_lost[1]:,} | {node_lost[2]:,} |")
-    print(f"| the database steps down for {STEP_DOWN_S} s (the leader loses its lease) | "
-          f"{stepped[0]:.2f} s | {stepped[1]:,} | {stepped[2]:,} |")
+    print(
+        f"| SIGKILL of the NATS node leading the stream (3-node cluster) | "
+        f"{node_lost[0]:.2f} s | {node_lost[1]:,} | {node_lost[2]:,} |"
+    )
+    print(
+        f"| the database steps down for {STEP_DOWN_S} s (the leader loses its lease) | "
+        f"{stepped[0]:.2f} s | {stepped[1]:,} | {stepped[2]:,} |"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ha_bench",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ha_bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--burst", type=int, default=10_000)
     parser.add_argument("--steady", type=int, default=1_000)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--ticks", type=int, default=100)
-    parser.add_argument("--lead", type=float, default=25.0,
-                        help="seconds from writing the burst (once the replicas lead) to its due "
-                             "time: room for their mirrors to load it")
-    parser.add_argument("--settle", type=float, default=15.0,
-                        help="seconds measured after each fault")
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=25.0,
+        help="seconds from writing the burst (once the replicas lead) to its due "
+        "time: room for their mirrors to load it",
+    )
+    parser.add_argument(
+        "--settle", type=float, default=15.0, help="seconds measured after each fault"
+    )
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -48,8 +48,14 @@ from tests.waiting import wait_until
 
 TTL_S, DEADLINE_S, INTERVAL_S = 1.0, 0.7, 0.2
 SETTLED_S = 5.0  # a leader killed has led at least this long
-TIMINGS = ["--lease-ttl", str(TTL_S), "--renew-deadline", str(DEADLINE_S),
-           "--renew-interval", str(INTERVAL_S)]
+TIMINGS = [
+    "--lease-ttl",
+    str(TTL_S),
+    "--renew-deadline",
+    str(DEADLINE_S),
+    "--renew-interval",
+    str(INTERVAL_S),
+]
 
 
 async def steady(c: Cluster, seconds: float) -> tuple[int, int, int, list[float]]:
@@ -106,9 +112,11 @@ async def crash(c: Cluster, nats_uri: str) -> tuple[float, float]:
     async def firing() -> bool:
         lease, now = await c.lease(), dt.datetime.now(dt.UTC)
         through = lease.get("fired_through")
-        return through is not None and through > max(
-            moved_from + dt.timedelta(seconds=1), now - dt.timedelta(seconds=2)) and \
-            lease["acquired_at"] < now - dt.timedelta(seconds=SETTLED_S)
+        return (
+            through is not None
+            and through > max(moved_from + dt.timedelta(seconds=1), now - dt.timedelta(seconds=2))
+            and lease["acquired_at"] < now - dt.timedelta(seconds=SETTLED_S)
+        )
 
     await wait_until(firing, 60, "the leader firing", 0.1)
     doc = await c.wait_leader()
@@ -119,19 +127,20 @@ async def crash(c: Cluster, nats_uri: str) -> tuple[float, float]:
     fired = await first_stored(nats_uri, killed, term)
     c.start(leader)
     await c.wait_ready()
-    return ((new["acquired_at"] - killed).total_seconds(),
-            (fired - killed).total_seconds())
+    return ((new["acquired_at"] - killed).total_seconds(), (fired - killed).total_seconds())
 
 
 def stream_time(text: str) -> dt.datetime:
     """The stream's RFC 3339 time (nanoseconds, trailing zeros trimmed, Z) as a datetime."""
     whole, _, fraction = text.rstrip("Z").partition(".")
     return dt.datetime.fromisoformat(whole).replace(tzinfo=dt.UTC) + dt.timedelta(
-        microseconds=int((fraction + "000000")[:6]))
+        microseconds=int((fraction + "000000")[:6])
+    )
 
 
-async def first_stored(nats_uri: str, since: dt.datetime, term: int,
-                       within_s: float = 30) -> dt.datetime:
+async def first_stored(
+    nats_uri: str, since: dt.datetime, term: int, within_s: float = 30
+) -> dt.datetime:
     """When the stream stored the first fire of a term after ``term``, from ``since``: the
     stream's message API read from the first message stored at or after ``since``."""
     nc = await nats.connect(nats_uri)
@@ -146,28 +155,42 @@ async def first_stored(nats_uri: str, since: dt.datetime, term: int,
                 await asyncio.sleep(0.05)
                 continue
             headers = base64.b64decode(message.get("hdrs", "")).decode()
-            fired_by = next((int(line.split(":", 1)[1]) for line in headers.splitlines()
-                             if line.startswith("Hascheduler-Term:")), 0)
+            fired_by = next(
+                (
+                    int(line.split(":", 1)[1])
+                    for line in headers.splitlines()
+                    if line.startswith("Hascheduler-Term:")
+                ),
+                0,
+            )
             stored = stream_time(message["time"])
             if fired_by > term:
                 return stored
             # The dead leader's publishes still in flight at the kill (up to a whole
             # second's fires): skipped a millisecond of store time at a time.
-            ask = {"start_time": (stored + dt.timedelta(milliseconds=1)).isoformat()
-                   .replace("+00:00", "Z")}
+            ask = {
+                "start_time": (stored + dt.timedelta(milliseconds=1))
+                .isoformat()
+                .replace("+00:00", "Z")
+            }
         raise RuntimeError(f"no fire of a term after {term} within {within_s} s")
     finally:
         await nc.close()
 
 
 @contextlib.asynccontextmanager
-async def servers(fire_retention: float, schedules: list[dict[str, Any]]
-                  ) -> AsyncIterator[tuple[Cluster, ServerProcess, str]]:
+async def servers(
+    fire_retention: float, schedules: list[dict[str, Any]]
+) -> AsyncIterator[tuple[Cluster, ServerProcess, str]]:
     """A development server, a nats-server and three replicas over ``schedules``, firing."""
     mongo: ServerProcess = start_devmongo()
     broker = start_nats()
-    c = Cluster(mongo, broker.uri, "bench_lease", replica_args=[
-        *TIMINGS, "--fire-retention", str(fire_retention)])
+    c = Cluster(
+        mongo,
+        broker.uri,
+        "bench_lease",
+        replica_args=[*TIMINGS, "--fire-retention", str(fire_retention)],
+    )
     try:
         await started_cluster(mongo, broker.uri, "bench_lease", schedules, cluster=c)
         await c.wait_firing()
@@ -185,17 +208,25 @@ async def steady_report(c: Cluster, mongo: ServerProcess, seconds: float, rate: 
     changes, first, last, ahead = await steady(c, seconds)
     stops = stopped_firing(c, began.replace("+00:00", "Z"))
     leader = (await c.lease())["holder"]
-    print(f"steady: {seconds:,.0f} s at {rate:,} fires a second, {changes} leadership changes "
-          f"(terms {first} to {last}); target: none")
-    print("the leader's watermark (the lease's fired_through) at its furthest from now, "
-          "minute by minute (ahead by the claim-ahead, +1.5 s, while it keeps up; behind, "
-          f"its fires are late by as much): {', '.join(f'{a:+.1f} s' for a in ahead)}")
-    print(f"times a leader stopped firing within its term (a fenced write past its "
-          f"deadline; it leads again at once): {stops}")
-    print(f"CPU during it, share of one core: development server "
-          f"{(cpu_seconds(mongo.pid) - mongo_before) / seconds:.0%}, leader "
-          f"{(cpu_seconds(c.replicas[leader].pid) - cpu_before[leader]) / seconds:.0%}\n",
-          flush=True)
+    print(
+        f"steady: {seconds:,.0f} s at {rate:,} fires a second, {changes} leadership changes "
+        f"(terms {first} to {last}); target: none"
+    )
+    print(
+        "the leader's watermark (the lease's fired_through) at its furthest from now, "
+        "minute by minute (ahead by the claim-ahead, +1.5 s, while it keeps up; behind, "
+        f"its fires are late by as much): {', '.join(f'{a:+.1f} s' for a in ahead)}"
+    )
+    print(
+        f"times a leader stopped firing within its term (a fenced write past its "
+        f"deadline; it leads again at once): {stops}"
+    )
+    print(
+        f"CPU during it, share of one core: development server "
+        f"{(cpu_seconds(mongo.pid) - mongo_before) / seconds:.0%}, leader "
+        f"{(cpu_seconds(c.replicas[leader].pid) - cpu_before[leader]) / seconds:.0%}\n",
+        flush=True,
+    )
 
 
 async def main() -> int:
@@ -204,17 +235,28 @@ async def main() -> int:
     parser.add_argument("--schedules", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--fire-retention", type=float, default=60.0,
-                        help="the replicas' --fire-retention: the fire ledger stays bounded")
+    parser.add_argument(
+        "--fire-retention",
+        type=float,
+        default=60.0,
+        help="the replicas' --fire-retention: the fire ledger stays bounded",
+    )
     args = parser.parse_args()
-    print(f"# lease benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# lease benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `python -m bench.lease_bench {' '.join(sys.argv[1:])}`".rstrip())
-    print(f"lease ttl {TTL_S:g} s, renew deadline {DEADLINE_S:g} s, renew interval "
-          f"{INTERVAL_S:g} s; {args.schedules:,} schedules firing every second, all on the "
-          f"second; fires kept {args.fire_retention:g} s\n", flush=True)
-    schedules = [schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": "* * * * * *"},
-                              "bench.lease") for i in range(args.schedules)]
+    print(
+        f"lease ttl {TTL_S:g} s, renew deadline {DEADLINE_S:g} s, renew interval "
+        f"{INTERVAL_S:g} s; {args.schedules:,} schedules firing every second, all on the "
+        f"second; fires kept {args.fire_retention:g} s\n",
+        flush=True,
+    )
+    schedules = [
+        schedule_doc(f"l{i:06d}", {"kind": "cron", "cron": "* * * * * *"}, "bench.lease")
+        for i in range(args.schedules)
+    ]
     if args.seconds:
         async with servers(args.fire_retention, schedules) as (c, mongo, _):
             await steady_report(c, mongo, args.seconds, args.schedules)
@@ -230,13 +272,17 @@ async def main() -> int:
                 leases.append(leased)
                 fires.append(fired)
         bound = TTL_S + INTERVAL_S
-        print("| SIGKILL of the leader to ... | samples | p50 | p99 | max | bound "
-              "(ttl + renew interval) | p99 / bound |")
+        print(
+            "| SIGKILL of the leader to ... | samples | p50 | p99 | max | bound "
+            "(ttl + renew interval) | p99 / bound |"
+        )
         print("|---|---|---|---|---|---|---|")
         for label, values in (("the next lease", leases), ("its first fire", fires)):
-            print(f"| {label} | {len(values)} | {pct(values, .5) * 1000:,.0f} ms | "
-                  f"{pct(values, .99) * 1000:,.0f} ms | {max(values) * 1000:,.0f} ms | "
-                  f"{bound:g} s | {pct(values, .99) / bound:.2f}x |")
+            print(
+                f"| {label} | {len(values)} | {pct(values, 0.5) * 1000:,.0f} ms | "
+                f"{pct(values, 0.99) * 1000:,.0f} ms | {max(values) * 1000:,.0f} ms | "
+                f"{bound:g} s | {pct(values, 0.99) / bound:.2f}x |"
+            )
     return 0
 
 

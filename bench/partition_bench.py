@@ -49,8 +49,9 @@ async def first_publish_after(db: Any, term: int, within_s: float = 20.0) -> dt.
     """When ``term`` first published a fire (its ledger record, on the database's clock)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        doc = await db.fires.find_one({"term": {"$gte": term}, "state": "published"},
-                                      sort=[("published_at", 1)])
+        doc = await db.fires.find_one(
+            {"term": {"$gte": term}, "state": "published"}, sort=[("published_at", 1)]
+        )
         if doc is not None and doc.get("published_at") is not None:
             return doc["published_at"]  # type: ignore[no-any-return]
         await asyncio.sleep(0.02)
@@ -81,8 +82,7 @@ async def failover_round(sup: Supervisor, db: Any, kind: str) -> dict[str, float
     published = await first_publish_after(db, new["term"])
     if kind != "kill":
         sup.net.heal(victim.node)
-    return {"takeover_s": takeover,
-            "first_fire_s": max(0.0, (published - at).total_seconds())}
+    return {"takeover_s": takeover, "first_fire_s": max(0.0, (published - at).total_seconds())}
 
 
 async def offset_error(sup: Supervisor, skew_s: float) -> dict[str, float]:
@@ -103,8 +103,11 @@ async def offset_error(sup: Supervisor, skew_s: float) -> dict[str, float]:
                     break
                 await asyncio.sleep(0.2)
         offset = float(clock["offset_s"])
-        return {"skew_s": skew_s, "error_ms": abs(offset + skew_s) * 1000,
-                "bound_ms": float(clock["error_s"]) * 1000}
+        return {
+            "skew_s": skew_s,
+            "error_ms": abs(offset + skew_s) * 1000,
+            "bound_ms": float(clock["error_s"]) * 1000,
+        }
     finally:
         sup.desired -= 1
         await sup.reconcile()  # retires the newest: this one
@@ -124,17 +127,28 @@ def reading_cost() -> tuple[float, float]:
 async def create_schedules(sup: Supervisor, count: int) -> None:
     async with aiohttp.ClientSession(headers=sup.api_headers) as http:
         for i in range(count):
-            body = {"id": f"p{i:03d}", "name": f"p{i:03d}", "target": "bench.partition",
-                    "trigger": {"kind": "cron", "cron": "* * * * * *"}, "catchup": "all"}
+            body = {
+                "id": f"p{i:03d}",
+                "name": f"p{i:03d}",
+                "target": "bench.partition",
+                "trigger": {"kind": "cron", "cron": "* * * * * *"},
+                "catchup": "all",
+            }
             async with http.post(sup.replicas[0].address + "/schedules", json=body) as r:
                 if r.status != 201:
                     raise RuntimeError(f"creating {body['id']}: {await r.text()}")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = DevSettings(replicas=3, workers=0, network=True, lease_ttl=TTL,
-                           renew_deadline=DEADLINE, renew_interval=INTERVAL,
-                           state_dir=Path(tempfile.mkdtemp(prefix="hascheduler-partition-")))
+    settings = DevSettings(
+        replicas=3,
+        workers=0,
+        network=True,
+        lease_ttl=TTL,
+        renew_deadline=DEADLINE,
+        renew_interval=INTERVAL,
+        state_dir=Path(tempfile.mkdtemp(prefix="hascheduler-partition-")),
+    )
     sup = Supervisor(settings)
     await sup.start()
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(sup.mongodb_uri, tz_aware=True)
@@ -154,32 +168,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = ["| fault of the leader | rounds | to the next lease p50 | p99 | to its first fire "
-             "p50 | p99 |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| fault of the leader | rounds | to the next lease p50 | p99 | to its first fire "
+        "p50 | p99 |",
+        "|---|---|---|---|---|---|",
+    ]
     p99s = {}
     for kind, rounds in result["rounds"].items():
         takeover = [r["takeover_s"] for r in rounds]
         first = [r["first_fire_s"] for r in rounds]
         p99s[kind] = pct(takeover, 0.99)
-        lines.append(f"| {kind} | {len(rounds)} | {pct(takeover, .5) * 1000:,.0f} ms | "
-                     f"{pct(takeover, .99) * 1000:,.0f} ms | {pct(first, .5) * 1000:,.0f} ms "
-                     f"| {pct(first, .99) * 1000:,.0f} ms |")
+        lines.append(
+            f"| {kind} | {len(rounds)} | {pct(takeover, 0.5) * 1000:,.0f} ms | "
+            f"{pct(takeover, 0.99) * 1000:,.0f} ms | {pct(first, 0.5) * 1000:,.0f} ms "
+            f"| {pct(first, 0.99) * 1000:,.0f} ms |"
+        )
     ratio = p99s["cut from MongoDB"] / p99s["kill"] if p99s["kill"] else float("nan")
-    lines += ["", f"Partition against kill, takeover p99: {ratio:.2f}x (target <= 1.2x)", "",
-              "| wall clock moved by | offset estimate's error | the bound it states |",
-              "|---|---|---|"]
+    lines += [
+        "",
+        f"Partition against kill, takeover p99: {ratio:.2f}x (target <= 1.2x)",
+        "",
+        "| wall clock moved by | offset estimate's error | the bound it states |",
+        "|---|---|---|",
+    ]
     for o in result["offsets"]:
         lines.append(f"| {o['skew_s']:+g} s | {o['error_ms']:.2f} ms | {o['bound_ms']:.2f} ms |")
-    lines += ["", f"Reading the estimate (ServerClock.now): {result['now_ns']:.0f} ns a call, "
-              f"against {result['wall_ns']:.0f} ns for datetime.now(UTC); the samples (one "
-              "`hello` a second, and the lease renewals the leader makes anyway) are off the "
-              "firing path."]
+    lines += [
+        "",
+        f"Reading the estimate (ServerClock.now): {result['now_ns']:.0f} ns a call, "
+        f"against {result['wall_ns']:.0f} ns for datetime.now(UTC); the samples (one "
+        "`hello` a second, and the lease renewals the leader makes anyway) are off the "
+        "firing path.",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.partition_bench",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.partition_bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--schedules", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")

@@ -67,14 +67,17 @@ class Step:
 
     @property
     def sustained(self) -> bool:
-        return self.published >= self.expected and pct(self.late, .99) <= LATE_P99_S
+        return self.published >= self.expected and pct(self.late, 0.99) <= LATE_P99_S
 
 
 def trigger(shape: str, i: int, base: dt.datetime) -> dict[str, Any]:
     if shape == "aligned":
         return {"kind": "cron", "cron": "* * * * * *"}
-    return {"kind": "interval", "every": 1.0,
-            "start_at": base + dt.timedelta(milliseconds=i % 1000)}
+    return {
+        "kind": "interval",
+        "every": 1.0,
+        "start_at": base + dt.timedelta(milliseconds=i % 1000),
+    }
 
 
 def anchor() -> dt.datetime:
@@ -86,9 +89,12 @@ async def hascheduler_step(shape: str, rate: int, seconds: int, profile: bool) -
     mongo, broker = start_devmongo(), start_nats()
     base = anchor()
     try:
-        c = await started_cluster(mongo, broker.uri, "bench_ramp", [
-            schedule_doc(f"r{i:06d}", trigger(shape, i, base), "bench.ramp")
-            for i in range(rate)])
+        c = await started_cluster(
+            mongo,
+            broker.uri,
+            "bench_ramp",
+            [schedule_doc(f"r{i:06d}", trigger(shape, i, base), "bench.ramp") for i in range(rate)],
+        )
         try:
             await c.wait_firing()
             # The window: whole seconds, starting past the leader's start-up.
@@ -99,19 +105,24 @@ async def hascheduler_step(shape: str, rate: int, seconds: int, profile: bool) -
             sampling = []
             if profile:
                 leader = (await c.lease())["holder"]
-                sampling = [spy(name, pid, seconds) for name, pid in
-                            (("leader", c.replicas[leader].pid),
-                             ("development server", mongo.pid))]
+                sampling = [
+                    spy(name, pid, seconds)
+                    for name, pid in (
+                        ("leader", c.replicas[leader].pid),
+                        ("development server", mongo.pid),
+                    )
+                ]
             await asyncio.sleep((end - dt.datetime.now(dt.UTC)).total_seconds())
-            cpu = {k: (v - before[k]) / seconds
-                   for k, v in process_cpu(mongo, broker, c).items()}
+            cpu = {k: (v - before[k]) / seconds for k, v in process_cpu(mongo, broker, c).items()}
             window = {"due_at": {"$gte": start, "$lt": end}}
             await c.wait_landed(window, within_s=10)
-            late = [(f["published_at"] - f["due_at"]).total_seconds()
-                    async for f in c.db.fires.find({**window, "state": "published"},
-                                                   {"published_at": 1, "due_at": 1})]
-            lines = [line for name, process, out in sampling
-                     for line in spied(name, process, out)]
+            late = [
+                (f["published_at"] - f["due_at"]).total_seconds()
+                async for f in c.db.fires.find(
+                    {**window, "state": "published"}, {"published_at": 1, "due_at": 1}
+                )
+            ]
+            lines = [line for name, process, out in sampling for line in spied(name, process, out)]
             return Step(shape, rate, late, rate * seconds, cpu, lines)
         finally:
             await c.close()
@@ -123,9 +134,11 @@ async def hascheduler_step(shape: str, rate: int, seconds: int, profile: bool) -
 def spy(name: str, pid: int | None, seconds: int) -> tuple[str, subprocess.Popen[bytes], str]:
     out = tempfile.mktemp(prefix="ramp-spy-", suffix=".txt")
     binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    process = subprocess.Popen([binary, "record", "-p", str(pid), "-d", str(seconds),
-                                "-r", "100", "-f", "raw", "-o", out],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [binary, "record", "-p", str(pid), "-d", str(seconds), "-r", "100", "-f", "raw", "-o", out],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return name, process, out
 
 
@@ -196,9 +209,21 @@ asyncio.run(main())
 
 
 def apscheduler_step(shape: str, rate: int, seconds: int) -> Step:
-    done = subprocess.run([sys.executable, "-c", APSCHEDULER, shape, str(rate), str(seconds),
-                           str(anchor().timestamp())],
-                          capture_output=True, text=True, check=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            APSCHEDULER,
+            shape,
+            str(rate),
+            str(seconds),
+            str(anchor().timestamp()),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return Step(shape, rate, [float(x) for x in result["late"]], rate * seconds)
 
@@ -208,37 +233,55 @@ def ms(values: list[float], q: float) -> str:
 
 
 def row(system: str, step: Step) -> str:
-    verdict = "sustained" if step.sustained else (
-        "fires lost" if step.published < step.expected else "p99 over 100 ms")
-    return (f"| {step.shape} | {system} | {step.rate:,} | {ms(step.late, .5)} | "
-            f"{ms(step.late, .99)} | "
-            f"{step.published:,} of {step.expected:,} | {verdict} |")
+    verdict = (
+        "sustained"
+        if step.sustained
+        else ("fires lost" if step.published < step.expected else "p99 over 100 ms")
+    )
+    return (
+        f"| {step.shape} | {system} | {step.rate:,} | {ms(step.late, 0.5)} | "
+        f"{ms(step.late, 0.99)} | "
+        f"{step.published:,} of {step.expected:,} | {verdict} |"
+    )
 
 
 def plot(path: Path, steps: list[Step]) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(s.shape for s in steps))
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
-        for system, name, colour in (("hascheduler", "hascheduler (3 replicas, NATS)",
-                                      "tab:blue"),
-                                     ("APScheduler", "APScheduler 3 (empty job)",
-                                      "tab:orange")):
+        for system, name, colour in (
+            ("hascheduler", "hascheduler (3 replicas, NATS)", "tab:blue"),
+            ("APScheduler", "APScheduler 3 (empty job)", "tab:orange"),
+        ):
             shown = [s for s in steps if s.shape == shape and s.system == system and s.late]
             rates = [s.rate for s in shown]
-            ax.plot(rates, [max(pct(s.late, .5), 1e-4) * 1000 for s in shown], "o--",
-                    color=colour, label=f"{name} p50")
-            ax.plot(rates, [max(pct(s.late, .99), 1e-4) * 1000 for s in shown], "o-",
-                    color=colour, label=f"{name} p99")
+            ax.plot(
+                rates,
+                [max(pct(s.late, 0.5), 1e-4) * 1000 for s in shown],
+                "o--",
+                color=colour,
+                label=f"{name} p50",
+            )
+            ax.plot(
+                rates,
+                [max(pct(s.late, 0.99), 1e-4) * 1000 for s in shown],
+                "o-",
+                color=colour,
+                label=f"{name} p99",
+            )
         ax.axhline(LATE_P99_S * 1000, color="grey", linestyle=":", label="p99 limit (100 ms)")
         ax.set_xlabel("fires per second (schedules firing every second)")
         ax.set_ylabel("lateness (ms, log scale)")
         ax.set_yscale("log")
-        ax.set_title(f"{shape}: " + ("all due on the second" if shape == "aligned"
-                                     else "phases spread over the second"))
+        ax.set_title(
+            f"{shape}: "
+            + ("all due on the second" if shape == "aligned" else "phases spread over the second")
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Ramp on {os.cpu_count()} cores, {dt.date.today().isoformat()}")
@@ -257,11 +300,17 @@ async def ramp(shape: str, rates: list[int], seconds: int, profile: bool) -> lis
         if not step.sustained:
             if profile:
                 spied_step = await hascheduler_step(shape, rate, seconds, True)
-                NOTES.extend([f"profile, {shape} at {rate:,} fires/s (own time, top "
-                              "functions):", *spied_step.profile])
+                NOTES.extend(
+                    [
+                        f"profile, {shape} at {rate:,} fires/s (own time, top functions):",
+                        *spied_step.profile,
+                    ]
+                )
             break
-        NOTES.append(f"CPU, {shape} at {rate:,} fires/s, share of one core: " +
-                     ", ".join(f"{k} {v:.0%}" for k, v in step.cpu.items()))
+        NOTES.append(
+            f"CPU, {shape} at {rate:,} fires/s, share of one core: "
+            + ", ".join(f"{k} {v:.0%}" for k, v in step.cpu.items())
+        )
     return steps
 
 
@@ -290,39 +339,51 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spread", default="5000,10000,12500,15000,17500,20000,25000")
     parser.add_argument("--aligned", default="2000,4000,6000,8000,10000,12000")
-    parser.add_argument("--baseline-spread",
-                        default="5000,10000,15000,20000,25000,30000,40000")
+    parser.add_argument("--baseline-spread", default="5000,10000,15000,20000,25000,30000,40000")
     parser.add_argument("--baseline-aligned", default="250,500,750,1000,1500,2000,3000")
     parser.add_argument("--seconds", type=int, default=10)
-    parser.add_argument("--plot", type=Path,
-                        default=Path(os.environ.get("BENCH_DOCS", "docs")) / "ramp.png",
-                        help="where the plot goes (python -m bench: beside its --out)")
-    parser.add_argument("--profile", action="store_true",
-                        help="py-spy the leader and the development server past the ceiling")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path(os.environ.get("BENCH_DOCS", "docs")) / "ramp.png",
+        help="where the plot goes (python -m bench: beside its --out)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the leader and the development server past the ceiling",
+    )
     args = parser.parse_args()
-    print(f"# ramp benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# ramp benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `python -m bench.ramp_bench {' '.join(sys.argv[1:])}`".rstrip())
     print("\n| shape | system | fires/s | p50 | p99 | fires published (ran) | verdict |")
     print("|---|---|---|---|---|---|---|", flush=True)
     steps: list[Step] = []
     summary = []
     for shape in ("spread", "aligned"):
-        ours = await ramp(shape, [int(r) for r in getattr(args, shape).split(",")],
-                          args.seconds, args.profile)
-        theirs = baseline_ramp(shape, [int(r) for r in
-                                       getattr(args, f"baseline_{shape}").split(",")],
-                               args.seconds)
+        ours = await ramp(
+            shape, [int(r) for r in getattr(args, shape).split(",")], args.seconds, args.profile
+        )
+        theirs = baseline_ramp(
+            shape, [int(r) for r in getattr(args, f"baseline_{shape}").split(",")], args.seconds
+        )
         steps += ours + theirs
         ceiling, baseline = highest(ours), highest(theirs)
         ratio = f"{ceiling / baseline:.1f}x" if baseline else "n/a"
         top = " (the highest step tried)" if all(s.sustained for s in theirs) else ""
-        summary.append(f"highest sustained rate, {shape}: hascheduler {ceiling:,} fires/s, "
-                       f"APScheduler {baseline:,} fires/s{top} (baseline); ratio {ratio}")
+        summary.append(
+            f"highest sustained rate, {shape}: hascheduler {ceiling:,} fires/s, "
+            f"APScheduler {baseline:,} fires/s{top} (baseline); ratio {ratio}"
+        )
     print("\n" + "\n".join(summary))
     plot(args.plot, steps)
-    print(f"\n![fires per second against lateness p50 and p99, both systems, both shapes]"
-          f"({args.plot.name})")
+    print(
+        f"\n![fires per second against lateness p50 and p99, both systems, both shapes]"
+        f"({args.plot.name})"
+    )
     print("\n".join(["", *NOTES]), flush=True)
     return 0
 

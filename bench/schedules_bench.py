@@ -36,10 +36,12 @@ from bench.devmongo_bench import event_latency, pct
 from tests.servers import start_devmongo, start_replica, with_database
 
 ZONES = ["UTC", "Europe/Paris", "America/New_York", "Asia/Tokyo", "Australia/Sydney"]
-CRONS = [f"{m} {h} * * *" for m in (0, 15, 30, 45) for h in (1, 6, 12)] + \
-    [f"*/{s} * * * * *" for s in (5, 10, 15, 20, 30)] + \
-    [f"0 {h} * * mon-fri" for h in range(8, 18)] + \
-    [f"{m} * * * *" for m in range(0, 60, 2)]
+CRONS = (
+    [f"{m} {h} * * *" for m in (0, 15, 30, 45) for h in (1, 6, 12)]
+    + [f"*/{s} * * * * *" for s in (5, 10, 15, 20, 30)]
+    + [f"0 {h} * * mon-fri" for h in range(8, 18)]
+    + [f"{m} * * * *" for m in range(0, 60, 2)]
+)
 
 
 def schedule_documents(n: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -49,20 +51,37 @@ def schedule_documents(n: int, seed: int = 7) -> list[dict[str, Any]]:
     for i in range(n):
         kind = rng.random()
         if kind < 0.6:
-            trigger: dict[str, Any] = {"kind": "cron", "cron": rng.choice(CRONS[:60]),
-                                       "timezone": rng.choice(ZONES)}
+            trigger: dict[str, Any] = {
+                "kind": "cron",
+                "cron": rng.choice(CRONS[:60]),
+                "timezone": rng.choice(ZONES),
+            }
         elif kind < 0.9:
-            trigger = {"kind": "interval", "every": float(rng.choice((5, 30, 60, 300, 3600))),
-                       "start_at": now + dt.timedelta(milliseconds=rng.randrange(3_600_000)),
-                       "end_at": None}
+            trigger = {
+                "kind": "interval",
+                "every": float(rng.choice((5, 30, 60, 300, 3600))),
+                "start_at": now + dt.timedelta(milliseconds=rng.randrange(3_600_000)),
+                "end_at": None,
+            }
         else:
             trigger = {"kind": "at", "at": [now + dt.timedelta(seconds=rng.randrange(10**7))]}
-        docs.append({"_id": f"sched-{i:07d}", "name": f"schedule {i}", "trigger": trigger,
-                     "jitter": float(rng.choice((0, 0, 5, 30))), "paused": False,
-                     "catchup": "latest", "catchup_window": 3600.0,
-                     "target": f"jobs.{rng.choice(('a', 'b', 'c'))}",
-                     "payload": {"job": i, "args": ["x" * 20]}, "labels": {"tier": "std"},
-                     "created_at": now, "updated_at": now, "revision": 1})
+        docs.append(
+            {
+                "_id": f"sched-{i:07d}",
+                "name": f"schedule {i}",
+                "trigger": trigger,
+                "jitter": float(rng.choice((0, 0, 5, 30))),
+                "paused": False,
+                "catchup": "latest",
+                "catchup_window": 3600.0,
+                "target": f"jobs.{rng.choice(('a', 'b', 'c'))}",
+                "payload": {"job": i, "args": ["x" * 20]},
+                "labels": {"tier": "std"},
+                "created_at": now,
+                "updated_at": now,
+                "revision": 1,
+            }
+        )
     return docs
 
 
@@ -164,8 +183,13 @@ def bson_bytes(n: int) -> float:
 
 
 def run_json(code: str, *args: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                         check=True, timeout=1200)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1200,
+    )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -176,7 +200,7 @@ async def load(uri: str, n: int) -> None:
     await coll.drop()
     docs = schedule_documents(n)
     for i in range(0, n, 1000):
-        await coll.insert_many(docs[i:i + 1000])
+        await coll.insert_many(docs[i : i + 1000])
     await client.close()
 
 
@@ -196,8 +220,12 @@ async def propagation(mongo_uri: str, creates: int) -> tuple[list[float], list[f
                 else:
                     raise RuntimeError(f"replica {name} never became ready")
             for i in range(creates):
-                body = {"id": f"p{i}", "name": "p", "target": "t",
-                        "trigger": {"kind": "cron", "cron": "0 0 * * *"}}
+                body = {
+                    "id": f"p{i}",
+                    "name": "p",
+                    "target": "t",
+                    "trigger": {"kind": "cron", "cron": "0 0 * * *"},
+                }
                 sent_at = time.time()
                 async with http.post(replicas["a"].uri + "/schedules", json=body) as r:
                     assert r.status == 201, await r.text()
@@ -223,8 +251,12 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--creates", type=int, default=300)
-    parser.add_argument("--million", type=int, default=1_000_000,
-                        help="schedules loaded to ready against a raw drain (0: skip)")
+    parser.add_argument(
+        "--million",
+        type=int,
+        default=1_000_000,
+        help="schedules loaded to ready against a raw drain (0: skip)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     server = start_devmongo()
@@ -244,49 +276,65 @@ async def main() -> int:
             uri = with_database(server.uri, "mirror_big")
             await load(uri, args.million)
             # Alternated, the best of two each: the development server's own pace varies.
-            loads = [run_json(code, uri, *extra) for _ in range(2)
-                     for code, extra in ((MEASURE_MIRROR, ["0"]), (MEASURE_RAW_DRAIN, []))]
+            loads = [
+                run_json(code, uri, *extra)
+                for _ in range(2)
+                for code, extra in ((MEASURE_MIRROR, ["0"]), (MEASURE_RAW_DRAIN, []))
+            ]
             assert all(x["size"] == args.million for x in loads), loads
-            big = (min(x["seconds"] for x in loads[0::2]),
-                   min(x["seconds"] for x in loads[1::2]))
+            big = (min(x["seconds"] for x in loads[0::2]), min(x["seconds"] for x in loads[1::2]))
         latencies, raw = await propagation(server.uri, args.creates)
     finally:
         server.stop()
 
-    print(f"# schedules benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"# schedules benchmark, {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print(f"command: `python -m bench.schedules_bench {' '.join(sys.argv[1:])}`".rstrip())
     print()
-    print("| schedules | mirror: load to ready | mirror: bytes/schedule | "
-          "APScheduler add_job (baseline) | APScheduler bytes/job | memory ratio | "
-          "BSON bytes/schedule (bson.encode, baseline) | mirror / BSON |")
+    print(
+        "| schedules | mirror: load to ready | mirror: bytes/schedule | "
+        "APScheduler add_job (baseline) | APScheduler bytes/job | memory ratio | "
+        "BSON bytes/schedule (bson.encode, baseline) | mirror / BSON |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for n, timed, traced, base_timed, base_traced, encoded in rows:
         per, base_per = traced["bytes"] / n, base_traced["bytes"] / n
-        print(f"| {n:,} | {timed['seconds']:.2f} s | {per:,.0f} | "
-              f"{base_timed['seconds']:.2f} s ({n / base_timed['seconds']:,.0f}/s) | "
-              f"{base_per:,.0f} | {per / base_per:.2f}x | {encoded:,.0f} | "
-              f"{per / encoded:.2f}x |")
+        print(
+            f"| {n:,} | {timed['seconds']:.2f} s | {per:,.0f} | "
+            f"{base_timed['seconds']:.2f} s ({n / base_timed['seconds']:,.0f}/s) | "
+            f"{base_per:,.0f} | {per / base_per:.2f}x | {encoded:,.0f} | "
+            f"{per / encoded:.2f}x |"
+        )
         ok = ok and per <= encoded and (n < 100_000 or timed["seconds"] <= 5.0)
     print()
     if big is not None:
         mirror_s, raw_s = big
-        print(f"{args.million:,} schedules, load to ready: mirror {mirror_s:.2f} s; raw "
-              f"find() drain of the same projection in a fresh process (baseline) "
-              f"{raw_s:.2f} s; ratio {mirror_s / raw_s:.2f}x (target <= 1.5x)\n")
+        print(
+            f"{args.million:,} schedules, load to ready: mirror {mirror_s:.2f} s; raw "
+            f"find() drain of the same projection in a fresh process (baseline) "
+            f"{raw_s:.2f} s; ratio {mirror_s / raw_s:.2f}x (target <= 1.5x)\n"
+        )
         ok = ok and mirror_s <= 1.5 * raw_s
-    print("propagation, POST sent to A -> applied in B's and C's mirrors "
-          f"({len(latencies)} samples): "
-          f"p50 {pct(latencies, 0.5) * 1000:.1f} ms, p99 {pct(latencies, 0.99) * 1000:.1f} ms, "
-          f"max {max(latencies) * 1000:.1f} ms")
-    print(f"baseline, raw insert -> raw watcher in another process ({len(raw)} samples): "
-          f"p50 {pct(raw, 0.5) * 1000:.1f} ms, p99 {pct(raw, 0.99) * 1000:.1f} ms; "
-          f"ratio p50 {pct(latencies, 0.5) / pct(raw, 0.5):.2f}x, "
-          f"p99 {pct(latencies, 0.99) / pct(raw, 0.99):.2f}x")
+    print(
+        "propagation, POST sent to A -> applied in B's and C's mirrors "
+        f"({len(latencies)} samples): "
+        f"p50 {pct(latencies, 0.5) * 1000:.1f} ms, p99 {pct(latencies, 0.99) * 1000:.1f} ms, "
+        f"max {max(latencies) * 1000:.1f} ms"
+    )
+    print(
+        f"baseline, raw insert -> raw watcher in another process ({len(raw)} samples): "
+        f"p50 {pct(raw, 0.5) * 1000:.1f} ms, p99 {pct(raw, 0.99) * 1000:.1f} ms; "
+        f"ratio p50 {pct(latencies, 0.5) / pct(raw, 0.5):.2f}x, "
+        f"p99 {pct(latencies, 0.99) / pct(raw, 0.99):.2f}x"
+    )
     if not ok:
-        print("FAIL: a target was missed (mirror bytes/schedule <= the BSON size, 100k "
-              "ready in <= 5 s, the large load within 1.5x of the raw drain)")
+        print(
+            "FAIL: a target was missed (mirror bytes/schedule <= the BSON size, 100k "
+            "ready in <= 5 s, the large load within 1.5x of the raw drain)"
+        )
     return 0 if ok else 1
 
 

@@ -35,14 +35,18 @@ from tests.servers import start_devmongo, start_nats
 
 
 def traced_env(receiver: OtlpReceiver, sample: float) -> dict[str, str]:
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": str(sample)}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": str(sample),
+    }
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    print(f"# tracing benchmark: {platform.processor() or platform.machine()}, "
-          f"python {sys.version.split()[0]}, sampling {args.sample:.0%}")
+    print(
+        f"# tracing benchmark: {platform.processor() or platform.machine()}, "
+        f"python {sys.version.split()[0]}, sampling {args.sample:.0%}"
+    )
     receiver = await OtlpReceiver().start()
     mongo = start_devmongo()
     broker = start_nats()
@@ -50,11 +54,14 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         # ABBA order (on, off, off, on ...): a drift over the run (the development server
         # and the stream holding more) weighs on both modes alike.
-        order = [m for n in range(args.rounds) for m in (("on", "off") if n % 2 == 0
-                                                        else ("off", "on"))]
+        order = [
+            m for n in range(args.rounds) for m in (("on", "off") if n % 2 == 0 else ("off", "on"))
+        ]
         p99: dict[str, list[float]] = {"off": [], "on": []}
-        print(f"\nlateness, {args.schedules:,} schedules every second for {args.seconds:g} s"
-              " (publish acknowledged minus due time), one cluster per row")
+        print(
+            f"\nlateness, {args.schedules:,} schedules every second for {args.seconds:g} s"
+            " (publish acknowledged minus due time), one cluster per row"
+        )
         print("| round | tracing | fires | p50 | p99 | max |")
         print("|---|---|---|---|---|---|")
         for n, mode in enumerate(order):
@@ -63,40 +70,61 @@ async def main_async(args: argparse.Namespace) -> int:
             # runs slower than the one before, whatever its mode (docs/BENCHMARKS.md).
             round_mongo, round_broker = start_devmongo(), start_nats()
             try:
-                values = await lateness(round_mongo, round_broker, args.schedules, 1,
-                                        args.seconds, env if mode == "on" else None,
-                                        f"tb_late_{mode}_{n}")
+                values = await lateness(
+                    round_mongo,
+                    round_broker,
+                    args.schedules,
+                    1,
+                    args.seconds,
+                    env if mode == "on" else None,
+                    f"tb_late_{mode}_{n}",
+                )
             finally:
                 round_broker.stop()
                 round_mongo.stop()
-            p99[mode].append(pct(values, .99))
-            print(f"| {n + 1} | {mode} | {len(values):,} | {ms(values, .5)} | "
-                  f"{ms(values, .99)} | {ms(values, 1.0)} |", flush=True)
+            p99[mode].append(pct(values, 0.99))
+            print(
+                f"| {n + 1} | {mode} | {len(values):,} | {ms(values, 0.5)} | "
+                f"{ms(values, 0.99)} | {ms(values, 1.0)} |",
+                flush=True,
+            )
         spans_firing = len(receiver.spans)
         # The median round of each mode: a round's p99 moves by tens of milliseconds from
         # one cluster to the next on a shared machine, as much as tracing's effect.
         median = {mode: statistics.median(v) for mode, v in p99.items()}
-        print(f"median p99: off {median['off'] * 1000:.0f} ms, on "
-              f"{median['on'] * 1000:.0f} ms; on / off "
-              f"{median['on'] / median['off']:.2f}x (target <= 1.1x); spans exported: "
-              f"{spans_firing:,}")
+        print(
+            f"median p99: off {median['off'] * 1000:.0f} ms, on "
+            f"{median['on'] * 1000:.0f} ms; on / off "
+            f"{median['on'] / median['off']:.2f}x (target <= 1.1x); spans exported: "
+            f"{spans_firing:,}"
+        )
 
         last = await fill_stream(broker.uri, args.fires, round(1 / args.sample))
         best: dict[str, float] = {}
         for n in range(args.rounds):
             for mode in ("off", "on"):
                 seconds, _, _ = await our_worker(
-                    broker.uri, mongo, f"tb_worker_{mode}_{n}", args.concurrency, last,
-                    env if mode == "on" else None, durable=f"tb-{mode}-{n}")
+                    broker.uri,
+                    mongo,
+                    f"tb_worker_{mode}_{n}",
+                    args.concurrency,
+                    last,
+                    env if mode == "on" else None,
+                    durable=f"tb-{mode}-{n}",
+                )
                 best[mode] = min(best.get(mode, seconds), seconds)
-        print(f"\nworker, {args.fires:,} fires at concurrency {args.concurrency} "
-              f"(best of {args.rounds})")
+        print(
+            f"\nworker, {args.fires:,} fires at concurrency {args.concurrency} "
+            f"(best of {args.rounds})"
+        )
         print("| tracing | seconds | runs/s |")
         print("|---|---|---|")
         for mode, seconds in best.items():
             print(f"| {mode} | {seconds:.2f} | {args.fires / seconds:,.0f} |")
-        print(f"on / off: {best['on'] / best['off']:.2f}x (target <= 1.15x); spans "
-              f"exported by the worker: {len(receiver.spans) - spans_firing:,}")
+        print(
+            f"on / off: {best['on'] / best['off']:.2f}x (target <= 1.15x); spans "
+            f"exported by the worker: {len(receiver.spans) - spans_firing:,}"
+        )
     finally:
         broker.stop()
         mongo.stop()

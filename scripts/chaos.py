@@ -15,8 +15,9 @@ VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 if __name__ == "__main__":
     if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
-        subprocess.run(["bash", "-c", "source scripts/_venv.sh && ensure_venv"], cwd=ROOT,
-                       check=True)
+        subprocess.run(
+            ["bash", "-c", "source scripts/_venv.sh && ensure_venv"], cwd=ROOT, check=True
+        )
         os.execv(VENV_PYTHON, [str(VENV_PYTHON), __file__, *sys.argv[1:]])
     sys.path.insert(0, str(ROOT))
     from bench.chaos import main

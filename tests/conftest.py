@@ -59,15 +59,21 @@ TRAVEL_ENV = "HASCHEDULER_TEST_TRAVEL"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "devmongo_only: needs a development server started with special options")
+        "markers", "devmongo_only: needs a development server started with special options"
+    )
     config.addinivalue_line(
-        "markers", "stops_broker: stops its broker, so it needs a RabbitMQ node of its own")
+        "markers", "stops_broker: stops its broker, so it needs a RabbitMQ node of its own"
+    )
     config.addinivalue_line(
-        "markers", "alone: asserts how long something takes, or benchmarks; scripts/test runs "
-                   "these after the others, on an otherwise idle machine")
+        "markers",
+        "alone: asserts how long something takes, or benchmarks; scripts/test runs "
+        "these after the others, on an otherwise idle machine",
+    )
     config.addinivalue_line(
-        "markers", "long(seconds): takes about that long here; started first, one to each "
-                   "parallel process in turn (see long_tests_first)")
+        "markers",
+        "long(seconds): takes about that long here; started first, one to each "
+        "parallel process in turn (see long_tests_first)",
+    )
     destination = os.environ.get(TRAVEL_ENV)
     if destination:
         time_machine.travel(dt.datetime.fromisoformat(destination), tick=True).start()
@@ -92,12 +98,14 @@ def long_tests_first(items: list[pytest.Item], workers: int) -> None:
     left. Left in collection order, the longest tests came last and the run ended with
     one or two processes still busy. Each worker's process orders its own collection,
     identically."""
+
     def seconds(item: pytest.Item) -> float:
         mark = item.get_closest_marker("long")
         return float(mark.args[0]) if mark is not None and mark.args else 0.0
 
-    long = sorted((i for i in items if i.get_closest_marker("long") is not None),
-                  key=seconds, reverse=True)
+    long = sorted(
+        (i for i in items if i.get_closest_marker("long") is not None), key=seconds, reverse=True
+    )
     if not long:
         return
     rest = (i for i in items if i.get_closest_marker("long") is None)
@@ -216,9 +224,15 @@ class ApiReplica:
         self.process = self.start()
 
     def start(self) -> ServerProcess:
-        return start_replica(self.mongo_uri, f"client-{self.port}", *self.args,
-                             env={"HASCHEDULER_WRITE_TOKENS": API_WRITE_TOKEN,
-                                  "HASCHEDULER_READ_TOKENS": API_READ_TOKEN})
+        return start_replica(
+            self.mongo_uri,
+            f"client-{self.port}",
+            *self.args,
+            env={
+                "HASCHEDULER_WRITE_TOKENS": API_WRITE_TOKEN,
+                "HASCHEDULER_READ_TOKENS": API_READ_TOKEN,
+            },
+        )
 
     @property
     def url(self) -> str:

@@ -24,13 +24,19 @@ def at(minutes: float) -> dt.datetime:
 
 
 @contextlib.asynccontextmanager
-async def changes_applied(entries: dict[str, Entry], watermark: dt.datetime | None
-                          ) -> AsyncIterator[tuple[Dispatcher, Term]]:
+async def changes_applied(
+    entries: dict[str, Entry], watermark: dt.datetime | None
+) -> AsyncIterator[tuple[Dispatcher, Term]]:
     """A dispatcher over ``entries`` leading a term whose loop has got to ``watermark``
     (no database, no broker: for what a change queues)."""
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+    )  # type: ignore[arg-type]
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
         if watermark is not None:
@@ -75,8 +81,7 @@ class NotedPublisher:
     def discard(self, claims: list[Claim]) -> None:
         self._note("discard", claims)
 
-    async def admit(self, claims: list[Claim], term: Fenced
-                    ) -> tuple[list[Claim], list[Claim]]:
+    async def admit(self, claims: list[Claim], term: Fenced) -> tuple[list[Claim], list[Claim]]:
         self._note("admit", claims)
         return claims, []
 
@@ -90,19 +95,25 @@ class NotedPublisher:
         self._note("publish", claims)
         self.published.append(([c.fire_id for c in claims], False, False))
 
-    async def publish_admitted(self, claims: list[Claim], term: Fenced,
-                               unchanged: bool) -> None:
+    async def publish_admitted(self, claims: list[Claim], term: Fenced, unchanged: bool) -> None:
         self._note("publish", claims)
         self.published.append(([c.fire_id for c in claims], True, unchanged))
 
 
-def publishing_dispatcher(entries: dict[str, Entry], publisher: NotedPublisher,
-                          ledger: Any = None) -> tuple[Dispatcher, Any]:
+def publishing_dispatcher(
+    entries: dict[str, Entry], publisher: NotedPublisher, ledger: Any = None
+) -> tuple[Dispatcher, Any]:
     """A dispatcher over ``entries`` publishing through ``publisher``, and its lease."""
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=10.0))
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, ledger, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
+    lease = SimpleNamespace(
+        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=10.0)
+    )
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        ledger,
+        None,  # type: ignore[arg-type]
+        lease,
+    )  # type: ignore[arg-type]
     dispatcher.publisher = dispatcher.firing.publisher = publisher  # type: ignore[assignment]
     return dispatcher, lease
 
@@ -113,8 +124,7 @@ class AckingBroker:
     def __init__(self, sent: list[str]) -> None:
         self.sent = sent
 
-    async def publish(self, messages: list[Any], timeout_s: float
-                      ) -> list[BaseException | None]:
+    async def publish(self, messages: list[Any], timeout_s: float) -> list[BaseException | None]:
         self.sent.extend(m.fire_id for m in messages)
         return [None] * len(messages)
 
@@ -122,27 +132,31 @@ class AckingBroker:
 class OneSchedule:
     """The stored schedules: "s" alone."""
 
-    async def find(self, query: dict[str, Any], projection: Any = None
-                   ) -> AsyncIterator[dict[str, Any]]:
+    async def find(
+        self, query: dict[str, Any], projection: Any = None
+    ) -> AsyncIterator[dict[str, Any]]:
         yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
 
 
-
-
 @contextlib.asynccontextmanager
-async def leading(db: Any, fires: Any, entries: dict[str, Entry], broker: Any,
-                  fired_through: dt.datetime) -> AsyncIterator[Dispatcher]:
+async def leading(
+    db: Any, fires: Any, entries: dict[str, Entry], broker: Any, fired_through: dt.datetime
+) -> AsyncIterator[Dispatcher]:
     """A dispatcher leading term 2 over ``entries`` (stored as schedules), its predecessor's
     watermark ``fired_through``; stopped on the way out."""
     from hascheduler.storage.lease import LeaseView
 
     await fires.ensure_indexes(3600)
-    await db.schedules.insert_many([{"_id": sid, "name": sid, "target": "t.x", "payload": {},
-                                     "revision": 1} for sid in entries])
-    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=1.0))
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires,
-                            broker, lease)
+    await db.schedules.insert_many(
+        [
+            {"_id": sid, "name": sid, "target": "t.x", "payload": {}, "revision": 1}
+            for sid in entries
+        ]
+    )
+    lease = SimpleNamespace(
+        valid=True, term=2, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=1.0)
+    )
+    dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires, broker, lease)
     now = dt.datetime.now(dt.UTC)
     view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=fired_through)
     lead = asyncio.create_task(dispatcher.lead(view))

@@ -14,8 +14,9 @@ class Driver:
     def client(self, uri: str, **options: Any) -> Any:
         raise NotImplementedError
 
-    async def watch(self, target: Any, pipeline: list[dict[str, Any]] | None = None,
-                    **options: Any) -> Any:
+    async def watch(
+        self, target: Any, pipeline: list[dict[str, Any]] | None = None, **options: Any
+    ) -> Any:
         raise NotImplementedError
 
     async def aggregate(self, coll: Any, pipeline: list[dict[str, Any]]) -> list[Any]:
@@ -44,8 +45,9 @@ class PyMongoAsync(Driver):
         options.setdefault("serverSelectionTimeoutMS", 10_000)
         return AsyncMongoClient(uri, **options)
 
-    async def watch(self, target: Any, pipeline: list[dict[str, Any]] | None = None,
-                    **options: Any) -> Any:
+    async def watch(
+        self, target: Any, pipeline: list[dict[str, Any]] | None = None, **options: Any
+    ) -> Any:
         return await target.watch(pipeline, **options)
 
     async def aggregate(self, coll: Any, pipeline: list[dict[str, Any]]) -> list[Any]:
@@ -75,8 +77,9 @@ class Motor(Driver):
         options.setdefault("serverSelectionTimeoutMS", 10_000)
         return AsyncIOMotorClient(uri, **options)
 
-    async def watch(self, target: Any, pipeline: list[dict[str, Any]] | None = None,
-                    **options: Any) -> Any:
+    async def watch(
+        self, target: Any, pipeline: list[dict[str, Any]] | None = None, **options: Any
+    ) -> Any:
         stream = target.watch(pipeline, **options)
         # Motor opens the cursor lazily; open it now so the start point is fixed here,
         # as PyMongo's awaitable watch() does.

@@ -63,8 +63,13 @@ class ServerProcess:
                 self.process.stdout.close()
 
 
-def started(process: subprocess.Popen[Any], up: Callable[[], bool], within_s: float,
-            what: str, interval_s: float) -> bool:
+def started(
+    process: subprocess.Popen[Any],
+    up: Callable[[], bool],
+    within_s: float,
+    what: str,
+    interval_s: float,
+) -> bool:
     """Whether ``process`` is up (``up`` answers) before it exits or ``within_s`` passes."""
     with contextlib.suppress(AssertionError):
         wait_until_sync(lambda: process.poll() is not None or up(), within_s, what, interval_s)
@@ -92,8 +97,7 @@ def stop_process(process: subprocess.Popen[Any], within_s: float = 5.0) -> None:
     tasks = Path(f"/proc/{process.pid}/task")
 
     def all_stopped() -> bool:
-        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                  for t in tasks.iterdir()]
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
         return all(state in ("T", "t") for state in states)
 
     wait_until_sync(all_stopped, within_s, f"process {process.pid} stopped", 0.005)
@@ -102,8 +106,11 @@ def stop_process(process: subprocess.Popen[Any], within_s: float = 5.0) -> None:
 def log_lines(process: ServerProcess) -> list[dict[str, object]]:
     """The structured lines (one JSON event each) a process we started has logged."""
     assert process.log_path is not None
-    return [json.loads(line) for line in Path(process.log_path).read_text(
-        errors="replace").splitlines() if line.startswith("{")]
+    return [
+        json.loads(line)
+        for line in Path(process.log_path).read_text(errors="replace").splitlines()
+        if line.startswith("{")
+    ]
 
 
 def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
@@ -114,31 +121,60 @@ def start_devmongo(*args: str, startup_s: float = 20.0) -> ServerProcess:
 def devmongo_compiled(server: ServerProcess) -> bool:
     """Whether a started ``hascheduler devmongo`` runs its compiled build (its log says)."""
     assert server.log_path is not None
-    return [json.loads(line)["compiled"] for line in Path(server.log_path).read_text(
-        ).splitlines() if '"devmongo_listening"' in line] == [True]
+    return [
+        json.loads(line)["compiled"]
+        for line in Path(server.log_path).read_text().splitlines()
+        if '"devmongo_listening"' in line
+    ] == [True]
 
 
-def start_replica(mongodb_uri: str, replica_id: str, *args: str,
-                  startup_s: float = 30.0, env: dict[str, str] | None = None) -> ServerProcess:
+def start_replica(
+    mongodb_uri: str,
+    replica_id: str,
+    *args: str,
+    startup_s: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
     """Start ``hascheduler serve`` on a free port; ``uri`` is its API's base URL (http://
     or https://)."""
-    return start_cli(["serve", "--mongodb-uri", mongodb_uri, "--http-port", "0",
-                      "--replica-id", replica_id, *args], "http", startup_s, env)
+    return start_cli(
+        [
+            "serve",
+            "--mongodb-uri",
+            mongodb_uri,
+            "--http-port",
+            "0",
+            "--replica-id",
+            replica_id,
+            *args,
+        ],
+        "http",
+        startup_s,
+        env,
+    )
 
 
-def start_cli(args: list[str], announces: str, startup_s: float,
-              env: dict[str, str] | None = None, prefix: list[str] | None = None
-              ) -> ServerProcess:
+def start_cli(
+    args: list[str],
+    announces: str,
+    startup_s: float,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
+) -> ServerProcess:
     """Run ``hascheduler ARGS`` (``env`` added to ours; behind ``prefix``, such as a
     network namespace's ``ip netns exec``) until it prints the line starting with
     ``announces``."""
     # stderr goes to a file: a pipe nobody reads would block the process once full.
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
-        prefix="hascheduler-", suffix=".log", delete=False)
+        prefix="hascheduler-", suffix=".log", delete=False
+    )
     process = subprocess.Popen(
-        [*(prefix or []), sys.executable, "-m", "hascheduler.cli", "--log-level", "info",
-         *args],
-        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
+        [*(prefix or []), sys.executable, "-m", "hascheduler.cli", "--log-level", "info", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     log.close()
     assert process.stdout is not None
     deadline = time.monotonic() + startup_s
@@ -180,19 +216,26 @@ def nats_server_binary() -> str:
     return found()
 
 
-def start_nats(port: int | None = None, store_dir: str | None = None,
-               startup_s: float = 20.0, extra: tuple[str, ...] = ()) -> ServerProcess:
+def start_nats(
+    port: int | None = None,
+    store_dir: str | None = None,
+    startup_s: float = 20.0,
+    extra: tuple[str, ...] = (),
+) -> ServerProcess:
     """A real nats-server with JetStream (file storage), on ``port`` (default: a free one);
     ``extra`` arguments go to nats-server (TLS options, say)."""
     import socket
+
     port = port or free_port()
     store_dir = store_dir or tempfile.mkdtemp(prefix="nats-js-")
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
-        prefix="nats-", suffix=".log", delete=False)
+        prefix="nats-", suffix=".log", delete=False
+    )
     process = subprocess.Popen(
-        [nats_server_binary(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", str(port),
-         *extra],
-        stdout=log, stderr=log)
+        [nats_server_binary(), "-js", "-sd", store_dir, "-a", "127.0.0.1", "-p", str(port), *extra],
+        stdout=log,
+        stderr=log,
+    )
     log.close()
 
     def listening() -> bool:
@@ -216,8 +259,11 @@ class DevCluster:
         self.state_dir = state_dir
         self.process = subprocess.Popen(
             [sys.executable, "-m", "hascheduler.cli", "dev", "--state-dir", state_dir, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, **(env or {})})
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.replicas: dict[str, str] = {}
         assert self.process.stdout is not None
         try:
@@ -256,8 +302,11 @@ class NatsCluster:
         """The name of the node leading ``stream`` now (asked of the live nodes)."""
         from hascheduler.brokers.nats.reader import stream_leader
 
-        live = [n.uri.split("://", 1)[1] for n in self.nodes.values()
-                if n.process is not None and n.process.poll() is None]
+        live = [
+            n.uri.split("://", 1)[1]
+            for n in self.nodes.values()
+            if n.process is not None and n.process.poll() is None
+        ]
         leader, _ = await stream_leader("nats://" + ",".join(live), stream)
         assert leader, f"no leader for {stream}"
         return leader
@@ -282,10 +331,18 @@ def start_nats_cluster(size: int = 3, startup_s: float = 60.0) -> NatsCluster:
         # Listening is not yet clustered: until the routes are up and the meta group has
         # elected its leader, JetStream's API answers no one, and a stream asked for then
         # is made with fewer replicas or not at all.
-        if not started(nodes["n1"].process, lambda: all(map(jetstream_answers, nodes.values())),
-                       startup_s, "the JetStream cluster to elect its meta leader", 0.2):
-            logs = {name: Path(n.log_path).read_text()[-2000:] for name, n in nodes.items()
-                    if n.log_path is not None}
+        if not started(
+            nodes["n1"].process,
+            lambda: all(map(jetstream_answers, nodes.values())),
+            startup_s,
+            "the JetStream cluster to elect its meta leader",
+            0.2,
+        ):
+            logs = {
+                name: Path(n.log_path).read_text()[-2000:]
+                for name, n in nodes.items()
+                if n.log_path is not None
+            }
             raise RuntimeError(f"the JetStream cluster did not form: {logs}")
     except BaseException:
         for node in nodes.values():
@@ -330,8 +387,9 @@ class RabbitServer:
     def __init__(self) -> None:
         from hascheduler_dev.devcluster.rabbitmq import RabbitNode
 
-        self.node = RabbitNode(Path(tempfile.mkdtemp(prefix="rabbitmq-")), free_port(),
-                               free_port(), free_port())
+        self.node = RabbitNode(
+            Path(tempfile.mkdtemp(prefix="rabbitmq-")), free_port(), free_port(), free_port()
+        )
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -345,13 +403,19 @@ class RabbitServer:
 
         with open(self.node.directory / "server.log", "ab") as log:
             self.process = subprocess.Popen(
-                [rabbitmq_server_binary()], env=self.node.environment(), stdout=log,
-                stderr=log, start_new_session=True)
+                [rabbitmq_server_binary()],
+                env=self.node.environment(),
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         if started(self.process, self._answers, startup_s, "rabbitmq-server to answer", 0.2):
             return self
         self.stop()
-        raise RuntimeError("rabbitmq-server did not start: "
-                           + (self.node.directory / "server.log").read_text()[-3000:])
+        raise RuntimeError(
+            "rabbitmq-server did not start: "
+            + (self.node.directory / "server.log").read_text()[-3000:]
+        )
 
     def _answers(self) -> bool:
         """An AMQP 0-9-1 handshake: the server answers our protocol header with a method
@@ -381,18 +445,38 @@ class CeleryWorker:
     """``celery -A tests.helpers.celery_app worker`` (prefork) on ``queues``, each run
     recorded as a JSON line in ``record``."""
 
-    def __init__(self, broker_url: str, queues: list[str], record: Path,
-                 processes: int = 2) -> None:
+    def __init__(
+        self, broker_url: str, queues: list[str], record: Path, processes: int = 2
+    ) -> None:
         self.broker_url = broker_url
         self.queues = queues
         self.record = record
         self.log = record.with_suffix(".log").open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.helpers.celery_app", "worker",
-             "-Q", ",".join(queues), "-c", str(processes), "-P", "prefork",
-             "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.helpers.celery_app",
+                "worker",
+                "-Q",
+                ",".join(queues),
+                "-c",
+                str(processes),
+                "-P",
+                "prefork",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "warning",
+            ],
             env={**os.environ, "CELERY_BROKER_URL": broker_url, "RECORD_PATH": str(record)},
-            stdout=self.log, stderr=self.log, start_new_session=True)
+            stdout=self.log,
+            stderr=self.log,
+            start_new_session=True,
+        )
 
     async def consuming(self, within_s: float) -> None:
         """Until the worker has declared every queue (as Celery does) and consumes it."""
@@ -412,8 +496,9 @@ class CeleryWorker:
                 await connection.close()
 
         for queue in self.queues:
-            await wait_until(lambda q=queue: declared(q), within_s,
-                             f"the Celery worker consuming {queue}")
+            await wait_until(
+                lambda q=queue: declared(q), within_s, f"the Celery worker consuming {queue}"
+            )
 
     def runs(self) -> list[dict[str, Any]]:
         if not self.record.exists():
@@ -423,4 +508,3 @@ class CeleryWorker:
     def stop(self) -> None:
         stop_group(self.process, 20)
         self.log.close()
-

@@ -35,25 +35,36 @@ class Cluster:
 
 
 def _schedule(schedule_id: str, namespace: str = HOME) -> dict[str, Any]:
-    return {"id": schedule_id, "name": schedule_id, "target": "matrix.job",
-            "namespace": namespace,
-            "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"}}
+    return {
+        "id": schedule_id,
+        "name": schedule_id,
+        "target": "matrix.job",
+        "namespace": namespace,
+        "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"},
+    }
 
 
 @pytest.fixture(scope="module")
 def cluster(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tokens = {(action, ns): create_token(f"{action.value}-{ns}", frozenset({action}),
-                                         frozenset({ns}))
-              for action in ACTIONS for ns in (HOME, OTHER)}
+    tokens = {
+        (action, ns): create_token(f"{action.value}-{ns}", frozenset({action}), frozenset({ns}))
+        for action in ACTIONS
+        for ns in (HOME, OTHER)
+    }
     path = tmp_path_factory.mktemp("matrix") / "access.yaml"
     path.write_text("tokens:\n" + "".join(entry_line(t.entry) + "\n" for t in tokens.values()))
     db_name = f"matrix_{uuid.uuid4().hex[:8]}"
-    replica = start_replica(with_database(mongo_uri, db_name), "matrix", "--write-rate", "0",
-                            "--access-file", str(path),
-                            env={"HASCHEDULER_WRITE_TOKENS": ADMIN_TOKEN})
+    replica = start_replica(
+        with_database(mongo_uri, db_name),
+        "matrix",
+        "--write-rate",
+        "0",
+        "--access-file",
+        str(path),
+        env={"HASCHEDULER_WRITE_TOKENS": ADMIN_TOKEN},
+    )
     try:
-        yield Cluster(replica.uri, {k: t.secret for k, t in tokens.items()},
-                      _resources(replica))
+        yield Cluster(replica.uri, {k: t.secret for k, t in tokens.items()}, _resources(replica))
     finally:
         replica.stop(signal.SIGKILL)
         with MongoClient(mongo_uri) as client:
@@ -62,20 +73,27 @@ def cluster(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def _resources(replica: ServerProcess) -> dict[str, str]:
     """A schedule in HOME, one of its fires and one of its backfills."""
-    with httpx.Client(base_url=replica.uri, headers={
-            "Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+    with httpx.Client(
+        base_url=replica.uri, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ) as http:
         assert http.post("/schedules", json=_schedule("home")).status_code == 201
         assert http.post("/schedules", json=_schedule("home-gone")).status_code == 201
         wait_until_sync(lambda: http.get("/readyz").status_code == 200, 30, "the replica ready")
         fire = http.post("/schedules/home/trigger", json={}).json()["fire_id"]
         end = dt.datetime.now(dt.UTC).replace(microsecond=0)
-        backfill = http.post("/schedules/home/backfill", json={
-            "start": (end - dt.timedelta(days=2)).isoformat(), "end": end.isoformat()})
+        backfill = http.post(
+            "/schedules/home/backfill",
+            json={"start": (end - dt.timedelta(days=2)).isoformat(), "end": end.isoformat()},
+        )
         assert backfill.status_code == 202, backfill.text
         hook = http.post("/webhooks", json=_webhook())
         assert hook.status_code == 201, hook.text
-    return {guards.SCHEDULE: "home", guards.FIRE: fire, guards.BACKFILL: backfill.json()["id"],
-            guards.WEBHOOK: hook.json()["id"]}
+    return {
+        guards.SCHEDULE: "home",
+        guards.FIRE: fire,
+        guards.BACKFILL: backfill.json()["id"],
+        guards.WEBHOOK: hook.json()["id"],
+    }
 
 
 def _webhook() -> dict[str, Any]:
@@ -111,8 +129,10 @@ def _guarded() -> list[Route]:
     unguarded = [r.path for r in ROUTES if r.guard.action is None and r.path not in OPEN_PATHS]
     assert not unguarded, f"routes without an action: {unguarded}"
     # Deleting last (the schedule last of all): what the others touch must still be there.
-    return sorted((r for r in ROUTES if r.guard.action is not None),
-                  key=lambda r: (r.method == "DELETE", r.path == "/schedules/{id}"))
+    return sorted(
+        (r for r in ROUTES if r.guard.action is not None),
+        key=lambda r: (r.method == "DELETE", r.path == "/schedules/{id}"),
+    )
 
 
 def _allowed(route: Route, action: Action) -> bool:
@@ -125,11 +145,14 @@ def test_every_route_refuses_every_other_action_and_namespace(cluster: Cluster) 
         for route in _guarded():
             for action in ACTIONS:
                 for namespace in (HOME, OTHER):
-                    if _allowed(route, action) and (namespace == HOME or
-                                                    route.guard.scope == guards.CLUSTER_WIDE):
+                    if _allowed(route, action) and (
+                        namespace == HOME or route.guard.scope == guards.CLUSTER_WIDE
+                    ):
                         continue
-                    answer = http.request(**_request(route, cluster.ids), headers={
-                        "Authorization": f"Bearer {cluster.secrets[action, namespace]}"})
+                    answer = http.request(
+                        **_request(route, cluster.ids),
+                        headers={"Authorization": f"Bearer {cluster.secrets[action, namespace]}"},
+                    )
                     where = f"{route.method} {route.path} as {action.value} in {namespace}"
                     assert answer.status_code == 403, f"{where}: {answer.status_code}"
                     title = answer.json()["title"]
@@ -146,19 +169,23 @@ def test_every_route_lets_its_action_through_in_its_namespace(cluster: Cluster) 
         for route in _guarded():
             for action in dict.fromkeys((route.guard.action, Action.ADMIN)):
                 assert action is not None
-                answer = http.request(**_request(route, cluster.ids), headers={
-                    "Authorization": f"Bearer {cluster.secrets[action, HOME]}"})
+                answer = http.request(
+                    **_request(route, cluster.ids),
+                    headers={"Authorization": f"Bearer {cluster.secrets[action, HOME]}"},
+                )
                 assert answer.status_code not in (401, 403), (
                     f"{route.method} {route.path} as {action.value}: {answer.status_code} "
-                    f"{answer.text}")
+                    f"{answer.text}"
+                )
 
 
 def test_lists_show_only_the_namespaces_a_token_reaches(cluster: Cluster) -> None:
     with httpx.Client(base_url=cluster.url) as http:
         home = {"Authorization": f"Bearer {cluster.secrets[Action.READ, HOME]}"}
         other = {"Authorization": f"Bearer {cluster.secrets[Action.READ, OTHER]}"}
-        assert {s["namespace"] for s in http.get("/schedules", headers=home).json()["items"]
-                } == {HOME}
+        assert {s["namespace"] for s in http.get("/schedules", headers=home).json()["items"]} == {
+            HOME
+        }
         assert http.get("/schedules", headers=other).json()["items"] == []
         assert http.get("/audit", headers=other).json()["items"] == []
         assert http.get("/audit", headers=home).json()["items"]
@@ -169,11 +196,11 @@ def test_lists_show_only_the_namespaces_a_token_reaches(cluster: Cluster) -> Non
 
 
 def test_a_schedule_cannot_be_moved_into_a_namespace_the_token_does_not_reach(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     with httpx.Client(base_url=cluster.url) as http:
         home = {"Authorization": f"Bearer {cluster.secrets[Action.WRITE, HOME]}"}
-        assert http.post("/schedules", json=_schedule("movable"), headers=home
-                         ).status_code == 201
+        assert http.post("/schedules", json=_schedule("movable"), headers=home).status_code == 201
         moved = http.patch("/schedules/movable", json={"namespace": OTHER}, headers=home)
         assert moved.status_code == 403
         assert moved.json()["namespace"] == OTHER
@@ -185,8 +212,7 @@ def test_a_schedule_cannot_be_moved_into_a_namespace_the_token_does_not_reach(
 def test_runs_of_a_deleted_schedule_need_a_token_for_every_namespace(cluster: Cluster) -> None:
     with httpx.Client(base_url=cluster.url) as http:
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        fire = http.post("/schedules/home-gone/trigger", json={}, headers=admin).json()[
-            "fire_id"]
+        fire = http.post("/schedules/home-gone/trigger", json={}, headers=admin).json()["fire_id"]
         assert http.delete("/schedules/home-gone", headers=admin).status_code == 204
         home = {"Authorization": f"Bearer {cluster.secrets[Action.READ, HOME]}"}
         answer = http.get(f"/fires/{fire}", headers=home)
@@ -199,8 +225,9 @@ def test_the_route_table_is_what_the_server_serves() -> None:
     """Each route's action is in its OpenAPI operation too (x-action)."""
     from hascheduler.api.routes import _document
 
-    operations = {(m.upper(), p): op for p, item in _document()["paths"].items()
-                  for m, op in item.items()}
+    operations = {
+        (m.upper(), p): op for p, item in _document()["paths"].items() for m, op in item.items()
+    }
     for route in ROUTES:
         action = route.guard.action.value if route.guard.action else None
         assert operations[route.method, route.path]["x-action"] == action

@@ -28,8 +28,9 @@ MONITORING = ROOT / "k8s" / "monitoring"
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("promtool")
     assert binary, "promtool is missing: scripts/test installs Debian's prometheus"
-    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120,
-                          cwd=MONITORING)
+    return subprocess.run(
+        [binary, *args], capture_output=True, text=True, timeout=120, cwd=MONITORING
+    )
 
 
 def test_promtool_checks_the_rules() -> None:
@@ -56,8 +57,12 @@ def test_every_alert_is_tested_firing_and_not_firing() -> None:
 
 
 def test_the_operators_resource_is_the_rendering_of_the_rules() -> None:
-    checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "monitoring-rules"),
-                              "--check"], capture_output=True, text=True, timeout=60)
+    checked = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "monitoring-rules"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert checked.returncode == 0, checked.stderr
     rules = yaml.safe_load((MONITORING / "rules.yaml").read_text())
     resource = yaml.safe_load((MONITORING / "prometheusrule.yaml").read_text())
@@ -70,8 +75,9 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(MONITORING / "rules.yaml")],
-            "scrape_configs": [{"job_name": "hascheduler",
-                                "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [
+                {"job_name": "hascheduler", "static_configs": [{"targets": targets}]}
+            ],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         binary = shutil.which("prometheus")
@@ -79,10 +85,15 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         wait_until_sync(self.ready, 60, "prometheus to be ready", 0.2)
 
     def ready(self) -> bool:
@@ -99,8 +110,9 @@ class Prometheus:
 
     def firing(self, name: str) -> dict[str, Any] | None:
         alerts = httpx.get(f"{self.url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
-        return next((a for a in alerts if a["labels"]["alertname"] == name
-                     and a["state"] == "firing"), None)
+        return next(
+            (a for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"), None
+        )
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -115,9 +127,21 @@ class Prometheus:
 @pytest.fixture(name="replicas")
 def replicas_fixture(mongo_uri: str) -> Iterator[list[ServerProcess]]:
     uri = with_database(mongo_uri, f"t_{uuid.uuid4().hex[:12]}")
-    started = [start_replica(uri, f"r{i}", "--http-port", str(free_port()),
-                             "--lease-ttl", "2", "--renew-deadline", "1.4",
-                             "--renew-interval", "0.4") for i in range(5)]
+    started = [
+        start_replica(
+            uri,
+            f"r{i}",
+            "--http-port",
+            str(free_port()),
+            "--lease-ttl",
+            "2",
+            "--renew-deadline",
+            "1.4",
+            "--renew-interval",
+            "0.4",
+        )
+        for i in range(5)
+    ]
     yield started
     for replica in started:
         replica.stop()
@@ -126,8 +150,9 @@ def replicas_fixture(mongo_uri: str) -> Iterator[list[ServerProcess]]:
 # Alone: five replicas failing over four times and a Prometheus scraping them every second
 # load the machine enough to perturb the timed tests running beside them.
 @pytest.mark.alone
-def test_a_real_prometheus_sees_leadership_flapping(replicas: list[ServerProcess],
-                                                    tmp_path: Path) -> None:
+def test_a_real_prometheus_sees_leadership_flapping(
+    replicas: list[ServerProcess], tmp_path: Path
+) -> None:
     alive = {f"r{i}": r for i, r in enumerate(replicas)}  # by replica id
 
     def leader() -> tuple[str, int] | None:
@@ -143,22 +168,33 @@ def test_a_real_prometheus_sees_leadership_flapping(replicas: list[ServerProcess
     holder, term = wait_until_sync(leader, 30, "a first leader")
     prometheus = Prometheus([r.uri.removeprefix("http://") for r in replicas], tmp_path)
     try:
-        wait_until_sync(lambda: prometheus.query("hascheduler:term:max"), 30,
-                        "the term recorded by the rule")
+        wait_until_sync(
+            lambda: prometheus.query("hascheduler:term:max"), 30, "the term recorded by the rule"
+        )
         assert prometheus.firing("HaschedulerLeadershipFlapping") is None
         for _ in range(4):
             alive.pop(holder).stop(signal.SIGKILL)
             holder, term = wait_until_sync(
                 lambda t=term: (found := leader()) is not None and found[1] > t and found,
-                30, "the next leader")
-            wait_until_sync(lambda t=term: any(float(s["value"][1]) >= t for s in
-                                               prometheus.query("hascheduler:term:max")),
-                            30, f"term {term} scraped")
-        alert = wait_until_sync(lambda: prometheus.firing("HaschedulerLeadershipFlapping"),
-                                30, "the flapping alert to fire")
+                30,
+                "the next leader",
+            )
+            wait_until_sync(
+                lambda t=term: any(
+                    float(s["value"][1]) >= t for s in prometheus.query("hascheduler:term:max")
+                ),
+                30,
+                f"term {term} scraped",
+            )
+        alert = wait_until_sync(
+            lambda: prometheus.firing("HaschedulerLeadershipFlapping"),
+            30,
+            "the flapping alert to fire",
+        )
         assert alert["labels"]["severity"] == "page"
-        changes = re.fullmatch(r"the lease changed hands (\d+) times in 10 minutes",
-                               alert["annotations"]["summary"])
+        changes = re.fullmatch(
+            r"the lease changed hands (\d+) times in 10 minutes", alert["annotations"]["summary"]
+        )
         assert changes is not None
         assert int(changes[1]) >= 4
         assert prometheus.firing("HaschedulerNoLeader") is None  # each failover was quick

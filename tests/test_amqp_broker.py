@@ -40,25 +40,29 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.timeout(180)]
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("amqp://", "names no host"),
-    ("amqp://h:99999/", "port is not a port number"),
-    ("amqp://h/?exchange=", "exchange=''"),
-    ("amqp://h/?exchange=amq.topic", "not starting amq."),
-    ("amqp://h/?exchange=" + "x" * 256, "1 to 255 characters"),
-    ("amqp://h/?celery_queue=", "celery_queue=''"),
-    ("amqp://h/?heartbeat=soon", "heartbeat='soon'"),
-    ("amqp://h/?replicas=3", "unknown broker URL option(s) replicas"),
-    ("rabbit://h/", "unsupported broker URL"),
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("amqp://", "names no host"),
+        ("amqp://h:99999/", "port is not a port number"),
+        ("amqp://h/?exchange=", "exchange=''"),
+        ("amqp://h/?exchange=amq.topic", "not starting amq."),
+        ("amqp://h/?exchange=" + "x" * 256, "1 to 255 characters"),
+        ("amqp://h/?celery_queue=", "celery_queue=''"),
+        ("amqp://h/?heartbeat=soon", "heartbeat='soon'"),
+        ("amqp://h/?replicas=3", "unknown broker URL option(s) replicas"),
+        ("rabbit://h/", "unsupported broker URL"),
+    ],
+)
 def test_a_bad_amqp_url_is_refused_naming_the_part(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_broker_url(url)
 
 
 def test_an_amqp_url_keeps_its_vhost_and_options() -> None:
-    endpoint = AmqpEndpoint.parse("amqps://u:p%40ss@rabbit:5671/prod%2Fa?exchange=fires&"
-                                  "celery_queue=reports&heartbeat=30")
+    endpoint = AmqpEndpoint.parse(
+        "amqps://u:p%40ss@rabbit:5671/prod%2Fa?exchange=fires&celery_queue=reports&heartbeat=30"
+    )
     assert (endpoint.exchange, endpoint.celery_queue) == ("fires", "reports")
     assert endpoint.display == "rabbit:5671/prod/a"
     assert "p%40ss" in endpoint.url
@@ -67,20 +71,22 @@ def test_an_amqp_url_keeps_its_vhost_and_options() -> None:
     assert AmqpEndpoint.parse("amqp://h").display == "h:5672//"
 
 
-@pytest.mark.parametrize(("payload", "field"), [
-    ([1, 2], "payload:"),
-    ({"args": {"a": 1}}, "payload.args"),
-    ({"args": "one"}, "payload.args"),
-    ({"kwargs": [1]}, "payload.kwargs"),
-    ({"kwargs": {"not an identifier": 1}}, "payload.kwargs"),
-    ({"kwargs": {"1x": 1}}, "payload.kwargs"),
-    ({"queue": ""}, "payload.queue"),
-    ({"queue": 7}, "payload.queue"),
-    ({"queue": "q" * 256}, "payload.queue"),
-    ({"args": [], "priority": 9}, "payload.priority"),
-])
-def test_a_celery_payload_that_cannot_be_a_call_names_its_field(payload: Any,
-                                                                 field: str) -> None:
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ([1, 2], "payload:"),
+        ({"args": {"a": 1}}, "payload.args"),
+        ({"args": "one"}, "payload.args"),
+        ({"kwargs": [1]}, "payload.kwargs"),
+        ({"kwargs": {"not an identifier": 1}}, "payload.kwargs"),
+        ({"kwargs": {"1x": 1}}, "payload.kwargs"),
+        ({"queue": ""}, "payload.queue"),
+        ({"queue": 7}, "payload.queue"),
+        ({"queue": "q" * 256}, "payload.queue"),
+        ({"args": [], "priority": 9}, "payload.priority"),
+    ],
+)
+def test_a_celery_payload_that_cannot_be_a_call_names_its_field(payload: Any, field: str) -> None:
     with pytest.raises(CeleryPayloadError) as refused:
         celery_call(payload)
     assert str(refused.value).startswith(field)
@@ -106,14 +112,21 @@ async def test_the_api_refuses_a_celery_payload_naming_the_field(mongo_uri: str)
                 ("celery:", {}, "target"),
                 ("celery:celery:x", {}, "target"),
             ]:
-                body = {"name": "c", "target": target, "payload": payload,
-                        "trigger": {"kind": "interval", "every": 60}}
+                body = {
+                    "name": "c",
+                    "target": target,
+                    "payload": payload,
+                    "trigger": {"kind": "interval", "every": 60},
+                }
                 async with http.post(replica.uri + "/schedules", json=body) as r:
                     assert r.status == 422, (target, payload, await r.text())
                     assert field in await r.text(), (field, await r.text())
-            ok = {"name": "c", "target": "celery:proj.tasks.t", "payload": {
-                "args": [1], "kwargs": {"to": "x"}, "queue": "reports"},
-                "trigger": {"kind": "interval", "every": 60}}
+            ok = {
+                "name": "c",
+                "target": "celery:proj.tasks.t",
+                "payload": {"args": [1], "kwargs": {"to": "x"}, "queue": "reports"},
+                "trigger": {"kind": "interval", "every": 60},
+            }
             async with http.post(replica.uri + "/schedules", json=ok) as r:
                 assert r.status == 201, await r.text()
     finally:
@@ -141,7 +154,8 @@ async def _audit_queue(url: str, exchange: str) -> tuple[aio_pika.abc.AbstractQu
 
 @pytest.mark.long(19)
 async def test_rabbitmq_stopped_for_ten_seconds_delays_fires_and_loses_none(
-        own_rabbit: RabbitServer, mongo_uri: str) -> None:
+    own_rabbit: RabbitServer, mongo_uri: str
+) -> None:
     exchange = f"outage-{uuid.uuid4().hex[:6]}"
     url = f"{own_rabbit.url}?exchange={exchange}"
     queue, connection = await _audit_queue(own_rabbit.url, exchange)
@@ -158,32 +172,57 @@ async def test_rabbitmq_stopped_for_ten_seconds_delays_fires_and_loses_none(
     await unbound.close()
 
     db = f"outage_{uuid.uuid4().hex[:8]}"
-    replica = start_replica(with_database(mongo_uri, db), "r", "--broker", url,
-                            "--lease-ttl", "2", "--renew-deadline", "1.4",
-                            "--renew-interval", "0.4", "--min-fire-interval", "0.5")
+    replica = start_replica(
+        with_database(mongo_uri, db),
+        "r",
+        "--broker",
+        url,
+        "--lease-ttl",
+        "2",
+        "--renew-deadline",
+        "1.4",
+        "--renew-interval",
+        "0.4",
+        "--min-fire-interval",
+        "0.5",
+    )
     try:
         async with aiohttp.ClientSession() as http:
-            body = {"id": "tick", "name": "tick", "target": "outage.tick", "catchup": "all",
-                    "trigger": {"kind": "interval", "every": 0.5}}
+            body = {
+                "id": "tick",
+                "name": "tick",
+                "target": "outage.tick",
+                "catchup": "all",
+                "trigger": {"kind": "interval", "every": 0.5},
+            }
             async with http.post(replica.uri + "/schedules", json=body) as r:
                 assert r.status == 201, await r.text()
                 schedule = await r.json()
         start_at = dt.datetime.fromisoformat(schedule["trigger"]["start_at"])
-        await wait_until(lambda: queue_depth(own_rabbit.url, queue.name, 3), 20,
-                         "fires before the outage")
+        await wait_until(
+            lambda: queue_depth(own_rabbit.url, queue.name, 3), 20, "fires before the outage"
+        )
 
         own_rabbit.stop()
         stopped_at = dt.datetime.now(dt.UTC)
         down = await broker.publish([probe], 5.0)
         assert isinstance(down[0], BrokerUnavailable), down
-        await wait_until(lambda: dt.datetime.now(dt.UTC) > stopped_at + dt.timedelta(
-            seconds=10), 15, "ten seconds of outage", interval_s=0.5)
+        await wait_until(
+            lambda: dt.datetime.now(dt.UTC) > stopped_at + dt.timedelta(seconds=10),
+            15,
+            "ten seconds of outage",
+            interval_s=0.5,
+        )
         own_rabbit.start()
         restarted_at = dt.datetime.now(dt.UTC)
 
         end = restarted_at + dt.timedelta(seconds=2)
-        due = {fire_id("tick", n) for n in fire_times(
-            Interval(0.5, start_at), start_at + dt.timedelta(seconds=1), until=end)}
+        due = {
+            fire_id("tick", n)
+            for n in fire_times(
+                Interval(0.5, start_at), start_at + dt.timedelta(seconds=1), until=end
+            )
+        }
         assert len(due) >= 25
 
         async def delivered() -> Counter[str] | None:
@@ -230,35 +269,58 @@ async def queue_ids(url: str, name: str) -> Counter[str]:
         await connection.close()
 
 
-@pytest.mark.parametrize(("delay_s", "ttl_ms"), [
-    (0, 100), (0.05, 100), (0.1, 100), (0.11, 119), (0.4, 400), (1, 1132), (1.6, 1600),
-    (300, 344432), (1e9, 1638400)])
-def test_a_retry_waits_in_the_shortest_delay_queue_at_least_as_long(delay_s: float,
-                                                                    ttl_ms: int) -> None:
+@pytest.mark.parametrize(
+    ("delay_s", "ttl_ms"),
+    [
+        (0, 100),
+        (0.05, 100),
+        (0.1, 100),
+        (0.11, 119),
+        (0.4, 400),
+        (1, 1132),
+        (1.6, 1600),
+        (300, 344432),
+        (1e9, 1638400),
+    ],
+)
+def test_a_retry_waits_in_the_shortest_delay_queue_at_least_as_long(
+    delay_s: float, ttl_ms: int
+) -> None:
     assert delay_bucket_ms(delay_s) == ttl_ms
     assert ttl_ms >= min(delay_s * 1000, 1638400)
-    assert ttl_ms <= max(100, delay_s * 1000 * 2 ** 0.25 + 1)
+    assert ttl_ms <= max(100, delay_s * 1000 * 2**0.25 + 1)
 
 
-@pytest.mark.parametrize(("pattern", "key"), [
-    (">", "#"), ("jobs", "jobs"), ("jobs.*", "jobs.*"), ("jobs.>", "jobs.*.#"),
-    ("a.*.>", "a.*.*.#")])
+@pytest.mark.parametrize(
+    ("pattern", "key"),
+    [
+        (">", "#"),
+        ("jobs", "jobs"),
+        ("jobs.*", "jobs.*"),
+        ("jobs.>", "jobs.*.#"),
+        ("a.*.>", "a.*.*.#"),
+    ],
+)
 def test_a_target_pattern_binds_as_nats_would_match(pattern: str, key: str) -> None:
     # NATS's '>' is one or more tokens; AMQP's '#' zero or more: 'jobs.>' must not take
     # 'jobs' itself.
     assert binding_key(pattern) == key
 
 
-async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
-        rabbit: RabbitServer) -> None:
+async def test_a_traced_fire_carries_its_trace_context_in_the_headers(rabbit: RabbitServer) -> None:
     exchange = f"traced-{uuid.uuid4().hex[:6]}"
     queue, connection = await _audit_queue(rabbit.url, exchange)
     broker = AmqpPublisher(AmqpEndpoint.parse(f"{rabbit.url}?exchange={exchange}"))
     await broker.start()
     try:
-        traced = FireMessage("t@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}",
-                             traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-                             tracestate="vendor=1")
+        traced = FireMessage(
+            "t@2030-01-01T00:00:00.000Z",
+            "t.x",
+            1,
+            b"{}",
+            traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+            tracestate="vendor=1",
+        )
         plain = FireMessage("p@2030-01-01T00:00:00.000Z", "t.x", 1, b"{}")
         assert await broker.publish([traced, plain], 5.0) == [None, None]
         got = {}
@@ -270,21 +332,31 @@ async def test_a_traced_fire_carries_its_trace_context_in_the_headers(
         await broker.close()
         await connection.close()
     assert (got[traced.fire_id]["traceparent"], got[traced.fire_id]["tracestate"]) == (
-        traced.traceparent, "vendor=1")
+        traced.traceparent,
+        "vendor=1",
+    )
     assert "traceparent" not in got[plain.fire_id]
 
 
-@pytest.mark.parametrize(("delivered", "acked", "settled", "upto", "alone", "left"), [
-    ([1, 2, 3], [1, 2, 3], [], 3, [], 0),  # all of them: one frame
-    ([1, 2, 3, 4], [1, 2, 4], [], 2, [4], 1),  # 4 does not wait for 3, nor is 3 covered
-    ([1, 2, 3, 4], [2, 3], [], None, [2, 3], 2),  # 1 still running: nothing covers it
-    ([1, 2, 3, 4], [1, 3, 4], [2], 4, [], 0),  # 2 rejected alone: past it the run goes on
-    ([1, 2], [], [], None, [], 2),
-    ([5, 9, 12], [5, 9, 12, 13], [], 12, [], 0),  # an unknown tag (13) is nobody's ack
-])
+@pytest.mark.parametrize(
+    ("delivered", "acked", "settled", "upto", "alone", "left"),
+    [
+        ([1, 2, 3], [1, 2, 3], [], 3, [], 0),  # all of them: one frame
+        ([1, 2, 3, 4], [1, 2, 4], [], 2, [4], 1),  # 4 does not wait for 3, nor is 3 covered
+        ([1, 2, 3, 4], [2, 3], [], None, [2, 3], 2),  # 1 still running: nothing covers it
+        ([1, 2, 3, 4], [1, 3, 4], [2], 4, [], 0),  # 2 rejected alone: past it the run goes on
+        ([1, 2], [], [], None, [], 2),
+        ([5, 9, 12], [5, 9, 12, 13], [], 12, [], 0),  # an unknown tag (13) is nobody's ack
+    ],
+)
 def test_acknowledgements_take_the_run_from_the_oldest_as_one_and_the_rest_alone(
-        delivered: list[int], acked: list[int], settled: list[int], upto: int | None,
-        alone: list[int], left: int) -> None:
+    delivered: list[int],
+    acked: list[int],
+    settled: list[int],
+    upto: int | None,
+    alone: list[int],
+    left: int,
+) -> None:
     acks = Acknowledgements()
     for tag in delivered:
         acks.delivered(tag)
@@ -298,8 +370,9 @@ def test_acknowledgements_take_the_run_from_the_oldest_as_one_and_the_rest_alone
 
 
 @contextlib.asynccontextmanager
-async def queued(rabbit: RabbitServer, prefetch: int, fires: int
-                 ) -> AsyncIterator[tuple[AmqpSource, str]]:
+async def queued(
+    rabbit: RabbitServer, prefetch: int, fires: int
+) -> AsyncIterator[tuple[AmqpSource, str]]:
     """A source subscribed with ``prefetch`` on a queue of its own, once ``fires`` fires
     are published to it; the queue's name. Closed (its last acks written) on leaving."""
     prefix = uuid.uuid4().hex[:6]
@@ -314,9 +387,21 @@ async def queued(rabbit: RabbitServer, prefetch: int, fires: int
         publisher = url.publisher()
         await publisher.start()
         try:
-            assert await publisher.publish([FireMessage(
-                f"a{i}@2030-01-01T00:00:00.000Z", target, 1, json.dumps({"i": i}).encode())
-                for i in range(fires)], 10.0) == [None] * fires
+            assert (
+                await publisher.publish(
+                    [
+                        FireMessage(
+                            f"a{i}@2030-01-01T00:00:00.000Z",
+                            target,
+                            1,
+                            json.dumps({"i": i}).encode(),
+                        )
+                        for i in range(fires)
+                    ],
+                    10.0,
+                )
+                == [None] * fires
+            )
         finally:
             await publisher.close()
         yield source, durable
@@ -333,7 +418,8 @@ async def fetched(source: AmqpSource, n: int) -> list[Any]:
 
 
 async def test_acknowledgements_in_any_order_settle_each_delivery_once_on_one_channel(
-        rabbit: RabbitServer) -> None:
+    rabbit: RabbitServer,
+) -> None:
     """300 deliveries acknowledged in a shuffled order, a few at a time, the loop turning
     a random number of times between (a batch's frames are often still being written when
     the next acks come): RabbitMQ closes a channel on a tag acknowledged twice, so the
@@ -361,7 +447,8 @@ async def test_acknowledgements_in_any_order_settle_each_delivery_once_on_one_ch
 
 
 async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
-        rabbit: RabbitServer) -> None:
+    rabbit: RabbitServer,
+) -> None:
     """With a prefetch of 3, the oldest delivery unacknowledged and the two after it
     acknowledged, RabbitMQ has two places free and sends two more."""
     async with queued(rabbit, 3, 5) as (source, _):
@@ -373,8 +460,7 @@ async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
         assert sorted(json.loads(m.data)["i"] for m in first + more) == [0, 1, 2, 3, 4]
 
 
-async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_at_a_lull(
-        ) -> None:
+async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_at_a_lull() -> None:
     """What RabbitMQ sends after a batch of acks arrives a frame per turn of the loop: a
     fetch takes all of it once SETTLE_TURNS turns pass with nothing new, not the first
     delivery alone (a claim batch of one, each its own round trip), and a lull that long

@@ -43,16 +43,32 @@ async def harness(mongo_uri: str, rabbit: RabbitServer) -> AsyncIterator[Harness
 
 
 async def test_leader_sigterm_then_sigkill_every_fire_runs_exactly_once(
-        harness: Harness, tmp_path: Path) -> None:
+    harness: Harness, tmp_path: Path
+) -> None:
     h = harness
     record = tmp_path / "attempts.txt"
     with open(tmp_path / "worker.log", "wb") as log:  # noqa: ASYNC230 - opened once
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hascheduler.cli", "worker", "--broker", h.nats.uri,
-            "--mongodb-uri", h.mongo_uri, "--handler", "tests.helpers.record_handler:handle",
-            "--target", f"audit.{h.prefix}", "--durable", f"audit-{h.prefix}",
-            "--worker-id", "w1", env={**os.environ, "RECORD_FIRES_TO": str(record)},
-            stdout=asyncio.subprocess.PIPE, stderr=log)
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "worker",
+            "--broker",
+            h.nats.uri,
+            "--mongodb-uri",
+            h.mongo_uri,
+            "--handler",
+            "tests.helpers.record_handler:handle",
+            "--target",
+            f"audit.{h.prefix}",
+            "--durable",
+            f"audit-{h.prefix}",
+            "--worker-id",
+            "w1",
+            env={**os.environ, "RECORD_FIRES_TO": str(record)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
     try:
         assert worker.stdout is not None
         assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
@@ -62,8 +78,9 @@ async def test_leader_sigterm_then_sigkill_every_fire_runs_exactly_once(
         start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
 
         async def runs_after(moment: dt.datetime, count: int) -> bool:
-            n = await h.db.runs.count_documents({"state": "succeeded",
-                                                 "nominal_at": {"$gt": moment}})
+            n = await h.db.runs.count_documents(
+                {"state": "succeeded", "nominal_at": {"$gt": moment}}
+            )
             return bool(n >= count)
 
         await wait_until(lambda: runs_after(start, 3), 20, "runs before the faults")

@@ -23,19 +23,40 @@ from tests.conftest import ApiReplica
 pytestmark = [pytest.mark.timeout(180)]
 
 
-def hascheduler(replica: ApiReplica, *args: str, stdin: bytes | None = None
-                ) -> subprocess.CompletedProcess[str]:
+def hascheduler(
+    replica: ApiReplica, *args: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [sys.executable, "-m", "hascheduler.cli", args[0], "--api", replica.url, "--token",
-         WRITE, *args[1:]], input=stdin, capture_output=True, timeout=120, check=False)
-    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(),
-                                       done.stderr.decode())
+        [
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            args[0],
+            "--api",
+            replica.url,
+            "--token",
+            WRITE,
+            *args[1:],
+        ],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    return subprocess.CompletedProcess(
+        done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
+    )
 
 
 def schedule(schedule_id: str, team: str = "billing", **extra: Any) -> dict[str, Any]:
-    return {"id": schedule_id, "name": schedule_id, "target": f"{team}.{schedule_id}",
-            "trigger": {"kind": "cron", "cron": "0 6 * * *", "timezone": "Europe/Paris"},
-            "labels": {"team": team}, **extra}
+    return {
+        "id": schedule_id,
+        "name": schedule_id,
+        "target": f"{team}.{schedule_id}",
+        "trigger": {"kind": "cron", "cron": "0 6 * * *", "timezone": "Europe/Paris"},
+        "labels": {"team": team},
+        **extra,
+    }
 
 
 def write(path: Path, *documents: dict[str, Any]) -> Path:
@@ -44,7 +65,8 @@ def write(path: Path, *documents: dict[str, Any]) -> Path:
 
 
 def test_apply_creates_then_changes_nothing_then_updates_and_prunes(
-        api_replica: ApiReplica, tmp_path: Path) -> None:
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     billing = write(tmp_path / "billing.yaml", schedule("invoices"), schedule("dunning"))
     first = hascheduler(api_replica, "apply", "-f", str(billing))
     assert first.returncode == 0, first.stderr
@@ -53,23 +75,38 @@ def test_apply_creates_then_changes_nothing_then_updates_and_prunes(
     again = hascheduler(api_replica, "apply", "-f", str(billing))
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == [
-        "= unchanged invoices", "= unchanged dunning",
-        "0 to create, 0 to update, 2 unchanged, 0 to delete", "nothing to do"]
+        "= unchanged invoices",
+        "= unchanged dunning",
+        "0 to create, 0 to update, 2 unchanged, 0 to delete",
+        "nothing to do",
+    ]
 
     # Another team's schedule, made by hand: a prune by the billing selector never sees it.
     with Client(api_replica.url, WRITE) as api:
         api.create_schedule(schedule("deploys", team="ops"))
     write(billing, schedule("invoices", jitter=5))  # dunning deleted, invoices changed
-    plan = hascheduler(api_replica, "apply", "-f", str(billing), "--prune", "--selector",
-                       "team=billing", "--dry-run")
+    plan = hascheduler(
+        api_replica,
+        "apply",
+        "-f",
+        str(billing),
+        "--prune",
+        "--selector",
+        "team=billing",
+        "--dry-run",
+    )
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.splitlines() == [
-        f"~ update invoices  ({billing}#1)", "    jitter: 0.0 -> 5.0",
-        "- delete dunning", "0 to create, 1 to update, 0 unchanged, 1 to delete"]
+        f"~ update invoices  ({billing}#1)",
+        "    jitter: 0.0 -> 5.0",
+        "- delete dunning",
+        "0 to create, 1 to update, 0 unchanged, 1 to delete",
+    ]
     with Client(api_replica.url, WRITE) as api:
         assert {s.id for s in api.schedules()} == {"invoices", "dunning", "deploys"}
-        applied = hascheduler(api_replica, "apply", "-f", str(billing), "--prune", "--selector",
-                              "team=billing")
+        applied = hascheduler(
+            api_replica, "apply", "-f", str(billing), "--prune", "--selector", "team=billing"
+        )
         assert applied.returncode == 0, applied.stderr
         assert {s.id: s.jitter for s in api.schedules()} == {"invoices": 5.0, "deploys": 0.0}
 
@@ -82,18 +119,29 @@ def test_export_then_apply_is_a_no_op(api_replica: ApiReplica, tmp_path: Path) -
     exported = hascheduler(api_replica, "export", "--selector", "team=billing")
     assert exported.returncode == 0, exported.stderr
     assert [d["id"] for d in yaml.safe_load_all(exported.stdout)] == ["a", "b"]
-    back = hascheduler(api_replica, "apply", "-f", "-", "--prune", "--selector", "team=billing",
-                       stdin=exported.stdout.encode())
+    back = hascheduler(
+        api_replica,
+        "apply",
+        "-f",
+        "-",
+        "--prune",
+        "--selector",
+        "team=billing",
+        stdin=exported.stdout.encode(),
+    )
     assert back.returncode == 0, back.stderr
     assert back.stdout.splitlines()[-1] == "nothing to do"
     as_json = hascheduler(api_replica, "export", "--format", "json")
     (tmp_path / "all.json").write_text(as_json.stdout)
-    assert hascheduler(api_replica, "apply", "-f", str(tmp_path)).stdout.splitlines()[-1] \
+    assert (
+        hascheduler(api_replica, "apply", "-f", str(tmp_path)).stdout.splitlines()[-1]
         == "nothing to do"
+    )
 
 
 def test_apply_carries_a_pause_until_an_instant_and_a_file_saying_unpaused_resumes(
-        api_replica: ApiReplica, tmp_path: Path) -> None:
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     """A schedule an operator paused until an instant: a file saying `paused: true` leaves
     it so (unchanged: the pause route owns the instant, and it still resumes by itself
     then), export then apply stays a no-op; a file saying `paused: false` resumes it now."""
@@ -119,8 +167,9 @@ def test_apply_carries_a_pause_until_an_instant_and_a_file_saying_unpaused_resum
         assert (after.paused, after.pause) == (False, None)
 
 
-def test_one_invalid_document_among_a_hundred_writes_nothing(api_replica: ApiReplica,
-                                                             tmp_path: Path) -> None:
+def test_one_invalid_document_among_a_hundred_writes_nothing(
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     documents = [schedule(f"s{i:03d}") for i in range(100)]
     documents[57]["trigger"] = {"kind": "cron", "cron": "61 * * * *"}
     documents[81]["jitter"] = -1
@@ -133,33 +182,56 @@ def test_one_invalid_document_among_a_hundred_writes_nothing(api_replica: ApiRep
         assert list(api.schedules()) == []
 
 
-@pytest.mark.parametrize(("name", "content", "complaint"), [
-    ("twice.yaml", yaml.safe_dump_all([schedule("x"), schedule("x")]).encode(),
-     "'x' is declared twice"),
-    ("bomb.yaml", b"a: &a [x, x, x, x, x, x, x, x, x]\n"
-                  + b"".join(f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}]\n".encode()
-                             for p, c in zip("abcdefgh", "bcdefghi", strict=True))
-                  + b"id: z\n", "aliases (*name) are not accepted"),
-    ("latin1.yaml", "name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
-    ("noid.yaml", yaml.safe_dump({k: v for k, v in schedule("y").items() if k != "id"}
-                                 ).encode(), "id: required"),
-    ("list.yaml", b"- 1\n- 2\n", "a schedule is a mapping"),
-    ("broken.json", b'{"id": "j", ', "broken.json"),
-])
-def test_hostile_input_is_refused_whole(api_replica: ApiReplica, tmp_path: Path, name: str,
-                                        content: bytes, complaint: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "content", "complaint"),
+    [
+        (
+            "twice.yaml",
+            yaml.safe_dump_all([schedule("x"), schedule("x")]).encode(),
+            "'x' is declared twice",
+        ),
+        (
+            "bomb.yaml",
+            b"a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(
+                f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}]\n".encode()
+                for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+            )
+            + b"id: z\n",
+            "aliases (*name) are not accepted",
+        ),
+        ("latin1.yaml", "name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+        (
+            "noid.yaml",
+            yaml.safe_dump({k: v for k, v in schedule("y").items() if k != "id"}).encode(),
+            "id: required",
+        ),
+        ("list.yaml", b"- 1\n- 2\n", "a schedule is a mapping"),
+        ("broken.json", b'{"id": "j", ', "broken.json"),
+    ],
+)
+def test_hostile_input_is_refused_whole(
+    api_replica: ApiReplica, tmp_path: Path, name: str, content: bytes, complaint: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content)
-    done = hascheduler(api_replica, "apply", "-f", str(path), "-f", str(
-        write(tmp_path / "good.yaml", schedule("good"))))
+    done = hascheduler(
+        api_replica,
+        "apply",
+        "-f",
+        str(path),
+        "-f",
+        str(write(tmp_path / "good.yaml", schedule("good"))),
+    )
     assert done.returncode == 2, done.stdout
     assert complaint in done.stderr
     with Client(api_replica.url, WRITE) as api:
         assert list(api.schedules()) == []
 
 
-def test_input_past_the_bound_is_refused_before_it_is_read(api_replica: ApiReplica,
-                                                           tmp_path: Path) -> None:
+def test_input_past_the_bound_is_refused_before_it_is_read(
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     big = tmp_path / "big.yaml"
     with open(big, "wb") as out:
         out.truncate(17 * 1024 * 1024)  # sparse: 17 MiB of nothing, made at once
@@ -171,26 +243,30 @@ def test_input_past_the_bound_is_refused_before_it_is_read(api_replica: ApiRepli
     assert "more than 16 MiB" in stdin.stderr
 
 
-def test_prune_needs_a_selector_and_declarations_must_carry_it(api_replica: ApiReplica,
-                                                               tmp_path: Path) -> None:
+def test_prune_needs_a_selector_and_declarations_must_carry_it(
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     path = write(tmp_path / "s.yaml", schedule("s", team="ops"))
     alone = hascheduler(api_replica, "apply", "-f", str(path), "--prune")
     assert alone.returncode == 2
     assert "--prune needs --selector" in alone.stderr
-    other = hascheduler(api_replica, "apply", "-f", str(path), "--prune", "--selector",
-                        "team=billing")
+    other = hascheduler(
+        api_replica, "apply", "-f", str(path), "--prune", "--selector", "team=billing"
+    )
     assert other.returncode == 2
     assert "lacks team=billing" in other.stderr
 
 
 def test_a_schedule_edited_between_plan_and_write_is_reported_not_overwritten(
-        api_replica: ApiReplica) -> None:
+    api_replica: ApiReplica,
+) -> None:
     with Client(api_replica.url, WRITE) as api:
         api.create_schedule(schedule("contested"))
         api.create_schedule(schedule("calm"))
-        declared = declare([("file#1", schedule("contested", jitter=3)),
-                            ("file#2", schedule("calm", jitter=4))],
-                           dt.datetime.now(dt.UTC))
+        declared = declare(
+            [("file#1", schedule("contested", jitter=3)), ("file#2", schedule("calm", jitter=4))],
+            dt.datetime.now(dt.UTC),
+        )
         steps = read_plan(api, declared, None)
         api.patch_schedule("contested", {"jitter": 9})  # someone else, meanwhile
         outcome = execute(api, steps)
@@ -203,9 +279,22 @@ def test_a_schedule_edited_between_plan_and_write_is_reported_not_overwritten(
 
 def test_an_unreachable_api_exits_1(tmp_path: Path) -> None:
     path = write(tmp_path / "s.yaml", schedule("s"))
-    done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "apply", "--api",
-                           "http://127.0.0.1:9", "-f", str(path)], capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "apply",
+            "--api",
+            "http://127.0.0.1:9",
+            "-f",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 1
     assert "cannot reach the API" in done.stderr
 
@@ -217,9 +306,22 @@ def test_a_large_invalid_input_is_refused_though_the_read_ahead_fails(tmp_path: 
     documents[399]["trigger"] = {"kind": "cron", "cron": "61 * * * *"}
     path = write(tmp_path / "large.yaml", *documents)
     assert path.stat().st_size >= READ_AHEAD_BYTES
-    done = subprocess.run([sys.executable, "-m", "hascheduler.cli", "apply", "--api",
-                           "http://127.0.0.1:9", "-f", str(path)], capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "apply",
+            "--api",
+            "http://127.0.0.1:9",
+            "-f",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr
     assert "large.yaml#400 (s0399): trigger" in done.stderr
 
@@ -238,16 +340,21 @@ def test_json_lists_and_directories_are_read_alike(api_replica: ApiReplica, tmp_
 
 @pytest.mark.long(15)
 def test_a_file_of_ten_thousand_schedules(api_replica: ApiReplica, tmp_path: Path) -> None:
-    path = write(tmp_path / "many.yaml", *[schedule(f"m{i:05d}", jitter=i % 7)
-                                           for i in range(10_000)])
-    first = hascheduler(api_replica, "apply", "-f", str(path), "--prune", "--selector",
-                        "team=billing")
+    path = write(
+        tmp_path / "many.yaml", *[schedule(f"m{i:05d}", jitter=i % 7) for i in range(10_000)]
+    )
+    first = hascheduler(
+        api_replica, "apply", "-f", str(path), "--prune", "--selector", "team=billing"
+    )
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[-1] == "applied: 10000 written, 0 failed"
-    again = hascheduler(api_replica, "apply", "-f", str(path), "--prune", "--selector",
-                        "team=billing")
+    again = hascheduler(
+        api_replica, "apply", "-f", str(path), "--prune", "--selector", "team=billing"
+    )
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[-2:] == [
-        "0 to create, 0 to update, 10000 unchanged, 0 to delete", "nothing to do"]
+        "0 to create, 0 to update, 10000 unchanged, 0 to delete",
+        "nothing to do",
+    ]
     with Client(api_replica.url, WRITE) as api:
         assert sum(1 for _ in api.schedules(page_size=500)) == 10_000

@@ -44,48 +44,89 @@ def test_a_bounded_instant_list_drops_what_lies_outside() -> None:
 
 def test_the_models_compile_windows_for_cron_and_at() -> None:
     spec = specs.CronSpec.model_validate(
-        {"kind": "cron", "cron": "0 9 * * *", "start_at": "2030-01-03T00:00:00Z",
-         "end_at": "2030-01-05T00:00:00Z"}, context={"now": NOW})
+        {
+            "kind": "cron",
+            "cron": "0 9 * * *",
+            "start_at": "2030-01-03T00:00:00Z",
+            "end_at": "2030-01-05T00:00:00Z",
+        },
+        context={"now": NOW},
+    )
     assert [t.day for t in fire_times(spec.compile(), T0)] == [3, 4]
-    plain = specs.CronSpec.model_validate({"kind": "cron", "cron": "0 9 * * *"},
-                                           context={"now": NOW})
+    plain = specs.CronSpec.model_validate(
+        {"kind": "cron", "cron": "0 9 * * *"}, context={"now": NOW}
+    )
     assert isinstance(plain.compile(), Cron)
 
 
-@pytest.mark.parametrize(("trigger", "field"), [
-    ({"kind": "cron", "cron": "@daily", "start_at": "2030-01-02T00:00:00Z",
-      "end_at": "2030-01-01T00:00:00Z"}, "end_at must be after start_at"),
-    ({"kind": "cron", "cron": "@daily", "end_at": "2020-01-01T00:00:00Z"},
-     "end_at must be in the future"),
-    ({"kind": "at", "at": ["2030-01-05T00:00:00Z"], "end_at": "2029-12-31T00:00:00+01:00",
-      "start_at": "2030-01-01T00:00:00Z"}, "end_at must be after start_at"),
-    ({"kind": "cron", "cron": "@daily", "start_at": "2030-01-01T00:00:00"},
-     "offset"),
-])
+@pytest.mark.parametrize(
+    ("trigger", "field"),
+    [
+        (
+            {
+                "kind": "cron",
+                "cron": "@daily",
+                "start_at": "2030-01-02T00:00:00Z",
+                "end_at": "2030-01-01T00:00:00Z",
+            },
+            "end_at must be after start_at",
+        ),
+        (
+            {"kind": "cron", "cron": "@daily", "end_at": "2020-01-01T00:00:00Z"},
+            "end_at must be in the future",
+        ),
+        (
+            {
+                "kind": "at",
+                "at": ["2030-01-05T00:00:00Z"],
+                "end_at": "2029-12-31T00:00:00+01:00",
+                "start_at": "2030-01-01T00:00:00Z",
+            },
+            "end_at must be after start_at",
+        ),
+        ({"kind": "cron", "cron": "@daily", "start_at": "2030-01-01T00:00:00"}, "offset"),
+    ],
+)
 def test_bad_windows_are_refused(trigger: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError, match=field):
-        models.ScheduleIn.model_validate({"name": "n", "target": "t", "trigger": trigger},
-                                         context={"now": NOW})
+        models.ScheduleIn.model_validate(
+            {"name": "n", "target": "t", "trigger": trigger}, context={"now": NOW}
+        )
 
 
 @pytest.mark.parametrize("max_fires", [0, -1, 10_001, "5", 2.5])
 def test_max_fires_is_a_count_from_1_to_10000(max_fires: Any) -> None:
     with pytest.raises(ValidationError, match="max_fires"):
-        models.ScheduleIn.model_validate({"name": "n", "target": "t", "max_fires": max_fires,
-                                          "trigger": {"kind": "cron", "cron": "@daily"}},
-                                         context={"now": NOW})
+        models.ScheduleIn.model_validate(
+            {
+                "name": "n",
+                "target": "t",
+                "max_fires": max_fires,
+                "trigger": {"kind": "cron", "cron": "@daily"},
+            },
+            context={"now": NOW},
+        )
 
 
 async def test_max_fires_completes_after_that_many_and_raising_it_revives(
-        own_harness: Harness) -> None:
+    own_harness: Harness,
+) -> None:
     h = own_harness
     h.start("a")
     await h.leader()
     sid = f"{h.prefix}-five"
 
-    status, created = await h.call("POST", "/schedules", {
-        "id": sid, "name": sid, "target": f"audit.{h.prefix}", "max_fires": 5,
-        "trigger": {"kind": "interval", "every": 1}})
+    status, created = await h.call(
+        "POST",
+        "/schedules",
+        {
+            "id": sid,
+            "name": sid,
+            "target": f"audit.{h.prefix}",
+            "max_fires": 5,
+            "trigger": {"kind": "interval", "every": 1},
+        },
+    )
     assert status == 201
     assert (created["completed"], created["fires_remaining"]) == (False, 5)
 
@@ -133,7 +174,10 @@ async def test_max_fires_completes_after_that_many_and_raising_it_revives(
     status, revived = await h.call("PATCH", f"/schedules/{sid}", {"max_fires": 7})
     assert status == 200, revived
     assert (revived["completed"], revived["fires_remaining"], revived["revision"]) == (
-        False, 2, still["revision"] + 1)
+        False,
+        2,
+        still["revision"] + 1,
+    )
     again = await wait_until(completed, 30, "the schedule completed again", 0.1)
     assert again["fires_remaining"] == 0
     await two_seconds_after(again)

@@ -36,8 +36,9 @@ class UnderTest:
     prefix: str = ""  # of every target: "celery:" sends Celery tasks
 
 
-async def _rabbit_queue(url: str, exchange: str | None,
-                        queue: str) -> tuple[Callable[[], Awaitable[list[str]]], Any]:
+async def _rabbit_queue(
+    url: str, exchange: str | None, queue: str
+) -> tuple[Callable[[], Awaitable[list[str]]], Any]:
     """A queue that takes what the broker publishes (bound to ``exchange`` for every key,
     or the default exchange's own queue for Celery), and a reader of the fire ids in it
     (each message's ``message_id``; Celery's task id must be the same)."""
@@ -45,8 +46,7 @@ async def _rabbit_queue(url: str, exchange: str | None,
     channel = await connection.channel()
     declared = await channel.declare_queue(queue, durable=True)
     if exchange is not None:
-        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
-                                            durable=True)
+        ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
         await declared.bind(ex, "#")
     seen: list[str] = []
 
@@ -72,8 +72,7 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
         broker = AmqpPublisher(AmqpEndpoint.parse(f"{url}?exchange={name}&celery_queue={name}"))
         await broker.start()
         try:
-            yield UnderTest(broker, read, deduplicates=False,
-                            prefix="celery:" if celery else "")
+            yield UnderTest(broker, read, deduplicates=False, prefix="celery:" if celery else "")
         finally:
             await broker.close()
             await connection.close()
@@ -115,23 +114,26 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
                 await broker.close()
 
 
-def fires(n: int, prefix: str = "f", target: str = "t.x", *,
-          to: str = "") -> list[FireMessage]:
+def fires(n: int, prefix: str = "f", target: str = "t.x", *, to: str = "") -> list[FireMessage]:
     target = to + target
-    return [FireMessage(fire_id=f"{prefix}{i}@2030-01-01T00:00:00.000Z", target=target, term=3,
-                        body=json.dumps({"data": {"nominal_at": "2030-01-01T00:00:00Z",
-                                                  "i": i}}).encode()) for i in range(n)]
+    return [
+        FireMessage(
+            fire_id=f"{prefix}{i}@2030-01-01T00:00:00.000Z",
+            target=target,
+            term=3,
+            body=json.dumps({"data": {"nominal_at": "2030-01-01T00:00:00Z", "i": i}}).encode(),
+        )
+        for i in range(n)
+    ]
 
 
-async def test_one_outcome_per_message_in_order_each_stored_once(
-        under_test: UnderTest) -> None:
+async def test_one_outcome_per_message_in_order_each_stored_once(under_test: UnderTest) -> None:
     batch = fires(300, to=under_test.prefix)
     assert await under_test.broker.publish(batch, 5.0) == [None] * 300
     assert await under_test.stored() == [m.fire_id for m in batch]
 
 
-async def test_a_republished_fire_is_acknowledged_and_stored_once(
-        under_test: UnderTest) -> None:
+async def test_a_republished_fire_is_acknowledged_and_stored_once(under_test: UnderTest) -> None:
     batch = fires(20, to=under_test.prefix)
     await under_test.broker.publish(batch, 5.0)
     # A new leader republishing claims it adopted: every one acknowledged again.
@@ -146,8 +148,12 @@ async def test_a_republished_fire_is_acknowledged_and_stored_once(
 
 async def test_a_message_with_an_unusable_target_fails_alone(under_test: UnderTest) -> None:
     to = under_test.prefix
-    batch = [*fires(1, to=to), *fires(1, prefix="bad", target="has space", to=to),
-             *fires(1, prefix="bad2", target="ends.", to=to), *fires(1, prefix="g", to=to)]
+    batch = [
+        *fires(1, to=to),
+        *fires(1, prefix="bad", target="has space", to=to),
+        *fires(1, prefix="bad2", target="ends.", to=to),
+        *fires(1, prefix="g", to=to),
+    ]
     outcomes = await under_test.broker.publish(batch, 5.0)
     assert outcomes[0] is None
     assert outcomes[3] is None
@@ -156,10 +162,10 @@ async def test_a_message_with_an_unusable_target_fails_alone(under_test: UnderTe
 
 
 async def test_an_empty_batch_and_a_body_that_is_not_an_event_are_no_trouble(
-        under_test: UnderTest) -> None:
+    under_test: UnderTest,
+) -> None:
     assert await under_test.broker.publish([], 1.0) == []
-    odd = FireMessage("odd@2030-01-01T00:00:00.000Z", under_test.prefix + "t.x", 1,
-                      b"not json")
+    odd = FireMessage("odd@2030-01-01T00:00:00.000Z", under_test.prefix + "t.x", 1, b"not json")
     outcome = await under_test.broker.publish([odd], 5.0)
     if under_test.prefix == "celery:":
         # A Celery task takes its arguments from the event: without one it fails alone.

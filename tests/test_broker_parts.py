@@ -30,25 +30,38 @@ def test_every_kind_has_a_served_case_and_each_scheme_one_kind() -> None:
     assert len(schemes) == len(set(schemes))
 
 
-@pytest.mark.parametrize(("url", "kind"), [
-    ("nats://127.0.0.1:4222", "NATS JetStream"), ("tls://a:1,b:2", "NATS JetStream"),
-    ("amqp://u:p@h:5672/v", "RabbitMQ"), ("amqps://h/v", "RabbitMQ"), ("log:", "log")])
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("nats://127.0.0.1:4222", "NATS JetStream"),
+        ("tls://a:1,b:2", "NATS JetStream"),
+        ("amqp://u:p@h:5672/v", "RabbitMQ"),
+        ("amqps://h/v", "RabbitMQ"),
+        ("log:", "log"),
+    ],
+)
 def test_the_scheme_picks_the_kind(url: str, kind: str) -> None:
     parsed = parse_broker_url(url)
     assert (parsed.kind.name, parsed.text, str(parsed)) == (kind, url, url)
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("kafka://x", "unsupported broker URL"), ("", "unsupported broker URL"),
-    ("nats://h:1?nope=1", "unknown broker URL option"),
-    ("amqp://h/v?nope=1", "nope")])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("kafka://x", "unsupported broker URL"),
+        ("", "unsupported broker URL"),
+        ("nats://h:1?nope=1", "unknown broker URL option"),
+        ("amqp://h/v?nope=1", "nope"),
+    ],
+)
 def test_a_bad_url_is_refused_naming_what_is_wrong(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_broker_url(url)
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    (None, "is required"), ("log:", "log has nothing for a worker to consume")])
+@pytest.mark.parametrize(
+    ("url", "message"), [(None, "is required"), ("log:", "log has nothing for a worker to consume")]
+)
 def test_a_worker_needs_a_kind_it_can_consume_from(url: str | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         consumable_url(url)
@@ -91,7 +104,8 @@ async def publish(url: BrokerUrl, messages: list[FireMessage]) -> None:
 
 
 async def test_the_reader_gives_back_every_fire_and_leaves_them(
-        served: tuple[BrokerUrl, str]) -> None:
+    served: tuple[BrokerUrl, str],
+) -> None:
     url, target = served
     await publish(url, [fire(i, target) for i in range(3)])
     read = url.reader()
@@ -101,15 +115,15 @@ async def test_the_reader_gives_back_every_fire_and_leaves_them(
 
 
 @contextlib.asynccontextmanager
-async def subscribed(url: BrokerUrl, target: str, ack_wait_s: float, in_flight: int,
-                     fires: int) -> AsyncIterator[FireSource]:
+async def subscribed(
+    url: BrokerUrl, target: str, ack_wait_s: float, in_flight: int, fires: int
+) -> AsyncIterator[FireSource]:
     """A source of a consumer of its own on ``target``, once ``fires`` fires are
     published to it."""
     source = url.source(ack_wait_s=ack_wait_s)
     await source.connect("contract")
     try:
-        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], ack_wait_s,
-                               in_flight)
+        await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], ack_wait_s, in_flight)
         await publish(url, [fire(i, target) for i in range(fires)])
         yield source
     finally:
@@ -117,7 +131,8 @@ async def subscribed(url: BrokerUrl, target: str, ack_wait_s: float, in_flight: 
 
 
 async def test_the_source_delivers_each_fire_until_it_is_acknowledged(
-        served: tuple[BrokerUrl, str]) -> None:
+    served: tuple[BrokerUrl, str],
+) -> None:
     url, target = served
     async with subscribed(url, target, 2.0, 8, 2) as source:
         got: list[Any] = []
@@ -133,12 +148,14 @@ async def test_the_source_delivers_each_fire_until_it_is_acknowledged(
             while not again:
                 again += await source.fetch(2, 0.5)
         assert [json.loads(m.data)["data"]["i"] for m in again] == [
-            json.loads(got[1].data)["data"]["i"]]
+            json.loads(got[1].data)["data"]["i"]
+        ]
         await again[0].ack()
 
 
 async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
-        served: tuple[BrokerUrl, str]) -> None:
+    served: tuple[BrokerUrl, str],
+) -> None:
     """``pushes``: a pushing broker delivers no more than ``in_flight`` unacknowledged
     (the worker then claims no further ahead); a pulling one gives a fetch what it asks."""
     url, target = served
@@ -156,7 +173,8 @@ async def test_a_source_says_whether_its_broker_bounds_what_a_fetch_can_take(
 
 
 async def test_a_fetch_takes_no_more_than_asked_and_an_idle_one_sees_what_comes_later(
-        served: tuple[BrokerUrl, str]) -> None:
+    served: tuple[BrokerUrl, str],
+) -> None:
     """A fetch returns at most ``up_to``; what it leaves comes with the next fetches, each
     fire once; a fetch that waited out an empty stream still sees fires published after
     (its pull request expired and the next one is made)."""

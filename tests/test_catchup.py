@@ -28,33 +28,47 @@ def at(minutes: float) -> dt.datetime:
     return T0 + dt.timedelta(minutes=minutes)
 
 
-@pytest.mark.parametrize(("policy", "window_s", "fired", "skipped", "reason"), [
-    ("all", 3600, [1, 2, 3, 4, 5], None, ""),
-    ("all", 150, [3, 4, 5], (1, 2, 2), "older than the catch-up window"),
-    ("latest", 3600, [5], (1, 4, 4), "a later time fired"),
-    ("none", 3600, [], (1, 5, 5), "policy 'none'"),
-])
-def test_catchup_policies(policy: str, window_s: float, fired: list[int],
-                          skipped: tuple[int, int, int] | None, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "window_s", "fired", "skipped", "reason"),
+    [
+        ("all", 3600, [1, 2, 3, 4, 5], None, ""),
+        ("all", 150, [3, 4, 5], (1, 2, 2), "older than the catch-up window"),
+        ("latest", 3600, [5], (1, 4, 4), "a later time fired"),
+        ("none", 3600, [], (1, 5, 5), "policy 'none'"),
+    ],
+)
+def test_catchup_policies(
+    policy: str,
+    window_s: float,
+    fired: list[int],
+    skipped: tuple[int, int, int] | None,
+    reason: str,
+) -> None:
     fire, skip = plan_catchup(EVERY_MINUTE, policy, window_s, at(0.5), at(5.5))
     assert fire == [at(m) for m in fired]
     if skipped is None:
         assert skip is None
     else:
         assert skip is not None
-        assert (skip.first, skip.last, skip.count) == (at(skipped[0]), at(skipped[1]),
-                                                       skipped[2])
+        assert (skip.first, skip.last, skip.count) == (at(skipped[0]), at(skipped[1]), skipped[2])
         assert reason in skip.reason
 
 
 DAY = 86_400.0
 
 
-@pytest.mark.parametrize("trigger", [Cron("* * * * * *"), Cron("* * * * * *", "Europe/Paris"),
-                                     Interval(1.0, T0 - dt.timedelta(days=500))])
+@pytest.mark.parametrize(
+    "trigger",
+    [
+        Cron("* * * * * *"),
+        Cron("* * * * * *", "Europe/Paris"),
+        Interval(1.0, T0 - dt.timedelta(days=500)),
+    ],
+)
 @pytest.mark.parametrize("down_s", [DAY, 30 * DAY, 400 * DAY])
-def test_latest_after_a_long_outage_fires_the_latest_missed_time(trigger: Trigger,
-                                                                 down_s: float) -> None:
+def test_latest_after_a_long_outage_fires_the_latest_missed_time(
+    trigger: Trigger, down_s: float
+) -> None:
     now = T0 + dt.timedelta(milliseconds=400)
     since = now - dt.timedelta(seconds=down_s)
     fire, skip = plan_catchup(trigger, "latest", 3600, since, now)
@@ -84,24 +98,33 @@ def test_all_fires_exactly_the_window_and_records_the_rest_as_one_range(down_s: 
 
 def test_count_and_latest_agree_with_listing_across_dst_and_odd_zones() -> None:
     rng = random.Random(7)
-    for expression, spans in [("*/7 * * * * *", [10, 3600, 4 * 3600]),
-                              ("*/13 * 2 * * *", [3600, 86400]),
-                              ("30 2 * * *", [86400, 40 * DAY]), ("30 * * * *", [40 * DAY]),
-                              ("15,45 2,3 * * *", [86400, 40 * DAY]),
-                              ("0 9 1 * mon", [400 * DAY]), ("0 0 L * *", [400 * DAY])]:
-        for zone_name in ["Europe/Paris", "America/New_York", "Australia/Lord_Howe",
-                          "Pacific/Chatham", "UTC"]:
+    for expression, spans in [
+        ("*/7 * * * * *", [10, 3600, 4 * 3600]),
+        ("*/13 * 2 * * *", [3600, 86400]),
+        ("30 2 * * *", [86400, 40 * DAY]),
+        ("30 * * * *", [40 * DAY]),
+        ("15,45 2,3 * * *", [86400, 40 * DAY]),
+        ("0 9 1 * mon", [400 * DAY]),
+        ("0 0 L * *", [400 * DAY]),
+    ]:
+        for zone_name in [
+            "Europe/Paris",
+            "America/New_York",
+            "Australia/Lord_Howe",
+            "Pacific/Chatham",
+            "UTC",
+        ]:
             trigger = Cron(expression, zone_name)
             somewhere = T0 + dt.timedelta(seconds=rng.randint(0, 365 * 86400))
             # Spans that start just before a change of offset, and one anywhere.
-            change = next_offset_change(zone_name, somewhere) if zone_name != "UTC" \
-                else somewhere
+            change = next_offset_change(zone_name, somewhere) if zone_name != "UTC" else somewhere
             for after in (somewhere, change - dt.timedelta(seconds=rng.randint(1, 7200))):
                 until = after + dt.timedelta(seconds=rng.choice(spans))
                 listed = list(fire_times(trigger, after, until=until))
                 assert count_between(trigger, after, until) == len(listed)
-                assert latest_at_or_before(trigger, after, until) == (listed[-1] if listed
-                                                                      else None)
+                assert latest_at_or_before(trigger, after, until) == (
+                    listed[-1] if listed else None
+                )
 
 
 def test_skipped_range_is_one_ledger_document() -> None:

@@ -35,8 +35,9 @@ def queues() -> list[str]:
 
 
 @pytest.fixture
-async def worker(rabbit: RabbitServer, queues: list[str],
-                 tmp_path: Path) -> AsyncIterator[CeleryWorker]:
+async def worker(
+    rabbit: RabbitServer, queues: list[str], tmp_path: Path
+) -> AsyncIterator[CeleryWorker]:
     started = CeleryWorker(rabbit.url, queues, tmp_path / "runs.jsonl")
     try:
         await started.consuming(60)
@@ -45,30 +46,49 @@ async def worker(rabbit: RabbitServer, queues: list[str],
         started.stop()
 
 
-def celery_fire(sid: str, nominal: dt.datetime, payload: dict[str, Any],
-                traceparent: str | None = None) -> FireMessage:
+def celery_fire(
+    sid: str, nominal: dt.datetime, payload: dict[str, Any], traceparent: str | None = None
+) -> FireMessage:
     """A fire rendered as the leader renders it (events.EventTemplate)."""
-    template = EventTemplate.of({"_id": sid, "name": sid, "target": f"celery:{TASK}",
-                                 "payload": payload})
-    return template.render(f"{sid}@{nominal.isoformat(timespec='milliseconds')}", nominal,
-                           None, term=4, attempt=1, fired_at_iso=nominal.isoformat(),
-                           trace={"traceparent": traceparent} if traceparent else None)
+    template = EventTemplate.of(
+        {"_id": sid, "name": sid, "target": f"celery:{TASK}", "payload": payload}
+    )
+    return template.render(
+        f"{sid}@{nominal.isoformat(timespec='milliseconds')}",
+        nominal,
+        None,
+        term=4,
+        attempt=1,
+        fired_at_iso=nominal.isoformat(),
+        trace={"traceparent": traceparent} if traceparent else None,
+    )
 
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 async def test_a_celery_worker_runs_fires_as_its_own_tasks(
-        rabbit: RabbitServer, worker: CeleryWorker, queues: list[str]) -> None:
+    rabbit: RabbitServer, worker: CeleryWorker, queues: list[str]
+) -> None:
     default, reports = queues
-    broker = AmqpPublisher(AmqpEndpoint.parse(f"{rabbit.url}?celery_queue={default}"),
-                        origin="hascheduler@test")
+    broker = AmqpPublisher(
+        AmqpEndpoint.parse(f"{rabbit.url}?celery_queue={default}"), origin="hascheduler@test"
+    )
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     fires = [
         celery_fire("plain", now, {}, TRACEPARENT),
-        celery_fire("args", now, {"args": [1, "two", None, [3.5]],
-                                  "kwargs": {"to": "ops@example.com", "n": {"deep": [1]},
-                                             "text": "\u00e9t\u00e9 \u2603"}}),
+        celery_fire(
+            "args",
+            now,
+            {
+                "args": [1, "two", None, [3.5]],
+                "kwargs": {
+                    "to": "ops@example.com",
+                    "n": {"deep": [1]},
+                    "text": "\u00e9t\u00e9 \u2603",
+                },
+            },
+        ),
         celery_fire("routed", now, {"args": ["weekly"], "queue": reports}),
     ]
     nobody = celery_fire("nobody", now, {"queue": f"no-worker-{uuid.uuid4().hex}"})
@@ -81,8 +101,9 @@ async def test_a_celery_worker_runs_fires_as_its_own_tasks(
     # No queue by that name: RabbitMQ returns the message, a failed publish.
     assert isinstance(outcomes[3], Unroutable), outcomes[3]
 
-    runs = await wait_until(lambda: (r := worker.runs()) and len(r) >= 3 and r, 60,
-                            "the worker to run three tasks")
+    runs = await wait_until(
+        lambda: (r := worker.runs()) and len(r) >= 3 and r, 60, "the worker to run three tasks"
+    )
     by_id = {r["id"]: r for r in runs}
     assert set(by_id) == {f.fire_id for f in fires}, "task ids are fire ids"
     for fire in fires:
@@ -102,8 +123,11 @@ async def test_a_celery_worker_runs_fires_as_its_own_tasks(
     assert by_id[fires[0].fire_id]["args"] == []
     assert by_id[fires[0].fire_id]["kwargs"] == {}
     assert by_id[fires[1].fire_id]["args"] == [1, "two", None, [3.5]]
-    assert by_id[fires[1].fire_id]["kwargs"] == {"to": "ops@example.com", "n": {"deep": [1]},
-                                                 "text": "\u00e9t\u00e9 \u2603"}
+    assert by_id[fires[1].fire_id]["kwargs"] == {
+        "to": "ops@example.com",
+        "n": {"deep": [1]},
+        "text": "\u00e9t\u00e9 \u2603",
+    }
     assert by_id[fires[0].fire_id]["routing_key"] == default
     assert by_id[fires[2].fire_id]["routing_key"] == reports
     assert len(runs) == 3
@@ -119,40 +143,54 @@ async def celery_harness(mongo_uri: str, rabbit: RabbitServer) -> AsyncIterator[
 
 
 async def test_replicas_hand_fires_to_celery_losing_none_to_a_leader_kill(
-        celery_harness: Harness, rabbit: RabbitServer, worker: CeleryWorker,
-        queues: list[str]) -> None:
+    celery_harness: Harness, rabbit: RabbitServer, worker: CeleryWorker, queues: list[str]
+) -> None:
     h = celery_harness
     broker = f"{rabbit.url}?celery_queue={queues[0]}"
     for name in ("a", "b", "c"):
         h.replicas[name] = start_replica(
-            h.mongo_uri, name, "--broker", broker, "--lease-ttl", "2", "--renew-deadline",
-            "1.4", "--renew-interval", "0.4", "--min-fire-interval", "0.5")
+            h.mongo_uri,
+            name,
+            "--broker",
+            broker,
+            "--lease-ttl",
+            "2",
+            "--renew-deadline",
+            "1.4",
+            "--renew-interval",
+            "0.4",
+            "--min-fire-interval",
+            "0.5",
+        )
     sid = f"{h.prefix}-celery"
-    body = {"id": sid, "name": sid, "target": f"celery:{TASK}", "catchup": "all",
-            "trigger": {"kind": "interval", "every": 0.5},
-            "payload": {"args": [sid], "kwargs": {"kind": "tick"}}}
+    body = {
+        "id": sid,
+        "name": sid,
+        "target": f"celery:{TASK}",
+        "catchup": "all",
+        "trigger": {"kind": "interval", "every": 0.5},
+        "payload": {"args": [sid], "kwargs": {"kind": "tick"}},
+    }
     async with h.http.post(h.replicas["a"].uri + "/schedules", json=body) as r:
         assert r.status == 201, await r.text()
         schedule = await r.json()
-    start = dt.datetime.fromisoformat(schedule["trigger"]["start_at"]) + dt.timedelta(
-        seconds=1)
+    start = dt.datetime.fromisoformat(schedule["trigger"]["start_at"]) + dt.timedelta(seconds=1)
 
     def runs() -> list[dict[str, Any]]:
         return [r for r in worker.runs() if r["args"][:1] == [sid]]
 
     def ran_past(moment: dt.datetime) -> bool:
         """A run of a fire due after ``moment`` (its nominal time is in its id)."""
-        return any(dt.datetime.fromisoformat(r["id"].split("@", 1)[1]) > moment
-                   for r in runs())
+        return any(dt.datetime.fromisoformat(r["id"].split("@", 1)[1]) > moment for r in runs())
 
-    await wait_until(lambda: ran_past(start + dt.timedelta(seconds=2)), 30,
-                     "runs before the kill")
+    await wait_until(lambda: ran_past(start + dt.timedelta(seconds=2)), 30, "runs before the kill")
     leader = await h.leader()
     killed_at = dt.datetime.now(dt.UTC)
     h.signal(leader, signal.SIGKILL)
     h.replicas.pop(leader).stop()
-    await wait_until(lambda: ran_past(killed_at + dt.timedelta(seconds=4)), 30,
-                     "runs after the kill")
+    await wait_until(
+        lambda: ran_past(killed_at + dt.timedelta(seconds=4)), 30, "runs after the kill"
+    )
     end = killed_at + dt.timedelta(seconds=3)
 
     expected = expected_fires({sid: schedule}, start, end)
@@ -164,6 +202,8 @@ async def test_replicas_hand_fires_to_celery_losing_none_to_a_leader_kill(
     # RabbitMQ keeps no fire id: a fire the dead leader had sent, but not yet recorded as
     # sent, is sent again by the next. Counted here, as the worker saw them.
     again = {fid: n for fid, n in counts.items() if fid in expected and n > 1}
-    print(f"fires expected {len(expected)}, ran {sum(counts[f] for f in expected)} times, "
-          f"run twice or more: {len(again)}")
+    print(
+        f"fires expected {len(expected)}, ran {sum(counts[f] for f in expected)} times, "
+        f"run twice or more: {len(again)}"
+    )
     assert len(again) <= 10, again

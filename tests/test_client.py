@@ -33,9 +33,13 @@ WRITE, READ = API_WRITE_TOKEN, API_READ_TOKEN
 
 
 def body(schedule_id: str, **extra: Any) -> dict[str, Any]:
-    return {"id": schedule_id, "name": schedule_id, "target": "client.test",
-            "trigger": {"kind": "cron", "cron": "0 9 * * MON", "timezone": "Europe/Paris"},
-            **extra}
+    return {
+        "id": schedule_id,
+        "name": schedule_id,
+        "target": "client.test",
+        "trigger": {"kind": "cron", "cron": "0 9 * * MON", "timezone": "Europe/Paris"},
+        **extra,
+    }
 
 
 def test_every_route_through_the_blocking_client(api_replica: ApiReplica) -> None:
@@ -119,13 +123,13 @@ def test_every_typed_error(api_replica: ApiReplica) -> None:
         assert refused.value.status == 403
     with Client(api_replica.url, "a-wrong-token") as stranger, pytest.raises(Unauthorized):
         stranger.get_schedule("taken")
-    with Client("http://127.0.0.1:9", WRITE, attempts=2) as nowhere, \
-            pytest.raises(Unavailable):
+    with Client("http://127.0.0.1:9", WRITE, attempts=2) as nowhere, pytest.raises(Unavailable):
         nowhere.leader()
 
 
-def test_rate_limited_writes_wait_their_retry_after(mongo_uri: str,
-                                                    api_nats: ServerProcess) -> None:
+def test_rate_limited_writes_wait_their_retry_after(
+    mongo_uri: str, api_nats: ServerProcess
+) -> None:
     limited = ApiReplica(mongo_uri, api_nats, "--write-rate", "1", "--write-burst", "1")
     try:
         with Client(limited.url, WRITE, attempts=1) as once:
@@ -148,8 +152,9 @@ def test_pages_of_ten_thousand_schedules(api_replica: ApiReplica, mongo_uri: str
             schedules = raw[api_replica.db_name].schedules
             template = schedules.find_one({"_id": "s00000"})
             assert template is not None
-            schedules.insert_many([{**template, "_id": f"s{i:05d}", "name": f"s{i:05d}"}
-                                   for i in range(1, 10_000)])
+            schedules.insert_many(
+                [{**template, "_id": f"s{i:05d}", "name": f"s{i:05d}"} for i in range(1, 10_000)]
+            )
         ids = [s.id for s in api.schedules(page_size=500)]
     assert ids == [f"s{i:05d}" for i in range(10_000)]
 
@@ -185,8 +190,9 @@ def test_a_read_is_retried_across_a_replica_restart(api_replica: ApiReplica) -> 
             api_replica.process = restarted[0]
 
 
-def test_the_api_and_token_come_from_the_environment(api_replica: ApiReplica,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_api_and_token_come_from_the_environment(
+    api_replica: ApiReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HASCHEDULER_API", api_replica.url)
     monkeypatch.setenv("HASCHEDULER_TOKEN", WRITE)
     with Client() as api:
@@ -204,7 +210,8 @@ def test_the_first_script_is_five_lines(api_replica: ApiReplica) -> None:
         f"with Client({api_replica.url!r}, {WRITE!r}) as api:\n"
         "    api.create_schedule({'id': 'hello', 'name': 'hello', 'target': 'demo.hello',\n"
         "                         'trigger': {'kind': 'cron', 'cron': '*/5 * * * *'}})\n"
-        "    print(api.next_fires('hello', count=1).times[0].nominal)\n")
+        "    print(api.next_fires('hello', count=1).times[0].nominal)\n"
+    )
     assert len(script.strip().splitlines()) == 5
     exec(compile(script, "first_script", "exec"), namespace)
     with Client(api_replica.url, WRITE) as api:
@@ -212,7 +219,8 @@ def test_the_first_script_is_five_lines(api_replica: ApiReplica) -> None:
 
 
 def test_many_schedules_in_one_request_all_checked_before_any_is_written(
-        api_replica: ApiReplica) -> None:
+    api_replica: ApiReplica,
+) -> None:
     with Client(api_replica.url, WRITE) as api:
         api.create_schedule(body("taken"))
         answer = api.create_schedules([body(f"b{i}") for i in range(3)] + [body("taken")])
@@ -226,10 +234,13 @@ def test_many_schedules_in_one_request_all_checked_before_any_is_written(
         with pytest.raises(NotFound):
             api.get_schedule("c0")  # nothing of a refused batch is written
         with pytest.raises(Invalid) as too_many:
-            api.create_schedules([{"name": "n", "target": "t",
-                                   "trigger": {"kind": "cron", "cron": "0 0 * * *"}}] * 501)
+            api.create_schedules(
+                [{"name": "n", "target": "t", "trigger": {"kind": "cron", "cron": "0 0 * * *"}}]
+                * 501
+            )
         assert any("schedules" in e["field"] for e in too_many.value.errors)
         with pytest.raises(HaschedulerError) as too_big:
-            api.create_schedules([body(f"big{i}", payload={"blob": "x" * 60_000})
-                                  for i in range(3)])
+            api.create_schedules(
+                [body(f"big{i}", payload={"blob": "x" * 60_000}) for i in range(3)]
+            )
         assert too_big.value.status == 413

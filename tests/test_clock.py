@@ -20,9 +20,10 @@ class Machine:
     def __init__(self, wall_offset_s: float) -> None:
         self.t = 0.0
         self.wall_offset_s = wall_offset_s
-        self.clock = ServerClock(monotonic=lambda: self.t + 50,
-                                 wall=lambda: SERVER_START + dt.timedelta(
-                                     seconds=self.t + self.wall_offset_s))
+        self.clock = ServerClock(
+            monotonic=lambda: self.t + 50,
+            wall=lambda: SERVER_START + dt.timedelta(seconds=self.t + self.wall_offset_s),
+        )
 
     def server_time(self) -> dt.datetime:
         exact = SERVER_START + dt.timedelta(seconds=self.t)
@@ -50,7 +51,8 @@ def test_before_any_sample_the_clock_is_unknown_and_may_not_lead() -> None:
 @pytest.mark.parametrize("wall_offset_s", [-600.0, -4.0, 0.0, 4.0, 600.0])
 @pytest.mark.parametrize("answer_at", [0.0, 0.5, 1.0])
 def test_now_never_runs_ahead_of_the_server_whatever_the_wall_clock(
-        wall_offset_s: float, answer_at: float) -> None:
+    wall_offset_s: float, answer_at: float
+) -> None:
     m = Machine(wall_offset_s)
     for _ in range(20):
         m.ask(rtt_s=0.004, answer_at=answer_at)

@@ -49,8 +49,9 @@ class Skewed:
         self.schedule_id = f"{self.prefix}-every-second"
         env = moved_clock_env(skew_s) if skew_s else None
         self.replica_id = f"skewed{skew_s:+g}"
-        self.replica = start_replica(with_database(mongo_uri, self.db_name),
-                                     self.replica_id, "--broker", nats.uri, env=env)
+        self.replica = start_replica(
+            with_database(mongo_uri, self.db_name), self.replica_id, "--broker", nats.uri, env=env
+        )
 
 
 @pytest.fixture
@@ -72,7 +73,8 @@ async def clusters(mongo_uri: str) -> AsyncIterator[tuple[ServerProcess, list[Sk
 
 
 async def test_replicas_with_wrong_clocks_never_fire_early_and_stay_on_time(
-        clusters: tuple[ServerProcess, list[Skewed]], mongo_uri: str) -> None:
+    clusters: tuple[ServerProcess, list[Skewed]], mongo_uri: str
+) -> None:
     nats, skewed = clusters
     async with aiohttp.ClientSession() as http:
         for s in skewed:
@@ -82,6 +84,7 @@ async def test_replicas_with_wrong_clocks_never_fire_early_and_stay_on_time(
                     body = await r.json()
                 clock = body.get("clock") or {}
                 return clock if clock.get("offset_s") is not None else None
+
             clock = await wait_until(clock_known, 20, f"replica {s.skew_s:+g}s to know its offset")
             assert abs(clock["offset_s"] + s.skew_s) <= clock["error_s"] + 0.005, clock
             assert clock["problem"] is None
@@ -94,9 +97,15 @@ async def test_replicas_with_wrong_clocks_never_fire_early_and_stay_on_time(
             async def leads(s: Skewed = s) -> bool:
                 async with http.get(s.replica.uri + "/leader") as r:
                     return bool((await r.json())["holder"] == s.replica_id)
+
             await wait_until(leads, 20, f"replica {s.skew_s:+g}s to lead")
-            body = {"id": s.schedule_id, "name": s.schedule_id, "target": f"audit.{s.prefix}",
-                    "trigger": {"kind": "cron", "cron": "* * * * * *"}, "catchup": "all"}
+            body = {
+                "id": s.schedule_id,
+                "name": s.schedule_id,
+                "target": f"audit.{s.prefix}",
+                "trigger": {"kind": "cron", "cron": "* * * * * *"},
+                "catchup": "all",
+            }
             async with http.post(s.replica.uri + "/schedules", json=body) as r:
                 assert r.status == 201, await r.text()
 
@@ -113,8 +122,9 @@ async def test_replicas_with_wrong_clocks_never_fire_early_and_stay_on_time(
         assert p99 < 0.1, f"replica {skew:+g}s: lateness p99 {p99:.3f}s; all: {report}"
 
 
-async def lateness_p99(client: Any, nats: ServerProcess, s: Skewed, start: dt.datetime,
-                       end: dt.datetime) -> float:
+async def lateness_p99(
+    client: Any, nats: ServerProcess, s: Skewed, start: dt.datetime, end: dt.datetime
+) -> float:
     """Every nominal time of the window in the stream once and never early; the p99 of
     broker store time minus nominal time."""
     nominals = list(fire_times(Cron("* * * * * *", "UTC"), start, until=end))
@@ -122,14 +132,17 @@ async def lateness_p99(client: Any, nats: ServerProcess, s: Skewed, start: dt.da
 
     async def all_published() -> bool:
         n = await client[s.db_name].fires.count_documents(
-            {"_id": {"$in": sorted(expected)}, "state": "published"})
+            {"_id": {"$in": sorted(expected)}, "state": "published"}
+        )
         return bool(n == len(expected))
+
     # Every fire of the window published: the window's length plus the time to publish.
-    await wait_until(all_published, WINDOW_S + 20, f"the fires of replica {s.skew_s:+g}s",
-                     0.25)
+    await wait_until(all_published, WINDOW_S + 20, f"the fires of replica {s.skew_s:+g}s", 0.25)
     counts, stored = await stream_counts(nats.uri, s.prefix)
     assert all(counts[f] == 1 for f in expected), (
-        s.skew_s, {f: counts[f] for f in expected if counts[f] != 1})
+        s.skew_s,
+        {f: counts[f] for f in expected if counts[f] != 1},
+    )
     early = {f: (stored[f] - n).total_seconds() for f, n in expected.items() if stored[f] < n}
     assert not early, f"replica {s.skew_s:+g}s published early: {early}"
     return pct([(stored[f] - n).total_seconds() for f, n in expected.items()], 0.99)

@@ -28,8 +28,7 @@ class Cluster:
     def stop(self, name: str) -> None:
         assert self.replicas.pop(name).stop() == 0
 
-    async def request(self, name: str, method: str, path: str,
-                      **kwargs: Any) -> tuple[int, Any]:
+    async def request(self, name: str, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
         async with self.http.request(method, self.replicas[name].uri + path, **kwargs) as r:
             body = await r.json() if r.content_type == "application/json" else None
             return r.status, body
@@ -38,11 +37,13 @@ class Cluster:
         status, body = await self.request(name, "GET", f"/mirror/{schedule_id}")
         return body if status == 200 else None
 
-    async def await_everywhere(self, schedule_id: str, what: str,
-                               check: Any = lambda entry: entry is not None) -> None:
+    async def await_everywhere(
+        self, schedule_id: str, what: str, check: Any = lambda entry: entry is not None
+    ) -> None:
         async def everywhere() -> bool:
             entries = [await self.mirror(n, schedule_id) for n in self.replicas]
             return all(check(e) for e in entries)
+
         await wait_until(everywhere, 15, f"{what} on every replica")
 
     async def digests(self) -> set[str]:
@@ -51,6 +52,7 @@ class Cluster:
     async def converged(self) -> None:
         async def one_digest() -> bool:
             return len(await self.digests()) == 1
+
         await wait_until(one_digest, 15, "the mirror digests to converge")
 
     async def close(self) -> None:
@@ -95,18 +97,25 @@ async def admin(mongo_uri: str) -> AsyncIterator[Any]:
 
 
 def schedule(schedule_id: str, **extra: Any) -> dict[str, Any]:
-    return {"id": schedule_id, "name": schedule_id, "target": "demo.ticks", "jitter": 2,
-            "trigger": {"kind": "cron", "cron": "*/5 * * * * *"}, **extra}
+    return {
+        "id": schedule_id,
+        "name": schedule_id,
+        "target": "demo.ticks",
+        "jitter": 2,
+        "trigger": {"kind": "cron", "cron": "*/5 * * * * *"},
+        **extra,
+    }
 
 
-async def test_a_schedule_created_on_one_replica_reaches_every_mirror(
-        cluster: Cluster) -> None:
+async def test_a_schedule_created_on_one_replica_reaches_every_mirror(cluster: Cluster) -> None:
     sid = f"s-{uuid.uuid4().hex[:6]}"
     status, created = await cluster.request("a", "POST", "/schedules", json=schedule(sid))
     assert status == 201
     await cluster.await_everywhere(sid, "the new schedule")
-    previews = [(await cluster.request(n, "GET", f"/schedules/{sid}/next?count=4"))[1]
-                for n in cluster.replicas]
+    previews = [
+        (await cluster.request(n, "GET", f"/schedules/{sid}/next?count=4"))[1]
+        for n in cluster.replicas
+    ]
     assert previews[0] == previews[1] == previews[2]
     nominal = {(await cluster.mirror(n, sid))["next_nominal"] for n in cluster.replicas}
     assert len(nominal) == 1
@@ -114,16 +123,20 @@ async def test_a_schedule_created_on_one_replica_reaches_every_mirror(
 
     # Update, pause, resume, delete: each through a different replica, each everywhere.
     status, _ = await cluster.request(
-        "b", "PUT", f"/schedules/{sid}", json=schedule(sid, name="renamed"),
-        headers={"If-Match": f'"{created["revision"]}"'})
+        "b",
+        "PUT",
+        f"/schedules/{sid}",
+        json=schedule(sid, name="renamed"),
+        headers={"If-Match": f'"{created["revision"]}"'},
+    )
     assert status == 200
-    await cluster.await_everywhere(sid, "the update",
-                                   lambda e: e is not None and e["revision"] == 2)
+    await cluster.await_everywhere(
+        sid, "the update", lambda e: e is not None and e["revision"] == 2
+    )
     await cluster.request("c", "POST", f"/schedules/{sid}/pause")
     await cluster.await_everywhere(sid, "the pause", lambda e: e is not None and e["paused"])
     await cluster.request("a", "POST", f"/schedules/{sid}/resume")
-    await cluster.await_everywhere(sid, "the resume",
-                                   lambda e: e is not None and not e["paused"])
+    await cluster.await_everywhere(sid, "the resume", lambda e: e is not None and not e["paused"])
     assert (await cluster.request("b", "DELETE", f"/schedules/{sid}"))[0] == 204
     await cluster.await_everywhere(sid, "the delete", lambda e: e is None)
     await cluster.converged()
@@ -143,10 +156,19 @@ async def test_a_restarted_replica_resyncs_what_it_missed(cluster: Cluster) -> N
 
 
 async def test_dropped_stream_connections_resume_with_nothing_lost(
-        cluster: Cluster, admin: Any) -> None:
-    await admin.command({"configureFailPoint": "failCommand", "mode": {"times": 3},
-                         "data": {"failCommands": ["getMore"], "closeConnection": True,
-                                  "appName": "hascheduler/b"}})
+    cluster: Cluster, admin: Any
+) -> None:
+    await admin.command(
+        {
+            "configureFailPoint": "failCommand",
+            "mode": {"times": 3},
+            "data": {
+                "failCommands": ["getMore"],
+                "closeConnection": True,
+                "appName": "hascheduler/b",
+            },
+        }
+    )
     ids = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(20)]
     for sid in ids:
         # One at a time, each seen everywhere before the next: every write is answered by
@@ -162,9 +184,13 @@ async def test_history_lost_makes_the_replica_resync(cluster: Cluster, admin: An
     before = (await cluster.request("b", "GET", "/readyz"))[1]["resyncs"]
     # Every getMore of b's until it resyncs: b has two change streams (the mirror's and
     # the lease watch's), and a fail point for one getMore could be spent on the lease's.
-    await admin.command({"configureFailPoint": "failCommand", "mode": "alwaysOn",
-                         "data": {"failCommands": ["getMore"], "errorCode": 286,
-                                  "appName": "hascheduler/b"}})
+    await admin.command(
+        {
+            "configureFailPoint": "failCommand",
+            "mode": "alwaysOn",
+            "data": {"failCommands": ["getMore"], "errorCode": 286, "appName": "hascheduler/b"},
+        }
+    )
     sid = f"h-{uuid.uuid4().hex[:6]}"
     try:
         await cluster.request("a", "POST", "/schedules", json=schedule(sid))

@@ -90,8 +90,12 @@ async def through_a_step_down(h: Harness, fault: Any) -> dict[str, Any]:
     primary_again = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=STEP_DOWN_S)
 
     async def firing_again() -> bool:
-        return await h.db.fires.count_documents({"state": "published",
-                                                 "due_at": {"$gte": primary_again}}) >= 3
+        return (
+            await h.db.fires.count_documents(
+                {"state": "published", "due_at": {"$gte": primary_again}}
+            )
+            >= 3
+        )
 
     await wait_until(firing_again, 30, "fires published after the election")
     end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
@@ -140,8 +144,14 @@ async def test_a_step_down_during_a_leader_handover(harness: Harness, mongo_uri:
     assert (await harness.lease())["holder"] in harness.replicas  # not the departed one
     # A schedule written after the election reaches every mirror.
     any_replica = next(iter(harness.replicas))
-    async with harness.http.post(harness.replicas[any_replica].uri + "/schedules", json={
-            "id": f"{harness.prefix}-after", "name": "after", "target": "t",
-            "trigger": {"kind": "interval", "every": 60}}) as r:
+    async with harness.http.post(
+        harness.replicas[any_replica].uri + "/schedules",
+        json={
+            "id": f"{harness.prefix}-after",
+            "name": "after",
+            "target": "t",
+            "trigger": {"kind": "interval", "every": 60},
+        },
+    ) as r:
         assert r.status == 201, await r.text()
     await converged(harness)

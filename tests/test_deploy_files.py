@@ -32,20 +32,37 @@ def kustomize_build(directory: Path) -> list[dict[str, Any]]:
     """``kubectl kustomize DIRECTORY``: kustomize itself, as `kubectl apply -k` renders."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with its built-in kustomize) is missing: install it"
-    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([tool("kubernetes-validate"), "--strict", "--kubernetes-version",
-                           KUBERNETES_VERSION, "--quiet", str(path)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [
+            tool("kubernetes-validate"),
+            "--strict",
+            "--kubernetes-version",
+            KUBERNETES_VERSION,
+            "--quiet",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("manifest", sorted(p.name for p in K8S.glob("*.yaml")
-                                            if p.name != "kustomization.yaml"))
+@pytest.mark.parametrize(
+    "manifest", sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+)
 def test_each_manifest_validates_strictly(manifest: str) -> None:
     result = validate(K8S / manifest)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -58,8 +75,9 @@ def rendered_and_validated(directory: Path, tmp_path: Path) -> dict[tuple[str, s
     rendered.write_text(yaml.safe_dump_all(docs))
     result = validate(rendered)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert all(d["metadata"].get("namespace") == "hascheduler" for d in docs
-               if d["kind"] != "Namespace")
+    assert all(
+        d["metadata"].get("namespace") == "hascheduler" for d in docs if d["kind"] != "Namespace"
+    )
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
@@ -71,6 +89,7 @@ def test_the_ha_overlay_makes_every_cluster_three_members(tmp_path: Path) -> Non
     assert "replicaSet=rs0" in config["HASCHEDULER_MONGODB_URI"]
     assert "w=majority" in config["HASCHEDULER_MONGODB_URI"]
     from hascheduler.brokers.nats.publisher import NatsEndpoint
+
     broker = NatsEndpoint.parse(config["HASCHEDULER_BROKER"])
     assert broker.servers == [f"nats://nats-{i}.nats-cluster:4222" for i in range(3)]
     assert broker.replicas == 3
@@ -79,17 +98,20 @@ def test_the_ha_overlay_makes_every_cluster_three_members(tmp_path: Path) -> Non
         assert workload["spec"]["replicas"] == 3
         pod = workload["spec"]["template"]["spec"]
         required = pod["affinity"]["podAntiAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"]
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
         assert required[0]["topologyKey"] == "kubernetes.io/hostname"
         assert pod["topologySpreadConstraints"]
         assert by_kind[("PodDisruptionBudget", name)]["spec"]["maxUnavailable"] == 1
     for name in ("hascheduler", "hascheduler-worker"):
         spread = by_kind[("Deployment", name)]["spec"]["template"]["spec"][
-            "topologySpreadConstraints"]
+            "topologySpreadConstraints"
+        ]
         assert spread[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/name"] == name
     # The rs-init job names all three members, and initiates only when not yet initiated.
-    script = by_kind[("Job", "mongodb-rs-init")]["spec"]["template"]["spec"][
-        "containers"][0]["command"][-1]
+    script = by_kind[("Job", "mongodb-rs-init")]["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ][-1]
     assert all(m in script for m in members)
     assert "NotYetInitialized" in script
     assert "replSetReconfig" in script
@@ -112,30 +134,30 @@ def test_the_rabbitmq_overlay_replaces_nats_with_a_three_node_cluster(tmp_path: 
     for name in ("hascheduler", "hascheduler-worker"):
         env = by_kind[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["env"]
         broker = next(e for e in env if e["name"] == "HASCHEDULER_BROKER")
-        assert broker["valueFrom"]["secretKeyRef"] == {"name": "hascheduler-rabbitmq",
-                                                       "key": "url"}
+        assert broker["valueFrom"]["secretKeyRef"] == {"name": "hascheduler-rabbitmq", "key": "url"}
     rabbit = by_kind[("StatefulSet", "rabbitmq")]["spec"]
     assert rabbit["replicas"] == 3
     assert rabbit["podManagementPolicy"] == "Parallel"
     conf = by_kind[("ConfigMap", "rabbitmq-config")]["data"]["rabbitmq.conf"]
-    nodes = [f"rabbit@rabbitmq-{i}.rabbitmq-nodes.hascheduler.svc.cluster.local"
-             for i in range(3)]
+    nodes = [f"rabbit@rabbitmq-{i}.rabbitmq-nodes.hascheduler.svc.cluster.local" for i in range(3)]
     assert all(n in conf for n in nodes)
     assert by_kind[("PodDisruptionBudget", "rabbitmq")]["spec"]["maxUnavailable"] == 1
     egress = by_kind[("NetworkPolicy", "hascheduler")]["spec"]["egress"]
-    reached = {r["to"][0].get("podSelector", {}).get("matchLabels", {}).get(
-        "app.kubernetes.io/name"): [p["port"] for p in r["ports"]] for r in egress}
+    reached = {
+        r["to"][0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name"): [
+            p["port"] for p in r["ports"]
+        ]
+        for r in egress
+    }
     assert reached["rabbitmq"] == [5672]
     assert "nats" not in reached
-    example = yaml.safe_load((OVERLAYS / "rabbitmq" / "rabbitmq-secret.example.yaml")
-                             .read_text())
+    example = yaml.safe_load((OVERLAYS / "rabbitmq" / "rabbitmq-secret.example.yaml").read_text())
     assert example["metadata"]["name"] == "hascheduler-rabbitmq"
     assert set(example["stringData"]) == {"user", "password", "erlang-cookie", "url"}
     assert example["stringData"]["url"].startswith("amqp://")
 
 
-def test_the_local_overlay_changes_only_what_a_cluster_without_dns_forces(
-        tmp_path: Path) -> None:
+def test_the_local_overlay_changes_only_what_a_cluster_without_dns_forces(tmp_path: Path) -> None:
     """k8s/overlays/local (scripts/k8s-local-demo.sh): MongoDB and NATS outside the
     cluster, the 1.20 budget, images never pulled; every other object as in the base."""
     base = {(d["kind"], d["metadata"]["name"]): d for d in kustomize_build(K8S)}
@@ -150,32 +172,44 @@ def test_the_local_overlay_changes_only_what_a_cluster_without_dns_forces(
 
     assert budget["apiVersion"] == "policy/v1beta1"
     assert budget["spec"] == base[("PodDisruptionBudget", "hascheduler")]["spec"]
-    outside = {("StatefulSet", "mongodb"), ("Service", "mongodb"), ("Job", "mongodb-rs-init"),
-               ("NetworkPolicy", "mongodb"), ("NetworkPolicy", "mongodb-rs-init"),
-               ("StatefulSet", "nats"), ("Service", "nats"), ("NetworkPolicy", "nats")}
+    outside = {
+        ("StatefulSet", "mongodb"),
+        ("Service", "mongodb"),
+        ("Job", "mongodb-rs-init"),
+        ("NetworkPolicy", "mongodb"),
+        ("NetworkPolicy", "mongodb-rs-init"),
+        ("StatefulSet", "nats"),
+        ("Service", "nats"),
+        ("NetworkPolicy", "nats"),
+    }
     assert set(base) - set(local) == outside | {("PodDisruptionBudget", "hascheduler")}
     assert set(local) <= set(base)
 
     config = local[("ConfigMap", "hascheduler-config")]["data"]
     base_config = base[("ConfigMap", "hascheduler-config")]["data"]
     assert config["HASCHEDULER_MONGODB_URI"] == (
-        "mongodb://172.17.0.1:27017/hascheduler?replicaSet=rs0")
+        "mongodb://172.17.0.1:27017/hascheduler?replicaSet=rs0"
+    )
     assert config["HASCHEDULER_BROKER"] == "nats://172.17.0.1:4222"
     changed = {k for k in base_config if config[k] != base_config[k]}
     assert changed == {"HASCHEDULER_MONGODB_URI", "HASCHEDULER_BROKER"}
     assert set(config) == set(base_config)
 
     egress = local[("NetworkPolicy", "hascheduler")]["spec"]["egress"]
-    assert egress == [{"to": [{"ipBlock": {"cidr": "172.17.0.1/32"}}],
-                       "ports": [{"port": 27017, "protocol": "TCP"},
-                                 {"port": 4222, "protocol": "TCP"}]}]
+    assert egress == [
+        {
+            "to": [{"ipBlock": {"cidr": "172.17.0.1/32"}}],
+            "ports": [{"port": 27017, "protocol": "TCP"}, {"port": 4222, "protocol": "TCP"}],
+        }
+    ]
     for name in ("hascheduler", "hascheduler-worker"):
         pods = local[("Deployment", name)]["spec"]["template"]["spec"]
         assert [c["imagePullPolicy"] for c in pods["containers"]] == ["Never"]
         pods["containers"][0]["imagePullPolicy"] = "IfNotPresent"
     local[("ConfigMap", "hascheduler-config")]["data"] = base_config
-    local[("NetworkPolicy", "hascheduler")]["spec"]["egress"] = (
-        base[("NetworkPolicy", "hascheduler")]["spec"]["egress"])
+    local[("NetworkPolicy", "hascheduler")]["spec"]["egress"] = base[
+        ("NetworkPolicy", "hascheduler")
+    ]["spec"]["egress"]
     assert all(local[key] == base[key] for key in local), "changed beyond what is forced"
 
 
@@ -185,8 +219,10 @@ def test_kustomize_output_validates_and_holds_what_the_demo_needs(tmp_path: Path
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert deployment["spec"]["replicas"] == 3
-    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} \
-        in container["env"]
+    assert {
+        "name": "POD_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    } in container["env"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["resources"]["limits"]
@@ -195,12 +231,14 @@ def test_kustomize_output_validates_and_holds_what_the_demo_needs(tmp_path: Path
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # Longer than the leader's drain (DispatchSettings.drain_timeout_s) plus the handover.
     from hascheduler.replica.publishing import DispatchSettings
+
     assert pod["terminationGracePeriodSeconds"] > DispatchSettings().drain_timeout_s + 10
     assert pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     service = by_kind[("Service", "hascheduler")]
     kind_config = yaml.safe_load((ROOT / "kind-config.yaml").read_text())
-    mapped = {m["containerPort"] for n in kind_config["nodes"]
-              for m in n.get("extraPortMappings", [])}
+    mapped = {
+        m["containerPort"] for n in kind_config["nodes"] for m in n.get("extraPortMappings", [])
+    }
     assert service["spec"]["ports"][0]["nodePort"] in mapped
     assert ("PodDisruptionBudget", "hascheduler") in by_kind
     assert ("Deployment", "hascheduler-worker") in by_kind
@@ -212,10 +250,18 @@ def test_kustomize_output_validates_and_holds_what_the_demo_needs(tmp_path: Path
 
 
 def test_scripts_pass_shellcheck() -> None:
-    scripts = sorted(str(p) for p in (ROOT / "scripts").iterdir()
-                     if p.suffix == ".sh" or p.name in {"hascheduler", "test"})
-    result = subprocess.run([tool("shellcheck"), *scripts, str(ROOT / ".ci" / "run")],
-                            capture_output=True, text=True, timeout=120, check=False)
+    scripts = sorted(
+        str(p)
+        for p in (ROOT / "scripts").iterdir()
+        if p.suffix == ".sh" or p.name in {"hascheduler", "test"}
+    )
+    result = subprocess.run(
+        [tool("shellcheck"), *scripts, str(ROOT / ".ci" / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for script in scripts:
         text = Path(script).read_text()
@@ -225,8 +271,13 @@ def test_scripts_pass_shellcheck() -> None:
 
 def test_dockerfile_passes_hadolint_and_runs_as_non_root() -> None:
     dockerfile = ROOT / "Dockerfile"
-    result = subprocess.run([tool("hadolint"), str(dockerfile)], capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [tool("hadolint"), str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     text = dockerfile.read_text()
     assert text.count("FROM ") >= 2, "multi-stage"
@@ -243,9 +294,14 @@ def test_dockerfile_passes_hadolint_and_runs_as_non_root() -> None:
 def test_kind_scripts_check_their_tools_first(tmp_path: Path) -> None:
     # With an empty PATH (bash found by absolute path) each says what is missing, exit 2.
     for script in ("kind-demo.sh", "kind-down.sh"):
-        result = subprocess.run(["/bin/bash", str(ROOT / "scripts" / script)],
-                                capture_output=True, text=True, timeout=30, check=False,
-                                env={"PATH": str(tmp_path)})
+        result = subprocess.run(
+            ["/bin/bash", str(ROOT / "scripts" / script)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env={"PATH": str(tmp_path)},
+        )
         assert result.returncode == 2, result.stderr
         assert "kind" in result.stderr
         assert "needs" in result.stderr
@@ -274,6 +330,7 @@ def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_
     assert set(example["stringData"]) == {"write", "read"}
     assert ("Secret", "hascheduler-tokens") not in by_kind
     from hascheduler.api.access import AccessConfigError, legacy_grants
+
     for scope, text in example["stringData"].items():
         with pytest.raises(AccessConfigError, match="CHANGE-ME"):
             legacy_grants({f"HASCHEDULER_{scope.upper()}_TOKENS": text})
@@ -282,8 +339,9 @@ def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_
     workloads = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]
     for workload in workloads:
         labels = workload["spec"]["template"]["metadata"]["labels"]
-        assert any(p["podSelector"]["matchLabels"].items() <= labels.items()
-                   for p in policies.values()), workload["metadata"]["name"]
+        assert any(
+            p["podSelector"]["matchLabels"].items() <= labels.items() for p in policies.values()
+        ), workload["metadata"]["name"]
 
     def ports(rules: list[dict[str, Any]]) -> set[int]:
         return {p["port"] for rule in rules for p in rule.get("ports", [])}
@@ -294,7 +352,10 @@ def test_replicas_get_api_tokens_from_a_secret_and_network_policies_cover_every_
     assert ports(scheduler["egress"]) == {27017, 4222, 53}
     assert ":27017/" in config["HASCHEDULER_MONGODB_URI"]
     assert config["HASCHEDULER_BROKER"].endswith(":4222")
-    mongo_clients = {s["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
-                     for rule in policies["mongodb"]["ingress"] for s in rule["from"]}
+    mongo_clients = {
+        s["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for rule in policies["mongodb"]["ingress"]
+        for s in rule["from"]
+    }
     assert mongo_clients == {"hascheduler", "mongodb-rs-init", "mongodb"}
     assert "ingress" not in policies["hascheduler-worker"]  # no connections in at all

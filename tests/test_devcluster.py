@@ -25,9 +25,16 @@ T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
 
 def schedule(sid: str, every: float, jitter: float = 0.0, paused: bool = False) -> dict[str, Any]:
-    return {"_id": sid, "revision": 1, "paused": paused, "jitter": jitter, "catchup": "all",
-            "catchup_window": 3600.0, "target": "t",
-            "trigger": {"kind": "interval", "every": every, "start_at": T0}}
+    return {
+        "_id": sid,
+        "revision": 1,
+        "paused": paused,
+        "jitter": jitter,
+        "catchup": "all",
+        "catchup_window": 3600.0,
+        "target": "t",
+        "trigger": {"kind": "interval", "every": every, "start_at": T0},
+    }
 
 
 def event(sid: str, seconds: float) -> dict[str, Any]:
@@ -55,10 +62,18 @@ def test_audit_finds_missing_duplicated_and_unexpected() -> None:
     assert not report["ok"]
 
 
-def run_cli(*args: str, cwd: Path,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+def run_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> None:
@@ -68,8 +83,11 @@ def test_dev_controls_refuse_bad_input_and_a_missing_cluster(tmp_path: Path) -> 
     bad = run_cli("dev", "kill-leader", "--signal", "HUP", cwd=tmp_path)
     assert bad.returncode == 2
     assert "invalid choice: 'HUP'" in bad.stderr
-    for size, message in (("0", "0 is not from 1 to 7 nats-servers"),
-                          ("99", "99 is not from 0 to 20"), ("3x", "'3x' is not a whole")):
+    for size, message in (
+        ("0", "0 is not from 1 to 7 nats-servers"),
+        ("99", "99 is not from 0 to 20"),
+        ("3x", "'3x' is not a whole"),
+    ):
         bad = run_cli("dev", "--nats-cluster", size, cwd=tmp_path)
         assert bad.returncode == 2
         assert message in bad.stderr
@@ -87,18 +105,28 @@ def test_the_audit_command_refuses_bad_input(tmp_path: Path) -> None:
     window = ["--since", now.isoformat(), "--until", (now + dt.timedelta(seconds=1)).isoformat()]
     uri = ["--mongodb-uri", "mongodb://127.0.0.1:9/"]
     cases = [
-        (["--since", "yesterday", "--until", now.isoformat(), *uri, "--broker", "nats://x:1"],
-         "'yesterday' is not an ISO-8601 instant"),
-        (["--since", "2030-01-01T00:00:00", "--until", now.isoformat()],
-         "'2030-01-01T00:00:00' is not an ISO-8601 instant with a UTC offset"),
+        (
+            ["--since", "yesterday", "--until", now.isoformat(), *uri, "--broker", "nats://x:1"],
+            "'yesterday' is not an ISO-8601 instant",
+        ),
+        (
+            ["--since", "2030-01-01T00:00:00", "--until", now.isoformat()],
+            "'2030-01-01T00:00:00' is not an ISO-8601 instant with a UTC offset",
+        ),
         ([*window, "--broker", "nats://x:1"], "--mongodb-uri (or HASCHEDULER_MONGODB_URI)"),
         ([*window, *uri, "--broker", "log:"], "log keeps no fires to audit"),
-        (["--since", window[3], "--until", window[1], *uri, "--broker", "nats://x:1"],
-         "--since must be before --until"),
-        ([*window, "--mongodb-uri", "mongodb://h:99999/", "--broker", "nats://x:1"],
-         "--mongodb-uri: Port must be an integer"),
-        ([*window, "--mongodb-uri", "http://h/", "--broker", "nats://x:1"],
-         "--mongodb-uri: Invalid URI scheme"),
+        (
+            ["--since", window[3], "--until", window[1], *uri, "--broker", "nats://x:1"],
+            "--since must be before --until",
+        ),
+        (
+            [*window, "--mongodb-uri", "mongodb://h:99999/", "--broker", "nats://x:1"],
+            "--mongodb-uri: Port must be an integer",
+        ),
+        (
+            [*window, "--mongodb-uri", "http://h/", "--broker", "nats://x:1"],
+            "--mongodb-uri: Invalid URI scheme",
+        ),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HASCHEDULER_")}
     for args, message in cases:
@@ -120,23 +148,49 @@ def test_dev_cluster_controls_against_a_running_cluster(tmp_path: Path) -> None:
         assert len(status["replicas"]) == 2
         assert status["leader"] in {"r1", "r2"}
 
-        short = run_cli("dev", "kill-leader", "--signal", "STOP", "--stop-for", "1", *where,
-                        cwd=tmp_path)
+        short = run_cli(
+            "dev", "kill-leader", "--signal", "STOP", "--stop-for", "1", *where, cwd=tmp_path
+        )
         assert short.returncode == 1
         assert "stop_for_s: must be from the lease ttl" in short.stderr
-        stopped = run_cli("dev", "kill-leader", "--signal", "STOP", "--stop-for", "5", "--json",
-                          *where, cwd=tmp_path)
+        stopped = run_cli(
+            "dev",
+            "kill-leader",
+            "--signal",
+            "STOP",
+            "--stop-for",
+            "5",
+            "--json",
+            *where,
+            cwd=tmp_path,
+        )
         assert stopped.returncode == 0, stopped.stderr
         result = json.loads(stopped.stdout)
         assert result["new_leader"] != result["killed"]
         assert result["new_term"] > result["old_term"]
 
-        bad = run_cli("dev", "audit", "--since", "yesterday", "--until", "2030-01-01T00:00:00Z",
-                      *where, cwd=tmp_path)
+        bad = run_cli(
+            "dev",
+            "audit",
+            "--since",
+            "yesterday",
+            "--until",
+            "2030-01-01T00:00:00Z",
+            *where,
+            cwd=tmp_path,
+        )
         assert bad.returncode == 1
         assert "since: must be an ISO-8601 instant" in bad.stderr
-        no_stream = run_cli("dev", "audit", "--since", "2030-01-01T00:00:00Z",
-                            "--until", "2030-01-01T00:01:00Z", *where, cwd=tmp_path)
+        no_stream = run_cli(
+            "dev",
+            "audit",
+            "--since",
+            "2030-01-01T00:00:00Z",
+            "--until",
+            "2030-01-01T00:01:00Z",
+            *where,
+            cwd=tmp_path,
+        )
         assert no_stream.returncode == 1
         assert "auditing needs a broker (started with --broker log:)" in no_stream.stderr
         no_workers = run_cli("dev", "scale-workers", "2", *where, cwd=tmp_path)
@@ -157,12 +211,20 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
     duplicated (`dev audit`); `scale-workers` changes the count."""
     state = tmp_path / ".hascheduler-dev"  # the default, seen from tmp_path
     env = {k: v for k, v in os.environ.items() if k != "HASCHEDULER_API"}
-    dev = DevCluster(str(state), "--replicas", "1", "--workers", "2", "--nats-cluster", "3",
-                     env=env)
+    dev = DevCluster(
+        str(state), "--replicas", "1", "--workers", "2", "--nats-cluster", "3", env=env
+    )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "hascheduler.cli", *args], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60, check=False, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "hascheduler.cli", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
 
     def status() -> dict[str, Any]:
         return json.loads(cli("dev", "status", "--json").stdout)
@@ -172,6 +234,7 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
             found = {c.get("id", c.get("name")): c for c in status()[kind]}
             child = found.get(name)
             return child if child and child["alive"] and child["pid"] != old_pid else None
+
         return wait_until_sync(replaced, 30, f"{name} to be started again", 0.2)
 
     try:
@@ -180,16 +243,25 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         nodes = sorted(c["name"] for c in before["others"] if c["name"].startswith("nats-"))
         assert nodes == ["nats-1", "nats-2", "nats-3"]
         assert before["nats_uri"].count(",") == 2
-        added = cli("schedules", "add", "--id", "tick", "--name", "tick", "--target",
-                    "demo.tick", "--every", "1")
+        added = cli(
+            "schedules",
+            "add",
+            "--id",
+            "tick",
+            "--name",
+            "tick",
+            "--target",
+            "demo.tick",
+            "--every",
+            "1",
+        )
         assert added.returncode == 0, added.stderr
         since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
 
         def succeeded(count: int) -> list[dict[str, Any]] | None:
             listed = cli("runs", "list", "--schedule", "tick", "--json")
             assert listed.returncode == 0, listed.stderr
-            done = [r for r in json.loads(listed.stdout)["items"]
-                    if r["state"] == "succeeded"]
+            done = [r for r in json.loads(listed.stdout)["items"] if r["state"] == "succeeded"]
             return done if len(done) >= count else None
 
         runs = wait_until_sync(lambda: succeeded(3), 60, "three runs to succeed", 0.5)
@@ -223,8 +295,9 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         last: list[dict[str, Any]] = []
 
         def clean() -> dict[str, Any] | None:
-            done = cli("dev", "audit", "--since", since.isoformat(), "--until",
-                       until.isoformat(), "--json")
+            done = cli(
+                "dev", "audit", "--since", since.isoformat(), "--until", until.isoformat(), "--json"
+            )
             last[:] = [json.loads(done.stdout)]
             return last[0] if done.returncode == 0 else None
 
@@ -237,14 +310,33 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
             raise AssertionError(last) from None
         assert report["delivered"] == report["expected"] >= 3, report
         # The same count straight from MongoDB and the stream, as the demos' last step.
-        alone = cli("audit", "--since", since.isoformat(), "--until", until.isoformat(),
-                    "--mongodb-uri", before["mongodb_uri"], "--broker", before["nats_uri"],
-                    "--json")
+        alone = cli(
+            "audit",
+            "--since",
+            since.isoformat(),
+            "--until",
+            until.isoformat(),
+            "--mongodb-uri",
+            before["mongodb_uri"],
+            "--broker",
+            before["nats_uri"],
+            "--json",
+        )
         assert alone.returncode == 0, alone.stderr
         assert json.loads(alone.stdout) == report
-        too_few = cli("audit", "--since", since.isoformat(), "--until", until.isoformat(),
-                      "--mongodb-uri", before["mongodb_uri"], "--broker", before["nats_uri"],
-                      "--min-expected", str(report["expected"] + 1))
+        too_few = cli(
+            "audit",
+            "--since",
+            since.isoformat(),
+            "--until",
+            until.isoformat(),
+            "--mongodb-uri",
+            before["mongodb_uri"],
+            "--broker",
+            before["nats_uri"],
+            "--min-expected",
+            str(report["expected"] + 1),
+        )
         assert too_few.returncode == 1
         assert f"fewer than --min-expected {report['expected'] + 1}" in too_few.stderr
 
@@ -266,8 +358,9 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
     state = tmp_path / "dev"
     dev = DevCluster(str(state), "--replicas", "1", "--broker", server.uri)
     try:
-        status = json.loads(run_cli("dev", "status", "--json", "--state-dir", str(state),
-                                    cwd=tmp_path).stdout)
+        status = json.loads(
+            run_cli("dev", "status", "--json", "--state-dir", str(state), cwd=tmp_path).stdout
+        )
         assert status["nats_uri"] == server.uri
         assert {c["name"] for c in status["others"]} == {"devmongo"}  # no broker of its own
         assert [w["id"] for w in status["workers"]] == ["w1"]
@@ -275,7 +368,6 @@ def test_dev_uses_a_nats_server_given_by_url(tmp_path: Path) -> None:
         returncode = dev.stop()
         server.stop()
     assert returncode == 0
-
 
 
 @pytest.mark.long(18)
@@ -298,8 +390,21 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
         rabbit = next(c for c in status["others"] if c["name"] == "rabbitmq")
         assert rabbit["address"].startswith("amqp://127.0.0.1:")
         api = next(iter(dev.replicas.values()))
-        added = run_cli("schedules", "--api", api, "add", "--id", "tick", "--name", "tick",
-                        "--target", "demo.tick", "--every", "1", cwd=tmp_path)
+        added = run_cli(
+            "schedules",
+            "--api",
+            api,
+            "add",
+            "--id",
+            "tick",
+            "--name",
+            "tick",
+            "--target",
+            "demo.tick",
+            "--every",
+            "1",
+            cwd=tmp_path,
+        )
         assert added.returncode == 0, added.stderr
         since = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
 
@@ -307,8 +412,9 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
             until = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
             if until <= since + dt.timedelta(seconds=3):
                 return None
-            done = cli("dev", "audit", "--since", since.isoformat(), "--until",
-                       until.isoformat(), "--json")
+            done = cli(
+                "dev", "audit", "--since", since.isoformat(), "--until", until.isoformat(), "--json"
+            )
             report = json.loads(done.stdout)
             assert done.returncode == 0, report
             return report
@@ -317,11 +423,11 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
         assert report["delivered"] == report["expected"] >= 3, report
 
         def succeeded() -> list[dict[str, Any]] | None:
-            listed = run_cli("runs", "--api", api, "list", "--schedule", "tick", "--json",
-                             cwd=tmp_path)
+            listed = run_cli(
+                "runs", "--api", api, "list", "--schedule", "tick", "--json", cwd=tmp_path
+            )
             assert listed.returncode == 0, listed.stderr
-            done = [r for r in json.loads(listed.stdout)["items"]
-                    if r["state"] == "succeeded"]
+            done = [r for r in json.loads(listed.stdout)["items"] if r["state"] == "succeeded"]
             return done if len(done) >= 3 else None
 
         runs = wait_until_sync(succeeded, 30, "three runs on RabbitMQ to succeed", 0.5)
@@ -334,8 +440,9 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
         returncode = dev.stop()
     assert returncode == 0
     # No process of the node (its command line names its directory) outlived the cluster.
-    left = subprocess.run(["pgrep", "-f", str(state / "rabbitmq")], capture_output=True,
-                          text=True, check=False)
+    left = subprocess.run(
+        ["pgrep", "-f", str(state / "rabbitmq")], capture_output=True, text=True, check=False
+    )
     assert left.returncode == 1, left.stdout
 
 

@@ -41,8 +41,13 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
 
     entries = {f"s{i:05d}": entry(1) for i in range(3 * SEED_STEP)}
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+    )  # type: ignore[arg-type]
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     turns = 0
     seeded = False
@@ -61,8 +66,7 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
     seeded = True
     await other
     assert turns >= 2, "the seed never let another task run"
-    queued = {(d.revision, d.nominal) for d in term.queue.items()
-              if d.schedule_id == "s00000"}
+    queued = {(d.revision, d.nominal) for d in term.queue.items() if d.schedule_id == "s00000"}
     assert (2, at(0.5)) in queued, queued
 
 
@@ -84,15 +88,22 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
 
     now = dt.datetime.now(dt.UTC)
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries={"f": entry}), None, None, None,  # type: ignore[arg-type]
-                            lease,  # type: ignore[arg-type]
-                            clock=lambda: now, sources=Sources())
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries={"f": entry}),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,  # type: ignore[arg-type]
+        clock=lambda: now,
+        sources=Sources(),
+    )
     term = dispatcher.term = await Term(1, lease, {"f": entry}).__aenter__()  # type: ignore[arg-type]
     term.advance(now)
     claimed: list[Claim] = []
 
-    async def claim(claims: list[Claim], term: Term, now: dt.datetime,
-                    backfill: str | None = None) -> list[Claim]:
+    async def claim(
+        claims: list[Claim], term: Term, now: dt.datetime, backfill: str | None = None
+    ) -> list[Claim]:
         claimed.extend(claims)
         return []  # nothing to publish in this test
 
@@ -127,6 +138,7 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
     w = dt.datetime.now(dt.UTC)
     second = dt.timedelta(seconds=1)
     late = dt.timedelta(seconds=LATE_CHANGE_S)
+
     def made(at: dt.datetime | None, created_at: dt.datetime | None = None) -> Written:
         return Written(at, created_at)
 
@@ -149,16 +161,18 @@ async def test_a_change_applied_after_the_watermark_passed_its_fire_still_fires(
     entries: dict[str, Entry] = {}
     async with changes_applied(entries, w) as (dispatcher, term):
         with structlog.testing.capture_logs() as logged:
-            for schedule_id, at, written in [("late", w - second, made(w - 2 * second)),
-                                             ("loaded", w - second, None),
-                                             ("lost", w - 2 * late, made(w - 3 * late))]:
+            for schedule_id, at, written in [
+                ("late", w - second, made(w - 2 * second)),
+                ("loaded", w - second, None),
+                ("lost", w - 2 * late, made(w - 3 * late)),
+            ]:
                 entries[schedule_id] = one_off(at)
                 dispatcher.on_change(schedule_id, entries[schedule_id], written)
         # Only the change past the bound, whose fire is lost, is said to be late.
-        assert [(e["event"], e["schedule_id"]) for e in logged
-                if e["log_level"] == "warning"] == [("change_applied_late", "lost")]
-        assert [(d.schedule_id, d.fire_at) for d in term.queue.items()] == [
-            ("late", w - second)]
+        assert [(e["event"], e["schedule_id"]) for e in logged if e["log_level"] == "warning"] == [
+            ("change_applied_late", "lost")
+        ]
+        assert [(d.schedule_id, d.fire_at) for d in term.queue.items()] == [("late", w - second)]
         assert term.fired_through == w - second - dt.timedelta(microseconds=1)
         assert term.queue.take_due(w, 10)[0].schedule_id == "late"
         assert term.fired_through == w
@@ -172,8 +186,7 @@ async def test_a_schedule_created_after_the_watermark_fires_nothing_due_before_i
     second = dt.timedelta(seconds=1)
     ms = dt.timedelta(milliseconds=1)
     w = T0 - 10 * ms
-    entries = {"new": Entry(1, False, Interval(1.0, T0 - 60 * second), 0.0, "all", 3600.0,
-                            "t")}
+    entries = {"new": Entry(1, False, Interval(1.0, T0 - 60 * second), 0.0, "all", 3600.0, "t")}
     async with changes_applied(entries, w) as (dispatcher, term):
         dispatcher.on_change("new", entries["new"], Written(T0 + 12 * ms, T0 + 10 * ms))
         assert [d.nominal for d in term.queue.items()] == [T0 + second]
@@ -188,11 +201,14 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
     second = dt.timedelta(seconds=1)
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     every = Interval(1.0, now - 60 * second)
-    entries = {"new": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
-               "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
-               "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
-               "fan-out": Entry(1, False, every, 0.0, "all", 3600.0, "t.x",
-                                fan_out=FanOut(collection="tenants"))}
+    entries = {
+        "new": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
+        "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
+        "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
+        "fan-out": Entry(
+            1, False, every, 0.0, "all", 3600.0, "t.x", fan_out=FanOut(collection="tenants")
+        ),
+    }
     async with changes_applied(entries, None) as (dispatcher, term):
         dispatcher.on_change("new", entries["new"], Written(now, now - 2.5 * second))
         dispatcher.on_change("new", entries["new"], Written(now, None))  # the first counts
@@ -204,9 +220,15 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
         due = late_fires(term.early_changes, entries, now)
         # A fan-out's too, for the tenants it selects when claimed (no carve-out).
         assert [(d.schedule_id, d.nominal) for d in due] == [
-            ("fan-out", now - 2 * second), ("new", now - 2 * second),
-            ("changed", now - second), ("fan-out", now - second), ("new", now - second),
-            ("changed", now), ("fan-out", now), ("new", now)]
+            ("fan-out", now - 2 * second),
+            ("new", now - 2 * second),
+            ("changed", now - second),
+            ("fan-out", now - second),
+            ("new", now - second),
+            ("changed", now),
+            ("fan-out", now),
+            ("new", now),
+        ]
         # Made after the term's start, or more than LATE_CHANGE_S before it: from the
         # start, or from LATE_CHANGE_S back.
         assert late_fires({"new": Written(now + second, now + second)}, entries, now) == []
@@ -214,12 +236,16 @@ async def test_a_change_applied_while_a_term_starts_fires_what_fell_due_before_i
         assert len(far) == LATE_CHANGE_S
         # Valid but expensive: a trigger every half millisecond makes 20,000 fires in
         # those 10 s; at most LATE_FIRES_MAX are planned, in both late paths.
-        dense = {"dense": Entry(1, False, Interval(0.0005, now - 60 * second), 0.0, "all",
-                                3600.0, "t.x")}
-        assert len(late_fires({"dense": Written(now, now - 60 * second)}, dense, now)) == \
-            LATE_FIRES_MAX
-        caught, _ = plan_catchups(list(dense.items()), now, now,
-                                   {"dense": now - LATE_CHANGE_S * second})
+        dense = {
+            "dense": Entry(1, False, Interval(0.0005, now - 60 * second), 0.0, "all", 3600.0, "t.x")
+        }
+        assert (
+            len(late_fires({"dense": Written(now, now - 60 * second)}, dense, now))
+            == LATE_FIRES_MAX
+        )
+        caught, _ = plan_catchups(
+            list(dense.items()), now, now, {"dense": now - LATE_CHANGE_S * second}
+        )
         assert len(caught) == LATE_FIRES_MAX  # the late ones; after the watermark, none due
 
 
@@ -230,16 +256,30 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     now = T0 + dt.timedelta(seconds=59)  # the schedule fires every minute from T0
     entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")}
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease, clock=lambda: now)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+        clock=lambda: now,
+    )  # type: ignore[arg-type]
     quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
-    backfilling = Backfilling(None, None, entries, dispatcher.firing.claim_and_publish,  # type: ignore[arg-type]
-                              lambda: False, lambda: now, CLAIM_AHEAD_S)
+    backfilling = Backfilling(
+        None,
+        None,
+        entries,
+        dispatcher.firing.claim_and_publish,  # type: ignore[arg-type]
+        lambda: False,
+        lambda: now,
+        CLAIM_AHEAD_S,
+    )
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         assert backfilling.quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2
-        first, second, third = (Claim(f"f{i}", "s", due, due)
-                                for i, due in enumerate((soon, soon, later)))
+        first, second, third = (
+            Claim(f"f{i}", "s", due, due) for i, due in enumerate((soon, soon, later))
+        )
         term.add_pending([first, second, third, first])  # a claim counted once
         assert term.next_publish_at() == soon
         assert not backfilling.quiet(term)  # a regular publish is due within the window
@@ -271,11 +311,19 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     moves, and one that loses the lease ends the loop with LeadershipLost, the other in
     flight cancelled or finished, none left running."""
     now = dt.datetime.now(dt.UTC)
-    entries = {f"s{i:05d}": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t")
-               for i in range(5 * CLAIM_BATCH)}
+    entries = {
+        f"s{i:05d}": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t")
+        for i in range(5 * CLAIM_BATCH)
+    }
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease, clock=lambda: now)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+        clock=lambda: now,
+    )  # type: ignore[arg-type]
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     await dispatcher._seed(term, now - dt.timedelta(seconds=1))
     at_once = most = 0
@@ -286,8 +334,9 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     batches = len(entries) // CLAIM_BATCH
     overlapped, third_started = asyncio.Event(), asyncio.Event()
 
-    async def claim(batch: list[Due], term_: Term, now_: dt.datetime,
-                    *args: object, **kwargs: object) -> tuple[int, int]:
+    async def claim(
+        batch: list[Due], term_: Term, now_: dt.datetime, *args: object, **kwargs: object
+    ) -> tuple[int, int]:
         nonlocal at_once, most
         at_once += 1
         most = max(most, at_once)
@@ -347,17 +396,27 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
     now = dt.datetime.now(dt.UTC)
     # The first fires 2 s away: every round, the first one too, claims ahead.
     base = now.replace(microsecond=0) + dt.timedelta(seconds=2)
-    entries = {f"s{i:04d}": Entry(1, False, Interval(1.0, base + dt.timedelta(milliseconds=i)),
-                                  0.0, "all", 3600.0, "t") for i in range(1000)}
+    entries = {
+        f"s{i:04d}": Entry(
+            1, False, Interval(1.0, base + dt.timedelta(milliseconds=i)), 0.0, "all", 3600.0, "t"
+        )
+        for i in range(1000)
+    }
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+    )  # type: ignore[arg-type]
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     await dispatcher._seed(term, now)
     rounds: list[tuple[dt.datetime, dt.datetime]] = []  # (claimed at, earliest due)
 
-    async def claim(batch: list[Due], term_: Term, now_: dt.datetime,
-                    *args: object, **kwargs: object) -> tuple[int, int]:
+    async def claim(
+        batch: list[Due], term_: Term, now_: dt.datetime, *args: object, **kwargs: object
+    ) -> tuple[int, int]:
         rounds.append((dt.datetime.now(dt.UTC), min(d.fire_at for d in batch)))
         return len(batch), len(batch)
 
@@ -365,8 +424,9 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
     loop = asyncio.create_task(dispatcher._fire_loop(term))
     try:
         first = await wait_until(lambda: rounds[0][0] if rounds else None, 10, "a round")
-        await wait_until(lambda: rounds[-1][0] - first > dt.timedelta(seconds=0.5), 10,
-                         "half a second of rounds")
+        await wait_until(
+            lambda: rounds[-1][0] - first > dt.timedelta(seconds=0.5), 10, "half a second of rounds"
+        )
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -388,17 +448,22 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
 
     class Ledger:
         async def mark_published_many(
-                self, marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
+            self, marks: list[tuple[list[str], int, dt.datetime, int]]
+        ) -> None:
             await gate.wait()
             written.set()
 
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
-                            AckingBroker([]), lease)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        OneSchedule(),
+        Ledger(),  # type: ignore[arg-type]
+        AckingBroker([]),
+        lease,
+    )  # type: ignore[arg-type]
     dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
-    await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], dispatcher.term,
-                                       attempt=1)
+    await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], dispatcher.term, attempt=1)
     drained = asyncio.create_task(dispatcher.drain())
     await still_pending(drained, 0.2, "the drain while its mark is written")
     gate.set()

@@ -19,17 +19,29 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), re.S)
 
 
-def test_the_yaml_file_applies_and_then_has_nothing_to_do(api_replica: ApiReplica,
-                                                          tmp_path: Path) -> None:
+def test_the_yaml_file_applies_and_then_has_nothing_to_do(
+    api_replica: ApiReplica, tmp_path: Path
+) -> None:
     billing = next(b for b in blocks("yaml") if b.startswith("# schedules/billing.yaml"))
     path = tmp_path / "billing.yaml"
     path.write_text(billing)
-    command = [sys.executable, "-m", "hascheduler.cli", "apply", "--api", api_replica.url,
-               "--token", API_WRITE_TOKEN, "-f", str(path), "--prune", "--selector",
-               "team=billing"]
+    command = [
+        sys.executable,
+        "-m",
+        "hascheduler.cli",
+        "apply",
+        "--api",
+        api_replica.url,
+        "--token",
+        API_WRITE_TOKEN,
+        "-f",
+        str(path),
+        "--prune",
+        "--selector",
+        "team=billing",
+    ]
     for expected in ("applied: 2 written, 0 failed", "nothing to do"):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                              check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines()[-1] == expected
     with Client(api_replica.url, API_WRITE_TOKEN) as api:

@@ -12,7 +12,8 @@ from tests.waiting import wait_until
 
 
 async def test_tasks_cancelled_twice_while_waiting_for_a_server_leave_the_client_usable(
-        mongo_uri: str) -> None:
+    mongo_uri: str,
+) -> None:
     """The database steps down, so five reads wait for a primary (as a replica's tasks do
     in CI's step-down tests); each is cancelled twice, the second while the first is being
     handled (a lost term's task group cancelling its tasks again). Each ends cancelled,
@@ -24,8 +25,11 @@ async def test_tasks_cancelled_twice_while_waiting_for_a_server_leave_the_client
         await step_down(mongo_uri)
         reads = [asyncio.create_task(client.db.c.find_one({})) for _ in range(5)]
         topology = client._topology
-        await wait_until(lambda: len(topology._condition._waiters) == len(reads), 5,
-                         "the reads waiting for a primary")
+        await wait_until(
+            lambda: len(topology._condition._waiters) == len(reads),
+            5,
+            "the reads waiting for a primary",
+        )
         for read in reads:
             read.cancel()
         await asyncio.sleep(0)  # each inside wait_for's handling of the first cancel
@@ -57,12 +61,17 @@ def test_every_process_makes_its_client_through_connect() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    sources = [*(root / "hascheduler").rglob("*.py"),
-               *(root / "dev" / "hascheduler_dev").rglob("*.py")]
+    sources = [
+        *(root / "hascheduler").rglob("*.py"),
+        *(root / "dev" / "hascheduler_dev").rglob("*.py"),
+    ]
     assert len(sources) > 50
-    direct = [str(path.relative_to(root)) for path in sources
-              if "AsyncMongoClient(" in path.read_text()
-              and path != root / "hascheduler" / "storage" / "driver.py"]
+    direct = [
+        str(path.relative_to(root))
+        for path in sources
+        if "AsyncMongoClient(" in path.read_text()
+        and path != root / "hascheduler" / "storage" / "driver.py"
+    ]
     assert direct == []
 
 

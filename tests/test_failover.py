@@ -40,16 +40,19 @@ SCHEDULES = {
 
 
 class Harness:
-    def __init__(self, mongo_uri: str, nats_server: ServerProcess | NatsCluster,
-                 timings: LeaseTimings = TIMINGS) -> None:
+    def __init__(
+        self,
+        mongo_uri: str,
+        nats_server: ServerProcess | NatsCluster,
+        timings: LeaseTimings = TIMINGS,
+    ) -> None:
         self.timings = timings
         self.db_name = f"failover_{uuid.uuid4().hex[:8]}"
         self.mongo_uri = with_database(mongo_uri, self.db_name)
         self.nats = nats_server
         self.replicas: dict[str, ServerProcess] = {}
         self.http = aiohttp.ClientSession()
-        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri,
-                                                                          tz_aware=True)
+        self.client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
         self.db = self.client[self.db_name]
         self.prefix = uuid.uuid4().hex[:6]
         self.created = False  # whether schedules were made (so claims were written)
@@ -58,12 +61,21 @@ class Harness:
     def start(self, name: str, *extra: str, replica_id: str | None = None) -> None:
         """Start replica ``name`` (its id ``name`` too, unless ``replica_id`` says)."""
         self.replicas[name] = start_replica(
-            self.mongo_uri, replica_id or name, "--broker", self.nats.uri,
-            "--lease-ttl", str(self.timings.ttl), "--renew-deadline",
-            str(self.timings.renew_deadline), "--renew-interval",
+            self.mongo_uri,
+            replica_id or name,
+            "--broker",
+            self.nats.uri,
+            "--lease-ttl",
+            str(self.timings.ttl),
+            "--renew-deadline",
+            str(self.timings.renew_deadline),
+            "--renew-interval",
             str(self.timings.renew_interval),
             # Below the default floor of 1 s, so that a sub-second interval is covered.
-            "--min-fire-interval", "0.5", *extra)
+            "--min-fire-interval",
+            "0.5",
+            *extra,
+        )
 
     async def get(self, name: str, path: str) -> Any:
         async with self.http.get(self.replicas[name].uri + path) as r:
@@ -71,14 +83,17 @@ class Harness:
 
     def live(self) -> str:
         """The API of a replica whose process still runs."""
-        return next(r.uri for r in self.replicas.values()
-                    if r.process is not None and r.process.poll() is None)
+        return next(
+            r.uri
+            for r in self.replicas.values()
+            if r.process is not None and r.process.poll() is None
+        )
 
-    async def call(self, method: str, path: str, body: Any = None,
-                   headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async def call(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         """An API call to a live replica: its status and JSON body."""
-        async with self.http.request(method, self.live() + path, json=body,
-                                     headers=headers) as r:
+        async with self.http.request(method, self.live() + path, json=body, headers=headers) as r:
             return r.status, await r.json()
 
     async def lease(self) -> dict[str, Any]:
@@ -90,6 +105,7 @@ class Harness:
             if doc.get("holder") in self.replicas and doc["expires_at"] > dt.datetime.now(dt.UTC):
                 return str(doc["holder"])
             return None
+
         return await wait_until(held, 15, "a leader")
 
     async def create_schedules(self) -> dict[str, dict[str, Any]]:
@@ -97,10 +113,16 @@ class Harness:
         any_replica = next(iter(self.replicas))
         for suffix, trigger in SCHEDULES.items():
             sid = f"{self.prefix}-{suffix}"
-            body = {"id": sid, "name": sid, "target": f"audit.{self.prefix}",
-                    "trigger": trigger, "catchup": "all"}
-            async with self.http.post(self.replicas[any_replica].uri + "/schedules",
-                                      json=body) as r:
+            body = {
+                "id": sid,
+                "name": sid,
+                "target": f"audit.{self.prefix}",
+                "trigger": trigger,
+                "catchup": "all",
+            }
+            async with self.http.post(
+                self.replicas[any_replica].uri + "/schedules", json=body
+            ) as r:
                 assert r.status == 201, await r.text()
                 created[sid] = await r.json()
         self.created = True
@@ -133,24 +155,32 @@ class Harness:
             await self.client.close()
 
 
-def expected_fires(schedules: dict[str, dict[str, Any]], start: dt.datetime,
-                   end: dt.datetime) -> set[str]:
+def expected_fires(
+    schedules: dict[str, dict[str, Any]], start: dt.datetime, end: dt.datetime
+) -> set[str]:
     out = set()
     for sid, schedule in schedules.items():
         t = schedule["trigger"]
-        trigger = Cron(t["cron"], "UTC") if t["kind"] == "cron" else Interval(
-            t["every"], dt.datetime.fromisoformat(t["start_at"]))
+        trigger = (
+            Cron(t["cron"], "UTC")
+            if t["kind"] == "cron"
+            else Interval(t["every"], dt.datetime.fromisoformat(t["start_at"]))
+        )
         out |= {fire_id(sid, n) for n in fire_times(trigger, start, until=end)}
     return out
 
 
-async def stream_counts(nats_uri: str, prefix_or_subject: str
-                        ) -> tuple[Counter[str], dict[str, dt.datetime]]:
+async def stream_counts(
+    nats_uri: str, prefix_or_subject: str
+) -> tuple[Counter[str], dict[str, dt.datetime]]:
     """Every message the stream holds for this test's target (``audit.<prefix>``, or a
     whole subject with wildcards), counted by fire id, and when the stream first stored
     each."""
-    subject = prefix_or_subject if prefix_or_subject.startswith("hascheduler.") \
+    subject = (
+        prefix_or_subject
+        if prefix_or_subject.startswith("hascheduler.")
         else f"hascheduler.fire.audit.{prefix_or_subject}"
+    )
     nc = await nats.connect(NatsEndpoint.parse(nats_uri).servers)
     try:
         js = nc.jetstream()
@@ -176,15 +206,17 @@ async def stream_counts(nats_uri: str, prefix_or_subject: str
         await nc.close()
 
 
-async def audit(h: Harness, schedules: dict[str, dict[str, Any]], start: dt.datetime,
-                end: dt.datetime) -> dict[str, Any]:
+async def audit(
+    h: Harness, schedules: dict[str, dict[str, Any]], start: dt.datetime, end: dt.datetime
+) -> dict[str, Any]:
     """Wait until every expected fire is published, then check each exactly once."""
     expected = expected_fires(schedules, start, end)
     assert expected
 
     async def all_published() -> bool:
-        n = await h.db.fires.count_documents({"_id": {"$in": sorted(expected)},
-                                              "state": "published"})
+        n = await h.db.fires.count_documents(
+            {"_id": {"$in": sorted(expected)}, "state": "published"}
+        )
         return bool(n == len(expected))
 
     await wait_until(all_published, 30, "every expected fire to be published", 0.2)
@@ -197,8 +229,9 @@ async def audit(h: Harness, schedules: dict[str, dict[str, Any]], start: dt.date
     assert len(ledger) == len(expected)
     # Claims are made ahead of time; the messages must still wait for their due time
     # (the ledger keeps milliseconds, the stream's clock more).
-    early = [d["_id"] for d in ledger
-             if stored[d["_id"]] < d["due_at"] - dt.timedelta(milliseconds=1)]
+    early = [
+        d["_id"] for d in ledger if stored[d["_id"]] < d["due_at"] - dt.timedelta(milliseconds=1)
+    ]
     assert not early, f"stored before their due time: {early[:5]}"
     return {"expected": len(expected), "ledger": ledger}
 
@@ -242,10 +275,13 @@ async def run_fault(h: Harness, fault: Any) -> tuple[dict[str, Any], dict[str, A
 
 async def published_by(h: Harness, term: int, count: int, after: dt.datetime) -> None:
     """Wait until ``term`` has published ``count`` fires due after ``after``."""
+
     async def enough() -> bool:
-        n = await h.db.fires.count_documents({"term": term, "state": "published",
-                                              "due_at": {"$gte": after}})
+        n = await h.db.fires.count_documents(
+            {"term": term, "state": "published", "due_at": {"$gte": after}}
+        )
         return bool(n >= count)
+
     await wait_until(enough, 20, f"{count} fires published by term {term}", 0.1)
 
 
@@ -300,8 +336,9 @@ async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harnes
     gap = (lease["acquired_at"] - info["t0"]).total_seconds()
     # The old leader must not hold the lease until its claims made ahead fall due.
     assert gap <= 0.5, f"handover took {gap:.3f}s"
-    first = await harness.db.fires.find_one({"term": lease["term"], "state": "published"},
-                                            sort=[("published_at", 1)])
+    first = await harness.db.fires.find_one(
+        {"term": lease["term"], "state": "published"}, sort=[("published_at", 1)]
+    )
     assert first is not None
     # Something is due at least every 0.7 s: the new leader fires within a second.
     fired = (first["published_at"] - info["t0"]).total_seconds()
@@ -316,11 +353,13 @@ async def test_sigterm_hands_over_within_a_second_losing_nothing(harness: Harnes
 
 def sigkill(harness: Harness) -> Callable[[str], Awaitable[dict[str, Any]]]:
     """The fault of a leader SIGKILLed: when it was sent, as ``t0``."""
+
     async def fault(leader: str) -> dict[str, Any]:
         t0 = dt.datetime.now(dt.UTC)
         harness.signal(leader, signal.SIGKILL)
         harness.replicas.pop(leader).stop()
         return {"t0": t0}
+
     return fault
 
 
@@ -342,25 +381,41 @@ async def test_stalled_leader_claims_nothing_after_its_deadline(harness: Harness
         return {"t0": t0, "term": term}
 
     info, result = await run_fault(harness, fault)
-    late = [f for f in result["ledger"] if f["term"] == info["term"]
-            and f["claimed_at"] > info["t0"] + dt.timedelta(seconds=DEADLINE + 0.1)]
+    late = [
+        f
+        for f in result["ledger"]
+        if f["term"] == info["term"]
+        and f["claimed_at"] > info["t0"] + dt.timedelta(seconds=DEADLINE + 0.1)
+    ]
     # claimed_at is taken just before the claim is sent; the deadline check comes first.
     assert not late, f"claims by the stalled term after its deadline: {late[:3]}"
 
 
-async def test_leader_cut_off_from_the_database_stops_and_loses_nothing(
-        harness: Harness) -> None:
+async def test_leader_cut_off_from_the_database_stops_and_loses_nothing(harness: Harness) -> None:
     admin = harness.client.admin
 
     async def fault(leader: str) -> dict[str, Any]:
         t0 = dt.datetime.now(dt.UTC)
         term = (await harness.lease())["term"]
-        await admin.command({"configureFailPoint": "failCommand", "mode": "alwaysOn",
-                             "data": {"failCommands": ["findAndModify", "insert", "update",
-                                                       "find", "getMore", "aggregate"],
-                                      "appName": f"hascheduler/{leader}",
-                                      "blockConnection": True,
-                                      "blockTimeMS": int(2 * TTL * 1000)}})
+        await admin.command(
+            {
+                "configureFailPoint": "failCommand",
+                "mode": "alwaysOn",
+                "data": {
+                    "failCommands": [
+                        "findAndModify",
+                        "insert",
+                        "update",
+                        "find",
+                        "getMore",
+                        "aggregate",
+                    ],
+                    "appName": f"hascheduler/{leader}",
+                    "blockConnection": True,
+                    "blockTimeMS": int(2 * TTL * 1000),
+                },
+            }
+        )
         # Cut off until another replica holds a newer term.
         await wait_until(lambda: _new_term(harness, term), 20, "a takeover of the cut-off")
         await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
@@ -370,13 +425,18 @@ async def test_leader_cut_off_from_the_database_stops_and_loses_nothing(
         info, result = await run_fault(harness, fault)
     finally:
         await admin.command({"configureFailPoint": "failCommand", "mode": "off"})
-    late = [f for f in result["ledger"] if f["term"] == info["term"]
-            and f["claimed_at"] > info["t0"] + dt.timedelta(seconds=DEADLINE + 0.1)]
+    late = [
+        f
+        for f in result["ledger"]
+        if f["term"] == info["term"]
+        and f["claimed_at"] > info["t0"] + dt.timedelta(seconds=DEADLINE + 0.1)
+    ]
     assert not late
 
 
 async def test_broker_down_for_ten_seconds_fires_late_but_once(
-        harness: Harness, nats_server: ServerProcess) -> None:
+    harness: Harness, nats_server: ServerProcess
+) -> None:
     await harness.leader()
     term = (await harness.lease())["term"]
     schedules = await harness.create_schedules()
@@ -390,8 +450,11 @@ async def test_broker_down_for_ten_seconds_fires_late_but_once(
     async def one_fire_waited_five_seconds() -> bool:
         """The outage lasts until a claimed fire has waited 5 s for the broker."""
         waited = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
-        return bool(await harness.db.fires.count_documents(
-            {"term": term, "state": "claimed", "due_at": {"$lt": waited}}))
+        return bool(
+            await harness.db.fires.count_documents(
+                {"term": term, "state": "claimed", "due_at": {"$lt": waited}}
+            )
+        )
 
     await wait_until(one_fire_waited_five_seconds, 30, "a fire kept 5 s by the outage", 0.2)
     restarted = start_nats(port=port, store_dir=store)
@@ -400,8 +463,7 @@ async def test_broker_down_for_ten_seconds_fires_late_but_once(
     await published_by(harness, term, 2, after=back)  # fires flowing again after it
     end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
     result = await audit(harness, schedules, start, end)
-    late = [f for f in result["ledger"]
-            if (f["published_at"] - f["due_at"]).total_seconds() > 5]
+    late = [f for f in result["ledger"] if (f["published_at"] - f["due_at"]).total_seconds() > 5]
     assert late, "the outage should have made some fires late"
     assert time.monotonic() - down_at < 60
 
@@ -417,14 +479,22 @@ async def test_pause_or_edit_between_claim_and_due_time_is_honoured(harness: Har
         f"{harness.prefix}-kept": {"kind": "at", "at": [due.isoformat()]},
     }
     for sid, trigger in bodies.items():
-        async with harness.http.post(any_replica + "/schedules", json={
-                "id": sid, "name": sid, "target": f"audit.{harness.prefix}",
-                "trigger": trigger, "catchup": "all"}) as r:
+        async with harness.http.post(
+            any_replica + "/schedules",
+            json={
+                "id": sid,
+                "name": sid,
+                "target": f"audit.{harness.prefix}",
+                "trigger": trigger,
+                "catchup": "all",
+            },
+        ) as r:
             assert r.status == 201, await r.text()
 
     async def claimed() -> bool:
-        n = await harness.db.fires.count_documents({"state": "claimed",
-                                                    "schedule_id": {"$in": list(bodies)}})
+        n = await harness.db.fires.count_documents(
+            {"state": "claimed", "schedule_id": {"$in": list(bodies)}}
+        )
         return bool(n == 3)
 
     await wait_until(claimed, 10, "the three fires to be claimed ahead of time", 0.02)
@@ -432,8 +502,10 @@ async def test_pause_or_edit_between_claim_and_due_time_is_honoured(harness: Har
     async with harness.http.post(any_replica + f"/schedules/{harness.prefix}-paused/pause") as r:
         assert r.status == 200, await r.text()
     later = (due + dt.timedelta(seconds=30)).isoformat()
-    async with harness.http.patch(any_replica + f"/schedules/{harness.prefix}-moved",
-                                  json={"trigger": {"kind": "at", "at": [later]}}) as r:
+    async with harness.http.patch(
+        any_replica + f"/schedules/{harness.prefix}-moved",
+        json={"trigger": {"kind": "at", "at": [later]}},
+    ) as r:
         assert r.status == 200, await r.text()
     assert dt.datetime.now(dt.UTC) < due
 
@@ -464,12 +536,26 @@ async def short_lease(mongo_uri: str, nats_server: ServerProcess) -> AsyncIterat
     try:
         await h.record()
         now = dt.datetime.now(dt.UTC)
-        await h.db.schedules.insert_many([
-            {"_id": f"load{i:05d}", "name": f"load{i:05d}", "target": "load",
-             "trigger": {"kind": "cron", "cron": "* * * * * *"}, "jitter": 0.0,
-             "paused": False, "catchup": "all", "catchup_window": 3600.0, "payload": {},
-             "labels": {}, "created_at": now, "updated_at": now, "revision": 1}
-            for i in range(LOAD)])
+        await h.db.schedules.insert_many(
+            [
+                {
+                    "_id": f"load{i:05d}",
+                    "name": f"load{i:05d}",
+                    "target": "load",
+                    "trigger": {"kind": "cron", "cron": "* * * * * *"},
+                    "jitter": 0.0,
+                    "paused": False,
+                    "catchup": "all",
+                    "catchup_window": 3600.0,
+                    "payload": {},
+                    "labels": {},
+                    "created_at": now,
+                    "updated_at": now,
+                    "revision": 1,
+                }
+                for i in range(LOAD)
+            ]
+        )
         for name in ("a", "b", "c"):
             h.start(name)
         yield h
@@ -479,7 +565,8 @@ async def short_lease(mongo_uri: str, nats_server: ServerProcess) -> AsyncIterat
 
 @pytest.mark.alone  # a one-second lease on a shared machine measures the machine
 async def test_a_one_second_lease_holds_under_load_and_a_crash_loses_nothing(
-        short_lease: Harness) -> None:
+    short_lease: Harness,
+) -> None:
     h = short_lease
     await h.leader()
     term = (await h.lease())["term"]
@@ -493,8 +580,9 @@ async def test_a_one_second_lease_holds_under_load_and_a_crash_loses_nothing(
         return len(renewals) >= 50
 
     await wait_until(renewed_50_times_in_one_term, 60, "50 renewals of one term", 0.05)
-    fired = await h.db.fires.count_documents({"term": term, "state": "published",
-                                              "schedule_id": {"$regex": "^load"}})
+    fired = await h.db.fires.count_documents(
+        {"term": term, "state": "published", "schedule_id": {"$regex": "^load"}}
+    )
     assert fired >= 5 * LOAD, f"the load was not firing: {fired} fires published"
 
     info, result = await run_fault(h, sigkill(h))

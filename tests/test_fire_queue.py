@@ -17,8 +17,7 @@ def at(seconds: float) -> dt.datetime:
     return T0 + dt.timedelta(seconds=seconds)
 
 
-def every(seconds: float, revision: int = 1, paused: bool = False,
-          jitter: float = 0.0) -> Entry:
+def every(seconds: float, revision: int = 1, paused: bool = False, jitter: float = 0.0) -> Entry:
     return Entry(revision, paused, Interval(seconds, T0), jitter, "all", 3600.0, "t")
 
 
@@ -30,8 +29,9 @@ def seeded(entries: dict[str, Entry], now: dt.datetime) -> FireQueue:
 
 
 def taken(queue: FireQueue, horizon: dt.datetime, limit: int = 1000) -> list[tuple[str, float]]:
-    return [(d.schedule_id, (d.nominal - T0).total_seconds())
-            for d in queue.take_due(horizon, limit)]
+    return [
+        (d.schedule_id, (d.nominal - T0).total_seconds()) for d in queue.take_due(horizon, limit)
+    ]
 
 
 def test_next_due_applies_deterministic_jitter_and_keeps_the_nominal() -> None:
@@ -45,20 +45,35 @@ def test_next_due_applies_deterministic_jitter_and_keeps_the_nominal() -> None:
     assert next_due("s", entry, due.fire_at - dt.timedelta(milliseconds=1)) == due
 
 
-@pytest.mark.parametrize(("entries", "now", "horizon", "expected"), [
-    # Each schedule's fires in time order, the following one queued as one is taken.
-    ({"a": every(10), "b": every(15)}, at(0), at(30),
-     [("a", 10), ("b", 15), ("a", 20), ("a", 30), ("b", 30)]),
-    # Nothing after the horizon; nothing at or before "now" (the seed's instant).
-    ({"a": every(10)}, at(10), at(25), [("a", 20)]),
-    # A paused schedule is not queued.
-    ({"a": every(10, paused=True), "b": every(10)}, at(0), at(10), [("b", 10)]),
-    # A one-off fires once; after its instant it is gone.
-    ({"o": Entry(1, False, At((at(5), at(7))), 0.0, "all", 3600.0, "t")}, at(0), at(100),
-     [("o", 5), ("o", 7)]),
-])
-def test_take_due_in_time_order(entries: dict[str, Entry], now: dt.datetime,
-                                horizon: dt.datetime, expected: list[tuple[str, float]]) -> None:
+@pytest.mark.parametrize(
+    ("entries", "now", "horizon", "expected"),
+    [
+        # Each schedule's fires in time order, the following one queued as one is taken.
+        (
+            {"a": every(10), "b": every(15)},
+            at(0),
+            at(30),
+            [("a", 10), ("b", 15), ("a", 20), ("a", 30), ("b", 30)],
+        ),
+        # Nothing after the horizon; nothing at or before "now" (the seed's instant).
+        ({"a": every(10)}, at(10), at(25), [("a", 20)]),
+        # A paused schedule is not queued.
+        ({"a": every(10, paused=True), "b": every(10)}, at(0), at(10), [("b", 10)]),
+        # A one-off fires once; after its instant it is gone.
+        (
+            {"o": Entry(1, False, At((at(5), at(7))), 0.0, "all", 3600.0, "t")},
+            at(0),
+            at(100),
+            [("o", 5), ("o", 7)],
+        ),
+    ],
+)
+def test_take_due_in_time_order(
+    entries: dict[str, Entry],
+    now: dt.datetime,
+    horizon: dt.datetime,
+    expected: list[tuple[str, float]],
+) -> None:
     assert taken(seeded(entries, now), horizon) == expected
 
 
@@ -125,8 +140,7 @@ def test_a_deferred_fire_comes_back_at_its_slot_without_queueing_its_schedule_tw
     # What is due meanwhile is not held behind it; it comes back once, nominal unchanged.
     assert taken(queue, at(20)) == [("noisy", 20), ("quiet", 20)]
     back = queue.take_due(at(25), 10)
-    assert [(d.schedule_id, d.nominal, d.fire_at) for d in back] == [
-        ("noisy", at(10), at(25))]
+    assert [(d.schedule_id, d.nominal, d.fire_at) for d in back] == [("noisy", at(10), at(25))]
     assert taken(queue, at(30)) == [("noisy", 30), ("quiet", 30)]
     assert queue.first_at() == at(40)
     assert len(queue) == 2

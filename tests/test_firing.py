@@ -60,18 +60,29 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
     recorded: list[tuple[str, str, float | None]] = []
 
     class Ledger:
-        async def mark_failed(self, fire_id: str, term: int, attempt: int, error: str,
-                              at: dt.datetime) -> None:
+        async def mark_failed(
+            self, fire_id: str, term: int, attempt: int, error: str, at: dt.datetime
+        ) -> None:
             recorded.append((fire_id, "failed", None))
 
-        async def retry_later(self, fire_id: str, term: int, attempt: int, error: str,
-                              at: dt.datetime) -> None:
+        async def retry_later(
+            self, fire_id: str, term: int, attempt: int, error: str, at: dt.datetime
+        ) -> None:
             recorded.append((fire_id, "retry", (at - now).total_seconds()))
 
-    settings = DispatchSettings(max_attempts=3, unavailable_backoff_cap_s=2.0,
-                                max_unavailable_s=300.0)
-    dispatcher = Dispatcher(SimpleNamespace(entries={}), None, Ledger(), None,  # type: ignore[arg-type]
-                            SimpleNamespace(valid=True), settings, clock=lambda: now)  # type: ignore[arg-type]
+    settings = DispatchSettings(
+        max_attempts=3, unavailable_backoff_cap_s=2.0, max_unavailable_s=300.0
+    )
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries={}),
+        None,
+        Ledger(),
+        None,  # type: ignore[arg-type]
+        SimpleNamespace(valid=True),
+        settings,
+        clock=lambda: now,
+    )  # type: ignore[arg-type]
+
     def claim(fire: str, due: dt.datetime) -> Claim:
         return Claim(fire, "s", due, due)
 
@@ -81,8 +92,7 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
     for attempt in range(1, 8):
         await publisher.record_failure(recent, 1, attempt, BrokerUnavailable("down"))
     await publisher.record_failure(old, 1, 3, BrokerUnavailable("down"))
-    await publisher.record_failure(claim("refused", recent.due_at), 1, 3,
-                                   RuntimeError("refused"))
+    await publisher.record_failure(claim("refused", recent.due_at), 1, 3, RuntimeError("refused"))
     waits = [wait for fire, what, wait in recorded if fire == "recent"]
     assert len(waits) == 7
     assert all(wait is not None and 0 <= wait <= 2.0 for wait in waits), waits
@@ -92,7 +102,8 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
 
 @pytest.mark.parametrize("contested", [False, True])
 async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
-        mongo_uri: str, contested: bool) -> None:
+    mongo_uri: str, contested: bool
+) -> None:
     """Against the development server: a duplicate key on claiming means another claim;
     only an unpublished one from an older term is taken over (with our term), never a
     published one, a newer term's, or one this replica is already publishing. The same
@@ -108,33 +119,49 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
     from tests.servers import with_database
 
     client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        with_database(mongo_uri, f"adopt_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+        with_database(mongo_uri, f"adopt_{uuid.uuid4().hex[:8]}"), tz_aware=True
+    )
     try:
         fires = client.get_default_database().fires
         now = at(10)
-        lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 5.0,
-                                timings=SimpleNamespace(ttl=10.0))
-        dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
-                                ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
-                                None, lease, clock=lambda: now)  # type: ignore[arg-type]
+        lease = SimpleNamespace(
+            valid=True, term=2, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=10.0)
+        )
+        dispatcher = Dispatcher(
+            SimpleNamespace(entries={}),
+            None,  # type: ignore[arg-type]
+            ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
+            None,
+            lease,
+            clock=lambda: now,
+        )  # type: ignore[arg-type]
         term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
         if contested:
             term.contest_until(at(10))
+
         def claim(sid: str, term: int) -> dict[str, object]:
             return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
 
-        deposed, published, newer, ours = (claim("deposed", 1), claim("published", 1),
-                                           claim("newer", 3), claim("ours", 2))
+        deposed, published, newer, ours = (
+            claim("deposed", 1),
+            claim("published", 1),
+            claim("newer", 3),
+            claim("ours", 2),
+        )
         published["state"] = ledger.PUBLISHED
         await fires.insert_many([deposed, published, newer, ours])
         term.add_pending([Claim(str(ours["_id"]), "ours", at(10), at(10))])
 
-        mine = [Claim(fire_id(sid, at(10)), sid, at(10), at(10))
-                for sid in ("deposed", "published", "newer", "ours", "fresh")]
+        mine = [
+            Claim(fire_id(sid, at(10)), sid, at(10), at(10))
+            for sid in ("deposed", "published", "newer", "ours", "fresh")
+        ]
         owned = await dispatcher.firing.claim(mine, term, at(9.99))
 
         assert sorted(c.fire_id for c in owned) == [
-            fire_id("deposed", at(10)), fire_id("fresh", at(10))]
+            fire_id("deposed", at(10)),
+            fire_id("fresh", at(10)),
+        ]
         stored = {d["schedule_id"]: d async for d in fires.find({})}
         assert (stored["deposed"]["term"], stored["deposed"]["claimed_at"]) == (2, now)
         assert stored["deposed"]["state"] == ledger.CLAIMED
@@ -142,8 +169,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         assert stored["newer"]["term"] == 3
         assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
         assert stored["fresh"]["term"] == 2
-        assert recorded.inserted == (
-            [mine[-1].fire_id] if contested else [c.fire_id for c in mine])
+        assert recorded.inserted == ([mine[-1].fire_id] if contested else [c.fire_id for c in mine])
     finally:
         await client.close()
 
@@ -153,15 +179,18 @@ def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
     (still_due, through withdrawn) keeps every claim."""
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     every = Interval(1.0, now - dt.timedelta(seconds=60))
-    entries = {"s": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
-               "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
-               "moved": Entry(2, False, Interval(1.0, now - dt.timedelta(seconds=59.5)),
-                              0.0, "all", 3600.0, "t.x"),
-               "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
-               "until": Entry(1, True, every, 0.0, "all", 3600.0, "t.x",
-                              paused_until=now + dt.timedelta(seconds=5)),
-               "completed": Entry(1, False, every, 0.0, "all", 3600.0, "t.x",
-                                  completed=True)}
+    entries = {
+        "s": Entry(1, False, every, 0.0, "all", 3600.0, "t.x"),
+        "changed": Entry(2, False, every, 0.0, "all", 3600.0, "t.x"),
+        "moved": Entry(
+            2, False, Interval(1.0, now - dt.timedelta(seconds=59.5)), 0.0, "all", 3600.0, "t.x"
+        ),
+        "paused": Entry(1, True, every, 0.0, "all", 3600.0, "t.x"),
+        "until": Entry(
+            1, True, every, 0.0, "all", 3600.0, "t.x", paused_until=now + dt.timedelta(seconds=5)
+        ),
+        "completed": Entry(1, False, every, 0.0, "all", 3600.0, "t.x", completed=True),
+    }
     revisions = {s: 1 for s in (*entries, "deleted")}
 
     def claim(sid: str, tenant: str | None = None) -> Claim:
@@ -177,14 +206,12 @@ def test_claims_none_withdrawn_are_those_still_due_would_keep_all_of() -> None:
     assert withdrawn(claim("s", tenant="acme"), entries["s"], 1) is not None  # no fan-out
 
 
-async def test_claims_unchanged_since_their_check_are_published_without_another(
-        ) -> None:
+async def test_claims_unchanged_since_their_check_are_published_without_another() -> None:
     """Nothing changed (the publisher's count of changes) between the check made once the
     claims are in and their due time: they are published as they are, no look at each
     then (_still_due), and the publisher takes their templates as rendered."""
     due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.4)
-    entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")
-               for s in ("a", "b")}
+    entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t") for s in ("a", "b")}
     publisher = NotedPublisher()
     dispatcher, lease = publishing_dispatcher(entries, publisher)
 
@@ -202,20 +229,22 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
 @pytest.mark.alone  # times the admission against the real clock: on an idle machine
 @pytest.mark.parametrize("held_ahead", [False, True])
 async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
-        held_ahead: bool) -> None:
+    held_ahead: bool,
+) -> None:
     """The overlap gate's reservation is made ADMIT_AHEAD_S before the due time, the
     publish at it (never before); a fire paused between the two is skipped at its due time
     and its reservation withdrawn. A fire the gate held ahead (its key's run still open)
     is published at its due time through the gate, and had no reservation to withdraw."""
     start = dt.datetime.now(dt.UTC)
     due = start + dt.timedelta(seconds=0.6)
-    entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t",
-                        overlap="skip") for s in ("kept", "paused")}
+    entries = {
+        s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t", overlap="skip")
+        for s in ("kept", "paused")
+    }
     skipped: list[str] = []
 
     class PausedOnceAdmitted(NotedPublisher):
-        async def admit(self, claims: list[Claim], term: Fenced
-                        ) -> tuple[list[Claim], list[Claim]]:
+        async def admit(self, claims: list[Claim], term: Fenced) -> tuple[list[Claim], list[Claim]]:
             await super().admit(claims, term)
             # The schedule is paused once its fire was admitted (the mirror's change
             # reaches the publisher: ``forget`` counts it).
@@ -242,10 +271,13 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
     # were checked, so none is published as unchanged.
     events = publisher.events
     assert [(what, ids) for what, ids, _ in events] == [
-        ("prepare", ["kept@x", "paused@x"]), ("admit", ["kept@x", "paused@x"]),
+        ("prepare", ["kept@x", "paused@x"]),
+        ("admit", ["kept@x", "paused@x"]),
         ("ready", [] if held_ahead else ["kept@x", "paused@x"]),
         *([] if held_ahead else [("unadmit", ["paused@x"])]),
-        ("publish", ["kept@x"]), ("discard", ["kept@x", "paused@x"])]
+        ("publish", ["kept@x"]),
+        ("discard", ["kept@x", "paused@x"]),
+    ]
     assert publisher.published == [(["kept@x"], not held_ahead, False)]
     admitted_at, published_at = events[1][2], events[-2][2]
     ahead = dt.timedelta(seconds=ADMIT_AHEAD_S)
@@ -259,11 +291,17 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
     within what remains of the term when it starts (1 s here, the lease renewed
     meanwhile), not within what remained when the read began, which their 1.2 s together
     would outlast (the leader stopped firing over a slowed link: test_slow_link.py)."""
-    lease = SimpleNamespace(valid=True, term=2, remaining=lambda: 1.0,
-                            timings=SimpleNamespace(ttl=2.0))
-    dispatcher = Dispatcher(SimpleNamespace(entries={}), None,  # type: ignore[arg-type]
-                            SlowLedger(), None, lease,  # type: ignore[arg-type]
-                            clock=lambda: at(9.99))
+    lease = SimpleNamespace(
+        valid=True, term=2, remaining=lambda: 1.0, timings=SimpleNamespace(ttl=2.0)
+    )
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries={}),
+        None,  # type: ignore[arg-type]
+        SlowLedger(),
+        None,
+        lease,  # type: ignore[arg-type]
+        clock=lambda: at(9.99),
+    )
     term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
     term.contest_until(at(10))
     mine = [Claim("s@10", "s", at(10), at(10))]

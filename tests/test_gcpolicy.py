@@ -16,8 +16,7 @@ def thawed() -> Iterator[None]:
     gc.unfreeze()
     yield
     gc.unfreeze()
-    gc.callbacks[:] = [cb for cb in gc.callbacks
-                       if not isinstance(cb, gcpolicy._SurvivorFreezer)]
+    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, gcpolicy._SurvivorFreezer)]
 
 
 def test_survivors_of_a_full_collection_are_frozen_and_young_ones_are_not() -> None:
@@ -29,7 +28,8 @@ def test_survivors_of_a_full_collection_are_frozen_and_young_ones_are_not() -> N
 
 
 def test_frozen_objects_are_handed_back_after_the_thaw_interval(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     freezer = gcpolicy._SurvivorFreezer(gcpolicy.THAW_EVERY_S)
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() > 0
@@ -41,7 +41,8 @@ def test_frozen_objects_are_handed_back_after_the_thaw_interval(
 
 
 def test_a_process_that_never_thaws_keeps_its_survivors_frozen(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     freezer = gcpolicy._SurvivorFreezer(None)  # the development server's policy
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     frozen = gc.get_freeze_count()

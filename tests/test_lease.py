@@ -53,6 +53,7 @@ async def test_expiry_lets_another_in_and_the_old_holder_stops_first(leases: Any
 
 async def test_watermark_is_recorded_only_by_the_holder(leases: Any) -> None:
     import datetime as dt
+
     mark = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
     a, b = Lease(leases, "L", "a", FAST), Lease(leases, "L", "b", FAST)
     await a.acquire_or_renew()
@@ -90,12 +91,15 @@ class IdleDispatcher:
         return True
 
 
-async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
-        leases: Any) -> None:
+async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(leases: Any) -> None:
     ready = False
     dispatcher = IdleDispatcher()
-    elector = Elector(Lease(leases, "L", "a", FAST), dispatcher,  # type: ignore[arg-type]
-                      leases, unfit=lambda: None if ready else "the mirror is not in sync")
+    elector = Elector(
+        Lease(leases, "L", "a", FAST),
+        dispatcher,  # type: ignore[arg-type]
+        leases,
+        unfit=lambda: None if ready else "the mirror is not in sync",
+    )
     runner = asyncio.create_task(elector.run())
     try:
         # Five turns of the elector with a free lease: an unready replica must not take it.
@@ -105,6 +109,7 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
             return elector.attempts >= 5
 
         await wait_until(five_turns_unclaimed, 10, "five election turns")
+
         async def leading() -> bool:
             return dispatcher.leading
 
@@ -117,6 +122,7 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(
         ready = False  # the mirror fell out of sync while leading
         await wait_until(stopped, 5, "the leader to stop firing")
         assert not elector.is_leader
+
         # It released the lease instead of letting it run out (the release follows the
         # stop by a round trip: waited for, not assumed): another gets it at once.
         async def released() -> bool:
@@ -156,10 +162,14 @@ async def test_renewals_keep_their_cadence_over_a_slow_link(leases: Any) -> None
     # send (or at its answer, whichever is later), each has 0.45 s.
     slow = SlowLeases(leases, delay_s=0.25)
     dispatcher = IdleDispatcher()
-    elector = Elector(Lease(slow, "L", "a", FAST), dispatcher,  # type: ignore[arg-type]
-                      leases)
+    elector = Elector(
+        Lease(slow, "L", "a", FAST),
+        dispatcher,  # type: ignore[arg-type]
+        leases,
+    )
     runner = asyncio.create_task(elector.run())
     try:
+
         async def leading() -> bool:
             return dispatcher.leading
 
@@ -179,9 +189,11 @@ async def test_renewals_keep_their_cadence_over_a_slow_link(leases: Any) -> None
         await asyncio.wait_for(runner, 5)
 
 
-@pytest.mark.parametrize(("ttl", "deadline", "interval"), [
-    (10, 10, 2), (10, 7, 6), (5, 7, 2), (10, 7, 0)])
-def test_lease_timings_that_cannot_fence_are_refused(ttl: float, deadline: float,
-                                                      interval: float) -> None:
+@pytest.mark.parametrize(
+    ("ttl", "deadline", "interval"), [(10, 10, 2), (10, 7, 6), (5, 7, 2), (10, 7, 0)]
+)
+def test_lease_timings_that_cannot_fence_are_refused(
+    ttl: float, deadline: float, interval: float
+) -> None:
     with pytest.raises(LeaseSettingsError):
         LeaseTimings(ttl, deadline, interval)

@@ -38,7 +38,8 @@ def at(seconds: float) -> dt.datetime:
 @pytest.fixture
 async def ledger(mongo_uri: str) -> AsyncIterator[Ledger]:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"ledger_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+        with_database(mongo_uri, f"ledger_{uuid.uuid4().hex[:8]}"), tz_aware=True
+    )
     ledger = Ledger(client.get_default_database().fires)
     await ledger.ensure_indexes(3600)
     yield ledger
@@ -61,8 +62,7 @@ async def test_a_claim_is_made_once(ledger: Ledger) -> None:
 
 
 async def test_every_write_is_fenced_by_the_term(ledger: Ledger) -> None:
-    await ledger.claim([claim_document(s, at(10), at(10), 2, at(9))
-                        for s in ("p", "f", "r", "s")])
+    await ledger.claim([claim_document(s, at(10), at(10), 2, at(9)) for s in ("p", "f", "r", "s")])
     # A deposed leader (term 1) writes late: nothing changes.
     await ledger.mark_published([fire_id("p", at(10))], 1, at(11), 1)
     await ledger.mark_failed(fire_id("f", at(10)), 1, 10, "boom", at(11))
@@ -86,18 +86,20 @@ async def test_every_write_is_fenced_by_the_term(ledger: Ledger) -> None:
 
 
 async def test_adoption_takes_unpublished_claims_of_this_term_and_older_only(
-        ledger: Ledger) -> None:
+    ledger: Ledger,
+) -> None:
     """Of the claims the caller's pending publishes do not hold: an older term's, and this
     term's own left by a lead that stopped firing; never a newer term's or a published."""
-    docs = {s: claim_document(s, at(10), at(10), term, at(9))
-            for s, term in (("old", 1), ("newer", 3), ("mine", 2), ("done", 1))}
+    docs = {
+        s: claim_document(s, at(10), at(10), term, at(9))
+        for s, term in (("old", 1), ("newer", 3), ("mine", 2), ("done", 1))
+    }
     docs["done"]["state"] = PUBLISHED
     await ledger.fires.insert_many(list(docs.values()))
     ids = {str(d["_id"]) for d in docs.values()}
     # A claim published, or taken by a newer term, since the caller found it is left
     # alone, and the ids taken say so.
-    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10)),
-                                                   fire_id("mine", at(10))}
+    assert await ledger.adopt(ids, 2, at(12)) == {fire_id("old", at(10)), fire_id("mine", at(10))}
     assert (await state(ledger, "old"))["term"] == 2
     assert (await state(ledger, "old"))["claimed_at"] == at(12)
     assert (await state(ledger, "newer"))["term"] == 3
@@ -106,36 +108,40 @@ async def test_adoption_takes_unpublished_claims_of_this_term_and_older_only(
     more = {s: claim_document(s, at(20), at(20), 1, at(19)) for s in ("a", "b")}
     await ledger.fires.insert_many(list(more.values()))
     assert await ledger.adopt({str(d["_id"]) for d in more.values()}, 2, at(22)) == {
-        fire_id("a", at(20)), fire_id("b", at(20))}
+        fire_id("a", at(20)),
+        fire_id("b", at(20)),
+    }
     assert (await ledger.fires.find_one({"_id": fire_id("b", at(20))}) or {})["term"] == 2
     assert await ledger.adopt(set(), 2, at(23)) == set()
 
 
 async def test_adopt_due_waits_for_the_due_time_and_the_grace(ledger: Ledger) -> None:
-    await ledger.fires.insert_many([
-        claim_document("due", at(10), at(10), 1, at(9)),
-        claim_document("ahead", at(30), at(30), 1, at(9)),    # not due yet
-        claim_document("fresh", at(10), at(10), 1, at(11.5)),  # within the grace
-    ])
+    await ledger.fires.insert_many(
+        [
+            claim_document("due", at(10), at(10), 1, at(9)),
+            claim_document("ahead", at(30), at(30), 1, at(9)),  # not due yet
+            claim_document("fresh", at(10), at(10), 1, at(11.5)),  # within the grace
+        ]
+    )
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 1
     assert (await ledger.fires.find_one({"schedule_id": "due"}) or {})["term"] == 2
-    retries = [c async for batch in ledger.due_for_retry(2, at(12), limit=10, batch=10)
-               for c in batch]
+    retries = [
+        c async for batch in ledger.due_for_retry(2, at(12), limit=10, batch=10) for c in batch
+    ]
     assert [c.schedule_id for c in retries] == ["due"]
     # Never this term's own claims (its publishes in flight).
     await ledger.fires.insert_one(claim_document("own", at(10), at(10), 2, at(9)))
     assert await ledger.adopt_due(2, at(12), claimed_before=at(11)) == 0
 
 
-async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(
-        ledger: Ledger) -> None:
-    await ledger.fires.insert_many([claim_document(f"s{i}", at(10), at(10), 2, at(9))
-                                    for i in range(25)])
+async def test_the_claims_due_for_a_retry_come_in_batches_up_to_the_limit(ledger: Ledger) -> None:
+    await ledger.fires.insert_many(
+        [claim_document(f"s{i}", at(10), at(10), 2, at(9)) for i in range(25)]
+    )
     await ledger.fires.insert_one(claim_document("later", at(20), at(20), 2, at(9)))
     await ledger.fires.insert_one(claim_document("other term", at(10), at(10), 1, at(9)))
     await ledger.fires.update_many({}, {"$set": {"next_attempt_at": at(10)}})
-    await ledger.fires.update_one({"schedule_id": "later"},
-                                  {"$set": {"next_attempt_at": at(20)}})
+    await ledger.fires.update_one({"schedule_id": "later"}, {"$set": {"next_attempt_at": at(20)}})
     batches = [batch async for batch in ledger.due_for_retry(2, at(12), limit=22, batch=10)]
     assert [len(batch) for batch in batches] == [10, 10, 2]
     read = [c.schedule_id for batch in batches for c in batch]
@@ -148,21 +154,27 @@ async def test_a_new_lead_reads_the_claims_left_latest_due_first(ledger: Ledger)
     unpublished, so a new lead takes them first, across batches, up to its limit: the
     unpublished claims of the terms up to its own (its own: a previous lead of the same
     term) made and due by the start of its lead, and nothing else."""
-    await ledger.fires.insert_many([claim_document(f"s{i}", at(i), at(i), 1, at(0))
-                                    for i in range(1, 26)])
-    await ledger.fires.insert_many([
-        claim_document("own", at(26), at(26), 2, at(0)),         # a previous lead's
-        claim_document("ahead", at(40), at(40), 1, at(0)),       # not due yet
-        claim_document("just made", at(20), at(20), 2, at(31)),  # this lead's own
-        claim_document("newer", at(20), at(20), 3, at(0)),       # a later term's
-        {**claim_document("published", at(27), at(27), 1, at(0)), "state": PUBLISHED}])
+    await ledger.fires.insert_many(
+        [claim_document(f"s{i}", at(i), at(i), 1, at(0)) for i in range(1, 26)]
+    )
+    await ledger.fires.insert_many(
+        [
+            claim_document("own", at(26), at(26), 2, at(0)),  # a previous lead's
+            claim_document("ahead", at(40), at(40), 1, at(0)),  # not due yet
+            claim_document("just made", at(20), at(20), 2, at(31)),  # this lead's own
+            claim_document("newer", at(20), at(20), 3, at(0)),  # a later term's
+            {**claim_document("published", at(27), at(27), 1, at(0)), "state": PUBLISHED},
+        ]
+    )
     batches = [batch async for batch in ledger.left_due(2, at(30), limit=100, batch=10)]
     assert [len(batch) for batch in batches] == [10, 10, 6]
-    assert [c.schedule_id for batch in batches for c in batch] == \
-        ["own"] + [f"s{i}" for i in range(25, 0, -1)]
+    assert [c.schedule_id for batch in batches for c in batch] == ["own"] + [
+        f"s{i}" for i in range(25, 0, -1)
+    ]
     limited = [batch async for batch in ledger.left_due(2, at(30), limit=15, batch=10)]
-    assert [c.schedule_id for batch in limited for c in batch] == \
-        ["own"] + [f"s{i}" for i in range(25, 11, -1)]
+    assert [c.schedule_id for batch in limited for c in batch] == ["own"] + [
+        f"s{i}" for i in range(25, 11, -1)
+    ]
 
 
 async def test_a_skipped_range_is_recorded_once(ledger: Ledger) -> None:
@@ -182,37 +194,48 @@ async def test_fire_times_step_past_a_fan_outs_tenants_and_count_them(ledger: Le
     for second in (1, 2, 3, 4):
         doc = claim_document("s", at(second), at(second), 1, at(0))
         if second % 2:
-            docs += [{**doc, "_id": f"{doc['_id']}/t{i:03d}", "tenant": f"t{i:03d}"}
-                     for i in range(500)]
+            docs += [
+                {**doc, "_id": f"{doc['_id']}/t{i:03d}", "tenant": f"t{i:03d}"} for i in range(500)
+            ]
         else:
             docs.append(doc)
     docs.append(claim_document("other", at(5), at(5), 1, at(0)))
     assert await ledger.claim(docs) == set()
-    await ledger.mark_published([f"{fire_id('s', at(3))}/t{i:03d}" for i in range(400)], 1,
-                                at(3), 1)
+    await ledger.mark_published(
+        [f"{fire_id('s', at(3))}/t{i:03d}" for i in range(400)], 1, at(3), 1
+    )
     await ledger.skip([f"{fire_id('s', at(3))}/t499"], 1, "tenant no longer selected")
 
     assert await ledger.fire_times("s", 10) == [at(4), at(3), at(2), at(1)]
     assert await ledger.fire_times("s", 2) == [at(4), at(3)]
     assert await ledger.fire_times("none", 3) == []
     assert await ledger.counts("s", [at(3), at(4), at(9)]) == {
-        at(3): {PUBLISHED: 400, CLAIMED: 99, SKIPPED: 1}, at(4): {CLAIMED: 1}, at(9): {}}
+        at(3): {PUBLISHED: 400, CLAIMED: 99, SKIPPED: 1},
+        at(4): {CLAIMED: 1},
+        at(9): {},
+    }
 
 
 async def test_a_fan_out_run_now_is_one_request_per_tenant_under_one_idempotency_key(
-        ledger: Ledger) -> None:
+    ledger: Ledger,
+) -> None:
     docs = request_documents("s", at(0), "ci", {"k": 1}, "skip", "deploy-1", ["a", "b"])
     fire = "s@manual-2030-01-01T00:00:00.000Z"
     assert [d["_id"] for d in docs] == [f"{fire}/a", f"{fire}/b"]
     assert [d.get("idempotency_key") for d in docs] == ["s/deploy-1", None]
     first, created = await ledger.request(docs)
     assert (requested_fire(first), created) == (fire, True)
-    assert await ledger.fires.count_documents({"state": REQUESTED, "payload": {"k": 1},
-                                               "overlap": "skip"}) == 2
+    assert (
+        await ledger.fires.count_documents(
+            {"state": REQUESTED, "payload": {"k": 1}, "overlap": "skip"}
+        )
+        == 2
+    )
 
     # The same key later: the first request's fire, and nothing inserted.
     retried, created = await ledger.request(
-        request_documents("s", at(5), "ci", None, None, "deploy-1", ["a", "b", "c"]))
+        request_documents("s", at(5), "ci", None, None, "deploy-1", ["a", "b", "c"])
+    )
     assert (requested_fire(retried), created) == (fire, False)
     assert await ledger.fires.count_documents({}) == 2
     # Without a key, the same instant twice is a duplicate fire, not a retry.

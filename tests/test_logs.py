@@ -30,13 +30,17 @@ def json_lines(path: str) -> list[dict[str, object]]:
 
 
 def test_every_line_has_identity_and_uris_lose_their_passwords(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     logs.configure("info", json=True)
     logs.identify("r-test")
     logs.set_term(7)
     structlog.get_logger("t").info(
-        "connecting", uri="mongodb://app:s3cret@db:27017/x?replicaSet=rs0",
-        nats="nats://u:p%40ss@broker:4222", plain="mongodb://db:27017/x")
+        "connecting",
+        uri="mongodb://app:s3cret@db:27017/x?replicaSet=rs0",
+        nats="nats://u:p%40ss@broker:4222",
+        plain="mongodb://db:27017/x",
+    )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     event = json.loads(line)
     assert event["replica_id"] == "r-test"
@@ -60,13 +64,16 @@ def test_console_rendering_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> 
 
 
 async def test_a_replica_logs_json_with_its_id_and_term_on_every_line(mongo_uri: str) -> None:
-    replica = start_replica(with_database(mongo_uri, f"logs_{uuid.uuid4().hex[:8]}"), "logr",
-                            "--broker", "log:")
+    replica = start_replica(
+        with_database(mongo_uri, f"logs_{uuid.uuid4().hex[:8]}"), "logr", "--broker", "log:"
+    )
     try:
         async with aiohttp.ClientSession() as http:
+
             async def leading() -> bool:
                 async with http.get(replica.uri + "/leader") as r:
                     return bool((await r.json()).get("answered_by_leader"))
+
             await wait_until(leading, 20, "the replica to lead")
     finally:
         assert replica.stop() == 0

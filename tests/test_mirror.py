@@ -18,30 +18,45 @@ from tests.waiting import wait_until
 
 
 def doc(schedule_id: str, revision: int, **extra: Any) -> dict[str, Any]:
-    return {"_id": schedule_id, "revision": revision, "paused": False, "jitter": 0.0,
-            "catchup": "latest", "catchup_window": 3600.0, "target": "t",
-            "trigger": {"kind": "cron", "cron": "*/5 * * * * *", "timezone": "UTC"}, **extra}
+    return {
+        "_id": schedule_id,
+        "revision": revision,
+        "paused": False,
+        "jitter": 0.0,
+        "catchup": "latest",
+        "catchup_window": 3600.0,
+        "target": "t",
+        "trigger": {"kind": "cron", "cron": "*/5 * * * * *", "timezone": "UTC"},
+        **extra,
+    }
 
 
-def event(op: str, schedule_id: str, full: dict[str, Any] | None = None,
-          ts: int = 1) -> dict[str, Any]:
-    e: dict[str, Any] = {"operationType": op, "documentKey": {"_id": schedule_id},
-                         "clusterTime": Timestamp(ts, 1)}
+def event(
+    op: str, schedule_id: str, full: dict[str, Any] | None = None, ts: int = 1
+) -> dict[str, Any]:
+    e: dict[str, Any] = {
+        "operationType": op,
+        "documentKey": {"_id": schedule_id},
+        "clusterTime": Timestamp(ts, 1),
+    }
     if full is not None:
         e["fullDocument"] = full
     return e
 
 
-@pytest.mark.parametrize(("ev", "current", "action"), [
-    (event("insert", "a", doc("a", 1)), None, "upsert"),
-    (event("update", "a", doc("a", 3)), 2, "upsert"),
-    (event("update", "a", doc("a", 2)), 2, "ignore"),   # not newer
-    (event("replace", "a", doc("a", 1)), 5, "ignore"),  # older: a replayed event
-    (event("update", "a", None), 2, "ignore"),          # deleted before the lookup
-    (event("delete", "a"), 2, "remove"),
-    (event("delete", "a"), None, "remove"),
-    (event("drop", "a"), None, "ignore"),
-])
+@pytest.mark.parametrize(
+    ("ev", "current", "action"),
+    [
+        (event("insert", "a", doc("a", 1)), None, "upsert"),
+        (event("update", "a", doc("a", 3)), 2, "upsert"),
+        (event("update", "a", doc("a", 2)), 2, "ignore"),  # not newer
+        (event("replace", "a", doc("a", 1)), 5, "ignore"),  # older: a replayed event
+        (event("update", "a", None), 2, "ignore"),  # deleted before the lookup
+        (event("delete", "a"), 2, "remove"),
+        (event("delete", "a"), None, "remove"),
+        (event("drop", "a"), None, "ignore"),
+    ],
+)
 def test_decide(ev: dict[str, Any], current: int | None, action: str) -> None:
     assert decide(ev, current)[0] == action
 
@@ -71,8 +86,12 @@ def test_only_streamed_changes_are_noted_as_recently_applied() -> None:
 def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() -> None:
     """A server older than MongoDB 6.0 sends no wallTime; anything but a date is none."""
     seen: list[tuple[str, dt.datetime | None]] = []
-    mirror = Mirror(collection=None, on_change=lambda schedule_id, _entry, written:
-                    seen.append((schedule_id, written.at if written else None)))
+    mirror = Mirror(
+        collection=None,
+        on_change=lambda schedule_id, _entry, written: seen.append(
+            (schedule_id, written.at if written else None)
+        ),
+    )
     committed = dt.datetime(2030, 1, 1, 12, 0, 0, 123000)  # naive, as a driver may give it
     for schedule_id, wall in [("dated", committed), ("old", None), ("odd", "yesterday")]:
         change = event("insert", schedule_id, doc(schedule_id, 1))
@@ -80,8 +99,12 @@ def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() ->
             change["wallTime"] = wall
         mirror.apply(change)
     mirror.apply({**event("delete", "dated"), "wallTime": committed})
-    assert seen == [("dated", committed.replace(tzinfo=dt.UTC)), ("old", None), ("odd", None),
-                    ("dated", committed.replace(tzinfo=dt.UTC))]
+    assert seen == [
+        ("dated", committed.replace(tzinfo=dt.UTC)),
+        ("old", None),
+        ("odd", None),
+        ("dated", committed.replace(tzinfo=dt.UTC)),
+    ]
 
 
 def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
@@ -114,8 +137,7 @@ class Batches:
     """A cursor over ``batches``: each batch is a round trip that waits for ``arrive``;
     ``asked`` records the order of what happened, batch requests and the caller's work."""
 
-    def __init__(self, batches: list[list[dict[str, Any]]], fail_after: int | None = None
-                 ) -> None:
+    def __init__(self, batches: list[list[dict[str, Any]]], fail_after: int | None = None) -> None:
         self.batches, self.fail_after = batches, fail_after
         self.asked: list[str] = []
 
@@ -139,16 +161,18 @@ async def test_a_load_reads_the_next_batch_while_it_builds_from_the_last() -> No
         # read only when asked would never get there, and the wait would time out).
         following = f"batch {len(got) // 5}"
         if len(got) < 15:
-            await wait_until(lambda wanted=following: wanted in cursor.asked, 5,
-                             f"{following} asked for while building")
+            await wait_until(
+                lambda wanted=following: wanted in cursor.asked,
+                5,
+                f"{following} asked for while building",
+            )
         cursor.asked.append(f"built {len(got)}")
     assert got == [d["_id"] for b in batches for d in b]  # each once, in order
     assert cursor.asked.index("batch 1") < cursor.asked.index("built 5"), cursor.asked
 
 
 async def test_a_load_that_fails_midway_raises_and_stops_reading() -> None:
-    cursor = Batches([[doc(f"s{b}-{i}", 1) for i in range(5)] for b in range(3)],
-                     fail_after=2)
+    cursor = Batches([[doc(f"s{b}-{i}", 1) for i in range(5)] for b in range(3)], fail_after=2)
     seen = []
 
     async def load() -> None:
@@ -183,8 +207,13 @@ async def running(mirror: Mirror) -> AsyncIterator[asyncio.Task[None]]:
 async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -> None:
     await collection.insert_many([doc(f"pre{i}", 1) for i in range(5)])
     changes: list[tuple[str, bool, Written | None]] = []
-    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written:
-                    changes.append((schedule_id, entry is not None, written)))
+    mirror = Mirror(
+        collection,
+        on_change=lambda schedule_id, entry, written: changes.append(
+            (schedule_id, entry is not None, written)
+        ),
+    )
+
     async def server_now() -> dt.datetime:  # the server's clock, not this process's
         reply = await collection.database.command("hello")
         return reply["localTime"].replace(tzinfo=dt.UTC)  # type: ignore[no-any-return]
@@ -195,29 +224,34 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
         assert mirror.size == 5
         created = await server_now()
         await collection.insert_one(doc("live", 1, created_at=created))
-        await collection.update_one({"_id": "pre0"}, {"$set": {"paused": True},
-                                                      "$inc": {"revision": 1}})
+        await collection.update_one(
+            {"_id": "pre0"}, {"$set": {"paused": True}, "$inc": {"revision": 1}}
+        )
         await collection.delete_one({"_id": "pre1"})
 
         async def caught_up() -> bool:
-            return (mirror.size == 5 and "live" in mirror.entries
-                    and mirror.entries["pre0"].paused)
+            return mirror.size == 5 and "live" in mirror.entries and mirror.entries["pre0"].paused
 
         await wait_until(caught_up, 10, "the mirror to apply the live changes")
         assert "pre1" not in mirror.entries
         # A load's entries have no commit time; each streamed change has the server's.
         assert sorted(changes[:5]) == [(f"pre{i}", True, None) for i in range(5)]
-        assert [c[:2] for c in changes[5:]] == [("live", True), ("pre0", True),
-                                                ("pre1", False)]
+        assert [c[:2] for c in changes[5:]] == [("live", True), ("pre0", True), ("pre1", False)]
         ended = await server_now()
         written = [c[2].at for c in changes[5:] if c[2] is not None]
         assert len(written) == 3
-        assert all(w is not None and began - dt.timedelta(seconds=1) <= w
-                   <= ended + dt.timedelta(seconds=1) for w in written), (began, written)
+        assert all(
+            w is not None
+            and began - dt.timedelta(seconds=1) <= w <= ended + dt.timedelta(seconds=1)
+            for w in written
+        ), (began, written)
         assert written == sorted(written)  # type: ignore[type-var]
         # A document's own creation time comes with it; a delete has none.
         assert [c[2].created_at for c in changes[5:] if c[2] is not None] == [
-            created.replace(microsecond=created.microsecond // 1000 * 1000), None, None]
+            created.replace(microsecond=created.microsecond // 1000 * 1000),
+            None,
+            None,
+        ]
         now = dt.datetime.now(dt.UTC)
         nxt = mirror.entries["live"].trigger.next_after(now)
         assert nxt is not None
@@ -225,7 +259,8 @@ async def test_mirror_follows_a_collection_with_either_driver(collection: Any) -
 
 
 async def test_a_resync_hands_on_each_documents_write_times(
-        driver: Driver, mongo_uri: str, db_name: str) -> None:
+    driver: Driver, mongo_uri: str, db_name: str
+) -> None:
     """History lost (286) while schedules were written: the resync's load is the only
     record of those writes, and each hands on its document's times as a streamed change
     would (the leader plans a new schedule from its creation: a one-off due while the
@@ -234,37 +269,55 @@ async def test_a_resync_hands_on_each_documents_write_times(
     client = driver.client(mongo_uri, tz_aware=True, appname=app)
     collection = client[db_name].schedules
     changes: list[tuple[str, Written | None]] = []
-    mirror = Mirror(collection, on_change=lambda schedule_id, entry, written:
-                    changes.append((schedule_id, written)))
+    mirror = Mirror(
+        collection,
+        on_change=lambda schedule_id, entry, written: changes.append((schedule_id, written)),
+    )
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     created, changed = now - dt.timedelta(seconds=3), now - dt.timedelta(seconds=2)
-    await collection.insert_many([doc(f"pre{i}", 1, created_at=created, updated_at=created)
-                                  for i in range(3)])
+    await collection.insert_many(
+        [doc(f"pre{i}", 1, created_at=created, updated_at=created) for i in range(3)]
+    )
     try:
         async with running(mirror):
             await asyncio.wait_for(mirror.wait_ready(), 10)
             assert sorted(changes) == [(f"pre{i}", None) for i in range(3)]
             changes.clear()
             # The mirror's next getMore is held, then told its history is lost.
-            await client.admin.command({
-                "configureFailPoint": "failCommand", "mode": {"times": 1},
-                "data": {"failCommands": ["getMore"], "appName": app, "errorCode": 286,
-                         "blockConnection": True, "blockTimeMS": 1500}})
-            await client.admin.command({"waitForFailPoint": "failCommand",
-                                        "timesEntered": 1, "maxTimeMS": 10_000})
+            await client.admin.command(
+                {
+                    "configureFailPoint": "failCommand",
+                    "mode": {"times": 1},
+                    "data": {
+                        "failCommands": ["getMore"],
+                        "appName": app,
+                        "errorCode": 286,
+                        "blockConnection": True,
+                        "blockTimeMS": 1500,
+                    },
+                }
+            )
+            await client.admin.command(
+                {"waitForFailPoint": "failCommand", "timesEntered": 1, "maxTimeMS": 10_000}
+            )
             await collection.insert_one(doc("new", 1, created_at=now, updated_at=now))
-            await collection.update_one({"_id": "pre0"}, {
-                "$set": {"paused": True, "updated_at": changed}, "$inc": {"revision": 1}})
-            await collection.update_one({"_id": "pre1"}, {"$set": {"updated_at": "soon"},
-                                                          "$inc": {"revision": 1}})
+            await collection.update_one(
+                {"_id": "pre0"},
+                {"$set": {"paused": True, "updated_at": changed}, "$inc": {"revision": 1}},
+            )
+            await collection.update_one(
+                {"_id": "pre1"}, {"$set": {"updated_at": "soon"}, "$inc": {"revision": 1}}
+            )
             await collection.delete_one({"_id": "pre2"})
-            await wait_until(lambda: mirror.resyncs == 2 and mirror.ready, 15,
-                             "the mirror to resync")
+            await wait_until(
+                lambda: mirror.resyncs == 2 and mirror.ready, 15, "the mirror to resync"
+            )
             assert dict(changes) == {
-                "new": Written(now, now),          # new to the mirror: its creation too
-                "pre0": Written(changed, None),    # changed: when
-                "pre1": Written(None, None),       # a time that is no date: none
-                "pre2": None}                      # removed
+                "new": Written(now, now),  # new to the mirror: its creation too
+                "pre0": Written(changed, None),  # changed: when
+                "pre1": Written(None, None),  # a time that is no date: none
+                "pre2": None,
+            }  # removed
             assert mirror.entries["pre0"].paused
             assert "pre2" not in mirror.entries
     finally:

@@ -53,7 +53,8 @@ async def replicas_of_the_stream(nodes: NatsCluster) -> int:
 
 @pytest.mark.long(16)
 async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_once(
-        cluster: tuple[Harness, NatsCluster], tmp_path: Path) -> None:
+    cluster: tuple[Harness, NatsCluster], tmp_path: Path
+) -> None:
     """One election serves both cases: schedules firing steadily (run by a worker) and a
     burst of one-off fires (a target of its own, not the worker's) due together, the
     stream's leader SIGKILLed as the burst is claimed, before it is published."""
@@ -62,10 +63,22 @@ async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_o
     record = tmp_path / "runs.txt"
     with open(tmp_path / "worker.log", "wb") as log:  # noqa: ASYNC230 - opened once
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hascheduler.cli", "worker", "--broker", nodes.uri,
-            "--mongodb-uri", h.mongo_uri, "--handler", "tests.helpers.record_handler:handle",
-            "--target", f"audit.{h.prefix}", env={**os.environ, "RECORD_FIRES_TO": str(record)},
-            stdout=asyncio.subprocess.PIPE, stderr=log)
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "worker",
+            "--broker",
+            nodes.uri,
+            "--mongodb-uri",
+            h.mongo_uri,
+            "--handler",
+            "tests.helpers.record_handler:handle",
+            "--target",
+            f"audit.{h.prefix}",
+            env={**os.environ, "RECORD_FIRES_TO": str(record)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
     try:
         assert worker.stdout is not None
         for name in ("a", "b", "c"):
@@ -79,9 +92,12 @@ async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_o
         # Written once the cluster fires (its start-up takes seconds, varying), due soon
         # after: the mirrors take it from the change stream.
         due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=4)).replace(microsecond=0)
-        await h.db.schedules.insert_many([
-            schedule_doc(f"{h.prefix}-{i:05d}", {"kind": "at", "at": [due]}, burst_target)
-            for i in range(BURST)])
+        await h.db.schedules.insert_many(
+            [
+                schedule_doc(f"{h.prefix}-{i:05d}", {"kind": "at", "at": [due]}, burst_target)
+                for i in range(BURST)
+            ]
+        )
 
         # The burst is claimed from 1.5 s ahead of its due time and published at it: once
         # its first claims are in, the stream loses its leader before the publishes go out
@@ -118,16 +134,20 @@ async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_o
         async def counted() -> tuple[Counter[str], dict[str, dt.datetime]] | None:
             try:
                 return await stream_counts(h.nats.uri, f"{h.prefix}.burst")
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.js.errors.ServiceUnavailableError):
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError,
+            ):
                 return None
 
         counts, _ = await wait_until(counted, 30, "the stream read back", 0.5)
         assert len(counts) == BURST, f"{BURST - len(counts)} fires missing from the stream"
         assert all(n == 1 for n in counts.values()), [f for f, n in counts.items() if n > 1][:5]
         # The kill met the burst: its publishes (all, or the rest) went out after it.
-        assert await h.db.fires.count_documents({**in_burst,
-                                                 "published_at": {"$gt": killed_at}}) > 0
+        assert (
+            await h.db.fires.count_documents({**in_burst, "published_at": {"$gt": killed_at}}) > 0
+        )
 
         await published_by(h, term, 6, after=killed_at)  # firing goes on, same leader
         end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=0.5)
@@ -135,8 +155,7 @@ async def test_killing_the_stream_leader_mid_burst_and_steady_firing_runs_each_o
         fires = [d["_id"] for d in result["ledger"]]
 
         async def all_run() -> bool:
-            done = await h.db.runs.count_documents({"_id": {"$in": fires},
-                                                    "state": "succeeded"})
+            done = await h.db.runs.count_documents({"_id": {"$in": fires}, "state": "succeeded"})
             return done == len(fires)
 
         await wait_until(all_run, 60, "every steady fire run by the worker", 0.2)

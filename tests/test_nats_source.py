@@ -24,13 +24,18 @@ class Connection:
 
 
 def message(i: int, reply: str = "$JS.ACK.HASCHEDULER.d.1.1.1.0.0") -> Any:
-    return SimpleNamespace(headers={"Nats-Msg-Id": f"m{i}"}, data=str(i).encode(),
-                           subject="hascheduler.fire.a", reply=reply)
+    return SimpleNamespace(
+        headers={"Nats-Msg-Id": f"m{i}"},
+        data=str(i).encode(),
+        subject="hascheduler.fire.a",
+        reply=reply,
+    )
 
 
 def status(code: str) -> Any:
-    return SimpleNamespace(headers={"Status": code, "Description": "why"}, data=b"",
-                           subject="_INBOX.x", reply="")
+    return SimpleNamespace(
+        headers={"Status": code, "Description": "why"}, data=b"", subject="_INBOX.x", reply=""
+    )
 
 
 def a_source() -> tuple[NatsSource, Connection]:

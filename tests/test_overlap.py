@@ -60,8 +60,9 @@ def test_two_fires_of_one_key_in_one_batch_the_second_sees_the_first_open() -> N
 
 
 def test_buffer_one_keeps_one_waiting_and_skips_the_rest() -> None:
-    decision = decide([fire(2, "buffer_one"), fire(3, "buffer_one")],
-                      {("s", None): ["s@1"]}, {}, 10)
+    decision = decide(
+        [fire(2, "buffer_one"), fire(3, "buffer_one")], {("s", None): ["s@1"]}, {}, 10
+    )
     assert decision.buffer == {"s@2": "s@1"}
     assert decision.skip == {"s@3": (OVERLAP, "s@1")}
     already = decide([fire(4, "buffer_one")], {("s", None): ["s@1"]}, {("s", None): 1}, 10)
@@ -69,8 +70,9 @@ def test_buffer_one_keeps_one_waiting_and_skips_the_rest() -> None:
 
 
 def test_buffer_all_waits_in_order_up_to_its_bound() -> None:
-    decision = decide([fire(n, "buffer_all") for n in (2, 3, 4)],
-                      {("s", None): ["s@1"]}, {("s", None): 1}, 3)
+    decision = decide(
+        [fire(n, "buffer_all") for n in (2, 3, 4)], {("s", None): ["s@1"]}, {("s", None): 1}, 3
+    )
     assert list(decision.buffer) == ["s@2", "s@3"]
     assert decision.skip == {"s@4": (BUFFER_FULL, "s@1")}
 

@@ -23,16 +23,29 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.timeout(240)]
 
 
-async def start_worker(h: Harness, tmp: Path, name: str, *args: str
-                       ) -> asyncio.subprocess.Process:
+async def start_worker(h: Harness, tmp: Path, name: str, *args: str) -> asyncio.subprocess.Process:
     assert isinstance(h.nats, ServerProcess)
     with open(tmp / f"{name}.log", "wb") as log:  # noqa: ASYNC230 - opened once
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hascheduler.cli", "worker", "--broker", h.nats.uri,
-            "--mongodb-uri", h.mongo_uri, "--app", "tests.helpers.record_handler:app",
-            "--durable", "overlap", "--worker-id", name, *args,
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "worker",
+            "--broker",
+            h.nats.uri,
+            "--mongodb-uri",
+            h.mongo_uri,
+            "--app",
+            "tests.helpers.record_handler:app",
+            "--durable",
+            "overlap",
+            "--worker-id",
+            name,
+            *args,
             env={**os.environ, "RECORD_FIRES_TO": str(tmp / "attempts.txt")},
-            stdout=asyncio.subprocess.PIPE, stderr=log)
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
     assert worker.stdout is not None
     assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
     return worker
@@ -40,8 +53,14 @@ async def start_worker(h: Harness, tmp: Path, name: str, *args: str
 
 async def add(h: Harness, sid: str, target: str, overlap: str, sleep_s: float) -> None:
     any_replica = next(iter(h.replicas))
-    body = {"id": sid, "name": sid, "target": target, "overlap": overlap,
-            "payload": {"sleep": sleep_s}, "trigger": {"kind": "interval", "every": 1}}
+    body = {
+        "id": sid,
+        "name": sid,
+        "target": target,
+        "overlap": overlap,
+        "payload": {"sleep": sleep_s},
+        "trigger": {"kind": "interval", "every": 1},
+    }
     async with h.http.post(h.replicas[any_replica].uri + "/schedules", json=body) as r:
         assert r.status == 201, await r.text()
 
@@ -51,8 +70,7 @@ async def runs_of(h: Harness, sid: str) -> list[dict[str, Any]]:
 
 
 async def fires_of(h: Harness, sid: str, **query: Any) -> list[dict[str, Any]]:
-    return [d async for d in h.db.fires.find({"schedule_id": sid, **query}).sort(
-        "nominal_at", 1)]
+    return [d async for d in h.db.fires.find({"schedule_id": sid, **query}).sort("nominal_at", 1)]
 
 
 def assert_one_at_a_time(runs: list[dict[str, Any]], sid: str) -> None:
@@ -63,11 +81,11 @@ def assert_one_at_a_time(runs: list[dict[str, Any]], sid: str) -> None:
     for before, after in itertools.pairwise(ended):
         assert after["first_started_at"] >= before["finished_at"], (
             f"{sid}: {after['_id']} began at {after['first_started_at']} while "
-            f"{before['_id']} ran until {before['finished_at']}")
+            f"{before['_id']} ran until {before['finished_at']}"
+        )
 
 
-async def settle(h: Harness, sids: list[str], within_s: float,
-                 cancel: str | None = None) -> None:
+async def settle(h: Harness, sids: list[str], within_s: float, cancel: str | None = None) -> None:
     """Pause the schedules, then wait until nothing of theirs is open or claimed (their
     buffered fires wait for a resume); the last run of ``cancel`` (a schedule whose runs
     never end by themselves) is cancelled."""
@@ -77,12 +95,12 @@ async def settle(h: Harness, sids: list[str], within_s: float,
             assert r.status == 200
 
     async def cancelled_last() -> bool:
-        waiting = await h.db.fires.count_documents({"schedule_id": cancel,
-                                                    "state": "claimed"})
+        waiting = await h.db.fires.count_documents({"schedule_id": cancel, "state": "claimed"})
         if waiting:
             return False
-        async for run in h.db.runs.find({"schedule_id": cancel,
-                                         "state": {"$in": ["pending", "running"]}}):
+        async for run in h.db.runs.find(
+            {"schedule_id": cancel, "state": {"$in": ["pending", "running"]}}
+        ):
             async with h.http.post(f"{api}/runs/{run['_id']}/cancel") as r:
                 assert r.status in (200, 202, 409), await r.text()
         return True
@@ -92,18 +110,20 @@ async def settle(h: Harness, sids: list[str], within_s: float,
 
     async def quiet() -> bool:
         open_runs = await h.db.runs.count_documents(
-            {"schedule_id": {"$in": sids}, "state": {"$in": ["pending", "running",
-                                                             "retrying"]}})
+            {"schedule_id": {"$in": sids}, "state": {"$in": ["pending", "running", "retrying"]}}
+        )
         # A paused schedule's buffered fires wait for its resume: claimed ones must go.
         waiting = await h.db.fires.count_documents(
-            {"schedule_id": {"$in": sids}, "state": "claimed"})
+            {"schedule_id": {"$in": sids}, "state": "claimed"}
+        )
         return open_runs == 0 and waiting == 0
 
     await wait_until(quiet, within_s, "every run ended and no fire waiting", 0.2)
 
 
 async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
-        own_harness: Harness, tmp_path: Path) -> None:
+    own_harness: Harness, tmp_path: Path
+) -> None:
     h = own_harness
     h.start("a")
     await h.leader()
@@ -122,17 +142,20 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
 
     async def every_policy_shown() -> bool:
         nonlocal most_waiting
-        waiting = await h.db.fires.count_documents({"schedule_id": f"{p}-one",
-                                                    "state": "buffered"})
+        waiting = await h.db.fires.count_documents({"schedule_id": f"{p}-one", "state": "buffered"})
         most_waiting = max(most_waiting, waiting)
         fires, runs = h.db.fires.count_documents, h.db.runs.count_documents
-        return (await fires({"schedule_id": f"{p}-skip", "reason": "overlap"}) >= 3
-                and await fires({"schedule_id": f"{p}-one", "reason": "overlap"}) >= 1
-                and await fires({"schedule_id": f"{p}-one", "state": "published",
-                                 "buffered_at": {"$exists": True}}) >= 1
-                and await runs({"schedule_id": f"{p}-all"}) >= 6
-                and await runs({"schedule_id": f"{p}-cancel", "state": "cancelled"}) >= 2
-                and await runs({"schedule_id": f"{p}-allow"}) >= 3)
+        return (
+            await fires({"schedule_id": f"{p}-skip", "reason": "overlap"}) >= 3
+            and await fires({"schedule_id": f"{p}-one", "reason": "overlap"}) >= 1
+            and await fires(
+                {"schedule_id": f"{p}-one", "state": "published", "buffered_at": {"$exists": True}}
+            )
+            >= 1
+            and await runs({"schedule_id": f"{p}-all"}) >= 6
+            and await runs({"schedule_id": f"{p}-cancel", "state": "cancelled"}) >= 2
+            and await runs({"schedule_id": f"{p}-allow"}) >= 3
+        )
 
     await wait_until(every_policy_shown, 60, "every policy at work", 0.1)
     await settle(h, sids, 60, cancel=f"{p}-cancel")
@@ -151,8 +174,7 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
         assert most_waiting == 1
         one_runs = {r["_id"]: r for r in await runs_of(h, f"{p}-one")}
         assert_one_at_a_time(list(one_runs.values()), "buffer_one")
-        waited = [f for f in await fires_of(h, f"{p}-one", state="published")
-                  if "buffered_at" in f]
+        waited = [f for f in await fires_of(h, f"{p}-one", state="published") if "buffered_at" in f]
         assert waited, "no fire of buffer_one waited"
         for fire in waited:
             blocker = one_runs[fire["open_run"]]
@@ -174,15 +196,18 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
         assert len(cancel_runs) >= 3
         assert_one_at_a_time(cancel_runs, "cancel_other")
         assert all(r["state"] == "cancelled" for r in cancel_runs), [
-            r["state"] for r in cancel_runs]
-        assert all(r["cancelled_by"] == "overlap policy cancel_other"
-                   for r in cancel_runs[:-1])  # the last one, by the test
+            r["state"] for r in cancel_runs
+        ]
+        assert all(
+            r["cancelled_by"] == "overlap policy cancel_other" for r in cancel_runs[:-1]
+        )  # the last one, by the test
 
         # allow: runs overlap (the baseline the others are measured against).
         allow_runs = await runs_of(h, f"{p}-allow")
         allow_runs.sort(key=lambda r: r["first_started_at"])
-        assert any(b["first_started_at"] < a["finished_at"]
-                   for a, b in itertools.pairwise(allow_runs))
+        assert any(
+            b["first_started_at"] < a["finished_at"] for a, b in itertools.pairwise(allow_runs)
+        )
     finally:
         worker.terminate()
         await asyncio.wait_for(worker.wait(), 40)
@@ -190,13 +215,15 @@ async def test_each_policy_on_a_schedule_firing_faster_than_its_runs(
 
 @pytest.mark.long(16)
 async def test_skip_holds_across_a_leader_kill_a_worker_kill_and_a_step_down(
-        own_harness: Harness, tmp_path: Path) -> None:
+    own_harness: Harness, tmp_path: Path
+) -> None:
     h = own_harness
     for name in ("a", "b", "c"):
         h.start(name)
     first = await h.leader()
-    workers = {name: await start_worker(h, tmp_path, name, "--ack-wait", "3")
-               for name in ("w1", "w2")}
+    workers = {
+        name: await start_worker(h, tmp_path, name, "--ack-wait", "3") for name in ("w1", "w2")
+    }
     sid = f"{h.prefix}-skip"
     await add(h, sid, f"jobs.{h.prefix}.skip", "skip", 2.5)
 
@@ -209,8 +236,9 @@ async def test_skip_holds_across_a_leader_kill_a_worker_kill_and_a_step_down(
 
         async def new_leader() -> bool:
             lease = await h.lease()
-            return lease.get("holder") not in (None, first) and \
-                lease["expires_at"] > dt.datetime.now(dt.UTC)
+            return lease.get("holder") not in (None, first) and lease[
+                "expires_at"
+            ] > dt.datetime.now(dt.UTC)
 
         await wait_until(new_leader, 30, "a new leader", 0.1)
         run = await wait_until(running, 30, "a run under the new leader", 0.05)

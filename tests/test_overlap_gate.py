@@ -31,7 +31,8 @@ TERM = 1
 @pytest.fixture
 async def db(mongo_uri: str) -> AsyncIterator[Any]:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"gate_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+        with_database(mongo_uri, f"gate_{uuid.uuid4().hex[:8]}"), tz_aware=True
+    )
     database = client.get_default_database()
     yield database
     await client.drop_database(database)
@@ -43,8 +44,16 @@ async def gate(db: Any) -> OverlapGate:
     ledger, runs = Ledger(db.fires), RunLedger(db.runs)
     await ledger.ensure_indexes(3600)
     await runs.ensure_indexes(3600)
-    entry = Entry(1, False, compile_trigger({"kind": "cron", "cron": "* * * * *"}), 0.0, "none",
-                  0.0, "jobs.s", overlap="buffer_all")
+    entry = Entry(
+        1,
+        False,
+        compile_trigger({"kind": "cron", "cron": "* * * * *"}),
+        0.0,
+        "none",
+        0.0,
+        "jobs.s",
+        overlap="buffer_all",
+    )
     return OverlapGate(ledger, runs, {"s": entry}, 10, lambda: dt.datetime.now(dt.UTC), Metrics())
 
 
@@ -65,7 +74,8 @@ async def claimed(gate: OverlapGate, n: int, now: dt.datetime) -> Claim:
 
 
 async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     now = dt.datetime.now(dt.UTC)
     first, second, third = [await claimed(gate, n, now) for n in (1, 2, 3)]
     targets = {"s": "jobs.s"}
@@ -82,19 +92,21 @@ async def test_a_fire_arriving_while_a_waiting_one_is_released_waits_behind_it(
     assert doc is not None
     assert doc["state"] == BUFFERED
 
-    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)
-            ] == [second.fire_id]
+    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)] == [
+        second.fire_id
+    ]
     gate.released(released)
-    assert await gate.runs.open_runs([open_key("s", None)]) == {
-        open_key("s", None): second.fire_id}
+    assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): second.fire_id}
     # Once the second's run ends, the third goes, in order.
     await gate.runs.unreserve(second.fire_id, TERM)
     assert [c.fire_id for c in await gate.ready(term, now + dt.timedelta(minutes=1))] == [
-        third.fire_id]
+        third.fire_id
+    ]
 
 
 async def test_a_buffered_fire_of_a_paused_schedule_waits_for_the_resume(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """The open run ends while the schedule is paused: its buffered fire is not released
     (on 19ca195 it was published 2.8 s into the pause); resumed, it goes."""
     now = dt.datetime.now(dt.UTC)
@@ -111,14 +123,17 @@ async def test_a_buffered_fire_of_a_paused_schedule_waits_for_the_resume(
     assert doc is not None
     assert doc["state"] == BUFFERED
     # Paused until an instant now passed: as good as resumed.
-    entries["s"] = running.replace(revision=3, paused=True,
-                                   paused_until=now - dt.timedelta(seconds=1))
+    entries["s"] = running.replace(
+        revision=3, paused=True, paused_until=now - dt.timedelta(seconds=1)
+    )
     assert [c.fire_id for c in await gate.ready(term, now + dt.timedelta(minutes=1))] == [
-        second.fire_id]
+        second.fire_id
+    ]
 
 
 async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behind_it(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """Fire 1 reserved its key's run and its publish failed (the broker down, or its
     leader deposed); fire 2 was buffered behind that run. Fire 1 retried (or adopted by the
     next leader) comes through the gate again: it holds the open run itself, so it goes.
@@ -133,8 +148,7 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     doc = await gate.ledger.fires.find_one({"_id": first.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"
-    assert await gate.runs.open_runs([open_key("s", None)]) == {
-        open_key("s", None): first.fire_id}
+    assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): first.fire_id}
     # Its run ended and the second went; then the first, its mark lost, is retried: it
     # was let through before (its run exists), so it goes again (the broker drops the
     # copy), never recorded skipped behind the one buffered since.
@@ -142,13 +156,15 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
     await gate.runs.unreserve(first.fire_id, TERM)
     released = await gate.ready(term, now + dt.timedelta(minutes=1))
     assert [c.fire_id for c in released] == [second.fire_id]
-    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)
-            ] == [second.fire_id]
+    assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)] == [
+        second.fire_id
+    ]
     gate.released(released)
     # The second's run ends (its worker is done); the third opens the key, a fourth
     # waits behind it.
-    await gate.runs.runs.update_one({"_id": second.fire_id},
-                                    {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
+    await gate.runs.runs.update_one(
+        {"_id": second.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}}
+    )
     fourth = await claimed(gate, 4, now)
     assert await gate.admit([third], targets, term) == [third]
     assert await gate.admit([fourth], targets, term) == []
@@ -167,7 +183,8 @@ async def test_a_fire_that_holds_its_keys_run_itself_goes_though_fires_wait_behi
 
 
 async def test_a_fire_whose_run_ended_goes_again_alone_though_another_run_is_open(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """Fire 1 was published and its run has ended; fire 2's run is open; fire 1, its mark
     lost, is retried alone with nothing waiting: its run's insert is refused on the key
     (the server may check that index before the id's), yet it was let through before, so
@@ -176,8 +193,9 @@ async def test_a_fire_whose_run_ended_goes_again_alone_though_another_run_is_ope
     first, second = [await claimed(gate, n, now) for n in (1, 2)]
     targets = {"s": "jobs.s"}
     assert await gate.admit([first], targets, term) == [first]
-    await gate.runs.runs.update_one({"_id": first.fire_id},
-                                    {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
+    await gate.runs.runs.update_one(
+        {"_id": first.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}}
+    )
     assert await gate.admit([second], targets, term) == [second]
     assert await gate.admit([first], targets, term) == [first]
     doc = await gate.ledger.fires.find_one({"_id": first.fire_id})
@@ -186,7 +204,8 @@ async def test_a_fire_whose_run_ended_goes_again_alone_though_another_run_is_ope
 
 
 async def test_a_fire_arriving_while_the_release_takes_the_waiting_one_waits_behind_it(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """The window inside the take itself: the waiting fire is already claimed (no longer
     buffered) and its run not yet reserved when the next fire is admitted."""
     now = dt.datetime.now(dt.UTC)
@@ -229,15 +248,26 @@ class CountedWrites:
 
 
 async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_write(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """A busy second refuses fires of thousands of schedules, each for its own open run:
     their records are one write for the skipped and one for the buffered, not one each."""
     now = dt.datetime.now(dt.UTC)
     trigger = compile_trigger({"kind": "cron", "cron": "* * * * *"})
     ids = [f"skip{i}" for i in range(20)] + [f"buffer{i}" for i in range(20)]
-    gate.entries = {s: Entry(1, False, trigger, 0.0, "none", 0.0, "jobs.s",
-                             overlap="skip" if s.startswith("skip") else "buffer_one")
-                    for s in ids}
+    gate.entries = {
+        s: Entry(
+            1,
+            False,
+            trigger,
+            0.0,
+            "none",
+            0.0,
+            "jobs.s",
+            overlap="skip" if s.startswith("skip") else "buffer_one",
+        )
+        for s in ids
+    }
     targets = dict.fromkeys(ids, "jobs.s")
 
     async def fires_at(n: int) -> list[Claim]:
@@ -252,19 +282,18 @@ async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_writ
     assert await gate.admit(await fires_at(2), targets, term) == []
     assert counted.updates == 2
     opened = {c.schedule_id: c.fire_id for c in first}
-    held_back = [d async for d in counted.fires.find(
-        {"nominal_at": now + dt.timedelta(seconds=2)})]
+    held_back = [d async for d in counted.fires.find({"nominal_at": now + dt.timedelta(seconds=2)})]
     assert len(held_back) == len(ids)
     for doc in held_back:
         assert doc["open_run"] == opened[doc["schedule_id"]]
-        assert doc["state"] == ("skipped" if doc["schedule_id"].startswith("skip")
-                                else BUFFERED)
+        assert doc["state"] == ("skipped" if doc["schedule_id"].startswith("skip") else BUFFERED)
         if doc["state"] == "skipped":
             assert doc["reason"] == "overlap"
 
 
 async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_it(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """Ahead of the due time an open run holds the fire back, recording nothing; at the
     due time it goes if that run has ended, and only a run still open then skips it."""
     now = dt.datetime.now(dt.UTC)
@@ -273,23 +302,24 @@ async def test_a_fire_whose_run_is_open_ahead_of_its_due_time_is_asked_again_at_
         claim.overlap = "skip"
     targets = {"s": "jobs.s"}
     assert await gate.admit_ahead([first], targets, term) == ([first], [])
-    with unittest.mock.patch.object(gate.runs, "open_runs", side_effect=AssertionError(
-            "a held fire records nothing: its blocker is not looked up")):
+    with unittest.mock.patch.object(
+        gate.runs,
+        "open_runs",
+        side_effect=AssertionError("a held fire records nothing: its blocker is not looked up"),
+    ):
         assert await gate.admit_ahead([second], targets, term) == ([], [second])
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert doc["state"] == "claimed"  # nothing decided yet
     await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends before the due time
     assert await gate.admit([second], targets, term) == [second]
-    assert await gate.runs.open_runs([open_key("s", None)]) == {
-        open_key("s", None): second.fire_id}
+    assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): second.fire_id}
 
     assert await gate.admit_ahead([third], targets, term) == ([], [third])
     assert await gate.admit([third], targets, term) == []  # still open at its due time
     doc = await gate.ledger.fires.find_one({"_id": third.fire_id})
     assert doc is not None
-    assert (doc["state"], doc["reason"], doc["open_run"]) == (
-        "skipped", "overlap", second.fire_id)
+    assert (doc["state"], doc["reason"], doc["open_run"]) == ("skipped", "overlap", second.fire_id)
 
 
 async def next_term(db: Any, gate: OverlapGate, term: Term) -> tuple[OverlapGate, Term]:
@@ -300,14 +330,16 @@ async def next_term(db: Any, gate: OverlapGate, term: Term) -> tuple[OverlapGate
     view = await lease.acquire_or_renew()
     assert view is not None
     assert view.term == TERM + 1
-    successor = OverlapGate(Ledger(db.fires), RunLedger(db.runs), gate.entries, 10,
-                            gate.clock, Metrics())
+    successor = OverlapGate(
+        Ledger(db.fires), RunLedger(db.runs), gate.entries, 10, gate.clock, Metrics()
+    )
     await successor.begin()
     return successor, await Term(TERM + 1, lease, {}).__aenter__()
 
 
 async def test_a_reservation_landing_after_its_term_was_deposed_holds_nothing_and_goes_nowhere(
-        db: Any, gate: OverlapGate, term: Term) -> None:
+    db: Any, gate: OverlapGate, term: Term
+) -> None:
     """Term 1 reserves fire 2's run; before the write lands, term 1 is deposed, term 2
     adopts fire 2 and records it skipped behind fire 1's open run, and fire 1's run ends;
     then term 1's reservation lands (the key is free by then). Term 1 publishes nothing
@@ -324,11 +356,13 @@ async def test_a_reservation_landing_after_its_term_was_deposed_holds_nothing_an
 
     async def deposed_meanwhile(*args: Any, **kwargs: Any) -> dict[str, str]:
         successor, later = await next_term(db, gate, term)
-        await gate.ledger.fires.update_one({"_id": second.fire_id},
-                                           {"$set": {"term": later.number}})
+        await gate.ledger.fires.update_one(
+            {"_id": second.fire_id}, {"$set": {"term": later.number}}
+        )
         assert await successor.admit([second], targets, later) == []  # fire 1's run is open
         await gate.runs.runs.update_one(
-            {"_id": first.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}})
+            {"_id": first.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}}
+        )
         return await reserve(*args, **kwargs)  # lands now, on a free key
 
     gate.runs.reserve = deposed_meanwhile  # type: ignore[method-assign]
@@ -342,7 +376,8 @@ async def test_a_reservation_landing_after_its_term_was_deposed_holds_nothing_an
 
 
 async def test_a_reservation_a_newer_term_went_on_with_stays_when_the_deposed_one_withdraws(
-        db: Any, gate: OverlapGate, term: Term) -> None:
+    db: Any, gate: OverlapGate, term: Term
+) -> None:
     """Term 1 reserved fire 1's run and was deposed before publishing it; term 2 adopts the
     fire and goes on its run (the fire's own). Term 1's withdrawal, late, leaves that run
     to term 2: the key stays held by it until its worker ends it."""
@@ -356,15 +391,15 @@ async def test_a_reservation_a_newer_term_went_on_with_stays_when_the_deposed_on
     assert await successor.admit([first], targets, later) == [first]
     await gate.runs.withdraw([first.fire_id], TERM)
     await gate.runs.unreserve(first.fire_id, TERM)
-    assert await gate.runs.open_runs([open_key("s", None)]) == {
-        open_key("s", None): first.fire_id}
+    assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): first.fire_id}
     run = await gate.runs.get(first.fire_id)
     assert run is not None
     assert (run["state"], run["term"]) == ("pending", TERM + 1)
 
 
 async def test_a_reservation_left_by_a_term_killed_before_withdrawing_it_is_withdrawn(
-        gate: OverlapGate, term: Term) -> None:
+    gate: OverlapGate, term: Term
+) -> None:
     """Fire 1's run reserved by a term killed before it could withdraw it, though fire 1
     is recorded skipped (the reservation landed after the decision); fire 2 waits behind
     it. The leader finds it stale and releases fire 2: on 8dea6d2 fire 2 waited for good
@@ -382,4 +417,5 @@ async def test_a_reservation_left_by_a_term_killed_before_withdrawing_it_is_with
     assert [c.fire_id for c in released] == [second.fire_id]
     assert await gate.runs.with_runs([first.fire_id]) == set()
     assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)] == [
-        second.fire_id]
+        second.fire_id
+    ]

@@ -18,8 +18,7 @@ def at(s: float) -> dt.datetime:
 
 
 def entry(paused: bool, until: dt.datetime | None = None) -> Entry:
-    return Entry(1, paused, Interval(1.0, T0), 0.0, "latest", 3600.0, "t",
-                 paused_until=until)
+    return Entry(1, paused, Interval(1.0, T0), 0.0, "latest", 3600.0, "t", paused_until=until)
 
 
 def test_paused_until_an_instant_is_paused_only_before_it() -> None:
@@ -48,5 +47,6 @@ def test_the_queue_holds_a_schedule_paused_until_an_instant_and_drops_the_dorman
         pass
     taken = queue.take_due(at(10), 100)
     assert [(d.schedule_id, d.nominal) for d in taken if d.schedule_id != "running"] == [
-        ("until", at(10))]
+        ("until", at(10))
+    ]
     assert all(d.schedule_id != "dormant" for d in taken)

@@ -24,23 +24,31 @@ pytestmark = [pytest.mark.timeout(240)]
 
 
 async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
-        own_harness: Harness) -> None:
+    own_harness: Harness,
+) -> None:
     h = own_harness
     for name in ("a", "b", "c"):
         h.start(name)
     first = await h.leader()
     sid = f"{h.prefix}-until"
-    status, _ = await h.call("POST", "/schedules", {
-        "id": sid, "name": sid, "target": f"audit.{h.prefix}",
-        "trigger": {"kind": "interval", "every": 1}})
+    status, _ = await h.call(
+        "POST",
+        "/schedules",
+        {
+            "id": sid,
+            "name": sid,
+            "target": f"audit.{h.prefix}",
+            "trigger": {"kind": "interval", "every": 1},
+        },
+    )
     assert status == 201
     until = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)).replace(microsecond=0)
-    status, paused = await h.call("POST", f"/schedules/{sid}/pause",
-                                {"note": "partner API down", "until": until.isoformat()})
+    status, paused = await h.call(
+        "POST", f"/schedules/{sid}/pause", {"note": "partner API down", "until": until.isoformat()}
+    )
     assert status == 200, paused
     assert paused["paused"] is True
-    assert (paused["pause"]["note"], paused["pause"]["by"]) == ("partner API down",
-                                                                 "anonymous")
+    assert (paused["pause"]["note"], paused["pause"]["by"]) == ("partner API down", "anonymous")
     assert dt.datetime.fromisoformat(paused["pause"]["until"]) == until
     paused_at = dt.datetime.fromisoformat(paused["pause"]["at"])
     h.signal(first, signal.SIGKILL)
@@ -56,15 +64,25 @@ async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
     assert schedule["pause"] is None
 
     async def fired_after() -> list[dict[str, Any]]:
-        return [d async for d in h.db.fires.find({"schedule_id": sid,
-                                                  "state": "published",
-                                                  "nominal_at": {"$gte": until}})]
+        return [
+            d
+            async for d in h.db.fires.find(
+                {"schedule_id": sid, "state": "published", "nominal_at": {"$gte": until}}
+            )
+        ]
 
     await wait_until(fired_after, 30, "fires from the instant on", 0.2)
     # Nothing fired while it was paused (allowing for a fire claimed before the pause).
-    during = [d async for d in h.db.fires.find({
-        "schedule_id": sid, "state": "published",
-        "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2), "$lt": until}})]
+    during = [
+        d
+        async for d in h.db.fires.find(
+            {
+                "schedule_id": sid,
+                "state": "published",
+                "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2), "$lt": until},
+            }
+        )
+    ]
     assert during == []
     # The first fire at the instant itself (every second on the grid: until is on it
     # when the grid started on a whole second, else the next one).
@@ -73,7 +91,8 @@ async def test_a_pause_until_an_instant_ends_then_across_a_leader_kill(
 
 
 async def test_a_pause_running_out_as_its_leader_is_killed_loses_no_instant_after_it(
-        mongo_uri: str) -> None:
+    mongo_uri: str,
+) -> None:
     """The leader is SIGKILLed just before a pause's ``until`` (its fires at ``until`` and
     the next claimed ahead): its successor's catch-up runs while its mirror still shows
     the schedule paused, and writes the resume itself. Every instant from ``until`` on is
@@ -97,19 +116,27 @@ async def _pause_runs_out_across_a_kill(h: Harness) -> None:
         h.start(name)
     first = await h.leader()
     sid = f"{h.prefix}-until-kill"
-    status, _ = await h.call("POST", "/schedules", {
-        "id": sid, "name": sid, "target": f"audit.{h.prefix}", "catchup": "all",
-        "trigger": {"kind": "interval", "every": 1}})
+    status, _ = await h.call(
+        "POST",
+        "/schedules",
+        {
+            "id": sid,
+            "name": sid,
+            "target": f"audit.{h.prefix}",
+            "catchup": "all",
+            "trigger": {"kind": "interval", "every": 1},
+        },
+    )
     assert status == 201
     until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=4)
-    status, paused = await h.call("POST", f"/schedules/{sid}/pause",
-                                  {"until": until.isoformat()})
+    status, paused = await h.call("POST", f"/schedules/{sid}/pause", {"until": until.isoformat()})
     assert status == 200, paused
     until = dt.datetime.fromisoformat(paused["pause"]["until"])
     # The fault at its moment, 0.3 s before the pause runs out: an instant to inject at,
     # not a condition to wait for.
-    await asyncio.sleep((until - dt.timedelta(seconds=0.3)
-                         - dt.datetime.now(dt.UTC)).total_seconds())
+    await asyncio.sleep(
+        (until - dt.timedelta(seconds=0.3) - dt.datetime.now(dt.UTC)).total_seconds()
+    )
     h.signal(first, signal.SIGKILL)
     process = h.replicas[first].process
     assert process is not None
@@ -136,9 +163,19 @@ async def _pause_runs_out_across_a_kill(h: Harness) -> None:
     await wait_until(handled, 40, "the successor to handle 3 s past its takeover", 0.2)
 
     async def published() -> list[dt.datetime]:
-        return sorted([d["nominal_at"].replace(tzinfo=dt.UTC) async for d in h.db.fires.find(
-            {"schedule_id": sid, "state": "published", "nominal_at": {"$gte": until},
-             "manual": {"$ne": True}})])
+        return sorted(
+            [
+                d["nominal_at"].replace(tzinfo=dt.UTC)
+                async for d in h.db.fires.find(
+                    {
+                        "schedule_id": sid,
+                        "state": "published",
+                        "nominal_at": {"$gte": until},
+                        "manual": {"$ne": True},
+                    }
+                )
+            ]
+        )
 
     nominals = await wait_until(published, 20, "fires from the instant on", 0.2)
     assert nominals[0] - until < dt.timedelta(seconds=1)
@@ -146,48 +183,87 @@ async def _pause_runs_out_across_a_kill(h: Harness) -> None:
     assert gaps == [], gaps
     assert nominals[-1] > took_over + dt.timedelta(seconds=2)
     # Each fired once, none skipped.
-    assert await h.db.fires.count_documents({"schedule_id": sid, "state": "skipped",
-                                             "nominal_at": {"$gte": until}}) == 0
+    assert (
+        await h.db.fires.count_documents(
+            {"schedule_id": sid, "state": "skipped", "nominal_at": {"$gte": until}}
+        )
+        == 0
+    )
 
 
 async def test_bad_pauses_are_refused_naming_the_field(own_harness: Harness) -> None:
     h = own_harness
     h.start("a")
     sid = f"{h.prefix}-bad"
-    assert (await h.call("POST", "/schedules", {
-        "id": sid, "name": sid, "target": "t",
-        "trigger": {"kind": "cron", "cron": "@daily"}}))[0] == 201
+    assert (
+        await h.call(
+            "POST",
+            "/schedules",
+            {"id": sid, "name": sid, "target": "t", "trigger": {"kind": "cron", "cron": "@daily"}},
+        )
+    )[0] == 201
     past = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()
-    for body, field in (({"until": past}, "until"), ({"until": "tomorrow"}, "until"),
-                        ({"note": "x" * 1001}, "note"), ({"why": "x"}, "why")):
+    for body, field in (
+        ({"until": past}, "until"),
+        ({"until": "tomorrow"}, "until"),
+        ({"note": "x" * 1001}, "note"),
+        ({"why": "x"}, "why"),
+    ):
         status, answer = await h.call("POST", f"/schedules/{sid}/pause", body)
         assert (status, answer["errors"][0]["field"]) == (422, field), answer
     # From the command line: refused naming the field (exit 2), then paused with a note.
-    refused = await asyncio.to_thread(run_cli, "schedules", "--api", h.live(), "pause", sid,
-                                      "--until", past)
+    refused = await asyncio.to_thread(
+        run_cli, "schedules", "--api", h.live(), "pause", sid, "--until", past
+    )
     assert refused.returncode == 2
     assert "until must be in the future" in refused.stderr
-    paused = await asyncio.to_thread(run_cli, "schedules", "--api", h.live(), "pause", sid,
-                                     "--note", "maintenance window", "--json")
+    paused = await asyncio.to_thread(
+        run_cli,
+        "schedules",
+        "--api",
+        h.live(),
+        "pause",
+        sid,
+        "--note",
+        "maintenance window",
+        "--json",
+    )
     assert paused.returncode == 0, paused.stderr
     assert json.loads(paused.stdout)["pause"]["note"] == "maintenance window"
-    status, answer = await h.call("POST", "/schedules", {
-        "name": "n", "target": "t", "pause_on_failure": 0,
-        "trigger": {"kind": "cron", "cron": "@daily"}})
+    status, answer = await h.call(
+        "POST",
+        "/schedules",
+        {
+            "name": "n",
+            "target": "t",
+            "pause_on_failure": 0,
+            "trigger": {"kind": "cron", "cron": "@daily"},
+        },
+    )
     assert (status, answer["errors"][0]["field"]) == (422, "pause_on_failure")
 
 
 async def test_pause_on_failure_pauses_after_that_many_dead_runs(
-        own_harness: Harness, tmp_path: Path) -> None:
+    own_harness: Harness, tmp_path: Path
+) -> None:
     h = own_harness
     h.start("a")
     await h.leader()
     worker = await start_worker(h, tmp_path, "w1")
     sid = f"{h.prefix}-failing"
     try:
-        status, _ = await h.call("POST", "/schedules", {
-            "id": sid, "name": sid, "target": f"jobs.{h.prefix}", "pause_on_failure": 3,
-            "payload": {"permanent": True}, "trigger": {"kind": "interval", "every": 1}})
+        status, _ = await h.call(
+            "POST",
+            "/schedules",
+            {
+                "id": sid,
+                "name": sid,
+                "target": f"jobs.{h.prefix}",
+                "pause_on_failure": 3,
+                "payload": {"permanent": True},
+                "trigger": {"kind": "interval", "every": 1},
+            },
+        )
         assert status == 201
 
         async def paused() -> dict[str, Any] | None:
@@ -206,13 +282,21 @@ async def test_pause_on_failure_pauses_after_that_many_dead_runs(
 
         async def handled_past_the_pause() -> bool:
             through = (await h.lease()).get("fired_through")
-            return bool(through and through.replace(tzinfo=dt.UTC) >
-                        paused_at + dt.timedelta(seconds=3))
+            return bool(
+                through and through.replace(tzinfo=dt.UTC) > paused_at + dt.timedelta(seconds=3)
+            )
 
         await wait_until(handled_past_the_pause, 20, "the leader to handle 3 s more", 0.2)
-        later = [d async for d in h.db.fires.find({
-            "schedule_id": sid, "state": "published",
-            "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2)}})]
+        later = [
+            d
+            async for d in h.db.fires.find(
+                {
+                    "schedule_id": sid,
+                    "state": "published",
+                    "nominal_at": {"$gt": paused_at + dt.timedelta(seconds=2)},
+                }
+            )
+        ]
         assert later == []
     finally:
         worker.terminate()

@@ -47,8 +47,9 @@ class Broker:
     def __init__(self) -> None:
         self.sent: list[FireMessage] = []
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]:
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         self.sent.extend(messages)
         return [None] * len(messages)
 
@@ -65,8 +66,9 @@ class StagingBroker(Broker):
     def stage(self, event: PreparedEvent) -> tuple[str, PreparedEvent] | None:
         return None if event.fire_id in self.refuse else ("framed", event)
 
-    async def publish_staged(self, staged: Sequence[tuple[str, PreparedEvent]], fired: bytes,
-                             timeout_s: float) -> list[BaseException | None]:
+    async def publish_staged(
+        self, staged: Sequence[tuple[str, PreparedEvent]], fired: bytes, timeout_s: float
+    ) -> list[BaseException | None]:
         self.staged_sent.extend(event.message(fired) for _, event in staged)
         return [None] * len(staged)
 
@@ -77,8 +79,9 @@ class Ledger:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def mark_published_many(self, marks: list[tuple[list[str], int, dt.datetime, int]]
-                                  ) -> None:
+    async def mark_published_many(
+        self, marks: list[tuple[list[str], int, dt.datetime, int]]
+    ) -> None:
         self.writes.append(marks)
         await self.gate.wait()
 
@@ -88,8 +91,9 @@ class Schedules:
         self.docs: dict[str, dict[str, Any]] = {}
         self.reads = 0
 
-    async def find(self, query: dict[str, Any], projection: Any = None
-                   ) -> AsyncIterator[dict[str, Any]]:
+    async def find(
+        self, query: dict[str, Any], projection: Any = None
+    ) -> AsyncIterator[dict[str, Any]]:
         self.reads += 1
         for sid in query["_id"]["$in"]:
             if sid in self.docs:
@@ -102,8 +106,7 @@ class Mirror:
 
 
 def schedule(revision: int, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"_id": "s", "name": "s", "target": "t.x", "payload": payload,
-            "revision": revision}
+    return {"_id": "s", "name": "s", "target": "t.x", "payload": payload, "revision": revision}
 
 
 def claims(n: int) -> list[Claim]:
@@ -114,12 +117,20 @@ def claims(n: int) -> list[Claim]:
     return out
 
 
-def setup(ledger: Ledger | None = None
-          ) -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
+def setup(
+    ledger: Ledger | None = None,
+) -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
     broker, schedules, mirror = Broker(), Schedules(), Mirror()
     now = [T0 - dt.timedelta(seconds=0.25)]
-    publisher = Publisher(broker, ledger or Ledger(), mirror, schedules,  # type: ignore[arg-type]
-                          DispatchSettings(), lambda: now[0], Metrics())
+    publisher = Publisher(
+        broker,
+        ledger or Ledger(),
+        mirror,
+        schedules,  # type: ignore[arg-type]
+        DispatchSettings(),
+        lambda: now[0],
+        Metrics(),
+    )
     schedules.docs["s"] = schedule(1, {"v": 1})
     mirror.entries["s"] = Entry(1, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
     return publisher, broker, schedules, mirror, now
@@ -182,8 +193,14 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     await publisher.publish(due[:1], HELD, attempt=2)
     assert json.loads(broker.sent[-1].body)["data"]["attempt"] == 2
     # A schedule changed after its fires were framed: rendered afresh, as messages.
-    again = [Claim(fire_id("s", T0 + dt.timedelta(seconds=9)), "s",
-                   T0 + dt.timedelta(seconds=9), T0 + dt.timedelta(seconds=9))]
+    again = [
+        Claim(
+            fire_id("s", T0 + dt.timedelta(seconds=9)),
+            "s",
+            T0 + dt.timedelta(seconds=9),
+            T0 + dt.timedelta(seconds=9),
+        )
+    ]
     publisher.ready(again, 7)
     schedules.docs["s"] = schedule(2, {"v": 2})
     mirror.entries["s"] = Entry(2, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")
@@ -194,8 +211,7 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     assert not publisher._ready
 
 
-async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_from(
-        ) -> None:
+async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_from() -> None:
     """``unchanged``: the caller counted no change (``changes``, which ``forget`` counts)
     since the fires were rendered ahead, so their templates are not looked up again; a
     fire not rendered ahead is, as before."""
@@ -224,8 +240,7 @@ async def test_an_unchanged_publish_takes_the_templates_its_fires_were_rendered_
     assert publisher.changes == before + 1
 
 
-async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_nothing(
-        ) -> None:
+async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_nothing() -> None:
     publisher, broker, _, _, now = setup()
     due = claims(2)
     await publisher.templates({"s"})
@@ -238,8 +253,9 @@ async def test_a_retry_is_rendered_with_its_attempt_and_a_discarded_fire_leaves_
     assert not publisher._ready
 
 
-async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_go_together(
-        ) -> None:
+async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_go_together() -> (
+    None
+):
     """A publish returns once the broker acknowledged it: the next tick's fires do not
     wait for this one's database round trip. The marks of publishes ending while a write
     is in flight go together in the next write; ``marked`` waits for every one."""
@@ -260,11 +276,14 @@ async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_g
     ledger.gate.set()
     await asyncio.wait_for(marked, 5)
     assert [[ids for ids, *_ in write] for write in ledger.writes] == [
-        [[due[0].fire_id]], [[due[1].fire_id], [due[2].fire_id]]]
+        [[due[0].fire_id]],
+        [[due[1].fire_id], [due[2].fire_id]],
+    ]
 
 
 async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
-        capsys: Any) -> None:
+    capsys: Any,
+) -> None:
     """The publish stands (the broker has the fires); the fires stay claimed in the
     ledger, so the retry loop republishes them (deduplicated), and the failure is
     logged, not raised into the publishing of the fires due next."""
@@ -274,6 +293,7 @@ async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
 
     async def refused(marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
         raise AutoReconnect("the database is gone")
+
     ledger.mark_published_many = refused  # type: ignore[method-assign]
     due = claims(2)
     await publisher.publish(due, HELD, attempt=1)
@@ -291,15 +311,15 @@ class HeldBroker(Broker):
         super().__init__()
         self.held, self.release = held, asyncio.Event()
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]:
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         if any(m.fire_id in self.held for m in messages):
             await self.release.wait()
         return await super().publish(messages, timeout_s)
 
 
-async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_broker(
-        ) -> None:
+async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_broker() -> None:
     """A batch's publish time is when its acks are read: the per-fire lateness metric and
     debug lines of batches already acknowledged wait (like their marks) until no batch
     awaits the broker, so that they do not hold back the reading of the others' acks."""
@@ -314,6 +334,7 @@ async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_br
     def noted(amount: float) -> None:
         awaiting_at_each.append(publisher._awaiting_broker)
         observe(amount)
+
     publisher.metrics.lateness.observe = noted  # type: ignore[method-assign]
     late = asyncio.create_task(publisher.publish(due[2:], HELD, attempt=1))
     await wait_until(lambda: publisher._awaiting_broker == 1, 5, "the held batch sent")

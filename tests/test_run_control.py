@@ -24,9 +24,17 @@ async def post(s: Stack, path: str, body: Any = None, **headers: str) -> tuple[i
 async def not_firing(s: Stack, target: str, payload: dict[str, Any], **extra: Any) -> str:
     """A schedule that fires only when run now (its one instant is a day away)."""
     at = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)
-    status, body = await post(s, "/schedules", {
-        "name": "by hand", "target": target, "payload": payload,
-        "trigger": {"kind": "at", "at": [at.isoformat()]}, **extra})
+    status, body = await post(
+        s,
+        "/schedules",
+        {
+            "name": "by hand",
+            "target": target,
+            "payload": payload,
+            "trigger": {"kind": "at", "at": [at.isoformat()]},
+            **extra,
+        },
+    )
     assert status == 201, body
     return str(body["id"])
 
@@ -48,26 +56,37 @@ def attempts_of(s: Stack, fire: str) -> int:
 async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stack) -> None:
     await stack.worker()
     sid = await not_firing(stack, "long.now", {"sleep": 60})
-    status, first = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
-                               **{"Idempotency-Key": "deploy-42"})
+    status, first = await post(
+        stack,
+        f"/schedules/{sid}/trigger",
+        {"payload": {"sleep": 0}},
+        **{"Idempotency-Key": "deploy-42"},
+    )
     assert status == 202, first
     assert first["fire_id"].startswith(f"{sid}@manual-")
     assert first["created"] is True
-    status, again = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
-                               **{"Idempotency-Key": "deploy-42"})
+    status, again = await post(
+        stack,
+        f"/schedules/{sid}/trigger",
+        {"payload": {"sleep": 0}},
+        **{"Idempotency-Key": "deploy-42"},
+    )
     assert (status, again["fire_id"], again["created"]) == (202, first["fire_id"], False)
     # Its own payload (no sleep) rather than the schedule's (a minute): it succeeds.
     await run_state(stack, first["fire_id"], "succeeded")
     status, fire = await stack.get(first["url"])
     assert status == 200
-    assert (fire["state"], fire["manual"], fire["requested_by"]) == (
-        "published", True, "anonymous")
+    assert (fire["state"], fire["manual"], fire["requested_by"]) == ("published", True, "anonymous")
     assert fire["run"]["state"] == "succeeded"
     assert attempts_of(stack, first["fire_id"]) == 1
 
     # Another key is another fire.
-    status, other = await post(stack, f"/schedules/{sid}/trigger", {"payload": {"sleep": 0}},
-                               **{"Idempotency-Key": "deploy-43"})
+    status, other = await post(
+        stack,
+        f"/schedules/{sid}/trigger",
+        {"payload": {"sleep": 0}},
+        **{"Idempotency-Key": "deploy-43"},
+    )
     assert status == 202
     assert other["fire_id"] != first["fire_id"]
     await run_state(stack, other["fire_id"], "succeeded")
@@ -77,8 +96,9 @@ async def test_run_now_once_per_idempotency_key_with_its_own_payload(stack: Stac
     status, refused = await post(stack, f"/schedules/{sid}/trigger")
     assert status == 409
     assert "force" in refused["title"]
-    status, forced = await post(stack, f"/schedules/{sid}/trigger",
-                                {"force": True, "payload": {"sleep": 0}})
+    status, forced = await post(
+        stack, f"/schedules/{sid}/trigger", {"force": True, "payload": {"sleep": 0}}
+    )
     assert status == 202
     await run_state(stack, forced["fire_id"], "succeeded")
 
@@ -87,8 +107,7 @@ async def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(run_cli, args[0], "--api", stack.replica.uri, *args[1:])
 
 
-async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(
-        stack: Stack) -> None:
+async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(stack: Stack) -> None:
     await stack.worker()
     for target in ("long.cancel", "polite.cancel"):
         sid = await not_firing(stack, target, {"sleep": 60})
@@ -117,9 +136,17 @@ async def test_cancel_stops_async_and_sync_handlers_and_ends_waiting_runs(
     try:
         runs = client.get_default_database().runs
         later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
-        await runs.insert_one({"_id": "waiting@1", "schedule_id": "waiting", "target": "t",
-                               "state": "retrying", "attempts": 1, "next_attempt_at": later,
-                               "recorded_at": dt.datetime.now(dt.UTC)})
+        await runs.insert_one(
+            {
+                "_id": "waiting@1",
+                "schedule_id": "waiting",
+                "target": "t",
+                "state": "retrying",
+                "attempts": 1,
+                "next_attempt_at": later,
+                "recorded_at": dt.datetime.now(dt.UTC),
+            }
+        )
         status, body = await post(stack, "/runs/waiting@1/cancel")
         assert (status, body["state"]) == (200, "cancelled")
         stored = await runs.find_one({"_id": "waiting@1"})
@@ -148,30 +175,50 @@ async def test_a_fire_cancelled_before_any_worker_claims_it_never_runs(stack: St
     assert (status, body["state"]) == (200, "cancelled")
     await stack.worker()
     log = stack.tmp / "w0.log"
-    await wait_until(lambda: "fire_cancelled_dropped" in log.read_text(), 30,
-                     "the worker to drop the cancelled fire")
+    await wait_until(
+        lambda: "fire_cancelled_dropped" in log.read_text(),
+        30,
+        "the worker to drop the cancelled fire",
+    )
     assert attempts_of(stack, fire) == 0
 
 
 async def test_bad_run_control_requests_get_a_4xx_naming_the_field(stack: Stack) -> None:
     sid = await not_firing(stack, "jobs.bad", {})
-    status, body = await post(stack, "/schedules", {
-        "name": "n", "target": "t", "overlap": "sometimes",
-        "trigger": {"kind": "cron", "cron": "@daily"}})
+    status, body = await post(
+        stack,
+        "/schedules",
+        {
+            "name": "n",
+            "target": "t",
+            "overlap": "sometimes",
+            "trigger": {"kind": "cron", "cron": "@daily"},
+        },
+    )
     assert status == 422
     assert body["errors"][0]["field"] == "overlap"
-    for request, field in (({"overlap": "never"}, "overlap"), ({"payload": []}, "payload"),
-                           ({"payload": {"x": "y" * 70_000}}, "payload"),
-                           ({"force": "yes"}, "force"), ({"when": "now"}, "when")):
+    for request, field in (
+        ({"overlap": "never"}, "overlap"),
+        ({"payload": []}, "payload"),
+        ({"payload": {"x": "y" * 70_000}}, "payload"),
+        ({"force": "yes"}, "force"),
+        ({"when": "now"}, "when"),
+    ):
         status, body = await post(stack, f"/schedules/{sid}/trigger", request)
         assert status == 422, (request, body)
         assert body["errors"][0]["field"] == field, (request, body)
     for key in ("has space", "x" * 201, "caf\u00e9"):
-        status, body = await post(stack, f"/schedules/{sid}/trigger",
-                                  **{"Idempotency-Key": key.encode().decode("latin-1")})
+        status, body = await post(
+            stack,
+            f"/schedules/{sid}/trigger",
+            **{"Idempotency-Key": key.encode().decode("latin-1")},
+        )
         assert (status, body["errors"][0]["field"]) == (422, "Idempotency-Key"), body
-    async with stack.http.post(f"{stack.replica.uri}/schedules/{sid}/trigger", data=b"{",
-                               headers={"Content-Type": "application/json"}) as response:
+    async with stack.http.post(
+        f"{stack.replica.uri}/schedules/{sid}/trigger",
+        data=b"{",
+        headers={"Content-Type": "application/json"},
+    ) as response:
         assert response.status == 400
     status, _ = await post(stack, "/schedules/nobody/trigger")
     assert status == 404

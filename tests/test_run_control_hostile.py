@@ -31,10 +31,15 @@ async def histograms(h: Harness, name: str) -> dict[str, dict[float, float]]:
     """The loop lag's and the lease renewals' histograms of a replica: bucket -> count."""
     async with h.http.get(h.replicas[name].uri + "/metrics") as r:
         text = await r.text()
-    return {family.name: {float(sample.labels["le"]): sample.value
-                          for sample in family.samples if sample.name.endswith("_bucket")}
-            for family in text_string_to_metric_families(text)
-            if family.name in (LOOP_LAG, RENEW)}
+    return {
+        family.name: {
+            float(sample.labels["le"]): sample.value
+            for sample in family.samples
+            if sample.name.endswith("_bucket")
+        }
+        for family in text_string_to_metric_families(text)
+        if family.name in (LOOP_LAG, RENEW)
+    }
 
 
 def longest(before: dict[float, float], after: dict[float, float]) -> float:
@@ -44,7 +49,8 @@ def longest(before: dict[float, float], after: dict[float, float]) -> float:
 
 
 async def test_never_ending_buffers_a_largest_backfill_and_cancel_storms(
-        own_harness: Harness) -> None:
+    own_harness: Harness,
+) -> None:
     h = own_harness
     for name in ("a", "b"):
         h.start(name, "--write-rate", "0", "--max-buffered", str(MAX_BUFFERED))
@@ -53,19 +59,32 @@ async def test_never_ending_buffers_a_largest_backfill_and_cancel_storms(
     api = h.replicas[leader].uri
     before = await histograms(h, leader)
 
-    docs = [{**schedule_doc(f"{h.prefix}-{i:04d}", {"kind": "cron", "cron": "* * * * * *"},
-                            f"audit.{h.prefix}"), "overlap": "buffer_all"}
-            for i in range(SCHEDULES)]
+    docs = [
+        {
+            **schedule_doc(
+                f"{h.prefix}-{i:04d}", {"kind": "cron", "cron": "* * * * * *"}, f"audit.{h.prefix}"
+            ),
+            "overlap": "buffer_all",
+        }
+        for i in range(SCHEDULES)
+    ]
     await h.db.schedules.insert_many(docs)
     filled = f"{h.prefix}-filled"
-    async with h.http.post(api + "/schedules", json={
-            "id": filled, "name": filled, "target": f"audit.{h.prefix}.filled",
-            "trigger": {"kind": "cron", "cron": "* * * * * *"}}) as r:
+    async with h.http.post(
+        api + "/schedules",
+        json={
+            "id": filled,
+            "name": filled,
+            "target": f"audit.{h.prefix}.filled",
+            "trigger": {"kind": "cron", "cron": "* * * * * *"},
+        },
+    ) as r:
         assert r.status == 201, await r.text()
     end = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(hours=1)
-    async with h.http.post(f"{api}/schedules/{filled}/backfill", json={
-            "start": (end - dt.timedelta(seconds=100_000)).isoformat(),
-            "end": end.isoformat()}) as r:
+    async with h.http.post(
+        f"{api}/schedules/{filled}/backfill",
+        json={"start": (end - dt.timedelta(seconds=100_000)).isoformat(), "end": end.isoformat()},
+    ) as r:
         assert r.status == 202, await r.text()
         backfill = (await r.json())["id"]
 
@@ -82,11 +101,12 @@ async def test_never_ending_buffers_a_largest_backfill_and_cancel_storms(
     for _ in range(2):
         open_runs = [d["_id"] async for d in h.db.runs.find({"state": "pending"}, {"_id": 1})]
         for i in range(0, len(open_runs), 50):
+
             async def cancel(fire: str) -> int:
                 async with h.http.post(f"{api}/runs/{fire}/cancel") as r:
                     return r.status
 
-            statuses = await asyncio.gather(*(cancel(f) for f in open_runs[i:i + 50]))
+            statuses = await asyncio.gather(*(cancel(f) for f in open_runs[i : i + 50]))
             assert set(statuses) <= {200, 409}, statuses
             cancelled += statuses.count(200)
     assert cancelled >= SCHEDULES

@@ -28,12 +28,21 @@ def fire(fire_id: str = "s@1", schedule_id: str = "s", nominal: float = 0) -> Fi
     return FireRef(fire_id, schedule_id, "jobs", at(nominal), event, json.dumps(event).encode())
 
 
-async def ended(ledger: RunLedger, fire_id: str, worker: str, attempt: int,
-                started: dt.datetime, finished: dt.datetime, state: str,
-                error: str | None = None, retry_in_s: float = 0.0) -> bool:
+async def ended(
+    ledger: RunLedger,
+    fire_id: str,
+    worker: str,
+    attempt: int,
+    started: dt.datetime,
+    finished: dt.datetime,
+    state: str,
+    error: str | None = None,
+    retry_in_s: float = 0.0,
+) -> bool:
     """Record one outcome; whether the claim was still the worker's."""
-    lost = await ledger.record([Outcome(fire_id, worker, attempt, started, finished, state,
-                                        error, retry_in_s)])
+    lost = await ledger.record(
+        [Outcome(fire_id, worker, attempt, started, finished, state, error, retry_in_s)]
+    )
     return fire_id not in lost
 
 
@@ -63,18 +72,20 @@ async def test_a_claim_is_exclusive_until_its_lease_lapses(ledger: RunLedger) ->
     doc = await ledger.get("s@1")
     assert doc is not None
     assert (doc["state"], doc["worker_id"], doc["attempts"], doc["duration_s"]) == (
-        SUCCEEDED, "b", 2, 2.0)
+        SUCCEEDED,
+        "b",
+        2,
+        2.0,
+    )
     assert (await ledger.claim(fire(), "c", at(30), lease_s=10)).outcome == SUCCEEDED
 
 
 async def test_concurrent_claims_of_one_fire_have_one_winner(ledger: RunLedger) -> None:
-    claims = await asyncio.gather(*(ledger.claim(fire(), f"w{i}", at(0), 10)
-                                    for i in range(20)))
+    claims = await asyncio.gather(*(ledger.claim(fire(), f"w{i}", at(0), 10) for i in range(20)))
     assert sum(c.claimed for c in claims) == 1
 
 
-async def test_a_retry_waits_for_its_time_then_counts_the_next_attempt(
-        ledger: RunLedger) -> None:
+async def test_a_retry_waits_for_its_time_then_counts_the_next_attempt(ledger: RunLedger) -> None:
     await ledger.claim(fire(), "a", at(0), 10)
     assert await ended(ledger, "s@1", "a", 1, at(0), at(1), RETRYING, "E: boom", 5)
     early = await ledger.claim(fire(), "b", at(3), 10)
@@ -101,8 +112,7 @@ async def test_a_replay_gives_a_dead_run_a_fresh_budget(ledger: RunLedger) -> No
     await ledger.unreplay("s@1", 1, "the broker refused", at(3))
     undone = await ledger.get("s@1")
     assert undone is not None
-    assert (undone["state"], undone["last_error"]) == (
-        DEAD, "the broker refused")
+    assert (undone["state"], undone["last_error"]) == (DEAD, "the broker refused")
     await ledger.replay("s@1", at(4))
     again = await ledger.claim(fire(), "b", at(5), 10)
     assert again.claimed
@@ -110,10 +120,12 @@ async def test_a_replay_gives_a_dead_run_a_fresh_budget(ledger: RunLedger) -> No
 
 
 async def test_a_replay_under_an_overlap_policy_is_open_and_never_beside_another(
-        ledger: RunLedger) -> None:
+    ledger: RunLedger,
+) -> None:
     """Replaying a dead run of a governed schedule opens it under the schedule's key: not
     while another run of the key is open (RunConflict naming it), and the leader's next
     reservation of the key is refused while the replay runs."""
+
     def governed(fire_id: str) -> Claim:
         return Claim(fire_id, "s", at(1), at(1))
 
@@ -137,8 +149,7 @@ async def test_a_replay_under_an_overlap_policy_is_open_and_never_beside_another
     assert await ledger.reserve([governed("s@4")], {"s": "jobs"}, at(8), 1) == {}
 
 
-async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(
-        ledger: RunLedger) -> None:
+async def test_a_released_run_is_due_at_once_and_its_attempt_not_counted(ledger: RunLedger) -> None:
     await ledger.claim(fire(), "a", at(0), 10)
     assert await ledger.release("s@1", "a", 1, at(1), "shutting down")
     claim = await ledger.claim(fire(), "b", at(1), 10)
@@ -180,10 +191,13 @@ async def test_many_claims_and_outcomes_in_one_write_each(ledger: RunLedger) -> 
     await ledger.claim(fire("s@0"), "other", at(0), 10)  # already someone's
     claims = await ledger.claim_many([fire(f"s@{i}") for i in range(4)], "a", at(1), 10)
     assert [c.outcome for c in claims] == [RUNNING, "claimed", "claimed", "claimed"]
-    lost = await ledger.record([
-        Outcome("s@1", "a", 1, at(1), at(2), SUCCEEDED),
-        Outcome("s@2", "a", 1, at(1), at(2), DEAD, "E"),
-        Outcome("s@0", "a", 1, at(1), at(2), SUCCEEDED)])  # never ours: dropped
+    lost = await ledger.record(
+        [
+            Outcome("s@1", "a", 1, at(1), at(2), SUCCEEDED),
+            Outcome("s@2", "a", 1, at(1), at(2), DEAD, "E"),
+            Outcome("s@0", "a", 1, at(1), at(2), SUCCEEDED),
+        ]
+    )  # never ours: dropped
     assert lost == {"s@0"}
     states = {i: (await ledger.get(f"s@{i}") or {}).get("state") for i in range(4)}
     assert states == {0: RUNNING, 1: SUCCEEDED, 2: DEAD, 3: RUNNING}
@@ -193,8 +207,16 @@ async def test_a_fan_out_fires_runs_are_counted_per_fire(ledger: RunLedger) -> N
     def tenant_run(nominal: float, tenant: str) -> FireRef:
         base = f"s@{nominal}"
         event = {"id": f"{base}/{tenant}", "data": {"tenant": tenant}}
-        return FireRef(f"{base}/{tenant}", "s", "jobs", at(nominal), event,
-                       json.dumps(event).encode(), fire=base, tenant=tenant)
+        return FireRef(
+            f"{base}/{tenant}",
+            "s",
+            "jobs",
+            at(nominal),
+            event,
+            json.dumps(event).encode(),
+            fire=base,
+            tenant=tenant,
+        )
 
     for nominal in (1, 2):
         for tenant in ("a", "b", "c"):
@@ -202,13 +224,17 @@ async def test_a_fan_out_fires_runs_are_counted_per_fire(ledger: RunLedger) -> N
     await ended(ledger, "s@2/a", "w", 1, at(2), at(3), SUCCEEDED)
     await ended(ledger, "s@2/b", "w", 1, at(2), at(3), DEAD, "E")
     assert await ledger.counts("s", [at(2), at(1), at(3)]) == {
-        at(2): {SUCCEEDED: 1, DEAD: 1, RUNNING: 1}, at(1): {RUNNING: 3}, at(3): {}}
+        at(2): {SUCCEEDED: 1, DEAD: 1, RUNNING: 1},
+        at(1): {RUNNING: 3},
+        at(3): {},
+    }
     assert await ledger.counts("other", [at(2)]) == {at(2): {}}
     assert (await ledger.get("s@2/a") or {}).get("tenant") == "a"
 
 
 async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_its_end(
-        ledger: RunLedger) -> None:
+    ledger: RunLedger,
+) -> None:
     """The leader's reservations (overlap policies): a second open run of a key is refused
     naming the first; the worker's batch claim starts them; an end frees the key."""
     from hascheduler.core.claims import Claim as FireClaim
@@ -220,12 +246,14 @@ async def test_one_open_run_per_key_reserved_claimed_in_one_write_and_freed_at_i
     targets = {"a": "jobs", "b": "jobs"}
     assert await ledger.reserve([reserved("a", 1), reserved("b", 1)], targets, at(1), 1) == {}
     assert await ledger.reserve([reserved("a", 2)], targets, at(2), 1) == {"a@2": "a@1"}
-    assert await ledger.reserve([reserved("a", 2)], targets, at(2), 1,
-                                name_blockers=False) == {"a@2": ""}
+    assert await ledger.reserve([reserved("a", 2)], targets, at(2), 1, name_blockers=False) == {
+        "a@2": ""
+    }
     # Published again after a failover: its own run, not refused.
     assert await ledger.reserve([reserved("a", 1)], targets, at(2), 1) == {}
-    claims = await ledger.claim_many([fire("a@1", "a", 1), fire("b@1", "b", 1),
-                                      fire("c@1", "c", 1)], "w", at(3), 10)
+    claims = await ledger.claim_many(
+        [fire("a@1", "a", 1), fire("b@1", "b", 1), fire("c@1", "c", 1)], "w", at(3), 10
+    )
     assert [(c.outcome, c.attempt) for c in claims] == [("claimed", 1)] * 3
     run = await ledger.get("a@1") or {}
     assert (run["state"], run["worker_id"]) == (RUNNING, "w")

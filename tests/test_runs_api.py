@@ -22,8 +22,14 @@ from tests.waiting import wait_until
 
 
 class Stack:
-    def __init__(self, replica: ServerProcess, nats_server: ServerProcess, mongo_uri: str,
-                 tmp: Path, http: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        replica: ServerProcess,
+        nats_server: ServerProcess,
+        mongo_uri: str,
+        tmp: Path,
+        http: aiohttp.ClientSession,
+    ) -> None:
         self.replica, self.nats, self.mongo_uri, self.tmp = replica, nats_server, mongo_uri, tmp
         self.http = http
         self.workers: list[asyncio.subprocess.Process] = []
@@ -31,11 +37,23 @@ class Stack:
     async def worker(self, *args: str) -> asyncio.subprocess.Process:
         with open(self.tmp / f"w{len(self.workers)}.log", "wb") as log:  # noqa: ASYNC230
             worker = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hascheduler.cli", "worker", "--broker", self.nats.uri,
-                "--mongodb-uri", self.mongo_uri, "--app", "tests.helpers.record_handler:app",
-                "--durable", "api-test", *args,
+                sys.executable,
+                "-m",
+                "hascheduler.cli",
+                "worker",
+                "--broker",
+                self.nats.uri,
+                "--mongodb-uri",
+                self.mongo_uri,
+                "--app",
+                "tests.helpers.record_handler:app",
+                "--durable",
+                "api-test",
+                *args,
                 env={**os.environ, "RECORD_FIRES_TO": str(self.tmp / "attempts.txt")},
-                stdout=asyncio.subprocess.PIPE, stderr=log)
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
         assert worker.stdout is not None
         assert b"consuming" in await asyncio.wait_for(worker.stdout.readline(), 30)
         self.workers.append(worker)
@@ -51,9 +69,15 @@ class Stack:
 
     async def schedule_once(self, target: str, payload: dict[str, Any]) -> str:
         at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
-        status, body = await self.post("/schedules", {
-            "name": "once", "target": target, "payload": payload,
-            "trigger": {"kind": "at", "at": [at.isoformat()]}})
+        status, body = await self.post(
+            "/schedules",
+            {
+                "name": "once",
+                "target": target,
+                "payload": payload,
+                "trigger": {"kind": "at", "at": [at.isoformat()]},
+            },
+        )
         assert status == 201, body
         return str(body["id"])
 
@@ -120,16 +144,17 @@ async def test_a_dead_run_is_listed_replayed_and_succeeds(stack: Stack) -> None:
     async with stack.http.get(f"http://127.0.0.1:{port}/metrics") as response:
         text = await response.text()
     assert 'hascheduler_worker_runs_total{outcome="dead",target="jobs.replay"} 1.0' in text
-    assert 'hascheduler_worker_runs_total{outcome="succeeded",target="jobs.replay"} 1.0' \
-        in text
+    assert 'hascheduler_worker_runs_total{outcome="succeeded",target="jobs.replay"} 1.0' in text
     assert 'hascheduler_worker_run_duration_seconds_count{target="jobs.replay"} 2.0' in text
 
 
-@pytest.mark.parametrize(("query", "field"), [
-    ({"state": "bogus"}, "state"), ({"limit": "0"}, "limit"),
-    ({"limit": "100000"}, "limit")])
-async def test_bad_run_queries_are_422_naming_the_field(stack: Stack, query: dict[str, str],
-                                                        field: str) -> None:
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [({"state": "bogus"}, "state"), ({"limit": "0"}, "limit"), ({"limit": "100000"}, "limit")],
+)
+async def test_bad_run_queries_are_422_naming_the_field(
+    stack: Stack, query: dict[str, str], field: str
+) -> None:
     status, body = await stack.get("/runs", **query)
     assert status == 422
     assert body["errors"][0]["field"] == field
@@ -162,15 +187,22 @@ async def test_a_stalled_workers_run_shows_stuck_then_is_taken_over(stack: Stack
 
 @pytest.mark.parametrize("kept", [None, b"not json", b"[1]", b'{"data": "x"}'])
 async def test_a_dead_run_without_a_readable_event_is_refused_not_replayed(
-        stack: Stack, kept: bytes | None) -> None:
+    stack: Stack, kept: bytes | None
+) -> None:
     """A run document written around the workers: the replay is refused, nothing sent."""
     from pymongo import AsyncMongoClient
 
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(stack.mongo_uri)
     try:
-        doc: dict[str, Any] = {"_id": "odd@1", "schedule_id": "odd", "target": "jobs.odd",
-                               "state": "dead", "attempts": 1, "replays": 0,
-                               "recorded_at": dt.datetime.now(dt.UTC)}
+        doc: dict[str, Any] = {
+            "_id": "odd@1",
+            "schedule_id": "odd",
+            "target": "jobs.odd",
+            "state": "dead",
+            "attempts": 1,
+            "replays": 0,
+            "recorded_at": dt.datetime.now(dt.UTC),
+        }
         if kept is not None:
             doc["event"] = kept
         await client.get_default_database().runs.insert_one(doc)

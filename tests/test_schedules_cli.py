@@ -20,46 +20,96 @@ def replica(mongo_uri: str) -> Iterator[ServerProcess]:
     assert process.stop() == 0
 
 
-def cli(replica: ServerProcess, *args: str,
-        stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    replica: ServerProcess, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hascheduler.cli", "schedules", "--api", replica.uri, *args],
-        capture_output=True, text=True, timeout=60, input=stdin, check=False)
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input=stdin,
+        check=False,
+    )
 
 
 def test_add_list_get_update_pause_resume_next_delete(replica: ServerProcess) -> None:
-    added = cli(replica, "add", "--id", "report", "--name", "weekly report",
-                "--target", "reports.weekly", "--cron", "0 9 * * mon",
-                "--timezone", "Europe/Paris", "--payload", '{"format": "pdf"}',
-                "--label", "team=ops")
+    added = cli(
+        replica,
+        "add",
+        "--id",
+        "report",
+        "--name",
+        "weekly report",
+        "--target",
+        "reports.weekly",
+        "--cron",
+        "0 9 * * mon",
+        "--timezone",
+        "Europe/Paris",
+        "--payload",
+        '{"format": "pdf"}',
+        "--label",
+        "team=ops",
+    )
     assert added.returncode == 0, added.stderr
     assert "report" in added.stdout
     assert "cron 0 9 * * mon Europe/Paris" in added.stdout
 
     listed = cli(replica, "list", "--label", "team=ops")
-    assert listed.stdout.splitlines()[0].split() == ["ID", "NAME", "TRIGGER", "PAUSED", "REV",
-                                                     "TARGET", "FAN-OUT"]
+    assert listed.stdout.splitlines()[0].split() == [
+        "ID",
+        "NAME",
+        "TRIGGER",
+        "PAUSED",
+        "REV",
+        "TARGET",
+        "FAN-OUT",
+    ]
     assert "report" in listed.stdout
 
-    fanned = cli(replica, "add", "--id", "per-tenant", "--name", "per tenant", "--target",
-                 "reports.tenant", "--cron", "0 9 * * *", "--fan-out",
-                 '{"collection": "tenants", "filter": {"active": true}}')
+    fanned = cli(
+        replica,
+        "add",
+        "--id",
+        "per-tenant",
+        "--name",
+        "per tenant",
+        "--target",
+        "reports.tenant",
+        "--cron",
+        "0 9 * * *",
+        "--fan-out",
+        '{"collection": "tenants", "filter": {"active": true}}',
+    )
     assert fanned.returncode == 0, fanned.stderr
     assert "per tenants" in fanned.stdout
-    refused = cli(replica, "add", "--name", "bad", "--target", "x", "--cron", "0 9 * * *",
-                  "--fan-out", '{"collection": "schedules"}')
+    refused = cli(
+        replica,
+        "add",
+        "--name",
+        "bad",
+        "--target",
+        "x",
+        "--cron",
+        "0 9 * * *",
+        "--fan-out",
+        '{"collection": "schedules"}',
+    )
     assert refused.returncode == 2
     assert "fan_out.collection" in refused.stderr
-    not_json = cli(replica, "add", "--name", "bad", "--target", "x", "--cron", "0 9 * * *",
-                   "--fan-out", "{")
+    not_json = cli(
+        replica, "add", "--name", "bad", "--target", "x", "--cron", "0 9 * * *", "--fan-out", "{"
+    )
     assert not_json.returncode == 2
     assert "--fan-out is not valid JSON" in not_json.stderr
 
     got = json.loads(cli(replica, "get", "report").stdout)
     assert got["payload"] == {"format": "pdf"}
 
-    updated = cli(replica, "--json", "update", "report", "--set", '{"jitter": 5}',
-                  "--if-match", "1")
+    updated = cli(
+        replica, "--json", "update", "report", "--set", '{"jitter": 5}', "--if-match", "1"
+    )
     assert json.loads(updated.stdout)["revision"] == 2
     assert json.loads(cli(replica, "--json", "pause", "report").stdout)["paused"] is True
     assert json.loads(cli(replica, "--json", "resume", "report").stdout)["paused"] is False
@@ -75,28 +125,40 @@ def test_add_list_get_update_pause_resume_next_delete(replica: ServerProcess) ->
 
 
 def test_add_from_a_file_on_stdin(replica: ServerProcess) -> None:
-    body = {"id": "from-stdin", "name": "n", "target": "t",
-            "trigger": {"kind": "interval", "every": "PT30S"}}
+    body = {
+        "id": "from-stdin",
+        "name": "n",
+        "target": "t",
+        "trigger": {"kind": "interval", "every": "PT30S"},
+    }
     added = cli(replica, "--json", "add", "--file", "-", stdin=json.dumps(body))
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["trigger"]["every"] == 30.0
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["add", "--name", "x", "--target", "t", "--cron", "99 * * * *"], "trigger.cron"),
-    (["add", "--name", "x", "--target", "t", "--every", "0"], "trigger.every"),
-    (["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--timezone", "Nowhere"],
-     "trigger.timezone"),
-    (["add", "--name", "x", "--target", "t", "--at", "2001-01-01T00:00:00Z"], "trigger.at"),
-    (["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--payload", "{nope"],
-     "--payload is not valid JSON"),
-    (["add", "--name", "x", "--cron", "* * * * *"], "--target required"),
-    (["add", "--name", "x", "--target", "t"], "give one trigger"),
-    (["update", "ghost", "--set", "{}"], "does not exist"),
-    (["trigger", "ghost", "--priority", "10"], "--priority"),
-])
-def test_refused_input_exits_2_naming_the_field(replica: ServerProcess, args: list[str],
-                                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["add", "--name", "x", "--target", "t", "--cron", "99 * * * *"], "trigger.cron"),
+        (["add", "--name", "x", "--target", "t", "--every", "0"], "trigger.every"),
+        (
+            ["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--timezone", "Nowhere"],
+            "trigger.timezone",
+        ),
+        (["add", "--name", "x", "--target", "t", "--at", "2001-01-01T00:00:00Z"], "trigger.at"),
+        (
+            ["add", "--name", "x", "--target", "t", "--cron", "* * * * *", "--payload", "{nope"],
+            "--payload is not valid JSON",
+        ),
+        (["add", "--name", "x", "--cron", "* * * * *"], "--target required"),
+        (["add", "--name", "x", "--target", "t"], "give one trigger"),
+        (["update", "ghost", "--set", "{}"], "does not exist"),
+        (["trigger", "ghost", "--priority", "10"], "--priority"),
+    ],
+)
+def test_refused_input_exits_2_naming_the_field(
+    replica: ServerProcess, args: list[str], message: str
+) -> None:
     result = cli(replica, *args)
     assert result.returncode == 2
     assert message in result.stderr
@@ -104,7 +166,19 @@ def test_refused_input_exits_2_naming_the_field(replica: ServerProcess, args: li
 
 def test_unreachable_api_exits_1() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hascheduler.cli", "schedules", "--api", "http://127.0.0.1:9",
-         "list"], capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "hascheduler.cli",
+            "schedules",
+            "--api",
+            "http://127.0.0.1:9",
+            "list",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1
     assert "cannot reach the API" in result.stderr

@@ -25,8 +25,9 @@ SEED = os.environ.get("HASCHEDULER_SCHEMATHESIS_SEED", "14")
 
 @pytest.fixture
 def replica(mongo_uri: str) -> Iterator[ServerProcess]:
-    process = start_replica(with_database(mongo_uri, f"st_{uuid.uuid4().hex[:8]}"), "st",
-                            "--write-rate", "0")
+    process = start_replica(
+        with_database(mongo_uri, f"st_{uuid.uuid4().hex[:8]}"), "st", "--write-rate", "0"
+    )
     yield process
     assert process.stop() == 0
 
@@ -39,10 +40,25 @@ def test_every_schemathesis_check_passes(replica: ServerProcess) -> None:
     cli = ROOT / ".venv" / "schemathesis" / "bin" / "schemathesis"
     assert cli.exists(), f"{cli} missing: scripts/test installs it"
     result = subprocess.run(
-        [str(cli), "--config-file", str(CONFIG), "run", f"{replica.uri}/openapi.json",
-         "--checks", "all",
-         "-n", str(EXAMPLES), *(["--seed", SEED] if SEED else []),
-         "--generation-database", "none", "--no-color"],
-        capture_output=True, text=True, timeout=280, check=False)
+        [
+            str(cli),
+            "--config-file",
+            str(CONFIG),
+            "run",
+            f"{replica.uri}/openapi.json",
+            "--checks",
+            "all",
+            "-n",
+            str(EXAMPLES),
+            *(["--seed", SEED] if SEED else []),
+            "--generation-database",
+            "none",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-4000:]
     assert " passed" in result.stdout

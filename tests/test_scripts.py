@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.devmongo_only
 @pytest.mark.timeout(180)
 def test_schedules_demo_passes_its_own_checks() -> None:
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "schedules-demo.sh")],
-                            capture_output=True, text=True, timeout=170, check=False)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "schedules-demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "demo passed" in result.stdout
     assert "mirror digests equal" in result.stdout
@@ -35,10 +40,14 @@ def test_schedules_demo_passes_its_own_checks() -> None:
 @pytest.mark.timeout(240)
 def test_local_demo_shows_takeover_and_no_fire_missed_or_duplicated(tmp_path: Path) -> None:
     supervisor_log = tmp_path / "dev.log"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "local-demo.sh")],
-                            capture_output=True, text=True, timeout=230, check=False,
-                            env={**os.environ, "DEMO_SHORT": "1",
-                                 "DEMO_LOG": str(supervisor_log)})
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "local-demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+        env={**os.environ, "DEMO_SHORT": "1", "DEMO_LOG": str(supervisor_log)},
+    )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert re.search(r"takeover time: \d+(\.\d+)? ms", out)

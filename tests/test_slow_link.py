@@ -33,12 +33,19 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]
 
 TTL, DEADLINE, INTERVAL = 2.0, 1.4, 0.4
-TIMINGS = ("--lease-ttl", str(TTL), "--renew-deadline", str(DEADLINE),
-           "--renew-interval", str(INTERVAL))
+TIMINGS = (
+    "--lease-ttl",
+    str(TTL),
+    "--renew-deadline",
+    str(DEADLINE),
+    "--renew-interval",
+    str(INTERVAL),
+)
 
 
 async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
-        mongo_server: ServerProcess, mongo_uri: str) -> None:
+    mongo_server: ServerProcess, mongo_uri: str
+) -> None:
     hosts = mongo_server.uri.split("//", 1)[1].split("/", 1)[0].split("?", 1)[0]
     host, port = hosts.split(",")[0].rsplit(":", 1)
     db_name = f"slow_{uuid.uuid4().hex[:8]}"
@@ -48,26 +55,37 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
     db = client[db_name]
     try:
-        async with SlowLink(host, int(port)) as fast, \
-                SlowLink(host, int(port), delay_s=0.3) as slow, \
-                LeaseHistory(db) as history, aiohttp.ClientSession() as http:
+        async with (
+            SlowLink(host, int(port)) as fast,
+            SlowLink(host, int(port), delay_s=0.3) as slow,
+            LeaseHistory(db) as history,
+            aiohttp.ClientSession() as http,
+        ):
+
             def through(link: SlowLink) -> str:
                 # One member, reached only through the proxy (no discovery around it).
                 return f"mongodb://127.0.0.1:{link.port}/{db_name}?directConnection=true"
 
             # Started from a thread: the proxies run on this event loop.
-            a = await asyncio.to_thread(start_replica, through(fast), "a", "--broker",
-                                        nats.uri, *TIMINGS)
+            a = await asyncio.to_thread(
+                start_replica, through(fast), "a", "--broker", nats.uri, *TIMINGS
+            )
             replicas.append(a)
 
             async def holder() -> str | None:
                 doc = await db.leases.find_one({})
                 live = doc is not None and doc["expires_at"] > dt.datetime.now(dt.UTC)
                 return str(doc["holder"]) if live and doc is not None else None
+
             assert await wait_until(holder, 20, "a to lead") == "a"
             sid = f"{prefix}-every-second"
-            body = {"id": sid, "name": sid, "target": f"audit.{prefix}", "catchup": "all",
-                    "trigger": {"kind": "cron", "cron": "* * * * * *"}}
+            body = {
+                "id": sid,
+                "name": sid,
+                "target": f"audit.{prefix}",
+                "catchup": "all",
+                "trigger": {"kind": "cron", "cron": "* * * * * *"},
+            }
             async with http.post(a.uri + "/schedules", json=body) as r:
                 assert r.status == 201, await r.text()
 
@@ -77,24 +95,31 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
             start = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
             slowed_until = start + dt.timedelta(seconds=8)
 
-            b = await asyncio.to_thread(start_replica, through(slow), "b", "--broker",
-                                        nats.uri, *TIMINGS, startup_s=60)
+            b = await asyncio.to_thread(
+                start_replica, through(slow), "b", "--broker", nats.uri, *TIMINGS, startup_s=60
+            )
             replicas.append(b)
 
             async def unfit() -> str | None:
                 async with http.get(b.uri + "/readyz") as r:
                     return (await r.json()).get("unfit_to_lead")  # type: ignore[no-any-return]
+
             reason = await wait_until(unfit, 30, "b to say why it may not lead")
             assert "tolerance" in reason, reason
-            await wait_until(lambda: dt.datetime.now(dt.UTC) > slowed_until + dt.timedelta(
-                seconds=1), 30, "the slowed window to pass")
-            window = [fire_id(sid, n) for n in fire_times(Cron("* * * * * *", "UTC"), start,
-                                                          until=slowed_until)]
+            await wait_until(
+                lambda: dt.datetime.now(dt.UTC) > slowed_until + dt.timedelta(seconds=1),
+                30,
+                "the slowed window to pass",
+            )
+            window = [
+                fire_id(sid, n)
+                for n in fire_times(Cron("* * * * * *", "UTC"), start, until=slowed_until)
+            ]
 
             async def window_published() -> bool:
-                n = await db.fires.count_documents({"_id": {"$in": window},
-                                                    "state": "published"})
+                n = await db.fires.count_documents({"_id": {"$in": window}, "state": "published"})
                 return bool(n == len(window))
+
             # Each publish is marked over the slow link (300 ms a round trip): wait for the
             # window's last marks before a goes, so that a's own publishes are measured.
             await wait_until(window_published, 10, "a to have published the whole window")
@@ -103,28 +128,37 @@ async def test_a_slow_link_costs_no_fire_and_a_too_slow_one_never_leads(
             lease = await db.leases.find_one({})
             assert lease is not None
             expired = lease["expires_at"] + dt.timedelta(seconds=2 * INTERVAL)
-            await wait_until(lambda: dt.datetime.now(dt.UTC) > expired, 10,
-                             "the lease to expire")
+            await wait_until(lambda: dt.datetime.now(dt.UTC) > expired, 10, "the lease to expire")
             assert await holder() is None
-            c = await asyncio.to_thread(start_replica, with_database(mongo_uri, db_name), "c",
-                                        "--broker", nats.uri, *TIMINGS)
+            c = await asyncio.to_thread(
+                start_replica,
+                with_database(mongo_uri, db_name),
+                "c",
+                "--broker",
+                nats.uri,
+                *TIMINGS,
+            )
             replicas.append(c)
             assert await wait_until(holder, 20, "c to take over") == "c"
             end = dt.datetime.now(dt.UTC)
-            expected = {fire_id(sid, n): n for n in
-                        fire_times(Cron("* * * * * *", "UTC"), start, until=end)}
+            expected = {
+                fire_id(sid, n): n for n in fire_times(Cron("* * * * * *", "UTC"), start, until=end)
+            }
 
             async def published() -> bool:
-                n = await db.fires.count_documents({"_id": {"$in": sorted(expected)},
-                                                    "state": "published"})
+                n = await db.fires.count_documents(
+                    {"_id": {"$in": sorted(expected)}, "state": "published"}
+                )
                 return bool(n == len(expected))
+
             await wait_until(published, 30, "every fire published (c catching up)")
             await history.settle()
         counts, stored = await stream_counts(nats.uri, prefix)
         assert all(counts[f] == 1 for f in expected), {f: counts[f] for f in expected}
         assert not [f for f, n in expected.items() if stored[f] < n], "a fire went out early"
-        slowed = sorted((stored[f] - n).total_seconds() for f, n in expected.items()
-                        if n < slowed_until)
+        slowed = sorted(
+            (stored[f] - n).total_seconds() for f, n in expected.items() if n < slowed_until
+        )
         # Claims go 1.5 s ahead of their fires, so 300 ms round trips cost nothing as a
         # rule; a fenced write timing out (the leader stops firing and leads again) makes
         # a fire late by at most about a second, never lost (docs/RELIABILITY.md).

@@ -18,15 +18,23 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
 
 def new(schedule_id: str | None = None, **extra: Any) -> ScheduleIn:
-    return ScheduleIn.model_validate({
-        "id": schedule_id, "name": "n", "target": "t",
-        "trigger": {"kind": "interval", "every": 60}, **extra}, context={"now": NOW})
+    return ScheduleIn.model_validate(
+        {
+            "id": schedule_id,
+            "name": "n",
+            "target": "t",
+            "trigger": {"kind": "interval", "every": 60},
+            **extra,
+        },
+        context={"now": NOW},
+    )
 
 
 def fields(**extra: Any) -> ScheduleFields:
-    return ScheduleFields.model_validate({
-        "name": "n2", "target": "t", "trigger": {"kind": "cron", "cron": "0 * * * *"},
-        **extra}, context={"now": NOW})
+    return ScheduleFields.model_validate(
+        {"name": "n2", "target": "t", "trigger": {"kind": "cron", "cron": "0 * * * *"}, **extra},
+        context={"now": NOW},
+    )
 
 
 @pytest.fixture
@@ -62,8 +70,9 @@ async def test_revision_guards(mock_store: ScheduleStore) -> None:
         await mock_store.get("a")
 
 
-async def test_store_works_with_motor_and_pymongo(driver: Driver, mongo_uri: str,
-                                                  db_name: str) -> None:
+async def test_store_works_with_motor_and_pymongo(
+    driver: Driver, mongo_uri: str, db_name: str
+) -> None:
     client = driver.client(mongo_uri)  # naive datetimes from the driver: still read as UTC
     try:
         store = ScheduleStore(client[db_name].schedules)

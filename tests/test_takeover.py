@@ -44,15 +44,15 @@ async def fresh_db(mongo_uri: str) -> AsyncIterator[Any]:
     from tests.servers import with_database
 
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        with_database(mongo_uri, f"dispatch_{uuid.uuid4().hex[:8]}"), tz_aware=True)
+        with_database(mongo_uri, f"dispatch_{uuid.uuid4().hex[:8]}"), tz_aware=True
+    )
     try:
         yield client.get_default_database()
     finally:
         await client.close()
 
 
-def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a_schedule(
-        ) -> None:
+def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a_schedule() -> None:
     """A schedule created 4.5 s before the previous leader's watermark (``since``) whose
     write was held up, or whose change reached that leader's mirror late, and the lease
     lost before it did: the catch-up fires its instants from its creation to ``since``
@@ -68,38 +68,55 @@ def test_a_catch_up_fires_what_the_previous_leader_passed_before_it_learned_of_a
         return Entry(1, False, every, 0.0, policy, 3600.0, "t.x")
 
     # A fan-out's late instants are fired too, for the tenants selected at the claim.
-    fan_out = Entry(1, False, every, 0.0, "latest", 3600.0, "t.x",
-                    fan_out=FanOut(collection="tenants"))
+    fan_out = Entry(
+        1, False, every, 0.0, "latest", 3600.0, "t.x", fan_out=FanOut(collection="tenants")
+    )
     seconds = [since + dt.timedelta(seconds=k) for k in range(-4, 4)]  # since-4 .. since+3
     fire, skipped = plan_catchups(
-        [("late", entry("latest")), ("late-none", entry("none")), ("known", entry("latest")),
-         ("new", entry("all")), ("fan-out", fan_out)], since, now,
-        {"late": since - dt.timedelta(seconds=4.5),
-         "late-none": since - dt.timedelta(seconds=4.5),
-         "new": since + dt.timedelta(seconds=1.5),
-         "fan-out": since - dt.timedelta(seconds=4.5)})
-    fired = {sid: sorted(d.nominal for d in fire if d.schedule_id == sid)
-             for sid in ("late", "late-none", "known", "new", "fan-out")}
+        [
+            ("late", entry("latest")),
+            ("late-none", entry("none")),
+            ("known", entry("latest")),
+            ("new", entry("all")),
+            ("fan-out", fan_out),
+        ],
+        since,
+        now,
+        {
+            "late": since - dt.timedelta(seconds=4.5),
+            "late-none": since - dt.timedelta(seconds=4.5),
+            "new": since + dt.timedelta(seconds=1.5),
+            "fan-out": since - dt.timedelta(seconds=4.5),
+        },
+    )
+    fired = {
+        sid: sorted(d.nominal for d in fire if d.schedule_id == sid)
+        for sid in ("late", "late-none", "known", "new", "fan-out")
+    }
     assert fired["late"] == [*seconds[:5], seconds[-1]]  # since-4 .. since, then the latest
     assert fired["late-none"] == seconds[:5]
     assert fired["known"] == [seconds[-1]]
     assert fired["new"] == seconds[-2:]  # created after since: from its creation, as before
     assert fired["fan-out"] == [*seconds[:5], seconds[-1]]
     # A database's first term (no watermark): each from its creation, by its policy.
-    first, _ = plan_catchups([("late", entry("latest"))], None, now,
-                              {"late": since - dt.timedelta(seconds=4.5)})
+    first, _ = plan_catchups(
+        [("late", entry("latest"))], None, now, {"late": since - dt.timedelta(seconds=4.5)}
+    )
     assert [d.nominal for d in first] == [seconds[-1]]
     # The skipped ranges are those of the policies, after since only.
     assert {sid: (r.first, r.last) for sid, r in skipped} == {
-        "late": (seconds[5], seconds[6]), "late-none": (seconds[5], seconds[7]),
-        "known": (seconds[5], seconds[6]), "fan-out": (seconds[5], seconds[6])}
+        "late": (seconds[5], seconds[6]),
+        "late-none": (seconds[5], seconds[7]),
+        "known": (seconds[5], seconds[6]),
+        "fan-out": (seconds[5], seconds[6]),
+    }
 
 
-async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark(
-        ) -> None:
+async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_watermark() -> None:
     """A failed or timed-out read of the schedules' creation times is no reason to stop
     leading: the catch-up goes on from the watermark (or the term's start), as before
     creation times were read."""
+
     class Unreadable:
         def __init__(self, error: Exception) -> None:
             self.error = error
@@ -109,10 +126,17 @@ async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_wa
 
     lease = SimpleNamespace(valid=True, term=1)
     async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
-        for error in (ExecutionTimeout("operation exceeded time limit"),
-                      AutoReconnect("connection reset")):
-            dispatcher = Dispatcher(SimpleNamespace(entries={}), Unreadable(error),  # type: ignore[arg-type]
-                                    None, None, lease)  # type: ignore[arg-type]
+        for error in (
+            ExecutionTimeout("operation exceeded time limit"),
+            AutoReconnect("connection reset"),
+        ):
+            dispatcher = Dispatcher(
+                SimpleNamespace(entries={}),
+                Unreadable(error),  # type: ignore[arg-type]
+                None,
+                None,
+                lease,
+            )  # type: ignore[arg-type]
             assert await dispatcher.takeover.created_after(term, None) == {}
 
 
@@ -123,21 +147,25 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     written behind the publishes: the turn ends once they are, so the next turn takes
     none of them again."""
     now = dt.datetime.now(dt.UTC)
-    due = [Claim(f"s@{i}", "s", now - dt.timedelta(seconds=60), now - dt.timedelta(seconds=60))
-           for i in range(3 * CLAIM_BATCH + 10)]
+    due = [
+        Claim(f"s@{i}", "s", now - dt.timedelta(seconds=60), now - dt.timedelta(seconds=60))
+        for i in range(3 * CLAIM_BATCH + 10)
+    ]
     state = {c.fire_id: "claimed" for c in due}
     sent: list[str] = []
     side_by_side = asyncio.Event()
 
     class Ledger:
-        async def due_for_retry(self, term: int, at: dt.datetime, limit: int, batch: int
-                                ) -> AsyncIterator[list[Claim]]:
+        async def due_for_retry(
+            self, term: int, at: dt.datetime, limit: int, batch: int
+        ) -> AsyncIterator[list[Claim]]:
             read = [c for c in due if state[c.fire_id] == "claimed"][:limit]
             for i in range(0, len(read), batch):
-                yield read[i:i + batch]
+                yield read[i : i + batch]
 
         async def mark_published_many(
-                self, marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
+            self, marks: list[tuple[list[str], int, dt.datetime, int]]
+        ) -> None:
             for _ in range(3):  # the round trip: other tasks run meanwhile
                 await asyncio.sleep(0)
             for fire_ids, *_ in marks:
@@ -145,10 +173,12 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
 
     class TwoAtOnce(AckingBroker):
         """The first publish is acknowledged once a second one is under way."""
+
         publishing = 0
 
-        async def publish(self, messages: list[Any], timeout_s: float
-                          ) -> list[BaseException | None]:
+        async def publish(
+            self, messages: list[Any], timeout_s: float
+        ) -> list[BaseException | None]:
             self.publishing += 1
             if self.publishing == 2:
                 side_by_side.set()
@@ -156,8 +186,13 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
             return await super().publish(messages, timeout_s)
 
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), OneSchedule(), Ledger(),  # type: ignore[arg-type]
-                            TwoAtOnce(sent), SimpleNamespace(valid=True))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        OneSchedule(),
+        Ledger(),  # type: ignore[arg-type]
+        TwoAtOnce(sent),
+        SimpleNamespace(valid=True),
+    )  # type: ignore[arg-type]
     term = await Term(1, SimpleNamespace(valid=True, term=1), entries).__aenter__()  # type: ignore[arg-type]
     await asyncio.wait_for(dispatcher.takeover.retry_due(term), 10)
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
@@ -167,7 +202,8 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
 
 
 async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor_fired(
-        fresh_db: Any) -> None:
+    fresh_db: Any,
+) -> None:
     """Against the development server: a new leader's catch-up starts where the lease's
     watermark was last written, up to a fifth of a second and more before its
     predecessor stopped, so it meets fires that predecessor published. It reads the ledger
@@ -182,24 +218,29 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
     base = now.replace(microsecond=0) - dt.timedelta(seconds=10)
     entries = {"s": Entry(1, False, Interval(1.0, base), 0.0, "all", 3600.0, "t.x")}
     # The predecessor (term 1) published every fire due by now.
-    fired = [base + dt.timedelta(seconds=k) for k in range(11)
-             if base + dt.timedelta(seconds=k) <= now]
+    fired = [
+        base + dt.timedelta(seconds=k) for k in range(11) if base + dt.timedelta(seconds=k) <= now
+    ]
     for nominal in fired:
         doc = ledger.claim_document("s", nominal, nominal, 1, nominal)
         doc["state"] = ledger.PUBLISHED
         await db.fires.insert_one(doc)
     predecessors = {fire_id("s", nominal) for nominal in fired}
     sent: list[str] = []
-    async with leading(db, ledger.Ledger(recorded), entries,  # type: ignore[arg-type]
-                       AckingBroker(sent), now - dt.timedelta(seconds=3)):
+    async with leading(
+        db,
+        ledger.Ledger(recorded),
+        entries,  # type: ignore[arg-type]
+        AckingBroker(sent),
+        now - dt.timedelta(seconds=3),
+    ):
         await wait_until(lambda: sent, 10, "the successor's first fire")
     assert not predecessors & set(sent)
     assert not predecessors & set(recorded.inserted)
     assert set(sent) <= set(recorded.inserted)  # its own fires: claimed, then published
 
 
-async def test_a_successor_republishes_its_predecessors_latest_claims_first(
-        fresh_db: Any) -> None:
+async def test_a_successor_republishes_its_predecessors_latest_claims_first(fresh_db: Any) -> None:
     """Against the development server: a dead leader's claims due by the takeover are
     adopted and republished a batch at a time, latest due first. It published in due
     order, so its earlier claims are mostly published (duplicates to the broker) and its
@@ -213,20 +254,22 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(
     # Inserted oldest first, as the dead leader claimed them: the order a plain read of
     # the collection returns.
     due = [now - dt.timedelta(milliseconds=k) for k in range(2 * CLAIM_BATCH + 500, 0, -1)]
-    await db.fires.insert_many([ledger.claim_document("s", d, d, 1, d - dt.timedelta(
-        seconds=1)) for d in due])
+    await db.fires.insert_many(
+        [ledger.claim_document("s", d, d, 1, d - dt.timedelta(seconds=1)) for d in due]
+    )
     sent: list[str] = []
     fires = AdoptionsNoted(ledger.Ledger(db.fires))
     async with leading(db, fires, entries, AckingBroker(sent), now):
         await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
     latest_first = [fire_id("s", d) for d in reversed(due)]
-    batches = [latest_first[i:i + CLAIM_BATCH] for i in range(0, len(due), CLAIM_BATCH)]
+    batches = [latest_first[i : i + CLAIM_BATCH] for i in range(0, len(due), CLAIM_BATCH)]
     assert fires.adoptions == [sorted(batch) for batch in batches]
     assert sorted(sent) == sorted(latest_first)
 
 
 async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
-        fresh_db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Against the development server: a takeover reads at most a turn of retries' worth
     of the claims left (a sorted read of an hour's backlog would be millions of
     documents); the retry loop adopts and publishes the rest, an older term's and this
@@ -240,14 +283,18 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
     entries = {"s": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t.x")}
     due = [now - dt.timedelta(milliseconds=k) for k in range(1, 2 * CLAIM_BATCH + 301)]
     # The oldest 300 were claimed by this term's previous lead, the rest by term 1.
-    await db.fires.insert_many([ledger.claim_document(
-        "s", d, d, 2 if i >= 2 * CLAIM_BATCH else 1, d - dt.timedelta(seconds=3))
-        for i, d in enumerate(due)])
+    await db.fires.insert_many(
+        [
+            ledger.claim_document(
+                "s", d, d, 2 if i >= 2 * CLAIM_BATCH else 1, d - dt.timedelta(seconds=3)
+            )
+            for i, d in enumerate(due)
+        ]
+    )
     sent: list[str] = []
     fires = AdoptionsNoted(ledger.Ledger(db.fires))
     async with leading(db, fires, entries, AckingBroker(sent), now):
-        await wait_until(lambda: len(set(sent)) >= len(due), 20,
-                         "every claim left published")
+        await wait_until(lambda: len(set(sent)) >= len(due), 20, "every claim left published")
 
         async def none_claimed() -> bool:
             return await db.fires.count_documents({"state": ledger.CLAIMED}) == 0
@@ -259,7 +306,8 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
 
 
 async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due_before(
-        fresh_db: Any) -> None:
+    fresh_db: Any,
+) -> None:
     """Against the development server: a new leader's first fires are not held behind its
     predecessor's claims being republished (10,000 of them took the first new fire a
     second past its due time), and until that republish and the catch-up after it end,
@@ -271,30 +319,40 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
     now = dt.datetime.now(dt.UTC)
     # "new" falls due 0.3 s into the term; "old" never again, but its predecessor's claim,
     # due a second ago, awaits its republish.
-    entries = {"new": Entry(1, False, Interval(3600.0, now + dt.timedelta(seconds=0.3)),
-                            0.0, "all", 3600.0, "t.x"),
-               "old": Entry(1, False, Interval(3600.0, now - dt.timedelta(seconds=1)),
-                            0.0, "all", 3600.0, "t.x")}
+    entries = {
+        "new": Entry(
+            1, False, Interval(3600.0, now + dt.timedelta(seconds=0.3)), 0.0, "all", 3600.0, "t.x"
+        ),
+        "old": Entry(
+            1, False, Interval(3600.0, now - dt.timedelta(seconds=1)), 0.0, "all", 3600.0, "t.x"
+        ),
+    }
     left = now - dt.timedelta(seconds=1)
-    await db.fires.insert_one(ledger.claim_document("old", left, left, 1,
-                                                    left - dt.timedelta(seconds=1)))
+    await db.fires.insert_one(
+        ledger.claim_document("old", left, left, 1, left - dt.timedelta(seconds=1))
+    )
     republish = asyncio.Event()
     sent: list[str] = []
 
     class HeldRepublish(AckingBroker):
-        async def publish(self, messages: list[Any], timeout_s: float
-                          ) -> list[BaseException | None]:
+        async def publish(
+            self, messages: list[Any], timeout_s: float
+        ) -> list[BaseException | None]:
             if any(m.fire_id == fire_id("old", left) for m in messages):
                 await republish.wait()
             return await super().publish(messages, timeout_s)
 
     since = now - dt.timedelta(seconds=2)
-    async with leading(db, ledger.Ledger(db.fires), entries, HeldRepublish(sent),
-                       since) as dispatcher:
+    async with leading(
+        db, ledger.Ledger(db.fires), entries, HeldRepublish(sent), since
+    ) as dispatcher:
         await wait_until(lambda: sent, 5, "the new fire beside the held republish")
         assert sent == [fire_id("new", now + dt.timedelta(seconds=0.3))]
         assert dispatcher.fired_through == since
         republish.set()
-        await wait_until(lambda: dispatcher.fired_through not in (None, since), 5,
-                         "the watermark moving once the take-over ended")
+        await wait_until(
+            lambda: dispatcher.fired_through not in (None, since),
+            5,
+            "the watermark moving once the take-over ended",
+        )
         assert fire_id("old", left) in sent

@@ -64,8 +64,9 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
     """A write whose caller is cancelled (the handover stops the lead) goes on to its
     answer, and ``settle`` returns once it has it: the lease is released after the write
     was applied or refused, never while it may still land."""
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=2.0))
+    lease = SimpleNamespace(
+        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=2.0)
+    )
     answer = asyncio.Event()
     applied: list[str] = []
 
@@ -88,16 +89,21 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
         assert await term.settle(0.0)  # nothing in flight
 
 
-@pytest.mark.parametrize(("error", "settled"), [
-    (AutoReconnect("connection lost mid-write"), False),  # sent, fate unknown
-    (NetworkTimeout("timed out waiting for the reply"), False),
-    (DuplicateKeyError("E11000"), True),  # the server answered: refused
-    (ExecutionTimeout("operation exceeded time limit", 50), True),
-])
+@pytest.mark.parametrize(
+    ("error", "settled"),
+    [
+        (AutoReconnect("connection lost mid-write"), False),  # sent, fate unknown
+        (NetworkTimeout("timed out waiting for the reply"), False),
+        (DuplicateKeyError("E11000"), True),  # the server answered: refused
+        (ExecutionTimeout("operation exceeded time limit", 50), True),
+    ],
+)
 async def test_a_write_that_ended_unanswered_keeps_the_lease_from_being_released(
-        error: Exception, settled: bool) -> None:
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0,
-                            timings=SimpleNamespace(ttl=60.0))
+    error: Exception, settled: bool
+) -> None:
+    lease = SimpleNamespace(
+        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=60.0)
+    )
 
     async def failing() -> None:
         raise error
@@ -110,8 +116,9 @@ async def test_a_write_that_ended_unanswered_keeps_the_lease_from_being_released
 
 async def test_a_write_past_what_remains_of_the_term_ends_the_term() -> None:
     left = [0.05]
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: left[0],
-                            timings=SimpleNamespace(ttl=60.0))
+    lease = SimpleNamespace(
+        valid=True, term=1, remaining=lambda: left[0], timings=SimpleNamespace(ttl=60.0)
+    )
     async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
         with pytest.raises(LeadershipLost):
             await term.write(asyncio.Event().wait())
@@ -162,8 +169,7 @@ async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_la
         assert loop.time() >= lease.until - 0.01
 
 
-async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_three_ttls(
-        ) -> None:
+async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_three_ttls() -> None:
     """Renewed or not, a read ends with LeadershipLost when the lease is another term's
     (re-elected meanwhile), and when it outlasts three lease ttls (a connection gone
     silent, which the driver would wait on for ever)."""
@@ -184,14 +190,14 @@ async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_thre
         assert lease.asks > 3  # renewed all along: the bound, not the lease, ended it
 
 
-async def test_a_deferrable_write_that_outlasts_the_term_is_put_off_while_the_term_holds(
-        ) -> None:
+async def test_a_deferrable_write_that_outlasts_the_term_is_put_off_while_the_term_holds() -> None:
     """``write_or_defer`` (the retry loop's periodic adoption): past what remains of the
     term, a write returns None while the term still holds the lease, so the lead goes on
     and makes it again next turn; the write is still one ``settle`` waits for. Once the
     term no longer holds, it raises LeadershipLost, as ``write`` does."""
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 0.2,
-                            timings=SimpleNamespace(ttl=2.0))
+    lease = SimpleNamespace(
+        valid=True, term=1, remaining=lambda: 0.2, timings=SimpleNamespace(ttl=2.0)
+    )
     answer = asyncio.Event()
 
     async def adopt() -> int:

@@ -20,9 +20,17 @@ import pytest
 from tests.conftest import TRAVEL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
-DATE_SENSITIVE = ["tests/test_triggers.py", "tests/test_cron.py", "tests/test_catchup.py",
-                  "tests/test_fire_queue.py", "tests/test_events.py", "tests/test_dispatch.py",
-                  "tests/test_chaos.py", "tests/test_mirror.py", "tests/test_api.py"]
+DATE_SENSITIVE = [
+    "tests/test_triggers.py",
+    "tests/test_cron.py",
+    "tests/test_catchup.py",
+    "tests/test_fire_queue.py",
+    "tests/test_events.py",
+    "tests/test_dispatch.py",
+    "tests/test_chaos.py",
+    "tests/test_mirror.py",
+    "tests/test_api.py",
+]
 # Runs a cluster of processes, which keep the real clock.
 SOAK = "tests/test_chaos.py::test_short_soak_loses_duplicates_and_fires_early_nothing"
 
@@ -46,8 +54,7 @@ def destinations(now: dt.datetime) -> dict[str, dt.datetime]:
         "seven years ahead": years_ahead,
         "before a DST change in Paris": next_offset_change("Europe/Paris", years_ahead)
         - dt.timedelta(seconds=3),
-        "a year's last seconds": dt.datetime(years_ahead.year, 12, 31, 23, 59, 57,
-                                             tzinfo=dt.UTC),
+        "a year's last seconds": dt.datetime(years_ahead.year, 12, 31, 23, 59, 57, tzinfo=dt.UTC),
     }
 
 
@@ -55,8 +62,7 @@ def test_destinations_are_what_they_say() -> None:
     now = dt.datetime(2026, 11, 23, 12, tzinfo=dt.UTC)
     change = next_offset_change("Europe/Paris", now)
     assert change == dt.datetime(2027, 3, 28, 1, tzinfo=dt.UTC)  # 02:00 CET -> 03:00 CEST
-    assert next_offset_change("Europe/Paris", change) == dt.datetime(2027, 10, 31, 1,
-                                                                     tzinfo=dt.UTC)
+    assert next_offset_change("Europe/Paris", change) == dt.datetime(2027, 10, 31, 1, tzinfo=dt.UTC)
 
 
 @pytest.mark.long(41)
@@ -67,10 +73,28 @@ def test_date_sensitive_tests_pass_with_the_clock_moved() -> None:
     runs = {}
     for name, destination in destinations(dt.datetime.now(dt.UTC)).items():
         env = {**os.environ, TRAVEL_ENV: destination.isoformat()}
-        runs[name] = (destination, subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-             "--deselect", SOAK, *DATE_SENSITIVE],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        runs[name] = (
+            destination,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "-x",
+                    "--deselect",
+                    SOAK,
+                    *DATE_SENSITIVE,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
     failed = []
     try:
         for name, (destination, process) in runs.items():

@@ -44,15 +44,25 @@ class Sources:
 
 
 @contextlib.asynccontextmanager
-async def leading(entries: dict[str, Entry], now: dt.datetime, sources: Sources | None = None,
-                  quota: Any = lambda namespace: None
-                  ) -> AsyncIterator[tuple[Dispatcher, Term, SimpleNamespace]]:
+async def leading(
+    entries: dict[str, Entry],
+    now: dt.datetime,
+    sources: Sources | None = None,
+    quota: Any = lambda namespace: None,
+) -> AsyncIterator[tuple[Dispatcher, Term, SimpleNamespace]]:
     """A dispatcher leading term 1 over ``entries`` at ``now`` (its clock), the term's
     watermark at ``now``; yields it, the term and the fake lease."""
     lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0, timings=LeaseTimings())
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), None, None, None,  # type: ignore[arg-type]
-                            lease, clock=lambda: now, sources=sources,  # type: ignore[arg-type]
-                            quota=quota)
+    dispatcher = Dispatcher(
+        SimpleNamespace(entries=entries),
+        None,
+        None,
+        None,  # type: ignore[arg-type]
+        lease,
+        clock=lambda: now,
+        sources=sources,  # type: ignore[arg-type]
+        quota=quota,
+    )
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
         term.advance(now)
@@ -60,12 +70,19 @@ async def leading(entries: dict[str, Entry], now: dt.datetime, sources: Sources 
 
 
 def fan_out_entry(start: dt.datetime) -> Entry:
-    return Entry(1, False, Interval(60.0, start), 0.0, "all", 3600.0, "t",
-                 FanOut.model_validate({"collection": "tenants"}))
+    return Entry(
+        1,
+        False,
+        Interval(60.0, start),
+        0.0,
+        "all",
+        3600.0,
+        "t",
+        FanOut.model_validate({"collection": "tenants"}),
+    )
 
 
-async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_is_kept(
-) -> None:
+async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_is_kept() -> None:
     """The fire waits for its source; when the source is in sync its claim's write outlasts
     what remained of the term (LeadershipLost), but the lease is renewed and the term goes
     on. On 19ca195 the fire was dropped there and the watermark moved past it; now it
@@ -77,8 +94,9 @@ async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_
         claimed: list[Claim] = []
         failures = 1
 
-        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
-                        backfill: str | None = None) -> list[Claim]:
+        async def claim(
+            claims: list[Claim], term_: Term, now_: dt.datetime, backfill: str | None = None
+        ) -> list[Claim]:
             nonlocal failures
             if failures:
                 failures -= 1
@@ -110,8 +128,7 @@ async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_
         assert term.fired_through == term.watermark
 
 
-async def test_a_term_that_ends_before_its_deferred_fire_is_claimed_records_it_unhandled(
-) -> None:
+async def test_a_term_that_ends_before_its_deferred_fire_is_claimed_records_it_unhandled() -> None:
     """The term ends (its lease lost) while a fan-out fire waits for its source: what the
     term says it fired through, as it ends and after, stays before that fire, so the next
     leader's catch-up covers it."""
@@ -145,8 +162,9 @@ async def test_a_batch_whose_claim_is_in_flight_holds_the_watermark() -> None:
         answer: asyncio.Future[list[Claim]] = asyncio.get_running_loop().create_future()
         asked = asyncio.Event()
 
-        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
-                        backfill: str | None = None) -> list[Claim]:
+        async def claim(
+            claims: list[Claim], term_: Term, now_: dt.datetime, backfill: str | None = None
+        ) -> list[Claim]:
             asked.set()
             return await answer
 
@@ -161,8 +179,7 @@ async def test_a_batch_whose_claim_is_in_flight_holds_the_watermark() -> None:
         assert term.fired_through == late - dt.timedelta(microseconds=1)
 
 
-async def test_late_fires_planned_at_a_terms_start_hold_the_watermark_until_claimed(
-) -> None:
+async def test_late_fires_planned_at_a_terms_start_hold_the_watermark_until_claimed() -> None:
     """The fires of changes applied while a term started are open from the moment they are
     planned, before the task that claims them runs."""
     now = dt.datetime.now(dt.UTC)
@@ -178,8 +195,9 @@ async def test_a_fire_a_quota_puts_off_holds_the_watermark_at_its_slot() -> None
     """A namespace's quota gives a fire a later slot: it goes back into the queue, and the
     watermark stays before that slot until it is claimed."""
     now = dt.datetime.now(dt.UTC)
-    entries = {f"s{i}": Entry(1, False, At((now + SECOND,)), 0.0, "all", 3600.0, "t")
-               for i in range(5)}
+    entries = {
+        f"s{i}": Entry(1, False, At((now + SECOND,)), 0.0, "all", 3600.0, "t") for i in range(5)
+    }
     async with leading(entries, now, quota=lambda namespace: 1.0) as (dispatcher, term, _):
         batch = [Due(now + SECOND, now + SECOND, sid, 1) for sid in entries]
         term.opened(batch)
@@ -206,8 +224,7 @@ def test_a_catch_up_plans_a_schedule_paused_until_an_instant_from_that_instant()
     since = dt.datetime.now(dt.UTC).replace(microsecond=0)
     until = since + 2.5 * SECOND
     now = since + 6 * SECOND
-    entry = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
-                  paused_until=until)
+    entry = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t", paused_until=until)
     fire, skipped = plan_catchups([("p", entry)], since, now, {})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (3, 4, 5, 6)]
     assert skipped == []
@@ -225,8 +242,9 @@ async def test_a_resume_applied_after_its_until_fires_from_the_until() -> None:
     A U before the term's start is left to the catch-up."""
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     until = now - 2.5 * SECOND
-    paused = Entry(1, True, Interval(1.0, now - 60 * SECOND), 0.0, "all", 3600.0, "t",
-                   paused_until=until)
+    paused = Entry(
+        1, True, Interval(1.0, now - 60 * SECOND), 0.0, "all", 3600.0, "t", paused_until=until
+    )
     entries = {"p": paused}
     async with leading(entries, now) as (dispatcher, term, _):
         dispatcher.on_change("p", paused)  # the pause, as the mirror applied it
@@ -252,8 +270,17 @@ def test_a_catch_up_fires_what_fell_due_before_a_pause_began() -> None:
     was planned by no one."""
     since = dt.datetime.now(dt.UTC).replace(microsecond=0)
     now = since + 10 * SECOND
-    paused = Entry(1, True, Interval(1.0, since), 0.0, "all", 3600.0, "t",
-                   paused_since=since + 3.5 * SECOND, paused_until=since + 6.5 * SECOND)
+    paused = Entry(
+        1,
+        True,
+        Interval(1.0, since),
+        0.0,
+        "all",
+        3600.0,
+        "t",
+        paused_since=since + 3.5 * SECOND,
+        paused_until=since + 6.5 * SECOND,
+    )
     fire, skipped = plan_catchups([("p", paused)], since, now, {})
     assert [d.nominal for d in fire] == [since + k * SECOND for k in (1, 2, 3, 7, 8, 9, 10)]
     assert skipped == []
@@ -265,7 +292,9 @@ def test_a_catch_up_fires_what_fell_due_before_a_pause_began() -> None:
     fire, skipped = plan_catchups([("p", latest)], since, now, {})
     assert [d.nominal for d in fire] == [since + 3 * SECOND, since + 10 * SECOND]
     assert [(r.first, r.last, r.count) for _, r in skipped] == [
-        (since + SECOND, since + 2 * SECOND, 2), (since + 7 * SECOND, since + 9 * SECOND, 3)]
+        (since + SECOND, since + 2 * SECOND, 2),
+        (since + 7 * SECOND, since + 9 * SECOND, 3),
+    ]
     # At its due time, an instant before the pause began is not withdrawn by it.
     assert not paused.paused_at(since + 3 * SECOND)
     assert paused.paused_at(since + 4 * SECOND)
@@ -284,15 +313,16 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
     entries = {"f": fan_out_entry(now - 60 * SECOND)}
     handled, unhandled, after = (now - 3 * SECOND, now - 2 * SECOND, now - SECOND)
     async with leading(entries, now, sources) as (dispatcher, term, _):
-        async def instants_held(schedule_id: str, nominals: list[dt.datetime]
-                                ) -> set[dt.datetime]:
+
+        async def instants_held(schedule_id: str, nominals: list[dt.datetime]) -> set[dt.datetime]:
             return {n for n in nominals if n in (handled, after)}
 
         dispatcher.firing.ledger = SimpleNamespace(instants_held=instants_held)  # type: ignore[assignment]
         claimed: list[Claim] = []
 
-        async def claim(claims: list[Claim], term_: Term, now_: dt.datetime,
-                        backfill: str | None = None) -> list[Claim]:
+        async def claim(
+            claims: list[Claim], term_: Term, now_: dt.datetime, backfill: str | None = None
+        ) -> list[Claim]:
             claimed.extend(claims)
             return []
 
@@ -340,8 +370,7 @@ async def test_a_lead_that_ended_acts_no_more_when_its_term_is_led_again() -> No
     assert not draining.holds
 
 
-async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_not_fire(
-) -> None:
+async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_not_fire() -> None:
     """A new schedule whose insert reached the leader 30 s after its creation (past
     LATE_CHANGE_S) is planned from the bound; the instants between its creation and the
     bound are recorded skipped, saying why, not left to a log line. A changed schedule's
@@ -359,8 +388,9 @@ async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_no
         dispatcher.on_change("new", every, Written(w, w - 30 * SECOND))
         dispatcher.on_change("changed", entries["changed"], Written(w - 30 * SECOND, None))
         await wait_until(lambda: recorded, 5, "the skipped range recorded")
-    assert [(d["schedule_id"], d["nominal_at"], d["last_nominal_at"], d["count"])
-            for d in recorded] == [("new", w - 29 * SECOND, w - 10 * SECOND, 20)]
+    assert [
+        (d["schedule_id"], d["nominal_at"], d["last_nominal_at"], d["count"]) for d in recorded
+    ] == [("new", w - 29 * SECOND, w - 10 * SECOND, 20)]
     assert "30 s late" in recorded[0]["reason"]
 
 
@@ -383,7 +413,8 @@ async def test_a_claim_the_term_is_publishing_is_not_republished_beside_it() -> 
             return None
 
         dispatcher.takeover.publisher = SimpleNamespace(  # type: ignore[assignment]
-            publish=publish, marked=marked)
+            publish=publish, marked=marked
+        )
 
         async def batches() -> Any:
             yield [in_flight, left]

@@ -98,10 +98,15 @@ class Receiver:
             return web.Response(status=500, text="not now")
         if endpoint.behaviour == "huge":  # 20 MB of an error page, every time
             return web.Response(status=502, body=b"x" * 20_000_000)
-        endpoint.received.append({
-            "delivery": delivery, "attempt": attempt, "event": json.loads(body),
-            "signed": verify(SECRET, request.headers[SIGNATURE_HEADER], body, time.time()),
-            "content_type": request.headers["Content-Type"]})
+        endpoint.received.append(
+            {
+                "delivery": delivery,
+                "attempt": attempt,
+                "event": json.loads(body),
+                "signed": verify(SECRET, request.headers[SIGNATURE_HEADER], body, time.time()),
+                "content_type": request.headers["Content-Type"],
+            }
+        )
         return web.Response(status=204)
 
 
@@ -114,50 +119,104 @@ async def receiver() -> AsyncIterator[Receiver]:
 
 @pytest.mark.long(16)
 async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoints(
-        mongo_uri: str, receiver: Receiver, tmp_path: Path) -> None:
+    mongo_uri: str, receiver: Receiver, tmp_path: Path
+) -> None:
     db_name = f"hooks_{uuid.uuid4().hex[:8]}"
     uri = with_database(mongo_uri, db_name)
     nats = start_nats()
-    replica = await asyncio.to_thread(start_replica, uri, "hooks", "--broker", nats.uri,
-                                      "--late-after", "1")
+    replica = await asyncio.to_thread(
+        start_replica, uri, "hooks", "--broker", nats.uri, "--late-after", "1"
+    )
     worker: ServerProcess | None = None
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
     db = client[db_name]
     try:
         worker = await asyncio.to_thread(
-            start_cli, ["worker", "--broker", nats.uri, "--mongodb-uri", uri, "--app",
-                        "tests.helpers.record_handler:app", "--durable", "hooks",
-                        "--worker-id", "w-hooks", "--concurrency", "4"], "worker ", 30.0,
-            {"RECORD_FIRES_TO": str(tmp_path / "attempts.txt")})
+            start_cli,
+            [
+                "worker",
+                "--broker",
+                nats.uri,
+                "--mongodb-uri",
+                uri,
+                "--app",
+                "tests.helpers.record_handler:app",
+                "--durable",
+                "hooks",
+                "--worker-id",
+                "w-hooks",
+                "--concurrency",
+                "4",
+            ],
+            "worker ",
+            30.0,
+            {"RECORD_FIRES_TO": str(tmp_path / "attempts.txt")},
+        )
         async with aiohttp.ClientSession(base_url=replica.uri) as http:
-            async def post(path: str, body: dict[str, Any], status: int = 201
-                           ) -> dict[str, Any]:
+
+            async def post(path: str, body: dict[str, Any], status: int = 201) -> dict[str, Any]:
                 async with http.post(path, json=body) as r:
                     assert r.status == status, await r.text()
                     answer: dict[str, Any] = await r.json()
                     return answer
 
-            every = ["run.dead", "fire.skipped", "fire.failed", "schedule.paused",
-                     "schedule.late"]
-            made = await post("/webhooks", {"id": "flaky", "url": receiver.url + "/flaky",
-                                            "events": every, "secret": SECRET})
+            every = ["run.dead", "fire.skipped", "fire.failed", "schedule.paused", "schedule.late"]
+            made = await post(
+                "/webhooks",
+                {"id": "flaky", "url": receiver.url + "/flaky", "events": every, "secret": SECRET},
+            )
             assert made["secret"] == SECRET  # shown once, in this answer
-            await post("/webhooks", {"id": "hang", "url": receiver.url + "/hang",
-                                     "events": ["run.dead"], "secret": SECRET})
-            await post("/webhooks", {"id": "slow", "url": receiver.url + "/slow",
-                                     "events": ["schedule.paused"], "secret": SECRET})
-            await post("/webhooks", {"id": "huge", "url": receiver.url + "/huge",
-                                     "events": ["run.dead"], "secret": SECRET})
+            await post(
+                "/webhooks",
+                {
+                    "id": "hang",
+                    "url": receiver.url + "/hang",
+                    "events": ["run.dead"],
+                    "secret": SECRET,
+                },
+            )
+            await post(
+                "/webhooks",
+                {
+                    "id": "slow",
+                    "url": receiver.url + "/slow",
+                    "events": ["schedule.paused"],
+                    "secret": SECRET,
+                },
+            )
+            await post(
+                "/webhooks",
+                {
+                    "id": "huge",
+                    "url": receiver.url + "/huge",
+                    "events": ["run.dead"],
+                    "secret": SECRET,
+                },
+            )
             # Nobody listens there: its deliveries are retried, never delivered.
-            await post("/webhooks", {"id": "gone", "url": f"http://127.0.0.1:{free_port()}/x",
-                                     "events": every, "secret": SECRET})
+            await post(
+                "/webhooks",
+                {
+                    "id": "gone",
+                    "url": f"http://127.0.0.1:{free_port()}/x",
+                    "events": every,
+                    "secret": SECRET,
+                },
+            )
             async with http.get("/webhooks/flaky") as r:
                 assert "secret" not in {k for k, v in (await r.json()).items() if v}
 
             async def schedule(sid: str, target: str, every_s: float, **extra: Any) -> None:
-                await post("/schedules", {"id": sid, "name": sid, "target": target,
-                                          "trigger": {"kind": "interval", "every": every_s},
-                                          **extra})
+                await post(
+                    "/schedules",
+                    {
+                        "id": sid,
+                        "name": sid,
+                        "target": target,
+                        "trigger": {"kind": "interval", "every": every_s},
+                        **extra,
+                    },
+                )
 
             # Fires on time beside it all: the witness that deliveries never slow firing.
             await schedule("tick", "jobs.tick", 1)
@@ -167,22 +226,35 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
             await schedule("doomed", "jobs.doomed", 3600, payload={"permanent": True})
             await post("/schedules/doomed/trigger", {}, 202)
             # Nothing runs its target: its objective (a success within a second) is missed.
-            await schedule("unserved", "nobody.runs", 3600,
-                           expect={"success_within": "PT1S"})
+            await schedule("unserved", "nobody.runs", 3600, expect={"success_within": "PT1S"})
 
             def kinds(endpoint: str) -> set[str]:
-                return {e["event"]["type"].removeprefix("io.hascheduler.")
-                        for e in receiver.endpoints[endpoint].received}
+                return {
+                    e["event"]["type"].removeprefix("io.hascheduler.")
+                    for e in receiver.endpoints[endpoint].received
+                }
 
-            await wait_until(lambda: {"run.dead", "fire.skipped"} <= kinds("flaky"), 60,
-                             "a dead run and a skipped fire delivered to the flaky endpoint")
+            await wait_until(
+                lambda: {"run.dead", "fire.skipped"} <= kinds("flaky"),
+                60,
+                "a dead run and a skipped fire delivered to the flaky endpoint",
+            )
             await post("/schedules/busy/pause", {"note": "enough"}, 200)
-            await wait_until(lambda: {"schedule.paused", "schedule.late"} <= kinds("flaky"),
-                             60, "the pause and the missed objective delivered")
-            await wait_until(lambda: receiver.endpoints["hang"].received, 30,
-                             "the dead run delivered to the endpoint that hung at first")
-            await wait_until(lambda: receiver.endpoints["slow"].received, 30,
-                             "the pause delivered to the slow endpoint")
+            await wait_until(
+                lambda: {"schedule.paused", "schedule.late"} <= kinds("flaky"),
+                60,
+                "the pause and the missed objective delivered",
+            )
+            await wait_until(
+                lambda: receiver.endpoints["hang"].received,
+                30,
+                "the dead run delivered to the endpoint that hung at first",
+            )
+            await wait_until(
+                lambda: receiver.endpoints["slow"].received,
+                30,
+                "the pause delivered to the slow endpoint",
+            )
 
             async def deliveries(hook: str) -> list[dict[str, Any]]:
                 async with http.get(f"/webhooks/{hook}/deliveries") as r:
@@ -191,13 +263,16 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
                     return items
 
             flaky = await deliveries("flaky")
-            gone = await wait_until(lambda: _retried(deliveries("gone")), 30,
-                                    "the dead endpoint's deliveries retried")
+            gone = await wait_until(
+                lambda: _retried(deliveries("gone")), 30, "the dead endpoint's deliveries retried"
+            )
             hang = await deliveries("hang")
-            huge = await wait_until(lambda: _retried(deliveries("huge")), 30,
-                                    "the 20 MB answers' deliveries retried")
-            tick_fires = [f async for f in db.fires.find(
-                {"schedule_id": "tick", "state": "published"})]
+            huge = await wait_until(
+                lambda: _retried(deliveries("huge")), 30, "the 20 MB answers' deliveries retried"
+            )
+            tick_fires = [
+                f async for f in db.fires.find({"schedule_id": "tick", "state": "published"})
+            ]
     finally:
         if worker is not None:
             worker.stop(signal.SIGTERM)
@@ -216,8 +291,11 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
     dead = flaky_events["io.hascheduler.run.dead"]
     assert dead["subject"] == "doomed"
     assert "no longer exists" in dead["data"]["error"]
-    skipped = [e["event"] for e in receiver.endpoints["flaky"].received
-               if e["event"]["type"] == "io.hascheduler.fire.skipped"]
+    skipped = [
+        e["event"]
+        for e in receiver.endpoints["flaky"].received
+        if e["event"]["type"] == "io.hascheduler.fire.skipped"
+    ]
     assert ("busy", "overlap") in {(e["subject"], e["data"]["reason"]) for e in skipped}
     assert all(e["data"]["fire_id"].startswith("busy@") for e in skipped)
     assert flaky_events["io.hascheduler.schedule.paused"]["data"]["note"] == "enough"
@@ -252,7 +330,8 @@ async def _retried(items: Any) -> list[dict[str, Any]]:
 
 
 async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
-        mongo_uri: str) -> None:
+    mongo_uri: str,
+) -> None:
     """The leader marks a failed (or skipped) fire in its ledger write only while a webhook
     wants that event; the mark becomes a delivery and is cleared; found again (a new leader
     reading the same marks) it makes no second delivery."""
@@ -267,15 +346,30 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
         store, deliveries = WebhookStore(db.webhooks), Deliveries(db.webhook_deliveries)
         await deliveries.ensure_indexes()
         now = dt.datetime.now(dt.UTC)
-        service = WebhookService(store, deliveries, ledger, None, None, {},  # type: ignore[arg-type]
-                                 lambda: now)
+        service = WebhookService(
+            store,
+            deliveries,
+            ledger,
+            None,
+            None,
+            {},  # type: ignore[arg-type]
+            lambda: now,
+        )
         nominal = now.replace(microsecond=0)
         await ledger.claim([claim_document(s, nominal, nominal, 1, now) for s in ("a", "b")])
         # No webhook wants failed fires yet: no mark.
         await ledger.mark_failed(f"a@{_iso(nominal)}", 1, 10, "refused", now)
-        await store.create({"_id": "w", "url": "http://127.0.0.1:9/", "events": ["fire.failed"],
-                            "namespace": "default", "schedule_id": None, "secret": SECRET,
-                            "created_at": now})
+        await store.create(
+            {
+                "_id": "w",
+                "url": "http://127.0.0.1:9/",
+                "events": ["fire.failed"],
+                "namespace": "default",
+                "schedule_id": None,
+                "secret": SECRET,
+                "created_at": now,
+            }
+        )
         await service.find()
         assert ledger.notices.wanted == frozenset({"failed"})
         await ledger.mark_failed(f"b@{_iso(nominal)}", 1, 10, "refused", now)
@@ -284,14 +378,18 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
         assert await ledger.noticed_entries(10) == []
         made = await deliveries.of("w", 10)
         assert [(d["type"], d["schedule_id"], d["state"]) for d in made] == [
-            ("fire.failed", "b", "pending")]
-        event = json.loads((await db.webhook_deliveries.find_one({"_id": made[0]["_id"]})
-                            )["body"])
+            ("fire.failed", "b", "pending")
+        ]
+        event = json.loads((await db.webhook_deliveries.find_one({"_id": made[0]["_id"]}))["body"])
         assert event["data"]["error"] == "refused"
         # The same event again (a leader that died before clearing the mark): one delivery.
         again = Event(made[0]["event_id"], "fire.failed", "default", "b", now, {})
-        assert await deliveries.add([again], [Subscription("w", frozenset({"fire.failed"}),
-                                                           "default")], now) == 0
+        assert (
+            await deliveries.add(
+                [again], [Subscription("w", frozenset({"fire.failed"}), "default")], now
+            )
+            == 0
+        )
     finally:
         await client.drop_database(db_name)
         await client.close()
@@ -299,12 +397,21 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
 
 def _iso(moment: dt.datetime) -> str:
     from hascheduler.core.triggers import iso_utc
+
     return iso_utc(moment)
 
 
-@pytest.mark.parametrize("header", [
-    "", "t=abc,v1=00", "v1=00", "t=1", "NOW,v1=" + "0" * 64, "SIGNED_AN_HOUR_AGO",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "",
+        "t=abc,v1=00",
+        "v1=00",
+        "t=1",
+        "NOW,v1=" + "0" * 64,
+        "SIGNED_AN_HOUR_AGO",
+    ],
+)
 def test_a_signature_that_does_not_hold_is_refused(header: str) -> None:
     """(The instants are read in the test, never in its id: parallel workers collect the
     same ids.)"""
@@ -319,32 +426,37 @@ def test_a_signature_that_does_not_hold_is_refused(header: str) -> None:
     assert not verify("another-secret-0123456", good, body, time.time())
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"url": "ftp://example.com/x", "events": ["run.dead"]}, "url"),
-    ({"url": "http://", "events": ["run.dead"]}, "url"),
-    ({"url": "http://h/" + "x" * 3000, "events": ["run.dead"]}, "url"),
-    ({"url": "http://h/x y", "events": ["run.dead"]}, "url"),
-    ({"url": "http://h/x", "events": []}, "events"),
-    ({"url": "http://h/x", "events": ["run.alive"]}, "events"),
-    ({"url": "http://h/x", "events": ["run.dead", "run.dead"]}, "events"),
-    ({"url": "http://h/x", "events": ["run.dead"], "secret": "short"}, "secret"),
-    ({"url": "http://h/x", "events": ["run.dead"], "namespace": "A/B"}, "namespace"),
-    ({"url": "http://h/x", "events": ["run.dead"], "schedule_id": "../x"}, "schedule_id"),
-    ({"url": "http://h/x", "events": ["run.dead"], "schedule_id": "nope"}, "schedule_id"),
-    ({"url": "http://h/x", "events": ["run.dead"], "extra": 1}, "extra"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"url": "ftp://example.com/x", "events": ["run.dead"]}, "url"),
+        ({"url": "http://", "events": ["run.dead"]}, "url"),
+        ({"url": "http://h/" + "x" * 3000, "events": ["run.dead"]}, "url"),
+        ({"url": "http://h/x y", "events": ["run.dead"]}, "url"),
+        ({"url": "http://h/x", "events": []}, "events"),
+        ({"url": "http://h/x", "events": ["run.alive"]}, "events"),
+        ({"url": "http://h/x", "events": ["run.dead", "run.dead"]}, "events"),
+        ({"url": "http://h/x", "events": ["run.dead"], "secret": "short"}, "secret"),
+        ({"url": "http://h/x", "events": ["run.dead"], "namespace": "A/B"}, "namespace"),
+        ({"url": "http://h/x", "events": ["run.dead"], "schedule_id": "../x"}, "schedule_id"),
+        ({"url": "http://h/x", "events": ["run.dead"], "schedule_id": "nope"}, "schedule_id"),
+        ({"url": "http://h/x", "events": ["run.dead"], "extra": 1}, "extra"),
+    ],
+)
 async def test_a_bad_webhook_is_refused_naming_the_field(
-        api_replica: ServerProcess, body: dict[str, Any], field: str) -> None:
-    async with aiohttp.ClientSession() as http, http.post(api_replica.uri + "/webhooks",
-                                                          json=body) as r:
+    api_replica: ServerProcess, body: dict[str, Any], field: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(api_replica.uri + "/webhooks", json=body) as r,
+    ):
         assert r.status == 422, await r.text()
         assert field in {e["field"].split(".")[0] for e in (await r.json())["errors"]}
 
 
 @pytest.fixture(scope="module")
 def api_replica(mongo_uri: str) -> Any:
-    replica = start_replica(with_database(mongo_uri, f"hookapi_{uuid.uuid4().hex[:8]}"),
-                            "hookapi")
+    replica = start_replica(with_database(mongo_uri, f"hookapi_{uuid.uuid4().hex[:8]}"), "hookapi")
     yield replica
     replica.stop(signal.SIGKILL)
 
@@ -354,24 +466,33 @@ def test_a_namespace_holds_a_bounded_number_of_webhooks(api_replica: ServerProce
 
     with httpx.Client(base_url=api_replica.uri) as http:
         for i in range(MAX_WEBHOOKS_PER_NAMESPACE):
-            made = http.post("/webhooks", json={"url": f"https://h/{i}", "events": ["run.dead"],
-                                                "namespace": "crowded"})
+            made = http.post(
+                "/webhooks",
+                json={"url": f"https://h/{i}", "events": ["run.dead"], "namespace": "crowded"},
+            )
             assert made.status_code == 201, made.text
-        refused = http.post("/webhooks", json={"url": "https://h/x", "events": ["run.dead"],
-                                               "namespace": "crowded"})
+        refused = http.post(
+            "/webhooks", json={"url": "https://h/x", "events": ["run.dead"], "namespace": "crowded"}
+        )
         assert refused.status_code == 409
         assert refused.json()["errors"][0]["field"] == "namespace"
         # Another namespace is not crowded by it.
-        assert http.post("/webhooks", json={"url": "https://h/x", "events": ["run.dead"],
-                                            "namespace": "spacious"}).status_code == 201
+        assert (
+            http.post(
+                "/webhooks",
+                json={"url": "https://h/x", "events": ["run.dead"], "namespace": "spacious"},
+            ).status_code
+            == 201
+        )
 
 
 def test_the_client_manages_webhooks(api_replica: ServerProcess) -> None:
     from hascheduler.client import Client, NotFound
 
     with Client(api_replica.uri) as client:
-        made = client.create_webhook({"id": "c1", "url": "https://hooks.example/x",
-                                      "events": ["run.dead", "schedule.late"]})
+        made = client.create_webhook(
+            {"id": "c1", "url": "https://hooks.example/x", "events": ["run.dead", "schedule.late"]}
+        )
         assert made.secret is not None
         assert len(made.secret) >= 32  # generated, shown once
         assert client.get_webhook("c1").secret is None
@@ -383,14 +504,28 @@ def test_the_client_manages_webhooks(api_replica: ServerProcess) -> None:
 
 
 def _cli(api: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hascheduler.cli", "webhooks", *args,
-                           "--api", api], capture_output=True, text=True, timeout=60,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "webhooks", *args, "--api", api],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_the_cli_adds_lists_and_deletes_webhooks(api_replica: ServerProcess) -> None:
-    made = _cli(api_replica.uri, "add", "--id", "cli-1", "--url", "https://hooks.example/y",
-                "--event", "run.dead", "--event", "fire.failed")
+    made = _cli(
+        api_replica.uri,
+        "add",
+        "--id",
+        "cli-1",
+        "--url",
+        "https://hooks.example/y",
+        "--event",
+        "run.dead",
+        "--event",
+        "fire.failed",
+    )
     assert made.returncode == 0, made.stderr
     assert "secret (shown once): " in made.stdout
     listed = _cli(api_replica.uri, "list")
@@ -401,8 +536,9 @@ def test_the_cli_adds_lists_and_deletes_webhooks(api_replica: ServerProcess) -> 
     bad_url = _cli(api_replica.uri, "add", "--url", "ftp://x/y", "--event", "run.dead")
     assert bad_url.returncode == 2
     assert "url" in bad_url.stderr
-    assert _cli(api_replica.uri, "add", "--url", "https://h/x", "--event", "run.alive"
-                ).returncode == 2
+    assert (
+        _cli(api_replica.uri, "add", "--url", "https://h/x", "--event", "run.alive").returncode == 2
+    )
     assert _cli(api_replica.uri, "show", "nobody").returncode == 2
     assert _cli(api_replica.uri, "deliveries", "cli-1", "--limit", "0").returncode == 2
     assert _cli(api_replica.uri, "delete", "cli-1").returncode == 0
@@ -410,7 +546,8 @@ def test_the_cli_adds_lists_and_deletes_webhooks(api_replica: ServerProcess) -> 
 
 
 async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
-        mongo_uri: str) -> None:
+    mongo_uri: str,
+) -> None:
     """The leader's half of webhooks is a service of the term: while the term holds it finds
     (the marks a webhook wants are made), and once the term no longer holds it stops and
     the ledger's writes mark nothing more, with no poll of who leads."""
@@ -426,18 +563,34 @@ async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
         store, deliveries = WebhookStore(db.webhooks), Deliveries(db.webhook_deliveries)
         await deliveries.ensure_indexes()
         now = dt.datetime.now(dt.UTC)
-        await store.create({"_id": "w", "url": "http://127.0.0.1:9/", "events": ["fire.failed"],
-                            "namespace": "default", "schedule_id": None, "secret": SECRET,
-                            "created_at": now})
-        service = WebhookService(store, deliveries, ledger, None, None, {},  # type: ignore[arg-type]
-                                 lambda: dt.datetime.now(dt.UTC))
+        await store.create(
+            {
+                "_id": "w",
+                "url": "http://127.0.0.1:9/",
+                "events": ["fire.failed"],
+                "namespace": "default",
+                "schedule_id": None,
+                "secret": SECRET,
+                "created_at": now,
+            }
+        )
+        service = WebhookService(
+            store,
+            deliveries,
+            ledger,
+            None,
+            None,
+            {},  # type: ignore[arg-type]
+            lambda: dt.datetime.now(dt.UTC),
+        )
         lease = Lease(db.leases, "scheduler", "a", LeaseTimings())
         view = await lease.acquire_or_renew()
         assert view is not None
         term = await Term(view.term, lease, {}).__aenter__()
         duty = asyncio.create_task(WebhookDuty(service).run(term))
-        await wait_until(lambda: ledger.notices.wanted == frozenset({"failed"}), 5,
-                         "the duty's first look")
+        await wait_until(
+            lambda: ledger.notices.wanted == frozenset({"failed"}), 5, "the duty's first look"
+        )
         assert service.leading
         lease.step_down()  # the term no longer holds
         with pytest.raises(LeadershipLost):

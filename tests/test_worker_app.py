@@ -49,27 +49,45 @@ def test_backoff_is_full_jitter_under_a_doubling_capped_ceiling() -> None:
     assert ceilings == [0.5, 1, 2, 4, 8, 10, 10]
     assert policy.backoff_s(3, lambda low, high: low) == 0
     draws = random.Random(16)
-    means = [sum(policy.backoff_s(n, draws.uniform) for _ in range(2000)) / 2000
-             for n in (1, 2, 3)]
+    means = [sum(policy.backoff_s(n, draws.uniform) for _ in range(2000)) / 2000 for n in (1, 2, 3)]
     assert means[0] < means[1] < means[2]
     assert policy.backoff_s(10_000, lambda low, high: high) == 10  # no overflow
 
 
-@pytest.mark.parametrize("fields", [
-    {"max_attempts": 0}, {"max_attempts": 1.5}, {"backoff_base_s": 0},
-    {"backoff_cap_s": -1}, {"timeout_s": float("nan")}, {"timeout_s": float("inf")},
-    {"backoff_base_s": 5, "backoff_cap_s": 1}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_attempts": 0},
+        {"max_attempts": 1.5},
+        {"backoff_base_s": 0},
+        {"backoff_cap_s": -1},
+        {"timeout_s": float("nan")},
+        {"timeout_s": float("inf")},
+        {"backoff_base_s": 5, "backoff_cap_s": 1},
+    ],
+)
 def test_a_policy_that_cannot_work_is_refused(fields: dict[str, Any]) -> None:
     with pytest.raises(PolicyError):
         RetryPolicy(**fields)
 
 
-@pytest.mark.parametrize(("pattern", "target", "matches"), [
-    ("jobs", "jobs", True), ("jobs", "jobs.a", False), ("jobs.*", "jobs.a", True),
-    ("jobs.*", "jobs.a.b", False), ("jobs.>", "jobs.a.b", True), ("jobs.>", "jobs", False),
-    (">", "anything.at.all", True), ("*.b", "a.b", True), ("*.b", "a.c", False)])
-def test_target_patterns_match_as_nats_subjects_do(pattern: str, target: str,
-                                                   matches: bool) -> None:
+@pytest.mark.parametrize(
+    ("pattern", "target", "matches"),
+    [
+        ("jobs", "jobs", True),
+        ("jobs", "jobs.a", False),
+        ("jobs.*", "jobs.a", True),
+        ("jobs.*", "jobs.a.b", False),
+        ("jobs.>", "jobs.a.b", True),
+        ("jobs.>", "jobs", False),
+        (">", "anything.at.all", True),
+        ("*.b", "a.b", True),
+        ("*.b", "a.c", False),
+    ],
+)
+def test_target_patterns_match_as_nats_subjects_do(
+    pattern: str, target: str, matches: bool
+) -> None:
     assert pattern_matches(pattern, target) is matches
 
 
@@ -159,8 +177,9 @@ NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
 def body(**data: Any) -> bytes:
-    return json.dumps({"id": "s@1", "data": {"term": 1, "nominal_at":
-                                             NOW.isoformat(), **data}}).encode()
+    return json.dumps(
+        {"id": "s@1", "data": {"term": 1, "nominal_at": NOW.isoformat(), **data}}
+    ).encode()
 
 
 def test_a_delivery_is_read_with_its_target_and_schedule() -> None:
@@ -174,32 +193,52 @@ def test_a_delivery_is_read_with_its_target_and_schedule() -> None:
     assert read_delivery("hascheduler.fire.a", body(tenant="acme")).tenant == "acme"
 
 
-@pytest.mark.parametrize(("fields", "kept"), [
-    ({"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "tracestate": "v=1"}, True),
-    ({"traceparent": "x" * 100_000, "tracestate": "y" * 100_000}, False),  # too long
-    ({"traceparent": 7, "tracestate": ["v"]}, False),  # not strings
-])
+@pytest.mark.parametrize(
+    ("fields", "kept"),
+    [
+        ({"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "tracestate": "v=1"}, True),
+        ({"traceparent": "x" * 100_000, "tracestate": "y" * 100_000}, False),  # too long
+        ({"traceparent": 7, "tracestate": ["v"]}, False),  # not strings
+    ],
+)
 def test_a_fires_trace_context_is_read_only_when_it_is_plausible(
-        fields: dict[str, Any], kept: bool) -> None:
-    raw = json.dumps({"id": "s@1", **fields, "data": {"term": 1,
-                                                      "nominal_at": NOW.isoformat()}}).encode()
+    fields: dict[str, Any], kept: bool
+) -> None:
+    raw = json.dumps(
+        {"id": "s@1", **fields, "data": {"term": 1, "nominal_at": NOW.isoformat()}}
+    ).encode()
     delivery = read_delivery("hascheduler.fire.a", raw)  # never refused for its trace
     assert (delivery.traceparent is not None) is kept
     assert (delivery.tracestate is not None) is kept
 
 
-@pytest.mark.parametrize("raw", [
-    b"", b"\xff", b"null", b"[]", b'{"id": "s@1"}', b'{"id": 5, "data": {}}',
-    body(term=True), body(term=-1), body(term="1"), body(replay=-2), body(nominal_at=None),
-    body(nominal_at="yesterday"), body(nominal_at="2030-01-01T00:00:00"),
-    body(tenant=5), body(tenant=""), body(tenant=["a"]),
-    json.dumps({"id": "", "data": {"term": 1, "nominal_at": NOW.isoformat()}}).encode()],
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xff",
+        b"null",
+        b"[]",
+        b'{"id": "s@1"}',
+        b'{"id": 5, "data": {}}',
+        body(term=True),
+        body(term=-1),
+        body(term="1"),
+        body(replay=-2),
+        body(nominal_at=None),
+        body(nominal_at="yesterday"),
+        body(nominal_at="2030-01-01T00:00:00"),
+        body(tenant=5),
+        body(tenant=""),
+        body(tenant=["a"]),
+        json.dumps({"id": "", "data": {"term": 1, "nominal_at": NOW.isoformat()}}).encode(),
+    ],
     # The same names in every process that collects them (pytest-xdist's workers).
-    ids=lambda raw: raw.decode(errors="replace").replace(NOW.isoformat(), "NOW"))
+    ids=lambda raw: raw.decode(errors="replace").replace(NOW.isoformat(), "NOW"),
+)
 def test_what_is_not_a_fire_is_refused_with_a_reason(raw: bytes) -> None:
     with pytest.raises(NotAFire):
         read_delivery("hascheduler.fire.a", raw)
-
 
 
 @pytest.mark.parametrize("target", ["a" * 201, "jobs." + "x" * 100_000, "a..b", "a b", ""])
@@ -233,8 +272,15 @@ def minute(minutes: float) -> dt.datetime:
 
 
 def delivery(term: int, nominal: dt.datetime, replay: int = 0) -> Any:
-    return read_delivery("hascheduler.fire.a", json.dumps({"id": "s@x", "data": {
-        "term": term, "nominal_at": nominal.isoformat(), "replay": replay}}).encode())
+    return read_delivery(
+        "hascheduler.fire.a",
+        json.dumps(
+            {
+                "id": "s@x",
+                "data": {"term": term, "nominal_at": nominal.isoformat(), "replay": replay},
+            }
+        ).encode(),
+    )
 
 
 def test_a_deposed_leaders_fire_after_the_new_term_is_stale() -> None:
@@ -250,8 +296,16 @@ def test_a_deposed_leaders_fire_after_the_new_term_is_stale() -> None:
 
 
 def test_a_runs_cancel_flag_is_an_event_whose_lock_is_made_at_first_use() -> None:
-    flag = Run(fire_id="f", target="t", schedule_id="s", nominal_at=None, payload=None,
-               attempt=1, worker_id="w", event={}).cancelled
+    flag = Run(
+        fire_id="f",
+        target="t",
+        schedule_id="s",
+        nominal_at=None,
+        payload=None,
+        attempt=1,
+        worker_id="w",
+        event={},
+    ).cancelled
     assert isinstance(flag, threading.Event)
     assert not flag.is_set()
     assert "_cond" not in vars(flag)
@@ -271,8 +325,9 @@ def test_a_waiter_and_a_setter_racing_to_first_use_share_one_lock() -> None:
         both = threading.Barrier(2)
         woken: list[bool] = []
 
-        def waiter(flag: LazyEvent = flag, both: threading.Barrier = both,
-                   woken: list[bool] = woken) -> None:
+        def waiter(
+            flag: LazyEvent = flag, both: threading.Barrier = both, woken: list[bool] = woken
+        ) -> None:
             both.wait()
             woken.append(flag.wait(10))
 

@@ -23,14 +23,33 @@ TIMEOUT_S = 0.05
 
 def held_run(route: Route, fire_id: str) -> tuple[Held, Run]:
     nominal = dt.datetime.now(dt.UTC)
-    body = json.dumps({"specversion": "1.0", "id": fire_id, "source": "/hascheduler",
-                       "type": "io.hascheduler.fire", "data": {
-                           "schedule_id": "s", "term": 1,
-                           "nominal_at": nominal.isoformat(), "payload": {}}}).encode()
+    body = json.dumps(
+        {
+            "specversion": "1.0",
+            "id": fire_id,
+            "source": "/hascheduler",
+            "type": "io.hascheduler.fire",
+            "data": {
+                "schedule_id": "s",
+                "term": 1,
+                "nominal_at": nominal.isoformat(),
+                "payload": {},
+            },
+        }
+    ).encode()
     delivery = read_delivery("hascheduler.fire.jobs.a", body)
     held = Held(None, delivery, route, attempt=1)
-    run = Run(fire_id=fire_id, target="jobs.a", schedule_id="s", nominal_at=nominal,
-              payload={}, attempt=1, worker_id="w", event={}, cancelled=held.cancelled)
+    run = Run(
+        fire_id=fire_id,
+        target="jobs.a",
+        schedule_id="s",
+        nominal_at=nominal,
+        payload={},
+        attempt=1,
+        worker_id="w",
+        event={},
+        cancelled=held.cancelled,
+    )
     return held, run
 
 
@@ -39,8 +58,7 @@ async def forever() -> None:
     await asyncio.Event().wait()
 
 
-def a_worker(handler: Any, timeout_s: float = TIMEOUT_S
-             ) -> tuple[Attempts, Route, list[str]]:
+def a_worker(handler: Any, timeout_s: float = TIMEOUT_S) -> tuple[Attempts, Route, list[str]]:
     app = WorkerApp(policy=RetryPolicy(max_attempts=1, timeout_s=timeout_s))
     app.add("jobs.*", handler)
     given_back: list[str] = []
@@ -50,12 +68,16 @@ def a_worker(handler: Any, timeout_s: float = TIMEOUT_S
 
     route = app.route("jobs.a")
     assert route is not None
-    return Attempts("w", lambda: dt.datetime.now(dt.UTC), WorkerMetrics(), give_back), \
-        route, given_back
+    return (
+        Attempts("w", lambda: dt.datetime.now(dt.UTC), WorkerMetrics(), give_back),
+        route,
+        given_back,
+    )
 
 
-async def attempts(worker: Attempts, route: Route, fire_ids: list[str],
-                   meanwhile: Any = None) -> list[Any]:
+async def attempts(
+    worker: Attempts, route: Route, fire_ids: list[str], meanwhile: Any = None
+) -> list[Any]:
     """Each fire's attempt in turn, in one runner task (as Worker._runner runs them);
     ``meanwhile(held)`` is started beside the first. The runner's task is checked for
     cancels left standing after each."""
@@ -93,6 +115,7 @@ async def test_an_attempt_past_its_timeout_ends_run_timeout_and_the_runner_goes_
 async def test_a_handler_that_swallows_its_timeout_ends_as_it_returns() -> None:
     """As asyncio.timeout would: the handler caught the cancel and returned normally, so
     the attempt succeeded; the cancel is taken back, so the next run is not disturbed."""
+
     async def handler(run: Run) -> None:
         if run.fire_id == "stubborn@1":
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,7 +130,8 @@ async def test_a_handler_that_swallows_its_timeout_ends_as_it_returns() -> None:
 
 @pytest.mark.parametrize("with_timeout", [False, True])
 async def test_an_operators_cancel_ends_the_attempt_cancelled_even_at_its_timeout(
-        with_timeout: bool) -> None:
+    with_timeout: bool,
+) -> None:
     """The operator's cancel alone (a timeout far off), or with the timeout's in the same
     turn of the loop (the timer calls the same ``stop``): two cancels on the runner, both
     taken back, and the attempt ends cancelled, not timed out."""

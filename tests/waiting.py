@@ -11,8 +11,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def wait_until(probe: Callable[[], Awaitable[T] | T], deadline_s: float,
-                     what: str, interval_s: float = 0.05) -> T:
+async def wait_until(
+    probe: Callable[[], Awaitable[T] | T], deadline_s: float, what: str, interval_s: float = 0.05
+) -> T:
     """Poll ``probe`` (a coroutine function, or a plain one) until it returns a truthy
     value; fail the test at the deadline."""
     end = time.monotonic() + deadline_s
@@ -22,13 +23,15 @@ async def wait_until(probe: Callable[[], Awaitable[T] | T], deadline_s: float,
         if value:
             return value
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
-                                 f"(last value {value!r})")
+            raise AssertionError(
+                f"timed out after {deadline_s}s waiting for {what} (last value {value!r})"
+            )
         await asyncio.sleep(interval_s)
 
 
-def wait_until_sync(probe: Callable[[], T], deadline_s: float, what: str,
-                    interval_s: float = 0.05) -> T:
+def wait_until_sync(
+    probe: Callable[[], T], deadline_s: float, what: str, interval_s: float = 0.05
+) -> T:
     """``wait_until`` for tests that are not coroutines."""
     end = time.monotonic() + deadline_s
     while True:
@@ -36,8 +39,9 @@ def wait_until_sync(probe: Callable[[], T], deadline_s: float, what: str,
         if value:
             return value
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what} "
-                                 f"(last value {value!r})")
+            raise AssertionError(
+                f"timed out after {deadline_s}s waiting for {what} (last value {value!r})"
+            )
         time.sleep(interval_s)
 
 

@@ -12,7 +12,11 @@ def moved_clock_env(offset_s: float) -> dict[str, str]:
     negative, behind). Raises RuntimeError when libfaketime is missing."""
     found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
     if not found:
-        raise RuntimeError("libfaketime is missing: install Debian's faketime package "
-                           "(scripts/test does)")
-    return {"LD_PRELOAD": found[0], "FAKETIME": f"{offset_s:+g}s",
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+        raise RuntimeError(
+            "libfaketime is missing: install Debian's faketime package (scripts/test does)"
+        )
+    return {
+        "LD_PRELOAD": found[0],
+        "FAKETIME": f"{offset_s:+g}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }

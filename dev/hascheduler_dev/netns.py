@@ -105,8 +105,9 @@ class Network:
         _run("ip", "-n", node.namespace, "link", "set", inside, "up")
         node.nft("add", "table", "inet", TABLE)
         for chain, hook in (("in", "input"), ("out", "output")):
-            node.nft("add", "chain", "inet", TABLE, chain,
-                     f"{{ type filter hook {hook} priority 0; }}")
+            node.nft(
+                "add", "chain", "inet", TABLE, chain, f"{{ type filter hook {hook} priority 0; }}"
+            )
         self.nodes[name] = node
         return node
 
@@ -115,21 +116,17 @@ class Network:
         self.nodes.pop(node.name, None)
         if node.namespace in self._made:
             self._made.remove(node.namespace)
-            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True,
-                           check=False)
+            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True, check=False)
 
-    def cut(self, node: Node, *peers: Node, outgoing: bool = True,
-            incoming: bool = True) -> None:
+    def cut(self, node: Node, *peers: Node, outgoing: bool = True, incoming: bool = True) -> None:
         """Drop what ``node`` sends to (``outgoing``) and receives from (``incoming``)
         each of ``peers``: both for a partition, one for a one-way cut."""
         for peer in peers:
             if outgoing:
-                node.nft("add", "rule", "inet", TABLE, "out", "ip", "daddr", peer.address,
-                         "drop")
+                node.nft("add", "rule", "inet", TABLE, "out", "ip", "daddr", peer.address, "drop")
                 node.cuts.append(f"{node.name} -> {peer.name}")
             if incoming:
-                node.nft("add", "rule", "inet", TABLE, "in", "ip", "saddr", peer.address,
-                         "drop")
+                node.nft("add", "rule", "inet", TABLE, "in", "ip", "saddr", peer.address, "drop")
                 node.cuts.append(f"{peer.name} -> {node.name}")
 
     def lossy(self, node: Node, peer: Node, percent: int) -> None:
@@ -137,8 +134,23 @@ class Network:
         if not 0 < percent < 100:
             raise ValueError("percent: between 1 and 99")
         for chain, direction in (("out", "daddr"), ("in", "saddr")):
-            node.nft("add", "rule", "inet", TABLE, chain, "ip", direction, peer.address,
-                     "numgen", "random", "mod", "100", "<", str(percent), "drop")
+            node.nft(
+                "add",
+                "rule",
+                "inet",
+                TABLE,
+                chain,
+                "ip",
+                direction,
+                peer.address,
+                "numgen",
+                "random",
+                "mod",
+                "100",
+                "<",
+                str(percent),
+                "drop",
+            )
         node.cuts.append(f"{node.name} <-> {peer.name} losing {percent}%")
 
     def heal(self, node: Node) -> None:
@@ -151,11 +163,14 @@ class Network:
         """Run the calling thread inside ``node`` (the sockets it makes meanwhile stay
         there), and back where it was at the end."""
         libc = ctypes.CDLL(None, use_errno=True)
-        with open("/proc/thread-self/ns/net") as home, \
-                open(f"/run/netns/{node.namespace}") as target:
+        with (
+            open("/proc/thread-self/ns/net") as home,
+            open(f"/run/netns/{node.namespace}") as target,
+        ):
             if libc.setns(target.fileno(), CLONE_NEWNET) != 0:
-                raise NetworkError(f"setns into {node.namespace}: "
-                                   f"{os.strerror(ctypes.get_errno())}")
+                raise NetworkError(
+                    f"setns into {node.namespace}: {os.strerror(ctypes.get_errno())}"
+                )
             try:
                 yield
             finally:

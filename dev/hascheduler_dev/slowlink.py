@@ -52,8 +52,10 @@ class SlowLink:
             writer.close()
             return
         self._writers |= {writer, up_writer}
-        pipes = [asyncio.create_task(self._pipe(reader, up_writer)),
-                 asyncio.create_task(self._pipe(up_reader, writer))]
+        pipes = [
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ]
         self._pipes.update(pipes)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)

@@ -144,13 +144,16 @@ class JwtKeys:
         try:
             keys = jwt.PyJWKSet.from_json(Path(path).read_text())
         except OSError as exc:
-            raise AccessConfigError(f"--jwks-file: cannot read {path}: "
-                                    f"{exc.strerror or exc}") from None
+            raise AccessConfigError(
+                f"--jwks-file: cannot read {path}: {exc.strerror or exc}"
+            ) from None
         except (jwt.PyJWTError, ValueError) as exc:
             raise AccessConfigError(f"--jwks-file: {path}: {exc}") from None
         if not audience:
-            raise AccessConfigError("--jwks-file needs --jwt-audience: a token meant for "
-                                    "another service must not be accepted here")
+            raise AccessConfigError(
+                "--jwks-file needs --jwt-audience: a token meant for "
+                "another service must not be accepted here"
+            )
         return cls(keys, audience, issuer)
 
     def grant_of(self, token: str) -> Grant | None:
@@ -164,9 +167,14 @@ class JwtKeys:
             candidates = [k for k in self.keys.keys if kid is None or k.key_id == kid]
             for key in candidates:
                 try:
-                    claims = jwt.decode(token, key.key, algorithms=list(JWT_ALGORITHMS),
-                                        audience=self.audience, issuer=self.issuer,
-                                        options={"require": ["exp", "sub", "aud"]})
+                    claims = jwt.decode(
+                        token,
+                        key.key,
+                        algorithms=list(JWT_ALGORITHMS),
+                        audience=self.audience,
+                        issuer=self.issuer,
+                        options={"require": ["exp", "sub", "aud"]},
+                    )
                 except jwt.InvalidSignatureError:
                     continue
                 return _jwt_grant(claims)
@@ -190,10 +198,16 @@ def _jwt_grant(claims: Mapping[str, Any]) -> Grant | None:
     if not isinstance(sub, str) or not sub:
         return None
     known = {a.value for a in ACTIONS}
-    actions = frozenset(Action(w) for w in _words(
-        claims.get("hascheduler_actions", claims.get("scope"))) if w in known)
-    namespaces = frozenset(w for w in _words(claims.get("hascheduler_namespaces"))
-                           if w == ANY_NAMESPACE or NAMESPACE.fullmatch(w))
+    actions = frozenset(
+        Action(w)
+        for w in _words(claims.get("hascheduler_actions", claims.get("scope")))
+        if w in known
+    )
+    namespaces = frozenset(
+        w
+        for w in _words(claims.get("hascheduler_namespaces"))
+        if w == ANY_NAMESPACE or NAMESPACE.fullmatch(w)
+    )
     if not actions or not namespaces:
         return None
     return Grant(f"jwt:{sub[:200]}", actions, namespaces)
@@ -214,8 +228,11 @@ class Access:
         return bool(self.named or self.legacy or self.jwt_keys)
 
     def counts(self) -> dict[str, int]:
-        return {"named": len(self.named), "legacy": len(self.legacy),
-                "jwks": len(self.jwt_keys.keys.keys) if self.jwt_keys else 0}
+        return {
+            "named": len(self.named),
+            "legacy": len(self.legacy),
+            "jwks": len(self.jwt_keys.keys.keys) if self.jwt_keys else 0,
+        }
 
     def rules_of(self, namespace: str) -> NamespaceRules:
         return self.rules.get(namespace, NamespaceRules())
@@ -227,7 +244,8 @@ class Access:
         if named is not None:
             stored = self.named.get(named[1])
             if stored is not None and hmac.compare_digest(
-                    _salted(stored.salt, named[2]), stored.digest):
+                _salted(stored.salt, named[2]), stored.digest
+            ):
                 return stored.grant
             return None
         if token.count(".") == 2 and self.jwt_keys is not None:
@@ -266,23 +284,29 @@ def legacy_grants(env: Mapping[str, str]) -> dict[bytes, Grant]:
             try:
                 text = Path(path).read_text()
             except OSError as exc:
-                raise AccessConfigError(f"{name}_FILE: cannot read {path}: "
-                                        f"{exc.strerror or exc}") from None
+                raise AccessConfigError(
+                    f"{name}_FILE: cannot read {path}: {exc.strerror or exc}"
+                ) from None
             from_file = _split(text)
             if not from_file:
                 raise AccessConfigError(f"{name}_FILE: {path} holds no token")
             tokens += from_file
         for i, token in enumerate(tokens, 1):
             if PLACEHOLDER in token:
-                raise AccessConfigError(f"{name}: a token still says {PLACEHOLDER}: put a "
-                                        "token of your own in its place (k8s/base/"
-                                        "tokens-secret.example.yaml)")
+                raise AccessConfigError(
+                    f"{name}: a token still says {PLACEHOLDER}: put a "
+                    "token of your own in its place (k8s/base/"
+                    "tokens-secret.example.yaml)"
+                )
             if len(token) < MIN_TOKEN_CHARS:
-                raise AccessConfigError(f"{name}: every token needs at least "
-                                        f"{MIN_TOKEN_CHARS} characters")
+                raise AccessConfigError(
+                    f"{name}: every token needs at least {MIN_TOKEN_CHARS} characters"
+                )
             # A token listed as both write and read keeps the write grant.
-            grants.setdefault(_plain_digest(token), Grant(
-                f"{scope.lower()}-{i}", actions, frozenset({ANY_NAMESPACE})))
+            grants.setdefault(
+                _plain_digest(token),
+                Grant(f"{scope.lower()}-{i}", actions, frozenset({ANY_NAMESPACE})),
+            )
     return grants
 
 
@@ -290,18 +314,25 @@ def parse_actions(text: str | Iterable[str], where: str) -> frozenset[Action]:
     words = [w.strip() for w in (text.split(",") if isinstance(text, str) else text)]
     unknown = [w for w in words if w not in {a.value for a in ACTIONS}]
     if unknown or not words:
-        raise AccessConfigError(f"{where}: actions are some of "
-                                f"{', '.join(a.value for a in ACTIONS)} (not {unknown or 'none'})")
+        raise AccessConfigError(
+            f"{where}: actions are some of "
+            f"{', '.join(a.value for a in ACTIONS)} (not {unknown or 'none'})"
+        )
     return frozenset(Action(w) for w in words)
 
 
 def parse_namespaces(text: str | Iterable[str], where: str) -> frozenset[str]:
     words = [w.strip() for w in (text.split(",") if isinstance(text, str) else text)]
-    bad = [w for w in words if not isinstance(w, str) or
-           (w != ANY_NAMESPACE and not NAMESPACE.fullmatch(w))]
+    bad = [
+        w
+        for w in words
+        if not isinstance(w, str) or (w != ANY_NAMESPACE and not NAMESPACE.fullmatch(w))
+    ]
     if bad or not words:
-        raise AccessConfigError(f"{where}: namespaces are '*' or DNS labels (lowercase "
-                                f"letters, digits, '-'), not {bad or 'none'}")
+        raise AccessConfigError(
+            f"{where}: namespaces are '*' or DNS labels (lowercase "
+            f"letters, digits, '-'), not {bad or 'none'}"
+        )
     return frozenset(words)
 
 
@@ -319,21 +350,31 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:
-        raise AccessConfigError(f"--access-file: cannot read {path}: "
-                                f"{exc.strerror or exc}") from None
+        raise AccessConfigError(
+            f"--access-file: cannot read {path}: {exc.strerror or exc}"
+        ) from None
     except yaml.YAMLError as exc:
         raise AccessConfigError(f"--access-file: {path}: {exc}") from None
     if not isinstance(data, dict) or set(data) - {"tokens", "namespaces"}:
-        raise AccessConfigError(f"--access-file: {path}: a mapping with 'tokens' and "
-                                "'namespaces' only")
+        raise AccessConfigError(
+            f"--access-file: {path}: a mapping with 'tokens' and 'namespaces' only"
+        )
     named: dict[str, _Stored] = {}
     names: set[str] = set()
     for i, entry in enumerate(data.get("tokens") or [], 1):
         where = f"--access-file: {path}: token {i}"
-        if not isinstance(entry, dict) or set(entry) != {"name", "id", "salt", "hash",
-                                                         "actions", "namespaces"}:
-            raise AccessConfigError(f"{where}: name, id, salt, hash, actions, namespaces "
-                                    "(the line `hascheduler token create` printed)")
+        if not isinstance(entry, dict) or set(entry) != {
+            "name",
+            "id",
+            "salt",
+            "hash",
+            "actions",
+            "namespaces",
+        }:
+            raise AccessConfigError(
+                f"{where}: name, id, salt, hash, actions, namespaces "
+                "(the line `hascheduler token create` printed)"
+            )
         name = str(entry["name"])
         if not _NAME.fullmatch(name) or name in names:
             raise AccessConfigError(f"{where}: the name {name!r} is not a unique slug")
@@ -344,12 +385,20 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
         except ValueError:
             raise AccessConfigError(f"{where} ({name}): salt and hash are hex") from None
         if len(salt) < 16 or len(digest) != 32:
-            raise AccessConfigError(f"{where} ({name}): salt (16+ bytes) and hash "
-                                    "(32 bytes) as `token create` prints them")
+            raise AccessConfigError(
+                f"{where} ({name}): salt (16+ bytes) and hash "
+                "(32 bytes) as `token create` prints them"
+            )
         names.add(name)
-        named[str(entry["id"])] = _Stored(salt, digest, Grant(
-            name, parse_actions(entry["actions"], f"{where} ({name})"),
-            parse_namespaces(entry["namespaces"], f"{where} ({name})")))
+        named[str(entry["id"])] = _Stored(
+            salt,
+            digest,
+            Grant(
+                name,
+                parse_actions(entry["actions"], f"{where} ({name})"),
+                parse_namespaces(entry["namespaces"], f"{where} ({name})"),
+            ),
+        )
     rules: dict[str, NamespaceRules] = {}
     for namespace, entry in (data.get("namespaces") or {}).items():
         where = f"--access-file: {path}: namespace {namespace!r}"
@@ -359,16 +408,21 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
             raise AccessConfigError(f"{where}: {', '.join(sorted(_RULES))} only")
         for name in ("max_schedules", "max_fan_out"):
             limit = entry.get(name)
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                      or limit < 0):
+            if limit is not None and (
+                isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+            ):
                 raise AccessConfigError(f"{where}: {name} is a whole number")
         rate = entry.get("max_fires_per_second")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
-                                 or not 0 < rate < 1e9):
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < 1e9
+        ):
             raise AccessConfigError(f"{where}: max_fires_per_second is a number above 0")
         rules[namespace] = NamespaceRules(
-            bool(entry.get("require_reason", False)), entry.get("max_schedules"),
-            None if rate is None else float(rate), entry.get("max_fan_out"))
+            bool(entry.get("require_reason", False)),
+            entry.get("max_schedules"),
+            None if rate is None else float(rate),
+            entry.get("max_fan_out"),
+        )
     return named, rules
 
 
@@ -378,17 +432,26 @@ class NewToken:
     entry: dict[str, Any]  # the access file's line
 
 
-def create_token(name: str, actions: frozenset[Action], namespaces: frozenset[str]
-                 ) -> NewToken:
+def create_token(name: str, actions: frozenset[Action], namespaces: frozenset[str]) -> NewToken:
     if not _NAME.fullmatch(name):
-        raise AccessConfigError(f"--name {name!r}: letters, digits, '.', '_', ':', '@' or "
-                                "'-', starting with a letter or digit")
+        raise AccessConfigError(
+            f"--name {name!r}: letters, digits, '.', '_', ':', '@' or "
+            "'-', starting with a letter or digit"
+        )
     token_id = secrets.token_hex(8)
     secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
     salt = secrets.token_bytes(16)
-    return NewToken(f"{TOKEN_PREFIX}_{token_id}_{secret}", {
-        "name": name, "id": token_id, "salt": salt.hex(), "hash": _salted(salt, secret).hex(),
-        "actions": sorted(a.value for a in actions), "namespaces": sorted(namespaces)})
+    return NewToken(
+        f"{TOKEN_PREFIX}_{token_id}_{secret}",
+        {
+            "name": name,
+            "id": token_id,
+            "salt": salt.hex(),
+            "hash": _salted(salt, secret).hex(),
+            "actions": sorted(a.value for a in actions),
+            "namespaces": sorted(namespaces),
+        },
+    )
 
 
 def entry_line(entry: Mapping[str, Any]) -> str:
@@ -454,8 +517,11 @@ def authenticate(access: Access, authorization: str | None) -> Grant | Denied:
     if not access.enabled:
         return ANONYMOUS
     if not authorization:
-        return Denied(401, "this API needs a token: send the header "
-                           "'Authorization: Bearer <token>'", CHALLENGE)
+        return Denied(
+            401,
+            "this API needs a token: send the header 'Authorization: Bearer <token>'",
+            CHALLENGE,
+        )
     kind, _, token = authorization.strip().partition(" ")
     if kind.lower() != "bearer" or not token.strip():
         return Denied(401, "the Authorization header must be 'Bearer <token>'", CHALLENGE)
@@ -467,9 +533,12 @@ def authenticate(access: Access, authorization: str | None) -> Grant | Denied:
 
 def refusal(grant: Grant, action: Action, namespace: str | None) -> Denied:
     where = f"in namespace {namespace!r}" if namespace is not None else "anywhere"
-    return Denied(403, f"{grant.name} may not {action.value} {where}: it may "
-                       f"{', '.join(sorted(a.value for a in grant.actions))} in "
-                       f"{', '.join(sorted(grant.namespaces))}")
+    return Denied(
+        403,
+        f"{grant.name} may not {action.value} {where}: it may "
+        f"{', '.join(sorted(a.value for a in grant.actions))} in "
+        f"{', '.join(sorted(grant.namespaces))}",
+    )
 
 
 @dataclass(frozen=True)
@@ -481,8 +550,9 @@ class WriteLimit:
 
     def __post_init__(self) -> None:
         if self.per_second < 0 or not math.isfinite(self.per_second):
-            raise AccessConfigError("the write rate must be a number of writes per second, "
-                                    "0 or more (0: no limit)")
+            raise AccessConfigError(
+                "the write rate must be a number of writes per second, 0 or more (0: no limit)"
+            )
         if self.per_second > 0 and self.burst < 1:
             raise AccessConfigError("the write burst must be at least 1")
 
@@ -494,8 +564,7 @@ class WriteLimit:
 class WriteLimiter:
     """A token bucket per client, refilled continuously."""
 
-    def __init__(self, limit: WriteLimit,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, limit: WriteLimit, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self._clock = clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()

@@ -30,25 +30,34 @@ async def audit_log(request: web.Request) -> web.Response:
     since = request.query.get("since")
     try:
         docs = await context(request).audit.query(
-            namespaces=readable_namespaces(request), schedule_id=request.query.get("schedule"),
+            namespaces=readable_namespaces(request),
+            schedule_id=request.query.get("schedule"),
             actor=request.query.get("actor"),
             since=None if since is None else time_param(request, "since", now_of(request)),
             before=request.query.get("before"),
-            limit=int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE))
+            limit=int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
+        )
     except LookupError:
-        return problem(404, "before names no record (it may have expired): list from the "
-                            "start")
+        return problem(404, "before names no record (it may have expired): list from the start")
     items = [history.public(d) for d in docs]
-    return web.json_response({"items": items, "next": items[-1]["id"] if len(items) ==
-                              int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
-                              else None})
+    return web.json_response(
+        {
+            "items": items,
+            "next": items[-1]["id"]
+            if len(items) == int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+            else None,
+        }
+    )
 
 
 # A page of audit records: the id of the previous page's last record, and its size.
 AUDIT_PAGE = [
     {"name": "before", "in": "query", "schema": {"type": "string"}},
-    {"name": "limit", "in": "query",
-     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+    {
+        "name": "limit",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+    },
 ]
 
 ROUTES: list[Route] = [
@@ -62,12 +71,17 @@ ROUTES: list[Route] = [
             "runs, with who, when, from where, what (before and after) and why",
             "parameters": [
                 NAMESPACE_PARAM,
-            ] + [
+            ]
+            + [
                 {"name": name, "in": "query", "schema": {"type": "string"}}
                 for name in ("schedule", "actor")
-            ] + [
-                {"name": "since", "in": "query",
-                 "schema": {"type": "string", "format": "date-time"}},
+            ]
+            + [
+                {
+                    "name": "since",
+                    "in": "query",
+                    "schema": {"type": "string", "format": "date-time"},
+                },
                 *AUDIT_PAGE,
             ],
             "responses": responses(200, None, 403, 404, 422),

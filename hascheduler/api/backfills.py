@@ -40,16 +40,36 @@ async def backfill_schedule(request: web.Request) -> web.Response:
     who = change_by(request, schedule.namespace)
     if schedule.paused:
         raise RunConflict(f"schedule {schedule.id!r} is paused; resume it to backfill")
-    total = count_between(schedule.compile(), just_before(wanted.start),
-                          just_before(wanted.end))
+    total = count_between(schedule.compile(), just_before(wanted.start), just_before(wanted.end))
     if total > cluster.max_backfill:
-        raise BadRequest(422, "end", f"the range holds {total} fire times; a backfill fires "
-                                     f"at most {cluster.max_backfill} (serve --max-backfill)")
+        raise BadRequest(
+            422,
+            "end",
+            f"the range holds {total} fire times; a backfill fires "
+            f"at most {cluster.max_backfill} (serve --max-backfill)",
+        )
     doc = await backfills.create(
-        schedule.id, wanted.start, wanted.end, wanted.overlap, total, who.name, now,
-        runs_record(request, history.BACKFILL, who, schedule.namespace, schedule.id,
-                {"start": shown_time(wanted.start), "end": shown_time(wanted.end),
-                 "total": total, "overlap": wanted.overlap}))
+        schedule.id,
+        wanted.start,
+        wanted.end,
+        wanted.overlap,
+        total,
+        who.name,
+        now,
+        runs_record(
+            request,
+            history.BACKFILL,
+            who,
+            schedule.namespace,
+            schedule.id,
+            {
+                "start": shown_time(wanted.start),
+                "end": shown_time(wanted.end),
+                "total": total,
+                "overlap": wanted.overlap,
+            },
+        ),
+    )
     return as_json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
 
 
@@ -67,13 +87,24 @@ async def cancel_backfill(request: web.Request) -> web.Response:
         raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
     schedule_id = str(current["schedule_id"])
     namespace = await context(request).store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
-    doc = await backfills.cancel(current["_id"], now_of(request), runs_record(
-        request, history.CANCEL, change_by(request, namespace), namespace, schedule_id,
-        {"backfill_id": current["_id"]}))
+    doc = await backfills.cancel(
+        current["_id"],
+        now_of(request),
+        runs_record(
+            request,
+            history.CANCEL,
+            change_by(request, namespace),
+            namespace,
+            schedule_id,
+            {"backfill_id": current["_id"]},
+        ),
+    )
     if doc is None:
         current = await backfills.get(current["_id"]) or current
-        raise RunConflict(f"backfill {current['_id']!r} is {current['state']}; only a "
-                          "running one can be cancelled")
+        raise RunConflict(
+            f"backfill {current['_id']!r} is {current['state']}; only a "
+            "running one can be cancelled"
+        )
     return as_json(Backfill.of(doc))
 
 
@@ -96,15 +127,19 @@ ROUTES: list[Route] = [
         "/backfills/{id}",
         get_backfill,
         Guard(Action.READ, BACKFILL),
-        {"summary": "a backfill's progress: fired, skipped, remaining",
-         "responses": responses(200, "Backfill", 404, 503)},
+        {
+            "summary": "a backfill's progress: fired, skipped, remaining",
+            "responses": responses(200, "Backfill", 404, 503),
+        },
     ),
     Route(
         "DELETE",
         "/backfills/{id}",
         cancel_backfill,
         Guard(Action.CANCEL, BACKFILL),
-        {"summary": "cancel a running backfill (what it fired stays fired)",
-         "responses": responses(200, "Backfill", 403, 404, 409, 429, 503)},
+        {
+            "summary": "cancel a running backfill (what it fired stays fired)",
+            "responses": responses(200, "Backfill", 403, 404, 409, 429, 503),
+        },
     ),
 ]

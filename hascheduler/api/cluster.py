@@ -46,14 +46,22 @@ async def mirror_entry(request: web.Request) -> web.Response:
     mirror = context(request).mirror
     entry = mirror.entries.get(schedule_id)
     if entry is None:
-        return problem(404, f"schedule {schedule_id!r} is not in this replica's mirror",
-                       replica_id=context(request).replica_id)
+        return problem(
+            404,
+            f"schedule {schedule_id!r} is not in this replica's mirror",
+            replica_id=context(request).replica_id,
+        )
     nominal = next(fire_times(entry.trigger, now_of(request), limit=1), None)
-    return web.json_response({
-        "id": schedule_id, "revision": entry.revision, "paused": entry.paused,
-        "next_nominal": nominal.isoformat() if nominal else None,
-        "applied_at": mirror.recently_applied.get(schedule_id),
-        "replica_id": context(request).replica_id})
+    return web.json_response(
+        {
+            "id": schedule_id,
+            "revision": entry.revision,
+            "paused": entry.paused,
+            "next_nominal": nominal.isoformat() if nominal else None,
+            "applied_at": mirror.recently_applied.get(schedule_id),
+            "replica_id": context(request).replica_id,
+        }
+    )
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -79,12 +87,15 @@ async def readyz(request: web.Request) -> web.Response:
 async def leader_view(request: web.Request, cluster: Cluster) -> dict[str, Any]:
     view = await read_lease(cluster.leases, LEASE_NAME)
     held = view is not None and view.held_at(now_of(request))
-    return {"holder": view.holder if held and view else None,
-            "last_holder": view.holder if view else None, "term": view.term if view else 0,
-            "expires_at": shown_time(view.expires_at) if view else None,
-            "fired_through": shown_time(view.fired_through) if view else None,
-            "answered_by": context(request).replica_id,
-            "answered_by_leader": bool(cluster.elector.is_leader)}
+    return {
+        "holder": view.holder if held and view else None,
+        "last_holder": view.holder if view else None,
+        "term": view.term if view else 0,
+        "expires_at": shown_time(view.expires_at) if view else None,
+        "fired_through": shown_time(view.fired_through) if view else None,
+        "answered_by": context(request).replica_id,
+        "answered_by_leader": bool(cluster.elector.is_leader),
+    }
 
 
 async def leader(request: web.Request) -> web.Response:
@@ -101,23 +112,39 @@ async def members_view(request: web.Request, cluster: Cluster) -> list[dict[str,
     holder = view.holder if view is not None and view.held_at(now) else None
     out = []
     for doc in await cluster.members.seen_since(fresh):
-        out.append({"replica_id": doc["_id"], "url": doc.get("url"), "ready": doc.get("ready"),
-                    "size": doc.get("size"), "digest": doc.get("digest"),
-                    "leader": doc["_id"] == holder, "term": doc.get("term"),
-                    "seen_at": shown_time(doc.get("seen_at"))})
+        out.append(
+            {
+                "replica_id": doc["_id"],
+                "url": doc.get("url"),
+                "ready": doc.get("ready"),
+                "size": doc.get("size"),
+                "digest": doc.get("digest"),
+                "leader": doc["_id"] == holder,
+                "term": doc.get("term"),
+                "seen_at": shown_time(doc.get("seen_at")),
+            }
+        )
     return out
 
 
 async def members(request: web.Request) -> web.Response:
-    return web.json_response({"members": await members_view(request, cluster_of(request)),
-                              "answered_by": context(request).replica_id})
+    return web.json_response(
+        {
+            "members": await members_view(request, cluster_of(request)),
+            "answered_by": context(request).replica_id,
+        }
+    )
 
 
 async def whoami(request: web.Request) -> web.Response:
     grant = grant_of(request)
-    return web.json_response({"name": grant.name,
-                              "actions": sorted(a.value for a in grant.actions),
-                              "namespaces": sorted(grant.namespaces)})
+    return web.json_response(
+        {
+            "name": grant.name,
+            "actions": sorted(a.value for a in grant.actions),
+            "namespaces": sorted(grant.namespaces),
+        }
+    )
 
 
 ROUTES: list[Route] = [

@@ -74,12 +74,19 @@ class Leading(Protocol):
 class Cluster:
     """What the API reads about leadership, members and the fire ledger."""
 
-    def __init__(self, leases: LeaseCollection, members: Members, ledger: Ledger,
-                 elector: Leading, runs: RunLedger, broker: Broker,
-                 backfills: Backfills | None = None,
-                 max_backfill: int = DEFAULT_MAX_BACKFILL,
-                 health: HealthReader | None = None,
-                 webhooks: tuple[WebhookStore, Deliveries] | None = None) -> None:
+    def __init__(
+        self,
+        leases: LeaseCollection,
+        members: Members,
+        ledger: Ledger,
+        elector: Leading,
+        runs: RunLedger,
+        broker: Broker,
+        backfills: Backfills | None = None,
+        max_backfill: int = DEFAULT_MAX_BACKFILL,
+        health: HealthReader | None = None,
+        webhooks: tuple[WebhookStore, Deliveries] | None = None,
+    ) -> None:
         self.health = health or HealthReader(ledger, runs)
         self.webhooks = webhooks
         self.backfills = backfills

@@ -33,21 +33,28 @@ UI_PAGE = (Path(__file__).parent / "ui.html").read_text()
 
 
 # Everything the page needs is inline or same-origin; nothing else may load or run.
-UI_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-          "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-          "frame-ancestors 'none'")
+UI_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
 
 
 async def dashboard(request: web.Request) -> web.Response:
     """Everything /ui shows, in one read (views.read_dashboard) and the cluster's state."""
     cluster = cluster_of(request)
     now = now_of(request)
-    view = await read_dashboard(context(request).store, cluster.ledger, cluster.runs, now,
-                                readable_namespaces(request))
-    return web.json_response({
-        **view.as_json(), "now": now.isoformat(),
-        "leader": await leader_view(request, cluster),
-        "members": await members_view(request, cluster)})
+    view = await read_dashboard(
+        context(request).store, cluster.ledger, cluster.runs, now, readable_namespaces(request)
+    )
+    return web.json_response(
+        {
+            **view.as_json(),
+            "now": now.isoformat(),
+            "leader": await leader_view(request, cluster),
+            "members": await members_view(request, cluster),
+        }
+    )
 
 
 async def timeline(request: web.Request) -> web.Response:
@@ -60,22 +67,32 @@ async def timeline(request: web.Request) -> web.Response:
     except ValueError:
         hours = math.nan
     if not 0.05 <= hours <= TIMELINE_MAX_HOURS:  # NaN fails this too
-        raise BadRequest(422, "hours", f"hours must be a number from 0.05 to "
-                                       f"{TIMELINE_MAX_HOURS:g}")
+        raise BadRequest(
+            422, "hours", f"hours must be a number from 0.05 to {TIMELINE_MAX_HOURS:g}"
+        )
     schedule_id = request.query.get("schedule")
     namespaces = readable_namespaces(request)
     if schedule_id is not None:
         schedule = await context(request).store.get(schedule_id)
         require(request, Action.READ, schedule.namespace)
-    view = await read_timeline(context(request).store, cluster.ledger, cluster.runs,
-                               now_of(request), hours, namespaces, schedule_id)
+    view = await read_timeline(
+        context(request).store,
+        cluster.ledger,
+        cluster.runs,
+        now_of(request),
+        hours,
+        namespaces,
+        schedule_id,
+    )
     return web.json_response({**view, "trace_url": context(request).trace_url})
 
 
 async def ui(request: web.Request) -> web.Response:
-    return web.Response(text=UI_PAGE, content_type="text/html",
-                        headers={"Cache-Control": "no-cache",
-                                 "Content-Security-Policy": UI_CSP})
+    return web.Response(
+        text=UI_PAGE,
+        content_type="text/html",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": UI_CSP},
+    )
 
 
 ROUTES: list[Route] = [
@@ -100,10 +117,15 @@ ROUTES: list[Route] = [
             "summary": "what /ui draws: each schedule's fires over the last hours as marks "
             "(on_time, late, skipped, failed, dead, running...), lateness over the window, "
             "the runs in flight",
-            "parameters": [NAMESPACE_PARAM,
-                           {"name": "hours", "in": "query",
-                            "schema": {"type": "number", "minimum": 0.05, "maximum": 24}},
-                           {"name": "schedule", "in": "query", "schema": {"type": "string"}}],
+            "parameters": [
+                NAMESPACE_PARAM,
+                {
+                    "name": "hours",
+                    "in": "query",
+                    "schema": {"type": "number", "minimum": 0.05, "maximum": 24},
+                },
+                {"name": "schedule", "in": "query", "schema": {"type": "string"}},
+            ],
             "responses": responses(200, None, 403, 404, 422),
         },
     ),

@@ -46,8 +46,9 @@ class Forbidden(Exception):
         self.namespace = namespace
 
 
-def problem(status: int, title: str, errors: list[dict[str, str]] | None = None,
-            **extra: Any) -> web.Response:
+def problem(
+    status: int, title: str, errors: list[dict[str, str]] | None = None, **extra: Any
+) -> web.Response:
     body: dict[str, Any] = {"status": status, "title": title, **extra}
     if errors is not None:
         body["errors"] = errors
@@ -63,10 +64,14 @@ def validation_errors(exc: ValidationError, prefix: tuple[str, ...] = ()) -> lis
         # Discriminated unions put the variant's tag in the path; users wrote no such key.
         # Members of a plain union are named by type ("float", "list[...]", "function-
         # before[...]"): not fields either.
-        loc = [str(p) for p in (*prefix, *err["loc"])
-               if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
-        path = [p for i, p in enumerate(loc)
-                if p not in {"cron", "interval", "at"} or i == len(loc) - 1]
+        loc = [
+            str(p)
+            for p in (*prefix, *err["loc"])
+            if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))
+        ]
+        path = [
+            p for i, p in enumerate(loc) if p not in {"cron", "interval", "at"} or i == len(loc) - 1
+        ]
         if err["type"] in {"union_tag_invalid", "union_tag_not_found"}:
             path.append("kind")  # the discriminator the client got wrong
         message = err["msg"].removeprefix("Value error, ")
@@ -96,11 +101,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ScheduleExists as exc:
         return problem(409, str(exc), [{"field": "id", "message": str(exc)}])
     except RevisionConflict as exc:
-        return problem(409, str(exc), [{"field": "If-Match", "message": str(exc)}],
-                       current_revision=exc.current)
+        return problem(
+            409,
+            str(exc),
+            [{"field": "If-Match", "message": str(exc)}],
+            current_revision=exc.current,
+        )
     except web.HTTPRequestEntityTooLarge as exc:
-        return problem(413, "the body is too large", [{"field": "body", "message": exc.text
-                                                         or "too large"}])
+        return problem(
+            413, "the body is too large", [{"field": "body", "message": exc.text or "too large"}]
+        )
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
             response = problem(exc.status, exc.reason)
@@ -112,5 +122,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.warning("database_unavailable", error=str(exc), path=request.path)
         return problem(503, "the database is unavailable; retry later")
     except json.JSONDecodeError as exc:
-        return problem(400, f"the body is not valid JSON: {exc.msg}",
-                       [{"field": "body", "message": exc.msg}])
+        return problem(
+            400, f"the body is not valid JSON: {exc.msg}", [{"field": "body", "message": exc.msg}]
+        )

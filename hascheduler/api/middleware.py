@@ -62,8 +62,11 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
     namespace, then the write limit. The route table gives every route its guard, so a
     route cannot be added unguarded (tests/test_access_matrix.py)."""
     route = request.match_info.route.resource
-    guard = context(request).guards.get((request.method, route.canonical)) \
-        if route is not None else None
+    guard = (
+        context(request).guards.get((request.method, route.canonical))
+        if route is not None
+        else None
+    )
     if guard is None or guard.action is None:
         answer: web.StreamResponse = await handler(request)
         return answer
@@ -76,8 +79,9 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
     if guard.scope in (SCHEDULE, FIRE, BACKFILL, WEBHOOK) and not grant.everywhere:
         namespace = await _resource_namespace(request, guard.scope)
         if namespace is None and guard.scope not in (SCHEDULE, WEBHOOK):
-            raise Forbidden(refusal(grant, guard.action, UNKNOWN_NAMESPACE).title,
-                            guard.action, None)
+            raise Forbidden(
+                refusal(grant, guard.action, UNKNOWN_NAMESPACE).title, guard.action, None
+            )
         if namespace is not None:
             require(request, guard.action, namespace)
     if request.method in WRITE_METHODS:
@@ -85,9 +89,12 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
         wait = context(request).limiter.take(client)
         if wait > 0:
             limit = context(request).limiter.limit
-            response = problem(429, f"too many writes from {client}: at most "
-                                    f"{limit.per_second:g} per second (bursts of {limit.burst});"
-                                    f" retry after {wait:.2f} s")
+            response = problem(
+                429,
+                f"too many writes from {client}: at most "
+                f"{limit.per_second:g} per second (bursts of {limit.burst});"
+                f" retry after {wait:.2f} s",
+            )
             response.headers["Retry-After"] = str(math.ceil(wait))
             return response
     answer = await handler(request)
@@ -101,14 +108,18 @@ async def known_query(request: web.Request, handler: Any) -> web.StreamResponse:
     """A query parameter the route does not take is refused with 400 naming it: ignored,
     ``GET /runs?schedule=X`` answered every schedule's runs as if filtered."""
     route = request.match_info.route.resource
-    known = context(request).query.get((request.method, route.canonical)) \
-        if route is not None else None
+    known = (
+        context(request).query.get((request.method, route.canonical)) if route is not None else None
+    )
     if known is not None:
         unknown = sorted(set(request.query) - known)
         if unknown:
             takes = ", ".join(sorted(known)) or "none"
-            raise BadRequest(400, unknown[0], f"unknown query parameter {unknown[0]!r}; "
-                                              f"this route takes: {takes}")
+            raise BadRequest(
+                400,
+                unknown[0],
+                f"unknown query parameter {unknown[0]!r}; this route takes: {takes}",
+            )
     answer: web.StreamResponse = await handler(request)
     return answer
 
@@ -132,8 +143,9 @@ def readable_namespaces(request: web.Request) -> list[str] | None:
     grant = grant_of(request)
     if asked is not None:
         if not fields.NAMESPACE.fullmatch(asked):
-            raise BadRequest(422, "namespace", "namespace must be a DNS label: lowercase "
-                                               "letters, digits or '-'")
+            raise BadRequest(
+                422, "namespace", "namespace must be a DNS label: lowercase letters, digits or '-'"
+            )
         require(request, Action.READ, asked)
         return [asked]
     return None if grant.everywhere else sorted(grant.namespaces)
@@ -144,16 +156,21 @@ def actor(request: web.Request) -> Actor:
     reason = request.headers.get("X-Reason")
     if reason is not None and (len(reason) > MAX_REASON_CHARS or not reason.strip()):
         raise BadRequest(422, "X-Reason", f"X-Reason is 1 to {MAX_REASON_CHARS} characters")
-    return Actor(grant_of(request).name, request.remote, reason,
-                 request.headers.get("X-Change-Origin"))
+    return Actor(
+        grant_of(request).name, request.remote, reason, request.headers.get("X-Change-Origin")
+    )
 
 
 def change_by(request: web.Request, namespace: str, given: Actor | None = None) -> Actor:
     """``actor``, refused (422 naming X-Reason) where the namespace requires a reason."""
     who = given or actor(request)
     if who.reason is None and context(request).access.current.rules_of(namespace).require_reason:
-        raise BadRequest(422, "X-Reason", f"namespace {namespace!r} requires a reason for "
-                                          "every change: send it in the X-Reason header")
+        raise BadRequest(
+            422,
+            "X-Reason",
+            f"namespace {namespace!r} requires a reason for "
+            "every change: send it in the X-Reason header",
+        )
     return who
 
 
@@ -186,17 +203,29 @@ def _server_span(request: web.Request, route: str) -> Iterator[tracing.Span | No
     if not tracing.enabled():
         yield None
         return
-    parent = tracing.context_of(request.headers.get("traceparent"),
-                                request.headers.get("tracestate"))
+    parent = tracing.context_of(
+        request.headers.get("traceparent"), request.headers.get("tracestate")
+    )
     with tracing.tracer().start_as_current_span(
-            f"{request.method} {route}", context=parent, kind=tracing.SpanKind.SERVER,
-            attributes={"http.request.method": request.method, "http.route": route,
-                        "url.path": request.path}) as span:
+        f"{request.method} {route}",
+        context=parent,
+        kind=tracing.SpanKind.SERVER,
+        attributes={
+            "http.request.method": request.method,
+            "http.route": route,
+            "url.path": request.path,
+        },
+    ) as span:
         yield span
 
 
-def runs_record(request: web.Request, action: str, who: Actor, namespace: str,
-            schedule_id: str, detail: dict[str, Any]) -> dict[str, Any]:
+def runs_record(
+    request: web.Request,
+    action: str,
+    who: Actor,
+    namespace: str,
+    schedule_id: str,
+    detail: dict[str, Any],
+) -> dict[str, Any]:
     """The audit record of a change to a schedule's runs (the schedule stays as it is)."""
-    return history.record(action, who, now_of(request), namespace, schedule_id, None,
-                          detail=detail)
+    return history.record(action, who, now_of(request), namespace, schedule_id, None, detail=detail)

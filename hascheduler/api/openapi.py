@@ -20,7 +20,8 @@ class Problem(BaseModel):
     status: int
     title: str
     errors: list[dict[str, str]] = Field(
-        default_factory=list, description="each with 'field' (a dotted path) and 'message'")
+        default_factory=list, description="each with 'field' (a dotted path) and 'message'"
+    )
 
 
 class MirrorStatus(BaseModel):
@@ -29,8 +30,9 @@ class MirrorStatus(BaseModel):
     digest: str
     last_applied_cluster_time: dict[str, Any] | None
     replica_id: str
-    sources: dict[str, str] | None = Field(None, description="each fan-out source's mirror "
-                                           "digest, by collection:fields")
+    sources: dict[str, str] | None = Field(
+        None, description="each fan-out source's mirror digest, by collection:fields"
+    )
     sources_ready: bool | None = None
 
 
@@ -47,21 +49,25 @@ def responses(ok: int, name: str | None, *errors: int) -> dict[str, Any]:
     if name:
         out[str(ok)]["content"] = {"application/json": {"schema": ref(name)}}
     for code in (*errors, 401):  # 401 from any route but the open ones, when tokens are set
-        out[str(code)] = {"description": _ERRORS[code],
-                          "content": {"application/json": {"schema": ref("Problem")}}}
+        out[str(code)] = {
+            "description": _ERRORS[code],
+            "content": {"application/json": {"schema": ref("Problem")}},
+        }
     return out
 
 
-_ERRORS = {400: "malformed request (JSON, If-Match, a query parameter the route does not "
-                "take)",
-           401: "a token is configured and this request has none, or a wrong one",
-           403: "the token has the read scope; writes need the write scope",
-           404: "no such schedule (or run)",
-           409: "id taken, the revision in If-Match is not current, or the run is not "
-                "dead",
-           413: "body too large", 415: "body is not application/json",
-           422: "invalid schedule or parameter; names the field",
-           429: "too many writes from this client; see Retry-After", 503: "not ready"}
+_ERRORS = {
+    400: "malformed request (JSON, If-Match, a query parameter the route does not take)",
+    401: "a token is configured and this request has none, or a wrong one",
+    403: "the token has the read scope; writes need the write scope",
+    404: "no such schedule (or run)",
+    409: "id taken, the revision in If-Match is not current, or the run is not dead",
+    413: "body too large",
+    415: "body is not application/json",
+    422: "invalid schedule or parameter; names the field",
+    429: "too many writes from this client; see Retry-After",
+    503: "not ready",
+}
 
 # If-Match as the server reads it (app.py parses with this very pattern): "*", or a
 # revision as the ETag gives it, optionally weak and quoted.
@@ -71,73 +77,125 @@ LABEL_FILTER = rf"^{fields.SLUG.pattern}=[\s\S]*$"
 
 ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 NAMESPACE_PARAM = {
-    "name": "namespace", "in": "query", "required": False,
+    "name": "namespace",
+    "in": "query",
+    "required": False,
     "schema": {"type": "string", "pattern": f"^{fields.NAMESPACE.pattern}$"},
     "description": "one namespace (the token must reach it); without it, every namespace "
-                   "the token reaches"}
-IF_MATCH_HEADER = {"name": "If-Match", "in": "header", "required": False,
-             "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
-             "description": "the revision from the ETag; the write fails with 409 if stale"}
+    "the token reaches",
+}
+IF_MATCH_HEADER = {
+    "name": "If-Match",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "pattern": f"^{IF_MATCH.pattern}$"},
+    "description": "the revision from the ETag; the write fails with 409 if stale",
+}
 IDEMPOTENCY_KEY_HEADER = {
-    "name": "Idempotency-Key", "in": "header", "required": False,
-    "schema": {"type": "string",
-               "pattern": f"^[\\x21-\\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}$"},
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "pattern": f"^[\\x21-\\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}$"},
     "description": "a retried request with the same key (within 24 hours at least) answers "
-                   "with the first one's fire instead of firing again"}
+    "with the first one's fire instead of firing again",
+}
 WRITE = (400, 403, 413, 415, 422, 429)
-SEMANTIC = ("Besides its shape, the body must describe a schedule that can fire: a cron "
-             "expression that parses and has a day it fires on, instants in the future, no "
-             "more often than the cluster's floor, a catch-up window it can replay. Each "
-             "refusal is a 422 naming the field.")
+SEMANTIC = (
+    "Besides its shape, the body must describe a schedule that can fire: a cron "
+    "expression that parses and has a day it fires on, instants in the future, no "
+    "more often than the cluster's floor, a catch-up window it can replay. Each "
+    "refusal is a 422 naming the field."
+)
 
 
 def _patch_schema(fields: dict[str, Any]) -> dict[str, Any]:
     """A JSON merge patch of ScheduleFields: any of its fields, each also null (removed);
     an object-valued field (trigger, payload, labels) is itself a merge patch, any object."""
+
     def patched(schema: dict[str, Any]) -> dict[str, Any]:
         if schema.get("type") == "object" or "discriminator" in schema:
             return {"type": ["object", "null"]}
         return {"anyOf": [schema, {"type": "null"}]}
 
-    return {"title": "SchedulePatch", "type": "object", "additionalProperties": False,
-            "properties": {name: patched(schema)
-                           for name, schema in fields["properties"].items()}}
+    return {
+        "title": "SchedulePatch",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {name: patched(schema) for name, schema in fields["properties"].items()},
+    }
 
 
 def document(routes: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     """The document of these routes, each (method, path, operation): the server's own
     route table (api/routes.py)."""
     _, schemas = models_json_schema(
-        [(m, "validation") for m in (models.ScheduleIn, models.ScheduleFields,
-                                      models.ScheduleBatchIn, models.TriggerIn,
-                                      models.PauseIn, models.BackfillIn,
-                                      models.RestoreIn, models.WebhookIn)]
-        + [(m, "serialization") for m in (models.Schedule, models.ScheduleList,
-                                          models.Preview, Problem, MirrorStatus, Run,
-                                          RunList, models.Triggered, Backfill,
-                                          models.BatchCreated, ScheduleHealth,
-                                          models.Webhook, models.WebhookList)],
-        ref_template="#/components/schemas/{model}")
+        [
+            (m, "validation")
+            for m in (
+                models.ScheduleIn,
+                models.ScheduleFields,
+                models.ScheduleBatchIn,
+                models.TriggerIn,
+                models.PauseIn,
+                models.BackfillIn,
+                models.RestoreIn,
+                models.WebhookIn,
+            )
+        ]
+        + [
+            (m, "serialization")
+            for m in (
+                models.Schedule,
+                models.ScheduleList,
+                models.Preview,
+                Problem,
+                MirrorStatus,
+                Run,
+                RunList,
+                models.Triggered,
+                Backfill,
+                models.BatchCreated,
+                ScheduleHealth,
+                models.Webhook,
+                models.WebhookList,
+            )
+        ],
+        ref_template="#/components/schemas/{model}",
+    )
     definitions = schemas["$defs"]
     definitions["SchedulePatch"] = _patch_schema(definitions["ScheduleFields"])
     paths: dict[str, dict[str, Any]] = {}
     for method, path, operation in routes:
         item = paths.setdefault(path, {"parameters": [ID]} if "{id}" in path else {})
         # Every route refuses a query parameter it does not take (app.known_query).
-        unknown = {"description": "a query parameter the route does not take",
-                   "content": {"application/json": {"schema": ref("Problem")}}}
-        item[method.lower()] = {**operation,
-                                "responses": {"400": unknown, **operation["responses"]}}
+        unknown = {
+            "description": "a query parameter the route does not take",
+            "content": {"application/json": {"schema": ref("Problem")}},
+        }
+        item[method.lower()] = {
+            **operation,
+            "responses": {"400": unknown, **operation["responses"]},
+        }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "hascheduler", "version": __version__,
-                 "description": "Schedules, fired exactly once by the cluster's leader."},
+        "info": {
+            "title": "hascheduler",
+            "version": __version__,
+            "description": "Schedules, fired exactly once by the cluster's leader.",
+        },
         "paths": paths,
         # Bearer tokens when the replicas have them (HASCHEDULER_*_TOKENS); none otherwise.
         "security": [{}, {"bearer": []}],
-        "components": {"schemas": definitions, "securitySchemes": {
-            "bearer": {"type": "http", "scheme": "bearer",
-                       "description": "a read token for GET, a write token for changes"}}},
+        "components": {
+            "schemas": definitions,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a read token for GET, a write token for changes",
+                }
+            },
+        },
     }
 
 

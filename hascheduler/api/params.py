@@ -20,8 +20,12 @@ _JSON_TYPES = {"application/json", "application/merge-patch+json"}
 
 
 def as_json(model: BaseModel, status: int = 200, **headers: str) -> web.Response:
-    return web.Response(text=model.model_dump_json(), status=status,
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        text=model.model_dump_json(),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -48,8 +52,12 @@ def expected_revision(request: web.Request) -> int | None:
         return None
     match = IF_MATCH.fullmatch(header)
     if match is None:
-        raise BadRequest(400, "If-Match", "If-Match must be a schedule revision, as the "
-                                          "ETag header gives it (for example \"3\"), or *")
+        raise BadRequest(
+            400,
+            "If-Match",
+            "If-Match must be a schedule revision, as the "
+            'ETag header gives it (for example "3"), or *',
+        )
     return int(match[1]) if match[1] else None
 
 
@@ -86,8 +94,18 @@ def now_of(request: web.Request) -> dt.datetime:
     return clock()
 
 
-def validate(request: web.Request, model: type[BaseModel], data: dict[str, Any],
-              now: dt.datetime, stored_trigger: bool = False) -> Any:
-    return model.model_validate(data, context={
-        "now": now, "stored": stored_trigger,
-        "min_fire_interval_s": context(request).min_fire_interval_s})
+def validate(
+    request: web.Request,
+    model: type[BaseModel],
+    data: dict[str, Any],
+    now: dt.datetime,
+    stored_trigger: bool = False,
+) -> Any:
+    return model.model_validate(
+        data,
+        context={
+            "now": now,
+            "stored": stored_trigger,
+            "min_fire_interval_s": context(request).min_fire_interval_s,
+        },
+    )

@@ -52,7 +52,13 @@ async def docs(request: web.Request) -> web.Response:
 
 
 ROUTES: list[Route] = [
-    *SCHEDULES, *BACKFILLS, *RUNS, *CLUSTER, *AUDIT, *WEBHOOKS, *DASHBOARD,
+    *SCHEDULES,
+    *BACKFILLS,
+    *RUNS,
+    *CLUSTER,
+    *AUDIT,
+    *WEBHOOKS,
+    *DASHBOARD,
     Route(
         "GET",
         "/openapi.json",
@@ -80,9 +86,16 @@ ROUTES: list[Route] = [
 
 @functools.cache
 def _document() -> dict[str, Any]:
-    return document([(r.method, r.path, {
-        **r.operation, "x-action": r.guard.action.value if r.guard.action else None})
-        for r in ROUTES])
+    return document(
+        [
+            (
+                r.method,
+                r.path,
+                {**r.operation, "x-action": r.guard.action.value if r.guard.action else None},
+            )
+            for r in ROUTES
+        ]
+    )
 
 
 def create_app(  # noqa: PLR0913 (the composition root of the API: every part it serves)
@@ -102,20 +115,32 @@ def create_app(  # noqa: PLR0913 (the composition root of the API: every part it
     trace_url: str | None = None,
 ) -> web.Application:
     api = web.Application(
-        middlewares=[observe_requests, error_middleware, access_control,
-                     known_query],
+        middlewares=[observe_requests, error_middleware, access_control, known_query],
         client_max_size=MAX_REQUEST_BYTES,
     )
     api[CONTEXT] = Context(
-        store=store, mirror=mirror, replica_id=replica_id, audit=audit, clock=clock,
-        metrics=metrics_ or Metrics(), access=access or AccessFile(Access()),
+        store=store,
+        mirror=mirror,
+        replica_id=replica_id,
+        audit=audit,
+        clock=clock,
+        metrics=metrics_ or Metrics(),
+        access=access or AccessFile(Access()),
         limiter=WriteLimiter(write_limit or WriteLimit()),
         guards={(r.method, r.path): r.guard for r in ROUTES},
-        query={(r.method, r.path): frozenset(
-            p["name"] for p in r.operation.get("parameters", []) if p.get("in") == "query")
-            for r in ROUTES},
-        min_fire_interval_s=min_fire_interval_s, trace_url=trace_url, cluster=cluster,
-        fan_out=fan_out, sources=sources, server_clock=server_clock)
+        query={
+            (r.method, r.path): frozenset(
+                p["name"] for p in r.operation.get("parameters", []) if p.get("in") == "query"
+            )
+            for r in ROUTES
+        },
+        min_fire_interval_s=min_fire_interval_s,
+        trace_url=trace_url,
+        cluster=cluster,
+        fan_out=fan_out,
+        sources=sources,
+        server_clock=server_clock,
+    )
     for route in ROUTES:
         api.router.add_route(route.method, route.path, route.handler)
     return api

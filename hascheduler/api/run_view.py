@@ -19,13 +19,14 @@ class Run(BaseModel):
 
     id: str = Field(description="the fire id: every handler's idempotency key")
     schedule_id: str
-    fire: str | None = Field(None, description="a fan-out run's fire: its id without the "
-                                                "tenant")
+    fire: str | None = Field(None, description="a fan-out run's fire: its id without the tenant")
     tenant: str | None = None
     target: str
     nominal_at: str | None = None
-    state: str = Field(description="pending, running, succeeded, retrying, dead, "
-                                   "cancelled or waiting (over a concurrency limit)")
+    state: str = Field(
+        description="pending, running, succeeded, retrying, dead, "
+        "cancelled or waiting (over a concurrency limit)"
+    )
     attempts: int
     worker_id: str | None = None
     started_at: str | None = None
@@ -37,27 +38,34 @@ class Run(BaseModel):
     last_error: str | None = None
     next_attempt_at: str | None = None
     replays: int = 0
-    cancel_requested: bool | None = Field(None, description="a cancel was asked for while "
-                                                            "the run was running")
+    cancel_requested: bool | None = Field(
+        None, description="a cancel was asked for while the run was running"
+    )
     cancelled_by: str | None = None
     recorded_at: str | None = None
     trace_id: str | None = Field(None, description="the fire's trace, when traced")
     waiting_on: dict[str, str] | None = Field(
-        None, description='why a waiting run waits: {"concurrency": <its key>} or '
-                          '{"rate": <its key>}')
+        None,
+        description='why a waiting run waits: {"concurrency": <its key>} or {"rate": <its key>}',
+    )
     waiting_since: str | None = None
-    woken_at: str | None = Field(None, description="when a parked run's waker took the "
-                                                   "slot or the start it waited for")
+    woken_at: str | None = Field(
+        None, description="when a parked run's waker took the slot or the start it waited for"
+    )
     priority: int | None = None
     attempt_history: list[dict[str, Any]] | None = Field(
-        None, description="each attempt as it ended (the latest 20): attempt, worker_id, "
-                          "started_at, finished_at, duration_s, state, error")
+        None,
+        description="each attempt as it ended (the latest 20): attempt, worker_id, "
+        "started_at, finished_at, duration_s, state, error",
+    )
 
 
 class RunList(BaseModel):
     items: list[Run]
-    next: str | None = Field(default=None, description="the after= of the next page (the "
-                                                       "fire id of this page's last run)")
+    next: str | None = Field(
+        default=None,
+        description="the after= of the next page (the fire id of this page's last run)",
+    )
 
 
 _PUBLIC_FIELDS = tuple(name for name in Run.model_fields if name != "id")
@@ -67,8 +75,10 @@ def _shown(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return as_utc(value).isoformat()
     if isinstance(value, list):
-        return [{k: _shown(v) for k, v in item.items()} if isinstance(item, dict) else item
-                for item in value]
+        return [
+            {k: _shown(v) for k, v in item.items()} if isinstance(item, dict) else item
+            for item in value
+        ]
     return value
 
 

@@ -75,8 +75,7 @@ async def schedule_runs(request: web.Request) -> web.Response:
         groups = await fire_groups(cluster.ledger, cluster.runs, schedule_id, nominals)
         return web.json_response({"schedule_id": schedule_id, "fires": groups})
     docs = await cluster.runs.for_schedule(schedule_id, limit)
-    return web.json_response({"schedule_id": schedule_id,
-                              "items": [public_view(d) for d in docs]})
+    return web.json_response({"schedule_id": schedule_id, "items": [public_view(d) for d in docs]})
 
 
 async def list_runs(request: web.Request) -> web.Response:
@@ -115,8 +114,14 @@ async def retry_run(request: web.Request) -> web.Response:
             namespace = schedule.namespace
             if schedule.overlap != ALLOW:
                 key = open_key(schedule.id, run.get("tenant"))
-        record = runs_record(request, history.RETRY, change_by(request, namespace), namespace,
-                         schedule_id, {"fire_id": fire})
+        record = runs_record(
+            request,
+            history.RETRY,
+            change_by(request, namespace),
+            namespace,
+            schedule_id,
+            {"fire_id": fire},
+        )
     doc = await cluster.runs.replay_dead(fire, now_of(request), cluster.broker, key, record)
     return web.json_response(public_view(doc), status=202)
 
@@ -133,8 +138,9 @@ async def get_fire(request: web.Request) -> web.Response:
             raise web.HTTPNotFound(reason=f"no fire {fire!r} in the ledger")
         return web.json_response(group)
     run = await cluster.runs.get(fire)
-    return web.json_response({**fire_view(doc),
-                              "run": public_view(run) if run is not None else None})
+    return web.json_response(
+        {**fire_view(doc), "run": public_view(run) if run is not None else None}
+    )
 
 
 async def cancel_run(request: web.Request) -> web.Response:
@@ -153,12 +159,23 @@ async def cancel_run(request: web.Request) -> web.Response:
         if fire["state"] in (BUFFERED, REQUESTED):
             await cluster.ledger.withdraw(fire_id_, f"cancelled by {by}")
         nominal, tenant = as_utc(fire["nominal_at"]), fire.get("tenant")
-        ref = FireRef(fire_id_, fire["schedule_id"],
-                      await _target_of(request, fire["schedule_id"]), nominal, {}, b"",
-                      fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
-                      tenant=tenant)
-    doc, ended = await cluster.runs.cancel(fire_id_, now, by, ref, runs_record(
-        request, history.CANCEL, who, namespace, schedule_id, {"fire_id": fire_id_}))
+        ref = FireRef(
+            fire_id_,
+            fire["schedule_id"],
+            await _target_of(request, fire["schedule_id"]),
+            nominal,
+            {},
+            b"",
+            fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
+            tenant=tenant,
+        )
+    doc, ended = await cluster.runs.cancel(
+        fire_id_,
+        now,
+        by,
+        ref,
+        runs_record(request, history.CANCEL, who, namespace, schedule_id, {"fire_id": fire_id_}),
+    )
     return web.json_response(public_view(doc), status=200 if ended else 202)
 
 
@@ -270,8 +287,12 @@ ROUTES: list[Route] = [
             "claimed yet) ends cancelled at once (200); a running one is stopped by its "
             "worker within a second (202); one already ended is a 409",
             "responses": responses(200, "Run", 403, 404, 409, 429, 503)
-            | {"202": {"description": "its worker was asked to stop it",
-                       "content": {"application/json": {"schema": ref("Run")}}}},
+            | {
+                "202": {
+                    "description": "its worker was asked to stop it",
+                    "content": {"application/json": {"schema": ref("Run")}},
+                }
+            },
         },
     ),
     Route(

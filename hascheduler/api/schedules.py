@@ -66,8 +66,9 @@ from hascheduler.storage.fires import (
 log = structlog.get_logger("hascheduler.api")
 
 
-def _schedule_response(schedule: models.Schedule, status: int = 200,
-                       **headers: str) -> web.Response:
+def _schedule_response(
+    schedule: models.Schedule, status: int = 200, **headers: str
+) -> web.Response:
     return as_json(schedule, status, ETag=f'"{schedule.revision}"', **headers)
 
 
@@ -79,21 +80,31 @@ async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) ->
         return
     limit, tenants = bounded
     quota = context(request).access.current.rules_of(fields.namespace).max_fan_out
-    bound = ("the cluster's bound is serve --max-fan-out" if quota is None or quota >= limit
-             else f"namespace {fields.namespace!r} has a max_fan_out quota of {quota}")
+    bound = (
+        "the cluster's bound is serve --max-fan-out"
+        if quota is None or quota >= limit
+        else f"namespace {fields.namespace!r} has a max_fan_out quota of {quota}"
+    )
     limit = limit if quota is None else min(limit, quota)
     selected = await tenants.count(fields.fan_out, limit + 1)
     if selected > limit:
-        raise BadRequest(422, "fan_out", f"the filter selects more than {limit} documents "
-                                         f"of {fields.fan_out.collection!r}; {bound}")
+        raise BadRequest(
+            422,
+            "fan_out",
+            f"the filter selects more than {limit} documents "
+            f"of {fields.fan_out.collection!r}; {bound}",
+        )
 
 
 async def _check_quota(request: web.Request, namespace: str, adding: int) -> None:
     """A namespace at its max_schedules takes no more (422 naming the quota)."""
     limit = context(request).access.current.rules_of(namespace).max_schedules
     if limit is not None and await context(request).store.count(namespace) + adding > limit:
-        raise BadRequest(422, "namespace", f"namespace {namespace!r} holds at most {limit} "
-                                           "schedules (its max_schedules quota)")
+        raise BadRequest(
+            422,
+            "namespace",
+            f"namespace {namespace!r} holds at most {limit} schedules (its max_schedules quota)",
+        )
 
 
 async def create_schedule(request: web.Request) -> web.Response:
@@ -137,10 +148,12 @@ async def list_schedules(request: web.Request) -> web.Response:
         key, _, text = value.partition("=")
         labels[key] = text
     items, after = await context(request).store.list(
-        labels=labels, paused=bool_param(request, "paused"),
+        labels=labels,
+        paused=bool_param(request, "paused"),
         after=request.query.get("after"),
         limit=int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
-        namespaces=readable_namespaces(request))
+        namespaces=readable_namespaces(request),
+    )
     health = None
     if bool_param(request, "health"):
         found = await cluster_of(request).health.many(items, now_of(request))
@@ -168,13 +181,15 @@ async def put_schedule(request: web.Request) -> web.Response:
     fields = validate(request, models.ScheduleFields, body, now)
     who = await _writing(request, request.match_info["id"], fields.namespace)
     await _check_fan_out(request, fields)
-    schedule = await context(request).store.replace(request.match_info["id"], fields, now,
-                                                expected_revision(request), who)
+    schedule = await context(request).store.replace(
+        request.match_info["id"], fields, now, expected_revision(request), who
+    )
     return _schedule_response(schedule)
 
 
-async def _schedule_actor(request: web.Request, schedule_id: str,
-                          given: Actor | None = None) -> Actor:
+async def _schedule_actor(
+    request: web.Request, schedule_id: str, given: Actor | None = None
+) -> Actor:
     """``actor`` (or ``given``) for a change to a stored schedule, refused without the
     reason its namespace may require (read only when some namespace requires one)."""
     who = given or actor(request)
@@ -191,8 +206,12 @@ async def _writing(request: web.Request, schedule_id: str, namespace: str) -> Ac
     caller must reach that namespace too, and its quota and rules apply."""
     require(request, Action.WRITE, namespace)
     who = change_by(request, namespace, await _schedule_actor(request, schedule_id))
-    if context(request).access.current.rules_of(namespace).max_schedules is not None and \
-            await context(request).store.namespace_of(schedule_id) not in (namespace, None):
+    if context(request).access.current.rules_of(
+        namespace
+    ).max_schedules is not None and await context(request).store.namespace_of(schedule_id) not in (
+        namespace,
+        None,
+    ):
         await _check_quota(request, namespace, 1)
     return who
 
@@ -213,8 +232,15 @@ def _merge_patch(target: Any, patch: Any) -> Any:
 async def patch_schedule(request: web.Request) -> web.Response:
     patch = await read_json(request)
     schedule_id = request.match_info["id"]
-    for server_field in ("id", "created_at", "updated_at", "revision", "pause", "completed",
-                         "fires_remaining"):
+    for server_field in (
+        "id",
+        "created_at",
+        "updated_at",
+        "revision",
+        "pause",
+        "completed",
+        "fires_remaining",
+    ):
         if server_field in patch:
             raise BadRequest(422, server_field, f"{server_field} is set by the server")
     store = context(request).store
@@ -223,43 +249,52 @@ async def patch_schedule(request: web.Request) -> web.Response:
     client_fields = set(models.ScheduleFields.model_fields)
     merged = _merge_patch(current.model_dump(mode="json", include=client_fields), patch)
     now = now_of(request)
-    fields = validate(request, models.ScheduleFields, merged, now,
-                       stored_trigger="trigger" not in patch)
+    fields = validate(
+        request, models.ScheduleFields, merged, now, stored_trigger="trigger" not in patch
+    )
     who = await _writing(request, schedule_id, fields.namespace)
     await _check_fan_out(request, fields)
     # Without If-Match, the revision read above still guards against a lost update.
-    schedule = await store.replace(schedule_id, fields, now,
-                                   expected if expected is not None else current.revision, who)
+    schedule = await store.replace(
+        schedule_id, fields, now, expected if expected is not None else current.revision, who
+    )
     return _schedule_response(schedule)
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
     schedule_id = request.match_info["id"]
-    await context(request).store.delete(schedule_id, expected_revision(request),
-                                    await _schedule_actor(request, schedule_id), now_of(request))
+    await context(request).store.delete(
+        schedule_id,
+        expected_revision(request),
+        await _schedule_actor(request, schedule_id),
+        now_of(request),
+    )
     return web.Response(status=204)
 
 
 async def pause_schedule(request: web.Request) -> web.Response:
     """Pause, with an optional note and an instant to resume at by itself."""
     now = now_of(request)
-    wanted = models.PauseIn.model_validate(await read_optional_json(request),
-                                           context={"now": now})
+    wanted = models.PauseIn.model_validate(await read_optional_json(request), context={"now": now})
     schedule_id = request.match_info["id"]
     who = actor(request)
     if who.reason is None and wanted.note is not None:  # the pause's note says why
         who = dataclasses.replace(who, reason=wanted.note)
     who = await _schedule_actor(request, schedule_id, who)
     schedule = await context(request).store.pause(
-        schedule_id, now, who, wanted.note, wanted.until, expected_revision(request))
+        schedule_id, now, who, wanted.note, wanted.until, expected_revision(request)
+    )
     return _schedule_response(schedule)
 
 
 async def resume_schedule(request: web.Request) -> web.Response:
     schedule_id = request.match_info["id"]
     schedule = await context(request).store.resume(
-        schedule_id, now_of(request), expected_revision(request),
-        await _schedule_actor(request, schedule_id))
+        schedule_id,
+        now_of(request),
+        expected_revision(request),
+        await _schedule_actor(request, schedule_id),
+    )
     return _schedule_response(schedule)
 
 
@@ -283,40 +318,67 @@ async def trigger_schedule(request: web.Request) -> web.Response:
     wanted = models.TriggerIn.model_validate(await read_optional_json(request))
     key = request.headers.get("Idempotency-Key")
     if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
-        raise BadRequest(422, "Idempotency-Key", "Idempotency-Key must be 1 to "
-                         f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces")
+        raise BadRequest(
+            422,
+            "Idempotency-Key",
+            "Idempotency-Key must be 1 to "
+            f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces",
+        )
     schedule = await context(request).store.get(request.match_info["id"])
     who = change_by(request, schedule.namespace)
     if (schedule.paused or schedule.completed) and not wanted.force:
         state = "paused" if schedule.paused else "completed (its max_fires are used)"
-        raise RunConflict(f"schedule {schedule.id!r} is {state}; send \"force\": true to "
-                          "run it anyway")
+        raise RunConflict(
+            f'schedule {schedule.id!r} is {state}; send "force": true to run it anyway'
+        )
     if wanted.payload is not None and celery_task(schedule.target) is not None:
         try:
             celery_call(wanted.payload)
         except CeleryPayloadError as exc:
             raise BadRequest(422, "payload", str(exc)) from None
-    earlier = None if key is None else await cluster.ledger.requested_with_key(
-        f"{schedule.id}/{key}")
+    earlier = (
+        None if key is None else await cluster.ledger.requested_with_key(f"{schedule.id}/{key}")
+    )
     if earlier is not None:
         doc, created = earlier, False
     else:
-        tenants = None if schedule.fan_out is None else await _tenants_now(
-            request, schedule.fan_out)
-        docs = request_documents(schedule.id, now_of(request), who.name, wanted.payload,
-                                 wanted.overlap, key, tenants, tracing.current_traceparent(),
-                                 wanted.priority)
-        docs[0] = with_record(docs[0], runs_record(
-            request, history.TRIGGER, who, schedule.namespace, schedule.id,
-            {"fire_id": requested_fire(docs[0]), "force": wanted.force,
-             "overlap": wanted.overlap, "payload_given": wanted.payload is not None,
-             "tenants": len(tenants) if tenants is not None else None}))
+        tenants = (
+            None if schedule.fan_out is None else await _tenants_now(request, schedule.fan_out)
+        )
+        docs = request_documents(
+            schedule.id,
+            now_of(request),
+            who.name,
+            wanted.payload,
+            wanted.overlap,
+            key,
+            tenants,
+            tracing.current_traceparent(),
+            wanted.priority,
+        )
+        docs[0] = with_record(
+            docs[0],
+            runs_record(
+                request,
+                history.TRIGGER,
+                who,
+                schedule.namespace,
+                schedule.id,
+                {
+                    "fire_id": requested_fire(docs[0]),
+                    "force": wanted.force,
+                    "overlap": wanted.overlap,
+                    "payload_given": wanted.payload is not None,
+                    "tenants": len(tenants) if tenants is not None else None,
+                },
+            ),
+        )
         doc, created = await cluster.ledger.request(docs)
     fire = requested_fire(doc)
-    log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name,
-             created=created)
-    return as_json(models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}",
-                                  created=created), 202)
+    log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name, created=created)
+    return as_json(
+        models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}", created=created), 202
+    )
 
 
 async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
@@ -328,12 +390,15 @@ async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
     limit, reads = bounded
     keys = await reads.keys(fan_out, limit)
     if keys is None:
-        raise RunConflict(f"the fan-out selects more than {limit} documents of "
-                          f"{fan_out.collection!r} now; the cluster's bound is "
-                          "serve --max-fan-out")
+        raise RunConflict(
+            f"the fan-out selects more than {limit} documents of "
+            f"{fan_out.collection!r} now; the cluster's bound is "
+            "serve --max-fan-out"
+        )
     if not keys:
-        raise RunConflict(f"the fan-out selects no tenant of {fan_out.collection!r} now: "
-                          "nothing to run")
+        raise RunConflict(
+            f"the fan-out selects no tenant of {fan_out.collection!r} now: nothing to run"
+        )
     return keys
 
 
@@ -342,16 +407,24 @@ async def schedule_history(request: web.Request) -> web.Response:
     schedule_id = request.match_info["id"]
     limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     try:
-        docs = await context(request).audit.query(namespaces=readable_namespaces(request),
-                                              schedule_id=schedule_id,
-                                              before=request.query.get("before"), limit=limit)
+        docs = await context(request).audit.query(
+            namespaces=readable_namespaces(request),
+            schedule_id=schedule_id,
+            before=request.query.get("before"),
+            limit=limit,
+        )
     except LookupError:
         return problem(404, "before names no record of this schedule")
     if not docs and request.query.get("before") is None:
         raise ScheduleNotFound(schedule_id)
     items = [history.public(d) for d in docs]
-    return web.json_response({"schedule_id": schedule_id, "items": items,
-                              "next": items[-1]["id"] if len(items) == limit else None})
+    return web.json_response(
+        {
+            "schedule_id": schedule_id,
+            "items": items,
+            "next": items[-1]["id"] if len(items) == limit else None,
+        }
+    )
 
 
 async def restore_schedule(request: web.Request) -> web.Response:
@@ -361,30 +434,43 @@ async def restore_schedule(request: web.Request) -> web.Response:
     wanted = models.RestoreIn.model_validate(await read_json(request))
     record = await context(request).audit.revision(schedule_id, wanted.revision)
     if record is None:
-        raise BadRequest(404, "revision", f"schedule {schedule_id!r} has no revision "
-                                          f"{wanted.revision} in its history")
+        raise BadRequest(
+            404,
+            "revision",
+            f"schedule {schedule_id!r} has no revision {wanted.revision} in its history",
+        )
     store = context(request).store
     current = await store.get(schedule_id)
     fields = {k: v for k, v in record["after"].items() if k not in ("pause", "completed")}
-    if any(isinstance(v, str) and v.startswith("redacted:")
-           for v in (fields.get("payload") or {}).values()):
+    if any(
+        isinstance(v, str) and v.startswith("redacted:")
+        for v in (fields.get("payload") or {}).values()
+    ):
         fields["payload"] = current.payload
     now = now_of(request)
     restored = validate(request, models.ScheduleFields, fields, now, stored_trigger=True)
     who = await _writing(request, schedule_id, restored.namespace)
     await _check_fan_out(request, restored)
     expected = expected_revision(request)
-    schedule = await store.replace(schedule_id, restored, now,
-                                   expected if expected is not None else current.revision,
-                                   dataclasses.replace(who, origin=None), history.RESTORE)
+    schedule = await store.replace(
+        schedule_id,
+        restored,
+        now,
+        expected if expected is not None else current.revision,
+        dataclasses.replace(who, origin=None),
+        history.RESTORE,
+    )
     return _schedule_response(schedule)
 
 
 # A page of audit records: the id of the previous page's last record, and its size.
 AUDIT_PAGE = [
     {"name": "before", "in": "query", "schema": {"type": "string"}},
-    {"name": "limit", "in": "query",
-     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+    {
+        "name": "limit",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+    },
 ]
 
 ROUTES: list[Route] = [
@@ -407,7 +493,7 @@ ROUTES: list[Route] = [
         Guard(Action.WRITE, BODY),
         {
             "summary": "create many schedules: all are checked before any is written; an "
-                       "id already taken is left as it was",
+            "id already taken is left as it was",
             "description": SEMANTIC,
             "requestBody": json_body("ScheduleBatchIn"),
             "responses": responses(200, "BatchCreated", *WRITE),

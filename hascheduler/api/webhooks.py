@@ -47,9 +47,15 @@ MAX_WEBHOOKS_PER_NAMESPACE = 50
 
 
 def _webhook_view(doc: dict[str, Any], secret: str | None = None) -> models.Webhook:
-    return models.Webhook(id=doc["_id"], url=doc["url"], events=doc["events"],
-                          namespace=doc["namespace"], schedule_id=doc.get("schedule_id"),
-                          created_at=as_utc(doc["created_at"]), secret=secret)
+    return models.Webhook(
+        id=doc["_id"],
+        url=doc["url"],
+        events=doc["events"],
+        namespace=doc["namespace"],
+        schedule_id=doc.get("schedule_id"),
+        created_at=as_utc(doc["created_at"]),
+        secret=secret,
+    )
 
 
 async def create_webhook(request: web.Request) -> web.Response:
@@ -60,22 +66,41 @@ async def create_webhook(request: web.Request) -> web.Response:
     if wanted.schedule_id is not None:
         namespace = await context(request).store.namespace_of(wanted.schedule_id)
         if namespace != wanted.namespace:
-            raise BadRequest(422, "schedule_id", f"no schedule {wanted.schedule_id!r} in "
-                                                 f"namespace {wanted.namespace!r}")
+            raise BadRequest(
+                422,
+                "schedule_id",
+                f"no schedule {wanted.schedule_id!r} in namespace {wanted.namespace!r}",
+            )
     if len(await store.in_namespaces([wanted.namespace])) >= MAX_WEBHOOKS_PER_NAMESPACE:
-        raise BadRequest(409, "namespace", f"namespace {wanted.namespace!r} has "
-                         f"{MAX_WEBHOOKS_PER_NAMESPACE} webhooks already, the most it may: "
-                         "each event is delivered to each of them")
+        raise BadRequest(
+            409,
+            "namespace",
+            f"namespace {wanted.namespace!r} has "
+            f"{MAX_WEBHOOKS_PER_NAMESPACE} webhooks already, the most it may: "
+            "each event is delivered to each of them",
+        )
     secret = wanted.secret or secrets.token_urlsafe(32)
-    doc = {"_id": wanted.id or uuid.uuid4().hex, "url": wanted.url, "events": wanted.events,
-           "namespace": wanted.namespace, "schedule_id": wanted.schedule_id,
-           "secret": secret, "created_at": now_of(request), "created_by": grant_of(request).name}
+    doc = {
+        "_id": wanted.id or uuid.uuid4().hex,
+        "url": wanted.url,
+        "events": wanted.events,
+        "namespace": wanted.namespace,
+        "schedule_id": wanted.schedule_id,
+        "secret": secret,
+        "created_at": now_of(request),
+        "created_by": grant_of(request).name,
+    }
     try:
         await store.create(doc)
     except WebhookExists:
         raise BadRequest(409, "id", f"a webhook {doc['_id']!r} exists") from None
-    log.info("webhook_created", webhook=doc["_id"], namespace=wanted.namespace,
-             events=wanted.events, by=doc["created_by"])
+    log.info(
+        "webhook_created",
+        webhook=doc["_id"],
+        namespace=wanted.namespace,
+        events=wanted.events,
+        by=doc["created_by"],
+    )
     return as_json(_webhook_view(doc, secret), 201)
 
 
@@ -116,13 +141,21 @@ async def webhook_deliveries(request: web.Request) -> web.Response:
 def _delivery_view(doc: dict[str, Any]) -> dict[str, Any]:
     def shown(value: Any) -> Any:
         return shown_time(as_utc(value)) if isinstance(value, dt.datetime) else value
-    return {"id": doc["_id"], "event_id": doc["event_id"], "type": doc["type"],
-            "schedule_id": doc.get("schedule_id"), "state": doc["state"],
-            "attempts": doc["attempts"], "created_at": shown(doc["created_at"]),
-            "next_at": shown(doc.get("next_at")) if doc["state"] == "pending" else None,
-            "last_at": shown(doc.get("last_at")), "last_status": doc.get("last_status"),
-            "last_error": doc.get("last_error"),
-            "history": [{k: shown(v) for k, v in a.items()} for a in doc.get("history", [])]}
+
+    return {
+        "id": doc["_id"],
+        "event_id": doc["event_id"],
+        "type": doc["type"],
+        "schedule_id": doc.get("schedule_id"),
+        "state": doc["state"],
+        "attempts": doc["attempts"],
+        "created_at": shown(doc["created_at"]),
+        "next_at": shown(doc.get("next_at")) if doc["state"] == "pending" else None,
+        "last_at": shown(doc.get("last_at")),
+        "last_status": doc.get("last_status"),
+        "last_error": doc.get("last_error"),
+        "history": [{k: shown(v) for k, v in a.items()} for a in doc.get("history", [])],
+    }
 
 
 ROUTES: list[Route] = [
@@ -154,16 +187,20 @@ ROUTES: list[Route] = [
         "/webhooks/{id}",
         get_webhook,
         Guard(Action.READ, WEBHOOK),
-        {"summary": "one webhook (never its secret)",
-         "responses": responses(200, "Webhook", 403, 404)},
+        {
+            "summary": "one webhook (never its secret)",
+            "responses": responses(200, "Webhook", 403, 404),
+        },
     ),
     Route(
         "DELETE",
         "/webhooks/{id}",
         delete_webhook,
         Guard(Action.ADMIN, WEBHOOK),
-        {"summary": "delete a webhook and its deliveries",
-         "responses": responses(204, None, 403, 404)},
+        {
+            "summary": "delete a webhook and its deliveries",
+            "responses": responses(204, None, 403, 404),
+        },
     ),
     Route(
         "GET",
@@ -173,8 +210,13 @@ ROUTES: list[Route] = [
         {
             "summary": "a webhook's deliveries, newest first: state (pending, delivered, "
             "failed), attempts with their status, error and duration",
-            "parameters": [{"name": "limit", "in": "query",
-                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}}],
+            "parameters": [
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                }
+            ],
             "responses": responses(200, None, 403, 404, 422),
         },
     ),

@@ -17,8 +17,17 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from hascheduler.core.events import FireMessage
 
-__all__ = ["SUBJECT_PREFIX", "Broker", "BrokerKind", "BrokerUnavailable", "Delivered",
-           "FireMessage", "FireReader", "FireSource", "StoredFire"]
+__all__ = [
+    "SUBJECT_PREFIX",
+    "Broker",
+    "BrokerKind",
+    "BrokerUnavailable",
+    "Delivered",
+    "FireMessage",
+    "FireReader",
+    "FireSource",
+    "StoredFire",
+]
 
 SUBJECT_PREFIX = "hascheduler.fire"
 
@@ -45,8 +54,9 @@ class Broker(Protocol):
 
     async def start(self) -> None: ...
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]: ...
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]: ...
 
     async def close(self) -> None: ...
 
@@ -115,8 +125,9 @@ class FireSource(Protocol):
 
     async def connect(self, name: str) -> None: ...
 
-    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
-                        in_flight: int) -> None: ...
+    async def subscribe(
+        self, durable: str, patterns: list[str], ack_wait_s: float, in_flight: int
+    ) -> None: ...
 
     async def fetch(self, up_to: int, wait_s: float) -> Sequence[Delivered]: ...  # [] idle
 

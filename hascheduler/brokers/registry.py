@@ -47,8 +47,11 @@ def parse_broker_url(text: str) -> BrokerUrl:
     for kind in KINDS:
         if scheme in kind.schemes:
             return BrokerUrl(text, kind, kind.parse(text))
-    raise ValueError(f"unsupported broker URL {text!r}: use "
-                     + ", ".join(kind.example for kind in KINDS[1:]) + f" or {KINDS[0].example}")
+    raise ValueError(
+        f"unsupported broker URL {text!r}: use "
+        + ", ".join(kind.example for kind in KINDS[1:])
+        + f" or {KINDS[0].example}"
+    )
 
 
 def consumable_url(text: str | None) -> BrokerUrl:
@@ -59,6 +62,7 @@ def consumable_url(text: str | None) -> BrokerUrl:
         raise ValueError(f"a {kinds} URL is required")
     url = parse_broker_url(text)
     if url.kind.source is None:
-        raise ValueError(f"must be a {kinds} URL: {url.kind.name} has nothing for a worker "
-                         "to consume")
+        raise ValueError(
+            f"must be a {kinds} URL: {url.kind.name} has nothing for a worker to consume"
+        )
     return url

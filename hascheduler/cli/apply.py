@@ -59,23 +59,39 @@ T = TypeVar("T")
 
 def add_parser(sub: Any) -> None:
     common = _common(after_action=False)
-    ap = sub.add_parser("apply", parents=[common],
-                        help="make the schedules files declare exist exactly as written")
-    ap.add_argument("-f", "--filename", action="append", dest="paths", default=[],
-                    help="a YAML or JSON file, a directory of them, or - for standard "
-                         "input; repeatable")
-    ap.add_argument("--app", help="module:attribute naming a hascheduler.worker.WorkerApp: "
-                                  "apply the schedules it declares, pruning its own label "
-                                  "(app=<its name>)")
-    ap.add_argument("--prune", action="store_true",
-                    help="delete the schedules with the --selector label that the files "
-                         "no longer declare")
-    ap.add_argument("--selector", help="key=value: the label of the schedules these files "
-                                       "own (needed by --prune)")
+    ap = sub.add_parser(
+        "apply", parents=[common], help="make the schedules files declare exist exactly as written"
+    )
+    ap.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        dest="paths",
+        default=[],
+        help="a YAML or JSON file, a directory of them, or - for standard input; repeatable",
+    )
+    ap.add_argument(
+        "--app",
+        help="module:attribute naming a hascheduler.worker.WorkerApp: "
+        "apply the schedules it declares, pruning its own label "
+        "(app=<its name>)",
+    )
+    ap.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete the schedules with the --selector label that the files no longer declare",
+    )
+    ap.add_argument(
+        "--selector",
+        help="key=value: the label of the schedules these files own (needed by --prune)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     ap.set_defaults(run=run_apply)
-    ex = sub.add_parser("export", parents=[common],
-                        help="write schedules as declarations apply takes back unchanged")
+    ex = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write schedules as declarations apply takes back unchanged",
+    )
     ex.add_argument("--selector", help="key=value: only schedules with this label")
     ex.add_argument("--format", choices=["yaml", "json"], default="yaml")
     ex.set_defaults(run=run_export)
@@ -120,8 +136,11 @@ def _texts(paths: list[str]) -> Iterator[tuple[str, bytes]]:
         else:
             path = Path(name)
             if path.is_dir():
-                files = [(str(p), p) for p in sorted(path.rglob("*"))
-                         if p.is_file() and p.suffix in SUFFIXES]
+                files = [
+                    (str(p), p)
+                    for p in sorted(path.rglob("*"))
+                    if p.is_file() and p.suffix in SUFFIXES
+                ]
             elif path.is_file():
                 files = [(name, path)]
             else:
@@ -129,14 +148,25 @@ def _texts(paths: list[str]) -> Iterator[tuple[str, bytes]]:
         for origin, file in files:
             size = file.stat().st_size if file is not None else 0
             if size > MAX_INPUT_BYTES - total:
-                raise Refused([f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
-                               "split it into several applies"])
-            data = (sys.stdin.buffer.read(MAX_INPUT_BYTES - total + 1) if file is None
-                    else file.read_bytes())
+                raise Refused(
+                    [
+                        f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
+                        "split it into several applies"
+                    ]
+                )
+            data = (
+                sys.stdin.buffer.read(MAX_INPUT_BYTES - total + 1)
+                if file is None
+                else file.read_bytes()
+            )
             total += len(data)
             if total > MAX_INPUT_BYTES:
-                raise Refused([f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
-                               "split it into several applies"])
+                raise Refused(
+                    [
+                        f"{origin}: more than {MAX_INPUT_BYTES // 2**20} MiB in all: "
+                        "split it into several applies"
+                    ]
+                )
             yield origin, data
 
 
@@ -184,19 +214,20 @@ def _in_background(work: Callable[[], T]) -> Future[T]:
     return future
 
 
-def plan_files(api: Client, paths: list[str], selector: tuple[str, str] | None,
-               prune: bool) -> list[Step]:
+def plan_files(
+    api: Client, paths: list[str], selector: tuple[str, str] | None, prune: bool
+) -> list[Step]:
     """The plan for the files at ``paths``. Raises Refused before any write. A large input
     is parsed while the cluster is read: parsing is this process's work, reading mostly
     the server's."""
     texts = list(_texts(paths))
     ahead = None
     if sum(len(data) for _, data in texts) >= READ_AHEAD_BYTES:
-        ahead = _in_background(functools.partial(read_cluster, api,
-                                                 selector if prune else None))
+        ahead = _in_background(functools.partial(read_cluster, api, selector if prune else None))
     declared = declare(_parsed(texts), dt.datetime.now(dt.UTC), selector)
-    return read_plan(api, declared, selector if prune else None,
-                     ahead.result() if ahead is not None else None)
+    return read_plan(
+        api, declared, selector if prune else None, ahead.result() if ahead is not None else None
+    )
 
 
 def declared_by(app: WorkerApp) -> tuple[list[tuple[str, Any]], tuple[str, str]]:
@@ -209,8 +240,11 @@ def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
     """Apply what ``app`` declares and prune what it no longer does, converging with any
     other process doing the same (``worker --sync-schedules``, ``apply --app``)."""
     if not app.name:
-        print("--sync-schedules and apply --app need a named app: WorkerApp(name=...), "
-              "whose name labels its schedules", file=sys.stderr)
+        print(
+            "--sync-schedules and apply --app need a named app: WorkerApp(name=...), "
+            "whose name labels its schedules",
+            file=sys.stderr,
+        )
         return EXIT_REFUSED
     try:
         documents, selector = declared_by(app)
@@ -218,13 +252,16 @@ def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
         with Client(resolve_api(api), token, origin=APPLY_ORIGIN) as client:
             outcome = converge(client, declared, selector)
     except (Refused, WorkerConfigError) as exc:
-        return _refused(f"schedules of {app.name}",
-                        exc.problems if isinstance(exc, Refused) else [str(exc)])
+        return _refused(
+            f"schedules of {app.name}", exc.problems if isinstance(exc, Refused) else [str(exc)]
+        )
     except (HaschedulerError, Unavailable) as exc:
         print(f"schedules of {app.name}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    print(f"schedules of {app.name}: {len(declared)} declared, {len(outcome.done)} written",
-          flush=True)
+    print(
+        f"schedules of {app.name}: {len(declared)} declared, {len(outcome.done)} written",
+        flush=True,
+    )
     return _failures(f"schedules of {app.name}", outcome)
 
 
@@ -243,8 +280,11 @@ def _failures(who: str, outcome: Outcome) -> int:
 def run_apply(args: argparse.Namespace) -> int:
     if args.app:
         if args.paths or args.selector:
-            print("hascheduler apply: --app applies what the app declares, pruning by its "
-                  "name: without -f or --selector", file=sys.stderr)
+            print(
+                "hascheduler apply: --app applies what the app declares, pruning by its "
+                "name: without -f or --selector",
+                file=sys.stderr,
+            )
             return EXIT_REFUSED
         try:
             app = load_app(args.app, None, None)
@@ -258,10 +298,12 @@ def run_apply(args: argparse.Namespace) -> int:
     try:
         selector = _selector(args.selector)
         if args.prune and selector is None:
-            raise Refused(["--prune needs --selector key=value: it never deletes schedules "
-                           "outside it"])
-        with Client(resolve_api(args.api), args.token, reason=args.reason,
-                    origin=APPLY_ORIGIN) as api:
+            raise Refused(
+                ["--prune needs --selector key=value: it never deletes schedules outside it"]
+            )
+        with Client(
+            resolve_api(args.api), args.token, reason=args.reason, origin=APPLY_ORIGIN
+        ) as api:
             steps = plan_files(api, args.paths, selector, args.prune)
             print(describe(steps))
             if args.dry_run:
@@ -273,8 +315,11 @@ def run_apply(args: argparse.Namespace) -> int:
         print(f"hascheduler apply: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     written = len(outcome.done)
-    print("nothing to do" if not written and not outcome.failed
-          else f"applied: {written} written, {len(outcome.failed)} failed")
+    print(
+        "nothing to do"
+        if not written and not outcome.failed
+        else f"applied: {written} written, {len(outcome.failed)} failed"
+    )
     return _failures("hascheduler apply", outcome)
 
 
@@ -282,8 +327,9 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         selector = _selector(args.selector)
         with Client(resolve_api(args.api), args.token) as api:
-            items = [exported(s) for s in api.schedules(
-                labels=dict([selector]) if selector else None)]
+            items = [
+                exported(s) for s in api.schedules(labels=dict([selector]) if selector else None)
+            ]
     except Refused as exc:
         print("hascheduler export: " + "; ".join(exc.problems), file=sys.stderr)
         return EXIT_REFUSED

@@ -30,25 +30,47 @@ def _instant(text: str) -> Any:
         return parse_instant(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an ISO-8601 instant with a UTC offset") from None
+            f"{text!r} is not an ISO-8601 instant with a UTC offset"
+        ) from None
 
 
 def add_parser(sub: Any) -> None:
-    au = sub.add_parser("audit", help="count the fires in the broker stream against the "
-                                      "schedules: exit 1 if one due in the window is "
-                                      "missing, duplicated or unexpected")
-    au.add_argument("--mongodb-uri", default=os.environ.get("HASCHEDULER_MONGODB_URI"),
-                    help="the cluster's MongoDB URI (env HASCHEDULER_MONGODB_URI)")
-    au.add_argument("--broker", default=os.environ.get("HASCHEDULER_BROKER"),
-                    help="the broker URL the replicas publish to (env "
-                         "HASCHEDULER_BROKER)")
-    au.add_argument("--since", type=_instant, required=True,
-                    help="ISO-8601 instant with offset: the window's start")
-    au.add_argument("--until", type=_instant, required=True,
-                    help="ISO-8601 instant with offset: the window's end")
-    au.add_argument("--min-expected", type=int, default=0, metavar="N",
-                    help="also fail when fewer than N fires were due in the window (a "
-                         "demo's guard against auditing nothing)")
+    au = sub.add_parser(
+        "audit",
+        help="count the fires in the broker stream against the "
+        "schedules: exit 1 if one due in the window is "
+        "missing, duplicated or unexpected",
+    )
+    au.add_argument(
+        "--mongodb-uri",
+        default=os.environ.get("HASCHEDULER_MONGODB_URI"),
+        help="the cluster's MongoDB URI (env HASCHEDULER_MONGODB_URI)",
+    )
+    au.add_argument(
+        "--broker",
+        default=os.environ.get("HASCHEDULER_BROKER"),
+        help="the broker URL the replicas publish to (env HASCHEDULER_BROKER)",
+    )
+    au.add_argument(
+        "--since",
+        type=_instant,
+        required=True,
+        help="ISO-8601 instant with offset: the window's start",
+    )
+    au.add_argument(
+        "--until",
+        type=_instant,
+        required=True,
+        help="ISO-8601 instant with offset: the window's end",
+    )
+    au.add_argument(
+        "--min-expected",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also fail when fewer than N fires were due in the window (a "
+        "demo's guard against auditing nothing)",
+    )
     au.add_argument("--json", action="store_true")
     au.set_defaults(run=_run_sync)
 
@@ -59,8 +81,10 @@ def _broker(text: str | None) -> BrokerUrl:
     except ValueError as exc:
         raise ConfigError(f"--broker / HASCHEDULER_BROKER: {exc}") from None
     if url.kind.reader is None:
-        raise ConfigError(f"--broker {text!r}: {url.kind.name} keeps no fires to audit "
-                          "(NATS JetStream and RabbitMQ do)")
+        raise ConfigError(
+            f"--broker {text!r}: {url.kind.name} keeps no fires to audit "
+            "(NATS JetStream and RabbitMQ do)"
+        )
     return url
 
 
@@ -79,15 +103,19 @@ async def run(args: argparse.Namespace) -> int:
     except (PyMongoError, ValueError) as exc:
         raise ConfigError(f"--mongodb-uri: {exc}") from None
     try:
-        schedules = [doc async for doc in read_all(
-            client.get_default_database(DEFAULT_DATABASE)[SCHEDULES])]
+        schedules = [
+            doc async for doc in read_all(client.get_default_database(DEFAULT_DATABASE)[SCHEDULES])
+        ]
     finally:
         await client.close()
     events = [fire.event for fire in await broker.reader()()]
     report = audit(schedules, events, args.since, args.until).as_dict()
     print(json.dumps(report) if args.json else describe(report))
     if report["expected"] < args.min_expected:
-        print(f"hascheduler audit: {report['expected']} fires due in the window, fewer "
-              f"than --min-expected {args.min_expected}", file=sys.stderr)
+        print(
+            f"hascheduler audit: {report['expected']} fires due in the window, fewer "
+            f"than --min-expected {args.min_expected}",
+            file=sys.stderr,
+        )
         return 1
     return 0 if report["ok"] else 1

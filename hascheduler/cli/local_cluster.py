@@ -29,16 +29,26 @@ def control_url(state_dir: Path) -> str:
     try:
         return str(json.loads((state_dir / STATE_FILE).read_text())["control_url"])
     except (OSError, ValueError, KeyError):
-        raise ControlError(f"no running cluster found in {state_dir}/ "
-                           "(start one with `hascheduler dev`)") from None
+        raise ControlError(
+            f"no running cluster found in {state_dir}/ (start one with `hascheduler dev`)"
+        ) from None
 
 
-def call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None = None,
-         timeout_s: float = 120.0) -> dict[str, Any]:
+def call(
+    state_dir: Path,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """One request to the supervisor's control API. Raises ControlError."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(control_url(state_dir) + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        control_url(state_dir) + path,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             result: dict[str, Any] = json.loads(response.read())

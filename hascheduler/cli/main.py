@@ -17,9 +17,15 @@ from hascheduler.process import gcpolicy, logs
 # named command's module is imported: a command that talks to the API need not load the
 # replica and the worker (tests/test_layout.py).
 COMMAND_MODULES = {
-    "serve": "serve", "worker": "worker",
-    "schedules": "schedules", "audit-log": "schedules", "runs": "schedules",
-    "webhooks": "schedules", "apply": "apply", "export": "apply", "audit": "audit",
+    "serve": "serve",
+    "worker": "worker",
+    "schedules": "schedules",
+    "audit-log": "schedules",
+    "runs": "schedules",
+    "webhooks": "schedules",
+    "apply": "apply",
+    "export": "apply",
+    "audit": "audit",
     "token": "tokens",
 }
 # The entry point group the development tools register their commands in (dev/pyproject.toml).
@@ -54,11 +60,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     one, imports mongomock: no replica's start pays for that). With no command, or one
     that does not exist, every built-in command is listed."""
     parser = argparse.ArgumentParser(
-        prog="hascheduler", description="A highly available scheduler cluster: replicas "
+        prog="hascheduler",
+        description="A highly available scheduler cluster: replicas "
         "(serve), workers (worker), the HTTP API from a terminal (schedules, runs, audit), "
-        "and schedules kept as files (apply, export).")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+        "and schedules kept as files (apply, export).",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = _command_in(argv)
     if wanted in COMMAND_MODULES:
@@ -76,8 +85,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         for module in dict.fromkeys(COMMAND_MODULES.values()):
             importlib.import_module(f"hascheduler.cli.{module}").add_parser(sub)
     for name in sorted(plugins.keys() | DEVELOPMENT_COMMANDS.keys()):
-        text = DEVELOPMENT_COMMANDS.get(name, f"from {plugins[name].value}"
-                                        if name in plugins else "")
+        text = DEVELOPMENT_COMMANDS.get(
+            name, f"from {plugins[name].value}" if name in plugins else ""
+        )
         if name in plugins and name == wanted:
             with gcpolicy.importing():
                 plugin = plugins[name].load()
@@ -85,15 +95,18 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         elif name in plugins:
             sub.add_parser(name, help=text)  # listed; built when it is the one asked for
         else:
-            missing = sub.add_parser(name, help=f"{text} (needs the development tools)",
-                                     add_help=False)
+            missing = sub.add_parser(
+                name, help=f"{text} (needs the development tools)", add_help=False
+            )
             missing.set_defaults(run=_not_installed)
     return parser
 
 
 def _not_installed(args: argparse.Namespace) -> int:
-    raise ConfigError("comes with the development tools, which are not installed here: "
-                      "pip install 'hascheduler[dev]' (./scripts/hascheduler installs them)")
+    raise ConfigError(
+        "comes with the development tools, which are not installed here: "
+        "pip install 'hascheduler[dev]' (./scripts/hascheduler installs them)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,8 +37,13 @@ class Setting:
         return self.env or "HASCHEDULER_" + self.dest.upper()
 
 
-def add_command(sub: Any, name: str, table: Sequence[Setting],
-                run: Callable[[argparse.Namespace], int], **parser: Any) -> None:
+def add_command(
+    sub: Any,
+    name: str,
+    table: Sequence[Setting],
+    run: Callable[[argparse.Namespace], int],
+    **parser: Any,
+) -> None:
     """A command whose options are exactly ``table``."""
     command = sub.add_parser(name, **parser)
     add_settings(command, table)
@@ -50,14 +55,20 @@ def add_settings(parser: argparse.ArgumentParser, table: Sequence[Setting]) -> N
         env = s.env_name + (f" or {s.fallback_env}" if s.fallback_env else "")
         default = f"; default {s.default}" if s.default not in (None, "") else ""
         if s.switch:
-            parser.add_argument(s.flag, action="store_const", const="true", default=None,
-                                help=f"{s.help} (env {env}=true)")
+            parser.add_argument(
+                s.flag,
+                action="store_const",
+                const="true",
+                default=None,
+                help=f"{s.help} (env {env}=true)",
+            )
         else:
             parser.add_argument(s.flag, default=None, help=f"{s.help} (env {env}{default})")
 
 
-def resolve(args: argparse.Namespace, table: Sequence[Setting],
-            environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+def resolve(
+    args: argparse.Namespace, table: Sequence[Setting], environ: Mapping[str, str] = os.environ
+) -> dict[str, Any]:
     """Every setting of ``table`` as a value, by its ``dest``. Raises ConfigError: for a
     value that does not parse first, then for a required setting that has none."""
     values: dict[str, Any] = {}
@@ -65,8 +76,11 @@ def resolve(args: argparse.Namespace, table: Sequence[Setting],
     for s in table:
         text = getattr(args, s.dest, None)
         if text is None:
-            text = environ.get(s.env_name) or (
-                environ.get(s.fallback_env) if s.fallback_env else None) or None
+            text = (
+                environ.get(s.env_name)
+                or (environ.get(s.fallback_env) if s.fallback_env else None)
+                or None
+            )
         if text is None:
             if s.required:
                 missing.append(s)
@@ -83,6 +97,7 @@ def resolve(args: argparse.Namespace, table: Sequence[Setting],
 
 # Parsers: text to value, or ValueError with the reason.
 
+
 def text(value: str) -> str:
     return value
 
@@ -96,6 +111,7 @@ def whole_number(minimum: int = 1) -> Callable[[str], int]:
         if number < minimum:
             raise ValueError(f"{value!r} must be at least {minimum}")
         return number
+
     return parse
 
 

@@ -22,24 +22,36 @@ from hascheduler.cli.schedules import EXIT_REFUSED
 def add_parser(sub: Any) -> None:
     token = sub.add_parser("token", help="named API tokens for the access file")
     actions = token.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="make a token: print its secret once, and "
-                                               "the line to add under tokens: in the "
-                                               "access file")
-    create.add_argument("--name", required=True, help="who acts with it: the audit trail's "
-                                                      "actor (e.g. billing-ci)")
-    create.add_argument("--actions", required=True, help="comma-separated: read, write, "
-                                                         "trigger, pause, cancel, admin")
-    create.add_argument("--namespaces", required=True, help="comma-separated namespaces it "
-                                                            "may act in, or *")
-    create.add_argument("--json", action="store_true", help="the secret and the entry as "
-                                                            "one JSON object")
+    create = actions.add_parser(
+        "create",
+        help="make a token: print its secret once, and "
+        "the line to add under tokens: in the "
+        "access file",
+    )
+    create.add_argument(
+        "--name", required=True, help="who acts with it: the audit trail's actor (e.g. billing-ci)"
+    )
+    create.add_argument(
+        "--actions",
+        required=True,
+        help="comma-separated: read, write, trigger, pause, cancel, admin",
+    )
+    create.add_argument(
+        "--namespaces", required=True, help="comma-separated namespaces it may act in, or *"
+    )
+    create.add_argument(
+        "--json", action="store_true", help="the secret and the entry as one JSON object"
+    )
     create.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        made = create_token(args.name, parse_actions(args.actions, "--actions"),
-                            parse_namespaces(args.namespaces, "--namespaces"))
+        made = create_token(
+            args.name,
+            parse_actions(args.actions, "--actions"),
+            parse_namespaces(args.namespaces, "--namespaces"),
+        )
     except AccessConfigError as exc:
         print(f"hascheduler token create: {exc}", file=sys.stderr)
         return EXIT_REFUSED

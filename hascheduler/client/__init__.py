@@ -14,5 +14,15 @@ from hascheduler.client.errors import (
 )
 from hascheduler.core.webhooks import verify as verify_webhook
 
-__all__ = ["AsyncClient", "Client", "Conflict", "HaschedulerError", "Invalid", "NotFound",
-           "RateLimited", "Unauthorized", "Unavailable", "verify_webhook"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Conflict",
+    "HaschedulerError",
+    "Invalid",
+    "NotFound",
+    "RateLimited",
+    "Unauthorized",
+    "Unavailable",
+    "verify_webhook",
+]

@@ -66,14 +66,17 @@ class Step:
 def _normalised(fields: models.ScheduleFields | Mapping[str, Any]) -> dict[str, Any]:
     """The client fields, as the API writes them in JSON (a model, or the API's JSON of
     one: the same text either way)."""
-    dumped = fields.model_dump(mode="json") if isinstance(fields, models.ScheduleFields) \
-        else fields
-    return {k: v for k, v in dumped.items()
-            if k in models.ScheduleFields.model_fields and k not in SERVER_FIELDS}
+    dumped = fields.model_dump(mode="json") if isinstance(fields, models.ScheduleFields) else fields
+    return {
+        k: v
+        for k, v in dumped.items()
+        if k in models.ScheduleFields.model_fields and k not in SERVER_FIELDS
+    }
 
 
-def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
-            selector: tuple[str, str] | None = None) -> list[Declared]:
+def declare(
+    documents: Iterable[tuple[str, Any]], now: dt.datetime, selector: tuple[str, str] | None = None
+) -> list[Declared]:
     """Check every document (origin, parsed value) before anything is written. Raises
     Refused naming each invalid document and field, each duplicated id, and (with a
     selector) each declaration without its label."""
@@ -81,8 +84,7 @@ def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
     declared: dict[str, Declared] = {}
     for origin, document in documents:
         if not isinstance(document, dict):
-            problems.append(f"{origin}: a schedule is a mapping, not "
-                            f"{type(document).__name__}")
+            problems.append(f"{origin}: a schedule is a mapping, not {type(document).__name__}")
             continue
         schedule_id = document.get("id")
         if not isinstance(schedule_id, str) or not schedule_id:
@@ -96,12 +98,16 @@ def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
                 problems.append(f"{origin} ({schedule_id}): {where}: {error['msg']}")
             continue
         if schedule_id in declared:
-            problems.append(f"{origin}: id {schedule_id!r} is declared twice (also in "
-                            f"{declared[schedule_id].origin})")
+            problems.append(
+                f"{origin}: id {schedule_id!r} is declared twice (also in "
+                f"{declared[schedule_id].origin})"
+            )
             continue
         if selector is not None and checked.labels.get(selector[0]) != selector[1]:
-            problems.append(f"{origin} ({schedule_id}): labels: lacks {selector[0]}="
-                            f"{selector[1]}, which --selector prunes by")
+            problems.append(
+                f"{origin} ({schedule_id}): labels: lacks {selector[0]}="
+                f"{selector[1]}, which --selector prunes by"
+            )
             continue
         body = {k: v for k, v in document.items() if k != "id"}
         declared[schedule_id] = Declared(schedule_id, origin, body, _normalised(checked))
@@ -110,22 +116,28 @@ def declare(documents: Iterable[tuple[str, Any]], now: dt.datetime,
     return list(declared.values())
 
 
-def _anchored(fields: dict[str, Any], body: dict[str, Any], then: dict[str, Any]
-              ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _anchored(
+    fields: dict[str, Any], body: dict[str, Any], then: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """An interval declared without ``start_at`` is anchored where the server anchored it
     when it was made: keeping that anchor is no change, and a rewrite must not move the
     grid to the moment of the write."""
     trigger, current = fields.get("trigger") or {}, then.get("trigger") or {}
-    if (trigger.get("kind") == "interval" and trigger.get("start_at") is None
-            and current.get("kind") == "interval" and current.get("start_at") is not None):
+    if (
+        trigger.get("kind") == "interval"
+        and trigger.get("start_at") is None
+        and current.get("kind") == "interval"
+        and current.get("start_at") is not None
+    ):
         anchor = current["start_at"]
         fields = {**fields, "trigger": {**trigger, "start_at": anchor}}
         body = {**body, "trigger": {**body["trigger"], "start_at": anchor}}
     return fields, body
 
 
-def plan(declared: list[Declared], current: Mapping[str, Document],
-         prune: Iterable[Document] = ()) -> list[Step]:
+def plan(
+    declared: list[Declared], current: Mapping[str, Document], prune: Iterable[Document] = ()
+) -> list[Step]:
     """What to do, in the declarations' order, then the deletions (pure)."""
     steps: list[Step] = []
     names = {d.schedule_id for d in declared}
@@ -137,10 +149,17 @@ def plan(declared: list[Declared], current: Mapping[str, Document],
         then = _normalised(existing)
         fields, body = _anchored(d.fields, d.body, then)
         changes = {k: (then.get(k), v) for k, v in fields.items() if then.get(k) != v}
-        steps.append(Step(UPDATE if changes else UNCHANGED, d.schedule_id, d.origin, body,
-                          existing["revision"], changes))
-    steps += [Step(DELETE, s["id"], revision=s["revision"]) for s in prune
-              if s["id"] not in names]
+        steps.append(
+            Step(
+                UPDATE if changes else UNCHANGED,
+                d.schedule_id,
+                d.origin,
+                body,
+                existing["revision"],
+                changes,
+            )
+        )
+    steps += [Step(DELETE, s["id"], revision=s["revision"]) for s in prune if s["id"] not in names]
     return steps
 
 
@@ -150,8 +169,12 @@ def read_cluster(api: Client, selector: tuple[str, str] | None) -> list[Document
     return list(_all(api, dict([selector]) if selector else None))
 
 
-def read_plan(api: Client, declared: list[Declared], selector: tuple[str, str] | None,
-              read: list[Document] | None = None) -> list[Step]:
+def read_plan(
+    api: Client,
+    declared: list[Declared],
+    selector: tuple[str, str] | None,
+    read: list[Document] | None = None,
+) -> list[Step]:
     """The plan against the cluster as it is now (with a selector: what to prune too).
     Many declarations read every schedule; a few are read one by one. ``read``: what
     ``read_cluster`` with the same selector answered, when the caller read it already."""
@@ -160,8 +183,9 @@ def read_plan(api: Client, declared: list[Declared], selector: tuple[str, str] |
     current = {s["id"]: s for s in read or ()}
     labelled = list(current.values()) if selector else []
     every_one_read = read is not None and selector is None
-    unknown = [] if every_one_read else [d.schedule_id for d in declared
-                                         if d.schedule_id not in current]
+    unknown = (
+        [] if every_one_read else [d.schedule_id for d in declared if d.schedule_id not in current]
+    )
     if len(unknown) > READ_ONE_BY_ONE:
         wanted = set(unknown)
         current |= {s["id"]: s for s in _all(api, None) if s["id"] in wanted}
@@ -185,8 +209,9 @@ class Outcome:
     failed: list[tuple[Step, str]] = field(default_factory=list)
 
 
-def batches(steps: list[Step], count: int = MAX_BATCH, size: int = BATCH_BYTES
-            ) -> Iterator[list[Step]]:
+def batches(
+    steps: list[Step], count: int = MAX_BATCH, size: int = BATCH_BYTES
+) -> Iterator[list[Step]]:
     """Creations in requests of at most ``count`` schedules and ``size`` bytes of JSON
     (the API refuses larger bodies)."""
     batch: list[Step] = []
@@ -236,8 +261,9 @@ def execute(api: Client, steps: list[Step]) -> Outcome:
     return outcome
 
 
-def converge(api: Client, declared: list[Declared], selector: tuple[str, str] | None,
-             rounds: int = 5) -> Outcome:
+def converge(
+    api: Client, declared: list[Declared], selector: tuple[str, str] | None, rounds: int = 5
+) -> Outcome:
     """Plan and write until the cluster matches: the way for many processes applying the
     same declarations at once (workers of one app starting together). A write that lost a
     race (an id another created, a revision another wrote) is planned again from what
@@ -265,10 +291,12 @@ def describe(steps: list[Step]) -> str:
             lines.append(f"~ update {step.schedule_id}{where}")
             for name, (then, now) in sorted(step.changes.items()):
                 lines.append(f"    {name}: {_shown(then)} -> {_shown(now)}")
-    counts = {a: sum(1 for s in steps if s.action == a)
-              for a in (CREATE, UPDATE, UNCHANGED, DELETE)}
-    lines.append(", ".join(f"{n} to {a}" if a != UNCHANGED else f"{n} unchanged"
-                           for a, n in counts.items()))
+    counts = {
+        a: sum(1 for s in steps if s.action == a) for a in (CREATE, UPDATE, UNCHANGED, DELETE)
+    }
+    lines.append(
+        ", ".join(f"{n} to {a}" if a != UNCHANGED else f"{n} unchanged" for a, n in counts.items())
+    )
     return "\n".join(lines)
 
 

@@ -19,8 +19,9 @@ T = TypeVar("T")
 Document = dict[str, Any]
 
 # The fields of a stored schedule the server sets; a replacement (PUT) leaves them out.
-SERVER_FIELDS = frozenset({"id", "pause", "completed", "fires_remaining", "created_at",
-                           "updated_at", "revision"})
+SERVER_FIELDS = frozenset(
+    {"id", "pause", "completed", "fires_remaining", "created_at", "updated_at", "revision"}
+)
 
 
 @dataclass(frozen=True)
@@ -94,21 +95,31 @@ def create_schedule(schedule: models.ScheduleIn | Mapping[str, Any]) -> Call[mod
     return Call("POST", "/schedules", _schedule, json=_body(schedule))
 
 
-def create_schedules(schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
-                     ) -> Call[models.BatchCreated]:
+def create_schedules(
+    schedules: Sequence[models.ScheduleIn | Mapping[str, Any]],
+) -> Call[models.BatchCreated]:
     """Many at once; sending it again creates nothing twice (ids taken come back in
     ``existing``)."""
-    return Call("POST", "/schedules:batch", _batch,
-                json={"schedules": [_body(s) for s in schedules]}, idempotent=True)
+    return Call(
+        "POST",
+        "/schedules:batch",
+        _batch,
+        json={"schedules": [_body(s) for s in schedules]},
+        idempotent=True,
+    )
 
 
 def get_schedule(schedule_id: str) -> Call[models.Schedule]:
     return Call("GET", f"/schedules/{_segment(schedule_id)}", _schedule, idempotent=True)
 
 
-def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after: str | None,
-                   limit: int, namespace: str | None = None
-                   ) -> Call[tuple[list[models.Schedule], str | None]]:
+def schedules_page(
+    labels: Mapping[str, str] | None,
+    paused: bool | None,
+    after: str | None,
+    limit: int,
+    namespace: str | None = None,
+) -> Call[tuple[list[models.Schedule], str | None]]:
     params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
     if namespace is not None:
         params.append(("namespace", namespace))
@@ -120,33 +131,49 @@ def schedules_page(labels: Mapping[str, str] | None, paused: bool | None, after:
     return Call("GET", "/schedules", _page, params=tuple(params), idempotent=True)
 
 
-def schedules_health_page(labels: Mapping[str, str] | None, paused: bool | None,
-                          after: str | None, limit: int, namespace: str | None = None
-                          ) -> Call[models.ScheduleList]:
+def schedules_health_page(
+    labels: Mapping[str, str] | None,
+    paused: bool | None,
+    after: str | None,
+    limit: int,
+    namespace: str | None = None,
+) -> Call[models.ScheduleList]:
     """A page of schedules with each one's health (the list's health column)."""
     page = schedules_page(labels, paused, after, limit, namespace)
-    return Call("GET", "/schedules", _schedule_list,
-                params=(*page.params, ("health", "true")), idempotent=True)
+    return Call(
+        "GET",
+        "/schedules",
+        _schedule_list,
+        params=(*page.params, ("health", "true")),
+        idempotent=True,
+    )
 
 
 def _schedule_list(raw: bytes) -> models.ScheduleList:
     return models.ScheduleList.model_validate_json(raw, context={"stored": True})
 
 
-def schedule_documents_page(labels: Mapping[str, str] | None, after: str | None, limit: int,
-                            namespace: str | None = None
-                            ) -> Call[tuple[list[Document], str | None]]:
+def schedule_documents_page(
+    labels: Mapping[str, str] | None, after: str | None, limit: int, namespace: str | None = None
+) -> Call[tuple[list[Document], str | None]]:
     """A page of schedules as the API's JSON, unvalidated: for comparing many with
     declarations (apply), where reading each into its model would double the cost."""
     page = schedules_page(labels, None, after, limit, namespace)
     return Call(page.method, page.path, _documents, params=page.params, idempotent=True)
 
 
-def replace_schedule(schedule_id: str, fields: models.ScheduleFields | Mapping[str, Any],
-                     if_match: int | None = None) -> Call[models.Schedule]:
+def replace_schedule(
+    schedule_id: str, fields: models.ScheduleFields | Mapping[str, Any], if_match: int | None = None
+) -> Call[models.Schedule]:
     body = {k: v for k, v in _body(fields).items() if k not in SERVER_FIELDS}
-    return Call("PUT", f"/schedules/{_segment(schedule_id)}", _schedule, json=body,
-                headers=_if_match(if_match), idempotent=True)
+    return Call(
+        "PUT",
+        f"/schedules/{_segment(schedule_id)}",
+        _schedule,
+        json=body,
+        headers=_if_match(if_match),
+        idempotent=True,
+    )
 
 
 def update_schedule(schedule: models.Schedule) -> Call[models.Schedule]:
@@ -154,37 +181,67 @@ def update_schedule(schedule: models.Schedule) -> Call[models.Schedule]:
     return replace_schedule(schedule.id, schedule, if_match=schedule.revision)
 
 
-def patch_schedule(schedule_id: str, patch: Mapping[str, Any], if_match: int | None = None
-                   ) -> Call[models.Schedule]:
-    return Call("PATCH", f"/schedules/{_segment(schedule_id)}", _schedule, json=dict(patch),
-                headers=_if_match(if_match))
+def patch_schedule(
+    schedule_id: str, patch: Mapping[str, Any], if_match: int | None = None
+) -> Call[models.Schedule]:
+    return Call(
+        "PATCH",
+        f"/schedules/{_segment(schedule_id)}",
+        _schedule,
+        json=dict(patch),
+        headers=_if_match(if_match),
+    )
 
 
 def delete_schedule(schedule_id: str, if_match: int | None = None) -> Call[None]:
-    return Call("DELETE", f"/schedules/{_segment(schedule_id)}", _nothing,
-                headers=_if_match(if_match), idempotent=True)
+    return Call(
+        "DELETE",
+        f"/schedules/{_segment(schedule_id)}",
+        _nothing,
+        headers=_if_match(if_match),
+        idempotent=True,
+    )
 
 
-def pause(schedule_id: str, note: str | None = None, until: dt.datetime | str | None = None,
-          if_match: int | None = None) -> Call[models.Schedule]:
+def pause(
+    schedule_id: str,
+    note: str | None = None,
+    until: dt.datetime | str | None = None,
+    if_match: int | None = None,
+) -> Call[models.Schedule]:
     why: Document = {}
     if note is not None:
         why["note"] = note
     if until is not None:
         why["until"] = _instant(until)
-    return Call("POST", f"/schedules/{_segment(schedule_id)}/pause", _schedule,
-                json=why or None, headers=_if_match(if_match), idempotent=True)
+    return Call(
+        "POST",
+        f"/schedules/{_segment(schedule_id)}/pause",
+        _schedule,
+        json=why or None,
+        headers=_if_match(if_match),
+        idempotent=True,
+    )
 
 
 def resume(schedule_id: str, if_match: int | None = None) -> Call[models.Schedule]:
-    return Call("POST", f"/schedules/{_segment(schedule_id)}/resume", _schedule,
-                headers=_if_match(if_match), idempotent=True)
+    return Call(
+        "POST",
+        f"/schedules/{_segment(schedule_id)}/resume",
+        _schedule,
+        headers=_if_match(if_match),
+        idempotent=True,
+    )
 
 
-def trigger(schedule_id: str, payload: Mapping[str, Any] | None = None,
-            overlap: str | None = None, force: bool = False,
-            idempotency_key: str | None = None,
-            priority: int | None = None) -> Call[models.Triggered]:
+def trigger(
+    schedule_id: str,
+    payload: Mapping[str, Any] | None = None,
+    overlap: str | None = None,
+    force: bool = False,
+    idempotency_key: str | None = None,
+    priority: int | None = None,
+) -> Call[models.Triggered]:
     body: Document = {"force": True} if force else {}
     if priority is not None:
         body["priority"] = priority
@@ -193,13 +250,19 @@ def trigger(schedule_id: str, payload: Mapping[str, Any] | None = None,
     if overlap is not None:
         body["overlap"] = overlap
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    return Call("POST", f"/schedules/{_segment(schedule_id)}/trigger",
-                _triggered, json=body, headers=headers,
-                idempotent=idempotency_key is not None)
+    return Call(
+        "POST",
+        f"/schedules/{_segment(schedule_id)}/trigger",
+        _triggered,
+        json=body,
+        headers=headers,
+        idempotent=idempotency_key is not None,
+    )
 
 
-def backfill(schedule_id: str, start: dt.datetime | str, end: dt.datetime | str,
-             overlap: str | None = None) -> Call[Document]:
+def backfill(
+    schedule_id: str, start: dt.datetime | str, end: dt.datetime | str, overlap: str | None = None
+) -> Call[Document]:
     body: Document = {"start": _instant(start), "end": _instant(end)}
     if overlap is not None:
         body["overlap"] = overlap
@@ -214,13 +277,19 @@ def cancel_backfill(backfill_id: str) -> Call[Document]:
     return Call("DELETE", f"/backfills/{_segment(backfill_id)}", _document, idempotent=True)
 
 
-def next_fires(schedule_id: str, count: int = 5,
-               after: dt.datetime | str | None = None) -> Call[models.Preview]:
+def next_fires(
+    schedule_id: str, count: int = 5, after: dt.datetime | str | None = None
+) -> Call[models.Preview]:
     params = [("count", str(count))]
     if after is not None:
         params.append(("after", _instant(after)))
-    return Call("GET", f"/schedules/{_segment(schedule_id)}/next", _preview,
-                params=tuple(params), idempotent=True)
+    return Call(
+        "GET",
+        f"/schedules/{_segment(schedule_id)}/next",
+        _preview,
+        params=tuple(params),
+        idempotent=True,
+    )
 
 
 def _health(raw: bytes) -> ScheduleHealth:
@@ -237,13 +306,18 @@ def create_webhook(webhook: models.WebhookIn | Mapping[str, Any]) -> Call[models
 
 def webhooks(namespace: str | None = None) -> Call[models.WebhookList]:
     params = (("namespace", namespace),) if namespace is not None else ()
-    return Call("GET", "/webhooks", models.WebhookList.model_validate_json, params=params,
-                idempotent=True)
+    return Call(
+        "GET", "/webhooks", models.WebhookList.model_validate_json, params=params, idempotent=True
+    )
 
 
 def get_webhook(webhook_id: str) -> Call[models.Webhook]:
-    return Call("GET", f"/webhooks/{_segment(webhook_id)}",
-                models.Webhook.model_validate_json, idempotent=True)
+    return Call(
+        "GET",
+        f"/webhooks/{_segment(webhook_id)}",
+        models.Webhook.model_validate_json,
+        idempotent=True,
+    )
 
 
 def delete_webhook(webhook_id: str) -> Call[None]:
@@ -251,22 +325,38 @@ def delete_webhook(webhook_id: str) -> Call[None]:
 
 
 def webhook_deliveries(webhook_id: str, limit: int = 100) -> Call[Document]:
-    return Call("GET", f"/webhooks/{_segment(webhook_id)}/deliveries", _document,
-                params=(("limit", str(limit)),), idempotent=True)
+    return Call(
+        "GET",
+        f"/webhooks/{_segment(webhook_id)}/deliveries",
+        _document,
+        params=(("limit", str(limit)),),
+        idempotent=True,
+    )
 
 
 def schedule_fires(schedule_id: str, limit: int = 50) -> Call[Document]:
-    return Call("GET", f"/schedules/{_segment(schedule_id)}/fires", _document,
-                params=(("limit", str(limit)),), idempotent=True)
+    return Call(
+        "GET",
+        f"/schedules/{_segment(schedule_id)}/fires",
+        _document,
+        params=(("limit", str(limit)),),
+        idempotent=True,
+    )
 
 
 def schedule_runs(schedule_id: str, limit: int = 50) -> Call[Document]:
-    return Call("GET", f"/schedules/{_segment(schedule_id)}/runs", _document,
-                params=(("limit", str(limit)),), idempotent=True)
+    return Call(
+        "GET",
+        f"/schedules/{_segment(schedule_id)}/runs",
+        _document,
+        params=(("limit", str(limit)),),
+        idempotent=True,
+    )
 
 
-def runs_page(state: str | None, after: str | None, limit: int, namespace: str | None = None
-              ) -> Call[tuple[list[Document], str | None]]:
+def runs_page(
+    state: str | None, after: str | None, limit: int, namespace: str | None = None
+) -> Call[tuple[list[Document], str | None]]:
     params = [("limit", str(limit))]
     if namespace is not None:
         params.append(("namespace", namespace))
@@ -305,19 +395,34 @@ def readiness() -> Call[Document]:
     return Call("GET", "/readyz", _document, idempotent=True)
 
 
-def history_page(schedule_id: str, before: str | None, limit: int
-                 ) -> Call[tuple[list[Document], str | None]]:
+def history_page(
+    schedule_id: str, before: str | None, limit: int
+) -> Call[tuple[list[Document], str | None]]:
     params = [("limit", str(limit))] + ([("before", before)] if before else [])
-    return Call("GET", f"/schedules/{_segment(schedule_id)}/history", _documents,
-                params=tuple(params), idempotent=True)
+    return Call(
+        "GET",
+        f"/schedules/{_segment(schedule_id)}/history",
+        _documents,
+        params=tuple(params),
+        idempotent=True,
+    )
 
 
-def audit_page(namespace: str | None, schedule_id: str | None, actor: str | None,
-               since: dt.datetime | str | None, before: str | None, limit: int
-               ) -> Call[tuple[list[Document], str | None]]:
+def audit_page(
+    namespace: str | None,
+    schedule_id: str | None,
+    actor: str | None,
+    since: dt.datetime | str | None,
+    before: str | None,
+    limit: int,
+) -> Call[tuple[list[Document], str | None]]:
     params = [("limit", str(limit))]
-    for name, value in (("namespace", namespace), ("schedule", schedule_id),
-                        ("actor", actor), ("before", before)):
+    for name, value in (
+        ("namespace", namespace),
+        ("schedule", schedule_id),
+        ("actor", actor),
+        ("before", before),
+    ):
         if value is not None:
             params.append((name, value))
     if since is not None:
@@ -325,7 +430,11 @@ def audit_page(namespace: str | None, schedule_id: str | None, actor: str | None
     return Call("GET", "/audit", _documents, params=tuple(params), idempotent=True)
 
 
-def restore(schedule_id: str, revision: int, if_match: int | None = None
-            ) -> Call[models.Schedule]:
-    return Call("POST", f"/schedules/{_segment(schedule_id)}/restore", _schedule,
-                json={"revision": revision}, headers=_if_match(if_match))
+def restore(schedule_id: str, revision: int, if_match: int | None = None) -> Call[models.Schedule]:
+    return Call(
+        "POST",
+        f"/schedules/{_segment(schedule_id)}/restore",
+        _schedule,
+        json={"revision": revision},
+        headers=_if_match(if_match),
+    )

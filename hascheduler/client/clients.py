@@ -47,9 +47,15 @@ class _NotSent(Unavailable):
     """The connection was never made: nothing reached the API, so any call may go again."""
 
 
-def _http_options(api: str | None, token: str | None, verify: bool | str,
-                  cert: str | tuple[str, str] | None, timeout_s: float,
-                  reason: str | None, origin: str | None) -> dict[str, Any]:
+def _http_options(
+    api: str | None,
+    token: str | None,
+    verify: bool | str,
+    cert: str | tuple[str, str] | None,
+    timeout_s: float,
+    reason: str | None,
+    origin: str | None,
+) -> dict[str, Any]:
     """What httpx's Client and AsyncClient are both made with."""
     base = api or os.environ.get("HASCHEDULER_API")
     if not base:
@@ -60,8 +66,13 @@ def _http_options(api: str | None, token: str | None, verify: bool | str,
         headers["X-Reason"] = reason
     if origin is not None:
         headers["X-Change-Origin"] = origin
-    return {"base_url": base.rstrip("/"), "headers": headers, "verify": verify, "cert": cert,
-            "timeout": timeout_s}
+    return {
+        "base_url": base.rstrip("/"),
+        "headers": headers,
+        "verify": verify,
+        "cert": cert,
+        "timeout": timeout_s,
+    }
 
 
 Page = tuple[list[T], str | None]
@@ -70,15 +81,20 @@ Page = tuple[list[T], str | None]
 def _retry_policy(call: Call[Any], attempts: int) -> dict[str, Any]:
     def retryable(exc: BaseException) -> bool:
         return isinstance(exc, RateLimited | _NotSent) or (
-            call.idempotent and isinstance(exc, Unavailable))
+            call.idempotent and isinstance(exc, Unavailable)
+        )
 
     def wait(state: RetryCallState) -> float:
         outcome = state.outcome
         exc = outcome.exception() if outcome is not None else None
         return exc.retry_after if isinstance(exc, RateLimited) else float(_backoff(state))
 
-    return {"retry": retry_if_exception(retryable), "wait": wait,
-            "stop": stop_after_attempt(attempts), "reraise": True}
+    return {
+        "retry": retry_if_exception(retryable),
+        "wait": wait,
+        "stop": stop_after_attempt(attempts),
+        "reraise": True,
+    }
 
 
 def _answer(call: Call[T], response: httpx.Response) -> T:
@@ -93,8 +109,9 @@ def _answer(call: Call[T], response: httpx.Response) -> T:
     return call.read(response.content)
 
 
-def _transport_error(call: Call[Any], base: httpx.URL, exc: httpx.TransportError
-                     ) -> HaschedulerError:
+def _transport_error(
+    call: Call[Any], base: httpx.URL, exc: httpx.TransportError
+) -> HaschedulerError:
     kind = _NotSent if isinstance(exc, httpx.ConnectError) else Unavailable
     return kind(f"{call.method} {call.path}: cannot reach the API at {base}: {exc!r}")
 
@@ -104,13 +121,22 @@ class Client:
     client certificate (a PEM path, or (certificate, key)); ``reason``: why, recorded in the
     audit trail with every change made through this client."""
 
-    def __init__(self, api: str | None = None, token: str | None = None, *,
-                 verify: bool | str = True, cert: str | tuple[str, str] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS,
-                 reason: str | None = None, origin: str | None = None) -> None:
+    def __init__(
+        self,
+        api: str | None = None,
+        token: str | None = None,
+        *,
+        verify: bool | str = True,
+        cert: str | tuple[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        attempts: int = DEFAULT_ATTEMPTS,
+        reason: str | None = None,
+        origin: str | None = None,
+    ) -> None:
         self.attempts = attempts
-        self._http = httpx.Client(**_http_options(api, token, verify, cert, timeout_s,
-                                                   reason, origin))
+        self._http = httpx.Client(
+            **_http_options(api, token, verify, cert, timeout_s, reason, origin)
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -126,8 +152,13 @@ class Client:
         for attempt in Retrying(**_retry_policy(call, self.attempts)):
             with attempt:
                 try:
-                    response = self._http.request(call.method, call.path, params=call.params,
-                                                  json=call.json, headers=call.headers)
+                    response = self._http.request(
+                        call.method,
+                        call.path,
+                        params=call.params,
+                        json=call.json,
+                        headers=call.headers,
+                    )
                 except httpx.TransportError as exc:
                     raise _transport_error(call, self._http.base_url, exc) from exc
                 return _answer(call, response)
@@ -143,77 +174,109 @@ class Client:
                 return
 
     # Schedules.
-    def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
-                        ) -> models.Schedule:
+    def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]) -> models.Schedule:
         return self.send(calls.create_schedule(schedule))
 
-    def create_schedules(self, schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
-                         ) -> models.BatchCreated:
+    def create_schedules(
+        self, schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
+    ) -> models.BatchCreated:
         """Up to 500 in one request, all checked before any is written."""
         return self.send(calls.create_schedules(schedules))
 
     def get_schedule(self, schedule_id: str) -> models.Schedule:
         return self.send(calls.get_schedule(schedule_id))
 
-    def schedules(self, labels: Mapping[str, str] | None = None, paused: bool | None = None,
-                  page_size: int = 100, namespace: str | None = None
-                  ) -> Iterator[models.Schedule]:
+    def schedules(
+        self,
+        labels: Mapping[str, str] | None = None,
+        paused: bool | None = None,
+        page_size: int = 100,
+        namespace: str | None = None,
+    ) -> Iterator[models.Schedule]:
         """Every schedule matching, a page at a time, in id order."""
-        return self.pages(lambda after: calls.schedules_page(labels, paused, after, page_size,
-                                                             namespace))
+        return self.pages(
+            lambda after: calls.schedules_page(labels, paused, after, page_size, namespace)
+        )
 
     def history(self, schedule_id: str, page_size: int = 100) -> Iterator[Document]:
         """A schedule's audit records, newest first."""
         return self.pages(lambda before: calls.history_page(schedule_id, before, page_size))
 
-    def audit(self, namespace: str | None = None, schedule_id: str | None = None,
-              actor: str | None = None, since: dt.datetime | str | None = None,
-              page_size: int = 100) -> Iterator[Document]:
+    def audit(
+        self,
+        namespace: str | None = None,
+        schedule_id: str | None = None,
+        actor: str | None = None,
+        since: dt.datetime | str | None = None,
+        page_size: int = 100,
+    ) -> Iterator[Document]:
         """The audit trail, newest first."""
-        return self.pages(lambda before: calls.audit_page(namespace, schedule_id, actor, since,
-                                                          before, page_size))
+        return self.pages(
+            lambda before: calls.audit_page(namespace, schedule_id, actor, since, before, page_size)
+        )
 
-    def restore(self, schedule_id: str, revision: int, if_match: int | None = None
-                ) -> models.Schedule:
+    def restore(
+        self, schedule_id: str, revision: int, if_match: int | None = None
+    ) -> models.Schedule:
         return self.send(calls.restore(schedule_id, revision, if_match))
 
-    def replace_schedule(self, schedule_id: str,
-                         fields: models.ScheduleFields | Mapping[str, Any],
-                         if_match: int | None = None) -> models.Schedule:
+    def replace_schedule(
+        self,
+        schedule_id: str,
+        fields: models.ScheduleFields | Mapping[str, Any],
+        if_match: int | None = None,
+    ) -> models.Schedule:
         return self.send(calls.replace_schedule(schedule_id, fields, if_match))
 
     def update_schedule(self, schedule: models.Schedule) -> models.Schedule:
         return self.send(calls.update_schedule(schedule))
 
-    def patch_schedule(self, schedule_id: str, patch: Mapping[str, Any],
-                       if_match: int | None = None) -> models.Schedule:
+    def patch_schedule(
+        self, schedule_id: str, patch: Mapping[str, Any], if_match: int | None = None
+    ) -> models.Schedule:
         return self.send(calls.patch_schedule(schedule_id, patch, if_match))
 
     def delete_schedule(self, schedule_id: str, if_match: int | None = None) -> None:
         self.send(calls.delete_schedule(schedule_id, if_match))
 
-    def pause(self, schedule_id: str, note: str | None = None,
-              until: dt.datetime | str | None = None, if_match: int | None = None
-              ) -> models.Schedule:
+    def pause(
+        self,
+        schedule_id: str,
+        note: str | None = None,
+        until: dt.datetime | str | None = None,
+        if_match: int | None = None,
+    ) -> models.Schedule:
         return self.send(calls.pause(schedule_id, note, until, if_match))
 
     def resume(self, schedule_id: str, if_match: int | None = None) -> models.Schedule:
         return self.send(calls.resume(schedule_id, if_match))
 
-    def next_fires(self, schedule_id: str, count: int = 5,
-                   after: dt.datetime | str | None = None) -> models.Preview:
+    def next_fires(
+        self, schedule_id: str, count: int = 5, after: dt.datetime | str | None = None
+    ) -> models.Preview:
         return self.send(calls.next_fires(schedule_id, count, after))
 
     # Run control.
-    def trigger(self, schedule_id: str, payload: Mapping[str, Any] | None = None,
-                overlap: str | None = None, force: bool = False,
-                idempotency_key: str | None = None,
-                priority: int | None = None) -> models.Triggered:
-        return self.send(calls.trigger(schedule_id, payload, overlap, force, idempotency_key,
-                                       priority))
+    def trigger(
+        self,
+        schedule_id: str,
+        payload: Mapping[str, Any] | None = None,
+        overlap: str | None = None,
+        force: bool = False,
+        idempotency_key: str | None = None,
+        priority: int | None = None,
+    ) -> models.Triggered:
+        return self.send(
+            calls.trigger(schedule_id, payload, overlap, force, idempotency_key, priority)
+        )
 
-    def backfill(self, schedule_id: str, start: dt.datetime | str, end: dt.datetime | str,
-                 overlap: str | None = None) -> Document:
+    def backfill(
+        self,
+        schedule_id: str,
+        start: dt.datetime | str,
+        end: dt.datetime | str,
+        overlap: str | None = None,
+    ) -> Document:
         return self.send(calls.backfill(schedule_id, start, end, overlap))
 
     def get_backfill(self, backfill_id: str) -> Document:
@@ -249,8 +312,9 @@ class Client:
     def schedule_runs(self, schedule_id: str, limit: int = 50) -> Document:
         return self.send(calls.schedule_runs(schedule_id, limit))
 
-    def runs(self, state: str | None = None, page_size: int = 100,
-             namespace: str | None = None) -> Iterator[Document]:
+    def runs(
+        self, state: str | None = None, page_size: int = 100, namespace: str | None = None
+    ) -> Iterator[Document]:
         """Every run (in ``state``), most recently changed first, a page at a time."""
         return self.pages(lambda after: calls.runs_page(state, after, page_size, namespace))
 
@@ -280,13 +344,22 @@ class Client:
 class AsyncClient:
     """The HTTP API for asyncio; the same methods as ``Client``, awaited."""
 
-    def __init__(self, api: str | None = None, token: str | None = None, *,
-                 verify: bool | str = True, cert: str | tuple[str, str] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, attempts: int = DEFAULT_ATTEMPTS,
-                 reason: str | None = None, origin: str | None = None) -> None:
+    def __init__(
+        self,
+        api: str | None = None,
+        token: str | None = None,
+        *,
+        verify: bool | str = True,
+        cert: str | tuple[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        attempts: int = DEFAULT_ATTEMPTS,
+        reason: str | None = None,
+        origin: str | None = None,
+    ) -> None:
         self.attempts = attempts
-        self._http = httpx.AsyncClient(**_http_options(api, token, verify, cert, timeout_s,
-                                                   reason, origin))
+        self._http = httpx.AsyncClient(
+            **_http_options(api, token, verify, cert, timeout_s, reason, origin)
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -303,8 +376,12 @@ class AsyncClient:
             with attempt:
                 try:
                     response = await self._http.request(
-                        call.method, call.path, params=call.params, json=call.json,
-                        headers=call.headers)
+                        call.method,
+                        call.path,
+                        params=call.params,
+                        json=call.json,
+                        headers=call.headers,
+                    )
                 except httpx.TransportError as exc:
                     raise _transport_error(call, self._http.base_url, exc) from exc
                 return _answer(call, response)
@@ -320,73 +397,106 @@ class AsyncClient:
             if after is None:
                 return
 
-    async def create_schedule(self, schedule: models.ScheduleIn | Mapping[str, Any]
-                              ) -> models.Schedule:
+    async def create_schedule(
+        self, schedule: models.ScheduleIn | Mapping[str, Any]
+    ) -> models.Schedule:
         return await self.send(calls.create_schedule(schedule))
 
-    async def create_schedules(self,
-                               schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
-                               ) -> models.BatchCreated:
+    async def create_schedules(
+        self, schedules: Sequence[models.ScheduleIn | Mapping[str, Any]]
+    ) -> models.BatchCreated:
         return await self.send(calls.create_schedules(schedules))
 
     async def get_schedule(self, schedule_id: str) -> models.Schedule:
         return await self.send(calls.get_schedule(schedule_id))
 
-    def schedules(self, labels: Mapping[str, str] | None = None,
-                  paused: bool | None = None, page_size: int = 100,
-                  namespace: str | None = None) -> AsyncIterator[models.Schedule]:
-        return self.pages(lambda after: calls.schedules_page(labels, paused, after,
-                                                             page_size, namespace))
+    def schedules(
+        self,
+        labels: Mapping[str, str] | None = None,
+        paused: bool | None = None,
+        page_size: int = 100,
+        namespace: str | None = None,
+    ) -> AsyncIterator[models.Schedule]:
+        return self.pages(
+            lambda after: calls.schedules_page(labels, paused, after, page_size, namespace)
+        )
 
     def history(self, schedule_id: str, page_size: int = 100) -> AsyncIterator[Document]:
         return self.pages(lambda before: calls.history_page(schedule_id, before, page_size))
 
-    def audit(self, namespace: str | None = None, schedule_id: str | None = None,
-              actor: str | None = None, since: dt.datetime | str | None = None,
-              page_size: int = 100) -> AsyncIterator[Document]:
-        return self.pages(lambda before: calls.audit_page(namespace, schedule_id, actor, since,
-                                                          before, page_size))
+    def audit(
+        self,
+        namespace: str | None = None,
+        schedule_id: str | None = None,
+        actor: str | None = None,
+        since: dt.datetime | str | None = None,
+        page_size: int = 100,
+    ) -> AsyncIterator[Document]:
+        return self.pages(
+            lambda before: calls.audit_page(namespace, schedule_id, actor, since, before, page_size)
+        )
 
-    async def restore(self, schedule_id: str, revision: int, if_match: int | None = None
-                      ) -> models.Schedule:
+    async def restore(
+        self, schedule_id: str, revision: int, if_match: int | None = None
+    ) -> models.Schedule:
         return await self.send(calls.restore(schedule_id, revision, if_match))
 
-    async def replace_schedule(self, schedule_id: str,
-                               fields: models.ScheduleFields | Mapping[str, Any],
-                               if_match: int | None = None) -> models.Schedule:
+    async def replace_schedule(
+        self,
+        schedule_id: str,
+        fields: models.ScheduleFields | Mapping[str, Any],
+        if_match: int | None = None,
+    ) -> models.Schedule:
         return await self.send(calls.replace_schedule(schedule_id, fields, if_match))
 
     async def update_schedule(self, schedule: models.Schedule) -> models.Schedule:
         return await self.send(calls.update_schedule(schedule))
 
-    async def patch_schedule(self, schedule_id: str, patch: Mapping[str, Any],
-                             if_match: int | None = None) -> models.Schedule:
+    async def patch_schedule(
+        self, schedule_id: str, patch: Mapping[str, Any], if_match: int | None = None
+    ) -> models.Schedule:
         return await self.send(calls.patch_schedule(schedule_id, patch, if_match))
 
     async def delete_schedule(self, schedule_id: str, if_match: int | None = None) -> None:
         await self.send(calls.delete_schedule(schedule_id, if_match))
 
-    async def pause(self, schedule_id: str, note: str | None = None,
-                    until: dt.datetime | str | None = None, if_match: int | None = None
-                    ) -> models.Schedule:
+    async def pause(
+        self,
+        schedule_id: str,
+        note: str | None = None,
+        until: dt.datetime | str | None = None,
+        if_match: int | None = None,
+    ) -> models.Schedule:
         return await self.send(calls.pause(schedule_id, note, until, if_match))
 
     async def resume(self, schedule_id: str, if_match: int | None = None) -> models.Schedule:
         return await self.send(calls.resume(schedule_id, if_match))
 
-    async def next_fires(self, schedule_id: str, count: int = 5,
-                         after: dt.datetime | str | None = None) -> models.Preview:
+    async def next_fires(
+        self, schedule_id: str, count: int = 5, after: dt.datetime | str | None = None
+    ) -> models.Preview:
         return await self.send(calls.next_fires(schedule_id, count, after))
 
-    async def trigger(self, schedule_id: str, payload: Mapping[str, Any] | None = None,
-                      overlap: str | None = None, force: bool = False,
-                      idempotency_key: str | None = None,
-                      priority: int | None = None) -> models.Triggered:
-        return await self.send(calls.trigger(schedule_id, payload, overlap, force,
-                                             idempotency_key, priority))
+    async def trigger(
+        self,
+        schedule_id: str,
+        payload: Mapping[str, Any] | None = None,
+        overlap: str | None = None,
+        force: bool = False,
+        idempotency_key: str | None = None,
+        priority: int | None = None,
+    ) -> models.Triggered:
+        return await self.send(
+            calls.trigger(schedule_id, payload, overlap, force, idempotency_key, priority)
+        )
 
-    async def backfill(self, schedule_id: str, start: dt.datetime | str,
-                       end: dt.datetime | str, overlap: str | None = None) -> Document:
+    async def backfill(
+        self,
+        schedule_id: str,
+        start: dt.datetime | str,
+        end: dt.datetime | str,
+        overlap: str | None = None,
+    ) -> Document:
         return await self.send(calls.backfill(schedule_id, start, end, overlap))
 
     async def get_backfill(self, backfill_id: str) -> Document:
@@ -398,8 +508,7 @@ class AsyncClient:
     async def health(self, schedule_id: str) -> ScheduleHealth:
         return await self.send(calls.health(schedule_id))
 
-    async def create_webhook(self, webhook: models.WebhookIn | Mapping[str, Any]
-                             ) -> models.Webhook:
+    async def create_webhook(self, webhook: models.WebhookIn | Mapping[str, Any]) -> models.Webhook:
         return await self.send(calls.create_webhook(webhook))
 
     async def webhooks(self, namespace: str | None = None) -> models.WebhookList:
@@ -420,8 +529,9 @@ class AsyncClient:
     async def schedule_runs(self, schedule_id: str, limit: int = 50) -> Document:
         return await self.send(calls.schedule_runs(schedule_id, limit))
 
-    def runs(self, state: str | None = None, page_size: int = 100,
-             namespace: str | None = None) -> AsyncIterator[Document]:
+    def runs(
+        self, state: str | None = None, page_size: int = 100, namespace: str | None = None
+    ) -> AsyncIterator[Document]:
         return self.pages(lambda after: calls.runs_page(state, after, page_size, namespace))
 
     async def get_run(self, fire_id: str) -> Document:

@@ -9,8 +9,9 @@ from typing import Any
 class HaschedulerError(Exception):
     """Any failure of an API call; ``status`` is the HTTP status (0: no answer)."""
 
-    def __init__(self, message: str, status: int = 0, body: Mapping[str, Any] | None = None
-                 ) -> None:
+    def __init__(
+        self, message: str, status: int = 0, body: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body: dict[str, Any] = dict(body or {})
@@ -51,8 +52,9 @@ class Conflict(HaschedulerError):
 class RateLimited(HaschedulerError):
     """429: too many writes from this client; ``retry_after`` seconds to wait."""
 
-    def __init__(self, message: str, status: int, body: Mapping[str, Any] | None,
-                 retry_after: float) -> None:
+    def __init__(
+        self, message: str, status: int, body: Mapping[str, Any] | None, retry_after: float
+    ) -> None:
         super().__init__(message, status, body)
         self.retry_after = retry_after
 
@@ -62,17 +64,31 @@ class Unavailable(HaschedulerError):
 
 
 _BY_STATUS: dict[int, type[HaschedulerError]] = {
-    400: Invalid, 422: Invalid, 401: Unauthorized, 403: Unauthorized, 404: NotFound,
-    409: Conflict, 412: Conflict}
+    400: Invalid,
+    422: Invalid,
+    401: Unauthorized,
+    403: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    412: Conflict,
+}
 
 
-def error_for(method: str, path: str, status: int, body: Any,
-              headers: Mapping[str, str]) -> HaschedulerError:
+def error_for(
+    method: str, path: str, status: int, body: Any, headers: Mapping[str, str]
+) -> HaschedulerError:
     """The exception for an answer of ``status`` (400 or more)."""
     problem = body if isinstance(body, dict) else {}
     title = str(problem.get("title") or f"HTTP {status}")
-    named = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in problem.get(
-        "errors", []) if isinstance(e, dict)) if isinstance(problem.get("errors"), list) else ""
+    named = (
+        "; ".join(
+            f"{e.get('field')}: {e.get('message')}"
+            for e in problem.get("errors", [])
+            if isinstance(e, dict)
+        )
+        if isinstance(problem.get("errors"), list)
+        else ""
+    )
     message = f"{method} {path}: HTTP {status}: {title}" + (f" ({named})" if named else "")
     if status == 429:
         try:

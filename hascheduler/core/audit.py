@@ -33,21 +33,31 @@ class AuditReport:
         return not (self.missing or self.duplicated or self.unexpected)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"since": self.since.isoformat(), "until": self.until.isoformat(),
-                "expected": self.expected, "delivered": self.delivered,
-                "missing": len(self.missing), "duplicated": len(self.duplicated),
-                "unexpected": len(self.unexpected), "ok": self.ok,
-                "examples": {"missing": [list(k) for k in self.missing[:5]],
-                             "duplicated": [list(k) for k in self.duplicated[:5]],
-                             "unexpected": [list(k) for k in self.unexpected[:5]]}}
+        return {
+            "since": self.since.isoformat(),
+            "until": self.until.isoformat(),
+            "expected": self.expected,
+            "delivered": self.delivered,
+            "missing": len(self.missing),
+            "duplicated": len(self.duplicated),
+            "unexpected": len(self.unexpected),
+            "ok": self.ok,
+            "examples": {
+                "missing": [list(k) for k in self.missing[:5]],
+                "duplicated": [list(k) for k in self.duplicated[:5]],
+                "unexpected": [list(k) for k in self.unexpected[:5]],
+            },
+        }
 
 
 def describe(report: dict[str, Any]) -> str:
     """One line for people from AuditReport.as_dict()."""
-    return (f"fires due {report['since']} .. {report['until']}: expected "
-            f"{report['expected']}, delivered {report['delivered']}, missing "
-            f"{report['missing']}, duplicated {report['duplicated']}, unexpected "
-            f"{report['unexpected']}")
+    return (
+        f"fires due {report['since']} .. {report['until']}: expected "
+        f"{report['expected']}, delivered {report['delivered']}, missing "
+        f"{report['missing']}, duplicated {report['duplicated']}, unexpected "
+        f"{report['unexpected']}"
+    )
 
 
 def parse_instant(text: str) -> dt.datetime:
@@ -62,8 +72,9 @@ def _key_time(moment: dt.datetime) -> str:
     return moment.isoformat(timespec="milliseconds")
 
 
-def expected_fires(schedules: list[dict[str, Any]], since: dt.datetime,
-                   until: dt.datetime) -> dict[FireKey, dt.datetime]:
+def expected_fires(
+    schedules: list[dict[str, Any]], since: dt.datetime, until: dt.datetime
+) -> dict[FireKey, dt.datetime]:
     """Every unpaused schedule's fires due in [since, until], with their due times."""
     due: dict[FireKey, dt.datetime] = {}
     for doc in schedules:
@@ -78,8 +89,12 @@ def expected_fires(schedules: list[dict[str, Any]], since: dt.datetime,
     return due
 
 
-def audit(schedules: list[dict[str, Any]], events: list[dict[str, Any]],
-          since: dt.datetime, until: dt.datetime) -> AuditReport:
+def audit(
+    schedules: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    since: dt.datetime,
+    until: dt.datetime,
+) -> AuditReport:
     """Compare CloudEvents read from the stream with the fires due in the window."""
     expected = expected_fires(schedules, since, until)
     entries = {doc["_id"]: entry_from_document(doc) for doc in schedules}

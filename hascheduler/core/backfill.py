@@ -27,16 +27,22 @@ class ChunkOutcome:
     released: list[str] = field(default_factory=list)  # skipped by a pause: to be freed
 
 
-def chunk_outcome(docs: Iterable[dict[str, Any]], backfill_id: str, following: dt.datetime
-                  ) -> ChunkOutcome:
+def chunk_outcome(
+    docs: Iterable[dict[str, Any]], backfill_id: str, following: dt.datetime
+) -> ChunkOutcome:
     """The outcome of a chunk whose nominal times run up to ``following`` (exclusive), from
     the ledger's documents at those times (``nominal_at``, ``state``, ``reason``,
     ``backfill``). A claim of this backfill that a pause withdrew is released and the cursor
     goes back to it, so those times are fired once the schedule is resumed; what lies from
     there on is counted when the chunk is worked again."""
     docs = list(docs)
-    released = [d for d in docs if d.get("backfill") == backfill_id
-                and d.get("state") == "skipped" and d.get("reason") == PAUSED_BEFORE_DUE]
+    released = [
+        d
+        for d in docs
+        if d.get("backfill") == backfill_id
+        and d.get("state") == "skipped"
+        and d.get("reason") == PAUSED_BEFORE_DUE
+    ]
     cursor = min((as_utc(d["nominal_at"]) for d in released), default=following)
     fired = held = 0
     withdrawn: dict[str, int] = {}

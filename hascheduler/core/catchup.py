@@ -47,8 +47,9 @@ class SkippedRange:
     reason: str
 
 
-def plan_catchup(trigger: Trigger, policy: str, window_s: float, since: dt.datetime,
-                 now: dt.datetime) -> tuple[list[dt.datetime], SkippedRange | None]:
+def plan_catchup(
+    trigger: Trigger, policy: str, window_s: float, since: dt.datetime, now: dt.datetime
+) -> tuple[list[dt.datetime], SkippedRange | None]:
     """Nominal times in (since, now] no leader fired: which to fire now, and the range of
     those skipped with its reason.
 
@@ -59,22 +60,25 @@ def plan_catchup(trigger: Trigger, policy: str, window_s: float, since: dt.datet
     if policy == "all":
         oldest = now - dt.timedelta(seconds=window_s)
         fire = list(fire_times(trigger, max(since, oldest - _TICK), until=now))
-        return fire, _skipped(trigger, since, min(oldest - _TICK, now),
-                              "older than the catch-up window")
+        return fire, _skipped(
+            trigger, since, min(oldest - _TICK, now), "older than the catch-up window"
+        )
     if policy == "latest":
         latest = latest_at_or_before(trigger, since, now)
         if latest is None:
             return [], None
-        return [latest], _skipped(trigger, since, latest - _TICK,
-                                  "catch-up policy 'latest': a later time fired")
+        return [latest], _skipped(
+            trigger, since, latest - _TICK, "catch-up policy 'latest': a later time fired"
+        )
     return [], _skipped(trigger, since, now, "catch-up policy 'none'")
 
 
 _TICK = dt.timedelta(microseconds=1)
 
 
-def _skipped(trigger: Trigger, after: dt.datetime, until: dt.datetime,
-             reason: str) -> SkippedRange | None:
+def _skipped(
+    trigger: Trigger, after: dt.datetime, until: dt.datetime, reason: str
+) -> SkippedRange | None:
     first = next(iter(fire_times(trigger, after, until=until, limit=1)), None)
     if first is None:
         return None
@@ -90,8 +94,7 @@ def change_start(written: Written | None) -> dt.datetime | None:
     return written.created_at if written.created_at is not None else written.at
 
 
-def replan_from(watermark: dt.datetime | None, written: Written | None
-                ) -> dt.datetime | None:
+def replan_from(watermark: dt.datetime | None, written: Written | None) -> dt.datetime | None:
     """Where a changed schedule's fires are planned from: a new schedule from its
     creation, as the catch-up plans one (plan_catchups: its write may have been held up
     past the watermark, and the instants after its creation are due all the same); a
@@ -106,8 +109,13 @@ def replan_from(watermark: dt.datetime | None, written: Written | None
     return max(start, watermark - dt.timedelta(seconds=LATE_CHANGE_S))
 
 
-def unplanned(entry: Entry | None, written: Written | None, start: dt.datetime,
-               planned_from: dt.datetime, lag_s: float) -> SkippedRange | None:
+def unplanned(
+    entry: Entry | None,
+    written: Written | None,
+    start: dt.datetime,
+    planned_from: dt.datetime,
+    lag_s: float,
+) -> SkippedRange | None:
     """The instants of a new schedule whose change was applied later than LATE_CHANGE_S
     that fell due between its creation and where it is planned from, as a skipped range
     (pure); None for a change to a schedule (the leader fired it as it was) or none due."""
@@ -120,13 +128,18 @@ def unplanned(entry: Entry | None, written: Written | None, start: dt.datetime,
     last = latest_at_or_before(entry.trigger, start, until)
     if first is None or last is None:
         return None
-    return SkippedRange(first, last, count_between(entry.trigger, start, until),
-                        f"its creation reached the leader {lag_s:.0f} s late (more than "
-                        f"{LATE_CHANGE_S:g} s): its fires before were not planned")
+    return SkippedRange(
+        first,
+        last,
+        count_between(entry.trigger, start, until),
+        f"its creation reached the leader {lag_s:.0f} s late (more than "
+        f"{LATE_CHANGE_S:g} s): its fires before were not planned",
+    )
 
 
-def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
-               now: dt.datetime) -> list[Due]:
+def late_fires(
+    changes: Mapping[str, Written], entries: Mapping[str, Entry], now: dt.datetime
+) -> list[Due]:
     """The fires due by ``now`` of changes applied while a term started (pure): planned
     from when each was made (replan_from), where the term's seed plans them from ``now``.
     A fan-out's too: an instant the ledger holds nothing of, for the tenants it selects
@@ -137,14 +150,28 @@ def late_fires(changes: Mapping[str, Written], entries: Mapping[str, Entry],
         start = replan_from(now, written)
         if entry is None or entry.dormant or start is None or start >= now:
             continue
-        due += _dues(schedule_id, entry, fire_times(
-            entry.trigger, start - dt.timedelta(seconds=entry.jitter), until=now,
-            limit=LATE_FIRES_MAX), now, after=start)
+        due += _dues(
+            schedule_id,
+            entry,
+            fire_times(
+                entry.trigger,
+                start - dt.timedelta(seconds=entry.jitter),
+                until=now,
+                limit=LATE_FIRES_MAX,
+            ),
+            now,
+            after=start,
+        )
     return sorted(due)
 
 
-def _dues(schedule_id: str, entry: Entry, nominals: Iterable[dt.datetime],
-          now: dt.datetime, after: dt.datetime | None = None) -> list[Due]:
+def _dues(
+    schedule_id: str,
+    entry: Entry,
+    nominals: Iterable[dt.datetime],
+    now: dt.datetime,
+    after: dt.datetime | None = None,
+) -> list[Due]:
     """``nominals`` as fires to claim: those whose jittered time is by ``now`` (and after
     ``after``), and at which the schedule is not paused (until an instant)."""
     due = []
@@ -157,9 +184,12 @@ def _dues(schedule_id: str, entry: Entry, nominals: Iterable[dt.datetime],
     return due
 
 
-def plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | None,
-                   now: dt.datetime, created: Mapping[str, dt.datetime]
-                   ) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
+def plan_catchups(
+    entries: list[tuple[str, Entry]],
+    watermark: dt.datetime | None,
+    now: dt.datetime,
+    created: Mapping[str, dt.datetime],
+) -> tuple[list[Due], list[tuple[str, SkippedRange]]]:
     """The schedules' catch-up: the fires due by now (later ones are queued by seeding),
     and the range each skips (pure). Each schedule from the previous leader's
     ``watermark`` (with none, a database's first term, from ``now``), or from its creation
@@ -183,12 +213,14 @@ def plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | Non
         late: Iterable[dt.datetime] = ()
         if born is not None and watermark is not None and born < watermark:
             start = watermark  # by its policy from there
-            late = fire_times(entry.trigger, born - jitter, until=watermark - jitter,
-                              limit=LATE_FIRES_MAX)
+            late = fire_times(
+                entry.trigger, born - jitter, until=watermark - jitter, limit=LATE_FIRES_MAX
+            )
         fire: list[dt.datetime] = []
         for since, until in _unpaused(entry, start, now):
-            planned, skip = plan_catchup(entry.trigger, entry.catchup, entry.catchup_window,
-                                         since - jitter, until)
+            planned, skip = plan_catchup(
+                entry.trigger, entry.catchup, entry.catchup_window, since - jitter, until
+            )
             fire += planned
             if skip is not None and since == watermark and jitter:
                 skip = _less_handled(schedule_id, entry, skip, since)
@@ -198,29 +230,37 @@ def plan_catchups(entries: list[tuple[str, Entry]], watermark: dt.datetime | Non
     return to_fire, skipped
 
 
-def _less_handled(schedule_id: str, entry: Entry, skip: SkippedRange,
-                  watermark: dt.datetime) -> SkippedRange | None:
+def _less_handled(
+    schedule_id: str, entry: Entry, skip: SkippedRange, watermark: dt.datetime
+) -> SkippedRange | None:
     """``skip`` less the instants the previous leader handled (pure): a jittered
     schedule's instants with nominal times in the jitter before ``watermark`` whose
     jittered time is by it were fired or recorded skipped by then; planned from
     ``watermark`` less the jitter, they were counted again."""
-    handled = {n for n in fire_times(entry.trigger,
-                                     watermark - dt.timedelta(seconds=entry.jitter),
-                                     until=watermark)
-               if skip.first <= n <= skip.last
-               and n + jitter_offset(schedule_id, n, entry.jitter) <= watermark}
+    handled = {
+        n
+        for n in fire_times(
+            entry.trigger, watermark - dt.timedelta(seconds=entry.jitter), until=watermark
+        )
+        if skip.first <= n <= skip.last
+        and n + jitter_offset(schedule_id, n, entry.jitter) <= watermark
+    }
     if not handled:
         return skip
     count = skip.count - len(handled)
     if count <= 0:
         return None
-    first = next(n for n in fire_times(entry.trigger, just_before(skip.first),
-                                       until=skip.last) if n not in handled)
+    first = next(
+        n
+        for n in fire_times(entry.trigger, just_before(skip.first), until=skip.last)
+        if n not in handled
+    )
     return SkippedRange(first, skip.last, count, skip.reason)
 
 
-def _unpaused(entry: Entry, start: dt.datetime, now: dt.datetime
-              ) -> list[tuple[dt.datetime, dt.datetime]]:
+def _unpaused(
+    entry: Entry, start: dt.datetime, now: dt.datetime
+) -> list[tuple[dt.datetime, dt.datetime]]:
     """The spans of (``start``, ``now``] in which ``entry`` is not paused, each as
     (after, until]: the whole of it, or the part before its pause's start and the part from
     its pause's end (pure)."""

@@ -27,7 +27,7 @@ class CeleryPayloadError(ValueError):
 
 def celery_task(target: str) -> str | None:
     """The task name of a ``celery:<task>`` target, or None for any other target."""
-    return target[len(CELERY_PREFIX):] if target.startswith(CELERY_PREFIX) else None
+    return target[len(CELERY_PREFIX) :] if target.startswith(CELERY_PREFIX) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,19 +43,23 @@ def celery_call(payload: Any) -> CeleryCall:
     if payload is None:
         payload = {}
     if not isinstance(payload, dict):
-        raise CeleryPayloadError("payload: a Celery target takes an object with args, "
-                                 "kwargs and queue")
+        raise CeleryPayloadError(
+            "payload: a Celery target takes an object with args, kwargs and queue"
+        )
     unknown = set(payload) - PAYLOAD_KEYS
     if unknown:
-        raise CeleryPayloadError(f"payload.{sorted(unknown)[0]}: a Celery target's payload "
-                                 "holds only args, kwargs and queue")
+        raise CeleryPayloadError(
+            f"payload.{sorted(unknown)[0]}: a Celery target's payload "
+            "holds only args, kwargs and queue"
+        )
     args = payload.get("args", [])
     if not isinstance(args, list):
         raise CeleryPayloadError("payload.args: must be a list")
     kwargs = payload.get("kwargs", {})
     if not isinstance(kwargs, dict) or not all(k.isidentifier() for k in kwargs):
-        raise CeleryPayloadError("payload.kwargs: must be an object whose keys are Python "
-                                 "identifiers")
+        raise CeleryPayloadError(
+            "payload.kwargs: must be an object whose keys are Python identifiers"
+        )
     queue = payload.get("queue")
     if queue is not None and (not isinstance(queue, str) or not 0 < len(queue) <= 255):
         raise CeleryPayloadError("payload.queue: must be a queue name of 1 to 255 characters")
@@ -75,12 +79,25 @@ def celery_message(task: str, fire_id: str, call: CeleryCall, origin: str) -> Ce
     """The protocol-2 message that runs ``task(*call.args, **call.kwargs)`` as task id
     ``fire_id``."""
     headers: dict[str, Any] = {
-        "lang": "py", "task": task, "id": fire_id, "shadow": None, "eta": None,
-        "expires": None, "group": None, "group_index": None, "retries": 0,
-        "timelimit": [None, None], "root_id": fire_id, "parent_id": None,
-        "argsrepr": _bounded_repr(call.args), "kwargsrepr": _bounded_repr(call.kwargs),
-        "origin": origin, "ignore_result": False,
-        "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
+        "lang": "py",
+        "task": task,
+        "id": fire_id,
+        "shadow": None,
+        "eta": None,
+        "expires": None,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": fire_id,
+        "parent_id": None,
+        "argsrepr": _bounded_repr(call.args),
+        "kwargsrepr": _bounded_repr(call.kwargs),
+        "origin": origin,
+        "ignore_result": False,
+        "replaced_task_nesting": 0,
+        "stamped_headers": None,
+        "stamps": {},
     }
     embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
     body = json.dumps([call.args, call.kwargs, embed], separators=(",", ":")).encode()
@@ -90,4 +107,4 @@ def celery_message(task: str, fire_id: str, call: CeleryCall, origin: str) -> Ce
 def _bounded_repr(value: Any, limit: int = 1024) -> str:
     # What Celery's monitors show; Celery itself truncates these too.
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -44,8 +44,11 @@ class Claim:
 
     @classmethod
     def of(cls, due: Due, tenant: str | None = None) -> Claim:
-        key = fire_id(due.schedule_id, due.nominal) if tenant is None \
+        key = (
+            fire_id(due.schedule_id, due.nominal)
+            if tenant is None
             else tenant_fire_id(due.schedule_id, due.nominal, tenant)
+        )
         return cls(key, due.schedule_id, due.nominal, due.fire_at, tenant)
 
 
@@ -62,8 +65,14 @@ class Expansion:
     refused: list[tuple[Due, str]] = field(default_factory=list)
 
 
-def expand(batch: Sequence[Due], entries: Mapping[str, Entry], tenants: Tenants | None,
-           max_fan_out: int, may_wait: bool, sync_wait_s: float) -> Expansion:
+def expand(
+    batch: Sequence[Due],
+    entries: Mapping[str, Entry],
+    tenants: Tenants | None,
+    max_fan_out: int,
+    may_wait: bool,
+    sync_wait_s: float,
+) -> Expansion:
     """The claims for ``batch``. A fan-out whose tenants are unknown waits for its source
     if ``may_wait``, and is refused otherwise; one selecting more tenants than
     ``max_fan_out`` is refused whole (firing a subset would pick arbitrarily which tenants
@@ -78,12 +87,18 @@ def expand(batch: Sequence[Due], entries: Mapping[str, Entry], tenants: Tenants 
         if selected is None and may_wait:
             out.waiting.append((due, entry.fan_out))
         elif selected is None:
-            out.refused.append((due, f"fan-out source not in sync within {sync_wait_s:g} s "
-                                     "of the due time"))
+            out.refused.append(
+                (due, f"fan-out source not in sync within {sync_wait_s:g} s of the due time")
+            )
         elif len(selected) > max_fan_out:
-            out.refused.append((due, f"fan-out selects {len(selected)} tenants at the claim, "
-                                     f"above the bound of {max_fan_out} "
-                                     "(serve --max-fan-out)"))
+            out.refused.append(
+                (
+                    due,
+                    f"fan-out selects {len(selected)} tenants at the claim, "
+                    f"above the bound of {max_fan_out} "
+                    "(serve --max-fan-out)",
+                )
+            )
         else:
             out.claims.extend(Claim.of(due, tenant) for tenant in selected)
     return out
@@ -105,10 +120,13 @@ def withdrawn(claim: Claim, entry: Entry | None, revision: int) -> str | None:
     return None
 
 
-def none_withdrawn(claims: list[Claim], entries: Mapping[str, Entry],
-                    revisions: Mapping[str, int]) -> bool:
+def none_withdrawn(
+    claims: list[Claim], entries: Mapping[str, Entry], revisions: Mapping[str, int]
+) -> bool:
     """Whether every one of ``claims``, none a tenant's, is still a fire of its schedule
     as ``entries`` stand (pure): what ``FiringPath.still_due`` would keep them all for."""
-    return all(c.tenant is None and withdrawn(c, entries.get(c.schedule_id),
-                                               revisions[c.schedule_id]) is None
-               for c in claims)
+    return all(
+        c.tenant is None
+        and withdrawn(c, entries.get(c.schedule_id), revisions[c.schedule_id]) is None
+        for c in claims
+    )

@@ -47,9 +47,13 @@ class _Bound:
 class ServerClock:
     """Bounds on the database server's clock, kept from the replies that carry it."""
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Clock = lambda: dt.datetime.now(dt.UTC),
-                 drift: float = MAX_DRIFT, tolerance_s: float = DEFAULT_TOLERANCE_S) -> None:
+    def __init__(
+        self,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Clock = lambda: dt.datetime.now(dt.UTC),
+        drift: float = MAX_DRIFT,
+        tolerance_s: float = DEFAULT_TOLERANCE_S,
+    ) -> None:
         self.monotonic = monotonic  # samplers time their round trips with it
         self._wall = wall
         self._drift = drift
@@ -105,8 +109,7 @@ class ServerClock:
         if self._lower is None or self._upper is None:
             return float("inf")
         m = self.monotonic()
-        return (self._high_at(self._upper, m) - self._low_at(self._lower, m)
-                ).total_seconds() / 2
+        return (self._high_at(self._upper, m) - self._low_at(self._lower, m)).total_seconds() / 2
 
     def offset_s(self) -> float | None:
         """The server's clock minus ours, as best known (the bounds' midpoint); None
@@ -114,8 +117,10 @@ class ServerClock:
         if self._lower is None or self._upper is None:
             return None
         m = self.monotonic()
-        middle = self._low_at(self._lower, m) + (
-            self._high_at(self._upper, m) - self._low_at(self._lower, m)) / 2
+        middle = (
+            self._low_at(self._lower, m)
+            + (self._high_at(self._upper, m) - self._low_at(self._lower, m)) / 2
+        )
         return (middle - self._wall()).total_seconds()
 
     def problem(self) -> str | None:
@@ -124,15 +129,20 @@ class ServerClock:
             return "no reply from the database has told its time yet"
         error = self.error_s()
         if error > self.tolerance_s:
-            return (f"the database's clock is known only within {error * 1000:.0f} ms, more "
-                    f"than the tolerance of {self.tolerance_s * 1000:.0f} ms (slow round "
-                    "trips to the database)")
+            return (
+                f"the database's clock is known only within {error * 1000:.0f} ms, more "
+                f"than the tolerance of {self.tolerance_s * 1000:.0f} ms (slow round "
+                "trips to the database)"
+            )
         return None
 
     def status(self) -> dict[str, float | int | str | None]:
         """For /readyz: the offset, how well it is known, and any problem."""
         offset = self.offset_s()
-        return {"offset_s": None if offset is None else round(offset, 4),
-                "error_s": None if not self.known else round(self.error_s(), 4),
-                "tolerance_s": self.tolerance_s, "samples": self.samples,
-                "problem": self.problem()}
+        return {
+            "offset_s": None if offset is None else round(offset, 4),
+            "error_s": None if not self.known else round(self.error_s(), 4),
+            "tolerance_s": self.tolerance_s,
+            "samples": self.samples,
+            "problem": self.problem(),
+        }

@@ -26,8 +26,12 @@ import re
 from dataclasses import dataclass
 
 MACROS = {
-    "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
-    "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
 # What every accepted expression looks like (the OpenAPI document's pattern): a macro, or
@@ -37,12 +41,21 @@ SHAPE = r"^\s*(@[A-Za-z]+|[0-9A-Za-z*?/,#-]+(\s+[0-9A-Za-z*?/,#-]+){4,5})\s*$"
 MAX_EXPRESSION_CHARS = 256
 
 FIELD_NAMES = ("second", "minute", "hour", "day-of-month", "month", "day-of-week")
-_BOUNDS = {"second": (0, 59), "minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31),
-           "month": (1, 12), "day-of-week": (0, 7)}
-_MONTHS = {name: i + 1 for i, name in enumerate(
-    ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])}
-_CRON_DAYS = {name: i for i, name in enumerate(["sun", "mon", "tue", "wed", "thu", "fri",
-                                                 "sat"])}
+_BOUNDS = {
+    "second": (0, 59),
+    "minute": (0, 59),
+    "hour": (0, 23),
+    "day-of-month": (1, 31),
+    "month": (1, 12),
+    "day-of-week": (0, 7),
+}
+_MONTHS = {
+    name: i + 1
+    for i, name in enumerate(
+        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
+    )
+}
+_CRON_DAYS = {name: i for i, name in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])}
 # The lengths a month can have in some year (February: 28 or 29).
 _LENGTHS = {m: (28, 29) if m == 2 else (calendar.monthrange(2001, m)[1],) for m in range(1, 13)}
 _NTH = ("1st", "2nd", "3rd", "4th", "5th")
@@ -85,9 +98,12 @@ class MonthDays:
     nearest: frozenset[int] = frozenset()
 
     def matches(self, day: int, length: int, first_weekday: int) -> bool:
-        return (day in self.days or (self.last and day == length)
-                or (self.last_weekday and day == nearest_weekday(None, length, first_weekday))
-                or any(day == nearest_weekday(n, length, first_weekday) for n in self.nearest))
+        return (
+            day in self.days
+            or (self.last and day == length)
+            or (self.last_weekday and day == nearest_weekday(None, length, first_weekday))
+            or any(day == nearest_weekday(n, length, first_weekday) for n in self.nearest)
+        )
 
     def apscheduler(self) -> str:
         terms = [_ranges(self.days)] if self.days else []
@@ -114,9 +130,11 @@ class WeekDays:
 
     def matches(self, day: int, length: int, first_weekday: int) -> bool:
         weekday = (first_weekday + day - 1) % 7
-        return (weekday in self.weekdays
-                or (weekday in self.last_of and day + 7 > length)
-                or (weekday, (day - 1) // 7 + 1) in self.nth)
+        return (
+            weekday in self.weekdays
+            or (weekday in self.last_of and day + 7 > length)
+            or (weekday, (day - 1) // 7 + 1) in self.nth
+        )
 
     def apscheduler_days(self) -> str:
         """The positional forms as APScheduler day-of-month expressions."""
@@ -134,16 +152,20 @@ class Alternative:
     week_days: WeekDays | None = None
 
     def matches(self, month: int, day: int, length: int, first_weekday: int) -> bool:
-        return (month in self.months
-                and (self.month_days is None or self.month_days.matches(day, length,
-                                                                          first_weekday))
-                and (self.week_days is None or self.week_days.matches(day, length,
-                                                                      first_weekday)))
+        return (
+            month in self.months
+            and (self.month_days is None or self.month_days.matches(day, length, first_weekday))
+            and (self.week_days is None or self.week_days.matches(day, length, first_weekday))
+        )
 
     def can_fire(self) -> bool:
-        return any(self.matches(month, day, length, first)
-                   for month in self.months for length in _LENGTHS[month]
-                   for first in range(7) for day in range(1, length + 1))
+        return any(
+            self.matches(month, day, length, first)
+            for month in self.months
+            for length in _LENGTHS[month]
+            for first in range(7)
+            for day in range(1, length + 1)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +228,16 @@ class CronExpression:
                     day = alt.week_days.apscheduler_days()
                 else:
                     day_of_week = ",".join(_WEEKDAYS[w] for w in sorted(alt.week_days.weekdays))
-            out.append({"second": _ranges(self.seconds), "minute": _ranges(self.minutes),
-                        "hour": _ranges(self.hours), "day": day,
-                        "month": _ranges(alt.months), "day_of_week": day_of_week})
+            out.append(
+                {
+                    "second": _ranges(self.seconds),
+                    "minute": _ranges(self.minutes),
+                    "hour": _ranges(self.hours),
+                    "day": day,
+                    "month": _ranges(alt.months),
+                    "day_of_week": day_of_week,
+                }
+            )
         return out
 
 
@@ -228,8 +257,7 @@ def parse(expression: str) -> CronExpression:
     if len(fields) == 5:
         fields = ["0", *fields]
     if len(fields) != 6:
-        raise CronError(f"a cron expression has 5 or 6 fields, not {len(fields)}: "
-                        f"{expression!r}")
+        raise CronError(f"a cron expression has 5 or 6 fields, not {len(fields)}: {expression!r}")
     second, minute, hour, dom, month, dow = fields
     seconds = _numbers(second, "second")
     minutes = _numbers(minute, "minute")
@@ -241,20 +269,33 @@ def parse(expression: str) -> CronExpression:
     alternatives = _alternatives(months, month_days, week_days, dom_star, dow_star)
     possible = tuple(a for a in alternatives if a.can_fire())
     if not possible:
-        raise CronError(f"{expression!r} can never fire: no month in its month field has a "
-                        "day its day fields allow")
-    return CronExpression(text=" ".join(fields), seconds=tuple(seconds),
-                          minutes=tuple(minutes), hours=tuple(hours),
-                          alternatives=possible, wildcard_hour=hour == "*")
+        raise CronError(
+            f"{expression!r} can never fire: no month in its month field has a "
+            "day its day fields allow"
+        )
+    return CronExpression(
+        text=" ".join(fields),
+        seconds=tuple(seconds),
+        minutes=tuple(minutes),
+        hours=tuple(hours),
+        alternatives=possible,
+        wildcard_hour=hour == "*",
+    )
 
 
-def _alternatives(months: frozenset[int], month_days: MonthDays, week_days: WeekDays,
-                  dom_star: bool, dow_star: bool) -> list[Alternative]:
+def _alternatives(
+    months: frozenset[int],
+    month_days: MonthDays,
+    week_days: WeekDays,
+    dom_star: bool,
+    dow_star: bool,
+) -> list[Alternative]:
     every_day = month_days == MonthDays(days=frozenset(range(1, 32)))
     every_weekday = week_days == WeekDays(weekdays=frozenset(range(7)))
     plain = WeekDays(weekdays=week_days.weekdays) if week_days.weekdays else None
-    positional = (WeekDays(last_of=week_days.last_of, nth=week_days.nth)
-                  if week_days.positional else None)
+    positional = (
+        WeekDays(last_of=week_days.last_of, nth=week_days.nth) if week_days.positional else None
+    )
     weekday_parts = [Alternative(months, week_days=w) for w in (plain, positional) if w]
     if not (dom_star or dow_star):  # both restricted: either matches
         return [Alternative(months, month_days=month_days), *weekday_parts]
@@ -263,9 +304,11 @@ def _alternatives(months: frozenset[int], month_days: MonthDays, week_days: Week
     if every_day:
         return weekday_parts
     if positional is not None:
-        raise CronError("day-of-week forms 'nL' and 'n#k' combine with a day-of-month of "
-                        "'*' or a restricted one (either then matches), not with a stepped "
-                        "'*/n'")
+        raise CronError(
+            "day-of-week forms 'nL' and 'n#k' combine with a day-of-month of "
+            "'*' or a restricted one (either then matches), not with a stepped "
+            "'*/n'"
+        )
     return [Alternative(months, month_days=month_days, week_days=plain)]
 
 
@@ -276,15 +319,15 @@ def _numbers(text: str, name: str) -> list[int]:
     for term in text.split(","):
         match = _TERM.match(term)
         if not match:
-            raise CronError(f"bad {name} field {text!r}: {term!r} is not a value, range or "
-                            "step")
+            raise CronError(f"bad {name} field {text!r}: {term!r} is not a value, range or step")
         base, step_text = match["base"], match["step"]
         step = 1
         if step_text is not None:
             step = int(step_text)
             if not 1 <= step <= hi - lo + 1:
-                raise CronError(f"bad {name} field {text!r}: step {step} is not between 1 "
-                                f"and {hi - lo + 1}")
+                raise CronError(
+                    f"bad {name} field {text!r}: step {step} is not between 1 and {hi - lo + 1}"
+                )
         if base in {"*", "?"}:
             if base == "?" and name not in {"day-of-month", "day-of-week"}:
                 raise CronError(f"bad {name} field {text!r}: '?' stands only for a day field")
@@ -348,13 +391,13 @@ def _week_days(text: str) -> WeekDays:
         elif "#" in term:
             day_text, k_text = term.split("#", 1)
             if not (k_text.isdigit() and 1 <= int(k_text) <= 5):
-                raise CronError(f"bad day-of-week field {text!r}: in {term!r} the week of the "
-                                "month is 1-5")
+                raise CronError(
+                    f"bad day-of-week field {text!r}: in {term!r} the week of the month is 1-5"
+                )
             nth.add((_weekday(day_text, text), int(k_text)))
         else:
             plain.append(term)
-    weekdays = {(d + 6) % 7 for d in _numbers(",".join(plain), "day-of-week")} if plain \
-        else set()
+    weekdays = {(d + 6) % 7 for d in _numbers(",".join(plain), "day-of-week")} if plain else set()
     return WeekDays(frozenset(weekdays), frozenset(last_of), frozenset(nth))
 
 

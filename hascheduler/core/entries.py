@@ -63,14 +63,24 @@ class Entry:
         "trigger",
     )
 
-    def __init__(self, revision: int, paused: bool, trigger: triggers.Trigger, jitter: float,  # noqa: PLR0913 (a record of the fields firing reads)
-                 catchup: str, catchup_window: float, target: str,
-                 fan_out: FanOut | None = _DEFAULTS.fan_out, overlap: str = _DEFAULTS.overlap,
-                 paused_until: dt.datetime | None = _DEFAULTS.paused_until,
-                 max_fires: int | None = _DEFAULTS.max_fires,
-                 completed: bool = _DEFAULTS.completed, namespace: str = _DEFAULTS.namespace,
-                 success_within: float | None = _DEFAULTS.success_within,
-                 paused_since: dt.datetime | None = _DEFAULTS.paused_since) -> None:
+    def __init__(  # noqa: PLR0913 (a record of the fields firing reads)
+        self,
+        revision: int,
+        paused: bool,
+        trigger: triggers.Trigger,
+        jitter: float,
+        catchup: str,
+        catchup_window: float,
+        target: str,
+        fan_out: FanOut | None = _DEFAULTS.fan_out,
+        overlap: str = _DEFAULTS.overlap,
+        paused_until: dt.datetime | None = _DEFAULTS.paused_until,
+        max_fires: int | None = _DEFAULTS.max_fires,
+        completed: bool = _DEFAULTS.completed,
+        namespace: str = _DEFAULTS.namespace,
+        success_within: float | None = _DEFAULTS.success_within,
+        paused_since: dt.datetime | None = _DEFAULTS.paused_since,
+    ) -> None:
         self.revision = revision
         self.paused = paused
         self.trigger = trigger
@@ -78,8 +88,16 @@ class Entry:
         self.catchup = catchup
         self.catchup_window = catchup_window
         self.target = target
-        uncommon = (fan_out, overlap, paused_until, max_fires, completed, namespace,
-                    success_within, paused_since)
+        uncommon = (
+            fan_out,
+            overlap,
+            paused_until,
+            max_fires,
+            completed,
+            namespace,
+            success_within,
+            paused_since,
+        )
         self._uncommon = _DEFAULTS if uncommon == _DEFAULT_VALUES else _Uncommon(*uncommon)
 
     @property
@@ -130,7 +148,8 @@ class Entry:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Entry) and all(
-            getattr(self, name) == getattr(other, name) for name in _FIELDS)
+            getattr(self, name) == getattr(other, name) for name in _FIELDS
+        )
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it replaced
 
@@ -147,8 +166,11 @@ class Entry:
         """Not to fire at ``nominal``: paused then (from its pause's start, when known, to
         its end, if any), or completed."""
         since, until = self.paused_since, self.paused_until
-        return self.completed or (self.paused and (since is None or nominal >= since)
-                                  and (until is None or nominal < until))
+        return self.completed or (
+            self.paused
+            and (since is None or nominal >= since)
+            and (until is None or nominal < until)
+        )
 
     def paused_now(self, now: dt.datetime) -> bool:
         """Paused at ``now``: nothing of it is published (a backfill, a buffered fire)."""
@@ -156,8 +178,10 @@ class Entry:
 
 
 # Every constructor argument: the ones kept on the entry, then the uncommon ones.
-_FIELDS = (*(name for name in Entry.__slots__ if name != "_uncommon"),
-           *(f.name for f in dataclasses.fields(_Uncommon)))
+_FIELDS = (
+    *(name for name in Entry.__slots__ if name != "_uncommon"),
+    *(f.name for f in dataclasses.fields(_Uncommon)),
+)
 
 
 def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
@@ -170,14 +194,21 @@ def compile_trigger(spec: dict[str, Any]) -> triggers.Trigger:
         expression = sys.intern(spec["cron"])
         timezone = sys.intern(spec.get("timezone", "UTC"))
         triggers.compile_cron(expression, timezone)  # validate once, interned
-        return triggers.bounded(_interned_cron(expression, timezone), _window(spec, "start_at"),
-                                _window(spec, "end_at"))
+        return triggers.bounded(
+            _interned_cron(expression, timezone), _window(spec, "start_at"), _window(spec, "end_at")
+        )
     if kind == "interval":
-        return triggers.Interval(_shared(float(spec["every"])), _aware(spec["start_at"]),
-                                 _aware(spec["end_at"]) if spec.get("end_at") else None)
+        return triggers.Interval(
+            _shared(float(spec["every"])),
+            _aware(spec["start_at"]),
+            _aware(spec["end_at"]) if spec.get("end_at") else None,
+        )
     if kind == "at":
-        return triggers.bounded(triggers.At(tuple(_aware(t) for t in spec["at"])),
-                                _window(spec, "start_at"), _window(spec, "end_at"))
+        return triggers.bounded(
+            triggers.At(tuple(_aware(t) for t in spec["at"])),
+            _window(spec, "start_at"),
+            _window(spec, "end_at"),
+        )
     raise triggers.InvalidTrigger(f"unknown trigger kind {kind!r}")
 
 
@@ -216,18 +247,23 @@ def _aware(value: dt.datetime) -> dt.datetime:
 
 
 def entry_from_document(doc: dict[str, Any]) -> Entry:
-    return Entry(revision=int(doc["revision"]), paused=bool(doc.get("paused", False)),
-                 trigger=compile_trigger(doc["trigger"]),
-                 jitter=_shared(float(doc.get("jitter", 0.0))),
-                 catchup=sys.intern(doc.get("catchup", "latest")),
-                 catchup_window=_shared(float(doc.get("catchup_window", 3600.0))),
-                 target=sys.intern(doc["target"]),
-                 fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
-                 overlap=sys.intern(doc.get("overlap", "allow")),
-                 paused_until=_paused_until(doc), max_fires=doc.get("max_fires"),
-                 completed=bool(doc.get("completed", False)),
-                 namespace=sys.intern(doc.get("namespace") or "default"),
-                 success_within=_success_within(doc), paused_since=_pause_field(doc, "at"))
+    return Entry(
+        revision=int(doc["revision"]),
+        paused=bool(doc.get("paused", False)),
+        trigger=compile_trigger(doc["trigger"]),
+        jitter=_shared(float(doc.get("jitter", 0.0))),
+        catchup=sys.intern(doc.get("catchup", "latest")),
+        catchup_window=_shared(float(doc.get("catchup_window", 3600.0))),
+        target=sys.intern(doc["target"]),
+        fan_out=FanOut.model_validate(doc["fan_out"]) if doc.get("fan_out") else None,
+        overlap=sys.intern(doc.get("overlap", "allow")),
+        paused_until=_paused_until(doc),
+        max_fires=doc.get("max_fires"),
+        completed=bool(doc.get("completed", False)),
+        namespace=sys.intern(doc.get("namespace") or "default"),
+        success_within=_success_within(doc),
+        paused_since=_pause_field(doc, "at"),
+    )
 
 
 def _success_within(doc: dict[str, Any]) -> float | None:

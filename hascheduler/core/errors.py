@@ -29,8 +29,9 @@ class RevisionConflict(HaschedulerError):
     """The schedule changed since the revision the client read (HTTP If-Match)."""
 
     def __init__(self, schedule_id: str, expected: int, current: int) -> None:
-        super().__init__(f"schedule {schedule_id!r} is at revision {current}, not the "
-                         f"expected {expected}")
+        super().__init__(
+            f"schedule {schedule_id!r} is at revision {current}, not the expected {expected}"
+        )
         self.schedule_id = schedule_id
         self.expected = expected
         self.current = current

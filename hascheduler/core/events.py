@@ -16,16 +16,15 @@ EVENT_TYPE = "io.hascheduler.fire"
 EVENT_SOURCE = "/hascheduler"
 
 
-
 class FireMessage(NamedTuple):
     """What the leader hands a broker for one fire. A named tuple: the cheapest immutable
     record to build, and the leader builds one per fire in the instant they fall due
     (a frozen dataclass sets each field through object.__setattr__)."""
 
     fire_id: str  # the broker's deduplication key (Nats-Msg-Id, AMQP message_id)
-    target: str   # the schedule's target: subject suffix or routing key
+    target: str  # the schedule's target: subject suffix or routing key
     term: int
-    body: bytes   # a CloudEvents 1.0 structured JSON document
+    body: bytes  # a CloudEvents 1.0 structured JSON document
     # W3C trace context of the fire's publish span (tracing on), also in the body: the
     # CloudEvents distributed-tracing extension. The brokers copy them to their headers.
     traceparent: str | None = None
@@ -48,7 +47,7 @@ class EventTemplate:
 
     target: str
     subject: str  # JSON: the schedule id
-    name: str     # JSON
+    name: str  # JSON
     payload: str  # JSON
     # The traceparent of the write that last changed the schedule (its fires link to it).
     written_in: str | None = None
@@ -59,14 +58,21 @@ class EventTemplate:
     @classmethod
     def of(cls, schedule: dict[str, Any]) -> EventTemplate:
         trace = schedule.get("trace")
-        flow = "".join(f'"{name}":{_encode(schedule[name])},'
-                       for name in ("concurrency", "rate") if schedule.get(name))
+        flow = "".join(
+            f'"{name}":{_encode(schedule[name])},'
+            for name in ("concurrency", "rate")
+            if schedule.get(name)
+        )
         priority = schedule.get("priority")
-        return cls(target=schedule["target"], subject=_encode(schedule["_id"]),
-                   name=_encode(schedule.get("name")),
-                   payload=_encode(schedule.get("payload", {})),
-                   written_in=trace if isinstance(trace, str) else None, flow=flow,
-                   priority=priority if isinstance(priority, int) else 0)
+        return cls(
+            target=schedule["target"],
+            subject=_encode(schedule["_id"]),
+            name=_encode(schedule.get("name")),
+            payload=_encode(schedule.get("payload", {})),
+            written_in=trace if isinstance(trace, str) else None,
+            flow=flow,
+            priority=priority if isinstance(priority, int) else 0,
+        )
 
     def with_payload(self, payload: Any) -> EventTemplate:
         return dataclasses.replace(self, payload=_encode(payload))
@@ -74,15 +80,30 @@ class EventTemplate:
     def with_priority(self, priority: int) -> EventTemplate:
         return dataclasses.replace(self, priority=priority)
 
-    def render(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
-               attempt: int, fired_at_iso: str,
-               trace: Mapping[str, str] | None = None) -> FireMessage:
+    def render(
+        self,
+        fire_id: str,
+        nominal_at: dt.datetime,
+        tenant: str | None,
+        term: int,
+        attempt: int,
+        fired_at_iso: str,
+        trace: Mapping[str, str] | None = None,
+    ) -> FireMessage:
         """``trace``: the publish span's ``traceparent`` (and ``tracestate``), if traced."""
-        return self.prepare(fire_id, nominal_at, tenant, term, attempt,
-                            trace).message(fired_field(fired_at_iso))
+        return self.prepare(fire_id, nominal_at, tenant, term, attempt, trace).message(
+            fired_field(fired_at_iso)
+        )
 
-    def prepare(self, fire_id: str, nominal_at: dt.datetime, tenant: str | None, term: int,
-                attempt: int, trace: Mapping[str, str] | None = None) -> PreparedEvent:
+    def prepare(
+        self,
+        fire_id: str,
+        nominal_at: dt.datetime,
+        tenant: str | None,
+        term: int,
+        attempt: int,
+        trace: Mapping[str, str] | None = None,
+    ) -> PreparedEvent:
         """The event but for the instant it is fired at, which only its publish knows."""
         # A fan-out fire names its tenant (core/fanout.py); others have no such field.
         tenant_field = f'"tenant":{_quote(tenant)},' if tenant is not None else ""
@@ -96,15 +117,23 @@ class EventTemplate:
             if tracestate:
                 trace_fields += f'"tracestate":{_quote(tracestate)},'
         return PreparedEvent(
-            fire_id, self.target, term,
+            fire_id,
+            self.target,
+            term,
             f'{{"specversion":"1.0","id":{_quote(fire_id)},"source":"{EVENT_SOURCE}",'
             f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":'.encode(),
-            (f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
-             f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
-             '"fired_at":').encode(),
-            (f',"term":{term},"attempt":{attempt},{tenant_field}{self.flow}{priority}'
-             f'"payload":{self.payload}}}}}').encode(),
-            traceparent, tracestate)
+            (
+                f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
+                f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
+                '"fired_at":'
+            ).encode(),
+            (
+                f',"term":{term},"attempt":{attempt},{tenant_field}{self.flow}{priority}'
+                f'"payload":{self.payload}}}}}'
+            ).encode(),
+            traceparent,
+            tracestate,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +145,7 @@ class PreparedEvent:
     fire_id: str
     target: str
     term: int
-    head: bytes    # up to the CloudEvent's "time"
+    head: bytes  # up to the CloudEvent's "time"
     middle: bytes  # from there up to data's "fired_at"
     tail: bytes
     traceparent: str | None = None
@@ -125,9 +154,14 @@ class PreparedEvent:
     def message(self, fired: bytes) -> FireMessage:
         """The message fired at ``fired`` (``fired_field``: one per publish, shared by its
         messages)."""
-        return FireMessage(fire_id=self.fire_id, target=self.target, term=self.term,
-                           body=b"".join((self.head, fired, self.middle, fired, self.tail)),
-                           traceparent=self.traceparent, tracestate=self.tracestate)
+        return FireMessage(
+            fire_id=self.fire_id,
+            target=self.target,
+            term=self.term,
+            body=b"".join((self.head, fired, self.middle, fired, self.tail)),
+            traceparent=self.traceparent,
+            tracestate=self.tracestate,
+        )
 
 
 def fired_field(fired_at_iso: str) -> bytes:

@@ -67,8 +67,9 @@ def check_condition(path: str, condition: Any) -> Any:
     """One filter entry, normalised; raises FanOutError naming ``filter.<path>``."""
     where = f"filter.{path}"
     if not isinstance(path, str) or not FIELD_PATH.fullmatch(path):
-        raise FanOutError(f"{where}: a field path is dot-separated names of letters, digits, "
-                          "_ and - (no $)")
+        raise FanOutError(
+            f"{where}: a field path is dot-separated names of letters, digits, _ and - (no $)"
+        )
     if isinstance(condition, Mapping):
         if len(condition) != 1:
             raise FanOutError(f"{where}: use one operator per field ($in or $exists)")
@@ -91,17 +92,23 @@ class FanOut(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     collection: str = Field(description="a collection in the schedules' database")
-    filter: dict[str, Any] = Field(default_factory=dict, description=(
-        "conditions ANDed on dotted field paths: a scalar (equality), {\"$in\": [...]} or "
-        "{\"$exists\": true|false}"))
+    filter: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            'conditions ANDed on dotted field paths: a scalar (equality), {"$in": [...]} or '
+            '{"$exists": true|false}'
+        ),
+    )
     key: str = Field(default="_id", description="the field whose value names each tenant")
 
     @field_validator("collection")
     @classmethod
     def _collection(cls, value: str) -> str:
         if not COLLECTION.fullmatch(value) or value.startswith("system."):
-            raise ValueError("a collection name: letters, digits, _, . and -, at most 120 "
-                             "characters, not a system collection")
+            raise ValueError(
+                "a collection name: letters, digits, _, . and -, at most 120 "
+                "characters, not a system collection"
+            )
         if value in OWN_COLLECTIONS:
             raise ValueError(f"{value!r} is one of hascheduler's own collections")
         return value

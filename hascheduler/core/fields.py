@@ -62,8 +62,9 @@ def parse_instant(text: str) -> dt.datetime:
     """An RFC 3339 date-time with an offset, as the API takes every instant (bodies and
     query parameters alike). Raises ValueError."""
     if not _RFC3339.fullmatch(text):
-        raise ValueError("must be an RFC 3339 date-time with an offset, such as "
-                         "'2030-01-01T09:00:00Z'")
+        raise ValueError(
+            "must be an RFC 3339 date-time with an offset, such as '2030-01-01T09:00:00Z'"
+        )
     return dt.datetime.fromisoformat(text.upper())
 
 
@@ -72,8 +73,7 @@ def _instant(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return parse_instant(value)
-    raise ValueError("must be an RFC 3339 date-time with an offset, such as "
-                     "'2030-01-01T09:00:00Z'")
+    raise ValueError("must be an RFC 3339 date-time with an offset, such as '2030-01-01T09:00:00Z'")
 
 
 Instant = Annotated[dt.datetime, BeforeValidator(_instant)]
@@ -102,8 +102,7 @@ def storable(value: Any, path: str) -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             storable(item, f"{path}[{i}]")
-    elif isinstance(value, int) and not isinstance(value, bool) and \
-            not -_INT64 <= value < _INT64:
+    elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
         raise ValueError(f"{path}: integers must fit in 64 bits")
 
 
@@ -117,8 +116,10 @@ def checked_payload(value: dict[str, Any]) -> dict[str, Any]:
 
 def _checked_namespace(value: str) -> str:
     if not NAMESPACE.fullmatch(value):
-        raise ValueError("namespace must be a DNS label: 1-63 lowercase letters, digits "
-                         "or '-', starting and ending with a letter or digit")
+        raise ValueError(
+            "namespace must be a DNS label: 1-63 lowercase letters, digits "
+            "or '-', starting and ending with a letter or digit"
+        )
     return value
 
 

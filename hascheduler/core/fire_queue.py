@@ -35,8 +35,9 @@ class Due(NamedTuple):
 
 def is_fire_time(entry: Entry, nominal: dt.datetime) -> bool:
     """Whether ``nominal`` is one of the trigger's fire times."""
-    first = next(iter(fire_times(entry.trigger, nominal - dt.timedelta(milliseconds=1),
-                                 limit=1)), None)
+    first = next(
+        iter(fire_times(entry.trigger, nominal - dt.timedelta(milliseconds=1), limit=1)), None
+    )
     return first is not None and abs((first - nominal).total_seconds()) < 0.0005
 
 
@@ -100,8 +101,7 @@ class FireQueue:
             self._seeding = False
             self._changed_while_seeding.clear()
 
-    def changed(self, schedule_id: str, entry: Entry | None,
-                watermark: dt.datetime | None) -> bool:
+    def changed(self, schedule_id: str, entry: Entry | None, watermark: dt.datetime | None) -> bool:
         """A schedule changed (``entry`` None: deleted): queue its next fire after
         ``watermark`` (None: no heap yet, the next seed reads it). True when something was
         queued."""
@@ -128,8 +128,11 @@ class FireQueue:
         """Up to ``limit`` current fires due by ``horizon``, each schedule's next queued."""
         batch: list[Due] = []
         while len(batch) < limit:
-            if self._deferred and self._deferred[0].fire_at <= horizon and (
-                    not self._heap or self._deferred[0] <= self._heap[0]):
+            if (
+                self._deferred
+                and self._deferred[0].fire_at <= horizon
+                and (not self._heap or self._deferred[0] <= self._heap[0])
+            ):
                 due = heapq.heappop(self._deferred)
                 if self._current(due) is not None:
                     batch.append(due)

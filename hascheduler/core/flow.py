@@ -45,26 +45,29 @@ class KeyTemplate:
         if not isinstance(text, str) or not text:
             raise KeyTemplateError("the key is a non-empty template such as '{tenant}'")
         if len(text) > MAX_TEMPLATE_CHARS:
-            raise KeyTemplateError(f"the key template is at most {MAX_TEMPLATE_CHARS} "
-                                   "characters")
+            raise KeyTemplateError(f"the key template is at most {MAX_TEMPLATE_CHARS} characters")
         parts: list[str | tuple[str, ...]] = []
         literal, at = "", 0
         for match in _FIELD.finditer(text):
-            literal += text[at:match.start()]
+            literal += text[at : match.start()]
             at = match.end()
             token = match.group(0)
             if token in ("{{", "}}"):
                 literal += token[0]
                 continue
             if match.group(1) is None:
-                raise KeyTemplateError(f"unmatched {token!r} in the key template (a literal "
-                                       f"brace is written twice: '{token * 2}')")
+                raise KeyTemplateError(
+                    f"unmatched {token!r} in the key template (a literal "
+                    f"brace is written twice: '{token * 2}')"
+                )
             parts.extend((literal, _field_path(match.group(1))))
             literal = ""
         parts.append(literal + text[at:])
         if not any(isinstance(p, tuple) for p in parts):
-            raise KeyTemplateError("the key template names no field: every run would share "
-                                   "one key (name one, such as '{target}')")
+            raise KeyTemplateError(
+                "the key template names no field: every run would share "
+                "one key (name one, such as '{target}')"
+            )
         return cls(text, tuple(parts))
 
     @property
@@ -79,8 +82,9 @@ class KeyTemplate:
             out.append(part if isinstance(part, str) else _value(run, part))
         key = "".join(out)
         if len(key) > MAX_KEY_CHARS:
-            raise MissingKeyField(f"the key {self.text!r} renders to more than "
-                                  f"{MAX_KEY_CHARS} characters")
+            raise MissingKeyField(
+                f"the key {self.text!r} renders to more than {MAX_KEY_CHARS} characters"
+            )
         return key
 
 
@@ -88,13 +92,16 @@ def _field_path(inner: str) -> tuple[str, ...]:
     path = tuple(inner.strip().split("."))
     if path[0] == "payload":
         if len(path) < 2 or not all(_NAME.fullmatch(p) for p in path[1:]):
-            raise KeyTemplateError(f"{{{inner}}}: a payload field is named "
-                                   "{payload.<name>[.<name>...]}")
+            raise KeyTemplateError(
+                f"{{{inner}}}: a payload field is named {{payload.<name>[.<name>...]}}"
+            )
         return path
     if len(path) != 1 or path[0] not in RUN_FIELDS:
-        raise KeyTemplateError(f"{{{inner}}} is not a field of a run: use "
-                               + ", ".join(f"{{{f}}}" for f in RUN_FIELDS)
-                               + " or {payload.<name>}")
+        raise KeyTemplateError(
+            f"{{{inner}}} is not a field of a run: use "
+            + ", ".join(f"{{{f}}}" for f in RUN_FIELDS)
+            + " or {payload.<name>}"
+        )
     return path
 
 
@@ -102,7 +109,7 @@ def _value(run: Mapping[str, Any], path: tuple[str, ...]) -> str:
     value: Any = run
     for depth, name in enumerate(path):
         if not isinstance(value, Mapping) or value.get(name) is None:
-            raise MissingKeyField(f"the run has no {'.'.join(path[:depth + 1])}")
+            raise MissingKeyField(f"the run has no {'.'.join(path[: depth + 1])}")
         value = value[name]
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise MissingKeyField(f"{'.'.join(path)} is not text or a number")
@@ -120,10 +127,8 @@ class ConcurrencyLimit:
         if not isinstance(spec, Mapping) or set(spec) != {"key", "limit"}:
             raise KeyTemplateError('concurrency is {"key": <template>, "limit": N}')
         limit = spec["limit"]
-        if isinstance(limit, bool) or not isinstance(limit, int) or \
-                not 1 <= limit <= MAX_LIMIT:
-            raise KeyTemplateError(f"concurrency.limit is a whole number from 1 to "
-                                   f"{MAX_LIMIT}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise KeyTemplateError(f"concurrency.limit is a whole number from 1 to {MAX_LIMIT}")
         return cls(KeyTemplate.parse(spec["key"]), limit)
 
     def spec(self) -> dict[str, Any]:
@@ -153,21 +158,31 @@ class RateLimit:
         """From ``{"key": ..., "limit": N, "per": "PT1S" | seconds}``; raises
         KeyTemplateError saying what is wrong."""
         if not isinstance(spec, Mapping) or set(spec) != {"key", "limit", "per"}:
-            raise KeyTemplateError('rate is {"key": <template>, "limit": N, "per": '
-                                   '"PT1S"}')
+            raise KeyTemplateError('rate is {"key": <template>, "limit": N, "per": "PT1S"}')
         limit, per = spec["limit"], spec["per"]
-        if isinstance(limit, bool) or not isinstance(limit, int) or \
-                not 1 <= limit <= MAX_RATE_LIMIT:
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 1 <= limit <= MAX_RATE_LIMIT
+        ):
             raise KeyTemplateError(f"rate.limit is a whole number from 1 to {MAX_RATE_LIMIT}")
         try:
-            seconds = triggers.parse_duration(per) if isinstance(per, str) else (
-                float(per) if isinstance(per, int | float) and not isinstance(per, bool)
-                else -1.0)
+            seconds = (
+                triggers.parse_duration(per)
+                if isinstance(per, str)
+                else (
+                    float(per)
+                    if isinstance(per, int | float) and not isinstance(per, bool)
+                    else -1.0
+                )
+            )
         except triggers.InvalidTrigger:
             seconds = -1.0
         if not 0 < seconds <= MAX_RATE_PER_S or seconds / limit < MIN_RATE_INTERVAL_S:
-            raise KeyTemplateError("rate.per is a duration ('PT1S', or seconds) up to a day, "
-                                   "at least a millisecond per start")
+            raise KeyTemplateError(
+                "rate.per is a duration ('PT1S', or seconds) up to a day, "
+                "at least a millisecond per start"
+            )
         return cls(KeyTemplate.parse(spec["key"]), limit, seconds)
 
     def spec(self) -> dict[str, Any]:
@@ -187,14 +202,16 @@ def paced(limit: RateLimit, run: Mapping[str, Any]) -> Paced:
     return Paced(limit.template.render(run), limit.interval_s, limit.template.text)
 
 
-def check_for_schedule(limit: ConcurrencyLimit | RateLimit, payload: Mapping[str, Any],
-                       fans_out: bool) -> None:
+def check_for_schedule(
+    limit: ConcurrencyLimit | RateLimit, payload: Mapping[str, Any], fans_out: bool
+) -> None:
     """A schedule's own key must render for each of its fires: its payload has each
     field named, and ``{tenant}`` needs a fan-out. Raises KeyTemplateError naming it."""
     for path in limit.template.fields:
         if path == ("tenant",) and not fans_out:
-            raise KeyTemplateError("{tenant} names a fan-out fire's tenant: this schedule "
-                                   "has no fan_out")
+            raise KeyTemplateError(
+                "{tenant} names a fan-out fire's tenant: this schedule has no fan_out"
+            )
         if path[0] == "payload":
             try:
                 _value({"payload": payload}, path)

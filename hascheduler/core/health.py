@@ -53,23 +53,32 @@ class LastRun(BaseModel):
 class ScheduleHealth(BaseModel):
     schedule_id: str
     namespace: str
-    status: Status = Field(description="the worst that holds: late, objective_missed, "
-                                       "failing; else paused, completed or ok")
-    last_fire: LastFire | None = Field(None, description="the latest fire of its trigger in "
-                                                         "the ledger")
+    status: Status = Field(
+        description="the worst that holds: late, objective_missed, "
+        "failing; else paused, completed or ok"
+    )
+    last_fire: LastFire | None = Field(
+        None, description="the latest fire of its trigger in the ledger"
+    )
     last_run: LastRun | None = Field(None, description="the latest ended run")
     last_success_at: dt.datetime | None = None
-    consecutive_failures: int = Field(description=f"dead runs since the last success, "
-                                                  f"counted up to {RUNS_SCANNED}")
-    late: bool = Field(description="a fire of its trigger was due longer ago than the "
-                                   "cluster's --late-after (plus its jitter) and the "
-                                   "ledger has none")
-    overdue_since: dt.datetime | None = Field(None, description="the first nominal time "
-                                                                "that is late")
+    consecutive_failures: int = Field(
+        description=f"dead runs since the last success, counted up to {RUNS_SCANNED}"
+    )
+    late: bool = Field(
+        description="a fire of its trigger was due longer ago than the "
+        "cluster's --late-after (plus its jitter) and the "
+        "ledger has none"
+    )
+    overdue_since: dt.datetime | None = Field(
+        None, description="the first nominal time that is late"
+    )
     success_within: float | None = Field(None, description="expect.success_within, seconds")
     success_deadline: dt.datetime | None = Field(
-        None, description="the objective holds until then: last success (or creation) "
-                          "plus success_within")
+        None,
+        description="the objective holds until then: last success (or creation) "
+        "plus success_within",
+    )
     objective_met: bool | None = Field(None, description="null without an objective")
     checked_at: dt.datetime
 
@@ -89,9 +98,14 @@ class Judged:
     success_within: float | None
 
 
-def assess(schedule: Judged, last_fire: LastFire | None, ended: Sequence[LastRun],
-           last_success_at: dt.datetime | None, now: dt.datetime,
-           late_after_s: float = DEFAULT_LATE_AFTER_S) -> ScheduleHealth:
+def assess(
+    schedule: Judged,
+    last_fire: LastFire | None,
+    ended: Sequence[LastRun],
+    last_success_at: dt.datetime | None,
+    now: dt.datetime,
+    late_after_s: float = DEFAULT_LATE_AFTER_S,
+) -> ScheduleHealth:
     """``ended``: its latest ended runs, newest nominal time first; ``last_success_at``:
     its latest success's end, which may be older than every run in ``ended``."""
     failures = 0
@@ -112,7 +126,8 @@ def assess(schedule: Judged, last_fire: LastFire | None, ended: Sequence[LastRun
     deadline = met = None
     if schedule.success_within is not None:
         deadline = (last_success_at or schedule.created_at) + dt.timedelta(
-            seconds=schedule.success_within)
+            seconds=schedule.success_within
+        )
         met = now <= deadline
     status: Status
     if overdue is not None:
@@ -128,9 +143,17 @@ def assess(schedule: Judged, last_fire: LastFire | None, ended: Sequence[LastRun
     else:
         status = "ok"
     return ScheduleHealth(
-        schedule_id=schedule.schedule_id, namespace=schedule.namespace, status=status,
-        last_fire=last_fire, last_run=ended[0] if ended else None,
-        last_success_at=last_success_at, consecutive_failures=failures,
-        late=overdue is not None, overdue_since=overdue,
-        success_within=schedule.success_within, success_deadline=deadline,
-        objective_met=met, checked_at=now)
+        schedule_id=schedule.schedule_id,
+        namespace=schedule.namespace,
+        status=status,
+        last_fire=last_fire,
+        last_run=ended[0] if ended else None,
+        last_success_at=last_success_at,
+        consecutive_failures=failures,
+        late=overdue is not None,
+        overdue_since=overdue,
+        success_within=schedule.success_within,
+        success_deadline=deadline,
+        objective_met=met,
+        checked_at=now,
+    )

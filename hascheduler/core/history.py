@@ -22,8 +22,20 @@ from hascheduler.core.instants import as_utc
 CREATE, UPDATE, DELETE, RESTORE, APPLY = "create", "update", "delete", "restore", "apply"
 PAUSE, RESUME, COMPLETE = "pause", "resume", "complete"
 TRIGGER, BACKFILL, CANCEL, RETRY = "trigger", "backfill", "cancel", "retry"
-ACTIONS = (CREATE, UPDATE, DELETE, RESTORE, APPLY, PAUSE, RESUME, COMPLETE, TRIGGER,
-           BACKFILL, CANCEL, RETRY)
+ACTIONS = (
+    CREATE,
+    UPDATE,
+    DELETE,
+    RESTORE,
+    APPLY,
+    PAUSE,
+    RESUME,
+    COMPLETE,
+    TRIGGER,
+    BACKFILL,
+    CANCEL,
+    RETRY,
+)
 MAX_REASON_CHARS = 500
 # What `hascheduler apply` sends as X-Change-Origin: its writes are recorded as "apply".
 APPLY_ORIGIN = "apply"
@@ -46,10 +58,16 @@ def redacted(view: dict[str, Any] | None) -> dict[str, Any] | None:
     so a record still shows that (and which key of) the payload changed."""
     if view is None or not isinstance(view.get("payload"), dict):
         return view
-    return {**view, "payload": {
-        key: "redacted:" + hashlib.sha256(json.dumps(value, sort_keys=True,
-                                                     default=str).encode()).hexdigest()[:16]
-        for key, value in view["payload"].items()}}
+    return {
+        **view,
+        "payload": {
+            key: "redacted:"
+            + hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[
+                :16
+            ]
+            for key, value in view["payload"].items()
+        },
+    }
 
 
 def changed_fields(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
@@ -57,28 +75,60 @@ def changed_fields(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
-def record(action: str, actor: Actor, at: dt.datetime, namespace: str, schedule_id: str,
-           revision: int | None, before: dict[str, Any] | None = None,
-           after: dict[str, Any] | None = None, detail: dict[str, Any] | None = None,
-           redact: bool = False) -> dict[str, Any]:
+def record(
+    action: str,
+    actor: Actor,
+    at: dt.datetime,
+    namespace: str,
+    schedule_id: str,
+    revision: int | None,
+    before: dict[str, Any] | None = None,
+    after: dict[str, Any] | None = None,
+    detail: dict[str, Any] | None = None,
+    redact: bool = False,
+) -> dict[str, Any]:
     """One audit record. ``revision``: the schedule's revision after the change (None for
     a change to its runs, which leaves the schedule as it was)."""
     if actor.origin == APPLY_ORIGIN and action in (CREATE, UPDATE, DELETE):
         detail = {**(detail or {}), "change": action}
         action = APPLY
     return {
-        "_id": uuid.uuid4().hex, "at": at, "actor": actor.name, "from": actor.address,
-        "action": action, "namespace": namespace, "schedule_id": schedule_id,
-        "revision": revision, "changed": changed_fields(before, after),
+        "_id": uuid.uuid4().hex,
+        "at": at,
+        "actor": actor.name,
+        "from": actor.address,
+        "action": action,
+        "namespace": namespace,
+        "schedule_id": schedule_id,
+        "revision": revision,
+        "changed": changed_fields(before, after),
         "before": redacted(before) if redact else before,
         "after": redacted(after) if redact else after,
-        "reason": actor.reason, "detail": detail or {}}
+        "reason": actor.reason,
+        "detail": detail or {},
+    }
 
 
 def public(doc: dict[str, Any]) -> dict[str, Any]:
     """A stored record as the API shows it."""
     at = as_utc(doc.get("at"))
-    return {"id": doc["_id"], "at": at.isoformat() if isinstance(at, dt.datetime) else at,
-            **{k: doc.get(k) for k in ("actor", "from", "action", "namespace", "schedule_id",
-                                       "revision", "changed", "before", "after", "reason",
-                                       "detail")}}
+    return {
+        "id": doc["_id"],
+        "at": at.isoformat() if isinstance(at, dt.datetime) else at,
+        **{
+            k: doc.get(k)
+            for k in (
+                "actor",
+                "from",
+                "action",
+                "namespace",
+                "schedule_id",
+                "revision",
+                "changed",
+                "before",
+                "after",
+                "reason",
+                "detail",
+            )
+        },
+    }

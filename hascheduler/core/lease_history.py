@@ -70,20 +70,32 @@ class HistoryReport:
         return not self.violations and not self.stale
 
     def as_dict(self) -> dict[str, Any]:
-        return {"terms": self.terms, "renewals": self.renewals, "acts": self.acts,
-                "unverifiable": self.unverifiable, "late_landings": self.late_landings,
-                "latest_landing_s": round(self.latest_landing_s, 3),
-                "stale": len(self.stale), "violations": len(self.violations),
-                "examples": self.violations[:5] + [
-                    f"{a.what} written with term {a.term} at {a.at.isoformat()}, when "
-                    "another term could act" for a in self.stale[:5]], "ok": self.ok}
+        return {
+            "terms": self.terms,
+            "renewals": self.renewals,
+            "acts": self.acts,
+            "unverifiable": self.unverifiable,
+            "late_landings": self.late_landings,
+            "latest_landing_s": round(self.latest_landing_s, 3),
+            "stale": len(self.stale),
+            "violations": len(self.violations),
+            "examples": self.violations[:5]
+            + [
+                f"{a.what} written with term {a.term} at {a.at.isoformat()}, when "
+                "another term could act"
+                for a in self.stale[:5]
+            ],
+            "ok": self.ok,
+        }
 
 
-def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float,
-          ttl_s: float) -> HistoryReport:
+def check(
+    terms: list[TermRecord], acts: list[Act], renew_deadline_s: float, ttl_s: float
+) -> HistoryReport:
     """Every violation of single leadership the history shows."""
-    report = HistoryReport(terms=len(terms), renewals=sum(t.renewals for t in terms),
-                           acts=len(acts))
+    report = HistoryReport(
+        terms=len(terms), renewals=sum(t.renewals for t in terms), acts=len(acts)
+    )
     by_term = {t.term: t for t in terms}
     ordered = sorted(terms, key=lambda t: t.term)
     # Where another term may act: the lease's expiry, or the next term's acquisition.
@@ -96,7 +108,8 @@ def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float,
             report.violations.append(
                 f"term {later.term} ({later.holder}) acquired at "
                 f"{later.acquired_at.isoformat()}, while term {earlier.term} "
-                f"({earlier.holder}) was valid until {end.isoformat()}")
+                f"({earlier.holder}) was valid until {end.isoformat()}"
+            )
     first = ordered[0].term if ordered else None
     for act in acts:
         record = by_term.get(act.term)
@@ -104,18 +117,19 @@ def check(terms: list[TermRecord], acts: list[Act], renew_deadline_s: float,
             if first is not None and act.term < first:
                 report.unverifiable += 1
             else:
-                report.violations.append(f"{act.what} written with term {act.term}, "
-                                         "which no replica acquired")
+                report.violations.append(
+                    f"{act.what} written with term {act.term}, which no replica acquired"
+                )
             continue
         end = record.valid_until(renew_deadline_s)
         if act.at + RESOLUTION < record.acquired_at:
             report.violations.append(
                 f"{act.what} written with term {act.term} at {act.at.isoformat()}, before "
-                f"the term was acquired ({record.acquired_at.isoformat()})")
+                f"the term was acquired ({record.acquired_at.isoformat()})"
+            )
         elif act.at > others_from[act.term]:
             report.stale.append(act)
         elif act.at > end + RESOLUTION:
             report.late_landings += 1
-            report.latest_landing_s = max(report.latest_landing_s,
-                                          (act.at - end).total_seconds())
+            report.latest_landing_s = max(report.latest_landing_s, (act.at - end).total_seconds())
     return report

@@ -56,61 +56,107 @@ class ScheduleFields(Strict):
     """What a client writes: everything but the server-managed fields."""
 
     name: str = Field(min_length=1, max_length=200)
-    namespace: NamespaceName = Field(DEFAULT_NAMESPACE, max_length=63, description=(
-        "the team's namespace: who may act on the schedule, its fires and runs; ids stay "
-        "unique across namespaces"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
+    namespace: NamespaceName = Field(
+        DEFAULT_NAMESPACE,
+        max_length=63,
+        description=(
+            "the team's namespace: who may act on the schedule, its fires and runs; ids stay "
+            "unique across namespaces"
+        ),
+        json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"},
+    )
     trigger: TriggerSpec
-    jitter: float = Field(0.0, ge=0, le=MAX_JITTER_S,
-                          description="max seconds added to each fire, chosen "
-                                      "deterministically from (id, nominal time)")
+    jitter: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_JITTER_S,
+        description="max seconds added to each fire, chosen "
+        "deterministically from (id, nominal time)",
+    )
     paused: bool = False
     catchup: Literal["latest", "all", "none"] = Field(
-        "latest", description="after downtime: fire only the latest missed time, all of "
-                              "them within catchup_window, or none")
-    catchup_window: float = Field(3600.0, gt=0, le=30 * 86400,
-                                  description="seconds of missed fires replayed with 'all'")
-    target: str = Field(min_length=1, max_length=MAX_TARGET_CHARS,
-                        description="broker subject suffix or routing key; celery:<task> "
-                                    "sends a Celery task (an amqp:// broker only), its "
-                                    "payload {args, kwargs, queue}",
-                        examples=["reports.weekly", "celery:proj.tasks.send_report"],
-                        json_schema_extra={
-                            "pattern": f"^(celery:)?{TARGET_PATTERN.pattern}$"})
+        "latest",
+        description="after downtime: fire only the latest missed time, all of "
+        "them within catchup_window, or none",
+    )
+    catchup_window: float = Field(
+        3600.0, gt=0, le=30 * 86400, description="seconds of missed fires replayed with 'all'"
+    )
+    target: str = Field(
+        min_length=1,
+        max_length=MAX_TARGET_CHARS,
+        description="broker subject suffix or routing key; celery:<task> "
+        "sends a Celery task (an amqp:// broker only), its "
+        "payload {args, kwargs, queue}",
+        examples=["reports.weekly", "celery:proj.tasks.send_report"],
+        json_schema_extra={"pattern": f"^(celery:)?{TARGET_PATTERN.pattern}$"},
+    )
     payload: dict[str, Any] = Field(default_factory=dict)
-    fan_out: FanOut | None = Field(None, description=(
-        "one run per tenant: at each fire, one message per document of this collection "
-        "(in the same database) that the filter selects at the due time, its key in "
-        "data.tenant and the fire id <schedule_id>@<nominal>/<tenant>"))
+    fan_out: FanOut | None = Field(
+        None,
+        description=(
+            "one run per tenant: at each fire, one message per document of this collection "
+            "(in the same database) that the filter selects at the due time, its key in "
+            "data.tenant and the fire id <schedule_id>@<nominal>/<tenant>"
+        ),
+    )
     overlap: Policy = Field(
-        "allow", description="what a fire does while this schedule's previous run is open "
-                             "(published, not yet succeeded, dead or cancelled): allow it "
-                             "beside, skip it, buffer one (or all, bounded) until the run "
-                             "ends, or cancel the open run and start once it has ended; "
-                             "per tenant for a fan-out (docs/SCHEDULES.md)")
+        "allow",
+        description="what a fire does while this schedule's previous run is open "
+        "(published, not yet succeeded, dead or cancelled): allow it "
+        "beside, skip it, buffer one (or all, bounded) until the run "
+        "ends, or cancel the open run and start once it has ended; "
+        "per tenant for a fan-out (docs/SCHEDULES.md)",
+    )
     max_fires: int | None = Field(
-        None, ge=1, le=MAX_FIRES, description="after this many published fires (runs now "
-                                              "not counted) the schedule is completed: "
-                                              "kept, firing no more; raising it revives it")
+        None,
+        ge=1,
+        le=MAX_FIRES,
+        description="after this many published fires (runs now "
+        "not counted) the schedule is completed: "
+        "kept, firing no more; raising it revives it",
+    )
     pause_on_failure: int | None = Field(
-        None, ge=1, le=1000, description="pause the schedule (with a note saying why and "
-                                         "the last error) after this many consecutive dead "
-                                         "runs")
+        None,
+        ge=1,
+        le=1000,
+        description="pause the schedule (with a note saying why and "
+        "the last error) after this many consecutive dead "
+        "runs",
+    )
     expect: Expectation | None = Field(
-        None, description="an objective: its health says whether it is met, and the "
-                          "schedule gets metrics of its own (docs/OPERATIONS.md)")
+        None,
+        description="an objective: its health says whether it is met, and the "
+        "schedule gets metrics of its own (docs/OPERATIONS.md)",
+    )
     concurrency: ConcurrencySpec | None = Field(
-        None, description="a concurrency limit by key for this schedule's runs, across "
-                          "every worker (instead of its handler's, if that declares one): "
-                          "runs over it wait, state 'waiting' (docs/WORKERS.md)")
+        None,
+        description="a concurrency limit by key for this schedule's runs, across "
+        "every worker (instead of its handler's, if that declares one): "
+        "runs over it wait, state 'waiting' (docs/WORKERS.md)",
+    )
     rate: RateSpec | None = Field(
-        None, description="a start-rate limit by key for this schedule's runs, across every "
-                          "worker (instead of its handler's): runs over it wait")
-    priority: int = Field(0, ge=0, le=9, description=(
-        "under contention for a concurrency or rate limit, or for a worker's slots, "
-        "higher first (docs/WORKERS.md)"))
-    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra={
-        "maxProperties": 64, "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
-        "additionalProperties": {"type": "string", "maxLength": 200}})
+        None,
+        description="a start-rate limit by key for this schedule's runs, across every "
+        "worker (instead of its handler's): runs over it wait",
+    )
+    priority: int = Field(
+        0,
+        ge=0,
+        le=9,
+        description=(
+            "under contention for a concurrency or rate limit, or for a worker's slots, "
+            "higher first (docs/WORKERS.md)"
+        ),
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra={
+            "maxProperties": 64,
+            "propertyNames": {"pattern": f"^{SLUG.pattern}$"},
+            "additionalProperties": {"type": "string", "maxLength": 200},
+        },
+    )
 
     @field_validator("catchup_window")
     @classmethod
@@ -124,17 +170,21 @@ class ScheduleFields(Strict):
         elif isinstance(trigger, IntervalSpec) and isinstance(trigger.every, float):
             gap = trigger.every
         if policy == "all" and gap and value / gap > MAX_CATCHUP_FIRES:
-            raise ValueError(f"with catchup 'all' this window replays up to {value / gap:.0f} "
-                             f"fires after an outage; at most {MAX_CATCHUP_FIRES} (shorten "
-                             "the window or fire less often)")
+            raise ValueError(
+                f"with catchup 'all' this window replays up to {value / gap:.0f} "
+                f"fires after an outage; at most {MAX_CATCHUP_FIRES} (shorten "
+                "the window or fire less often)"
+            )
         return value
 
     @field_validator("target")
     @classmethod
     def _target(cls, value: str) -> str:
         if not TARGET_PATTERN.fullmatch(celery_task(value) or value):
-            raise ValueError("target must be dot-separated tokens of letters, digits, '_' "
-                             "or '-', optionally after celery:")
+            raise ValueError(
+                "target must be dot-separated tokens of letters, digits, '_' "
+                "or '-', optionally after celery:"
+            )
         return value
 
     @model_validator(mode="after")
@@ -152,18 +202,22 @@ class ScheduleFields(Strict):
     def _small(cls, value: dict[str, Any]) -> dict[str, Any]:
         return checked_payload(value)
 
-
     @field_validator("concurrency", "rate")
     @classmethod
-    def _flow_key(cls, value: ConcurrencySpec | RateSpec | None, info: ValidationInfo
-                  ) -> ConcurrencySpec | RateSpec | None:
+    def _flow_key(
+        cls, value: ConcurrencySpec | RateSpec | None, info: ValidationInfo
+    ) -> ConcurrencySpec | RateSpec | None:
         """The key renders for every fire: each payload field it names is there."""
         if value is not None:
-            limit = flow.ConcurrencyLimit.of(value.model_dump()) \
-                if isinstance(value, ConcurrencySpec) else flow.RateLimit.of(value.model_dump())
+            limit = (
+                flow.ConcurrencyLimit.of(value.model_dump())
+                if isinstance(value, ConcurrencySpec)
+                else flow.RateLimit.of(value.model_dump())
+            )
             try:
-                flow.check_for_schedule(limit, info.data.get("payload") or {},
-                                        info.data.get("fan_out") is not None)
+                flow.check_for_schedule(
+                    limit, info.data.get("payload") or {}, info.data.get("fan_out") is not None
+                )
             except flow.KeyTemplateError as exc:
                 raise ValueError(f"key: {exc}") from None
         return value
@@ -182,15 +236,19 @@ class ScheduleFields(Strict):
 class ScheduleIn(ScheduleFields):
     """A new schedule: the id is optional (the server makes one)."""
 
-    id: str | None = Field(None, description="a slug; generated when absent",
-                           json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
+    id: str | None = Field(
+        None,
+        description="a slug; generated when absent",
+        json_schema_extra={"pattern": f"^{SLUG.pattern}$"},
+    )
 
     @field_validator("id")
     @classmethod
     def _slug(cls, value: str | None) -> str | None:
         if value is not None and not SLUG.fullmatch(value):
-            raise ValueError("id must be 1-128 letters, digits, '.', '_' or '-', starting "
-                             "with a letter or digit")
+            raise ValueError(
+                "id must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return value
 
 
@@ -216,8 +274,9 @@ class PauseIn(Strict):
     """Why, and for how long, a schedule is paused (POST /schedules/{id}/pause)."""
 
     note: str | None = Field(None, max_length=1000)
-    until: Instant | None = Field(None, description="resume by itself at this instant (in "
-                                                    "the future)")
+    until: Instant | None = Field(
+        None, description="resume by itself at this instant (in the future)"
+    )
 
     @field_validator("until")
     @classmethod
@@ -245,11 +304,13 @@ class Schedule(ScheduleFields):
     model_config = ConfigDict(extra="ignore")
 
     id: str
-    pause: Pause | None = Field(None, description="set while paused through the pause "
-                                                  "route or by pause_on_failure")
+    pause: Pause | None = Field(
+        None, description="set while paused through the pause route or by pause_on_failure"
+    )
     completed: bool = Field(False, description="its max_fires fires were published")
-    fires_remaining: int | None = Field(None, description="with max_fires: how many more "
-                                                          "it fires (GET of one schedule)")
+    fires_remaining: int | None = Field(
+        None, description="with max_fires: how many more it fires (GET of one schedule)"
+    )
     created_at: dt.datetime
     updated_at: dt.datetime
     revision: int = Field(ge=1)
@@ -261,13 +322,16 @@ class Schedule(ScheduleFields):
 class TriggerIn(Strict):
     """A request to run a schedule now (POST /schedules/{id}/trigger)."""
 
-    payload: dict[str, Any] | None = Field(None, description="this fire's payload, instead "
-                                                             "of the schedule's")
-    overlap: Policy | None = Field(None, description="this fire's overlap policy, instead "
-                                                     "of the schedule's")
+    payload: dict[str, Any] | None = Field(
+        None, description="this fire's payload, instead of the schedule's"
+    )
+    overlap: Policy | None = Field(
+        None, description="this fire's overlap policy, instead of the schedule's"
+    )
     force: bool = Field(False, description="run a paused schedule too")
-    priority: int | None = Field(None, ge=0, le=9, description="this fire's priority, "
-                                                              "instead of the schedule's")
+    priority: int | None = Field(
+        None, ge=0, le=9, description="this fire's priority, instead of the schedule's"
+    )
 
     @field_validator("payload")
     @classmethod
@@ -280,8 +344,9 @@ class BackfillIn(Strict):
 
     start: Instant = Field(description="the first nominal time it may fire (inclusive)")
     end: Instant = Field(description="exclusive; not in the future")
-    overlap: Policy | None = Field(None, description="the backfilled fires' overlap "
-                                                     "policy, instead of the schedule's")
+    overlap: Policy | None = Field(
+        None, description="the backfilled fires' overlap policy, instead of the schedule's"
+    )
 
     @field_validator("start")
     @classmethod
@@ -296,21 +361,27 @@ class BackfillIn(Strict):
         if isinstance(start, dt.datetime) and end <= start:
             raise ValueError("end must be after start")
         if end > context_now(info):
-            raise ValueError("end is in the future: a backfill fires past times only (the "
-                             "trigger fires the rest)")
+            raise ValueError(
+                "end is in the future: a backfill fires past times only (the "
+                "trigger fires the rest)"
+            )
         return end
 
 
 class Triggered(BaseModel):
-    fire_id: str = Field(description="<schedule id>@manual-<request instant>; a fan-out's "
-                                     "tenants' fires are <fire_id>/<tenant>")
+    fire_id: str = Field(
+        description="<schedule id>@manual-<request instant>; a fan-out's "
+        "tenants' fires are <fire_id>/<tenant>"
+    )
     url: str = Field(description="its ledger entry")
-    created: bool = Field(description="false when an earlier request with the same "
-                                      "Idempotency-Key made this fire")
+    created: bool = Field(
+        description="false when an earlier request with the same Idempotency-Key made this fire"
+    )
 
 
-WebhookEvent = Literal["run.dead", "fire.skipped", "fire.failed", "schedule.paused",
-                       "schedule.late"]
+WebhookEvent = Literal[
+    "run.dead", "fire.skipped", "fire.failed", "schedule.paused", "schedule.late"
+]
 
 
 WEBHOOK_EVENTS: tuple[str, ...] = get_args(WebhookEvent)
@@ -323,27 +394,46 @@ class WebhookIn(Strict):
     """A webhook: the events of a namespace (or of one of its schedules) POSTed to a URL,
     signed with its secret (docs/OPERATIONS.md, "Webhooks")."""
 
-    id: str | None = Field(None, description="a slug; generated when absent",
-                           json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
-    url: str = Field(min_length=8, max_length=MAX_WEBHOOK_URL_CHARS,
-                     description="http:// or https:// URL the events are POSTed to")
+    id: str | None = Field(
+        None,
+        description="a slug; generated when absent",
+        json_schema_extra={"pattern": f"^{SLUG.pattern}$"},
+    )
+    url: str = Field(
+        min_length=8,
+        max_length=MAX_WEBHOOK_URL_CHARS,
+        description="http:// or https:// URL the events are POSTed to",
+    )
     events: list[WebhookEvent] = Field(min_length=1, max_length=len(WEBHOOK_EVENTS))
-    namespace: NamespaceName = Field(DEFAULT_NAMESPACE, max_length=63, description=(
-        "whose events it receives"), json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"})
-    schedule_id: str | None = Field(None, description="only this schedule's events",
-                                    json_schema_extra={"pattern": f"^{SLUG.pattern}$"})
-    secret: str | None = Field(None, min_length=16, max_length=256, description=(
-        "the HMAC-SHA256 key signing each delivery; generated (and shown once, in the "
-        "answer) when absent"))
+    namespace: NamespaceName = Field(
+        DEFAULT_NAMESPACE,
+        max_length=63,
+        description=("whose events it receives"),
+        json_schema_extra={"pattern": f"^{NAMESPACE.pattern}$"},
+    )
+    schedule_id: str | None = Field(
+        None,
+        description="only this schedule's events",
+        json_schema_extra={"pattern": f"^{SLUG.pattern}$"},
+    )
+    secret: str | None = Field(
+        None,
+        min_length=16,
+        max_length=256,
+        description=(
+            "the HMAC-SHA256 key signing each delivery; generated (and shown once, in the "
+            "answer) when absent"
+        ),
+    )
 
     @field_validator("id", "schedule_id")
     @classmethod
     def _slug(cls, value: str | None) -> str | None:
         if value is not None and not SLUG.fullmatch(value):
-            raise ValueError("must be 1-128 letters, digits, '.', '_' or '-', starting with "
-                             "a letter or digit")
+            raise ValueError(
+                "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return value
-
 
     @field_validator("url")
     @classmethod
@@ -383,7 +473,8 @@ class ScheduleList(BaseModel):
     items: list[Schedule]
     next: str | None = Field(None, description="pass as ?after= to get the next page")
     health: dict[str, ScheduleHealth] | None = Field(
-        None, description="with ?health=true: each listed schedule's health, by id")
+        None, description="with ?health=true: each listed schedule's health, by id"
+    )
 
 
 class FireTime(BaseModel):
@@ -399,8 +490,12 @@ class Preview(BaseModel):
 
 def preview(schedule: Schedule, after: dt.datetime, count: int) -> Preview:
     trigger = schedule.compile()
-    times = [FireTime(nominal=n, fire_at=n + triggers.jitter_offset(schedule.id, n,
-                                                                    schedule.jitter),
-                      fire_id=triggers.fire_id(schedule.id, n))
-             for n in triggers.fire_times(trigger, after, limit=count)]
+    times = [
+        FireTime(
+            nominal=n,
+            fire_at=n + triggers.jitter_offset(schedule.id, n, schedule.jitter),
+            fire_id=triggers.fire_id(schedule.id, n),
+        )
+        for n in triggers.fire_times(trigger, after, limit=count)
+    ]
     return Preview(schedule_id=schedule.id, times=times)

@@ -51,8 +51,12 @@ class Decision:
     cancel: set[str] = field(default_factory=set)  # open runs to cancel (cancel_other)
 
 
-def decide(candidates: Sequence[Candidate], open_runs: Mapping[Key, Iterable[str]],
-           buffered: Mapping[Key, int], max_buffered: int) -> Decision:
+def decide(
+    candidates: Sequence[Candidate],
+    open_runs: Mapping[Key, Iterable[str]],
+    buffered: Mapping[Key, int],
+    max_buffered: int,
+) -> Decision:
     """What each candidate does, in order of nominal time. ``open_runs`` are the fire ids
     of each key's open runs (a candidate's own run may be among them: it was published
     before, and publishing it again is deduplicated); ``buffered`` counts each key's fires

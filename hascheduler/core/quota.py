@@ -26,8 +26,9 @@ class FireRates:
     max_delay_s: float = DEFAULT_MAX_DELAY_S
     _arrival: dict[str, dt.datetime] = field(default_factory=dict)  # namespace -> TAT
 
-    def decide(self, namespace: str, limit: float | None, due: dt.datetime
-               ) -> tuple[str, dt.datetime]:
+    def decide(
+        self, namespace: str, limit: float | None, due: dt.datetime
+    ) -> tuple[str, dt.datetime]:
         """ADMIT (at ``due``), DEFER to the returned slot (reserved), or SKIP."""
         if limit is None:
             return ADMIT, due

@@ -51,16 +51,17 @@ class Window(Strict):
 
 class CronSpec(Window):
     kind: Literal["cron"]
-    cron: str = Field(max_length=cron.MAX_EXPRESSION_CHARS,
-                      json_schema_extra={"pattern": cron.SHAPE},
-                      description="5 fields (minute first) or 6 (second first) as crontab(5) "
-                                  "reads them (day of month and day of week either match "
-                                  "when both are restricted; day of week 0 or 7 = Sunday), "
-                                  "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
-                                  "and L, LW, nW (day of month), nL, n#k (day of week)",
-                      examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"])
-    timezone: str = Field("UTC", description="IANA time zone name",
-                          json_schema_extra=zone_enum)
+    cron: str = Field(
+        max_length=cron.MAX_EXPRESSION_CHARS,
+        json_schema_extra={"pattern": cron.SHAPE},
+        description="5 fields (minute first) or 6 (second first) as crontab(5) "
+        "reads them (day of month and day of week either match "
+        "when both are restricted; day of week 0 or 7 = Sunday), "
+        "the macros @hourly, @daily, @weekly, @monthly, @yearly, "
+        "and L, LW, nW (day of month), nL, n#k (day of week)",
+        examples=["0 9 * * mon", "*/5 * * * * *", "0 9 L * *", "@daily"],
+    )
+    timezone: str = Field("UTC", description="IANA time zone name", json_schema_extra=zone_enum)
 
     @field_validator("timezone")
     @classmethod
@@ -76,21 +77,24 @@ class CronSpec(Window):
         floor = min_interval(info)
         gap = compiled.expression.min_gap_s()
         if not stored(info) and gap < floor:
-            raise ValueError(f"fires {gap:g} s apart at times; this cluster's floor is "
-                             f"{floor:g} s between two fires of one schedule")
+            raise ValueError(
+                f"fires {gap:g} s apart at times; this cluster's floor is "
+                f"{floor:g} s between two fires of one schedule"
+            )
         return self
 
     def compile(self) -> triggers.Trigger:
-        return triggers.bounded(triggers.Cron(self.cron, self.timezone), self.start_at,
-                                self.end_at)
+        return triggers.bounded(triggers.Cron(self.cron, self.timezone), self.start_at, self.end_at)
 
 
 class IntervalSpec(Strict):
     kind: Literal["interval"]
-    every: float | str = Field(description="seconds, or an ISO-8601 duration such as 'PT30S'",
-                               examples=[30, "PT1H"])
+    every: float | str = Field(
+        description="seconds, or an ISO-8601 duration such as 'PT30S'", examples=[30, "PT1H"]
+    )
     start_at: Instant | None = Field(
-        None, description="anchor of the grid start_at + k * every; defaults to creation time")
+        None, description="anchor of the grid start_at + k * every; defaults to creation time"
+    )
     end_at: Instant | None = None
 
     @field_validator("every")
@@ -103,8 +107,10 @@ class IntervalSpec(Strict):
             raise ValueError("every must be at least 1 millisecond")
         floor = min_interval(info)
         if seconds < floor and not stored(info):
-            raise ValueError(f"every must be at least {floor:g} s (this cluster's floor "
-                             "between two fires of one schedule)")
+            raise ValueError(
+                f"every must be at least {floor:g} s (this cluster's floor "
+                "between two fires of one schedule)"
+            )
         if seconds > MAX_INTERVAL_S:
             raise ValueError(f"every must be at most {MAX_INTERVAL_S:.0f} seconds (10 years)")
         return seconds
@@ -132,12 +138,14 @@ class IntervalSpec(Strict):
 class AtSpec(Window):
     kind: Literal["at"]
     at: Instant | list[Instant] = Field(
-        description="one instant or a list of instants, each in the future")
+        description="one instant or a list of instants, each in the future"
+    )
 
     @field_validator("at")
     @classmethod
-    def _future(cls, value: dt.datetime | list[dt.datetime],
-                info: ValidationInfo) -> list[dt.datetime]:
+    def _future(
+        cls, value: dt.datetime | list[dt.datetime], info: ValidationInfo
+    ) -> list[dt.datetime]:
         instants = value if isinstance(value, list) else [value]
         if not instants:
             raise ValueError("at needs at least one instant")
@@ -151,8 +159,9 @@ class AtSpec(Window):
         for instant in instants:
             utc = utc_field(instant, "at")
             if whole_ms(utc) <= now and not stored(info):
-                raise ValueError(f"instant {utc.isoformat()} is not in the future (to the "
-                                 "millisecond)")
+                raise ValueError(
+                    f"instant {utc.isoformat()} is not in the future (to the millisecond)"
+                )
             out.append(utc)
         return sorted(set(out))
 
@@ -175,7 +184,9 @@ class Expectation(Strict):
 
     success_within: float | str = Field(
         description="a run of it succeeds at least this often: seconds, or an ISO-8601 "
-                    "duration such as 'PT2H'", examples=["PT2H", 3600])
+        "duration such as 'PT2H'",
+        examples=["PT2H", 3600],
+    )
 
     @field_validator("success_within")
     @classmethod
@@ -190,9 +201,14 @@ class ConcurrencySpec(Strict):
     """At most ``limit`` runs whose key renders alike run at once, across every worker
     (core/flow.py, docs/WORKERS.md)."""
 
-    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
-        "a template over the run: {target}, {schedule_id}, {tenant}, {payload.<name>}"),
-        examples=["{tenant}", "{payload.account}"])
+    key: str = Field(
+        min_length=1,
+        max_length=flow.MAX_TEMPLATE_CHARS,
+        description=(
+            "a template over the run: {target}, {schedule_id}, {tenant}, {payload.<name>}"
+        ),
+        examples=["{tenant}", "{payload.account}"],
+    )
     limit: int = Field(ge=1, le=flow.MAX_LIMIT)
 
     @field_validator("key")
@@ -209,11 +225,16 @@ class RateSpec(Strict):
     """At most ``limit`` run starts per ``per`` for runs whose key renders alike, evenly
     spaced, across every worker (core/flow.py, docs/WORKERS.md)."""
 
-    key: str = Field(min_length=1, max_length=flow.MAX_TEMPLATE_CHARS, description=(
-        "a template over the run, as concurrency.key"), examples=["{target}"])
+    key: str = Field(
+        min_length=1,
+        max_length=flow.MAX_TEMPLATE_CHARS,
+        description=("a template over the run, as concurrency.key"),
+        examples=["{target}"],
+    )
     limit: int = Field(ge=1, le=flow.MAX_RATE_LIMIT)
-    per: float | str = Field(1.0, description="seconds, or an ISO-8601 duration",
-                             examples=["PT1S", 60])
+    per: float | str = Field(
+        1.0, description="seconds, or an ISO-8601 duration", examples=["PT1S", 60]
+    )
 
     @model_validator(mode="after")
     def _valid(self) -> RateSpec:

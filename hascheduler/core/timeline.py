@@ -17,8 +17,7 @@ from hascheduler.core.run_states import PENDING, RETRYING, RUNNING
 # A published fire this much after its due time is ``late`` (the lateness objective the
 # shipped alert rules burn against: k8s/monitoring/rules.yaml, le="1.0").
 LATE_MARK_S = 1.0
-SEVERITY = ("dead", "failed", "late", "skipped", "cancelled", "running", "waiting",
-            "on_time")
+SEVERITY = ("dead", "failed", "late", "skipped", "cancelled", "running", "waiting", "on_time")
 _OPEN_RUN = frozenset({PENDING, RUNNING, RETRYING})
 _WAITING_FIRE = frozenset({"requested", "claimed", "buffered"})
 
@@ -58,8 +57,12 @@ def _rank(ordered: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def lateness_buckets(samples: Iterable[tuple[dt.datetime, float]], since: dt.datetime,
-                     until: dt.datetime, buckets: int) -> list[Bucket]:
+def lateness_buckets(
+    samples: Iterable[tuple[dt.datetime, float]],
+    since: dt.datetime,
+    until: dt.datetime,
+    buckets: int,
+) -> list[Bucket]:
     """Lateness of published fires (due time, seconds late) in ``buckets`` equal spans of
     [since, until): count, p50, p99 (nearest rank) and max of each."""
     span = (until - since) / buckets
@@ -70,8 +73,13 @@ def lateness_buckets(samples: Iterable[tuple[dt.datetime, float]], since: dt.dat
     out = []
     for i, values in enumerate(found):
         values.sort()
-        out.append(Bucket(since + i * span, len(values),
-                          _rank(values, .5) if values else None,
-                          _rank(values, .99) if values else None,
-                          values[-1] if values else None))
+        out.append(
+            Bucket(
+                since + i * span,
+                len(values),
+                _rank(values, 0.5) if values else None,
+                _rank(values, 0.99) if values else None,
+                values[-1] if values else None,
+            )
+        )
     return out

@@ -57,8 +57,9 @@ def zone(name: str) -> ZoneInfo:
             raise ValueError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise InvalidTrigger(f"unknown time zone {name!r} (use an IANA name such as "
-                             "'Europe/Paris')") from None
+        raise InvalidTrigger(
+            f"unknown time zone {name!r} (use an IANA name such as 'Europe/Paris')"
+        ) from None
 
 
 class _NearestWeekdayExpression(AllExpression):  # type: ignore[misc]
@@ -117,8 +118,7 @@ class CompiledCron:
         search day by day, APScheduler took milliseconds for a rare day and a sixth of a
         second to give up on an impossible one."""
         times = []
-        for alternative, trigger in zip(self.expression.alternatives, self.triggers,
-                                        strict=True):
+        for alternative, trigger in zip(self.expression.alternatives, self.triggers, strict=True):
             day = self.expression.first_day(alternative, wall)
             if day is None:
                 continue
@@ -137,8 +137,11 @@ def compile_cron(expression: str, timezone: str) -> CompiledCron:
     except cron.CronError as exc:
         raise InvalidTrigger(str(exc)) from None
     tz = zone(timezone)
-    return CompiledCron(parsed, tuple(_CronTrigger(**fields, timezone=UTC)
-                                      for fields in parsed.trigger_fields()), tz)
+    return CompiledCron(
+        parsed,
+        tuple(_CronTrigger(**fields, timezone=UTC) for fields in parsed.trigger_fields()),
+        tz,
+    )
 
 
 # No zone's offset changes twice within this span (DST changes are months apart; the
@@ -211,8 +214,13 @@ def _naive(moment: dt.datetime) -> dt.datetime:
     return moment.astimezone(UTC).replace(tzinfo=None)
 
 
-def _gap_fire(compiled: CompiledCron, change: dt.datetime, before: dt.timedelta,
-              after: dt.timedelta, start: dt.datetime) -> dt.datetime | None:
+def _gap_fire(
+    compiled: CompiledCron,
+    change: dt.datetime,
+    before: dt.timedelta,
+    after: dt.timedelta,
+    start: dt.datetime,
+) -> dt.datetime | None:
     """The first fire at or after ``start`` of a wall time skipped by the spring-forward
     change at ``change``: it fires shifted forward by the gap (read with the old offset)."""
     gap_start, gap_end = _naive(change) + before, _naive(change) + after
@@ -222,8 +230,9 @@ def _gap_fire(compiled: CompiledCron, change: dt.datetime, before: dt.timedelta,
     return (wall - before).replace(tzinfo=UTC)
 
 
-def _regular_fire(compiled: CompiledCron, start: dt.datetime,
-                  skip_walls_below: dt.datetime | None) -> dt.datetime | None:
+def _regular_fire(
+    compiled: CompiledCron, start: dt.datetime, skip_walls_below: dt.datetime | None
+) -> dt.datetime | None:
     """The first fire at or after ``start``, walking one constant-offset stretch at a time."""
     tz = compiled.timezone
     for _ in range(1000):  # one turn per offset change crossed: two a year in DST zones
@@ -322,13 +331,13 @@ class Bounded:
 Trigger = Cron | Interval | At | Bounded
 
 
-def bounded(inner: Cron | At, start_at: dt.datetime | None,
-            end_at: dt.datetime | None) -> Trigger:
+def bounded(inner: Cron | At, start_at: dt.datetime | None, end_at: dt.datetime | None) -> Trigger:
     return inner if start_at is None and end_at is None else Bounded(inner, start_at, end_at)
 
 
-def fire_times(trigger: Trigger, after: dt.datetime, until: dt.datetime | None = None,
-               limit: int | None = None) -> Iterator[dt.datetime]:
+def fire_times(
+    trigger: Trigger, after: dt.datetime, until: dt.datetime | None = None, limit: int | None = None
+) -> Iterator[dt.datetime]:
     """Nominal fire times strictly after ``after`` (and at or before ``until``), in order."""
     count = 0
     current = after
@@ -344,8 +353,9 @@ def fire_times(trigger: Trigger, after: dt.datetime, until: dt.datetime | None =
         current = nxt
 
 
-def latest_at_or_before(trigger: Trigger, after: dt.datetime,
-                        until: dt.datetime) -> dt.datetime | None:
+def latest_at_or_before(
+    trigger: Trigger, after: dt.datetime, until: dt.datetime
+) -> dt.datetime | None:
     """The last fire time in (after, until], found by bisecting time with next_after: a few
     dozen calls whatever the span (a catch-up after a year down costs what one after a
     minute does)."""
@@ -376,8 +386,7 @@ def count_between(trigger: Trigger, after: dt.datetime, until: dt.datetime) -> i
     if until <= after:
         return 0
     if isinstance(trigger, Bounded):
-        start = after if trigger.start_at is None else max(after,
-                                                             just_before(trigger.start_at))
+        start = after if trigger.start_at is None else max(after, just_before(trigger.start_at))
         end = until if trigger.end_at is None else min(until, trigger.end_at)
         return count_between(trigger.inner, start, end)
     if isinstance(trigger, Interval):
@@ -398,14 +407,15 @@ def count_between(trigger: Trigger, after: dt.datetime, until: dt.datetime) -> i
             first += 1
         return max(0, last - first + 1)
     if isinstance(trigger, At):
-        return bisect.bisect_right(trigger.instants, until) - \
-            bisect.bisect_right(trigger.instants, after)
-    return _count_cron(compile_cron(trigger.expression, trigger.timezone), trigger,
-                       after, until)
+        return bisect.bisect_right(trigger.instants, until) - bisect.bisect_right(
+            trigger.instants, after
+        )
+    return _count_cron(compile_cron(trigger.expression, trigger.timezone), trigger, after, until)
 
 
-def _count_cron(compiled: CompiledCron, trigger: Cron, after: dt.datetime,
-                until: dt.datetime) -> int:
+def _count_cron(
+    compiled: CompiledCron, trigger: Cron, after: dt.datetime, until: dt.datetime
+) -> int:
     tz = compiled.timezone
     total = 0
     start = after
@@ -413,11 +423,13 @@ def _count_cron(compiled: CompiledCron, trigger: Cron, after: dt.datetime,
         offset = _offset(tz, start + _TICK)
         change = _first_change(tz, start + _TICK, until)
         if change is None:
-            return total + _count_walls(compiled.expression, _naive(start) + offset,
-                                        _naive(until) + offset)
+            return total + _count_walls(
+                compiled.expression, _naive(start) + offset, _naive(until) + offset
+            )
         # Before the change one offset holds, and wall times map one to one.
-        total += _count_walls(compiled.expression, _naive(start) + offset,
-                              _naive(change - _TICK) + offset)
+        total += _count_walls(
+            compiled.expression, _naive(start) + offset, _naive(change - _TICK) + offset
+        )
         # The shifted or repeated stretch after it is listed, the DST rule applied.
         shift = abs(_offset(tz, change) - offset)
         end = min(until, change + shift)
@@ -436,12 +448,15 @@ def _count_walls(expr: cron.CronExpression, after: dt.datetime, until: dt.dateti
     day = after.date()
     while day < until.date():  # the days from after's day up to until's, month by month
         first_weekday, length = calendar.monthrange(day.year, day.month)
-        stop = until.day if (day.year, day.month) == (until.year, until.month) \
-            else length + 1
-        total += per_day * sum(1 for d in range(day.day, stop)
-                               if expr.matches_day(day.month, d, length, first_weekday))
-        day = dt.date(day.year + day.month // 12, day.month % 12 + 1, 1) \
-            if stop == length + 1 else day.replace(day=stop)
+        stop = until.day if (day.year, day.month) == (until.year, until.month) else length + 1
+        total += per_day * sum(
+            1 for d in range(day.day, stop) if expr.matches_day(day.month, d, length, first_weekday)
+        )
+        day = (
+            dt.date(day.year + day.month // 12, day.month % 12 + 1, 1)
+            if stop == length + 1
+            else day.replace(day=stop)
+        )
     return total + _fires_in_day_through(expr, until) - _fires_in_day_through(expr, after)
 
 
@@ -484,7 +499,8 @@ def fire_id(schedule_id: str, nominal: dt.datetime) -> str:
 _ISO_DURATION = re.compile(
     r"^P(?:(?P<weeks>\d+(?:\.\d+)?)W)?(?:(?P<days>\d+(?:\.\d+)?)D)?"
     r"(?:T(?:(?P<hours>\d+(?:\.\d+)?)H)?(?:(?P<minutes>\d+(?:\.\d+)?)M)?"
-    r"(?:(?P<seconds>\d+(?:\.\d+)?)S)?)?$")
+    r"(?:(?P<seconds>\d+(?:\.\d+)?)S)?)?$"
+)
 
 
 def parse_duration(text: str) -> float:
@@ -494,9 +510,15 @@ def parse_duration(text: str) -> float:
     """
     match = _ISO_DURATION.match(text.strip().upper())
     if not match or text.strip().upper() in {"P", "PT"} or text.strip().upper().endswith("T"):
-        raise InvalidTrigger(f"{text!r} is not an ISO-8601 duration such as 'PT30S' or "
-                             "'P1DT2H' (years and months are not allowed)")
+        raise InvalidTrigger(
+            f"{text!r} is not an ISO-8601 duration such as 'PT30S' or "
+            "'P1DT2H' (years and months are not allowed)"
+        )
     parts = {k: float(v) for k, v in match.groupdict().items() if v}
-    return (parts.get("weeks", 0) * 604800 + parts.get("days", 0) * 86400
-            + parts.get("hours", 0) * 3600 + parts.get("minutes", 0) * 60
-            + parts.get("seconds", 0))
+    return (
+        parts.get("weeks", 0) * 604800
+        + parts.get("days", 0) * 86400
+        + parts.get("hours", 0) * 3600
+        + parts.get("minutes", 0) * 60
+        + parts.get("seconds", 0)
+    )

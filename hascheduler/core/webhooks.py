@@ -56,11 +56,16 @@ class Event:
     data: dict[str, Any]
 
     def cloudevent(self) -> dict[str, Any]:
-        return {"specversion": "1.0", "id": self.id, "source": EVENT_SOURCE,
-                "type": EVENT_TYPE_PREFIX + self.type, "subject": self.schedule_id,
-                "time": iso_utc(self.time), "datacontenttype": "application/json",
-                "data": {"schedule_id": self.schedule_id, "namespace": self.namespace,
-                         **self.data}}
+        return {
+            "specversion": "1.0",
+            "id": self.id,
+            "source": EVENT_SOURCE,
+            "type": EVENT_TYPE_PREFIX + self.type,
+            "subject": self.schedule_id,
+            "time": iso_utc(self.time),
+            "datacontenttype": "application/json",
+            "data": {"schedule_id": self.schedule_id, "namespace": self.namespace, **self.data},
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,11 @@ class Subscription:
     schedule_id: str | None = None
 
     def covers(self, event: Event) -> bool:
-        return (event.type in self.events and event.namespace == self.namespace
-                and self.schedule_id in (None, event.schedule_id))
+        return (
+            event.type in self.events
+            and event.namespace == self.namespace
+            and self.schedule_id in (None, event.schedule_id)
+        )
 
 
 def delivery_id(webhook_id: str, event_id: str) -> str:
@@ -91,8 +99,9 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={mac.hexdigest()}"
 
 
-def verify(secret: str, header: str, body: bytes, now: float,
-           tolerance_s: float = TOLERANCE_S) -> bool:
+def verify(
+    secret: str, header: str, body: bytes, now: float, tolerance_s: float = TOLERANCE_S
+) -> bool:
     """Whether ``header`` signs ``body`` with ``secret``, made within ``tolerance_s`` of
     ``now`` (what a receiver checks; constant-time comparison)."""
     fields: dict[str, list[str]] = {}

@@ -35,8 +35,9 @@ async def bounded(what: str, step: Callable[[], Awaitable[object]]) -> None:
         log.warning("shutdown_step_failed", step=what, error=repr(exc))
 
 
-def start(stack: contextlib.AsyncExitStack, what: str, service: Service,
-          patient: bool = False) -> None:
+def start(
+    stack: contextlib.AsyncExitStack, what: str, service: Service, patient: bool = False
+) -> None:
     """Run ``service`` until the stack unwinds. Then it is asked to stop and, unless
     ``patient`` (it has work to finish, as the elector's last renewal), cancelled at once:
     asking first is what ends it when a driver call it awaits ignores cancellation."""
@@ -61,8 +62,12 @@ class Every:
     """A step repeated every ``interval_s`` until stopped; ``late``, if given, is told by
     how much each wait overran (the event loop was busy meanwhile)."""
 
-    def __init__(self, interval_s: float, step: Callable[[], Awaitable[None]],
-                 late: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        step: Callable[[], Awaitable[None]],
+        late: Callable[[float], None] | None = None,
+    ) -> None:
         self.interval_s = interval_s
         self._step = step
         self._late = late

@@ -30,10 +30,28 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["Context", "Link", "Span", "SpanKind", "Status", "StatusCode", "attached",
-           "begin_root", "carried", "configure", "context_of", "current_traceparent",
-           "enabled", "flush", "link_of", "log_fields", "parent_of", "sampled",
-           "tracer", "write_span"]
+__all__ = [
+    "Context",
+    "Link",
+    "Span",
+    "SpanKind",
+    "Status",
+    "StatusCode",
+    "attached",
+    "begin_root",
+    "carried",
+    "configure",
+    "context_of",
+    "current_traceparent",
+    "enabled",
+    "flush",
+    "link_of",
+    "log_fields",
+    "parent_of",
+    "sampled",
+    "tracer",
+    "write_span",
+]
 
 log = structlog.get_logger("hascheduler.tracing")
 
@@ -54,8 +72,10 @@ def configure(default_service: str, environ: Mapping[str, str] = os.environ) -> 
     tracing is on."""
     if _state["provider"] is not None:
         return True
-    if not any(environ.get(v) for v in _ENDPOINT_VARIABLES) or \
-            environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    if (
+        not any(environ.get(v) for v in _ENDPOINT_VARIABLES)
+        or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    ):
         return False
     # Imported here: a process that does not trace never loads the SDK or protobuf.
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -70,15 +90,13 @@ def configure(default_service: str, environ: Mapping[str, str] = os.environ) -> 
     # interpreter from the event loop, and 5 s worth of sampled spans at once (the SDK's
     # default) made the fires due at that moment late by as long.
     delay = None if environ.get("OTEL_BSP_SCHEDULE_DELAY") else EXPORT_EVERY_MS
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(),
-                                                   schedule_delay_millis=delay))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=delay))
     trace.set_tracer_provider(provider)
     _state["provider"] = provider
     _state["ids"] = ids
     _state["root_sampled"] = _root_decider(provider.sampler)
     _state["tracer"] = provider.get_tracer("hascheduler")
-    log.info("tracing_on", endpoint=next(environ[v] for v in _ENDPOINT_VARIABLES
-                                         if environ.get(v)))
+    log.info("tracing_on", endpoint=next(environ[v] for v in _ENDPOINT_VARIABLES if environ.get(v)))
     return True
 
 
@@ -125,8 +143,7 @@ def begin_root(name: str, kind: SpanKind) -> tuple[Span | None, dict[str, str]]:
     one is made by the SDK with that very trace id, so the decision stands."""
     trace_id = random.getrandbits(128) or 1
     if not _state["root_sampled"](trace_id, name, kind):
-        return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}"
-                                     "-00"}
+        return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-00"}
     _state["ids"].preset(trace_id)
     span = tracer().start_span(name, context=_NO_PARENT, kind=kind)
     return span, carried(span)
@@ -146,7 +163,8 @@ def _root_decider(sampler: Any) -> Any:
         decision = root is sampling.ALWAYS_ON
         return lambda trace_id, name, kind: decision
     return lambda trace_id, name, kind: sampler.should_sample(
-        _NO_PARENT, trace_id, name, kind).decision.is_sampled()
+        _NO_PARENT, trace_id, name, kind
+    ).decision.is_sampled()
 
 
 def tracer() -> Tracer:
@@ -154,8 +172,9 @@ def tracer() -> Tracer:
     return found
 
 
-def context_of(traceparent: str | None, tracestate: str | None = None
-               ) -> otel_context.Context | None:
+def context_of(
+    traceparent: str | None, tracestate: str | None = None
+) -> otel_context.Context | None:
     """The remote parent a ``traceparent`` names, or None for none (or a malformed one:
     it came over a wire, and is ignored as the W3C specification says)."""
     if not traceparent:
@@ -181,8 +200,9 @@ def carried(span: Span) -> dict[str, str]:
     """The W3C ``traceparent`` (and ``tracestate`` when there is one) passing ``span`` on,
     formatted here rather than by the propagator: the leader does it for every fire."""
     ctx = span.get_span_context()
-    carrier = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-"
-                              f"{int(ctx.trace_flags):02x}"}
+    carrier = {
+        "traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    }
     if ctx.trace_state:
         carrier["tracestate"] = ctx.trace_state.to_header()
     return carrier
@@ -214,8 +234,10 @@ def write_span(action: str, count: int) -> Iterator[str | None]:
     if not enabled():
         yield None
         return
-    with tracer().start_as_current_span(f"schedule {action}", attributes={
-            "hascheduler.action": action, "hascheduler.schedules": count}) as span:
+    with tracer().start_as_current_span(
+        f"schedule {action}",
+        attributes={"hascheduler.action": action, "hascheduler.schedules": count},
+    ) as span:
         yield carried(span)["traceparent"]
 
 
@@ -232,8 +254,7 @@ def attached(ctx: otel_context.Context | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def log_fields(_: Any, __: str, event: MutableMapping[str, Any]
-               ) -> MutableMapping[str, Any]:
+def log_fields(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """A structlog processor: the current span's ``trace_id`` and ``span_id`` on a line
     logged inside one (so logs and traces join)."""
     if _state["provider"] is not None:

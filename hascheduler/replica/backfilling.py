@@ -44,19 +44,31 @@ BACKFILL_MAX_WAIT_S = 2.0
 class ClaimAndPublish(Protocol):
     """The firing path's claim of a batch of fires, published when due (its counts)."""
 
-    async def __call__(self, batch: list[Due], term: Term, now: dt.datetime,
-                       may_defer: bool = True, overlap: str | None = None,
-                       backfill: str | None = None,
-                       published: list[asyncio.Task[None]] | None = None
-                       ) -> tuple[int, int]: ...
+    async def __call__(
+        self,
+        batch: list[Due],
+        term: Term,
+        now: dt.datetime,
+        may_defer: bool = True,
+        overlap: str | None = None,
+        backfill: str | None = None,
+        published: list[asyncio.Task[None]] | None = None,
+    ) -> tuple[int, int]: ...
 
 
 class Backfilling:
     """The backfill work of a term (a service of it)."""
 
-    def __init__(self, backfills: Backfills, ledger: Ledger, entries: Mapping[str, Entry],
-                 claim: ClaimAndPublish, busy: Callable[[], bool],
-                 clock: Clock, claim_ahead_s: float) -> None:
+    def __init__(
+        self,
+        backfills: Backfills,
+        ledger: Ledger,
+        entries: Mapping[str, Entry],
+        claim: ClaimAndPublish,
+        busy: Callable[[], bool],
+        clock: Clock,
+        claim_ahead_s: float,
+    ) -> None:
         self.backfills = backfills
         self.ledger = ledger
         self.entries = entries  # the mirror's
@@ -106,8 +118,13 @@ class Backfilling:
         cursor = as_utc(doc["cursor"])
         if entry.paused_now(now):
             return None  # waits for the resume
-        nominals = [n for n in fire_times(entry.trigger, just_before(cursor), until=end,
-                                          limit=BACKFILL_CHUNK + 1) if n < end]
+        nominals = [
+            n
+            for n in fire_times(
+                entry.trigger, just_before(cursor), until=end, limit=BACKFILL_CHUNK + 1
+            )
+            if n < end
+        ]
         # The cursor is the next nominal time itself (stored to the millisecond, as the
         # instants are): one a microsecond past the chunk's last was read back as that one.
         following = nominals[BACKFILL_CHUNK] if len(nominals) > BACKFILL_CHUNK else end
@@ -118,20 +135,43 @@ class Backfilling:
             # lateness of the trigger's fires is what the metric is about.
             dues = [Due(now, n, schedule_id, entry.revision) for n in nominals]
             published: list[asyncio.Task[None]] = []
-            await self.claim(dues, term, now, may_defer=False, overlap=doc.get("overlap"),
-                             backfill=doc["_id"], published=published)
+            await self.claim(
+                dues,
+                term,
+                now,
+                may_defer=False,
+                overlap=doc.get("overlap"),
+                backfill=doc["_id"],
+                published=published,
+            )
             if published:  # each ends published, buffered, skipped or left for a retry
                 await asyncio.wait(published)
-            outcome = chunk_outcome(await term.read(self.ledger.backfilled(
-                schedule_id, nominals)), doc["_id"], following)
+            outcome = chunk_outcome(
+                await term.read(self.ledger.backfilled(schedule_id, nominals)),
+                doc["_id"],
+                following,
+            )
             if outcome.released:
-                await term.write(self.ledger.release(outcome.released, term.number,
-                                                     PAUSED_BEFORE_DUE))
-        await self.backfills.advance(doc["_id"], outcome.cursor, outcome.fired,
-                                     outcome.held, outcome.cursor >= end, now,
-                                     outcome.withdrawn)
+                await term.write(
+                    self.ledger.release(outcome.released, term.number, PAUSED_BEFORE_DUE)
+                )
+        await self.backfills.advance(
+            doc["_id"],
+            outcome.cursor,
+            outcome.fired,
+            outcome.held,
+            outcome.cursor >= end,
+            now,
+            outcome.withdrawn,
+        )
         if outcome.fired or outcome.released:
-            log.info("backfilled", backfill=doc["_id"], fired=outcome.fired,
-                     skipped=outcome.held, withdrawn=sum(outcome.withdrawn.values()),
-                     freed_after_pause=len(outcome.released), term=term.number)
+            log.info(
+                "backfilled",
+                backfill=doc["_id"],
+                fired=outcome.fired,
+                skipped=outcome.held,
+                withdrawn=sum(outcome.withdrawn.values()),
+                freed_after_pause=len(outcome.released),
+                term=term.number,
+            )
         return outcome

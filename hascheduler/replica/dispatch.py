@@ -66,31 +66,60 @@ CLAIM_EVERY_S = 0.025
 
 
 class Dispatcher:
-    def __init__(self, mirror: MirroredSchedules, schedules: ScheduleReads, ledger: Ledger,  # noqa: PLR0913 (builds the term's services from what they use)
-                 broker: Broker, lease: HeldLease, settings: DispatchSettings | None = None,
-                 clock: Clock = lambda: dt.datetime.now(dt.UTC),
-                 metrics: Metrics | None = None, sources: TenantSource | None = None,
-                 runs: RunLedger | None = None, store: ScheduleStore | None = None,
-                 counts: FireCounts | None = None, backfills: Backfills | None = None,
-                 quota: Callable[[str], float | None] = lambda namespace: None,
-                 services: Sequence[TermService] = ()) -> None:
+    def __init__(  # noqa: PLR0913 (builds the term's services from what they use)
+        self,
+        mirror: MirroredSchedules,
+        schedules: ScheduleReads,
+        ledger: Ledger,
+        broker: Broker,
+        lease: HeldLease,
+        settings: DispatchSettings | None = None,
+        clock: Clock = lambda: dt.datetime.now(dt.UTC),
+        metrics: Metrics | None = None,
+        sources: TenantSource | None = None,
+        runs: RunLedger | None = None,
+        store: ScheduleStore | None = None,
+        counts: FireCounts | None = None,
+        backfills: Backfills | None = None,
+        quota: Callable[[str], float | None] = lambda namespace: None,
+        services: Sequence[TermService] = (),
+    ) -> None:
         self.mirror = mirror
         self.ledger = ledger
         self.lease = lease
         self.settings = settings = settings or DispatchSettings()
         self.clock = clock
         metrics = metrics or Metrics()
-        self.gate = None if runs is None else OverlapGate(
-            ledger, runs, mirror.entries, settings.max_buffered, clock, metrics)
-        self.publisher = Publisher(broker, ledger, mirror, schedules, settings, clock,
-                                   metrics, self.gate, counts, store)
+        self.gate = (
+            None
+            if runs is None
+            else OverlapGate(ledger, runs, mirror.entries, settings.max_buffered, clock, metrics)
+        )
+        self.publisher = Publisher(
+            broker, ledger, mirror, schedules, settings, clock, metrics, self.gate, counts, store
+        )
         self._wake = asyncio.Event()
-        self.firing = FiringPath(mirror.entries, ledger, self.publisher, settings, clock,
-                                 metrics, sources, self._wake.set)
+        self.firing = FiringPath(
+            mirror.entries,
+            ledger,
+            self.publisher,
+            settings,
+            clock,
+            metrics,
+            sources,
+            self._wake.set,
+        )
         self.quotas = QuotaAdmission(quota, mirror.entries, self.firing, metrics)
-        self.takeover = TakeOver(self.firing, ledger, self.publisher, schedules,
-                                 mirror.entries, settings.retry_interval_s,
-                                 lease, clock)
+        self.takeover = TakeOver(
+            self.firing,
+            ledger,
+            self.publisher,
+            schedules,
+            mirror.entries,
+            settings.retry_interval_s,
+            lease,
+            clock,
+        )
         self.requests = Requests(ledger, self.publisher, store, self.firing, clock)
         # The term's services beside the fire loop and the take-over (and those of other
         # parts of the replica: the leader's half of webhooks).
@@ -98,17 +127,26 @@ class Dispatcher:
         if self.gate is not None:
             self.services.append(OverlapRelease(self.gate, self.publisher, self.firing, clock))
         if backfills is not None:
-            self.services.append(Backfilling(
-                backfills, ledger, mirror.entries, self.firing.claim_and_publish,
-                lambda: self.publisher.busy, lambda: self.clock(), CLAIM_AHEAD_S))
+            self.services.append(
+                Backfilling(
+                    backfills,
+                    ledger,
+                    mirror.entries,
+                    self.firing.claim_and_publish,
+                    lambda: self.publisher.busy,
+                    lambda: self.clock(),
+                    CLAIM_AHEAD_S,
+                )
+            )
         self.term: Term | None = None  # the current term, or the last one
 
     @property
     def fired_through(self) -> dt.datetime | None:
         return self.term.fired_through if self.term is not None else None
 
-    def on_change(self, schedule_id: str, entry: Entry | None,
-                  written: Written | None = None) -> None:
+    def on_change(
+        self, schedule_id: str, entry: Entry | None, written: Written | None = None
+    ) -> None:
         """Called by the mirror for every applied change (made when ``written`` says, for a
         streamed one); reschedules while leading."""
         self.publisher.forget(schedule_id)
@@ -125,29 +163,38 @@ class Dispatcher:
             # of a schedule says when it began to make fires due.
             term.note_early_change(schedule_id, written)
         since = replan_from(term.watermark, written)
-        if until is not None and since is not None and entry is not None and \
-                not entry.paused:
+        if until is not None and since is not None and entry is not None and not entry.paused:
             since = min(since, max(just_before(until), term.started_at))
         watermark, start = term.watermark, change_start(written)
-        if start is not None and watermark is not None and \
-                start < watermark - dt.timedelta(seconds=LATE_CHANGE_S):
+        if (
+            start is not None
+            and watermark is not None
+            and start < watermark - dt.timedelta(seconds=LATE_CHANGE_S)
+        ):
             # Its fires between its start and the bound are not fired: say so, and for a
             # new schedule (a changed one's were fired as it was) record them skipped.
-            log.warning("change_applied_late", schedule_id=schedule_id, term=term.number,
-                        lag_s=round((watermark - start).total_seconds(), 3),
-                        planned_from=(since or watermark).isoformat())
-            skipped = unplanned(entry, written, start, since or watermark,
-                                (watermark - start).total_seconds())
+            log.warning(
+                "change_applied_late",
+                schedule_id=schedule_id,
+                term=term.number,
+                lag_s=round((watermark - start).total_seconds(), 3),
+                planned_from=(since or watermark).isoformat(),
+            )
+            skipped = unplanned(
+                entry, written, start, since or watermark, (watermark - start).total_seconds()
+            )
             if skipped is not None:
                 term.start_waiting(self._record_unplanned(schedule_id, skipped, term))
         if term.queue.changed(schedule_id, entry, since):
             self._wake.set()
 
-    async def _record_unplanned(self, schedule_id: str, skipped: SkippedRange,
-                                term: Term) -> None:
+    async def _record_unplanned(self, schedule_id: str, skipped: SkippedRange, term: Term) -> None:
         try:
-            await term.write(self.ledger.record_skipped([skipped_range_document(
-                schedule_id, skipped, term.number, self.clock())]))
+            await term.write(
+                self.ledger.record_skipped(
+                    [skipped_range_document(schedule_id, skipped, term.number, self.clock())]
+                )
+            )
         except LeadershipLost:
             log.warning("unplanned_not_recorded", schedule_id=schedule_id, term=term.number)
 
@@ -157,8 +204,11 @@ class Dispatcher:
         all stop together when the term ends."""
         now = self.clock()
         since = view.fired_through  # None: no term of this database has fired yet
-        log.info("leading", term=view.term,
-                 fired_through=since.isoformat() if since is not None else None)
+        log.info(
+            "leading",
+            term=view.term,
+            fired_through=since.isoformat() if since is not None else None,
+        )
         async with Term(view.term, self.lease, self.mirror.entries, now) as term:
             if self.term is not None:
                 term.follows(self.term)

@@ -98,9 +98,17 @@ class TenantSource(Protocol):
 class FiringPath:
     """Claim and publish at the due time, for whichever piece of a term's work fires."""
 
-    def __init__(self, entries: Mapping[str, Entry], ledger: Ledger, publisher: Publisher,
-                 settings: DispatchSettings, clock: Clock, metrics: Metrics,
-                 sources: TenantSource | None, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        entries: Mapping[str, Entry],
+        ledger: Ledger,
+        publisher: Publisher,
+        settings: DispatchSettings,
+        clock: Clock,
+        metrics: Metrics,
+        sources: TenantSource | None,
+        wake: Callable[[], None],
+    ) -> None:
         self.entries = entries  # the mirror's
         self.ledger = ledger
         self.publisher = publisher
@@ -110,8 +118,9 @@ class FiringPath:
         self.sources = sources
         self.wake = wake  # the fire loop: a fire put back into the queue is due sooner
 
-    async def claim(self, claims: list[Claim], term: Term, now: dt.datetime,
-                    backfill: str | None = None) -> list[Claim]:
+    async def claim(
+        self, claims: list[Claim], term: Term, now: dt.datetime, backfill: str | None = None
+    ) -> list[Claim]:
         """Insert claims; returns those we now own.
 
         A duplicate key is another term's claim, or one of ours already pending. Another
@@ -144,12 +153,12 @@ class FiringPath:
         takeover wait a round trip more per batch of the fires its predecessor left)."""
         if not fire_ids:
             return set()
-        taken: set[str] = await term.write(
-            self.ledger.adopt(fire_ids, term.number, self.clock()))
+        taken: set[str] = await term.write(self.ledger.adopt(fire_ids, term.number, self.clock()))
         return taken
 
-    async def claim_late(self, dues: list[Due], term: Term, now: dt.datetime,
-                         passed: dt.datetime | None) -> None:
+    async def claim_late(
+        self, dues: list[Due], term: Term, now: dt.datetime, passed: dt.datetime | None
+    ) -> None:
         """Claim fires due before the term (a catch-up's, a late change's). A fan-out's
         instant due by ``passed`` (the watermark an earlier term passed) that the ledger
         holds any claim or record of was handled then, for the tenants selected then: it
@@ -160,8 +169,12 @@ class FiringPath:
         earlier: dict[str, list[dt.datetime]] = {}
         for due in dues:
             entry = self.entries.get(due.schedule_id)
-            if entry is not None and entry.fan_out is not None and passed is not None \
-                    and due.fire_at <= passed:
+            if (
+                entry is not None
+                and entry.fan_out is not None
+                and passed is not None
+                and due.fire_at <= passed
+            ):
                 earlier.setdefault(due.schedule_id, []).append(due.nominal)
         for schedule_id, nominals in earlier.items():
             held = await term.read(self.ledger.instants_held(schedule_id, nominals))
@@ -176,14 +189,18 @@ class FiringPath:
         term.opened(dues)
         async with InFlight(CLAIMS_IN_FLIGHT) as claiming:
             for i in range(0, len(dues), CLAIM_BATCH):
-                await claiming.start(
-                    self.claim_and_publish(dues[i:i + CLAIM_BATCH], term, now))
+                await claiming.start(self.claim_and_publish(dues[i : i + CLAIM_BATCH], term, now))
 
-    async def claim_and_publish(self, batch: list[Due], term: Term, now: dt.datetime,
-                                may_defer: bool = True, overlap: str | None = None,
-                                backfill: str | None = None,
-                                published: list[asyncio.Task[None]] | None = None
-                                ) -> tuple[int, int]:
+    async def claim_and_publish(
+        self,
+        batch: list[Due],
+        term: Term,
+        now: dt.datetime,
+        may_defer: bool = True,
+        overlap: str | None = None,
+        backfill: str | None = None,
+        published: list[asyncio.Task[None]] | None = None,
+    ) -> tuple[int, int]:
         """Claim ``batch`` (expanded per tenant) and publish what we now own at its due
         time; (claims owned, claims tried). ``overlap`` overrides the schedules' policy;
         ``backfill`` marks the claims a backfill's; ``published`` collects the tasks
@@ -191,10 +208,14 @@ class FiringPath:
         Each instant is resolved for the term once all its claims are made (or it is
         recorded skipped); one waiting for its fan-out source stays open."""
         sources = self.sources
-        expansion = expand(batch, self.entries,
-                           sources.tenants if sources is not None else None,
-                           self.settings.max_fan_out, may_defer and sources is not None,
-                           SOURCE_SYNC_WAIT_S)
+        expansion = expand(
+            batch,
+            self.entries,
+            sources.tenants if sources is not None else None,
+            self.settings.max_fan_out,
+            may_defer and sources is not None,
+            SOURCE_SYNC_WAIT_S,
+        )
         for due, fan_out in expansion.waiting:
             self.defer(due, fan_out, term)
         if expansion.refused:
@@ -207,7 +228,7 @@ class FiringPath:
                 claim.overlap = overlap
         owned = 0
         for i in range(0, len(claims), CLAIM_BATCH):
-            claimed = await self.claim(claims[i:i + CLAIM_BATCH], term, now, backfill)
+            claimed = await self.claim(claims[i : i + CLAIM_BATCH], term, now, backfill)
             self.metrics.fires.labels("claimed").inc(len(claimed))
             self._count_by_namespace(claimed)
             owned += len(claimed)
@@ -241,8 +262,7 @@ class FiringPath:
             return
         term.deferred.add(fire)
         term.opened([due])
-        log.info("fan_out_deferred", fire_id=fire, term=term.number,
-                 collection=fan_out.collection)
+        log.info("fan_out_deferred", fire_id=fire, term=term.number, collection=fan_out.collection)
 
         async def when_in_sync() -> None:
             assert self.sources is not None
@@ -255,27 +275,45 @@ class FiringPath:
                 if term.active:
                     term.put_back(due, self.clock() + dt.timedelta(seconds=RETRY_AFTER_S))
                     self.wake()
-                log.warning("fan_out_deferred_failed", fire_id=fire, term=term.number,
-                            error=repr(exc), again=term.active)
+                log.warning(
+                    "fan_out_deferred_failed",
+                    fire_id=fire,
+                    term=term.number,
+                    error=repr(exc),
+                    again=term.active,
+                )
             finally:
                 term.deferred.discard(fire)
 
         term.start_waiting(when_in_sync())
 
-    async def record_refused(self, dues: list[tuple[Due, str]], term: Term,
-                             now: dt.datetime, backfill: str | None = None) -> None:
+    async def record_refused(
+        self, dues: list[tuple[Due, str]], term: Term, now: dt.datetime, backfill: str | None = None
+    ) -> None:
         """A fire that cannot go (a fan-out whose source mirror is out of sync or that
         selects more tenants than the bound, a namespace far over its quota) is recorded as
         skipped, saying why, never silently dropped."""
-        await term.write(self.ledger.record_skipped([skipped_range_document(
-            d.schedule_id, SkippedRange(d.nominal, d.nominal, 1, reason), term.number, now,
-            backfill) for d, reason in dues]))
+        await term.write(
+            self.ledger.record_skipped(
+                [
+                    skipped_range_document(
+                        d.schedule_id,
+                        SkippedRange(d.nominal, d.nominal, 1, reason),
+                        term.number,
+                        now,
+                        backfill,
+                    )
+                    for d, reason in dues
+                ]
+            )
+        )
         term.resolved(d for d, _ in dues)
         self.metrics.fires.labels("skipped").inc(len(dues))
         log.warning("fires_refused", count=len(dues), term=term.number, reason=dues[0][1])
 
-    async def publish_when_due(self, claimed: list[Claim], revisions: dict[str, int],
-                               term: Term) -> None:
+    async def publish_when_due(
+        self, claimed: list[Claim], revisions: dict[str, int], term: Term
+    ) -> None:
         """Admit each claimed fire through the overlap gate ADMIT_AHEAD_S before its due
         time, and publish it at its due time, in groups due together."""
         claimed = sorted(claimed, key=_due_at)
@@ -293,8 +331,10 @@ class FiringPath:
             checked_at = self.publisher.changes
             verified = none_withdrawn(claimed, self.entries, revisions)
             while claimed or admitted:
-                next_at = min(([claimed[0].due_at - ahead] if claimed else [])
-                              + ([publish_tick(admitted[0].due_at)] if admitted else []))
+                next_at = min(
+                    ([claimed[0].due_at - ahead] if claimed else [])
+                    + ([publish_tick(admitted[0].due_at)] if admitted else [])
+                )
                 if not await self._until(next_at, term):
                     return  # handing over: the next leader adopts these claims
                 now = self.clock()
@@ -315,24 +355,25 @@ class FiringPath:
                     unchanged = verified and self.publisher.changes == checked_at
                     wanted = due if unchanged else await self.still_due(due, revisions, term)
                     kept = {c.fire_id for c in wanted}
-                    withdrawn = [c for c in due if c.fire_id not in kept
-                                 and c.fire_id not in held]  # held ones reserved nothing
+                    withdrawn = [
+                        c for c in due if c.fire_id not in kept and c.fire_id not in held
+                    ]  # held ones reserved nothing
                     if withdrawn:
                         await self.publisher.unadmit(withdrawn, term.number)
                     through = [c for c in wanted if c.fire_id not in held]
                     if through:
                         await self.publisher.publish_admitted(through, term, unchanged)
                     if len(through) < len(wanted):  # their run was open ahead: asked now
-                        await self.publisher.publish([c for c in wanted if c.fire_id in held],
-                                                     term, attempt=1)
+                        await self.publisher.publish(
+                            [c for c in wanted if c.fire_id in held], term, attempt=1
+                        )
                 finally:
                     term.remove_pending(due)
         finally:
             term.remove_pending(claimed + admitted)
             self.publisher.discard(everything)
 
-    async def _admit(self, coming: list[Claim], term: Term
-                     ) -> tuple[list[Claim], list[Claim]]:
+    async def _admit(self, coming: list[Claim], term: Term) -> tuple[list[Claim], list[Claim]]:
         """The claims the overlap gate lets through, and those it holds to ask again at
         their due time; the others (recorded skipped or buffered by it) are done with."""
         passed, held = await self.publisher.admit(coming, term)
@@ -354,8 +395,9 @@ class FiringPath:
                 await asyncio.wait_for(term.handing_over.wait(), delay)
         return not term.handing_over.is_set()
 
-    async def still_due(self, due: list[Claim], revisions: dict[str, int],
-                        term: Term) -> list[Claim]:
+    async def still_due(
+        self, due: list[Claim], revisions: dict[str, int], term: Term
+    ) -> list[Claim]:
         """The fires still wanted at their due time; the others are recorded as skipped."""
         keep: list[Claim] = []
         skipped: dict[str, list[str]] = {}
@@ -365,8 +407,12 @@ class FiringPath:
         for claim in due:
             entry = self.entries.get(claim.schedule_id)
             reason = withdrawn(claim, entry, revisions[claim.schedule_id])
-            if reason is None and claim.tenant is not None and entry is not None \
-                    and entry.fan_out is not None:
+            if (
+                reason is None
+                and claim.tenant is not None
+                and entry is not None
+                and entry.fan_out is not None
+            ):
                 if claim.schedule_id not in selected:
                     tenants = self.sources.tenants(entry.fan_out) if self.sources else None
                     selected[claim.schedule_id] = None if tenants is None else set(tenants)

@@ -26,8 +26,7 @@ class InFlight:
 
     async def _fewer_than(self, bound: int) -> None:
         while len(self._tasks) >= bound:
-            done, self._tasks = await asyncio.wait(self._tasks,
-                                                   return_when=asyncio.FIRST_COMPLETED)
+            done, self._tasks = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
 

@@ -55,10 +55,15 @@ class Watchable(Protocol):
 
 
 class Elector:
-    def __init__(self, lease: Lease, dispatcher: Firing, leases: Watchable,
-                 unfit: Callable[[], str | None] = lambda: None,
-                 metrics: Metrics | None = None,
-                 clock: Clock = lambda: dt.datetime.now(dt.UTC)) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        dispatcher: Firing,
+        leases: Watchable,
+        unfit: Callable[[], str | None] = lambda: None,
+        metrics: Metrics | None = None,
+        clock: Clock = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
         self.lease = lease
         self.metrics = metrics or Metrics()
         self._unfit = unfit
@@ -123,21 +128,29 @@ class Elector:
         try:
             view = await asyncio.wait_for(
                 self.lease.acquire_or_renew(self.dispatcher.fired_through if leading else None),
-                max(limit, 0.05))
+                max(limit, 0.05),
+            )
             self.metrics.renew_seconds.observe(time.monotonic() - sent)
         except (PyMongoError, TimeoutError) as exc:
             self.metrics.renew_failures.inc()
             if not leading:
                 # Said once a streak: a standby that cannot reach the lease cannot take over.
                 if not self._failing:
-                    log.warning("acquire_failed", error=repr(exc)[:300],
-                                took_s=round(time.monotonic() - sent, 3))
+                    log.warning(
+                        "acquire_failed",
+                        error=repr(exc)[:300],
+                        took_s=round(time.monotonic() - sent, 3),
+                    )
                 self._failing = True
             elif not self.lease.valid:
                 await self._stop_leading(f"renewal failed past the deadline: {exc!r}")
             else:
-                log.warning("renewal_failed", error=repr(exc), term=self.lease.term,
-                            remaining_s=round(self.lease.remaining(), 3))
+                log.warning(
+                    "renewal_failed",
+                    error=repr(exc),
+                    term=self.lease.term,
+                    remaining_s=round(self.lease.remaining(), 3),
+                )
             return
         self._failing = False
         if view is not None:
@@ -201,9 +214,9 @@ class Elector:
         pipeline = [{"$match": {"documentKey._id": self.lease.name}}]
         while not self._stopping:
             try:
-                stream = await open_change_stream(self._leases, pipeline,
-                                                  full_document="updateLookup",
-                                                  max_await_time_ms=500)
+                stream = await open_change_stream(
+                    self._leases, pipeline, full_document="updateLookup", max_await_time_ms=500
+                )
                 async with stream:
                     while not self._stopping:
                         event = await stream.try_next()

@@ -46,8 +46,11 @@ INVALID_RESUME_TOKEN = 260
 LOAD_BATCH, LOAD_CHUNK, LOAD_AHEAD = 10_000, 1_000, 16
 
 
-Action = tuple[Literal["upsert"], str, dict[str, Any]] | tuple[Literal["remove"], str, None] \
+Action = (
+    tuple[Literal["upsert"], str, dict[str, Any]]
+    | tuple[Literal["remove"], str, None]
     | tuple[Literal["ignore"], str, str]
+)
 
 
 def decide(event: dict[str, Any], current_revision: int | None) -> Action:
@@ -126,11 +129,18 @@ class ChangeMirror:
     def status(self) -> dict[str, Any]:
         last = self.last_applied
         return {
-            "ready": self.ready, "size": self.size, "digest": self.digest,
-            "last_applied_cluster_time": None if last is None else {
-                "t": last.time, "i": last.inc,
-                "at": dt.datetime.fromtimestamp(last.time, dt.UTC).isoformat()},
-            "resyncs": self.resyncs, "resumes": self.resumes,
+            "ready": self.ready,
+            "size": self.size,
+            "digest": self.digest,
+            "last_applied_cluster_time": None
+            if last is None
+            else {
+                "t": last.time,
+                "i": last.inc,
+                "at": dt.datetime.fromtimestamp(last.time, dt.UTC).isoformat(),
+            },
+            "resyncs": self.resyncs,
+            "resumes": self.resumes,
         }
 
     async def wait_ready(self) -> None:
@@ -138,8 +148,7 @@ class ChangeMirror:
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready:
-            log.info(f"{self.NAME}_ready" if ready else f"{self.NAME}_not_ready",
-                     size=self.size)
+            log.info(f"{self.NAME}_ready" if ready else f"{self.NAME}_not_ready", size=self.size)
         self.ready = ready
         if ready:
             self._ready_event.set()
@@ -149,8 +158,12 @@ class ChangeMirror:
     # -- syncing --------------------------------------------------------------------------
 
     async def _open(self, **options: Any) -> Any:
-        return await open_change_stream(self._coll, full_document="updateLookup",
-                                        max_await_time_ms=STREAM_MAX_AWAIT_MS, **options)
+        return await open_change_stream(
+            self._coll,
+            full_document="updateLookup",
+            max_await_time_ms=STREAM_MAX_AWAIT_MS,
+            **options,
+        )
 
     def stop(self) -> None:
         """Ask ``run`` to return (within one stream wait); cancellation alone is not
@@ -180,8 +193,9 @@ class ChangeMirror:
                 delay = STREAM_RETRY_INITIAL_S
                 continue
             except OperationFailure as exc:
-                if exc.code in {HISTORY_LOST, INVALID_RESUME_TOKEN} or \
-                        exc.has_error_label("NonResumableChangeStreamError"):
+                if exc.code in {HISTORY_LOST, INVALID_RESUME_TOKEN} or exc.has_error_label(
+                    "NonResumableChangeStreamError"
+                ):
                     log.warning(f"{self.NAME}_history_lost", code=exc.code, error=str(exc))
                     self._token = None
                 else:
@@ -201,8 +215,7 @@ class ChangeMirror:
             self._token = stream.resume_token
             changed, removed = await self._load_all()
             self.resyncs += 1
-            log.info(f"{self.NAME}_resynced", size=self.size, changed=changed,
-                     removed=removed)
+            log.info(f"{self.NAME}_resynced", size=self.size, changed=changed, removed=removed)
             if self.READY_AFTER_LOAD:
                 self._set_ready(True)
             await self._follow(stream)
@@ -237,8 +250,9 @@ def _date(value: Any) -> dt.datetime | None:
     return as_utc(value) if isinstance(value, dt.datetime) else None
 
 
-async def read_ahead(cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CHUNK,
-                     ahead: int = LOAD_AHEAD) -> AsyncIterator[list[dict[str, Any]]]:
+async def read_ahead(
+    cursor: AsyncIterable[dict[str, Any]], chunk: int = LOAD_CHUNK, ahead: int = LOAD_AHEAD
+) -> AsyncIterator[list[dict[str, Any]]]:
     """The cursor's documents in chunks, read by a task of their own: while the caller
     builds from one batch, the next is on its way (with a plain ``async for`` the server
     waits while the caller builds, and the caller while the server encodes)."""
@@ -277,8 +291,7 @@ OnChange = Callable[[str, Entry | None, Written | None], None]
 class Mirror(ChangeMirror):
     """The mirror of the schedules; ``run()`` keeps it in sync until cancelled."""
 
-    def __init__(self, collection: WatchedCollection,
-                 on_change: OnChange | None = None) -> None:
+    def __init__(self, collection: WatchedCollection, on_change: OnChange | None = None) -> None:
         super().__init__(collection)
         self.on_change = on_change
         self.entries: dict[str, Entry] = {}
@@ -305,8 +318,13 @@ class Mirror(ChangeMirror):
     def status(self) -> dict[str, Any]:
         return {**super().status(), "invalid": len(self.invalid)}
 
-    def _put(self, schedule_id: str, doc: dict[str, Any], streamed: bool = True,
-             written: Written | None = None) -> None:
+    def _put(
+        self,
+        schedule_id: str,
+        doc: dict[str, Any],
+        streamed: bool = True,
+        written: Written | None = None,
+    ) -> None:
         """Keep ``doc``'s entry; a ``streamed`` change's time is noted in
         ``recently_applied`` (a load's are not: they propagate nothing, and noting a
         million of them churned the record through a whole load)."""
@@ -343,10 +361,10 @@ class Mirror(ChangeMirror):
         if action == "upsert":
             assert isinstance(detail, dict)
             # A new schedule's creation time; a change to one is planned from its commit.
-            created = _date(detail.get("created_at")) \
-                if event.get("operationType") == "insert" else None
-            self._put(schedule_id, detail,
-                      written=Written(_date(event.get("wallTime")), created))
+            created = (
+                _date(detail.get("created_at")) if event.get("operationType") == "insert" else None
+            )
+            self._put(schedule_id, detail, written=Written(_date(event.get("wallTime")), created))
         elif action == "remove":
             self._remove(schedule_id, Written(_date(event.get("wallTime")), None))
         self._applied(event)
@@ -375,8 +393,9 @@ class Mirror(ChangeMirror):
             if current is None or current.revision != doc.get("revision"):
                 written = None
                 if "updated_at" in doc:
-                    written = Written(_date(doc["updated_at"]), None if current else
-                                      _date(doc.get("created_at")))
+                    written = Written(
+                        _date(doc["updated_at"]), None if current else _date(doc.get("created_at"))
+                    )
                 self._put(schedule_id, doc, streamed=False, written=written)
                 changed += 1
         return changed

@@ -64,8 +64,15 @@ class Fenced(Protocol):
 
 
 class OverlapGate:
-    def __init__(self, ledger: Ledger, runs: RunLedger, entries: Mapping[str, Entry],
-                 max_buffered: int, clock: Clock, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        runs: RunLedger,
+        entries: Mapping[str, Entry],
+        max_buffered: int,
+        clock: Clock,
+        metrics: Metrics,
+    ) -> None:
         self.ledger = ledger
         self.runs = runs
         self.entries = entries
@@ -93,29 +100,46 @@ class OverlapGate:
         """A term begins: learn which keys have fires waiting (an older term's)."""
         self.waiting = await self.ledger.buffered_keys()
 
-    async def admit(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced,
-                    released: bool = False) -> list[Claim]:
+    async def admit(
+        self, claims: list[Claim], targets: Mapping[str, str], term: Fenced, released: bool = False
+    ) -> list[Claim]:
         """The claims to publish now; the others are recorded skipped or buffered.
         ``released`` fires were buffered and their wait is over: they go ahead of the
         fires still waiting."""
         return (await self._admit(claims, targets, term, released, hold=False))[0]
 
-    async def admit_ahead(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced
-                          ) -> tuple[list[Claim], list[Claim]]:
+    async def admit_ahead(
+        self, claims: list[Claim], targets: Mapping[str, str], term: Fenced
+    ) -> tuple[list[Claim], list[Claim]]:
         """Before the claims' due time: (those to publish at it, those held). A fire whose
         key's run is still open now is held, nothing recorded, to ask again at its due
         time (``admit``): its fire is then, and a run may end before it."""
         return await self._admit(claims, targets, term, False, hold=True)
 
-    async def _admit(self, claims: list[Claim], targets: Mapping[str, str], term: Fenced,  # noqa: C901 (the gate's one decision path, kept whole: see the docstring)
-                     released: bool, hold: bool) -> tuple[list[Claim], list[Claim]]:
+    async def _admit(  # noqa: C901 (the gate's one decision path, kept whole)
+        self,
+        claims: list[Claim],
+        targets: Mapping[str, str],
+        term: Fenced,
+        released: bool,
+        hold: bool,
+    ) -> tuple[list[Claim], list[Claim]]:
         governed = [c for c in claims if self.policy(c) != ALLOW]
         if not governed:
             return claims, []
         keys = {(c.schedule_id, c.tenant) for c in governed}
         waiting = set() if released else keys & self.waiting
-        buffered = {k: n for k, n in (await self.ledger.buffered_counts(
-            sorted({k[0] for k in waiting}))).items() if k in waiting} if waiting else {}
+        buffered = (
+            {
+                k: n
+                for k, n in (
+                    await self.ledger.buffered_counts(sorted({k[0] for k in waiting}))
+                ).items()
+                if k in waiting
+            }
+            if waiting
+            else {}
+        )
         if not released:
             for key in keys & self.releasing:
                 buffered[key] = buffered.get(key, 0) + 1
@@ -159,22 +183,30 @@ class OverlapGate:
                 self.releasing -= keys
             return claims, held
         open_runs: dict[Key, list[str]] = {
-            key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused}
+            key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused
+        }
         if buffered:  # what those keys wait for, for the record
             blockers = await self.runs.open_runs(sorted(open_key(*k) for k in buffered))
             for key in buffered:
                 open_runs.setdefault(key, [blockers.get(open_key(*key), "")])
-        decision = decide([Candidate(c.fire_id, (c.schedule_id, c.tenant), c.nominal_at,
-                                     self.policy(c)) for c in governed],
-                          open_runs, buffered, self.max_buffered)
+        decision = decide(
+            [
+                Candidate(c.fire_id, (c.schedule_id, c.tenant), c.nominal_at, self.policy(c))
+                for c in governed
+            ],
+            open_runs,
+            buffered,
+            self.max_buffered,
+        )
         if decision.skip:
             await self.ledger.skip_overlapping(decision.skip, term.number)
             self.metrics.fires.labels("skipped").inc(len(decision.skip))
             log.info("skipped_overlap", count=len(decision.skip), term=term.number)
         if decision.buffer:
             await self.ledger.buffer(decision.buffer, term.number, now)
-            self.waiting.update((c.schedule_id, c.tenant) for c in governed
-                                if c.fire_id in decision.buffer)
+            self.waiting.update(
+                (c.schedule_id, c.tenant) for c in governed if c.fire_id in decision.buffer
+            )
             log.info("buffered", count=len(decision.buffer), term=term.number)
         for fire in sorted(decision.cancel):
             # One that ended meanwhile needs nothing: the buffered fire goes at the next
@@ -186,8 +218,14 @@ class OverlapGate:
             self.releasing -= keys
         return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], held
 
-    async def _reserve(self, first: list[Claim], targets: Mapping[str, str], now: dt.datetime,
-                       term: Fenced, hold: bool) -> dict[str, str]:
+    async def _reserve(
+        self,
+        first: list[Claim],
+        targets: Mapping[str, str],
+        now: dt.datetime,
+        term: Fenced,
+        hold: bool,
+    ) -> dict[str, str]:
         """``runs.reserve`` for ``term``, fenced: a term deposed before the answer lets
         nothing through and withdraws what it reserved. A reservation that lands after a
         newer term decided its fire (recorded it skipped, or buffered it behind the run
@@ -195,14 +233,16 @@ class OverlapGate:
         before is what the newer term finds and publishes (the fire's own run)."""
         refused: dict[str, str] | None = None
         with contextlib.suppress(LeadershipLost):  # out of time: it may land yet
-            refused = await term.write(self.runs.reserve(first, targets, now, term.number,
-                                                         name_blockers=not hold))
+            refused = await term.write(
+                self.runs.reserve(first, targets, now, term.number, name_blockers=not hold)
+            )
         if refused is not None and term.holds:
             return refused
         with contextlib.suppress(PyMongoError), pymongo.timeout(WITHDRAW_TIMEOUT_S):
-            await self.runs.withdraw([c.fire_id for c in first
-                                      if refused is None or c.fire_id not in refused],
-                                     term.number)
+            await self.runs.withdraw(
+                [c.fire_id for c in first if refused is None or c.fire_id not in refused],
+                term.number,
+            )
         raise LeadershipLost
 
     async def _without_stale(self, held: dict[str, str], term: Fenced) -> dict[str, str]:
@@ -255,12 +295,10 @@ class OverlapGate:
         self.releasing.update(firsts)
         ids = sorted(firsts.values())
         try:
-            await term.write(self.ledger.take(ids, BUFFERED, term.number, self.clock(),
-                                              retry_at))
+            await term.write(self.ledger.take(ids, BUFFERED, term.number, self.clock(), retry_at))
             taken = await term.read(self.ledger.taken(ids, term.number))
         except BaseException:
             self.releasing.difference_update(firsts)
             raise
-        self.releasing.difference_update(set(firsts) - {(c.schedule_id, c.tenant)
-                                                        for c in taken})
+        self.releasing.difference_update(set(firsts) - {(c.schedule_id, c.tenant) for c in taken})
         return taken

@@ -68,8 +68,9 @@ class StagingBroker(Protocol):
 
     def stage(self, event: PreparedEvent) -> Any: ...
 
-    async def publish_staged(self, staged: Sequence[Any], fired: bytes,
-                             timeout_s: float) -> list[BaseException | None]: ...
+    async def publish_staged(
+        self, staged: Sequence[Any], fired: bytes, timeout_s: float
+    ) -> list[BaseException | None]: ...
 
 
 class MirroredSchedules(Protocol):
@@ -99,11 +100,19 @@ class Rendered(NamedTuple):
 
 
 class Publisher:
-    def __init__(self, broker: Broker, ledger: Ledger, mirror: MirroredSchedules,
-                 schedules: ScheduleReads, settings: DispatchSettings, clock: Clock,
-                 metrics: Metrics, gate: OverlapGate | None = None,
-                 counts: FireCounts | None = None, store: ScheduleStore | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        ledger: Ledger,
+        mirror: MirroredSchedules,
+        schedules: ScheduleReads,
+        settings: DispatchSettings,
+        clock: Clock,
+        metrics: Metrics,
+        gate: OverlapGate | None = None,
+        counts: FireCounts | None = None,
+        store: ScheduleStore | None = None,
+    ) -> None:
         self.broker = broker
         self.gate = gate
         self.counts = counts  # max_fires: the fires each schedule used
@@ -190,10 +199,17 @@ class Publisher:
                 continue  # read at the publish
             template = _own_template(cached[1], claim)
             traced = self._traced(claim, template, term, 1) if traced_on else None
-            prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant, term,
-                                        1, None if traced is None else traced[1])
-            self._ready[claim.fire_id] = Rendered(cached[1], prepared, traced,
-                                                  staging.stage(prepared) if staging else None)
+            prepared = template.prepare(
+                claim.fire_id,
+                claim.nominal_at,
+                claim.tenant,
+                term,
+                1,
+                None if traced is None else traced[1],
+            )
+            self._ready[claim.fire_id] = Rendered(
+                cached[1], prepared, traced, staging.stage(prepared) if staging else None
+            )
 
     def discard(self, claims: list[Claim]) -> None:
         """The claims are settled, published or not: their prepared spans and renderings
@@ -203,8 +219,7 @@ class Publisher:
                 self._prepared.pop(claim.fire_id, None)
                 self._ready.pop(claim.fire_id, None)
 
-    def _traced(self, claim: Claim, template: EventTemplate, term: int, attempt: int
-                ) -> Traced:
+    def _traced(self, claim: Claim, template: EventTemplate, term: int, attempt: int) -> Traced:
         traced = self._prepared.pop(claim.fire_id, None) or _begin_span(claim, template)
         if traced[0] is not None and traced[0].is_recording():
             _annotate(traced[0], claim, template, term, attempt)
@@ -219,11 +234,11 @@ class Publisher:
         templates = await self.templates({c.schedule_id for c in claims})
         known = [c for c in claims if c.schedule_id in templates]
         through, held = await self.gate.admit_ahead(
-            known, {sid: t.target for sid, t in templates.items()}, term)
+            known, {sid: t.target for sid, t in templates.items()}, term
+        )
         passed = {c.fire_id for c in through}
         # A schedule deleted meanwhile is recorded so by publish.
-        return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates], \
-            held
+        return [c for c in claims if c.fire_id in passed or c.schedule_id not in templates], held
 
     async def unadmit(self, claims: list[Claim], term: int) -> None:
         """Admitted claims that will not be published after all: their reserved runs
@@ -235,24 +250,28 @@ class Publisher:
         """Publish claimed fires through the overlap gate: a retry, an adopted claim, a
         fire run now, one held ahead of its due time; mark each published (behind the
         publish: ``marked`` waits for the marks), or schedule its retry."""
-        await self._publish(claims, term, attempt, released=False, admitted=False,
-                            unchanged=False)
+        await self._publish(claims, term, attempt, released=False, admitted=False, unchanged=False)
 
-    async def publish_admitted(self, claims: list[Claim], term: Fenced,
-                               unchanged: bool) -> None:
+    async def publish_admitted(self, claims: list[Claim], term: Fenced, unchanged: bool) -> None:
         """Publish, at their due time, claims the gate admitted ahead (``admit``) and that
         were rendered then (``ready``); ``unchanged``: no schedule changed (``changes``)
         since, so the templates they were rendered from stand."""
-        await self._publish(claims, term, 1, released=False, admitted=True,
-                            unchanged=unchanged)
+        await self._publish(claims, term, 1, released=False, admitted=True, unchanged=unchanged)
 
     async def publish_released(self, claims: list[Claim], term: Fenced) -> None:
         """Publish buffered fires whose wait is over: they go ahead of the fires still
         waiting."""
         await self._publish(claims, term, 1, released=True, admitted=False, unchanged=False)
 
-    async def _publish(self, claims: list[Claim], term: Fenced, attempt: int,  # noqa: C901, PLR0915 (the hot path, kept in one frame: docs/BENCHMARKS.md)
-                       released: bool, admitted: bool, unchanged: bool) -> None:
+    async def _publish(  # noqa: C901, PLR0915 (the hot path, in one frame)
+        self,
+        claims: list[Claim],
+        term: Fenced,
+        attempt: int,
+        released: bool,
+        admitted: bool,
+        unchanged: bool,
+    ) -> None:
         number = term.number
         rendered = self._ready
         if unchanged and attempt == 1 and all(c.fire_id in rendered for c in claims):
@@ -262,14 +281,16 @@ class Publisher:
         gone = [c for c in claims if c.schedule_id not in templates]
         if gone:
             self.metrics.fires.labels("skipped").inc(len(gone))
-            await self.ledger.skip([c.fire_id for c in gone], number,
-                                   "schedule deleted before its fire was published")
+            await self.ledger.skip(
+                [c.fire_id for c in gone], number, "schedule deleted before its fire was published"
+            )
             if admitted:
                 await self.unadmit(gone, number)
         sendable = [c for c in claims if c.schedule_id in templates]
         if self.gate is not None and not admitted:
             sendable = await self.gate.admit(
-                sendable, {sid: t.target for sid, t in templates.items()}, term, released)
+                sendable, {sid: t.target for sid, t in templates.items()}, term, released
+            )
         sendable = await self._within_max_fires(sendable, number)
         if not sendable:
             return
@@ -294,10 +315,21 @@ class Publisher:
             else:
                 staging = None
                 template = _own_template(template, claim)
-                traced = ready.traced if ready is not None else \
-                    self._traced(claim, template, number, attempt) if traced_on else None
-                prepared = template.prepare(claim.fire_id, claim.nominal_at, claim.tenant,
-                                            number, attempt, None if traced is None else traced[1])
+                traced = (
+                    ready.traced
+                    if ready is not None
+                    else self._traced(claim, template, number, attempt)
+                    if traced_on
+                    else None
+                )
+                prepared = template.prepare(
+                    claim.fire_id,
+                    claim.nominal_at,
+                    claim.tenant,
+                    number,
+                    attempt,
+                    None if traced is None else traced[1],
+                )
             if spans is not None:
                 spans.append(None if traced is None else traced[0])
             events.append(prepared)
@@ -313,7 +345,8 @@ class Publisher:
                     outcomes = await staging.publish_staged(staged, fired, timeout_s)
                 else:
                     outcomes = await self.broker.publish(
-                        [event.message(fired) for event in events], timeout_s)
+                        [event.message(fired) for event in events], timeout_s
+                    )
                 acked_at = self.clock()
             finally:
                 self._awaiting_broker -= 1
@@ -333,22 +366,30 @@ class Publisher:
                 for claim, span, error in zip(sendable, spans, outcomes, strict=True):
                     if span is not None and tracing.sampled(span):
                         with tracing.attached(tracing.parent_of(span)):
-                            log.info("fire_traced", fire_id=claim.fire_id, term=number,
-                                     published=error is None)
+                            log.info(
+                                "fire_traced",
+                                fire_id=claim.fire_id,
+                                term=number,
+                                published=error is None,
+                            )
         failures = [(c, e) for c, e in zip(sendable, outcomes, strict=True) if e is not None]
         for claim, error in failures:
             await self.record_failure(claim, number, attempt, error)
         if failures:
-            log.warning("publish_failed", count=len(failures), term=number, attempt=attempt,
-                        error=repr(failures[0][1]))
+            log.warning(
+                "publish_failed",
+                count=len(failures),
+                term=number,
+                attempt=attempt,
+                error=repr(failures[0][1]),
+            )
 
     async def marked(self) -> None:
         """Once the marks of the publishes made so far are written (or failed)."""
         while self._marking_tasks:
             await asyncio.wait(list(self._marking_tasks))
 
-    async def _mark(self, done: list[Claim], term: int, at: dt.datetime,
-                    attempt: int) -> None:
+    async def _mark(self, done: list[Claim], term: int, at: dt.datetime, attempt: int) -> None:
         """Mark published fires, behind their publish, in a group commit: while one write
         is in flight, the marks of the publishes that end meanwhile gather and go in the
         next write together, not a write per publishing tick. First it waits (briefly) for
@@ -373,8 +414,12 @@ class Publisher:
             try:
                 await self.ledger.mark_published_many(marks)
             except PyMongoError as exc:
-                log.warning("fires_unmarked", count=sum(len(ids) for ids, *_ in marks),
-                            term=term, error=repr(exc)[:300])
+                log.warning(
+                    "fires_unmarked",
+                    count=sum(len(ids) for ids, *_ in marks),
+                    term=term,
+                    error=repr(exc)[:300],
+                )
 
     async def _within_max_fires(self, claims: list[Claim], term: int) -> list[Claim]:
         """The claims that fit their schedule's max_fires (each counted once, runs now
@@ -409,14 +454,17 @@ class Publisher:
                     log.info("schedule_completed", schedule_id=schedule_id, max_fires=limit)
         return keep
 
-    async def record_failure(self, claim: Claim, term: int, attempt: int,
-                             error: BaseException) -> None:
+    async def record_failure(
+        self, claim: Claim, term: int, attempt: int, error: BaseException
+    ) -> None:
         now = self.clock()
         # An unavailable broker is no fault of the fire's: it waits and is tried again soon
         # after the broker is back (a stream's election takes seconds), for as long as a
         # republish is still deduplicated (max_unavailable_s < the duplicate window).
-        unavailable = isinstance(error, BrokerUnavailable) and (
-            now - claim.due_at).total_seconds() < self.settings.max_unavailable_s
+        unavailable = (
+            isinstance(error, BrokerUnavailable)
+            and (now - claim.due_at).total_seconds() < self.settings.max_unavailable_s
+        )
         if attempt >= self.settings.max_attempts and not unavailable:
             await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
@@ -425,11 +473,15 @@ class Publisher:
             if self.counts is not None:  # ... nor does it count against max_fires
                 await self.counts.release(claim.schedule_id, claim.fire_id)
         else:
-            cap = self.settings.unavailable_backoff_cap_s if unavailable \
+            cap = (
+                self.settings.unavailable_backoff_cap_s
+                if unavailable
                 else self.settings.backoff_cap_s
+            )
             delay = backoff_s(attempt, self.settings.backoff_base_s, cap, random.random())
-            await self.ledger.retry_later(claim.fire_id, term, attempt, repr(error),
-                                          now + dt.timedelta(seconds=delay))
+            await self.ledger.retry_later(
+                claim.fire_id, term, attempt, repr(error), now + dt.timedelta(seconds=delay)
+            )
 
 
 def _own_template(template: EventTemplate, claim: Claim) -> EventTemplate:
@@ -442,8 +494,7 @@ def _own_template(template: EventTemplate, claim: Claim) -> EventTemplate:
     return template
 
 
-def _begin_span(claim: Claim, template: EventTemplate
-                ) -> Traced:
+def _begin_span(claim: Claim, template: EventTemplate) -> Traced:
     """A fire's producer span (None when it is not sampled) and the trace context its
     message carries: a fire run now continues the trace of the request that asked for it;
     a fire of its trigger starts a trace."""
@@ -455,23 +506,31 @@ def _begin_span(claim: Claim, template: EventTemplate
     return span, tracing.carried(span)
 
 
-def _annotate(span: tracing.Span, claim: Claim, template: EventTemplate, term: int,
-              attempt: int) -> None:
+def _annotate(
+    span: tracing.Span, claim: Claim, template: EventTemplate, term: int, attempt: int
+) -> None:
     """A sampled fire's span: what it is, and a link to the trace of the write that last
     changed its schedule."""
     for link in tracing.link_of(template.written_in):
         span.add_link(link.context)
-    span.set_attributes({
-        "messaging.operation.type": "publish", "messaging.destination.name": template.target,
-        "messaging.message.id": claim.fire_id, "hascheduler.schedule_id": claim.schedule_id,
-        "hascheduler.nominal_at": iso_utc(claim.nominal_at), "hascheduler.term": term,
-        "hascheduler.attempt": attempt})
+    span.set_attributes(
+        {
+            "messaging.operation.type": "publish",
+            "messaging.destination.name": template.target,
+            "messaging.message.id": claim.fire_id,
+            "hascheduler.schedule_id": claim.schedule_id,
+            "hascheduler.nominal_at": iso_utc(claim.nominal_at),
+            "hascheduler.term": term,
+            "hascheduler.attempt": attempt,
+        }
+    )
     if claim.tenant is not None:
         span.set_attribute("hascheduler.tenant", claim.tenant)
 
 
-def _end_publish_spans(spans: list[tracing.Span | None],
-                       outcomes: list[BaseException | None]) -> None:
+def _end_publish_spans(
+    spans: list[tracing.Span | None], outcomes: list[BaseException | None]
+) -> None:
     for span, error in zip(spans, outcomes, strict=True):
         if span is None:
             continue

@@ -17,8 +17,13 @@ from hascheduler.replica.term import Term
 
 
 class QuotaAdmission:
-    def __init__(self, quota: Callable[[str], float | None], entries: Mapping[str, Entry],
-                 firing: FiringPath, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        quota: Callable[[str], float | None],
+        entries: Mapping[str, Entry],
+        firing: FiringPath,
+        metrics: Metrics,
+    ) -> None:
         # A namespace's quota, read at each fire so that a change to the file applies at
         # once.
         self.quota = quota
@@ -55,8 +60,13 @@ class QuotaAdmission:
                 self.reserved.add((due.schedule_id, due.nominal))
                 self.metrics.quota_deferred.labels(namespace).inc()
             else:
-                skipped.append((due, f"namespace {namespace!r} is over its quota of "
-                                     f"{limit:g} fires a second (max_fires_per_second)"))
+                skipped.append(
+                    (
+                        due,
+                        f"namespace {namespace!r} is over its quota of "
+                        f"{limit:g} fires a second (max_fires_per_second)",
+                    )
+                )
         if skipped:
             await self.firing.record_refused(skipped, term, now)
         return admitted

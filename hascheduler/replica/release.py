@@ -17,8 +17,9 @@ log = structlog.get_logger("hascheduler.dispatch")
 
 
 class OverlapRelease:
-    def __init__(self, gate: OverlapGate, publisher: Publisher, firing: FiringPath,
-                 clock: Clock) -> None:
+    def __init__(
+        self, gate: OverlapGate, publisher: Publisher, firing: FiringPath, clock: Clock
+    ) -> None:
         self.gate = gate
         self.publisher = publisher
         self.firing = firing

@@ -26,8 +26,14 @@ REQUESTED_POLL_S = 0.25
 
 
 class Requests:
-    def __init__(self, ledger: Ledger, publisher: Publisher, store: ScheduleStore | None,
-                 firing: FiringPath, clock: Clock) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        publisher: Publisher,
+        store: ScheduleStore | None,
+        firing: FiringPath,
+        clock: Clock,
+    ) -> None:
         self.ledger = ledger
         self.publisher = publisher
         self.store = store
@@ -39,8 +45,11 @@ class Requests:
 
     def begin(self, entries: Mapping[str, Entry]) -> None:
         """A term begins: the pauses until an instant, as the mirror shows them."""
-        self.resumes = {sid: e.paused_until for sid, e in entries.items()
-                        if e.paused and e.paused_until is not None}
+        self.resumes = {
+            sid: e.paused_until
+            for sid, e in entries.items()
+            if e.paused and e.paused_until is not None
+        }
 
     def changed(self, schedule_id: str, entry: Entry | None) -> dt.datetime | None:
         """A schedule changed (``entry``, None: deleted): the instant it was paused until
@@ -61,8 +70,9 @@ class Requests:
             ids = await self.ledger.requested(CLAIM_BATCH)
             if ids:
                 now = self.clock()
-                await term.write(self.ledger.take(ids, REQUESTED, term.number, now,
-                                                  self.firing.retry_at(now)))
+                await term.write(
+                    self.ledger.take(ids, REQUESTED, term.number, now, self.firing.retry_at(now))
+                )
                 claims = await term.read(self.ledger.taken(ids, term.number))
                 log.info("running_now", count=len(claims), term=term.number)
                 term.add_pending(claims)  # its retries leave them to this publish

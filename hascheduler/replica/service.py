@@ -118,31 +118,50 @@ class ReplicaSettings:
 async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
     """Run ``work()`` until it succeeds, waiting out a database that is not up yet."""
     async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(PyMongoError),
-            wait=wait_exponential(multiplier=0.2, max=STREAM_RETRY_MAX_S),
-            before_sleep=lambda state: log.warning(
-                "database_unreachable", during=what,
-                error=str(state.outcome.exception() if state.outcome else None))):
+        retry=retry_if_exception_type(PyMongoError),
+        wait=wait_exponential(multiplier=0.2, max=STREAM_RETRY_MAX_S),
+        before_sleep=lambda state: log.warning(
+            "database_unreachable",
+            during=what,
+            error=str(state.outcome.exception() if state.outcome else None),
+        ),
+    ):
         with attempt:
             await work()
 
 
-def _heartbeat(members: Members, settings: ReplicaSettings, url: str, mirror: Mirror,
-               elector: Elector, clock: ServerClock) -> Callable[[], Awaitable[None]]:
+def _heartbeat(
+    members: Members,
+    settings: ReplicaSettings,
+    url: str,
+    mirror: Mirror,
+    elector: Elector,
+    clock: ServerClock,
+) -> Callable[[], Awaitable[None]]:
     """Publish this replica's state for GET /cluster (a TTL index forgets dead ones)."""
+
     async def beat() -> None:
         with contextlib.suppress(PyMongoError):
-            await members.beat(settings.replica_id, {
-                "url": url, "ready": mirror.ready, "size": mirror.size,
-                "digest": mirror.digest, "leader": elector.is_leader,
-                # The term last seen, as on every log line, so standbys show theirs too.
-                "term": elector.view.term if elector.view is not None else elector.lease.term,
-            }, clock.now())
+            await members.beat(
+                settings.replica_id,
+                {
+                    "url": url,
+                    "ready": mirror.ready,
+                    "size": mirror.size,
+                    "digest": mirror.digest,
+                    "leader": elector.is_leader,
+                    # The term last seen, as on every log line, so standbys show theirs too.
+                    "term": elector.view.term if elector.view is not None else elector.lease.term,
+                },
+                clock.now(),
+            )
+
     return beat
 
 
-def _count_runs(runs: RunLedger, slots: SlotStore, metrics: Metrics, clock: ServerClock
-                ) -> Callable[[], Awaitable[None]]:
+def _count_runs(
+    runs: RunLedger, slots: SlotStore, metrics: Metrics, clock: ServerClock
+) -> Callable[[], Awaitable[None]]:
     """Count the running and the stuck runs for /metrics (a read of the running ones only:
     at most each worker's concurrency), and the slots held and runs waiting by key
     template."""
@@ -169,22 +188,29 @@ def _count_runs(runs: RunLedger, slots: SlotStore, metrics: Metrics, clock: Serv
                 if isinstance(lease_until, dt.datetime) and lease_until < now:
                     stuck[target] = stuck.get(target, 0) + 1
             metrics.runs_seen(running, stuck, in_flight, waiting)
+
     return count
 
 
-def _judge_health(mirror: Mirror, store: ScheduleStore, health: HealthReader,
-                  metrics: Metrics, clock: ServerClock,
-                  judged: Callable[[list[ScheduleHealth]], None]
-                  ) -> Callable[[], Awaitable[None]]:
+def _judge_health(
+    mirror: Mirror,
+    store: ScheduleStore,
+    health: HealthReader,
+    metrics: Metrics,
+    clock: ServerClock,
+    judged: Callable[[list[ScheduleHealth]], None],
+) -> Callable[[], Awaitable[None]]:
     """The health metrics of the schedules that declare an objective (expect), and only
     of those: how many series there are is the operators' choice. Every replica reports
     the same cluster-wide figures, as for the runs gauges."""
+
     async def judge() -> None:
         declared = sorted(i for i, e in mirror.entries.items() if e.success_within is not None)
         with contextlib.suppress(PyMongoError):  # the series stay as they were until then
             healths = await health.many(await store.get_many(declared), clock.now())
             metrics.health_seen(healths)
             judged(healths)  # the leader's webhooks: schedule.late
+
     return judge
 
 
@@ -250,8 +276,11 @@ class Replica:
         settings, stack = self.settings, self._stack
         logs.identify(settings.replica_id)
         if tracing.configure("hascheduler"):
-            stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
-                                      lambda: asyncio.to_thread(tracing.flush))
+            stack.push_async_callback(
+                lifecycle.bounded,
+                "exporting the last spans",
+                lambda: asyncio.to_thread(tracing.flush),
+            )
         # The name the database knows this replica's connections by, both clients' (a fail
         # point aimed at the replica covers its renewals too: test_failover.py, bench/chaos.py).
         appname = f"hascheduler/{settings.replica_id}"
@@ -267,10 +296,14 @@ class Replica:
         # the database's clock, whatever this host's says (invariant 12).
         self.clock = server_clock = ServerClock(tolerance_s=settings.clock_tolerance_s)
         counts = FireCounts(db[FIRE_COUNTS])
-        self.audit = audit = AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS],
-                                                  db[BACKFILLS]], settings.audit_retention_days)
-        store = ScheduleStore(db[SCHEDULES], counts, audit, settings.redact_payloads,
-                              traced=tracing.write_span)
+        self.audit = audit = AuditLog(
+            db[AUDIT],
+            [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
+            settings.audit_retention_days,
+        )
+        store = ScheduleStore(
+            db[SCHEDULES], counts, audit, settings.redact_payloads, traced=tracing.write_span
+        )
         access = AccessFile(settings.access, settings.access_file)
         ledger = Ledger(db[FIRES])
         runs = RunLedger(db[RUNS])
@@ -283,10 +316,16 @@ class Replica:
         # test_replica.py). Not queued behind others, their round trips also make the
         # server clock's tightest samples.
         lease_client = connect(settings.mongodb_uri, appname=appname)
-        stack.push_async_callback(lifecycle.bounded, "closing the lease's database client",
-                                  lease_client.close)
-        lease = Lease(lease_client.get_default_database(DEFAULT_DATABASE)[LEASES], LEASE_NAME,
-                      settings.replica_id, settings.timings, server_clock=server_clock)
+        stack.push_async_callback(
+            lifecycle.bounded, "closing the lease's database client", lease_client.close
+        )
+        lease = Lease(
+            lease_client.get_default_database(DEFAULT_DATABASE)[LEASES],
+            LEASE_NAME,
+            settings.replica_id,
+            settings.timings,
+            server_clock=server_clock,
+        )
         dispatcher: Dispatcher | None = None
 
         self.sources = sources = Sources(db)
@@ -298,51 +337,91 @@ class Replica:
                 dispatcher.on_change(schedule_id, entry, written)
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
-        webhooks = WebhookService(webhook_store, deliveries, ledger, runs, store,
-                                  mirror.entries, server_clock.now)
-        dispatcher = Dispatcher(mirror, db[SCHEDULES], ledger, broker, lease,
-                                settings.dispatch, clock=server_clock.now, metrics=metrics,
-                                sources=sources,
-                                runs=runs, store=store, counts=counts,
-                                backfills=Backfills(db[BACKFILLS]),
-                                quota=lambda namespace: access.current.rules_of(
-                                    namespace).max_fires_per_second,
-                                services=[WebhookDuty(webhooks)])
+        webhooks = WebhookService(
+            webhook_store, deliveries, ledger, runs, store, mirror.entries, server_clock.now
+        )
+        dispatcher = Dispatcher(
+            mirror,
+            db[SCHEDULES],
+            ledger,
+            broker,
+            lease,
+            settings.dispatch,
+            clock=server_clock.now,
+            metrics=metrics,
+            sources=sources,
+            runs=runs,
+            store=store,
+            counts=counts,
+            backfills=Backfills(db[BACKFILLS]),
+            quota=lambda namespace: access.current.rules_of(namespace).max_fires_per_second,
+            services=[WebhookDuty(webhooks)],
+        )
         # Leading needs the schedules in sync; a fan-out fire waits for its own source.
         self.elector = elector = Elector(
-            lease, dispatcher, db[LEASES],
-            unfit=lambda: server_clock.problem() or (
-                None if mirror.ready else "the mirror is not in sync"),
-            metrics=metrics, clock=server_clock.now)
-        metrics.watch(leader=lambda: elector.is_leader,
-                      term=lambda: elector.view.term if elector.view is not None else 0,
-                      size=lambda: mirror.size, ready=lambda: mirror.ready,
-                      last_applied=lambda: (mirror.last_applied.time
-                                            if mirror.last_applied is not None else None),
-                      per_namespace=lambda: dict(collections.Counter(
-                          e.namespace for e in mirror.entries.values())))
+            lease,
+            dispatcher,
+            db[LEASES],
+            unfit=lambda: (
+                server_clock.problem() or (None if mirror.ready else "the mirror is not in sync")
+            ),
+            metrics=metrics,
+            clock=server_clock.now,
+        )
+        metrics.watch(
+            leader=lambda: elector.is_leader,
+            term=lambda: elector.view.term if elector.view is not None else 0,
+            size=lambda: mirror.size,
+            ready=lambda: mirror.ready,
+            last_applied=lambda: (
+                mirror.last_applied.time if mirror.last_applied is not None else None
+            ),
+            per_namespace=lambda: dict(
+                collections.Counter(e.namespace for e in mirror.entries.values())
+            ),
+        )
         watch_clock(metrics.registry, server_clock)
 
-        app = create_app(store, mirror, settings.replica_id, audit, clock=server_clock.now,
-                         server_clock=server_clock,
-                         cluster=Cluster(db[LEASES], members, ledger, elector,
-                                         runs, broker, Backfills(db[BACKFILLS]),
-                                         settings.max_backfill, health,
-                                         (webhook_store, deliveries)),
-                         metrics_=metrics, access=access,
-                         write_limit=settings.write_limit,
-                         min_fire_interval_s=settings.min_fire_interval_s,
-                         fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
-                         sources=sources, trace_url=settings.trace_url)
+        app = create_app(
+            store,
+            mirror,
+            settings.replica_id,
+            audit,
+            clock=server_clock.now,
+            server_clock=server_clock,
+            cluster=Cluster(
+                db[LEASES],
+                members,
+                ledger,
+                elector,
+                runs,
+                broker,
+                Backfills(db[BACKFILLS]),
+                settings.max_backfill,
+                health,
+                (webhook_store, deliveries),
+            ),
+            metrics_=metrics,
+            access=access,
+            write_limit=settings.write_limit,
+            min_fire_interval_s=settings.min_fire_interval_s,
+            fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
+            sources=sources,
+            trace_url=settings.trace_url,
+        )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         stack.push_async_callback(lifecycle.bounded, "stopping the API", runner.cleanup)
         host = settings.listen_host
         if not access.current.enabled:
-            log.warning("api_unauthenticated", listening_on=host, asked_for=settings.http_host,
-                        message="no API token configured (--access-file, "
-                                "HASCHEDULER_WRITE_TOKENS / _FILE, --jwks-file): the API "
-                                f"serves {host} only, without authentication")
+            log.warning(
+                "api_unauthenticated",
+                listening_on=host,
+                asked_for=settings.http_host,
+                message="no API token configured (--access-file, "
+                "HASCHEDULER_WRITE_TOKENS / _FILE, --jwks-file): the API "
+                f"serves {host} only, without authentication",
+            )
         else:
             log.info("api_access", **access.current.counts())
         tls = api_tls_context(settings.tls_cert_file, settings.tls_key_file)
@@ -362,17 +441,37 @@ class Replica:
         lifecycle.start(stack, "audit relay", audit)
         if settings.access_file is not None:
             lifecycle.start(stack, "access file", Every(ACCESS_POLL_S, access.poll))
-        stack.push_async_callback(lifecycle.bounded, "leaving the members",
-                                  lambda: members.leave(settings.replica_id))
-        lifecycle.start(stack, "heartbeat", Every(HEARTBEAT_INTERVAL_S, _heartbeat(
-            members, settings, self.url, mirror, elector, server_clock)))
-        lifecycle.start(stack, "runs watch", Every(RUNS_WATCH_INTERVAL_S, _count_runs(
-            runs, SlotStore(db[SLOTS]), metrics, server_clock)))
+        stack.push_async_callback(
+            lifecycle.bounded, "leaving the members", lambda: members.leave(settings.replica_id)
+        )
+        lifecycle.start(
+            stack,
+            "heartbeat",
+            Every(
+                HEARTBEAT_INTERVAL_S,
+                _heartbeat(members, settings, self.url, mirror, elector, server_clock),
+            ),
+        )
+        lifecycle.start(
+            stack,
+            "runs watch",
+            Every(
+                RUNS_WATCH_INTERVAL_S,
+                _count_runs(runs, SlotStore(db[SLOTS]), metrics, server_clock),
+            ),
+        )
         lifecycle.start(stack, "webhooks", webhooks)
-        lifecycle.start(stack, "health watch", Every(HEALTH_WATCH_INTERVAL_S, _judge_health(
-            mirror, store, health, metrics, server_clock, webhooks.judged)))
-        lifecycle.start(stack, "loop probe", Every(LOOP_PROBE_S, _nothing,
-                                                   late=metrics.loop_lag.observe))
+        lifecycle.start(
+            stack,
+            "health watch",
+            Every(
+                HEALTH_WATCH_INTERVAL_S,
+                _judge_health(mirror, store, health, metrics, server_clock, webhooks.judged),
+            ),
+        )
+        lifecycle.start(
+            stack, "loop probe", Every(LOOP_PROBE_S, _nothing, late=metrics.loop_lag.observe)
+        )
         # Once the elector stopped: the handover (stop claiming, drain publishes, release
         # the lease), bounded by its own steps' limits.
         stack.push_async_callback(elector.shutdown)
@@ -384,8 +483,9 @@ def api_tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLConte
     if not cert_file and not key_file:
         return None
     if not (cert_file and key_file):
-        raise ConfigError("--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / "
-                          "_KEY_FILE) go together")
+        raise ConfigError(
+            "--tls-cert-file and --tls-key-file (HASCHEDULER_TLS_CERT_FILE / _KEY_FILE) go together"
+        )
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(cert_file, key_file)
@@ -430,6 +530,9 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await Backfills(db[BACKFILLS]).ensure_indexes()
     await WebhookStore(db[WEBHOOKS]).ensure_indexes()
     await Deliveries(db[DELIVERIES]).ensure_indexes()
-    await AuditLog(db[AUDIT], [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
-                   settings.audit_retention_days).ensure_indexes()
+    await AuditLog(
+        db[AUDIT],
+        [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
+        settings.audit_retention_days,
+    ).ensure_indexes()
     await Members(db[MEMBERS]).ensure_indexes(HEARTBEAT_TTL_S)

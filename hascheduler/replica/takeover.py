@@ -42,9 +42,17 @@ CREATED_READ_S = 60.0
 
 
 class TakeOver:
-    def __init__(self, firing: FiringPath, ledger: Ledger, publisher: Publisher,
-                 schedules: ScheduleReads, entries: Mapping[str, Entry],
-                 retry_interval_s: float, lease: HeldLease, clock: Clock) -> None:
+    def __init__(
+        self,
+        firing: FiringPath,
+        ledger: Ledger,
+        publisher: Publisher,
+        schedules: ScheduleReads,
+        entries: Mapping[str, Entry],
+        retry_interval_s: float,
+        lease: HeldLease,
+        clock: Clock,
+    ) -> None:
         self.firing = firing
         self.ledger = ledger
         self.publisher = publisher
@@ -64,8 +72,7 @@ class TakeOver:
         term.caught_up()
         await self._retry_loop(term)
 
-    async def _adopt_left(self, term: Term, now: dt.datetime
-                          ) -> AsyncGenerator[list[Claim]]:
+    async def _adopt_left(self, term: Term, now: dt.datetime) -> AsyncGenerator[list[Claim]]:
         """The claims left unpublished by older terms (and by this term's previous lead,
         if it stopped firing and leads again), due by the start of the term, adopted a
         batch at a time as they are republished, latest due first: the dead leader
@@ -75,9 +82,11 @@ class TakeOver:
         the retry loop takes any left beyond it (older terms' by ``_adopt_claims``, this
         term's by ``retry_due``)."""
         adopted = 0
-        async with contextlib.aclosing(self.ledger.left_due(
-                term.number, now, CLAIM_BATCH * RETRY_BATCHES_PER_TURN,
-                CLAIM_BATCH)) as batches:
+        async with contextlib.aclosing(
+            self.ledger.left_due(
+                term.number, now, CLAIM_BATCH * RETRY_BATCHES_PER_TURN, CLAIM_BATCH
+            )
+        ) as batches:
             async for batch in batches:
                 taken = await self.firing.adopt({c.fire_id for c in batch}, term)
                 adopted += len(taken)
@@ -94,8 +103,12 @@ class TakeOver:
         now = self.clock()
         # Not before its due time: a claim made ahead waits for it (the firing path takes it then).
         # Made again next turn if it does not finish in this term's time.
-        adopted = await term.write_or_defer(self.ledger.adopt_due(
-            term.number, now, now - dt.timedelta(seconds=grace_s))) or 0
+        adopted = (
+            await term.write_or_defer(
+                self.ledger.adopt_due(term.number, now, now - dt.timedelta(seconds=grace_s))
+            )
+            or 0
+        )
         if adopted:
             log.info("adopted_claims", count=adopted, term=term.number)
         return adopted
@@ -109,15 +122,18 @@ class TakeOver:
 
     async def retry_due(self, term: Term) -> None:
         """A turn of retries, up to RETRY_BATCHES_PER_TURN batches."""
-        await self.republish(term, self.ledger.due_for_retry(
-            term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN, CLAIM_BATCH))
+        await self.republish(
+            term,
+            self.ledger.due_for_retry(
+                term.number, self.clock(), CLAIM_BATCH * RETRY_BATCHES_PER_TURN, CLAIM_BATCH
+            ),
+        )
 
     async def republish(self, term: Term, batches: AsyncGenerator[list[Claim]]) -> None:
         """Each batch published as it is read, not after the batch before it (a new
         leader's adopted claims, thousands, are among its first fires after a crash); done
         once their marks are written, or the next turn of retries would take them again."""
-        async with contextlib.aclosing(batches), \
-                InFlight(RETRIES_IN_FLIGHT) as publishing:
+        async with contextlib.aclosing(batches), InFlight(RETRIES_IN_FLIGHT) as publishing:
             async for batch in batches:
                 # One the term is publishing already (a catch-up's claim that took it over
                 # at its due time, a retry read while its publish is in flight) is left to
@@ -138,34 +154,39 @@ class TakeOver:
         finally:
             term.remove_pending(claims)
 
-    async def _catch_up(self, term: Term, since: dt.datetime | None, now: dt.datetime
-                        ) -> None:
+    async def _catch_up(self, term: Term, since: dt.datetime | None, now: dt.datetime) -> None:
         """What fell due in (since, now] and no leader fired, by each schedule's catch-up
         policy; a schedule written after ``since`` from its creation on (before it, nothing
         was due), one written up to LATE_CHANGE_S before it also from its creation
         (plan_catchups), and with no ``since`` (a database's first term) every schedule
         from its creation."""
         created = await self.created_after(
-            term, None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S))
+            term, None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S)
+        )
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
         entries = [(sid, e) for sid, e in self.entries.items() if not e.completed]
-        to_fire, ranges = await asyncio.to_thread(plan_catchups, entries, since, now,
-                                                  created)
+        to_fire, ranges = await asyncio.to_thread(plan_catchups, entries, since, now, created)
         term.check()
-        skipped = [skipped_range_document(schedule_id, skip, term.number, now)
-                   for schedule_id, skip in ranges]
+        skipped = [
+            skipped_range_document(schedule_id, skip, term.number, now)
+            for schedule_id, skip in ranges
+        ]
         await term.write(self.ledger.record_skipped(skipped))
         if to_fire or skipped:
-            log.info("catching_up", fires=len(to_fire), skipped_ranges=len(skipped),
-                     skipped=sum(d["count"] for d in skipped), term=term.number)
+            log.info(
+                "catching_up",
+                fires=len(to_fire),
+                skipped_ranges=len(skipped),
+                skipped=sum(d["count"] for d in skipped),
+                term=term.number,
+            )
         if to_fire:
             to_fire.sort()
             await self.firing.claim_late(to_fire, term, self.clock(), since)
 
-    async def created_after(self, term: Term, since: dt.datetime | None
-                            ) -> dict[str, dt.datetime]:
+    async def created_after(self, term: Term, since: dt.datetime | None) -> dict[str, dt.datetime]:
         """When each schedule written after ``since`` (every one, with none) was created.
         Not one of the term's reads, bound to its lease: in a first term
         it reads every schedule, which on a large database outlasts a few ttls, and the
@@ -180,6 +201,11 @@ class TakeOver:
         except PyMongoError as exc:
             log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
             return {}
-        log.info("creation_times_read", schedules=len(created), first_term=since is None,
-                 seconds=round(time.monotonic() - began, 3), term=term.number)
+        log.info(
+            "creation_times_read",
+            schedules=len(created),
+            first_term=since is None,
+            seconds=round(time.monotonic() - began, 3),
+            term=term.number,
+        )
         return created

@@ -108,8 +108,7 @@ class SourceMirror(ChangeMirror):
         cache_key = fan_out.model_dump_json()
         selected = self._selected.get(cache_key)
         if selected is None:
-            keys = {tenant_key(d, fan_out.key) for d in self.docs.values()
-                    if matches(fan_out, d)}
+            keys = {tenant_key(d, fan_out.key) for d in self.docs.values() if matches(fan_out, d)}
             selected = self._selected[cache_key] = sorted(k for k in keys if k is not None)
         return selected
 

@@ -83,14 +83,20 @@ class _Writes:
         self.tasks.discard(task)
         # The server answered, if only to refuse: the write's fate is known.
         answered = not task.cancelled() and (
-            task.exception() is None or isinstance(task.exception(), OperationFailure))
+            task.exception() is None or isinstance(task.exception(), OperationFailure)
+        )
         if not answered:
             self.unanswered_at = time.monotonic()
 
 
 class Term:
-    def __init__(self, number: int, lease: HeldLease, entries: Mapping[str, Entry],
-                 started_at: dt.datetime = BEGINNING) -> None:
+    def __init__(
+        self,
+        number: int,
+        lease: HeldLease,
+        entries: Mapping[str, Entry],
+        started_at: dt.datetime = BEGINNING,
+    ) -> None:
         self.number = number
         # When the term began: what fell due before it is its catch-up's.
         self.started_at = started_at
@@ -175,8 +181,11 @@ class Term:
         its deadline, then made) leads it anew: the tasks of the lead before must not act
         beside it, or the two decide on one fire apart (one publishes a fire the other
         recorded skipped)."""
-        return (self.active or self.handing_over.is_set()) and self._lease.valid \
+        return (
+            (self.active or self.handing_over.is_set())
+            and self._lease.valid
             and self._lease.term == self.number
+        )
 
     def check(self) -> None:
         """Raises LeadershipLost unless the term still holds the lease."""
@@ -269,8 +278,10 @@ class Term:
         writes = self._writes
         if writes.tasks:
             await asyncio.wait(list(writes.tasks), timeout=max(timeout_s, 0.001))
-        recent = writes.unanswered_at is not None and \
-            time.monotonic() - writes.unanswered_at < self._lease.timings.ttl
+        recent = (
+            writes.unanswered_at is not None
+            and time.monotonic() - writes.unanswered_at < self._lease.timings.ttl
+        )
         return not writes.tasks and not recent
 
     @property

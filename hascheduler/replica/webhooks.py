@@ -70,9 +70,16 @@ LOOK_BACK_S = 60.0
 
 
 class WebhookService:
-    def __init__(self, store: WebhookStore, deliveries: Deliveries, ledger: Ledger,
-                 runs: RunLedger, schedules: ScheduleStore, entries: Mapping[str, Entry],
-                 clock: Clock) -> None:
+    def __init__(
+        self,
+        store: WebhookStore,
+        deliveries: Deliveries,
+        ledger: Ledger,
+        runs: RunLedger,
+        schedules: ScheduleStore,
+        entries: Mapping[str, Entry],
+        clock: Clock,
+    ) -> None:
         self.store = store
         self.deliveries = deliveries
         self.ledger = ledger
@@ -106,7 +113,8 @@ class WebhookService:
         if self._http is None:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT_S),
-                connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT))
+                connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT),
+            )
         return self._http
 
     def stepped_down(self) -> None:
@@ -131,20 +139,34 @@ class WebhookService:
             return
         for h in healths:
             if h.late and h.overdue_since is not None:
-                self._judged.append(Event(
-                    f"{SCHEDULE_LATE}:{h.schedule_id}:{iso_utc(h.overdue_since)}",
-                    SCHEDULE_LATE, h.namespace, h.schedule_id, h.checked_at,
-                    {"status": "late", "overdue_since": iso_utc(h.overdue_since)}))
+                self._judged.append(
+                    Event(
+                        f"{SCHEDULE_LATE}:{h.schedule_id}:{iso_utc(h.overdue_since)}",
+                        SCHEDULE_LATE,
+                        h.namespace,
+                        h.schedule_id,
+                        h.checked_at,
+                        {"status": "late", "overdue_since": iso_utc(h.overdue_since)},
+                    )
+                )
             elif h.objective_met is False and h.success_deadline is not None:
-                self._judged.append(Event(
-                    f"{SCHEDULE_LATE}:{h.schedule_id}:objective:"
-                    f"{iso_utc(h.success_deadline)}",
-                    SCHEDULE_LATE, h.namespace, h.schedule_id, h.checked_at,
-                    {"status": "objective_missed",
-                     "success_deadline": iso_utc(h.success_deadline),
-                     "success_within_s": h.success_within,
-                     "last_success_at": iso_utc(h.last_success_at)
-                     if h.last_success_at is not None else None}))
+                self._judged.append(
+                    Event(
+                        f"{SCHEDULE_LATE}:{h.schedule_id}:objective:{iso_utc(h.success_deadline)}",
+                        SCHEDULE_LATE,
+                        h.namespace,
+                        h.schedule_id,
+                        h.checked_at,
+                        {
+                            "status": "objective_missed",
+                            "success_deadline": iso_utc(h.success_deadline),
+                            "success_within_s": h.success_within,
+                            "last_success_at": iso_utc(h.last_success_at)
+                            if h.last_success_at is not None
+                            else None,
+                        },
+                    )
+                )
 
     # -- finding --------------------------------------------------------------------------
 
@@ -154,8 +176,10 @@ class WebhookService:
         subscriptions, self._hooks = await self.store.subscriptions()
         wanted = {t for s in subscriptions for t in s.events}
         self.ledger.notices.wanted = frozenset(
-            state for state, kind in ((SKIPPED, FIRE_SKIPPED), (FAILED, FIRE_FAILED))
-            if kind in wanted)
+            state
+            for state, kind in ((SKIPPED, FIRE_SKIPPED), (FAILED, FIRE_FAILED))
+            if kind in wanted
+        )
         now = self.clock()
         entries = await self.ledger.noticed_entries(FOUND_AT_ONCE)
         if entries:
@@ -166,8 +190,9 @@ class WebhookService:
         await self._from_cursor(SCHEDULE_PAUSED, wanted, subscriptions, now)
         await self._record([e for e in judged if e.type in wanted], subscriptions, now)
 
-    async def _record(self, events: list[Event], subscriptions: list[Subscription],
-                      now: dt.datetime) -> None:
+    async def _record(
+        self, events: list[Event], subscriptions: list[Subscription], now: dt.datetime
+    ) -> None:
         if events:
             made = await self.deliveries.add(events, subscriptions, now)
             if made:
@@ -180,8 +205,7 @@ class WebhookService:
     def _fire_event(self, doc: dict[str, Any], now: dt.datetime) -> Event:
         schedule_id = str(doc["schedule_id"])
         failed = doc.get("state") == FAILED
-        data: dict[str, Any] = {"fire_id": doc["_id"],
-                                "nominal_at": iso_utc(doc["nominal_at"])}
+        data: dict[str, Any] = {"fire_id": doc["_id"], "nominal_at": iso_utc(doc["nominal_at"])}
         if failed:
             data |= {"attempts": doc.get("attempts"), "error": doc.get("last_error")}
         else:
@@ -192,11 +216,13 @@ class WebhookService:
             if doc.get("last_nominal_at") is not None:
                 data["last_nominal_at"] = iso_utc(doc["last_nominal_at"])
         kind = FIRE_FAILED if failed else FIRE_SKIPPED
-        return Event(f"{kind}:{doc['_id']}", kind, self._namespace(schedule_id), schedule_id,
-                     now, data)
+        return Event(
+            f"{kind}:{doc['_id']}", kind, self._namespace(schedule_id), schedule_id, now, data
+        )
 
-    async def _from_cursor(self, kind: str, wanted: set[str],
-                           subscriptions: list[Subscription], now: dt.datetime) -> None:
+    async def _from_cursor(
+        self, kind: str, wanted: set[str], subscriptions: list[Subscription], now: dt.datetime
+    ) -> None:
         """Events of a source read by time: from its cursor (first look: now), minus the
         look-back; the cursor moves once their deliveries are recorded."""
         if kind not in wanted:
@@ -221,21 +247,39 @@ class WebhookService:
     def _dead_event(self, doc: dict[str, Any]) -> Event:
         schedule_id = str(doc["schedule_id"])
         replays = int(doc.get("replays", 0))
-        return Event(f"{RUN_DEAD}:{doc['_id']}:{replays}", RUN_DEAD,
-                     self._namespace(schedule_id), schedule_id, doc["recorded_at"], {
-                         "fire_id": doc["_id"], "target": doc.get("target"),
-                         "nominal_at": iso_utc(doc["nominal_at"]),
-                         "attempts": doc.get("attempts"), "error": doc.get("last_error"),
-                         "worker_id": doc.get("worker_id"), "replays": replays,
-                         **({"tenant": doc["tenant"]} if doc.get("tenant") else {})})
+        return Event(
+            f"{RUN_DEAD}:{doc['_id']}:{replays}",
+            RUN_DEAD,
+            self._namespace(schedule_id),
+            schedule_id,
+            doc["recorded_at"],
+            {
+                "fire_id": doc["_id"],
+                "target": doc.get("target"),
+                "nominal_at": iso_utc(doc["nominal_at"]),
+                "attempts": doc.get("attempts"),
+                "error": doc.get("last_error"),
+                "worker_id": doc.get("worker_id"),
+                "replays": replays,
+                **({"tenant": doc["tenant"]} if doc.get("tenant") else {}),
+            },
+        )
 
     def _paused_event(self, doc: dict[str, Any]) -> Event:
         pause = doc["pause"]
         at = pause["at"]
-        return Event(f"{SCHEDULE_PAUSED}:{doc['_id']}:{iso_utc(at)}", SCHEDULE_PAUSED,
-                     str(doc.get("namespace") or DEFAULT_NAMESPACE), str(doc["_id"]), at, {
-                         "by": pause.get("by"), "note": pause.get("note"),
-                         "until": iso_utc(pause["until"]) if pause.get("until") else None})
+        return Event(
+            f"{SCHEDULE_PAUSED}:{doc['_id']}:{iso_utc(at)}",
+            SCHEDULE_PAUSED,
+            str(doc.get("namespace") or DEFAULT_NAMESPACE),
+            str(doc["_id"]),
+            at,
+            {
+                "by": pause.get("by"),
+                "note": pause.get("note"),
+                "until": iso_utc(pause["until"]) if pause.get("until") else None,
+            },
+        )
 
     # -- delivering -----------------------------------------------------------------------
 
@@ -261,20 +305,23 @@ class WebhookService:
     async def _post(self, doc: dict[str, Any], hook: dict[str, Any]) -> None:
         body: bytes = doc["body"]
         timestamp = int(time.time())
-        headers = {"Content-Type": CONTENT_TYPE, DELIVERY_HEADER: doc["_id"],
-                   WEBHOOK_HEADER: hook["_id"],
-                   SIGNATURE_HEADER: sign(hook["secret"], timestamp, body)}
+        headers = {
+            "Content-Type": CONTENT_TYPE,
+            DELIVERY_HEADER: doc["_id"],
+            WEBHOOK_HEADER: hook["_id"],
+            SIGNATURE_HEADER: sign(hook["secret"], timestamp, body),
+        }
         status: int | None = None
         error: str | None = None
         began = time.monotonic()
         try:
-            async with self._client().post(hook["url"], data=body, headers=headers,
-                                       allow_redirects=False) as answer:
+            async with self._client().post(
+                hook["url"], data=body, headers=headers, allow_redirects=False
+            ) as answer:
                 status = answer.status
                 if not 200 <= status < 300:
                     # At most a kilobyte of what it said: an endpoint may answer anything.
-                    said = (await answer.content.read(ANSWER_KEPT_BYTES)).decode(
-                        "utf-8", "replace")
+                    said = (await answer.content.read(ANSWER_KEPT_BYTES)).decode("utf-8", "replace")
                     error = f"answered {status}: {said[:200]}"
         except TimeoutError:
             error = f"no answer within {ATTEMPT_TIMEOUT_S:g} s"
@@ -282,15 +329,19 @@ class WebhookService:
             error = repr(exc)[:300]
         duration = time.monotonic() - began
         try:
-            state = await self.deliveries.attempted(doc, self.clock(), status, error,
-                                                    duration)
+            state = await self.deliveries.attempted(doc, self.clock(), status, error, duration)
         except PyMongoError as exc:  # tried again once due: at least once
-            log.warning("webhook_attempt_unrecorded", delivery=doc["_id"],
-                        error=repr(exc)[:300])
+            log.warning("webhook_attempt_unrecorded", delivery=doc["_id"], error=repr(exc)[:300])
             return
         if error is not None:
-            log.info("webhook_attempt_failed", delivery=doc["_id"], webhook=hook["_id"],
-                     attempt=int(doc["attempts"]) + 1, error=error, state=state)
+            log.info(
+                "webhook_attempt_failed",
+                delivery=doc["_id"],
+                webhook=hook["_id"],
+                attempt=int(doc["attempts"]) + 1,
+                error=error,
+                state=state,
+            )
 
 
 class WebhookDuty:

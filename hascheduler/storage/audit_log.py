@@ -45,8 +45,11 @@ def with_record(document: dict[str, Any], record: dict[str, Any]) -> dict[str, A
 
 def recording(update: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     """An update (operators) that also pushes ``record`` onto the document's outbox."""
-    return {**update, "$set": {**update.get("$set", {}), PENDING: True},
-            "$push": {**update.get("$push", {}), OUTBOX: record}}
+    return {
+        **update,
+        "$set": {**update.get("$set", {}), PENDING: True},
+        "$push": {**update.get("$push", {}), OUTBOX: record},
+    }
 
 
 class Source(Protocol):
@@ -66,8 +69,12 @@ class Records(Protocol):
 
 
 class AuditLog:
-    def __init__(self, records: Records, sources: list[Source],
-                 retention_days: float = DEFAULT_RETENTION_DAYS) -> None:
+    def __init__(
+        self,
+        records: Records,
+        sources: list[Source],
+        retention_days: float = DEFAULT_RETENTION_DAYS,
+    ) -> None:
         self.records = records
         self.sources = sources
         self.retention_s = retention_days * 86400
@@ -78,10 +85,12 @@ class AuditLog:
     async def ensure_indexes(self) -> None:
         for source in self.sources:
             # Partial: only the few documents with a record still to copy are in it.
-            await source.create_index([(PENDING, 1)], name="audit_pending",
-                                      partialFilterExpression={PENDING: True})
-        await self.records.create_index([("at", 1)], name="retention",
-                                        expireAfterSeconds=int(self.retention_s))
+            await source.create_index(
+                [(PENDING, 1)], name="audit_pending", partialFilterExpression={PENDING: True}
+            )
+        await self.records.create_index(
+            [("at", 1)], name="retention", expireAfterSeconds=int(self.retention_s)
+        )
         for key in ("schedule_id", "namespace", "actor"):
             await self.records.create_index([(key, 1), ("at", -1)], name=f"{key}_at")
 
@@ -98,8 +107,10 @@ class AuditLog:
             return copied
 
     async def _relay(self, source: Source) -> int:
-        docs = [d async for d in source.find({PENDING: True},
-                                             {OUTBOX: 1, DELETED: 1}).limit(RELAY_BATCH)]
+        docs = [
+            d
+            async for d in source.find({PENDING: True}, {OUTBOX: 1, DELETED: 1}).limit(RELAY_BATCH)
+        ]
         records = [r for d in docs for r in d.get(OUTBOX) or ()]
         if records:
             await insert_new(self.records, records)  # a record copied before stays as it is
@@ -108,15 +119,18 @@ class AuditLog:
             if doc.get(DELETED):
                 # A tombstone goes once its records are copied; a newer change (none can
                 # follow a delete but another delete's retry) waits for the next pass.
-                await source.delete_one({"_id": doc["_id"], f"{OUTBOX}._id": {"$all": ids},
-                                         OUTBOX: {"$size": len(ids)}})
+                await source.delete_one(
+                    {"_id": doc["_id"], f"{OUTBOX}._id": {"$all": ids}, OUTBOX: {"$size": len(ids)}}
+                )
                 continue
             cleared = await source.update_one(
                 {"_id": doc["_id"], OUTBOX: {"$size": len(ids)}},
-                {"$unset": {OUTBOX: "", PENDING: ""}})
+                {"$unset": {OUTBOX: "", PENDING: ""}},
+            )
             if cleared.modified_count == 0:  # more were pushed since: remove what was copied
-                await source.update_one({"_id": doc["_id"]},
-                                        {"$pull": {OUTBOX: {"_id": {"$in": ids}}}})
+                await source.update_one(
+                    {"_id": doc["_id"]}, {"$pull": {OUTBOX: {"_id": {"$in": ids}}}}
+                )
         return len(records)
 
     def stop(self) -> None:
@@ -134,10 +148,16 @@ class AuditLog:
             except PyMongoError as exc:
                 log.warning("audit_relay_failed", error=str(exc))
 
-    async def query(self, *, namespaces: list[str] | None = None,
-                    schedule_id: str | None = None, actor: str | None = None,
-                    since: dt.datetime | None = None, before: str | None = None,
-                    limit: int = 100) -> list[dict[str, Any]]:
+    async def query(
+        self,
+        *,
+        namespaces: list[str] | None = None,
+        schedule_id: str | None = None,
+        actor: str | None = None,
+        since: dt.datetime | None = None,
+        before: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
         """Records newest first; ``before``: the id of the last record of the previous
         page. Every pending record is relayed first."""
         await self.relay()
@@ -158,6 +178,7 @@ class AuditLog:
     async def revision(self, schedule_id: str, revision: int) -> dict[str, Any] | None:
         """The record whose change left the schedule at ``revision``."""
         await self.relay()
-        doc = await self.records.find_one({"schedule_id": schedule_id,
-                                           "revision": revision, "after": {"$ne": None}})
+        doc = await self.records.find_one(
+            {"schedule_id": schedule_id, "revision": revision, "after": {"$ne": None}}
+        )
         return None if doc is None else dict(doc)

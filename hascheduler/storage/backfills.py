@@ -34,8 +34,9 @@ Document = dict[str, Any]
 class BackfillsCollection(Protocol):
     async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
-                                  **kwargs: Any) -> Any: ...
+    async def find_one_and_update(
+        self, filter: Any, update: Any, *args: Any, **kwargs: Any
+    ) -> Any: ...
     async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -52,10 +53,15 @@ class Backfill(BaseModel):
     state: str = Field(description="running, done or cancelled")
     total: int = Field(description="nominal times in [start, end)")
     fired: int
-    skipped: int = Field(description="times the ledger already held: fired or recorded "
-                                     "before, by the trigger or another backfill")
-    withdrawn: int = Field(0, description="times this backfill claimed and skipped at their "
-                                          "publish (withdrawn_reasons says why)")
+    skipped: int = Field(
+        description="times the ledger already held: fired or recorded "
+        "before, by the trigger or another backfill"
+    )
+    withdrawn: int = Field(
+        0,
+        description="times this backfill claimed and skipped at their "
+        "publish (withdrawn_reasons says why)",
+    )
     withdrawn_reasons: list[str] = Field(default_factory=list)
     remaining: int
     requested_by: str
@@ -65,10 +71,13 @@ class Backfill(BaseModel):
     @classmethod
     def of(cls, doc: Document) -> Backfill:
         fields = {k: as_utc(v) if isinstance(v, dt.datetime) else v for k, v in doc.items()}
-        return cls(id=doc["_id"], remaining=max(0, doc["total"] - doc["fired"]
-                                                - doc["skipped"] - doc.get("withdrawn", 0)),
-                   **{
-            k: v for k, v in fields.items() if k in cls.model_fields and k != "id"})
+        return cls(
+            id=doc["_id"],
+            remaining=max(
+                0, doc["total"] - doc["fired"] - doc["skipped"] - doc.get("withdrawn", 0)
+            ),
+            **{k: v for k, v in fields.items() if k in cls.model_fields and k != "id"},
+        )
 
 
 class Backfills:
@@ -76,17 +85,37 @@ class Backfills:
         self.coll = collection
 
     async def ensure_indexes(self) -> None:
-        await self.coll.create_index([("created_at", ASCENDING)], name="running",
-                                     partialFilterExpression={"state": RUNNING})
+        await self.coll.create_index(
+            [("created_at", ASCENDING)], name="running", partialFilterExpression={"state": RUNNING}
+        )
 
-    async def create(self, schedule_id: str, start: dt.datetime, end: dt.datetime,
-                     overlap: str | None, total: int, by: str, now: dt.datetime,
-                     record: Document | None = None) -> Document:
-        doc: Document = {"_id": uuid.uuid4().hex, "schedule_id": schedule_id, "start": start,
-                         "end": end, "overlap": overlap, "state": RUNNING, "cursor": start,
-                         "total": total, "fired": 0, "skipped": 0, "withdrawn": 0,
-                         "withdrawn_reasons": [], "requested_by": by,
-                         "created_at": now}
+    async def create(
+        self,
+        schedule_id: str,
+        start: dt.datetime,
+        end: dt.datetime,
+        overlap: str | None,
+        total: int,
+        by: str,
+        now: dt.datetime,
+        record: Document | None = None,
+    ) -> Document:
+        doc: Document = {
+            "_id": uuid.uuid4().hex,
+            "schedule_id": schedule_id,
+            "start": start,
+            "end": end,
+            "overlap": overlap,
+            "state": RUNNING,
+            "cursor": start,
+            "total": total,
+            "fired": 0,
+            "skipped": 0,
+            "withdrawn": 0,
+            "withdrawn_reasons": [],
+            "requested_by": by,
+            "created_at": now,
+        }
         await self.coll.insert_one(doc if record is None else with_record(doc, record))
         return doc
 
@@ -94,31 +123,46 @@ class Backfills:
         doc: Document | None = await self.coll.find_one({"_id": backfill_id})
         return doc
 
-    async def cancel(self, backfill_id: str, now: dt.datetime,
-                     record: Document | None = None) -> Document | None:
+    async def cancel(
+        self, backfill_id: str, now: dt.datetime, record: Document | None = None
+    ) -> Document | None:
         """Stop a running backfill; None when it is not running (or not there)."""
         change: Document = {"$set": {"state": CANCELLED, "finished_at": now}}
         doc: Document | None = await self.coll.find_one_and_update(
             {"_id": backfill_id, "state": RUNNING},
             change if record is None else recording(change, record),
-            return_document=ReturnDocument.AFTER)
+            return_document=ReturnDocument.AFTER,
+        )
         return doc
 
     async def running(self, limit: int) -> list[Document]:
         """Running backfills, oldest first."""
-        return [d async for d in self.coll.find({"state": RUNNING}).sort(
-            "created_at", ASCENDING).limit(limit)]
+        return [
+            d
+            async for d in self.coll.find({"state": RUNNING})
+            .sort("created_at", ASCENDING)
+            .limit(limit)
+        ]
 
-    async def advance(self, backfill_id: str, cursor: dt.datetime, fired: int, skipped: int,
-                      done: bool, now: dt.datetime,
-                      withdrawn: dict[str, int] | None = None) -> None:
+    async def advance(
+        self,
+        backfill_id: str,
+        cursor: dt.datetime,
+        fired: int,
+        skipped: int,
+        done: bool,
+        now: dt.datetime,
+        withdrawn: dict[str, int] | None = None,
+    ) -> None:
         """Record a chunk handled (only while the backfill still runs: a cancel stands)."""
         changes: Document = {"cursor": cursor}
         if done:
             changes.update(state=DONE, finished_at=now)
         withdrawn = withdrawn or {}
-        update: Document = {"$set": changes, "$inc": {
-            "fired": fired, "skipped": skipped, "withdrawn": sum(withdrawn.values())}}
+        update: Document = {
+            "$set": changes,
+            "$inc": {"fired": fired, "skipped": skipped, "withdrawn": sum(withdrawn.values())},
+        }
         if withdrawn:
             update["$addToSet"] = {"withdrawn_reasons": {"$each": sorted(withdrawn)}}
         await self.coll.update_one({"_id": backfill_id, "state": RUNNING}, update)

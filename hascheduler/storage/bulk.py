@@ -19,8 +19,7 @@ class BulkWrites(Protocol):
     async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
-async def insert_new(collection: Inserts, documents: list[dict[str, Any]]
-                     ) -> list[dict[str, Any]]:
+async def insert_new(collection: Inserts, documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Insert ``documents`` unordered, in one round trip; the write errors (each with the
     refused document's ``index`` and the unique index's ``keyPattern``) of those a unique
     index refused. Raises BulkWriteError for any other failure."""
@@ -32,8 +31,9 @@ async def refused_upserts(collection: BulkWrites, requests: list[Any]) -> set[in
     matched no document while one with its ``_id`` exists (the upsert then collided)."""
     if not requests:
         return set()
-    return {int(e["index"]) for e in await _duplicates(
-        collection.bulk_write(requests, ordered=False))}
+    return {
+        int(e["index"]) for e in await _duplicates(collection.bulk_write(requests, ordered=False))
+    }
 
 
 async def _duplicates(write: Awaitable[Any]) -> list[dict[str, Any]]:

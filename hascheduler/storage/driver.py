@@ -30,8 +30,7 @@ from pymongo import AsyncMongoClient
 
 # Checked by tests/test_driver.py against the driver installed: these are the
 # modules that bind the function by name.
-PATCHED_MODULES = ("pymongo.lock", "pymongo.asynchronous.topology",
-                   "pymongo.asynchronous.pool")
+PATCHED_MODULES = ("pymongo.lock", "pymongo.asynchronous.topology", "pymongo.asynchronous.pool")
 # Connections the pool opens at once: about as many as a leader's loops use together.
 MAX_CONNECTING = 10
 

@@ -21,8 +21,9 @@ Document = dict[str, Any]
 class CountsCollection(Protocol):
     async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
-                                  **kwargs: Any) -> Any: ...
+    async def find_one_and_update(
+        self, filter: Any, update: Any, *args: Any, **kwargs: Any
+    ) -> Any: ...
 
 
 class FireCounts:
@@ -34,23 +35,31 @@ class FireCounts:
         it, or None when the limit was reached without it."""
         try:
             result = await self.counts.update_one(
-                {"_id": schedule_id,
-                 "$or": [{"ids": fire_id}, {f"ids.{limit - 1}": {"$exists": False}}]},
-                {"$addToSet": {"ids": fire_id}}, upsert=True)
+                {
+                    "_id": schedule_id,
+                    "$or": [{"ids": fire_id}, {f"ids.{limit - 1}": {"$exists": False}}],
+                },
+                {"$addToSet": {"ids": fire_id}},
+                upsert=True,
+            )
         except DuplicateKeyError:  # the document exists and holds the limit without it
             return None
         if result.modified_count or result.upserted_id is not None:
             doc = await self.counts.find_one_and_update(
-                {"_id": schedule_id}, {"$inc": {"n": 1}}, {"n": 1},
-                return_document=ReturnDocument.AFTER)
+                {"_id": schedule_id},
+                {"$inc": {"n": 1}},
+                {"n": 1},
+                return_document=ReturnDocument.AFTER,
+            )
         else:  # counted before (published again)
             doc = await self.counts.find_one({"_id": schedule_id}, {"n": 1})
         return int(doc.get("n", 0)) if doc else 0
 
     async def release(self, schedule_id: str, fire_id: str) -> None:
         """A counted fire was never published (it failed): it no longer counts."""
-        await self.counts.update_one({"_id": schedule_id},
-                                     {"$pull": {"ids": fire_id}, "$inc": {"n": -1}})
+        await self.counts.update_one(
+            {"_id": schedule_id}, {"$pull": {"ids": fire_id}, "$inc": {"n": -1}}
+        )
 
     async def used(self, schedule_id: str) -> int:
         doc = await self.counts.find_one({"_id": schedule_id}, {"n": 1})

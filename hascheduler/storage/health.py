@@ -29,14 +29,14 @@ READS_AT_ONCE = 16
 
 
 class HealthReader:
-    def __init__(self, fires: Ledger, runs: RunLedger,
-                 late_after_s: float = DEFAULT_LATE_AFTER_S) -> None:
+    def __init__(
+        self, fires: Ledger, runs: RunLedger, late_after_s: float = DEFAULT_LATE_AFTER_S
+    ) -> None:
         self.fires = fires
         self.runs = runs
         self.late_after_s = late_after_s
 
-    async def many(self, schedules: Sequence[Schedule], now: dt.datetime
-                   ) -> list[ScheduleHealth]:
+    async def many(self, schedules: Sequence[Schedule], now: dt.datetime) -> list[ScheduleHealth]:
         gate = asyncio.Semaphore(READS_AT_ONCE)
 
         async def one(schedule: Schedule) -> ScheduleHealth:
@@ -46,22 +46,43 @@ class HealthReader:
         return list(await asyncio.gather(*(one(s) for s in schedules)))
 
     async def of(self, schedule: Schedule, now: dt.datetime) -> ScheduleHealth:
-        last, ended = await asyncio.gather(self.fires.last_of_trigger(schedule.id),
-                                           self.runs.latest_ended(schedule.id, RUNS_SCANNED))
-        runs = [LastRun(id=d["_id"], state=d["state"],
-                        finished_at=as_utc(d.get("finished_at")),
-                        last_error=d.get("last_error")) for d in ended]
+        last, ended = await asyncio.gather(
+            self.fires.last_of_trigger(schedule.id),
+            self.runs.latest_ended(schedule.id, RUNS_SCANNED),
+        )
+        runs = [
+            LastRun(
+                id=d["_id"],
+                state=d["state"],
+                finished_at=as_utc(d.get("finished_at")),
+                last_error=d.get("last_error"),
+            )
+            for d in ended
+        ]
         success = next((r.finished_at for r in runs if r.state == "succeeded"), None)
         if success is None and len(runs) == RUNS_SCANNED:
             success = await self.runs.last_success(schedule.id)
-        fire = None if last is None else LastFire(
-            fire_id=last["_id"], nominal_at=as_utc(last["nominal_at"]), state=last["state"],
-            reason=last.get("reason"))
+        fire = (
+            None
+            if last is None
+            else LastFire(
+                fire_id=last["_id"],
+                nominal_at=as_utc(last["nominal_at"]),
+                state=last["state"],
+                reason=last.get("reason"),
+            )
+        )
         judged = Judged(
-            schedule_id=schedule.id, namespace=schedule.namespace,
-            trigger=schedule.compile(), jitter=schedule.jitter, paused=schedule.paused,
-            completed=schedule.completed, created_at=schedule.created_at,
+            schedule_id=schedule.id,
+            namespace=schedule.namespace,
+            trigger=schedule.compile(),
+            jitter=schedule.jitter,
+            paused=schedule.paused,
+            completed=schedule.completed,
+            created_at=schedule.created_at,
             changed_at=schedule.updated_at,
-            success_within=(float(schedule.expect.success_within)
-                            if schedule.expect is not None else None))
+            success_within=(
+                float(schedule.expect.success_within) if schedule.expect is not None else None
+            ),
+        )
         return assess(judged, fire, runs, success, now, self.late_after_s)

@@ -50,11 +50,13 @@ class LeaseTimings:
         if not self.renew_deadline > 1.2 * self.renew_interval:
             raise LeaseSettingsError(
                 f"renew deadline ({self.renew_deadline:g}s) must exceed 1.2 x renew interval "
-                f"({self.renew_interval:g}s), or one slow renewal costs the leadership")
+                f"({self.renew_interval:g}s), or one slow renewal costs the leadership"
+            )
         if not self.ttl > self.renew_deadline:
             raise LeaseSettingsError(
                 f"lease ttl ({self.ttl:g}s) must exceed the renew deadline "
-                f"({self.renew_deadline:g}s), so a leader stops before others may take over")
+                f"({self.renew_deadline:g}s), so a leader stops before others may take over"
+            )
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,12 @@ class LeaseView:
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> LeaseView:
         """The one reading of a lease document (the elector, the API, the dev cluster)."""
-        return cls(holder=doc.get("holder"), term=int(doc.get("term", 0)),
-                    expires_at=as_utc(doc.get("expires_at", EPOCH)),
-                    fired_through=as_utc(doc.get("fired_through")))
+        return cls(
+            holder=doc.get("holder"),
+            term=int(doc.get("term", 0)),
+            expires_at=as_utc(doc.get("expires_at", EPOCH)),
+            fired_through=as_utc(doc.get("fired_through")),
+        )
 
     def held_at(self, now: dt.datetime) -> bool:
         return self.holder is not None and self.expires_at > now
@@ -81,18 +86,24 @@ class LeaseCollection(Protocol):
     """The slice of a driver collection the lease uses (PyMongo async or Motor)."""
 
     async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(self, filter: Any, update: Any, *args: Any,
-                                  **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any,
-                         **kwargs: Any) -> Any: ...
+    async def find_one_and_update(
+        self, filter: Any, update: Any, *args: Any, **kwargs: Any
+    ) -> Any: ...
+    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Lease:
     """One replica's handle on the named lease."""
 
-    def __init__(self, collection: LeaseCollection, name: str, holder: str, timings: LeaseTimings,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 server_clock: ServerClock | None = None) -> None:
+    def __init__(
+        self,
+        collection: LeaseCollection,
+        name: str,
+        holder: str,
+        timings: LeaseTimings,
+        monotonic: Callable[[], float] = time.monotonic,
+        server_clock: ServerClock | None = None,
+    ) -> None:
         self._coll = collection
         self.name = name
         self.holder = holder
@@ -112,8 +123,7 @@ class Lease:
     def remaining(self) -> float:
         return max(0.0, self._valid_until - self._monotonic())
 
-    async def acquire_or_renew(self, fired_through: dt.datetime | None = None
-                               ) -> LeaseView | None:
+    async def acquire_or_renew(self, fired_through: dt.datetime | None = None) -> LeaseView | None:
         """Try once; returns the lease if we hold it now, None if another replica does.
 
         ``fired_through`` (the dispatcher's watermark) is recorded only while renewing.
@@ -134,10 +144,17 @@ class Lease:
             fields["fired_through"] = {"$cond": [mine, fired_through, "$fired_through"]}
         try:
             doc = await self._coll.find_one_and_update(
-                {"_id": self.name,
-                 "$or": [{"holder": me, "instance": instance},
-                         {"$expr": {"$lt": ["$expires_at", "$$NOW"]}}]},
-                [{"$set": fields}], upsert=True, return_document=ReturnDocument.AFTER)
+                {
+                    "_id": self.name,
+                    "$or": [
+                        {"holder": me, "instance": instance},
+                        {"$expr": {"$lt": ["$expires_at", "$$NOW"]}},
+                    ],
+                },
+                [{"$set": fields}],
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
         except DuplicateKeyError:
             doc = None  # the lease exists and is held: the upsert lost, as it should
         renewed_at = as_utc(doc.get("renewed_at")) if doc is not None else None
@@ -164,9 +181,10 @@ class Lease:
         update: dict[str, Any] = {"expires_at": EPOCH, "released_at": "$$NOW"}
         if fired_through is not None:
             update["fired_through"] = fired_through
-        result = await self._coll.update_one({"_id": self.name, "holder": self.holder,
-                                              "instance": self.instance, "term": term},
-                                             [{"$set": update}])
+        result = await self._coll.update_one(
+            {"_id": self.name, "holder": self.holder, "instance": self.instance, "term": term},
+            [{"$set": update}],
+        )
         return bool(result.modified_count)
 
     def step_down(self) -> None:

@@ -67,8 +67,9 @@ class LeaseHistory:
 
     def check(self, timings: LeaseTimings) -> HistoryReport:
         """The history against the lease timings the replicas ran with."""
-        return check(list(self.terms.values()), list(self.acts), timings.renew_deadline,
-                     timings.ttl)
+        return check(
+            list(self.terms.values()), list(self.acts), timings.renew_deadline, timings.ttl
+        )
 
     async def _record(self) -> None:
         pipeline = [{"$match": {"ns.coll": {"$in": [LEASES, FIRES, MARKS]}}}]
@@ -76,8 +77,9 @@ class LeaseHistory:
         while True:
             try:
                 options = {"start_after": token} if token is not None else {}
-                stream = await open_change_stream(self._db, pipeline, max_await_time_ms=200,
-                                                  **options)
+                stream = await open_change_stream(
+                    self._db, pipeline, max_await_time_ms=200, **options
+                )
                 async with stream:
                     if not self._opened.is_set():
                         # Read after the stream opened: nothing is missed, and an event
@@ -121,8 +123,9 @@ class LeaseHistory:
             if operation == "insert":
                 term = (event.get("fullDocument") or {}).get("term")
             elif operation == "update":
-                term = ((event.get("updateDescription") or {}).get("updatedFields")
-                        or {}).get("term")
+                term = ((event.get("updateDescription") or {}).get("updatedFields") or {}).get(
+                    "term"
+                )
             else:
                 term = None
             if isinstance(term, int):
@@ -130,10 +133,16 @@ class LeaseHistory:
 
     def _note_lease(self, changed: set[str]) -> None:
         doc = self._lease
-        term, acquired, renewed = (doc.get("term"), as_utc(doc.get("acquired_at")),
-                                   as_utc(doc.get("renewed_at")))
-        if not (isinstance(term, int) and isinstance(acquired, dt.datetime)
-                and isinstance(renewed, dt.datetime)):
+        term, acquired, renewed = (
+            doc.get("term"),
+            as_utc(doc.get("acquired_at")),
+            as_utc(doc.get("renewed_at")),
+        )
+        if not (
+            isinstance(term, int)
+            and isinstance(acquired, dt.datetime)
+            and isinstance(renewed, dt.datetime)
+        ):
             return
         record = self.terms.get(term)
         if record is None:

@@ -24,18 +24,21 @@ class Members:
         self.members = members
 
     async def ensure_indexes(self, forget_after_s: float) -> None:
-        await self.members.create_index("seen_at", name="forget_dead_members",
-                                        expireAfterSeconds=int(forget_after_s))
+        await self.members.create_index(
+            "seen_at", name="forget_dead_members", expireAfterSeconds=int(forget_after_s)
+        )
 
     async def beat(self, replica_id: str, state: Mapping[str, Any], at: dt.datetime) -> None:
         """``replica_id`` says ``state`` of itself at ``at``."""
-        await self.members.update_one({"_id": replica_id},
-                                      {"$set": {**state, "seen_at": at}}, upsert=True)
+        await self.members.update_one(
+            {"_id": replica_id}, {"$set": {**state, "seen_at": at}}, upsert=True
+        )
 
     async def leave(self, replica_id: str) -> None:
         await self.members.delete_one({"_id": replica_id})
 
     async def seen_since(self, since: dt.datetime) -> list[Document]:
         """The replicas heard from since ``since``, by id."""
-        return [d async for d in self.members.find({"seen_at": {"$gte": since}}).sort(
-            "_id", ASCENDING)]
+        return [
+            d async for d in self.members.find({"seen_at": {"$gte": since}}).sort("_id", ASCENDING)
+        ]

@@ -16,5 +16,6 @@ async def older_than(collection: Anchors, field: str, anchor_id: str) -> dict[st
     anchor = await collection.find_one({"_id": anchor_id}, {field: 1})
     if anchor is None:
         raise LookupError(anchor_id)
-    return {"$or": [{field: {"$lt": anchor[field]}},
-                    {field: anchor[field], "_id": {"$lt": anchor_id}}]}
+    return {
+        "$or": [{field: {"$lt": anchor[field]}}, {field: anchor[field], "_id": {"$lt": anchor_id}}]
+    }

@@ -16,8 +16,7 @@ from hascheduler.storage.bulk import insert_new
 
 class Collection(Protocol):
     async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_many(self, filter: Any, update: Any, *args: Any,
-                          **kwargs: Any) -> Any: ...
+    async def update_many(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def delete_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
     def find(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -31,9 +30,14 @@ def open_key(schedule_id: str, tenant: str | None) -> str:
 class Reservations:
     runs: Collection
 
-    async def reserve(self, claims: Sequence[FireClaim], targets: Mapping[str, str],
-                      now: dt.datetime, term: int, name_blockers: bool = True
-                      ) -> dict[str, str]:
+    async def reserve(
+        self,
+        claims: Sequence[FireClaim],
+        targets: Mapping[str, str],
+        now: dt.datetime,
+        term: int,
+        name_blockers: bool = True,
+    ) -> dict[str, str]:
         """Open a ``pending`` run for each claimed fire (at most one per key), unless its
         key has another open run, reserved by ``term``. Returns, for each fire refused, its
         key's open run's fire id (with ``name_blockers`` False, "": no query for them); a
@@ -41,22 +45,37 @@ class Reservations:
         reservation, if still pending, becomes this term's (``adopt``)."""
         docs = []
         for claim in claims:
-            doc = {"_id": claim.fire_id, "schedule_id": claim.schedule_id,
-                   "target": targets[claim.schedule_id], "nominal_at": claim.nominal_at,
-                   "attempts": 0, "state": PENDING, "first_started_at": None, "replays": 0,
-                   "recorded_at": now, "open_key": open_key(claim.schedule_id, claim.tenant),
-                   "term": term}
+            doc = {
+                "_id": claim.fire_id,
+                "schedule_id": claim.schedule_id,
+                "target": targets[claim.schedule_id],
+                "nominal_at": claim.nominal_at,
+                "attempts": 0,
+                "state": PENDING,
+                "first_started_at": None,
+                "replays": 0,
+                "recorded_at": now,
+                "open_key": open_key(claim.schedule_id, claim.tenant),
+                "term": term,
+            }
             if claim.tenant is not None:
-                doc.update(fire=fire_id_of(claim.schedule_id, claim.nominal_at),
-                           tenant=claim.tenant)
+                doc.update(
+                    fire=fire_id_of(claim.schedule_id, claim.nominal_at), tenant=claim.tenant
+                )
             docs.append(doc)
         if not docs:
             return {}
         refused = await insert_new(self.runs, docs)
-        held = {docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
-                for e in refused if "open_key" in (e.get("keyPattern") or {})}
-        own = [docs[e["index"]]["_id"] for e in refused
-               if "open_key" not in (e.get("keyPattern") or {})]
+        held = {
+            docs[e["index"]]["_id"]: docs[e["index"]]["open_key"]
+            for e in refused
+            if "open_key" in (e.get("keyPattern") or {})
+        }
+        own = [
+            docs[e["index"]]["_id"]
+            for e in refused
+            if "open_key" not in (e.get("keyPattern") or {})
+        ]
         if held:
             # A fire whose own run exists (ended since, another open now) may be refused
             # on the key rather than on its id, whichever index the server checks first:
@@ -74,8 +93,9 @@ class Reservations:
         """Those of ``fire_ids`` that have a run (reserved, running or ended)."""
         if not fire_ids:
             return set()
-        return {d["_id"] async for d in self.runs.find({"_id": {"$in": sorted(fire_ids)}},
-                                                      {"_id": 1})}
+        return {
+            d["_id"] async for d in self.runs.find({"_id": {"$in": sorted(fire_ids)}}, {"_id": 1})
+        }
 
     async def adopt(self, fire_ids: list[str], term: int) -> None:
         """Fires ``term`` lets through on a run of their own made before (by an older term
@@ -83,14 +103,20 @@ class Reservations:
         term's, so the older term's withdrawal (``withdraw``) leaves them."""
         if fire_ids:
             await self.runs.update_many(
-                {"_id": {"$in": sorted(fire_ids)}, "state": PENDING,
-                 "term": {"$not": {"$gte": term}}}, {"$set": {"term": term}})
+                {
+                    "_id": {"$in": sorted(fire_ids)},
+                    "state": PENDING,
+                    "term": {"$not": {"$gte": term}},
+                },
+                {"$set": {"term": term}},
+            )
 
     async def unreserve(self, fire_id: str, term: int) -> None:
         """The fire was never published (it failed): its reservation goes, unless a newer
         term has made it its own."""
-        await self.runs.delete_one({"_id": fire_id, "state": PENDING,
-                                    "term": {"$not": {"$gt": term}}})
+        await self.runs.delete_one(
+            {"_id": fire_id, "state": PENDING, "term": {"$not": {"$gt": term}}}
+        )
 
     async def withdraw(self, fire_ids: list[str], term: int) -> None:
         """``term`` was deposed while reserving these fires' runs: what it reserved goes (a
@@ -98,15 +124,20 @@ class Reservations:
         that landed after would hold their key for ever); what a newer term made its own
         stays."""
         if fire_ids:
-            await self.runs.delete_many({"_id": {"$in": sorted(fire_ids)}, "state": PENDING,
-                                         "term": term})
+            await self.runs.delete_many(
+                {"_id": {"$in": sorted(fire_ids)}, "state": PENDING, "term": term}
+            )
 
     async def pending(self, fire_ids: list[str]) -> set[str]:
         """Those of ``fire_ids`` whose run is reserved and not yet started."""
         if not fire_ids:
             return set()
-        return {d["_id"] async for d in self.runs.find(
-            {"_id": {"$in": sorted(fire_ids)}, "state": PENDING}, {"_id": 1})}
+        return {
+            d["_id"]
+            async for d in self.runs.find(
+                {"_id": {"$in": sorted(fire_ids)}, "state": PENDING}, {"_id": 1}
+            )
+        }
 
     async def withdraw_stale(self, fire_ids: list[str]) -> None:
         """Reservations whose fires no term will publish (recorded skipped, failed or
@@ -118,5 +149,7 @@ class Reservations:
         """The open run of each of these keys that has one: key -> its fire id."""
         if not keys:
             return {}
-        return {d["open_key"]: d["_id"] async for d in self.runs.find(
-            {"open_key": {"$in": keys}}, {"open_key": 1})}
+        return {
+            d["open_key"]: d["_id"]
+            async for d in self.runs.find({"open_key": {"$in": keys}}, {"open_key": 1})
+        }

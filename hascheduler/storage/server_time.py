@@ -33,7 +33,9 @@ async def sample(db: Commands, clock: ServerClock) -> None:
 
 def sampler(db: Commands, clock: ServerClock) -> Callable[[], Awaitable[None]]:
     """``sample`` for an Every service: a database away only means no sample this time."""
+
     async def take() -> None:
         with contextlib.suppress(PyMongoError):
             await sample(db, clock)
+
     return take

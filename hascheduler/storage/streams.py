@@ -8,15 +8,15 @@ import inspect
 from typing import Any
 
 
-def read_all(collection: Any, projection: dict[str, Any] | None = None,
-             batch_size: int = 0) -> Any:
+def read_all(collection: Any, projection: dict[str, Any] | None = None, batch_size: int = 0) -> Any:
     """A cursor over every document of ``collection``, whole or with ``projection`` (an
     async iterable; ``batch_size`` 0: the driver's)."""
     return collection.find({}, projection, batch_size=batch_size)
 
 
-async def open_change_stream(collection: Any, pipeline: list[dict[str, Any]] | None = None,
-                             **options: Any) -> Any:
+async def open_change_stream(
+    collection: Any, pipeline: list[dict[str, Any]] | None = None, **options: Any
+) -> Any:
     """A change stream on ``collection``: PyMongo's async API opens it when awaited,
     Motor lazily on first use."""
     stream = collection.watch(pipeline, **options)

@@ -15,15 +15,19 @@ class TenantDocuments:
 
     async def count(self, fan_out: FanOut, limit: int) -> int:
         """The documents ``fan_out`` selects, counted up to ``limit``."""
-        return int(await self.database[fan_out.collection].count_documents(
-            fan_out.filter, limit=limit))
+        return int(
+            await self.database[fan_out.collection].count_documents(fan_out.filter, limit=limit)
+        )
 
     async def keys(self, fan_out: FanOut, limit: int) -> list[str] | None:
         """The tenant keys ``fan_out`` selects now, sorted (documents without a usable key
         left out, as the leader does); None when it selects more than ``limit``
         documents."""
-        cursor = self.database[fan_out.collection].find(
-            fan_out.filter, {fan_out.key: 1}).limit(limit + 1)
+        cursor = (
+            self.database[fan_out.collection]
+            .find(fan_out.filter, {fan_out.key: 1})
+            .limit(limit + 1)
+        )
         docs = [doc async for doc in cursor]
         if len(docs) > limit:
             return None

@@ -78,8 +78,10 @@ class WebhookStore:
     async def subscriptions(self) -> tuple[list[Subscription], dict[str, dict[str, Any]]]:
         """Every webhook as what it receives, and each one's document (url, secret)."""
         docs = {d["_id"]: d async for d in self.webhooks.find({})}
-        return [Subscription(i, frozenset(d["events"]), d["namespace"], d.get("schedule_id"))
-                for i, d in docs.items()], docs
+        return [
+            Subscription(i, frozenset(d["events"]), d["namespace"], d.get("schedule_id"))
+            for i, d in docs.items()
+        ], docs
 
 
 class Deliveries:
@@ -87,58 +89,90 @@ class Deliveries:
         self.deliveries = deliveries
 
     async def ensure_indexes(self) -> None:
-        await self.deliveries.create_index([("next_at", ASCENDING)], name="due",
-                                           partialFilterExpression={"state": PENDING})
-        await self.deliveries.create_index([("webhook_id", ASCENDING),
-                                            ("created_at", DESCENDING)], name="by_webhook")
-        await self.deliveries.create_index([("created_at", ASCENDING)], name="retention",
-                                           expireAfterSeconds=int(RETENTION_S))
+        await self.deliveries.create_index(
+            [("next_at", ASCENDING)], name="due", partialFilterExpression={"state": PENDING}
+        )
+        await self.deliveries.create_index(
+            [("webhook_id", ASCENDING), ("created_at", DESCENDING)], name="by_webhook"
+        )
+        await self.deliveries.create_index(
+            [("created_at", ASCENDING)], name="retention", expireAfterSeconds=int(RETENTION_S)
+        )
 
-    async def add(self, events: Iterable[Event], subscriptions: list[Subscription],
-                  now: dt.datetime) -> int:
+    async def add(
+        self, events: Iterable[Event], subscriptions: list[Subscription], now: dt.datetime
+    ) -> int:
         """A pending delivery of each event to each webhook that receives it (none made
         twice); how many are new."""
-        docs = [{"_id": delivery_id(s.webhook_id, e.id), "webhook_id": s.webhook_id,
-                 "event_id": e.id, "type": e.type, "schedule_id": e.schedule_id,
-                 "body": body_of(e), "state": PENDING, "attempts": 0, "history": [],
-                 "created_at": now, "next_at": now}
-                for e in events for s in subscriptions if s.covers(e)]
+        docs = [
+            {
+                "_id": delivery_id(s.webhook_id, e.id),
+                "webhook_id": s.webhook_id,
+                "event_id": e.id,
+                "type": e.type,
+                "schedule_id": e.schedule_id,
+                "body": body_of(e),
+                "state": PENDING,
+                "attempts": 0,
+                "history": [],
+                "created_at": now,
+                "next_at": now,
+            }
+            for e in events
+            for s in subscriptions
+            if s.covers(e)
+        ]
         if not docs:
             return 0
         return len(docs) - len(await insert_new(self.deliveries, docs))
 
-    async def due(self, now: dt.datetime, limit: int, besides: set[str]
-                  ) -> list[dict[str, Any]]:
+    async def due(self, now: dt.datetime, limit: int, besides: set[str]) -> list[dict[str, Any]]:
         """Pending deliveries whose next attempt is due, oldest first, but ``besides``
         (in flight already)."""
         query: dict[str, Any] = {"state": PENDING, "next_at": {"$lte": now}}
         if besides:
             query["_id"] = {"$nin": sorted(besides)}
-        return [d async for d in self.deliveries.find(query).sort(
-            "next_at", ASCENDING).limit(limit)]
+        return [
+            d async for d in self.deliveries.find(query).sort("next_at", ASCENDING).limit(limit)
+        ]
 
-    async def attempted(self, doc: dict[str, Any], now: dt.datetime, status: int | None,
-                        error: str | None, duration_s: float) -> str:
+    async def attempted(
+        self,
+        doc: dict[str, Any],
+        now: dt.datetime,
+        status: int | None,
+        error: str | None,
+        duration_s: float,
+    ) -> str:
         """Record one attempt (2xx: delivered; else retried after the backoff, or failed
         after MAX_ATTEMPTS); the delivery's state after it."""
         attempts = int(doc["attempts"]) + 1
         ok = status is not None and 200 <= status < 300
         state = DELIVERED if ok else (FAILED if attempts >= MAX_ATTEMPTS else PENDING)
-        entry = {"at": now, "status": status, "error": error,
-                 "duration_s": round(duration_s, 4)}
-        sets: dict[str, Any] = {"state": state, "attempts": attempts, "last_at": now,
-                                "last_status": status, "last_error": error}
+        entry = {"at": now, "status": status, "error": error, "duration_s": round(duration_s, 4)}
+        sets: dict[str, Any] = {
+            "state": state,
+            "attempts": attempts,
+            "last_at": now,
+            "last_status": status,
+            "last_error": error,
+        }
         if state == PENDING:
             sets["next_at"] = now + dt.timedelta(seconds=retry_in_s(attempts))
         await self.deliveries.update_one(
             {"_id": doc["_id"], "state": PENDING},
-            {"$set": sets, "$push": {"history": {"$each": [entry], "$slice": -ATTEMPTS_KEPT}}})
+            {"$set": sets, "$push": {"history": {"$each": [entry], "$slice": -ATTEMPTS_KEPT}}},
+        )
         return state
 
     async def of(self, webhook_id: str, limit: int) -> list[dict[str, Any]]:
         """A webhook's deliveries, newest first."""
-        return [d async for d in self.deliveries.find(
-            {"webhook_id": webhook_id}, {"body": 0}).sort("created_at", DESCENDING).limit(limit)]
+        return [
+            d
+            async for d in self.deliveries.find({"webhook_id": webhook_id}, {"body": 0})
+            .sort("created_at", DESCENDING)
+            .limit(limit)
+        ]
 
     async def forget(self, webhook_id: str) -> None:
         await self.deliveries.delete_many({"webhook_id": webhook_id})
@@ -152,5 +186,6 @@ class Deliveries:
         return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
 
     async def advance(self, source: str, at: dt.datetime) -> None:
-        await self.deliveries.update_one({"_id": f"{CURSORS}:{source}"},
-                                         {"$set": {"at": at}}, upsert=True)
+        await self.deliveries.update_one(
+            {"_id": f"{CURSORS}:{source}"}, {"$set": {"at": at}}, upsert=True
+        )

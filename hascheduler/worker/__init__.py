@@ -19,12 +19,29 @@ if TYPE_CHECKING:
     from hascheduler.worker.settings import WorkerSettings
 
 # Each public name and the module that defines it.
-_HOMES = {"Run": "app", "WorkerApp": "app", "WorkerConfigError": "app",
-          "StaleFilter": "delivery", "PermanentFailure": "policy", "RetryPolicy": "policy",
-          "RunTimeout": "policy", "WorkerSettings": "settings", "run_worker": "service"}
+_HOMES = {
+    "Run": "app",
+    "WorkerApp": "app",
+    "WorkerConfigError": "app",
+    "StaleFilter": "delivery",
+    "PermanentFailure": "policy",
+    "RetryPolicy": "policy",
+    "RunTimeout": "policy",
+    "WorkerSettings": "settings",
+    "run_worker": "service",
+}
 
-__all__ = ["PermanentFailure", "RetryPolicy", "Run", "RunTimeout", "StaleFilter",
-           "WorkerApp", "WorkerConfigError", "WorkerSettings", "run_worker"]
+__all__ = [
+    "PermanentFailure",
+    "RetryPolicy",
+    "Run",
+    "RunTimeout",
+    "StaleFilter",
+    "WorkerApp",
+    "WorkerConfigError",
+    "WorkerSettings",
+    "run_worker",
+]
 
 
 def __getattr__(name: str) -> Any:

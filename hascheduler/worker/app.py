@@ -70,8 +70,7 @@ class Run:
     tenant: str | None = None  # a fan-out fire's tenant key (None for other fires)
     # Set when an operator cancels the run (POST /runs/{id}/cancel): an async handler is
     # cancelled outright; a synchronous one should look at cancel_requested and return.
-    cancelled: threading.Event = field(default_factory=LazyEvent, repr=False,
-                                       compare=False)
+    cancelled: threading.Event = field(default_factory=LazyEvent, repr=False, compare=False)
 
     @property
     def cancel_requested(self) -> bool:
@@ -122,9 +121,11 @@ def check_pattern(pattern: str) -> None:
     tokens = pattern.split(".")
     plain = ".".join("x" if t in {"*", ">"} else t for t in tokens)
     if ">" in tokens[:-1] or not TARGET_PATTERN.fullmatch(plain):
-        raise WorkerConfigError(f"target pattern {pattern!r}: dot-separated tokens of letters, "
-                                "digits, _ and -, where * stands for one token and a last >"
-                                " for the rest")
+        raise WorkerConfigError(
+            f"target pattern {pattern!r}: dot-separated tokens of letters, "
+            "digits, _ and -, where * stands for one token and a last >"
+            " for the rest"
+        )
 
 
 # The label every schedule an app declares carries: its name, so that applying the app's
@@ -147,9 +148,14 @@ class WorkerApp:
         # worker's CPU; targets are few. Bounded: targets come from the broker.
         self._routed: dict[str, Route | None] = {}
 
-    def add(self, pattern: str, handler: Handler, policy: RetryPolicy | None = None,
-            concurrency: Mapping[str, Any] | None = None,
-            rate: Mapping[str, Any] | None = None) -> None:
+    def add(
+        self,
+        pattern: str,
+        handler: Handler,
+        policy: RetryPolicy | None = None,
+        concurrency: Mapping[str, Any] | None = None,
+        rate: Mapping[str, Any] | None = None,
+    ) -> None:
         """``concurrency``: ``{"key": <template>, "limit": N}``; ``rate``: ``{"key":
         <template>, "limit": N, "per": "PT1S"}`` (docs/WORKERS.md)."""
         check_pattern(pattern)
@@ -160,21 +166,43 @@ class WorkerApp:
             paced = None if rate is None else RateLimit.of(rate)
         except KeyTemplateError as exc:
             raise WorkerConfigError(f"the handler for {pattern!r}: {exc}") from None
-        self.routes.append(Route(pattern, handler, policy or self.default_policy,
-                                 inspect.iscoroutinefunction(handler), limit, paced))
+        self.routes.append(
+            Route(
+                pattern,
+                handler,
+                policy or self.default_policy,
+                inspect.iscoroutinefunction(handler),
+                limit,
+                paced,
+            )
+        )
         self._routed.clear()
 
-    def handler(self, pattern: str, *, policy: RetryPolicy | None = None,
-                concurrency: Mapping[str, Any] | None = None,
-                rate: Mapping[str, Any] | None = None) -> Callable[[Handler], Handler]:
+    def handler(
+        self,
+        pattern: str,
+        *,
+        policy: RetryPolicy | None = None,
+        concurrency: Mapping[str, Any] | None = None,
+        rate: Mapping[str, Any] | None = None,
+    ) -> Callable[[Handler], Handler]:
         def register(function: Handler) -> Handler:
             self.add(pattern, function, policy, concurrency, rate)
             return function
+
         return register
 
-    def schedule(self, id: str, *, cron: str | None = None, every: float | str | None = None,
-                 at: list[str] | None = None, timezone: str | None = None,
-                 target: str | None = None, **fields: Any) -> Callable[[Handler], Handler]:
+    def schedule(
+        self,
+        id: str,
+        *,
+        cron: str | None = None,
+        every: float | str | None = None,
+        at: list[str] | None = None,
+        timezone: str | None = None,
+        target: str | None = None,
+        **fields: Any,
+    ) -> Callable[[Handler], Handler]:
         """Declare the schedule that feeds a handler: put it above ``@app.handler(...)``;
         its target is the handler's pattern unless given (a pattern with wildcards needs
         one). ``fields`` are any other schedule fields (``payload``, ``jitter``, ...)."""
@@ -195,10 +223,21 @@ class WorkerApp:
             if chosen is None or "*" in chosen.split(".") or ">" in chosen.split("."):
                 raise WorkerConfigError(
                     f"schedule {id!r}: name its target= (put @app.schedule above "
-                    "@app.handler, whose pattern is the target when it has no wildcard)")
-            self.schedules([{"id": id, "name": fields.pop("name", id), "target": chosen,
-                             "trigger": trigger, **fields}])
+                    "@app.handler, whose pattern is the target when it has no wildcard)"
+                )
+            self.schedules(
+                [
+                    {
+                        "id": id,
+                        "name": fields.pop("name", id),
+                        "target": chosen,
+                        "trigger": trigger,
+                        **fields,
+                    }
+                ]
+            )
             return function
+
         return declare
 
     def schedules(self, declarations: list[Mapping[str, Any]]) -> None:
@@ -206,17 +245,21 @@ class WorkerApp:
         for declaration in declarations:
             schedule_id = declaration.get("id")
             if not isinstance(schedule_id, str) or schedule_id in self._declared:
-                raise WorkerConfigError(f"schedule {schedule_id!r}: each declaration needs "
-                                        "an id of its own")
+                raise WorkerConfigError(
+                    f"schedule {schedule_id!r}: each declaration needs an id of its own"
+                )
             self._declared[schedule_id] = dict(declaration)
 
     def declarations(self) -> list[dict[str, Any]]:
         """The declared schedules, each carrying the app's label."""
         if self._declared and not self.name:
-            raise WorkerConfigError("an app that declares schedules needs a name: "
-                                    "WorkerApp(name=...)")
-        return [{**d, "labels": {**d.get("labels", {}), APP_LABEL: self.name}}
-                for d in self._declared.values()]
+            raise WorkerConfigError(
+                "an app that declares schedules needs a name: WorkerApp(name=...)"
+            )
+        return [
+            {**d, "labels": {**d.get("labels", {}), APP_LABEL: self.name}}
+            for d in self._declared.values()
+        ]
 
     def route(self, target: str) -> Route | None:
         try:
@@ -225,8 +268,7 @@ class WorkerApp:
             pass
         if len(self._routed) >= ROUTED_TARGETS:
             self._routed.clear()
-        found = self._routed[target] = next((r for r in self.routes if r.matches(target)),
-                                            None)
+        found = self._routed[target] = next((r for r in self.routes if r.matches(target)), None)
         return found
 
     @property
@@ -236,10 +278,14 @@ class WorkerApp:
 
 def log_run(run: Run) -> None:
     """The handler when none is named: log each fire."""
-    log.info("fire_received", fire_id=run.fire_id, attempt=run.attempt,
-             term=run.event.get("data", {}).get("term"),
-             nominal_at=run.nominal_at.isoformat() if run.nominal_at else None,
-             payload=run.payload)
+    log.info(
+        "fire_received",
+        fire_id=run.fire_id,
+        attempt=run.attempt,
+        term=run.event.get("data", {}).get("term"),
+        nominal_at=run.nominal_at.isoformat() if run.nominal_at else None,
+        payload=run.payload,
+    )
 
 
 def _import(spec: str, flag: str) -> Any:
@@ -252,19 +298,22 @@ def _import(spec: str, flag: str) -> Any:
         raise WorkerConfigError(f"{flag} {spec!r}: {exc}") from None
 
 
-def load_app(app: str | None, handler: str | None, target: str | None,
-             policy: RetryPolicy | None = None) -> WorkerApp:
+def load_app(
+    app: str | None, handler: str | None, target: str | None, policy: RetryPolicy | None = None
+) -> WorkerApp:
     """The app ``--app module:attribute`` names, or one routing ``target`` (default every
     target) to ``--handler module:function`` (default: log it). Raises WorkerConfigError
     naming the flag."""
     if app:
         if handler:
-            raise WorkerConfigError("--app and --handler do not go together: register the "
-                                    "handler in the app")
+            raise WorkerConfigError(
+                "--app and --handler do not go together: register the handler in the app"
+            )
         found = _import(app, "--app")
         if not isinstance(found, WorkerApp):
-            raise WorkerConfigError(f"--app {app!r} is a {type(found).__name__}, not a "
-                                    "hascheduler.worker.WorkerApp")
+            raise WorkerConfigError(
+                f"--app {app!r} is a {type(found).__name__}, not a hascheduler.worker.WorkerApp"
+            )
         if not found.routes:
             raise WorkerConfigError(f"--app {app!r} has no handler registered")
         return found

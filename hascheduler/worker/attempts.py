@@ -37,8 +37,13 @@ TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 class Attempts:
-    def __init__(self, worker_id: str, clock: Clock, metrics: WorkerMetrics,
-                 give_back: Callable[[Held], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        clock: Clock,
+        metrics: WorkerMetrics,
+        give_back: Callable[[Held], Awaitable[None]],
+    ) -> None:
         self.worker_id = worker_id
         self.clock = clock
         self.metrics = metrics
@@ -49,10 +54,18 @@ class Attempts:
     async def run(self, held: Held) -> Outcome:
         """One attempt of ``held``'s handler, to its outcome (with the fire's trace id)."""
         fire, attempt, route = held.delivery.fire, held.attempt, held.route
-        run = Run(fire_id=fire.fire_id, target=fire.target, schedule_id=fire.schedule_id,
-                  nominal_at=fire.nominal_at, payload=held.delivery.payload, attempt=attempt,
-                  worker_id=self.worker_id, event=fire.event, tenant=held.delivery.tenant,
-                  cancelled=held.cancelled)
+        run = Run(
+            fire_id=fire.fire_id,
+            target=fire.target,
+            schedule_id=fire.schedule_id,
+            nominal_at=fire.nominal_at,
+            payload=held.delivery.payload,
+            attempt=attempt,
+            worker_id=self.worker_id,
+            event=fire.event,
+            tenant=held.delivery.tenant,
+            cancelled=held.cancelled,
+        )
         with _attempt_span(held) as span:
             outcome = await self.attempt(held, run, route)
             if span is not None:
@@ -92,8 +105,7 @@ class Attempts:
                     await asyncio.shield(self.give_back(held))
                     raise
                 if not held.cancelled.is_set():
-                    error = RunTimeout(
-                        f"the run took longer than {route.policy.timeout_s:g} s")
+                    error = RunTimeout(f"the run took longer than {route.policy.timeout_s:g} s")
             except Exception as exc:
                 error = exc
             finally:
@@ -104,16 +116,39 @@ class Attempts:
         self.metrics.duration(fire.target, (finished - started).total_seconds())
         if held.cancelled.is_set():  # whatever the handler did after the cancel
             log.info("run_cancelled", fire_id=fire.fire_id, attempt=attempt)
-            return Outcome(fire.fire_id, self.worker_id, attempt, started, finished,
-                           CANCELLED, "cancelled by an operator")
+            return Outcome(
+                fire.fire_id,
+                self.worker_id,
+                attempt,
+                started,
+                finished,
+                CANCELLED,
+                "cancelled by an operator",
+            )
         if error is None:
             return Outcome(fire.fire_id, self.worker_id, attempt, started, finished, SUCCEEDED)
         verdict = after_failure(route.policy, attempt, error)
         if verdict.outcome == "retry":
-            return Outcome(fire.fire_id, self.worker_id, attempt, started, finished, RETRYING,
-                           verdict.error, verdict.delay_s)
-        return Outcome(fire.fire_id, self.worker_id, attempt, started, finished, DEAD,
-                       verdict.error, event=fire.body)
+            return Outcome(
+                fire.fire_id,
+                self.worker_id,
+                attempt,
+                started,
+                finished,
+                RETRYING,
+                verdict.error,
+                verdict.delay_s,
+            )
+        return Outcome(
+            fire.fire_id,
+            self.worker_id,
+            attempt,
+            started,
+            finished,
+            DEAD,
+            verdict.error,
+            event=fire.body,
+        )
 
 
 def _uncancelled(task: asyncio.Task[Any], times: int) -> int:
@@ -152,8 +187,12 @@ async def _call(route: Route, run: Run) -> None:
 
     # In a copy of the caller's context: the attempt's span (tracing on) is current in the
     # handler's thread too, so the handler's own spans and log lines join its trace.
-    threading.Thread(target=contextvars.copy_context().run, args=(body,),
-                     name=f"run {run.fire_id}"[:60], daemon=True).start()
+    threading.Thread(
+        target=contextvars.copy_context().run,
+        args=(body,),
+        name=f"run {run.fire_id}"[:60],
+        daemon=True,
+    ).start()
     await done
 
 
@@ -165,10 +204,16 @@ def _attempt_span(held: Held) -> Iterator[tracing.Span | None]:
         return
     fire = held.delivery.fire
     with tracing.tracer().start_as_current_span(
-            f"run {fire.target}", context=held.trace, attributes={
-                "hascheduler.fire_id": fire.fire_id, "hascheduler.schedule_id": fire.schedule_id,
-                "hascheduler.attempt": held.attempt}, record_exception=False,
-            set_status_on_exception=False) as span:
+        f"run {fire.target}",
+        context=held.trace,
+        attributes={
+            "hascheduler.fire_id": fire.fire_id,
+            "hascheduler.schedule_id": fire.schedule_id,
+            "hascheduler.attempt": held.attempt,
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
         yield span
 
 
@@ -181,8 +226,6 @@ def _record_outcome(span: tracing.Span, outcome: Outcome) -> None:
     attributes: dict[str, str | float] = {"error": (outcome.error or "")[:1000]}
     if outcome.state == RETRYING:
         attributes["retry_in_s"] = round(outcome.retry_in_s, 3)
-    span.add_event({RETRYING: "retry", DEAD: "dead"}.get(outcome.state, outcome.state),
-                   attributes)
+    span.add_event({RETRYING: "retry", DEAD: "dead"}.get(outcome.state, outcome.state), attributes)
     if outcome.state in (RETRYING, DEAD):
-        span.set_status(tracing.Status(tracing.StatusCode.ERROR,
-                                       (outcome.error or "")[:200]))
+        span.set_status(tracing.Status(tracing.StatusCode.ERROR, (outcome.error or "")[:200]))

@@ -51,11 +51,16 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
         raise NotAFire("not a CloudEvent with an object in data")
     data = event["data"]
-    fire_id, term, nominal, replay = event.get("id"), data.get("term"), \
-        data.get("nominal_at"), data.get("replay", 0)
+    fire_id, term, nominal, replay = (
+        event.get("id"),
+        data.get("term"),
+        data.get("nominal_at"),
+        data.get("replay", 0),
+    )
     try:
-        concurrency = None if data.get("concurrency") is None else \
-            ConcurrencyLimit.of(data["concurrency"])
+        concurrency = (
+            None if data.get("concurrency") is None else ConcurrencyLimit.of(data["concurrency"])
+        )
         rate = None if data.get("rate") is None else RateLimit.of(data["rate"])
     except KeyTemplateError as exc:
         raise NotAFire(f"data: {exc}") from None
@@ -85,17 +90,29 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
         raise NotAFire("data.tenant is not a tenant key")
     return Delivery(
-        fire=FireRef(fire_id=fire_id, target=target,
-                     schedule_id=schedule_id if isinstance(schedule_id, str)
-                     else fire_id.partition("@")[0],
-                     nominal_at=nominal_at.astimezone(dt.UTC), event=event, body=body,
-                     fire=fire_id.removesuffix(f"/{tenant}") if tenant else fire_id,
-                     tenant=tenant),
-        term=term, nominal_at=nominal_at, replay=replay, payload=data.get("payload"),
-        tenant=tenant, traceparent=_trace_field(event, "traceparent"),
-        tracestate=_trace_field(event, "tracestate"), concurrency=concurrency, rate=rate,
-        priority=priority, woken=data.get("woken") is True,
-        rate_granted=data.get("woken") is True and data.get("rate_granted") is True)
+        fire=FireRef(
+            fire_id=fire_id,
+            target=target,
+            schedule_id=schedule_id if isinstance(schedule_id, str) else fire_id.partition("@")[0],
+            nominal_at=nominal_at.astimezone(dt.UTC),
+            event=event,
+            body=body,
+            fire=fire_id.removesuffix(f"/{tenant}") if tenant else fire_id,
+            tenant=tenant,
+        ),
+        term=term,
+        nominal_at=nominal_at,
+        replay=replay,
+        payload=data.get("payload"),
+        tenant=tenant,
+        traceparent=_trace_field(event, "traceparent"),
+        tracestate=_trace_field(event, "tracestate"),
+        concurrency=concurrency,
+        rate=rate,
+        priority=priority,
+        woken=data.get("woken") is True,
+        rate_granted=data.get("woken") is True and data.get("rate_granted") is True,
+    )
 
 
 def _trace_field(event: dict[str, Any], name: str) -> str | None:

@@ -47,15 +47,20 @@ WAKE_PUBLISH_TIMEOUT_S = 5.0
 
 class WakePublisher(Protocol):
     async def start(self) -> None: ...
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]: ...
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]: ...
     async def close(self) -> None: ...
 
 
 def run_fields(delivery: Delivery) -> dict[str, Any]:
     fire = delivery.fire
-    return {"target": fire.target, "schedule_id": fire.schedule_id,
-            "tenant": delivery.tenant, "payload": delivery.payload}
+    return {
+        "target": fire.target,
+        "schedule_id": fire.schedule_id,
+        "tenant": delivery.tenant,
+        "payload": delivery.payload,
+    }
 
 
 def slot_wanted(delivery: Delivery, route: Route) -> Wanted | str | None:
@@ -94,9 +99,15 @@ def woken_event(stored: bytes, rate_granted: bool = False) -> bytes:
 
 
 class FlowGate:
-    def __init__(self, slots: SlotStore, rates: RateStore, runs: RunLedger,
-                 publisher: Callable[[], WakePublisher], lease_s: float,
-                 clock: Clock) -> None:
+    def __init__(
+        self,
+        slots: SlotStore,
+        rates: RateStore,
+        runs: RunLedger,
+        publisher: Callable[[], WakePublisher],
+        lease_s: float,
+        clock: Clock,
+    ) -> None:
         self.slots = slots
         self.rates = rates
         self.runs = runs
@@ -114,8 +125,9 @@ class FlowGate:
     async def take(self, wants: dict[str, Wanted]) -> set[str]:
         return await self.slots.take(list(wants.items()), self.clock(), self.lease_s)
 
-    async def park(self, parking: list[tuple[FireRef, Wanted | Paced, int]]
-                   ) -> dict[str, tuple[str, bool]]:
+    async def park(
+        self, parking: list[tuple[FireRef, Wanted | Paced, int]]
+    ) -> dict[str, tuple[str, bool]]:
         """Park the runs (each with what it waits for, and its priority); by fire id,
         the claim's outcome and whether what it waits for was taken for it after all. A
         slot freed between the failed take and the park found nobody to wake: the take
@@ -128,8 +140,11 @@ class FlowGate:
         slots = {f.fire_id: on for f, on in parked if isinstance(on, Wanted)}
         for key in {on.key for on in slots.values()}:
             await self.slots.contend(key)
-        got = await self.slots.take(list(slots.items()), self.clock(), self.lease_s) \
-            if slots else set()
+        got = (
+            await self.slots.take(list(slots.items()), self.clock(), self.lease_s)
+            if slots
+            else set()
+        )
         return {fire_id: (claim.outcome, fire_id in got) for fire_id, claim in claims.items()}
 
     async def pace(self, paced: Paced, now: dt.datetime) -> bool:
@@ -137,8 +152,9 @@ class FlowGate:
         return await self.rates.take(paced, now) == 0.0
 
     async def renew(self, held: dict[str, Wanted]) -> None:
-        await self.slots.renew({f: w.key for f, w in held.items()},
-                               self.clock() + dt.timedelta(seconds=self.lease_s))
+        await self.slots.renew(
+            {f: w.key for f, w in held.items()}, self.clock() + dt.timedelta(seconds=self.lease_s)
+        )
 
     async def release(self, freed: dict[str, Wanted]) -> None:
         """Free the slots of these runs (ended, given back, or never claimed) and wake
@@ -146,8 +162,7 @@ class FlowGate:
         (so a raised limit wakes as many more)."""
         if not freed:
             return
-        contended = await self.slots.release({f: w.key for f, w in freed.items()},
-                                             self.clock())
+        contended = await self.slots.release({f: w.key for f, w in freed.items()}, self.clock())
         for key, limit in contended.items():
             await self.wake(key, limit)
 
@@ -165,10 +180,10 @@ class FlowGate:
                     await self.slots.contend(key)
                     continue
                 break
-            want = Wanted(key, limit or int(doc.get("wait_limit") or 1),
-                          str(doc.get("wait_template") or ""))
-            if doc["_id"] not in await self.slots.take([(doc["_id"], want)], now,
-                                                       self.lease_s):
+            want = Wanted(
+                key, limit or int(doc.get("wait_limit") or 1), str(doc.get("wait_template") or "")
+            )
+            if doc["_id"] not in await self.slots.take([(doc["_id"], want)], now, self.lease_s):
                 await self.runs.unwake(doc["_id"])
                 break
             if not await self._send(doc):
@@ -193,8 +208,11 @@ class FlowGate:
                 await self.rates.contend(key)
             return 0.0
         wait = await self.rates.take(
-            Paced(key, float(doc.get("wait_interval_s") or 1.0),
-                  str(doc.get("wait_template") or "")), now)
+            Paced(
+                key, float(doc.get("wait_interval_s") or 1.0), str(doc.get("wait_template") or "")
+            ),
+            now,
+        )
         if wait:  # another worker's waker started one first
             await self.runs.unwake(doc["_id"])
             return min(RATE_LOOK_S, wait)
@@ -210,8 +228,13 @@ class FlowGate:
                 self._publisher = publisher
             term = int(json.loads(body)["data"].get("term", 0))
             [error] = await self._publisher.publish(
-                [FireMessage(f"{doc['_id']}#wake-{uuid.uuid4().hex[:8]}", doc["target"],
-                             term, body)], WAKE_PUBLISH_TIMEOUT_S)
+                [
+                    FireMessage(
+                        f"{doc['_id']}#wake-{uuid.uuid4().hex[:8]}", doc["target"], term, body
+                    )
+                ],
+                WAKE_PUBLISH_TIMEOUT_S,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             error = exc
         if error is not None:

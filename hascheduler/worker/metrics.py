@@ -9,8 +9,24 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # A run takes from milliseconds (a webhook) to an hour (a report).
-RUN_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-               300.0, 900.0, 3600.0)
+RUN_SECONDS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+)
 
 
 class WorkerMetrics:
@@ -20,12 +36,19 @@ class WorkerMetrics:
             "hascheduler_worker_runs_total",
             "deliveries by what became of them: succeeded, retrying, dead (an attempt's end),"
             " duplicate, busy, stale (not run), released (given back at shutdown)",
-            ["target", "outcome"], registry=r)
-        self.run_seconds = Histogram("hascheduler_worker_run_duration_seconds",
-                                     "one attempt's handler time", ["target"],
-                                     buckets=RUN_SECONDS, registry=r)
-        self.running = Gauge("hascheduler_worker_runs_in_flight",
-                             "handlers running now", ["target"], registry=r)
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.run_seconds = Histogram(
+            "hascheduler_worker_run_duration_seconds",
+            "one attempt's handler time",
+            ["target"],
+            buckets=RUN_SECONDS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "hascheduler_worker_runs_in_flight", "handlers running now", ["target"], registry=r
+        )
 
         # Label lookups cost as much as the rest of a no-op run: keep the children.
         self._counts: dict[tuple[str, str], Any] = {}

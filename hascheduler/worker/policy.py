@@ -42,8 +42,9 @@ class RetryPolicy:
         if self.backoff_cap_s < self.backoff_base_s:
             raise PolicyError("backoff_cap_s must be at least backoff_base_s")
 
-    def backoff_s(self, attempt: int, uniform: Callable[[float, float], float]
-                  = random.uniform) -> float:
+    def backoff_s(
+        self, attempt: int, uniform: Callable[[float, float], float] = random.uniform
+    ) -> float:
         """The wait after failed attempt ``attempt`` (1-based)."""
         ceiling = self.backoff_base_s * 2.0 ** min(attempt - 1, 64)
         return uniform(0.0, min(self.backoff_cap_s, ceiling))
@@ -62,8 +63,12 @@ class Verdict:
 MAX_ERROR_CHARS = 2000  # a traceback's worth; a handler's error text is not a log sink
 
 
-def after_failure(policy: RetryPolicy, attempt: int, error: BaseException,
-                  uniform: Callable[[float, float], float] = random.uniform) -> Verdict:
+def after_failure(
+    policy: RetryPolicy,
+    attempt: int,
+    error: BaseException,
+    uniform: Callable[[float, float], float] = random.uniform,
+) -> Verdict:
     text = f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
     if isinstance(error, PermanentFailure):
         return Verdict("dead", text)

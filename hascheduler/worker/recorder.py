@@ -31,8 +31,13 @@ class Recorder:
     answered: whatever ended while the previous write was in flight goes in the next one
     (no timer), so at high concurrency one write records many runs."""
 
-    def __init__(self, runs: RunLedger, give_up_after_s: float, answer: Answer,
-                 ended: Callable[[list[Any]], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        runs: RunLedger,
+        give_up_after_s: float,
+        answer: Answer,
+        ended: Callable[[list[Any]], Awaitable[None]] | None = None,
+    ) -> None:
         self.runs = runs
         self.give_up_after_s = give_up_after_s
         self.answer = answer
@@ -58,11 +63,11 @@ class Recorder:
                 log.warning("runs_unrecorded", count=len(batch), error=repr(exc)[:300])
                 lost = None
             for token, outcome in batch:
-                await self.answer(token, outcome,
-                                  None if lost is None else outcome.fire_id not in lost)
+                await self.answer(
+                    token, outcome, None if lost is None else outcome.fire_id not in lost
+                )
             if self.ended is not None and lost is not None:
-                await self.ended([token for token, outcome in batch
-                                  if outcome.fire_id not in lost])
+                await self.ended([token for token, outcome in batch if outcome.fire_id not in lost])
 
     def stop(self) -> None:
         self._stopping = True
@@ -72,9 +77,11 @@ class Recorder:
         """Through a database failover, for as long as a run's lease: after that another
         worker may have taken the runs over anyway."""
         async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(PyMongoError),
-                wait=wait_exponential_jitter(initial=0.1, max=2.0),
-                stop=stop_after_delay(self.give_up_after_s), reraise=True):
+            retry=retry_if_exception_type(PyMongoError),
+            wait=wait_exponential_jitter(initial=0.1, max=2.0),
+            stop=stop_after_delay(self.give_up_after_s),
+            reraise=True,
+        ):
             with attempt:
                 return await self.runs.record(outcomes)
         raise AssertionError("unreachable: AsyncRetrying reraises")

@@ -111,8 +111,9 @@ class ClaimAhead:
     """How many runs to claim ahead of the runners: what they finish in AHEAD_S at the
     pace of the last PACE_WINDOW_S, at least ``floor``, at most ``ceiling``."""
 
-    def __init__(self, floor: int, ceiling: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, floor: int, ceiling: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.floor, self.ceiling = floor, max(floor, ceiling)
         self.clock = clock
         self._since, self._finished, self._ahead = clock(), 0, floor
@@ -134,10 +135,15 @@ class Worker:
     """Consumes fires and runs them: a fetch loop claims runs in batches and queues them;
     ``concurrency`` runners take them one at a time; one heartbeat renews every claim."""
 
-    def __init__(self, settings: WorkerSettings, runs: RunLedger, metrics: WorkerMetrics,
-                 clock: Clock = lambda: dt.datetime.now(dt.UTC),
-                 schedules: ScheduleStore | None = None, flow: FlowGate | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        runs: RunLedger,
+        metrics: WorkerMetrics,
+        clock: Clock = lambda: dt.datetime.now(dt.UTC),
+        schedules: ScheduleStore | None = None,
+        flow: FlowGate | None = None,
+    ) -> None:
         self.settings = settings
         # What the broker's client may throw at a consumer: one subscription ends, not
         # the worker.
@@ -178,19 +184,26 @@ class Worker:
             lifecycle.start(stack, "cancel watch", Every(CANCEL_POLL_S, self._watch_cancels))
             if self.flow is not None:
                 stack.push_async_callback(self.flow.close)
-                lifecycle.start(stack, "lapsed slot sweep",
-                                Every(LAPSED_SWEEP_S, self._sweep_slots))
+                lifecycle.start(
+                    stack, "lapsed slot sweep", Every(LAPSED_SWEEP_S, self._sweep_slots)
+                )
                 lifecycle.start(stack, "rate waker", RateWaker(self.flow))
             runners = [asyncio.create_task(self._runner()) for _ in range(s.concurrency)]
             stack.push_async_callback(_cancelled, runners)
-            log.info("worker_started", patterns=self.app.patterns, durable=s.durable,
-                     concurrency=s.concurrency)
+            log.info(
+                "worker_started",
+                patterns=self.app.patterns,
+                durable=s.durable,
+                concurrency=s.concurrency,
+            )
             # A broker hiccup (a restart, a lost consumer, a request timing out) ends one
             # subscription, never the worker: subscribe again after a capped, jittered wait.
             async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(self.broker_errors),
-                    wait=wait_exponential_jitter(initial=0.2, max=5.0),
-                    before_sleep=_log_resubscribe, reraise=True):
+                retry=retry_if_exception_type(self.broker_errors),
+                wait=wait_exponential_jitter(initial=0.2, max=5.0),
+                before_sleep=_log_resubscribe,
+                reraise=True,
+            ):
                 with attempt:
                     await self._consume(source, stop)
             await self._drain(runners)
@@ -207,8 +220,10 @@ class Worker:
         if not self.announced:
             # Once subscribed: on RabbitMQ a fire published before the queue is bound has
             # nowhere to go.
-            print(f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as "
-                  f"{s.durable}", flush=True)
+            print(
+                f"worker {s.worker_id} consuming {', '.join(self.app.patterns)} as {s.durable}",
+                flush=True,
+            )
             self.announced = True
         while not stop.is_set():
             bound = self.settings.concurrency + self.ahead.current()
@@ -271,26 +286,39 @@ class Worker:
         slots, key_errors, over = await self._take_slots(batch, received)
         batch = [r for r in batch if r.delivery.fire.fire_id not in over]
         spans = _claim_spans(batch, received) if tracing.enabled() else {}
-        claims = await self.runs.claim_many([d.fire for _, d, _ in batch], s.worker_id,
-                                            received, s.ack_wait_s)
+        claims = await self.runs.claim_many(
+            [d.fire for _, d, _ in batch], s.worker_id, received, s.ack_wait_s
+        )
         for (message, delivery, route), claim in zip(batch, claims, strict=True):
             fire_id = delivery.fire.fire_id
-            await self._claimed(message, delivery, route, claim, spans.get(fire_id),
-                                slots.get(fire_id), key_errors.get(fire_id))
+            await self._claimed(
+                message,
+                delivery,
+                route,
+                claim,
+                spans.get(fire_id),
+                slots.get(fire_id),
+                key_errors.get(fire_id),
+            )
         for message, delivery, route in again:
-            claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(),
-                                          s.ack_wait_s)
-            await self._claimed(message, delivery, route, claim,
-                                _claim_spans([Fetched(message, delivery, route)], received).get(
-                                    delivery.fire.fire_id) if tracing.enabled() else None)
+            claim = await self.runs.claim(delivery.fire, s.worker_id, self.clock(), s.ack_wait_s)
+            await self._claimed(
+                message,
+                delivery,
+                route,
+                claim,
+                _claim_spans([Fetched(message, delivery, route)], received).get(
+                    delivery.fire.fire_id
+                )
+                if tracing.enabled()
+                else None,
+            )
         if over:
             await self._park(list(over.values()))
 
-    async def _take_slots(self, batch: list[Fetched],
-                          now: dt.datetime
-                          ) -> tuple[dict[str, Wanted], dict[str, str],
-                                     dict[str, tuple[Fetched,
-                                                     Wanted | Paced]]]:
+    async def _take_slots(
+        self, batch: list[Fetched], now: dt.datetime
+    ) -> tuple[dict[str, Wanted], dict[str, str], dict[str, tuple[Fetched, Wanted | Paced]]]:
         """The slots the batch's runs want (by fire id), why any cannot say which, and
         the runs over their key's limit or rate (to park, with what they wait for):
         the slots taken in one go, then each rate-limited run's start."""
@@ -312,21 +340,25 @@ class Worker:
             return slots, key_errors, {}
         held = await self.flow.take(slots) if slots else set()
         over: dict[str, tuple[Fetched, Wanted | Paced]] = {
-            r.delivery.fire.fire_id: (r, slots[r.delivery.fire.fire_id]) for r in batch
-            if r.delivery.fire.fire_id in slots and r.delivery.fire.fire_id not in held}
+            r.delivery.fire.fire_id: (r, slots[r.delivery.fire.fire_id])
+            for r in batch
+            if r.delivery.fire.fire_id in slots and r.delivery.fire.fire_id not in held
+        }
         unpaced: dict[str, Wanted] = {}
         for r in batch:
             fire_id = r.delivery.fire.fire_id
-            if fire_id in paced and fire_id not in over and \
-                    not await self.flow.pace(paced[fire_id], now):
+            if (
+                fire_id in paced
+                and fire_id not in over
+                and not await self.flow.pace(paced[fire_id], now)
+            ):
                 over[fire_id] = (r, paced[fire_id])
                 if fire_id in slots:
                     unpaced[fire_id] = slots[fire_id]
         await self.flow.release(unpaced)  # held a slot, but may not start yet
         return slots, key_errors, over
 
-    async def _park(self, over: list[tuple[Fetched, Wanted | Paced]]
-                    ) -> None:
+    async def _park(self, over: list[tuple[Fetched, Wanted | Paced]]) -> None:
         """Over their key's limit or rate: wait in the ledger, not in the broker or a
         runner."""
         assert self.flow is not None
@@ -337,12 +369,17 @@ class Worker:
             outcome, taken = answers[fire.fire_id]
             if taken:  # a slot freed meanwhile: run it after all
                 assert isinstance(on, Wanted)
-                claim = await self.runs.claim(fire, self.settings.worker_id, self.clock(),
-                                              self.settings.ack_wait_s)
+                claim = await self.runs.claim(
+                    fire, self.settings.worker_id, self.clock(), self.settings.ack_wait_s
+                )
                 await self._claimed(message, delivery, route, claim, slot=on)
             elif outcome == PARKED:
-                log.debug("run_waiting", fire_id=fire.fire_id, key=on.key,
-                          on="concurrency" if isinstance(on, Wanted) else "rate")
+                log.debug(
+                    "run_waiting",
+                    fire_id=fire.fire_id,
+                    key=on.key,
+                    on="concurrency" if isinstance(on, Wanted) else "rate",
+                )
                 self.metrics.count(fire.target, WAITING)
                 acks.append(message.ack())
             else:  # running elsewhere, ended, or a retry not yet due: as a claim answers
@@ -351,8 +388,7 @@ class Worker:
             if isinstance(done, BaseException) and not isinstance(done, self.broker_errors):
                 raise done
 
-    async def _screen(self, message: Any, received: dt.datetime
-                      ) -> tuple[Delivery, Route] | None:
+    async def _screen(self, message: Any, received: dt.datetime) -> tuple[Delivery, Route] | None:
         """The delivery and its route, or None once it is dealt with (not a fire, no
         handler, stale)."""
         try:
@@ -374,30 +410,53 @@ class Worker:
             return None
         return delivery, route
 
-    async def _claimed(self, message: Any, delivery: Delivery, route: Route,
-                       claim: RunClaim, span: tracing.Span | None = None,
-                       slot: Wanted | None = None, key_error: str | None = None) -> None:
+    async def _claimed(
+        self,
+        message: Any,
+        delivery: Delivery,
+        route: Route,
+        claim: RunClaim,
+        span: tracing.Span | None = None,
+        slot: Wanted | None = None,
+        key_error: str | None = None,
+    ) -> None:
         fire_id, target = delivery.fire.fire_id, delivery.fire.target
-        if slot is not None and not claim.claimed and claim.outcome != RUNNING \
-                and self.flow is not None:
+        if (
+            slot is not None
+            and not claim.claimed
+            and claim.outcome != RUNNING
+            and self.flow is not None
+        ):
             # Taken for a run that will not start here (ended, or its retry not due); a
             # run running elsewhere keeps the slot its fire holds.
             await self.flow.release({fire_id: slot})
         if span is not None:
-            span.set_attribute("hascheduler.claim", "claimed" if claim.claimed
-                               else str(claim.outcome))
+            span.set_attribute(
+                "hascheduler.claim", "claimed" if claim.claimed else str(claim.outcome)
+            )
             span.set_attribute("hascheduler.attempt", claim.attempt)
             span.end()
         if claim.claimed:
             if claim.took_over:
-                log.warning("run_taken_over", fire_id=fire_id, from_worker=claim.took_over,
-                            attempt=claim.attempt)
-            held = Held(message, delivery, route, claim.attempt,
-                        trace=None if span is None else tracing.parent_of(span),
-                        slot=slot, key_error=key_error)
+                log.warning(
+                    "run_taken_over",
+                    fire_id=fire_id,
+                    from_worker=claim.took_over,
+                    attempt=claim.attempt,
+                )
+            held = Held(
+                message,
+                delivery,
+                route,
+                claim.attempt,
+                trace=None if span is None else tracing.parent_of(span),
+                slot=slot,
+                key_error=key_error,
+            )
             self.held[fire_id] = held
-            self.queue.put_nowait((rank(delivery.priority, time.monotonic()),
-                                   next(self._queued), held))
+            self.queue.put_nowait(
+                (rank(delivery.priority, time.monotonic()), next(self._queued), held)
+            )
         elif claim.outcome in (SUCCEEDED, DEAD):
             log.info("fire_duplicate_dropped", fire_id=fire_id, state=claim.outcome)
             self.metrics.count(target, "duplicate")
@@ -407,8 +466,9 @@ class Worker:
             self.metrics.count(target, CANCELLED)
             await message.term()
         else:  # running elsewhere, or waiting for its retry: back when it could be ours
-            log.info("fire_busy", fire_id=fire_id, state=claim.outcome,
-                     wait_s=round(claim.wait_s, 3))
+            log.info(
+                "fire_busy", fire_id=fire_id, state=claim.outcome, wait_s=round(claim.wait_s, 3)
+            )
             self.metrics.count(target, "busy")
             await message.nak(delay=claim.wait_s + BUSY_MARGIN_S)
 
@@ -448,8 +508,9 @@ class Worker:
             self._release(held)
         if not self.held:
             return
-        log.info("worker_draining", in_flight=len(self.held),
-                 within_s=self.settings.drain_timeout_s)
+        log.info(
+            "worker_draining", in_flight=len(self.held), within_s=self.settings.drain_timeout_s
+        )
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.held and time.monotonic() < deadline:
             self._released.clear()
@@ -460,7 +521,6 @@ class Worker:
             await _cancelled(runners)
             log.warning("runs_given_back", count=len(running))
 
-
     async def _answer(self, held: Held, outcome: Outcome, kept: bool | None) -> None:
         """Once the outcome's write is done, tell the broker: ack, nak after the backoff
         (the broker does the waiting), or term. An unrecorded outcome is not answered:
@@ -470,8 +530,11 @@ class Worker:
             if kept is None:
                 return
             if not kept:
-                log.warning("run_lease_lost", fire_id=outcome.fire_id,
-                            message="another worker took this run over; its outcome stands")
+                log.warning(
+                    "run_lease_lost",
+                    fire_id=outcome.fire_id,
+                    message="another worker took this run over; its outcome stands",
+                )
                 await self._hand_over(held)
                 return
             self.metrics.count(held.delivery.fire.target, outcome.state)
@@ -500,32 +563,46 @@ class Worker:
             limit = await self.schedules.pause_on_failure_of(schedule_id)
             if limit is None or not await self.runs.last_dead(schedule_id, limit):
                 return
-            note = (f"paused after {limit} consecutive dead runs; the last, "
-                    f"{outcome.fire_id}: {(outcome.error or '')[:500]}")
-            if await self.schedules.pause_unless_paused(schedule_id, self.clock(),
-                                                        "pause_on_failure", note):
-                log.warning("schedule_paused_on_failure", schedule_id=schedule_id,
-                            dead_runs=limit)
+            note = (
+                f"paused after {limit} consecutive dead runs; the last, "
+                f"{outcome.fire_id}: {(outcome.error or '')[:500]}"
+            )
+            if await self.schedules.pause_unless_paused(
+                schedule_id, self.clock(), "pause_on_failure", note
+            ):
+                log.warning("schedule_paused_on_failure", schedule_id=schedule_id, dead_runs=limit)
         except PyMongoError as exc:
-            log.warning("pause_on_failure_check_failed", schedule_id=schedule_id,
-                        error=repr(exc)[:300])
+            log.warning(
+                "pause_on_failure_check_failed", schedule_id=schedule_id, error=repr(exc)[:300]
+            )
 
     async def _tell_broker(self, message: Any, outcome: Outcome) -> None:
         if outcome.state == SUCCEEDED:
-            log.debug("run_succeeded", fire_id=outcome.fire_id, attempt=outcome.attempt,
-                      duration_s=round((outcome.finished - outcome.started).total_seconds(),
-                                       3))
+            log.debug(
+                "run_succeeded",
+                fire_id=outcome.fire_id,
+                attempt=outcome.attempt,
+                duration_s=round((outcome.finished - outcome.started).total_seconds(), 3),
+            )
             await message.ack()
         elif outcome.state == RETRYING:
-            log.warning("run_failed", fire_id=outcome.fire_id, attempt=outcome.attempt,
-                        error=(outcome.error or "")[:300],
-                        retry_in_s=round(outcome.retry_in_s, 3))
+            log.warning(
+                "run_failed",
+                fire_id=outcome.fire_id,
+                attempt=outcome.attempt,
+                error=(outcome.error or "")[:300],
+                retry_in_s=round(outcome.retry_in_s, 3),
+            )
             await message.nak(delay=outcome.retry_in_s)
         elif outcome.state == CANCELLED:
             await message.term()
         else:
-            log.error("run_dead", fire_id=outcome.fire_id, attempt=outcome.attempt,
-                      error=(outcome.error or "")[:300])
+            log.error(
+                "run_dead",
+                fire_id=outcome.fire_id,
+                attempt=outcome.attempt,
+                error=(outcome.error or "")[:300],
+            )
             await message.term()
 
     async def _heartbeat(self) -> None:
@@ -539,11 +616,11 @@ class Worker:
             with contextlib.suppress(*self.broker_errors):
                 await h.message.in_progress()
         try:
-            lost = await self.runs.heartbeat({f: h.attempt for f, h in held.items()},
-                                             s.worker_id, self.clock(), s.ack_wait_s)
+            lost = await self.runs.heartbeat(
+                {f: h.attempt for f, h in held.items()}, s.worker_id, self.clock(), s.ack_wait_s
+            )
             if self.flow is not None:
-                await self.flow.renew({f: h.slot for f, h in held.items()
-                                       if h.slot is not None})
+                await self.flow.renew({f: h.slot for f, h in held.items() if h.slot is not None})
         except PyMongoError as exc:
             log.warning("run_heartbeat_failed", runs=len(held), error=repr(exc)[:300])
             return
@@ -571,9 +648,13 @@ class Worker:
 
     async def _give_back(self, held: Held) -> None:
         with contextlib.suppress(PyMongoError, *self.broker_errors):
-            await self.runs.release(held.delivery.fire.fire_id, self.settings.worker_id,
-                                    held.attempt, self.clock(),
-                                    "the worker stopped before the run finished")
+            await self.runs.release(
+                held.delivery.fire.fire_id,
+                self.settings.worker_id,
+                held.attempt,
+                self.clock(),
+                "the worker stopped before the run finished",
+            )
             await held.message.nak()
             await self._ended([held])
         self.metrics.count(held.delivery.fire.target, "released")
@@ -608,8 +689,7 @@ def _log_resubscribe(state: RetryCallState) -> None:
     log.warning("worker_resubscribing", error=repr(error), attempt=state.attempt_number)
 
 
-def _claim_spans(batch: Sequence[Fetched], received: dt.datetime
-                 ) -> dict[str, tracing.Span]:
+def _claim_spans(batch: Sequence[Fetched], received: dt.datetime) -> dict[str, tracing.Span]:
     """One consumer span per fire claimed, child of its publish span (tracing on); only a
     sampled one is given attributes."""
     tracer = tracing.tracer()
@@ -617,15 +697,20 @@ def _claim_spans(batch: Sequence[Fetched], received: dt.datetime
     consumer = tracing.SpanKind.CONSUMER
     spans = {}
     for _, d, _ in batch:
-        span = tracer.start_span(f"claim {d.fire.target}",
-                                 context=tracing.context_of(d.traceparent, d.tracestate),
-                                 kind=consumer, start_time=start)
+        span = tracer.start_span(
+            f"claim {d.fire.target}",
+            context=tracing.context_of(d.traceparent, d.tracestate),
+            kind=consumer,
+            start_time=start,
+        )
         if span.is_recording():
-            span.set_attributes({"messaging.operation.type": "process",
-                                 "messaging.destination.name": d.fire.target,
-                                 "messaging.message.id": d.fire.fire_id,
-                                 "hascheduler.schedule_id": d.fire.schedule_id})
+            span.set_attributes(
+                {
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": d.fire.target,
+                    "messaging.message.id": d.fire.fire_id,
+                    "hascheduler.schedule_id": d.fire.schedule_id,
+                }
+            )
         spans[d.fire.fire_id] = span
     return spans
-
-

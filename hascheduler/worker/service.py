@@ -56,14 +56,19 @@ async def run_worker(settings: WorkerSettings) -> int:
     metrics = WorkerMetrics()
     if settings.metrics_port is not None:
         metrics.serve(settings.metrics_port)
-    client = connect(settings.mongodb_uri,
-                     appname=f"hascheduler-worker/{settings.worker_id}",
-                     serverSelectionTimeoutMS=5000)
+    client = connect(
+        settings.mongodb_uri,
+        appname=f"hascheduler-worker/{settings.worker_id}",
+        serverSelectionTimeoutMS=5000,
+    )
     try:
         db = client.get_default_database(DEFAULT_DATABASE)
         runs = RunLedger(db[RUNS])
-        await _until_up("creating the runs ledger's indexes",
-                        lambda: runs.ensure_indexes(settings.run_retention_s), stop)
+        await _until_up(
+            "creating the runs ledger's indexes",
+            lambda: runs.ensure_indexes(settings.run_retention_s),
+            stop,
+        )
         slots, rates = SlotStore(db[SLOTS]), RateStore(db[RATES])
         await _until_up("creating the slots' indexes", slots.ensure_indexes, stop)
         await _until_up("creating the rates' indexes", rates.ensure_indexes, stop)
@@ -75,12 +80,22 @@ async def run_worker(settings: WorkerSettings) -> int:
         async with contextlib.AsyncExitStack() as stack:
             lifecycle.start(stack, "server clock", Every(CLOCK_SAMPLE_S, sampler(db, clock)))
             if traced:
-                stack.push_async_callback(lifecycle.bounded, "exporting the last spans",
-                                          lambda: asyncio.to_thread(tracing.flush))
-            flow = FlowGate(slots, rates, runs, settings.broker.publisher,
-                            settings.ack_wait_s, clock.now)
-            await Worker(settings, runs, metrics, clock=clock.now,
-                         schedules=ScheduleStore(db[SCHEDULES]), flow=flow).run(stop)
+                stack.push_async_callback(
+                    lifecycle.bounded,
+                    "exporting the last spans",
+                    lambda: asyncio.to_thread(tracing.flush),
+                )
+            flow = FlowGate(
+                slots, rates, runs, settings.broker.publisher, settings.ack_wait_s, clock.now
+            )
+            await Worker(
+                settings,
+                runs,
+                metrics,
+                clock=clock.now,
+                schedules=ScheduleStore(db[SCHEDULES]),
+                flow=flow,
+            ).run(stop)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), 5)
@@ -90,11 +105,14 @@ async def run_worker(settings: WorkerSettings) -> int:
 
 async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> None:
     async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(PyMongoError),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0),
-            before_sleep=lambda state: log.warning(
-                "database_unreachable", during=what,
-                error=repr(state.outcome.exception() if state.outcome else None))):
+        retry=retry_if_exception_type(PyMongoError),
+        wait=wait_exponential_jitter(initial=0.2, max=5.0),
+        before_sleep=lambda state: log.warning(
+            "database_unreachable",
+            during=what,
+            error=repr(state.outcome.exception() if state.outcome else None),
+        ),
+    ):
         with attempt:
             if stop.is_set():
                 return

@@ -16,11 +16,21 @@ from tests.drivers import Driver
 from tests.servers import start_devmongo
 
 
-async def run_writer(uri: str, db: str, coll: str, count: int,
-                     delay_s: float = 0.0) -> list[tuple[str, int]]:
+async def run_writer(
+    uri: str, db: str, coll: str, count: int, delay_s: float = 0.0
+) -> list[tuple[str, int]]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.helpers.change_writer", uri, db, coll, str(count),
-        str(delay_s), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "tests.helpers.change_writer",
+        uri,
+        db,
+        coll,
+        str(count),
+        str(delay_s),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return [tuple(e) for e in json.loads(out.decode().strip().splitlines()[-1])]
@@ -48,9 +58,9 @@ async def first_event(driver: Driver, target: Any, **options: Any) -> Any:
 
 
 async def test_events_from_another_process_arrive_in_order_with_update_lookup(
-        db: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
-    stream = await driver.watch(db.changes, full_document="updateLookup",
-                                max_await_time_ms=200)
+    db: Any, db_name: str, mongo_uri: str, driver: Driver
+) -> None:
+    stream = await driver.watch(db.changes, full_document="updateLookup", max_await_time_ms=200)
     try:
         expected = await run_writer(mongo_uri, db_name, "changes", 12)
         events = await collect(stream, len(expected))
@@ -63,7 +73,8 @@ async def test_events_from_another_process_arrive_in_order_with_update_lookup(
             if e["operationType"] == "update":
                 assert e["updateDescription"]["updatedFields"]["v"] == 1
                 assert e["updateDescription"]["updatedFields"]["nested"] == {
-                    "k": e["documentKey"]["_id"]}
+                    "k": e["documentKey"]["_id"]
+                }
                 # updateLookup gives the document as it is when the event is read: the
                 # later replace or delete may already be visible, never an older state.
                 doc = e["fullDocument"]
@@ -78,7 +89,8 @@ async def test_events_from_another_process_arrive_in_order_with_update_lookup(
 
 
 async def test_resuming_from_each_token_yields_exactly_the_later_events(
-        db: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
+    db: Any, db_name: str, mongo_uri: str, driver: Driver
+) -> None:
     stream = await driver.watch(db.resume, max_await_time_ms=100)
     try:
         expected = await run_writer(mongo_uri, db_name, "resume", 6)
@@ -90,14 +102,15 @@ async def test_resuming_from_each_token_yields_exactly_the_later_events(
         resumed = await driver.watch(db.resume, resume_after=token, max_await_time_ms=100)
         try:
             later = await collect(resumed, len(ids) - i - 1)
-            assert [e["_id"] for e in later] == ids[i + 1:]
+            assert [e["_id"] for e in later] == ids[i + 1 :]
             assert await resumed.try_next() is None
         finally:
             await resumed.close()
 
 
 async def test_database_stream_sees_every_collection_and_drop_invalidates(
-        db: Any, driver: Driver) -> None:
+    db: Any, driver: Driver
+) -> None:
     db_stream = await driver.watch(db, max_await_time_ms=100)
     coll_stream = await driver.watch(db.a, max_await_time_ms=100)
     try:
@@ -106,7 +119,10 @@ async def test_database_stream_sees_every_collection_and_drop_invalidates(
         await db.a.drop()
         seen = await collect(db_stream, 3)
         assert [(e["operationType"], e["ns"].get("coll")) for e in seen] == [
-            ("insert", "a"), ("insert", "b"), ("drop", "a")]
+            ("insert", "a"),
+            ("insert", "b"),
+            ("drop", "a"),
+        ]
         coll_events = await collect(coll_stream, 3)
         assert [e["operationType"] for e in coll_events] == ["insert", "drop", "invalidate"]
     finally:
@@ -114,16 +130,14 @@ async def test_database_stream_sees_every_collection_and_drop_invalidates(
         await coll_stream.close()
 
 
-async def test_start_before_history_is_change_stream_history_lost(
-        db: Any, driver: Driver) -> None:
+async def test_start_before_history_is_change_stream_history_lost(db: Any, driver: Driver) -> None:
     with pytest.raises(OperationFailure) as caught:
         await first_event(driver, db.lost, start_at_operation_time=Timestamp(1, 1))
     assert caught.value.code == 286
 
 
 @pytest.mark.devmongo_only
-async def test_token_evicted_from_the_ring_is_change_stream_history_lost(
-        driver: Driver) -> None:
+async def test_token_evicted_from_the_ring_is_change_stream_history_lost(driver: Driver) -> None:
     server = start_devmongo("--oplog-size", "16")
     client = driver.client(server.uri)
     try:

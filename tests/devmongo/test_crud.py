@@ -24,12 +24,18 @@ async def test_insert_find_update_delete_round_trip(db: Any) -> None:
     await coll.insert_many([{"name": "b", "n": 2}, {"name": "c", "n": 3, "tags": ["x", "y"]}])
 
     got = await coll.find_one({"_id": result.inserted_id})
-    assert got == {"_id": result.inserted_id, "name": "a", "n": 1,
-                   "when": datetime.datetime(2030, 1, 1)}
+    assert got == {
+        "_id": result.inserted_id,
+        "name": "a",
+        "n": 1,
+        "when": datetime.datetime(2030, 1, 1),
+    }
     assert [d["name"] async for d in coll.find({"n": {"$gte": 2}}).sort("n", -1)] == ["c", "b"]
     assert [d["name"] async for d in coll.find({"tags": "y"})] == ["c"]
     assert [d async for d in coll.find({}, {"_id": 0, "name": 1}).sort("n", 1).skip(1)] == [
-        {"name": "b"}, {"name": "c"}]
+        {"name": "b"},
+        {"name": "c"},
+    ]
 
     updated = await coll.update_many({"n": {"$lt": 3}}, {"$inc": {"n": 10}, "$set": {"k.v": 1}})
     assert (updated.matched_count, updated.modified_count) == (2, 2)
@@ -58,9 +64,13 @@ async def test_an_update_stores_its_instants_as_the_server_does(db: Any) -> None
     coll = db.instants
     await coll.create_index("state")
     await coll.insert_one({"_id": 1, "state": "a", "first": at, "history": []})
-    await coll.update_one({"_id": 1, "state": "a"}, {
-        "$set": {"at": at, "state": "b"},
-        "$push": {"history": {"$each": [{"at": at}], "$slice": -5}}})
+    await coll.update_one(
+        {"_id": 1, "state": "a"},
+        {
+            "$set": {"at": at, "state": "b"},
+            "$push": {"history": {"$each": [{"at": at}], "$slice": -5}},
+        },
+    )
     await coll.update_one({"_id": 2}, {"$set": {"at": at}}, upsert=True)
     one, two = [d async for d in coll.find().sort("_id", 1)]
     for value in (one["first"], one["at"], one["history"][0]["at"], two["at"]):
@@ -109,10 +119,13 @@ async def test_update_pipeline_with_now_and_date_arithmetic(db: Any) -> None:
     coll = db.pipes
     await coll.insert_one({"_id": 1, "term": 4, "drop": "me"})
     before = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
-    await coll.update_one({"_id": 1}, [
-        {"$set": {"expires_at": {"$add": ["$$NOW", 10_000]}, "term": {"$add": ["$term", 1]}}},
-        {"$unset": "drop"},
-    ])
+    await coll.update_one(
+        {"_id": 1},
+        [
+            {"$set": {"expires_at": {"$add": ["$$NOW", 10_000]}, "term": {"$add": ["$term", 1]}}},
+            {"$unset": "drop"},
+        ],
+    )
     doc = await coll.find_one({"_id": 1})
     assert doc["term"] == 5
     assert "drop" not in doc
@@ -127,11 +140,14 @@ async def test_expr_with_now_filters_on_server_clock(db: Any) -> None:
     coll = db.leases
     past = datetime.datetime(2000, 1, 1)
     future = datetime.datetime(2100, 1, 1)
-    await coll.insert_many([{"_id": "expired", "expires_at": past},
-                            {"_id": "held", "expires_at": future},
-                            {"_id": "never-set"}])
-    expired = {d["_id"] async for d in coll.find(
-        {"$expr": {"$lt": ["$expires_at", "$$NOW"]}})}
+    await coll.insert_many(
+        [
+            {"_id": "expired", "expires_at": past},
+            {"_id": "held", "expires_at": future},
+            {"_id": "never-set"},
+        ]
+    )
+    expired = {d["_id"] async for d in coll.find({"$expr": {"$lt": ["$expires_at", "$$NOW"]}})}
     # A missing field orders below every date, as in MongoDB.
     assert expired == {"expired", "never-set"}
 
@@ -139,16 +155,21 @@ async def test_expr_with_now_filters_on_server_clock(db: Any) -> None:
 async def test_find_one_and_update_variants(db: Any) -> None:
     coll = db.fam
     await coll.insert_many([{"_id": i, "group": "g", "rank": i} for i in range(5)])
-    before = await coll.find_one_and_update({"group": "g"}, {"$set": {"picked": True}},
-                                            sort=[("rank", -1)])
+    before = await coll.find_one_and_update(
+        {"group": "g"}, {"$set": {"picked": True}}, sort=[("rank", -1)]
+    )
     assert before["_id"] == 4
     assert "picked" not in before
-    after = await coll.find_one_and_update({"_id": 3}, {"$inc": {"rank": 10}},
-                                           projection={"rank": 1},
-                                           return_document=ReturnDocument.AFTER)
+    after = await coll.find_one_and_update(
+        {"_id": 3},
+        {"$inc": {"rank": 10}},
+        projection={"rank": 1},
+        return_document=ReturnDocument.AFTER,
+    )
     assert after == {"_id": 3, "rank": 13}
-    created = await coll.find_one_and_update({"_id": "new"}, {"$set": {"x": 1}}, upsert=True,
-                                             return_document=ReturnDocument.AFTER)
+    created = await coll.find_one_and_update(
+        {"_id": "new"}, {"$set": {"x": 1}}, upsert=True, return_document=ReturnDocument.AFTER
+    )
     assert created == {"_id": "new", "x": 1}
     removed = await coll.find_one_and_delete({"_id": 0})
     assert removed["_id"] == 0
@@ -173,8 +194,9 @@ async def test_unique_index_violation_is_duplicate_key_error(db: Any) -> None:
     assert (await coll.find_one({"_id": other.inserted_id}))["slug"] == "other"
     # Unordered bulk inserts keep going past the duplicate.
     with pytest.raises(BulkWriteError) as bulk:
-        await coll.insert_many([{"tenant": "t", "slug": "s"}, {"tenant": "u", "slug": "s"}],
-                               ordered=False)
+        await coll.insert_many(
+            [{"tenant": "t", "slug": "s"}, {"tenant": "u", "slug": "s"}], ordered=False
+        )
     assert bulk.value.details["nInserted"] == 1
     assert bulk.value.details["writeErrors"][0]["code"] == 11000
     assert await coll.count_documents({}) == 3
@@ -184,9 +206,13 @@ async def test_ttl_documents_disappear(db: Any) -> None:
     coll = db.ttl
     await coll.create_index("expire_at", expireAfterSeconds=0)
     now = datetime.datetime.now(datetime.UTC)
-    await coll.insert_many([{"_id": "old", "expire_at": now - datetime.timedelta(seconds=5)},
-                            {"_id": "young", "expire_at": now + datetime.timedelta(hours=1)},
-                            {"_id": "no-date", "expire_at": "not a date"}])
+    await coll.insert_many(
+        [
+            {"_id": "old", "expire_at": now - datetime.timedelta(seconds=5)},
+            {"_id": "young", "expire_at": now + datetime.timedelta(hours=1)},
+            {"_id": "no-date", "expire_at": "not a date"},
+        ]
+    )
 
     async def only_survivors() -> bool:
         return {d["_id"] async for d in coll.find()} == {"young", "no-date"}
@@ -195,8 +221,9 @@ async def test_ttl_documents_disappear(db: Any) -> None:
     await wait_until(only_survivors, 90.0, "the TTL monitor to delete the expired document")
 
 
-async def test_indexes_and_catalog_commands(db: Any, client: Any, db_name: str,
-                                             driver: Driver) -> None:
+async def test_indexes_and_catalog_commands(
+    db: Any, client: Any, db_name: str, driver: Driver
+) -> None:
     coll = db.cat
     await db.create_collection("cat")
     with pytest.raises(OperationFailure) as exists:
@@ -221,17 +248,27 @@ async def test_indexes_and_catalog_commands(db: Any, client: Any, db_name: str,
 
 async def test_count_distinct_aggregate(db: Any, driver: Driver) -> None:
     coll = db.agg
-    await coll.insert_many([{"k": "a", "v": 1, "tags": ["x"]}, {"k": "a", "v": 2},
-                            {"k": "b", "v": 5, "tags": ["x", "z"]}])
+    await coll.insert_many(
+        [
+            {"k": "a", "v": 1, "tags": ["x"]},
+            {"k": "a", "v": 2},
+            {"k": "b", "v": 5, "tags": ["x", "z"]},
+        ]
+    )
     assert await coll.count_documents({"k": "a"}) == 2
     assert await coll.count_documents({"k": "a"}, skip=1) == 1
     assert await coll.count_documents({}, skip=1, limit=1) == 1
     assert await coll.count_documents({"k": "a"}, skip=5) == 0
     assert await coll.count_documents({"k": "zz"}) == 0
     assert sorted(await coll.distinct("tags")) == ["x", "z"]
-    grouped = await driver.aggregate(coll, [{"$match": {"v": {"$gt": 0}}},
-                                            {"$group": {"_id": "$k", "total": {"$sum": "$v"}}},
-                                            {"$sort": {"_id": 1}}])
+    grouped = await driver.aggregate(
+        coll,
+        [
+            {"$match": {"v": {"$gt": 0}}},
+            {"$group": {"_id": "$k", "total": {"$sum": "$v"}}},
+            {"$sort": {"_id": 1}},
+        ],
+    )
     assert grouped == [{"_id": "a", "total": 3}, {"_id": "b", "total": 5}]
 
 
@@ -250,23 +287,33 @@ async def test_pages_in_id_order_match_a_full_sort(db: Any) -> None:
     """A find sorted by _id with a limit walks the _id index and stops at the limit; its
     pages, with or without a residual filter, either direction, are a full sort's."""
     coll = db.paged
-    await coll.insert_many([{"_id": f"s-{i:03d}", "team": "a" if i % 3 else "b", "i": i}
-                            for i in reversed(range(200))])
+    await coll.insert_many(
+        [{"_id": f"s-{i:03d}", "team": "a" if i % 3 else "b", "i": i} for i in reversed(range(200))]
+    )
     await coll.insert_one({"_id": 7, "team": "a"})  # another type sorts before strings
-    everything = sorted([d async for d in coll.find()],
-                        key=lambda d: (isinstance(d["_id"], str), d["_id"]))
-    for query, direction in [({}, 1), ({"team": "a"}, 1), ({"team": "b"}, -1),
-                             ({"i": {"$gte": 50}}, -1)]:
-        want = [d for d in everything if all(
-            d.get(k) == v if not isinstance(v, dict) else d.get("i", -1) >= v["$gte"]
-            for k, v in query.items())]
+    everything = sorted(
+        [d async for d in coll.find()], key=lambda d: (isinstance(d["_id"], str), d["_id"])
+    )
+    for query, direction in [
+        ({}, 1),
+        ({"team": "a"}, 1),
+        ({"team": "b"}, -1),
+        ({"i": {"$gte": 50}}, -1),
+    ]:
+        want = [
+            d
+            for d in everything
+            if all(
+                d.get(k) == v if not isinstance(v, dict) else d.get("i", -1) >= v["$gte"]
+                for k, v in query.items()
+            )
+        ]
         if direction == -1:
             want.reverse()
         got: list[Any] = []
         bound: dict[str, Any] = {}
         while True:
-            page = [d async for d in coll.find({**query, **bound}).sort("_id", direction)
-                    .limit(17)]
+            page = [d async for d in coll.find({**query, **bound}).sort("_id", direction).limit(17)]
             got += page
             if len(page) < 17:
                 break
@@ -306,8 +353,7 @@ async def test_bad_commands_get_mongod_error_shapes(db: Any) -> None:
     assert (await db.command("ping"))["ok"] == 1.0
 
 
-async def test_direct_connection_and_replica_set_discovery(mongo_uri: str,
-                                                           driver: Driver) -> None:
+async def test_direct_connection_and_replica_set_discovery(mongo_uri: str, driver: Driver) -> None:
     host = mongo_uri.split("//", 1)[1].split("/", 1)[0]
     for uri in (mongo_uri, f"mongodb://{host}/?directConnection=true"):
         client = driver.client(uri)
@@ -348,42 +394,57 @@ async def test_idle_cursor_is_killed_after_the_cursor_timeout(driver: Driver) ->
 
 async def test_array_filters_update_only_matching_elements(db: Any) -> None:
     coll = db.grades
-    await coll.insert_many([
-        {"_id": 1, "grades": [95, 92, 90]},
-        {"_id": 2, "grades": [98, 100, 102]},
-        {"_id": 3, "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 90}]},
-    ])
-    result = await coll.update_many({"grades": {"$exists": True}},
-                                    {"$set": {"grades.$[element]": 100}},
-                                    array_filters=[{"element": {"$gte": 100}}])
+    await coll.insert_many(
+        [
+            {"_id": 1, "grades": [95, 92, 90]},
+            {"_id": 2, "grades": [98, 100, 102]},
+            {"_id": 3, "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 90}]},
+        ]
+    )
+    result = await coll.update_many(
+        {"grades": {"$exists": True}},
+        {"$set": {"grades.$[element]": 100}},
+        array_filters=[{"element": {"$gte": 100}}],
+    )
     assert result.modified_count == 1
     assert (await coll.find_one({"_id": 2}))["grades"] == [98, 100, 100]
     assert (await coll.find_one({"_id": 1}))["grades"] == [95, 92, 90]
 
-    await coll.update_one({"_id": 3}, {"$inc": {"scores.$[s].mean": 5},
-                                       "$set": {"checked": True}},
-                          array_filters=[{"s.grade": {"$gte": 85}}])
+    await coll.update_one(
+        {"_id": 3},
+        {"$inc": {"scores.$[s].mean": 5}, "$set": {"checked": True}},
+        array_filters=[{"s.grade": {"$gte": 85}}],
+    )
     assert await coll.find_one({"_id": 3}) == {
-        "_id": 3, "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 95}],
-        "checked": True}
+        "_id": 3,
+        "scores": [{"grade": 80, "mean": 75}, {"grade": 85, "mean": 95}],
+        "checked": True,
+    }
 
     await coll.update_one({"_id": 1}, {"$mul": {"grades.$[]": 2}})
     assert (await coll.find_one({"_id": 1}))["grades"] == [190, 184, 180]
 
     after = await coll.find_one_and_update(
-        {"_id": 2}, {"$max": {"grades.$[low]": 99}}, array_filters=[{"low": {"$lt": 99}}],
-        return_document=True)
+        {"_id": 2},
+        {"$max": {"grades.$[low]": 99}},
+        array_filters=[{"low": {"$lt": 99}}],
+        return_document=True,
+    )
     assert after["grades"] == [99, 100, 100]
 
 
-@pytest.mark.parametrize(("update", "array_filters", "code"), [
-    ({"$set": {"grades.$[nope]": 1}}, [{"element": {"$gt": 1}}], 2),   # undefined identifier
-    ({"$set": {"grades.0": 1}}, [{"element": {"$gt": 1}}], 9),          # filter not used
-    ({"$set": {"missing.$[e]": 1}}, [{"e": 1}], 2),                      # path must exist
-    ({"$set": {"grades.$[e]": 1}}, [{"e": 1}, {"e": 2}], 9),             # identifier twice
-])
-async def test_bad_array_filters_get_mongod_errors(db: Any, update: dict[str, Any],
-                                                   array_filters: list[Any], code: int) -> None:
+@pytest.mark.parametrize(
+    ("update", "array_filters", "code"),
+    [
+        ({"$set": {"grades.$[nope]": 1}}, [{"element": {"$gt": 1}}], 2),  # undefined identifier
+        ({"$set": {"grades.0": 1}}, [{"element": {"$gt": 1}}], 9),  # filter not used
+        ({"$set": {"missing.$[e]": 1}}, [{"e": 1}], 2),  # path must exist
+        ({"$set": {"grades.$[e]": 1}}, [{"e": 1}, {"e": 2}], 9),  # identifier twice
+    ],
+)
+async def test_bad_array_filters_get_mongod_errors(
+    db: Any, update: dict[str, Any], array_filters: list[Any], code: int
+) -> None:
     await db.af.insert_one({"_id": 1, "grades": [1, 2, 3]})
     with pytest.raises(OperationFailure) as caught:
         await db.af.update_one({"_id": 1}, update, array_filters=array_filters)
@@ -401,10 +462,12 @@ async def test_options_the_server_does_not_implement_are_refused_not_ignored(db:
         lambda: coll.count_documents({"name": "b"}, collation=case_insensitive),
         lambda: coll.update_one({"name": "b"}, {"$set": {"x": 1}}, collation=case_insensitive),
         lambda: coll.delete_many({"name": "b"}, collation=case_insensitive),
-        lambda: coll.update_one({"$expr": {"$eq": ["$name", "$$n"]}}, {"$set": {"x": 1}},
-                                let={"n": "a"}),
-        lambda: coll.find_one_and_update({"name": "a"}, {"$set": {"x": 1}},
-                                         collation=case_insensitive),
+        lambda: coll.update_one(
+            {"$expr": {"$eq": ["$name", "$$n"]}}, {"$set": {"x": 1}}, let={"n": "a"}
+        ),
+        lambda: coll.find_one_and_update(
+            {"name": "a"}, {"$set": {"x": 1}}, collation=case_insensitive
+        ),
         lambda: coll.create_index("name", collation=case_insensitive),
     ]
     for call in refused:
@@ -419,12 +482,19 @@ async def test_options_the_server_does_not_implement_are_refused_not_ignored(db:
     assert [d async for d in coll.find({"x": {"$exists": True}})] == []
 
 
-@pytest.mark.parametrize("push", [
-    {"h": {"$each": "not a list"}}, {"h": {"$each": [1], "$slice": "x"}},
-    {"h": {"$each": [1], "$slice": True}}, {"h": {"$each": [1], "$slice": 1.5}},
-    {"h": {"$each": [1], "$slice": -1, "$unknown": 1}}, {"": 1}, {"$h": 1}])
-async def test_a_malformed_push_is_refused_and_leaves_the_document(db: Any,
-                                                                   push: Any) -> None:
+@pytest.mark.parametrize(
+    "push",
+    [
+        {"h": {"$each": "not a list"}},
+        {"h": {"$each": [1], "$slice": "x"}},
+        {"h": {"$each": [1], "$slice": True}},
+        {"h": {"$each": [1], "$slice": 1.5}},
+        {"h": {"$each": [1], "$slice": -1, "$unknown": 1}},
+        {"": 1},
+        {"$h": 1},
+    ],
+)
+async def test_a_malformed_push_is_refused_and_leaves_the_document(db: Any, push: Any) -> None:
     coll = db.hostile_pushes
     await coll.insert_one({"_id": 1, "h": [0]})
     with pytest.raises(OperationFailure):
@@ -437,8 +507,9 @@ async def test_valid_but_expensive_pushes_stay_bounded(db: Any) -> None:
     # once is stored whole; a bounded history stays bounded however many pushes come.
     coll = db.big_pushes
     await coll.insert_one({"_id": 1, "h": []})
-    await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": list(range(100_000)),
-                                                       "$slice": -(2 ** 62)}}})
+    await coll.update_one(
+        {"_id": 1}, {"$push": {"h": {"$each": list(range(100_000)), "$slice": -(2**62)}}}
+    )
     assert len((await coll.find_one({"_id": 1}))["h"]) == 100_000
     await coll.update_one({"_id": 1}, {"$push": {"h": {"$each": [-1], "$slice": -3}}})
     assert (await coll.find_one({"_id": 1}))["h"] == [99_998, 99_999, -1]
@@ -465,7 +536,8 @@ async def test_commands_holding_the_server_past_slowms_are_logged(driver: Driver
     events = [json.loads(line) for line in lines if line.startswith("{")]
     slow = [e for e in events if e.get("event") == "slow_command"]
     assert {"command": "insert", "ns": "slow.c"} | {"shape": "3 documents "} in [
-        {k: e[k] for k in ("command", "ns", "shape")} for e in slow]
+        {k: e[k] for k in ("command", "ns", "shape")} for e in slow
+    ]
     found = [e for e in slow if e["command"] == "find"]
     assert [e["shape"] for e in found] == ["{'i': {'$in': [1, 2]}}"]
     assert all(isinstance(e["ms"], float) and e["ms"] >= 0 for e in slow)

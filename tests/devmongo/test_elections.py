@@ -32,7 +32,8 @@ async def hello(admin: Any) -> dict[str, Any]:
     for _ in range(3):
         try:
             reply: dict[str, Any] = await admin.command(
-                "hello", read_preference=ReadPreference.SECONDARY_PREFERRED)
+                "hello", read_preference=ReadPreference.SECONDARY_PREFERRED
+            )
             return reply
         except AutoReconnect:
             continue
@@ -44,7 +45,8 @@ async def step_down(admin: Any, seconds: float) -> None:
 
 
 async def test_a_step_down_is_a_secondary_for_its_time_then_a_new_election(
-        admin: Any, db: Any) -> None:
+    admin: Any, db: Any
+) -> None:
     before = await hello(admin)
     assert before["isWritablePrimary"]
     await db.c.insert_one({"_id": "before"})
@@ -56,8 +58,9 @@ async def test_a_step_down_is_a_secondary_for_its_time_then_a_new_election(
     assert "electionId" not in during
     assert during["topologyVersion"]["counter"] > before["topologyVersion"]["counter"]
     with pytest.raises(NotPrimaryError) as refused:
-        await admin.command({"replSetStepDown": 1},
-                            read_preference=ReadPreference.SECONDARY_PREFERRED)
+        await admin.command(
+            {"replSetStepDown": 1}, read_preference=ReadPreference.SECONDARY_PREFERRED
+        )
     assert refused.value.details["code"] == 10107
 
     # A retryable write issued now waits for the next primary and is applied once.
@@ -79,7 +82,8 @@ async def test_a_step_down_for_a_bad_time_is_refused(admin: Any, seconds: Any) -
 
 
 async def test_a_change_stream_resumes_across_a_step_down_losing_nothing(
-        admin: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
+    admin: Any, db_name: str, mongo_uri: str, driver: Driver
+) -> None:
     watcher = driver.client(mongo_uri)
     try:
         stream = await driver.watch(watcher[db_name].feed, max_await_time_ms=50, batch_size=2)

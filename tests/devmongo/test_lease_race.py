@@ -14,13 +14,26 @@ ROUNDS = 200
 
 
 async def test_compare_and_swap_on_server_clock_has_one_winner_per_round(
-        db: Any, db_name: str, mongo_uri: str, driver: Driver) -> None:
-    await db.lease.insert_one({"_id": "L", "round": 0, "holder": None,
-                               "expires_at": datetime.datetime(1970, 1, 1)})
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.helpers.lease_contender", mongo_uri, db_name, name,
-        str(ROUNDS), driver.name, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE) for name in ("alpha", "beta")]
+    db: Any, db_name: str, mongo_uri: str, driver: Driver
+) -> None:
+    await db.lease.insert_one(
+        {"_id": "L", "round": 0, "holder": None, "expires_at": datetime.datetime(1970, 1, 1)}
+    )
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.helpers.lease_contender",
+            mongo_uri,
+            db_name,
+            name,
+            str(ROUNDS),
+            driver.name,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for name in ("alpha", "beta")
+    ]
     results = []
     for proc in procs:
         out, err = await asyncio.wait_for(proc.communicate(), 120)

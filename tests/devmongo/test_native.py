@@ -15,8 +15,7 @@ from tests.servers import devmongo_compiled, start_devmongo
 
 
 @pytest.mark.parametrize("from_sources", [False, True])
-def test_the_server_process_runs_the_build_and_this_process_the_sources(
-        from_sources: bool) -> None:
+def test_the_server_process_runs_the_build_and_this_process_the_sources(from_sources: bool) -> None:
     native.build()  # set-up built it already (scripts/_venv.sh): then this is a no-op
     assert native.built() is not None
     server = start_devmongo(*(["--from-sources"] if from_sources else []))
@@ -38,8 +37,9 @@ def test_the_server_process_runs_the_build_and_this_process_the_sources(
     assert not native.running_compiled()
 
 
-def test_a_build_is_for_its_exact_sources_only(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_is_for_its_exact_sources_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sources = tmp_path / "devmongo"
     shutil.copytree(native.SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(native, "SOURCES", sources)

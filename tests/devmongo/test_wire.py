@@ -34,8 +34,12 @@ class RawConnection:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def command(self, body: dict[str, Any], flags: int = 0,
-                      sequences: dict[str, list[dict[str, Any]]] | None = None) -> int:
+    async def command(
+        self,
+        body: dict[str, Any],
+        flags: int = 0,
+        sequences: dict[str, list[dict[str, Any]]] | None = None,
+    ) -> int:
         request_id = self.next_id
         self.next_id += 1
         await self.send(wire.encode_op_msg_request(request_id, body, flags, sequences))
@@ -60,8 +64,13 @@ async def raw(mongo_server: ServerProcess) -> Any:
 
 
 def legacy_query(request_id: int, namespace: str, query: dict[str, Any]) -> bytes:
-    payload = (struct.pack("<i", 0) + namespace.encode() + b"\0" + struct.pack("<ii", 0, -1)
-               + bson.encode(query))
+    payload = (
+        struct.pack("<i", 0)
+        + namespace.encode()
+        + b"\0"
+        + struct.pack("<ii", 0, -1)
+        + bson.encode(query)
+    )
     return struct.pack("<iiii", 16 + len(payload), request_id, 0, wire.OP_QUERY) + payload
 
 
@@ -76,8 +85,7 @@ async def test_legacy_op_query_handshake_is_answered_with_op_reply(raw: RawConne
     assert doc["maxWireVersion"] == 21
     assert doc["hosts"] == [doc["me"]]
     assert doc["primary"] == doc["me"]
-    for field in ("setVersion", "electionId", "topologyVersion",
-                  "logicalSessionTimeoutMinutes"):
+    for field in ("setVersion", "electionId", "topologyVersion", "logicalSessionTimeoutMinutes"):
         assert field in doc
 
 
@@ -97,8 +105,11 @@ async def test_hello_and_cluster_time_on_every_reply(raw: RawConnection) -> None
 
 async def test_document_sequences_and_checksum_flag(raw: RawConnection) -> None:
     docs = [{"_id": i} for i in range(3)]
-    await raw.command({"insert": "seq", "$db": "wiretest"}, sequences={"documents": docs},
-                      flags=wire.FLAG_CHECKSUM_PRESENT)
+    await raw.command(
+        {"insert": "seq", "$db": "wiretest"},
+        sequences={"documents": docs},
+        flags=wire.FLAG_CHECKSUM_PRESENT,
+    )
     _, _, reply = await raw.reply()
     assert reply["ok"] == 1.0
     assert reply["n"] == 3
@@ -108,16 +119,17 @@ async def test_document_sequences_and_checksum_flag(raw: RawConnection) -> None:
 
 
 async def test_more_to_come_request_gets_no_reply(raw: RawConnection) -> None:
-    await raw.command({"insert": "w0", "documents": [{"_id": 1}], "$db": "wiretest",
-                       "writeConcern": {"w": 0}}, flags=wire.FLAG_MORE_TO_COME)
+    await raw.command(
+        {"insert": "w0", "documents": [{"_id": 1}], "$db": "wiretest", "writeConcern": {"w": 0}},
+        flags=wire.FLAG_MORE_TO_COME,
+    )
     rid = await raw.command({"count": "w0", "$db": "wiretest"})
     header, _, reply = await raw.reply()
     assert header.response_to == rid, "the unacknowledged write must not be answered"
     assert reply["n"] == 1
 
 
-async def test_unsupported_op_code_is_an_error_not_a_dropped_connection(
-        raw: RawConnection) -> None:
+async def test_unsupported_op_code_is_an_error_not_a_dropped_connection(raw: RawConnection) -> None:
     legacy_insert = struct.pack("<iiii", 16 + 4, 9, 0, 2002) + b"\0\0\0\0"
     await raw.send(legacy_insert)
     _, _, reply = await raw.reply()
@@ -130,14 +142,19 @@ async def test_unsupported_op_code_is_an_error_not_a_dropped_connection(
     assert pong["ok"] == 1.0
 
 
-async def test_awaitable_hello_waits_and_streams_with_more_to_come(
-        raw: RawConnection) -> None:
+async def test_awaitable_hello_waits_and_streams_with_more_to_come(raw: RawConnection) -> None:
     await raw.command({"hello": 1, "$db": "admin"})
     _, _, first = await raw.reply()
     start = time.monotonic()
-    rid = await raw.command({"hello": 1, "$db": "admin", "maxAwaitTimeMS": 300,
-                             "topologyVersion": first["topologyVersion"]},
-                            flags=wire.FLAG_EXHAUST_ALLOWED)
+    rid = await raw.command(
+        {
+            "hello": 1,
+            "$db": "admin",
+            "maxAwaitTimeMS": 300,
+            "topologyVersion": first["topologyVersion"],
+        },
+        flags=wire.FLAG_EXHAUST_ALLOWED,
+    )
     header1, flags1, _ = await raw.reply()
     waited = time.monotonic() - start
     header2, flags2, _ = await raw.reply()
@@ -187,12 +204,12 @@ def test_op_msg_parser_rejects_a_damaged_document_sequence(damage: str) -> None:
     else:
         docs.append(b"\x07\x00")
     section = b"documents\0" + b"".join(docs)
-    payload = (struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(section) + 4)
-               + section)
+    payload = struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(section) + 4) + section
     header = wire.Header(16 + len(payload), 1, 0, wire.OP_MSG)
     with pytest.raises(wire.ProtocolError):
         wire.parse_op_msg(header, payload)
     intact = b"documents\0" + b"".join(bson.encode({"_id": i}) for i in range(3))
-    good = (struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(intact) + 4) + intact)
-    assert wire.parse_op_msg(wire.Header(16 + len(good), 1, 0, wire.OP_MSG),
-                             good).body["documents"] == [{"_id": i} for i in range(3)]
+    good = struct.pack("<IB", 0, 0) + body + struct.pack("<Bi", 1, len(intact) + 4) + intact
+    assert wire.parse_op_msg(wire.Header(16 + len(good), 1, 0, wire.OP_MSG), good).body[
+        "documents"
+    ] == [{"_id": i} for i in range(3)]

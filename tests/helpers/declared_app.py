@@ -11,8 +11,9 @@ from hascheduler.worker import Run, WorkerApp
 alpha = WorkerApp(name="alpha")
 
 
-@alpha.schedule(id="alpha-nightly", cron="0 2 * * *", timezone="Europe/Paris",
-                payload={"report": "nightly"})
+@alpha.schedule(
+    id="alpha-nightly", cron="0 2 * * *", timezone="Europe/Paris", payload={"report": "nightly"}
+)
 @alpha.handler("alpha.nightly")
 def nightly(run: Run) -> None:
     pass
@@ -23,11 +24,29 @@ def poll(run: Run) -> None:
     pass
 
 
-alpha.schedules([{"id": "alpha-poll-eu", "name": "poll eu", "target": "alpha.poll.eu",
-                  "trigger": {"kind": "interval", "every": 30}, "jitter": 5}])
+alpha.schedules(
+    [
+        {
+            "id": "alpha-poll-eu",
+            "name": "poll eu",
+            "target": "alpha.poll.eu",
+            "trigger": {"kind": "interval", "every": 30},
+            "jitter": 5,
+        }
+    ]
+)
 if os.environ.get("DECLARED_VARIANT") != "less":
-    alpha.schedules([{"id": "alpha-poll-us", "name": "poll us", "target": "alpha.poll.us",
-                      "trigger": {"kind": "interval", "every": 30}, "jitter": 5}])
+    alpha.schedules(
+        [
+            {
+                "id": "alpha-poll-us",
+                "name": "poll us",
+                "target": "alpha.poll.us",
+                "trigger": {"kind": "interval", "every": 30},
+                "jitter": 5,
+            }
+        ]
+    )
 
 beta = WorkerApp(name="beta")
 

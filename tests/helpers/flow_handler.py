@@ -17,8 +17,9 @@ def _note(what: str, run: Run) -> None:
     payload = run.payload if isinstance(run.payload, dict) else {}
     key = run.tenant or payload.get("account") or "-"
     with open(os.environ["RECORD_FLOW_TO"], "a") as out:
-        out.write(f"{what} {run.fire_id} {key} {time.time():.6f} "
-                  f"{os.environ.get('FLOW_WORKER', '-')}\n")
+        out.write(
+            f"{what} {run.fire_id} {key} {time.time():.6f} {os.environ.get('FLOW_WORKER', '-')}\n"
+        )
 
 
 async def _run(run: Run) -> None:
@@ -27,8 +28,7 @@ async def _run(run: Run) -> None:
     _note("end", run)
 
 
-app = WorkerApp(RetryPolicy(max_attempts=3, backoff_base_s=0.1, backoff_cap_s=0.2,
-                            timeout_s=60.0))
+app = WorkerApp(RetryPolicy(max_attempts=3, backoff_base_s=0.1, backoff_cap_s=0.2, timeout_s=60.0))
 # The schedule (its event's data.concurrency) says the limit.
 app.add("flow.>", _run)
 # The handler says it: at most 3 runs of a tenant at once.

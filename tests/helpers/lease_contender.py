@@ -33,11 +33,18 @@ async def contend(uri: str, db_name: str, name: str, rounds: int, driver_name: s
         while True:
             attempts += 1
             doc = await coll.find_one_and_update(
-                {"_id": "L", "round": {"$lt": rounds},
-                 "$expr": {"$lt": ["$expires_at", "$$NOW"]}},
-                [{"$set": {"holder": name, "round": {"$add": ["$round", 1]},
-                           "expires_at": {"$add": ["$$NOW", 60_000]}}}],
-                return_document=ReturnDocument.AFTER)
+                {"_id": "L", "round": {"$lt": rounds}, "$expr": {"$lt": ["$expires_at", "$$NOW"]}},
+                [
+                    {
+                        "$set": {
+                            "holder": name,
+                            "round": {"$add": ["$round", 1]},
+                            "expires_at": {"$add": ["$$NOW", 60_000]},
+                        }
+                    }
+                ],
+                return_document=ReturnDocument.AFTER,
+            )
             if doc is None:
                 current = await coll.find_one({"_id": "L"})
                 if current is None or current["round"] >= rounds:
@@ -48,8 +55,9 @@ async def contend(uri: str, db_name: str, name: str, rounds: int, driver_name: s
             # Still ours? A second holder here means the compare-and-swap let two in.
             if await coll.find_one({"_id": "L", "holder": name, "round": doc["round"]}) is None:
                 stolen += 1
-            released = await coll.update_one({"_id": "L", "holder": name, "round": doc["round"]},
-                                             {"$set": {"expires_at": EPOCH}})
+            released = await coll.update_one(
+                {"_id": "L", "holder": name, "round": doc["round"]}, {"$set": {"expires_at": EPOCH}}
+            )
             if released.modified_count != 1:
                 stolen += 1
     finally:

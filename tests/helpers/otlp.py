@@ -64,17 +64,27 @@ class OtlpReceiver:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
-                    self.spans.append(ReceivedSpan(
-                        service=str(resource.get("service.name")), name=s.name, kind=s.kind,
-                        trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                        parent_span_id=s.parent_span_id.hex(),
-                        attributes={a.key: _value(a.value) for a in s.attributes},
-                        events=[(e.name, {a.key: _value(a.value) for a in e.attributes})
-                                for e in s.events],
-                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                        status=s.status.code))
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+                    self.spans.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name")),
+                            name=s.name,
+                            kind=s.kind,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            events=[
+                                (e.name, {a.key: _value(a.value) for a in e.attributes})
+                                for e in s.events
+                            ],
+                            links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                            status=s.status.code,
+                        )
+                    )
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(),
+            content_type="application/x-protobuf",
+        )
 
     def named(self, name: str) -> list[ReceivedSpan]:
         return [s for s in self.spans if s.name == name]

@@ -23,16 +23,14 @@ from hascheduler.worker import PermanentFailure, RetryPolicy, Run, WorkerApp
 
 def _record(run: Run) -> None:
     with open(os.environ["RECORD_FIRES_TO"], "a") as out:
-        out.write(f"{run.fire_id} {run.event['data']['term']} {run.attempt} "
-                  f"{time.time():.3f}\n")
+        out.write(f"{run.fire_id} {run.event['data']['term']} {run.attempt} {time.time():.3f}\n")
 
 
 def handle(run: Run) -> None:
     _record(run)
 
 
-app = WorkerApp(RetryPolicy(max_attempts=4, backoff_base_s=0.4, backoff_cap_s=2.0,
-                            timeout_s=60.0))
+app = WorkerApp(RetryPolicy(max_attempts=4, backoff_base_s=0.4, backoff_cap_s=2.0, timeout_s=60.0))
 
 
 @app.handler("jobs.>")
@@ -59,8 +57,10 @@ def _hold(until_exists: Path) -> None:
         time.sleep(0.01)
 
 
-@app.handler("async.>", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.1,
-                                          backoff_cap_s=0.2, timeout_s=1.0))
+@app.handler(
+    "async.>",
+    policy=RetryPolicy(max_attempts=2, backoff_base_s=0.1, backoff_cap_s=0.2, timeout_s=1.0),
+)
 async def slow(run: Run) -> None:
     import asyncio
 
@@ -84,8 +84,10 @@ def polite(run: Run) -> None:
         time.sleep(0.02)
 
 
-@app.handler("traced.>", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.1,
-                                           backoff_cap_s=0.2, timeout_s=30.0))
+@app.handler(
+    "traced.>",
+    policy=RetryPolicy(max_attempts=3, backoff_base_s=0.1, backoff_cap_s=0.2, timeout_s=30.0),
+)
 def traced(run: Run) -> None:
     import structlog
     from opentelemetry import trace
@@ -93,7 +95,8 @@ def traced(run: Run) -> None:
     _record(run)
     with trace.get_tracer("tests.handler").start_as_current_span("handler work") as span:
         span.set_attribute("attempt", run.attempt)
-        structlog.get_logger("tests.handler").info("handler_working", fire_id=run.fire_id,
-                                                   attempt=run.attempt)
+        structlog.get_logger("tests.handler").info(
+            "handler_working", fire_id=run.fire_id, attempt=run.attempt
+        )
         if run.attempt <= int((run.payload or {}).get("fail", 0)):
             raise RuntimeError(f"transient failure on attempt {run.attempt}")

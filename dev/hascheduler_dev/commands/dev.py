@@ -14,48 +14,79 @@ from hascheduler_dev.devcluster import control, supervisor
 
 
 def add_parser(sub: Any) -> None:
-    dev = sub.add_parser("dev", help="run the whole cluster locally (development MongoDB "
-                                     "server, nats-server, replicas, a worker); or control it")
-    dev.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
-                     help="where the running cluster keeps its logs and control address")
+    dev = sub.add_parser(
+        "dev",
+        help="run the whole cluster locally (development MongoDB "
+        "server, nats-server, replicas, a worker); or control it",
+    )
+    dev.add_argument(
+        "--state-dir",
+        default=DEFAULT_STATE_DIR,
+        help="where the running cluster keeps its logs and control address",
+    )
     dev.add_argument("--replicas", type=_count, default=3, help="scheduler replicas (3)")
-    dev.add_argument("--workers", type=_count, default=1,
-                     help="workers running the fires (1; none with --broker log:)")
-    dev.add_argument("--broker", type=_broker_url, default=None,
-                     help="where fires go, as for serve: nats://host:port (a server already "
-                          "running) or log: (log lines, no worker); rabbitmq: a RabbitMQ "
-                          "node of its own (Debian's rabbitmq-server), its workers on it; "
-                          "default: a nats-server of its own")
-    dev.add_argument("--nats-cluster", type=_nodes, default=1, metavar="N",
-                     help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
-                          "the fire stream replicated 3 ways)")
-    dev.add_argument("--control-port", type=int, default=0,
-                     help="port of the loopback control API (0: any free port)")
+    dev.add_argument(
+        "--workers",
+        type=_count,
+        default=1,
+        help="workers running the fires (1; none with --broker log:)",
+    )
+    dev.add_argument(
+        "--broker",
+        type=_broker_url,
+        default=None,
+        help="where fires go, as for serve: nats://host:port (a server already "
+        "running) or log: (log lines, no worker); rabbitmq: a RabbitMQ "
+        "node of its own (Debian's rabbitmq-server), its workers on it; "
+        "default: a nats-server of its own",
+    )
+    dev.add_argument(
+        "--nats-cluster",
+        type=_nodes,
+        default=1,
+        metavar="N",
+        help="nats-servers of its own: 1, or a JetStream cluster of N (3 for "
+        "the fire stream replicated 3 ways)",
+    )
+    dev.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="port of the loopback control API (0: any free port)",
+    )
     # Accepted after the action too (`dev status --state-dir D`); SUPPRESS keeps a value
     # given before the action from being reset by the action's default.
     located = argparse.ArgumentParser(add_help=False)
     located.add_argument("--state-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     actions = dev.add_subparsers(
-        dest="action", metavar="[status | kill-leader | scale | scale-workers | audit]")
+        dest="action", metavar="[status | kill-leader | scale | scale-workers | audit]"
+    )
     status = actions.add_parser("status", help="replicas, leader and term", parents=[located])
     status.add_argument("--json", action="store_true")
-    kill = actions.add_parser("kill-leader", help="signal the leader; print the takeover time",
-                               parents=[located])
+    kill = actions.add_parser(
+        "kill-leader", help="signal the leader; print the takeover time", parents=[located]
+    )
     kill.add_argument("--signal", choices=["KILL", "TERM", "STOP"], default="KILL")
-    kill.add_argument("--stop-for", type=float, default=None,
-                      help="with STOP: seconds before SIGCONT, at least the lease ttl "
-                           "(default 2 x lease ttl)")
+    kill.add_argument(
+        "--stop-for",
+        type=float,
+        default=None,
+        help="with STOP: seconds before SIGCONT, at least the lease ttl (default 2 x lease ttl)",
+    )
     kill.add_argument("--json", action="store_true")
-    scale = actions.add_parser("scale", help="change the number of replicas",
-                               parents=[located])
+    scale = actions.add_parser("scale", help="change the number of replicas", parents=[located])
     scale.add_argument("replicas", type=_count)
     scale.add_argument("--json", action="store_true")
-    scale_workers = actions.add_parser("scale-workers", help="change the number of workers",
-                                       parents=[located])
+    scale_workers = actions.add_parser(
+        "scale-workers", help="change the number of workers", parents=[located]
+    )
     scale_workers.add_argument("workers", type=_count)
     scale_workers.add_argument("--json", action="store_true")
-    audit = actions.add_parser("audit", help="count fires in the broker stream: exit 1 if any "
-                                             "was missed or duplicated", parents=[located])
+    audit = actions.add_parser(
+        "audit",
+        help="count fires in the broker stream: exit 1 if any was missed or duplicated",
+        parents=[located],
+    )
     audit.add_argument("--since", required=True, help="ISO-8601 instant with offset")
     audit.add_argument("--until", required=True, help="ISO-8601 instant with offset")
     audit.add_argument("--json", action="store_true")
@@ -95,7 +126,15 @@ def _count(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action is not None:
         return control.run(args)
-    return asyncio.run(supervisor.run(supervisor.DevSettings(
-        replicas=args.replicas, workers=args.workers, broker=args.broker,
-        nats_cluster=args.nats_cluster, state_dir=Path(args.state_dir),
-        control_port=args.control_port)))
+    return asyncio.run(
+        supervisor.run(
+            supervisor.DevSettings(
+                replicas=args.replicas,
+                workers=args.workers,
+                broker=args.broker,
+                nats_cluster=args.nats_cluster,
+                state_dir=Path(args.state_dir),
+                control_port=args.control_port,
+            )
+        )
+    )

@@ -21,36 +21,49 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(result))
             else:
-                print(f"leader: {result['leader'] or '(none)'}  term: {result['term']}  "
-                      f"replicas: {len(result['replicas'])} (desired {result['desired']})")
+                print(
+                    f"leader: {result['leader'] or '(none)'}  term: {result['term']}  "
+                    f"replicas: {len(result['replicas'])} (desired {result['desired']})"
+                )
                 for r in result["replicas"]:
                     state = "ready" if r["ready"] else ("running" if r["alive"] else "exited")
                     mark = "  <- leader" if r["leader"] else ""
                     print(f"  {r['id']:<5} pid {r['pid']:<8} {r['url']:<24} {state}{mark}")
                 for w in result["workers"]:
-                    print(f"  {w['id']:<5} pid {w['pid']:<8} {'worker':<24} "
-                          f"{'running' if w['alive'] else 'exited'}")
+                    print(
+                        f"  {w['id']:<5} pid {w['pid']:<8} {'worker':<24} "
+                        f"{'running' if w['alive'] else 'exited'}"
+                    )
             return 0
         if args.action == "kill-leader":
             body: dict[str, Any] = {"signal": args.signal}
             if args.stop_for is not None:
                 body["stop_for_s"] = args.stop_for
             result = call(state_dir, "POST", "/kill-leader", body)
-            print(json.dumps(result) if args.json else
-                  f"SIG{result['signal']} to leader {result['killed']} (term "
-                  f"{result['old_term']}); new leader {result['new_leader']} (term "
-                  f"{result['new_term']}) after {result['takeover_ms']:.0f} ms")
+            print(
+                json.dumps(result)
+                if args.json
+                else f"SIG{result['signal']} to leader {result['killed']} (term "
+                f"{result['old_term']}); new leader {result['new_leader']} (term "
+                f"{result['new_term']}) after {result['takeover_ms']:.0f} ms"
+            )
             return 0
         if args.action == "scale":
             result = call(state_dir, "POST", "/scale", {"replicas": args.replicas})
-            print(json.dumps(result) if args.json else
-                  f"replicas: {', '.join(r['id'] for r in result['replicas']) or '(none)'}; "
-                  f"leader: {result['leader'] or '(none)'}")
+            print(
+                json.dumps(result)
+                if args.json
+                else f"replicas: {', '.join(r['id'] for r in result['replicas']) or '(none)'}; "
+                f"leader: {result['leader'] or '(none)'}"
+            )
             return 0
         if args.action == "scale-workers":
             result = call(state_dir, "POST", "/scale-workers", {"workers": args.workers})
-            print(json.dumps(result) if args.json else
-                  f"workers: {', '.join(w['id'] for w in result['workers']) or '(none)'}")
+            print(
+                json.dumps(result)
+                if args.json
+                else f"workers: {', '.join(w['id'] for w in result['workers']) or '(none)'}"
+            )
             return 0
         if args.action == "audit":
             query = urllib.parse.urlencode({"since": args.since, "until": args.until})

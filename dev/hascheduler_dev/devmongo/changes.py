@@ -106,16 +106,23 @@ class ChangeEvent:
         return encode_token(self.ticked, self.seq)
 
     def to_document(self) -> Document:
-        doc: Document = {"_id": self.token, "operationType": self.operation_type,
-                         "clusterTime": self.cluster_time, "wallTime": self.wall_time}
+        doc: Document = {
+            "_id": self.token,
+            "operationType": self.operation_type,
+            "clusterTime": self.cluster_time,
+            "wallTime": self.wall_time,
+        }
         ns: Document = {"db": self.db}
         if self.coll is not None:
             ns["coll"] = self.coll
         doc["ns"] = ns
         if self.document_key is not None:
             doc["documentKey"] = self.document_key
-        if self.update_description is None and self.before is not None \
-                and self.full_document is not None:
+        if (
+            self.update_description is None
+            and self.before is not None
+            and self.full_document is not None
+        ):
             self.update_description = describe_update(self.before, self.full_document)
             self.before = None
         if self.update_description is not None:
@@ -160,9 +167,15 @@ class ChangeLog:
     def first_seq(self) -> int:
         return self._events[0].seq if self._events else self._last_seq + 1
 
-    def append(self, db: str, coll: str | None, operation_type: str, key_id: Any = NO_KEY,
-               full_document: Document | None = None, before: Document | None = None
-               ) -> ChangeEvent:
+    def append(
+        self,
+        db: str,
+        coll: str | None,
+        operation_type: str,
+        key_id: Any = NO_KEY,
+        full_document: Document | None = None,
+        before: Document | None = None,
+    ) -> ChangeEvent:
         if len(self._events) == self.capacity:
             self._history_starts_after = self._events[0].ticked
         self._last_seq = seq = self._last_seq + 1
@@ -174,8 +187,9 @@ class ChangeLog:
         if now_ms != self._wall_ms:
             self._wall_ms = now_ms
             self._wall = _EPOCH + datetime.timedelta(milliseconds=now_ms)
-        event = ChangeEvent(seq, ticked, self._wall, db, coll, operation_type, key_id,
-                            full_document, None, before)
+        event = ChangeEvent(
+            seq, ticked, self._wall, db, coll, operation_type, key_id, full_document, None, before
+        )
         self._events.append(event)
         self.last_in[db, coll] = self.last_in_db[db] = seq
         if self._appended is not None:  # wake every waiter once; later ones get a new event
@@ -188,9 +202,12 @@ class ChangeLog:
         if seq > self._last_seq:
             raise MongoError(260, "resume token is from the future of this server")
         if seq + 1 < self.first_seq:
-            raise MongoError(286, "Resume of change stream was not possible, as the resume "
-                                  "point may no longer be in the oplog.",
-                             errorLabels=["NonResumableChangeStreamError"])
+            raise MongoError(
+                286,
+                "Resume of change stream was not possible, as the resume "
+                "point may no longer be in the oplog.",
+                errorLabels=["NonResumableChangeStreamError"],
+            )
 
     def seq_at_time(self, ts: Timestamp) -> int:
         """Position just before the first event at or after ``ts``.
@@ -199,9 +216,12 @@ class ChangeLog:
         """
         wanted = (ts.time, ts.inc)
         if wanted <= self._history_starts_after:
-            raise MongoError(286, "Resume of change stream was not possible, as the resume "
-                                  "point may no longer be in the oplog.",
-                             errorLabels=["NonResumableChangeStreamError"])
+            raise MongoError(
+                286,
+                "Resume of change stream was not possible, as the resume "
+                "point may no longer be in the oplog.",
+                errorLabels=["NonResumableChangeStreamError"],
+            )
         events = self._events
         lo, hi = 0, len(events)
         while lo < hi:

@@ -23,8 +23,9 @@ MAX_BATCH_BYTES = 16 * 1024 * 1024
 DEFAULT_FIRST_BATCH = 101
 
 # Events a change stream shows without showExpandedEvents.
-_DEFAULT_EVENTS = frozenset({"insert", "update", "replace", "delete", "drop", "rename",
-                             "dropDatabase", "invalidate"})
+_DEFAULT_EVENTS = frozenset(
+    {"insert", "update", "replace", "delete", "drop", "rename", "dropDatabase", "invalidate"}
+)
 _INTERNAL_DBS = frozenset({"admin", "config", "local"})
 
 
@@ -98,12 +99,14 @@ class ChangeStreamCursor(Cursor):
             doc["fullDocument"] = event.full_document
         elif event.operation_type == "update":
             if self.full_document == "updateLookup" and self.lookup is not None:
-                doc["fullDocument"] = self.lookup(event.db, event.coll or "",
-                                                  event.key_id)
+                doc["fullDocument"] = self.lookup(event.db, event.coll or "", event.key_id)
             elif self.full_document in {"whenAvailable", "required"}:
                 doc["fullDocument"] = event.full_document
         if self.before_change == "whenAvailable" and event.operation_type in {
-                "update", "replace", "delete"}:
+            "update",
+            "replace",
+            "delete",
+        }:
             doc["fullDocumentBeforeChange"] = None
         return doc
 
@@ -113,8 +116,10 @@ class ChangeStreamCursor(Cursor):
             return False
         if self.coll is None:
             return changes.last_in_db.get(self.db, 0) <= self.position
-        return (changes.last_in.get((self.db, self.coll), 0) <= self.position
-                and changes.last_in.get((self.db, None), 0) <= self.position)
+        return (
+            changes.last_in.get((self.db, self.coll), 0) <= self.position
+            and changes.last_in.get((self.db, None), 0) <= self.position
+        )
 
     def collect(self, batch_size: int | None) -> list[Document]:
         """The next events in scope after ``position``, advancing it; never waits."""
@@ -138,11 +143,12 @@ class ChangeStreamCursor(Cursor):
             if shown:
                 batch.extend(self._apply_stages(self._render(event)))
             if self._invalidates(event):
-                invalidate = {"_id": encode_token(event.ticked, event.seq,
-                                                  TOKEN_FLAG_INVALIDATE),
-                              "operationType": "invalidate",
-                              "clusterTime": event.cluster_time,
-                              "wallTime": event.wall_time}
+                invalidate = {
+                    "_id": encode_token(event.ticked, event.seq, TOKEN_FLAG_INVALIDATE),
+                    "operationType": "invalidate",
+                    "clusterTime": event.cluster_time,
+                    "wallTime": event.wall_time,
+                }
                 batch.append(invalidate)
                 self.invalidated = True
                 break
@@ -160,8 +166,11 @@ class ChangeStreamCursor(Cursor):
         out = engine.run_pipeline([doc], self.stages)
         for shown in out:
             if not isinstance(shown.get("_id"), dict) or shown["_id"] != doc["_id"]:
-                raise MongoError(280, "Encountered an event whose _id field, which contains "
-                                      "the resume token, was modified by the pipeline.")
+                raise MongoError(
+                    280,
+                    "Encountered an event whose _id field, which contains "
+                    "the resume token, was modified by the pipeline.",
+                )
         return out
 
     def post_batch_token(self, batch: list[Document]) -> Document:

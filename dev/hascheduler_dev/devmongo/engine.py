@@ -45,8 +45,16 @@ mm_aggregate: Any = importlib.import_module("mongomock.aggregate")
 mm_filtering: Any = importlib.import_module("mongomock.filtering")
 mm_helpers: Any = importlib.import_module("mongomock.helpers")
 
-_MONGOMOCK_ERRORS = (mongomock.OperationFailure, mongomock.WriteError, NotImplementedError,
-                     AssertionError, TypeError, ValueError, KeyError, ZeroDivisionError)
+_MONGOMOCK_ERRORS = (
+    mongomock.OperationFailure,
+    mongomock.WriteError,
+    NotImplementedError,
+    AssertionError,
+    TypeError,
+    ValueError,
+    KeyError,
+    ZeroDivisionError,
+)
 
 
 def _engine_error(exc: BaseException) -> MongoError:
@@ -59,6 +67,7 @@ def _engine_error(exc: BaseException) -> MongoError:
 
 
 # --- gap fills ---------------------------------------------------------------------------
+
 
 def _install_gap_fills() -> None:
     parser = mm_aggregate._Parser
@@ -118,8 +127,9 @@ def _compare(left: Any, right: Any) -> int:
 def _unset_stage(docs: list[Document], _db: Any, options: Any) -> list[Document]:
     fields = [options] if isinstance(options, str) else options
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
-        raise mongomock.OperationFailure("$unset specification must be a string or an array "
-                                         "of strings")
+        raise mongomock.OperationFailure(
+            "$unset specification must be a string or an array of strings"
+        )
     out = []
     for doc in docs:
         doc = copy.deepcopy(doc)
@@ -135,8 +145,7 @@ def _unset_stage(docs: list[Document], _db: Any, options: Any) -> list[Document]
 
 
 def _replace_with_stage(docs: list[Document], db: Any, options: Any) -> list[Document]:
-    result: list[Document] = mm_aggregate._handle_replace_root_stage(
-        docs, db, {"newRoot": options})
+    result: list[Document] = mm_aggregate._handle_replace_root_stage(docs, db, {"newRoot": options})
     return result
 
 
@@ -189,6 +198,7 @@ def _substituted(expr: Any, now: datetime.datetime, cluster_time: Timestamp) -> 
 
 # --- per-document operations --------------------------------------------------------------
 
+
 class Operation:
     """One operation's evaluation context: ``$$NOW`` and ``$$CLUSTER_TIME`` are fixed per op."""
 
@@ -213,7 +223,8 @@ def _plainly_valid(filter_: Document) -> bool:
         if cls is dict and len(want) == 1:
             listed = want.get("$in")
             if listed.__class__ is list and all(
-                    v.__class__ in PLAIN_SCALARS or v is None for v in listed):
+                v.__class__ in PLAIN_SCALARS or v is None for v in listed
+            ):
                 continue
         return False
     return True
@@ -246,8 +257,7 @@ def matches(filter_: Document, doc: Document) -> bool:
         raise _engine_error(exc) from exc
 
 
-_RANGE_TESTS: dict[str, Callable[[Any, Any], bool]] = {
-    "$lt": lt, "$lte": le, "$gt": gt, "$gte": ge}
+_RANGE_TESTS: dict[str, Callable[[Any, Any], bool]] = {"$lt": lt, "$lte": le, "$gt": gt, "$gte": ge}
 
 
 def _plain_conditions(filter_: Document, doc: Document) -> bool | None:
@@ -268,8 +278,7 @@ def _plain_conditions(filter_: Document, doc: Document) -> bool | None:
                 test = _RANGE_TESTS.get(op)
                 if test is None or type(bound) not in PLAIN_SCALARS or bound != bound:
                     return None
-                if type_rank(have) != type_rank(bound) or \
-                        not test(sort_key(have), sort_key(bound)):
+                if type_rank(have) != type_rank(bound) or not test(sort_key(have), sort_key(bound)):
                     return False
         elif type(want) not in PLAIN_SCALARS or want != want:
             return None
@@ -293,23 +302,33 @@ def validate_update(update: Any) -> None:
             if not isinstance(stage, dict) or len(stage) != 1:
                 raise MongoError(9, "each update pipeline stage must be an object with one field")
             name = next(iter(stage))
-            if name not in {"$set", "$addFields", "$unset", "$project", "$replaceRoot",
-                            "$replaceWith"}:
-                raise MongoError(
-                    72, f"{name} is not allowed to be used within an update")
+            if name not in {
+                "$set",
+                "$addFields",
+                "$unset",
+                "$project",
+                "$replaceRoot",
+                "$replaceWith",
+            }:
+                raise MongoError(72, f"{name} is not allowed to be used within an update")
         return
     if not isinstance(update, dict):
         raise MongoError(14, "update must be an object or an array")
     operators = [k.startswith("$") for k in update]
     if any(operators) and not all(operators):
-        raise MongoError(9, "an update document must contain only update operators or only "
-                            "fields (a replacement)")
+        raise MongoError(
+            9,
+            "an update document must contain only update operators or only fields (a replacement)",
+        )
     for key, fields in update.items():
         if not key.startswith("$"):
             continue
         if key not in _UPDATE_OPERATORS:
-            raise MongoError(9, f"Unknown modifier: {key}. Expected a valid update modifier "
-                                "or pipeline-style update specified as an array")
+            raise MongoError(
+                9,
+                f"Unknown modifier: {key}. Expected a valid update modifier "
+                "or pipeline-style update specified as an array",
+            )
         if isinstance(fields, dict) and "" in fields:
             raise MongoError(56, "An empty update path is not valid.")
         if key == "$push" and isinstance(fields, dict):
@@ -322,23 +341,51 @@ def _validate_push_modifiers(spec: Any) -> None:
     if not isinstance(spec, dict) or "$each" not in spec:
         return
     if not isinstance(spec["$each"], list):
-        raise MongoError(2, "The argument to $each in $push must be an array but it was of "
-                            f"type: {type(spec['$each']).__name__}")
+        raise MongoError(
+            2,
+            "The argument to $each in $push must be an array but it was of "
+            f"type: {type(spec['$each']).__name__}",
+        )
     keep = spec.get("$slice", 0)
     whole = isinstance(keep, int) or (isinstance(keep, float) and keep.is_integer())
     if not whole or isinstance(keep, bool):
-        raise MongoError(2, "The value for $slice must be an integer value but was given "
-                            f"type: {type(keep).__name__}")
+        raise MongoError(
+            2,
+            "The value for $slice must be an integer value but was given "
+            f"type: {type(keep).__name__}",
+        )
 
 
-_UPDATE_OPERATORS = frozenset({
-    "$set", "$unset", "$inc", "$mul", "$min", "$max", "$rename", "$setOnInsert",
-    "$currentDate", "$push", "$pull", "$pullAll", "$addToSet", "$pop", "$bit"})
+_UPDATE_OPERATORS = frozenset(
+    {
+        "$set",
+        "$unset",
+        "$inc",
+        "$mul",
+        "$min",
+        "$max",
+        "$rename",
+        "$setOnInsert",
+        "$currentDate",
+        "$push",
+        "$pull",
+        "$pullAll",
+        "$addToSet",
+        "$pop",
+        "$bit",
+    }
+)
 
 
-def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
-                 inserting: bool, array_filters: list[Document] | None = None,
-                 plan: PlainUpdate | None = None) -> Document:
+def apply_update(
+    op: Operation,
+    doc: Document,
+    filter_: Document,
+    update: Any,
+    inserting: bool,
+    array_filters: list[Document] | None = None,
+    plan: PlainUpdate | None = None,
+) -> Document:
     """The document after ``update``; ``doc`` itself is not modified. ``plan``, from
     plain_update_plan(update) when one update applies to many documents, skips re-reading
     it.
@@ -348,8 +395,7 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
     if plan is not None:
         return plan.apply(doc)
     if array_filters is not None or _has_array_positional(update):
-        return _apply_with_array_filters(op, doc, filter_, update, inserting,
-                                         array_filters or [])
+        return _apply_with_array_filters(op, doc, filter_, update, inserting, array_filters or [])
     fast = plain_update_plan(update)
     if fast is not None:
         return fast.apply(doc)
@@ -376,8 +422,10 @@ def apply_update(op: Operation, doc: Document, filter_: Document, update: Any,
     except _MONGOMOCK_ERRORS as exc:
         raise _engine_error(exc) from exc
     if "_id" in doc and ("_id" not in new or sort_key(new["_id"]) != sort_key(doc["_id"])):
-        raise MongoError(66, "After applying the update, the (immutable) field '_id' was found "
-                             "to have been altered")
+        raise MongoError(
+            66,
+            "After applying the update, the (immutable) field '_id' was found to have been altered",
+        )
     if "_id" in new and next(iter(new)) != "_id":
         new = {"_id": new["_id"], **{k: v for k, v in new.items() if k != "_id"}}
     if not whole:
@@ -404,24 +452,35 @@ def _array_filters_by_identifier(array_filters: Any) -> dict[str, Document]:
             raise MongoError(9, "each arrayFilters entry must use exactly one identifier")
         identifier = identifiers.pop()
         if not _IDENTIFIER.match(identifier):
-            raise MongoError(2, f"the array filter identifier '{identifier}' must begin with "
-                                "a lowercase letter and contain only letters and digits")
+            raise MongoError(
+                2,
+                f"the array filter identifier '{identifier}' must begin with "
+                "a lowercase letter and contain only letters and digits",
+            )
         if identifier in found:
-            raise MongoError(9, f"Found multiple array filters with the same top-level field "
-                                f"name {identifier}")
+            raise MongoError(
+                9, f"Found multiple array filters with the same top-level field name {identifier}"
+            )
         # Matched against {"v": element}: "x.grade" -> "v.grade", "x" -> "v".
-        found[identifier] = {"v" + key[len(identifier):]: cond for key, cond in spec.items()}
+        found[identifier] = {"v" + key[len(identifier) :]: cond for key, cond in spec.items()}
     return found
 
 
 def _has_array_positional(update: Any) -> bool:
     return is_operator_update(update) and any(
         isinstance(fields, dict) and any("$[" in str(path) for path in fields)
-        for fields in update.values())
+        for fields in update.values()
+    )
 
 
-def _apply_with_array_filters(op: Operation, doc: Document, filter_: Document, update: Any,
-                              inserting: bool, array_filters: Any) -> Document:
+def _apply_with_array_filters(
+    op: Operation,
+    doc: Document,
+    filter_: Document,
+    update: Any,
+    inserting: bool,
+    array_filters: Any,
+) -> Document:
     """An update with ``$[]`` / ``$[<identifier>]`` paths (mongomock has none).
 
     Paths without positional operators go through the engine as usual; the filtered ones
@@ -434,13 +493,15 @@ def _apply_with_array_filters(op: Operation, doc: Document, filter_: Document, u
     positional: list[tuple[str, str, Any]] = []
     for operator, fields in update.items():
         if not isinstance(fields, dict):
-            raise MongoError(9, f"Modifiers operate on fields but we found type "
-                                f"{type(fields).__name__} instead")
+            raise MongoError(
+                9, f"Modifiers operate on fields but we found type {type(fields).__name__} instead"
+            )
         for path, value in fields.items():
             if "$[" in path:
                 if operator not in _FILTERED_OPERATORS:
-                    raise MongoError(2, f"{operator} with $[] paths is not supported by the "
-                                        "development server")
+                    raise MongoError(
+                        2, f"{operator} with $[] paths is not supported by the development server"
+                    )
                 positional.append((operator, path, value))
             else:
                 plain.setdefault(operator, {})[path] = value
@@ -450,25 +511,33 @@ def _apply_with_array_filters(op: Operation, doc: Document, filter_: Document, u
         _apply_positional(new, path.split("."), operator, value, filters, used, path)
     unused = set(filters) - used
     if unused:
-        raise MongoError(9, f"The array filter for identifier '{sorted(unused)[0]}' was not "
-                            "used in the update")
+        raise MongoError(
+            9, f"The array filter for identifier '{sorted(unused)[0]}' was not used in the update"
+        )
     patched: Document = mm_helpers.patch_datetime_awareness_in_document(new)
     return patched
 
 
-def _apply_positional(node: Any, parts: list[str], operator: str, value: Any,
-                      filters: dict[str, Document], used: set[str], path: str) -> None:
+def _apply_positional(
+    node: Any,
+    parts: list[str],
+    operator: str,
+    value: Any,
+    filters: dict[str, Document],
+    used: set[str],
+    path: str,
+) -> None:
     head, rest = parts[0], parts[1:]
     if head.startswith("$[") and head.endswith("]"):
         identifier = head[2:-1]
         if identifier and identifier not in filters:
-            raise MongoError(2, f"No array filter found for identifier '{identifier}' in "
-                                f"path '{path}'")
+            raise MongoError(
+                2, f"No array filter found for identifier '{identifier}' in path '{path}'"
+            )
         if identifier:
             used.add(identifier)
         if not isinstance(node, list):
-            raise MongoError(2, f"Cannot apply array updates to non-array element in "
-                                f"path '{path}'")
+            raise MongoError(2, f"Cannot apply array updates to non-array element in path '{path}'")
         for index, element in enumerate(node):
             if identifier and not matches(filters[identifier], {"v": element}):
                 continue
@@ -485,8 +554,9 @@ def _apply_positional(node: Any, parts: list[str], operator: str, value: Any,
     elif isinstance(node, list) and head.isdigit() and int(head) < len(node):
         child = node[int(head)]
     else:
-        raise MongoError(2, f"The path '{path}' must exist in the document in order to apply "
-                            "array updates.")
+        raise MongoError(
+            2, f"The path '{path}' must exist in the document in order to apply array updates."
+        )
     _apply_positional(child, rest, operator, value, filters, used, path)
 
 
@@ -522,8 +592,11 @@ def _set_one(container: Any, key: Any, operator: str, value: Any, path: str) -> 
         if current is MISSING_VALUE:
             new = copy.deepcopy(value)
         else:
-            keep_new = sort_key(value) < sort_key(current) if operator == "$min" \
+            keep_new = (
+                sort_key(value) < sort_key(current)
+                if operator == "$min"
                 else sort_key(value) > sort_key(current)
+            )
             new = copy.deepcopy(value) if keep_new else current
     if isinstance(container, list):
         if not present:
@@ -537,8 +610,13 @@ MISSING_VALUE: Any = object()
 
 
 def _plain_field(name: Any) -> bool:
-    return isinstance(name, str) and bool(name) and "." not in name and \
-        not name.startswith("$") and name != "_id"
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "." not in name
+        and not name.startswith("$")
+        and name != "_id"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,8 +638,11 @@ class PlainUpdate:
     touched: frozenset[str] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "touched", frozenset(self.sets) | self.unsets
-                           | {name for name, _, _ in self.pushes})
+        object.__setattr__(
+            self,
+            "touched",
+            frozenset(self.sets) | self.unsets | {name for name, _, _ in self.pushes},
+        )
 
     def apply(self, doc: Document) -> Document:
         """The updated document. Raises MongoError (2 BadValue) when a push meets a field
@@ -572,9 +653,12 @@ class PlainUpdate:
         for field, values, keep in self.pushes:
             current = new.get(field, [])
             if not isinstance(current, list):
-                raise MongoError(2, f"The field '{field}' must be an array but is of type "
-                                    f"{type(current).__name__} in document "
-                                    f"{{_id: {doc.get('_id')!r}}}")
+                raise MongoError(
+                    2,
+                    f"The field '{field}' must be an array but is of type "
+                    f"{type(current).__name__} in document "
+                    f"{{_id: {doc.get('_id')!r}}}",
+                )
             grown = current + values
             if keep is not None:
                 grown = grown[keep:] if keep < 0 else grown[:keep]
@@ -585,29 +669,34 @@ class PlainUpdate:
 def plain_update_plan(update: Any) -> PlainUpdate | None:
     """The PlainUpdate for ``update``, or None when it needs the general engine. Raises
     MongoError (40 ConflictingUpdateOperators) when it names a field twice."""
-    if not isinstance(update, dict) or not update or \
-            not set(update) <= {"$set", "$unset", "$push"}:
+    if not isinstance(update, dict) or not update or not set(update) <= {"$set", "$unset", "$push"}:
         return None
     sets, unsets = update.get("$set", {}), update.get("$unset", {})
     pushed = update.get("$push", {})
-    if not isinstance(sets, dict) or not isinstance(unsets, dict) or \
-            not isinstance(pushed, dict) or not (sets or unsets or pushed):
+    if (
+        not isinstance(sets, dict)
+        or not isinstance(unsets, dict)
+        or not isinstance(pushed, dict)
+        or not (sets or unsets or pushed)
+    ):
         return None
     fields = [*sets, *unsets, *pushed]
     if not all(_plain_field(k) for k in fields):
         return None
     if len(set(fields)) != len(fields):
         twice = next(f for f in fields if fields.count(f) > 1)
-        raise MongoError(40, f"Updating the path '{twice}' would create a conflict at "
-                             f"'{twice}'")
+        raise MongoError(40, f"Updating the path '{twice}' would create a conflict at '{twice}'")
     if any(_operator_like(v) for v in sets.values()):
         return None  # operator-looking values: let the engine refuse them as MongoDB does
     pushes = []
     for field, spec in pushed.items():
         if not _operator_like(spec):
             values, keep = [spec], None
-        elif set(spec) <= {"$each", "$slice"} and isinstance(spec.get("$each"), list) and \
-                _is_slice_count(spec.get("$slice")):
+        elif (
+            set(spec) <= {"$each", "$slice"}
+            and isinstance(spec.get("$each"), list)
+            and _is_slice_count(spec.get("$slice"))
+        ):
             values, keep = spec["$each"], spec.get("$slice")
             if any(_operator_like(v) for v in values):
                 return None
@@ -615,9 +704,16 @@ def plain_update_plan(update: Any) -> PlainUpdate | None:
             return None
         pushes.append((field, mm_helpers.patch_datetime_awareness_in_document(values), keep))
     # The helper rebuilds containers, so nothing is shared with the command's document.
-    return PlainUpdate({k: v if v.__class__ in _UNPATCHED or v is None
-                        else mm_helpers.patch_datetime_awareness_in_document(v)
-                        for k, v in sets.items()}, frozenset(unsets), tuple(pushes))
+    return PlainUpdate(
+        {
+            k: v
+            if v.__class__ in _UNPATCHED or v is None
+            else mm_helpers.patch_datetime_awareness_in_document(v)
+            for k, v in sets.items()
+        },
+        frozenset(unsets),
+        tuple(pushes),
+    )
 
 
 # Values the helper returns as they are (it rebuilds containers and moves datetimes to UTC).
@@ -699,8 +795,12 @@ def plain_sort(docs: list[Document], sort: Document) -> list[Document] | None:
     server's one thread many times longer)."""
     fields: list[tuple[str, bool]] = []
     for name, direction in sort.items():
-        if name[:1] == "$" or "." in name or type(direction) not in (int, float) \
-                or direction not in (1, -1):
+        if (
+            name[:1] == "$"
+            or "." in name
+            or type(direction) not in (int, float)
+            or direction not in (1, -1)
+        ):
             return None
         fields.append((name, direction == -1))
     for doc in docs:

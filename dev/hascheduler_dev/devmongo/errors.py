@@ -64,19 +64,27 @@ class MongoError(Exception):
         return CODE_NAMES.get(self.code, "UnknownError")
 
     def to_reply(self) -> dict[str, Any]:
-        return {"ok": 0.0, "errmsg": self.message, "code": self.code,
-                "codeName": self.code_name, **self.extra}
+        return {
+            "ok": 0.0,
+            "errmsg": self.message,
+            "code": self.code,
+            "codeName": self.code_name,
+            **self.extra,
+        }
 
 
 class DuplicateKey(MongoError):
-    def __init__(self, ns: str, index_name: str, key_pattern: dict[str, Any],
-                 key_value: dict[str, Any]) -> None:
+    def __init__(
+        self, ns: str, index_name: str, key_pattern: dict[str, Any], key_value: dict[str, Any]
+    ) -> None:
         shown = ", ".join(f"{k}: {v!r}" for k, v in key_value.items())
         super().__init__(
             11000,
             f"E11000 duplicate key error collection: {ns} index: {index_name} "
             f"dup key: {{ {shown} }}",
-            keyPattern=key_pattern, keyValue=key_value)
+            keyPattern=key_pattern,
+            keyValue=key_value,
+        )
 
 
 def bad_value(message: str) -> MongoError:

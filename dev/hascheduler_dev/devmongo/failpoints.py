@@ -54,8 +54,9 @@ class FailPoints:
         """Handle ``configureFailPoint``; returns the reply fields."""
         name = cmd.get("configureFailPoint")
         if name != "failCommand":
-            raise MongoError(2, f"unknown fail point: {name!r} (the development server "
-                                "implements failCommand)")
+            raise MongoError(
+                2, f"unknown fail point: {name!r} (the development server implements failCommand)"
+            )
         mode = cmd.get("mode")
         previous = self.times_entered
         if mode == "off":

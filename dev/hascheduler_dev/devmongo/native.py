@@ -42,8 +42,7 @@ def digest() -> str:
     h = hashlib.sha256()
     for name in COMPILED:
         h.update(name.encode() + b"\0" + (SOURCES / f"{name}.py").read_bytes() + b"\0")
-    h.update(f"{mypy_version}\0{sys.version}\0{sysconfig.get_config_var('EXT_SUFFIX')}"
-             .encode())
+    h.update(f"{mypy_version}\0{sys.version}\0{sysconfig.get_config_var('EXT_SUFFIX')}".encode())
     return h.hexdigest()[:20]
 
 
@@ -100,13 +99,23 @@ def build() -> Path:
         for source in SOURCES.glob("*.py"):
             shutil.copy(source, tree)
         done = subprocess.run(
-            [sys.executable, "-m", "mypyc", *(f"hascheduler_dev/devmongo/{n}.py"
-                                              for n in COMPILED)],
-            cwd=work, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
-            env={**os.environ, "MYPY_CACHE_DIR": str(work / ".mypy_cache")})
+            [
+                sys.executable,
+                "-m",
+                "mypyc",
+                *(f"hascheduler_dev/devmongo/{n}.py" for n in COMPILED),
+            ],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+            env={**os.environ, "MYPY_CACHE_DIR": str(work / ".mypy_cache")},
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"mypyc failed ({done.returncode}):\n"
-                               f"{done.stdout[-4000:]}{done.stderr[-4000:]}")
+            raise RuntimeError(
+                f"mypyc failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
+            )
         out = work / "out"
         (out / "lib").mkdir(parents=True)
         (out / "devmongo").mkdir()
@@ -132,8 +141,10 @@ def main(argv: list[str]) -> int:
         try:
             print(f"development server compiled: {build()}")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"development server not compiled (it runs from its sources): {exc}",
-                  file=sys.stderr)
+            print(
+                f"development server not compiled (it runs from its sources): {exc}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if argv == ["status"]:

@@ -57,17 +57,46 @@ SERVER_VERSION = "7.0.0"
 SESSION_TIMEOUT_MINUTES = 30
 RETRYABLE_COMMANDS = frozenset({"insert", "update", "delete", "findAndModify"})
 # What a stepped-down node still answers: the handshake, monitoring and administration.
-ANSWERED_WHEN_SECONDARY = frozenset({
-    "hello", "isMaster", "ismaster", "ping", "buildInfo", "buildinfo", "serverStatus",
-    "endSessions", "refreshSessions", "killAllSessions", "killSessions", "killCursors",
-    "replSetGetStatus", "replSetStepDown", "configureFailPoint", "connectionStatus",
-    "whatsmyuri", "getParameter", "waitForFailPoint"})
-READ_COMMANDS = frozenset({"find", "getMore", "aggregate", "count", "distinct",
-                           "listIndexes", "listCollections", "listDatabases"})
+ANSWERED_WHEN_SECONDARY = frozenset(
+    {
+        "hello",
+        "isMaster",
+        "ismaster",
+        "ping",
+        "buildInfo",
+        "buildinfo",
+        "serverStatus",
+        "endSessions",
+        "refreshSessions",
+        "killAllSessions",
+        "killSessions",
+        "killCursors",
+        "replSetGetStatus",
+        "replSetStepDown",
+        "configureFailPoint",
+        "connectionStatus",
+        "whatsmyuri",
+        "getParameter",
+        "waitForFailPoint",
+    }
+)
+READ_COMMANDS = frozenset(
+    {
+        "find",
+        "getMore",
+        "aggregate",
+        "count",
+        "distinct",
+        "listIndexes",
+        "listCollections",
+        "listDatabases",
+    }
+)
 # Commands that wait (for events, for a topology change) rather than work: their time is
 # not the server's time held.
-WAITING_COMMANDS = frozenset({"getMore", "hello", "isMaster", "ismaster", "replSetStepDown",
-                              "waitForFailPoint"})
+WAITING_COMMANDS = frozenset(
+    {"getMore", "hello", "isMaster", "ismaster", "replSetStepDown", "waitForFailPoint"}
+)
 MAX_STEP_DOWN_S = 3600.0
 MAX_REMEMBERED_SESSIONS = 100_000
 
@@ -107,28 +136,48 @@ class Node:
         self.connection_generation = 0
         self.secondary = False
         self._topology_changed = asyncio.Event()
-        self._handlers: dict[str, Callable[[str, Document, ConnectionContext],
-                                           Awaitable[Document]]] = {
-            "hello": self._hello, "isMaster": self._hello, "ismaster": self._hello,
-            "ping": self._ping, "buildInfo": self._build_info, "buildinfo": self._build_info,
-            "serverStatus": self._server_status, "endSessions": self._ping,
-            "refreshSessions": self._ping, "killAllSessions": self._ping,
-            "killSessions": self._ping, "insert": self._insert, "find": self._find,
-            "getMore": self._get_more, "killCursors": self._kill_cursors,
-            "update": self._update, "delete": self._delete,
-            "findAndModify": self._find_and_modify, "findandmodify": self._find_and_modify,
-            "aggregate": self._aggregate, "count": self._count, "distinct": self._distinct,
-            "createIndexes": self._create_indexes, "listIndexes": self._list_indexes,
-            "dropIndexes": self._drop_indexes, "deleteIndexes": self._drop_indexes,
-            "create": self._create, "drop": self._drop,
+        self._handlers: dict[
+            str, Callable[[str, Document, ConnectionContext], Awaitable[Document]]
+        ] = {
+            "hello": self._hello,
+            "isMaster": self._hello,
+            "ismaster": self._hello,
+            "ping": self._ping,
+            "buildInfo": self._build_info,
+            "buildinfo": self._build_info,
+            "serverStatus": self._server_status,
+            "endSessions": self._ping,
+            "refreshSessions": self._ping,
+            "killAllSessions": self._ping,
+            "killSessions": self._ping,
+            "insert": self._insert,
+            "find": self._find,
+            "getMore": self._get_more,
+            "killCursors": self._kill_cursors,
+            "update": self._update,
+            "delete": self._delete,
+            "findAndModify": self._find_and_modify,
+            "findandmodify": self._find_and_modify,
+            "aggregate": self._aggregate,
+            "count": self._count,
+            "distinct": self._distinct,
+            "createIndexes": self._create_indexes,
+            "listIndexes": self._list_indexes,
+            "dropIndexes": self._drop_indexes,
+            "deleteIndexes": self._drop_indexes,
+            "create": self._create,
+            "drop": self._drop,
             "listCollections": self._list_collections,
-            "listDatabases": self._list_databases, "dropDatabase": self._drop_database,
+            "listDatabases": self._list_databases,
+            "dropDatabase": self._drop_database,
             "configureFailPoint": self._configure_fail_point,
             "waitForFailPoint": self._wait_for_fail_point,
             "replSetGetStatus": self._repl_set_get_status,
-            "connectionStatus": self._connection_status, "whatsmyuri": self._whatsmyuri,
+            "connectionStatus": self._connection_status,
+            "whatsmyuri": self._whatsmyuri,
             "getParameter": self._get_parameter,
-            "commitTransaction": self._transactions, "abortTransaction": self._transactions,
+            "commitTransaction": self._transactions,
+            "abortTransaction": self._transactions,
             "replSetStepDown": self._repl_set_step_down,
         }
 
@@ -153,15 +202,17 @@ class Node:
                 reply["topologyVersion"] = self.topology_version
         except Exception as exc:  # a bug must never cost the client its connection
             log.exception("command_failed", command=name)
-            reply = MongoError(1, f"internal error in the development server: {exc!r}"
-                               ).to_reply()
-        reply["$clusterTime"] = {"clusterTime": self.clock.current,
-                                 "signature": {"hash": b"\0" * 20, "keyId": Int64(0)}}
+            reply = MongoError(1, f"internal error in the development server: {exc!r}").to_reply()
+        reply["$clusterTime"] = {
+            "clusterTime": self.clock.current,
+            "signature": {"hash": b"\0" * 20, "keyId": Int64(0)},
+        }
         reply["operationTime"] = self.clock.current
         return reply
 
-    async def _dispatch(self, name: str, db: str, body: Document,
-                        ctx: ConnectionContext) -> Document:
+    async def _dispatch(
+        self, name: str, db: str, body: Document, ctx: ConnectionContext
+    ) -> Document:
         received = time.monotonic()
         handler = self._handlers.get(name)
         if handler is None:
@@ -179,8 +230,12 @@ class Node:
         # held up on its way to being applied (a blockConnection fail point, a session
         # replay) past its limit is refused, never applied.
         limit = body.get("maxTimeMS")
-        if (name in RETRYABLE_COMMANDS and isinstance(limit, int) and limit > 0
-                and (time.monotonic() - received) * 1000 > limit):
+        if (
+            name in RETRYABLE_COMMANDS
+            and isinstance(limit, int)
+            and limit > 0
+            and (time.monotonic() - received) * 1000 > limit
+        ):
             raise MongoError(50, "operation exceeded time limit")
         retry_key = self._retry_key(name, body)
         if retry_key is not None:
@@ -191,15 +246,23 @@ class Node:
                     self._sessions.move_to_end(retry_key[0])
                     return copy.deepcopy(reply)
                 if retry_key[1] < txn:
-                    raise MongoError(225, f"Retryable write with txnNumber {retry_key[1]} is "
-                                          f"prohibited on session because a newer retryable "
-                                          f"write with txnNumber {txn} has already started")
+                    raise MongoError(
+                        225,
+                        f"Retryable write with txnNumber {retry_key[1]} is "
+                        f"prohibited on session because a newer retryable "
+                        f"write with txnNumber {txn} has already started",
+                    )
         started = time.monotonic()
         result = await handler(db, body, ctx)
         held_ms = (time.monotonic() - started) * 1000
         if held_ms >= self.settings.slow_ms and name not in WAITING_COMMANDS:
-            log.warning("slow_command", command=name, ns=namespace, ms=round(held_ms, 1),
-                        shape=_shape(name, body))
+            log.warning(
+                "slow_command",
+                command=name,
+                ns=namespace,
+                ms=round(held_ms, 1),
+                shape=_shape(name, body),
+            )
         result.setdefault("ok", 1.0)
         if retry_key is not None:
             self._sessions[retry_key[0]] = (retry_key[1], copy.deepcopy(result))
@@ -223,8 +286,9 @@ class Node:
             extra: Document = {}
             if rule.error_labels:
                 extra["errorLabels"] = rule.error_labels
-            raise MongoError(rule.error_code, "Failing command via 'failCommand' failpoint",
-                             **extra)
+            raise MongoError(
+                rule.error_code, "Failing command via 'failCommand' failpoint", **extra
+            )
 
     @staticmethod
     def _retry_key(name: str, body: Document) -> tuple[bytes, int] | None:
@@ -253,8 +317,9 @@ class Node:
 
     # -- elections ------------------------------------------------------------------------
 
-    async def _repl_set_step_down(self, db: str, body: Document,
-                                  ctx: ConnectionContext) -> Document:
+    async def _repl_set_step_down(
+        self, db: str, body: Document, ctx: ConnectionContext
+    ) -> Document:
         """``{replSetStepDown: seconds}``: be a secondary for that long (a fraction of a
         second is allowed here), then win the next election. Meanwhile writes answer
         NotWritablePrimary, reads NotPrimaryNoSecondaryOk, every connection open now is
@@ -262,10 +327,14 @@ class Node:
         if db != "admin":
             raise MongoError(13, "replSetStepDown may only be run against the admin database.")
         seconds = body.get("replSetStepDown")
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
-                not 0 < seconds <= MAX_STEP_DOWN_S:
-            raise bad_value(f"replSetStepDown takes seconds, more than 0 and at most "
-                            f"{MAX_STEP_DOWN_S:g}")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not 0 < seconds <= MAX_STEP_DOWN_S
+        ):
+            raise bad_value(
+                f"replSetStepDown takes seconds, more than 0 and at most {MAX_STEP_DOWN_S:g}"
+            )
         if self.secondary:
             raise MongoError(10107, "not primary so can't step down")
         self.secondary = True
@@ -290,8 +359,11 @@ class Node:
             # 4.4+ servers label what a change stream may resume after.
             labels = ["ResumableChangeStreamError"] if name == "getMore" else []
             raise MongoError(13435, "not primary and secondaryOk=false", errorLabels=labels)
-        labels = ["RetryableWriteError"] if name in RETRYABLE_COMMANDS | {"findandmodify"} \
-            and "txnNumber" in body else []
+        labels = (
+            ["RetryableWriteError"]
+            if name in RETRYABLE_COMMANDS | {"findandmodify"} and "txnNumber" in body
+            else []
+        )
         raise MongoError(10107, "not primary", errorLabels=labels)
 
     async def _hello(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
@@ -312,8 +384,11 @@ class Node:
                 changed = asyncio.ensure_future(self._topology_changed.wait())
                 stopping = asyncio.ensure_future(self.shutting_down.wait())
                 try:
-                    await asyncio.wait({changed, stopping}, timeout=wait_ms / 1000,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {changed, stopping},
+                        timeout=wait_ms / 1000,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                 finally:
                     changed.cancel()
                     stopping.cancel()
@@ -325,17 +400,25 @@ class Node:
         reply: Document = {
             primary_field: not self.secondary,
             "topologyVersion": self.topology_version,
-            "hosts": [self.me], "setName": self.settings.replset, "setVersion": 1,
-            "me": self.me, "secondary": self.secondary,
-            "lastWrite": {"opTime": {"ts": last, "t": Int64(self.term)},
-                          "lastWriteDate": wall,
-                          "majorityOpTime": {"ts": last, "t": Int64(self.term)},
-                          "majorityWriteDate": wall},
-            "maxBsonObjectSize": 16 * 1024 * 1024, "maxMessageSizeBytes": 48_000_000,
+            "hosts": [self.me],
+            "setName": self.settings.replset,
+            "setVersion": 1,
+            "me": self.me,
+            "secondary": self.secondary,
+            "lastWrite": {
+                "opTime": {"ts": last, "t": Int64(self.term)},
+                "lastWriteDate": wall,
+                "majorityOpTime": {"ts": last, "t": Int64(self.term)},
+                "majorityWriteDate": wall,
+            },
+            "maxBsonObjectSize": 16 * 1024 * 1024,
+            "maxMessageSizeBytes": 48_000_000,
             "maxWriteBatchSize": 100_000,
             "localTime": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
             "logicalSessionTimeoutMinutes": SESSION_TIMEOUT_MINUTES,
-            "connectionId": ctx.id, "minWireVersion": 0, "maxWireVersion": MAX_WIRE_VERSION,
+            "connectionId": ctx.id,
+            "minWireVersion": 0,
+            "maxWireVersion": MAX_WIRE_VERSION,
             "readOnly": False,
         }
         if not self.secondary:
@@ -348,66 +431,102 @@ class Node:
         return {}
 
     async def _build_info(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
-        return {"version": SERVER_VERSION, "gitVersion": "hascheduler-devmongo",
-                "versionArray": [7, 0, 0, 0], "bits": 64, "debug": False,
-                "maxBsonObjectSize": 16 * 1024 * 1024, "storageEngines": ["devmongo"],
-                "modules": []}
+        return {
+            "version": SERVER_VERSION,
+            "gitVersion": "hascheduler-devmongo",
+            "versionArray": [7, 0, 0, 0],
+            "bits": 64,
+            "debug": False,
+            "maxBsonObjectSize": 16 * 1024 * 1024,
+            "storageEngines": ["devmongo"],
+            "modules": [],
+        }
 
-    async def _server_status(self, db: str, body: Document,
-                             ctx: ConnectionContext) -> Document:
+    async def _server_status(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         uptime = time.monotonic() - self.started
-        return {"host": self.me, "version": SERVER_VERSION, "process": "devmongo",
-                "pid": Int64(os.getpid()), "uptime": float(int(uptime)),
-                "uptimeMillis": Int64(int(uptime * 1000)),
-                "localTime": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
-                "connections": {"current": self.connections_current, "available": 100_000,
-                                "totalCreated": self.connections_total},
-                "repl": {"setName": self.settings.replset, "isWritablePrimary": True,
-                         "primary": self.me, "me": self.me},
-                "devmongo": {"databases": len(self.catalog.databases),
-                             "changeLogEvents": self.changes.last_seq - self.changes.first_seq + 1,
-                             "openCursors": len(self.cursors)}}
+        return {
+            "host": self.me,
+            "version": SERVER_VERSION,
+            "process": "devmongo",
+            "pid": Int64(os.getpid()),
+            "uptime": float(int(uptime)),
+            "uptimeMillis": Int64(int(uptime * 1000)),
+            "localTime": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
+            "connections": {
+                "current": self.connections_current,
+                "available": 100_000,
+                "totalCreated": self.connections_total,
+            },
+            "repl": {
+                "setName": self.settings.replset,
+                "isWritablePrimary": True,
+                "primary": self.me,
+                "me": self.me,
+            },
+            "devmongo": {
+                "databases": len(self.catalog.databases),
+                "changeLogEvents": self.changes.last_seq - self.changes.first_seq + 1,
+                "openCursors": len(self.cursors),
+            },
+        }
 
-    async def _repl_set_get_status(self, db: str, body: Document,
-                                   ctx: ConnectionContext) -> Document:
+    async def _repl_set_get_status(
+        self, db: str, body: Document, ctx: ConnectionContext
+    ) -> Document:
         state, name = (2, "SECONDARY") if self.secondary else (1, "PRIMARY")
-        return {"set": self.settings.replset, "myState": state, "term": Int64(self.term),
-                "date": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
-                "members": [{"_id": 0, "name": self.me, "health": 1.0, "state": state,
-                             "stateStr": name, "self": True}]}
+        return {
+            "set": self.settings.replset,
+            "myState": state,
+            "term": Int64(self.term),
+            "date": datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
+            "members": [
+                {
+                    "_id": 0,
+                    "name": self.me,
+                    "health": 1.0,
+                    "state": state,
+                    "stateStr": name,
+                    "self": True,
+                }
+            ],
+        }
 
-    async def _connection_status(self, db: str, body: Document,
-                                 ctx: ConnectionContext) -> Document:
+    async def _connection_status(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         return {"authInfo": {"authenticatedUsers": [], "authenticatedUserRoles": []}}
 
     async def _whatsmyuri(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         return {"you": ctx.peer}
 
-    async def _get_parameter(self, db: str, body: Document,
-                             ctx: ConnectionContext) -> Document:
+    async def _get_parameter(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         return {"featureCompatibilityVersion": {"version": "7.0"}}
 
     async def _transactions(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
-        raise MongoError(20, "multi-document transactions are not supported by the "
-                             "hascheduler development server; use a MongoDB replica set")
+        raise MongoError(
+            20,
+            "multi-document transactions are not supported by the "
+            "hascheduler development server; use a MongoDB replica set",
+        )
 
-    async def _configure_fail_point(self, db: str, body: Document,
-                                    ctx: ConnectionContext) -> Document:
+    async def _configure_fail_point(
+        self, db: str, body: Document, ctx: ConnectionContext
+    ) -> Document:
         if db != "admin":
-            raise MongoError(13, "configureFailPoint may only be run against the admin "
-                                 "database.")
+            raise MongoError(13, "configureFailPoint may only be run against the admin database.")
         return self.failpoints.configure(body)
 
-    async def _wait_for_fail_point(self, db: str, body: Document,
-                                   ctx: ConnectionContext) -> Document:
+    async def _wait_for_fail_point(
+        self, db: str, body: Document, ctx: ConnectionContext
+    ) -> Document:
         """``{waitForFailPoint: "failCommand", timesEntered: n, maxTimeMS: ms}``: answer
         once the fail point has caught n commands, or fail with MaxTimeMSExpired."""
         if db != "admin":
-            raise MongoError(13, "waitForFailPoint may only be run against the admin "
-                                 "database.")
+            raise MongoError(13, "waitForFailPoint may only be run against the admin database.")
         if body.get("waitForFailPoint") != "failCommand":
-            raise MongoError(2, f"unknown fail point: {body.get('waitForFailPoint')!r} (the "
-                                "development server implements failCommand)")
+            raise MongoError(
+                2,
+                f"unknown fail point: {body.get('waitForFailPoint')!r} (the "
+                "development server implements failCommand)",
+            )
         times, limit = body.get("timesEntered"), body.get("maxTimeMS")
         if isinstance(times, bool) or not isinstance(times, int) or times <= 0:
             raise bad_value("waitForFailPoint needs timesEntered, a positive integer")
@@ -432,8 +551,9 @@ class Node:
         validate_namespace(db, name)
         return self.catalog.get(db, name)
 
-    def _open_cursor(self, cursor: ResultCursor, batch_size: int | None,
-                     single_batch: bool = False) -> Document:
+    def _open_cursor(
+        self, cursor: ResultCursor, batch_size: int | None, single_batch: bool = False
+    ) -> Document:
         first = cursor.next_batch(DEFAULT_FIRST_BATCH if batch_size is None else batch_size)
         cursor_id = 0
         if not cursor.exhausted and not single_batch:
@@ -470,12 +590,13 @@ class Node:
         if coll and limit and list(sort) == ["_id"] and sort["_id"] in (1, -1):
             docs = coll.first_by_id(self.operation(), filter_, skip + limit, sort["_id"] == -1)
         if docs is None and coll and sort and limit:
-            docs = [doc for _, doc in coll.find_sorted(self.operation(), filter_, sort,
-                                                         skip + limit)]
+            docs = [
+                doc for _, doc in coll.find_sorted(self.operation(), filter_, sort, skip + limit)
+            ]
         if docs is None:
             docs = [doc for _, doc in coll.find(self.operation(), filter_)] if coll else []
             docs = engine.sort_documents(docs, sort)
-        docs = docs[skip:skip + limit] if limit else docs[skip:]
+        docs = docs[skip : skip + limit] if limit else docs[skip:]
         docs = engine.project(docs, body.get("projection"))
         batch_size = self._batch_size(body.get("batchSize"))
         if limit and (batch_size is None or batch_size > limit):
@@ -494,10 +615,14 @@ class Node:
         if isinstance(cursor, ChangeStreamCursor):
             wait_ms = body.get("maxTimeMS", 1000)
             batch = await self._wait_for_events(cursor, batch_size, float(wait_ms) / 1000)
-            reply = {"cursor": {"nextBatch": batch, "id": Int64(0 if cursor.invalidated
-                                                                    else cursor.id),
-                                "ns": cursor.ns,
-                                "postBatchResumeToken": cursor.post_batch_token(batch)}}
+            reply = {
+                "cursor": {
+                    "nextBatch": batch,
+                    "id": Int64(0 if cursor.invalidated else cursor.id),
+                    "ns": cursor.ns,
+                    "postBatchResumeToken": cursor.post_batch_token(batch),
+                }
+            }
             if cursor.invalidated:
                 self.cursors.pop(cursor.id, None)
             cursor.touch()
@@ -506,11 +631,17 @@ class Node:
         batch = cursor.next_batch(batch_size)
         if cursor.exhausted:
             self.cursors.pop(cursor.id, None)
-        return {"cursor": {"nextBatch": batch,
-                           "id": Int64(0 if cursor.exhausted else cursor.id), "ns": cursor.ns}}
+        return {
+            "cursor": {
+                "nextBatch": batch,
+                "id": Int64(0 if cursor.exhausted else cursor.id),
+                "ns": cursor.ns,
+            }
+        }
 
-    async def _wait_for_events(self, cursor: ChangeStreamCursor, batch_size: int | None,
-                               wait_s: float) -> list[Document]:
+    async def _wait_for_events(
+        self, cursor: ChangeStreamCursor, batch_size: int | None, wait_s: float
+    ) -> list[Document]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -531,8 +662,12 @@ class Node:
         missing: list[Any] = []
         for cursor_id in ids:
             (killed if self.cursors.pop(int(cursor_id), None) else missing).append(cursor_id)
-        return {"cursorsKilled": killed, "cursorsNotFound": missing, "cursorsAlive": [],
-                "cursorsUnknown": []}
+        return {
+            "cursorsKilled": killed,
+            "cursorsNotFound": missing,
+            "cursorsAlive": [],
+            "cursorsUnknown": [],
+        }
 
     async def _count(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         name = self._collection_name(body, "count")
@@ -551,7 +686,7 @@ class Node:
         filter_ = engine.check_filter(body.get("query"))
         coll = self._existing(db, name)
         seen: dict[Any, Any] = {}
-        for _, doc in (coll.find(self.operation(), filter_) if coll else []):
+        for _, doc in coll.find(self.operation(), filter_) if coll else []:
             value = get_path(doc, key)
             values = value if isinstance(value, list) else [value]
             for v in values:
@@ -566,19 +701,31 @@ class Node:
             raise type_mismatch("'pipeline' option must be specified as an array")
         cursor_opts = body.get("cursor")
         if not isinstance(cursor_opts, dict) and not body.get("explain"):
-            raise MongoError(9, "The 'cursor' option is required, except for aggregate with "
-                                "the explain argument")
+            raise MongoError(
+                9, "The 'cursor' option is required, except for aggregate with the explain argument"
+            )
         batch_size = self._batch_size((cursor_opts or {}).get("batchSize"))
         if pipeline and "$changeStream" in pipeline[0]:
             return self._open_change_stream(db, target, pipeline, batch_size)
         for stage in pipeline:
             name = next(iter(stage))
-            if name in {"$out", "$merge", "$lookup", "$graphLookup", "$unionWith",
-                        "$changeStream", "$currentOp", "$listSessions"}:
+            if name in {
+                "$out",
+                "$merge",
+                "$lookup",
+                "$graphLookup",
+                "$unionWith",
+                "$changeStream",
+                "$currentOp",
+                "$listSessions",
+            }:
                 raise MongoError(2, f"{name} is not supported by the development server")
         if not isinstance(target, str):
-            raise MongoError(73, "aggregate: 1 needs a collection-less stage the development "
-                                 "server does not support")
+            raise MongoError(
+                73,
+                "aggregate: 1 needs a collection-less stage the development "
+                "server does not support",
+            )
         coll = self._existing(db, target)
         op = self.operation()
         if coll is None:
@@ -588,29 +735,40 @@ class Node:
             pipeline = pipeline[1:]
             counted = _plain_count(pipeline, len(matched))
             if counted is not None:  # count_documents: no copies, no pipeline engine
-                return self._open_cursor(self._new_result_cursor(f"{db}.{target}", counted),
-                                         batch_size)
+                return self._open_cursor(
+                    self._new_result_cursor(f"{db}.{target}", counted), batch_size
+                )
             docs = [copy.deepcopy(d) for d in matched]
         else:
             docs = [copy.deepcopy(d) for d in coll.docs.values()]
         result = engine.run_pipeline(docs, op.prepare(pipeline))
         return self._open_cursor(self._new_result_cursor(f"{db}.{target}", result), batch_size)
 
-    def _open_change_stream(self, db: str, target: Any, pipeline: list[Document],
-                            batch_size: int | None) -> Document:
+    def _open_change_stream(
+        self, db: str, target: Any, pipeline: list[Document], batch_size: int | None
+    ) -> Document:
         spec = pipeline[0]["$changeStream"]
         if not isinstance(spec, dict):
             raise type_mismatch("$changeStream stage must be an object")
         for stage in pipeline[1:]:
             name = next(iter(stage))
-            if name not in {"$match", "$project", "$addFields", "$set", "$unset",
-                            "$replaceRoot", "$replaceWith", "$redact"}:
-                raise MongoError(280 if name.startswith("$") else 2,
-                                 f"{name} is not permitted in a $changeStream pipeline")
+            if name not in {
+                "$match",
+                "$project",
+                "$addFields",
+                "$set",
+                "$unset",
+                "$replaceRoot",
+                "$replaceWith",
+                "$redact",
+            }:
+                raise MongoError(
+                    280 if name.startswith("$") else 2,
+                    f"{name} is not permitted in a $changeStream pipeline",
+                )
         cluster = bool(spec.get("allChangesForCluster"))
         if cluster and (db != "admin" or target != 1):
-            raise MongoError(73, "allChangesForCluster needs aggregate: 1 on the admin "
-                                 "database")
+            raise MongoError(73, "allChangesForCluster needs aggregate: 1 on the admin database")
         if target == 1:
             scope_db: str | None = None if cluster else db
             coll: str | None = None
@@ -626,18 +784,25 @@ class Node:
         if before not in {"off", "whenAvailable", "required"}:
             raise bad_value(f"unknown fullDocumentBeforeChange mode {before!r}")
         if before == "required":
-            raise MongoError(2, "the development server keeps no pre-images; "
-                                "fullDocumentBeforeChange 'required' cannot be served")
+            raise MongoError(
+                2,
+                "the development server keeps no pre-images; "
+                "fullDocumentBeforeChange 'required' cannot be served",
+            )
         starts = [k for k in ("resumeAfter", "startAfter", "startAtOperationTime") if k in spec]
         if len(starts) > 1:
-            raise MongoError(40674, "Only one type of resume option is allowed, but multiple "
-                                    "were found")
+            raise MongoError(
+                40674, "Only one type of resume option is allowed, but multiple were found"
+            )
         if "resumeAfter" in spec or "startAfter" in spec:
             seq, flags = decode_token(spec.get("resumeAfter", spec.get("startAfter")))
             if flags & TOKEN_FLAG_INVALIDATE and "resumeAfter" in spec:
-                raise MongoError(260, "Attempting to resume a change stream using "
-                                      "'resumeAfter' is not allowed from an invalidate "
-                                      "notification.")
+                raise MongoError(
+                    260,
+                    "Attempting to resume a change stream using "
+                    "'resumeAfter' is not allowed from an invalidate "
+                    "notification.",
+                )
             self.changes.check_resumable_after(seq)
             position = seq
         elif "startAtOperationTime" in spec:
@@ -654,16 +819,28 @@ class Node:
         cursor = ChangeStreamCursor(
             id=next(self._cursor_ids),
             ns=f"{db}.{coll if coll else '$cmd.aggregate'}",
-            changes=self.changes, db=scope_db, coll=coll, position=position,
-            full_document=full_document, before_change=before,
+            changes=self.changes,
+            db=scope_db,
+            coll=coll,
+            position=position,
+            full_document=full_document,
+            before_change=before,
             show_expanded=bool(spec.get("showExpandedEvents")),
-            stages=pipeline[1:], lookup=self._lookup)
+            stages=pipeline[1:],
+            lookup=self._lookup,
+        )
         batch = cursor.collect(batch_size)
         cursor_id = 0 if cursor.invalidated else cursor.id
         if cursor_id:
             self.cursors[cursor.id] = cursor
-        return {"cursor": {"firstBatch": batch, "id": Int64(cursor_id), "ns": cursor.ns,
-                           "postBatchResumeToken": cursor.post_batch_token(batch)}}
+        return {
+            "cursor": {
+                "firstBatch": batch,
+                "id": Int64(cursor_id),
+                "ns": cursor.ns,
+                "postBatchResumeToken": cursor.post_batch_token(batch),
+            }
+        }
 
     def _lookup(self, db: str, coll: str, _id: Any) -> Document | None:
         collection = self.catalog.get(db, coll)
@@ -679,8 +856,9 @@ class Node:
             err["keyValue"] = exc.extra["keyValue"]
         return err
 
-    async def _each_statement(self, statements: list[Any], ordered: Any,
-                              apply: Callable[[Any, int], None]) -> list[Document]:
+    async def _each_statement(
+        self, statements: list[Any], ordered: Any, apply: Callable[[Any, int], None]
+    ) -> list[Document]:
         """Run each statement of a write command; an ordered one stops at the first error.
         The loop is yielded once a turn has run TURN_S, between statements, as mongod yields
         in a long write: a leader's 1,000-fire claim, or a bulk of several 1,000-fire
@@ -750,8 +928,9 @@ class Node:
             reply["upserted"] = upserted
         return self._with_errors(reply, errors)
 
-    def _update_one_statement(self, coll: Collection,
-                              stmt: Document) -> tuple[int, int, Any | None]:
+    def _update_one_statement(
+        self, coll: Collection, stmt: Document
+    ) -> tuple[int, int, Any | None]:
         q = engine.check_filter(stmt.get("q"))
         u = stmt.get("u")
         engine.validate_update(u)
@@ -769,15 +948,26 @@ class Node:
         plan = engine.plain_update_plan(u) if array_filters is None else None
         for rid, doc in matches:
             new = engine.apply_update(op, doc, prepared, u, False, array_filters, plan)
-            changed += coll.replace(rid, new, replacement, validated=plan is not None,
-                                    touched=plan.touched if plan is not None else None)
+            changed += coll.replace(
+                rid,
+                new,
+                replacement,
+                validated=plan is not None,
+                touched=plan.touched if plan is not None else None,
+            )
         if matches or not stmt.get("upsert"):
             return len(matches), changed, None
         return 0, 0, self._upsert(op, coll, q, u, replacement, array_filters)
 
     @staticmethod
-    def _upsert(op: engine.Operation, coll: Collection, q: Document, u: Any,
-                replacement: bool, array_filters: Any) -> Any:
+    def _upsert(
+        op: engine.Operation,
+        coll: Collection,
+        q: Document,
+        u: Any,
+        replacement: bool,
+        array_filters: Any,
+    ) -> Any:
         seed = engine.upsert_seed(q)
         if replacement:
             new = {k: v for k, v in u.items()}
@@ -811,8 +1001,7 @@ class Node:
         errors = await self._each_statement(statements, body.get("ordered", True), apply)
         return self._with_errors({"n": n}, errors)
 
-    async def _find_and_modify(self, db: str, body: Document,
-                               ctx: ConnectionContext) -> Document:
+    async def _find_and_modify(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         name = self._collection_name(body, next(iter(body)))
         q = engine.check_filter(body.get("query"))
         remove = bool(body.get("remove"))
@@ -837,10 +1026,10 @@ class Node:
                 coll.delete(rid)
                 value = doc
             else:
-                replacement = not isinstance(update, list) and \
-                    not engine.is_operator_update(update)
-                new = engine.apply_update(op, doc, op.prepare(q), update, False,
-                                          body.get("arrayFilters"))
+                replacement = not isinstance(update, list) and not engine.is_operator_update(update)
+                new = engine.apply_update(
+                    op, doc, op.prepare(q), update, False, body.get("arrayFilters")
+                )
                 coll.replace(rid, new, replacement)
                 value = new if body.get("new") else doc
                 last_error["updatedExisting"] = True
@@ -859,8 +1048,7 @@ class Node:
 
     # -- catalog --------------------------------------------------------------------------
 
-    async def _create_indexes(self, db: str, body: Document,
-                              ctx: ConnectionContext) -> Document:
+    async def _create_indexes(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         name = self._collection_name(body, "createIndexes")
         specs = self._statements(body, "indexes")
         existed = self.catalog.get(db, name) is not None
@@ -868,8 +1056,11 @@ class Node:
         before = len(coll.indexes)
         created = [coll.create_index(engine.require_document(s, "index spec")) for s in specs]
         self.catalog.ensure_registered(coll)
-        reply: Document = {"numIndexesBefore": before, "numIndexesAfter": len(coll.indexes),
-                           "createdCollectionAutomatically": not existed}
+        reply: Document = {
+            "numIndexesBefore": before,
+            "numIndexesAfter": len(coll.indexes),
+            "createdCollectionAutomatically": not existed,
+        }
         if not any(created):
             reply["note"] = "all indexes already exist"
         return reply
@@ -902,9 +1093,20 @@ class Node:
 
     async def _create(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         name = self._collection_name(body, "create")
-        options = {k: v for k, v in body.items()
-                   if k not in {"create", "$db", "lsid", "$clusterTime", "writeConcern",
-                                "$readPreference", "apiVersion"}}
+        options = {
+            k: v
+            for k, v in body.items()
+            if k
+            not in {
+                "create",
+                "$db",
+                "lsid",
+                "$clusterTime",
+                "writeConcern",
+                "$readPreference",
+                "apiVersion",
+            }
+        }
         self.catalog.create(db, name, options)
         return {}
 
@@ -915,24 +1117,26 @@ class Node:
         self.catalog.drop(db, name)
         return {"nIndexesWas": was, "ns": f"{db}.{name}"}
 
-    async def _list_collections(self, db: str, body: Document,
-                                ctx: ConnectionContext) -> Document:
+    async def _list_collections(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         filter_ = engine.check_filter(body.get("filter"))
         name_only = bool(body.get("nameOnly"))
         infos = []
         for name, coll in self.catalog.databases.get(db, {}).items():
             info: Document = {"name": name, "type": "collection"}
             if not name_only:
-                info.update(options=coll.options, info={"readOnly": False},
-                            idIndex={"v": 2, "key": {"_id": 1}, "name": "_id_"})
+                info.update(
+                    options=coll.options,
+                    info={"readOnly": False},
+                    idIndex={"v": 2, "key": {"_id": 1}, "name": "_id_"},
+                )
             if engine.matches(filter_, info):
                 infos.append(info)
         batch_size = self._batch_size((body.get("cursor") or {}).get("batchSize"))
-        return self._open_cursor(self._new_result_cursor(f"{db}.$cmd.listCollections", infos),
-                                 batch_size)
+        return self._open_cursor(
+            self._new_result_cursor(f"{db}.$cmd.listCollections", infos), batch_size
+        )
 
-    async def _list_databases(self, db: str, body: Document,
-                              ctx: ConnectionContext) -> Document:
+    async def _list_databases(self, db: str, body: Document, ctx: ConnectionContext) -> Document:
         filter_ = engine.check_filter(body.get("filter"))
         dbs = []
         for name, colls in self.catalog.databases.items():
@@ -963,7 +1167,7 @@ class Node:
                 for start in range(0, len(expired), TTL_CHUNK):
                     if start:
                         await asyncio.sleep(0)
-                    for rid in expired[start:start + TTL_CHUNK]:
+                    for rid in expired[start : start + TTL_CHUNK]:
                         if coll.still_expired(rid, now):
                             coll.delete(rid)
                             removed += 1
@@ -1007,7 +1211,6 @@ def _shape(name: str, body: Document) -> str:
         if isinstance(body.get(field), list):
             statements = body[field]
             first = statements[0] if statements else None
-            described = repr(first.get("q")) if isinstance(first, dict) and "q" in first \
-                else ""
+            described = repr(first.get("q")) if isinstance(first, dict) and "q" in first else ""
             return f"{len(statements)} {field} {described}"[:300]
     return name

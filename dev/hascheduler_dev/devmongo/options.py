@@ -14,27 +14,76 @@ from typing import Any
 from hascheduler_dev.devmongo.errors import MongoError
 
 # Sent by drivers with any command; none changes what a single-node server answers.
-GENERIC = frozenset({
-    "$db", "lsid", "txnNumber", "$clusterTime", "$readPreference", "readConcern",
-    "writeConcern", "apiVersion", "apiStrict", "apiDeprecationErrors", "comment",
-    "maxTimeMS", "startTransaction", "autocommit", "stmtId", "stmtIds",
-})
+GENERIC = frozenset(
+    {
+        "$db",
+        "lsid",
+        "txnNumber",
+        "$clusterTime",
+        "$readPreference",
+        "readConcern",
+        "writeConcern",
+        "apiVersion",
+        "apiStrict",
+        "apiDeprecationErrors",
+        "comment",
+        "maxTimeMS",
+        "startTransaction",
+        "autocommit",
+        "stmtId",
+        "stmtIds",
+    }
+)
 # hint picks an index and changes no result; allowDiskUse, noCursorTimeout,
 # allowPartialResults and bypassDocumentValidation have nothing to act on here.
 COMMAND_OPTIONS: dict[str, frozenset[str]] = {
-    "find": frozenset({"find", "filter", "sort", "projection", "skip", "limit", "batchSize",
-                       "singleBatch", "hint", "allowDiskUse", "noCursorTimeout",
-                       "allowPartialResults"}),
-    "aggregate": frozenset({"aggregate", "pipeline", "cursor", "explain", "allowDiskUse",
-                            "hint", "bypassDocumentValidation"}),
+    "find": frozenset(
+        {
+            "find",
+            "filter",
+            "sort",
+            "projection",
+            "skip",
+            "limit",
+            "batchSize",
+            "singleBatch",
+            "hint",
+            "allowDiskUse",
+            "noCursorTimeout",
+            "allowPartialResults",
+        }
+    ),
+    "aggregate": frozenset(
+        {
+            "aggregate",
+            "pipeline",
+            "cursor",
+            "explain",
+            "allowDiskUse",
+            "hint",
+            "bypassDocumentValidation",
+        }
+    ),
     "count": frozenset({"count", "query", "limit", "skip", "hint"}),
     "distinct": frozenset({"distinct", "key", "query"}),
     "insert": frozenset({"insert", "documents", "ordered", "bypassDocumentValidation"}),
     "update": frozenset({"update", "updates", "ordered", "bypassDocumentValidation"}),
     "delete": frozenset({"delete", "deletes", "ordered"}),
-    "findAndModify": frozenset({"findAndModify", "query", "sort", "remove", "update", "new",
-                                "fields", "upsert", "arrayFilters", "hint",
-                                "bypassDocumentValidation"}),
+    "findAndModify": frozenset(
+        {
+            "findAndModify",
+            "query",
+            "sort",
+            "remove",
+            "update",
+            "new",
+            "fields",
+            "upsert",
+            "arrayFilters",
+            "hint",
+            "bypassDocumentValidation",
+        }
+    ),
     "getMore": frozenset({"getMore", "collection", "batchSize"}),
     "createIndexes": frozenset({"createIndexes", "indexes", "commitQuorum"}),
     # A single node has no secondary to wait for or to force past.
@@ -44,15 +93,41 @@ COMMAND_OPTIONS["findandmodify"] = COMMAND_OPTIONS["findAndModify"] | {"findandm
 STATEMENT_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     "update": ("updates", frozenset({"q", "u", "upsert", "multi", "arrayFilters", "hint"})),
     "delete": ("deletes", frozenset({"q", "limit", "hint"})),
-    "createIndexes": ("indexes", frozenset({"key", "name", "unique", "sparse",
-                                            "expireAfterSeconds", "partialFilterExpression",
-                                            "background", "v"})),
+    "createIndexes": (
+        "indexes",
+        frozenset(
+            {
+                "key",
+                "name",
+                "unique",
+                "sparse",
+                "expireAfterSeconds",
+                "partialFilterExpression",
+                "background",
+                "v",
+            }
+        ),
+    ),
 }
 # Known to MongoDB, not implemented here: named in the error so the reader knows it is a
 # limit of this server, not a mistake in the command.
-NOT_IMPLEMENTED = frozenset({"collation", "let", "c", "min", "max", "returnKey",
-                             "showRecordId", "tailable", "awaitData", "oplogReplay",
-                             "hidden", "wildcardProjection", "sampleRate"})
+NOT_IMPLEMENTED = frozenset(
+    {
+        "collation",
+        "let",
+        "c",
+        "min",
+        "max",
+        "returnKey",
+        "showRecordId",
+        "tailable",
+        "awaitData",
+        "oplogReplay",
+        "hidden",
+        "wildcardProjection",
+        "sampleRate",
+    }
+)
 
 
 def check(name: str, body: dict[str, Any]) -> None:
@@ -75,6 +150,9 @@ def _check_fields(where: str, document: dict[str, Any], known: frozenset[str]) -
         if key in known:
             continue
         if key in NOT_IMPLEMENTED:
-            raise MongoError(115, f"the development server does not implement '{key}' for "
-                                  f"{where}; run against a real MongoDB for it")
+            raise MongoError(
+                115,
+                f"the development server does not implement '{key}' for "
+                f"{where}; run against a real MongoDB for it",
+            )
         raise MongoError(40415, f"BSON field '{where}.{key}' is an unknown field.")

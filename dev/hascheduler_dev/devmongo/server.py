@@ -46,15 +46,22 @@ class DevMongoServer:
     async def start(self) -> None:
         s = self.node.settings
         context = tls_context(s.tls_certificate_key_file) if s.tls_certificate_key_file else None
-        self._server = await asyncio.start_server(self._serve, s.host, s.port,
-                                                  limit=wire.MAX_MESSAGE_SIZE, ssl=context)
+        self._server = await asyncio.start_server(
+            self._serve, s.host, s.port, limit=wire.MAX_MESSAGE_SIZE, ssl=context
+        )
         if s.port == 0:
             s.port = self._server.sockets[0].getsockname()[1]
-        self._background = [asyncio.create_task(self._every(s.ttl_interval_s,
-                                                            self.node.reap_expired_documents)),
-                            asyncio.create_task(self._every(1.0, self.node.reap_idle_cursors))]
-        log.info("devmongo_listening", uri=self.uri, replset=s.replset,
-                 oplog_size=s.oplog_size, compiled=native.running_compiled())
+        self._background = [
+            asyncio.create_task(self._every(s.ttl_interval_s, self.node.reap_expired_documents)),
+            asyncio.create_task(self._every(1.0, self.node.reap_idle_cursors)),
+        ]
+        log.info(
+            "devmongo_listening",
+            uri=self.uri,
+            replset=s.replset,
+            oplog_size=s.oplog_size,
+            compiled=native.running_compiled(),
+        )
 
     async def stop(self) -> None:
         self.node.shutting_down.set()
@@ -91,8 +98,11 @@ class DevMongoServer:
         assert task is not None
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
-        ctx = ConnectionContext(next(self._conn_ids), f"{peer[0]}:{peer[1]}" if peer else "?",
-                                generation=self.node.connection_generation)
+        ctx = ConnectionContext(
+            next(self._conn_ids),
+            f"{peer[0]}:{peer[1]}" if peer else "?",
+            generation=self.node.connection_generation,
+        )
         self.node.connections_current += 1
         self.node.connections_total += 1
         try:
@@ -110,8 +120,9 @@ class DevMongoServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _replies(self, reader: asyncio.StreamReader,
-                       ctx: ConnectionContext) -> AsyncIterator[bytes]:
+    async def _replies(
+        self, reader: asyncio.StreamReader, ctx: ConnectionContext
+    ) -> AsyncIterator[bytes]:
         while True:
             header = wire.parse_header(await reader.readexactly(wire.HEADER.size))
             payload = await reader.readexactly(header.length - wire.HEADER.size)
@@ -120,10 +131,17 @@ class DevMongoServer:
             elif header.op_code == wire.OP_QUERY:
                 msg = wire.parse_op_query(header, payload)
             else:
-                yield wire.encode_op_msg(next(self._request_ids), header.request_id, {
-                    "ok": 0.0, "code": 59, "codeName": "CommandNotFound",
-                    "errmsg": f"unsupported op code {header.op_code}: the development server "
-                              "speaks OP_MSG (and OP_QUERY for the handshake)"})
+                yield wire.encode_op_msg(
+                    next(self._request_ids),
+                    header.request_id,
+                    {
+                        "ok": 0.0,
+                        "code": 59,
+                        "codeName": "CommandNotFound",
+                        "errmsg": f"unsupported op code {header.op_code}: the development server "
+                        "speaks OP_MSG (and OP_QUERY for the handshake)",
+                    },
+                )
                 continue
             async for reply in self._answer(msg, ctx):
                 yield reply
@@ -133,17 +151,28 @@ class DevMongoServer:
         if msg.legacy_namespace is not None:
             db, _, coll = msg.legacy_namespace.partition(".")
             if coll != "$cmd":
-                yield wire.encode_op_reply(next(self._request_ids), request_id, {
-                    "$err": "OP_QUERY is no longer supported except for commands on $cmd",
-                    "code": 352, "codeName": "UnsupportedOpQueryCommand", "ok": 0.0})
+                yield wire.encode_op_reply(
+                    next(self._request_ids),
+                    request_id,
+                    {
+                        "$err": "OP_QUERY is no longer supported except for commands on $cmd",
+                        "code": 352,
+                        "codeName": "UnsupportedOpQueryCommand",
+                        "ok": 0.0,
+                    },
+                )
                 return
             reply = await self.node.execute(db, msg.body, ctx)
             yield wire.encode_op_reply(next(self._request_ids), request_id, reply)
             return
         db_name = msg.body.get("$db")
         if not isinstance(db_name, str):
-            reply = {"ok": 0.0, "code": 40571, "codeName": "Location40571",
-                     "errmsg": "OP_MSG requests require a $db argument"}
+            reply = {
+                "ok": 0.0,
+                "code": 40571,
+                "codeName": "Location40571",
+                "errmsg": "OP_MSG requests require a $db argument",
+            }
             yield wire.encode_op_msg(next(self._request_ids), request_id, reply)
             return
         db = db_name
@@ -151,8 +180,12 @@ class DevMongoServer:
         if msg.more_to_come:
             return  # an unacknowledged write: the client reads no reply
         name = next(iter(msg.body), "")
-        streaming = (msg.exhaust_allowed and name in {"hello", "isMaster", "ismaster"}
-                     and "maxAwaitTimeMS" in msg.body and reply.get("ok") == 1.0)
+        streaming = (
+            msg.exhaust_allowed
+            and name in {"hello", "isMaster", "ismaster"}
+            and "maxAwaitTimeMS" in msg.body
+            and reply.get("ok") == 1.0
+        )
         reply_id = next(self._request_ids)
         flags = wire.FLAG_MORE_TO_COME if streaming else 0
         yield wire.encode_op_msg(reply_id, request_id, reply, flags)

@@ -99,7 +99,8 @@ def _plain_keys(cond: Document) -> frozenset[Hashable] | None:
     server, and everything queued behind it, a lease renewal too)."""
     values = cond.get("$in") if len(cond) == 1 else None
     if not isinstance(values, list) or not all(
-            v.__class__ in PLAIN_SCALARS and v == v for v in values):
+        v.__class__ in PLAIN_SCALARS and v == v for v in values
+    ):
         return None
     return frozenset(key_of(v) for v in values)
 
@@ -214,8 +215,9 @@ class Index:
         per_field = [[key_of(v) for v in vs] for vs in values]
         return list(dict.fromkeys(itertools.product(*per_field))), values[0]
 
-    def add(self, rid: int, doc: Document, unique_check: bool = False,
-            applies: bool = False) -> None:
+    def add(
+        self, rid: int, doc: Document, unique_check: bool = False, applies: bool = False
+    ) -> None:
         """Index ``doc`` as record ``rid``; with ``unique_check``, first raise
         DuplicateKeyConflict if a unique key is held by another record. ``applies``: the
         caller knows the index holds the document (its partial filter was checked)."""
@@ -310,21 +312,28 @@ class Index:
             return 0
         return 1 if isinstance(holders, int) else len(holders)
 
-    def range(self, low: tuple[Any, ...], low_inclusive: bool,
-              high: tuple[Any, ...], high_inclusive: bool) -> Iterator[int]:
+    def range(
+        self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...], high_inclusive: bool
+    ) -> Iterator[int]:
         """Record ids whose first-field sort key lies between ``low`` and ``high``, in
         (key, record id) order."""
         return self._sorted().range(low, low_inclusive, high, high_inclusive)
 
-    def range_members(self, low: tuple[Any, ...], low_inclusive: bool,
-                      high: tuple[Any, ...], high_inclusive: bool) -> set[int]:
+    def range_members(
+        self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...], high_inclusive: bool
+    ) -> set[int]:
         """Record ids whose first-field sort key lies between ``low`` and ``high``, in no
         order (a candidate set: sorting the records of a value held by 100,000 is waste)."""
         return self._sorted().members(low, low_inclusive, high, high_inclusive)
 
-    def range_size(self, low: tuple[Any, ...], low_inclusive: bool,
-                   high: tuple[Any, ...], high_inclusive: bool,
-                   at_most: int | None = None) -> int:
+    def range_size(
+        self,
+        low: tuple[Any, ...],
+        low_inclusive: bool,
+        high: tuple[Any, ...],
+        high_inclusive: bool,
+        at_most: int | None = None,
+    ) -> int:
         """How many records the range holds; with ``at_most``, the count stops once past
         it (a planner comparing with a smaller candidate set needs no more)."""
         return self._sorted().count(low, low_inclusive, high, high_inclusive, at_most)
@@ -377,14 +386,16 @@ class FirstFieldOrder:
             del self.holders[sk]
             self.keys.remove(sk)
 
-    def range(self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
-              high_inclusive: bool) -> Iterator[int]:
+    def range(
+        self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...], high_inclusive: bool
+    ) -> Iterator[int]:
         for sk in self.keys.irange(low, high, (low_inclusive, high_inclusive)):
             holders = self.holders[sk]
             yield from sorted(holders) if len(holders) > 1 else holders
 
-    def members(self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
-                high_inclusive: bool) -> set[int]:
+    def members(
+        self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...], high_inclusive: bool
+    ) -> set[int]:
         if low == high and low_inclusive and high_inclusive:  # an equality: no walk
             return set(self.holders.get(self._canonical(low), ()))
         found: set[int] = set()
@@ -392,8 +403,14 @@ class FirstFieldOrder:
             found |= self.holders[sk]
         return found
 
-    def count(self, low: tuple[Any, ...], low_inclusive: bool, high: tuple[Any, ...],
-              high_inclusive: bool, at_most: int | None = None) -> int:
+    def count(
+        self,
+        low: tuple[Any, ...],
+        low_inclusive: bool,
+        high: tuple[Any, ...],
+        high_inclusive: bool,
+        at_most: int | None = None,
+    ) -> int:
         """The records in the range, walking its distinct values: a wide range over
         values that seldom repeat walks many, so ``at_most`` stops the walk once past."""
         if low == high and low_inclusive and high_inclusive:  # an equality: no walk
@@ -436,8 +453,11 @@ def _equalities(filter_: Document) -> dict[str, list[Any]]:
         if isinstance(cond, dict) and cond and next(iter(cond)).startswith("$"):
             if "$eq" in cond:
                 found[key] = [cond["$eq"]]
-            elif "$in" in cond and isinstance(cond["$in"], list) and not any(
-                    _is_regex(v) for v in cond["$in"]):
+            elif (
+                "$in" in cond
+                and isinstance(cond["$in"], list)
+                and not any(_is_regex(v) for v in cond["$in"])
+            ):
                 found[key] = list(cond["$in"])
         elif not _is_regex(cond):
             found[key] = [cond]
@@ -453,8 +473,12 @@ def _covers(index: Index, equal: dict[str, list[Any]]) -> bool:
     if index.partial_filter is None:
         return True
     for field_, want in index.partial_filter.items():
-        if isinstance(want, dict) and want.keys() == {"$exists"} and want["$exists"] in (
-                True, 1) and not field_.startswith("$"):
+        if (
+            isinstance(want, dict)
+            and want.keys() == {"$exists"}
+            and want["$exists"] in (True, 1)
+            and not field_.startswith("$")
+        ):
             pinned = equal.get(field_)
             if not pinned or any(v is None for v in pinned):
                 return False
@@ -464,8 +488,13 @@ def _covers(index: Index, equal: dict[str, list[Any]]) -> bool:
                 return False
             want = want["$eq"]
         pinned = equal.get(field_)
-        if field_.startswith("$") or type(want) not in _SCALAR_TYPES or pinned is None or \
-                len(pinned) != 1 or key_of(pinned[0]) != key_of(want):
+        if (
+            field_.startswith("$")
+            or type(want) not in _SCALAR_TYPES
+            or pinned is None
+            or len(pinned) != 1
+            or key_of(pinned[0]) != key_of(want)
+        ):
             return False
     return True
 
@@ -482,8 +511,7 @@ def _ranges(filter_: Document) -> dict[str, Document]:
                 if isinstance(part, dict):
                     for k, v in _ranges(part).items():
                         found.setdefault(k, v)
-        elif not key.startswith("$") and isinstance(cond, dict) and cond and \
-                set(cond) & _RANGE_OPS:
+        elif not key.startswith("$") and isinstance(cond, dict) and cond and set(cond) & _RANGE_OPS:
             found[key] = cond
     return found
 
@@ -533,8 +561,9 @@ class Collection:
             found: set[int] = set()
             for value in ids:
                 found |= index.lookup((value,))
-            return sorted(found), (frozenset(["_id"]) if self._decides(
-                index, "_id", filter_, equal) else frozenset())
+            return sorted(found), (
+                frozenset(["_id"]) if self._decides(index, "_id", filter_, equal) else frozenset()
+            )
         # Each usable index's candidate count is read off its structures first; only the
         # smallest is materialised (an update of 1,000 fires by _id also matched the
         # (state, term) index, and copying its 20,000 claimed ids cost more than the update).
@@ -545,8 +574,10 @@ class Collection:
                 continue
             fields = index.fields
             if all(f in equal for f in fields):
-                size = sum(index.lookup_size(combo)
-                           for combo in itertools.product(*(equal[f] for f in fields)))
+                size = sum(
+                    index.lookup_size(combo)
+                    for combo in itertools.product(*(equal[f] for f in fields))
+                )
                 used = fields
             elif fields[0] in equal and len(equal[fields[0]]) <= 64:
                 size = 0
@@ -601,11 +632,14 @@ class Collection:
         return sorted(best), decided
 
     def _equality_narrows(self, equal: dict[str, list[Any]]) -> bool:
-        return any(not index.sparse and _covers(index, equal) and index.fields[0] in equal
-                   for index in self.indexes.values())
+        return any(
+            not index.sparse and _covers(index, equal) and index.fields[0] in equal
+            for index in self.indexes.values()
+        )
 
-    def first_by_id(self, op: engine.Operation, filter_: Document, count: int,
-                    descending: bool = False) -> list[Document] | None:
+    def first_by_id(
+        self, op: engine.Operation, filter_: Document, count: int, descending: bool = False
+    ) -> list[Document] | None:
         """The first ``count`` matches in ``_id`` order, walking the ``_id`` index and
         stopping there; None when an equality index narrows the filter better (the
         planner's path). A page of a list sorted by ``_id`` after a cursor otherwise read
@@ -635,15 +669,19 @@ class Collection:
         return found
 
     @staticmethod
-    def _decides(index: Index, path: str, filter_: Document,
-                 equal: dict[str, list[Any]]) -> bool:
+    def _decides(index: Index, path: str, filter_: Document, equal: dict[str, list[Any]]) -> bool:
         """Whether the index settles the condition on ``path`` (one of its fields)."""
-        return (not index.multikey and "." not in path and _only_equality(filter_.get(path))
-                and all(_exact_scalar(v) for v in equal[path]))
+        return (
+            not index.multikey
+            and "." not in path
+            and _only_equality(filter_.get(path))
+            and all(_exact_scalar(v) for v in equal[path])
+        )
 
     @staticmethod
-    def _range_bounds(index: Index, cond: Document
-                      ) -> tuple[tuple[Any, ...], bool, tuple[Any, ...], bool] | None:
+    def _range_bounds(
+        index: Index, cond: Document
+    ) -> tuple[tuple[Any, ...], bool, tuple[Any, ...], bool] | None:
         """The sort-key bounds of a range condition on ``index``'s first field (None: no
         value can match both bounds)."""
         bounds = [(op, v) for op, v in cond.items() if op in _RANGE_OPS]
@@ -666,11 +704,11 @@ class Collection:
         if not residual:
             return [(rid, self.docs[rid]) for rid in rids if rid in self.docs]
         check = simple or (lambda doc: engine.matches(residual, doc))
-        return [(rid, self.docs[rid]) for rid in rids
-                if rid in self.docs and check(self.docs[rid])]
+        return [(rid, self.docs[rid]) for rid in rids if rid in self.docs and check(self.docs[rid])]
 
-    def find_sorted(self, op: engine.Operation, filter_: Document, sort: Document,
-                    count: int) -> list[tuple[int, Document]]:
+    def find_sorted(
+        self, op: engine.Operation, filter_: Document, sort: Document, count: int
+    ) -> list[tuple[int, Document]]:
         """The first ``count`` matches in ``sort`` order. A filter only the general
         matcher decides is tried on the candidates in order until ``count`` match, rather
         than on every candidate before sorting (the next parked run of a long queue)."""
@@ -691,19 +729,19 @@ class Collection:
             check = simple or (lambda doc: engine.matches(residual, doc))
             candidates = [(rid, doc) for rid, doc in candidates if check(doc)]
         rid_of = {id(doc): rid for rid, doc in candidates}
-        return [(rid_of[id(doc)], doc) for doc in engine.sort_documents(
-            [doc for _, doc in candidates], sort)[:count]]
+        return [
+            (rid_of[id(doc)], doc)
+            for doc in engine.sort_documents([doc for _, doc in candidates], sort)[:count]
+        ]
 
-    def _matching(self, op: engine.Operation, filter_: Document
-                  ) -> tuple[list[int], Document, Any]:
+    def _matching(self, op: engine.Operation, filter_: Document) -> tuple[list[int], Document, Any]:
         """The planner's candidates, the part of the filter left to check on each, and a
         plain check of that part (None: only the general matcher decides it)."""
         filter_ = op.prepare(filter_)
         rids, decided = self._plan(filter_)
         # Fields the index decided exactly need not be re-checked per candidate (for an
         # $in list that check scans the whole list for every document).
-        residual = {k: v for k, v in filter_.items() if k not in decided} if decided \
-            else filter_
+        residual = {k: v for k, v in filter_.items() if k not in decided} if decided else filter_
         return rids, residual, _simple_filter(residual) if residual else None
 
     def get_by_id(self, _id: Any) -> Document | None:
@@ -730,8 +768,7 @@ class Collection:
         self.changes.append(self.db, self.name, "insert", doc["_id"], doc)
         return doc["_id"]
 
-    def _index_new(self, rid: int, doc: Document,
-                   indexes: Iterable[Index] | None = None) -> None:
+    def _index_new(self, rid: int, doc: Document, indexes: Iterable[Index] | None = None) -> None:
         """Add ``doc`` to the indexes (all by default), undoing it all on a duplicate key."""
         added: list[Index] = []
         try:
@@ -761,8 +798,12 @@ class Collection:
         try:
             index.add(rid, doc, unique_check=True, applies=applies)
         except DuplicateKeyConflict:
-            raise DuplicateKey(self.ns, index.name, dict(index.key),
-                               {f: _first_value(doc, f) for f in index.fields}) from None
+            raise DuplicateKey(
+                self.ns,
+                index.name,
+                dict(index.key),
+                {f: _first_value(doc, f) for f in index.fields},
+            ) from None
 
     def _insert_steps(self) -> list[tuple[Index, str, str, Any]]:
         """Each index in order, with how an insert decides that it holds the document: a
@@ -787,8 +828,14 @@ class Collection:
             self._inserting = steps
         return self._inserting
 
-    def replace(self, rid: int, new: Document, replacement: bool,
-                validated: bool = False, touched: frozenset[str] | None = None) -> bool:
+    def replace(
+        self,
+        rid: int,
+        new: Document,
+        replacement: bool,
+        validated: bool = False,
+        touched: frozenset[str] | None = None,
+    ) -> bool:
         """Store ``new`` for record ``rid``; False when nothing changed. Raises DuplicateKey.
         ``validated``: its field names are known good (a PlainUpdate checked them).
         ``touched``: the only top-level fields in which ``new`` may differ from the stored
@@ -827,8 +874,9 @@ class Collection:
         if found is None:
             if len(self._touching) >= 1024:  # arbitrary shapes: a bound, not a leak
                 self._touching.clear()
-            found = self._touching[fields] = [index for index in self.indexes.values()
-                                              if index.reads_any(fields)]
+            found = self._touching[fields] = [
+                index for index in self.indexes.values() if index.reads_any(fields)
+            ]
         return found
 
     def delete(self, rid: int) -> Document:
@@ -848,32 +896,44 @@ class Collection:
         key = list(key_doc.items())
         for f, direction in key:
             if direction not in (1, -1, 1.0, -1.0) and direction not in ("hashed",):
-                raise MongoError(67, f"unsupported index type {direction!r} on {f} in the "
-                                     "development server")
+                raise MongoError(
+                    67, f"unsupported index type {direction!r} on {f} in the development server"
+                )
         name = spec.get("name") or index_name(key)
         ttl = spec.get("expireAfterSeconds")
-        if ttl is not None and (not isinstance(ttl, int | float) or isinstance(ttl, bool)
-                                or ttl < 0 or len(key) != 1):
-            raise MongoError(67, "TTL index expireAfterSeconds must be a non-negative number "
-                                 "on a single field")
-        index = Index(name, key, unique=bool(spec.get("unique")), sparse=bool(spec.get("sparse")),
-                      expire_after_seconds=ttl,
-                      partial_filter=spec.get("partialFilterExpression"), docs=self.docs)
+        if ttl is not None and (
+            not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl < 0 or len(key) != 1
+        ):
+            raise MongoError(
+                67, "TTL index expireAfterSeconds must be a non-negative number on a single field"
+            )
+        index = Index(
+            name,
+            key,
+            unique=bool(spec.get("unique")),
+            sparse=bool(spec.get("sparse")),
+            expire_after_seconds=ttl,
+            partial_filter=spec.get("partialFilterExpression"),
+            docs=self.docs,
+        )
         for existing in self.indexes.values():
             same_key = existing.key == index.key
             if existing.name == name or same_key:
                 if same_key and existing.spec() == index.spec():
                     return False
                 if existing.name == name:
-                    raise MongoError(86, f"An existing index has the same name ({name}) as the "
-                                         "requested index but a different key or options")
-                raise MongoError(85, f"Index already exists with a different name: "
-                                     f"{existing.name}")
+                    raise MongoError(
+                        86,
+                        f"An existing index has the same name ({name}) as the "
+                        "requested index but a different key or options",
+                    )
+                raise MongoError(85, f"Index already exists with a different name: {existing.name}")
         for rid, doc in self.docs.items():
             conflict = index.conflict(rid, doc)
             if conflict is not None:
-                raise DuplicateKey(self.ns, name, dict(key),
-                                   {f: _first_value(doc, f) for f in index.fields})
+                raise DuplicateKey(
+                    self.ns, name, dict(key), {f: _first_value(doc, f) for f in index.fields}
+                )
             index.add(rid, doc)
         self.indexes[name] = index
         self._touching.clear()
@@ -912,8 +972,9 @@ class Collection:
             if index.expire_after_seconds is None:
                 continue
             cutoff = sort_key(now - datetime.timedelta(seconds=index.expire_after_seconds))
-            if any((RANK_DATE,) <= sort_key(v) < cutoff
-                   for v in index_values(doc, index.fields[0])):
+            if any(
+                (RANK_DATE,) <= sort_key(v) < cutoff for v in index_values(doc, index.fields[0])
+            ):
                 return True
         return False
 
@@ -941,8 +1002,9 @@ def _only_equality(cond: Any) -> bool:
 
 
 def _exact_scalar(value: Any) -> bool:
-    return isinstance(value, str | int | float | ObjectId | datetime.datetime) and \
-        not isinstance(value, bool)
+    return isinstance(value, str | int | float | ObjectId | datetime.datetime) and not isinstance(
+        value, bool
+    )
 
 
 def _first_value(doc: Document, path: str) -> Any:

@@ -53,8 +53,13 @@ RANK_MAXKEY = 13
 
 # Exact types that need no conversion: the common index keys (ids, names, numbers) take
 # one dict lookup instead of the isinstance chain below, which dominated write profiles.
-_PLAIN_RANKS: dict[type, int] = {str: RANK_STRING, int: RANK_NUMBER, float: RANK_NUMBER,
-                                 bool: RANK_BOOL, ObjectId: RANK_OBJECTID}
+_PLAIN_RANKS: dict[type, int] = {
+    str: RANK_STRING,
+    int: RANK_NUMBER,
+    float: RANK_NUMBER,
+    bool: RANK_BOOL,
+    ObjectId: RANK_OBJECTID,
+}
 
 
 # Values that are their own comparison and index key (a naive datetime as stored, UTC):
@@ -183,8 +188,9 @@ def index_values(doc: Mapping[str, Any], path: str) -> list[Any]:
         head, _, rest = path.partition(".")
         parent = doc.get(head, MISSING) if isinstance(doc, Mapping) else MISSING
         if rest and isinstance(parent, list):
-            found = [v for item in parent if isinstance(item, Mapping)
-                     for v in index_values(item, rest)]
+            found = [
+                v for item in parent if isinstance(item, Mapping) for v in index_values(item, rest)
+            ]
             return found or [None]
         return [None]
     if isinstance(value, list):

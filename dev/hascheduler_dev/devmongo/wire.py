@@ -77,7 +77,7 @@ def _read_document(payload: bytes, offset: int, end: int | None = None) -> tuple
     if size < 5 or offset + size > end:
         raise ProtocolError("invalid BSON document size")
     try:
-        doc = bson.decode(payload[offset:offset + size], CODEC)
+        doc = bson.decode(payload[offset : offset + size], CODEC)
     except Exception as exc:  # bson raises several unrelated types for bad input
         raise ProtocolError(f"invalid BSON: {exc}") from exc
     return doc, offset + size
@@ -161,8 +161,12 @@ def encode_op_reply(request_id: int, response_to: int, doc: Document) -> bytes:
     return HEADER.pack(HEADER.size + len(payload), request_id, response_to, OP_REPLY) + payload
 
 
-def encode_op_msg_request(request_id: int, body: Document, flags: int = 0,
-                          sequences: dict[str, list[Document]] | None = None) -> bytes:
+def encode_op_msg_request(
+    request_id: int,
+    body: Document,
+    flags: int = 0,
+    sequences: dict[str, list[Document]] | None = None,
+) -> bytes:
     """A client-side OP_MSG, for tests of the framing."""
     payload = struct.pack("<IB", flags, 0) + bson.encode(body)
     for identifier, docs in (sequences or {}).items():
@@ -176,7 +180,7 @@ def encode_op_msg_request(request_id: int, body: Document, flags: int = 0,
 def decode_reply(data: bytes) -> tuple[Header, int, Any]:
     """Split a server reply into (header, flags, document), for tests and tooling."""
     header = parse_header(data[:16])
-    payload = data[16:header.length]
+    payload = data[16 : header.length]
     if header.op_code == OP_MSG:
         msg = parse_op_msg(header, payload)
         return header, msg.flags, msg.body

@@ -35,11 +35,21 @@ def _reader(endpoint: AmqpEndpoint) -> FireReader:
 def _errors() -> tuple[type[BaseException], ...]:
     import aiormq.exceptions
 
-    return (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError,
-            TimeoutError)
+    return (
+        aiormq.exceptions.AMQPError,
+        aiormq.exceptions.ChannelInvalidStateError,
+        OSError,
+        TimeoutError,
+    )
 
 
 KIND = BrokerKind(
-    name="RabbitMQ", schemes=frozenset({"amqp", "amqps"}),
-    example="amqp://user:password@host:port/vhost", parse=AmqpEndpoint.parse,
-    publisher=_publisher, source=_source, reader=_reader, errors=_errors)
+    name="RabbitMQ",
+    schemes=frozenset({"amqp", "amqps"}),
+    example="amqp://user:password@host:port/vhost",
+    parse=AmqpEndpoint.parse,
+    publisher=_publisher,
+    source=_source,
+    reader=_reader,
+    errors=_errors,
+)

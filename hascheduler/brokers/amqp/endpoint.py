@@ -40,30 +40,42 @@ class AmqpEndpoint:
         query = {k: v[-1] for k, v in parse_qs(parsed.query, keep_blank_values=True).items()}
         unknown = set(query) - set(OPTIONS)
         if unknown:
-            raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
-                             f"use {', '.join(OPTIONS)}")
+            raise ValueError(
+                f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
+                f"use {', '.join(OPTIONS)}"
+            )
         exchange = query.get("exchange", "hascheduler")
         if not exchange or len(exchange) > 255 or exchange.startswith("amq."):
-            raise ValueError(f"exchange={exchange!r} in the broker URL: a name of 1 to 255 "
-                             "characters, not starting amq. (RabbitMQ's own)")
+            raise ValueError(
+                f"exchange={exchange!r} in the broker URL: a name of 1 to 255 "
+                "characters, not starting amq. (RabbitMQ's own)"
+            )
         celery_queue = query.get("celery_queue", "celery")
         if not celery_queue or len(celery_queue) > 255:
-            raise ValueError(f"celery_queue={celery_queue!r} in the broker URL: a name of 1 "
-                             "to 255 characters")
+            raise ValueError(
+                f"celery_queue={celery_queue!r} in the broker URL: a name of 1 to 255 characters"
+            )
         passed = ""
         if "heartbeat" in query:
             if not query["heartbeat"].isdigit():
-                raise ValueError(f"heartbeat={query['heartbeat']!r} in the broker URL is not "
-                                 "a whole number of seconds")
+                raise ValueError(
+                    f"heartbeat={query['heartbeat']!r} in the broker URL is not "
+                    "a whole number of seconds"
+                )
             passed = f"?heartbeat={query['heartbeat']}"
         vhost = unquote(parsed.path[1:]) if len(parsed.path) > 1 else "/"
         host = parsed.hostname
         display = f"{host}:{port or (5671 if parsed.scheme == 'amqps' else 5672)}/{vhost}"
-        return cls(url=url.split("?", 1)[0] + passed, exchange=exchange,
-                   celery_queue=celery_queue, display=display)
+        return cls(
+            url=url.split("?", 1)[0] + passed,
+            exchange=exchange,
+            celery_queue=celery_queue,
+            display=display,
+        )
 
     async def connect(self, timeout_s: float) -> AbstractConnection:
         import aio_pika
 
-        return await aio_pika.connect(self.url, timeout=timeout_s,
-                                      client_properties={"connection_name": "hascheduler"})
+        return await aio_pika.connect(
+            self.url, timeout=timeout_s, client_properties={"connection_name": "hascheduler"}
+        )

@@ -40,6 +40,7 @@ from hascheduler.core.constants import TARGET_PATTERN
 
 log = structlog.get_logger("hascheduler.brokers.amqp")
 
+
 class Unroutable(Exception):
     """RabbitMQ returned the message: no queue is bound to take it."""
 
@@ -70,23 +71,29 @@ class AmqpPublisher:
 
     async def _ready(self, timeout_s: float) -> tuple[AbstractExchange, AbstractExchange]:
         async with self._connecting:
-            if self._exchange is not None and self._default is not None and \
-                    self._channel is not None and not self._channel.is_closed:
+            if (
+                self._exchange is not None
+                and self._default is not None
+                and self._channel is not None
+                and not self._channel.is_closed
+            ):
                 return self._exchange, self._default
             await self._drop()
             try:
                 self._connection = await self.endpoint.connect(timeout_s)
                 self._channel = await self._connection.channel(
-                    publisher_confirms=True, on_return_raises=True)
+                    publisher_confirms=True, on_return_raises=True
+                )
                 self._exchange = await self._channel.declare_exchange(
-                    self.endpoint.exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+                    self.endpoint.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+                )
                 self._default = self._channel.default_exchange
             except Exception as exc:
                 await self._drop()
-                raise BrokerUnavailable(f"RabbitMQ at {self.endpoint.display}: "
-                                        f"{exc!r}") from exc
-            log.info("broker_connected", broker=self.endpoint.display,
-                     exchange=self.endpoint.exchange)
+                raise BrokerUnavailable(f"RabbitMQ at {self.endpoint.display}: {exc!r}") from exc
+            log.info(
+                "broker_connected", broker=self.endpoint.display, exchange=self.endpoint.exchange
+            )
             return self._exchange, self._default
 
     async def _drop(self) -> None:
@@ -96,8 +103,9 @@ class AmqpPublisher:
             with contextlib.suppress(Exception):
                 await connection.close()
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]:
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         if not messages:
             return []
         loop = asyncio.get_running_loop()
@@ -105,8 +113,11 @@ class AmqpPublisher:
         try:
             exchange, default = await asyncio.wait_for(self._ready(timeout_s), timeout_s)
         except (BrokerUnavailable, TimeoutError) as exc:
-            return [exc if isinstance(exc, BrokerUnavailable)
-                    else BrokerUnavailable("connecting to RabbitMQ timed out")] * len(messages)
+            return [
+                exc
+                if isinstance(exc, BrokerUnavailable)
+                else BrokerUnavailable("connecting to RabbitMQ timed out")
+            ] * len(messages)
         sends = [asyncio.ensure_future(self._send(m, exchange, default)) for m in messages]
         remaining = max(0.0, deadline - loop.time())
         await asyncio.wait(sends, timeout=remaining)
@@ -125,8 +136,9 @@ class AmqpPublisher:
                 await self._drop()
         return outcomes
 
-    async def _send(self, message: FireMessage, exchange: AbstractExchange,
-                    default: AbstractExchange) -> BaseException | None:
+    async def _send(
+        self, message: FireMessage, exchange: AbstractExchange, default: AbstractExchange
+    ) -> BaseException | None:
         try:
             task = celery_task(message.target)
             if task is not None:
@@ -138,18 +150,23 @@ class AmqpPublisher:
                 if not TARGET_PATTERN.fullmatch(message.target):
                     return ValueError(f"target {message.target!r} is not dot-separated tokens")
                 body = aio_pika.Message(
-                    message.body, message_id=message.fire_id,
+                    message.body,
+                    message_id=message.fire_id,
                     content_type="application/cloudevents+json",
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    headers={"hascheduler-term": message.term, **trace_headers(message)})
+                    headers={"hascheduler-term": message.term, **trace_headers(message)},
+                )
                 target, key = exchange, message.target
             await target.publish(body, routing_key=key, mandatory=True)
             return None
         except CeleryPayloadError as exc:
             return exc
         except aio_pika.exceptions.PublishError:
-            where = f"queue {key!r}" if target is default else \
-                f"exchange {self.endpoint.exchange!r} with routing key {key!r}"
+            where = (
+                f"queue {key!r}"
+                if target is default
+                else f"exchange {self.endpoint.exchange!r} with routing key {key!r}"
+            )
             return Unroutable(f"RabbitMQ returned the message: nothing takes it at {where}")
         except aiormq.exceptions.DeliveryError as exc:
             return Refused(f"RabbitMQ refused the message: {exc!r}")
@@ -165,11 +182,15 @@ class AmqpPublisher:
         call = celery_call(payload)
         built = celery_message(task, message.fire_id, call, self.origin)
         return call.queue or self.endpoint.celery_queue, aio_pika.Message(
-            built.body, headers={**built.headers, **trace_headers(message)},
+            built.body,
+            headers={**built.headers, **trace_headers(message)},
             correlation_id=built.correlation_id,
-            message_id=message.fire_id, content_type=built.content_type,
+            message_id=message.fire_id,
+            content_type=built.content_type,
             content_encoding=built.content_encoding,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT, priority=0)
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            priority=0,
+        )
 
     async def close(self) -> None:
         async with self._connecting:

@@ -21,8 +21,7 @@ async def bind_audit_queue(url: str, exchange: str = "hascheduler") -> None:
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
-        fires = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
-                                               durable=True)
+        fires = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(AUDIT_QUEUE, durable=True)
         await queue.bind(fires, "#")
     finally:

@@ -93,7 +93,7 @@ class Acknowledgements:
         """The tag to acknowledge with ``multiple`` (None: none), and the tags to
         acknowledge one by one; all of them settled from here on."""
         run = list(itertools.takewhile(self._unsettled.get, self._unsettled))
-        alone = [tag for tag, acked in self._unsettled.items() if acked][len(run):]
+        alone = [tag for tag, acked in self._unsettled.items() if acked][len(run) :]
         for tag in run + alone:
             del self._unsettled[tag]
         return (run[-1] if run else None), alone
@@ -153,8 +153,7 @@ class AmqpDelivery:
 
     __slots__ = ("consumer", "data", "message", "source", "subject", "tag", "target")
 
-    def __init__(self, message: DeliveredMessage, consumer: Consumer,
-                 source: AmqpSource) -> None:
+    def __init__(self, message: DeliveredMessage, consumer: Consumer, source: AmqpSource) -> None:
         self.message = message
         self.consumer = consumer
         self.source = source
@@ -198,11 +197,15 @@ class AmqpSource:
 
     async def connect(self, name: str) -> None:
         self._connection = await aio_pika.connect(
-            self.endpoint.url, timeout=10, heartbeat=self.heartbeat_s,
-            client_properties={"connection_name": name})
+            self.endpoint.url,
+            timeout=10,
+            heartbeat=self.heartbeat_s,
+            client_properties={"connection_name": name},
+        )
 
-    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
-                        in_flight: int) -> None:
+    async def subscribe(
+        self, durable: str, patterns: list[str], ack_wait_s: float, in_flight: int
+    ) -> None:
         try:
             # Bounded: a queue without a leader can hold basic.consume unanswered, and the
             # worker must still see its stop between attempts.
@@ -226,16 +229,25 @@ class AmqpSource:
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=in_flight)
         self._publisher = await self._connection.channel(publisher_confirms=True)
-        fires = await channel.declare_exchange(self.endpoint.exchange,
-                                               aio_pika.ExchangeType.TOPIC, durable=True)
-        dead = await channel.declare_exchange(f"{self.endpoint.exchange}.dead",
-                                              aio_pika.ExchangeType.DIRECT, durable=True)
-        dead_queue = await channel.declare_queue(f"{durable}.dead", durable=True,
-                                                 arguments={"x-queue-type": "quorum"})
+        fires = await channel.declare_exchange(
+            self.endpoint.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        dead = await channel.declare_exchange(
+            f"{self.endpoint.exchange}.dead", aio_pika.ExchangeType.DIRECT, durable=True
+        )
+        dead_queue = await channel.declare_queue(
+            f"{durable}.dead", durable=True, arguments={"x-queue-type": "quorum"}
+        )
         await dead_queue.bind(dead, durable)
-        queue = await channel.declare_queue(durable, durable=True, arguments={
-            "x-queue-type": "quorum", "x-dead-letter-exchange": dead.name,
-            "x-dead-letter-routing-key": durable})
+        queue = await channel.declare_queue(
+            durable,
+            durable=True,
+            arguments={
+                "x-queue-type": "quorum",
+                "x-dead-letter-exchange": dead.name,
+                "x-dead-letter-routing-key": durable,
+            },
+        )
         for pattern in patterns:
             await queue.bind(fires, binding_key(pattern))
         self._queue = durable
@@ -259,17 +271,29 @@ class AmqpSource:
         ttl = delay_bucket_ms(delay_s)
         name = f"{self._queue}.delay.{ttl}ms"
         if ttl not in self._delays:
-            await self._channel.declare_queue(name, durable=True, arguments={
-                "x-message-ttl": ttl, "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": self._queue})
+            await self._channel.declare_queue(
+                name,
+                durable=True,
+                arguments={
+                    "x-message-ttl": ttl,
+                    "x-dead-letter-exchange": "",
+                    "x-dead-letter-routing-key": self._queue,
+                },
+            )
             self._delays.add(ttl)
         properties = delivery.message.header.properties
         headers = dict(properties.headers or {})
         headers[TARGET_HEADER] = delivery.target
-        await self._publisher.default_exchange.publish(aio_pika.Message(
-            delivery.data, headers=headers, message_id=properties.message_id,
-            content_type=properties.content_type,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=name)
+        await self._publisher.default_exchange.publish(
+            aio_pika.Message(
+                delivery.data,
+                headers=headers,
+                message_id=properties.message_id,
+                content_type=properties.content_type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=name,
+        )
 
     async def fetch(self, up_to: int, wait_s: float) -> list[Any]:
         if self._channel is None or self._channel.is_closed:

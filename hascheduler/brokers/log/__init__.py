@@ -14,5 +14,6 @@ def _publisher(_: str) -> Broker:
     return LogPublisher()
 
 
-KIND = BrokerKind(name="log", schemes=frozenset({"log"}), example="log:", parse=_parse,
-                  publisher=_publisher)
+KIND = BrokerKind(
+    name="log", schemes=frozenset({"log"}), example="log:", parse=_parse, publisher=_publisher
+)

@@ -32,8 +32,9 @@ class LogPublisher:
     async def start(self) -> None:
         return None
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]:
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = []
         for message in messages:
             if not TARGET_PATTERN.fullmatch(message.target):
@@ -45,8 +46,13 @@ class LogPublisher:
             self._seen[message.fire_id] = None
             if len(self._seen) > DEDUP_WINDOW:
                 self._seen.popitem(last=False)
-            log.info("fire", fire_id=message.fire_id, target=message.target,
-                     term=message.term, nominal_at=_nominal(message.body))
+            log.info(
+                "fire",
+                fire_id=message.fire_id,
+                target=message.target,
+                term=message.term,
+                nominal_at=_nominal(message.body),
+            )
         return outcomes
 
     async def close(self) -> None:

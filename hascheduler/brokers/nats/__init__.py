@@ -24,6 +24,12 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 
 KIND = BrokerKind(
-    name="NATS JetStream", schemes=frozenset({"nats", "tls"}), example="nats://host:port",
-    parse=NatsEndpoint.parse, publisher=NatsPublisher, source=_source, reader=_reader,
-    errors=_errors)
+    name="NATS JetStream",
+    schemes=frozenset({"nats", "tls"}),
+    example="nats://host:port",
+    parse=NatsEndpoint.parse,
+    publisher=NatsPublisher,
+    source=_source,
+    reader=_reader,
+    errors=_errors,
+)

@@ -28,7 +28,6 @@ from hascheduler.core.events import FIRED_FIELD_LEN, PreparedEvent
 log = structlog.get_logger("hascheduler.brokers.nats")
 
 
-
 TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
@@ -57,31 +56,39 @@ class NatsEndpoint:
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         unknown = set(query) - {"stream", "dedup_window", "replicas", *TLS_OPTIONS}
         if unknown:
-            raise ValueError(f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
-                             f"use stream, dedup_window, replicas, {', '.join(TLS_OPTIONS)}")
+            raise ValueError(
+                f"unknown broker URL option(s) {', '.join(sorted(unknown))}: "
+                f"use stream, dedup_window, replicas, {', '.join(TLS_OPTIONS)}"
+            )
         replicas_text = query.get("replicas", "auto")
         if replicas_text != "auto" and replicas_text not in {"1", "2", "3", "4", "5"}:
-            raise ValueError(f"replicas={replicas_text!r} in the broker URL: use 1 to 5, or "
-                             "auto (3 where the cluster has 3 nodes, else 1)")
+            raise ValueError(
+                f"replicas={replicas_text!r} in the broker URL: use 1 to 5, or "
+                "auto (3 where the cluster has 3 nodes, else 1)"
+            )
         window = query.get("dedup_window", "600")
         try:
             dedup_window = float(window)
         except ValueError:
-            raise ValueError(f"dedup_window={window!r} in the broker URL is not a number of "
-                             "seconds") from None
+            raise ValueError(
+                f"dedup_window={window!r} in the broker URL is not a number of seconds"
+            ) from None
         if bool(query.get("tls_cert_file")) != bool(query.get("tls_key_file")):
             raise ValueError("tls_cert_file and tls_key_file in the broker URL go together")
         hosts = url.split("?", 1)[0].split("://", 1)[1]
         servers = [f"{parsed.scheme}://{host}" for host in hosts.split(",")]
         if any(not host.strip() for host in hosts.split(",")):
             raise ValueError(f"{url!r} names an empty server between commas")
-        endpoint = cls(servers, stream=query.get("stream", "HASCHEDULER"),
-                       dedup_window_s=dedup_window,
-                       replicas=None if replicas_text == "auto" else int(replicas_text),
-                       tls_ca_file=query.get("tls_ca_file"),
-                       tls_cert_file=query.get("tls_cert_file"),
-                       tls_key_file=query.get("tls_key_file"),
-                       tls_scheme=parsed.scheme == "tls")
+        endpoint = cls(
+            servers,
+            stream=query.get("stream", "HASCHEDULER"),
+            dedup_window_s=dedup_window,
+            replicas=None if replicas_text == "auto" else int(replicas_text),
+            tls_ca_file=query.get("tls_ca_file"),
+            tls_cert_file=query.get("tls_cert_file"),
+            tls_key_file=query.get("tls_key_file"),
+            tls_scheme=parsed.scheme == "tls",
+        )
         endpoint.tls_context()  # a missing or unreadable file is a configuration error
         return endpoint
 
@@ -148,8 +155,9 @@ class NatsPublisher:
         # Every ack comes to <inbox>.<batch>.<index> on the publishing connection.
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self._reply_prefix = f"{self._inbox}.".encode()
-        self._wire = PublishConnection(endpoint.servers, endpoint.tls_context(),
-                                       self._on_reply, self._on_lost)
+        self._wire = PublishConnection(
+            endpoint.servers, endpoint.tls_context(), self._on_reply, self._on_lost
+        )
         self._tokens = itertools.count(1)
         self._waiting: dict[bytes, tuple[_Batch, int]] = {}  # reply token -> its message
 
@@ -161,8 +169,7 @@ class NatsPublisher:
 
     @property
     def _connected(self) -> bool:
-        return self._ready and self._nc is not None and self._nc.is_connected and \
-            self._wire.alive
+        return self._ready and self._nc is not None and self._nc.is_connected and self._wire.alive
 
     async def _connect(self) -> Any:
         async with self._connecting:
@@ -171,9 +178,13 @@ class NatsPublisher:
             try:
                 if self._nc is None or self._nc.is_closed:
                     self._nc = await self.endpoint.connect(
-                        "hascheduler", connect_timeout=2, reconnect_time_wait=0.5,
-                        max_reconnect_attempts=-1, allow_reconnect=True,
-                        error_cb=self._on_error)
+                        "hascheduler",
+                        connect_timeout=2,
+                        reconnect_time_wait=0.5,
+                        max_reconnect_attempts=-1,
+                        allow_reconnect=True,
+                        error_cb=self._on_error,
+                    )
                 if not self._wire.alive:
                     # Subscribed before anything is published; acks lost while it was
                     # down time out and those fires are retried (deduplicated by the stream).
@@ -184,8 +195,13 @@ class NatsPublisher:
                     await self._close_quietly()
                 raise BrokerUnavailable(f"NATS at {self.servers}: {exc!r}") from exc
             self._ready = True
-            log.info("broker_connected", servers=self.servers, stream=self.stream,
-                     replicas=replicas, publishing_to=self._wire.server)
+            log.info(
+                "broker_connected",
+                servers=self.servers,
+                stream=self.stream,
+                replicas=replicas,
+                publishing_to=self._wire.server,
+            )
             return self._nc
 
     async def _on_error(self, exc: Exception) -> None:
@@ -206,7 +222,7 @@ class NatsPublisher:
                     batch.done.set()
 
     def _on_reply(self, subject: bytes, data: bytes, status: bytes | None) -> None:
-        waiting = self._waiting.pop(subject[len(self._reply_prefix):], None)
+        waiting = self._waiting.pop(subject[len(self._reply_prefix) :], None)
         if waiting is None:
             return  # the publish call gave up waiting for it (or not a reply of ours)
         batch, i = waiting
@@ -227,13 +243,17 @@ class NatsPublisher:
         token = str(next(self._tokens))
         headers = _headers(event.fire_id, event.term, event.traceparent, event.tracestate)
         head = f"NATS/1.0\r\n{headers}\r\n".encode()
-        line = (f"HPUB {SUBJECT_PREFIX}.{event.target} {self._inbox}.{token} "
-                f"{len(head)} {len(head) + body_len}\r\n").encode()
-        return StagedFrame(token.encode(), line + head + event.head, event.middle,
-                           event.tail + b"\r\n", body_len)
+        line = (
+            f"HPUB {SUBJECT_PREFIX}.{event.target} {self._inbox}.{token} "
+            f"{len(head)} {len(head) + body_len}\r\n"
+        ).encode()
+        return StagedFrame(
+            token.encode(), line + head + event.head, event.middle, event.tail + b"\r\n", body_len
+        )
 
-    async def publish_staged(self, staged: Sequence[StagedFrame], fired: bytes,
-                             timeout_s: float) -> list[BaseException | None]:
+    async def publish_staged(
+        self, staged: Sequence[StagedFrame], fired: bytes, timeout_s: float
+    ) -> list[BaseException | None]:
         """Publish staged frames fired at ``fired`` (``fired_field``); one outcome each, as
         ``publish`` answers."""
         if len(fired) != FIRED_FIELD_LEN:
@@ -244,37 +264,56 @@ class NatsPublisher:
         limit = self._wire.max_payload - 256
         for i, frame_ in enumerate(staged):
             if frame_.body_len > limit:  # a server of a smaller max_payload since staged
-                refused.append((i, PublishRejected(
-                    f"message of {frame_.body_len} bytes exceeds the server's max_payload")))
+                refused.append(
+                    (
+                        i,
+                        PublishRejected(
+                            f"message of {frame_.body_len} bytes exceeds the server's max_payload"
+                        ),
+                    )
+                )
                 continue
             parts += (frame_.first, fired, frame_.middle, fired, frame_.last)
             tokens.append(frame_.token)
-        return await self._send(len(staged), tokens, [b"".join(parts)] if parts else [],
-                                refused, timeout_s)
+        return await self._send(
+            len(staged), tokens, [b"".join(parts)] if parts else [], refused, timeout_s
+        )
 
-    async def publish(self, messages: Sequence[FireMessage],
-                      timeout_s: float) -> list[BaseException | None]:
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         frames: list[bytes] = []
         tokens: list[bytes] = []
         refused: list[tuple[int, BaseException]] = []
         for i, message in enumerate(messages):
-            problem = _unsendable(message.target, message.fire_id, len(message.body),
-                                  self._wire.max_payload)
+            problem = _unsendable(
+                message.target, message.fire_id, len(message.body), self._wire.max_payload
+            )
             if problem is None:
                 token = str(next(self._tokens))
                 tokens.append(token.encode())
-                frames.append(frame(f"{SUBJECT_PREFIX}.{message.target}",
-                                    f"{self._inbox}.{token}",
-                                    _headers(message.fire_id, message.term,
-                                             message.traceparent, message.tracestate),
-                                    message.body))
+                frames.append(
+                    frame(
+                        f"{SUBJECT_PREFIX}.{message.target}",
+                        f"{self._inbox}.{token}",
+                        _headers(
+                            message.fire_id, message.term, message.traceparent, message.tracestate
+                        ),
+                        message.body,
+                    )
+                )
             else:
                 refused.append((i, PublishRejected(problem)))
         return await self._send(len(messages), tokens, frames, refused, timeout_s)
 
-    async def _send(self, count: int, tokens: list[bytes], frames: list[bytes],
-                    refused: list[tuple[int, BaseException]], timeout_s: float
-                    ) -> list[BaseException | None]:
+    async def _send(
+        self,
+        count: int,
+        tokens: list[bytes],
+        frames: list[bytes],
+        refused: list[tuple[int, BaseException]],
+        timeout_s: float,
+    ) -> list[BaseException | None]:
         """Write ``frames`` (the messages not ``refused``, in order, each acknowledged to
         its token) and await their acks; one outcome per message."""
         try:
@@ -284,8 +323,11 @@ class NatsPublisher:
             if not self._connected:
                 await asyncio.wait_for(self._connect(), timeout_s)
         except (BrokerUnavailable, TimeoutError) as exc:
-            return [exc if isinstance(exc, BrokerUnavailable)
-                    else BrokerUnavailable("connecting to NATS timed out")] * count
+            return [
+                exc
+                if isinstance(exc, BrokerUnavailable)
+                else BrokerUnavailable("connecting to NATS timed out")
+            ] * count
         if not count:
             return []
         timed_out = BrokerUnavailable("no acknowledgement from JetStream in time")
@@ -294,8 +336,7 @@ class NatsPublisher:
             batch.acked[i] = True
             batch.outcomes[i] = error
             batch.waiting -= 1
-        sent = [i for i, acked in enumerate(batch.acked) if not acked] if refused \
-            else range(count)
+        sent = [i for i, acked in enumerate(batch.acked) if not acked] if refused else range(count)
         waiting = self._waiting
         for token, i in zip(tokens, sent, strict=True):
             waiting[token] = (batch, i)
@@ -308,8 +349,10 @@ class NatsPublisher:
                         await self._wire.send(frames)
                 except (WireError, TimeoutError) as exc:
                     unavailable = BrokerUnavailable(f"NATS at {self.servers}: {exc!r}")
-                    return [unavailable if not done else outcome
-                            for done, outcome in zip(batch.acked, batch.outcomes, strict=True)]
+                    return [
+                        unavailable if not done else outcome
+                        for done, outcome in zip(batch.acked, batch.outcomes, strict=True)
+                    ]
             if batch.waiting:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(batch.done.wait(), timeout_s)
@@ -361,8 +404,7 @@ def _unsendable(target: str, fire_id: str, body_len: int, max_payload: int) -> s
     return None
 
 
-def _headers(fire_id: str, term: int, traceparent: str | None, tracestate: str | None
-             ) -> str:
+def _headers(fire_id: str, term: int, traceparent: str | None, tracestate: str | None) -> str:
     """A fire's NATS headers: its id for the stream's deduplication, its term, and the W3C
     trace context (rendered by us: no line breaks in them)."""
     lines = f"Nats-Msg-Id: {fire_id}\r\nHascheduler-Term: {term}\r\n"
@@ -401,8 +443,9 @@ def ack_error(data: bytes, status: bytes | None) -> BaseException | None:
     error = reply.get("error")
     if not isinstance(error, dict):
         return None  # "error" was only inside a stream name
-    return PublishRejected(f"JetStream error {error.get('code')} ({error.get('err_code')}): "
-                           f"{error.get('description')}")
+    return PublishRejected(
+        f"JetStream error {error.get('code')} ({error.get('err_code')}): {error.get('description')}"
+    )
 
 
 # JetStream's answers to more replicas than it can place: not clustered, or too few nodes.
@@ -417,8 +460,12 @@ async def ensure_stream(js: Any, endpoint: NatsEndpoint) -> int:
     the next connect)."""
     tries = [endpoint.replicas] if endpoint.replicas else [AUTO_REPLICAS, 1]
     for replicas in tries:
-        config = StreamConfig(name=endpoint.stream, subjects=[f"{SUBJECT_PREFIX}.>"],
-                              duplicate_window=endpoint.dedup_window_s, num_replicas=replicas)
+        config = StreamConfig(
+            name=endpoint.stream,
+            subjects=[f"{SUBJECT_PREFIX}.>"],
+            duplicate_window=endpoint.dedup_window_s,
+            num_replicas=replicas,
+        )
         try:
             try:
                 await js.add_stream(config)
@@ -428,6 +475,5 @@ async def ensure_stream(js: Any, endpoint: NatsEndpoint) -> int:
         except APIError as exc:
             if replicas == tries[-1] or exc.err_code not in REPLICAS_UNAVAILABLE:
                 raise
-            log.info("stream_replicas_unavailable", replicas=replicas,
-                     error=str(exc.description))
+            log.info("stream_replicas_unavailable", replicas=replicas, error=str(exc.description))
     raise AssertionError("unreachable: the last try returns or raises")

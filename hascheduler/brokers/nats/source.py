@@ -54,21 +54,36 @@ class NatsSource:
 
     async def connect(self, name: str) -> None:
         self._nc = await self.endpoint.connect(
-            name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            disconnected_cb=_disconnected, reconnected_cb=_reconnected)
+            name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+        )
 
-    async def subscribe(self, durable: str, patterns: list[str], ack_wait_s: float,
-                        in_flight: int) -> None:
+    async def subscribe(
+        self, durable: str, patterns: list[str], ack_wait_s: float, in_flight: int
+    ) -> None:
         """Creating the stream and the durable consumer if they are gone."""
         js = self._nc.jetstream()
         await ensure_stream(js, self.endpoint)
         subjects = [f"{SUBJECT_PREFIX}.{p}" for p in patterns]
-        await js.add_consumer(self.endpoint.stream, ConsumerConfig(
-            durable_name=durable, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1,
-            max_ack_pending=max(1000, 4 * in_flight),
-            **({"filter_subject": subjects[0]} if len(subjects) == 1
-               else {"filter_subjects": subjects})))
+        await js.add_consumer(
+            self.endpoint.stream,
+            ConsumerConfig(
+                durable_name=durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=ack_wait_s,
+                max_deliver=-1,
+                max_ack_pending=max(1000, 4 * in_flight),
+                **(
+                    {"filter_subject": subjects[0]}
+                    if len(subjects) == 1
+                    else {"filter_subjects": subjects}
+                ),
+            ),
+        )
         if self._inbox_sub is not None:  # subscribing again: the old requests are void
             with contextlib.suppress(Exception):
                 await self._inbox_sub.unsubscribe()
@@ -84,8 +99,11 @@ class NatsSource:
             return
         if status:  # the request ended: expired (408), or the consumer's trouble (409)
             if status not in (StatusCode.REQUEST_TIMEOUT, StatusCode.NO_MESSAGES):
-                log.warning("pull_request_ended", status=status,
-                            description=msg.headers.get(Header.DESCRIPTION))
+                log.warning(
+                    "pull_request_ended",
+                    status=status,
+                    description=msg.headers.get(Header.DESCRIPTION),
+                )
             self._left = 0
         elif self._left > 0 and msg.reply:
             self._ready.put(msg)
@@ -101,8 +119,7 @@ class NatsSource:
         if not self._ready and (self._left <= 0 or now > self._open_until):
             self._left, self._open_until = up_to, now + wait_s + EXPIRY_MARGIN_S
             request = {"batch": up_to, "expires": int(wait_s * 1e9)}
-            await self._nc.publish(self._next, json.dumps(request).encode(),
-                                   reply=self._inbox)
+            await self._nc.publish(self._next, json.dumps(request).encode(), reply=self._inbox)
         await self._ready.wait(wait_s)
         return self._ready.take(up_to)
 

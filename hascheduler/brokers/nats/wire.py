@@ -39,8 +39,13 @@ class PublishConnection:
     """One connection at a time to one of ``servers`` or of the servers a cluster
     advertises (INFO ``connect_urls``); after a break, the next is tried first."""
 
-    def __init__(self, servers: list[str], tls: ssl.SSLContext | None, on_reply: Reply,
-                 on_lost: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        servers: list[str],
+        tls: ssl.SSLContext | None,
+        on_reply: Reply,
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
         self.servers = servers
         self.tls = tls
         self.on_reply = on_reply
@@ -61,10 +66,10 @@ class PublishConnection:
         errors = []
         for server in self.candidates():
             try:
-                reader, writer = await asyncio.wait_for(self._open(server, subject),
-                                                        CONNECT_TIMEOUT_S)
-            except (OSError, TimeoutError, ValueError, ssl.SSLError,
-                    WireError) as exc:
+                reader, writer = await asyncio.wait_for(
+                    self._open(server, subject), CONNECT_TIMEOUT_S
+                )
+            except (OSError, TimeoutError, ValueError, ssl.SSLError, WireError) as exc:
                 errors.append(f"{server}: {exc!r}")
                 continue
             self._writer = writer
@@ -88,11 +93,13 @@ class PublishConnection:
         if isinstance(urls, list):
             auth = urlparse(self.servers[0]).netloc.rpartition("@")[0] if self.servers else ""
             prefix = f"{scheme}://{auth}@" if auth else f"{scheme}://"
-            self.discovered = [prefix + u for u in urls
-                               if isinstance(u, str) and u and not set(u) & set(" @/\r\n")]
+            self.discovered = [
+                prefix + u for u in urls if isinstance(u, str) and u and not set(u) & set(" @/\r\n")
+            ]
 
-    async def _open(self, server: str,
-                    subject: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(
+        self, server: str, subject: str
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         url = urlparse(server)
         host, port = url.hostname or "127.0.0.1", url.port or 4222
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
@@ -109,15 +116,25 @@ class PublishConnection:
             if tls is not None:
                 await writer.start_tls(tls, server_hostname=host)
             options: dict[str, Any] = {
-                "verbose": False, "pedantic": False, "tls_required": tls is not None,
-                "name": "hascheduler-publisher", "lang": "python", "version": "hascheduler",
-                "protocol": 1, "headers": True, "no_responders": True}
+                "verbose": False,
+                "pedantic": False,
+                "tls_required": tls is not None,
+                "name": "hascheduler-publisher",
+                "lang": "python",
+                "version": "hascheduler",
+                "protocol": 1,
+                "headers": True,
+                "no_responders": True,
+            }
             if url.username and url.password is not None:
                 options |= {"user": unquote(url.username), "pass": unquote(url.password)}
             elif url.username:
                 options["auth_token"] = unquote(url.username)
-            writer.write(b"CONNECT " + json.dumps(options).encode() +
-                         f"\r\nSUB {subject} 1\r\nPING\r\n".encode())
+            writer.write(
+                b"CONNECT "
+                + json.dumps(options).encode()
+                + f"\r\nSUB {subject} 1\r\nPING\r\n".encode()
+            )
             await writer.drain()
             while True:  # the PONG: CONNECT and SUB are processed
                 line = await reader.readline()
@@ -171,9 +188,10 @@ class PublishConnection:
                 if len(data) < stop + 2:
                     return data[pos:]
                 # "NATS/1.0 503" (a status reply) or "NATS/1.0" (plain headers)
-                status_line = data[start:data.find(b"\r\n", start)].split(b" ")
-                self.on_reply(parts[1], data[body:stop],
-                              status_line[1] if len(status_line) > 1 else None)
+                status_line = data[start : data.find(b"\r\n", start)].split(b" ")
+                self.on_reply(
+                    parts[1], data[body:stop], status_line[1] if len(status_line) > 1 else None
+                )
                 pos = stop + 2
             elif head == b"PING":
                 writer.write(b"PONG\r\n")
@@ -216,5 +234,11 @@ def frame(subject: str, reply: str, headers: str, body: bytes) -> bytes:
     vouches that subject, reply and headers hold no whitespace or line breaks where the
     protocol forbids them."""
     head = f"NATS/1.0\r\n{headers}\r\n".encode()
-    return b"".join((f"HPUB {subject} {reply} {len(head)} {len(head) + len(body)}\r\n"
-                     .encode(), head, body, b"\r\n"))
+    return b"".join(
+        (
+            f"HPUB {subject} {reply} {len(head)} {len(head) + len(body)}\r\n".encode(),
+            head,
+            body,
+            b"\r\n",
+        )
+    )
