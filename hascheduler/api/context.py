@@ -24,11 +24,11 @@ from hascheduler.core.fanout import FanOut
 from hascheduler.process.metrics import Metrics
 from hascheduler.storage.audit_log import AuditLog
 from hascheduler.storage.backfills import Backfills
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fires import (
     Ledger,
 )
 from hascheduler.storage.health import HealthReader
-from hascheduler.storage.lease import LeaseCollection
 from hascheduler.storage.members import Members
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
@@ -76,7 +76,7 @@ class Cluster:
 
     def __init__(
         self,
-        leases: LeaseCollection,
+        leases: Collection,
         members: Members,
         ledger: Ledger,
         elector: Leading,

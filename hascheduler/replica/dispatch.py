@@ -50,11 +50,12 @@ from hascheduler.replica.requests import Requests
 from hascheduler.replica.takeover import TakeOver
 from hascheduler.replica.term import HeldLease, LeadershipLost, Term, TermService
 from hascheduler.storage.backfills import Backfills
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger, skipped_range_document
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import RunLedger
-from hascheduler.storage.schedules import ScheduleReads, ScheduleStore
+from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -69,7 +70,7 @@ class Dispatcher:
     def __init__(  # noqa: PLR0913 (builds the term's services from what they use)
         self,
         mirror: MirroredSchedules,
-        schedules: ScheduleReads,
+        schedules: Collection,
         ledger: Ledger,
         broker: Broker,
         lease: HeldLease,

@@ -30,9 +30,10 @@ from hascheduler.core.triggers import iso_utc
 from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import Fenced, OverlapGate
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.schedules import ScheduleReads, ScheduleStore, message_fields
+from hascheduler.storage.schedules import ScheduleStore, message_fields
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -105,7 +106,7 @@ class Publisher:
         broker: Broker,
         ledger: Ledger,
         mirror: MirroredSchedules,
-        schedules: ScheduleReads,
+        schedules: Collection,
         settings: DispatchSettings,
         clock: Clock,
         metrics: Metrics,

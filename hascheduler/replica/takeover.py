@@ -25,8 +25,9 @@ from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import HeldLease, Term
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fires import Ledger, skipped_range_document
-from hascheduler.storage.schedules import ScheduleReads, created_after
+from hascheduler.storage.schedules import created_after
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -47,7 +48,7 @@ class TakeOver:
         firing: FiringPath,
         ledger: Ledger,
         publisher: Publisher,
-        schedules: ScheduleReads,
+        schedules: Collection,
         entries: Mapping[str, Entry],
         retry_interval_s: float,
         lease: HeldLease,

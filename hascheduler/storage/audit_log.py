@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from pymongo.errors import PyMongoError
 
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.pages import older_than
 
 log = structlog.get_logger("hascheduler.audit")
@@ -52,27 +53,11 @@ def recording(update: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class Source(Protocol):
-    """A collection whose documents may carry pending records."""
-
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_one(self, filter: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-
-
-class Records(Protocol):
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-
-
 class AuditLog:
     def __init__(
         self,
-        records: Records,
-        sources: list[Source],
+        records: Collection,
+        sources: list[Collection],
         retention_days: float = DEFAULT_RETENTION_DAYS,
     ) -> None:
         self.records = records
@@ -106,7 +91,7 @@ class AuditLog:
                 copied += await self._relay(source)
             return copied
 
-    async def _relay(self, source: Source) -> int:
+    async def _relay(self, source: Collection) -> int:
         docs = [
             d
             async for d in source.find({PENDING: True}, {OUTBOX: 1, DELETED: 1}).limit(RELAY_BATCH)
@@ -158,7 +143,7 @@ class AuditLog:
         before: str | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
-        """Records newest first; ``before``: the id of the last record of the previous
+        """Collection newest first; ``before``: the id of the last record of the previous
         page. Every pending record is relayed first."""
         await self.relay()
         query: dict[str, Any] = {}

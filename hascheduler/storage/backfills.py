@@ -16,30 +16,20 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, Field
 from pymongo import ASCENDING, ReturnDocument
 
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.audit_log import recording, with_record
+from hascheduler.storage.collection import Collection
 
 RUNNING = "running"
 DONE = "done"
 CANCELLED = "cancelled"
 
 Document = dict[str, Any]
-
-
-class BackfillsCollection(Protocol):
-    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Backfill(BaseModel):
@@ -81,7 +71,7 @@ class Backfill(BaseModel):
 
 
 class Backfills:
-    def __init__(self, collection: BackfillsCollection) -> None:
+    def __init__(self, collection: Collection) -> None:
         self.coll = collection
 
     async def ensure_indexes(self) -> None:

@@ -4,29 +4,24 @@ the one place that reads a bulk write's errors."""
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo.errors import BulkWriteError
 
 from hascheduler.core.constants import DUPLICATE_KEY
+from hascheduler.storage.collection import Collection
 
 
-class Inserts(Protocol):
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class BulkWrites(Protocol):
-    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
-async def insert_new(collection: Inserts, documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def insert_new(
+    collection: Collection, documents: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Insert ``documents`` unordered, in one round trip; the write errors (each with the
     refused document's ``index`` and the unique index's ``keyPattern``) of those a unique
     index refused. Raises BulkWriteError for any other failure."""
     return await _duplicates(collection.insert_many(documents, ordered=False))
 
 
-async def refused_upserts(collection: BulkWrites, requests: list[Any]) -> set[int]:
+async def refused_upserts(collection: Collection, requests: list[Any]) -> set[int]:
     """Run the upserts unordered in one round trip; the indexes of those whose filter
     matched no document while one with its ``_id`` exists (the upsert then collided)."""
     if not requests:

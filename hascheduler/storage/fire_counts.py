@@ -10,24 +10,18 @@ short, which shows in ``fires_remaining`` only: the limit is the set's.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from hascheduler.storage.collection import Collection
+
 Document = dict[str, Any]
 
 
-class CountsCollection(Protocol):
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-
-
 class FireCounts:
-    def __init__(self, counts: CountsCollection) -> None:
+    def __init__(self, counts: Collection) -> None:
         self.counts = counts
 
     async def take(self, schedule_id: str, fire_id: str, limit: int) -> int | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import AsyncGenerator, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, UpdateMany
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
@@ -29,6 +29,7 @@ from hascheduler.core.constants import DUPLICATE_KEY
 from hascheduler.core.instants import as_utc
 from hascheduler.core.triggers import fire_id, iso_utc
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.streams import aggregate
 
 CLAIMED = "claimed"
@@ -190,22 +191,6 @@ def skipped_range_document(
     return doc
 
 
-class FiresCollection(Protocol):
-    """The slice of a driver collection the ledger uses (PyMongo async or Motor)."""
-
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_many(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    async def drop_index(self, index_or_name: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
 async def state_counts(
     collection: Any, schedule_id: str, nominals: list[dt.datetime]
 ) -> dict[dt.datetime, dict[str, int]]:
@@ -249,7 +234,7 @@ class Notices:
 
 
 class Ledger:
-    def __init__(self, fires: FiresCollection, notices: Notices | None = None) -> None:
+    def __init__(self, fires: Collection, notices: Notices | None = None) -> None:
         self.fires = fires
         self.notices = notices or Notices()
 

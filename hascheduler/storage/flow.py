@@ -19,7 +19,6 @@ import contextlib
 import datetime as dt
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
 
 from pymongo import ASCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError, OperationFailure
@@ -27,20 +26,10 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.bulk import refused_upserts
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.streams import aggregate
 
 UNUSED_SLOT_EXPIRY_S = 3600
-
-
-class SlotsCollection(Protocol):
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def holder(fire_id: str) -> str:
@@ -49,7 +38,7 @@ def holder(fire_id: str) -> str:
 
 
 class SlotStore:
-    def __init__(self, slots: SlotsCollection) -> None:
+    def __init__(self, slots: Collection) -> None:
         self.slots = slots
 
     async def ensure_indexes(self) -> None:
@@ -294,16 +283,6 @@ class SlotStore:
         }
 
 
-class RatesCollection(Protocol):
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 class RateStore:
     """Start budgets: every read and write of the ``rates`` collection. A key's document
     holds ``tat``, the earliest instant its next run may start (GCRA's theoretical arrival
@@ -311,7 +290,7 @@ class RateStore:
     conditional write, so two workers never both start a run in one interval. ``waiting``
     marks a key with parked runs, for the wakers (worker/flow.py)."""
 
-    def __init__(self, rates: RatesCollection) -> None:
+    def __init__(self, rates: Collection) -> None:
         self.rates = rates
 
     async def ensure_indexes(self) -> None:

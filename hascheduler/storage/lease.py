@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
@@ -30,6 +30,7 @@ from pymongo.errors import DuplicateKeyError
 from hascheduler.core.clock import ServerClock
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.instants import as_utc
+from hascheduler.storage.collection import Collection
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -82,22 +83,12 @@ class LeaseView:
         return self.holder is not None and self.expires_at > now
 
 
-class LeaseCollection(Protocol):
-    """The slice of a driver collection the lease uses (PyMongo async or Motor)."""
-
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
 class Lease:
     """One replica's handle on the named lease."""
 
     def __init__(
         self,
-        collection: LeaseCollection,
+        collection: Collection,
         name: str,
         holder: str,
         timings: LeaseTimings,
@@ -195,7 +186,7 @@ class Lease:
         return await read_lease(self._coll, self.name)
 
 
-async def read_lease(leases: LeaseCollection, name: str) -> LeaseView | None:
+async def read_lease(leases: Collection, name: str) -> LeaseView | None:
     """The lease ``name`` as the database holds it, if any."""
     doc = await leases.find_one({"_id": name})
     return LeaseView.from_document(doc) if doc else None

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ASCENDING
+
+from hascheduler.storage.collection import Collection
 
 Document = dict[str, Any]
 
 
-class MembersCollection(Protocol):
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 class Members:
-    def __init__(self, members: MembersCollection) -> None:
+    def __init__(self, members: Collection) -> None:
         self.members = members
 
     async def ensure_indexes(self, forget_after_s: float) -> None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
+
+from hascheduler.storage.collection import Collection
 
 
-class Anchors(Protocol):
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
-async def older_than(collection: Anchors, field: str, anchor_id: str) -> dict[str, Any]:
+async def older_than(collection: Collection, field: str, anchor_id: str) -> dict[str, Any]:
     """The condition for the documents after ``anchor_id`` in (``field``, ``_id``)
     descending order: the next page's. Raises LookupError when it names no document
     (expired since, or never there)."""

@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
 
 from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.run_states import PENDING
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.bulk import insert_new
-
-
-class Collection(Protocol):
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_many(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
+from hascheduler.storage.collection import Collection
 
 
 def open_key(schedule_id: str, tenant: str | None) -> str:

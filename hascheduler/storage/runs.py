@@ -59,6 +59,7 @@ from hascheduler.core.run_states import (
 )
 from hascheduler.storage.audit_log import recording, with_record
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fires import state_counts
 from hascheduler.storage.pages import older_than
 from hascheduler.storage.reservations import Reservations
@@ -71,25 +72,6 @@ Document = dict[str, Any]
 
 
 ATTEMPTS_KEPT = 20
-
-
-class RunsCollection(Protocol):
-    """The slice of a driver collection the runs ledger uses (PyMongo async or Motor)."""
-
-    async def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_many(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def bulk_write(self, requests: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def delete_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_many(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-    def aggregate(self, pipeline: Any, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,9 +254,9 @@ class RunLedger(Reservations):
     """The runs ledger: a worker's writes, an operator's, and the reads; the leader's
     reservations are its own room (storage/reservations.py)."""
 
-    runs: RunsCollection
+    runs: Collection
 
-    def __init__(self, runs: RunsCollection) -> None:
+    def __init__(self, runs: Collection) -> None:
         self.runs = runs
 
     async def ensure_indexes(self, retention_s: float) -> None:

@@ -13,7 +13,7 @@ import datetime as dt
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
@@ -44,6 +44,7 @@ from hascheduler.storage.audit_log import (
     with_record,
 )
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
 
 _FIELDS = frozenset(ScheduleFields.model_fields)
@@ -51,33 +52,12 @@ _FIELDS = frozenset(ScheduleFields.model_fields)
 SYSTEM = Actor("hascheduler")
 
 
-class SchedulesCollection(Protocol):
-    """The slice of a driver collection the store uses (PyMongo async or Motor)."""
-
-    async def insert_one(self, document: Any) -> Any: ...
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one_and_update(
-        self, filter: Any, update: Any, *args: Any, **kwargs: Any
-    ) -> Any: ...
-    async def delete_one(self, filter: Any) -> Any: ...
-    async def count_documents(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 # The traceparent of the write that last changed a schedule (process/tracing.py).
 TRACE = "trace"
 _NOT_SCHEDULE = frozenset({"_id", OUTBOX, PENDING, DELETED, TRACE})
 
 
-class ScheduleReads(Protocol):
-    """A schedules collection as the leader reads it (PyMongo async or Motor)."""
-
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-async def message_fields(schedules: ScheduleReads, ids: list[str]) -> list[dict[str, Any]]:
+async def message_fields(schedules: Collection, ids: list[str]) -> list[dict[str, Any]]:
     """What a fire's message carries of each of these schedules still stored (name,
     target, payload, run control, the trace of its last write), with its revision."""
     return [
@@ -98,7 +78,7 @@ async def message_fields(schedules: ScheduleReads, ids: list[str]) -> list[dict[
     ]
 
 
-async def created_after(schedules: ScheduleReads, after: dt.datetime) -> dict[str, dt.datetime]:
+async def created_after(schedules: Collection, after: dt.datetime) -> dict[str, dt.datetime]:
     """When each schedule created after ``after`` was created: a range of the
     ``created_at`` index, on dates only (a stored value of another type matches
     nothing)."""
@@ -168,7 +148,7 @@ class ScheduleStore:
 
     def __init__(
         self,
-        collection: SchedulesCollection,
+        collection: Collection,
         counts: FireCounts | None = None,
         audit: AuditLog | None = None,
         redact_payload: bool = False,

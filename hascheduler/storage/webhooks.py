@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from pymongo import ASCENDING, DESCENDING
 from pymongo.errors import DuplicateKeyError
@@ -26,6 +26,7 @@ from hascheduler.core.webhooks import (
     retry_in_s,
 )
 from hascheduler.storage.bulk import insert_new
+from hascheduler.storage.collection import Collection
 
 PENDING = "pending"
 DELIVERED = "delivered"
@@ -39,19 +40,8 @@ class WebhookExists(Exception):
     pass
 
 
-class WebhooksCollection(Protocol):
-    async def insert_one(self, document: Any) -> Any: ...
-    async def insert_many(self, documents: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def find_one(self, filter: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def update_one(self, filter: Any, update: Any, *args: Any, **kwargs: Any) -> Any: ...
-    async def delete_one(self, filter: Any) -> Any: ...
-    async def delete_many(self, filter: Any) -> Any: ...
-    async def create_index(self, keys: Any, **kwargs: Any) -> Any: ...
-    def find(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 class WebhookStore:
-    def __init__(self, webhooks: WebhooksCollection) -> None:
+    def __init__(self, webhooks: Collection) -> None:
         self.webhooks = webhooks
 
     async def ensure_indexes(self) -> None:
@@ -85,7 +75,7 @@ class WebhookStore:
 
 
 class Deliveries:
-    def __init__(self, deliveries: WebhooksCollection) -> None:
+    def __init__(self, deliveries: Collection) -> None:
         self.deliveries = deliveries
 
     async def ensure_indexes(self) -> None:
