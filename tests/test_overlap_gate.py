@@ -419,3 +419,23 @@ async def test_a_reservation_left_by_a_term_killed_before_withdrawing_it_is_with
     assert [c.fire_id for c in await gate.admit(released, targets, term, released=True)] == [
         second.fire_id
     ]
+
+
+async def test_nothing_is_buffered_ahead_of_its_due_time(gate: OverlapGate, term: Term) -> None:
+    """Two fires of one key admitted ahead together (a loop late by a stall takes the next
+    second's with this one's): the first reserves the run, the second is held, nothing
+    recorded, to be asked at its due time. On 8dea6d2 it was buffered ahead; the first's
+    run ended at once, and the release published it before it was due (the chaos soak,
+    seed 2: three buffer_one schedules early at one instant)."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    for claim in (first, second):
+        claim.overlap = "buffer_one"
+    targets = {"s": "jobs.s"}
+    assert await gate.admit_ahead([first, second], targets, term) == ([first], [second])
+    doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
+    assert doc is not None
+    assert doc["state"] == "claimed"  # not buffered: the release cannot take it early
+    assert gate.waiting == set()
+    await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends at once
+    assert await gate.ready(term, now + dt.timedelta(minutes=1)) == []

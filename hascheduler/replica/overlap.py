@@ -111,8 +111,9 @@ class OverlapGate:
     async def admit_ahead(
         self, claims: list[Claim], targets: Mapping[str, str], term: Fenced
     ) -> tuple[list[Claim], list[Claim]]:
-        """Before the claims' due time: (those to publish at it, those held). A fire whose
-        key's run is still open now is held, nothing recorded, to ask again at its due
+        """Before the claims' due time: (those to publish at it, those held). A fire that
+        does not reserve its key's run now (that run still open, fires waiting, an earlier
+        fire of its key in the batch) is held, nothing recorded, to ask again at its due
         time (``admit``): its fire is then, and a run may end before it."""
         return await self._admit(claims, targets, term, False, hold=True)
 
@@ -168,20 +169,19 @@ class OverlapGate:
         now = self.clock()
         # Held fires record nothing, so what holds them need not be named.
         refused = await self._reserve(list(first.values()), targets, now, term, hold)
-        held: list[Claim] = []
-        if hold and refused:
-            open_keys = {key for key, c in first.items() if c.fire_id in refused}
-            held = [c for c in governed if (c.schedule_id, c.tenant) in open_keys]
-            governed = [c for c in governed if (c.schedule_id, c.tenant) not in open_keys]
-            first = {key: c for key, c in first.items() if key not in open_keys}
-            refused = {}
+        if hold:
+            # Ahead of the due time nothing is decided: a fire that did not reserve its
+            # key's run is asked again at its due time. Buffered now, a fire a run ahead of
+            # it in the same batch ended was released, and published, before it was due.
+            went = {c.fire_id for c in first.values() if c.fire_id not in refused}
+            held = [c for c in governed if c.fire_id not in went]
             gone = {c.fire_id for c in held}
-            claims = [c for c in claims if c.fire_id not in gone]
+            return [c for c in claims if c.fire_id not in gone], held
         if not refused and len(first) == len(governed):
             # Each fire holds its key's open run now: all go (as decide() would say).
             if released:
                 self.releasing -= keys
-            return claims, held
+            return claims, []
         open_runs: dict[Key, list[str]] = {
             key: [refused[c.fire_id]] for key, c in first.items() if c.fire_id in refused
         }
@@ -216,7 +216,7 @@ class OverlapGate:
         go = set(decision.publish) | own
         if released:
             self.releasing -= keys
-        return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], held
+        return [c for c in claims if c.fire_id in go or self.policy(c) == ALLOW], []
 
     async def _reserve(
         self,
