@@ -17,6 +17,7 @@ from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry, compile_trigger
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica import overlap
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
@@ -398,18 +399,21 @@ async def test_a_reservation_a_newer_term_went_on_with_stays_when_the_deposed_on
 
 
 async def test_a_reservation_left_by_a_term_killed_before_withdrawing_it_is_withdrawn(
-    gate: OverlapGate, term: Term
+    gate: OverlapGate, term: Term, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fire 1's run reserved by a term killed before it could withdraw it, though fire 1
-    is recorded skipped (the reservation landed after the decision); fire 2 waits behind
-    it. The leader finds it stale and releases fire 2: on 8dea6d2 fire 2 waited for good
-    (the chaos soak's buffer_one schedules)."""
+    """Fire 2 waits behind fire 1's run, reserved by a term killed before it could
+    withdraw it; fire 1 is then recorded skipped (the reservation had landed after the
+    decision). The leader finds it stale and releases fire 2: on 8dea6d2 fire 2 waited for
+    good (the chaos soak's buffer_one schedules)."""
+    monkeypatch.setattr(overlap, "STALE_CHECK_S", 0.0)  # every look looks
     now = dt.datetime.now(dt.UTC)
     first, second = [await claimed(gate, n, now) for n in (1, 2)]
     targets = {"s": "jobs.s"}
     await gate.runs.reserve([first], targets, now, TERM - 1)  # the killed term's
-    await gate.ledger.skip([first.fire_id], TERM, "overlap")
-    assert await gate.admit([second], targets, term) == []
+    assert await gate.admit([second], targets, term) == []  # fire 1 not decided yet
+    await gate.ledger.fires.update_one(
+        {"_id": first.fire_id}, {"$set": {"state": "skipped", "reason": "overlap"}}
+    )
     doc = await gate.ledger.fires.find_one({"_id": second.fire_id})
     assert doc is not None
     assert (doc["state"], doc["open_run"]) == (BUFFERED, first.fire_id)
@@ -439,3 +443,20 @@ async def test_nothing_is_buffered_ahead_of_its_due_time(gate: OverlapGate, term
     assert gate.waiting == set()
     await gate.runs.unreserve(first.fire_id, TERM)  # the first's run ends at once
     assert await gate.ready(term, now + dt.timedelta(minutes=1)) == []
+
+
+async def test_a_stale_reservation_is_withdrawn_when_it_refuses_a_fire_at_its_due_time(
+    gate: OverlapGate, term: Term
+) -> None:
+    """Under `skip` nothing waits behind a run: a reservation left by a killed term, its
+    fire recorded skipped, refused every later fire of its key, each recorded skipped for
+    good. Found when it refuses one, it is withdrawn and the fire decided again: it goes."""
+    now = dt.datetime.now(dt.UTC)
+    first, second = [await claimed(gate, n, now) for n in (1, 2)]
+    for claim in (first, second):
+        claim.overlap = "skip"
+    targets = {"s": "jobs.s"}
+    await gate.runs.reserve([first], targets, now, TERM - 1)  # the killed term's
+    await gate.ledger.skip([first.fire_id], TERM, "overlap")
+    assert await gate.admit([second], targets, term) == [second]
+    assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): second.fire_id}

@@ -40,8 +40,8 @@ log = structlog.get_logger("hascheduler.dispatch")
 BUFFER_POLL_S = 0.05
 # How long a deposed term tries to withdraw the reservations it made as it lost the lease.
 WITHDRAW_TIMEOUT_S = 2.0
-# How often, while fires wait, the leader looks whether what holds them is such a
-# reservation that a term killed before withdrawing it left.
+# How often, while fires wait or are refused, the leader looks whether what holds them is
+# such a reservation that a term killed before withdrawing it left.
 STALE_CHECK_S = 1.0
 
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class OverlapGate:
         # run for: a fire of the key arriving meanwhile waits behind it (buffer_all keeps
         # nominal order), though the database shows neither a buffered fire nor an open run.
         self.releasing: set[Key] = set()
-        self._stale_check_at = 0.0  # monotonic: when ready() next looks for stale reservations
+        self._stale_check_at = 0.0  # monotonic: when it next looks for stale reservations
 
     def policy(self, claim: Claim) -> str:
         if claim.overlap is not None:
@@ -177,6 +177,13 @@ class OverlapGate:
             held = [c for c in governed if c.fire_id not in went]
             gone = {c.fire_id for c in held}
             return [c for c in claims if c.fire_id not in gone], held
+        if refused and time.monotonic() >= self._stale_check_at:
+            # What refused them may be a reservation no term will publish; withdrawn, the
+            # fires are decided again (once: the next look is STALE_CHECK_S away).
+            self._stale_check_at = time.monotonic() + STALE_CHECK_S
+            blocking = {fire: blocker for fire, blocker in refused.items() if blocker}
+            if len(await self._without_stale(blocking, term)) < len(blocking):
+                return await self._admit(claims, targets, term, released, hold)
         if not refused and len(first) == len(governed):
             # Each fire holds its key's open run now: all go (as decide() would say).
             if released:
