@@ -260,11 +260,8 @@ def test_chaos_refuses_bad_arguments() -> None:
 def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     # Every process in a network namespace of its own (--partitions, the default): the
-    # soak meets clock skew and every partition kind too.
-    # Without the buffer_one schedules: with them the soak still finds, now and then, a
-    # fire of theirs recorded skipped though published, or held back for good after a
-    # failover (issue 53, left open; docs/RELIABILITY.md, the chaos soak). The overlap
-    # gate's own tests hold what was fixed of it.
+    # soak meets clock skew and every partition kind too, beside pauses until an instant,
+    # backfills and buffer_one schedules.
     done = run_chaos(
         "--duration",
         "50",
@@ -280,7 +277,6 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
         "11",
         "--min-faults",
         str(len(KINDS)),
-        "--no-buffer-one",
         "--pauses-every",
         "6",
         "--backfills-every",
