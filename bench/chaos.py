@@ -1013,9 +1013,14 @@ async def settled_runs(soak: Soak, fire_ids: set[str]) -> dict[str, dict[str, An
 
 
 async def complete_stream(
-    soak: Soak, since: dt.datetime, until: dt.datetime, windows: list[Window]
+    soak: Soak,
+    since: dt.datetime,
+    until: dt.datetime,
+    windows: list[Window],
+    records: dict[str, dict[str, Any]],
 ) -> tuple[SoakAudit, list[Any]]:
-    """Read the stream until nothing due is missing, or the deadline passes."""
+    """Read the stream until nothing due and no backfilled instant is missing, or the
+    deadline passes."""
     deadline = time.monotonic() + COMPLETE_WITHIN_S
     while True:
         messages = [(m.event, m.stored_at) for m in await read_stream(soak.supervisor.nats_uri)]
@@ -1028,7 +1033,8 @@ async def complete_stream(
             soak.args.late_bound,
             await soak.skipped_by_overlap(),
         )
-        if not report.missing or time.monotonic() > deadline:
+        backfilled = audit_backfills(soak.backfills, messages, records)
+        if not (report.missing or backfilled.missing) or time.monotonic() > deadline:
             return report, messages
         await asyncio.sleep(2.0)  # catch-up and retries are still publishing
 
@@ -1103,8 +1109,12 @@ async def run(args: argparse.Namespace) -> int:
         await soak.read_back_pauses()
         await asyncio.sleep(max(0.0, (until - dt.datetime.now(UTC)).total_seconds()))
         windows = [f.window() for f in soak.faults]
-        report, messages = await complete_stream(soak, since, until, windows)
-        backfill_report = audit_backfills(soak.backfills, messages, await soak.backfill_records())
+        # The backfills' records first (each once done): a backfill's claims count as
+        # fired while a publish of theirs is still being retried, and the stream is read
+        # until those are in it too.
+        records = await soak.backfill_records()
+        report, messages = await complete_stream(soak, since, until, windows, records)
+        backfill_report = audit_backfills(soak.backfills, messages, records)
         if report.missing or report.fired_and_skipped or backfill_report.missing:
             with contextlib.suppress(Exception):
                 missing_records = await soak.ledger_of(
