@@ -23,6 +23,18 @@ def at(minutes: float) -> dt.datetime:
     return T0 + dt.timedelta(minutes=minutes)
 
 
+def bare_dispatcher(entries: dict[str, Entry], lease: Any) -> Dispatcher:
+    """A dispatcher over ``entries`` with no database and no broker: for what its queue,
+    its loop and its fakes do."""
+    return Dispatcher(
+        SimpleNamespace(entries=entries),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        lease,
+    )
+
+
 @contextlib.asynccontextmanager
 async def changes_applied(
     entries: dict[str, Entry], watermark: dt.datetime | None
@@ -30,13 +42,7 @@ async def changes_applied(
     """A dispatcher over ``entries`` leading a term whose loop has got to ``watermark``
     (no database, no broker: for what a change queues)."""
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-    )  # type: ignore[arg-type]
+    dispatcher = bare_dispatcher(entries, lease)
     async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
         dispatcher.term = term
         if watermark is not None:

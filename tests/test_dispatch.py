@@ -31,7 +31,7 @@ from hascheduler.replica.firing import (
     CLAIMS_IN_FLIGHT,
 )
 from hascheduler.replica.term import LeadershipLost, Term
-from tests.dispatching import T0, AckingBroker, OneSchedule, at, changes_applied
+from tests.dispatching import T0, AckingBroker, OneSchedule, at, bare_dispatcher, changes_applied
 from tests.waiting import still_pending, wait_until
 
 
@@ -41,13 +41,7 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
 
     entries = {f"s{i:05d}": entry(1) for i in range(3 * SEED_STEP)}
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-    )  # type: ignore[arg-type]
+    dispatcher = bare_dispatcher(entries, lease)
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     turns = 0
     seeded = False
@@ -403,13 +397,7 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
         for i in range(1000)
     }
     lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-    )  # type: ignore[arg-type]
+    dispatcher = bare_dispatcher(entries, lease)
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
     await dispatcher._seed(term, now)
     rounds: list[tuple[dt.datetime, dt.datetime]] = []  # (claimed at, earliest due)
