@@ -35,7 +35,8 @@ from hascheduler.core.flow import (
     Wanted,
 )
 from hascheduler.storage.flow import RateStore, SlotStore
-from hascheduler.storage.runs import FireRef, RunLedger
+from hascheduler.storage.run_records import FireRef
+from hascheduler.storage.runs import RunLedger
 from hascheduler.worker import WorkerApp
 from hascheduler.worker.app import WorkerConfigError
 from hascheduler.worker.delivery import NotAFire, read_delivery

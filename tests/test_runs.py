@@ -14,7 +14,8 @@ from hascheduler.api.run_view import public_view
 from hascheduler.core.claims import Claim
 from hascheduler.core.errors import RunConflict
 from hascheduler.core.run_states import DEAD, RETRYING, RUNNING, SUCCEEDED
-from hascheduler.storage.runs import FireRef, Outcome, RunLedger
+from hascheduler.storage.run_records import FireRef, Outcome
+from hascheduler.storage.runs import RunLedger
 
 T0 = dt.datetime.now(dt.UTC).replace(microsecond=0)
 

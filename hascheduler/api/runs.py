@@ -50,7 +50,7 @@ from hascheduler.storage.fires import (
     REQUESTED,
 )
 from hascheduler.storage.reservations import open_key
-from hascheduler.storage.runs import FireRef
+from hascheduler.storage.run_records import FireRef
 
 
 async def fire_history(request: web.Request) -> web.Response:

@@ -11,7 +11,7 @@ from hascheduler.core.claims import Claim as FireClaim
 from hascheduler.core.run_states import PENDING
 from hascheduler.core.triggers import fire_id as fire_id_of
 from hascheduler.storage.bulk import insert_new
-from hascheduler.storage.collection import Collection
+from hascheduler.storage.run_reads import RunReads
 
 
 def open_key(schedule_id: str, tenant: str | None) -> str:
@@ -19,9 +19,7 @@ def open_key(schedule_id: str, tenant: str | None) -> str:
     return schedule_id if tenant is None else f"{schedule_id}/{tenant}"
 
 
-class Reservations:
-    runs: Collection
-
+class Reservations(RunReads):
     async def reserve(
         self,
         claims: Sequence[FireClaim],
@@ -136,12 +134,3 @@ class Reservations:
         buffered, which reserves nothing): they hold their keys for nothing."""
         if fire_ids:
             await self.runs.delete_many({"_id": {"$in": sorted(fire_ids)}, "state": PENDING})
-
-    async def open_runs(self, keys: list[str]) -> dict[str, str]:
-        """The open run of each of these keys that has one: key -> its fire id."""
-        if not keys:
-            return {}
-        return {
-            d["open_key"]: d["_id"]
-            async for d in self.runs.find({"open_key": {"$in": keys}}, {"open_key": 1})
-        }

@@ -33,226 +33,38 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 from pymongo import ASCENDING, DESCENDING, ReturnDocument, UpdateOne
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
-from hascheduler.core.errors import BrokerRefused, RunConflict, RunNotFound
-from hascheduler.core.events import FireMessage
-from hascheduler.core.flow import Paced, Wanted, rank
-from hascheduler.core.instants import as_utc
-from hascheduler.core.run_states import (
-    CANCELLED,
-    DEAD,
-    ENDED,
-    PARKED,
-    PENDING,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    WAITING,
-)
-from hascheduler.storage.audit_log import recording, with_record
+from hascheduler.core.flow import Paced, Wanted
+from hascheduler.core.run_states import PARKED, PENDING, RETRYING, RUNNING, WAITING
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.collection import Collection
-from hascheduler.storage.fires import state_counts
-from hascheduler.storage.pages import older_than
+from hascheduler.storage.operator_writes import OperatorWrites
 from hascheduler.storage.reservations import Reservations
-from hascheduler.storage.streams import aggregate
-
-CONCURRENCY, RATE = "concurrency", "rate"  # what a parked run waits for
-ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
-
-Document = dict[str, Any]
-
-
-ATTEMPTS_KEPT = 20
-
-
-@dataclass(frozen=True, slots=True)
-class RunClaim:
-    """The answer to a claim: ``claimed`` (run the handler, this is attempt ``attempt``),
-    or the state that stopped it: ``running`` elsewhere or ``retrying`` not yet due (both
-    with ``wait_s`` until it may be claimed), ``succeeded`` or ``dead``."""
-
-    outcome: str  # "claimed", or the run's state
-    attempt: int = 0
-    wait_s: float = 0.0
-    took_over: str | None = None  # the worker whose lapsed run this claim took over
-
-    @property
-    def claimed(self) -> bool:
-        return self.outcome == "claimed"
-
-
-@dataclass(frozen=True, slots=True)
-class FireRef:
-    """What the ledger records about the fire a run belongs to."""
-
-    fire_id: str
-    schedule_id: str
-    target: str
-    nominal_at: dt.datetime | None
-    event: Mapping[str, Any]  # the CloudEvent as delivered
-    body: bytes  # ... as its bytes: what a dead run keeps for a replay
-    fire: str = ""  # a fan-out run's fire (the fire id without the tenant); else fire_id
-    tenant: str | None = None
-
-
-# Unset when a parked run is claimed; ``woken_at`` stays: when its waker took what it
-# waited for (for a rate key, the instant its start was counted).
-_PARKED_FIELDS = dict.fromkeys(
-    (
-        "waiting_on",
-        "waiting_since",
-        "wait_rank",
-        "wait_key",
-        "wait_limit",
-        "wait_interval_s",
-        "wait_template",
-    ),
-    "",
+from hascheduler.storage.run_records import (
+    PARKED_FIELDS,
+    Document,
+    FireRef,
+    Outcome,
+    RunClaim,
+    blocked,
+    claimed_by,
+    mine,
+    new_run,
+    parked_fields,
 )
 
-
-def _mine(fire_id: str, worker_id: str, attempt: int) -> Document:
-    """The fence: this worker's claim of this attempt, still running."""
-    return {"_id": fire_id, "state": RUNNING, "worker_id": worker_id, "attempts": attempt}
+ONE_OPEN_RUN = "one_open_run"  # the unique index on open_key
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How one attempt ended, to be recorded (``RunLedger.record``)."""
-
-    fire_id: str
-    worker_id: str
-    attempt: int
-    started: dt.datetime
-    finished: dt.datetime
-    state: str  # SUCCEEDED, RETRYING, DEAD or CANCELLED
-    error: str | None = None
-    retry_in_s: float = 0.0
-    event: bytes | None = None  # a dead run keeps its event: a replay sends it again
-    trace_id: str | None = None  # the fire's trace (tracing on), for the dashboard's link
-
-    def update(self) -> Document:
-        duration = (self.finished - self.started).total_seconds()
-        fields: Document = {
-            "state": self.state,
-            "started_at": self.started,
-            "finished_at": self.finished,
-            "recorded_at": self.finished,
-            "duration_s": duration,
-        }
-        if self.error is not None:
-            fields["last_error"] = self.error
-        if self.trace_id is not None:
-            fields["trace_id"] = self.trace_id
-        # Each attempt as it ended, the last ATTEMPTS_KEPT: the run's page lists them.
-        attempt = {
-            "attempt": self.attempt,
-            "worker_id": self.worker_id,
-            "started_at": self.started,
-            "finished_at": self.finished,
-            "duration_s": duration,
-            "state": self.state,
-            "error": self.error,
-        }
-        pushed = {"attempt_history": {"$each": [attempt], "$slice": -ATTEMPTS_KEPT}}
-        if self.state == RETRYING:
-            fields["next_attempt_at"] = self.finished + dt.timedelta(seconds=self.retry_in_s)
-        if self.event is not None:
-            fields["event"] = self.event
-        if self.state in ENDED:  # no longer holds its schedule (invariant 11)
-            return {"$set": fields, "$unset": {"open_key": ""}, "$push": pushed}
-        return {"$set": fields, "$push": pushed}
-
-
-def _new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
-    doc = {
-        "_id": fire.fire_id,
-        "schedule_id": fire.schedule_id,
-        "target": fire.target,
-        "nominal_at": fire.nominal_at,
-        "attempts": 1,
-        "first_started_at": now,
-        "replays": 0,
-        **running,
-    }
-    if fire.tenant is not None:
-        doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
-    return doc
-
-
-def _running(worker_id: str, now: dt.datetime, lease_s: float) -> Document:
-    return {
-        "state": RUNNING,
-        "worker_id": worker_id,
-        "started_at": now,
-        "heartbeat_at": now,
-        "lease_until": now + dt.timedelta(seconds=lease_s),
-        "recorded_at": now,
-    }
-
-
-REPLAY_PUBLISH_TIMEOUT_S = 10.0
-
-
-class Publishes(Protocol):
-    """The broker, as an operator's replay publishes through it (brokers.base.Broker)."""
-
-    async def publish(
-        self, messages: Sequence[FireMessage], timeout_s: float
-    ) -> list[BaseException | None]: ...
-
-
-def _stored_event(raw: Any) -> dict[str, Any] | None:
-    """The CloudEvent a dead run kept, or None when it kept none that reads as one."""
-    try:
-        event = json.loads(raw) if isinstance(raw, bytes) else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
-        return None
-    return event
-
-
-def _parked(fire: FireRef, on: Wanted | Paced, priority: int, now: dt.datetime) -> Document:
-    kind = CONCURRENCY if isinstance(on, Wanted) else RATE
-    return {
-        "state": WAITING,
-        "waiting_on": {kind: on.key},
-        "wait_key": f"{kind}:{on.key}",
-        "wait_template": on.template,
-        "priority": priority,
-        "event": fire.body,
-        # served by this, lowest first (core/flow.rank: priority, aged)
-        "wait_rank": rank(priority, now.timestamp()),
-        "recorded_at": now,
-        **(
-            {"wait_limit": on.limit}
-            if isinstance(on, Wanted)
-            else {"wait_interval_s": on.interval_s}
-        ),
-    }
-
-
-def _blocked(current: Document, now: dt.datetime) -> RunClaim:
-    """Why a run cannot be claimed now: its state, and how long until it might be."""
-    state = current["state"]
-    until = current.get("lease_until" if state == RUNNING else "next_attempt_at")
-    wait = (as_utc(until) - now).total_seconds() if isinstance(until, dt.datetime) else 0.0
-    return RunClaim(state, wait_s=max(0.0, wait))
-
-
-class RunLedger(Reservations):
-    """The runs ledger: a worker's writes, an operator's, and the reads; the leader's
-    reservations are its own room (storage/reservations.py)."""
+class RunLedger(Reservations, OperatorWrites):
+    """The runs ledger: a worker's writes here; the leader's reservations
+    (storage/reservations.py), an operator's writes (storage/operator_writes.py) and the
+    reads (storage/run_reads.py) are rooms of their own."""
 
     runs: Collection
 
@@ -298,10 +110,10 @@ class RunLedger(Reservations):
         reserved (``pending``: an overlap policy's)."""
         if not fires:
             return []
-        running = _running(worker_id, now, lease_s)
+        running = claimed_by(worker_id, now, lease_s)
         taken = {
             e["index"]
-            for e in await insert_new(self.runs, [_new_run(f, running, now) for f in fires])
+            for e in await insert_new(self.runs, [new_run(f, running, now) for f in fires])
         }
         started = await self._start_reserved(
             [fires[i].fire_id for i in sorted(taken)], running, now
@@ -339,7 +151,7 @@ class RunLedger(Reservations):
     ) -> RunClaim:
         """Claim the run of ``fire`` for ``worker_id`` until ``now + lease_s``."""
         try:
-            await self.runs.insert_one(_new_run(fire, _running(worker_id, now, lease_s), now))
+            await self.runs.insert_one(new_run(fire, claimed_by(worker_id, now, lease_s), now))
             return RunClaim("claimed", attempt=1)
         except DuplicateKeyError:
             return await self._claim_existing(fire, worker_id, now, lease_s)
@@ -347,7 +159,7 @@ class RunLedger(Reservations):
     async def _claim_existing(
         self, fire: FireRef, worker_id: str, now: dt.datetime, lease_s: float
     ) -> RunClaim:
-        running = _running(worker_id, now, lease_s)
+        running = claimed_by(worker_id, now, lease_s)
         before = await self.runs.find_one_and_update(
             {
                 "_id": fire.fire_id,
@@ -366,7 +178,7 @@ class RunLedger(Reservations):
                     "next_attempt_at": "",
                     "finished_at": "",
                     "duration_s": "",
-                    **_PARKED_FIELDS,
+                    **PARKED_FIELDS,
                 },
             },
             return_document=ReturnDocument.BEFORE,
@@ -385,7 +197,7 @@ class RunLedger(Reservations):
         )
         if current is None:  # expired between the two writes: as if never run
             return await self.claim(fire, worker_id, now, lease_s)
-        return _blocked(current, now)
+        return blocked(current, now)
 
     async def park(
         self, parking: Sequence[tuple[FireRef, Wanted | Paced, int]], now: dt.datetime
@@ -395,7 +207,9 @@ class RunLedger(Reservations):
         keeping the event for the worker that wakes it. By fire id: RunClaim("parked"), or
         the state that stops it as ``claim`` says (running elsewhere, ended, a retry not
         yet due). The new ones (the common case) in one write."""
-        parked = {fire.fire_id: _parked(fire, on, priority, now) for fire, on, priority in parking}
+        parked = {
+            fire.fire_id: parked_fields(fire, on, priority, now) for fire, on, priority in parking
+        }
         docs = [
             {
                 "_id": fire.fire_id,
@@ -441,7 +255,7 @@ class RunLedger(Reservations):
                     {"_id": fire_id}, {"state": 1, "lease_until": 1, "next_attempt_at": 1}
                 )
                 if current is not None:
-                    answers[fire_id] = _blocked(current, now)
+                    answers[fire_id] = blocked(current, now)
         return answers
 
     async def next_waiting(
@@ -476,25 +290,6 @@ class RunLedger(Reservations):
     async def unwake(self, fire_id: str) -> None:
         """The caller found no slot for it after all: back to waiting as it was."""
         await self.runs.update_one({"_id": fire_id, "state": WAITING}, {"$unset": {"woken_at": ""}})
-
-    async def still_waiting(self, kind: str, key: str) -> bool:
-        return (
-            await self.runs.find_one({"wait_key": f"{kind}:{key}", "state": WAITING}, {"_id": 1})
-            is not None
-        )
-
-    async def waiting_counts(self) -> dict[str, int]:
-        """Parked runs, by the template of their key (the metrics' label)."""
-        return {
-            str(d["_id"]): int(d["n"])
-            for d in await aggregate(
-                self.runs,
-                [
-                    {"$match": {"state": WAITING}},
-                    {"$group": {"_id": "$wait_template", "n": {"$sum": 1}}},
-                ],
-            )
-        }
 
     async def heartbeat(
         self, claims: dict[str, int], worker_id: str, now: dt.datetime, lease_s: float
@@ -531,7 +326,7 @@ class RunLedger(Reservations):
         if not outcomes:
             return set()
         result = await self.runs.bulk_write(
-            [UpdateOne(_mine(o.fire_id, o.worker_id, o.attempt), o.update()) for o in outcomes],
+            [UpdateOne(mine(o.fire_id, o.worker_id, o.attempt), o.update()) for o in outcomes],
             ordered=False,
         )
         if result.matched_count == len(outcomes):
@@ -552,7 +347,7 @@ class RunLedger(Reservations):
         """Give a claim back unfinished (the worker is shutting down): due again at once,
         and the attempt it cost is not counted."""
         result = await self.runs.update_one(
-            _mine(fire_id, worker_id, attempt),
+            mine(fire_id, worker_id, attempt),
             {
                 "$set": {
                     "state": RETRYING,
@@ -580,243 +375,3 @@ class RunLedger(Reservations):
                 {"_id": 1},
             )
         }
-
-    # -- operators' writes ----------------------------------------------------------------
-
-    async def cancel(
-        self,
-        fire_id: str,
-        now: dt.datetime,
-        by: str,
-        fire: FireRef | None = None,
-        record: Document | None = None,
-    ) -> tuple[Document, bool]:
-        """Cancel a run: a pending, retrying or waiting one (or, given ``fire``, one no worker has
-        claimed yet) ends ``cancelled`` at once; a running one is marked for its worker to
-        stop. Returns the run and whether it ended now.
-
-        Raises RunNotFound (no run, and no ``fire``) or RunConflict (it had already ended).
-        ``record``: the audit trail's, written with whichever write cancels it.
-        """
-
-        def audited(update: Document) -> Document:
-            return update if record is None else recording(update, record)
-
-        ended = {"state": CANCELLED, "finished_at": now, "recorded_at": now, "cancelled_by": by}
-        doc: Document | None = await self.runs.find_one_and_update(
-            {"_id": fire_id, "state": {"$in": [PENDING, RETRYING, WAITING]}},
-            audited(
-                {
-                    "$set": {**ended, "last_error": f"cancelled by {by}"},
-                    "$unset": {"next_attempt_at": "", "open_key": "", **_PARKED_FIELDS},
-                }
-            ),
-            return_document=ReturnDocument.AFTER,
-        )
-        if doc is not None:
-            return doc, True
-        doc = await self.runs.find_one_and_update(
-            {"_id": fire_id, "state": RUNNING},
-            audited({"$set": {"cancel_requested": True, "cancelled_by": by, "recorded_at": now}}),
-            return_document=ReturnDocument.AFTER,
-        )
-        if doc is not None:
-            return doc, False
-        current = await self.get(fire_id)
-        if current is not None:
-            raise RunConflict(f"run {fire_id!r} has already ended ({current['state']})")
-        if fire is None:
-            raise RunNotFound(fire_id)
-        try:  # published, never claimed: the worker that receives it finds it cancelled
-            doc = {
-                **_new_run(fire, ended, now),
-                "attempts": 0,
-                "first_started_at": None,
-                "last_error": f"cancelled by {by}",
-            }
-            await self.runs.insert_one(doc if record is None else with_record(doc, record))
-            return doc, True
-        except DuplicateKeyError:  # claimed meanwhile: cancel that
-            return await self.cancel(fire_id, now, by, record=record)
-
-    async def replay(
-        self, fire_id: str, now: dt.datetime, key: str | None = None, record: Document | None = None
-    ) -> Document | None:
-        """Move a dead run back to ``retrying`` with a fresh attempt budget; the run as it
-        is now, or None when it is not dead (or not there). With the ``key`` of a
-        schedule's overlap policy (open_key), the replayed run is open under it, and
-        RunConflict is raised while another run of the key is open."""
-        update: Document = {
-            "state": RETRYING,
-            "attempts": 0,
-            "next_attempt_at": now,
-            "recorded_at": now,
-        }
-        if key is not None:
-            update["open_key"] = key
-        change: Document = {"$set": update, "$inc": {"replays": 1}}
-        try:
-            doc: Document | None = await self.runs.find_one_and_update(
-                {"_id": fire_id, "state": DEAD},
-                change if record is None else recording(change, record),
-                return_document=ReturnDocument.AFTER,
-            )
-        except DuplicateKeyError:
-            assert key is not None  # only open_key is unique besides _id
-            holder = (await self.open_runs([key])).get(key, "")
-            raise RunConflict(
-                f"run {fire_id!r} is held back by its schedule's overlap "
-                f"policy: the run of fire {holder!r} is open; replay it once "
-                "that run has ended"
-            ) from None
-        return doc
-
-    async def replay_dead(
-        self,
-        fire_id: str,
-        now: dt.datetime,
-        broker: Publishes,
-        key: str | None = None,
-        record: Document | None = None,
-    ) -> Document:
-        """Replay a dead run: back to ``retrying`` with a fresh attempt budget, and its fire
-        published again under a new broker message id (the original one is still inside
-        the broker's duplicate window, and would be dropped). If the message cannot be
-        sent, the run is dead again, saying why. Returns the run as replayed.
-
-        Raises RunNotFound, RunConflict (not dead, it kept no event to replay, or its
-        overlap ``key`` has another run open) or BrokerRefused.
-        """
-        doc = await self.replay(fire_id, now, key, record)
-        if doc is None:
-            current = await self.get(fire_id)
-            if current is None:
-                raise RunNotFound(fire_id)
-            raise RunConflict(
-                f"run {fire_id!r} is {current['state']}; only a {DEAD} run can be retried"
-            )
-        replays = int(doc["replays"])
-        event = _stored_event(doc.get("event"))
-        if event is None:  # written by something other than a worker
-            await self.unreplay(fire_id, replays, "no event kept to replay", now)
-            raise RunConflict(f"run {fire_id!r} keeps no event to replay")
-        event["data"] = {**event["data"], "replay": replays}
-        message = FireMessage(
-            fire_id=f"{fire_id}#replay-{replays}",
-            target=doc["target"],
-            term=int(event["data"].get("term", 0)),
-            body=json.dumps(event, separators=(",", ":")).encode(),
-        )
-        [error] = await broker.publish([message], REPLAY_PUBLISH_TIMEOUT_S)
-        if error is not None:
-            await self.unreplay(fire_id, replays, f"replay not published: {error!r}", now)
-            raise BrokerRefused(f"the broker did not take the replay of {fire_id!r}: {error}")
-        return doc
-
-    async def unreplay(self, fire_id: str, replays: int, error: str, now: dt.datetime) -> None:
-        """Undo ``replay`` whose message could not be sent: dead again, saying why."""
-        await self.runs.update_one(
-            {"_id": fire_id, "state": RETRYING, "attempts": 0, "replays": replays},
-            {
-                "$set": {"state": DEAD, "last_error": error, "recorded_at": now},
-                "$unset": {"next_attempt_at": "", "open_key": ""},
-            },
-        )
-
-    # -- reads ----------------------------------------------------------------------------
-
-    async def get(self, fire_id: str) -> Document | None:
-        doc: Document | None = await self.runs.find_one({"_id": fire_id})
-        return doc
-
-    async def for_schedule(self, schedule_id: str, limit: int) -> list[Document]:
-        """A schedule's runs, latest nominal time first."""
-        return [
-            d
-            async for d in self.runs.find({"schedule_id": schedule_id}, {"event": 0})
-            .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
-            .limit(limit)
-        ]
-
-    async def counts(
-        self, schedule_id: str, nominals: list[dt.datetime]
-    ) -> dict[dt.datetime, dict[str, int]]:
-        return await state_counts(self.runs, schedule_id, nominals)
-
-    async def latest_ended(self, schedule_id: str, limit: int) -> list[Document]:
-        """The schedule's latest ``limit`` ended runs, latest nominal time first."""
-        return [
-            d
-            async for d in self.runs.find(
-                {"schedule_id": schedule_id, "state": {"$in": list(ENDED)}},
-                {"state": 1, "finished_at": 1, "last_error": 1},
-            )
-            .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
-            .limit(limit)
-        ]
-
-    async def dead_since(self, since: dt.datetime, limit: int) -> list[Document]:
-        """Runs that died (their last write) at or after ``since``, oldest first (the
-        runs_by_state index)."""
-        return [
-            d
-            async for d in self.runs.find(
-                {"state": DEAD, "recorded_at": {"$gte": since}}, {"event": 0}
-            )
-            .sort("recorded_at", ASCENDING)
-            .limit(limit)
-        ]
-
-    async def last_success(self, schedule_id: str) -> dt.datetime | None:
-        """When the schedule's latest succeeded run (by nominal time) finished."""
-        async for doc in (
-            self.runs.find({"schedule_id": schedule_id, "state": SUCCEEDED}, {"finished_at": 1})
-            .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
-            .limit(1)
-        ):
-            finished: dt.datetime | None = as_utc(doc.get("finished_at"))
-            return finished
-        return None
-
-    async def last_dead(self, schedule_id: str, count: int) -> bool:
-        """Whether the schedule's latest ``count`` ended runs (latest nominal time first)
-        are all dead."""
-        ended = await self.latest_ended(schedule_id, count)
-        return len(ended) == count and all(d["state"] == DEAD for d in ended)
-
-    async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
-        return {d["_id"]: d async for d in self.runs.find({"_id": {"$in": fire_ids}}, {"event": 0})}
-
-    async def page(
-        self,
-        state: str | None,
-        after: str | None,
-        limit: int,
-        schedule_ids: list[str] | None = None,
-    ) -> tuple[list[Document], str | None]:
-        """Runs (in one state, or all; of these schedules, or all), most recently changed
-        first; a page, and the fire id to pass as ``after`` for the next (None at the end).
-        Raises LookupError when ``after`` names no run (expired since, or never there)."""
-        query: Document = {} if state is None else {"state": state}
-        if schedule_ids is not None:
-            query["schedule_id"] = {"$in": schedule_ids}
-        if after is not None:
-            query.update(await older_than(self.runs, "recorded_at", after))
-        docs = [
-            d
-            async for d in self.runs.find(query, {"event": 0})
-            .sort([("recorded_at", DESCENDING), ("_id", DESCENDING)])
-            .limit(limit + 1)
-        ]
-        more = len(docs) > limit
-        docs = docs[:limit]
-        return docs, (str(docs[-1]["_id"]) if more else None)
-
-    async def running(self) -> list[Document]:
-        """Every run now claimed (few: at most each worker's concurrency)."""
-        return [
-            d
-            async for d in self.runs.find(
-                {"state": RUNNING}, {"target": 1, "heartbeat_at": 1, "lease_until": 1}
-            )
-        ]

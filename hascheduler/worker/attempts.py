@@ -24,7 +24,7 @@ from hascheduler.core.run_states import (
     SUCCEEDED,
 )
 from hascheduler.process import tracing
-from hascheduler.storage.runs import Outcome
+from hascheduler.storage.run_records import Outcome
 from hascheduler.worker.app import Route, Run
 from hascheduler.worker.held import Held
 from hascheduler.worker.metrics import WorkerMetrics

@@ -10,7 +10,7 @@ from typing import Any
 from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.core.constants import MAX_TARGET_CHARS, TARGET_PATTERN
 from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
-from hascheduler.storage.runs import FireRef
+from hascheduler.storage.run_records import FireRef
 
 MAX_FIRE_ID_CHARS = 1024  # a schedule id (<= 128) and an instant, with room to spare
 # W3C caps tracestate at 32 members of at most 256 characters each (traceparent is 55).

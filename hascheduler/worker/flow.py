@@ -33,7 +33,8 @@ from hascheduler.core.events import FireMessage
 from hascheduler.core.flow import MissingKeyField, Paced, Wanted, paced, wanted
 from hascheduler.core.run_states import PARKED
 from hascheduler.storage.flow import RateStore, SlotStore
-from hascheduler.storage.runs import CONCURRENCY, RATE, FireRef, RunLedger
+from hascheduler.storage.run_records import CONCURRENCY, RATE, FireRef
+from hascheduler.storage.runs import RunLedger
 from hascheduler.worker.app import Route
 from hascheduler.worker.delivery import Delivery
 

@@ -16,7 +16,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from hascheduler.storage.runs import Outcome, RunLedger
+from hascheduler.storage.run_records import Outcome
+from hascheduler.storage.runs import RunLedger
 
 log = structlog.get_logger("hascheduler.worker")
 

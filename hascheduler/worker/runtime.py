@@ -48,7 +48,8 @@ from hascheduler.core.run_states import (
 )
 from hascheduler.process import lifecycle, tracing
 from hascheduler.process.lifecycle import Every
-from hascheduler.storage.runs import Outcome, RunClaim, RunLedger
+from hascheduler.storage.run_records import Outcome, RunClaim
+from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.worker.app import Route
 from hascheduler.worker.attempts import Attempts
