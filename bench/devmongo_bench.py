@@ -39,7 +39,8 @@ from typing import Any
 from pymongo import AsyncMongoClient
 
 from hascheduler.core.claims import Claim
-from hascheduler.storage.fires import Ledger, claim_record
+from hascheduler.storage.fire_records import claim_record
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.runs import RunLedger
 from tests.servers import devmongo_compiled, start_devmongo
 

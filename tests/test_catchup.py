@@ -17,7 +17,7 @@ from hascheduler.core.triggers import (
     fire_times,
     latest_at_or_before,
 )
-from hascheduler.storage.fires import skipped_range_document
+from hascheduler.storage.fire_records import skipped_range_document
 from tests.test_time_travel import next_offset_change
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

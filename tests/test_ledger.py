@@ -14,18 +14,18 @@ from pymongo.errors import BulkWriteError
 
 from hascheduler.core.catchup import SkippedRange
 from hascheduler.core.triggers import fire_id
-from hascheduler.storage.fires import (
+from hascheduler.storage.fire_records import (
     CLAIMED,
     FAILED,
     PUBLISHED,
     REQUESTED,
     SKIPPED,
-    Ledger,
     claim_document,
     request_documents,
     requested_fire,
     skipped_range_document,
 )
+from hascheduler.storage.fires import Ledger
 from tests.servers import with_database
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

@@ -20,7 +20,8 @@ from hascheduler.process.metrics import Metrics
 from hascheduler.replica import overlap
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.term import LeadershipLost, Term
-from hascheduler.storage.fires import BUFFERED, Ledger, claim_document
+from hascheduler.storage.fire_records import BUFFERED, claim_document
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
 from hascheduler.storage.reservations import open_key
 from hascheduler.storage.runs import RunLedger

@@ -32,7 +32,8 @@ from hascheduler.core.webhooks import (
     sign,
     verify,
 )
-from hascheduler.storage.fires import Ledger, claim_document
+from hascheduler.storage.fire_records import claim_document
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.webhooks import Deliveries, WebhookStore
 from tests.servers import (
     ServerProcess,

@@ -25,9 +25,7 @@ from hascheduler.process.metrics import Metrics
 from hascheduler.storage.audit_log import AuditLog
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.collection import Collection
-from hascheduler.storage.fires import (
-    Ledger,
-)
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.health import HealthReader
 from hascheduler.storage.members import Members
 from hascheduler.storage.runs import RunLedger

@@ -45,10 +45,7 @@ from hascheduler.core.instants import as_utc
 from hascheduler.core.overlap import ALLOW
 from hascheduler.core.run_states import STATES
 from hascheduler.core.triggers import fire_id
-from hascheduler.storage.fires import (
-    BUFFERED,
-    REQUESTED,
-)
+from hascheduler.storage.fire_records import BUFFERED, REQUESTED
 from hascheduler.storage.reservations import open_key
 from hascheduler.storage.run_records import FireRef
 

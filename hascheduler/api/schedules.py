@@ -58,10 +58,7 @@ from hascheduler.core.fanout import FanOut
 from hascheduler.core.history import Actor
 from hascheduler.process import tracing
 from hascheduler.storage.audit_log import with_record
-from hascheduler.storage.fires import (
-    request_documents,
-    requested_fire,
-)
+from hascheduler.storage.fire_records import request_documents, requested_fire
 
 log = structlog.get_logger("hascheduler.api")
 

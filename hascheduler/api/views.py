@@ -16,7 +16,7 @@ from hascheduler.core.instants import as_utc
 from hascheduler.core.run_states import DEAD, STATES
 from hascheduler.core.triggers import fire_id
 from hascheduler.storage.audit_log import OUTBOX, PENDING
-from hascheduler.storage.fires import STATES as FIRE_STATES
+from hascheduler.storage.fire_records import STATES as FIRE_STATES
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore

@@ -52,7 +52,8 @@ from hascheduler.replica.term import HeldLease, LeadershipLost, Term, TermServic
 from hascheduler.storage.backfills import Backfills
 from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
-from hascheduler.storage.fires import Ledger, skipped_range_document
+from hascheduler.storage.fire_records import skipped_range_document
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore

@@ -35,7 +35,8 @@ from hascheduler.process.metrics import Metrics
 from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.publishing import DispatchSettings, Publisher
 from hascheduler.replica.term import Term
-from hascheduler.storage.fires import Ledger, claim_record, skipped_range_document
+from hascheduler.storage.fire_records import claim_record, skipped_range_document
+from hascheduler.storage.fires import Ledger
 
 log = structlog.get_logger("hascheduler.dispatch")
 

@@ -29,7 +29,8 @@ from hascheduler.core.errors import RunConflict, RunNotFound
 from hascheduler.core.overlap import ALLOW, Candidate, Key, decide
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.term import LeadershipLost
-from hascheduler.storage.fires import BUFFERED, Ledger
+from hascheduler.storage.fire_records import BUFFERED
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.reservations import open_key
 from hascheduler.storage.runs import RunLedger
 

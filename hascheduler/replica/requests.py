@@ -16,7 +16,8 @@ from hascheduler.core.entries import Entry
 from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import Term
-from hascheduler.storage.fires import REQUESTED, Ledger
+from hascheduler.storage.fire_records import REQUESTED
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")

@@ -26,7 +26,8 @@ from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import HeldLease, Term
 from hascheduler.storage.collection import Collection
-from hascheduler.storage.fires import Ledger, skipped_range_document
+from hascheduler.storage.fire_records import skipped_range_document
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.schedules import created_after
 
 log = structlog.get_logger("hascheduler.dispatch")

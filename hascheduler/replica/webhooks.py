@@ -51,7 +51,8 @@ from hascheduler.core.webhooks import (
     sign,
 )
 from hascheduler.replica.term import Term
-from hascheduler.storage.fires import FAILED, SKIPPED, Ledger
+from hascheduler.storage.fire_records import FAILED, SKIPPED
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookStore

@@ -10,7 +10,7 @@ from pymongo import ASCENDING, DESCENDING
 from hascheduler.core.instants import as_utc
 from hascheduler.core.run_states import DEAD, ENDED, RUNNING, SUCCEEDED, WAITING
 from hascheduler.storage.collection import Collection
-from hascheduler.storage.fires import state_counts
+from hascheduler.storage.fire_reads import state_counts
 from hascheduler.storage.pages import older_than
 from hascheduler.storage.run_records import Document
 from hascheduler.storage.streams import aggregate

@@ -25,8 +25,8 @@ A worker claims a run here *before* its handler starts: inserting the document, 
 a ``retrying`` run whose wait is over, or a ``running`` one whose lease lapsed, to
 ``running`` under its own name. Whoever loses that race does not run the handler. While
 the run is held, the worker renews ``lease_until``; its later writes match only its own
-claim (``_mine``: the worker id and the attempt number), so a worker that stalled past its
-lease and was taken over changes nothing when it wakes.
+claim (``mine`` in storage/run_records.py: the worker id and the attempt number), so a
+worker that stalled past its lease and was taken over changes nothing when it wakes.
 """
 
 from __future__ import annotations
