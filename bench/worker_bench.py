@@ -50,7 +50,7 @@ from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
 from hascheduler.worker import Run, WorkerApp
-from hascheduler.worker.runtime import pushed_prefetch
+from hascheduler.worker.claiming import pushed_prefetch
 from tests.servers import RabbitServer, ServerProcess, start_devmongo, start_nats, with_database
 from tests.waiting import wait_until
 

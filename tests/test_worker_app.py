@@ -21,9 +21,9 @@ from hascheduler.worker.app import (
     load_app,
     pattern_matches,
 )
+from hascheduler.worker.claiming import AHEAD_S, PACE_WINDOW_S, ClaimAhead
 from hascheduler.worker.delivery import NotAFire, StaleFilter, read_delivery
 from hascheduler.worker.policy import MAX_ERROR_CHARS, PolicyError, after_failure
-from hascheduler.worker.runtime import AHEAD_S, PACE_WINDOW_S, ClaimAhead
 
 
 def test_a_permanent_failure_is_dead_at_once() -> None:
