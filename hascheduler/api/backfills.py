@@ -12,7 +12,7 @@ from hascheduler.api.guards import (
     SCHEDULE,
     Guard,
 )
-from hascheduler.api.middleware import UNKNOWN_NAMESPACE, change_by, runs_record
+from hascheduler.api.middleware import change_by, runs_record
 from hascheduler.api.openapi import (
     WRITE,
     json_body,
@@ -25,6 +25,7 @@ from hascheduler.api.views import (
 )
 from hascheduler.core import history, models
 from hascheduler.core.errors import RunConflict
+from hascheduler.core.fields import UNKNOWN_NAMESPACE
 from hascheduler.core.triggers import count_between, just_before
 from hascheduler.storage.backfills import Backfill
 

@@ -23,12 +23,12 @@ from hascheduler.api.errors import BadRequest, Forbidden, problem
 from hascheduler.api.guards import BACKFILL, FIRE, SCHEDULE, WEBHOOK
 from hascheduler.api.params import now_of
 from hascheduler.core import fields, history
+from hascheduler.core.fields import UNKNOWN_NAMESPACE
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.process import tracing
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 GRANT = web.RequestKey("grant", Grant)
-UNKNOWN_NAMESPACE = "(unknown: its schedule no longer exists)"
 
 
 def _denied(denied: Denied) -> web.Response:

@@ -3,8 +3,6 @@ its retry and its cancel."""
 
 from __future__ import annotations
 
-import contextlib
-
 from aiohttp import web
 
 from hascheduler.api.access import Action
@@ -17,10 +15,8 @@ from hascheduler.api.guards import (
     Guard,
 )
 from hascheduler.api.middleware import (
-    UNKNOWN_NAMESPACE,
     change_by,
     readable_namespaces,
-    runs_record,
 )
 from hascheduler.api.openapi import (
     NAMESPACE_PARAM,
@@ -35,19 +31,12 @@ from hascheduler.api.views import (
     fire_groups,
     fire_view,
 )
-from hascheduler.core import history
 from hascheduler.core.constants import (
     DEFAULT_PAGE,
     MAX_PAGE,
 )
-from hascheduler.core.errors import ScheduleNotFound
-from hascheduler.core.instants import as_utc
-from hascheduler.core.overlap import ALLOW
 from hascheduler.core.run_states import STATES
-from hascheduler.core.triggers import fire_id
-from hascheduler.storage.fire_records import BUFFERED, REQUESTED
-from hascheduler.storage.reservations import open_key
-from hascheduler.storage.run_records import FireRef
+from hascheduler.storage import operations
 
 
 async def fire_history(request: web.Request) -> web.Response:
@@ -98,28 +87,17 @@ async def get_run(request: web.Request) -> web.Response:
 
 
 async def retry_run(request: web.Request) -> web.Response:
-    """Replay a dead run (RunLedger.replay_dead); under its schedule's overlap policy, not
-    beside another open run of the same key (409)."""
+    """Replay a dead run (storage/operations.retry); under its schedule's overlap policy,
+    not beside another open run of the same key (409)."""
     cluster = cluster_of(request)
-    fire = request.match_info["id"]
-    run = await cluster.runs.get(fire)
-    key, record = None, None
-    if run is not None:
-        schedule_id, namespace = str(run["schedule_id"]), UNKNOWN_NAMESPACE
-        with contextlib.suppress(ScheduleNotFound):
-            schedule = await context(request).store.get(schedule_id)
-            namespace = schedule.namespace
-            if schedule.overlap != ALLOW:
-                key = open_key(schedule.id, run.get("tenant"))
-        record = runs_record(
-            request,
-            history.RETRY,
-            change_by(request, namespace),
-            namespace,
-            schedule_id,
-            {"fire_id": fire},
-        )
-    doc = await cluster.runs.replay_dead(fire, now_of(request), cluster.broker, key, record)
+    doc = await operations.retry(
+        cluster.runs,
+        context(request).store,
+        cluster.broker,
+        request.match_info["id"],
+        lambda namespace: change_by(request, namespace),
+        now_of(request),
+    )
     return web.json_response(public_view(doc), status=202)
 
 
@@ -141,46 +119,18 @@ async def get_fire(request: web.Request) -> web.Response:
 
 
 async def cancel_run(request: web.Request) -> web.Response:
-    """Cancel a run (RunLedger.cancel): 200 when it ended now, 202 when its worker was
-    asked to stop it (within a second). A fire published but not yet claimed by a worker
-    is cancelled too; one still waiting (buffered, requested) is not published at all."""
+    """Cancel a run (storage/operations.cancel): 200 when it ended now, 202 when its
+    worker was asked to stop it (within a second)."""
     cluster = cluster_of(request)
-    fire_id_ = request.match_info["id"]
-    schedule_id = fire_id_.partition("@")[0]
-    namespace = await context(request).store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
-    who = change_by(request, namespace)
-    now, by = now_of(request), who.name
-    ref = None
-    fire = await cluster.ledger.get(fire_id_)
-    if fire is not None and fire.get("state") not in ("skipped", "failed"):
-        if fire["state"] in (BUFFERED, REQUESTED):
-            await cluster.ledger.withdraw(fire_id_, f"cancelled by {by}")
-        nominal, tenant = as_utc(fire["nominal_at"]), fire.get("tenant")
-        ref = FireRef(
-            fire_id_,
-            fire["schedule_id"],
-            await _target_of(request, fire["schedule_id"]),
-            nominal,
-            {},
-            b"",
-            fire=fire_id(fire["schedule_id"], nominal) if tenant else "",
-            tenant=tenant,
-        )
-    doc, ended = await cluster.runs.cancel(
-        fire_id_,
-        now,
-        by,
-        ref,
-        runs_record(request, history.CANCEL, who, namespace, schedule_id, {"fire_id": fire_id_}),
+    doc, ended = await operations.cancel(
+        cluster.ledger,
+        cluster.runs,
+        context(request).store,
+        request.match_info["id"],
+        lambda namespace: change_by(request, namespace),
+        now_of(request),
     )
     return web.json_response(public_view(doc), status=200 if ended else 202)
-
-
-async def _target_of(request: web.Request, schedule_id: str) -> str:
-    try:
-        return (await context(request).store.get(schedule_id)).target
-    except ScheduleNotFound:
-        return ""
 
 
 ROUTES: list[Route] = [

@@ -21,7 +21,7 @@ from hascheduler.api.guards import (
     SCHEDULE,
     Guard,
 )
-from hascheduler.api.middleware import actor, change_by, readable_namespaces, require, runs_record
+from hascheduler.api.middleware import actor, change_by, readable_namespaces, require
 from hascheduler.api.openapi import (
     IDEMPOTENCY_KEY_HEADER,
     IF_MATCH_HEADER,
@@ -57,8 +57,7 @@ from hascheduler.core.errors import RunConflict, ScheduleNotFound
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.history import Actor
 from hascheduler.process import tracing
-from hascheduler.storage.audit_log import with_record
-from hascheduler.storage.fire_records import request_documents, requested_fire
+from hascheduler.storage import operations
 
 log = structlog.get_logger("hascheduler.api")
 
@@ -323,55 +322,21 @@ async def trigger_schedule(request: web.Request) -> web.Response:
         )
     schedule = await context(request).store.get(request.match_info["id"])
     who = change_by(request, schedule.namespace)
-    if (schedule.paused or schedule.completed) and not wanted.force:
-        state = "paused" if schedule.paused else "completed (its max_fires are used)"
-        raise RunConflict(
-            f'schedule {schedule.id!r} is {state}; send "force": true to run it anyway'
-        )
     if wanted.payload is not None and celery_task(schedule.target) is not None:
         try:
             celery_call(wanted.payload)
         except CeleryPayloadError as exc:
             raise BadRequest(422, "payload", str(exc)) from None
-    earlier = (
-        None if key is None else await cluster.ledger.requested_with_key(f"{schedule.id}/{key}")
+    fire, created = await operations.trigger(
+        cluster.ledger,
+        schedule,
+        wanted,
+        who,
+        now_of(request),
+        key,
+        lambda fan_out: _tenants_now(request, fan_out),
+        tracing.current_traceparent(),
     )
-    if earlier is not None:
-        doc, created = earlier, False
-    else:
-        tenants = (
-            None if schedule.fan_out is None else await _tenants_now(request, schedule.fan_out)
-        )
-        docs = request_documents(
-            schedule.id,
-            now_of(request),
-            who.name,
-            wanted.payload,
-            wanted.overlap,
-            key,
-            tenants,
-            tracing.current_traceparent(),
-            wanted.priority,
-        )
-        docs[0] = with_record(
-            docs[0],
-            runs_record(
-                request,
-                history.TRIGGER,
-                who,
-                schedule.namespace,
-                schedule.id,
-                {
-                    "fire_id": requested_fire(docs[0]),
-                    "force": wanted.force,
-                    "overlap": wanted.overlap,
-                    "payload_given": wanted.payload is not None,
-                    "tenants": len(tenants) if tenants is not None else None,
-                },
-            ),
-        )
-        doc, created = await cluster.ledger.request(docs)
-    fire = requested_fire(doc)
     log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name, created=created)
     return as_json(
         models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}", created=created), 202
@@ -438,12 +403,7 @@ async def restore_schedule(request: web.Request) -> web.Response:
         )
     store = context(request).store
     current = await store.get(schedule_id)
-    fields = {k: v for k, v in record["after"].items() if k not in ("pause", "completed")}
-    if any(
-        isinstance(v, str) and v.startswith("redacted:")
-        for v in (fields.get("payload") or {}).values()
-    ):
-        fields["payload"] = current.payload
+    fields = operations.revision_fields(record, current)
     now = now_of(request)
     restored = validate(request, models.ScheduleFields, fields, now, stored_trigger=True)
     who = await _writing(request, schedule_id, restored.namespace)

@@ -34,6 +34,8 @@ NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
 
 DEFAULT_NAMESPACE = "default"
+# The namespace a change to runs is recorded in when their schedule is gone.
+UNKNOWN_NAMESPACE = "(unknown: its schedule no longer exists)"
 
 
 def stored(info: ValidationInfo) -> bool:
