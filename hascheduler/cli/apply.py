@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 import yaml
 
-from hascheduler.cli.schedules import (
+from hascheduler.cli.remote import (
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
     Unavailable,
-    _common,
+    common_options,
     resolve_api,
 )
 from hascheduler.client import Client, HaschedulerError
@@ -58,7 +58,7 @@ T = TypeVar("T")
 
 
 def add_parser(sub: Any) -> None:
-    common = _common(after_action=False)
+    common = common_options(after_action=False)
     ap = sub.add_parser(
         "apply", parents=[common], help="make the schedules files declare exist exactly as written"
     )

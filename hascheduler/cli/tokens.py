@@ -16,7 +16,7 @@ from hascheduler.api.access import (
     parse_actions,
     parse_namespaces,
 )
-from hascheduler.cli.schedules import EXIT_REFUSED
+from hascheduler.cli.remote import EXIT_REFUSED
 
 
 def add_parser(sub: Any) -> None:

@@ -1,0 +1,142 @@
+"""How the API's answers are shown in a terminal: tables, and JSON."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from hascheduler.core.health import ScheduleHealth
+
+
+def trigger_text(trigger: dict[str, Any]) -> str:
+    if trigger["kind"] == "cron":
+        return f"cron {trigger['cron']} {trigger.get('timezone', 'UTC')}"
+    if trigger["kind"] == "interval":
+        return f"every {trigger['every']:g}s"
+    instants = trigger["at"]
+    return f"at {instants[0]}" + (f" (+{len(instants) - 1})" if len(instants) > 1 else "")
+
+
+def table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def schedules_table(
+    items: list[dict[str, Any]], health: Mapping[str, ScheduleHealth] | None = None
+) -> str:
+    def fan_out(schedule: dict[str, Any]) -> str:
+        spec = schedule.get("fan_out")
+        return f"per {spec['collection']}" if spec else "-"
+
+    rows = [
+        [
+            s["id"],
+            s["name"],
+            trigger_text(s["trigger"]),
+            "yes" if s["paused"] else "no",
+            str(s["revision"]),
+            s["target"],
+            fan_out(s),
+        ]
+        for s in items
+    ]
+    headers = ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"]
+    if health is not None:
+        for row, s in zip(rows, items, strict=True):
+            row.append(health_word(health[s["id"]]) if s["id"] in health else "-")
+        headers.append("HEALTH")
+    return table(rows, headers)
+
+
+def health_word(health: ScheduleHealth) -> str:
+    if health.status == "failing":
+        return f"failing ({health.consecutive_failures})"
+    return health.status
+
+
+def health_text(health: ScheduleHealth) -> str:
+    def when(moment: dt.datetime | None) -> str:
+        return moment.isoformat() if moment is not None else "never"
+
+    fire = health.last_fire
+    lines = [
+        f"status                {health_word(health)}",
+        "last fire             " + (f"{fire.fire_id} {fire.state}" if fire else "none"),
+        f"last success          {when(health.last_success_at)}",
+        f"consecutive failures  {health.consecutive_failures}",
+        "late                  "
+        + (f"since {health.overdue_since.isoformat()}" if health.overdue_since else "no"),
+    ]
+    if health.success_within is not None:
+        lines.append(
+            f"objective             a success every {health.success_within:g} s: "
+            f"{'met' if health.objective_met else 'missed'} (until "
+            f"{when(health.success_deadline)})"
+        )
+    return "\n".join(lines)
+
+
+def shown(value: BaseModel | dict[str, Any]) -> str:
+    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    return json.dumps(data, indent=2)
+
+
+def schedule_rows(items: list[Any], health: Mapping[str, ScheduleHealth] | None = None) -> str:
+    return schedules_table([s.model_dump(mode="json") for s in items], health)
+
+
+def audit_output(records: list[dict[str, Any]], as_json: bool) -> str:
+    if as_json:
+        return shown({"items": records})
+    return table(
+        [
+            [
+                r["at"],
+                r["actor"],
+                r["from"] or "-",
+                r["action"],
+                r["namespace"],
+                r["schedule_id"],
+                str(r["revision"] or "-"),
+                ",".join(r["changed"]) or "-",
+                r["reason"] or "",
+            ]
+            for r in records
+        ],
+        ["AT", "ACTOR", "FROM", "ACTION", "NAMESPACE", "SCHEDULE", "REV", "CHANGED", "REASON"],
+    )
+
+
+def runs_table(items: list[dict[str, Any]]) -> str:
+    def seconds(value: Any) -> str:
+        return f"{value:.3f}s" if isinstance(value, int | float) else "-"
+
+    def note(run: dict[str, Any]) -> str:
+        """A waiting run says what it waits for; the others their last error."""
+        waiting_on = run.get("waiting_on") if run.get("state") == "waiting" else None
+        if isinstance(waiting_on, dict) and waiting_on:
+            kind, key = next(iter(waiting_on.items()))
+            return f"waiting on {kind} {key}"[:60]
+        return (run.get("last_error") or "")[:60]
+
+    return table(
+        [
+            [
+                r["id"],
+                r["state"],
+                str(r["attempts"]),
+                r.get("worker_id") or "-",
+                seconds(r.get("duration_s")),
+                note(r),
+            ]
+            for r in items
+        ],
+        ["FIRE ID", "STATE", "ATTEMPTS", "WORKER", "DURATION", "LAST ERROR / WAITING ON"],
+    )

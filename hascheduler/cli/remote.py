@@ -1,0 +1,88 @@
+"""What every command that calls the HTTP API shares: which API (``--api``,
+HASCHEDULER_API, or the ``hascheduler dev`` cluster running from this directory: its
+state directory HASCHEDULER_DEV_STATE_DIR, default .hascheduler-dev), the common options,
+and the exit codes: 0 done; 2 the input was refused (locally, or by the API with a 4xx
+naming the field); 1 the API could not be reached or failed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from hascheduler.cli import local_cluster
+
+EXIT_REFUSED = 2
+EXIT_UNAVAILABLE = 1
+
+
+class Refused(Exception):
+    """Input refused before or by the API; the message says which field and why."""
+
+
+class Unavailable(Exception):
+    """The API could not be reached, or answered with a server error."""
+
+
+def common_options(after_action: bool) -> argparse.ArgumentParser:
+    """The options of every command, before its action or (SUPPRESS: a value given before
+    is not reset) after it."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_action else value
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--api",
+        default=default(os.environ.get("HASCHEDULER_API")),
+        help="base URL of a replica's API (env HASCHEDULER_API; default: "
+        "the local `hascheduler dev` cluster)",
+    )
+    common.add_argument(
+        "--token",
+        default=default(os.environ.get("HASCHEDULER_TOKEN")),
+        help="API token, needed when the replicas have tokens configured "
+        "(env HASCHEDULER_TOKEN; the environment keeps it out of `ps`)",
+    )
+    common.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON instead of a table"
+    )
+    common.add_argument(
+        "--namespace",
+        default=default(os.environ.get("HASCHEDULER_NAMESPACE")),
+        help="the namespace to list, or to create in (env "
+        "HASCHEDULER_NAMESPACE; default: every one the token reaches, "
+        "and 'default' for a new schedule)",
+    )
+    common.add_argument(
+        "--reason", default=default(None), help="why: recorded in the audit trail with the change"
+    )
+    return common
+
+
+class Actions:
+    """A command's actions, each taking the common options after it too."""
+
+    def __init__(self, command: Any) -> None:
+        self.actions = command.add_subparsers(dest="action", required=True)
+        self.after = common_options(after_action=True)
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        return self.actions.add_parser(name, parents=[self.after], **kwargs)
+
+
+def resolve_api(explicit: str | None) -> str:
+    """The API to call; raises Unavailable saying how to name one."""
+    if explicit:
+        return explicit.rstrip("/")
+    state_dir = local_cluster.state_dir_from_env()
+    try:
+        status = local_cluster.call(state_dir, "GET", "/status", timeout_s=10)
+    except local_cluster.ControlError as exc:
+        raise Unavailable(
+            f"no API named (--api or HASCHEDULER_API), and no local cluster: {exc}"
+        ) from None
+    ready = [r["url"] for r in status.get("replicas", []) if r.get("ready")]
+    if not ready:
+        raise Unavailable(f"the local cluster in {state_dir}/ has no ready replica")
+    return str(ready[0]).rstrip("/")
