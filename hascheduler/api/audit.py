@@ -1,4 +1,4 @@
-"""The audit trail, read."""
+"""The audit trail, read: all of it, and one schedule's history."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ from aiohttp import web
 from hascheduler.api.access import Action
 from hascheduler.api.context import context
 from hascheduler.api.errors import problem
-from hascheduler.api.guards import (
-    LISTING,
-    Guard,
-)
+from hascheduler.api.guards import LISTING, SCHEDULE, Guard
 from hascheduler.api.middleware import readable_namespaces
 from hascheduler.api.openapi import (
     NAMESPACE_PARAM,
@@ -19,10 +16,8 @@ from hascheduler.api.openapi import (
 from hascheduler.api.params import int_param, now_of, time_param
 from hascheduler.api.route import Route
 from hascheduler.core import history
-from hascheduler.core.constants import (
-    DEFAULT_PAGE,
-    MAX_PAGE,
-)
+from hascheduler.core.constants import DEFAULT_PAGE, MAX_PAGE
+from hascheduler.core.errors import ScheduleNotFound
 
 
 async def audit_log(request: web.Request) -> web.Response:
@@ -46,6 +41,31 @@ async def audit_log(request: web.Request) -> web.Response:
             "next": items[-1]["id"]
             if len(items) == int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
             else None,
+        }
+    )
+
+
+async def schedule_history(request: web.Request) -> web.Response:
+    """Every recorded change of one schedule, newest first (kept after it is deleted)."""
+    schedule_id = request.match_info["id"]
+    limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    try:
+        docs = await context(request).audit.query(
+            namespaces=readable_namespaces(request),
+            schedule_id=schedule_id,
+            before=request.query.get("before"),
+            limit=limit,
+        )
+    except LookupError:
+        return problem(404, "before names no record of this schedule")
+    if not docs and request.query.get("before") is None:
+        raise ScheduleNotFound(schedule_id)
+    items = [history.public(d) for d in docs]
+    return web.json_response(
+        {
+            "schedule_id": schedule_id,
+            "items": items,
+            "next": items[-1]["id"] if len(items) == limit else None,
         }
     )
 
@@ -84,6 +104,17 @@ ROUTES: list[Route] = [
                 },
                 *AUDIT_PAGE,
             ],
+            "responses": responses(200, None, 403, 404, 422),
+        },
+    ),
+    Route(
+        "GET",
+        "/schedules/{id}/history",
+        schedule_history,
+        Guard(Action.READ, SCHEDULE),
+        {
+            "summary": "a schedule's audit records, newest first (kept after a delete)",
+            "parameters": AUDIT_PAGE,
             "responses": responses(200, None, 403, 404, 422),
         },
     ),

@@ -1,5 +1,5 @@
 """Schedules: create, list, read, replace, patch, delete, pause and resume, the next fires,
-health, run now, history and restore."""
+health, run now and restore (a schedule's history is read in api/audit.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from hascheduler.api.access import Action
 from hascheduler.api.context import cluster_of, context
-from hascheduler.api.errors import BadRequest, problem
+from hascheduler.api.errors import BadRequest
 from hascheduler.api.guards import (
     BODY,
     LISTING,
@@ -53,7 +53,7 @@ from hascheduler.core.constants import (
     MAX_PAGE,
     MAX_PREVIEW,
 )
-from hascheduler.core.errors import RunConflict, ScheduleNotFound
+from hascheduler.core.errors import RunConflict
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.history import Actor
 from hascheduler.process import tracing
@@ -364,31 +364,6 @@ async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
     return keys
 
 
-async def schedule_history(request: web.Request) -> web.Response:
-    """Every recorded change of one schedule, newest first (kept after it is deleted)."""
-    schedule_id = request.match_info["id"]
-    limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
-    try:
-        docs = await context(request).audit.query(
-            namespaces=readable_namespaces(request),
-            schedule_id=schedule_id,
-            before=request.query.get("before"),
-            limit=limit,
-        )
-    except LookupError:
-        return problem(404, "before names no record of this schedule")
-    if not docs and request.query.get("before") is None:
-        raise ScheduleNotFound(schedule_id)
-    items = [history.public(d) for d in docs]
-    return web.json_response(
-        {
-            "schedule_id": schedule_id,
-            "items": items,
-            "next": items[-1]["id"] if len(items) == limit else None,
-        }
-    )
-
-
 async def restore_schedule(request: web.Request) -> web.Response:
     """Put a schedule's fields back as they were at an earlier revision (a new revision,
     recorded as a restore). A payload the trail keeps redacted stays as it is now."""
@@ -419,16 +394,6 @@ async def restore_schedule(request: web.Request) -> web.Response:
     )
     return _schedule_response(schedule)
 
-
-# A page of audit records: the id of the previous page's last record, and its size.
-AUDIT_PAGE = [
-    {"name": "before", "in": "query", "schema": {"type": "string"}},
-    {
-        "name": "limit",
-        "in": "query",
-        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
-    },
-]
 
 ROUTES: list[Route] = [
     Route(
@@ -612,17 +577,6 @@ ROUTES: list[Route] = [
             "summary": "its last fire, last success, consecutive failures, whether it is "
             "late against its own trigger and whether its objective (expect) is met",
             "responses": responses(200, "ScheduleHealth", 404, 503),
-        },
-    ),
-    Route(
-        "GET",
-        "/schedules/{id}/history",
-        schedule_history,
-        Guard(Action.READ, SCHEDULE),
-        {
-            "summary": "a schedule's audit records, newest first (kept after a delete)",
-            "parameters": AUDIT_PAGE,
-            "responses": responses(200, None, 403, 404, 422),
         },
     ),
     Route(
