@@ -6,15 +6,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
+
+from hascheduler.brokers.base import Broker
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
-from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.core.events import FireMessage
+from hascheduler.process.metrics import Metrics
+from hascheduler.replica.dispatch import Dispatcher, LeaderStores
+from hascheduler.replica.firing import FiringPath, Publishing
 from hascheduler.replica.overlap import Fenced
-from hascheduler.replica.term import Term
+from hascheduler.replica.publishing import DispatchSettings
+from hascheduler.replica.term import HeldLease, Term
+from hascheduler.storage.backfills import Backfills
+from hascheduler.storage.collection import Collection
+from hascheduler.storage.fire_counts import FireCounts
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.lease import LeaseTimings, LeaseView
+from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
+
+FiringKind = TypeVar("FiringKind", bound=FiringPath)
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -23,16 +40,86 @@ def at(minutes: float) -> dt.datetime:
     return T0 + dt.timedelta(minutes=minutes)
 
 
-def bare_dispatcher(entries: dict[str, Entry], lease: Any) -> Dispatcher:
-    """A dispatcher over ``entries`` with no database and no broker: for what its queue,
-    its loop and its fakes do."""
-    return Dispatcher(
-        SimpleNamespace(entries=entries),  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        lease,
+@dataclass
+class Mirrored:
+    """The mirror as the leader's work reads it: the entries by schedule id."""
+
+    entries: dict[str, Entry]
+
+
+@dataclass
+class FixedLease:
+    """A held lease as a term sees it, its answers fixed (a test may change them)."""
+
+    term: int = 1
+    remaining_s: float = 5.0
+    ttl_s: float = 10.0
+    valid: bool = True
+
+    @property
+    def timings(self) -> LeaseTimings:
+        return LeaseTimings(self.ttl_s, 0.7 * self.ttl_s, 0.2 * self.ttl_s)
+
+    def remaining(self) -> float:
+        return self.remaining_s
+
+
+def unreachable_db() -> AsyncDatabase[dict[str, Any]]:
+    """A database no server answers: a part built over it for a test that never asks it
+    anything fails at once if it does."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        "mongodb://127.0.0.1:1", connect=False, serverSelectionTimeoutMS=100
     )
+    return client.get_database("unreachable")
+
+
+def stores_over(db: AsyncDatabase[dict[str, Any]], ledger: Ledger | None = None) -> LeaderStores:
+    """The leader's stores over ``db`` (its fire ledger ``ledger`` when one is given)."""
+    return LeaderStores(
+        ledger or Ledger(db.fires),
+        RunLedger(db.runs),
+        ScheduleStore(db.schedules),
+        FireCounts(db.fire_counts),
+        Backfills(db.backfills),
+    )
+
+
+def bare_dispatcher(
+    entries: dict[str, Entry],
+    lease: HeldLease,
+    ledger: Ledger | None = None,
+    broker: Broker | None = None,
+    **options: Any,
+) -> Dispatcher:
+    """A dispatcher over ``entries`` whose database no server answers (its fire ledger
+    ``ledger`` when one is given) and whose broker acknowledges every message: for what
+    its queue, its loop and its fakes do."""
+    return Dispatcher(
+        Mirrored(entries),
+        stores_over(unreachable_db(), ledger),
+        broker or AckingBroker([]),
+        lease,
+        **options,
+    )
+
+
+def firing_as(dispatcher: Dispatcher, kind: type[FiringKind]) -> FiringKind:
+    """``dispatcher`` firing through a ``kind`` of firing path (a test's subclass), built
+    as its own was; the term's services that fire go through it too."""
+    old = dispatcher.firing
+    firing = kind(
+        old.entries,
+        old.ledger,
+        old.publisher,
+        old.settings,
+        old.clock,
+        old.metrics,
+        old.sources,
+        old.wake,
+    )
+    dispatcher.firing = dispatcher.quotas.firing = dispatcher.requests.firing = firing
+    dispatcher.takeover.firing = firing
+    return firing
 
 
 @contextlib.asynccontextmanager
@@ -41,28 +128,25 @@ async def changes_applied(
 ) -> AsyncIterator[tuple[Dispatcher, Term]]:
     """A dispatcher over ``entries`` leading a term whose loop has got to ``watermark``
     (no database, no broker: for what a change queues)."""
-    lease = SimpleNamespace(valid=True, term=1)
+    lease = FixedLease()
     dispatcher = bare_dispatcher(entries, lease)
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:
         dispatcher.term = term
         if watermark is not None:
             term.advance(watermark)
         yield dispatcher, term
 
 
-class InsertsNoted:
-    """A collection that notes the id of every document it is asked to insert."""
+class ClaimsNoted(Ledger):
+    """The fire ledger, noting the id of every claim it is asked to insert."""
 
-    def __init__(self, collection: Any) -> None:
-        self._collection = collection
+    def __init__(self, fires: Collection) -> None:
+        super().__init__(fires)
         self.inserted: list[str] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._collection, name)
-
-    async def insert_many(self, docs: list[dict[str, Any]], **kwargs: Any) -> Any:
+    async def claim(self, docs: list[dict[str, Any]]) -> set[str]:
         self.inserted.extend(str(d["_id"]) for d in docs)
-        return await self._collection.insert_many(docs, **kwargs)
+        return await super().claim(docs)
 
 
 class NotedPublisher:
@@ -106,22 +190,23 @@ class NotedPublisher:
         self.published.append(([c.fire_id for c in claims], True, unchanged))
 
 
-def publishing_dispatcher(
-    entries: dict[str, Entry], publisher: NotedPublisher, ledger: Any = None
-) -> tuple[Dispatcher, Any]:
-    """A dispatcher over ``entries`` publishing through ``publisher``, and its lease."""
-    lease = SimpleNamespace(
-        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=10.0)
-    )
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
+def firing_path(
+    kind: type[FiringKind],
+    entries: dict[str, Entry],
+    publisher: Publishing,
+    ledger: Ledger | None = None,
+) -> FiringKind:
+    """A ``kind`` of firing path over ``entries``, publishing through ``publisher``."""
+    return kind(
+        entries,
+        ledger or Ledger(unreachable_db().fires),
+        publisher,
+        DispatchSettings(),
+        lambda: dt.datetime.now(dt.UTC),
+        Metrics(),
         None,
-        ledger,
-        None,  # type: ignore[arg-type]
-        lease,
-    )  # type: ignore[arg-type]
-    dispatcher.publisher = dispatcher.firing.publisher = publisher  # type: ignore[assignment]
-    return dispatcher, lease
+        lambda: None,
+    )
 
 
 class AckingBroker:
@@ -130,28 +215,39 @@ class AckingBroker:
     def __init__(self, sent: list[str]) -> None:
         self.sent = sent
 
-    async def publish(self, messages: list[Any], timeout_s: float) -> list[BaseException | None]:
+    async def start(self) -> None:
+        pass
+
+    async def publish(
+        self, messages: Sequence[FireMessage], timeout_s: float
+    ) -> list[BaseException | None]:
         self.sent.extend(m.fire_id for m in messages)
         return [None] * len(messages)
 
+    async def close(self) -> None:
+        pass
 
-class OneSchedule:
+
+class OneSchedule(ScheduleStore):
     """The stored schedules: "s" alone."""
 
-    async def find(
-        self, query: dict[str, Any], projection: Any = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        yield {"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}
+    def __init__(self) -> None:
+        super().__init__(unreachable_db().schedules)
+
+    async def message_fields(self, ids: list[str]) -> list[dict[str, Any]]:
+        return [{"_id": "s", "name": "s", "target": "t.x", "payload": {}, "revision": 1}]
 
 
 @contextlib.asynccontextmanager
 async def leading(
-    db: Any, fires: Any, entries: dict[str, Entry], broker: Any, fired_through: dt.datetime
+    db: AsyncDatabase[dict[str, Any]],
+    fires: Ledger,
+    entries: dict[str, Entry],
+    broker: Broker,
+    fired_through: dt.datetime,
 ) -> AsyncIterator[Dispatcher]:
     """A dispatcher leading term 2 over ``entries`` (stored as schedules), its predecessor's
     watermark ``fired_through``; stopped on the way out."""
-    from hascheduler.storage.lease import LeaseView
-
     await fires.ensure_indexes(3600)
     await db.schedules.insert_many(
         [
@@ -159,10 +255,8 @@ async def leading(
             for sid in entries
         ]
     )
-    lease = SimpleNamespace(
-        valid=True, term=2, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=1.0)
-    )
-    dispatcher = Dispatcher(SimpleNamespace(entries=entries), db.schedules, fires, broker, lease)
+    lease = FixedLease(term=2, ttl_s=1.0)
+    dispatcher = Dispatcher(Mirrored(entries), stores_over(db, fires), broker, lease)
     now = dt.datetime.now(dt.UTC)
     view = LeaseView("b", 2, now + dt.timedelta(seconds=1), fired_through=fired_through)
     lead = asyncio.create_task(dispatcher.lead(view))
@@ -173,25 +267,25 @@ async def leading(
         await asyncio.gather(lead, return_exceptions=True)
 
 
-class AdoptionsNoted:
+class AdoptionsNoted(Ledger):
     """The ledger, noting the fire ids of each adoption in turn."""
 
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
+    def __init__(self, fires: Collection) -> None:
+        super().__init__(fires)
         self.adoptions: list[list[str]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ledger, name)
-
     async def adopt(self, fire_ids: set[str], term: int, now: dt.datetime) -> set[str]:
-        taken: set[str] = await self.ledger.adopt(fire_ids, term, now)
+        taken = await super().adopt(fire_ids, term, now)
         self.adoptions.append(sorted(fire_ids))
         return taken
 
 
-class SlowLedger:
+class SlowLedger(Ledger):
     """A ledger each of whose calls takes 0.6 s (a round trip and a new connection on a
     slow link)."""
+
+    def __init__(self) -> None:
+        super().__init__(unreachable_db().fires)
 
     async def claimed(self, fire_ids: list[str]) -> set[str]:
         await asyncio.sleep(0.6)
@@ -211,7 +305,7 @@ class RenewedLease:
     def __init__(self, budget_s: float, ttl_s: float) -> None:
         self.term = 1
         self.budget_s = budget_s
-        self.timings = SimpleNamespace(ttl=ttl_s)
+        self.timings = LeaseTimings(ttl_s, 0.7 * ttl_s, 0.2 * ttl_s)
         self.renewed = True
         self.asks = 0
         self.until = asyncio.get_running_loop().time() + budget_s

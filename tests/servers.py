@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -39,7 +40,7 @@ def losing_sockets() -> Iterator[None]:
 @dataclass
 class ServerProcess:
     uri: str
-    process: subprocess.Popen[str] | None  # None: an external server we do not own
+    process: subprocess.Popen[Any] | None  # None: an external server we do not own
     log_path: str | None = None
 
     @property
@@ -331,8 +332,10 @@ def start_nats_cluster(size: int = 3, startup_s: float = 60.0) -> NatsCluster:
         # Listening is not yet clustered: until the routes are up and the meta group has
         # elected its leader, JetStream's API answers no one, and a stream asked for then
         # is made with fewer replicas or not at all.
+        first = nodes["n1"].process
+        assert first is not None
         if not started(
-            nodes["n1"].process,
+            first,
             lambda: all(map(jetstream_answers, nodes.values())),
             startup_s,
             "the JetStream cluster to elect its meta leader",
@@ -497,7 +500,7 @@ class CeleryWorker:
 
         for queue in self.queues:
             await wait_until(
-                lambda q=queue: declared(q), within_s, f"the Celery worker consuming {queue}"
+                functools.partial(declared, queue), within_s, f"the Celery worker consuming {queue}"
             )
 
     def runs(self) -> list[dict[str, Any]]:

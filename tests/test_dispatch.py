@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import structlog.testing
@@ -29,9 +30,24 @@ from hascheduler.replica.firing import (
     CLAIM_AHEAD_S,
     CLAIM_BATCH,
     CLAIMS_IN_FLIGHT,
+    FiringPath,
 )
 from hascheduler.replica.term import LeadershipLost, Term
-from tests.dispatching import T0, AckingBroker, OneSchedule, at, bare_dispatcher, changes_applied
+from hascheduler.storage.backfills import Backfills
+from hascheduler.storage.fires import Ledger
+from tests.dispatching import (
+    T0,
+    AckingBroker,
+    FixedLease,
+    Mirrored,
+    OneSchedule,
+    at,
+    bare_dispatcher,
+    changes_applied,
+    firing_as,
+    stores_over,
+    unreachable_db,
+)
 from tests.waiting import still_pending, wait_until
 
 
@@ -40,9 +56,9 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
         return Entry(revision, False, Interval(every_s, T0), 0.0, "all", 3600.0, "t")
 
     entries = {f"s{i:05d}": entry(1) for i in range(3 * SEED_STEP)}
-    lease = SimpleNamespace(valid=True, term=1)
+    lease = FixedLease()
     dispatcher = bare_dispatcher(entries, lease)
-    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()
     turns = 0
     seeded = False
 
@@ -81,27 +97,20 @@ async def test_a_fan_out_fire_waits_for_its_source_and_holds_the_lease_watermark
             return in_sync.is_set()
 
     now = dt.datetime.now(dt.UTC)
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries={"f": entry}),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,  # type: ignore[arg-type]
-        clock=lambda: now,
-        sources=Sources(),
-    )
-    term = dispatcher.term = await Term(1, lease, {"f": entry}).__aenter__()  # type: ignore[arg-type]
+    lease = FixedLease()
+    dispatcher = bare_dispatcher({"f": entry}, lease, clock=lambda: now, sources=Sources())
+    term = dispatcher.term = await Term(1, lease, {"f": entry}).__aenter__()
     term.advance(now)
     claimed: list[Claim] = []
 
-    async def claim(
-        claims: list[Claim], term: Term, now: dt.datetime, backfill: str | None = None
-    ) -> list[Claim]:
-        claimed.extend(claims)
-        return []  # nothing to publish in this test
+    class ClaimsNoted(FiringPath):
+        async def claim(
+            self, claims: list[Claim], term: Term, now: dt.datetime, backfill: str | None = None
+        ) -> list[Claim]:
+            claimed.extend(claims)
+            return []  # nothing to publish in this test
 
-    dispatcher.firing.claim = claim  # type: ignore[method-assign]
+    firing_as(dispatcher, ClaimsNoted)
     due = Due(now + dt.timedelta(seconds=1), now + dt.timedelta(seconds=1), "f", 1)
     await dispatcher.firing.claim_and_publish([due], term, now)
     assert claimed == []
@@ -249,26 +258,20 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
     second; with nothing due soon, it goes."""
     now = T0 + dt.timedelta(seconds=59)  # the schedule fires every minute from T0
     entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")}
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-        clock=lambda: now,
-    )  # type: ignore[arg-type]
+    lease = FixedLease()
+    dispatcher = bare_dispatcher(entries, lease, clock=lambda: now)
     quiet = dt.timedelta(seconds=BACKFILL_QUIET_S)
+    db = unreachable_db()
     backfilling = Backfilling(
-        None,
-        None,
+        Backfills(db.backfills),
+        Ledger(db.fires),
         entries,
-        dispatcher.firing.claim_and_publish,  # type: ignore[arg-type]
+        dispatcher.firing.claim_and_publish,
         lambda: False,
         lambda: now,
         CLAIM_AHEAD_S,
     )
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:
         assert backfilling.quiet(term)  # nothing due at all
         soon, later = now + quiet / 2, now + quiet * 2
         first, second, third = (
@@ -309,33 +312,37 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
         f"s{i:05d}": Entry(1, False, Interval(3600.0, now), 0.0, "all", 3600.0, "t")
         for i in range(5 * CLAIM_BATCH)
     }
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-        clock=lambda: now,
-    )  # type: ignore[arg-type]
-    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    lease = FixedLease()
+    dispatcher = bare_dispatcher(entries, lease, clock=lambda: now)
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()
     await dispatcher._seed(term, now - dt.timedelta(seconds=1))
     at_once = most = 0
     claimed: list[int] = []
     watermark_at_claims: list[dt.datetime | None] = []
     fail_batch: int | None = None
-    running: list[asyncio.Task[None] | None] = []
+    running: list[asyncio.Task[Any] | None] = []
     batches = len(entries) // CLAIM_BATCH
     overlapped, third_started = asyncio.Event(), asyncio.Event()
 
-    async def claim(
-        batch: list[Due], term_: Term, now_: dt.datetime, *args: object, **kwargs: object
-    ) -> tuple[int, int]:
+    class Batches(FiringPath):
+        async def claim_and_publish(
+            self,
+            batch: list[Due],
+            term: Term,
+            now: dt.datetime,
+            may_defer: bool = True,
+            overlap: str | None = None,
+            backfill: str | None = None,
+            published: list[asyncio.Task[None]] | None = None,
+        ) -> tuple[int, int]:
+            return await claim(batch, term)
+
+    async def claim(batch: list[Due], term_: Term) -> tuple[int, int]:
         nonlocal at_once, most
         at_once += 1
         most = max(most, at_once)
         started = len(running)
-        running.append(asyncio.current_task())  # type: ignore[arg-type]
+        running.append(asyncio.current_task())
         try:
             if fail_batch is None:
                 # Each round trip lasts until as many as may be are in flight (or this is
@@ -355,7 +362,7 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
         finally:
             at_once -= 1
 
-    dispatcher.firing.claim_and_publish = claim  # type: ignore[method-assign]
+    firing_as(dispatcher, Batches)
     loop = asyncio.create_task(dispatcher._fire_loop(term))
     await wait_until(lambda: term.watermark is not None, 10, "the round's watermark")
     assert sum(claimed) == len(entries)
@@ -396,22 +403,32 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
         )
         for i in range(1000)
     }
-    lease = SimpleNamespace(valid=True, term=1)
+    lease = FixedLease()
     dispatcher = bare_dispatcher(entries, lease)
-    term = dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    term = dispatcher.term = await Term(1, lease, entries).__aenter__()
     await dispatcher._seed(term, now)
     rounds: list[tuple[dt.datetime, dt.datetime]] = []  # (claimed at, earliest due)
 
-    async def claim(
-        batch: list[Due], term_: Term, now_: dt.datetime, *args: object, **kwargs: object
-    ) -> tuple[int, int]:
-        rounds.append((dt.datetime.now(dt.UTC), min(d.fire_at for d in batch)))
-        return len(batch), len(batch)
+    class Rounds(FiringPath):
+        async def claim_and_publish(
+            self,
+            batch: list[Due],
+            term: Term,
+            now: dt.datetime,
+            may_defer: bool = True,
+            overlap: str | None = None,
+            backfill: str | None = None,
+            published: list[asyncio.Task[None]] | None = None,
+        ) -> tuple[int, int]:
+            rounds.append((dt.datetime.now(dt.UTC), min(d.fire_at for d in batch)))
+            return len(batch), len(batch)
 
-    dispatcher.firing.claim_and_publish = claim  # type: ignore[method-assign]
+    firing_as(dispatcher, Rounds)
     loop = asyncio.create_task(dispatcher._fire_loop(term))
     try:
-        first = await wait_until(lambda: rounds[0][0] if rounds else None, 10, "a round")
+        first: dt.datetime = await wait_until(
+            lambda: rounds[0][0] if rounds else None, 10, "a round"
+        )
         await wait_until(
             lambda: rounds[-1][0] - first > dt.timedelta(seconds=0.5), 10, "half a second of rounds"
         )
@@ -434,7 +451,7 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
     written = asyncio.Event()
     gate = asyncio.Event()
 
-    class Ledger:
+    class MarksWaiting(Ledger):
         async def mark_published_many(
             self, marks: list[tuple[list[str], int, dt.datetime, int]]
         ) -> None:
@@ -442,15 +459,11 @@ async def test_a_handover_waits_for_the_marks_of_its_publishes() -> None:
             written.set()
 
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
-    lease = SimpleNamespace(valid=True, term=1)
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        OneSchedule(),
-        Ledger(),  # type: ignore[arg-type]
-        AckingBroker([]),
-        lease,
-    )  # type: ignore[arg-type]
-    dispatcher.term = await Term(1, lease, entries).__aenter__()  # type: ignore[arg-type]
+    lease = FixedLease()
+    db = unreachable_db()
+    stores = dataclasses.replace(stores_over(db, MarksWaiting(db.fires)), store=OneSchedule())
+    dispatcher = Dispatcher(Mirrored(entries), stores, AckingBroker([]), lease)
+    dispatcher.term = await Term(1, lease, entries).__aenter__()
     await dispatcher.publisher.publish([Claim("s@1", "s", now, now)], dispatcher.term, attempt=1)
     drained = asyncio.create_task(dispatcher.drain())
     await still_pending(drained, 0.2, "the drain while its mark is written")

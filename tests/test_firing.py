@@ -4,11 +4,13 @@ gate's admission ahead of the due time, the last look at the due time, and publi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from types import SimpleNamespace
+import uuid
 from typing import Any
 
 import pytest
+from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.base import BrokerUnavailable
 from hascheduler.core.claims import Claim, none_withdrawn, withdrawn
@@ -18,19 +20,30 @@ from hascheduler.replica.dispatch import Dispatcher
 from hascheduler.replica.firing import (
     ADMIT_AHEAD_S,
     PUBLISH_TICK_S,
+    FiringPath,
     publish_tick,
 )
 from hascheduler.replica.overlap import Fenced
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
 from hascheduler.replica.term import Term
+from hascheduler.storage.fire_counts import FireCounts
+from hascheduler.storage.fire_records import CLAIMED, PUBLISHED, claim_document
+from hascheduler.storage.fires import Ledger
 from tests.dispatching import (
     T0,
-    InsertsNoted,
+    AckingBroker,
+    ClaimsNoted,
+    FixedLease,
+    Mirrored,
     NotedPublisher,
     SlowLedger,
     at,
-    publishing_dispatcher,
+    bare_dispatcher,
+    firing_path,
+    stores_over,
+    unreachable_db,
 )
+from tests.servers import with_database
 
 
 def test_backoff_is_full_jitter_capped_exponential() -> None:
@@ -59,7 +72,7 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
     now = dt.datetime.now(dt.UTC)
     recorded: list[tuple[str, str, float | None]] = []
 
-    class Ledger:
+    class Recorded(Ledger):
         async def mark_failed(
             self, fire_id: str, term: int, attempt: int, error: str, at: dt.datetime
         ) -> None:
@@ -70,18 +83,20 @@ async def test_an_unavailable_broker_is_waited_out_and_a_refusal_is_not() -> Non
         ) -> None:
             recorded.append((fire_id, "retry", (at - now).total_seconds()))
 
+    class Uncounted(FireCounts):  # no schedule here has max_fires
+        async def release(self, schedule_id: str, fire_id: str) -> None:
+            pass
+
     settings = DispatchSettings(
         max_attempts=3, unavailable_backoff_cap_s=2.0, max_unavailable_s=300.0
     )
+    db = unreachable_db()
+    stores = dataclasses.replace(
+        stores_over(db, Recorded(db.fires)), counts=Uncounted(db.fire_counts)
+    )
     dispatcher = Dispatcher(
-        SimpleNamespace(entries={}),
-        None,
-        Ledger(),
-        None,  # type: ignore[arg-type]
-        SimpleNamespace(valid=True),
-        settings,
-        clock=lambda: now,
-    )  # type: ignore[arg-type]
+        Mirrored({}), stores, AckingBroker([]), FixedLease(), settings, clock=lambda: now
+    )
 
     def claim(fire: str, due: dt.datetime) -> Claim:
         return Claim(fire, "s", due, due)
@@ -109,38 +124,27 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
     published one, a newer term's, or one this replica is already publishing. The same
     when the fires are due while a term before may have claimed them (``contested``): the
     ledger is read first, and only the fire not in it is inserted."""
-    import uuid
-    from types import SimpleNamespace
-
-    from pymongo import AsyncMongoClient
-
-    from hascheduler.replica.dispatch import Dispatcher
-    from hascheduler.storage import fires as ledger
-    from tests.servers import with_database
-
-    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         with_database(mongo_uri, f"adopt_{uuid.uuid4().hex[:8]}"), tz_aware=True
     )
     try:
-        fires = client.get_default_database().fires
+        db = client.get_default_database()
+        fires = db.fires
         now = at(10)
-        lease = SimpleNamespace(
-            valid=True, term=2, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=10.0)
-        )
+        lease = FixedLease(term=2, remaining_s=5.0, ttl_s=10.0)
         dispatcher = Dispatcher(
-            SimpleNamespace(entries={}),
-            None,  # type: ignore[arg-type]
-            ledger.Ledger(recorded := InsertsNoted(fires)),  # type: ignore[arg-type]
-            None,
+            Mirrored({}),
+            stores_over(db, recorded := ClaimsNoted(fires)),
+            AckingBroker([]),
             lease,
             clock=lambda: now,
-        )  # type: ignore[arg-type]
-        term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
+        )
+        term = await Term(2, lease, {}).__aenter__()
         if contested:
             term.contest_until(at(10))
 
-        def claim(sid: str, term: int) -> dict[str, object]:
-            return ledger.claim_document(sid, at(10), at(10), term, at(9.99))
+        def claim(sid: str, term: int) -> dict[str, Any]:
+            return claim_document(sid, at(10), at(10), term, at(9.99))
 
         deposed, published, newer, ours = (
             claim("deposed", 1),
@@ -148,7 +152,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
             claim("newer", 3),
             claim("ours", 2),
         )
-        published["state"] = ledger.PUBLISHED
+        published["state"] = PUBLISHED
         await fires.insert_many([deposed, published, newer, ours])
         term.add_pending([Claim(str(ours["_id"]), "ours", at(10), at(10))])
 
@@ -164,7 +168,7 @@ async def test_a_claim_taken_by_a_deposed_leader_is_adopted_when_it_falls_due(
         ]
         stored = {d["schedule_id"]: d async for d in fires.find({})}
         assert (stored["deposed"]["term"], stored["deposed"]["claimed_at"]) == (2, now)
-        assert stored["deposed"]["state"] == ledger.CLAIMED
+        assert stored["deposed"]["state"] == CLAIMED
         assert (stored["published"]["term"], stored["published"]["state"]) == (1, "published")
         assert stored["newer"]["term"] == 3
         assert stored["ours"]["claimed_at"] == at(9.99)  # untouched: already ours, in flight
@@ -213,16 +217,18 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
     due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.4)
     entries = {s: Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t") for s in ("a", "b")}
     publisher = NotedPublisher()
-    dispatcher, lease = publishing_dispatcher(entries, publisher)
 
-    async def not_asked(*args: Any) -> list[Claim]:
-        raise AssertionError("checked again at the due time")
+    class NotAskedAgain(FiringPath):
+        async def still_due(
+            self, due: list[Claim], revisions: dict[str, int], term: Term
+        ) -> list[Claim]:
+            raise AssertionError("checked again at the due time")
 
-    dispatcher.firing.still_due = not_asked  # type: ignore[method-assign]
+    firing = firing_path(NotAskedAgain, entries, publisher)
     claims = [Claim(f"{s}@x", s, due, due) for s in ("a", "b")]
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+    async with Term(1, FixedLease(), entries) as term:
         term.add_pending(claims)
-        await dispatcher.firing.publish_when_due(claims, {"a": 1, "b": 1}, term)
+        await firing.publish_when_due(claims, {"a": 1, "b": 1}, term)
     assert publisher.published == [(["a@x", "b@x"], True, True)]
 
 
@@ -252,16 +258,16 @@ async def test_a_governed_fire_is_admitted_ahead_and_published_at_its_due_time(
             self.changes += 1
             return (claims, []) if not held_ahead else ([], claims)
 
-    class Ledger:
+    class Skips(Ledger):
         async def skip(self, ids: list[str], term: int, reason: str) -> None:
             skipped.extend(ids)
 
     publisher = PausedOnceAdmitted()
-    dispatcher, lease = publishing_dispatcher(entries, publisher, Ledger())
+    firing = firing_path(FiringPath, entries, publisher, Skips(unreachable_db().fires))
     claims = [Claim(f"{s}@x", s, due, due) for s in ("kept", "paused")]
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+    async with Term(1, FixedLease(), entries) as term:
         term.add_pending(claims)
-        await dispatcher.firing.publish_when_due(claims, {"kept": 1, "paused": 1}, term)
+        await firing.publish_when_due(claims, {"kept": 1, "paused": 1}, term)
         assert term.next_publish_at() is None
         assert not term.pending
     # Each claim's publish span is prepared ahead, the admitted fires rendered at their
@@ -291,18 +297,9 @@ async def test_a_contested_claims_read_and_insert_each_get_what_remains_of_the_t
     within what remains of the term when it starts (1 s here, the lease renewed
     meanwhile), not within what remained when the read began, which their 1.2 s together
     would outlast (the leader stopped firing over a slowed link: test_slow_link.py)."""
-    lease = SimpleNamespace(
-        valid=True, term=2, remaining=lambda: 1.0, timings=SimpleNamespace(ttl=2.0)
-    )
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries={}),
-        None,  # type: ignore[arg-type]
-        SlowLedger(),
-        None,
-        lease,  # type: ignore[arg-type]
-        clock=lambda: at(9.99),
-    )
-    term = await Term(2, lease, {}).__aenter__()  # type: ignore[arg-type]
+    lease = FixedLease(term=2, remaining_s=1.0, ttl_s=2.0)
+    dispatcher = bare_dispatcher({}, lease, SlowLedger(), clock=lambda: at(9.99))
+    term = await Term(2, lease, {}).__aenter__()
     term.contest_until(at(10))
     mine = [Claim("s@10", "s", at(10), at(10))]
     assert await dispatcher.firing.claim(mine, term, at(9.99)) == mine

@@ -19,7 +19,12 @@ from hascheduler.core.entries import Entry
 from hascheduler.core.events import PreparedEvent
 from hascheduler.core.triggers import Interval, fire_id, iso_utc
 from hascheduler.process.metrics import Metrics
+from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.publishing import DispatchSettings, Publisher
+from hascheduler.storage.fire_counts import FireCounts
+from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
+from tests.dispatching import unreachable_db
 from tests.waiting import still_pending, wait_until
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
@@ -122,14 +127,19 @@ def setup(
 ) -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
     broker, schedules, mirror = Broker(), Schedules(), Mirror()
     now = [T0 - dt.timedelta(seconds=0.25)]
+    db = unreachable_db()
+    clock, metrics = (lambda: now[0]), Metrics()
+    fires = ledger or Ledger()
     publisher = Publisher(
         broker,
-        ledger or Ledger(),
+        fires,
         mirror,
-        schedules,  # type: ignore[arg-type]
+        ScheduleStore(schedules),
+        OverlapGate(fires, RunLedger(db.runs), mirror.entries, 100, clock, metrics),
+        FireCounts(db.fire_counts),
         DispatchSettings(),
-        lambda: now[0],
-        Metrics(),
+        clock,
+        metrics,
     )
     schedules.docs["s"] = schedule(1, {"v": 1})
     mirror.entries["s"] = Entry(1, False, Interval(1.0, T0), 0.0, "all", 3600.0, "t.x")

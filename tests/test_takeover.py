@@ -4,9 +4,9 @@ retry loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from hascheduler.core.catchup import (
 )
 from hascheduler.core.claims import Claim
 from hascheduler.core.entries import Entry
+from hascheduler.core.events import FireMessage
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.triggers import Interval, fire_id
 from hascheduler.replica.dispatch import Dispatcher
@@ -24,12 +25,19 @@ from hascheduler.replica.firing import (
     CLAIM_BATCH,
 )
 from hascheduler.replica.term import Term
+from hascheduler.storage.fire_records import CLAIMED, PUBLISHED, claim_document
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.schedules import ScheduleStore
 from tests.dispatching import (
     AckingBroker,
     AdoptionsNoted,
-    InsertsNoted,
+    ClaimsNoted,
+    FixedLease,
+    Mirrored,
     OneSchedule,
     leading,
+    stores_over,
+    unreachable_db,
 )
 from tests.waiting import wait_until
 
@@ -117,26 +125,22 @@ async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_wa
     leading: the catch-up goes on from the watermark (or the term's start), as before
     creation times were read."""
 
-    class Unreadable:
+    class Unreadable(ScheduleStore):
         def __init__(self, error: Exception) -> None:
+            super().__init__(unreachable_db().schedules)
             self.error = error
 
-        def find(self, *args: Any, **kwargs: Any) -> Any:
+        async def created_after(self, after: dt.datetime) -> dict[str, dt.datetime]:
             raise self.error
 
-    lease = SimpleNamespace(valid=True, term=1)
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    lease = FixedLease()
+    async with Term(1, lease, {}) as term:
         for error in (
             ExecutionTimeout("operation exceeded time limit"),
             AutoReconnect("connection reset"),
         ):
-            dispatcher = Dispatcher(
-                SimpleNamespace(entries={}),
-                Unreadable(error),  # type: ignore[arg-type]
-                None,
-                None,
-                lease,
-            )  # type: ignore[arg-type]
+            stores = dataclasses.replace(stores_over(unreachable_db()), store=Unreadable(error))
+            dispatcher = Dispatcher(Mirrored({}), stores, AckingBroker([]), lease)
             assert await dispatcher.takeover.created_after(term, None) == {}
 
 
@@ -155,10 +159,10 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
     sent: list[str] = []
     side_by_side = asyncio.Event()
 
-    class Ledger:
+    class Retried(Ledger):
         async def due_for_retry(
-            self, term: int, at: dt.datetime, limit: int, batch: int
-        ) -> AsyncIterator[list[Claim]]:
+            self, term: int, now: dt.datetime, limit: int, batch: int
+        ) -> AsyncGenerator[list[Claim]]:
             read = [c for c in due if state[c.fire_id] == "claimed"][:limit]
             for i in range(0, len(read), batch):
                 yield read[i : i + batch]
@@ -177,7 +181,7 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
         publishing = 0
 
         async def publish(
-            self, messages: list[Any], timeout_s: float
+            self, messages: Sequence[FireMessage], timeout_s: float
         ) -> list[BaseException | None]:
             self.publishing += 1
             if self.publishing == 2:
@@ -186,18 +190,14 @@ async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_sid
             return await super().publish(messages, timeout_s)
 
     entries = {"s": Entry(1, False, Interval(60.0, now), 0.0, "all", 3600.0, "t.x")}
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        OneSchedule(),
-        Ledger(),  # type: ignore[arg-type]
-        TwoAtOnce(sent),
-        SimpleNamespace(valid=True),
-    )  # type: ignore[arg-type]
-    term = await Term(1, SimpleNamespace(valid=True, term=1), entries).__aenter__()  # type: ignore[arg-type]
+    db = unreachable_db()
+    stores = dataclasses.replace(stores_over(db, Retried(db.fires)), store=OneSchedule())
+    dispatcher = Dispatcher(Mirrored(entries), stores, TwoAtOnce(sent), FixedLease())
+    term = await Term(1, FixedLease(), entries).__aenter__()
     await asyncio.wait_for(dispatcher.takeover.retry_due(term), 10)
     assert sorted(sent) == sorted(c.fire_id for c in due)  # each once
     assert set(state.values()) == {"published"}
-    await dispatcher.takeover.retry_due(term)  # type: ignore[arg-type]
+    await dispatcher.takeover.retry_due(term)
     assert len(sent) == len(due)
 
 
@@ -210,10 +210,9 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
     for them rather than inserting claims the unique index refuses (each refusal cost the
     database ten times the read: a second's 10,000 fires held the first new fire back half
     a second), publishes none of them again, and goes on firing."""
-    from hascheduler.storage import fires as ledger
 
     db = fresh_db
-    recorded = InsertsNoted(db.fires)
+    recorded = ClaimsNoted(db.fires)
     now = dt.datetime.now(dt.UTC)
     base = now.replace(microsecond=0) - dt.timedelta(seconds=10)
     entries = {"s": Entry(1, False, Interval(1.0, base), 0.0, "all", 3600.0, "t.x")}
@@ -222,15 +221,15 @@ async def test_a_successor_reads_the_ledger_before_claiming_what_its_predecessor
         base + dt.timedelta(seconds=k) for k in range(11) if base + dt.timedelta(seconds=k) <= now
     ]
     for nominal in fired:
-        doc = ledger.claim_document("s", nominal, nominal, 1, nominal)
-        doc["state"] = ledger.PUBLISHED
+        doc = claim_document("s", nominal, nominal, 1, nominal)
+        doc["state"] = PUBLISHED
         await db.fires.insert_one(doc)
     predecessors = {fire_id("s", nominal) for nominal in fired}
     sent: list[str] = []
     async with leading(
         db,
-        ledger.Ledger(recorded),
-        entries,  # type: ignore[arg-type]
+        recorded,
+        entries,
         AckingBroker(sent),
         now - dt.timedelta(seconds=3),
     ):
@@ -246,7 +245,6 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(fres
     order, so its earlier claims are mostly published (duplicates to the broker) and its
     latest the likeliest not: behind 10,000 duplicates they came a third of a second
     later. Every one is published."""
-    from hascheduler.storage import fires as ledger
 
     db = fresh_db
     now = dt.datetime.now(dt.UTC)
@@ -255,10 +253,10 @@ async def test_a_successor_republishes_its_predecessors_latest_claims_first(fres
     # the collection returns.
     due = [now - dt.timedelta(milliseconds=k) for k in range(2 * CLAIM_BATCH + 500, 0, -1)]
     await db.fires.insert_many(
-        [ledger.claim_document("s", d, d, 1, d - dt.timedelta(seconds=1)) for d in due]
+        [claim_document("s", d, d, 1, d - dt.timedelta(seconds=1)) for d in due]
     )
     sent: list[str] = []
-    fires = AdoptionsNoted(ledger.Ledger(db.fires))
+    fires = AdoptionsNoted(db.fires)
     async with leading(db, fires, entries, AckingBroker(sent), now):
         await wait_until(lambda: len(sent) >= len(due), 20, "the adopted claims' publishes")
     latest_first = [fire_id("s", d) for d in reversed(due)]
@@ -275,7 +273,6 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
     documents); the retry loop adopts and publishes the rest, an older term's and this
     term's previous lead's alike."""
     from hascheduler.replica import takeover
-    from hascheduler.storage import fires as ledger
 
     monkeypatch.setattr(takeover, "RETRY_BATCHES_PER_TURN", 1)
     db = fresh_db
@@ -285,19 +282,18 @@ async def test_a_backlog_past_the_takeovers_bound_is_taken_by_the_retry_loop(
     # The oldest 300 were claimed by this term's previous lead, the rest by term 1.
     await db.fires.insert_many(
         [
-            ledger.claim_document(
-                "s", d, d, 2 if i >= 2 * CLAIM_BATCH else 1, d - dt.timedelta(seconds=3)
-            )
+            claim_document("s", d, d, 2 if i >= 2 * CLAIM_BATCH else 1, d - dt.timedelta(seconds=3))
             for i, d in enumerate(due)
         ]
     )
     sent: list[str] = []
-    fires = AdoptionsNoted(ledger.Ledger(db.fires))
+    fires = AdoptionsNoted(db.fires)
     async with leading(db, fires, entries, AckingBroker(sent), now):
         await wait_until(lambda: len(set(sent)) >= len(due), 20, "every claim left published")
 
         async def none_claimed() -> bool:
-            return await db.fires.count_documents({"state": ledger.CLAIMED}) == 0
+            left: int = await db.fires.count_documents({"state": CLAIMED})
+            return left == 0
 
         await wait_until(none_claimed, 10, "every claim marked published")
     # The takeover adopted the latest batch alone; the retry loop the rest.
@@ -313,7 +309,6 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
     second past its due time), and until that republish and the catch-up after it end,
     the lease keeps the predecessor's watermark, so a leader after this one catches up
     from there."""
-    from hascheduler.storage import fires as ledger
 
     db = fresh_db
     now = dt.datetime.now(dt.UTC)
@@ -328,24 +323,20 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
         ),
     }
     left = now - dt.timedelta(seconds=1)
-    await db.fires.insert_one(
-        ledger.claim_document("old", left, left, 1, left - dt.timedelta(seconds=1))
-    )
+    await db.fires.insert_one(claim_document("old", left, left, 1, left - dt.timedelta(seconds=1)))
     republish = asyncio.Event()
     sent: list[str] = []
 
     class HeldRepublish(AckingBroker):
         async def publish(
-            self, messages: list[Any], timeout_s: float
+            self, messages: Sequence[FireMessage], timeout_s: float
         ) -> list[BaseException | None]:
             if any(m.fire_id == fire_id("old", left) for m in messages):
                 await republish.wait()
             return await super().publish(messages, timeout_s)
 
     since = now - dt.timedelta(seconds=2)
-    async with leading(
-        db, ledger.Ledger(db.fires), entries, HeldRepublish(sent), since
-    ) as dispatcher:
+    async with leading(db, Ledger(db.fires), entries, HeldRepublish(sent), since) as dispatcher:
         await wait_until(lambda: sent, 5, "the new fire beside the held republish")
         assert sent == [fire_id("new", now + dt.timedelta(seconds=0.3))]
         assert dispatcher.fired_through == since

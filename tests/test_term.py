@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from types import SimpleNamespace
 
 import pytest
 from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, NetworkTimeout
@@ -13,7 +12,7 @@ from pymongo.errors import AutoReconnect, DuplicateKeyError, ExecutionTimeout, N
 from hascheduler.core.entries import Entry
 from hascheduler.core.triggers import Interval
 from hascheduler.replica.term import LeadershipLost, Term
-from tests.dispatching import T0, RenewedLease, at
+from tests.dispatching import T0, FixedLease, RenewedLease, at
 from tests.waiting import still_pending, wait_until
 
 
@@ -23,8 +22,8 @@ async def test_a_databases_first_term_records_no_watermark_while_it_catches_up()
     from its creation again, not from this term's start. One that took a watermark over
     has the lease keep it until then."""
     now = dt.datetime.now(dt.UTC)
-    lease = SimpleNamespace(valid=True, term=1)
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    lease = FixedLease()
+    async with Term(1, lease, {}) as term:
         term.advance(now)
         term.take_over(None)
         assert term.fired_through is None
@@ -38,8 +37,8 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
     """The fence, asked of the term alone: a lapsed renew deadline or a newer term on the
     lease stops it, and leaving it empties its queue and cancels its waits."""
     entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t")}
-    lease = SimpleNamespace(valid=True, term=4)
-    async with Term(4, lease, entries) as term:  # type: ignore[arg-type]
+    lease = FixedLease(term=4)
+    async with Term(4, lease, entries) as term:
         term.check()
         assert term.holds
         lease.term = 5  # re-elected: a new term, not this one
@@ -52,7 +51,11 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
         list(term.queue.seed(at(0)))
         assert list(term.queue.items())
         never = asyncio.Event()
-        term.start_waiting(never.wait())  # type: ignore[arg-type]
+
+        async def wait_for_ever() -> None:
+            await never.wait()
+
+        term.start_waiting(wait_for_ever())
         (waiting,) = term._waiting
     assert not term.active
     assert list(term.queue.items()) == []
@@ -64,9 +67,7 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
     """A write whose caller is cancelled (the handover stops the lead) goes on to its
     answer, and ``settle`` returns once it has it: the lease is released after the write
     was applied or refused, never while it may still land."""
-    lease = SimpleNamespace(
-        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=2.0)
-    )
+    lease = FixedLease(term=1, remaining_s=5.0, ttl_s=2.0)
     answer = asyncio.Event()
     applied: list[str] = []
 
@@ -75,7 +76,7 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
         applied.append("claim")
         return "claim"
 
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         caller = asyncio.create_task(term.write(claim()))
         await wait_until(lambda: term._writes.tasks, 5, "the write in flight")
         caller.cancel()
@@ -101,31 +102,26 @@ async def test_a_terms_write_outlives_its_cancelled_caller_and_settle_waits_for_
 async def test_a_write_that_ended_unanswered_keeps_the_lease_from_being_released(
     error: Exception, settled: bool
 ) -> None:
-    lease = SimpleNamespace(
-        valid=True, term=1, remaining=lambda: 5.0, timings=SimpleNamespace(ttl=60.0)
-    )
+    lease = FixedLease(term=1, remaining_s=5.0, ttl_s=60.0)
 
     async def failing() -> None:
         raise error
 
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         with pytest.raises(type(error)):
             await term.write(failing())
         assert await term.settle(1.0) is settled
 
 
 async def test_a_write_past_what_remains_of_the_term_ends_the_term() -> None:
-    left = [0.05]
-    lease = SimpleNamespace(
-        valid=True, term=1, remaining=lambda: left[0], timings=SimpleNamespace(ttl=60.0)
-    )
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    lease = FixedLease(remaining_s=0.05, ttl_s=60.0)
+    async with Term(1, lease, {}) as term:
         with pytest.raises(LeadershipLost):
             await term.write(asyncio.Event().wait())
         # Still in flight once the term gave up on it: the release waits, then lapses.
         assert not await term.settle(0.05)
     # The same term led again (the dispatcher's next lead) answers for that write too.
-    async with Term(1, lease, {}) as again:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as again:
         again.follows(term)
         assert not await again.settle(0.05)
         held = list(again._writes.tasks)
@@ -149,7 +145,7 @@ async def test_a_terms_read_lasts_while_the_lease_is_renewed_and_ends_when_it_la
         await answer.wait()
         return "read"
 
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         reading = asyncio.create_task(term.read(read()))
         # The term looks again each time what remained runs out: four looks past its
         # first budget, the read goes on.
@@ -175,14 +171,14 @@ async def test_a_terms_read_ends_when_a_newer_term_holds_the_lease_or_after_thre
     silent, which the driver would wait on for ever)."""
     loop = asyncio.get_running_loop()
     lease = RenewedLease(0.2, ttl_s=10.0)
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         reading = asyncio.create_task(term.read(asyncio.Event().wait()))
         lease.term = 2
         with pytest.raises(LeadershipLost):
             await asyncio.wait_for(reading, 5)
 
     lease = RenewedLease(0.2, ttl_s=0.5)
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         began = loop.time()
         with pytest.raises(LeadershipLost):
             await asyncio.wait_for(term.read(asyncio.Event().wait()), 10)
@@ -195,16 +191,14 @@ async def test_a_deferrable_write_that_outlasts_the_term_is_put_off_while_the_te
     term, a write returns None while the term still holds the lease, so the lead goes on
     and makes it again next turn; the write is still one ``settle`` waits for. Once the
     term no longer holds, it raises LeadershipLost, as ``write`` does."""
-    lease = SimpleNamespace(
-        valid=True, term=1, remaining=lambda: 0.2, timings=SimpleNamespace(ttl=2.0)
-    )
+    lease = FixedLease(term=1, remaining_s=0.2, ttl_s=2.0)
     answer = asyncio.Event()
 
     async def adopt() -> int:
         await answer.wait()
         return 3
 
-    async with Term(1, lease, {}) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, {}) as term:
         assert await asyncio.wait_for(term.write_or_defer(adopt()), 5) is None
         assert len(term._writes.tasks) == 1  # in flight: settle waits for it
         lease.valid = False

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -21,11 +20,30 @@ from hascheduler.core.fanout import FanOut
 from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import At, Interval, jitter_offset
 from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.firing import FiringPath
+from hascheduler.replica.overlap import Fenced
+from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import LeadershipLost, Term
-from hascheduler.storage.lease import LeaseTimings
+from hascheduler.storage.fires import Ledger
+from tests.dispatching import FixedLease, bare_dispatcher, firing_as, unreachable_db
 from tests.waiting import wait_until
 
 SECOND = dt.timedelta(seconds=1)
+
+Claiming = Callable[[list[Claim], Term, dt.datetime, str | None], Awaitable[list[Claim]]]
+
+
+def claiming_with(dispatcher: Dispatcher, claim: Claiming) -> None:
+    """``dispatcher``'s firing path claims through ``claim`` (a fake that fails or holds
+    as the test says), the rest of the path as it is."""
+
+    class Through(FiringPath):
+        async def claim(
+            self, claims: list[Claim], term: Term, now: dt.datetime, backfill: str | None = None
+        ) -> list[Claim]:
+            return await claim(claims, term, now, backfill)
+
+    firing_as(dispatcher, Through)
 
 
 class Sources:
@@ -48,22 +66,17 @@ async def leading(
     entries: dict[str, Entry],
     now: dt.datetime,
     sources: Sources | None = None,
-    quota: Any = lambda namespace: None,
-) -> AsyncIterator[tuple[Dispatcher, Term, SimpleNamespace]]:
+    quota: Callable[[str], float | None] = lambda namespace: None,
+    ledger: Ledger | None = None,
+) -> AsyncIterator[tuple[Dispatcher, Term, FixedLease]]:
     """A dispatcher leading term 1 over ``entries`` at ``now`` (its clock), the term's
-    watermark at ``now``; yields it, the term and the fake lease."""
-    lease = SimpleNamespace(valid=True, term=1, remaining=lambda: 5.0, timings=LeaseTimings())
-    dispatcher = Dispatcher(
-        SimpleNamespace(entries=entries),
-        None,
-        None,
-        None,  # type: ignore[arg-type]
-        lease,
-        clock=lambda: now,
-        sources=sources,  # type: ignore[arg-type]
-        quota=quota,
+    watermark at ``now``, its fire ledger ``ledger`` when one is given; yields it, the
+    term and the fake lease."""
+    lease = FixedLease()
+    dispatcher = bare_dispatcher(
+        entries, lease, ledger, clock=lambda: now, sources=sources, quota=quota
     )
-    async with Term(1, lease, entries) as term:  # type: ignore[arg-type]
+    async with Term(1, lease, entries) as term:
         dispatcher.term = term
         term.advance(now)
         yield dispatcher, term, lease
@@ -104,7 +117,7 @@ async def test_a_deferred_fan_out_fire_whose_claim_fails_while_the_term_goes_on_
             claimed.extend(claims)
             return []
 
-        dispatcher.firing.claim = claim  # type: ignore[method-assign]
+        claiming_with(dispatcher, claim)
         due = Due(now + SECOND, now + SECOND, "f", 1)
         await dispatcher.firing.claim_and_publish([due], term, now)
         assert term.fired_through is not None
@@ -168,7 +181,7 @@ async def test_a_batch_whose_claim_is_in_flight_holds_the_watermark() -> None:
             asked.set()
             return await answer
 
-        dispatcher.firing.claim = claim  # type: ignore[method-assign]
+        claiming_with(dispatcher, claim)
         loop = asyncio.create_task(dispatcher._fire_loop(term))
         await asyncio.wait_for(asked.wait(), 5)
         assert term.queue.first_at() is None  # off the queue, its claim in flight
@@ -312,12 +325,15 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
     sources.in_sync.set()
     entries = {"f": fan_out_entry(now - 60 * SECOND)}
     handled, unhandled, after = (now - 3 * SECOND, now - 2 * SECOND, now - SECOND)
-    async with leading(entries, now, sources) as (dispatcher, term, _):
 
-        async def instants_held(schedule_id: str, nominals: list[dt.datetime]) -> set[dt.datetime]:
+    class Held(Ledger):
+        async def instants_held(
+            self, schedule_id: str, nominals: list[dt.datetime]
+        ) -> set[dt.datetime]:
             return {n for n in nominals if n in (handled, after)}
 
-        dispatcher.firing.ledger = SimpleNamespace(instants_held=instants_held)  # type: ignore[assignment]
+    held = Held(unreachable_db().fires)
+    async with leading(entries, now, sources, ledger=held) as (dispatcher, term, _):
         claimed: list[Claim] = []
 
         async def claim(
@@ -326,7 +342,7 @@ async def test_a_fan_outs_late_instant_the_ledger_holds_is_left_to_what_was_clai
             claimed.extend(claims)
             return []
 
-        dispatcher.firing.claim = claim  # type: ignore[method-assign]
+        claiming_with(dispatcher, claim)
         dues = [Due(n, n, "f", 1) for n in (handled, unhandled, after)]
         await dispatcher.firing.claim_late(dues, term, now, passed=now - 1.5 * SECOND)
         assert sorted({c.nominal_at for c in claimed}) == [unhandled, after]
@@ -359,11 +375,11 @@ async def test_a_lead_that_ended_acts_no_more_when_its_term_is_led_again() -> No
     made, leads the same term again: the lead before must not act beside the new one (its
     publishing tasks decided on fires the new lead adopted). Only a handover's drain keeps
     the ended lead acting while the lease holds."""
-    lease = SimpleNamespace(valid=True, term=7, remaining=lambda: 5.0, timings=LeaseTimings())
-    async with Term(7, lease, {}) as old:  # type: ignore[arg-type]
+    lease = FixedLease(term=7, remaining_s=5.0)
+    async with Term(7, lease, {}) as old:
         assert old.holds
     assert not old.holds  # the lease is valid and still term 7's: led anew, not by it
-    async with Term(7, lease, {}) as draining:  # type: ignore[arg-type]
+    async with Term(7, lease, {}) as draining:
         draining.handing_over.set()  # Dispatcher.hand_over, before its lead is cancelled
     assert draining.holds
     lease.valid = False
@@ -380,11 +396,12 @@ async def test_a_new_schedule_learned_of_past_the_bound_records_what_it_could_no
     entries = {"new": every, "changed": every.replace(revision=2)}
     recorded: list[dict[str, Any]] = []
 
-    async def record_skipped(docs: list[dict[str, Any]]) -> None:
-        recorded.extend(docs)
+    class Recorded(Ledger):
+        async def record_skipped(self, docs: list[dict[str, Any]]) -> None:
+            recorded.extend(docs)
 
-    async with leading(entries, w) as (dispatcher, _term, _):
-        dispatcher.ledger = SimpleNamespace(record_skipped=record_skipped)  # type: ignore[assignment]
+    ledger = Recorded(unreachable_db().fires)
+    async with leading(entries, w, ledger=ledger) as (dispatcher, _term, _):
         dispatcher.on_change("new", every, Written(w, w - 30 * SECOND))
         dispatcher.on_change("changed", entries["changed"], Written(w - 30 * SECOND, None))
         await wait_until(lambda: recorded, 5, "the skipped range recorded")
@@ -406,17 +423,27 @@ async def test_a_claim_the_term_is_publishing_is_not_republished_beside_it() -> 
         term.add_pending([in_flight])
         published: list[str] = []
 
-        async def publish(claims: list[Claim], term_: int, attempt: int) -> None:
-            published.extend(c.fire_id for c in claims)
+        class Noted(Publisher):
+            async def publish(self, claims: list[Claim], term: Fenced, attempt: int) -> None:
+                published.extend(c.fire_id for c in claims)
 
-        async def marked() -> None:
-            return None
+            async def marked(self) -> None:
+                return None
 
-        dispatcher.takeover.publisher = SimpleNamespace(  # type: ignore[assignment]
-            publish=publish, marked=marked
+        own = dispatcher.publisher
+        dispatcher.takeover.publisher = Noted(
+            own.broker,
+            own.ledger,
+            own.mirror,
+            own.store,
+            own.gate,
+            own.counts,
+            own.settings,
+            own.clock,
+            own.metrics,
         )
 
-        async def batches() -> Any:
+        async def batches() -> AsyncGenerator[list[Claim]]:
             yield [in_flight, left]
 
         await dispatcher.takeover.republish(term, batches())

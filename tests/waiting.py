@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 async def wait_until(
-    probe: Callable[[], Awaitable[T] | T], deadline_s: float, what: str, interval_s: float = 0.05
-) -> T:
+    probe: Callable[[], Any], deadline_s: float, what: str, interval_s: float = 0.05
+) -> Any:
     """Poll ``probe`` (a coroutine function, or a plain one) until it returns a truthy
     value; fail the test at the deadline."""
     end = time.monotonic() + deadline_s
@@ -45,7 +45,7 @@ def wait_until_sync(
         time.sleep(interval_s)
 
 
-async def still_pending(task: asyncio.Future[object], within_s: float, what: str) -> None:
+async def still_pending(task: asyncio.Future[Any], within_s: float, what: str) -> None:
     """Assert that ``task`` does not finish within ``within_s``: waits on its end with
     that deadline (a turn of the loop or two would give a wrong early end less room)."""
     done, _ = await asyncio.wait({task}, timeout=within_s)

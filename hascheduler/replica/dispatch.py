@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -50,7 +51,6 @@ from hascheduler.replica.requests import Requests
 from hascheduler.replica.takeover import TakeOver
 from hascheduler.replica.term import HeldLease, LeadershipLost, Term, TermService
 from hascheduler.storage.backfills import Backfills
-from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fire_records import skipped_range_document
 from hascheduler.storage.fires import Ledger
@@ -67,38 +67,44 @@ log = structlog.get_logger("hascheduler.dispatch")
 CLAIM_EVERY_S = 0.025
 
 
+@dataclass(frozen=True, slots=True)
+class LeaderStores:
+    """What a term's work reads and writes: the fire ledger, the runs ledger (overlap
+    policies), the schedules (run-now requests, pause-until resumes, max_fires
+    completions, messages' fields), the max_fires counts and the backfills."""
+
+    ledger: Ledger
+    runs: RunLedger
+    store: ScheduleStore
+    counts: FireCounts
+    backfills: Backfills
+
+
 class Dispatcher:
-    def __init__(  # noqa: PLR0913 (builds the term's services from what they use)
+    def __init__(
         self,
         mirror: MirroredSchedules,
-        schedules: Collection,
-        ledger: Ledger,
+        stores: LeaderStores,
         broker: Broker,
         lease: HeldLease,
         settings: DispatchSettings | None = None,
         clock: Clock = lambda: dt.datetime.now(dt.UTC),
         metrics: Metrics | None = None,
         sources: TenantSource | None = None,
-        runs: RunLedger | None = None,
-        store: ScheduleStore | None = None,
-        counts: FireCounts | None = None,
-        backfills: Backfills | None = None,
         quota: Callable[[str], float | None] = lambda namespace: None,
         services: Sequence[TermService] = (),
     ) -> None:
         self.mirror = mirror
-        self.ledger = ledger
+        self.ledger = ledger = stores.ledger
         self.lease = lease
         self.settings = settings = settings or DispatchSettings()
         self.clock = clock
         metrics = metrics or Metrics()
-        self.gate = (
-            None
-            if runs is None
-            else OverlapGate(ledger, runs, mirror.entries, settings.max_buffered, clock, metrics)
+        self.gate = OverlapGate(
+            ledger, stores.runs, mirror.entries, settings.max_buffered, clock, metrics
         )
         self.publisher = Publisher(
-            broker, ledger, mirror, schedules, settings, clock, metrics, self.gate, counts, store
+            broker, ledger, mirror, stores.store, self.gate, stores.counts, settings, clock, metrics
         )
         self._wake = asyncio.Event()
         self.firing = FiringPath(
@@ -116,30 +122,29 @@ class Dispatcher:
             self.firing,
             ledger,
             self.publisher,
-            schedules,
+            stores.store,
             mirror.entries,
             settings.retry_interval_s,
             lease,
             clock,
         )
-        self.requests = Requests(ledger, self.publisher, store, self.firing, clock)
+        self.requests = Requests(ledger, self.publisher, stores.store, self.firing, clock)
         # The term's services beside the fire loop and the take-over (and those of other
         # parts of the replica: the leader's half of webhooks).
-        self.services: list[TermService] = [self.requests, *services]
-        if self.gate is not None:
-            self.services.append(OverlapRelease(self.gate, self.publisher, self.firing, clock))
-        if backfills is not None:
-            self.services.append(
-                Backfilling(
-                    backfills,
-                    ledger,
-                    mirror.entries,
-                    self.firing.claim_and_publish,
-                    lambda: self.publisher.busy,
-                    lambda: self.clock(),
-                    CLAIM_AHEAD_S,
-                )
-            )
+        self.services: list[TermService] = [
+            self.requests,
+            *services,
+            OverlapRelease(self.gate, self.publisher, self.firing, clock),
+            Backfilling(
+                stores.backfills,
+                ledger,
+                mirror.entries,
+                self.firing.claim_and_publish,
+                lambda: self.publisher.busy,
+                lambda: self.clock(),
+                CLAIM_AHEAD_S,
+            ),
+        ]
         self.term: Term | None = None  # the current term, or the last one
 
     @property
@@ -219,8 +224,7 @@ class Dispatcher:
             # (before ours, but for the replicas' clocks' skew: doubled).
             term.contest_until(now + dt.timedelta(seconds=2 * CLAIM_AHEAD_S))
             self.quotas.begin()
-            if self.gate is not None:
-                await self.gate.begin()
+            await self.gate.begin()
             self.requests.begin(self.mirror.entries)
             # What fell due before the term is taken over beside the firing of what falls
             # due in it (TakeOver): behind it, the first new fire waited up to a second.

@@ -33,7 +33,8 @@ from hascheduler.core.fire_queue import Due
 from hascheduler.core.triggers import fire_id
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.in_flight import InFlight
-from hascheduler.replica.publishing import DispatchSettings, Publisher
+from hascheduler.replica.overlap import Fenced
+from hascheduler.replica.publishing import DispatchSettings
 from hascheduler.replica.term import Term
 from hascheduler.storage.fire_records import claim_record, skipped_range_document
 from hascheduler.storage.fires import Ledger
@@ -96,6 +97,31 @@ class TenantSource(Protocol):
     async def wait_ready(self, fan_out: FanOut, timeout_s: float) -> bool: ...
 
 
+class Publishing(Protocol):
+    """What the firing path asks of the publisher (replica/publishing.py ``Publisher``)
+    for the claims it holds until their due time."""
+
+    changes: int  # schedules changed so far: the same count later, none changed between
+
+    async def templates(self, ids: set[str]) -> Mapping[str, object]: ...
+
+    def prepare(self, claims: list[Claim]) -> None: ...
+
+    def discard(self, claims: list[Claim]) -> None: ...
+
+    async def admit(self, claims: list[Claim], term: Fenced) -> tuple[list[Claim], list[Claim]]: ...
+
+    def ready(self, claims: list[Claim], term: int) -> None: ...
+
+    async def unadmit(self, claims: list[Claim], term: int) -> None: ...
+
+    async def publish(self, claims: list[Claim], term: Fenced, attempt: int) -> None: ...
+
+    async def publish_admitted(
+        self, claims: list[Claim], term: Fenced, unchanged: bool
+    ) -> None: ...
+
+
 class FiringPath:
     """Claim and publish at the due time, for whichever piece of a term's work fires."""
 
@@ -103,7 +129,7 @@ class FiringPath:
         self,
         entries: Mapping[str, Entry],
         ledger: Ledger,
-        publisher: Publisher,
+        publisher: Publishing,
         settings: DispatchSettings,
         clock: Clock,
         metrics: Metrics,

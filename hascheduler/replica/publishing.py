@@ -30,10 +30,9 @@ from hascheduler.core.triggers import iso_utc
 from hascheduler.process import tracing
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import Fenced, OverlapGate
-from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.schedules import ScheduleStore, message_fields
+from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -106,13 +105,12 @@ class Publisher:
         broker: Broker,
         ledger: Ledger,
         mirror: MirroredSchedules,
-        schedules: Collection,
+        store: ScheduleStore,
+        gate: OverlapGate,
+        counts: FireCounts,
         settings: DispatchSettings,
         clock: Clock,
         metrics: Metrics,
-        gate: OverlapGate | None = None,
-        counts: FireCounts | None = None,
-        store: ScheduleStore | None = None,
     ) -> None:
         self.broker = broker
         self.gate = gate
@@ -120,7 +118,6 @@ class Publisher:
         self.store = store
         self.ledger = ledger
         self.mirror = mirror
-        self.schedules = schedules
         self.settings = settings
         self.clock = clock
         self.metrics = metrics
@@ -166,7 +163,7 @@ class Publisher:
                 found[schedule_id] = cached[1]
         missing = list(ids - found.keys())
         if missing:
-            for doc in await message_fields(self.schedules, missing):
+            for doc in await self.store.message_fields(missing):
                 template = EventTemplate.of(doc)
                 found[doc["_id"]] = template
                 self._templates[doc["_id"]] = (doc.get("revision", 0), template)
@@ -230,8 +227,6 @@ class Publisher:
         """Ahead of the claims' due time: (those the overlap gate lets through, to publish
         with ``admitted=True``; those it holds, whose run is still open, to publish through
         it at their due time). It records the others skipped or buffered."""
-        if self.gate is None:
-            return claims, []
         templates = await self.templates({c.schedule_id for c in claims})
         known = [c for c in claims if c.schedule_id in templates]
         through, held = await self.gate.admit_ahead(
@@ -244,8 +239,7 @@ class Publisher:
     async def unadmit(self, claims: list[Claim], term: int) -> None:
         """Admitted claims that will not be published after all: their reserved runs
         are not open."""
-        if self.gate is not None:
-            await self.gate.unreserve(claims, term)
+        await self.gate.unreserve(claims, term)
 
     async def publish(self, claims: list[Claim], term: Fenced, attempt: int) -> None:
         """Publish claimed fires through the overlap gate: a retry, an adopted claim, a
@@ -288,7 +282,7 @@ class Publisher:
             if admitted:
                 await self.unadmit(gone, number)
         sendable = [c for c in claims if c.schedule_id in templates]
-        if self.gate is not None and not admitted:
+        if not admitted:
             sendable = await self.gate.admit(
                 sendable, {sid: t.target for sid, t in templates.items()}, term, released
             )
@@ -426,8 +420,6 @@ class Publisher:
         """The claims that fit their schedule's max_fires (each counted once, runs now
         not counted); the others are skipped, and a schedule whose fires are all used is
         completed."""
-        if self.counts is None:
-            return claims
         keep: list[Claim] = []
         refused: list[Claim] = []
         used_up: dict[str, int] = {}
@@ -447,12 +439,10 @@ class Publisher:
         if refused:
             await self.ledger.skip([c.fire_id for c in refused], term, "max_fires reached")
             self.metrics.fires.labels("skipped").inc(len(refused))
-            if self.gate is not None:
-                await self.gate.unreserve(refused, term)
-        if self.store is not None:
-            for schedule_id, limit in used_up.items():
-                if await self.store.complete(schedule_id, limit, self.clock()):
-                    log.info("schedule_completed", schedule_id=schedule_id, max_fires=limit)
+            await self.gate.unreserve(refused, term)
+        for schedule_id, limit in used_up.items():
+            if await self.store.complete(schedule_id, limit, self.clock()):
+                log.info("schedule_completed", schedule_id=schedule_id, max_fires=limit)
         return keep
 
     async def record_failure(
@@ -469,10 +459,10 @@ class Publisher:
         if attempt >= self.settings.max_attempts and not unavailable:
             await self.ledger.mark_failed(claim.fire_id, term, attempt, repr(error), now)
             self.metrics.fires.labels("failed").inc()
-            if self.gate is not None:  # never published: its reserved run is not open
-                await self.gate.unreserve([claim], term)
-            if self.counts is not None:  # ... nor does it count against max_fires
-                await self.counts.release(claim.schedule_id, claim.fire_id)
+            # Never published: its reserved run is not open, nor does it count against
+            # max_fires.
+            await self.gate.unreserve([claim], term)
+            await self.counts.release(claim.schedule_id, claim.fire_id)
         else:
             cap = (
                 self.settings.unavailable_backoff_cap_s

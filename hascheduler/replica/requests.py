@@ -31,7 +31,7 @@ class Requests:
         self,
         ledger: Ledger,
         publisher: Publisher,
-        store: ScheduleStore | None,
+        store: ScheduleStore,
         firing: FiringPath,
         clock: Clock,
     ) -> None:
@@ -83,7 +83,7 @@ class Requests:
                     term.remove_pending(claims)
 
     async def _resume_ended_pauses(self) -> None:
-        if self.store is None or not self.resumes:
+        if not self.resumes:
             return
         now = self.clock()
         for schedule_id, until in [(s, u) for s, u in self.resumes.items() if u <= now]:

@@ -54,7 +54,7 @@ from hascheduler.core.instants import as_utc
 from hascheduler.process import lifecycle, logs, tracing
 from hascheduler.process.lifecycle import Every
 from hascheduler.process.metrics import LOOP_PROBE_S, Metrics, watch_clock
-from hascheduler.replica.dispatch import Dispatcher
+from hascheduler.replica.dispatch import Dispatcher, LeaderStores
 from hascheduler.replica.leadership import Elector
 from hascheduler.replica.mirror import Mirror
 from hascheduler.replica.publishing import DispatchSettings
@@ -342,18 +342,13 @@ class Replica:
         )
         dispatcher = Dispatcher(
             mirror,
-            db[SCHEDULES],
-            ledger,
+            LeaderStores(ledger, runs, store, counts, Backfills(db[BACKFILLS])),
             broker,
             lease,
             settings.dispatch,
             clock=server_clock.now,
             metrics=metrics,
             sources=sources,
-            runs=runs,
-            store=store,
-            counts=counts,
-            backfills=Backfills(db[BACKFILLS]),
             quota=lambda namespace: access.current.rules_of(namespace).max_fires_per_second,
             services=[WebhookDuty(webhooks)],
         )

@@ -25,10 +25,9 @@ from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.publishing import Publisher
 from hascheduler.replica.term import HeldLease, Term
-from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_records import skipped_range_document
 from hascheduler.storage.fires import Ledger
-from hascheduler.storage.schedules import created_after
+from hascheduler.storage.schedules import ScheduleStore
 
 log = structlog.get_logger("hascheduler.dispatch")
 
@@ -49,7 +48,7 @@ class TakeOver:
         firing: FiringPath,
         ledger: Ledger,
         publisher: Publisher,
-        schedules: Collection,
+        store: ScheduleStore,
         entries: Mapping[str, Entry],
         retry_interval_s: float,
         lease: HeldLease,
@@ -58,7 +57,7 @@ class TakeOver:
         self.firing = firing
         self.ledger = ledger
         self.publisher = publisher
-        self.schedules = schedules
+        self.store = store
         self.entries = entries  # the mirror's
         self.retry_interval_s = retry_interval_s
         # A deposed leader's claims younger than a lease ttl are left to its publish.
@@ -199,7 +198,7 @@ class TakeOver:
         began = time.monotonic()
         try:
             with pymongo.timeout(CREATED_READ_S):
-                created = await created_after(self.schedules, after)
+                created = await self.store.created_after(after)
         except PyMongoError as exc:
             log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
             return {}

@@ -57,37 +57,6 @@ TRACE = "trace"
 _NOT_SCHEDULE = frozenset({"_id", OUTBOX, PENDING, DELETED, TRACE})
 
 
-async def message_fields(schedules: Collection, ids: list[str]) -> list[dict[str, Any]]:
-    """What a fire's message carries of each of these schedules still stored (name,
-    target, payload, run control, the trace of its last write), with its revision."""
-    return [
-        d
-        async for d in schedules.find(
-            {"_id": {"$in": ids}},
-            {
-                "name": 1,
-                "payload": 1,
-                "target": 1,
-                "revision": 1,
-                TRACE: 1,
-                "concurrency": 1,
-                "rate": 1,
-                "priority": 1,
-            },
-        )
-    ]
-
-
-async def created_after(schedules: Collection, after: dt.datetime) -> dict[str, dt.datetime]:
-    """When each schedule created after ``after`` was created: a range of the
-    ``created_at`` index, on dates only (a stored value of another type matches
-    nothing)."""
-    return {
-        doc["_id"]: as_utc(doc["created_at"])
-        async for doc in schedules.find({"created_at": {"$gt": after}}, {"created_at": 1})
-    }
-
-
 def from_document(doc: dict[str, Any]) -> Schedule:
     """A stored document as a Schedule (dates read as UTC whatever the client's tz_aware)."""
     data = as_utc_deep({k: v for k, v in doc.items() if k not in _NOT_SCHEDULE})
@@ -247,6 +216,35 @@ class ScheduleStore:
                 taken = {retried[e["index"]]["_id"] for e in await insert_new(self._coll, retried)}
         self._written()
         return [d["_id"] for d in docs if d["_id"] not in taken], sorted(taken)
+
+    async def message_fields(self, ids: list[str]) -> list[dict[str, Any]]:
+        """What a fire's message carries of each of these schedules still stored (name,
+        target, payload, run control, the trace of its last write), with its revision."""
+        return [
+            d
+            async for d in self._coll.find(
+                {"_id": {"$in": ids}},
+                {
+                    "name": 1,
+                    "payload": 1,
+                    "target": 1,
+                    "revision": 1,
+                    TRACE: 1,
+                    "concurrency": 1,
+                    "rate": 1,
+                    "priority": 1,
+                },
+            )
+        ]
+
+    async def created_after(self, after: dt.datetime) -> dict[str, dt.datetime]:
+        """When each schedule created after ``after`` was created: a range of the
+        ``created_at`` index, on dates only (a stored value of another type matches
+        nothing)."""
+        return {
+            doc["_id"]: as_utc(doc["created_at"])
+            async for doc in self._coll.find({"created_at": {"$gt": after}}, {"created_at": 1})
+        }
 
     async def get(self, schedule_id: str) -> Schedule:
         """Raises ScheduleNotFound."""
