@@ -21,15 +21,15 @@ import aio_pika
 import aiohttp
 import pytest
 
-from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
-from hascheduler.brokers.amqp.publisher import AmqpPublisher, Unroutable
-from hascheduler.brokers.amqp.source import (
+from hascheduler.brokers.amqp.consumer import (
     SETTLE_TURNS,
     Acknowledgements,
-    AmqpSource,
+    AmqpConsumer,
     binding_key,
     delay_bucket_ms,
 )
+from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
+from hascheduler.brokers.amqp.publisher import AmqpPublisher, Unroutable
 from hascheduler.brokers.base import BrokerUnavailable, FireMessage
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_message
@@ -372,14 +372,14 @@ def test_acknowledgements_take_the_run_from_the_oldest_as_one_and_the_rest_alone
 @contextlib.asynccontextmanager
 async def queued(
     rabbit: RabbitServer, prefetch: int, fires: int
-) -> AsyncIterator[tuple[AmqpSource, str]]:
+) -> AsyncIterator[tuple[AmqpConsumer, str]]:
     """A source subscribed with ``prefetch`` on a queue of its own, once ``fires`` fires
     are published to it; the queue's name. Closed (its last acks written) on leaving."""
     prefix = uuid.uuid4().hex[:6]
     target = f"acks.{prefix}"
     url = parse_broker_url(f"{rabbit.url}?exchange=acks-{prefix}")
-    source = url.source(ack_wait_s=30.0)
-    assert isinstance(source, AmqpSource)
+    source = url.consumer(ack_wait_s=30.0)
+    assert isinstance(source, AmqpConsumer)
     durable = f"acks-{prefix}"
     await source.connect(durable)
     try:
@@ -409,7 +409,7 @@ async def queued(
         await source.close()
 
 
-async def fetched(source: AmqpSource, n: int) -> list[Any]:
+async def fetched(source: AmqpConsumer, n: int) -> list[Any]:
     got: list[Any] = []
     async with asyncio.timeout(20):
         while len(got) < n:
@@ -465,7 +465,7 @@ async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_a
     fetch takes all of it once SETTLE_TURNS turns pass with nothing new, not the first
     delivery alone (a claim batch of one, each its own round trip), and a lull that long
     ends the fetch; it never waits past ``up_to``."""
-    source = AmqpSource(AmqpEndpoint("amqp://127.0.0.1:1/"), heartbeat_s=10)
+    source = AmqpConsumer(AmqpEndpoint("amqp://127.0.0.1:1/"), heartbeat_s=10)
     source._channel = SimpleNamespace(is_closed=False)  # type: ignore[assignment]
     arrived: Any = source._arrived
 

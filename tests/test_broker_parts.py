@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from hascheduler.brokers.amqp.reader import bind_audit_queue
-from hascheduler.brokers.base import SUBJECT_PREFIX, FireMessage, FireSource
+from hascheduler.brokers.base import SUBJECT_PREFIX, FireConsumer, FireMessage
 from hascheduler.brokers.registry import KINDS, BrokerUrl, consumable_url, parse_broker_url
 from tests.servers import start_nats
 
@@ -66,7 +66,7 @@ def test_a_worker_needs_a_kind_it_can_consume_from(url: str | None, message: str
     with pytest.raises(ValueError, match=message):
         consumable_url(url)
     with pytest.raises(ValueError, match="nothing for a worker"):
-        parse_broker_url("log:").source(30.0)
+        parse_broker_url("log:").consumer(30.0)
     with pytest.raises(ValueError, match="keeps no fires"):
         parse_broker_url("log:").reader()
 
@@ -117,10 +117,10 @@ async def test_the_reader_gives_back_every_fire_and_leaves_them(
 @contextlib.asynccontextmanager
 async def subscribed(
     url: BrokerUrl, target: str, ack_wait_s: float, in_flight: int, fires: int
-) -> AsyncIterator[FireSource]:
+) -> AsyncIterator[FireConsumer]:
     """A source of a consumer of its own on ``target``, once ``fires`` fires are
     published to it."""
-    source = url.source(ack_wait_s=ack_wait_s)
+    source = url.consumer(ack_wait_s=ack_wait_s)
     await source.connect("contract")
     try:
         await source.subscribe(f"parts-{uuid.uuid4().hex[:8]}", [target], ack_wait_s, in_flight)

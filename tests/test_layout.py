@@ -254,7 +254,7 @@ def test_a_nats_replica_or_worker_loads_no_amqp_client() -> None:
 import hascheduler.replica.service, hascheduler.worker.runtime
 from hascheduler.brokers.registry import parse_broker_url
 url = parse_broker_url("nats://127.0.0.1:4222")
-url.publisher(), url.source(30.0), url.reader(), url.kind.errors()
+url.publisher(), url.consumer(30.0), url.reader(), url.kind.errors()
 """
     assert loaded_by(("serve", "worker"), {"aio_pika", "aiormq", "pamqp"}, nats_parts) == []
     amqp_parts = nats_parts.replace("nats://127.0.0.1:4222", "amqp://127.0.0.1:5672/")

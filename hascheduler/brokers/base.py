@@ -1,5 +1,5 @@
 """The contracts every broker keeps, declared once: what the leader publishes through
-(Broker), what a worker consumes from (FireSource, Delivered), what an audit reads back
+(Broker), what a worker consumes from (FireConsumer, Delivered), what an audit reads back
 (FireReader), and the kind that ties one broker's three parts to its URL (BrokerKind).
 
 tests/test_broker_contract.py runs these rules over every kind in the registry.
@@ -23,9 +23,9 @@ __all__ = [
     "BrokerKind",
     "BrokerUnavailable",
     "Delivered",
+    "FireConsumer",
     "FireMessage",
     "FireReader",
-    "FireSource",
     "StoredFire",
 ]
 
@@ -80,7 +80,7 @@ _Item = TypeVar("_Item")
 
 
 class Arrivals(Generic[_Item]):
-    """What a broker's callback handed over, waiting for a source's fetch (a fetch takes
+    """What a broker's callback handed over, waiting for a consumer's fetch (a fetch takes
     what is there, or waits for the first to come)."""
 
     def __init__(self) -> None:
@@ -109,7 +109,7 @@ class Arrivals(Generic[_Item]):
         return [self._items.popleft() for _ in range(min(up_to, len(self._items)))]
 
 
-class FireSource(Protocol):
+class FireConsumer(Protocol):
     """Where a worker's fires come from (the worker's side).
 
     Rules: a fire is delivered again until it is acknowledged or terminated, after
@@ -158,7 +158,7 @@ class BrokerKind(Generic[E]):
     parse: Callable[[str], E]  # raises ValueError naming what is wrong
     publisher: Callable[[E], Broker]
     # (endpoint, ack wait in seconds): a worker's consumer
-    source: Callable[[E, float], FireSource] | None = None
+    consumer: Callable[[E, float], FireConsumer] | None = None
     # every fire the broker holds, left in place
     reader: Callable[[E], FireReader] | None = None
     # what the broker's client raises when the broker is away: a consumer's

@@ -7,7 +7,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from hascheduler.brokers import amqp, log, nats
-from hascheduler.brokers.base import Broker, BrokerKind, FireReader, FireSource
+from hascheduler.brokers.base import Broker, BrokerKind, FireConsumer, FireReader
 
 KINDS: tuple[BrokerKind[Any], ...] = (log.KIND, nats.KIND, amqp.KIND)
 
@@ -27,11 +27,11 @@ class BrokerUrl:
     def publisher(self) -> Broker:
         return self.kind.publisher(self.endpoint)
 
-    def source(self, ack_wait_s: float) -> FireSource:
+    def consumer(self, ack_wait_s: float) -> FireConsumer:
         """A worker's consumer. Raises ValueError if this kind has none."""
-        if self.kind.source is None:
+        if self.kind.consumer is None:
             raise ValueError(f"{self.kind.name} has nothing for a worker to consume")
-        return self.kind.source(self.endpoint, ack_wait_s)
+        return self.kind.consumer(self.endpoint, ack_wait_s)
 
     def reader(self) -> FireReader:
         """Every fire the broker keeps, for an audit. Raises ValueError if this kind keeps
@@ -56,12 +56,12 @@ def parse_broker_url(text: str) -> BrokerUrl:
 
 def consumable_url(text: str | None) -> BrokerUrl:
     """A broker URL a worker can consume from. Raises ValueError saying which kinds do."""
-    consumable = [kind for kind in KINDS if kind.source is not None]
+    consumable = [kind for kind in KINDS if kind.consumer is not None]
     kinds = " or ".join(f"{kind.example.split(':')[0]}://" for kind in consumable)
     if not text:
         raise ValueError(f"a {kinds} URL is required")
     url = parse_broker_url(text)
-    if url.kind.source is None:
+    if url.kind.consumer is None:
         raise ValueError(
             f"must be a {kinds} URL: {url.kind.name} has nothing for a worker to consume"
         )

@@ -57,20 +57,20 @@ class AuditLog:
     def __init__(
         self,
         records: Collection,
-        sources: list[Collection],
+        outboxes: list[Collection],
         retention_days: float = DEFAULT_RETENTION_DAYS,
     ) -> None:
         self.records = records
-        self.sources = sources
+        self.outboxes = outboxes  # the collections whose writes carry their records
         self.retention_s = retention_days * 86400
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
 
     async def ensure_indexes(self) -> None:
-        for source in self.sources:
+        for outbox in self.outboxes:
             # Partial: only the few documents with a record still to copy are in it.
-            await source.create_index(
+            await outbox.create_index(
                 [(PENDING, 1)], name="audit_pending", partialFilterExpression={PENDING: True}
             )
         await self.records.create_index(
@@ -87,14 +87,14 @@ class AuditLog:
         """Copy every pending record into the trail; how many were copied."""
         async with self._lock:
             copied = 0
-            for source in self.sources:
-                copied += await self._relay(source)
+            for outbox in self.outboxes:
+                copied += await self._relay(outbox)
             return copied
 
-    async def _relay(self, source: Collection) -> int:
+    async def _relay(self, outbox: Collection) -> int:
         docs = [
             d
-            async for d in source.find({PENDING: True}, {OUTBOX: 1, DELETED: 1}).limit(RELAY_BATCH)
+            async for d in outbox.find({PENDING: True}, {OUTBOX: 1, DELETED: 1}).limit(RELAY_BATCH)
         ]
         records = [r for d in docs for r in d.get(OUTBOX) or ()]
         if records:
@@ -104,16 +104,16 @@ class AuditLog:
             if doc.get(DELETED):
                 # A tombstone goes once its records are copied; a newer change (none can
                 # follow a delete but another delete's retry) waits for the next pass.
-                await source.delete_one(
+                await outbox.delete_one(
                     {"_id": doc["_id"], f"{OUTBOX}._id": {"$all": ids}, OUTBOX: {"$size": len(ids)}}
                 )
                 continue
-            cleared = await source.update_one(
+            cleared = await outbox.update_one(
                 {"_id": doc["_id"], OUTBOX: {"$size": len(ids)}},
                 {"$unset": {OUTBOX: "", PENDING: ""}},
             )
             if cleared.modified_count == 0:  # more were pushed since: remove what was copied
-                await source.update_one(
+                await outbox.update_one(
                     {"_id": doc["_id"]}, {"$pull": {OUTBOX: {"_id": {"$in": ids}}}}
                 )
         return len(records)

@@ -33,7 +33,7 @@ DELIVERED = "delivered"
 FAILED = "failed"
 ATTEMPTS_KEPT = 20
 RETENTION_S = 7 * 86_400.0
-CURSORS = "_cursors"  # a document in the deliveries collection per event source
+CURSORS = "_cursors"  # a document in the deliveries collection per kind of event read
 
 
 class WebhookExists(Exception):
@@ -167,15 +167,15 @@ class Deliveries:
     async def forget(self, webhook_id: str) -> None:
         await self.deliveries.delete_many({"webhook_id": webhook_id})
 
-    async def cursor(self, source: str, default: dt.datetime) -> dt.datetime:
-        """How far an event source was read (``default`` the first time)."""
-        doc = await self.deliveries.find_one({"_id": f"{CURSORS}:{source}"})
+    async def cursor(self, kind: str, default: dt.datetime) -> dt.datetime:
+        """How far the events of ``kind`` were read (``default`` the first time)."""
+        doc = await self.deliveries.find_one({"_id": f"{CURSORS}:{kind}"})
         if doc is None:
             return default
         at: dt.datetime = doc["at"]
         return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
 
-    async def advance(self, source: str, at: dt.datetime) -> None:
+    async def advance(self, kind: str, at: dt.datetime) -> None:
         await self.deliveries.update_one(
-            {"_id": f"{CURSORS}:{source}"}, {"$set": {"at": at}}, upsert=True
+            {"_id": f"{CURSORS}:{kind}"}, {"$set": {"at": at}}, upsert=True
         )

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import structlog
 from pymongo.errors import PyMongoError
 
-from hascheduler.brokers.base import Delivered, FireSource
+from hascheduler.brokers.base import Delivered, FireConsumer
 from hascheduler.core.clock import Clock
 from hascheduler.core.flow import Paced, Wanted
 from hascheduler.core.run_states import CANCELLED, DEAD, PARKED, RUNNING, SUCCEEDED, WAITING
@@ -353,11 +353,11 @@ class Fetcher:
             self.ahead.finished()
         self.room.set()
 
-    async def consume(self, source: FireSource, stop: asyncio.Event) -> None:
+    async def consume(self, consumer: FireConsumer, stop: asyncio.Event) -> None:
         """Subscribe (creating the queues or the durable consumer if they are gone) and
         claim runs until ``stop``."""
         s = self.settings
-        await source.subscribe(s.durable, s.app.patterns, s.ack_wait_s, self.prefetch)
+        await consumer.subscribe(s.durable, s.app.patterns, s.ack_wait_s, self.prefetch)
         log.info("worker_subscribed", durable=s.durable)
         if not self.announced:
             # Once subscribed: on RabbitMQ a fire published before the queue is bound has
@@ -369,7 +369,7 @@ class Fetcher:
             self.announced = True
         while not stop.is_set():
             bound = self.settings.concurrency + self.ahead.current()
-            if source.pushes:  # past the prefetch, a fetch takes each delivery alone
+            if consumer.pushes:  # past the prefetch, a fetch takes each delivery alone
                 bound = min(bound, self.prefetch)
             free = bound - self.runners.holding() - self.claiming
             if free < max(1, s.concurrency):
@@ -380,7 +380,7 @@ class Fetcher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.room.wait(), FETCH_WAIT_S)
                 continue
-            messages = await source.fetch(free, FETCH_WAIT_S)
+            messages = await consumer.fetch(free, FETCH_WAIT_S)
             if not messages:
                 log.debug("fetch_idle")
                 continue

@@ -1,4 +1,4 @@
-"""``hascheduler worker``: a durable consumer (JetStream or RabbitMQ, a FireSource) that
+"""``hascheduler worker``: a durable consumer (JetStream or RabbitMQ, a FireConsumer) that
 runs each fire to an outcome.
 
 A fetch loop claims the runs of a whole fetch in one write (worker/claiming.py: fetching
@@ -31,7 +31,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from hascheduler.brokers.base import FireSource
+from hascheduler.brokers.base import FireConsumer
 from hascheduler.core.clock import Clock
 from hascheduler.core.flow import rank
 from hascheduler.core.run_states import (
@@ -110,10 +110,10 @@ class Worker:
         in reverse: the runners, the cancel watch, the heartbeat, the recorder (which
         writes the outcomes it holds first), the broker connection."""
         s = self.settings
-        source = self.source()
+        consumer = self.consumer()
         async with contextlib.AsyncExitStack() as stack:
-            await source.connect(s.durable)
-            stack.push_async_callback(lifecycle.bounded, "broker connection", source.close)
+            await consumer.connect(s.durable)
+            stack.push_async_callback(lifecycle.bounded, "broker connection", consumer.close)
             lifecycle.start(stack, "runs recorder", self.recorder, patient=True)
             lifecycle.start(stack, "run heartbeat", Every(s.ack_wait_s / 3, self._heartbeat))
             lifecycle.start(stack, "cancel watch", Every(CANCEL_POLL_S, self._watch_cancels))
@@ -140,11 +140,11 @@ class Worker:
                 reraise=True,
             ):
                 with attempt:
-                    await self.fetcher.consume(source, stop)
+                    await self.fetcher.consume(consumer, stop)
             await self._drain(runners)
 
-    def source(self) -> FireSource:
-        return self.settings.broker.source(self.settings.ack_wait_s)
+    def consumer(self) -> FireConsumer:
+        return self.settings.broker.consumer(self.settings.ack_wait_s)
 
     def _release(self, held: Held) -> None:
         finished = self.held.get(held.delivery.fire.fire_id) is held

@@ -9,7 +9,7 @@ uses)."""
 from __future__ import annotations
 
 from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
-from hascheduler.brokers.base import Broker, BrokerKind, FireReader, FireSource
+from hascheduler.brokers.base import Broker, BrokerKind, FireConsumer, FireReader
 
 
 def _publisher(endpoint: AmqpEndpoint) -> Broker:
@@ -18,12 +18,12 @@ def _publisher(endpoint: AmqpEndpoint) -> Broker:
     return AmqpPublisher(endpoint)
 
 
-def _source(endpoint: AmqpEndpoint, ack_wait_s: float) -> FireSource:
-    from hascheduler.brokers.amqp.source import AmqpSource
+def _consumer(endpoint: AmqpEndpoint, ack_wait_s: float) -> FireConsumer:
+    from hascheduler.brokers.amqp.consumer import AmqpConsumer
 
     # Missed heartbeats close the connection and requeue what it held: a stalled worker's
     # fires go to another within about the ack wait.
-    return AmqpSource(endpoint, heartbeat_s=max(1, round(ack_wait_s / 3)))
+    return AmqpConsumer(endpoint, heartbeat_s=max(1, round(ack_wait_s / 3)))
 
 
 def _reader(endpoint: AmqpEndpoint) -> FireReader:
@@ -49,7 +49,7 @@ KIND = BrokerKind(
     example="amqp://user:password@host:port/vhost",
     parse=AmqpEndpoint.parse,
     publisher=_publisher,
-    source=_source,
+    consumer=_consumer,
     reader=_reader,
     errors=_errors,
 )

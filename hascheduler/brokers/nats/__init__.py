@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import nats.errors
 
-from hascheduler.brokers.base import BrokerKind, FireReader, FireSource
+from hascheduler.brokers.base import BrokerKind, FireConsumer, FireReader
+from hascheduler.brokers.nats.consumer import NatsConsumer
 from hascheduler.brokers.nats.publisher import NatsEndpoint, NatsPublisher
 from hascheduler.brokers.nats.reader import read_stream
-from hascheduler.brokers.nats.source import NatsSource
 
 
-def _source(endpoint: NatsEndpoint, ack_wait_s: float) -> FireSource:
-    return NatsSource(endpoint)
+def _consumer(endpoint: NatsEndpoint, ack_wait_s: float) -> FireConsumer:
+    return NatsConsumer(endpoint)
 
 
 def _reader(endpoint: NatsEndpoint) -> FireReader:
@@ -29,7 +29,7 @@ KIND = BrokerKind(
     example="nats://host:port",
     parse=NatsEndpoint.parse,
     publisher=NatsPublisher,
-    source=_source,
+    consumer=_consumer,
     reader=_reader,
     errors=_errors,
 )

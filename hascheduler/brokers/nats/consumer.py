@@ -39,7 +39,7 @@ async def _reconnected() -> None:
     log.info("broker_reconnected")
 
 
-class NatsSource:
+class NatsConsumer:
     pushes = False  # a pull consumer's fetch asks for a batch
 
     def __init__(self, endpoint: NatsEndpoint) -> None:

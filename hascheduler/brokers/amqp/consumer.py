@@ -151,12 +151,12 @@ class Consumer:
 class AmqpDelivery:
     """A RabbitMQ delivery seen as the runtime sees every broker's (runtime.Delivered)."""
 
-    __slots__ = ("consumer", "data", "message", "source", "subject", "tag", "target")
+    __slots__ = ("consumer", "data", "message", "owner", "subject", "tag", "target")
 
-    def __init__(self, message: DeliveredMessage, consumer: Consumer, source: AmqpSource) -> None:
+    def __init__(self, message: DeliveredMessage, consumer: Consumer, owner: AmqpConsumer) -> None:
         self.message = message
         self.consumer = consumer
-        self.source = source
+        self.owner = owner
         headers = message.header.properties.headers or {}
         target = headers.get(TARGET_HEADER) or message.routing_key or ""
         self.target = str(target)
@@ -171,7 +171,7 @@ class AmqpDelivery:
         if not delay or delay <= 0:
             await self.consumer.nack(self.tag)
             return
-        await self.source.delay(self, delay)
+        await self.owner.delay(self, delay)
         self.consumer.ack(self.tag)
 
     async def term(self) -> None:
@@ -181,7 +181,7 @@ class AmqpDelivery:
         return None
 
 
-class AmqpSource:
+class AmqpConsumer:
     pushes = True  # up to the consumer's prefetch
 
     def __init__(self, endpoint: AmqpEndpoint, heartbeat_s: int) -> None:

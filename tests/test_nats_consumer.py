@@ -9,8 +9,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+from hascheduler.brokers.nats.consumer import NatsConsumer
 from hascheduler.brokers.nats.publisher import NatsEndpoint
-from hascheduler.brokers.nats.source import NatsSource
 
 
 class Connection:
@@ -38,8 +38,8 @@ def status(code: str) -> Any:
     )
 
 
-def a_source() -> tuple[NatsSource, Connection]:
-    source = NatsSource(NatsEndpoint.parse("nats://127.0.0.1:4222"))
+def a_source() -> tuple[NatsConsumer, Connection]:
+    source = NatsConsumer(NatsEndpoint.parse("nats://127.0.0.1:4222"))
     nc = source._nc = Connection()
     source._next, source._inbox = "$JS.API.CONSUMER.MSG.NEXT.HASCHEDULER.d", "_INBOX.x"
     return source, nc
