@@ -1,6 +1,7 @@
 """The contracts every broker keeps, declared once: what the leader publishes through
-(Broker), what a worker consumes from (FireConsumer, Delivered), what an audit reads back
-(FireReader), and the kind that ties one broker's three parts to its URL (BrokerKind).
+(Broker, and StagingBroker for a broker that frames fires ahead), what a worker consumes
+from (FireConsumer, Delivered), what an audit reads back (FireReader), and the kind that
+ties one broker's three parts to its URL (BrokerKind).
 
 tests/test_broker_contract.py runs these rules over every kind in the registry.
 """
@@ -13,9 +14,9 @@ import contextlib
 import datetime as dt
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from hascheduler.core.events import FireMessage
+from hascheduler.core.events import FireMessage, PreparedEvent
 
 __all__ = [
     "SUBJECT_PREFIX",
@@ -26,6 +27,7 @@ __all__ = [
     "FireConsumer",
     "FireMessage",
     "FireReader",
+    "StagingBroker",
     "StoredFire",
 ]
 
@@ -59,6 +61,20 @@ class Broker(Protocol):
     ) -> list[BaseException | None]: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StagingBroker(Protocol):
+    """A broker that frames a fire ahead of its due time (NATS): ``stage`` when the fire
+    is rendered ahead, ``publish_staged`` at its publish, which joins in the instant it is
+    fired at (``fired_field``). ``stage`` answers None for a fire it cannot frame; that
+    fire goes through ``publish``, which refuses it as it says."""
+
+    def stage(self, event: PreparedEvent) -> Any: ...
+
+    async def publish_staged(
+        self, staged: Sequence[Any], fired: bytes, timeout_s: float
+    ) -> list[BaseException | None]: ...
 
 
 class Delivered(Protocol):

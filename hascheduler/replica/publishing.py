@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import datetime as dt
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 from pymongo.errors import PyMongoError
 
-from hascheduler.brokers.base import Broker, BrokerUnavailable
+from hascheduler.brokers.base import Broker, BrokerUnavailable, StagingBroker
 from hascheduler.core.claims import Claim
 from hascheduler.core.clock import Clock
 from hascheduler.core.constants import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FAN_OUT
@@ -57,20 +57,6 @@ class DispatchSettings:
     max_in_flight_batches: int = 16
     max_fan_out: int = DEFAULT_MAX_FAN_OUT  # tenants one fan-out fire may select
     max_buffered: int = DEFAULT_MAX_BUFFERED  # fires one run key may hold waiting
-
-
-@runtime_checkable
-class StagingBroker(Protocol):
-    """A broker that frames a fire ahead of its due time (NATS): ``stage`` when the fire
-    is rendered ahead, ``publish_staged`` at its publish, which joins in the instant it is
-    fired at (``fired_field``). ``stage`` answers None for a fire it cannot frame; that
-    fire goes through ``publish``, which refuses it as it says."""
-
-    def stage(self, event: PreparedEvent) -> Any: ...
-
-    async def publish_staged(
-        self, staged: Sequence[Any], fired: bytes, timeout_s: float
-    ) -> list[BaseException | None]: ...
 
 
 class MirroredSchedules(Protocol):
