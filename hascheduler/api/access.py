@@ -35,7 +35,9 @@ from typing import Any
 
 import structlog
 
+from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.errors import ConfigError
+from hascheduler.core.fanout import COLLECTION as FAN_OUT_COLLECTION
 from hascheduler.core.fields import NAMESPACE
 
 log = structlog.get_logger("hascheduler.access")
@@ -105,9 +107,17 @@ class NamespaceRules:
     max_schedules: int | None = None
     max_fires_per_second: float | None = None  # beyond: deferred to a slot (core/quota.py)
     max_fan_out: int | None = None  # tenants one fan-out may select, under --max-fan-out
+    # The collections its fan-outs may read; None: any but hascheduler's own (no access
+    # file: one team).
+    fan_out_sources: frozenset[str] | None = None
 
 
-_RULES = frozenset({"require_reason", "max_schedules", "max_fires_per_second", "max_fan_out"})
+# A namespace an access file does not list: no source granted.
+UNLISTED = NamespaceRules(fan_out_sources=frozenset())
+
+_RULES = frozenset(
+    {"require_reason", "max_schedules", "max_fires_per_second", "max_fan_out", "fan_out_sources"}
+)
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,7 @@ class Access:
     legacy: Mapping[bytes, Grant] = field(default_factory=dict)
     jwt_keys: JwtKeys | None = None
     rules: Mapping[str, NamespaceRules] = field(default_factory=dict)
+    from_file: bool = False  # an access file's: its namespaces are granted what it lists
 
     @property
     def enabled(self) -> bool:
@@ -235,7 +246,7 @@ class Access:
         }
 
     def rules_of(self, namespace: str) -> NamespaceRules:
-        return self.rules.get(namespace, NamespaceRules())
+        return self.rules.get(namespace, UNLISTED if self.from_file else NamespaceRules())
 
     def grant_of(self, token: str) -> Grant | None:
         """The grant ``token`` carries, or None. One dictionary lookup and one
@@ -257,7 +268,7 @@ class Access:
         if path is None:
             return self
         named, rules = read_access_file(path)
-        return Access(named, self.legacy, self.jwt_keys, rules)
+        return Access(named, self.legacy, self.jwt_keys, rules, from_file=True)
 
 
 def _split(text: str) -> list[str]:
@@ -343,7 +354,7 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
       - {name: billing-ci, id: 0123456789abcdef, salt: <hex>, hash: <hex>,
          actions: [read, trigger], namespaces: [billing]}
     namespaces:
-      billing: {require_reason: true, max_schedules: 500}
+      billing: {require_reason: true, max_schedules: 500, fan_out_sources: [customers]}
     """
     import yaml  # only a replica given an access file reads YAML: not at every start
 
@@ -422,8 +433,24 @@ def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, Namespace
             entry.get("max_schedules"),
             None if rate is None else float(rate),
             entry.get("max_fan_out"),
+            _fan_out_sources(entry.get("fan_out_sources") or [], where),
         )
     return named, rules
+
+
+def _fan_out_sources(value: object, where: str) -> frozenset[str]:
+    """A namespace's ``fan_out_sources``: collections of the schedules' database, never
+    one of hascheduler's own."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AccessConfigError(f"{where}: fan_out_sources is a list of collection names")
+    for name in value:
+        if not FAN_OUT_COLLECTION.fullmatch(name) or name.startswith("system."):
+            raise AccessConfigError(f"{where}: fan_out_sources: {name!r} is not a collection name")
+        if name in OWN_COLLECTIONS:
+            raise AccessConfigError(
+                f"{where}: fan_out_sources: {name!r} is one of hascheduler's own collections"
+            )
+    return frozenset(value)
 
 
 @dataclass(frozen=True)

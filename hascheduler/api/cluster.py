@@ -72,8 +72,8 @@ async def readyz(request: web.Request) -> web.Response:
     status = context(request).mirror.status()
     status["replica_id"] = context(request).replica_id
     sources = context(request).sources
-    if sources is not None:  # each fan-out source's mirror: equal digests, equal copies
-        status["sources"] = sources.digests()
+    if sources is not None:  # the fan-out sources' mirrors: equal digests, equal copies
+        status["sources"] = sources.summary()
         status["sources_ready"] = sources.ready
     server_clock = context(request).server_clock
     if server_clock is not None:  # a replica that may not lead says why (invariant 12)

@@ -69,13 +69,26 @@ def _schedule_response(
 
 
 async def _check_fan_out(request: web.Request, fields: models.ScheduleFields) -> None:
-    """A fan-out selecting more tenants than the cluster's bound is refused when written
-    (422 on fan_out); counting stops one past the bound, so the check costs what it may."""
+    """A fan-out over a collection its namespace is not granted (the access file's
+    ``fan_out_sources``) is refused when written (422 on fan_out.collection), and one
+    selecting more tenants than the bound (422 on fan_out); counting stops one past the
+    bound, so the check costs what it may."""
+    if fields.fan_out is None:
+        return
+    rules = context(request).access.current.rules_of(fields.namespace)
+    collection = fields.fan_out.collection
+    if rules.fan_out_sources is not None and collection not in rules.fan_out_sources:
+        raise BadRequest(
+            422,
+            "fan_out.collection",
+            f"namespace {fields.namespace!r} may not read {collection!r} as a fan-out "
+            "source: the access file's namespaces entry grants sources (fan_out_sources)",
+        )
     bounded = context(request).fan_out
-    if fields.fan_out is None or bounded is None:
+    if bounded is None:
         return
     limit, tenants = bounded
-    quota = context(request).access.current.rules_of(fields.namespace).max_fan_out
+    quota = rules.max_fan_out
     bound = (
         "the cluster's bound is serve --max-fan-out"
         if quota is None or quota >= limit

@@ -17,6 +17,26 @@ AUDIT = "audit"  # the audit trail (storage/audit_log.py)
 MEMBERS = "members"
 WEBHOOKS = "webhooks"  # their configuration (storage/webhooks.py)
 DELIVERIES = "webhook_deliveries"  # each event to each webhook, with its attempts
+LEASE_HISTORY_MARKS = "lease_history_marks"  # storage/lease_history.py
+# Every collection hascheduler writes: none of them may be read as a fan-out source (its
+# tenants' keys would show one team another's data: a webhook's secret, an audit record).
+OWN_COLLECTIONS = frozenset(
+    {
+        SCHEDULES,
+        LEASES,
+        FIRES,
+        RUNS,
+        SLOTS,
+        RATES,
+        FIRE_COUNTS,
+        BACKFILLS,
+        AUDIT,
+        MEMBERS,
+        WEBHOOKS,
+        DELIVERIES,
+        LEASE_HISTORY_MARKS,
+    }
+)
 LEASE_NAME = "scheduler"  # one lease document: one leader for the whole cluster
 DEFAULT_DATABASE = "hascheduler"  # used when the URI names no database
 

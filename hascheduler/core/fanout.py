@@ -22,7 +22,7 @@ from typing import Any
 from bson import ObjectId
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hascheduler.core.constants import FIRES, LEASES, MEMBERS, RUNS, SCHEDULES
+from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.triggers import fire_id
 
 # MongoDB's own rules for a collection name, plus ours: never one of the cluster's own
@@ -30,7 +30,6 @@ from hascheduler.core.triggers import fire_id
 COLLECTION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,119}")
 # A field path: dot-separated names, none starting with $ (an operator) or empty.
 FIELD_PATH = re.compile(r"[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){0,7}")
-OWN_COLLECTIONS = frozenset({SCHEDULES, LEASES, FIRES, RUNS, MEMBERS})
 MAX_CONDITIONS = 16
 MAX_IN_VALUES = 1000
 MAX_SCALAR_CHARS = 256

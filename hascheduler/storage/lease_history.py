@@ -17,14 +17,14 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from hascheduler.core.constants import FIRES, LEASE_NAME, LEASES
+from hascheduler.core.constants import FIRES, LEASE_HISTORY_MARKS, LEASE_NAME, LEASES
 from hascheduler.core.instants import as_utc
 from hascheduler.core.lease_history import Act, HistoryReport, TermRecord, check
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.streams import open_change_stream
 
 # Where ``settle`` writes the marks it waits to see come back on the stream.
-MARKS = "lease_history_marks"
+MARKS = LEASE_HISTORY_MARKS
 
 
 class LeaseHistory:

@@ -1,0 +1,170 @@
+"""Where features meet, one team's token reaches nothing of another's: fan-out sources
+granted by namespace, never hascheduler's own collections (against a replica with an
+access file of two teams)."""
+
+from __future__ import annotations
+
+import ast
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import ValidationError
+from pymongo import MongoClient
+
+from hascheduler.api.access import (
+    AccessConfigError,
+    Action,
+    create_token,
+    entry_line,
+    read_access_file,
+)
+from hascheduler.core import constants
+from hascheduler.core.constants import OWN_COLLECTIONS
+from hascheduler.core.fanout import FanOut
+from tests.servers import start_replica, with_database
+from tests.waiting import wait_until_sync
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hascheduler"
+TEAM_A, TEAM_B = "team-a", "team-b"
+
+
+@dataclass
+class Teams:
+    url: str
+    admin: dict[str, str]  # namespace -> its admin token's secret
+    reader: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def teams(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Teams]:
+    """A replica whose access file grants team-a the fan-out source ``customers`` and
+    team-b none; an admin and a reader token in each."""
+    tokens = {
+        (action, ns): create_token(f"{action.value}-{ns}", frozenset({action}), frozenset({ns}))
+        for action in (Action.ADMIN, Action.READ)
+        for ns in (TEAM_A, TEAM_B)
+    }
+    path = tmp_path_factory.mktemp("isolation") / "access.yaml"
+    path.write_text(
+        "tokens:\n"
+        + "".join(entry_line(t.entry) + "\n" for t in tokens.values())
+        + f"namespaces:\n  {TEAM_A}: {{fan_out_sources: [customers]}}\n  {TEAM_B}: {{}}\n"
+    )
+    db_name = f"isolation_{uuid.uuid4().hex[:8]}"
+    with MongoClient(mongo_uri) as client:
+        client[db_name].customers.insert_many([{"_id": f"c{i}", "plan": "pro"} for i in range(3)])
+    replica = start_replica(
+        with_database(mongo_uri, db_name),
+        "isolation",
+        "--write-rate",
+        "0",
+        "--access-file",
+        str(path),
+    )
+    try:
+        yield Teams(
+            replica.uri,
+            {ns: tokens[Action.ADMIN, ns].secret for ns in (TEAM_A, TEAM_B)},
+            {ns: tokens[Action.READ, ns].secret for ns in (TEAM_A, TEAM_B)},
+        )
+    finally:
+        replica.stop(signal.SIGKILL)
+        with MongoClient(mongo_uri) as client:
+            client.drop_database(db_name)
+
+
+def _fan_out_schedule(namespace: str, collection: str, **fan_out: Any) -> dict[str, Any]:
+    return {
+        "id": f"fan-{uuid.uuid4().hex[:8]}",
+        "name": "fan",
+        "target": "isolation.job",
+        "namespace": namespace,
+        "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"},
+        "fan_out": {"collection": collection, **fan_out},
+    }
+
+
+def _refused_field(answer: httpx.Response) -> str:
+    assert answer.status_code == 422, answer.text
+    return str(answer.json()["errors"][0]["field"])
+
+
+@pytest.mark.parametrize("collection", sorted(OWN_COLLECTIONS))
+def test_no_collection_hascheduler_writes_is_a_fan_out_source(collection: str) -> None:
+    with pytest.raises(ValidationError, match="hascheduler's own collections"):
+        FanOut.model_validate({"collection": collection})
+
+
+def test_every_collection_the_product_writes_is_named_one_of_its_own() -> None:
+    """Each ``db[NAME]`` in the package names a constant of OWN_COLLECTIONS: a collection
+    added without it could be read back through a fan-out."""
+    written: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):
+                owner = node.value
+                if isinstance(owner, ast.Name | ast.Attribute) and (
+                    (owner.id if isinstance(owner, ast.Name) else owner.attr)
+                    in ("db", "database", "_db")
+                ):
+                    written.add(node.slice.id)
+    assert written, "no collection found: the scan is broken"
+    names = {name: getattr(constants, name, None) for name in written}
+    names["MARKS"] = constants.LEASE_HISTORY_MARKS  # storage/lease_history.py's alias
+    assert {name for name, value in names.items() if value not in OWN_COLLECTIONS} == set()
+
+
+def test_an_access_file_grants_fan_out_sources_by_namespace(tmp_path: Path) -> None:
+    path = tmp_path / "access.yaml"
+    path.write_text("namespaces:\n  a: {fan_out_sources: [customers, accounts]}\n  b: {}\n")
+    _, rules = read_access_file(str(path))
+    assert rules["a"].fan_out_sources == {"customers", "accounts"}
+    assert rules["b"].fan_out_sources == frozenset()
+    for bad, said in (
+        ("[webhooks]", "own collections"),
+        ("customers", "a list"),
+        ("['a b']", "not a collection name"),
+    ):
+        path.write_text(f"namespaces:\n  a: {{fan_out_sources: {bad}}}\n")
+        with pytest.raises(AccessConfigError, match=said):
+            read_access_file(str(path))
+
+
+def test_a_fan_out_reads_only_what_its_namespace_is_granted(teams: Teams) -> None:
+    """team-a may fan out over ``customers``; never over a collection of hascheduler's
+    (another team's webhook secrets, its audit records), nor one it is not granted;
+    team-b, granted none, over nothing. A change into a source not granted is refused
+    too, and the open /readyz names no source."""
+    with httpx.Client(base_url=teams.url) as http:
+        a = {"Authorization": f"Bearer {teams.admin[TEAM_A]}"}
+        b = {"Authorization": f"Bearer {teams.admin[TEAM_B]}"}
+        made = http.post("/schedules", json=_fan_out_schedule(TEAM_A, "customers"), headers=a)
+        assert made.status_code == 201, made.text
+        for collection in ("webhooks", "audit", "webhook_deliveries", "runs"):
+            stolen = _fan_out_schedule(
+                TEAM_A, collection, filter={"namespace": TEAM_B}, key="secret"
+            )
+            assert _refused_field(http.post("/schedules", json=stolen, headers=a)).startswith(
+                "fan_out"
+            )
+        for namespace, headers in ((TEAM_A, a), (TEAM_B, b)):
+            ungranted = _fan_out_schedule(
+                namespace, "accounts" if namespace == TEAM_A else "customers"
+            )
+            answer = http.post("/schedules", json=ungranted, headers=headers)
+            assert _refused_field(answer) == "fan_out.collection"
+            assert namespace in answer.text
+        moved = http.patch(
+            f"/schedules/{made.json()['id']}",
+            json={"fan_out": {"collection": "accounts"}},
+            headers=a,
+        )
+        assert _refused_field(moved) == "fan_out.collection"
+        wait_until_sync(lambda: http.get("/readyz").status_code == 200, 30, "the replica ready")
+        assert "customers" not in http.get("/readyz").text
