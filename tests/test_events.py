@@ -26,6 +26,7 @@ JSON = st.recursive(
     term=st.integers(1, 2**40),
     attempt=st.integers(1, 10),
     tenant=st.none() | st.text(min_size=1),
+    namespace=st.sampled_from(["default", "team-a"]),
     nominal=st.datetimes(
         dt.datetime(2000, 1, 1), dt.datetime(2100, 1, 1), timezones=st.just(dt.UTC)
     ),
@@ -37,11 +38,18 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
     term: int,
     attempt: int,
     tenant: str | None,
+    namespace: str,
     nominal: dt.datetime,
 ) -> None:
     fired = nominal + dt.timedelta(milliseconds=3)
     fire = fire_id(schedule_id, nominal)
-    schedule = {"_id": schedule_id, "name": name, "payload": payload, "target": "t.x"}
+    schedule = {
+        "_id": schedule_id,
+        "name": name,
+        "payload": payload,
+        "target": "t.x",
+        "namespace": namespace,
+    }
     message = EventTemplate.of(schedule).render(
         fire, nominal, tenant, term, attempt, iso_utc(fired)
     )
@@ -56,6 +64,7 @@ def test_event_template_renders_what_json_dumps_of_the_event_gives(
         "data": {
             "schedule_id": schedule_id,
             "name": name,
+            "namespace": namespace,
             "nominal_at": iso_utc(nominal),
             "fired_at": iso_utc(fired),
             "term": term,

@@ -5,6 +5,7 @@ access file of two teams)."""
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import signal
 import uuid
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import ValidationError
-from pymongo import MongoClient
+from pymongo import AsyncMongoClient, MongoClient
 
 from hascheduler.api.access import (
     AccessConfigError,
@@ -25,8 +26,18 @@ from hascheduler.api.access import (
     read_access_file,
 )
 from hascheduler.core import constants
+from hascheduler.core.claims import Claim
 from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.run_states import DEAD
+from hascheduler.core.triggers import fire_id
+from hascheduler.replica.webhooks import WebhookService
+from hascheduler.storage.fire_records import claim_record
+from hascheduler.storage.fires import Ledger
+from hascheduler.storage.run_records import FireRef, Outcome
+from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
+from hascheduler.storage.webhooks import Deliveries, WebhookStore
 from tests.servers import start_replica, with_database
 from tests.waiting import wait_until_sync
 
@@ -168,3 +179,103 @@ def test_a_fan_out_reads_only_what_its_namespace_is_granted(teams: Teams) -> Non
         assert _refused_field(moved) == "fan_out.collection"
         wait_until_sync(lambda: http.get("/readyz").status_code == 200, 30, "the replica ready")
         assert "customers" not in http.get("/readyz").text
+
+
+async def test_a_deleted_schedules_events_go_to_its_own_namespace(mongo_uri: str) -> None:
+    """A fire recorded failed and a run that died keep their schedule's namespace: with
+    the schedule gone from the mirror, their events go to its namespace's webhook, not to
+    one of ``default``."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    db = client[f"gone_{uuid.uuid4().hex[:8]}"]
+    try:
+        ledger, runs = Ledger(db.fires), RunLedger(db.runs)
+        await ledger.ensure_indexes(3600)
+        store, deliveries = WebhookStore(db.webhooks), Deliveries(db.webhook_deliveries)
+        await deliveries.ensure_indexes()
+        now = dt.datetime.now(dt.UTC)
+        for namespace in ("default", TEAM_B):
+            await store.create(
+                {
+                    "_id": namespace,
+                    "url": "http://127.0.0.1:9/",
+                    "events": ["fire.failed", "run.dead"],
+                    "namespace": namespace,
+                    "schedule_id": None,
+                    "secret": "s" * 32,
+                    "created_at": now,
+                }
+            )
+        service = WebhookService(
+            store, deliveries, ledger, runs, ScheduleStore(db.schedules), {}, lambda: now
+        )
+        await service.find()  # learns which events are wanted: the ledger marks them
+        nominal = now.replace(microsecond=0)
+        failed = Claim(fire_id("gone", nominal), "gone", nominal, nominal)
+        await ledger.claim([claim_record(failed, 1, now, now, namespace=TEAM_B)])
+        await ledger.mark_failed(failed.fire_id, 1, 10, "refused", now)
+        dead = FireRef(
+            fire_id("gone", nominal - dt.timedelta(minutes=1)),
+            "gone",
+            "t.x",
+            nominal,
+            {},
+            b"{}",
+            namespace=TEAM_B,
+        )
+        claim = await runs.claim(dead, "w1", now, 30.0)
+        await runs.record([Outcome(dead.fire_id, "w1", claim.attempt, now, now, DEAD, "boom")])
+        await service.find()
+        assert await deliveries.of("default", 10) == []
+        made = await deliveries.of(TEAM_B, 10)
+        assert sorted(d["type"] for d in made) == ["fire.failed", "run.dead"]
+    finally:
+        await client.drop_database(db.name)
+        await client.close()
+
+
+def test_a_reused_id_is_another_schedule_whose_history_is_not_the_first_ones(
+    teams: Teams,
+) -> None:
+    """team-b's schedule is deleted and its id reused in team-a: team-a reads none of
+    team-b's fires, history or revisions through it and cannot restore team-b's fields
+    into its own; team-b still reads its deleted schedule's fire."""
+    sid = f"reused-{uuid.uuid4().hex[:6]}"
+    with httpx.Client(base_url=teams.url) as http:
+        a = {"Authorization": f"Bearer {teams.admin[TEAM_A]}"}
+        b = {"Authorization": f"Bearer {teams.admin[TEAM_B]}"}
+        first = _schedule(sid, TEAM_B, payload={"secret": "team-b's"})
+        assert http.post("/schedules", json=first, headers=b).status_code == 201
+        patched = http.patch(f"/schedules/{sid}", json={"name": "b's two"}, headers=b)
+        assert patched.status_code == 200, patched.text
+        fired = http.post(f"/schedules/{sid}/trigger", json={}, headers=b)
+        assert fired.status_code == 202, fired.text
+        fire = fired.json()["fire_id"]
+        wait_until_sync(
+            lambda: http.get(f"/fires/{fire}", headers=b).json().get("state") == "published",
+            30,
+            "team-b's fire published",
+        )
+        assert http.delete(f"/schedules/{sid}", headers=b).status_code == 204
+        assert http.post("/schedules", json=_schedule(sid, TEAM_A), headers=a).status_code == 201
+
+        assert http.get(f"/schedules/{sid}/fires", headers=a).json()["items"] == []
+        assert http.get(f"/fires/{fire}", headers=a).status_code == 403
+        assert http.get(f"/fires/{fire}", headers=b).status_code == 200
+        history = http.get(f"/schedules/{sid}/history", headers=a).json()["items"]
+        assert {r["namespace"] for r in history} == {TEAM_A}
+        assert [r["revision"] for r in history] == [1]
+        restored = http.post(f"/schedules/{sid}/restore", json={"revision": 2}, headers=a)
+        assert restored.status_code in (404, 409), restored.text
+        assert "team-b's" not in restored.text
+        assert http.get(f"/schedules/{sid}", headers=a).json()["payload"] == {}
+
+
+def _schedule(schedule_id: str, namespace: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": schedule_id,
+        "name": schedule_id,
+        "target": "isolation.job",
+        "namespace": namespace,
+        "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"},
+        **fields,
+    }

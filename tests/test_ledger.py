@@ -219,7 +219,7 @@ async def test_fire_times_step_past_a_fan_outs_tenants_and_count_them(ledger: Le
 async def test_a_fan_out_run_now_is_one_request_per_tenant_under_one_idempotency_key(
     ledger: Ledger,
 ) -> None:
-    docs = request_documents("s", at(0), "ci", {"k": 1}, "skip", "deploy-1", ["a", "b"])
+    docs = request_documents("s", "default", at(0), "ci", {"k": 1}, "skip", "deploy-1", ["a", "b"])
     fire = "s@manual-2030-01-01T00:00:00.000Z"
     assert [d["_id"] for d in docs] == [f"{fire}/a", f"{fire}/b"]
     assert [d.get("idempotency_key") for d in docs] == ["s/deploy-1", None]
@@ -234,12 +234,12 @@ async def test_a_fan_out_run_now_is_one_request_per_tenant_under_one_idempotency
 
     # The same key later: the first request's fire, and nothing inserted.
     retried, created = await ledger.request(
-        request_documents("s", at(5), "ci", None, None, "deploy-1", ["a", "b", "c"])
+        request_documents("s", "default", at(5), "ci", None, None, "deploy-1", ["a", "b", "c"])
     )
     assert (requested_fire(retried), created) == (fire, False)
     assert await ledger.fires.count_documents({}) == 2
     # Without a key, the same instant twice is a duplicate fire, not a retry.
-    plain = request_documents("p", at(0), "ci", None, None, None)
+    plain = request_documents("p", "default", at(0), "ci", None, None, None)
     assert (requested_fire((await ledger.request(plain))[0])) == "p@manual-2030-01-01T00:00:00.000Z"
     with pytest.raises(BulkWriteError):
-        await ledger.request(request_documents("p", at(0), "ci", None, None, None))
+        await ledger.request(request_documents("p", "default", at(0), "ci", None, None, None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
 from hascheduler.api.access import Action
@@ -46,15 +48,20 @@ async def audit_log(request: web.Request) -> web.Response:
 
 
 async def schedule_history(request: web.Request) -> web.Response:
-    """Every recorded change of one schedule, newest first (kept after it is deleted)."""
+    """Every recorded change of one schedule, newest first (kept after it is deleted): of
+    the live one, its own incarnation's (an id reused after a delete starts anew)."""
     schedule_id = request.match_info["id"]
     limit = int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    incarnation = None
+    with contextlib.suppress(ScheduleNotFound):
+        incarnation = (await context(request).store.get(schedule_id)).created_at
     try:
         docs = await context(request).audit.query(
             namespaces=readable_namespaces(request),
             schedule_id=schedule_id,
             before=request.query.get("before"),
             limit=limit,
+            incarnation=incarnation,
         )
     except LookupError:
         return problem(404, "before names no record of this schedule")

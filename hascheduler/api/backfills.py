@@ -25,8 +25,8 @@ from hascheduler.api.views import (
 )
 from hascheduler.core import history, models
 from hascheduler.core.errors import RunConflict
-from hascheduler.core.fields import UNKNOWN_NAMESPACE
 from hascheduler.core.triggers import count_between, just_before
+from hascheduler.storage import operations
 from hascheduler.storage.backfills import Backfill
 
 
@@ -69,6 +69,7 @@ async def backfill_schedule(request: web.Request) -> web.Response:
                 "total": total,
                 "overlap": wanted.overlap,
             },
+            schedule.created_at,
         ),
     )
     return as_json(Backfill.of(doc), 202, Location=f"/backfills/{doc['_id']}")
@@ -87,7 +88,9 @@ async def cancel_backfill(request: web.Request) -> web.Response:
     if current is None:
         raise web.HTTPNotFound(reason=f"no backfill {request.match_info['id']!r}")
     schedule_id = str(current["schedule_id"])
-    namespace = await context(request).store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    kept = current.get("namespace")
+    schedule = await operations.making_schedule(context(request).store, schedule_id, kept)
+    namespace = operations.recorded_namespace(kept, schedule)
     doc = await backfills.cancel(
         current["_id"],
         now_of(request),
@@ -98,6 +101,7 @@ async def cancel_backfill(request: web.Request) -> web.Response:
             namespace,
             schedule_id,
             {"backfill_id": current["_id"]},
+            schedule.created_at if schedule is not None else None,
         ),
     )
     if doc is None:

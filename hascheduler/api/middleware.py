@@ -5,6 +5,7 @@ requests observed (metrics, server spans); and who is asking, for the audit trai
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -50,8 +51,19 @@ async def _resource_namespace(request: web.Request, scope: str) -> str | None:
         doc = await backfills.get(resource) if backfills is not None else None
         if doc is None:
             return None
+        if isinstance(doc.get("namespace"), str):  # kept with it for life
+            return str(doc["namespace"])
         resource = str(doc["schedule_id"])
     elif scope == FIRE:
+        # A fire and its run keep their schedule's namespace for life: a schedule deleted,
+        # or its id reused in another namespace, changes nothing about who reads them.
+        cluster = context(request).cluster
+        if cluster is not None:
+            kept = await cluster.ledger.namespace_of(resource) or await cluster.runs.namespace_of(
+                resource
+            )
+            if kept is not None:
+                return kept
         resource = resource.partition("@")[0]
     return await context(request).store.namespace_of(resource)
 
@@ -226,6 +238,9 @@ def runs_record(
     namespace: str,
     schedule_id: str,
     detail: dict[str, Any],
+    incarnation: dt.datetime | None = None,
 ) -> dict[str, Any]:
-    """The audit record of a change to a schedule's runs (the schedule stays as it is)."""
-    return history.record(action, who, now_of(request), namespace, schedule_id, None, detail=detail)
+    """The audit record of a change to a schedule's runs (the schedule stays as it is) of
+    the schedule created at ``incarnation``."""
+    made = history.record(action, who, now_of(request), namespace, schedule_id, None, detail=detail)
+    return history.of_incarnation(made, incarnation)

@@ -42,25 +42,26 @@ from hascheduler.storage import operations
 async def fire_history(request: web.Request) -> web.Response:
     cluster = cluster_of(request)
     schedule_id = request.match_info["id"]
-    await context(request).store.get(schedule_id)  # 404 for a schedule that does not exist
+    # 404 for a schedule that does not exist; its fires are those of its namespace.
+    namespace = (await context(request).store.get(schedule_id)).namespace
     limit = int_param(request, "limit", 50, 1, MAX_PAGE)
-    items = [fire_view(doc) for doc in await cluster.ledger.history(schedule_id, limit)]
+    items = [fire_view(d) for d in await cluster.ledger.history(schedule_id, limit, namespace)]
     return web.json_response({"schedule_id": schedule_id, "items": items})
 
 
 async def schedule_runs(request: web.Request) -> web.Response:
     cluster = cluster_of(request)
     schedule_id = request.match_info["id"]
-    await context(request).store.get(schedule_id)  # 404 for a schedule that does not exist
+    namespace = (await context(request).store.get(schedule_id)).namespace
     limit = int_param(request, "limit", 50, 1, MAX_PAGE)
     by = request.query.get("by")
     if by not in (None, "fire"):
         raise BadRequest(422, "by", "by must be fire (runs counted per fire) or absent")
     if by == "fire":
-        nominals = await cluster.ledger.fire_times(schedule_id, limit)
-        groups = await fire_groups(cluster.ledger, cluster.runs, schedule_id, nominals)
+        nominals = await cluster.ledger.fire_times(schedule_id, limit, namespace)
+        groups = await fire_groups(cluster.ledger, cluster.runs, schedule_id, nominals, namespace)
         return web.json_response({"schedule_id": schedule_id, "fires": groups})
-    docs = await cluster.runs.for_schedule(schedule_id, limit)
+    docs = await cluster.runs.for_schedule(schedule_id, limit, namespace)
     return web.json_response({"schedule_id": schedule_id, "items": [public_view(d) for d in docs]})
 
 
@@ -73,7 +74,9 @@ async def list_runs(request: web.Request) -> web.Response:
     namespaces = readable_namespaces(request)
     ids = None if namespaces is None else await context(request).store.ids_in(namespaces)
     try:
-        docs, after = await cluster.runs.page(state, request.query.get("after"), limit, ids)
+        docs, after = await cluster.runs.page(
+            state, request.query.get("after"), limit, ids, namespaces
+        )
     except LookupError:
         return problem(404, "after names no run (it may have expired): list from the start")
     return web.json_response({"items": [public_view(d) for d in docs], "next": after})

@@ -382,15 +382,18 @@ async def restore_schedule(request: web.Request) -> web.Response:
     recorded as a restore). A payload the trail keeps redacted stays as it is now."""
     schedule_id = request.match_info["id"]
     wanted = models.RestoreIn.model_validate(await read_json(request))
-    record = await context(request).audit.revision(schedule_id, wanted.revision)
+    store = context(request).store
+    current = await store.get(schedule_id)
+    record = await context(request).audit.revision(
+        schedule_id, wanted.revision, current.created_at, current.namespace
+    )
     if record is None:
         raise BadRequest(
             404,
             "revision",
-            f"schedule {schedule_id!r} has no revision {wanted.revision} in its history",
+            f"schedule {schedule_id!r} has no revision {wanted.revision} in its history "
+            "(this schedule's, in its namespace)",
         )
-    store = context(request).store
-    current = await store.get(schedule_id)
     fields = operations.revision_fields(record, current)
     now = now_of(request)
     restored = validate(request, models.ScheduleFields, fields, now, stored_trigger=True)

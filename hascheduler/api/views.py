@@ -42,12 +42,16 @@ _NOT_SHOWN = frozenset({"_id", OUTBOX, PENDING})
 
 
 async def fire_groups(
-    ledger: Ledger, runs: RunLedger, schedule_id: str, nominals: list[dt.datetime]
+    ledger: Ledger,
+    runs: RunLedger,
+    schedule_id: str,
+    nominals: list[dt.datetime],
+    namespace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Each fire of a schedule at ``nominals`` as counts: its ledger entries by state (a
-    fan-out fire has one per tenant) and its runs by state."""
-    fires = await ledger.counts(schedule_id, nominals)
-    run_counts = await runs.counts(schedule_id, nominals)
+    fan-out fire has one per tenant) and its runs by state (of ``namespace``, if given)."""
+    fires = await ledger.counts(schedule_id, nominals, namespace)
+    run_counts = await runs.counts(schedule_id, nominals, namespace)
 
     def tally(counts: dict[str, int], states: tuple[str, ...]) -> dict[str, int]:
         return {**{state: counts.get(state, 0) for state in states}, "total": sum(counts.values())}
@@ -102,6 +106,13 @@ def schedule_row(schedule: models.Schedule, now: dt.datetime) -> dict[str, Any]:
         "revision": schedule.revision,
         "next_fire_at": upcoming[0].fire_at.isoformat() if upcoming else None,
     }
+
+
+def kept_in(doc: dict[str, Any], namespaces: set[str], schedule_ids: set[str]) -> bool:
+    """Whether a fire or run is one of ``namespaces``': by the namespace kept with it, or,
+    written before one was, by its schedule's (one of ``schedule_ids``)."""
+    kept = doc.get("namespace")
+    return kept in namespaces if isinstance(kept, str) else doc["schedule_id"] in schedule_ids
 
 
 def fan_out_fires(recent: Sequence[dict[str, Any]]) -> dict[str, list[dt.datetime]]:
@@ -190,9 +201,9 @@ async def read_dashboard(
         now - dt.timedelta(seconds=DASHBOARD_FIRES_WINDOW_S), DASHBOARD_FIRES
     )
     ids = None if namespaces is None else await store.ids_in(namespaces)
-    if ids is not None:
-        shown = set(ids)
-        recent = [doc for doc in recent if doc["schedule_id"] in shown]
+    if ids is not None and namespaces is not None:
+        shown, readable = set(ids), set(namespaces)
+        recent = [doc for doc in recent if kept_in(doc, readable, shown)]
     groups = [
         group
         for schedule_id, nominals in fan_out_fires(recent).items()
@@ -200,7 +211,7 @@ async def read_dashboard(
     ]
     plain = [str(doc["_id"]) for doc in recent if "tenant" not in doc]
     fire_runs = await runs.for_fires(plain) if plain else {}
-    dead, more_dead = await runs.page(DEAD, None, DASHBOARD_DEAD_RUNS, ids)
+    dead, more_dead = await runs.page(DEAD, None, DASHBOARD_DEAD_RUNS, ids, namespaces)
     return Dashboard(
         [schedule_row(s, now) for s in page],
         after is not None,
@@ -236,7 +247,9 @@ async def read_timeline(
         schedules, _ = await store.list(
             labels={}, paused=None, after=None, limit=TIMELINE_SCHEDULES, namespaces=namespaces
         )
-    entries = {s.id: await ledger.window(s.id, since, TIMELINE_MARKS) for s in schedules}
+    entries = {
+        s.id: await ledger.window(s.id, since, TIMELINE_MARKS, s.namespace) for s in schedules
+    }
     fire_runs = await runs.for_fires([d["_id"] for docs in entries.values() for d in docs])
     samples: list[tuple[dt.datetime, float]] = []
     rows = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -280,3 +281,9 @@ def _pause_field(doc: dict[str, Any], name: str) -> dt.datetime | None:
     pause = doc.get("pause") if doc.get("paused") else None
     value = pause.get(name) if isinstance(pause, dict) else None
     return as_utc(value) if isinstance(value, dt.datetime) else None
+
+
+def namespace_of(entries: Mapping[str, Entry], schedule_id: str) -> str | None:
+    """The namespace of a mirrored schedule (None once it is gone)."""
+    entry = entries.get(schedule_id)
+    return entry.namespace if entry is not None else None

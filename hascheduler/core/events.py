@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.triggers import iso_utc
 
 EVENT_TYPE = "io.hascheduler.fire"
@@ -49,6 +50,7 @@ class EventTemplate:
     subject: str  # JSON: the schedule id
     name: str  # JSON
     payload: str  # JSON
+    namespace: str = '"default"'  # JSON
     # The traceparent of the write that last changed the schedule (its fires link to it).
     written_in: str | None = None
     # The schedule's flow limits as data fields ('"concurrency":{...},"rate":{...},'), or "".
@@ -69,6 +71,7 @@ class EventTemplate:
             subject=_encode(schedule["_id"]),
             name=_encode(schedule.get("name")),
             payload=_encode(schedule.get("payload", {})),
+            namespace=_encode(schedule.get("namespace") or DEFAULT_NAMESPACE),
             written_in=trace if isinstance(trace, str) else None,
             flow=flow,
             priority=priority if isinstance(priority, int) else 0,
@@ -124,7 +127,8 @@ class EventTemplate:
             f'"type":"{EVENT_TYPE}","subject":{self.subject},"time":'.encode(),
             (
                 f',{trace_fields}"datacontenttype":"application/json","data":{{"schedule_id":'
-                f'{self.subject},"name":{self.name},"nominal_at":"{iso_utc(nominal_at)}",'
+                f'{self.subject},"name":{self.name},"namespace":{self.namespace},'
+                f'"nominal_at":"{iso_utc(nominal_at)}",'
                 '"fired_at":'
             ).encode(),
             (

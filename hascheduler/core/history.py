@@ -132,3 +132,9 @@ def public(doc: dict[str, Any]) -> dict[str, Any]:
             )
         },
     }
+
+
+def of_incarnation(made: dict[str, Any], incarnation: dt.datetime | None) -> dict[str, Any]:
+    """``made`` (a record) naming the incarnation of its schedule: when it was created, so
+    that an id reused after a delete starts another history."""
+    return made if incarnation is None else {**made, "incarnation": incarnation}

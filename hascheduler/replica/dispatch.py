@@ -27,7 +27,7 @@ from hascheduler.core.catchup import (
     unplanned,
 )
 from hascheduler.core.clock import Clock
-from hascheduler.core.entries import Entry, Written
+from hascheduler.core.entries import Entry, Written, namespace_of
 from hascheduler.core.triggers import just_before
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.backfilling import Backfilling
@@ -199,7 +199,16 @@ class Dispatcher:
         try:
             await term.write(
                 self.ledger.record_skipped(
-                    [skipped_range_document(schedule_id, skipped, term.number, self.clock())]
+                    [
+                        skipped_range_document(
+                            schedule_id,
+                            skipped,
+                            term.number,
+                            self.clock(),
+                            None,
+                            namespace_of(self.mirror.entries, schedule_id),
+                        )
+                    ]
                 )
             )
         except LeadershipLost:

@@ -26,7 +26,7 @@ from hascheduler.core.catchup import SkippedRange
 from hascheduler.core.claims import Claim, expand, none_withdrawn, withdrawn
 from hascheduler.core.clock import Clock
 from hascheduler.core.constants import SOURCE_SYNC_WAIT_S
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, namespace_of
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.fire_queue import Due
@@ -159,7 +159,12 @@ class FiringPath:
             return []
         term.check()
         retry_at = self.retry_at(now)
-        docs = [claim_record(c, term.number, now, retry_at, backfill) for c in claims]
+        docs = [
+            claim_record(
+                c, term.number, now, retry_at, backfill, namespace_of(self.entries, c.schedule_id)
+            )
+            for c in claims
+        ]
         taken: set[str] = set()
         if min(c.due_at for c in claims) <= term.contested_until:
             # Many are likely claimed already: those found are not inserted.
@@ -329,6 +334,7 @@ class FiringPath:
                         term.number,
                         now,
                         backfill,
+                        namespace_of(self.entries, d.schedule_id),
                     )
                     for d, reason in dues
                 ]

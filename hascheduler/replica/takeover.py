@@ -20,7 +20,7 @@ from pymongo.errors import PyMongoError
 from hascheduler.core.catchup import LATE_CHANGE_S, plan_catchups
 from hascheduler.core.claims import Claim
 from hascheduler.core.clock import Clock
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, namespace_of
 from hascheduler.replica.firing import CLAIM_BATCH, FiringPath
 from hascheduler.replica.in_flight import InFlight
 from hascheduler.replica.publishing import Publisher
@@ -171,7 +171,9 @@ class TakeOver:
         to_fire, ranges = await asyncio.to_thread(plan_catchups, entries, since, now, created)
         term.check()
         skipped = [
-            skipped_range_document(schedule_id, skip, term.number, now)
+            skipped_range_document(
+                schedule_id, skip, term.number, now, None, namespace_of(self.entries, schedule_id)
+            )
             for schedule_id, skip in ranges
         ]
         await term.write(self.ledger.record_skipped(skipped))

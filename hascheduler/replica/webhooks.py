@@ -199,8 +199,13 @@ class WebhookService:
             if made:
                 log.info("webhook_events", events=len(events), deliveries=made)
 
-    def _namespace(self, schedule_id: str) -> str:
-        entry = self.entries.get(schedule_id)
+    def _namespace(self, doc: dict[str, Any]) -> str:
+        """The namespace a fire or run was made in (kept with it: its schedule may be gone);
+        for one written before it was kept, its schedule's."""
+        kept = doc.get("namespace")
+        if isinstance(kept, str):
+            return kept
+        entry = self.entries.get(str(doc["schedule_id"]))
         return entry.namespace if entry is not None else DEFAULT_NAMESPACE
 
     def _fire_event(self, doc: dict[str, Any], now: dt.datetime) -> Event:
@@ -217,9 +222,7 @@ class WebhookService:
             if doc.get("last_nominal_at") is not None:
                 data["last_nominal_at"] = iso_utc(doc["last_nominal_at"])
         kind = FIRE_FAILED if failed else FIRE_SKIPPED
-        return Event(
-            f"{kind}:{doc['_id']}", kind, self._namespace(schedule_id), schedule_id, now, data
-        )
+        return Event(f"{kind}:{doc['_id']}", kind, self._namespace(doc), schedule_id, now, data)
 
     async def _from_cursor(
         self, kind: str, wanted: set[str], subscriptions: list[Subscription], now: dt.datetime
@@ -251,7 +254,7 @@ class WebhookService:
         return Event(
             f"{RUN_DEAD}:{doc['_id']}:{replays}",
             RUN_DEAD,
-            self._namespace(schedule_id),
+            self._namespace(doc),
             schedule_id,
             doc["recorded_at"],
             {

@@ -142,15 +142,19 @@ class AuditLog:
         since: dt.datetime | None = None,
         before: str | None = None,
         limit: int = 100,
+        incarnation: dt.datetime | None = None,
     ) -> list[dict[str, Any]]:
         """Collection newest first; ``before``: the id of the last record of the previous
-        page. Every pending record is relayed first."""
+        page; ``incarnation``: of the schedule created then (and records that name none).
+        Every pending record is relayed first."""
         await self.relay()
         query: dict[str, Any] = {}
         if namespaces is not None:
             query["namespace"] = {"$in": namespaces}
         if schedule_id is not None:
             query["schedule_id"] = schedule_id
+        if incarnation is not None:
+            query["incarnation"] = {"$in": [incarnation, None]}
         if actor is not None:
             query["actor"] = actor
         if since is not None:
@@ -160,10 +164,20 @@ class AuditLog:
         cursor = self.records.find(query).sort([("at", -1), ("_id", -1)]).limit(limit)
         return [doc async for doc in cursor]
 
-    async def revision(self, schedule_id: str, revision: int) -> dict[str, Any] | None:
-        """The record whose change left the schedule at ``revision``."""
+    async def revision(
+        self, schedule_id: str, revision: int, incarnation: dt.datetime, namespace: str
+    ) -> dict[str, Any] | None:
+        """The record whose change left the schedule created at ``incarnation`` (or one
+        recorded before incarnations were) at ``revision`` in ``namespace``: never one of
+        another namespace (an id reused there after a delete, or a schedule moved)."""
         await self.relay()
         doc = await self.records.find_one(
-            {"schedule_id": schedule_id, "revision": revision, "after": {"$ne": None}}
+            {
+                "schedule_id": schedule_id,
+                "revision": revision,
+                "after": {"$ne": None},
+                "incarnation": {"$in": [incarnation, None]},
+                "namespace": namespace,
+            }
         )
         return None if doc is None else dict(doc)

@@ -90,6 +90,8 @@ class Backfills:
         now: dt.datetime,
         record: Document | None = None,
     ) -> Document:
+        """A backfill of a schedule, kept in the namespace its ``record`` names (the
+        schedule's): who reads it does not change when the schedule is deleted."""
         doc: Document = {
             "_id": uuid.uuid4().hex,
             "schedule_id": schedule_id,
@@ -106,6 +108,8 @@ class Backfills:
             "requested_by": by,
             "created_at": now,
         }
+        if record is not None:
+            doc["namespace"] = record["namespace"]
         await self.coll.insert_one(doc if record is None else with_record(doc, record))
         return doc
 

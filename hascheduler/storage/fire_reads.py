@@ -12,12 +12,12 @@ from pymongo import ASCENDING, DESCENDING
 from hascheduler.core.claims import Claim
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.collection import Collection
-from hascheduler.storage.fire_records import BUFFERED, CLAIMED, Document, claim_of
+from hascheduler.storage.fire_records import BUFFERED, CLAIMED, Document, claim_of, of_schedule
 from hascheduler.storage.streams import aggregate
 
 
 async def state_counts(
-    collection: Any, schedule_id: str, nominals: list[dt.datetime]
+    collection: Any, schedule_id: str, nominals: list[dt.datetime], namespace: str | None = None
 ) -> dict[dt.datetime, dict[str, int]]:
     """How many of a schedule's documents (fires or runs) at each of ``nominals`` are in
     each state, counted by the server (a fan-out fire has one per tenant)."""
@@ -25,7 +25,7 @@ async def state_counts(
     for doc in await aggregate(
         collection,
         [
-            {"$match": {"schedule_id": schedule_id, "nominal_at": {"$in": nominals}}},
+            {"$match": {**of_schedule(schedule_id, namespace), "nominal_at": {"$in": nominals}}},
             {
                 "$group": {
                     "_id": {"nominal": "$nominal_at", "state": "$state"},
@@ -177,25 +177,42 @@ class FireReads:
         ):
             yield claims
 
+    async def namespace_of(self, fire: str) -> str | None:
+        """The namespace kept with a fire's entry (or, for a fan-out fire, its tenants'
+        entries: ids ``<fire>/<tenant>``); None for none, or one written before it was
+        kept."""
+        doc = await self.fires.find_one(
+            {"_id": fire}, {"namespace": 1}
+        ) or await self.fires.find_one(
+            {"_id": {"$gt": f"{fire}/", "$lt": f"{fire}0"}}, {"namespace": 1}
+        )
+        kept = doc.get("namespace") if doc is not None else None
+        return kept if isinstance(kept, str) else None
+
     async def get(self, fire_id_: str) -> Document | None:
         doc: Document | None = await self.fires.find_one({"_id": fire_id_})
         return doc
 
-    async def history(self, schedule_id: str, limit: int) -> list[Document]:
+    async def history(
+        self, schedule_id: str, limit: int, namespace: str | None = None
+    ) -> list[Document]:
         """A schedule's ledger entries, latest nominal time first."""
         return [
             d
-            async for d in self.fires.find({"schedule_id": schedule_id})
+            async for d in self.fires.find(of_schedule(schedule_id, namespace))
             .sort("nominal_at", -1)
             .limit(limit)
         ]
 
-    async def last_of_trigger(self, schedule_id: str) -> Document | None:
+    async def last_of_trigger(
+        self, schedule_id: str, namespace: str | None = None
+    ) -> Document | None:
         """The schedule's entry of latest nominal time among its trigger's fires (runs now
         and their requests left out)."""
         async for doc in (
             self.fires.find(
-                {"schedule_id": schedule_id, "manual": {"$ne": True}}, {"payload": 0, "event": 0}
+                {**of_schedule(schedule_id, namespace), "manual": {"$ne": True}},
+                {"payload": 0, "event": 0},
             )
             .sort("nominal_at", -1)
             .limit(1)
@@ -204,12 +221,14 @@ class FireReads:
             return found
         return None
 
-    async def fire_times(self, schedule_id: str, limit: int) -> list[dt.datetime]:
+    async def fire_times(
+        self, schedule_id: str, limit: int, namespace: str | None = None
+    ) -> list[dt.datetime]:
         """A schedule's latest ``limit`` distinct nominal times, latest first. A fan-out
         fire has an entry per tenant at one nominal time, so this steps past each time
         found (one indexed query per step) rather than reading all its entries."""
         times: list[dt.datetime] = []
-        query: Document = {"schedule_id": schedule_id}
+        query = of_schedule(schedule_id, namespace)
         while len(times) < limit:
             docs = [
                 d
@@ -222,21 +241,23 @@ class FireReads:
             for doc in docs:
                 if not times or doc["nominal_at"] != times[-1]:
                     times.append(doc["nominal_at"])
-            query = {"schedule_id": schedule_id, "nominal_at": {"$lt": times[-1]}}
+            query = {**of_schedule(schedule_id, namespace), "nominal_at": {"$lt": times[-1]}}
         return times[:limit]
 
     async def counts(
-        self, schedule_id: str, nominals: list[dt.datetime]
+        self, schedule_id: str, nominals: list[dt.datetime], namespace: str | None = None
     ) -> dict[dt.datetime, dict[str, int]]:
-        return await state_counts(self.fires, schedule_id, nominals)
+        return await state_counts(self.fires, schedule_id, nominals, namespace)
 
-    async def window(self, schedule_id: str, since: dt.datetime, limit: int) -> list[Document]:
+    async def window(
+        self, schedule_id: str, since: dt.datetime, limit: int, namespace: str | None = None
+    ) -> list[Document]:
         """A schedule's entries of nominal time ``since`` or later, the latest ``limit``
         (the schedule_history index), latest first."""
         return [
             d
             async for d in self.fires.find(
-                {"schedule_id": schedule_id, "nominal_at": {"$gte": since}},
+                {**of_schedule(schedule_id, namespace), "nominal_at": {"$gte": since}},
                 {
                     "state": 1,
                     "nominal_at": 1,

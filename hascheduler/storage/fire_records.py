@@ -30,9 +30,11 @@ def claim_record(
     now: dt.datetime,
     next_attempt_at: dt.datetime,
     backfill: str | None = None,
+    namespace: str | None = None,
 ) -> Document:
     """A claim as its ledger document: inserted, it is the claim (made by ``backfill``,
-    when a backfill's)."""
+    when a backfill's). ``namespace``: its schedule's, kept with the entry for life (its
+    events and readers after the schedule is deleted)."""
     doc = {
         "_id": claim.fire_id,
         "schedule_id": claim.schedule_id,
@@ -49,6 +51,8 @@ def claim_record(
         doc["tenant"] = claim.tenant
     if backfill is not None:
         doc["backfill"] = backfill
+    if namespace is not None:
+        doc["namespace"] = namespace
     return doc
 
 
@@ -75,6 +79,7 @@ def manual_fire_id(schedule_id: str, now: dt.datetime) -> str:
 
 def request_documents(
     schedule_id: str,
+    namespace: str,
     now: dt.datetime,
     by: str,
     payload: dict[str, Any] | None,
@@ -90,6 +95,7 @@ def request_documents(
     fire = manual_fire_id(schedule_id, now)
     base: Document = {
         "schedule_id": schedule_id,
+        "namespace": namespace,
         "nominal_at": now,
         "due_at": now,
         "state": REQUESTED,
@@ -139,10 +145,11 @@ def skipped_range_document(
     term: int,
     now: dt.datetime,
     backfill: str | None = None,
+    namespace: str | None = None,
 ) -> Document:
     """What one catch-up skipped for one schedule, as one entry: its first nominal time
     (``nominal_at``, so the history sorts it in place), its last, their count and why
-    (and the backfill whose times they were, if one's)."""
+    (and the backfill whose times they were, if one's; its schedule's namespace)."""
     doc: Document = {
         "_id": f"{fire_id(schedule_id, skipped.first)}..{iso_utc(skipped.last)}",
         "schedule_id": schedule_id,
@@ -156,7 +163,19 @@ def skipped_range_document(
     }
     if backfill is not None:
         doc["backfill"] = backfill
+    if namespace is not None:
+        doc["namespace"] = namespace
     return doc
+
+
+def of_schedule(schedule_id: str, namespace: str | None) -> Document:
+    """A schedule's entries (or runs): those kept with its ``namespace``, or written before
+    a namespace was kept with them; None: whatever their namespace. An id reused in another
+    namespace after a delete is another schedule, whose history is not this one's."""
+    query: Document = {"schedule_id": schedule_id}
+    if namespace is not None:
+        query["namespace"] = {"$in": [namespace, None]}
+    return query
 
 
 def own(term: int, fire_ids: Iterable[str]) -> Document:

@@ -47,8 +47,8 @@ class HealthReader:
 
     async def of(self, schedule: Schedule, now: dt.datetime) -> ScheduleHealth:
         last, ended = await asyncio.gather(
-            self.fires.last_of_trigger(schedule.id),
-            self.runs.latest_ended(schedule.id, RUNS_SCANNED),
+            self.fires.last_of_trigger(schedule.id, schedule.namespace),
+            self.runs.latest_ended(schedule.id, RUNS_SCANNED, schedule.namespace),
         )
         runs = [
             LastRun(
@@ -61,7 +61,7 @@ class HealthReader:
         ]
         success = next((r.finished_at for r in runs if r.state == "succeeded"), None)
         if success is None and len(runs) == RUNS_SCANNED:
-            success = await self.runs.last_success(schedule.id)
+            success = await self.runs.last_success(schedule.id, schedule.namespace)
         fire = (
             None
             if last is None

@@ -5,7 +5,6 @@ the request, checks who may, and answers around them (api/schedules.py, api/runs
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -61,6 +60,7 @@ async def trigger(
     tenants = None if schedule.fan_out is None else await tenants_now(schedule.fan_out)
     docs = request_documents(
         schedule.id,
+        schedule.namespace,
         now,
         who.name,
         wanted.payload,
@@ -79,8 +79,11 @@ async def trigger(
     }
     docs[0] = with_record(
         docs[0],
-        history.record(
-            history.TRIGGER, who, now, schedule.namespace, schedule.id, None, detail=detail
+        history.of_incarnation(
+            history.record(
+                history.TRIGGER, who, now, schedule.namespace, schedule.id, None, detail=detail
+            ),
+            schedule.created_at,
         ),
     )
     doc, created = await ledger.request(docs)
@@ -101,18 +104,33 @@ async def retry(
     run = await runs.get(fire)
     key, record = None, None
     if run is not None:
-        schedule_id, namespace = str(run["schedule_id"]), UNKNOWN_NAMESPACE
-        with contextlib.suppress(ScheduleNotFound):
-            schedule = await store.get(schedule_id)
-            namespace = schedule.namespace
-            if schedule.overlap != ALLOW:
-                key = open_key(schedule.id, run.get("tenant"))
-        who = who_in(namespace)
-        detail = {"fire_id": fire}
-        record = history.record(
-            history.RETRY, who, now, namespace, schedule_id, None, detail=detail
-        )
+        schedule_id = str(run["schedule_id"])
+        schedule = await making_schedule(store, schedule_id, run.get("namespace"))
+        namespace = recorded_namespace(run.get("namespace"), schedule)
+        if schedule is not None and schedule.overlap != ALLOW:
+            key = open_key(schedule.id, run.get("tenant"))
+        who, detail = who_in(namespace), {"fire_id": fire}
+        made = history.record(history.RETRY, who, now, namespace, schedule_id, None, detail=detail)
+        record = history.of_incarnation(made, schedule.created_at if schedule else None)
     return await runs.replay_dead(fire, now, broker, key, record)
+
+
+async def making_schedule(store: ScheduleStore, schedule_id: str, kept: object) -> Schedule | None:
+    """The live schedule a fire or run (its namespace ``kept`` with it, if one is) was made
+    by: None once it is deleted, or its id reused in another namespace."""
+    try:
+        schedule = await store.get(schedule_id)
+    except ScheduleNotFound:
+        return None
+    return schedule if not isinstance(kept, str) or schedule.namespace == kept else None
+
+
+def recorded_namespace(kept: object, schedule: Schedule | None) -> str:
+    """The namespace a change to a fire or run is recorded in: kept with it, else its
+    schedule's."""
+    if isinstance(kept, str):
+        return kept
+    return schedule.namespace if schedule is not None else UNKNOWN_NAMESPACE
 
 
 async def cancel(
@@ -127,7 +145,9 @@ async def cancel(
     its worker was asked to stop it). A fire published but not yet claimed by a worker is
     cancelled too; one still waiting (buffered, requested) is not published at all."""
     schedule_id = fire.partition("@")[0]
-    namespace = await store.namespace_of(schedule_id) or UNKNOWN_NAMESPACE
+    kept = await ledger.namespace_of(fire) or await runs.namespace_of(fire)
+    schedule = await making_schedule(store, schedule_id, kept)
+    namespace = recorded_namespace(kept, schedule)
     who = who_in(namespace)
     ref = None
     entry = await ledger.get(fire)
@@ -138,24 +158,20 @@ async def cancel(
         ref = FireRef(
             fire,
             entry["schedule_id"],
-            await _target_of(store, entry["schedule_id"]),
+            schedule.target if schedule is not None else "",
             nominal,
             {},
             b"",
             fire=fire_id(entry["schedule_id"], nominal) if tenant else "",
             tenant=tenant,
         )
-    record = history.record(
-        history.CANCEL, who, now, namespace, schedule_id, None, detail={"fire_id": fire}
+    record = history.of_incarnation(
+        history.record(
+            history.CANCEL, who, now, namespace, schedule_id, None, detail={"fire_id": fire}
+        ),
+        schedule.created_at if schedule is not None else None,
     )
     return await runs.cancel(fire, now, who.name, ref, record)
-
-
-async def _target_of(store: ScheduleStore, schedule_id: str) -> str:
-    try:
-        return (await store.get(schedule_id)).target
-    except ScheduleNotFound:
-        return ""
 
 
 def revision_fields(record: Document, current: Schedule) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from hascheduler.core.instants import as_utc
 from hascheduler.core.run_states import DEAD, ENDED, RUNNING, SUCCEEDED, WAITING
 from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_reads import state_counts
+from hascheduler.storage.fire_records import of_schedule
 from hascheduler.storage.pages import older_than
 from hascheduler.storage.run_records import Document
 from hascheduler.storage.streams import aggregate
@@ -19,30 +20,40 @@ from hascheduler.storage.streams import aggregate
 class RunReads:
     runs: Collection
 
+    async def namespace_of(self, fire_id: str) -> str | None:
+        """The namespace kept with a run (None: no run, or one written before it was)."""
+        doc = await self.runs.find_one({"_id": fire_id}, {"namespace": 1})
+        kept = doc.get("namespace") if doc is not None else None
+        return kept if isinstance(kept, str) else None
+
     async def get(self, fire_id: str) -> Document | None:
         doc: Document | None = await self.runs.find_one({"_id": fire_id})
         return doc
 
-    async def for_schedule(self, schedule_id: str, limit: int) -> list[Document]:
+    async def for_schedule(
+        self, schedule_id: str, limit: int, namespace: str | None = None
+    ) -> list[Document]:
         """A schedule's runs, latest nominal time first."""
         return [
             d
-            async for d in self.runs.find({"schedule_id": schedule_id}, {"event": 0})
+            async for d in self.runs.find(of_schedule(schedule_id, namespace), {"event": 0})
             .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
             .limit(limit)
         ]
 
     async def counts(
-        self, schedule_id: str, nominals: list[dt.datetime]
+        self, schedule_id: str, nominals: list[dt.datetime], namespace: str | None = None
     ) -> dict[dt.datetime, dict[str, int]]:
-        return await state_counts(self.runs, schedule_id, nominals)
+        return await state_counts(self.runs, schedule_id, nominals, namespace)
 
-    async def latest_ended(self, schedule_id: str, limit: int) -> list[Document]:
+    async def latest_ended(
+        self, schedule_id: str, limit: int, namespace: str | None = None
+    ) -> list[Document]:
         """The schedule's latest ``limit`` ended runs, latest nominal time first."""
         return [
             d
             async for d in self.runs.find(
-                {"schedule_id": schedule_id, "state": {"$in": list(ENDED)}},
+                {**of_schedule(schedule_id, namespace), "state": {"$in": list(ENDED)}},
                 {"state": 1, "finished_at": 1, "last_error": 1},
             )
             .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
@@ -61,10 +72,14 @@ class RunReads:
             .limit(limit)
         ]
 
-    async def last_success(self, schedule_id: str) -> dt.datetime | None:
+    async def last_success(
+        self, schedule_id: str, namespace: str | None = None
+    ) -> dt.datetime | None:
         """When the schedule's latest succeeded run (by nominal time) finished."""
         async for doc in (
-            self.runs.find({"schedule_id": schedule_id, "state": SUCCEEDED}, {"finished_at": 1})
+            self.runs.find(
+                {**of_schedule(schedule_id, namespace), "state": SUCCEEDED}, {"finished_at": 1}
+            )
             .sort([("nominal_at", DESCENDING), ("_id", DESCENDING)])
             .limit(1)
         ):
@@ -72,10 +87,10 @@ class RunReads:
             return finished
         return None
 
-    async def last_dead(self, schedule_id: str, count: int) -> bool:
+    async def last_dead(self, schedule_id: str, count: int, namespace: str | None = None) -> bool:
         """Whether the schedule's latest ``count`` ended runs (latest nominal time first)
         are all dead."""
-        ended = await self.latest_ended(schedule_id, count)
+        ended = await self.latest_ended(schedule_id, count, namespace)
         return len(ended) == count and all(d["state"] == DEAD for d in ended)
 
     async def for_fires(self, fire_ids: list[str]) -> dict[str, Document]:
@@ -87,12 +102,20 @@ class RunReads:
         after: str | None,
         limit: int,
         schedule_ids: list[str] | None = None,
+        namespaces: list[str] | None = None,
     ) -> tuple[list[Document], str | None]:
-        """Runs (in one state, or all; of these schedules, or all), most recently changed
+        """Runs (in one state, or all; of ``namespaces``, or all), most recently changed
         first; a page, and the fire id to pass as ``after`` for the next (None at the end).
-        Raises LookupError when ``after`` names no run (expired since, or never there)."""
+        A run is of the namespace kept with it; one written before that was kept, of its
+        schedule's (one of ``schedule_ids``). Raises LookupError when ``after`` names no
+        run (expired since, or never there)."""
         query: Document = {} if state is None else {"state": state}
-        if schedule_ids is not None:
+        if namespaces is not None:
+            query["$or"] = [
+                {"namespace": {"$in": namespaces}},
+                {"namespace": None, "schedule_id": {"$in": schedule_ids or []}},
+            ]
+        elif schedule_ids is not None:
             query["schedule_id"] = {"$in": schedule_ids}
         if after is not None:
             query.update(await older_than(self.runs, "recorded_at", after))

@@ -46,6 +46,7 @@ class FireRef:
     body: bytes  # ... as its bytes: what a dead run keeps for a replay
     fire: str = ""  # a fan-out run's fire (the fire id without the tenant); else fire_id
     tenant: str | None = None
+    namespace: str | None = None  # its schedule's, as the fire's event says: kept for life
 
 
 # Unset when a parked run is claimed; ``woken_at`` stays: when its waker took what it
@@ -130,6 +131,8 @@ def new_run(fire: FireRef, running: Document, now: dt.datetime) -> Document:
     }
     if fire.tenant is not None:
         doc.update(fire=fire.fire or fire.fire_id, tenant=fire.tenant)
+    if fire.namespace is not None:
+        doc["namespace"] = fire.namespace
     return doc
 
 

@@ -226,6 +226,7 @@ class RunLedger(Reservations, OperatorWrites):
                     if fire.tenant is not None
                     else {}
                 ),
+                **({"namespace": fire.namespace} if fire.namespace is not None else {}),
             }
             for fire, _, _ in parking
         ]

@@ -143,10 +143,12 @@ class ScheduleStore:
         revision: int | None,
         before: dict[str, Any] | None,
         after: dict[str, Any] | None,
+        incarnation: dt.datetime | None,
     ) -> dict[str, Any]:
-        return history.record(
+        made = history.record(
             action, actor, at, namespace, schedule_id, revision, before, after, redact=self._redact
         )
+        return history.of_incarnation(made, incarnation)
 
     async def _with_remaining(self, schedule: Schedule) -> Schedule:
         if schedule.max_fires is None or self._counts is None:
@@ -174,7 +176,8 @@ class ScheduleStore:
             trace,
         )
         return with_record(
-            doc, self._record(CREATE, actor, now, new.namespace, doc["_id"], 1, None, _view(doc))
+            doc,
+            self._record(CREATE, actor, now, new.namespace, doc["_id"], 1, None, _view(doc), now),
         )
 
     async def create(self, new: ScheduleIn, now: dt.datetime, actor: Actor = SYSTEM) -> Schedule:
@@ -226,6 +229,7 @@ class ScheduleStore:
                 {"_id": {"$in": ids}},
                 {
                     "name": 1,
+                    "namespace": 1,
                     "payload": 1,
                     "target": 1,
                     "revision": 1,
@@ -378,6 +382,7 @@ class ScheduleStore:
                 revision + 1,
                 _view(current),
                 after,
+                current.get("created_at"),
             )
             update: dict[str, Any] = {"$set": _with_trace(sets, trace), "$inc": {"revision": 1}}
             if unsets:

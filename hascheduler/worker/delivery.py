@@ -9,6 +9,7 @@ from typing import Any
 
 from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.core.constants import MAX_TARGET_CHARS, TARGET_PATTERN
+from hascheduler.core.fields import NAMESPACE
 from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
 from hascheduler.storage.run_records import FireRef
 
@@ -89,6 +90,11 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
     tenant = data.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
         raise NotAFire("data.tenant is not a tenant key")
+    namespace = data.get("namespace")  # absent from a fire published before it was sent
+    if namespace is not None and (
+        not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace)
+    ):
+        raise NotAFire("data.namespace is not a namespace")
     return Delivery(
         fire=FireRef(
             fire_id=fire_id,
@@ -99,6 +105,7 @@ def read_delivery(subject: str, body: bytes) -> Delivery:
             body=body,
             fire=fire_id.removesuffix(f"/{tenant}") if tenant else fire_id,
             tenant=tenant,
+            namespace=namespace,
         ),
         term=term,
         nominal_at=nominal_at,

@@ -42,7 +42,7 @@ from hascheduler.core.run_states import (
 )
 from hascheduler.process import lifecycle
 from hascheduler.process.lifecycle import Every
-from hascheduler.storage.run_records import Outcome
+from hascheduler.storage.run_records import FireRef, Outcome
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.worker.attempts import Attempts
@@ -216,7 +216,7 @@ class Worker:
             with contextlib.suppress(*self.broker_errors):
                 await self._tell_broker(held.message, outcome)
             if kept and outcome.state == DEAD:
-                await self._pause_if_failing(held.delivery.fire.schedule_id, outcome)
+                await self._pause_if_failing(held.delivery.fire, outcome)
         finally:
             self._release(held)
 
@@ -230,13 +230,14 @@ class Worker:
         with contextlib.suppress(*self.broker_errors):
             await held.message.nak()
 
-    async def _pause_if_failing(self, schedule_id: str, outcome: Outcome) -> None:
+    async def _pause_if_failing(self, fire: FireRef, outcome: Outcome) -> None:
         """pause_on_failure: N consecutive dead runs of a schedule pause it, saying why."""
         if self.schedules is None:
             return
+        schedule_id = fire.schedule_id
         try:
             limit = await self.schedules.pause_on_failure_of(schedule_id)
-            if limit is None or not await self.runs.last_dead(schedule_id, limit):
+            if limit is None or not await self.runs.last_dead(schedule_id, limit, fire.namespace):
                 return
             note = (
                 f"paused after {limit} consecutive dead runs; the last, "
