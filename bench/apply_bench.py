@@ -48,7 +48,7 @@ def replica(mongo: ServerProcess, database: str) -> ServerProcess:
 def timed_apply(api: Client, path: Path) -> tuple[float, int]:
     """What `hascheduler apply -f PATH --prune --selector team=bench` does, timed."""
     started = time.perf_counter()
-    outcome = execute(api, plan_files(api, [str(path)], SELECTOR, prune=True))
+    outcome = execute(api, plan_files(api, [str(path)], SELECTOR, prune=True)[0])
     assert not outcome.failed, outcome.failed[:3]
     return time.perf_counter() - started, len(outcome.done)
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> str:
             apply_s, written = timed_apply(api, path)
             noop_s, rewritten = timed_apply(api, path)
             started = time.perf_counter()
-            steps = plan_files(api, [str(path)], SELECTOR, prune=True)
+            steps, _ = plan_files(api, [str(path)], SELECTOR, prune=True)
             plan_s = time.perf_counter() - started
             assert all(s.action == "unchanged" for s in steps)
         with Client(one_by_one.uri) as api:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
+import json
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 from pymongo import AsyncMongoClient, MongoClient
+from pymongo.errors import DuplicateKeyError
 
 from hascheduler.api.access import (
     AccessConfigError,
@@ -29,9 +34,11 @@ from hascheduler.core import constants
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.models import ScheduleIn
 from hascheduler.core.run_states import DEAD
 from hascheduler.core.triggers import fire_id
 from hascheduler.replica.webhooks import WebhookService
+from hascheduler.storage.audit_log import AuditLog
 from hascheduler.storage.fire_records import claim_record
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.run_records import FireRef, Outcome
@@ -50,6 +57,7 @@ class Teams:
     url: str
     admin: dict[str, str]  # namespace -> its admin token's secret
     reader: dict[str, str]
+    both: str  # an admin token of both namespaces
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +69,11 @@ def teams(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for action in (Action.ADMIN, Action.READ)
         for ns in (TEAM_A, TEAM_B)
     }
+    both = create_token("admin-both", frozenset({Action.ADMIN}), frozenset({TEAM_A, TEAM_B}))
     path = tmp_path_factory.mktemp("isolation") / "access.yaml"
     path.write_text(
         "tokens:\n"
-        + "".join(entry_line(t.entry) + "\n" for t in tokens.values())
+        + "".join(entry_line(t.entry) + "\n" for t in (*tokens.values(), both))
         + f"namespaces:\n  {TEAM_A}: {{fan_out_sources: [customers]}}\n  {TEAM_B}: {{}}\n"
     )
     db_name = f"isolation_{uuid.uuid4().hex[:8]}"
@@ -83,6 +92,7 @@ def teams(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             replica.uri,
             {ns: tokens[Action.ADMIN, ns].secret for ns in (TEAM_A, TEAM_B)},
             {ns: tokens[Action.READ, ns].secret for ns in (TEAM_A, TEAM_B)},
+            both.secret,
         )
     finally:
         replica.stop(signal.SIGKILL)
@@ -256,7 +266,8 @@ def test_a_reused_id_is_another_schedule_whose_history_is_not_the_first_ones(
             "team-b's fire published",
         )
         assert http.delete(f"/schedules/{sid}", headers=b).status_code == 204
-        assert http.post("/schedules", json=_schedule(sid, TEAM_A), headers=a).status_code == 201
+        again = http.post("/schedules", json=_schedule(sid, TEAM_A), headers=a)
+        assert again.status_code == 201, again.text
 
         assert http.get(f"/schedules/{sid}/fires", headers=a).json()["items"] == []
         assert http.get(f"/fires/{fire}", headers=a).status_code == 403
@@ -279,3 +290,97 @@ def _schedule(schedule_id: str, namespace: str, **fields: Any) -> dict[str, Any]
         "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"},
         **fields,
     }
+
+
+def _apply(teams: Teams, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "apply", "--api", teams.url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HASCHEDULER_TOKEN": teams.both},
+        check=False,
+    )
+
+
+def test_apply_prunes_only_in_the_namespaces_it_names(teams: Teams, tmp_path: Path) -> None:
+    """With a token that writes in two namespaces, ``--prune`` deletes only in
+    ``--namespace`` (or, without it, in the namespaces the files name): never another
+    team's schedule that merely carries the same label. The dry run says the scope."""
+    tag = uuid.uuid4().hex[:6]
+    label = {"labels": {"owner": tag}}
+    with httpx.Client(
+        base_url=teams.url, headers={"Authorization": f"Bearer {teams.both}"}
+    ) as http:
+        for sid, namespace in ((f"a-old-{tag}", TEAM_A), (f"b-{tag}", TEAM_B)):
+            made = http.post("/schedules", json=_schedule(sid, namespace, **label))
+            assert made.status_code == 201, made.text
+        declared = {k: v for k, v in _schedule(f"a-new-{tag}", TEAM_A, **label).items()}
+        del declared["namespace"]  # --namespace says where
+        path = tmp_path / "a.yaml"
+        path.write_text(json.dumps(declared))
+        prune = ("-f", str(path), "--prune", "--selector", f"owner={tag}")
+
+        dry = _apply(teams, *prune, "--namespace", TEAM_A, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert f"in {TEAM_A}" in dry.stdout
+        assert f"- delete a-old-{tag}" in dry.stdout
+        assert f"b-{tag}" not in dry.stdout
+
+        done = _apply(teams, *prune, "--namespace", TEAM_A)
+        assert done.returncode == 0, done.stderr
+        assert http.get(f"/schedules/a-new-{tag}").json()["namespace"] == TEAM_A
+        assert http.get(f"/schedules/a-old-{tag}").status_code == 404
+        assert http.get(f"/schedules/b-{tag}").status_code == 200
+
+        # Without --namespace: the files' namespaces (team-a's, named in the file).
+        path.write_text(json.dumps({**declared, "namespace": TEAM_A}))
+        again = _apply(teams, *prune, "--dry-run")
+        assert again.returncode == 0, again.stderr
+        assert f"in {TEAM_A}\n" in again.stdout
+        assert f"b-{tag}" not in again.stdout
+
+        # A declaration outside --namespace is refused before any write.
+        path.write_text(json.dumps({**declared, "namespace": TEAM_B}))
+        outside = _apply(teams, *prune, "--namespace", TEAM_A)
+        assert outside.returncode == 2
+        assert "outside --namespace" in outside.stderr
+
+
+async def test_an_id_freed_by_the_relay_while_it_is_created_again_is_free(
+    mongo_uri: str,
+) -> None:
+    """A create of a deleted schedule's id meets its tombstone; the relay removes the
+    tombstone before the create looks for it: the id is free, and the create goes on
+    (it answered 409 "already exists", a test in three)."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
+    db = client[f"tomb_{uuid.uuid4().hex[:8]}"]
+    audit = AuditLog(db.audit, [db.schedules])
+
+    class TombstoneGoneMeanwhile:
+        """The schedules, whose next insert meets a tombstone the relay then removes."""
+
+        armed = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(db.schedules, name)
+
+        async def insert_one(self, doc: dict[str, Any]) -> Any:
+            if self.armed:
+                self.armed = False
+                await audit.relay()
+                raise DuplicateKeyError("E11000 the tombstone, gone since")
+            return await db.schedules.insert_one(doc)
+
+    schedules = TombstoneGoneMeanwhile()
+    store = ScheduleStore(schedules, audit=audit)  # type: ignore[arg-type]
+    now = dt.datetime.now(dt.UTC)
+    try:
+        new = ScheduleIn.model_validate(_schedule("s", TEAM_A), context={"now": now})
+        await store.create(new, now)
+        await store.delete("s", now=now)
+        schedules.armed = True
+        assert (await store.create(new, now)).id == "s"
+    finally:
+        await client.drop_database(db.name)
+        await client.close()

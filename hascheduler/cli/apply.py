@@ -42,6 +42,7 @@ from hascheduler.client.apply import (
     describe,
     execute,
     exported,
+    prune_scope,
     read_cluster,
     read_plan,
 )
@@ -215,19 +216,30 @@ def _in_background(work: Callable[[], T]) -> Future[T]:
 
 
 def plan_files(
-    api: Client, paths: list[str], selector: tuple[str, str] | None, prune: bool
-) -> list[Step]:
-    """The plan for the files at ``paths``. Raises Refused before any write. A large input
+    api: Client,
+    paths: list[str],
+    selector: tuple[str, str] | None,
+    prune: bool,
+    namespace: str | None = None,
+) -> tuple[list[Step], frozenset[str]]:
+    """The plan for the files at ``paths`` (declared in ``namespace`` when one is named),
+    and the namespaces a prune deletes in. Raises Refused before any write. A large input
     is parsed while the cluster is read: parsing is this process's work, reading mostly
     the server's."""
     texts = list(_texts(paths))
     ahead = None
     if sum(len(data) for _, data in texts) >= READ_AHEAD_BYTES:
         ahead = _in_background(functools.partial(read_cluster, api, selector if prune else None))
-    declared = declare(_parsed(texts), dt.datetime.now(dt.UTC), selector)
-    return read_plan(
-        api, declared, selector if prune else None, ahead.result() if ahead is not None else None
+    declared = declare(_parsed(texts), dt.datetime.now(dt.UTC), selector, namespace)
+    scope = prune_scope(declared, namespace) if prune else frozenset()
+    steps = read_plan(
+        api,
+        declared,
+        selector if prune else None,
+        ahead.result() if ahead is not None else None,
+        scope,
     )
+    return steps, scope
 
 
 def declared_by(app: WorkerApp) -> tuple[list[tuple[str, Any]], tuple[str, str]]:
@@ -250,7 +262,7 @@ def sync_app(app: WorkerApp, api: str | None, token: str | None) -> int:
         documents, selector = declared_by(app)
         declared = declare(documents, dt.datetime.now(dt.UTC), selector)
         with Client(resolve_api(api), token, origin=APPLY_ORIGIN) as client:
-            outcome = converge(client, declared, selector)
+            outcome = converge(client, declared, selector, prune_scope(declared, None))
     except (Refused, WorkerConfigError) as exc:
         return _refused(
             f"schedules of {app.name}", exc.problems if isinstance(exc, Refused) else [str(exc)]
@@ -304,7 +316,12 @@ def run_apply(args: argparse.Namespace) -> int:
         with Client(
             resolve_api(args.api), args.token, reason=args.reason, origin=APPLY_ORIGIN
         ) as api:
-            steps = plan_files(api, args.paths, selector, args.prune)
+            steps, scope = plan_files(api, args.paths, selector, args.prune, args.namespace)
+            if args.prune and selector is not None:
+                print(
+                    f"prune: schedules labelled {selector[0]}={selector[1]} that no file "
+                    f"declares, in {', '.join(sorted(scope)) or 'no namespace'}"
+                )
             print(describe(steps))
             if args.dry_run:
                 return 0

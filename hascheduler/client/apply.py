@@ -24,6 +24,7 @@ from hascheduler.client.clients import Client
 from hascheduler.client.errors import Conflict, HaschedulerError
 from hascheduler.core import models
 from hascheduler.core.constants import MAX_BATCH, MAX_PAGE
+from hascheduler.core.fields import DEFAULT_NAMESPACE
 
 CREATE, UPDATE, UNCHANGED, DELETE = "create", "update", "unchanged", "delete"
 # Creation requests stay under the API's body limit (MAX_REQUEST_BYTES, 128 KiB).
@@ -75,11 +76,15 @@ def _normalised(fields: models.ScheduleFields | Mapping[str, Any]) -> dict[str, 
 
 
 def declare(
-    documents: Iterable[tuple[str, Any]], now: dt.datetime, selector: tuple[str, str] | None = None
+    documents: Iterable[tuple[str, Any]],
+    now: dt.datetime,
+    selector: tuple[str, str] | None = None,
+    namespace: str | None = None,
 ) -> list[Declared]:
     """Check every document (origin, parsed value) before anything is written. Raises
-    Refused naming each invalid document and field, each duplicated id, and (with a
-    selector) each declaration without its label."""
+    Refused naming each invalid document and field, each duplicated id, (with a selector)
+    each declaration without its label, and (with a ``namespace``) each declared in
+    another namespace; one that names none is declared in ``namespace``."""
     problems: list[str] = []
     declared: dict[str, Declared] = {}
     for origin, document in documents:
@@ -90,6 +95,14 @@ def declare(
         if not isinstance(schedule_id, str) or not schedule_id:
             problems.append(f"{origin}: id: required (apply makes schedules by id)")
             continue
+        if namespace is not None:
+            named = document.setdefault("namespace", namespace)
+            if named != namespace:
+                problems.append(
+                    f"{origin} ({schedule_id}): namespace: {named!r} is outside --namespace "
+                    f"{namespace!r}"
+                )
+                continue
         try:
             checked = models.ScheduleIn.model_validate(document, context={"now": now})
         except ValidationError as exc:
@@ -169,19 +182,33 @@ def read_cluster(api: Client, selector: tuple[str, str] | None) -> list[Document
     return list(_all(api, dict([selector]) if selector else None))
 
 
+def prune_scope(declared: list[Declared], namespace: str | None) -> frozenset[str]:
+    """The namespaces a prune may delete in: ``namespace`` when one is named, else those
+    the declarations name; never merely every namespace a token reaches."""
+    if namespace is not None:
+        return frozenset({namespace})
+    return frozenset(str(d.fields.get("namespace") or DEFAULT_NAMESPACE) for d in declared)
+
+
 def read_plan(
     api: Client,
     declared: list[Declared],
     selector: tuple[str, str] | None,
     read: list[Document] | None = None,
+    scope: frozenset[str] = frozenset(),
 ) -> list[Step]:
-    """The plan against the cluster as it is now (with a selector: what to prune too).
-    Many declarations read every schedule; a few are read one by one. ``read``: what
-    ``read_cluster`` with the same selector answered, when the caller read it already."""
+    """The plan against the cluster as it is now (with a selector: what to prune too,
+    in the namespaces of ``scope``). Many declarations read every schedule; a few are
+    read one by one. ``read``: what ``read_cluster`` with the same selector answered, when
+    the caller read it already."""
     if read is None and (selector is not None or len(declared) > READ_ONE_BY_ONE):
         read = read_cluster(api, selector)
     current = {s["id"]: s for s in read or ()}
-    labelled = list(current.values()) if selector else []
+    labelled = (
+        [s for s in current.values() if s.get("namespace", DEFAULT_NAMESPACE) in scope]
+        if selector
+        else []
+    )
     every_one_read = read is not None and selector is None
     unknown = (
         [] if every_one_read else [d.schedule_id for d in declared if d.schedule_id not in current]
@@ -262,7 +289,11 @@ def execute(api: Client, steps: list[Step]) -> Outcome:
 
 
 def converge(
-    api: Client, declared: list[Declared], selector: tuple[str, str] | None, rounds: int = 5
+    api: Client,
+    declared: list[Declared],
+    selector: tuple[str, str] | None,
+    scope: frozenset[str],
+    rounds: int = 5,
 ) -> Outcome:
     """Plan and write until the cluster matches: the way for many processes applying the
     same declarations at once (workers of one app starting together). A write that lost a
@@ -270,7 +301,7 @@ def converge(
     the winner left; anything else is the outcome's failure."""
     outcome = Outcome()
     for _ in range(rounds):
-        outcome = execute(api, read_plan(api, declared, selector))
+        outcome = execute(api, read_plan(api, declared, selector, scope=scope))
         if not any(reason.startswith(RACED) for _, reason in outcome.failed):
             return outcome
     return outcome
