@@ -97,7 +97,7 @@ def _resources(replica: ServerProcess) -> dict[str, str]:
 
 
 def _webhook() -> dict[str, Any]:
-    return {"url": "http://127.0.0.1:9/hook", "events": ["run.dead"], "namespace": HOME}
+    return {"url": "http://hooks.example.com/hook", "events": ["run.dead"], "namespace": HOME}
 
 
 def _request(route: Route, ids: dict[str, str]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from hascheduler.api.access import (
 from hascheduler.core import constants
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import OWN_COLLECTIONS
+from hascheduler.core.egress import PUBLIC_ONLY
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.models import ScheduleIn
 from hascheduler.core.run_states import DEAD
@@ -216,7 +217,14 @@ async def test_a_deleted_schedules_events_go_to_its_own_namespace(mongo_uri: str
                 }
             )
         service = WebhookService(
-            store, deliveries, ledger, runs, ScheduleStore(db.schedules), {}, lambda: now
+            store,
+            deliveries,
+            ledger,
+            runs,
+            ScheduleStore(db.schedules),
+            {},
+            lambda: now,
+            PUBLIC_ONLY,
         )
         await service.find()  # learns which events are wanted: the ledger marks them
         nominal = now.replace(microsecond=0)

@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 from pymongo import AsyncMongoClient
 
+from hascheduler.core.egress import PUBLIC_ONLY
 from hascheduler.core.webhooks import (
     DELIVERY_HEADER,
     SIGNATURE_HEADER,
@@ -32,6 +33,7 @@ from hascheduler.core.webhooks import (
     sign,
     verify,
 )
+from hascheduler.replica.webhooks import NO_ANSWER
 from hascheduler.storage.fire_records import claim_document
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.webhooks import Deliveries, WebhookStore
@@ -126,7 +128,16 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
     uri = with_database(mongo_uri, db_name)
     nats = start_nats()
     replica = await asyncio.to_thread(
-        start_replica, uri, "hooks", "--broker", nats.uri, "--late-after", "1"
+        start_replica,
+        uri,
+        "hooks",
+        "--broker",
+        nats.uri,
+        "--late-after",
+        "1",
+        # The receivers listen on loopback, which the egress policy refuses by default.
+        "--egress-allow",
+        "127.0.0.0/8",
     )
     worker: ServerProcess | None = None
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
@@ -309,14 +320,14 @@ async def test_every_event_is_delivered_signed_through_failing_and_slow_endpoint
     assert [a["status"] for a in accepted[0]["history"]] == [500, 500, 204]
     # The endpoint that hung: its first attempt timed out, the second was delivered.
     assert hang[0]["state"] == "delivered"
-    assert "no answer within" in hang[0]["history"][0]["error"]
-    # The one nobody answers: still pending, retried, the refusal recorded.
+    assert hang[0]["history"][0]["error"] == NO_ANSWER
+    # The one nobody answers (a closed port) says the same as the one that hung (an open
+    # one): the deliveries are no port scanner.
     assert all(d["state"] == "pending" for d in gone)
-    assert any(d["last_error"] and "onnect" in d["last_error"] for d in gone), gone
-    # An endpoint answering 20 MB: a kilobyte of it read, 200 characters kept.
+    assert all(d["last_error"] == NO_ANSWER for d in gone), gone
+    # An endpoint answering 20 MB: its status kept, nothing of what it said.
     assert all(d["state"] == "pending" for d in huge)
-    assert all(len(d["last_error"]) < 260 for d in huge), huge
-    assert all(d["last_error"].startswith("answered 502: xxx") for d in huge)
+    assert all(d["last_error"] == "answered 502" for d in huge), huge
     # Meanwhile the tick fired on time, every fire.
     # Bound: a delivery in the fire path would make a fire as late as the hanging
     # endpoint's timeout (5 s) or the 20 MB answers; 2 s leaves room for a loaded machine.
@@ -355,6 +366,7 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
             None,
             {},  # type: ignore[arg-type]
             lambda: now,
+            PUBLIC_ONLY,
         )
         nominal = now.replace(microsecond=0)
         await ledger.claim([claim_document(s, nominal, nominal, 1, now) for s in ("a", "b")])
@@ -457,7 +469,12 @@ async def test_a_bad_webhook_is_refused_naming_the_field(
 
 @pytest.fixture(scope="module")
 def api_replica(mongo_uri: str) -> Any:
-    replica = start_replica(with_database(mongo_uri, f"hookapi_{uuid.uuid4().hex[:8]}"), "hookapi")
+    replica = start_replica(
+        with_database(mongo_uri, f"hookapi_{uuid.uuid4().hex[:8]}"),
+        "hookapi",
+        "--egress-allow",
+        "127.0.0.0/8",
+    )
     yield replica
     replica.stop(signal.SIGKILL)
 
@@ -583,6 +600,7 @@ async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
             None,
             {},  # type: ignore[arg-type]
             lambda: dt.datetime.now(dt.UTC),
+            PUBLIC_ONLY,
         )
         lease = Lease(db.leases, "scheduler", "a", LeaseTimings())
         view = await lease.acquire_or_renew()

@@ -19,6 +19,7 @@ from hascheduler.core.clock import Clock, ServerClock
 from hascheduler.core.constants import (
     DEFAULT_MAX_BACKFILL,
 )
+from hascheduler.core.egress import PUBLIC_ONLY, EgressPolicy
 from hascheduler.core.entries import Entry
 from hascheduler.core.fanout import FanOut
 from hascheduler.process.metrics import Metrics
@@ -121,6 +122,7 @@ class Context:
     fan_out: tuple[int, TenantReads] | None = None
     sources: SourceMirrors | None = None
     server_clock: ServerClock | None = None
+    egress: EgressPolicy = PUBLIC_ONLY  # where a webhook's URL may point
 
 
 CONTEXT = web.AppKey("context", Context)

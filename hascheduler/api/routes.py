@@ -38,6 +38,7 @@ from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     MAX_REQUEST_BYTES,
 )
+from hascheduler.core.egress import PUBLIC_ONLY, EgressPolicy
 from hascheduler.process.metrics import Metrics
 from hascheduler.storage.audit_log import AuditLog
 from hascheduler.storage.schedules import ScheduleStore
@@ -113,6 +114,7 @@ def create_app(  # noqa: PLR0913 (the composition root of the API: every part it
     sources: SourceMirrors | None = None,
     server_clock: ServerClock | None = None,
     trace_url: str | None = None,
+    egress: EgressPolicy = PUBLIC_ONLY,
 ) -> web.Application:
     api = web.Application(
         middlewares=[observe_requests, error_middleware, access_control, known_query],
@@ -140,6 +142,7 @@ def create_app(  # noqa: PLR0913 (the composition root of the API: every part it
         fan_out=fan_out,
         sources=sources,
         server_clock=server_clock,
+        egress=egress,
     )
     for route in ROUTES:
         api.router.add_route(route.method, route.path, route.handler)

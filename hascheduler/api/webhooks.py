@@ -36,6 +36,7 @@ from hascheduler.core.constants import (
     DEFAULT_PAGE,
     MAX_PAGE,
 )
+from hascheduler.core.egress import shown_url
 from hascheduler.core.instants import as_utc
 from hascheduler.storage.webhooks import WebhookExists
 
@@ -49,7 +50,7 @@ MAX_WEBHOOKS_PER_NAMESPACE = 50
 def _webhook_view(doc: dict[str, Any], secret: str | None = None) -> models.Webhook:
     return models.Webhook(
         id=doc["_id"],
-        url=doc["url"],
+        url=shown_url(doc["url"]),  # a password in it is never shown back
         events=doc["events"],
         namespace=doc["namespace"],
         schedule_id=doc.get("schedule_id"),
@@ -63,6 +64,9 @@ async def create_webhook(request: web.Request) -> web.Response:
     store, _ = webhooks_of(request)
     wanted = models.WebhookIn.model_validate(await read_json(request))
     require(request, Action.ADMIN, wanted.namespace)
+    refusal = context(request).egress.url_refusal(wanted.url)
+    if refusal is not None:
+        raise BadRequest(422, "url", f"url: {refusal}")
     if wanted.schedule_id is not None:
         namespace = await context(request).store.namespace_of(wanted.schedule_id)
         if namespace != wanted.namespace:

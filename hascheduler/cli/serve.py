@@ -38,6 +38,7 @@ from hascheduler.core.constants import (
     DEFAULT_MIN_FIRE_INTERVAL_S,
     DEFAULT_RUN_RETENTION_S,
 )
+from hascheduler.core.egress import PUBLIC_ONLY, EgressPolicy
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.health import DEFAULT_LATE_AFTER_S
 from hascheduler.process import gcpolicy
@@ -54,6 +55,10 @@ def trace_url(value: str) -> str:
     if not value.startswith(("http://", "https://")) or "{trace_id}" not in value:
         raise ValueError("an http(s) URL with {trace_id} in it")
     return value
+
+
+def egress_policy(value: str) -> EgressPolicy:
+    return EgressPolicy.parse(value)
 
 
 SETTINGS = (
@@ -174,6 +179,13 @@ SETTINGS = (
         "days the audit trail keeps a record",
     ),
     Setting(
+        "--egress-allow",
+        PUBLIC_ONLY,
+        egress_policy,
+        "comma-separated address ranges and host names webhooks may reach besides "
+        "public addresses (loopback, link-local and private ones are refused otherwise)",
+    ),
+    Setting(
         "--audit-redact-payloads",
         False,
         boolean,
@@ -248,6 +260,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         trace_url=v["trace_url"],
         tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"],
+        egress=v["egress_allow"],
     )
 
 

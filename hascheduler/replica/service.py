@@ -47,6 +47,7 @@ from hascheduler.core.constants import (
     STREAM_RETRY_MAX_S,
     WEBHOOKS,
 )
+from hascheduler.core.egress import PUBLIC_ONLY, EgressPolicy, address_of
 from hascheduler.core.entries import Entry, Written
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.health import DEFAULT_LATE_AFTER_S, ScheduleHealth
@@ -106,6 +107,7 @@ class ReplicaSettings:
     trace_url: str | None = None  # the dashboard's link from a run to its trace
     # How well the database's clock must be known to lead (core/clock.py).
     clock_tolerance_s: float = DEFAULT_TOLERANCE_S
+    egress: EgressPolicy = PUBLIC_ONLY  # where webhooks may be sent (core/egress.py)
 
     @property
     def listen_host(self) -> str:
@@ -338,7 +340,14 @@ class Replica:
 
         self.mirror = mirror = Mirror(db[SCHEDULES], on_change=changed)
         webhooks = WebhookService(
-            webhook_store, deliveries, ledger, runs, store, mirror.entries, server_clock.now
+            webhook_store,
+            deliveries,
+            ledger,
+            runs,
+            store,
+            mirror.entries,
+            server_clock.now,
+            settings.egress,
         )
         dispatcher = Dispatcher(
             mirror,
@@ -403,6 +412,7 @@ class Replica:
             fan_out=(settings.dispatch.max_fan_out, TenantDocuments(db)),
             sources=sources,
             trace_url=settings.trace_url,
+            egress=settings.egress,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -422,7 +432,10 @@ class Replica:
         tls = api_tls_context(settings.tls_cert_file, settings.tls_key_file)
         await web.TCPSite(runner, host, settings.http_port, ssl_context=tls).start()
         scheme = "https" if tls is not None else "http"
-        self.url = f"{scheme}://{host}:{runner.addresses[0][1]}"
+        port = runner.addresses[0][1]
+        self.url = f"{scheme}://{host}:{port}"
+        # A webhook may never call this replica's own API.
+        webhooks.egress = settings.egress.listening(address_of(host), port)
         log.info("replica_listening", url=self.url)
 
         await _retrying("creating indexes", lambda: _indexes(store, db, settings))

@@ -31,6 +31,7 @@ import structlog
 from pymongo.errors import PyMongoError
 
 from hascheduler.core.clock import Clock
+from hascheduler.core.egress import EgressPolicy, EgressRefused
 from hascheduler.core.entries import Entry
 from hascheduler.core.fields import DEFAULT_NAMESPACE
 from hascheduler.core.health import ScheduleHealth
@@ -50,6 +51,7 @@ from hascheduler.core.webhooks import (
     Subscription,
     sign,
 )
+from hascheduler.process.egress import egress_session
 from hascheduler.replica.term import Term
 from hascheduler.storage.fire_records import FAILED, SKIPPED
 from hascheduler.storage.fires import Ledger
@@ -63,7 +65,9 @@ FIND_EVERY_S = 1.0
 DELIVER_EVERY_S = 0.2
 MAX_IN_FLIGHT = 32
 FOUND_AT_ONCE = 500  # events read from one source per look
-ANSWER_KEPT_BYTES = 1024
+# What a failed attempt says: never an answer's body, nor which way a connection failed.
+REFUSED = "refused by the egress policy (serve --egress-allow)"
+NO_ANSWER = "no HTTP answer (no connection, or it closed or timed out)"
 # Sources read by time look back this far before their cursor: a record written late
 # (a worker's outcome write retried through a failover) is still found; a duplicate is
 # dropped by its delivery's key.
@@ -80,6 +84,7 @@ class WebhookService:
         schedules: ScheduleStore,
         entries: Mapping[str, Entry],
         clock: Clock,
+        egress: EgressPolicy,
     ) -> None:
         self.store = store
         self.deliveries = deliveries
@@ -88,6 +93,7 @@ class WebhookService:
         self.schedules = schedules
         self.entries = entries
         self.clock = clock
+        self.egress = egress
         self.leading = False  # while the duty of a term of this replica runs
         self._stopping = asyncio.Event()
         self._judged: list[Event] = []  # from the health round, for the next look
@@ -112,10 +118,7 @@ class WebhookService:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._http is None:
-            self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT_S),
-                connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT),
-            )
+            self._http = egress_session(self.egress, ATTEMPT_TIMEOUT_S, MAX_IN_FLIGHT)
         return self._http
 
     def stepped_down(self) -> None:
@@ -316,21 +319,20 @@ class WebhookService:
             SIGNATURE_HEADER: sign(hook["secret"], timestamp, body),
         }
         status: int | None = None
-        error: str | None = None
+        error = self.egress.url_refusal(hook["url"]) and REFUSED
         began = time.monotonic()
         try:
-            async with self._client().post(
-                hook["url"], data=body, headers=headers, allow_redirects=False
-            ) as answer:
-                status = answer.status
-                if not 200 <= status < 300:
-                    # At most a kilobyte of what it said: an endpoint may answer anything.
-                    said = (await answer.content.read(ANSWER_KEPT_BYTES)).decode("utf-8", "replace")
-                    error = f"answered {status}: {said[:200]}"
-        except TimeoutError:
-            error = f"no answer within {ATTEMPT_TIMEOUT_S:g} s"
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
-            error = repr(exc)[:300]
+            if error is None:
+                async with self._client().post(
+                    hook["url"], data=body, headers=headers, allow_redirects=False
+                ) as answer:
+                    status = answer.status
+                    # Its status, never its body: a reader of the namespace sees the error.
+                    error = None if 200 <= status < 300 else f"answered {status}"
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+            # One error for every failure to get an answer: an open port and a closed one
+            # look alike to whoever reads the deliveries.
+            error = REFUSED if _refused(exc) else NO_ANSWER
         duration = time.monotonic() - began
         try:
             state = await self.deliveries.attempted(doc, self.clock(), status, error, duration)
@@ -346,6 +348,18 @@ class WebhookService:
                 error=error,
                 state=state,
             )
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is the egress policy's refusal."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, EgressRefused) or isinstance(
+            getattr(seen, "os_error", None), EgressRefused
+        ):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 class WebhookDuty:

@@ -309,6 +309,9 @@ class Supervisor:
                 str(s.renew_deadline),
                 "--renew-interval",
                 str(s.renew_interval),
+                # A local cluster's webhooks go to receivers on this machine.
+                "--egress-allow",
+                "127.0.0.0/8,::1",
             ),
             announces="http://",
             env={**os.environ, **env} if env else None,
