@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 from aiohttp import web
@@ -33,8 +32,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise BadRequest(415, "Content-Type", "send the body as application/json")
     raw = await request.read()
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = fields.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(400, "body", f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest(422, "body", "the body must be a JSON object")

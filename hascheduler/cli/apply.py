@@ -46,6 +46,7 @@ from hascheduler.client.apply import (
     read_cluster,
     read_plan,
 )
+from hascheduler.core.fields import MAX_JSON_DEPTH, json_depth, loads
 from hascheduler.core.history import APPLY_ORIGIN
 from hascheduler.worker.app import APP_LABEL, WorkerApp, WorkerConfigError, load_app
 
@@ -187,12 +188,17 @@ def _parsed(texts: list[tuple[str, bytes]]) -> list[tuple[str, Any]]:
             continue
         try:
             if origin.endswith(".json"):
-                parsed = json.loads(text)
+                parsed = loads(text)
                 items = parsed if isinstance(parsed, list) else [parsed]
             else:
+                if json_depth(data) > MAX_JSON_DEPTH:
+                    raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
                 items = _yaml_documents(text)
         except (yaml.YAMLError, ValueError) as exc:
             problems.append(f"{origin}: {exc}")
+            continue
+        except RecursionError:  # block nesting, by indentation alone, past the parser
+            problems.append(f"{origin}: nested too deep to read")
             continue
         found += [(f"{origin}#{i + 1}", item) for i, item in enumerate(items)]
     if problems:

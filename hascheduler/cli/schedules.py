@@ -25,6 +25,7 @@ from hascheduler.cli.remote import (
 )
 from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.constants import MAX_PAGE
+from hascheduler.core.fields import loads
 from hascheduler.core.overlap import POLICIES
 
 
@@ -171,8 +172,8 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
 
 def _json_arg(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
+        return loads(text)
+    except ValueError as exc:
         raise Refused(f"{what} is not valid JSON: {exc}") from None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 from typing import Annotated, Any
 
@@ -94,18 +95,74 @@ def whole_ms(value: dt.datetime) -> dt.datetime:
 _INT64 = 2**63
 
 
+# How deep a request body may nest: a schedule's payload sits two levels into its
+# document, and BSON refuses a document nested past 100 levels.
+MAX_JSON_DEPTH = 64
+_OPENING, _CLOSING = frozenset(b"[{"), frozenset(b"]}")
+
+
+def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep ``raw`` (JSON text) nests, counted without parsing it, up to one past
+    ``limit``: a parser asked to read 60,000 brackets runs out of stack."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in _OPENING:
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif byte in _CLOSING:
+            depth -= 1
+    return deepest
+
+
+def not_a_number(name: str) -> Any:
+    """``json.loads``'s parse_constant: NaN and the infinities are not JSON numbers, and a
+    stored NaN read back as null."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads(raw: bytes | str) -> Any:
+    """JSON text as a value, refusing (ValueError, saying why) what no input may hold:
+    nesting past MAX_JSON_DEPTH, NaN and the infinities."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+    return json.loads(data, parse_constant=not_a_number)
+
+
 def storable(value: Any, path: str) -> None:
-    """Refuse what JSON allows but BSON cannot store: NUL in keys, integers beyond 64 bits."""
+    """Refuse what JSON allows but BSON cannot store: NUL in keys, integers beyond 64 bits,
+    numbers that are not finite (read back as null), nesting past MAX_JSON_DEPTH."""
+    _storable(value, path, 0)
+
+
+def _storable(value: Any, path: str, depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, dict):
         for key, item in value.items():
             if "\0" in key:
                 raise ValueError(f"{path}: field names cannot contain the NUL character")
-            storable(item, f"{path}.{key}")
+            _storable(item, f"{path}.{key}", depth + 1)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            storable(item, f"{path}[{i}]")
+            _storable(item, f"{path}[{i}]", depth + 1)
     elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
         raise ValueError(f"{path}: integers must fit in 64 bits")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}: numbers must be finite")
 
 
 def checked_payload(value: dict[str, Any]) -> dict[str, Any]:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.core.constants import MAX_TARGET_CHARS, TARGET_PATTERN
-from hascheduler.core.fields import NAMESPACE
+from hascheduler.core.fields import NAMESPACE, loads
 from hascheduler.core.flow import ConcurrencyLimit, KeyTemplateError, RateLimit
 from hascheduler.storage.run_records import FireRef
 
@@ -46,7 +45,7 @@ class Delivery:
 def read_delivery(subject: str, body: bytes) -> Delivery:
     """Raises NotAFire saying what is wrong."""
     try:
-        event = json.loads(body)
+        event = loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise NotAFire(f"not JSON: {exc}") from None
     if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
