@@ -8,6 +8,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.servers import ServerProcess, start_replica, with_database
@@ -182,3 +183,37 @@ def test_unreachable_api_exits_1() -> None:
     )
     assert result.returncode == 1
     assert "cannot reach the API" in result.stderr
+
+
+def test_a_stored_value_never_reaches_the_terminal_raw(replica: ServerProcess) -> None:
+    """An escape sequence in a name and a newline in a pause note or a reason are shown
+    escaped: no colour, no retitled terminal, no forged row."""
+    forged = "evil\x1b]0;owned\x07\x1b[31mred\nabc  9  fake-row"
+    sid = f"tty-{uuid.uuid4().hex[:6]}"
+    body = {
+        "id": sid,
+        "name": forged,
+        "target": "t.x",
+        "trigger": {"kind": "cron", "cron": "0 3 * * *"},
+    }
+    made = httpx.post(f"{replica.uri}/schedules", json=body, timeout=10)
+    assert made.status_code == 201, made.text
+    paused = httpx.post(
+        f"{replica.uri}/schedules/{sid}/pause",
+        json={"note": "why\nforged  row\x1b[2K"},
+        timeout=10,
+    )
+    assert paused.status_code == 200, paused.text
+    audit = [sys.executable, "-m", "hascheduler.cli", "audit-log", "--api", replica.uri]
+    for done in (
+        cli(replica, "list"),
+        subprocess.run(
+            [*audit, "--schedule", sid], capture_output=True, text=True, timeout=60, check=False
+        ),
+    ):
+        assert done.returncode == 0, done.stderr
+        assert "\x1b" not in done.stdout
+        assert "\x07" not in done.stdout
+        assert "\\x1b" in done.stdout
+        rows = [line for line in done.stdout.splitlines() if sid in line or "forged" in line]
+        assert all(sid in row for row in rows), rows  # no line of a value's own

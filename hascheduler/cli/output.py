@@ -1,9 +1,12 @@
-"""How the API's answers are shown in a terminal: tables, and JSON."""
+"""How the API's answers are shown in a terminal: tables, and JSON. A stored value is shown
+with its control characters escaped: a newline in a note, or an escape sequence in a
+schedule's name, never forges a row or reaches the terminal raw."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,10 +24,21 @@ def trigger_text(trigger: dict[str, Any]) -> str:
     return f"at {instants[0]}" + (f" (+{len(instants) - 1})" if len(instants) > 1 else "")
 
 
+# Characters that move the cursor, colour, rewrite or reorder what a terminal shows:
+# C0 and C1 controls, DEL, and the bidirectional overrides.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: object) -> str:
+    """``value`` as text a terminal shows as written: each control character escaped."""
+    return _UNPRINTABLE.sub(lambda m: m[0].encode("unicode_escape").decode(), str(value))
+
+
 def table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    cells = [[printable(c) for c in row] for row in rows]
+    widths = [max(len(c) for c in column) for column in zip(headers, *cells, strict=False)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from hascheduler.cli.output import shown, table
+from hascheduler.cli.output import printable, shown, table
 from hascheduler.cli.remote import Actions, Refused
 from hascheduler.client import AsyncClient
 from hascheduler.core.constants import MAX_PAGE
@@ -67,7 +67,7 @@ async def command(api: AsyncClient, args: argparse.Namespace) -> str | None:
             if args.json
             else (
                 f"webhook {made.id}: {', '.join(made.events)} of {made.namespace}"
-                f"{'/' + made.schedule_id if made.schedule_id else ''} to {made.url}\n"
+                f"{'/' + made.schedule_id if made.schedule_id else ''} to {printable(made.url)}\n"
                 f"secret (shown once): {made.secret}"
             )
         )
