@@ -97,6 +97,7 @@ def test_apply_creates_then_changes_nothing_then_updates_and_prunes(
     )
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.splitlines() == [
+        "prune: schedules labelled team=billing that no file declares, in default",
         f"~ update invoices  ({billing}#1)",
         "    jitter: 0.0 -> 5.0",
         "- delete dunning",

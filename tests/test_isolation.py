@@ -30,7 +30,7 @@ from hascheduler.api.access import (
     entry_line,
     read_access_file,
 )
-from hascheduler.core import constants
+from hascheduler.core import constants, history
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.egress import PUBLIC_ONLY
@@ -214,7 +214,10 @@ async def test_a_deleted_schedules_events_go_to_its_own_namespace(mongo_uri: str
                     "schedule_id": None,
                     "secret": "s" * 32,
                     "created_at": now,
-                }
+                },
+                history.record(
+                    history.WEBHOOK_CREATE, history.Actor("test"), now, namespace, "", None
+                ),
             )
         service = WebhookService(
             store,
@@ -392,3 +395,89 @@ async def test_an_id_freed_by_the_relay_while_it_is_created_again_is_free(
     finally:
         await client.drop_database(db.name)
         await client.close()
+
+
+def test_a_webhook_made_and_deleted_is_in_its_namespaces_trail_without_its_secret(
+    teams: Teams,
+) -> None:
+    a = {"Authorization": f"Bearer {teams.admin[TEAM_A]}"}
+    with httpx.Client(base_url=teams.url) as http:
+        made = http.post(
+            "/webhooks",
+            json={
+                "url": "https://bot:s3cret@hooks.example.com/a",
+                "events": ["run.dead"],
+                "namespace": TEAM_A,
+                "secret": "a" * 32,
+            },
+            headers=a,
+        )
+        assert made.status_code == 201, made.text
+        hook = made.json()["id"]
+        assert http.delete(f"/webhooks/{hook}", headers=a).status_code == 204
+        reader = {"Authorization": f"Bearer {teams.reader[TEAM_A]}"}
+        trail = http.get("/audit", headers=reader).json()["items"]
+        mine = [r for r in trail if r["detail"].get("webhook_id") == hook]
+        assert [(r["action"], r["actor"], r["namespace"]) for r in mine] == [
+            ("webhook.delete", f"admin-{TEAM_A}", TEAM_A),
+            ("webhook.create", f"admin-{TEAM_A}", TEAM_A),
+        ]
+        assert "s3cret" not in json.dumps(mine)
+        assert "a" * 32 not in json.dumps(mine)
+        other = {"Authorization": f"Bearer {teams.reader[TEAM_B]}"}
+        assert hook not in http.get("/audit", headers=other).text
+
+
+def test_a_client_cannot_relabel_its_change(teams: Teams) -> None:
+    """X-Change-Origin is the client's word about itself: the record keeps the change as
+    what it was, by the token's name; only a word the trail knows is kept, as via."""
+    a = {"Authorization": f"Bearer {teams.admin[TEAM_A]}"}
+    with httpx.Client(base_url=teams.url) as http:
+        for origin, via in (("apply", "apply"), ("system\nforged", None)):
+            sid = f"label-{uuid.uuid4().hex[:6]}"
+            made = http.post(
+                "/schedules",
+                json=_schedule(sid, TEAM_A),
+                headers={**a, "X-Change-Origin": origin.replace("\n", " ")},
+            )
+            assert made.status_code == 201, made.text
+            [record] = http.get(f"/schedules/{sid}/history", headers=a).json()["items"]
+            assert (record["action"], record["actor"]) == ("create", f"admin-{TEAM_A}")
+            assert record["detail"].get("via") == via
+
+
+def test_tokens_and_rules_the_access_file_changes_are_recorded(
+    mongo_uri: str, tmp_path: Path
+) -> None:
+    """A token added or revoked, and a namespace's rules changed, by editing the access
+    file: each is in the trail (actor access-file) once the replica has read it."""
+    ops = create_token("ops", frozenset({Action.ADMIN}), frozenset({"*"}))
+    newcomer = create_token("newcomer", frozenset({Action.READ}), frozenset({TEAM_A}))
+    path = tmp_path / "access.yaml"
+    path.write_text(f"tokens:\n{entry_line(ops.entry)}\n")
+    db_name = f"accessrec_{uuid.uuid4().hex[:8]}"
+    replica = start_replica(
+        with_database(mongo_uri, db_name), "accessrec", "--access-file", str(path)
+    )
+    try:
+        path.write_text(
+            f"tokens:\n{entry_line(ops.entry)}\n{entry_line(newcomer.entry)}\n"
+            f"namespaces:\n  {TEAM_A}: {{require_reason: true}}\n"
+        )
+        headers = {"Authorization": f"Bearer {ops.secret}"}
+
+        def actions() -> list[tuple[str, str]]:
+            items = httpx.get(f"{replica.uri}/audit", headers=headers, timeout=10).json()["items"]
+            return sorted(
+                (r["action"], r["namespace"]) for r in items if r["actor"] == "access-file"
+            )
+
+        wait_until_sync(lambda: len(actions()) == 2, 20, "the file's changes recorded")
+        assert actions() == [("namespace.rules", TEAM_A), ("token.add", TEAM_A)]
+        path.write_text(f"tokens:\n{entry_line(ops.entry)}\n")
+        wait_until_sync(lambda: len(actions()) == 4, 20, "the revocation recorded")
+        assert ("token.revoke", TEAM_A) in actions()
+    finally:
+        replica.stop(signal.SIGKILL)
+        with MongoClient(mongo_uri) as client:
+            client.drop_database(db_name)

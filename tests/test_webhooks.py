@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 from pymongo import AsyncMongoClient
 
+from hascheduler.core import history
 from hascheduler.core.egress import PUBLIC_ONLY
 from hascheduler.core.webhooks import (
     DELIVERY_HEADER,
@@ -381,7 +382,8 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
                 "schedule_id": None,
                 "secret": SECRET,
                 "created_at": now,
-            }
+            },
+            history.record(history.WEBHOOK_CREATE, history.Actor("test"), now, "default", "", None),
         )
         await service.find()
         assert ledger.notices.wanted == frozenset({"failed"})
@@ -590,7 +592,8 @@ async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
                 "schedule_id": None,
                 "secret": SECRET,
                 "created_at": now,
-            }
+            },
+            history.record(history.WEBHOOK_CREATE, history.Actor("test"), now, "default", "", None),
         )
         service = WebhookService(
             store,

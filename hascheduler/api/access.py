@@ -18,6 +18,8 @@ unauthenticated API is never reachable from another host.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import datetime as dt
 import enum
 import hashlib
 import hmac
@@ -35,6 +37,7 @@ from typing import Any
 
 import structlog
 
+from hascheduler.core import history
 from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.errors import ConfigError
 from hascheduler.core.fanout import COLLECTION as FAN_OUT_COLLECTION
@@ -527,6 +530,58 @@ class AccessFile:
     async def poll(self) -> None:
         """One look at the file (lifecycle.Every's step)."""
         self.reload_if_changed()
+
+    def changes(self, before: Access, at: dt.datetime) -> list[dict[str, Any]]:
+        """The audit records of what the file changed since ``before``: each token added
+        or revoked (once per namespace it reaches), each namespace's rules. Their ids come
+        from the change and the file's version, so every replica reading the same file
+        writes the same records, once."""
+        after, version = self.current, ":".join(map(str, self._stamp or ()))
+        records = []
+        for ids, action in (
+            (after.named.keys() - before.named.keys(), history.TOKEN_ADD),
+            (before.named.keys() - after.named.keys(), history.TOKEN_REVOKE),
+        ):
+            for token_id in sorted(ids):
+                grant = (after.named.get(token_id) or before.named[token_id]).grant
+                detail: dict[str, Any] = {
+                    "token": grant.name,
+                    "id": token_id,
+                    "actions": sorted(grant.actions),
+                    "namespaces": sorted(grant.namespaces),
+                }
+                records += [
+                    _file_record(action, namespace, detail, at, version)
+                    for namespace in sorted(grant.namespaces)
+                ]
+        for namespace in sorted(before.rules.keys() | after.rules.keys()):
+            was, now = before.rules.get(namespace), after.rules.get(namespace)
+            if was != now:
+                changed: dict[str, Any] = {"before": _rules_view(was), "after": _rules_view(now)}
+                records.append(
+                    _file_record(history.NAMESPACE_RULES, namespace, changed, at, version)
+                )
+        return records
+
+
+ACCESS_FILE_ACTOR = history.Actor("access-file")
+
+
+def _file_record(
+    action: str, namespace: str, detail: dict[str, Any], at: dt.datetime, version: str
+) -> dict[str, Any]:
+    made = history.record(action, ACCESS_FILE_ACTOR, at, namespace, "", None, detail=detail)
+    key = json.dumps([action, namespace, detail, version], sort_keys=True, default=str)
+    return {**made, "_id": hashlib.sha256(key.encode()).hexdigest()[:32]}
+
+
+def _rules_view(rules: NamespaceRules | None) -> dict[str, Any] | None:
+    if rules is None:
+        return None
+    view = dataclasses.asdict(rules)
+    if rules.fan_out_sources is not None:
+        view["fan_out_sources"] = sorted(rules.fan_out_sources)
+    return view
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,14 @@ def actor(request: web.Request) -> Actor:
     reason = request.headers.get("X-Reason")
     if reason is not None and (len(reason) > MAX_REASON_CHARS or not reason.strip()):
         raise BadRequest(422, "X-Reason", f"X-Reason is 1 to {MAX_REASON_CHARS} characters")
+    # The actor is the token's; X-Change-Origin is only the client's word about itself,
+    # kept (if it is one the trail knows) as the record's detail.via.
+    origin = request.headers.get("X-Change-Origin")
     return Actor(
-        grant_of(request).name, request.remote, reason, request.headers.get("X-Change-Origin")
+        grant_of(request).name,
+        request.remote,
+        reason,
+        origin if origin == history.APPLY_ORIGIN else None,
     )
 
 

@@ -19,7 +19,7 @@ from hascheduler.api.guards import (
     WEBHOOK,
     Guard,
 )
-from hascheduler.api.middleware import grant_of, readable_namespaces, require
+from hascheduler.api.middleware import change_by, grant_of, readable_namespaces, require
 from hascheduler.api.openapi import (
     NAMESPACE_PARAM,
     WRITE,
@@ -31,7 +31,7 @@ from hascheduler.api.route import Route
 from hascheduler.api.views import (
     shown_time,
 )
-from hascheduler.core import models
+from hascheduler.core import history, models
 from hascheduler.core.constants import (
     DEFAULT_PAGE,
     MAX_PAGE,
@@ -95,7 +95,7 @@ async def create_webhook(request: web.Request) -> web.Response:
         "created_by": grant_of(request).name,
     }
     try:
-        await store.create(doc)
+        await store.create(doc, _record(request, history.WEBHOOK_CREATE, doc))
     except WebhookExists:
         raise BadRequest(409, "id", f"a webhook {doc['_id']!r} exists") from None
     log.info(
@@ -106,6 +106,25 @@ async def create_webhook(request: web.Request) -> web.Response:
         by=doc["created_by"],
     )
     return as_json(_webhook_view(doc, secret), 201)
+
+
+def _record(request: web.Request, action: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """The audit record of a webhook made or deleted: what it was, never its secret."""
+    detail = {
+        "webhook_id": doc["_id"],
+        "url": shown_url(doc["url"]),
+        "events": doc["events"],
+        "schedule_id": doc.get("schedule_id"),
+    }
+    return history.record(
+        action,
+        change_by(request, doc["namespace"]),
+        now_of(request),
+        doc["namespace"],
+        doc.get("schedule_id") or "",
+        None,
+        detail=detail,
+    )
 
 
 async def list_webhooks(request: web.Request) -> web.Response:
@@ -128,7 +147,7 @@ async def get_webhook(request: web.Request) -> web.Response:
 async def delete_webhook(request: web.Request) -> web.Response:
     store, deliveries = webhooks_of(request)
     doc = await _webhook(request)
-    await store.delete(doc["_id"])
+    await store.delete(doc["_id"], _record(request, history.WEBHOOK_DELETE, doc))
     await deliveries.forget(doc["_id"])
     log.info("webhook_deleted", webhook=doc["_id"], by=grant_of(request).name)
     return web.Response(status=204)

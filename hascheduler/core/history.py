@@ -22,6 +22,9 @@ from hascheduler.core.instants import as_utc
 CREATE, UPDATE, DELETE, RESTORE, APPLY = "create", "update", "delete", "restore", "apply"
 PAUSE, RESUME, COMPLETE = "pause", "resume", "complete"
 TRIGGER, BACKFILL, CANCEL, RETRY = "trigger", "backfill", "cancel", "retry"
+# Changes that are not a schedule's: a webhook's, and the access file's tokens and rules.
+WEBHOOK_CREATE, WEBHOOK_DELETE = "webhook.create", "webhook.delete"
+TOKEN_ADD, TOKEN_REVOKE, NAMESPACE_RULES = "token.add", "token.revoke", "namespace.rules"
 ACTIONS = (
     CREATE,
     UPDATE,
@@ -35,9 +38,16 @@ ACTIONS = (
     BACKFILL,
     CANCEL,
     RETRY,
+    WEBHOOK_CREATE,
+    WEBHOOK_DELETE,
+    TOKEN_ADD,
+    TOKEN_REVOKE,
+    NAMESPACE_RULES,
 )
 MAX_REASON_CHARS = 500
-# What `hascheduler apply` sends as X-Change-Origin: its writes are recorded as "apply".
+# What `hascheduler apply` sends as X-Change-Origin. A client says it: the record keeps the
+# change as what it was, naming the client's word as ``detail.via`` (APPLY is the action
+# of records written before).
 APPLY_ORIGIN = "apply"
 
 
@@ -89,9 +99,8 @@ def record(
 ) -> dict[str, Any]:
     """One audit record. ``revision``: the schedule's revision after the change (None for
     a change to its runs, which leaves the schedule as it was)."""
-    if actor.origin == APPLY_ORIGIN and action in (CREATE, UPDATE, DELETE):
-        detail = {**(detail or {}), "change": action}
-        action = APPLY
+    if actor.origin is not None:
+        detail = {**(detail or {}), "via": actor.origin}
     return {
         "_id": uuid.uuid4().hex,
         "at": at,

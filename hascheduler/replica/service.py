@@ -300,7 +300,7 @@ class Replica:
         counts = FireCounts(db[FIRE_COUNTS])
         self.audit = audit = AuditLog(
             db[AUDIT],
-            [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
+            [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS], db[WEBHOOKS]],
             settings.audit_retention_days,
         )
         store = ScheduleStore(
@@ -448,7 +448,13 @@ class Replica:
         lifecycle.start(stack, "mirror", mirror)
         lifecycle.start(stack, "audit relay", audit)
         if settings.access_file is not None:
-            lifecycle.start(stack, "access file", Every(ACCESS_POLL_S, access.poll))
+
+            async def poll_access() -> None:
+                before = access.current
+                if access.reload_if_changed():
+                    await audit.insert(access.changes(before, server_clock.now()))
+
+            lifecycle.start(stack, "access file", Every(ACCESS_POLL_S, poll_access))
         stack.push_async_callback(
             lifecycle.bounded, "leaving the members", lambda: members.leave(settings.replica_id)
         )
@@ -540,7 +546,7 @@ async def _indexes(store: ScheduleStore, db: Any, settings: ReplicaSettings) -> 
     await Deliveries(db[DELIVERIES]).ensure_indexes()
     await AuditLog(
         db[AUDIT],
-        [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS]],
+        [db[SCHEDULES], db[FIRES], db[RUNS], db[BACKFILLS], db[WEBHOOKS]],
         settings.audit_retention_days,
     ).ensure_indexes()
     await Members(db[MEMBERS]).ensure_indexes(HEARTBEAT_TTL_S)

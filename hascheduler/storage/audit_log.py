@@ -79,6 +79,12 @@ class AuditLog:
         for key in ("schedule_id", "namespace", "actor"):
             await self.records.create_index([(key, 1), ("at", -1)], name=f"{key}_at")
 
+    async def insert(self, records: list[dict[str, Any]]) -> None:
+        """Records of changes made outside the database (the access file's), straight
+        into the trail; one already there (another replica's) stays as it is."""
+        if records:
+            await insert_new(self.records, records)
+
     def wake(self) -> None:
         """A change was just written: relay soon, with whatever else is pending."""
         self._wake.set()

@@ -25,6 +25,7 @@ from hascheduler.core.webhooks import (
     delivery_id,
     retry_in_s,
 )
+from hascheduler.storage.audit_log import DELETED, LIVE, OUTBOX, recording, with_record
 from hascheduler.storage.bulk import insert_new
 from hascheduler.storage.collection import Collection
 
@@ -47,27 +48,34 @@ class WebhookStore:
     async def ensure_indexes(self) -> None:
         await self.webhooks.create_index([("namespace", ASCENDING)], name="namespace")
 
-    async def create(self, doc: dict[str, Any]) -> None:
-        """Raises WebhookExists."""
+    async def create(self, doc: dict[str, Any], record: dict[str, Any]) -> None:
+        """Raises WebhookExists. ``record``: the audit trail's, in the same write."""
         try:
-            await self.webhooks.insert_one(doc)
+            await self.webhooks.insert_one(with_record(doc, record))
         except DuplicateKeyError:
             raise WebhookExists(doc["_id"]) from None
 
     async def get(self, webhook_id: str) -> dict[str, Any] | None:
-        doc: dict[str, Any] | None = await self.webhooks.find_one({"_id": webhook_id})
+        doc: dict[str, Any] | None = await self.webhooks.find_one(
+            {"_id": webhook_id, **LIVE}, {OUTBOX: 0}
+        )
         return doc
 
     async def in_namespaces(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
-        query = {} if namespaces is None else {"namespace": {"$in": namespaces}}
-        return [d async for d in self.webhooks.find(query).sort("_id", ASCENDING)]
+        query = {**LIVE} if namespaces is None else {"namespace": {"$in": namespaces}, **LIVE}
+        return [d async for d in self.webhooks.find(query, {OUTBOX: 0}).sort("_id", ASCENDING)]
 
-    async def delete(self, webhook_id: str) -> bool:
-        return bool((await self.webhooks.delete_one({"_id": webhook_id})).deleted_count)
+    async def delete(self, webhook_id: str, record: dict[str, Any]) -> bool:
+        """A tombstone carrying ``record`` until the trail has it (the relay then removes
+        it); whether there was a webhook to delete."""
+        done = await self.webhooks.update_one(
+            {"_id": webhook_id, **LIVE}, recording({"$set": {DELETED: True}}, record)
+        )
+        return bool(done.modified_count)
 
     async def subscriptions(self) -> tuple[list[Subscription], dict[str, dict[str, Any]]]:
         """Every webhook as what it receives, and each one's document (url, secret)."""
-        docs = {d["_id"]: d async for d in self.webhooks.find({})}
+        docs = {d["_id"]: d async for d in self.webhooks.find({**LIVE}, {OUTBOX: 0})}
         return [
             Subscription(i, frozenset(d["events"]), d["namespace"], d.get("schedule_id"))
             for i, d in docs.items()
