@@ -46,7 +46,7 @@ from hascheduler.storage.run_records import FireRef, Outcome
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookStore
-from tests.servers import start_replica, with_database
+from tests.servers import ServerProcess, start_replica, with_database
 from tests.waiting import wait_until_sync
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hascheduler"
@@ -481,3 +481,96 @@ def test_tokens_and_rules_the_access_file_changes_are_recorded(
         replica.stop(signal.SIGKILL)
         with MongoClient(mongo_uri) as client:
             client.drop_database(db_name)
+
+
+@dataclass
+class Guarded:
+    replica: ServerProcess
+    writer: str  # may write in team-a, not read
+    tokens: list[str]  # two admins of team-a, behind one address
+
+
+@pytest.fixture(scope="module")
+def guarded(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
+    """A replica with /metrics for read tokens only and a write limit of one write a
+    second per token."""
+    writer = create_token("writer", frozenset({Action.WRITE}), frozenset({TEAM_A}))
+    admins = [
+        create_token(f"admin-{i}", frozenset({Action.ADMIN}), frozenset({TEAM_A})) for i in (1, 2)
+    ]
+    path = tmp_path_factory.mktemp("guarded") / "access.yaml"
+    path.write_text("tokens:\n" + "".join(entry_line(t.entry) + "\n" for t in (writer, *admins)))
+    db_name = f"guarded_{uuid.uuid4().hex[:8]}"
+    replica = start_replica(
+        with_database(mongo_uri, db_name),
+        "guarded",
+        "--access-file",
+        str(path),
+        "--metrics-need-token",
+        "--write-rate",
+        "0.2",
+        "--write-burst",
+        "2",
+    )
+    try:
+        yield Guarded(replica, writer.secret, [t.secret for t in admins])
+    finally:
+        replica.stop(signal.SIGKILL)
+        with MongoClient(mongo_uri) as client:
+            client.drop_database(db_name)
+
+
+def test_a_write_only_token_gets_no_document_back(guarded: Guarded) -> None:
+    w = {"Authorization": f"Bearer {guarded.writer}"}
+    with httpx.Client(base_url=guarded.replica.uri) as http:
+        sid = f"wo-{uuid.uuid4().hex[:6]}"
+        made = http.post("/schedules", json=_schedule(sid, TEAM_A, payload={"k": "v"}), headers=w)
+        assert made.status_code == 201, made.text
+        assert made.json() == {"id": sid, "revision": 1}
+        patched = http.patch(f"/schedules/{sid}", json={}, headers=w)
+        assert patched.json() == {"id": sid, "revision": patched.json()["revision"]}
+        assert "payload" not in patched.text
+        assert http.get(f"/schedules/{sid}", headers=w).status_code == 403
+
+
+def test_metrics_can_need_a_token(guarded: Guarded) -> None:
+    with httpx.Client(base_url=guarded.replica.uri) as http:
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        writer = {"Authorization": f"Bearer {guarded.writer}"}
+        assert http.get("/metrics", headers=writer).status_code == 403
+        admin = {"Authorization": f"Bearer {guarded.tokens[0]}"}
+        answer = http.get("/metrics", headers=admin)
+        assert answer.status_code == 200
+        assert "hascheduler_" in answer.text
+
+
+def test_one_token_spending_its_writes_leaves_another_behind_the_same_address_its_own(
+    guarded: Guarded,
+) -> None:
+    first, second = ({"Authorization": f"Bearer {t}"} for t in guarded.tokens)
+    with httpx.Client(base_url=guarded.replica.uri) as http:
+
+        def create(headers: dict[str, str]) -> int:
+            body = _schedule(f"wl-{uuid.uuid4().hex[:6]}", TEAM_A)
+            return http.post("/schedules", json=body, headers=headers).status_code
+
+        codes = [create(first) for _ in range(4)]
+        assert codes[:2] == [201, 201]
+        assert 429 in codes[2:]
+        assert create(second) == 201
+
+
+def test_an_over_long_authorization_header_is_never_logged(guarded: Guarded) -> None:
+    secret = "SECRET" + uuid.uuid4().hex
+    headers = {"Authorization": f"Bearer hst_0123456789abcdef_{secret}{'A' * 9000}"}
+    answer = httpx.get(f"{guarded.replica.uri}/schedules", headers=headers, timeout=10)
+    assert answer.status_code in (400, 431)
+    log_path = guarded.replica.log_path
+    assert log_path is not None
+
+    def logged() -> str:
+        return Path(log_path).read_text(errors="replace")
+
+    wait_until_sync(lambda: "http_request_malformed" in logged(), 10, "the refusal logged")
+    assert secret not in logged()

@@ -8,15 +8,15 @@ from typing import Any
 
 from aiohttp import web
 
-from hascheduler.api.access import Action
+from hascheduler.api.access import Action, Denied, authenticate, refusal
 from hascheduler.api.context import Cluster, cluster_of, context
-from hascheduler.api.errors import problem
+from hascheduler.api.errors import Forbidden, problem
 from hascheduler.api.guards import (
     CLUSTER_WIDE,
     SCHEDULE,
     Guard,
 )
-from hascheduler.api.middleware import grant_of
+from hascheduler.api.middleware import denied_response, grant_of
 from hascheduler.api.openapi import (
     ref,
     responses,
@@ -36,6 +36,13 @@ from hascheduler.storage.lease import read_lease
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The metrics; with ``serve --metrics-need-token``, to a token that may read."""
+    if context(request).metrics_need_token:
+        grant = authenticate(context(request).access.current, request.headers.get("Authorization"))
+        if isinstance(grant, Denied):
+            return denied_response(grant)
+        if not grant.can(Action.READ):
+            raise Forbidden(refusal(grant, Action.READ, None).title, Action.READ, None)
     body = context(request).metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
@@ -193,7 +200,7 @@ ROUTES: list[Route] = [
         metrics,
         OPEN,
         {
-            "summary": "Prometheus metrics (no token needed)",
+            "summary": "Prometheus metrics (no token needed, unless serve --metrics-need-token)",
             "security": [],
             "responses": {"200": {"description": "text exposition format"}},
         },

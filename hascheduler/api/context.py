@@ -123,6 +123,7 @@ class Context:
     sources: SourceMirrors | None = None
     server_clock: ServerClock | None = None
     egress: EgressPolicy = PUBLIC_ONLY  # where a webhook's URL may point
+    metrics_need_token: bool = False  # GET /metrics only to a token that may read
 
 
 CONTEXT = web.AppKey("context", Context)

@@ -32,7 +32,7 @@ WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 GRANT = web.RequestKey("grant", Grant)
 
 
-def _denied(denied: Denied) -> web.Response:
+def denied_response(denied: Denied) -> web.Response:
     response = problem(denied.status, denied.title)
     response.headers.update(denied.headers)
     return response
@@ -84,7 +84,7 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
         return answer
     grant = authenticate(context(request).access.current, request.headers.get("Authorization"))
     if isinstance(grant, Denied):
-        return _denied(grant)
+        return denied_response(grant)
     request[GRANT] = grant
     if not grant.can(guard.action):
         raise Forbidden(refusal(grant, guard.action, None).title, guard.action, None)
@@ -97,8 +97,10 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
         if namespace is not None:
             require(request, guard.action, namespace)
     if request.method in WRITE_METHODS:
+        # A bucket per token and address: one team behind a shared address (a NAT, a
+        # proxy) cannot spend another's writes.
         client = request.remote or "unknown"
-        wait = context(request).limiter.take(client)
+        wait = context(request).limiter.take(f"{grant.name}@{client}")
         if wait > 0:
             limit = context(request).limiter.limit
             response = problem(

@@ -115,6 +115,7 @@ def create_app(  # noqa: PLR0913 (the composition root of the API: every part it
     server_clock: ServerClock | None = None,
     trace_url: str | None = None,
     egress: EgressPolicy = PUBLIC_ONLY,
+    metrics_need_token: bool = False,
 ) -> web.Application:
     api = web.Application(
         middlewares=[observe_requests, error_middleware, access_control, known_query],
@@ -143,6 +144,7 @@ def create_app(  # noqa: PLR0913 (the composition root of the API: every part it
         sources=sources,
         server_clock=server_clock,
         egress=egress,
+        metrics_need_token=metrics_need_token,
     )
     for route in ROUTES:
         api.router.add_route(route.method, route.path, route.handler)

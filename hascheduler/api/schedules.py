@@ -21,7 +21,13 @@ from hascheduler.api.guards import (
     SCHEDULE,
     Guard,
 )
-from hascheduler.api.middleware import actor, change_by, readable_namespaces, require
+from hascheduler.api.middleware import (
+    actor,
+    change_by,
+    grant_of,
+    readable_namespaces,
+    require,
+)
 from hascheduler.api.openapi import (
     IDEMPOTENCY_KEY_HEADER,
     IF_MATCH_HEADER,
@@ -63,8 +69,16 @@ log = structlog.get_logger("hascheduler.api")
 
 
 def _schedule_response(
-    schedule: models.Schedule, status: int = 200, **headers: str
+    request: web.Request, schedule: models.Schedule, status: int = 200, **headers: str
 ) -> web.Response:
+    """The schedule as written; to a token that may not read its namespace (write only),
+    its id and revision alone: a write is no way to read."""
+    if not grant_of(request).allows(Action.READ, schedule.namespace):
+        return web.json_response(
+            {"id": schedule.id, "revision": schedule.revision},
+            status=status,
+            headers={"ETag": f'"{schedule.revision}"', **headers},
+        )
     return as_json(schedule, status, ETag=f'"{schedule.revision}"', **headers)
 
 
@@ -125,7 +139,7 @@ async def create_schedule(request: web.Request) -> web.Response:
     await _check_quota(request, new.namespace, 1)
     await _check_fan_out(request, new)
     schedule = await context(request).store.create(new, now, who)
-    return _schedule_response(schedule, 201, Location=f"/schedules/{schedule.id}")
+    return _schedule_response(request, schedule, 201, Location=f"/schedules/{schedule.id}")
 
 
 async def create_schedules(request: web.Request) -> web.Response:
@@ -178,7 +192,7 @@ async def schedule_health(request: web.Request) -> web.Response:
 
 
 async def get_schedule(request: web.Request) -> web.Response:
-    return _schedule_response(await context(request).store.get(request.match_info["id"]))
+    return _schedule_response(request, await context(request).store.get(request.match_info["id"]))
 
 
 async def put_schedule(request: web.Request) -> web.Response:
@@ -193,7 +207,7 @@ async def put_schedule(request: web.Request) -> web.Response:
     schedule = await context(request).store.replace(
         request.match_info["id"], fields, now, expected_revision(request), who
     )
-    return _schedule_response(schedule)
+    return _schedule_response(request, schedule)
 
 
 async def _schedule_actor(
@@ -267,7 +281,7 @@ async def patch_schedule(request: web.Request) -> web.Response:
     schedule = await store.replace(
         schedule_id, fields, now, expected if expected is not None else current.revision, who
     )
-    return _schedule_response(schedule)
+    return _schedule_response(request, schedule)
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
@@ -293,7 +307,7 @@ async def pause_schedule(request: web.Request) -> web.Response:
     schedule = await context(request).store.pause(
         schedule_id, now, who, wanted.note, wanted.until, expected_revision(request)
     )
-    return _schedule_response(schedule)
+    return _schedule_response(request, schedule)
 
 
 async def resume_schedule(request: web.Request) -> web.Response:
@@ -304,7 +318,7 @@ async def resume_schedule(request: web.Request) -> web.Response:
         expected_revision(request),
         await _schedule_actor(request, schedule_id),
     )
-    return _schedule_response(schedule)
+    return _schedule_response(request, schedule)
 
 
 async def next_fires(request: web.Request) -> web.Response:
@@ -408,7 +422,7 @@ async def restore_schedule(request: web.Request) -> web.Response:
         dataclasses.replace(who, origin=None),
         history.RESTORE,
     )
-    return _schedule_response(schedule)
+    return _schedule_response(request, schedule)
 
 
 ROUTES: list[Route] = [

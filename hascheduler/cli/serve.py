@@ -186,6 +186,14 @@ SETTINGS = (
         "public addresses (loopback, link-local and private ones are refused otherwise)",
     ),
     Setting(
+        "--metrics-need-token",
+        False,
+        boolean,
+        "serve GET /metrics only to a token that may read (off: scrapers on a private "
+        "network read it without one)",
+        switch=True,
+    ),
+    Setting(
         "--audit-redact-payloads",
         False,
         boolean,
@@ -261,6 +269,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
         tls_cert_file=v["tls_cert_file"],
         tls_key_file=v["tls_key_file"],
         egress=v["egress_allow"],
+        metrics_need_token=v["metrics_need_token"],
     )
 
 

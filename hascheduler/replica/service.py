@@ -108,6 +108,7 @@ class ReplicaSettings:
     # How well the database's clock must be known to lead (core/clock.py).
     clock_tolerance_s: float = DEFAULT_TOLERANCE_S
     egress: EgressPolicy = PUBLIC_ONLY  # where webhooks may be sent (core/egress.py)
+    metrics_need_token: bool = False  # GET /metrics only to a token that may read
 
     @property
     def listen_host(self) -> str:
@@ -413,6 +414,7 @@ class Replica:
             sources=sources,
             trace_url=settings.trace_url,
             egress=settings.egress,
+            metrics_need_token=settings.metrics_need_token,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
