@@ -34,6 +34,11 @@ class Cluster:
     ids: dict[str, str]  # scope -> an id of that kind in HOME
 
 
+# In HOME's data only (a payload, a webhook's URL, a fire run now's payload): no answer to
+# a token of OTHER, nor to none, may hold it.
+MARK = f"home-only-{uuid.uuid4().hex}"
+
+
 def _schedule(schedule_id: str, namespace: str = HOME) -> dict[str, Any]:
     return {
         "id": schedule_id,
@@ -41,6 +46,7 @@ def _schedule(schedule_id: str, namespace: str = HOME) -> dict[str, Any]:
         "target": "matrix.job",
         "namespace": namespace,
         "trigger": {"kind": "cron", "cron": "0 3 * * *", "timezone": "UTC"},
+        "payload": {"mark": MARK},
     }
 
 
@@ -79,7 +85,9 @@ def _resources(replica: ServerProcess) -> dict[str, str]:
         assert http.post("/schedules", json=_schedule("home")).status_code == 201
         assert http.post("/schedules", json=_schedule("home-gone")).status_code == 201
         wait_until_sync(lambda: http.get("/readyz").status_code == 200, 30, "the replica ready")
-        fire = http.post("/schedules/home/trigger", json={}).json()["fire_id"]
+        fire = http.post("/schedules/home/trigger", json={"payload": {"mark": MARK}}).json()[
+            "fire_id"
+        ]
         end = dt.datetime.now(dt.UTC).replace(microsecond=0)
         backfill = http.post(
             "/schedules/home/backfill",
@@ -97,32 +105,71 @@ def _resources(replica: ServerProcess) -> dict[str, str]:
 
 
 def _webhook() -> dict[str, Any]:
-    return {"url": "http://hooks.example.com/hook", "events": ["run.dead"], "namespace": HOME}
+    return {
+        "url": f"http://hooks.example.com/hook/{MARK}",
+        "events": ["run.dead"],
+        "namespace": HOME,
+    }
+
+
+def _backfill() -> dict[str, Any]:
+    end = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    return {"start": (end - dt.timedelta(days=1)).isoformat(), "end": end.isoformat()}
+
+
+# The body of every route that takes one: a route added with a body and no row here fails
+# test_every_route_taking_a_body_has_a_row.
+BODIES: dict[tuple[str, str], Any] = {
+    ("POST", "/schedules"): lambda: _schedule(f"new-{uuid.uuid4().hex[:8]}"),
+    ("POST", "/schedules:batch"): lambda: {"schedules": [_schedule(f"new-{uuid.uuid4().hex[:8]}")]},
+    ("PUT", "/schedules/{id}"): lambda: {k: v for k, v in _schedule("home").items() if k != "id"},
+    ("PATCH", "/schedules/{id}"): lambda: {"jitter": 1},
+    ("POST", "/schedules/{id}/pause"): lambda: {"note": "matrix"},
+    ("POST", "/schedules/{id}/trigger"): lambda: {},
+    ("POST", "/schedules/{id}/backfill"): _backfill,
+    ("POST", "/schedules/{id}/restore"): lambda: {"revision": 1},
+    ("POST", "/webhooks"): _webhook,
+}
 
 
 def _request(route: Route, ids: dict[str, str]) -> dict[str, Any]:
     """The request for ``route`` against HOME's resources."""
     path = route.path.replace("{id}", ids.get(route.guard.scope, "home"))
     params = {"namespace": HOME} if route.guard.scope == guards.LISTING else {}
-    body: Any = None
-    if route.method in ("POST", "PUT", "PATCH"):
-        body = {}
-        if route.path == "/schedules":
-            body = _schedule(f"new-{uuid.uuid4().hex[:8]}")
-        elif route.path == "/webhooks":
-            body = _webhook()
-        elif route.path == "/schedules:batch":
-            body = {"schedules": [_schedule(f"new-{uuid.uuid4().hex[:8]}")]}
-        elif route.method == "PUT":
-            body = {k: v for k, v in _schedule("home").items() if k != "id"}
-        elif route.method == "PATCH":
-            body = {"jitter": 1}
-        elif route.path.endswith("/restore"):
-            body = {"revision": 1}
-        elif route.path.endswith("/backfill"):
-            end = dt.datetime.now(dt.UTC).replace(microsecond=0)
-            body = {"start": (end - dt.timedelta(days=1)).isoformat(), "end": end.isoformat()}
+    row = BODIES.get((route.method, route.path))
+    body: Any = row() if row is not None else ({} if route.method != "GET" else None)
     return {"method": route.method, "url": path, "params": params, "json": body}
+
+
+def test_every_route_taking_a_body_has_a_row() -> None:
+    assert set(BODIES) == {(r.method, r.path) for r in ROUTES if "requestBody" in r.operation}
+
+
+def test_no_answer_outside_home_holds_a_trace_of_homes_data(cluster: Cluster) -> None:
+    """Every route, as every token of OTHER and as none: no answer (a refusal, a list, the
+    dashboard, the open routes) holds anything of HOME's data."""
+    tried = 0
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        home = {"Authorization": f"Bearer {cluster.secrets[Action.READ, HOME]}"}
+        for seen in ("/schedules/home", f"/webhooks/{cluster.ids[guards.WEBHOOK]}"):
+            assert MARK in http.get(seen, headers=home).text  # the mark is there to find
+        for route in sorted(ROUTES, key=lambda r: r.method == "DELETE"):
+            for headers in [
+                {},
+                *(
+                    {"Authorization": f"Bearer {cluster.secrets[action, OTHER]}"}
+                    for action in ACTIONS
+                ),
+            ]:
+                request = _request(route, cluster.ids)
+                if route.guard.scope == guards.LISTING:
+                    request["params"] = {}
+                answer = http.request(**request, headers=headers)
+                where = f"{route.method} {route.path} as {headers or 'nobody'}"
+                assert answer.status_code < 500, f"{where}: {answer.status_code}"
+                assert MARK not in answer.text, where
+                tried += 1
+    assert tried == len(ROUTES) * (len(ACTIONS) + 1)
 
 
 def _guarded() -> list[Route]:
