@@ -18,6 +18,10 @@ from hascheduler_dev.devcluster.supervisor import EPHEMERAL_RANGE, LOWEST_PORT, 
 
 from hascheduler.brokers.nats.reader import stream_leader
 from hascheduler.core.audit import audit
+from hascheduler.core.catchup import plan_catchups
+from hascheduler.core.entries import entry_from_document
+from hascheduler.core.fire_queue import next_due
+from hascheduler.core.triggers import jitter_offset
 from tests.servers import DevCluster, start_nats
 from tests.waiting import wait_until_sync
 
@@ -50,6 +54,47 @@ def test_audit_counts_each_due_fire_once() -> None:
     report = audit(schedules, events, since, until)
     assert report.ok, report.as_dict()
     assert report.expected == report.delivered == 7
+
+
+@pytest.mark.parametrize("jitter", [0.0, 3.0])
+@pytest.mark.parametrize("trigger", ["anchored", "cron"])
+def test_the_audit_expects_what_the_scheduler_fires_from_a_schedules_creation(
+    trigger: str, jitter: float
+) -> None:
+    """One rule (made_since): a schedule's fires are those due strictly after its creation
+    (an interval anchored at its creation does not fire at that instant). The audit over
+    a window starting before, at and after the creation expects exactly what the live
+    queue and a catch-up fire."""
+    created = T0 + dt.timedelta(seconds=30)
+    doc = {
+        **schedule("s", 1, jitter),
+        "created_at": created,
+        "trigger": (
+            {"kind": "interval", "every": 5.0, "start_at": created}
+            if trigger == "anchored"
+            else {"kind": "cron", "cron": "* * * * *", "timezone": "UTC"}
+        ),
+    }
+    entry = entry_from_document(doc)
+    until = created + dt.timedelta(minutes=5)
+    watermark = created - dt.timedelta(minutes=5)
+    caught, _ = plan_catchups([("s", entry)], watermark, until, {"s": created})
+    fired = {d.nominal for d in caught}
+    queued, after = set(), created
+    while (due := next_due("s", entry, after)) is not None and due.fire_at <= until:
+        queued.add(due.nominal)
+        after = due.fire_at
+    assert fired == queued
+    assert min(fired) > created - dt.timedelta(seconds=jitter)
+    for since in (created - dt.timedelta(seconds=20), created, created + dt.timedelta(seconds=7)):
+        events = [
+            {"data": {"schedule_id": "s", "nominal_at": n.isoformat()}}
+            for n in fired
+            if since <= n + jitter_offset("s", n, jitter) <= until
+        ]
+        report = audit([doc], events, since, until)
+        assert report.ok, (since, report.as_dict())
+        assert report.expected == len(events) > 0
 
 
 def test_audit_finds_missing_duplicated_and_unexpected() -> None:
@@ -324,6 +369,16 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         )
         assert alone.returncode == 0, alone.stderr
         assert json.loads(alone.stdout) == report
+        # A window from before the schedule existed (the natural choice) and one from its
+        # creation: the audit expects nothing before it, nor at its instant.
+        created = dt.datetime.fromisoformat(
+            json.loads(cli("schedules", "get", "tick").stdout)["created_at"]
+        )
+        for start in (created - dt.timedelta(seconds=5), created):
+            early = cli(
+                "dev", "audit", "--since", start.isoformat(), "--until", until.isoformat(), "--json"
+            )
+            assert early.returncode == 0, early.stdout
         too_few = cli(
             "audit",
             "--since",

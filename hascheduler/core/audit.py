@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hascheduler.core.entries import entry_from_document
-from hascheduler.core.triggers import fire_times, jitter_offset
+from hascheduler.core.instants import as_utc
+from hascheduler.core.triggers import fire_times, jitter_offset, made_since
 
 FireKey = tuple[str, str]  # (schedule id, nominal time as ISO-8601)
 
@@ -75,16 +76,19 @@ def _key_time(moment: dt.datetime) -> str:
 def expected_fires(
     schedules: list[dict[str, Any]], since: dt.datetime, until: dt.datetime
 ) -> dict[FireKey, dt.datetime]:
-    """Every unpaused schedule's fires due in [since, until], with their due times."""
+    """Every unpaused schedule's fires due in [since, until], with their due times: only
+    those due after its creation (made_since: the scheduler's own rule)."""
     due: dict[FireKey, dt.datetime] = {}
     for doc in schedules:
         entry = entry_from_document(doc)
         if entry.paused:
             continue
+        created = doc.get("created_at")
+        created = as_utc(created) if isinstance(created, dt.datetime) else None
         start = since - dt.timedelta(seconds=entry.jitter) - dt.timedelta(microseconds=1)
         for nominal in fire_times(entry.trigger, start, until=until, limit=100_000):
             at = nominal + jitter_offset(doc["_id"], nominal, entry.jitter)
-            if since <= at <= until:
+            if since <= at <= until and made_since(at, created):
                 due[(doc["_id"], _key_time(nominal.astimezone(dt.UTC)))] = at
     return due
 

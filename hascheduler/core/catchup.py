@@ -18,6 +18,7 @@ from hascheduler.core.triggers import (
     jitter_offset,
     just_before,
     latest_at_or_before,
+    made_since,
 )
 
 # What one catch-up may replay for one schedule with policy 'all' (its window over its
@@ -179,7 +180,7 @@ def _dues(
         if entry.paused_at(nominal):
             continue
         fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-        if fire_at <= now and (after is None or fire_at > after):
+        if fire_at <= now and made_since(fire_at, after):
             due.append(Due(fire_at, nominal, schedule_id, entry.revision))
     return due
 
@@ -226,7 +227,7 @@ def plan_catchups(
                 skip = _less_handled(schedule_id, entry, skip, since)
             if skip is not None:
                 skipped.append((schedule_id, skip))
-        to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now)
+        to_fire += _dues(schedule_id, entry, itertools.chain(late, fire), now, born)
     return to_fire, skipped
 
 

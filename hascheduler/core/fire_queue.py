@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 from hascheduler.core.entries import Entry
-from hascheduler.core.triggers import fire_times, jitter_offset
+from hascheduler.core.triggers import fire_times, jitter_offset, made_since
 
 # Entries walked between two steps of ``seed``: computing every schedule's next fire takes
 # seconds at 100k schedules, and the lease must keep renewing meanwhile (a blocked loop
@@ -49,7 +49,7 @@ def next_due(schedule_id: str, entry: Entry, after: dt.datetime) -> Due | None:
     start = after - dt.timedelta(seconds=entry.jitter)
     for nominal in fire_times(entry.trigger, start, limit=10_000):
         fire_at = nominal + jitter_offset(schedule_id, nominal, entry.jitter)
-        if fire_at > after:
+        if made_since(fire_at, after):
             return Due(fire_at, nominal, schedule_id, entry.revision)
     return None
 

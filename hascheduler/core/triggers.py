@@ -522,3 +522,11 @@ def parse_duration(text: str) -> float:
         + parts.get("minutes", 0) * 60
         + parts.get("seconds", 0)
     )
+
+
+def made_since(fire_at: dt.datetime, created_at: dt.datetime | None) -> bool:
+    """Whether a fire due at ``fire_at`` (its jittered time) is one of a schedule created
+    at ``created_at`` (None: not known): a schedule's fires are those due strictly after
+    its creation, so an interval anchored at its creation does not fire at that instant.
+    The one rule the live queue (next_due), the catch-up, the audit and /next keep."""
+    return created_at is None or fire_at > created_at
