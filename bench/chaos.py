@@ -1052,7 +1052,7 @@ async def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         nats_cluster=args.nats_cluster,
         network=args.partitions,
-        worker_app="bench.chaos_worker:app",
+        apps=("bench.chaos_worker:app",),
         worker_args=("--ack-wait", str(WORKER_ACK_WAIT_S), "--concurrency", "16"),
     )
     soak = Soak(args, settings, random.Random(args.seed), Supervisor(settings))

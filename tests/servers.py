@@ -256,7 +256,13 @@ class DevCluster:
     """``hascheduler dev`` as a child process: started until it prints ``ready:``; its
     replicas' URLs by name; ``stop()`` returns its exit code."""
 
-    def __init__(self, state_dir: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.state_dir = state_dir
         self.process = subprocess.Popen(
             [sys.executable, "-m", "hascheduler.cli", "dev", "--state-dir", state_dir, *args],
@@ -264,6 +270,7 @@ class DevCluster:
             stderr=subprocess.DEVNULL,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.replicas: dict[str, str] = {}
         assert self.process.stdout is not None

@@ -514,3 +514,60 @@ def test_ports_for_children_are_distinct_free_and_outside_the_ephemeral_range() 
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+HANDLER = """\
+from pathlib import Path
+from hascheduler.worker import WorkerApp
+
+app = WorkerApp()
+
+
+@app.handler("jobs.hello")
+def hello(run):
+    with Path("ran.txt").open("a") as ran:
+        ran.write(run.fire_id + "\\n")
+"""
+
+
+@pytest.mark.long(20)
+@pytest.mark.timeout(180)
+def test_dev_runs_your_own_handler_and_no_target_it_does_not_handle(tmp_path: Path) -> None:
+    """`hascheduler dev --app myjobs:app` from the directory holding myjobs.py: its
+    handler runs each fire of its target (the run succeeded is one it ran); a target no
+    handler is registered for gets no run at all, never a run recorded succeeded."""
+    (tmp_path / "myjobs.py").write_text(HANDLER)
+    env = {k: v for k, v in os.environ.items() if k not in ("HASCHEDULER_API", "PYTHONPATH")}
+    dev = DevCluster(
+        str(tmp_path / ".hascheduler-dev"), "--replicas", "1", "--app", "myjobs:app",
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hascheduler.cli", *args],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=env,
+        )  # fmt: skip
+
+    try:
+        for sid, target in (("hello", "jobs.hello"), ("orphan", "nobody.handles")):
+            added = cli(
+                "schedules", "add", "--id", sid, "--name", sid, "--target", target, "--every", "1"
+            )
+            assert added.returncode == 0, added.stderr
+
+        def ran() -> list[str]:
+            path = tmp_path / "ran.txt"
+            return path.read_text().split() if path.exists() else []
+
+        wait_until_sync(lambda: len(ran()) >= 3, 60, "the handler to run three fires", 0.5)
+        listed = json.loads(cli("runs", "list", "--schedule", "hello", "--json").stdout)
+        succeeded = {r["id"] for r in listed["items"] if r["state"] == "succeeded"}
+        assert succeeded
+        assert succeeded <= set(ran())  # each run succeeded is one the handler ran
+        orphan = json.loads(cli("runs", "list", "--schedule", "orphan", "--json").stdout)
+        assert orphan["items"] == []
+        fires = json.loads(cli("schedules", "--json", "get", "orphan").stdout)
+        assert fires["id"] == "orphan"
+    finally:
+        assert dev.stop() == 0

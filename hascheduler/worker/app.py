@@ -17,6 +17,8 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import inspect
+import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -292,6 +294,10 @@ def _import(spec: str, flag: str) -> Any:
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise WorkerConfigError(f"{flag} {spec!r}: write it as module:attribute")
+    # A module of the directory the command runs in is found, as `python -m` finds it
+    # (an installed console script's path starts at its own directory).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:

@@ -26,6 +26,15 @@ def add_parser(sub: Any) -> None:
     )
     dev.add_argument("--replicas", type=_count, default=3, help="scheduler replicas (3)")
     dev.add_argument(
+        "--app",
+        action="append",
+        default=[],
+        metavar="MODULE:APP",
+        help="your handlers: a hascheduler.worker.WorkerApp importable from this directory "
+        "(repeatable; each runs in --workers workers). Without it, a demo worker logs the "
+        "fires of demo.* targets and takes no other",
+    )
+    dev.add_argument(
         "--workers",
         type=_count,
         default=1,
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             supervisor.DevSettings(
                 replicas=args.replicas,
                 workers=args.workers,
+                apps=tuple(args.app),
                 broker=args.broker,
                 nats_cluster=args.nats_cluster,
                 state_dir=Path(args.state_dir),

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -49,16 +50,33 @@ API_TOKEN = "hascheduler-dev-network"
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
 START_TIMEOUT_S = 30.0
+# Without --app, dev's worker logs the fires of the demo targets, and takes no other: a
+# target some other worker registered is never recorded succeeded by one that ran nothing.
+DEMO_APP = "demo"
+DEMO_TARGETS = "demo.>"
 STOP_TIMEOUT_S = 15.0
+
+
+def _app_of(argv: list[str]) -> str:
+    """The app a worker's command line runs (DEMO_APP for the demo worker)."""
+    return argv[argv.index("--app") + 1] if "--app" in argv else DEMO_APP
+
+
+def _slug(app: str) -> str:
+    """An app (module:attribute) as a durable consumer's name."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", app).strip("-")[:64] or "app"
 
 
 @dataclass(frozen=True)
 class DevSettings:
     replicas: int = 3
-    workers: int = 1
-    # The workers' --app (module:attribute), default: log each fire; and more worker flags.
-    worker_app: str | None = None
+    workers: int = 1  # per app
+    # The user's apps (module:attribute, importable from ``cwd``): ``workers`` workers run
+    # each, on a durable of its own. None given: the demo worker, which logs the fires of
+    # the demo targets (DEMO_TARGETS) and takes no other.
+    apps: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    cwd: Path = field(default_factory=Path.cwd)
     # A broker URL as serve takes it (nats://... of a running server, or log:); "rabbitmq":
     # a RabbitMQ node of our own; None: start a nats-server of our own.
     broker: str | None = None
@@ -325,9 +343,22 @@ class Supervisor:
         """Where workers consume: the cluster's NATS or RabbitMQ ('' with the log broker)."""
         return self.nats_uri or self.amqp_uri
 
-    async def _start_worker(self) -> Child:
+    @property
+    def apps(self) -> tuple[str, ...]:
+        """What the workers run: the user's apps, or the demo worker (DEMO_APP)."""
+        return self.settings.apps or (DEMO_APP,)
+
+    def _workers_of(self, app: str) -> list[Child]:
+        return [c for c in self.workers if _app_of(c.argv) == app]
+
+    async def _start_worker(self, app: str) -> Child:
         taken = {c.name for c in self.workers}
         name = next(f"w{i}" for i in range(1, len(taken) + 2) if f"w{i}" not in taken)
+        runs = (
+            ("--target", DEMO_TARGETS, "--durable", "dev-worker")
+            if app == DEMO_APP
+            else ("--app", app, "--durable", f"dev-{_slug(app)}")
+        )
         child = await self._spawn(
             "worker",
             name,
@@ -337,11 +368,9 @@ class Supervisor:
                 self.worker_broker,
                 "--mongodb-uri",
                 self.mongodb_uri,
-                "--durable",
-                "dev-worker",
                 "--worker-id",
                 name,
-                *(("--app", self.settings.worker_app) if self.settings.worker_app else ()),
+                *runs,
                 *self.settings.worker_args,
             ),
             announces="worker ",
@@ -388,10 +417,13 @@ class Supervisor:
                             child.node,
                         )
             if self.worker_broker:
-                while len(self.workers) < self.desired_workers:
-                    await self._start_worker()
-                while len(self.workers) > self.desired_workers:
-                    await self._retire(self.workers.pop())  # the newest first
+                for app in self.apps:
+                    while len(self._workers_of(app)) < self.desired_workers:
+                        await self._start_worker(app)
+                    while len(self._workers_of(app)) > self.desired_workers:
+                        newest = self._workers_of(app)[-1]
+                        self.workers.remove(newest)
+                        await self._retire(newest)
             for child in [c for c in self.replicas if not c.alive]:
                 self.replicas.remove(child)
                 if self.net is not None and child.node is not None:
