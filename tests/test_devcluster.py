@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from hascheduler_dev.devcluster.supervisor import EPHEMERAL_RANGE, LOWEST_PORT, free_port
 
@@ -567,7 +568,10 @@ def test_dev_runs_your_own_handler_and_no_target_it_does_not_handle(tmp_path: Pa
         assert succeeded <= set(ran())  # each run succeeded is one the handler ran
         orphan = json.loads(cli("runs", "list", "--schedule", "orphan", "--json").stdout)
         assert orphan["items"] == []
-        fires = json.loads(cli("schedules", "--json", "get", "orphan").stdout)
-        assert fires["id"] == "orphan"
+        # Its fires are there to see: published, with no run.
+        url = next(iter(dev.replicas.values()))
+        fires = httpx.get(f"{url}/schedules/orphan/fires", timeout=10).json()["items"]
+        assert fires
+        assert {f["state"] for f in fires} <= {"published", "claimed"}
     finally:
         assert dev.stop() == 0
