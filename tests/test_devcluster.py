@@ -568,6 +568,15 @@ def test_dev_runs_your_own_handler_and_no_target_it_does_not_handle(tmp_path: Pa
         assert succeeded <= set(ran())  # each run succeeded is one the handler ran
         orphan = json.loads(cli("runs", "list", "--schedule", "orphan", "--json").stdout)
         assert orphan["items"] == []
+        # A second dev in the same directory refuses, naming the first, and touches nothing.
+        second = subprocess.run(
+            [sys.executable, "-m", "hascheduler.cli", "dev"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=env,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert "a cluster is running from .hascheduler-dev (pid" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+        assert cli("dev", "status").returncode == 0
         # Its fires are there to see: published, with no run.
         url = next(iter(dev.replicas.values()))
         fires = httpx.get(f"{url}/schedules/orphan/fires", timeout=10).json()["items"]

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ctypes
 import datetime as dt
+import fcntl
 import json
 import os
 import random
@@ -50,11 +51,16 @@ API_TOKEN = "hascheduler-dev-network"
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
 START_TIMEOUT_S = 30.0
+LOCK_FILE = "dev.lock"  # held by the running cluster of a state directory
 # Without --app, dev's worker logs the fires of the demo targets, and takes no other: a
 # target some other worker registered is never recorded succeeded by one that ran nothing.
 DEMO_APP = "demo"
 DEMO_TARGETS = "demo.>"
 STOP_TIMEOUT_S = 15.0
+
+
+def _running(apps: tuple[str, ...]) -> str:
+    return "the demo targets, demo.*" if apps == (DEMO_APP,) else ", ".join(apps)
 
 
 def _app_of(argv: list[str]) -> str:
@@ -808,7 +814,38 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _hold_directory(state_dir: Path) -> int | None:
+    """One cluster per state directory: a lock held for this process's life (released
+    by the system however it ends, so what a crashed one left is taken over). The lock's
+    file descriptor, or None when another running cluster holds it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _running_one(state_dir: Path) -> str:
+    """The running cluster of ``state_dir``, as its state file names it."""
+    try:
+        state = json.loads((state_dir / STATE_FILE).read_text())
+        return f"pid {state['pid']}, control {state['control_url']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "starting"
+
+
 async def run(settings: DevSettings) -> int:
+    if _hold_directory(settings.state_dir) is None:
+        print(
+            f"hascheduler dev: a cluster is running from {settings.state_dir} "
+            f"({_running_one(settings.state_dir)}); stop it first (Ctrl-C where it runs), "
+            "or give this one another --state-dir",
+            file=sys.stderr,
+        )
+        return 2
     supervisor = Supervisor(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -830,14 +867,14 @@ async def run(settings: DevSettings) -> int:
         print(f"mongodb: {supervisor.mongodb_uri}", flush=True)
         if supervisor.nats_uri:
             print(
-                f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers "
-                "consuming every target)",
+                f"nats: {supervisor.nats_uri}  ({len(supervisor.workers)} workers: "
+                f"{_running(supervisor.apps)})",
                 flush=True,
             )
         if supervisor.amqp_uri:
             print(
-                f"rabbitmq: {supervisor.amqp_uri}  ({len(supervisor.workers)} workers "
-                f"consuming every target; queue {AUDIT_QUEUE} keeps a copy of every fire; "
+                f"rabbitmq: {supervisor.amqp_uri}  ({len(supervisor.workers)} workers: "
+                f"{_running(supervisor.apps)}; queue {AUDIT_QUEUE} keeps a copy of every fire; "
                 "celery:<task> targets go to the queue celery)",
                 flush=True,
             )
