@@ -2,6 +2,17 @@
 # Sourced by the scripts: make sure .venv exists and holds this project with its development
 # tools (dev/, the [dev] extra) and the test suite's tools (the [test] extra).
 # Needs only Python 3.11+ on the PATH (as python3, or set PYTHON).
+
+# One line per set-up step, with the time it took (on stderr: stdout is the command's).
+step() {
+  local what="$1"
+  shift
+  local began=$SECONDS
+  echo "set-up: $what ..." >&2
+  "$@"
+  echo "set-up: $what: done in $((SECONDS - began)) s" >&2
+}
+
 ensure_venv() {
   local python="${PYTHON:-python3}"
   if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
@@ -9,14 +20,15 @@ ensure_venv() {
     exit 2
   fi
   if [ ! -x .venv/bin/python ]; then
-    "$python" -m venv .venv
+    step "creating .venv" "$python" -m venv .venv
   fi
   # Reinstall when either pyproject.toml changed since the last install. The [dev] extra's
   # hascheduler-dev is the package in dev/, named on the same command line.
   if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ] \
       || [ dev/pyproject.toml -nt .venv/.installed ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[dev,test]' -e ./dev
+    step "upgrading pip" .venv/bin/python -m pip install --quiet --upgrade pip
+    step "installing hascheduler and its tools (a minute or two)" \
+      .venv/bin/python -m pip install --quiet -e '.[dev,test]' -e ./dev
     touch .venv/.installed
   fi
   # The development server's hot modules compiled with mypyc
@@ -25,7 +37,8 @@ ensure_venv() {
   local stamp=dev/.compiled/.checked
   if [ ! -f "$stamp" ] || [ .venv/.installed -nt "$stamp" ] \
       || [ -n "$(find dev/hascheduler_dev/devmongo -name '*.py' -newer "$stamp" -print -quit)" ]; then
-    .venv/bin/python -m hascheduler_dev.devmongo.native build >/dev/null || true
+    step "compiling the development server (a minute)" \
+      .venv/bin/python -m hascheduler_dev.devmongo.native build >/dev/null || true
     mkdir -p dev/.compiled && touch "$stamp"
   fi
 }

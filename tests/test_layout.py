@@ -4,6 +4,7 @@ apart from its development tools (dev/, the hascheduler_dev package)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -297,3 +298,9 @@ def test_the_worker_packages_public_names_are_each_where_it_says() -> None:
         )
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = worker.Nope
+
+
+def test_the_readmes_layout_names_every_floor_and_no_other() -> None:
+    block = re.search(r"## Layout.*?```\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block is not None
+    assert set(re.findall(r"^  (\w+)/", block[1], re.M)) == set(MAY_IMPORT)

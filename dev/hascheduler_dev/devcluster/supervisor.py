@@ -59,6 +59,15 @@ DEMO_TARGETS = "demo.>"
 STOP_TIMEOUT_S = 15.0
 
 
+def _last_lines(path: Path, count: int = 3) -> str:
+    """What a child that failed to start said last (its own error), on one line."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in lines[-count:])[:600]
+
+
 def _running(apps: tuple[str, ...]) -> str:
     return "the demo targets, demo.*" if apps == (DEMO_APP,) else ", ".join(apps)
 
@@ -233,7 +242,8 @@ class Supervisor:
                 stderr=log_file,
                 stdin=asyncio.subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
-                env=env,
+                # What a handler prints reaches its log as it prints it.
+                env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1"},
             )
         assert process.stdout is not None
         address = ""
@@ -252,7 +262,10 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
-            raise RuntimeError(f"{name} did not start ({exc}); see {log_path}") from None
+            said = _last_lines(log_path)
+            raise RuntimeError(
+                f"{name} did not start ({exc}){': ' + said if said else ''}; see {log_path}"
+            ) from None
         if node is not None and address.startswith("http://0.0.0.0"):
             address = address.replace("0.0.0.0", node.address)
         child = Child(
