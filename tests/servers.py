@@ -286,8 +286,9 @@ class DevCluster:
             self.stop()
             raise
 
-    def stop(self) -> int:
-        self.process.terminate()
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stop it as ``sig`` does (SIGINT: Ctrl-C in its terminal); its exit code."""
+        self.process.send_signal(sig)
         try:
             return self.process.wait(60)
         finally:

@@ -577,10 +577,26 @@ def test_dev_runs_your_own_handler_and_no_target_it_does_not_handle(tmp_path: Pa
         assert "a cluster is running from .hascheduler-dev (pid" in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1
         assert cli("dev", "status").returncode == 0
+        # A stopped process shows as stopped; no replica at all is refused.
+        worker = json.loads(cli("dev", "status", "--json").stdout)["workers"][0]
+        os.kill(worker["pid"], signal.SIGSTOP)
+        try:
+            assert "stopped" in cli("dev", "status").stdout
+        finally:
+            os.kill(worker["pid"], signal.SIGCONT)
+        none = cli("dev", "scale", "0")
+        assert none.returncode == 2
+        assert "at least 1" in none.stderr
         # Its fires are there to see: published, with no run.
         url = next(iter(dev.replicas.values()))
         fires = httpx.get(f"{url}/schedules/orphan/fires", timeout=10).json()["items"]
         assert fires
         assert {f["state"] for f in fires} <= {"published", "claimed"}
     finally:
-        assert dev.stop() == 0
+        # Ctrl-C: the children in order, each shutdown step in time, no state left.
+        assert dev.stop(signal.SIGINT) == 0
+    logs = list((tmp_path / ".hascheduler-dev" / "logs").glob("*.log"))
+    assert logs
+    failed = [p.name for p in logs if "shutdown_step_failed" in p.read_text()]
+    assert failed == []
+    assert not (tmp_path / ".hascheduler-dev" / "state.json").exists()

@@ -24,14 +24,19 @@ class Problem(BaseModel):
     )
 
 
+class SourcesStatus(BaseModel):
+    count: int = Field(description="fan-out sources mirrored")
+    digest: str = Field(description="of all their copies: equal on replicas in sync")
+
+
 class MirrorStatus(BaseModel):
     ready: bool
     size: int
     digest: str
     last_applied_cluster_time: dict[str, Any] | None
     replica_id: str
-    sources: dict[str, str] | None = Field(
-        None, description="each fan-out source's mirror digest, by collection:fields"
+    sources: SourcesStatus | None = Field(
+        None, description="the fan-out sources' mirrors (never their names)"
     )
     sources_ready: bool | None = None
 

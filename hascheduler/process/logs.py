@@ -14,7 +14,6 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
-from aiohttp.http_exceptions import BadHttpMessage
 
 from hascheduler.process import tracing
 
@@ -54,9 +53,12 @@ class _MalformedRequests(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, BadHttpMessage):
+        # By name: a command that never serves HTTP does not load aiohttp for this.
+        if error is not None and any(c.__name__ == "BadHttpMessage" for c in type(error).__mro__):
             structlog.get_logger("hascheduler.api").info(
-                "http_request_malformed", status=error.code, kind=type(error).__name__
+                "http_request_malformed",
+                status=getattr(error, "code", None),
+                kind=type(error).__name__,
             )
             return False
         return True

@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
         default=DEFAULT_STATE_DIR,
         help="where the running cluster keeps its logs and control address",
     )
-    dev.add_argument("--replicas", type=_count, default=3, help="scheduler replicas (3)")
+    dev.add_argument("--replicas", type=_replicas, default=3, help="scheduler replicas (3)")
     dev.add_argument(
         "--app",
         action="append",
@@ -84,7 +84,7 @@ def add_parser(sub: Any) -> None:
     )
     kill.add_argument("--json", action="store_true")
     scale = actions.add_parser("scale", help="change the number of replicas", parents=[located])
-    scale.add_argument("replicas", type=_count)
+    scale.add_argument("replicas", type=_replicas)
     scale.add_argument("--json", action="store_true")
     scale_workers = actions.add_parser(
         "scale-workers", help="change the number of workers", parents=[located]
@@ -119,6 +119,14 @@ def _nodes(text: str) -> int:
     value = _count(text)
     if not 1 <= value <= 7:
         raise argparse.ArgumentTypeError(f"{value} is not from 1 to 7 nats-servers")
+    return value
+
+
+def _replicas(text: str) -> int:
+    """A count of replicas: at least one (none would leave no API and no leader)."""
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("at least 1: with no replica nothing fires")
     return value
 
 

@@ -26,14 +26,11 @@ def run(args: argparse.Namespace) -> int:
                     f"replicas: {len(result['replicas'])} (desired {result['desired']})"
                 )
                 for r in result["replicas"]:
-                    state = "ready" if r["ready"] else ("running" if r["alive"] else "exited")
+                    state = _state(r, "ready" if r["ready"] else "running")
                     mark = "  <- leader" if r["leader"] else ""
                     print(f"  {r['id']:<5} pid {r['pid']:<8} {r['url']:<24} {state}{mark}")
                 for w in result["workers"]:
-                    print(
-                        f"  {w['id']:<5} pid {w['pid']:<8} {'worker':<24} "
-                        f"{'running' if w['alive'] else 'exited'}"
-                    )
+                    print(f"  {w['id']:<5} pid {w['pid']:<8} {'worker':<24} {_state(w, 'running')}")
             return 0
         if args.action == "kill-leader":
             body: dict[str, Any] = {"signal": args.signal}
@@ -74,3 +71,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"hascheduler dev {args.action}: {exc}", file=sys.stderr)
         return 1
     return 2
+
+
+def _state(child: dict[str, Any], alive: str) -> str:
+    """A child as ``dev status`` shows it: stopped (SIGSTOP), exited, or ``alive``."""
+    if not child["alive"]:
+        return "exited"
+    return "stopped" if child.get("stopped") else alive

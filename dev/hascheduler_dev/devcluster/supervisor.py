@@ -59,6 +59,15 @@ DEMO_TARGETS = "demo.>"
 STOP_TIMEOUT_S = 15.0
 
 
+def _stopped(child: Child) -> bool:
+    """Whether the child is alive but stopped (SIGSTOP): not running."""
+    try:
+        stat = Path(f"/proc/{child.process.pid}/stat").read_text()
+    except OSError:
+        return False
+    return child.alive and stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
 def _last_lines(path: Path, count: int = 3) -> str:
     """What a child that failed to start said last (its own error), on one line."""
     try:
@@ -242,6 +251,9 @@ class Supervisor:
                 stderr=log_file,
                 stdin=asyncio.subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
+                # Not in the terminal's process group: Ctrl-C reaches the supervisor alone,
+                # which stops its children in order (the database last).
+                start_new_session=True,
                 # What a handler prints reaches its log as it prints it.
                 env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1"},
             )
@@ -589,12 +601,13 @@ class Supervisor:
         )
 
     async def stop(self) -> None:
+        """Every child, in order: the workers (they give back what they hold), the
+        replicas (the leader hands over), then the broker and the database they need
+        until then; each kind at once."""
         for task in list(self._tasks):
             task.cancel()
-        for child in reversed(self.replicas):
-            await self._retire(child)
-        for child in reversed(self.workers):  # after the replicas: they run what was fired
-            await self._retire(child)
+        await asyncio.gather(*(self._retire(c) for c in self.workers))
+        await asyncio.gather(*(self._retire(c) for c in self.replicas))
         if self._client is not None:
             # Before the server goes: closing a client whose server vanished waits for its
             # monitors' connect timeouts.
@@ -664,6 +677,7 @@ class Supervisor:
                         "pid": child.process.pid,
                         "url": child.address,
                         "alive": child.alive,
+                        "stopped": _stopped(child),
                         "ready": ready,
                         "leader": child.name == holder,
                         "log": str(child.log_path),
@@ -681,7 +695,13 @@ class Supervisor:
             "logs": str(self.logs),
             "desired_workers": self.desired_workers,
             "workers": [
-                {"id": c.name, "pid": c.process.pid, "alive": c.alive, "log": str(c.log_path)}
+                {
+                    "id": c.name,
+                    "pid": c.process.pid,
+                    "alive": c.alive,
+                    "stopped": _stopped(c),
+                    "log": str(c.log_path),
+                }
                 for c in self.workers
             ],
             "others": [
@@ -773,13 +793,15 @@ class Supervisor:
             except (LookupError, TimeoutError) as exc:
                 return web.json_response({"error": str(exc)}, status=409)
 
-        def scaling(field_name: str, to: Callable[[int], Awaitable[dict[str, Any]]]) -> Any:
+        def scaling(
+            field_name: str, to: Callable[[int], Awaitable[dict[str, Any]]], least: int
+        ) -> Any:
             """POST {field_name: N}: how many replicas or workers to keep."""
 
             async def route(request: web.Request) -> web.Response:
                 count = (await _json_body(request)).get(field_name)
-                if type(count) is not int or not 0 <= count <= 20:
-                    return _bad(field_name, "must be an integer from 0 to 20")
+                if type(count) is not int or not least <= count <= 20:
+                    return _bad(field_name, f"must be an integer from {least} to 20")
                 try:
                     return web.json_response(await to(count))
                 except (LookupError, RuntimeError, TimeoutError) as exc:
@@ -787,8 +809,9 @@ class Supervisor:
 
             return route
 
-        scale = scaling("replicas", self.scale)
-        scale_workers = scaling("workers", self.scale_workers)
+        # No replica: no API, no leader; nothing fires, and the cluster cannot be reached.
+        scale = scaling("replicas", self.scale, 1)
+        scale_workers = scaling("workers", self.scale_workers, 0)
 
         async def audit_route(request: web.Request) -> web.Response:
             times = {}
