@@ -21,7 +21,6 @@ from hascheduler.api.access import (
     MAX_TRACKED_CLIENTS,
     Access,
     AccessConfigError,
-    AccessFile,
     Action,
     Denied,
     Grant,
@@ -32,6 +31,7 @@ from hascheduler.api.access import (
     entry_line,
     legacy_grants,
 )
+from hascheduler.api.access_file import AccessFile, with_file
 from hascheduler.brokers.nats.reader import read_stream
 from tests.servers import ServerProcess, start_devmongo, start_nats, start_replica, with_database
 from tests.waiting import wait_until
@@ -112,7 +112,7 @@ def test_named_tokens_are_stored_hashed_and_grant_their_actions_and_namespaces(
     path = access_file(tmp_path / "access.yaml", billing.entry)
     assert billing.secret not in path.read_text()  # only a salted hash is kept
     assert billing.secret[21:] not in path.read_text()  # the part after hst_<id>_
-    access = Access().with_file(str(path))
+    access = with_file(Access(), str(path))
     grant = access.grant_of(billing.secret)
     assert grant == Grant(
         "billing-ci", frozenset({Action.READ, Action.TRIGGER}), frozenset({"billing"})
@@ -148,7 +148,7 @@ def test_a_bad_access_file_is_refused_naming_what(
     path = tmp_path / "access.yaml"
     path.write_text(content)
     with pytest.raises(AccessConfigError, match=re.escape(message)):
-        Access().with_file(str(path))
+        with_file(Access(), str(path))
 
 
 def test_the_access_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
@@ -171,8 +171,8 @@ def test_ten_thousand_tokens_are_looked_up_by_id(tmp_path: Path) -> None:
     tokens = [
         create_token(f"t{i}", frozenset({Action.READ}), frozenset({"a"})) for i in range(10_000)
     ]
-    access = Access().with_file(
-        str(access_file(tmp_path / "access.yaml", *(t.entry for t in tokens)))
+    access = with_file(
+        Access(), str(access_file(tmp_path / "access.yaml", *(t.entry for t in tokens)))
     )
     assert len(access.named) == 10_000
     assert access.grant_of(tokens[-1].secret) == Grant(

@@ -28,8 +28,8 @@ from hascheduler.api.access import (
     Action,
     create_token,
     entry_line,
-    read_access_file,
 )
+from hascheduler.api.access_file import read_access_file
 from hascheduler.core import constants, history
 from hascheduler.core.claims import Claim
 from hascheduler.core.constants import OWN_COLLECTIONS

@@ -18,14 +18,11 @@ unauthenticated API is never reachable from another host.
 from __future__ import annotations
 
 import base64
-import dataclasses
-import datetime as dt
 import enum
 import hashlib
 import hmac
 import json
 import math
-import os
 import re
 import secrets
 import time
@@ -37,10 +34,7 @@ from typing import Any
 
 import structlog
 
-from hascheduler.core import history
-from hascheduler.core.constants import OWN_COLLECTIONS
 from hascheduler.core.errors import ConfigError
-from hascheduler.core.fanout import COLLECTION as FAN_OUT_COLLECTION
 from hascheduler.core.fields import NAMESPACE
 
 log = structlog.get_logger("hascheduler.access")
@@ -61,7 +55,7 @@ _NAMED_TOKEN = re.compile(rf"{TOKEN_PREFIX}_([0-9a-f]{{16}})_([A-Za-z0-9_-]{{43}
 MAX_JWT_CHARS = 8192
 JWT_ALGORITHMS = ("RS256", "ES256")
 ANY_NAMESPACE = "*"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
 class Action(enum.StrEnum):
@@ -118,13 +112,13 @@ class NamespaceRules:
 # A namespace an access file does not list: no source granted.
 UNLISTED = NamespaceRules(fan_out_sources=frozenset())
 
-_RULES = frozenset(
+RULES = frozenset(
     {"require_reason", "max_schedules", "max_fires_per_second", "max_fan_out", "fan_out_sources"}
 )
 
 
 @dataclass(frozen=True)
-class _Stored:
+class Stored:
     salt: bytes
     digest: bytes
     grant: Grant
@@ -231,7 +225,7 @@ class Access:
     """Every grant a replica honours, and the namespaces' rules: one immutable value,
     replaced whole when the access file changes."""
 
-    named: Mapping[str, _Stored] = field(default_factory=dict)
+    named: Mapping[str, Stored] = field(default_factory=dict)
     legacy: Mapping[bytes, Grant] = field(default_factory=dict)
     jwt_keys: JwtKeys | None = None
     rules: Mapping[str, NamespaceRules] = field(default_factory=dict)
@@ -265,13 +259,6 @@ class Access:
         if token.count(".") == 2 and self.jwt_keys is not None:
             return self.jwt_keys.grant_of(token)
         return self.legacy.get(_plain_digest(token))
-
-    def with_file(self, path: str | None) -> Access:
-        """This access with the named tokens and rules of the access file at ``path``."""
-        if path is None:
-            return self
-        named, rules = read_access_file(path)
-        return Access(named, self.legacy, self.jwt_keys, rules, from_file=True)
 
 
 def _split(text: str) -> list[str]:
@@ -350,112 +337,6 @@ def parse_namespaces(text: str | Iterable[str], where: str) -> frozenset[str]:
     return frozenset(words)
 
 
-def read_access_file(path: str) -> tuple[dict[str, _Stored], dict[str, NamespaceRules]]:  # noqa: C901 (one pass over the file, each entry checked where it is read)
-    """The named tokens and namespace rules of an access file (YAML or JSON):
-
-    tokens:
-      - {name: billing-ci, id: 0123456789abcdef, salt: <hex>, hash: <hex>,
-         actions: [read, trigger], namespaces: [billing]}
-    namespaces:
-      billing: {require_reason: true, max_schedules: 500, fan_out_sources: [customers]}
-    """
-    import yaml  # only a replica given an access file reads YAML: not at every start
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise AccessConfigError(
-            f"--access-file: cannot read {path}: {exc.strerror or exc}"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise AccessConfigError(f"--access-file: {path}: {exc}") from None
-    if not isinstance(data, dict) or set(data) - {"tokens", "namespaces"}:
-        raise AccessConfigError(
-            f"--access-file: {path}: a mapping with 'tokens' and 'namespaces' only"
-        )
-    named: dict[str, _Stored] = {}
-    names: set[str] = set()
-    for i, entry in enumerate(data.get("tokens") or [], 1):
-        where = f"--access-file: {path}: token {i}"
-        if not isinstance(entry, dict) or set(entry) != {
-            "name",
-            "id",
-            "salt",
-            "hash",
-            "actions",
-            "namespaces",
-        }:
-            raise AccessConfigError(
-                f"{where}: name, id, salt, hash, actions, namespaces "
-                "(the line `hascheduler token create` printed)"
-            )
-        name = str(entry["name"])
-        if not _NAME.fullmatch(name) or name in names:
-            raise AccessConfigError(f"{where}: the name {name!r} is not a unique slug")
-        if not re.fullmatch(r"[0-9a-f]{16}", str(entry["id"])) or entry["id"] in named:
-            raise AccessConfigError(f"{where} ({name}): id must be 16 hex digits, unique")
-        try:
-            salt, digest = bytes.fromhex(str(entry["salt"])), bytes.fromhex(str(entry["hash"]))
-        except ValueError:
-            raise AccessConfigError(f"{where} ({name}): salt and hash are hex") from None
-        if len(salt) < 16 or len(digest) != 32:
-            raise AccessConfigError(
-                f"{where} ({name}): salt (16+ bytes) and hash "
-                "(32 bytes) as `token create` prints them"
-            )
-        names.add(name)
-        named[str(entry["id"])] = _Stored(
-            salt,
-            digest,
-            Grant(
-                name,
-                parse_actions(entry["actions"], f"{where} ({name})"),
-                parse_namespaces(entry["namespaces"], f"{where} ({name})"),
-            ),
-        )
-    rules: dict[str, NamespaceRules] = {}
-    for namespace, entry in (data.get("namespaces") or {}).items():
-        where = f"--access-file: {path}: namespace {namespace!r}"
-        if not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace):
-            raise AccessConfigError(f"{where}: not a namespace name")
-        if not isinstance(entry, dict) or set(entry) - _RULES:
-            raise AccessConfigError(f"{where}: {', '.join(sorted(_RULES))} only")
-        for name in ("max_schedules", "max_fan_out"):
-            limit = entry.get(name)
-            if limit is not None and (
-                isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
-            ):
-                raise AccessConfigError(f"{where}: {name} is a whole number")
-        rate = entry.get("max_fires_per_second")
-        if rate is not None and (
-            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < 1e9
-        ):
-            raise AccessConfigError(f"{where}: max_fires_per_second is a number above 0")
-        rules[namespace] = NamespaceRules(
-            bool(entry.get("require_reason", False)),
-            entry.get("max_schedules"),
-            None if rate is None else float(rate),
-            entry.get("max_fan_out"),
-            _fan_out_sources(entry.get("fan_out_sources") or [], where),
-        )
-    return named, rules
-
-
-def _fan_out_sources(value: object, where: str) -> frozenset[str]:
-    """A namespace's ``fan_out_sources``: collections of the schedules' database, never
-    one of hascheduler's own."""
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise AccessConfigError(f"{where}: fan_out_sources is a list of collection names")
-    for name in value:
-        if not FAN_OUT_COLLECTION.fullmatch(name) or name.startswith("system."):
-            raise AccessConfigError(f"{where}: fan_out_sources: {name!r} is not a collection name")
-        if name in OWN_COLLECTIONS:
-            raise AccessConfigError(
-                f"{where}: fan_out_sources: {name!r} is one of hascheduler's own collections"
-            )
-    return frozenset(value)
-
-
 @dataclass(frozen=True)
 class NewToken:
     secret: str  # shown once
@@ -463,7 +344,7 @@ class NewToken:
 
 
 def create_token(name: str, actions: frozenset[Action], namespaces: frozenset[str]) -> NewToken:
-    if not _NAME.fullmatch(name):
+    if not TOKEN_NAME.fullmatch(name):
         raise AccessConfigError(
             f"--name {name!r}: letters, digits, '.', '_', ':', '@' or "
             "'-', starting with a letter or digit"
@@ -487,101 +368,6 @@ def create_token(name: str, actions: frozenset[Action], namespaces: frozenset[st
 def entry_line(entry: Mapping[str, Any]) -> str:
     """An access file's token entry on one line (YAML flow style, also JSON)."""
     return "  - " + json.dumps(dict(entry), separators=(", ", ": "))
-
-
-# How often the access file is looked at: a revoked token stops working within this.
-ACCESS_POLL_S = 1.0
-
-
-class AccessFile:
-    """The access in force: the start-up grants with the access file's, read again when
-    the file changes. Polled, not watched: a mounted Kubernetes Secret changes by swapping
-    a symlink, which an inotify watch on the file never sees. A file that no longer reads
-    keeps the access it gave, and the log says why."""
-
-    def __init__(self, base: Access, path: str | None = None) -> None:
-        self.base = base
-        self.path = path
-        self._stamp = self._stat()
-        self.current = base.with_file(path)
-
-    def _stat(self) -> tuple[int, ...] | None:
-        if self.path is None:
-            return None
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
-
-    def reload_if_changed(self) -> bool:
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return False
-        self._stamp = stamp
-        try:
-            self.current = self.base.with_file(self.path)
-        except AccessConfigError as exc:
-            log.error("access_file_refused", error=str(exc))
-            return False
-        log.info("access_file_read", **self.current.counts())
-        return True
-
-    async def poll(self) -> None:
-        """One look at the file (lifecycle.Every's step)."""
-        self.reload_if_changed()
-
-    def changes(self, before: Access, at: dt.datetime) -> list[dict[str, Any]]:
-        """The audit records of what the file changed since ``before``: each token added
-        or revoked (once per namespace it reaches), each namespace's rules. Their ids come
-        from the change and the file's version, so every replica reading the same file
-        writes the same records, once."""
-        after, version = self.current, ":".join(map(str, self._stamp or ()))
-        records = []
-        for ids, action in (
-            (after.named.keys() - before.named.keys(), history.TOKEN_ADD),
-            (before.named.keys() - after.named.keys(), history.TOKEN_REVOKE),
-        ):
-            for token_id in sorted(ids):
-                grant = (after.named.get(token_id) or before.named[token_id]).grant
-                detail: dict[str, Any] = {
-                    "token": grant.name,
-                    "id": token_id,
-                    "actions": sorted(grant.actions),
-                    "namespaces": sorted(grant.namespaces),
-                }
-                records += [
-                    _file_record(action, namespace, detail, at, version)
-                    for namespace in sorted(grant.namespaces)
-                ]
-        for namespace in sorted(before.rules.keys() | after.rules.keys()):
-            was, now = before.rules.get(namespace), after.rules.get(namespace)
-            if was != now:
-                changed: dict[str, Any] = {"before": _rules_view(was), "after": _rules_view(now)}
-                records.append(
-                    _file_record(history.NAMESPACE_RULES, namespace, changed, at, version)
-                )
-        return records
-
-
-ACCESS_FILE_ACTOR = history.Actor("access-file")
-
-
-def _file_record(
-    action: str, namespace: str, detail: dict[str, Any], at: dt.datetime, version: str
-) -> dict[str, Any]:
-    made = history.record(action, ACCESS_FILE_ACTOR, at, namespace, "", None, detail=detail)
-    key = json.dumps([action, namespace, detail, version], sort_keys=True, default=str)
-    return {**made, "_id": hashlib.sha256(key.encode()).hexdigest()[:32]}
-
-
-def _rules_view(rules: NamespaceRules | None) -> dict[str, Any] | None:
-    if rules is None:
-        return None
-    view = dataclasses.asdict(rules)
-    if rules.fan_out_sources is not None:
-        view["fan_out_sources"] = sorted(rules.fan_out_sources)
-    return view
 
 
 @dataclass(frozen=True)

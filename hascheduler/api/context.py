@@ -9,10 +9,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from hascheduler.api.access import (
-    AccessFile,
-    WriteLimiter,
-)
+from hascheduler.api.access import WriteLimiter
+from hascheduler.api.access_file import AccessFile
 from hascheduler.api.guards import Guard
 from hascheduler.brokers.base import Broker
 from hascheduler.core.clock import Clock, ServerClock

@@ -10,7 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from hascheduler.api.access import Access, AccessFile, WriteLimit, WriteLimiter
+from hascheduler.api.access import Access, WriteLimit, WriteLimiter
+from hascheduler.api.access_file import AccessFile
 from hascheduler.api.audit import ROUTES as AUDIT
 from hascheduler.api.backfills import ROUTES as BACKFILLS
 from hascheduler.api.cluster import ROUTES as CLUSTER

@@ -17,6 +17,7 @@ from hascheduler.api.access import (
     WriteLimit,
     legacy_grants,
 )
+from hascheduler.api.access_file import with_file
 from hascheduler.brokers.registry import parse_broker_url
 from hascheduler.cli.settings import (
     Setting,
@@ -240,7 +241,7 @@ def replica_settings(args: argparse.Namespace) -> ReplicaSettings:
             else JwtKeys.load(v["jwks_file"], v["jwt_audience"] or "", v["jwt_issuer"])
         )
         access = Access(legacy=legacy_grants(os.environ), jwt_keys=jwt_keys)
-        access.with_file(v["access_file"])  # refused now rather than served
+        with_file(access, v["access_file"])  # refused now rather than served
     except AccessConfigError as exc:
         raise ConfigError(str(exc)) from None
     return ReplicaSettings(

@@ -18,7 +18,8 @@ from aiohttp import web
 from pymongo.errors import PyMongoError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from hascheduler.api.access import ACCESS_POLL_S, Access, AccessFile, WriteLimit
+from hascheduler.api.access import Access, WriteLimit
+from hascheduler.api.access_file import ACCESS_POLL_S, AccessFile
 from hascheduler.api.context import Cluster
 from hascheduler.api.routes import create_app
 from hascheduler.brokers.registry import BrokerUrl
