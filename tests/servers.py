@@ -273,12 +273,15 @@ class DevCluster:
             cwd=cwd,
         )
         self.replicas: dict[str, str] = {}
+        self.dashboard = ""  # the front door's URL of the dashboard, as dev prints it
         assert self.process.stdout is not None
         try:
             for line in self.process.stdout:  # bounded by the calling test's timeout
                 if line.startswith("replica "):
                     name, url = line.split()[1:3]
                     self.replicas[name.rstrip(":")] = url
+                if line.startswith("dashboard: "):
+                    self.dashboard = line.split()[1]
                 if line.startswith("ready:"):
                     return
             raise RuntimeError(f"hascheduler dev exited with {self.process.wait()}")

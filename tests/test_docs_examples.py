@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from hascheduler.cli.apply import sync_app
@@ -111,6 +112,13 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
                 wait_until_sync(succeeded, 60, "three runs by the README's handler", 0.5)
             done = run(command)
             assert done.returncode == 0, (command, done.stdout, done.stderr)
+            if "dev kill-leader" in command:  # the dashboard's URL outlives the leader
+                assert httpx.get(dev.dashboard, timeout=10).status_code == 200
+                assert httpx.get(dev.dashboard.removesuffix("/ui") + "/leader").json()["holder"]
+        # Client() finds the cluster of the directory it runs in, as the CLI does.
+        found = run(f"{sys.executable} -c 'from hascheduler.client import Client; "
+                    "print([s.id for s in Client().schedules()])'")  # fmt: skip
+        assert found.stdout.strip() == "['daily']", found.stderr
         printed = (tmp_path / ".hascheduler-dev" / "logs").glob("w*.out")
         assert any("report reports.daily" in p.read_text() for p in printed)
     finally:

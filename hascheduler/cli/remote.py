@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Any
 
-from hascheduler.cli import local_cluster
+from hascheduler.client import local_cluster
 
 EXIT_REFUSED = 2
 EXIT_UNAVAILABLE = 1
@@ -73,16 +73,7 @@ class Actions:
 
 def resolve_api(explicit: str | None) -> str:
     """The API to call; raises Unavailable saying how to name one."""
-    if explicit:
-        return explicit.rstrip("/")
-    state_dir = local_cluster.state_dir_from_env()
     try:
-        status = local_cluster.call(state_dir, "GET", "/status", timeout_s=10)
+        return local_cluster.find_api(explicit)
     except local_cluster.ControlError as exc:
-        raise Unavailable(
-            f"no API named (--api or HASCHEDULER_API), and no local cluster: {exc}"
-        ) from None
-    ready = [r["url"] for r in status.get("replicas", []) if r.get("ready")]
-    if not ready:
-        raise Unavailable(f"the local cluster in {state_dir}/ has no ready replica")
-    return str(ready[0]).rstrip("/")
+        raise Unavailable(str(exc)) from None

@@ -33,6 +33,7 @@ from tenacity import (
 from hascheduler.client import calls
 from hascheduler.client.calls import Call, Document
 from hascheduler.client.errors import HaschedulerError, RateLimited, Unavailable, error_for
+from hascheduler.client.local_cluster import ControlError, find_api
 from hascheduler.core import models
 from hascheduler.core.health import ScheduleHealth
 
@@ -56,10 +57,13 @@ def _http_options(
     reason: str | None,
     origin: str | None,
 ) -> dict[str, Any]:
-    """What httpx's Client and AsyncClient are both made with."""
-    base = api or os.environ.get("HASCHEDULER_API")
-    if not base:
-        raise ValueError("no API: pass its URL, or set HASCHEDULER_API")
+    """What httpx's Client and AsyncClient are both made with: the API named, else
+    HASCHEDULER_API, else the local cluster running from this directory, as the CLI finds
+    it."""
+    try:
+        base = find_api(api)
+    except ControlError as exc:
+        raise ValueError(str(exc)) from None
     token = token or os.environ.get("HASCHEDULER_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if reason is not None:  # why, in the audit trail's record of every change

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hascheduler.brokers.registry import parse_broker_url
-from hascheduler.cli.local_cluster import DEFAULT_STATE_DIR
+from hascheduler.client.local_cluster import DEFAULT_STATE_DIR
 from hascheduler_dev.devcluster import control, supervisor
 
 

@@ -9,7 +9,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from hascheduler.cli.local_cluster import ControlError, call
+from hascheduler.client.local_cluster import ControlError, call
 from hascheduler.core.audit import describe
 
 

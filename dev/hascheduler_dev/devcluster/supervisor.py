@@ -36,11 +36,12 @@ from pymongo import AsyncMongoClient
 
 from hascheduler.brokers.amqp.reader import AUDIT_QUEUE, bind_audit_queue
 from hascheduler.brokers.registry import parse_broker_url
-from hascheduler.cli.local_cluster import STATE_FILE
+from hascheduler.client.local_cluster import STATE_FILE
 from hascheduler.core.audit import audit, parse_instant
 from hascheduler.core.constants import DEFAULT_DATABASE, LEASE_NAME, LEASES, SCHEDULES
 from hascheduler.storage.driver import connect
 from hascheduler.storage.lease import LeaseView
+from hascheduler_dev.devcluster.front import front_app
 from hascheduler_dev.devcluster.rabbitmq import RabbitNode, rabbitmq_server_binary
 from hascheduler_dev.netns import Network, Node
 
@@ -888,6 +889,7 @@ async def run(settings: DevSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner: web.AppRunner | None = None
+    fronts: list[web.AppRunner] = []
     try:
         await supervisor.start()
         runner = web.AppRunner(supervisor.control_app(), access_log=None)
@@ -895,6 +897,17 @@ async def run(settings: DevSettings) -> int:
         site = web.TCPSite(runner, "127.0.0.1", settings.control_port)
         await site.start()
         supervisor.control_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        front = web.AppRunner(
+            front_app(
+                lambda: [c.address for c in supervisor.replicas if c.alive],
+                supervisor.api_headers,
+            ),
+            access_log=None,
+        )
+        await front.setup()
+        await web.TCPSite(front, "127.0.0.1", 0).start()
+        fronts.append(front)
+        front_url = f"http://127.0.0.1:{front.addresses[0][1]}"
         (settings.state_dir / STATE_FILE).write_text(
             json.dumps({"control_url": supervisor.control_url, "pid": os.getpid()})
         )
@@ -916,11 +929,10 @@ async def run(settings: DevSettings) -> int:
             )
         for r in summary["replicas"]:
             print(f"replica {r['id']}: {r['url']}{'  (leader)' if r['leader'] else ''}", flush=True)
-        if summary["replicas"]:
-            print(
-                f"dashboard: {summary['replicas'][0]['url']}/ui  (every replica serves one)",
-                flush=True,
-            )
+        print(
+            f"dashboard: {front_url}/ui  (any live replica's, whichever leads; the API there too)",
+            flush=True,
+        )
         print(f"logs: {supervisor.logs}/", flush=True)
         print(
             "ready: Ctrl-C stops everything; in another terminal: hascheduler dev status | "
@@ -933,6 +945,8 @@ async def run(settings: DevSettings) -> int:
         print(f"hascheduler dev: {exc}", file=sys.stderr)
         return 1
     finally:
+        for front in fronts:
+            await front.cleanup()
         if runner is not None:
             await runner.cleanup()
         await supervisor.stop()

@@ -1,7 +1,7 @@
 """The local cluster's control API as a client sees it: where ``hascheduler dev`` writes its
 address (the state file in its state directory) and one call to it. The supervisor lives in
 the development tools (hascheduler_dev); this is the whole contract between the two, so
-``schedules`` and ``runs`` find a local cluster without importing them."""
+the CLI and ``Client()`` find a local cluster without importing them."""
 
 from __future__ import annotations
 
@@ -60,3 +60,28 @@ def call(
         raise ControlError(detail) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ControlError(f"the cluster's control API does not answer: {exc}") from None
+
+
+def local_api(state_dir: Path) -> str:
+    """The URL of a ready replica of the cluster running from ``state_dir``. Raises
+    ControlError saying why there is none."""
+    status = call(state_dir, "GET", "/status", timeout_s=10)
+    ready = [r["url"] for r in status.get("replicas", []) if r.get("ready")]
+    if not ready:
+        raise ControlError(f"the local cluster in {state_dir}/ has no ready replica")
+    return str(ready[0]).rstrip("/")
+
+
+def find_api(explicit: str | None) -> str:
+    """The API to call: ``explicit``, else HASCHEDULER_API, else the local cluster running
+    from this directory (HASCHEDULER_DEV_STATE_DIR). Raises ControlError naming all
+    three."""
+    named = explicit or os.environ.get("HASCHEDULER_API")
+    if named:
+        return named.rstrip("/")
+    try:
+        return local_api(state_dir_from_env())
+    except ControlError as exc:
+        raise ControlError(
+            f"no API named (--api or HASCHEDULER_API), and no local cluster: {exc}"
+        ) from None
