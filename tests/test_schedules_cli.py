@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -62,10 +65,11 @@ def test_add_list_get_update_pause_resume_next_delete(replica: ServerProcess) ->
         "ID",
         "NAME",
         "TRIGGER",
-        "PAUSED",
-        "REV",
+        "STATE",
+        "NEXT",
+        "LAST",
         "TARGET",
-        "FAN-OUT",
+        "NOTE",
     ]
     assert "report" in listed.stdout
 
@@ -217,3 +221,91 @@ def test_a_stored_value_never_reaches_the_terminal_raw(replica: ServerProcess) -
         assert "\\x1b" in done.stdout
         rows = [line for line in done.stdout.splitlines() if sid in line or "forged" in line]
         assert all(sid in row for row in rows), rows  # no line of a value's own
+
+
+def test_the_cli_a_kubectl_or_temporal_user_expects(replica: ServerProcess, tmp_path: Path) -> None:
+    """Durations as typed elsewhere, names as handles, the list's state, next fire, last
+    fire and pause note, next fires after an instant, backfills shown, no traceback on a
+    closed pipe."""
+    tag = uuid.uuid4().hex[:6]
+    made = cli(replica, "add", "--name", f"every-{tag}", "--target", "t.x", "--every", "1h30m")
+    assert made.returncode == 0, made.stderr
+    got = json.loads(cli(replica, "get", f"every-{tag}").stdout)  # the name was its id
+    assert (got["id"], got["trigger"]["every"]) == (f"every-{tag}", 5400.0)
+    spaced = cli(replica, "add", "--id", f"id-{tag}", "--name", f"nice {tag}", "--target",
+                 "t.x", "--every", "5m")  # fmt: skip
+    assert spaced.returncode == 0, spaced.stderr
+    assert json.loads(cli(replica, "get", f"nice {tag}").stdout)["id"] == f"id-{tag}"
+    assert cli(replica, "pause", f"nice {tag}", "--note", "for the release").returncode == 0
+    listed = cli(replica, "list").stdout
+    header = listed.splitlines()[0].split()
+    assert header[:8] == ["ID", "NAME", "TRIGGER", "STATE", "NEXT", "LAST", "TARGET", "NOTE"]
+    row = next(line for line in listed.splitlines() if line.startswith(f"id-{tag}"))
+    assert "paused" in row
+    assert "for the release" in row
+    after = "2031-01-01T00:00:00Z"
+    nexts = json.loads(cli(replica, "next", f"every-{tag}", "--after", after, "--json").stdout)
+    assert nexts["times"][0]["nominal"] > after
+    refused = cli(replica, "add", "--name", "x", "--target", "t.x", "--every", "5 minutes")
+    assert refused.returncode == 2
+    assert "a duration such as" in refused.stderr
+    end = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    started = cli(replica, "backfill", f"every-{tag}", "--start",
+                  (end - dt.timedelta(hours=6)).isoformat(), "--end", end.isoformat())  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    backfill = started.stdout.split()[1].rstrip(":")
+    assert f"hascheduler backfills show {backfill}" in started.stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "backfills", "--api", replica.uri, "show",
+         backfill, "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert json.loads(shown.stdout)["schedule_id"] == f"every-{tag}"
+    piped = subprocess.run(
+        f"{sys.executable} -m hascheduler.cli schedules --api {replica.uri} list | head -c 1",
+        shell=True, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert "Traceback" not in piped.stderr
+    assert "BrokenPipe" not in piped.stderr
+
+
+def test_every_option_has_help_and_a_bad_flag_shows_its_commands_usage() -> None:
+    from hascheduler.cli.main import build_parser
+
+    def walk(parser: Any, where: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if action.dest in ("help", "version") or action.help == "==SUPPRESS==":
+                continue
+            if hasattr(action, "choices") and isinstance(action.choices, dict):
+                for name, sub in action.choices.items():
+                    missing += walk(sub, f"{where} {name}")
+                continue
+            if not action.help:
+                missing.append(f"{where} {'/'.join(action.option_strings) or action.dest}")
+        return missing
+
+    assert walk(build_parser([]), "hascheduler") == []
+    bad = subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "schedules", "list", "--bogus"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("usage: hascheduler schedules list")
+    assert "unrecognized arguments: --bogus" in bad.stderr
+    version = subprocess.run(
+        [sys.executable, "-m", "hascheduler.cli", "--version"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert version.stdout.startswith("hascheduler ")
+    for shell in ("bash", "zsh"):
+        made = subprocess.run(
+            [sys.executable, "-m", "hascheduler.cli", "completion", shell],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert "complete -F _hascheduler hascheduler" in made.stdout
+    checked = subprocess.run(
+        ["bash", "-n"], input=made.stdout.split("\n", 1)[1], capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr

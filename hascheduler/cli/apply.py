@@ -95,7 +95,9 @@ def add_parser(sub: Any) -> None:
         help="write schedules as declarations apply takes back unchanged",
     )
     ex.add_argument("--selector", help="key=value: only schedules with this label")
-    ex.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    ex.add_argument(
+        "--format", choices=["yaml", "json"], default="yaml", help="the output's format (yaml)"
+    )
     ex.set_defaults(run=run_export)
 
 

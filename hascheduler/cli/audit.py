@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
         help="also fail when fewer than N fires were due in the window (a "
         "demo's guard against auditing nothing)",
     )
-    au.add_argument("--json", action="store_true")
+    au.add_argument("--json", action="store_true", help="print the report as JSON")
     au.set_defaults(run=_run_sync)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hascheduler.core.errors import ConfigError
 from hascheduler.process import gcpolicy, logs
@@ -23,10 +24,12 @@ COMMAND_MODULES = {
     "audit-log": "schedules",
     "runs": "schedules",
     "webhooks": "schedules",
+    "backfills": "schedules",
     "apply": "apply",
     "export": "apply",
     "audit": "audit",
     "token": "tokens",
+    "completion": "completion",
 }
 # The entry point group the development tools register their commands in (dev/pyproject.toml).
 PLUGIN_GROUP = "hascheduler.commands"
@@ -66,8 +69,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "and schedules kept as files (apply, export).",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log events written (info)",
     )
+    parser.add_argument("--version", action="version", version=f"hascheduler {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = _command_in(argv)
     if wanted in COMMAND_MODULES:
@@ -109,15 +116,41 @@ def _not_installed(args: argparse.Namespace) -> int:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hascheduler")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The parser of the (sub)command ``args`` ran: an unknown flag is reported with its
+    usage, not the top-level one."""
+    found: Any = parser
+    for dest in ("command", "action"):
+        chosen = getattr(args, dest, None)
+        subparsers = [a for a in found._actions if isinstance(a, argparse._SubParsersAction)]
+        if chosen is None or not subparsers or chosen not in subparsers[0].choices:
+            break
+        found = subparsers[0].choices[chosen]
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args, rest = parser.parse_known_args(argv)
     if rest and args.run is not _not_installed:
-        parser.parse_args(argv)  # reports the unknown arguments, exit 2
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
     logs.configure(args.log_level)
     try:
         code: int = args.run(args)
     except ConfigError as exc:  # every command reports a wrong setting the same way
         print(f"hascheduler {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `| head` closed the pipe: what was wanted was read
+        # Python flushes stdout at exit again; pointed at nothing, that says nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from hascheduler.core.health import ScheduleHealth
+from hascheduler.core.models import Schedule, preview
 
 
 def trigger_text(trigger: dict[str, Any]) -> str:
@@ -43,30 +44,55 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 def schedules_table(
-    items: list[dict[str, Any]], health: Mapping[str, ScheduleHealth] | None = None
+    items: list[Schedule],
+    health: Mapping[str, ScheduleHealth] | None = None,
+    now: dt.datetime | None = None,
+    judged: bool = False,
 ) -> str:
-    def fan_out(schedule: dict[str, Any]) -> str:
-        spec = schedule.get("fan_out")
-        return f"per {spec['collection']}" if spec else "-"
+    """Each schedule: its state (active, paused, completed), its next fire, its last (with
+    ``health``), and a pause's note; HEALTH too when ``judged``."""
+    now = now or dt.datetime.now(dt.UTC)
+    health = health or {}
+
+    def state(s: Schedule) -> str:
+        return "completed" if s.completed else ("paused" if s.paused else "active")
+
+    def following(s: Schedule) -> str:
+        if s.paused or s.completed:
+            return "-"
+        times = preview(s, now, 1).times
+        return _when(times[0].fire_at, now) if times else "-"
+
+    def last(s: Schedule) -> str:
+        fire = health[s.id].last_fire if s.id in health else None
+        return f"{_when(fire.nominal_at, now)} {fire.state}" if fire else "-"
 
     rows = [
         [
-            s["id"],
-            s["name"],
-            trigger_text(s["trigger"]),
-            "yes" if s["paused"] else "no",
-            str(s["revision"]),
-            s["target"],
-            fan_out(s),
+            s.id,
+            s.name,
+            trigger_text(s.trigger.model_dump(mode="json")),
+            state(s),
+            following(s),
+            last(s),
+            s.target + (f" (per {s.fan_out.collection})" if s.fan_out else ""),
+            (s.pause.note or "")[:40] if s.pause else "",
         ]
         for s in items
     ]
-    headers = ["ID", "NAME", "TRIGGER", "PAUSED", "REV", "TARGET", "FAN-OUT"]
-    if health is not None:
+    headers = ["ID", "NAME", "TRIGGER", "STATE", "NEXT", "LAST", "TARGET", "NOTE"]
+    if judged:
         for row, s in zip(rows, items, strict=True):
-            row.append(health_word(health[s["id"]]) if s["id"] in health else "-")
+            row.append(health_word(health[s.id]) if s.id in health else "-")
         headers.append("HEALTH")
     return table(rows, headers)
+
+
+def _when(moment: dt.datetime, now: dt.datetime) -> str:
+    """An instant shown short: its time today, else its date and time (UTC)."""
+    moment = moment.astimezone(dt.UTC)
+    shown = "%H:%M:%S" if moment.date() == now.date() else "%Y-%m-%d %H:%M"
+    return moment.strftime(shown)
 
 
 def health_word(health: ScheduleHealth) -> str:
@@ -102,8 +128,10 @@ def shown(value: BaseModel | dict[str, Any]) -> str:
     return json.dumps(data, indent=2)
 
 
-def schedule_rows(items: list[Any], health: Mapping[str, ScheduleHealth] | None = None) -> str:
-    return schedules_table([s.model_dump(mode="json") for s in items], health)
+def schedule_rows(
+    items: list[Schedule], health: Mapping[str, ScheduleHealth] | None = None, judged: bool = False
+) -> str:
+    return schedules_table(items, health, judged=judged)
 
 
 def audit_output(records: list[dict[str, Any]], as_json: bool) -> str:
@@ -128,7 +156,10 @@ def audit_output(records: list[dict[str, Any]], as_json: bool) -> str:
     )
 
 
-def runs_table(items: list[dict[str, Any]]) -> str:
+def runs_table(items: list[dict[str, Any]], names: Mapping[str, str] | None = None) -> str:
+    """Each run, with its schedule's name (``names``: by schedule id) when known."""
+    names = names or {}
+
     def seconds(value: Any) -> str:
         return f"{value:.3f}s" if isinstance(value, int | float) else "-"
 
@@ -144,6 +175,7 @@ def runs_table(items: list[dict[str, Any]]) -> str:
         [
             [
                 r["id"],
+                names.get(str(r.get("schedule_id")), str(r.get("schedule_id") or "-")),
                 r["state"],
                 str(r["attempts"]),
                 r.get("worker_id") or "-",
@@ -152,5 +184,13 @@ def runs_table(items: list[dict[str, Any]]) -> str:
             ]
             for r in items
         ],
-        ["FIRE ID", "STATE", "ATTEMPTS", "WORKER", "DURATION", "LAST ERROR / WAITING ON"],
+        [
+            "FIRE ID",
+            "SCHEDULE",
+            "STATE",
+            "ATTEMPTS",
+            "WORKER",
+            "DURATION",
+            "LAST ERROR / WAITING ON",
+        ],
     )

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
-from hascheduler.client import local_cluster
+from hascheduler.client import AsyncClient, NotFound, local_cluster
 
 EXIT_REFUSED = 2
 EXIT_UNAVAILABLE = 1
@@ -77,3 +78,40 @@ def resolve_api(explicit: str | None) -> str:
         return local_cluster.find_api(explicit)
     except local_cluster.ControlError as exc:
         raise Unavailable(str(exc)) from None
+
+
+# What Kubernetes, Temporal and Go users type: 30s, 5m, 1h30m, 2d (units in any order of
+# size, each once); a number alone is seconds; ISO-8601 (PT30S) goes to the API as it is.
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)(ms|d|h|m|s))+")
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
+
+
+def duration(text: str, flag: str) -> float | str:
+    """``text`` as seconds (or an ISO-8601 duration, as written). Raises Refused."""
+    value = text.strip()
+    if value.upper().startswith("P"):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    if not _DURATION.fullmatch(value):
+        raise Refused(f"{flag} {text!r}: a duration such as 30, 30s, 5m, 1h30m or PT5M")
+    return sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(value))
+
+
+async def schedule_handle(api: AsyncClient, handle: str, namespace: str | None) -> str:
+    """The id of the schedule ``handle`` names: its id, or its name when no schedule has
+    that id (unique in the namespaces read, else refused naming the ids)."""
+    try:
+        await api.get_schedule(handle)
+        return handle
+    except NotFound:
+        pass
+    named = [s.id async for s in api.schedules(namespace=namespace) if s.name == handle]
+    if len(named) > 1:
+        raise Refused(f"{handle!r} names {len(named)} schedules ({', '.join(named)}): use an id")
+    if not named:
+        raise Refused(f"schedule {handle!r} does not exist (no schedule has that id or name)")
+    return named[0]

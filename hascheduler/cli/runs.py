@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from typing import Any
 
 from hascheduler.cli.output import runs_table
-from hascheduler.cli.remote import Actions, Refused
-from hascheduler.client import AsyncClient, calls
+from hascheduler.cli.remote import Actions, Refused, schedule_handle
+from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.run_states import STATES as RUN_STATES
 
 
@@ -20,20 +21,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> Any:
     )
     cmd = Actions(rn)
     ls = cmd.add_parser("list", help="runs, most recently changed first")
-    ls.add_argument("--state", choices=RUN_STATES)
-    ls.add_argument("--schedule", help="the runs of one schedule's fires (newest first)")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--state", choices=RUN_STATES, help="only the runs in this state")
+    ls.add_argument(
+        "--schedule", help="the runs of one schedule's fires, by its id or name (newest first)"
+    )
+    ls.add_argument("--limit", type=int, default=50, help="at most this many (50)")
     ls.add_argument(
         "--after", help="the next a previous --json list gave (the fire id of its last run)"
     )
     show = cmd.add_parser("show", help="one run")
-    show.add_argument("fire_id")
+    show.add_argument("fire_id", help="the run's fire id (runs list shows them)")
     retry = cmd.add_parser("retry", help="replay a dead run")
-    retry.add_argument("fire_id")
+    retry.add_argument("fire_id", help="a dead run's fire id")
     cancel = cmd.add_parser(
         "cancel", help="cancel a run (a running one is stopped by its worker within a second)"
     )
-    cancel.add_argument("fire_id")
+    cancel.add_argument("fire_id", help="the run's fire id")
     return rn
 
 
@@ -44,16 +47,29 @@ async def command(api: AsyncClient, args: argparse.Namespace) -> str:
         if args.schedule:
             if args.state or args.after:
                 raise Refused("--schedule lists one schedule's runs: without --state/--after")
-            body = await api.schedule_runs(args.schedule, args.limit)
+            schedule = await schedule_handle(api, args.schedule, args.namespace)
+            body = await api.schedule_runs(schedule, args.limit)
         else:
             items, after = await api.send(
                 calls.runs_page(args.state, args.after, args.limit, args.namespace)
             )
             body = {"items": items, "next": after}
-        return json.dumps(body, indent=2) if args.json else runs_table(body["items"])
+        if args.json:
+            return json.dumps(body, indent=2)
+        return runs_table(body["items"], await _names(api, body["items"]))
     if args.action == "show":
         return json.dumps(await api.get_run(args.fire_id), indent=2)
     changed = await (
         api.retry_run(args.fire_id) if args.action == "retry" else api.cancel_run(args.fire_id)
     )
     return json.dumps(changed, indent=2) if args.json else runs_table([changed])
+
+
+async def _names(api: AsyncClient, runs: list[dict[str, Any]]) -> dict[str, str]:
+    """The name of each schedule these runs belong to (one read each; a deleted one's
+    id stands for it)."""
+    names = {}
+    for schedule_id in {str(r["schedule_id"]) for r in runs if r.get("schedule_id")}:
+        with contextlib.suppress(HaschedulerError):
+            names[schedule_id] = (await api.get_schedule(schedule_id)).name
+    return names

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hascheduler.cli import runs, webhooks
+from hascheduler.cli import backfills, runs, webhooks
 from hascheduler.cli.output import audit_output, health_text, schedule_rows, shown, table
 from hascheduler.cli.remote import (
     EXIT_REFUSED,
@@ -21,18 +21,23 @@ from hascheduler.cli.remote import (
     Refused,
     Unavailable,
     common_options,
+    duration,
     resolve_api,
+    schedule_handle,
 )
 from hascheduler.client import AsyncClient, HaschedulerError, calls
 from hascheduler.core.constants import MAX_PAGE
-from hascheduler.core.fields import loads
+from hascheduler.core.fields import SLUG, loads
 from hascheduler.core.overlap import POLICIES
+
+HANDLE = "the schedule: its id, or its name (unique in its namespace)"
 
 
 def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one statement per flag)
     common = common_options(after_action=False)
     runs.add_parser(sub, common).set_defaults(run=_run_sync)
     webhooks.add_parser(sub, common).set_defaults(run=_run_sync)
+    backfills.add_parser(sub, common).set_defaults(run=_run_sync)
     sc = sub.add_parser(
         "schedules",
         parents=[common],
@@ -43,17 +48,23 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
 
     add = cmd.add_parser("add", help="create a schedule")
     add.add_argument("--file", help="a schedule as JSON (- for standard input)")
-    add.add_argument("--id")
-    add.add_argument("--name")
+    add.add_argument(
+        "--id", help="its id, a slug (default: its --name, when that is one): the handle to use"
+    )
+    add.add_argument("--name", help="what it is called; also a handle where an id is taken")
     add.add_argument("--target", help="broker subject suffix or routing key")
     kind = add.add_mutually_exclusive_group()
     kind.add_argument("--cron", help="5 or 6 fields, crontab syntax")
-    kind.add_argument("--every", help="seconds or an ISO-8601 duration (PT30S)")
+    kind.add_argument("--every", help="a duration: seconds, 30s, 5m, 1h30m, or ISO-8601 (PT30S)")
     kind.add_argument("--at", action="append", help="an instant (ISO-8601); repeat for more")
     add.add_argument("--timezone", help="IANA zone for --cron (default UTC)")
     add.add_argument("--start-at", help="anchor of an --every grid")
     add.add_argument("--end-at", help="last possible time of an --every schedule")
-    add.add_argument("--jitter", type=float)
+    add.add_argument(
+        "--jitter",
+        type=float,
+        help="seconds each fire is moved by, at most (the same each time)",
+    )
     add.add_argument("--payload", help="a JSON object")
     add.add_argument(
         "--fan-out",
@@ -61,9 +72,15 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
         '"tenants", "filter": {"active": true}, "key": "_id"}',
     )
     add.add_argument("--label", action="append", default=[], help="key=value; repeatable")
-    add.add_argument("--paused", action="store_true")
-    add.add_argument("--catchup", choices=["latest", "all", "none"])
-    add.add_argument("--catchup-window", type=float)
+    add.add_argument("--paused", action="store_true", help="create it paused")
+    add.add_argument(
+        "--catchup",
+        choices=["latest", "all", "none"],
+        help="fires missed while no leader fired: the latest, all, or none (default latest)",
+    )
+    add.add_argument(
+        "--catchup-window", type=float, help="seconds back a catch-up may reach (default 3600)"
+    )
     add.add_argument(
         "--overlap",
         choices=POLICIES,
@@ -81,8 +98,8 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
 
     ls = cmd.add_parser("list", help="list schedules")
     ls.add_argument("--label", action="append", default=[], help="key=value; repeat to AND")
-    ls.add_argument("--paused", choices=["true", "false"])
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--paused", choices=["true", "false"], help="only the paused, or the others")
+    ls.add_argument("--limit", type=int, default=100, help="at most this many (100)")
     ls.add_argument(
         "--health",
         action="store_true",
@@ -94,7 +111,7 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
         "health",
         help="a schedule's last fire, last success, consecutive failures, lateness and objective",
     )
-    hl.add_argument("id")
+    hl.add_argument("id", help=HANDLE)
 
     for name, text in (
         ("get", "show one schedule"),
@@ -103,7 +120,7 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
         ("resume", "resume a schedule"),
     ):
         p = cmd.add_parser(name, help=text)
-        p.add_argument("id")
+        p.add_argument("id", help=HANDLE)
         if name != "get":
             p.add_argument("--if-match", type=int, help="expected revision")
         if name == "pause":
@@ -113,14 +130,14 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
     up = cmd.add_parser(
         "update", help="change a schedule: --set applies a JSON merge patch, --file replaces it"
     )
-    up.add_argument("id")
+    up.add_argument("id", help=HANDLE)
     change = up.add_mutually_exclusive_group(required=True)
     change.add_argument("--set", dest="patch", help="JSON merge patch, e.g. '{\"jitter\": 5}'")
     change.add_argument("--file", help="the whole schedule as JSON (- for standard input)")
     up.add_argument("--if-match", type=int, help="expected revision")
 
     tr = cmd.add_parser("trigger", help="run a schedule now (a fire outside its trigger)")
-    tr.add_argument("id")
+    tr.add_argument("id", help=HANDLE)
     tr.add_argument(
         "--payload", help="this fire's payload (a JSON object) instead of the schedule's"
     )
@@ -138,24 +155,25 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
     bf = cmd.add_parser(
         "backfill", help="fire the schedule's times in [--start, --end) that were never fired"
     )
-    bf.add_argument("id")
+    bf.add_argument("id", help=HANDLE)
     bf.add_argument("--start", required=True, help="RFC 3339, inclusive")
     bf.add_argument("--end", required=True, help="RFC 3339, exclusive, not in the future")
     bf.add_argument("--overlap", choices=POLICIES, help="the backfilled fires' policy")
 
     nx = cmd.add_parser("next", help="preview the next fire times")
-    nx.add_argument("id")
-    nx.add_argument("--count", type=int, default=5)
+    nx.add_argument("id", help=HANDLE)
+    nx.add_argument("--count", type=int, default=5, help="how many fire times (5)")
+    nx.add_argument("--after", help="from this instant (RFC 3339; default now)")
 
     hi = cmd.add_parser("history", help="a schedule's audit records, newest first")
-    hi.add_argument("id")
-    hi.add_argument("--limit", type=int, default=20)
+    hi.add_argument("id", help=HANDLE)
+    hi.add_argument("--limit", type=int, default=20, help="at most this many records (20)")
 
     rs = cmd.add_parser(
         "restore", help="put back the fields a schedule had at an earlier revision of its history"
     )
-    rs.add_argument("id")
-    rs.add_argument("--revision", type=int, required=True)
+    rs.add_argument("id", help=HANDLE)
+    rs.add_argument("--revision", type=int, required=True, help="the revision to put back")
     rs.add_argument("--if-match", type=int, help="expected revision")
 
     al = sub.add_parser(
@@ -167,7 +185,7 @@ def add_parser(sub: Any) -> None:  # noqa: PLR0915 (the subcommands' table, one 
     al.add_argument("--schedule", help="one schedule's records")
     al.add_argument("--actor", help="one token's (or JWT subject's) records")
     al.add_argument("--since", help="records from this instant on (RFC 3339)")
-    al.add_argument("--limit", type=int, default=50)
+    al.add_argument("--limit", type=int, default=50, help="at most this many records (50)")
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -195,6 +213,25 @@ def _labels(pairs: Sequence[str]) -> dict[str, str]:
     return labels
 
 
+def _trigger(args: argparse.Namespace) -> dict[str, Any]:
+    """The trigger the add command's flags describe. Raises Refused."""
+    trigger: dict[str, Any]
+    if args.cron:
+        trigger = {"kind": "cron", "cron": args.cron}
+        if args.timezone:
+            trigger["timezone"] = args.timezone
+    elif args.every:
+        trigger = {"kind": "interval", "every": duration(args.every, "--every")}
+        for key in ("start_at", "end_at"):
+            if getattr(args, key):
+                trigger[key] = getattr(args, key)
+    elif args.at:
+        trigger = {"kind": "at", "at": args.at}
+    else:
+        raise Refused("give one trigger: --cron, --every or --at")
+    return trigger
+
+
 def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
     """The POST body from the add command's flags (or its --file)."""
     if args.file:
@@ -207,21 +244,7 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
     ]
     if missing:
         raise Refused(f"{' and '.join(missing)} required (or give the schedule with --file)")
-    trigger: dict[str, Any]
-    if args.cron:
-        trigger = {"kind": "cron", "cron": args.cron}
-        if args.timezone:
-            trigger["timezone"] = args.timezone
-    elif args.every:
-        every: Any = float(args.every) if args.every.replace(".", "", 1).isdigit() else args.every
-        trigger = {"kind": "interval", "every": every}
-        for key in ("start_at", "end_at"):
-            if getattr(args, key):
-                trigger[key] = getattr(args, key)
-    elif args.at:
-        trigger = {"kind": "at", "at": args.at}
-    else:
-        raise Refused("give one trigger: --cron, --every or --at")
+    trigger = _trigger(args)
     body: dict[str, Any] = {
         "name": args.name,
         "target": args.target,
@@ -229,6 +252,8 @@ def schedule_body(args: argparse.Namespace) -> dict[str, Any]:
         "labels": _labels(args.label),
         "paused": args.paused,
     }
+    if args.id is None and SLUG.fullmatch(args.name):  # the name, a handle as it is
+        body["id"] = args.name
     for key in ("id", "jitter", "catchup", "catchup_window", "overlap", "pause_on_failure"):
         if getattr(args, key) is not None:
             body[key] = getattr(args, key)
@@ -255,6 +280,8 @@ async def run(args: argparse.Namespace) -> int:
                 output = await runs.command(api, args)
             elif args.command == "webhooks":
                 output = await webhooks.command(api, args)
+            elif args.command == "backfills":
+                output = await backfills.command(api, args)
             elif args.command == "audit-log":
                 output = audit_output(
                     await _first(
@@ -286,6 +313,8 @@ async def run(args: argparse.Namespace) -> int:
 async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> str | None:  # noqa: C901 (one branch per subcommand)
     if_match = getattr(args, "if_match", None)
     sid: str = getattr(args, "id", None) or ""
+    if sid and args.action != "add":
+        sid = await schedule_handle(api, sid, args.namespace)
     if args.action == "add":
         body = schedule_body(args)
         if args.namespace is not None:
@@ -294,7 +323,7 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         return shown(created) if args.json else schedule_rows([created])
     if args.action == "list":
         paused = None if args.paused is None else args.paused == "true"
-        if args.health:
+        if args.health or not args.json:  # the table's LAST column is the health's
             page = await api.send(
                 calls.schedules_health_page(
                     _labels(args.label), paused, None, args.limit, args.namespace
@@ -302,13 +331,11 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
             )
             if args.json:
                 return shown(page.model_dump(mode="json", exclude_none=True))
-            return schedule_rows(page.items, page.health or {})
+            return schedule_rows(page.items, page.health or {}, judged=args.health)
         items, after = await api.send(
             calls.schedules_page(_labels(args.label), paused, None, args.limit, args.namespace)
         )
-        if args.json:
-            return shown({"items": [i.model_dump(mode="json") for i in items], "next": after})
-        return schedule_rows(items)
+        return shown({"items": [i.model_dump(mode="json") for i in items], "next": after})
     if args.action == "health":
         health = await api.health(sid)
         return shown(health) if args.json else health_text(health)
@@ -341,8 +368,8 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
             shown(answer)
             if args.json
             else (
-                f"backfill {answer['id']}: {answer['total']} fire times, "
-                f"progress at {base}/backfills/{answer['id']}"
+                f"backfill {answer['id']}: {answer['total']} fire times; its progress: "
+                f"hascheduler backfills show {answer['id']}"
             )
         )
     if args.action == "history":
@@ -353,7 +380,7 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         restored = await api.restore(sid, args.revision, if_match)
         return shown(restored) if args.json else schedule_rows([restored])
     if args.action == "next":
-        preview = await api.next_fires(sid, args.count)
+        preview = await api.next_fires(sid, args.count, args.after)
         if args.json:
             return shown(preview)
         return table(

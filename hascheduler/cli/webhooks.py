@@ -34,19 +34,19 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> Any:
         choices=WEBHOOK_EVENTS,
         help="an event it receives; repeatable",
     )
-    add.add_argument("--id")
+    add.add_argument("--id", help="its id, a slug (default: generated)")
     add.add_argument("--schedule", help="only this schedule's events")
     cmd.add_parser("list", help="the webhooks the token may read")
     for name, text in (
         ("show", "one webhook (never its secret)"),
         ("delete", "delete a webhook and its deliveries"),
     ):
-        cmd.add_parser(name, help=text).add_argument("id")
+        cmd.add_parser(name, help=text).add_argument("id", help="the webhook's id")
     dl = cmd.add_parser(
         "deliveries", help="a webhook's deliveries, newest first, with their attempts"
     )
-    dl.add_argument("id")
-    dl.add_argument("--limit", type=int, default=50)
+    dl.add_argument("id", help="the webhook's id")
+    dl.add_argument("--limit", type=int, default=50, help="at most this many (50)")
     return wh
 
 

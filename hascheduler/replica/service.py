@@ -119,8 +119,32 @@ class ReplicaSettings:
         return "127.0.0.1"
 
 
+# How long the first database call may take before the replica says it is waiting.
+WAITING_SAID_AFTER_S = 1.0
+
+
 async def _retrying(what: str, work: Callable[[], Awaitable[object]]) -> None:
-    """Run ``work()`` until it succeeds, waiting out a database that is not up yet."""
+    """Run ``work()`` until it succeeds, waiting out a database that is not up yet; one
+    that has not answered within a second is said to be waited for (a server selection
+    takes its full timeout before it fails)."""
+
+    async def say_waiting() -> None:
+        await asyncio.sleep(WAITING_SAID_AFTER_S)
+        log.warning(
+            "database_waiting",
+            during=what,
+            message="no answer from MongoDB yet: is it running, reachable at the URI's "
+            "hosts, and a replica set? (retrying)",
+        )
+
+    saying = asyncio.create_task(say_waiting())
+    try:
+        await _retried(what, work)
+    finally:
+        saying.cancel()
+
+
+async def _retried(what: str, work: Callable[[], Awaitable[object]]) -> None:
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type(PyMongoError),
         wait=wait_exponential(multiplier=0.2, max=STREAM_RETRY_MAX_S),
