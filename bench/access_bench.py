@@ -38,6 +38,7 @@ from hascheduler.api.access import (
     create_token,
     entry_line,
 )
+from hascheduler.api.access_file import with_file
 from hascheduler.api.routes import create_app
 from hascheduler.core.history import Actor
 from hascheduler.core.models import ScheduleIn
@@ -120,7 +121,7 @@ def check_cost(tokens: int, checks: int) -> tuple[float, float]:
     def access_of(entries: list[NewToken], name: str) -> Access:
         path = folder / name
         path.write_text("tokens:\n" + "".join(entry_line(e.entry) + "\n" for e in entries))
-        return Access().with_file(str(path))
+        return with_file(Access(), str(path))
 
     many, one = access_of(made, "many.yaml"), access_of(made[-1:], "one.yaml")
     header = f"Bearer {made[-1].secret}"

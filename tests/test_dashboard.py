@@ -97,7 +97,7 @@ async def _create(
             json={
                 "id": sid,
                 "name": name or sid.replace("-", " "),
-                "target": "dashboard.demo",
+                "target": "demo.dashboard",
                 "trigger": trigger,
                 **fields,
             },
@@ -161,7 +161,7 @@ async def test_dashboard_shows_the_leader_change_live(cluster: DevCluster) -> No
             await expect(page.locator("#schedules tbody tr")).to_have_count(5)
             await expect(
                 page.locator("#schedules tbody tr", has_text="per-tenant")
-            ).to_contain_text("dashboard.demo (per tenants)")
+            ).to_contain_text("demo.dashboard (per tenants)")
             name_cell = page.locator("#schedules tbody tr", has_text="markup").locator("td").nth(2)
             await expect(name_cell).to_have_text(MARKUP)
             assert await page.locator("#schedules b, #schedules img").count() == 0
@@ -296,7 +296,7 @@ async def _plant_dead_run(mongodb_uri: str) -> str:
             {
                 "_id": fire_id,
                 "schedule_id": "planted",
-                "target": "dashboard.demo",
+                "target": "demo.dashboard",
                 "nominal_at": nominal,
                 "state": "dead",
                 "attempts": 1,

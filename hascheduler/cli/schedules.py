@@ -312,6 +312,11 @@ async def run(args: argparse.Namespace) -> int:
 
 async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> str | None:  # noqa: C901 (one branch per subcommand)
     if_match = getattr(args, "if_match", None)
+    # The input read first: a refused one is said without a call to the API.
+    payload = (
+        None if getattr(args, "payload", None) is None else _json_arg(args.payload, "--payload")
+    )
+    patch = _json_arg(args.patch, "--set") if getattr(args, "patch", None) else None
     sid: str = getattr(args, "id", None) or ""
     if sid and args.action != "add":
         sid = await schedule_handle(api, sid, args.namespace)
@@ -345,7 +350,7 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         if args.file:
             changed = await api.replace_schedule(sid, _read_file(args.file), if_match)
         else:
-            changed = await api.patch_schedule(sid, _json_arg(args.patch, "--set"), if_match)
+            changed = await api.patch_schedule(sid, patch or {}, if_match)
         return shown(changed) if args.json else schedule_rows([changed])
     if args.action in {"pause", "resume"}:
         if args.action == "pause":
@@ -357,7 +362,6 @@ async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> st
         await api.delete_schedule(sid, if_match)
         return None if not args.json else json.dumps({"deleted": sid})
     if args.action == "trigger":
-        payload = None if args.payload is None else _json_arg(args.payload, "--payload")
         fired = await api.trigger(
             sid, payload, args.overlap, args.force, args.idempotency_key, args.priority
         )
