@@ -297,7 +297,7 @@ async def run(args: argparse.Namespace) -> int:
                     args.json,
                 )
             else:
-                output = await _dispatch(api, base, args)
+                output = await _dispatch(api, args)
     except Refused as exc:
         print(f"{what}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -310,7 +310,7 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _dispatch(api: AsyncClient, base: str, args: argparse.Namespace) -> str | None:  # noqa: C901 (one branch per subcommand)
+async def _dispatch(api: AsyncClient, args: argparse.Namespace) -> str | None:  # noqa: C901 (one branch per subcommand)
     if_match = getattr(args, "if_match", None)
     # The input read first: a refused one is said without a call to the API.
     payload = (
