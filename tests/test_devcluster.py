@@ -587,6 +587,10 @@ def test_dev_runs_your_own_handler_and_no_target_it_does_not_handle(tmp_path: Pa
         none = cli("dev", "scale", "0")
         assert none.returncode == 2
         assert "at least 1" in none.stderr
+        forever = cli("dev", "audit", "--last", "forever")
+        assert forever.returncode == 2
+        assert "a duration such as" in forever.stderr
+        assert cli("dev", "audit", "--last", "30s").returncode == 0
         # Its fires are there to see: published, with no run.
         url = next(iter(dev.replicas.values()))
         fires = httpx.get(f"{url}/schedules/orphan/fires", timeout=10).json()["items"]

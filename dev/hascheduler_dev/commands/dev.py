@@ -96,10 +96,30 @@ def add_parser(sub: Any) -> None:
         help="count fires in the broker stream: exit 1 if any was missed or duplicated",
         parents=[located],
     )
-    audit.add_argument("--since", required=True, help="ISO-8601 instant with offset")
-    audit.add_argument("--until", required=True, help="ISO-8601 instant with offset")
-    audit.add_argument("--json", action="store_true")
+    window = audit.add_mutually_exclusive_group(required=True)
+    window.add_argument("--since", help="ISO-8601 instant with offset (with --until)")
+    window.add_argument(
+        "--last",
+        type=_duration,
+        metavar="DURATION",
+        help="the window ending 5 s ago, this long (30s, 5m, 1h): the fires "
+        "due in it have had time to reach the stream",
+    )
+    audit.add_argument("--until", help="ISO-8601 instant with offset (with --since)")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
     dev.set_defaults(run=run)
+
+
+def _duration(text: str) -> float:
+    from hascheduler.cli.remote import Refused, duration
+
+    try:
+        seconds = duration(text, "--last")
+    except Refused as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if isinstance(seconds, str) or not 0 < seconds <= 86_400:
+        raise argparse.ArgumentTypeError("--last: a duration from 1s to 24h, such as 2m")
+    return seconds
 
 
 def _broker_url(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 import urllib.parse
@@ -11,6 +12,9 @@ from typing import Any
 
 from hascheduler.client.local_cluster import ControlError, call
 from hascheduler.core.audit import describe
+
+# dev audit --last ends this long ago: a fire due just before now may still be on its way.
+LAST_SETTLE_S = 5.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +67,15 @@ def run(args: argparse.Namespace) -> int:
             )
             return 0
         if args.action == "audit":
-            query = urllib.parse.urlencode({"since": args.since, "until": args.until})
+            since, until = args.since, args.until
+            if args.last is not None:
+                end = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=LAST_SETTLE_S)
+                since = (end - dt.timedelta(seconds=args.last)).isoformat()
+                until = end.isoformat()
+            elif until is None:
+                print("hascheduler dev audit: --since needs --until", file=sys.stderr)
+                return 2
+            query = urllib.parse.urlencode({"since": since, "until": until})
             result = call(state_dir, "GET", f"/audit?{query}")
             print(json.dumps(result) if args.json else describe(result))
             return 0 if result["ok"] else 1
