@@ -28,7 +28,8 @@ async def _run(run: Run) -> None:
     _note("end", run)
 
 
-app = WorkerApp(RetryPolicy(max_attempts=3, backoff_base_s=0.1, backoff_cap_s=0.2, timeout_s=60.0))
+# A timeout past the 120 s a "stuck" run sleeps: it holds its key while a test looks.
+app = WorkerApp(RetryPolicy(max_attempts=3, backoff_base_s=0.1, backoff_cap_s=0.2, timeout_s=180.0))
 # The schedule (its event's data.concurrency) says the limit.
 app.add("flow.>", _run)
 # The handler says it: at most 3 runs of a tenant at once.
