@@ -25,6 +25,7 @@ from tests.waiting import wait_until_sync
 OPEN_PATHS = {"/metrics", "/ui", "/healthz", "/readyz", "/openapi.json", "/docs"}
 ADMIN_TOKEN = "matrix-setup-token-0123"
 HOME, OTHER = "team-a", "team-b"
+RESOURCE_SCOPES = (guards.SCHEDULE, guards.FIRE, guards.BACKFILL, guards.WEBHOOK)
 
 
 @dataclass
@@ -201,14 +202,54 @@ def test_every_route_refuses_every_other_action_and_namespace(cluster: Cluster) 
                         headers={"Authorization": f"Bearer {cluster.secrets[action, namespace]}"},
                     )
                     where = f"{route.method} {route.path} as {action.value} in {namespace}"
-                    assert answer.status_code == 403, f"{where}: {answer.status_code}"
                     title = answer.json()["title"]
-                    assert route.guard.action is not None
-                    assert f"may not {route.guard.action.value}" in title, f"{where}: {title}"
-                    if _allowed(route, action):  # refused for its namespace: named
-                        assert HOME in title, f"{where}: {title}"
+                    if _allowed(route, action) and route.guard.scope in RESOURCE_SCOPES:
+                        # Another namespace's resource: as if nobody had used its id.
+                        assert answer.status_code == 404, f"{where}: {answer.status_code}"
+                        assert HOME not in answer.text, f"{where}: {answer.text}"
+                    else:
+                        assert answer.status_code == 403, f"{where}: {answer.status_code}"
+                        assert route.guard.action is not None
+                        assert f"may not {route.guard.action.value}" in title, f"{where}: {title}"
+                        if _allowed(route, action):  # refused in its namespace: named
+                            assert HOME in title, f"{where}: {title}"
                     checked += 1
     assert checked > len(_guarded()) * (len(ACTIONS) - 2)
+
+
+def test_another_namespaces_resource_answers_as_an_unused_id_does(cluster: Cluster) -> None:
+    """A token reaching the action but not the namespace gets, for each of HOME's
+    resources, the very answer it gets for an id nobody used: it cannot learn that the
+    resource exists, nor where."""
+    compared = 0
+    with httpx.Client(base_url=cluster.url) as http:
+        for route in _guarded():
+            if route.guard.scope not in RESOURCE_SCOPES:
+                continue
+            assert route.guard.action is not None
+            headers = {"Authorization": f"Bearer {cluster.secrets[route.guard.action, OTHER]}"}
+            home = cluster.ids[route.guard.scope]
+            unused = (
+                home.replace("home", "none", 1) if "home" in home else uuid.uuid4().hex[: len(home)]
+            )
+            hidden = http.request(**_as_other(_request(route, cluster.ids)), headers=headers)
+            absent = http.request(
+                **_as_other(_request(route, {**cluster.ids, route.guard.scope: unused})),
+                headers=headers,
+            )
+            where = f"{route.method} {route.path}"
+            assert hidden.status_code == absent.status_code == 404, f"{where}: {hidden.text}"
+            assert hidden.text.replace(home, "ID") == absent.text.replace(unused, "ID"), where
+            compared += 1
+    assert compared >= 15
+
+
+def _as_other(request: dict[str, Any]) -> dict[str, Any]:
+    """``request`` with a body naming OTHER, the caller's own namespace."""
+    body = request["json"]
+    if isinstance(body, dict) and body.get("namespace") == HOME:
+        return {**request, "json": {**body, "namespace": OTHER}}
+    return request
 
 
 def test_every_route_lets_its_action_through_in_its_namespace(cluster: Cluster) -> None:
@@ -267,8 +308,8 @@ def test_the_fires_of_a_deleted_schedule_stay_in_its_namespace(cluster: Cluster)
         other = {"Authorization": f"Bearer {cluster.secrets[Action.READ, OTHER]}"}
         assert http.get(f"/fires/{fire}", headers=home).status_code == 200
         answer = http.get(f"/fires/{fire}", headers=other)
-        assert answer.status_code == 403
-        assert HOME in answer.json()["title"]
+        assert answer.status_code == 404
+        assert HOME not in answer.text
         assert http.get(f"/fires/{fire}", headers=admin).status_code == 200
 
 

@@ -281,7 +281,7 @@ def test_a_reused_id_is_another_schedule_whose_history_is_not_the_first_ones(
         assert again.status_code == 201, again.text
 
         assert http.get(f"/schedules/{sid}/fires", headers=a).json()["items"] == []
-        assert http.get(f"/fires/{fire}", headers=a).status_code == 403
+        assert http.get(f"/fires/{fire}", headers=a).status_code == 404
         assert http.get(f"/fires/{fire}", headers=b).status_code == 200
         history = http.get(f"/schedules/{sid}/history", headers=a).json()["items"]
         assert {r["namespace"] for r in history} == {TEAM_A}

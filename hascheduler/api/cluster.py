@@ -53,6 +53,7 @@ async def mirror_entry(request: web.Request) -> web.Response:
     mirror = context(request).mirror
     entry = mirror.entries.get(schedule_id)
     if entry is None:
+        await context(request).store.get(schedule_id)  # 404 for a schedule nobody made
         return problem(
             404,
             f"schedule {schedule_id!r} is not in this replica's mirror",

@@ -24,7 +24,7 @@ from hascheduler.api.errors import BadRequest, Forbidden, problem
 from hascheduler.api.guards import BACKFILL, FIRE, SCHEDULE, WEBHOOK
 from hascheduler.api.params import now_of
 from hascheduler.core import fields, history
-from hascheduler.core.fields import UNKNOWN_NAMESPACE
+from hascheduler.core.errors import ScheduleNotFound
 from hascheduler.core.history import MAX_REASON_CHARS, Actor
 from hascheduler.process import tracing
 
@@ -68,6 +68,13 @@ async def _resource_namespace(request: web.Request, scope: str) -> str | None:
     return await context(request).store.namespace_of(resource)
 
 
+def _not_found(scope: str, resource: str) -> Exception:
+    """The 404 the route's handler answers for an id nobody used."""
+    if scope == SCHEDULE:
+        return ScheduleNotFound(resource)
+    return web.HTTPNotFound(reason=f"no {scope} {resource!r}")
+
+
 @web.middleware
 async def access_control(request: web.Request, handler: Any) -> web.StreamResponse:
     """The grant first (a stranger learns nothing, not even a rate), its action and
@@ -90,10 +97,12 @@ async def access_control(request: web.Request, handler: Any) -> web.StreamRespon
         raise Forbidden(refusal(grant, guard.action, None).title, guard.action, None)
     if guard.scope in (SCHEDULE, FIRE, BACKFILL, WEBHOOK) and not grant.everywhere:
         namespace = await _resource_namespace(request, guard.scope)
-        if namespace is None and guard.scope not in (SCHEDULE, WEBHOOK):
-            raise Forbidden(
-                refusal(grant, guard.action, UNKNOWN_NAMESPACE).title, guard.action, None
-            )
+        if namespace not in grant.namespaces and (
+            namespace is not None or guard.scope in (FIRE, BACKFILL)
+        ):
+            # What another namespace holds does not exist for this token: it answers as
+            # an id nobody used does, so a token cannot learn what exists elsewhere.
+            raise _not_found(guard.scope, request.match_info["id"])
         if namespace is not None:
             require(request, guard.action, namespace)
     if request.method in WRITE_METHODS:
