@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.fire_queue import SEED_STEP, Due, FireQueue, next_due
 from hascheduler.core.triggers import At, Interval
 
@@ -23,7 +23,7 @@ def every(seconds: float, revision: int = 1, paused: bool = False, jitter: float
 
 def seeded(entries: dict[str, Entry], now: dt.datetime) -> FireQueue:
     queue = FireQueue(entries)
-    for _ in queue.seed(now):
+    for _ in queue.seed(now, {}):
         pass
     return queue
 
@@ -102,7 +102,7 @@ def test_a_change_before_the_first_seed_waits_for_it() -> None:
     queue = FireQueue(entries)
     assert not queue.changed("a", entries["a"], None)
     assert len(queue) == 0
-    for _ in queue.seed(at(0)):
+    for _ in queue.seed(at(0), {}):
         pass
     assert taken(queue, at(10)) == [("a", 10)]
 
@@ -111,7 +111,7 @@ def test_seeding_steps_and_requeues_a_schedule_changed_meanwhile() -> None:
     entries = {f"s{i:05d}": every(60) for i in range(3 * SEED_STEP)}
     queue = FireQueue(entries)
     steps = 0
-    for _ in queue.seed(at(15)):
+    for _ in queue.seed(at(15), {}):
         steps += 1
         if steps == 1:  # s00000 was visited before the first step; now it changes
             entries["s00000"] = every(30, revision=2)
@@ -144,3 +144,20 @@ def test_a_deferred_fire_comes_back_at_its_slot_without_queueing_its_schedule_tw
     assert taken(queue, at(30)) == [("noisy", 30), ("quiet", 30)]
     assert queue.first_at() == at(40)
     assert len(queue) == 2
+
+
+def test_a_schedule_created_after_the_seeds_start_is_planned_from_its_creation() -> None:
+    """``early_changes`` (the term's, still growing while it seeds): a schedule created
+    after ``now`` has nothing due before its creation; one only changed is planned from
+    ``now``; so is one changed while the seed steps."""
+    entries = {f"s{i:05d}": every(1) for i in range(2 * SEED_STEP)}
+    early = {
+        "s00000": Written(at(12.5), at(12.5)),  # created 2.5 s after the seed's start
+        "s00001": Written(at(12.5), None),  # changed, not created
+    }
+    queue = FireQueue(entries)
+    for _ in queue.seed(at(10), early):
+        early["s01999"] = Written(at(11.2), at(11.2))  # created while it steps
+        assert not queue.changed("s01999", entries["s01999"], None)
+    firsts = {d.schedule_id: d.nominal for d in queue.items() if d.schedule_id in early}
+    assert firsts == {"s00000": at(13), "s00001": at(11), "s01999": at(12)}

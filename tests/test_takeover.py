@@ -16,7 +16,7 @@ from hascheduler.core.catchup import (
     plan_catchups,
 )
 from hascheduler.core.claims import Claim
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.events import FireMessage
 from hascheduler.core.fanout import FanOut
 from hascheduler.core.triggers import Interval, fire_id
@@ -27,6 +27,7 @@ from hascheduler.replica.firing import (
 from hascheduler.replica.term import Term
 from hascheduler.storage.fire_records import CLAIMED, PUBLISHED, claim_document
 from hascheduler.storage.fires import Ledger
+from hascheduler.storage.lease import LeaseView
 from hascheduler.storage.schedules import ScheduleStore
 from tests.dispatching import (
     AckingBroker,
@@ -347,3 +348,51 @@ async def test_a_takeover_fires_what_falls_due_beside_republishing_what_fell_due
             "the watermark moving once the take-over ended",
         )
         assert fire_id("old", left) in sent
+
+
+async def test_a_schedule_created_while_a_term_starts_fires_nothing_before_its_creation(
+    fresh_db: Any,
+) -> None:
+    """Against the development server: the mirror applies a schedule created just after
+    the term took its start time, before its seed. The seed plans it from its creation,
+    not from the term's start: its first fire is the first after its creation, never one
+    between the two (made_since, which the audit expects; the soak saw one)."""
+    db = fresh_db
+    await db.schedules.insert_one(
+        {"_id": "new", "name": "new", "target": "t.x", "payload": {}, "revision": 1}
+    )
+    await Ledger(db.fires).ensure_indexes(3600)
+    entries: dict[str, Entry] = {}
+    began: list[dt.datetime] = []
+    second = dt.timedelta(seconds=1)
+
+    def clock() -> dt.datetime:
+        now = dt.datetime.now(dt.UTC)
+        if not began:  # the term's start time: the creation is applied at its next await
+            began.append(now)
+            asyncio.get_running_loop().call_soon(create)
+        return now
+
+    def create() -> None:
+        # Created half a second past the first whole second after the term's start.
+        created = began[0].replace(microsecond=0) + 1.5 * second
+        entries["new"] = Entry(
+            1, False, Interval(1.0, created - 60.5 * second), 0.0, "all", 60.0, "t.x"
+        )
+        dispatcher.on_change("new", entries["new"], Written(created, created))
+
+    sent: list[str] = []
+    lease = FixedLease(term=2, ttl_s=1.0)
+    dispatcher = Dispatcher(
+        Mirrored(entries), stores_over(db), AckingBroker(sent), lease, clock=clock
+    )
+    view = LeaseView("b", 2, dt.datetime.now(dt.UTC) + second, fired_through=None)
+    lead = asyncio.create_task(dispatcher.lead(view))
+    try:
+        await wait_until(lambda: sent, 5, "the new schedule's first fire")
+        first_whole = began[0].replace(microsecond=0) + second
+        assert sent[0] == fire_id("new", first_whole + second), (began, sent)
+        assert fire_id("new", first_whole) not in sent
+    finally:
+        lead.cancel()
+        await asyncio.gather(lead, return_exceptions=True)

@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
-from hascheduler.core.entries import Entry
+from hascheduler.core.entries import Entry, Written
 from hascheduler.core.triggers import fire_times, jitter_offset, made_since
 
 # Entries walked between two steps of ``seed``: computing every schedule's next fire takes
@@ -73,18 +73,27 @@ class FireQueue:
     def items(self) -> list[Due]:
         return [*self._heap, *self._deferred]
 
-    def seed(self, now: dt.datetime) -> Iterator[None]:
-        """Rebuild the heap with every unpaused schedule's first fire after ``now``; yields
-        every SEED_STEP schedules so that the caller can let its loop run."""
+    def seed(self, now: dt.datetime, early_changes: Mapping[str, Written]) -> Iterator[None]:
+        """Rebuild the heap with every unpaused schedule's first fire after ``now``, or
+        after its creation for one created since (``early_changes``, which the caller
+        keeps adding to while it seeds); yields every SEED_STEP schedules so that the
+        caller can let its loop run."""
         self._seeding = True
         self._changed_while_seeding.clear()
         heap: list[Due] = []
+
+        def first(schedule_id: str, entry: Entry) -> Due | None:
+            written = early_changes.get(schedule_id)
+            created = written.created_at if written is not None else None
+            # Nothing of a schedule falls due before its creation (made_since).
+            return next_due(schedule_id, entry, max(now, created) if created else now)
+
         try:
             for i, (schedule_id, entry) in enumerate(list(self.entries.items())):
                 if i % SEED_STEP == SEED_STEP - 1:
                     yield
                 if not entry.dormant:
-                    due = next_due(schedule_id, entry, now)
+                    due = first(schedule_id, entry)
                     if due is not None:
                         heap.append(due)
             # A schedule changed after it was visited would otherwise keep its stale item,
@@ -92,7 +101,7 @@ class FireQueue:
             for schedule_id in self._changed_while_seeding:
                 changed = self.entries.get(schedule_id)
                 if changed is not None and not changed.dormant:
-                    due = next_due(schedule_id, changed, now)
+                    due = first(schedule_id, changed)
                     if due is not None:
                         heap.append(due)
             heapq.heapify(heap)

@@ -277,7 +277,7 @@ class Dispatcher:
         return self.term is None or await self.term.settle(timeout_s)
 
     async def _seed(self, term: Term, now: dt.datetime) -> None:
-        for _ in term.queue.seed(now):
+        for _ in term.queue.seed(now, term.early_changes):
             await asyncio.sleep(0)
             term.check()
 
