@@ -396,6 +396,20 @@ SECTIONS = [
         "firing fell while the lease held.",
     ),
     (
+        "bench.dev_bench",
+        "Local cluster: start, and Ctrl-C",
+        [],
+        ["--replicas", "1", "--rounds", "1"],
+        "`hascheduler dev` in a fresh directory each round (the development MongoDB "
+        "server's build and the virtualenv ready: a second start), with one and with three "
+        "replicas: its start to its ready line, then from the signal to every process of "
+        "the cluster gone, three rounds each way alternated. Ctrl-C: SIGINT to dev alone, "
+        "which stops workers, replicas, then broker and database in that order; baseline: "
+        "SIGINT to dev and every child at once, as a terminal's Ctrl-C reached them all "
+        "before the children had sessions of their own. With each, the shutdown steps that "
+        "timed out in the children's logs. Target: Ctrl-C under 2 s, no step timed out.",
+    ),
+    (
         "bench.devmongo_bench",
         "Development MongoDB server",
         [],

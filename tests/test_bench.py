@@ -46,6 +46,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
         "## Lease at ttl 1 s",
         "## Broker floor",
         "## Development MongoDB",
+        "## Local cluster",
     ):
         assert section in text
     for measure in (
@@ -58,6 +59,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
         "bytes/schedule",
         "API rate / raw rate",
         "spawn to ready",
+        "signal to every process gone",
         "insert_one round trips/s",
         "cronsim (baseline)",
         "plan 'latest'",

@@ -261,7 +261,7 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
     out = tmp_path / "soak"
     # Every process in a network namespace of its own (--partitions, the default): the
     # soak meets clock skew and every partition kind too, beside pauses until an instant,
-    # backfills and buffer_one schedules.
+    # backfills, buffer_one schedules and schedules created while faulted.
     done = run_chaos(
         "--duration",
         "50",
@@ -277,11 +277,6 @@ def test_short_soak_loses_duplicates_and_fires_early_nothing(tmp_path: Path) -> 
         "11",
         "--min-faults",
         str(len(KINDS)),
-        # Without schedules created while faulted: one run of the suite on 2026-12-01
-        # found a fire of one at an instant the audit takes for before its creation,
-        # left open (docs/RELIABILITY.md); the full soaks (scripts/chaos.py) keep them.
-        "--creates-every",
-        "0",
         "--pauses-every",
         "6",
         "--backfills-every",

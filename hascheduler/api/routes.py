@@ -31,6 +31,7 @@ from hascheduler.api.openapi import (
     document,
 )
 from hascheduler.api.route import OPEN, Route
+from hascheduler.api.run_now import ROUTES as RUN_NOW
 from hascheduler.api.runs import ROUTES as RUNS
 from hascheduler.api.schedules import ROUTES as SCHEDULES
 from hascheduler.api.webhooks import ROUTES as WEBHOOKS
@@ -55,6 +56,7 @@ async def docs(request: web.Request) -> web.Response:
 
 ROUTES: list[Route] = [
     *SCHEDULES,
+    *RUN_NOW,
     *BACKFILLS,
     *RUNS,
     *CLUSTER,

@@ -1,5 +1,6 @@
 """Schedules: create, list, read, replace, patch, delete, pause and resume, the next fires,
-health, run now and restore (a schedule's history is read in api/audit.py)."""
+health and restore (run now is api/run_now.py; a schedule's history is read in
+api/audit.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import dataclasses
 import re
 from typing import Any
-from urllib.parse import quote
 
 import structlog
 from aiohttp import web
@@ -29,7 +29,6 @@ from hascheduler.api.middleware import (
     require,
 )
 from hascheduler.api.openapi import (
-    IDEMPOTENCY_KEY_HEADER,
     IF_MATCH_HEADER,
     LABEL_FILTER,
     NAMESPACE_PARAM,
@@ -52,17 +51,12 @@ from hascheduler.api.params import (
 )
 from hascheduler.api.route import Route
 from hascheduler.core import history, models
-from hascheduler.core.celery_message import CeleryPayloadError, celery_call, celery_task
 from hascheduler.core.constants import (
     DEFAULT_PAGE,
-    MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE,
     MAX_PREVIEW,
 )
-from hascheduler.core.errors import RunConflict
-from hascheduler.core.fanout import FanOut
 from hascheduler.core.history import Actor
-from hascheduler.process import tracing
 from hascheduler.storage import operations
 
 log = structlog.get_logger("hascheduler.api")
@@ -330,67 +324,6 @@ async def next_fires(request: web.Request) -> web.Response:
     return as_json(await asyncio.to_thread(models.preview, schedule, after, count))
 
 
-_IDEMPOTENCY_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_CHARS}}}")
-
-
-async def trigger_schedule(request: web.Request) -> web.Response:
-    """Run a schedule now: a fire ``<id>@manual-<instant>`` the leader publishes within a
-    poll (REQUESTED_POLL_S); an Idempotency-Key makes a retried request answer with the
-    first one's fire."""
-    cluster = cluster_of(request)
-    wanted = models.TriggerIn.model_validate(await read_optional_json(request))
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
-        raise BadRequest(
-            422,
-            "Idempotency-Key",
-            "Idempotency-Key must be 1 to "
-            f"{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, no spaces",
-        )
-    schedule = await context(request).store.get(request.match_info["id"])
-    who = change_by(request, schedule.namespace)
-    if wanted.payload is not None and celery_task(schedule.target) is not None:
-        try:
-            celery_call(wanted.payload)
-        except CeleryPayloadError as exc:
-            raise BadRequest(422, "payload", str(exc)) from None
-    fire, created = await operations.trigger(
-        cluster.ledger,
-        schedule,
-        wanted,
-        who,
-        now_of(request),
-        key,
-        lambda fan_out: _tenants_now(request, fan_out),
-        tracing.current_traceparent(),
-    )
-    log.info("fire_requested", fire_id=fire, schedule_id=schedule.id, by=who.name, created=created)
-    return as_json(
-        models.Triggered(fire_id=fire, url=f"/fires/{quote(fire, safe='@:')}", created=created), 202
-    )
-
-
-async def _tenants_now(request: web.Request, fan_out: FanOut) -> list[str]:
-    """A fan-out run now fires once per tenant its filter selects now (read from its
-    source, not a mirror), within the cluster's bound."""
-    bounded = context(request).fan_out
-    if bounded is None:
-        raise web.HTTPServiceUnavailable(reason="this replica reads no fan-out sources")
-    limit, reads = bounded
-    keys = await reads.keys(fan_out, limit)
-    if keys is None:
-        raise RunConflict(
-            f"the fan-out selects more than {limit} documents of "
-            f"{fan_out.collection!r} now; the cluster's bound is "
-            "serve --max-fan-out"
-        )
-    if not keys:
-        raise RunConflict(
-            f"the fan-out selects no tenant of {fan_out.collection!r} now: nothing to run"
-        )
-    return keys
-
-
 async def restore_schedule(request: web.Request) -> web.Response:
     """Put a schedule's fields back as they were at an earlier revision (a new revision,
     recorded as a restore). A payload the trail keeps redacted stays as it is now."""
@@ -558,22 +491,6 @@ ROUTES: list[Route] = [
             "summary": "resume (the record of the pause goes)",
             "parameters": [IF_MATCH_HEADER],
             "responses": responses(200, "Schedule", 400, 403, 404, 409, 429),
-        },
-    ),
-    Route(
-        "POST",
-        "/schedules/{id}/trigger",
-        trigger_schedule,
-        Guard(Action.TRIGGER, SCHEDULE),
-        {
-            "summary": "run now: a fire outside the trigger, published by the leader "
-            "within a fraction of a second, under the schedule's overlap policy (or the "
-            "one given); a fan-out runs once per tenant its filter selects now "
-            "(<fire id>/<tenant>). 409: paused or completed without force, or a fan-out "
-            "selecting no tenant or more than the cluster's bound",
-            "parameters": [IDEMPOTENCY_KEY_HEADER],
-            "requestBody": {**json_body("TriggerIn"), "required": False},
-            "responses": responses(202, "Triggered", *WRITE, 404, 409),
         },
     ),
     Route(

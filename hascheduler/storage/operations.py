@@ -1,7 +1,8 @@
 """An operator's operations on a schedule's fires and runs, composed of the stores' writes:
 run a schedule now, retry a dead run, cancel a run, and read back a schedule's fields as
 they were at a revision. Each raises the domain's errors (core/errors.py); the API reads
-the request, checks who may, and answers around them (api/schedules.py, api/runs.py)."""
+the request, checks who may, and answers around them (api/schedules.py, api/run_now.py,
+api/runs.py)."""
 
 from __future__ import annotations
 
