@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.__main__ import SECTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,7 +103,7 @@ def test_bench_entry_point_writes_every_section_with_its_baseline(tmp_path: Path
         # A benchmark that failed leaves its section without tables: its traceback is in
         # the entry point's stderr.
         assert measure in text, f"{measure}\n{done.stderr[-4000:]}"
-    assert text.count("Command: `python -m bench.") == 19
+    assert text.count("Command: `python -m bench.") == len(SECTIONS)
     assert (tmp_path / "ramp.png").stat().st_size > 0  # the ramp's plot, beside the report
     # --only reruns one benchmark and replaces its section, leaving the others.
     before, after = text.split("## Cron", 1)[0], text.split("## Worker", 1)[1]

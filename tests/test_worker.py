@@ -482,6 +482,8 @@ async def test_a_run_taken_over_while_it_waited_for_a_runner_is_given_back_to_th
     assert (await workers.wait_state("ahead@1", "succeeded", 20))["attempts"] == 1
 
 
+@pytest.mark.long(40)
+@pytest.mark.timeout(200)  # past the wait for every run to end, which names those left
 @pytest.mark.parametrize("workers", ["amqp"], indirect=True)
 async def test_workers_killed_and_stalled_on_rabbitmq_leave_every_run_ended(
     workers: Workers,
@@ -528,17 +530,28 @@ async def test_workers_killed_and_stalled_on_rabbitmq_leave_every_run_ended(
     await publishing
     await asyncio.gather(*stalls)
 
+    left: dict[str, Any] = {}  # the runs not ended at the last look, for the failure
+
     async def all_ended() -> bool:
-        states = {
-            d["_id"]: (d["state"], d["attempts"])
+        runs = {
+            d["_id"]: d
             async for d in workers.client[workers.db_name].runs.find({"_id": {"$in": fire_ids}})
         }
-        return len(states) == len(fire_ids) and all(
-            state == "succeeded" or (state == "dead" and attempts == 4)
-            for state, attempts in states.values()
+        left.clear()
+        left.update({f: None for f in fire_ids if f not in runs})
+        left.update(
+            {
+                f: {k: d.get(k) for k in ("state", "attempts", "worker_id", "lease_until")}
+                for f, d in runs.items()
+                if not (d["state"] == "succeeded" or (d["state"] == "dead" and d["attempts"] == 4))
+            }
         )
+        return not left
 
-    await wait_until(all_ended, 120, "every run to end (succeeded, or dead after 4 attempts)")
+    try:
+        await wait_until(all_ended, 120, "every run to end (succeeded, or dead after 4 attempts)")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; not ended: {left}") from None
     assert {a[0] for a in workers.attempts()} == set(fire_ids)  # each handler ran
     # The faults did what they are for: runs taken over, a stalled worker cut off.
     assert workers.logged("run_taken_over") >= 1
