@@ -165,9 +165,10 @@ class Dispatcher:
         if term is None or not term.active:
             return
         if term.watermark is None and written is not None:
-            # The term is starting: its seed plans this from its start, and what fell due
-            # before it is claimed once the seed is done (late_fires). The first change
-            # of a schedule says when it began to make fires due.
+            # The term is starting: its seed plans this from its start (or from its
+            # creation, if later), and what fell due before it is claimed once the seed
+            # is done (late_fires). The first change of a schedule says when it began to
+            # make fires due.
             term.note_early_change(schedule_id, written)
         since = replan_from(term.watermark, written)
         if until is not None and since is not None and entry is not None and not entry.paused:

@@ -123,8 +123,9 @@ class Term:
         self.open: dict[tuple[str, dt.datetime], Due] = {}
         self.deferred: set[str] = set()  # fan-out fires waiting for their source, by id
         # Changes the mirror applied before the term had a watermark (while it started),
-        # with when each was made: their seed plans them from the term's start, and what
-        # fell due before it is claimed apart (Dispatcher.lead, late_fires).
+        # with when each was made: their seed plans them from the term's start (or from
+        # a creation after it), and what fell due before it is claimed apart
+        # (Dispatcher.lead, late_fires).
         self.early_changes: dict[str, Written] = {}
         self.active = False
         self.handing_over = asyncio.Event()
