@@ -72,7 +72,7 @@ async def test_seeding_lets_the_loop_run_and_a_change_meanwhile_is_queued() -> N
             await asyncio.sleep(0)
 
     other = asyncio.create_task(meanwhile())
-    await dispatcher._seed(term, at(0.25))
+    await dispatcher._seed(term, at(0.25), {})
     seeded = True
     await other
     assert turns >= 2, "the seed never let another task run"
@@ -315,7 +315,7 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     lease = FixedLease()
     dispatcher = bare_dispatcher(entries, lease, clock=lambda: now)
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()
-    await dispatcher._seed(term, now - dt.timedelta(seconds=1))
+    await dispatcher._seed(term, now - dt.timedelta(seconds=1), {})
     at_once = most = 0
     claimed: list[int] = []
     watermark_at_claims: list[dt.datetime | None] = []
@@ -378,7 +378,7 @@ async def test_claims_overlap_up_to_their_bound_and_the_watermark_waits_for_all(
     term.watermark = None
     for schedule_id in entries:
         dispatcher.on_change(schedule_id, entries[schedule_id].replace(revision=2))
-    await dispatcher._seed(term, now - dt.timedelta(seconds=1))
+    await dispatcher._seed(term, now - dt.timedelta(seconds=1), {})
     with pytest.raises(LeadershipLost):
         await asyncio.wait_for(dispatcher._fire_loop(term), 10)
     assert term.watermark is None
@@ -406,7 +406,7 @@ async def test_fires_spread_over_the_second_are_claimed_in_rounds_not_one_by_one
     lease = FixedLease()
     dispatcher = bare_dispatcher(entries, lease)
     term = dispatcher.term = await Term(1, lease, entries).__aenter__()
-    await dispatcher._seed(term, now)
+    await dispatcher._seed(term, now, {})
     rounds: list[tuple[dt.datetime, dt.datetime]] = []  # (claimed at, earliest due)
 
     class Rounds(FiringPath):

@@ -147,17 +147,22 @@ def test_a_deferred_fire_comes_back_at_its_slot_without_queueing_its_schedule_tw
 
 
 def test_a_schedule_created_after_the_seeds_start_is_planned_from_its_creation() -> None:
-    """``early_changes`` (the term's, still growing while it seeds): a schedule created
-    after ``now`` has nothing due before its creation; one only changed is planned from
-    ``now``; so is one changed while the seed steps."""
+    """``early_changes`` (the term's, still growing while it seeds) and ``created_since``
+    (creations read): a schedule created after ``now`` has nothing due before its
+    creation; one only changed is planned from ``now``; one created while the seed steps
+    from its creation."""
     entries = {f"s{i:05d}": every(1) for i in range(2 * SEED_STEP)}
     early = {
         "s00000": Written(at(12.5), at(12.5)),  # created 2.5 s after the seed's start
         "s00001": Written(at(12.5), None),  # changed, not created
     }
+    # Read, not seen: a creation another replica stamped after the seed's start.
+    stamped = {"s00002": at(13.2)}
     queue = FireQueue(entries)
-    for _ in queue.seed(at(10), early):
+    for _ in queue.seed(at(10), early, stamped):
         early["s01999"] = Written(at(11.2), at(11.2))  # created while it steps
         assert not queue.changed("s01999", entries["s01999"], None)
-    firsts = {d.schedule_id: d.nominal for d in queue.items() if d.schedule_id in early}
-    assert firsts == {"s00000": at(13), "s00001": at(11), "s01999": at(12)}
+    firsts = {
+        d.schedule_id: d.nominal for d in queue.items() if d.schedule_id in {*early, *stamped}
+    }
+    assert firsts == {"s00000": at(13), "s00001": at(11), "s00002": at(14), "s01999": at(12)}

@@ -142,7 +142,7 @@ async def test_creation_times_that_cannot_be_read_leave_the_catch_up_from_the_wa
         ):
             stores = dataclasses.replace(stores_over(unreachable_db()), store=Unreadable(error))
             dispatcher = Dispatcher(Mirrored({}), stores, AckingBroker([]), lease)
-            assert await dispatcher.takeover.created_after(term, None) == {}
+            assert await dispatcher.takeover.created_after(term, None, 1.0) == {}
 
 
 async def test_a_retry_turn_publishes_each_fire_once_and_its_batches_side_by_side() -> None:
@@ -393,6 +393,39 @@ async def test_a_schedule_created_while_a_term_starts_fires_nothing_before_its_c
         first_whole = began[0].replace(microsecond=0) + second
         assert sent[0] == fire_id("new", first_whole + second), (began, sent)
         assert fire_id("new", first_whole) not in sent
+    finally:
+        lead.cancel()
+        await asyncio.gather(lead, return_exceptions=True)
+
+
+async def test_a_schedule_stamped_as_created_after_the_terms_start_fires_nothing_before(
+    fresh_db: Any,
+) -> None:
+    """Against the development server: a schedule in the mirror before the term begins,
+    whose creation another replica stamped after the term's start (its clock bound ran
+    ahead of the leader's), is seeded from its stamp: no fire between the two, which the
+    audit would count as one before its creation."""
+    db = fresh_db
+    second = dt.timedelta(seconds=1)
+    now = dt.datetime.now(dt.UTC)
+    created = now.replace(microsecond=0) + 1.5 * second
+    await db.schedules.insert_one(
+        {"_id": "ahead", "target": "t.x", "payload": {}, "revision": 1, "created_at": created}
+    )
+    await Ledger(db.fires).ensure_indexes(3600)
+    entries = {
+        "ahead": Entry(1, False, Interval(1.0, created - 60.5 * second), 0.0, "all", 60.0, "t.x")
+    }
+    sent: list[str] = []
+    lease = FixedLease(term=2, ttl_s=1.0)
+    dispatcher = Dispatcher(Mirrored(entries), stores_over(db), AckingBroker(sent), lease)
+    view = LeaseView("b", 2, now + second, fired_through=now)
+    lead = asyncio.create_task(dispatcher.lead(view))
+    try:
+        await wait_until(lambda: sent, 5, "the schedule's first fire")
+        first_whole = now.replace(microsecond=0) + second
+        assert sent[0] == fire_id("ahead", first_whole + second), (now, sent)
+        assert fire_id("ahead", first_whole) not in sent
     finally:
         lead.cancel()
         await asyncio.gather(lead, return_exceptions=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import heapq
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from hascheduler.core.entries import Entry, Written
@@ -21,6 +22,7 @@ from hascheduler.core.triggers import fire_times, jitter_offset, made_since
 # seconds at 100k schedules, and the lease must keep renewing meanwhile (a blocked loop
 # misses the renew deadline and leadership thrashes).
 SEED_STEP = 1000
+NOTHING_CREATED: Mapping[str, dt.datetime] = MappingProxyType({})
 
 
 class Due(NamedTuple):
@@ -73,10 +75,17 @@ class FireQueue:
     def items(self) -> list[Due]:
         return [*self._heap, *self._deferred]
 
-    def seed(self, now: dt.datetime, early_changes: Mapping[str, Written]) -> Iterator[None]:
+    def seed(
+        self,
+        now: dt.datetime,
+        early_changes: Mapping[str, Written],
+        created_since: Mapping[str, dt.datetime] = NOTHING_CREATED,
+    ) -> Iterator[None]:
         """Rebuild the heap with every unpaused schedule's first fire after ``now``, or
-        after its creation for one created since (``early_changes``, which the caller
-        keeps adding to while it seeds); yields every SEED_STEP schedules so that the
+        after its creation for one created since: one whose creation the caller saw
+        (``early_changes``, which it keeps adding to while it seeds) or read
+        (``created_since``: a creation stamped after ``now`` by a replica whose clock
+        bound ran ahead of the caller's). Yields every SEED_STEP schedules so that the
         caller can let its loop run."""
         self._seeding = True
         self._changed_while_seeding.clear()
@@ -85,6 +94,7 @@ class FireQueue:
         def first(schedule_id: str, entry: Entry) -> Due | None:
             written = early_changes.get(schedule_id)
             created = written.created_at if written is not None else None
+            created = created or created_since.get(schedule_id)
             # Nothing of a schedule falls due before its creation (made_since).
             return next_due(schedule_id, entry, max(now, created) if created else now)
 

@@ -65,6 +65,9 @@ log = structlog.get_logger("hascheduler.dispatch")
 # fraction of a millisecond away, and claiming at each made an insert of a few fires,
 # and its round trip, thousands of times a second.
 CLAIM_EVERY_S = 0.025
+# How long a term waits to read which schedules were created after its start before
+# seeding without them: an index range, nearly always empty, ahead of the first fire.
+AHEAD_READ_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +244,10 @@ class Dispatcher:
             term.take_over(since)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.takeover.run(term))
-                await self._seed(term, now)
+                # A schedule stamped as created after ``now`` by a replica whose clock
+                # bound ran ahead of ours is planned from its stamp: the audit's rule.
+                ahead = await self.takeover.created_after(term, now, AHEAD_READ_S)
+                await self._seed(term, now, ahead)
                 term.advance(now)
                 late = late_fires(term.take_early_changes(), self.mirror.entries, now)
                 if late:
@@ -277,8 +283,10 @@ class Dispatcher:
         term may act. False: let the lease lapse instead (its margin covers the rest)."""
         return self.term is None or await self.term.settle(timeout_s)
 
-    async def _seed(self, term: Term, now: dt.datetime) -> None:
-        for _ in term.queue.seed(now, term.early_changes):
+    async def _seed(
+        self, term: Term, now: dt.datetime, created_since: dict[str, dt.datetime]
+    ) -> None:
+        for _ in term.queue.seed(now, term.early_changes, created_since):
             await asyncio.sleep(0)
             term.check()
 

@@ -162,7 +162,9 @@ class TakeOver:
         (plan_catchups), and with no ``since`` (a database's first term) every schedule
         from its creation."""
         created = await self.created_after(
-            term, None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S)
+            term,
+            None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S),
+            CREATED_READ_S,
         )
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
@@ -189,17 +191,19 @@ class TakeOver:
             to_fire.sort()
             await self.firing.claim_late(to_fire, term, self.clock(), since)
 
-    async def created_after(self, term: Term, since: dt.datetime | None) -> dict[str, dt.datetime]:
-        """When each schedule written after ``since`` (every one, with none) was created.
+    async def created_after(
+        self, term: Term, since: dt.datetime | None, within_s: float
+    ) -> dict[str, dt.datetime]:
+        """When each schedule created after ``since`` (every one, with none) was created.
         Not one of the term's reads, bound to its lease: in a first term
         it reads every schedule, which on a large database outlasts a few ttls, and the
-        term would stop and lead again for ever. Unread within CREATED_READ_S, or failed,
-        each schedule is caught up from ``since`` (or the term's start), as it was before
+        term would stop and lead again for ever. Unread within ``within_s``, or failed,
+        each schedule is planned from ``since`` (or the term's start), as it was before
         creation times were read, and a warning says so."""
         after = since or dt.datetime.min.replace(tzinfo=dt.UTC)
         began = time.monotonic()
         try:
-            with pymongo.timeout(CREATED_READ_S):
+            with pymongo.timeout(within_s):
                 created = await self.store.created_after(after)
         except PyMongoError as exc:
             log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
