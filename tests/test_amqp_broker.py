@@ -21,6 +21,7 @@ import aio_pika
 import aiohttp
 import pytest
 
+from hascheduler.brokers.amqp import KIND as AMQP
 from hascheduler.brokers.amqp.consumer import (
     SETTLE_TURNS,
     Acknowledgements,
@@ -458,6 +459,26 @@ async def test_a_delivery_still_running_holds_back_no_later_acknowledgement(
             await message.ack()
         more = await fetched(source, 2)
         assert sorted(json.loads(m.data)["i"] for m in first + more) == [0, 1, 2, 3, 4]
+
+
+async def test_a_retry_of_a_delivery_whose_channel_closed_is_a_broker_error_and_sends_no_copy(
+    rabbit: RabbitServer,
+) -> None:
+    """A worker's retry (``nak`` with a delay) of a delivery fetched before its channel
+    closed (a stalled worker cut off, then subscribed again): RabbitMQ requeued the
+    original, so no delayed copy is sent, and the failure is a broker error the worker
+    expects (anything else stopped its recorder, and every later run stayed held). The
+    original comes back once, and nothing after its delay."""
+    async with queued(rabbit, 1, 1) as (source, durable):
+        (before,) = await fetched(source, 1)
+        target = durable.replace("acks-", "acks.", 1)
+        await source.subscribe(durable, [target], 30.0, 1)  # the channel closed, anew
+        with pytest.raises(AMQP.errors()):
+            await before.nak(delay=0.2)
+        (again,) = await fetched(source, 1)
+        assert json.loads(again.data) == json.loads(before.data)
+        await again.ack()
+        assert await source.fetch(1, 1.0) == []  # past the 200 ms delay queue: no copy
 
 
 async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_at_a_lull() -> None:

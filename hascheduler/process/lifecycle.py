@@ -43,6 +43,14 @@ def start(
     asking first is what ends it when a driver call it awaits ignores cancellation."""
     task = asyncio.create_task(service.run(), name=what)
 
+    def ended(task: asyncio.Task[None]) -> None:
+        # Said when it happens, not at the stop: a service that dies while the process
+        # goes on (a worker's recorder) leaves it up and doing nothing.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("service_failed", service=what, error=repr(task.exception()))
+
+    task.add_done_callback(ended)
+
     async def stop() -> None:
         service.stop()
         if not patient:
@@ -52,8 +60,6 @@ def start(
             task.cancel()
             await asyncio.wait({task}, timeout=STOP_STEP_S)
             log.warning("shutdown_step_failed", step=what, error="did not stop in time")
-        elif not task.cancelled() and task.exception() is not None:
-            log.warning("service_failed", service=what, error=repr(task.exception()))
 
     stack.push_async_callback(stop)
 

@@ -64,9 +64,14 @@ class Recorder:
                 log.warning("runs_unrecorded", count=len(batch), error=repr(exc)[:300])
                 lost = None
             for token, outcome in batch:
-                await self.answer(
-                    token, outcome, None if lost is None else outcome.fire_id not in lost
-                )
+                kept = None if lost is None else outcome.fire_id not in lost
+                try:
+                    await self.answer(token, outcome, kept)
+                except Exception as exc:  # one answer failing, not the rest
+                    # The recorder stopping would leave every later outcome unwritten and
+                    # its run held (its lease renewed) for ever: the broker redelivers an
+                    # unanswered message, and the ledger answers its claim.
+                    log.error("run_answer_failed", fire_id=outcome.fire_id, error=repr(exc)[:300])
             if self.ended is not None and lost is not None:
                 await self.ended([token for token, outcome in batch if outcome.fire_id not in lost])
 
@@ -79,7 +84,7 @@ class Recorder:
         worker may have taken the runs over anyway."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(PyMongoError),
-            wait=wait_exponential_jitter(initial=0.1, max=2.0),
+            wait=wait_exponential_jitter(multiplier=0.1, max=2.0),
             stop=stop_after_delay(self.give_up_after_s),
             reraise=True,
         ):

@@ -135,7 +135,7 @@ class Worker:
             # subscription, never the worker: subscribe again after a capped, jittered wait.
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(self.broker_errors),
-                wait=wait_exponential_jitter(initial=0.2, max=5.0),
+                wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
                 before_sleep=_log_resubscribe,
                 reraise=True,
             ):
@@ -269,7 +269,12 @@ class Worker:
                 error=(outcome.error or "")[:300],
                 retry_in_s=round(outcome.retry_in_s, 3),
             )
-            await message.nak(delay=outcome.retry_in_s)
+            try:
+                await message.nak(delay=outcome.retry_in_s)
+            except self.broker_errors:
+                # Not delayed: back at once, if its channel lives (else the broker has it
+                # back already); whoever claims it early is told to wait (fire_busy).
+                await message.nak()
         elif outcome.state == CANCELLED:
             await message.term()
         else:

@@ -106,7 +106,7 @@ async def run_worker(settings: WorkerSettings) -> int:
 async def _until_up(what: str, work: Callable[[], Any], stop: asyncio.Event) -> None:
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type(PyMongoError),
-        wait=wait_exponential_jitter(initial=0.2, max=5.0),
+        wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
         before_sleep=lambda state: log.warning(
             "database_unreachable",
             during=what,

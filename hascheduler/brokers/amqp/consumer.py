@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import aio_pika
@@ -63,6 +64,16 @@ def binding_key(pattern: str) -> str:
     if pattern.endswith(".>"):
         return pattern.removesuffix(">") + "*.#"
     return pattern
+
+
+@contextlib.contextmanager
+def _closed_as_connection_error() -> Iterator[None]:
+    """aiormq's RuntimeError for a connection closed under a call, as the broker error
+    the worker expects of any broker (a ConnectionError)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise ConnectionError(f"RabbitMQ: {exc}") from exc
 
 
 class Acknowledgements:
@@ -115,11 +126,13 @@ class Consumer:
 
     async def nack(self, tag: int) -> None:
         self.acks.settled(tag)
-        await self.channel.basic_nack(tag, requeue=True)
+        with _closed_as_connection_error():
+            await self.channel.basic_nack(tag, requeue=True)
 
     async def reject(self, tag: int) -> None:
         self.acks.settled(tag)
-        await self.channel.basic_reject(tag, requeue=False)
+        with _closed_as_connection_error():
+            await self.channel.basic_reject(tag, requeue=False)
 
     async def _send(self) -> None:
         """The one sender: a multiple ack may cover no tag acknowledged alone before it,
@@ -206,13 +219,11 @@ class AmqpConsumer:
     async def subscribe(
         self, durable: str, patterns: list[str], ack_wait_s: float, in_flight: int
     ) -> None:
-        try:
-            # Bounded: a queue without a leader can hold basic.consume unanswered, and the
-            # worker must still see its stop between attempts.
+        # Bounded: a queue without a leader can hold basic.consume unanswered, and the
+        # worker must still see its stop between attempts.
+        with _closed_as_connection_error():
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                 await self._subscribe(durable, patterns, in_flight)
-        except RuntimeError as exc:  # aiormq's word for a connection closed under us
-            raise ConnectionError(f"RabbitMQ: {exc}") from exc
 
     async def _subscribe(self, durable: str, patterns: list[str], in_flight: int) -> None:
         if self._channel is not None:
@@ -265,13 +276,30 @@ class AmqpConsumer:
 
     async def delay(self, delivery: AmqpDelivery, delay_s: float) -> None:
         """A copy of the delivery back in the consumer's queue after ``delay_s`` or a
-        little more; returns once RabbitMQ has it."""
-        assert self._publisher is not None
-        assert self._channel is not None
+        little more; returns once RabbitMQ has it. A delivery of a channel that closed
+        (RabbitMQ requeued it) gets no copy: a ConnectionError, a broker error as any."""
+        channel, publisher = self._channel, self._publisher
+        if (
+            delivery.consumer is not self._consumer
+            or channel is None
+            or channel.is_closed
+            or publisher is None
+        ):
+            raise ConnectionError("the RabbitMQ channel of this delivery closed")
+        with _closed_as_connection_error():
+            await self._publish_delayed(channel, publisher, delivery, delay_s)
+
+    async def _publish_delayed(
+        self,
+        channel: AbstractChannel,
+        publisher: AbstractChannel,
+        delivery: AmqpDelivery,
+        delay_s: float,
+    ) -> None:
         ttl = delay_bucket_ms(delay_s)
         name = f"{self._queue}.delay.{ttl}ms"
         if ttl not in self._delays:
-            await self._channel.declare_queue(
+            await channel.declare_queue(
                 name,
                 durable=True,
                 arguments={
@@ -284,7 +312,7 @@ class AmqpConsumer:
         properties = delivery.message.header.properties
         headers = dict(properties.headers or {})
         headers[TARGET_HEADER] = delivery.target
-        await self._publisher.default_exchange.publish(
+        await publisher.default_exchange.publish(
             aio_pika.Message(
                 delivery.data,
                 headers=headers,
