@@ -45,7 +45,8 @@ async def all_ran(
         found = [r for r in worker.runs() if r["args"][:1] == [marker]]
         return found if len(found) >= n else None
 
-    return await wait_until(ran, within_s, f"{n} {marker} runs", 0.25)
+    found: list[dict[str, Any]] = await wait_until(ran, within_s, f"{n} {marker} runs", 0.25)
+    return found
 
 
 def send_tasks(url: str, queue: str, n: int) -> float:

@@ -80,11 +80,12 @@ from bench.chaos_audit import (
     audit,
     audit_backfills,
     audit_runs,
-    stored_fire,
+    streamed_fire,
 )
 from bench.chaos_records import Fault, LeaseSample
 from bench.chaos_worker import doomed
 from bench.devmongo_bench import pct
+from hascheduler.brokers.base import StoredFire
 from hascheduler.brokers.nats.reader import read_stream, stream_leader
 from hascheduler.core.triggers import iso_utc
 from hascheduler.process import logs
@@ -1012,6 +1013,17 @@ async def settled_runs(soak: Soak, fire_ids: set[str]) -> dict[str, dict[str, An
         await client.close()
 
 
+def dated(fires: list[StoredFire]) -> list[tuple[dict[str, Any], dt.datetime]]:
+    """Each fire with the time JetStream stored it, which it gives every message: the
+    audit's clock."""
+    messages = []
+    for fire in fires:
+        if fire.stored_at is None:
+            raise RuntimeError(f"the stream gave no store time for {fire.event.get('id')}")
+        messages.append((fire.event, fire.stored_at))
+    return messages
+
+
 async def complete_stream(
     soak: Soak,
     since: dt.datetime,
@@ -1023,7 +1035,7 @@ async def complete_stream(
     deadline passes."""
     deadline = time.monotonic() + COMPLETE_WITHIN_S
     while True:
-        messages = [(m.event, m.stored_at) for m in await read_stream(soak.supervisor.nats_uri)]
+        messages = dated(await read_stream(soak.supervisor.nats_uri))
         report = audit(
             soak.schedules,
             messages,
@@ -1137,7 +1149,7 @@ async def run(args: argparse.Namespace) -> int:
             await soak.heal_all()
         await soak.supervisor.stop()
 
-    fires = [(f.term, f.stored_at) for e, at in messages if (f := stored_fire(e, at))]
+    fires = [(f.term, f.stored_at) for e, at in messages if (f := streamed_fire(e, at))]
     effects = (
         [
             (f, w, int(a), what)

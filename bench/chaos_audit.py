@@ -111,7 +111,7 @@ class SoakSchedule:
 
 
 @dataclass(frozen=True)
-class StoredFire:
+class StreamedFire:
     """One message of the stream, as the auditor reads it."""
 
     schedule_id: str
@@ -120,7 +120,7 @@ class StoredFire:
     stored_at: dt.datetime  # JetStream's store time
 
 
-def stored_fire(event: dict[str, Any], stored_at: dt.datetime) -> StoredFire | None:
+def streamed_fire(event: dict[str, Any], stored_at: dt.datetime) -> StreamedFire | None:
     """The fire a CloudEvent names, or None when it is not one (checked, not trusted)."""
     data = event.get("data")
     if not isinstance(data, dict):
@@ -141,7 +141,7 @@ def stored_fire(event: dict[str, Any], stored_at: dt.datetime) -> StoredFire | N
         return None
     if when.tzinfo is None:
         return None
-    return StoredFire(sid, when.astimezone(UTC), term, stored_at.astimezone(UTC))
+    return StreamedFire(sid, when.astimezone(UTC), term, stored_at.astimezone(UTC))
 
 
 @dataclass
@@ -214,7 +214,7 @@ def audit(
     first_stored: dict[Key, dt.datetime] = {}
     counts: Counter[Key] = Counter()
     for event, stored_at in messages:
-        fire = stored_fire(event, stored_at)
+        fire = streamed_fire(event, stored_at)
         if fire is None:
             report.malformed += 1
             continue
@@ -302,7 +302,7 @@ def audit_backfills(
     wanted = {k: b for b in backfills for k in b.instants()}
     counts: Counter[Key] = Counter()
     for event, stored_at in messages:
-        fire = stored_fire(event, stored_at)
+        fire = streamed_fire(event, stored_at)
         if fire is not None and (fire.schedule_id, fire.nominal) in wanted:
             counts[(fire.schedule_id, fire.nominal)] += 1
     for key, backfill in wanted.items():

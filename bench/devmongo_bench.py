@@ -124,7 +124,7 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 async def idle_cpu(uri: str, pid: int, seconds: float = 5.0) -> float:
-    clients = [AsyncMongoClient(uri) for _ in range(5)]
+    clients: list[AsyncMongoClient[dict[str, Any]]] = [AsyncMongoClient(uri) for _ in range(5)]
     for c in clients:
         await c.admin.command("ping")
 

@@ -45,8 +45,8 @@ import nats
 from pymongo import AsyncMongoClient
 
 from bench.devmongo_bench import cpu_seconds, pct
+from hascheduler.brokers.base import SUBJECT_PREFIX
 from hascheduler.brokers.nats.publisher import (
-    SUBJECT_PREFIX,
     NatsEndpoint,
     ack_error,
     ensure_stream,

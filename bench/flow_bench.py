@@ -310,7 +310,8 @@ async def _fan_out(
     killed_at = time.time()
 
     async def all_succeeded() -> bool:
-        return await db.runs.count_documents({"state": "succeeded"}) >= total
+        succeeded: int = await db.runs.count_documents({"state": "succeeded"})
+        return succeeded >= total
 
     await wait_until(all_succeeded, 900.0, "every run succeeded")
     seconds = time.perf_counter() - began
@@ -358,7 +359,8 @@ async def fairness(mongo: ServerProcess, nats_uri: str, crowd: int) -> list[floa
             ]
             return starts if len(starts) == 50 else []
 
-        return await wait_until(singles, 120.0, "the 50 single runs started")
+        starts: list[float] = await wait_until(singles, 120.0, "the 50 single runs started")
+        return starts
 
 
 async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, Any]:
@@ -387,7 +389,8 @@ async def paced(mongo: ServerProcess, nats_uri: str, seconds: int) -> dict[str, 
 
 async def _paced(runs: Any, seconds: int) -> dict[str, Any]:
     async def done() -> bool:
-        return await runs.count_documents({"state": "succeeded"}) >= 10 * seconds
+        succeeded: int = await runs.count_documents({"state": "succeeded"})
+        return succeeded >= 10 * seconds
 
     await wait_until(done, seconds * 3 + 60, "every paced run succeeded")
     out: dict[str, Any] = {}

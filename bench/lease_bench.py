@@ -40,8 +40,8 @@ from typing import Any
 
 import nats
 
-from bench.devmongo_bench import pct
-from bench.firing_bench import Cluster, cpu_seconds, schedule_doc, started_cluster
+from bench.devmongo_bench import cpu_seconds, pct
+from bench.firing_bench import Cluster, schedule_doc, started_cluster
 from hascheduler.process import logs
 from tests.servers import ServerProcess, start_devmongo, start_nats
 from tests.waiting import wait_until

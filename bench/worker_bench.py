@@ -45,8 +45,8 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pymongo import AsyncMongoClient
 
-from bench.devmongo_bench import pct
-from bench.firing_bench import Cluster, cpu_seconds, schedule_doc
+from bench.devmongo_bench import cpu_seconds, pct
+from bench.firing_bench import Cluster, schedule_doc
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.process import logs
 from hascheduler.worker import Run, WorkerApp

@@ -20,7 +20,7 @@ from bench.chaos_audit import (
     audit,
     audit_backfills,
     audit_runs,
-    stored_fire,
+    streamed_fire,
 )
 from bench.chaos_records import Fault, LeaseSample
 from hascheduler.core.models import ScheduleIn
@@ -163,16 +163,16 @@ def test_lateness_bound_applies_outside_fault_windows_only() -> None:
     assert not report.ok
 
 
-def test_stored_fire_rejects_what_is_not_a_fire() -> None:
-    assert stored_fire({"data": "x"}, at(0)) is None
+def test_a_streamed_fire_is_only_a_fire_event() -> None:
+    assert streamed_fire({"data": "x"}, at(0)) is None
     assert (
-        stored_fire(
+        streamed_fire(
             {"id": "a@b", "data": {"schedule_id": "a", "nominal_at": "b", "term": 1}}, at(0)
         )
         is None
     )
     event, stored = message("a", at(0), at(0.5), term=7)
-    fire = stored_fire(event, stored)
+    fire = streamed_fire(event, stored)
     assert fire is not None
     assert (fire.schedule_id, fire.nominal, fire.term) == ("a", at(0), 7)
 
