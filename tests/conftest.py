@@ -16,7 +16,7 @@ import os
 import signal
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -44,7 +44,7 @@ gc.disable()
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_collection(session: pytest.Session) -> Iterator[object]:
+def pytest_collection(session: pytest.Session) -> Generator[None, object, object]:
     try:
         return (yield)
     finally:
@@ -254,5 +254,5 @@ def api_replica(mongo_uri: str, api_nats: ServerProcess) -> Iterator[ApiReplica]
         yield replica
     finally:
         replica.process.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
+        with MongoClient[dict[str, Any]](mongo_uri) as client:
             client.drop_database(replica.db_name)

@@ -74,7 +74,7 @@ def cluster(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield Cluster(replica.uri, {k: t.secret for k, t in tokens.items()}, _resources(replica))
     finally:
         replica.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
+        with MongoClient[dict[str, Any]](mongo_uri) as client:
             client.drop_database(db_name)
 
 

@@ -174,18 +174,18 @@ def test_a_real_prometheus_sees_leadership_flapping(
         assert prometheus.firing("HaschedulerLeadershipFlapping") is None
         for _ in range(4):
             alive.pop(holder).stop(signal.SIGKILL)
-            holder, term = wait_until_sync(
-                lambda t=term: (found := leader()) is not None and found[1] > t and found,
-                30,
-                "the next leader",
-            )
-            wait_until_sync(
-                lambda t=term: any(
-                    float(s["value"][1]) >= t for s in prometheus.query("hascheduler:term:max")
-                ),
-                30,
-                f"term {term} scraped",
-            )
+
+            def next_leader(after: int = term) -> tuple[str, int] | None:
+                found = leader()
+                return found if found is not None and found[1] > after else None
+
+            holder, term = wait_until_sync(next_leader, 30, "the next leader")
+
+            def scraped(wanted: int = term) -> bool:
+                samples = prometheus.query("hascheduler:term:max")
+                return any(float(s["value"][1]) >= wanted for s in samples)
+
+            wait_until_sync(scraped, 30, f"term {term} scraped")
         alert = wait_until_sync(
             lambda: prometheus.firing("HaschedulerLeadershipFlapping"),
             30,

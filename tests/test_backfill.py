@@ -43,7 +43,8 @@ async def finished(h: Harness, backfill: str) -> dict[str, Any]:
         _, body = await h.call("GET", f"/backfills/{backfill}")
         return body if body["state"] != "running" else None
 
-    return await wait_until(done, 60, f"backfill {backfill} to finish", 0.1)
+    value: dict[str, Any] = await wait_until(done, 60, f"backfill {backfill} to finish", 0.1)
+    return value
 
 
 async def seconds_backfilled(

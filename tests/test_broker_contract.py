@@ -64,6 +64,7 @@ async def _rabbit_queue(
 
 @pytest.fixture(params=BROKERS)
 async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]:
+    broker: Broker
     if request.param in {"amqp", "celery"}:
         url = request.getfixturevalue("rabbit").url
         name = f"contract-{uuid.uuid4().hex[:8]}"
@@ -78,7 +79,7 @@ async def under_test(request: pytest.FixtureRequest) -> AsyncIterator[UnderTest]
             await connection.close()
     elif request.param == "nats":
         server = start_nats()
-        broker: Broker = NatsPublisher(NatsEndpoint.parse(server.uri))
+        broker = NatsPublisher(NatsEndpoint.parse(server.uri))
 
         async def in_stream() -> list[str]:
             nc = await nats.connect(server.uri)

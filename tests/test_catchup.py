@@ -98,7 +98,7 @@ def test_all_fires_exactly_the_window_and_records_the_rest_as_one_range(down_s: 
 
 def test_count_and_latest_agree_with_listing_across_dst_and_odd_zones() -> None:
     rng = random.Random(7)
-    for expression, spans in [
+    cases: list[tuple[str, list[float]]] = [
         ("*/7 * * * * *", [10, 3600, 4 * 3600]),
         ("*/13 * 2 * * *", [3600, 86400]),
         ("30 2 * * *", [86400, 40 * DAY]),
@@ -106,7 +106,8 @@ def test_count_and_latest_agree_with_listing_across_dst_and_odd_zones() -> None:
         ("15,45 2,3 * * *", [86400, 40 * DAY]),
         ("0 9 1 * mon", [400 * DAY]),
         ("0 0 L * *", [400 * DAY]),
-    ]:
+    ]
+    for expression, spans in cases:
         for zone_name in [
             "Europe/Paris",
             "America/New_York",

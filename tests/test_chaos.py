@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import random
@@ -9,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from hascheduler_dev.devcluster.supervisor import DevSettings, Supervisor
 
 from bench.chaos import KINDS, PARTITIONS, Soak, failover_gaps
 from bench.chaos_audit import (
@@ -211,11 +213,11 @@ def soak_met(kinds: set[str], partitions: bool = True) -> Soak:
         others=[child(f"nats-{i}", "nats") for i in (1, 2, 3)],
     )
     soak = Soak(
-        SimpleNamespace(partitions=partitions),
-        SimpleNamespace(nats_cluster=3),  # type: ignore[arg-type]
+        argparse.Namespace(partitions=partitions),
+        cast(DevSettings, SimpleNamespace(nats_cluster=3)),  # what the checks read of them
         random.Random(1),
-        supervisor,
-    )  # type: ignore[arg-type]
+        cast(Supervisor, supervisor),
+    )
     soak.samples.append(LeaseSample(at(0), "r1", 1))
     soak.faults = [Fault(kind, "x", at(0), 0.0, 1, False, 0.0) for kind in sorted(kinds)]
     return soak

@@ -150,7 +150,7 @@ def test_rate_limited_writes_wait_their_retry_after(
 def test_pages_of_ten_thousand_schedules(api_replica: ApiReplica, mongo_uri: str) -> None:
     with Client(api_replica.url, WRITE) as api:
         api.create_schedule(body("s00000"))
-        with MongoClient(mongo_uri) as raw:
+        with MongoClient[dict[str, Any]](mongo_uri) as raw:
             schedules = raw[api_replica.db_name].schedules
             template = schedules.find_one({"_id": "s00000"})
             assert template is not None

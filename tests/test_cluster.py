@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -78,7 +79,7 @@ async def cluster(cluster_uri: str) -> AsyncIterator[Cluster]:
         c.start(name)
     try:
         for name in c.replicas:
-            await wait_until(lambda n=name: _ready(c, n), 20, f"replica {name} to be ready")
+            await wait_until(functools.partial(_ready, c, name), 20, f"replica {name} to be ready")
         yield c
     finally:
         await c.close()
@@ -117,7 +118,9 @@ async def test_a_schedule_created_on_one_replica_reaches_every_mirror(cluster: C
         for n in cluster.replicas
     ]
     assert previews[0] == previews[1] == previews[2]
-    nominal = {(await cluster.mirror(n, sid))["next_nominal"] for n in cluster.replicas}
+    mirrored = [await cluster.mirror(n, sid) for n in cluster.replicas]
+    assert None not in mirrored
+    nominal = {m["next_nominal"] for m in mirrored if m is not None}
     assert len(nominal) == 1
     await cluster.converged()
 

@@ -132,7 +132,7 @@ def _screenshot(name: str, fallback: Path) -> Path:
 async def test_the_timeline_shows_late_skipped_and_dead_fires_and_buttons_follow_scopes(
     setup: Setup, tmp_path: Path
 ) -> None:
-    for sid, body in {
+    bodies: dict[str, dict[str, Any]] = {
         "tick": {"trigger": {"kind": "interval", "every": 1}},
         # Runs of 2.5 s at a fire a second: the fires between are skipped.
         "busy": {
@@ -141,7 +141,8 @@ async def test_the_timeline_shows_late_skipped_and_dead_fires_and_buttons_follow
             "payload": {"sleep": 2.5},
         },
         "doomed": {"trigger": {"kind": "interval", "every": 3600}, "payload": {"permanent": True}},
-    }.items():
+    }
+    for sid, body in bodies.items():
         await _call(
             setup,
             "POST",

@@ -273,7 +273,8 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         )
 
     def status() -> dict[str, Any]:
-        return json.loads(cli("dev", "status", "--json").stdout)
+        answer: dict[str, Any] = json.loads(cli("dev", "status", "--json").stdout)
+        return answer
 
     def wait_replaced(kind: str, name: str, old_pid: int) -> dict[str, Any]:
         def replaced() -> dict[str, Any] | None:
@@ -328,6 +329,7 @@ def test_dev_runs_fires_on_its_workers_and_the_cli_finds_it(tmp_path: Path) -> N
         wait_replaced("workers", "w1", workers["w1"]["pid"])
         leader, replicas = asyncio.run(stream_leader(before["nats_uri"]))
         assert replicas == 3
+        assert leader is not None
         assert leader in nodes
         killed_at = dt.datetime.now(dt.UTC)
         os.kill(others[leader]["pid"], signal.SIGKILL)
@@ -471,7 +473,7 @@ def test_dev_fires_through_a_rabbitmq_of_its_own(tmp_path: Path) -> None:
             done = cli(
                 "dev", "audit", "--since", since.isoformat(), "--until", until.isoformat(), "--json"
             )
-            report = json.loads(done.stdout)
+            report: dict[str, Any] = json.loads(done.stdout)
             assert done.returncode == 0, report
             return report
 

@@ -104,7 +104,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     def succeeded() -> bool:
         listed = run("./scripts/hascheduler runs list --schedule daily --json")
         runs = json.loads(listed.stdout)["items"] if listed.returncode == 0 else []
-        return sum(r["state"] == "succeeded" for r in runs) >= 3
+        return bool(sum(r["state"] == "succeeded" for r in runs) >= 3)
 
     try:
         for command in then:

@@ -12,6 +12,7 @@ from bson.codec_options import CodecOptions
 from hascheduler.core import entries
 from hascheduler.core.entries import Entry, entry_from_document
 from hascheduler.core.fanout import FanOut
+from hascheduler.core.triggers import Interval
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -98,7 +99,9 @@ def test_the_floats_schedules_repeat_are_kept_once(monkeypatch: pytest.MonkeyPat
     a, b = (entry_from_document(decoded(document(i))) for i in range(2))
     assert a.jitter is b.jitter
     assert a.catchup_window is b.catchup_window
-    assert a.trigger.every is b.trigger.every  # type: ignore[attr-defined]
+    assert isinstance(a.trigger, Interval)
+    assert isinstance(b.trigger, Interval)
+    assert a.trigger.every is b.trigger.every
 
 
 def test_the_shared_floats_are_bounded_and_never_hold_nan(monkeypatch: pytest.MonkeyPatch) -> None:

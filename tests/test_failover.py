@@ -26,7 +26,14 @@ from hascheduler.brokers.nats.publisher import NatsEndpoint
 from hascheduler.core.triggers import Cron, Interval, fire_id, fire_times
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
-from tests.servers import NatsCluster, ServerProcess, start_nats, start_replica, with_database
+from tests.servers import (
+    NatsCluster,
+    RabbitServer,
+    ServerProcess,
+    start_nats,
+    start_replica,
+    with_database,
+)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -43,7 +50,7 @@ class Harness:
     def __init__(
         self,
         mongo_uri: str,
-        nats_server: ServerProcess | NatsCluster,
+        nats_server: ServerProcess | NatsCluster | RabbitServer,  # the broker: its uri
         timings: LeaseTimings = TIMINGS,
     ) -> None:
         self.timings = timings
@@ -106,7 +113,8 @@ class Harness:
                 return str(doc["holder"])
             return None
 
-        return await wait_until(held, 15, "a leader")
+        value: str = await wait_until(held, 15, "a leader")
+        return value
 
     async def create_schedules(self) -> dict[str, dict[str, Any]]:
         created = {}

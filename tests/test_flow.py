@@ -22,6 +22,7 @@ import nats
 import pytest
 from playwright.async_api import async_playwright, expect
 from pymongo import AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
 
 from hascheduler.brokers.nats.publisher import NatsEndpoint, ensure_stream
 from hascheduler.core import flow
@@ -453,10 +454,12 @@ async def fresh_stream(nats_uri: str) -> None:
         await nc.close()
 
 
+# A fleet of workers, and the database they record runs in.
+FleetDb = tuple[Fleet, AsyncDatabase[dict[str, Any]]]
+
+
 @pytest.fixture
-async def fleet(
-    tmp_path: Path, broker: ServerProcess, mongo_uri: str
-) -> AsyncIterator[tuple[Fleet, Any]]:
+async def fleet(tmp_path: Path, broker: ServerProcess, mongo_uri: str) -> AsyncIterator[FleetDb]:
     await fresh_stream(broker.uri)
     name = f"t_{uuid.uuid4().hex[:12]}"
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_uri, tz_aware=True)
@@ -471,7 +474,7 @@ async def fleet(
 
 @pytest.mark.long(17)
 async def test_a_hot_key_waits_its_turn_while_keys_with_one_run_start_at_once(
-    fleet: tuple[Fleet, Any],
+    fleet: FleetDb,
 ) -> None:
     """400 runs of one account (limit 2, 50 ms each: 10 s of work at that limit) are
     published before 50 runs of 50 other accounts. The 50 all start within the first
@@ -517,7 +520,7 @@ async def test_a_hot_key_waits_its_turn_while_keys_with_one_run_start_at_once(
 
 
 async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
-    fleet: tuple[Fleet, Any],
+    fleet: FleetDb,
 ) -> None:
     """Per tenant at most 3 at once (the handler's declaration), 4 workers at concurrency
     16, one SIGKILLed while it runs some: its slots free after the run lease (3 s), the
@@ -584,7 +587,7 @@ async def test_a_worker_killed_holding_slots_releases_them_after_its_lease(
 @pytest.mark.long(16)
 @pytest.mark.alone  # counts starts in each second, which a loaded machine stretches
 async def test_a_rate_key_starts_at_most_its_limit_a_second_and_close_to_it(
-    fleet: tuple[Fleet, Any],
+    fleet: FleetDb,
 ) -> None:
     """5 per second per account, two accounts of 75 runs each, two workers: counted by
     the instant each start was granted (the ledger's woken_at for a parked run, else its
@@ -631,7 +634,9 @@ async def test_a_rate_key_starts_at_most_its_limit_a_second_and_close_to_it(
         assert 14 <= last - first <= 19  # 75 starts at 5 a second
 
 
-async def test_a_priority_9_run_starts_before_a_waiting_backlog(fleet: tuple[Fleet, Any]) -> None:
+async def test_a_priority_9_run_starts_before_a_waiting_backlog(
+    fleet: FleetDb,
+) -> None:
     """60 runs of one account at limit 1 (50 ms each) wait their turn; a priority-9 run
     of that account published after them starts before all but the few already woken."""
     f, db = fleet
@@ -688,7 +693,7 @@ async def test_a_priority_9_run_starts_before_a_waiting_backlog(fleet: tuple[Fle
 
 @pytest.mark.long(34)
 async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_a_replica(
-    fleet: tuple[Fleet, Any], mongo_uri: str
+    fleet: FleetDb, mongo_uri: str
 ) -> None:
     """Written through the API, carried by the leader: a schedule at limit 1 run now 20
     times (each run 0.5 s) has one run at a time, its runs wait with waiting_on (in the
@@ -811,7 +816,7 @@ async def test_a_schedule_declares_its_limit_and_a_run_now_its_priority_through_
 
 
 async def test_a_limit_raised_while_runs_wait_lets_as_many_more_start(
-    fleet: tuple[Fleet, Any],
+    fleet: FleetDb,
 ) -> None:
     """30 runs of one account at limit 1 (0.3 s each) wait their turn; a run declaring
     limit 3 arrives: from then on up to 3 run at once (the key's latest limit is what

@@ -4,6 +4,7 @@ every THAW_EVERY_S so that cyclic garbage frozen while alive is reclaimed."""
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -34,7 +35,7 @@ def test_frozen_objects_are_handed_back_after_the_thaw_interval(
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() > 0
     later = freezer.thawed_at + gcpolicy.THAW_EVERY_S + 1
-    monkeypatch.setattr(gcpolicy.time, "monotonic", lambda: later)
+    monkeypatch.setattr(time, "monotonic", lambda: later)
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() == 0
     assert freezer.thawed_at == later
@@ -48,7 +49,7 @@ def test_a_process_that_never_thaws_keeps_its_survivors_frozen(
     frozen = gc.get_freeze_count()
     assert frozen > 0
     later = freezer.thawed_at + 100 * gcpolicy.THAW_EVERY_S
-    monkeypatch.setattr(gcpolicy.time, "monotonic", lambda: later)
+    monkeypatch.setattr(time, "monotonic", lambda: later)
     freezer("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
     assert gc.get_freeze_count() >= frozen
 

@@ -148,9 +148,12 @@ def test_a_schedule_nobody_fires_is_late_from_its_first_due_time(
                 "trigger": {"kind": "interval", "every": 1},
             }
         )
-        start = created.trigger.start_at  # type: ignore[union-attr]
+        start = created.trigger.start_at
+        assert start is not None  # an interval is anchored where it was written
         health = wait_until_sync(
-            lambda: (h := api.health(created.id)).late and h, 20, "the schedule to be late"
+            lambda: h if (h := api.health(created.id)).late else None,
+            20,
+            "the schedule to be late",
         )
     assert health.status == "late"
     assert health.last_fire is None
@@ -274,7 +277,7 @@ def test_health_through_the_api_client_cli_and_metrics(working: tuple[ServerProc
         assert failing.expect.success_within == 3600.0
 
         down = wait_until_sync(
-            lambda: (h := api.health(failing.id)).consecutive_failures >= 2 and h,
+            lambda: h if (h := api.health(failing.id)).consecutive_failures >= 2 else None,
             40,
             "two dead runs in a row",
         )
@@ -285,7 +288,7 @@ def test_health_through_the_api_client_cli_and_metrics(working: tuple[ServerProc
         assert down.last_run.state == "dead"
         assert down.last_run.last_error == "PermanentFailure: this account no longer exists"
         up = wait_until_sync(
-            lambda: (h := api.health(fine.id)).last_success_at and h, 40, "a success"
+            lambda: h if (h := api.health(fine.id)).last_success_at else None, 40, "a success"
         )
         assert (up.status, up.consecutive_failures, up.late) == ("ok", 0, False)
         assert up.last_fire is not None

@@ -78,7 +78,7 @@ def teams(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         + f"namespaces:\n  {TEAM_A}: {{fan_out_sources: [customers]}}\n  {TEAM_B}: {{}}\n"
     )
     db_name = f"isolation_{uuid.uuid4().hex[:8]}"
-    with MongoClient(mongo_uri) as client:
+    with MongoClient[dict[str, Any]](mongo_uri) as client:
         client[db_name].customers.insert_many([{"_id": f"c{i}", "plan": "pro"} for i in range(3)])
     replica = start_replica(
         with_database(mongo_uri, db_name),
@@ -97,7 +97,7 @@ def teams(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         )
     finally:
         replica.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
+        with MongoClient[dict[str, Any]](mongo_uri) as client:
             client.drop_database(db_name)
 
 
@@ -146,7 +146,7 @@ def test_an_access_file_grants_fan_out_sources_by_namespace(tmp_path: Path) -> N
     path = tmp_path / "access.yaml"
     path.write_text("namespaces:\n  a: {fan_out_sources: [customers, accounts]}\n  b: {}\n")
     _, rules = read_access_file(str(path))
-    assert rules["a"].fan_out_sources == {"customers", "accounts"}
+    assert rules["a"].fan_out_sources == frozenset({"customers", "accounts"})
     assert rules["b"].fan_out_sources == frozenset()
     for bad, said in (
         ("[webhooks]", "own collections"),
@@ -479,7 +479,7 @@ def test_tokens_and_rules_the_access_file_changes_are_recorded(
         assert ("token.revoke", TEAM_A) in actions()
     finally:
         replica.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
+        with MongoClient[dict[str, Any]](mongo_uri) as client:
             client.drop_database(db_name)
 
 
@@ -516,7 +516,7 @@ def guarded(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield Guarded(replica, writer.secret, [t.secret for t in admins])
     finally:
         replica.stop(signal.SIGKILL)
-        with MongoClient(mongo_uri) as client:
+        with MongoClient[dict[str, Any]](mongo_uri) as client:
             client.drop_database(db_name)
 
 

@@ -8,7 +8,7 @@ import datetime as dt
 import json
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def _unsigned(claims: dict[str, Any]) -> str:
 )
 def test_refused_jwts(access: Access, bad: str) -> None:
     now = dt.datetime.now(dt.UTC)
-    made = {
+    makers: dict[str, Callable[[], str]] = {
         "expired": lambda: token(exp=now - dt.timedelta(seconds=1)),
         "not yet valid": lambda: token(nbf=now + dt.timedelta(minutes=1)),
         "wrong audience": lambda: token(aud="another-service"),
@@ -118,8 +118,8 @@ def test_refused_jwts(access: Access, bad: str) -> None:
         "no actions": lambda: token(hascheduler_actions=["fly"]),
         "a megabyte": lambda: token(padding="x" * 1_000_000),
         "not base64": lambda: "a.b.c",
-    }[bad]()
-    assert access.grant_of(made) is None
+    }
+    assert access.grant_of(makers[bad]()) is None
 
 
 def _hs256_with_public_key() -> str:
@@ -167,7 +167,7 @@ def guarded(mongo_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     yield replica
     replica.stop(signal.SIGKILL)
-    with MongoClient(mongo_uri) as client:
+    with MongoClient[dict[str, Any]](mongo_uri) as client:
         client.drop_database(db_name)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from pymongo import AsyncMongoClient
 
 from hascheduler.replica.leadership import Elector
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.lease import Lease, LeaseSettingsError, LeaseTimings
 from tests.waiting import wait_until
 
@@ -96,7 +97,7 @@ async def test_an_unready_replica_never_leads_and_hands_over_when_out_of_sync(le
     dispatcher = IdleDispatcher()
     elector = Elector(
         Lease(leases, "L", "a", FAST),
-        dispatcher,  # type: ignore[arg-type]
+        dispatcher,
         leases,
         unfit=lambda: None if ready else "the mirror is not in sync",
     )
@@ -163,8 +164,8 @@ async def test_renewals_keep_their_cadence_over_a_slow_link(leases: Any) -> None
     slow = SlowLeases(leases, delay_s=0.25)
     dispatcher = IdleDispatcher()
     elector = Elector(
-        Lease(slow, "L", "a", FAST),
-        dispatcher,  # type: ignore[arg-type]
+        Lease(cast(Collection, slow), "L", "a", FAST),  # the calls a lease makes
+        dispatcher,
         leases,
     )
     runner = asyncio.create_task(elector.run())

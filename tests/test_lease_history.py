@@ -95,6 +95,7 @@ async def test_the_recorder_catches_a_deposed_leaders_late_claim(db: Any) -> Non
     async with LeaseHistory(db) as history:
         assert await a.acquire_or_renew() is not None
         stale = a.term
+        assert stale is not None
         await wait_until(lambda: not a.valid, 5, "a's renew deadline to pass")
         await wait_until(
             lambda: (

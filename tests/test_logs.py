@@ -81,6 +81,6 @@ async def test_a_replica_logs_json_with_its_id_and_term_on_every_line(mongo_uri:
     lines = json_lines(replica.log_path)
     assert lines
     assert all(line.get("replica_id") == "logr" for line in lines)
-    leading = next(i for i, line in enumerate(lines) if line["event"] == "became_leader")
-    assert all(isinstance(line.get("term"), int) for line in lines[leading:])
+    led_from = next(i for i, line in enumerate(lines) if line["event"] == "became_leader")
+    assert all(isinstance(line.get("term"), int) for line in lines[led_from:])
     assert all("password" not in json.dumps(line) for line in lines)

@@ -13,6 +13,7 @@ from bson import Timestamp
 
 from hascheduler.core.entries import Written
 from hascheduler.replica.mirror import RECENTLY_APPLIED, Mirror, decide, read_ahead
+from tests.dispatching import unreachable_db
 from tests.drivers import Driver
 from tests.waiting import wait_until
 
@@ -44,6 +45,11 @@ def event(
     return e
 
 
+def offline_mirror() -> Mirror:
+    """A mirror fed by hand: its collection is never asked."""
+    return Mirror(collection=unreachable_db().schedules)
+
+
 @pytest.mark.parametrize(
     ("ev", "current", "action"),
     [
@@ -62,7 +68,7 @@ def test_decide(ev: dict[str, Any], current: int | None, action: str) -> None:
 
 
 def test_events_in_order_converge_and_stale_ones_never_move_back() -> None:
-    mirror = Mirror(collection=None)
+    mirror = offline_mirror()
     mirror.apply(event("insert", "a", doc("a", 1)))
     mirror.apply(event("update", "a", doc("a", 3)))  # updateLookup saw a later state
     mirror.apply(event("update", "a", doc("a", 2)))  # the replayed middle event
@@ -75,7 +81,7 @@ def test_events_in_order_converge_and_stale_ones_never_move_back() -> None:
 def test_only_streamed_changes_are_noted_as_recently_applied() -> None:
     """A load propagates nothing: its schedules are not noted (a million of them churned
     the bounded record through the whole load); a streamed change is, the newest last."""
-    mirror = Mirror(collection=None)
+    mirror = offline_mirror()
     mirror.load([doc(f"s{i}", 1) for i in range(3 * RECENTLY_APPLIED)])
     assert not mirror.recently_applied
     mirror.apply(event("insert", "new", doc("new", 1)))
@@ -87,7 +93,7 @@ def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() ->
     """A server older than MongoDB 6.0 sends no wallTime; anything but a date is none."""
     seen: list[tuple[str, dt.datetime | None]] = []
     mirror = Mirror(
-        collection=None,
+        collection=unreachable_db().schedules,
         on_change=lambda schedule_id, _entry, written: seen.append(
             (schedule_id, written.at if written else None)
         ),
@@ -108,7 +114,7 @@ def test_a_change_carries_its_commit_time_only_when_the_server_gives_a_date() ->
 
 
 def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
-    mirror = Mirror(collection=None)
+    mirror = offline_mirror()
     mirror.load([doc("keep", 1), doc("change", 1), doc("gone", 1)])
     kept = mirror.entries["keep"]
     changed, removed = mirror.load([doc("keep", 1), doc("change", 2), doc("new", 1)])
@@ -118,7 +124,10 @@ def test_resync_leaves_unchanged_entries_alone_and_drops_the_gone() -> None:
 
 
 def test_digest_depends_on_ids_and_revisions_only() -> None:
-    one, two = Mirror(collection=None), Mirror(collection=None)
+    one, two = (
+        offline_mirror(),
+        offline_mirror(),
+    )
     one.load([doc("a", 1), doc("b", 2)])
     two.load([doc("b", 2, target="elsewhere"), doc("a", 1)])
     assert one.digest == two.digest
@@ -127,7 +136,7 @@ def test_digest_depends_on_ids_and_revisions_only() -> None:
 
 
 def test_a_document_written_around_the_api_is_refused_not_fatal() -> None:
-    mirror = Mirror(collection=None)
+    mirror = offline_mirror()
     mirror.load([doc("ok", 1), doc("junk", 1, trigger={"kind": "cron", "cron": "nope"})])
     assert set(mirror.entries) == {"ok"}
     assert "junk" in mirror.invalid
@@ -154,18 +163,18 @@ class Batches:
 async def test_a_load_reads_the_next_batch_while_it_builds_from_the_last() -> None:
     batches = [[doc(f"s{b}-{i}", 1) for i in range(5)] for b in range(3)]
     cursor = Batches(batches)
-    got = []
+    got: list[str] = []
     async for docs in read_ahead(cursor, chunk=5, ahead=4):
         got.extend(d["_id"] for d in docs)
         # Still building this chunk: the next batch is asked for meanwhile (a load that
         # read only when asked would never get there, and the wait would time out).
         following = f"batch {len(got) // 5}"
         if len(got) < 15:
-            await wait_until(
-                lambda wanted=following: wanted in cursor.asked,
-                5,
-                f"{following} asked for while building",
-            )
+
+            def asked(wanted: str = following) -> bool:
+                return wanted in cursor.asked
+
+            await wait_until(asked, 5, f"{following} asked for while building")
         cursor.asked.append(f"built {len(got)}")
     assert got == [d["_id"] for b in batches for d in b]  # each once, in order
     assert cursor.asked.index("batch 1") < cursor.asked.index("built 5"), cursor.asked

@@ -223,7 +223,7 @@ async def stored_messages(uri: str, count: int) -> list[tuple[dict[str, str], by
         found = [await js.get_msg("HASCHEDULER", seq) for seq in range(1, count + 1)]
     finally:
         await nc.close()
-    return [(dict(m.headers or {}), m.data) for m in found]
+    return [(dict(m.headers or {}), m.data or b"") for m in found]
 
 
 def staged_of(broker: NatsPublisher, events: list[PreparedEvent]) -> list[StagedFrame]:
@@ -401,8 +401,8 @@ def test_ack_frames_split_anywhere_are_delivered_whole_and_pings_answered() -> N
     for cut in range(1, len(stream)):  # every split into two reads
         got.clear()
         writer.sent = b""
-        rest = reader._frames(stream[:cut], writer)  # type: ignore[arg-type]
-        assert reader._frames(rest + stream[cut:], writer) == b""  # type: ignore[arg-type]
+        rest = reader._frames(stream[:cut], writer)
+        assert reader._frames(rest + stream[cut:], writer) == b""
         assert got == [
             (b"_INBOX.x.1.0", b'{"stream":"S","seq":1}     ', None),
             (b"_INBOX.x.1.1", b"", b"503"),
@@ -424,7 +424,7 @@ def test_a_server_error_or_garbage_breaks_the_ack_connection() -> None:
     reader = PublishConnection([], None, lambda *reply: None)
     for line in (b"-ERR 'Stale Connection'\r\n", b"WHAT\r\n"):
         with pytest.raises(WireError):
-            reader._frames(line, _Writer())  # type: ignore[arg-type]
+            reader._frames(line, _Writer())
 
 
 def test_a_clusters_advertised_members_are_tried_after_the_one_that_broke() -> None:
@@ -434,7 +434,7 @@ def test_a_clusters_advertised_members_are_tried_after_the_one_that_broke() -> N
     connection.server = "nats://hs:s3cret@a:4222"
     connection._frames(
         b'INFO {"connect_urls": ["a:4222", "c:4222", "bad host:1", "x@evil:1", 7]}\r\n', _Writer()
-    )  # type: ignore[arg-type]
+    )
     # The credentials of the configured servers, the members each once, the broken last.
     assert connection.candidates() == [
         "nats://hs:s3cret@b:4222",

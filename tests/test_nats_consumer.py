@@ -23,7 +23,7 @@ class Connection:
         self.requests.append(json.loads(payload))
 
 
-def message(i: int, reply: str = "$JS.ACK.HASCHEDULER.d.1.1.1.0.0") -> Any:
+def message(i: int, reply: str | None = "$JS.ACK.HASCHEDULER.d.1.1.1.0.0") -> Any:
     return SimpleNamespace(
         headers={"Nats-Msg-Id": f"m{i}"},
         data=str(i).encode(),

@@ -8,7 +8,7 @@ import datetime as dt
 import unittest.mock
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from pymongo import AsyncMongoClient
@@ -20,6 +20,7 @@ from hascheduler.process.metrics import Metrics
 from hascheduler.replica import overlap
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.term import LeadershipLost, Term
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_records import BUFFERED, claim_document
 from hascheduler.storage.fires import Ledger
 from hascheduler.storage.lease import Lease, LeaseTimings
@@ -280,7 +281,7 @@ async def test_fires_held_back_by_many_open_runs_each_name_their_own_in_one_writ
     first = await fires_at(1)
     assert await gate.admit(first, targets, term) == first  # each opens its schedule's run
     counted = CountedWrites(gate.ledger.fires)
-    gate.ledger.fires = counted
+    gate.ledger.fires = cast(Collection, counted)  # the collection, its updates counted
     assert await gate.admit(await fires_at(2), targets, term) == []
     assert counted.updates == 2
     opened = {c.schedule_id: c.fire_id for c in first}

@@ -192,7 +192,8 @@ async def current_leader(db: Any) -> tuple[str, int]:
             return str(doc["holder"]), int(doc["term"])
         return None
 
-    return await wait_until(held, 30, "a leader renewing its lease", 0.1)
+    value: tuple[str, int] = await wait_until(held, 30, "a leader renewing its lease", 0.1)
+    return value
 
 
 async def all_ready(http: aiohttp.ClientSession, cluster: Partitioned) -> None:

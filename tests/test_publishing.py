@@ -9,7 +9,7 @@ import datetime as dt
 import json
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pymongo.errors import AutoReconnect
 
@@ -21,7 +21,9 @@ from hascheduler.core.triggers import Interval, fire_id, iso_utc
 from hascheduler.process.metrics import Metrics
 from hascheduler.replica.overlap import OverlapGate
 from hascheduler.replica.publishing import DispatchSettings, Publisher
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.fire_counts import FireCounts
+from hascheduler.storage.fires import Ledger
 from hascheduler.storage.runs import RunLedger
 from hascheduler.storage.schedules import ScheduleStore
 from tests.dispatching import unreachable_db
@@ -48,9 +50,17 @@ class HeldTerm:
 HELD = HeldTerm()
 
 
-class Broker:
+class RecordingBroker:
+    """Acknowledges every message, keeping it."""
+
     def __init__(self) -> None:
         self.sent: list[FireMessage] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     async def publish(
         self, messages: Sequence[FireMessage], timeout_s: float
@@ -59,7 +69,7 @@ class Broker:
         return [None] * len(messages)
 
 
-class StagingBroker(Broker):
+class FramingBroker(RecordingBroker):
     """A broker that frames fires ahead (as NATS does): what it staged comes back to it at
     the publish, fired then."""
 
@@ -78,8 +88,12 @@ class StagingBroker(Broker):
         return [None] * len(staged)
 
 
-class Ledger:
+class MarkingLedger(Ledger):
+    """The fire ledger's marks of published fires, kept; a write held while ``gate`` is
+    clear."""
+
     def __init__(self) -> None:
+        super().__init__(unreachable_db().fires)
         self.writes: list[list[tuple[list[str], int, dt.datetime, int]]] = []
         self.gate = asyncio.Event()
         self.gate.set()
@@ -123,18 +137,18 @@ def claims(n: int) -> list[Claim]:
 
 
 def setup(
-    ledger: Ledger | None = None,
-) -> tuple[Publisher, Broker, Schedules, Mirror, list[dt.datetime]]:
-    broker, schedules, mirror = Broker(), Schedules(), Mirror()
+    ledger: MarkingLedger | None = None,
+) -> tuple[Publisher, RecordingBroker, Schedules, Mirror, list[dt.datetime]]:
+    broker, schedules, mirror = RecordingBroker(), Schedules(), Mirror()
     now = [T0 - dt.timedelta(seconds=0.25)]
     db = unreachable_db()
     clock, metrics = (lambda: now[0]), Metrics()
-    fires = ledger or Ledger()
+    fires = ledger or MarkingLedger()
     publisher = Publisher(
         broker,
         fires,
         mirror,
-        ScheduleStore(schedules),
+        ScheduleStore(cast(Collection, schedules)),  # the one call the store makes
         OverlapGate(fires, RunLedger(db.runs), mirror.entries, 100, clock, metrics),
         FireCounts(db.fire_counts),
         DispatchSettings(),
@@ -184,7 +198,7 @@ async def test_fires_rendered_ahead_go_framed_ahead_to_a_broker_that_stages_them
     for the batch, brokers/nats/publisher.py); one not framed, a schedule changed since,
     or a retry, and the whole publish goes as messages, rendered as without staging."""
     publisher, _, schedules, mirror, now = setup()
-    broker = publisher.broker = StagingBroker(refuse=frozenset({claims(5)[4].fire_id}))
+    broker = publisher.broker = FramingBroker(refuse=frozenset({claims(5)[4].fire_id}))
     await publisher.templates({"s"})
     due = claims(5)
     publisher.ready(due, 7)
@@ -269,7 +283,7 @@ async def test_a_publish_does_not_wait_for_its_mark_and_marks_ending_meanwhile_g
     """A publish returns once the broker acknowledged it: the next tick's fires do not
     wait for this one's database round trip. The marks of publishes ending while a write
     is in flight go together in the next write; ``marked`` waits for every one."""
-    ledger = Ledger()
+    ledger = MarkingLedger()
     publisher, _, _, _, now = setup(ledger)
     now[0] = T0
     due = claims(3)
@@ -297,14 +311,15 @@ async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
     """The publish stands (the broker has the fires); the fires stay claimed in the
     ledger, so the retry loop republishes them (deduplicated), and the failure is
     logged, not raised into the publishing of the fires due next."""
-    ledger = Ledger()
-    publisher, broker, _, _, now = setup(ledger)
+
+    class Refusing(MarkingLedger):
+        async def mark_published_many(
+            self, marks: list[tuple[list[str], int, dt.datetime, int]]
+        ) -> None:
+            raise AutoReconnect("the database is gone")
+
+    publisher, broker, _, _, now = setup(Refusing())
     now[0] = T0
-
-    async def refused(marks: list[tuple[list[str], int, dt.datetime, int]]) -> None:
-        raise AutoReconnect("the database is gone")
-
-    ledger.mark_published_many = refused  # type: ignore[method-assign]
     due = claims(2)
     await publisher.publish(due, HELD, attempt=1)
     await asyncio.wait_for(publisher.marked(), 5)
@@ -313,7 +328,7 @@ async def test_a_mark_that_fails_leaves_its_fires_to_the_retry_loop_and_is_said(
     assert "count=2" in out  # every fire the failed write held
 
 
-class HeldBroker(Broker):
+class HeldBroker(RecordingBroker):
     """Acknowledges a publish of fires whose ids are in ``held`` only once ``release``
     is set; the others at once."""
 
@@ -337,13 +352,13 @@ async def test_a_batchs_metrics_and_lines_wait_while_another_batch_awaits_the_br
     now[0] = T0
     due = claims(3)
     broker = HeldBroker({due[2].fire_id})
-    publisher.broker = broker  # type: ignore[assignment]
+    publisher.broker = broker
     awaiting_at_each: list[int] = []  # batches awaiting the broker at each observation
     observe = publisher.metrics.lateness.observe
 
-    def noted(amount: float) -> None:
+    def noted(amount: float, exemplar: dict[str, str] | None = None) -> None:
         awaiting_at_each.append(publisher._awaiting_broker)
-        observe(amount)
+        observe(amount, exemplar)
 
     publisher.metrics.lateness.observe = noted  # type: ignore[method-assign]
     late = asyncio.create_task(publisher.publish(due[2:], HELD, attempt=1))

@@ -44,7 +44,8 @@ async def run_state(s: Stack, fire: str, state: str, within_s: float = 30) -> di
         status, body = await s.get(f"/runs/{fire}")
         return body if status == 200 and body["state"] == state else None
 
-    return await wait_until(reached, within_s, f"run {fire} {state}", 0.05)
+    value: dict[str, Any] = await wait_until(reached, within_s, f"run {fire} {state}", 0.05)
+    return value
 
 
 def attempts_of(s: Stack, fire: str) -> int:

@@ -86,7 +86,10 @@ class Stack:
             _, body = await self.get(f"/schedules/{fire_of}/runs")
             return next((r for r in body["items"] if r["state"] == state), None)
 
-        return await wait_until(found, 40, f"a run of {fire_of} to be {state}", 0.2)
+        value: dict[str, Any] = await wait_until(
+            found, 40, f"a run of {fire_of} to be {state}", 0.2
+        )
+        return value
 
 
 @pytest.fixture(name="stack")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from mongomock_motor import AsyncMongoMockClient
@@ -11,6 +11,7 @@ from mongomock_motor import AsyncMongoMockClient
 from hascheduler.core.errors import RevisionConflict, ScheduleExists, ScheduleNotFound
 from hascheduler.core.history import Actor
 from hascheduler.core.models import ScheduleFields, ScheduleIn
+from hascheduler.storage.collection import Collection
 from hascheduler.storage.schedules import ScheduleStore
 from tests.drivers import Driver
 
@@ -39,13 +40,14 @@ def fields(**extra: Any) -> ScheduleFields:
 
 @pytest.fixture
 def mock_store() -> ScheduleStore:
-    return ScheduleStore(AsyncMongoMockClient()["db"]["schedules"])
+    # mongomock-motor answers the calls the store makes as a collection does.
+    return ScheduleStore(cast(Collection, AsyncMongoMockClient()["db"]["schedules"]))
 
 
 async def test_create_assigns_revision_and_anchors_intervals(mock_store: ScheduleStore) -> None:
     created = await mock_store.create(new("a"), NOW)
     assert created.revision == 1
-    assert created.trigger.start_at == NOW  # type: ignore[union-attr]
+    assert created.trigger.start_at == NOW
     with pytest.raises(ScheduleExists):
         await mock_store.create(new("a"), NOW)
     generated = await mock_store.create(new(), NOW)

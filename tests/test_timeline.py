@@ -7,6 +7,7 @@ import datetime as dt
 import signal
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -133,7 +134,7 @@ def test_a_window_of_many_fires_is_bounded(replica: ServerProcess, mongo_uri: st
                     **({"tenant": f"t{n}"} if i == 0 else {}),
                 }
             )
-    with MongoClient(mongo_uri) as client:
+    with MongoClient[dict[str, Any]](mongo_uri) as client:
         client[DATABASE].fires.insert_many(docs)
     answer = httpx.get(replica.uri + "/timeline", params={"hours": "24"}, timeout=30)
     assert answer.status_code == 200

@@ -74,7 +74,11 @@ def test_a_fan_out_fire_is_one_row_of_counts_among_the_others() -> None:
 
 
 def test_a_schedule_row_shows_its_next_fire_time_and_its_state() -> None:
-    body = {"name": "n", "target": "t", "trigger": {"kind": "interval", "every": 60}}
+    body: dict[str, Any] = {
+        "name": "n",
+        "target": "t",
+        "trigger": {"kind": "interval", "every": 60},
+    }
     schedule = models.Schedule.model_validate(
         {
             **models.ScheduleIn.model_validate(body, context={"now": at(-30)}).model_dump(),

@@ -37,7 +37,10 @@ from hascheduler.core.webhooks import (
 from hascheduler.replica.webhooks import NO_ANSWER
 from hascheduler.storage.fire_records import claim_document
 from hascheduler.storage.fires import Ledger
+from hascheduler.storage.runs import RunLedger
+from hascheduler.storage.schedules import ScheduleStore
 from hascheduler.storage.webhooks import Deliveries, WebhookStore
+from tests.dispatching import unreachable_db
 from tests.servers import (
     ServerProcess,
     free_port,
@@ -363,9 +366,9 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
             store,
             deliveries,
             ledger,
-            None,
-            None,
-            {},  # type: ignore[arg-type]
+            RunLedger(unreachable_db().runs),  # a test without runs
+            ScheduleStore(unreachable_db().schedules),  # nor schedules to look up
+            {},
             lambda: now,
             PUBLIC_ONLY,
         )
@@ -395,7 +398,9 @@ async def test_a_fire_recorded_failed_is_one_delivery_per_webhook_found_once(
         assert [(d["type"], d["schedule_id"], d["state"]) for d in made] == [
             ("fire.failed", "b", "pending")
         ]
-        event = json.loads((await db.webhook_deliveries.find_one({"_id": made[0]["_id"]}))["body"])
+        delivery = await db.webhook_deliveries.find_one({"_id": made[0]["_id"]})
+        assert delivery is not None
+        event = json.loads(delivery["body"])
         assert event["data"]["error"] == "refused"
         # The same event again (a leader that died before clearing the mark): one delivery.
         again = Event(made[0]["event_id"], "fire.failed", "default", "b", now, {})
@@ -599,9 +604,9 @@ async def test_the_leaders_webhook_work_stops_with_its_term_and_leaves_no_marks(
             store,
             deliveries,
             ledger,
-            None,
-            None,
-            {},  # type: ignore[arg-type]
+            RunLedger(unreachable_db().runs),  # a test without runs
+            ScheduleStore(unreachable_db().schedules),  # nor schedules to look up
+            {},
             lambda: dt.datetime.now(dt.UTC),
             PUBLIC_ONLY,
         )

@@ -218,7 +218,8 @@ class Workers:
             doc = await self.run(fire_id)
             return doc if doc is not None and doc["state"] == state else None
 
-        return await wait_until(reached, within_s, f"run {fire_id} to be {state}")
+        value: dict[str, Any] = await wait_until(reached, within_s, f"run {fire_id} to be {state}")
+        return value
 
     def logged(self, event_name: str) -> int:
         return sum(log.read_text().count(f'"event": "{event_name}"') for log in self.logs)

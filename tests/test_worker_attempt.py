@@ -165,7 +165,11 @@ async def test_a_drains_cancel_gives_the_run_back_and_stops_the_runner() -> None
 
     worker, route, given_back = a_worker(handler)
     held, run = held_run(route, "drained@1")
-    runner = asyncio.create_task(worker.attempt(held, run, route))
+
+    async def attempt() -> None:  # a runner, as the worker's are
+        await worker.attempt(held, run, route)
+
+    runner = asyncio.create_task(attempt())
     held.runner = runner
     await asyncio.wait_for(started.wait(), 5)
     runner.cancel()

@@ -30,9 +30,9 @@ async def wait_until(
 
 
 def wait_until_sync(
-    probe: Callable[[], T], deadline_s: float, what: str, interval_s: float = 0.05
+    probe: Callable[[], T | None], deadline_s: float, what: str, interval_s: float = 0.05
 ) -> T:
-    """``wait_until`` for tests that are not coroutines."""
+    """``wait_until`` for tests that are not coroutines: the probe's first truthy value."""
     end = time.monotonic() + deadline_s
     while True:
         value = probe()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,8 +184,10 @@ async def test_unique_index_violation_is_duplicate_key_error(db: Any) -> None:
     await coll.insert_one({"tenant": "t", "slug": "s"})
     with pytest.raises(DuplicateKeyError) as caught:
         await coll.insert_one({"tenant": "t", "slug": "s"})
-    assert caught.value.details["keyPattern"] == {"tenant": 1, "slug": 1}
-    assert caught.value.details["keyValue"] == {"tenant": "t", "slug": "s"}
+    details = caught.value.details
+    assert details is not None
+    assert details["keyPattern"] == {"tenant": 1, "slug": 1}
+    assert details["keyValue"] == {"tenant": "t", "slug": "s"}
     with pytest.raises(DuplicateKeyError):
         await coll.insert_one({"_id": (await coll.find_one())["_id"]})
     # An update that would collide is refused and leaves the document as it was.
@@ -294,12 +297,13 @@ async def test_pages_in_id_order_match_a_full_sort(db: Any) -> None:
     everything = sorted(
         [d async for d in coll.find()], key=lambda d: (isinstance(d["_id"], str), d["_id"])
     )
-    for query, direction in [
+    queries: list[tuple[dict[str, Any], int]] = [
         ({}, 1),
         ({"team": "a"}, 1),
         ({"team": "b"}, -1),
         ({"i": {"$gte": 50}}, -1),
-    ]:
+    ]
+    for query, direction in queries:
         want = [
             d
             for d in everything
@@ -380,7 +384,7 @@ async def test_idle_cursor_is_killed_after_the_cursor_timeout(driver: Driver) ->
 
         async def no_open_cursors() -> bool:
             status = await client.admin.command("serverStatus")
-            return status["devmongo"]["openCursors"] == 0
+            return bool(status["devmongo"]["openCursors"] == 0)
 
         # serverStatus does not touch the cursor, so it sits idle until the reaper kills it.
         await wait_until(no_open_cursors, 15.0, "the idle cursor to be killed")
@@ -457,7 +461,7 @@ async def test_options_the_server_does_not_implement_are_refused_not_ignored(db:
     coll = db.things
     await coll.insert_many([{"name": "a"}, {"name": "B"}])
     case_insensitive = {"locale": "en", "strength": 2}
-    refused = [
+    refused: list[Callable[[], Awaitable[Any]]] = [
         lambda: coll.find_one({"name": "b"}, collation=case_insensitive),
         lambda: coll.count_documents({"name": "b"}, collation=case_insensitive),
         lambda: coll.update_one({"name": "b"}, {"$set": {"x": 1}}, collation=case_insensitive),

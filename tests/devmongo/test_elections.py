@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -61,7 +62,9 @@ async def test_a_step_down_is_a_secondary_for_its_time_then_a_new_election(
         await admin.command(
             {"replSetStepDown": 1}, read_preference=ReadPreference.SECONDARY_PREFERRED
         )
-    assert refused.value.details["code"] == 10107
+    details = refused.value.details
+    assert isinstance(details, Mapping)  # the server's reply
+    assert details["code"] == 10107
 
     # A retryable write issued now waits for the next primary and is applied once.
     await db.c.insert_one({"_id": "during"})
@@ -91,7 +94,8 @@ async def test_a_change_stream_resumes_across_a_step_down_losing_nothing(
         writing = asyncio.create_task(run_writer(mongo_uri, db_name, "feed", 20, delay_s=0.1))
 
         async def mid_way() -> bool:
-            return await watcher[db_name].feed.count_documents({}) >= 5
+            count: int = await watcher[db_name].feed.count_documents({})
+            return count >= 5
 
         await wait_until(mid_way, 20, "the writer mid-way")
         await step_down(admin, 1.0)

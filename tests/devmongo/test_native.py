@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import hascheduler_dev.devmongo as devmongo
 import pytest
 from hascheduler_dev.devmongo import native
 from pymongo import MongoClient
@@ -55,15 +56,15 @@ def test_a_build_is_for_its_exact_sources_only(
     assert native.digest() != before
     assert native.built() is None
     # load() then uses nothing: the modules come from their sources.
-    path = list(native.package.__path__)
+    path = list(devmongo.__path__)
     assert native.load() is False
-    assert list(native.package.__path__) == path
+    assert list(devmongo.__path__) == path
 
 
 def test_load_refuses_once_the_sources_are_in_use() -> None:
     import hascheduler_dev.devmongo.storage  # noqa: F401 - the sources, in this process
 
     assert native.built() is not None or native.build()
-    path = list(native.package.__path__)
+    path = list(devmongo.__path__)
     assert native.load() is False
-    assert list(native.package.__path__) == path
+    assert list(devmongo.__path__) == path

@@ -18,7 +18,7 @@ from hascheduler_dev.devmongo.changes import ChangeLog, ClusterClock, decode_tok
 from hascheduler_dev.devmongo.cursors import ChangeStreamCursor
 from hascheduler_dev.devmongo.errors import DuplicateKey, MongoError
 from hascheduler_dev.devmongo.storage import Catalog, Collection, _same_types, _simple_filter
-from hascheduler_dev.devmongo.values import index_values, key_of, sort_key
+from hascheduler_dev.devmongo.values import index_values, key_of, sort_key, type_rank
 
 
 def make_collection(n: int = 0, capacity: int = 10_000) -> Collection:
@@ -133,7 +133,9 @@ def test_partial_index_is_used_only_when_the_filter_implies_it(
     assert [d["_id"] for _, d in coll.find(op(), {"state": "claimed", "term": 0})] == list(
         range(3, 30, 3)
     )
-    assert len(coll.indexes["claimed_by_term"].entries[(key_of(0),)]) == 9
+    claimed = coll.indexes["claimed_by_term"].entries[(key_of(0),)]
+    assert isinstance(claimed, set)
+    assert len(claimed) == 9
 
 
 @pytest.mark.parametrize(
@@ -338,7 +340,7 @@ def _general_match(filter_: dict[str, Any], doc: dict[str, Any]) -> bool:
     """mongomock's matcher alone, without the engine's fast path for plain equalities."""
     from mongomock import filtering
 
-    return bool(filtering.filter_applies(filter_, doc))
+    return bool(filtering.filter_applies(filter_, doc))  # type: ignore[no-untyped-call]
 
 
 _VALUES: list[Any] = [
@@ -457,7 +459,7 @@ def test_plain_range_fast_path_agrees_with_mongodb_type_bracketing(op: str, boun
             if engine._plain_conditions(filter_, doc) is None:
                 continue  # the general matcher answered: not this test's subject
             # MongoDB compares within one type (numbers together, booleans apart).
-            same_type = engine.type_rank(have) == engine.type_rank(bound)
+            same_type = type_rank(have) == type_rank(bound)
             expected = same_type and _general_match(filter_, doc)
             assert got == expected, (filter_, doc)
     assert engine._plain_conditions({"v": {"$lte": 2}}, {"v": 1}) is True, "fast path taken"
@@ -502,7 +504,7 @@ def test_a_partial_index_holds_what_the_general_matcher_selects(partial: dict[st
     from hascheduler_dev.devmongo.storage import Index
 
     index = Index("p", [("x", 1)], partial_filter=partial)
-    docs = [
+    docs: list[dict[str, Any]] = [
         {"state": "claimed"},
         {"state": "published"},
         {"state": ["claimed", "x"]},
@@ -871,7 +873,7 @@ def test_a_sort_on_plain_values_orders_as_the_general_sort() -> None:
         docs.append(doc)
     for sort in ({"a": 1}, {"a": -1}, {"b": 1, "a": -1}, {"a": -1, "b": 1}, {"a": 1.0}):
         assert engine.plain_sort(docs, sort) is not None, sort
-        expected = mm_aggregate._handle_sort_stage(docs, None, sort)
+        expected = mm_aggregate._handle_sort_stage(docs, None, sort)  # type: ignore[no-untyped-call]
         assert [d["_id"] for d in engine.sort_documents(docs, sort)] == [
             d["_id"] for d in expected
         ], sort

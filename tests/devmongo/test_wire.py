@@ -167,7 +167,9 @@ async def test_awaitable_hello_waits_and_streams_with_more_to_come(raw: RawConne
 
 async def test_idle_clients_do_not_make_the_server_spin(mongo_server: ServerProcess) -> None:
     assert mongo_server.pid is not None
-    clients = [AsyncMongoClient(mongo_server.uri) for _ in range(5)]
+    clients: list[AsyncMongoClient[dict[str, Any]]] = [
+        AsyncMongoClient(mongo_server.uri) for _ in range(5)
+    ]
     try:
         for c in clients:
             await c.admin.command("ping")

@@ -25,7 +25,7 @@ app.conf.update(
 )
 
 
-@app.task(bind=True, name="tests.helpers.celery_app.record")
+@app.task(bind=True, name="tests.helpers.celery_app.record")  # type: ignore[untyped-decorator]
 def record(self: Any, *args: Any, **kwargs: Any) -> None:
     request = self.request
     delivery = request.delivery_info or {}

@@ -18,7 +18,7 @@ import contextlib
 import json
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
 import structlog
@@ -33,6 +33,12 @@ CONNECT_TIMEOUT_S = 2.0
 
 class WireError(Exception):
     """The connection could not be set up, or broke."""
+
+
+class Answering(Protocol):
+    """Where the frame reader answers the server (a PING's PONG): the connection's writer."""
+
+    def write(self, data: bytes) -> None: ...
 
 
 class PublishConnection:
@@ -162,7 +168,7 @@ class PublishConnection:
             writer.close()
             self.on_lost()
 
-    def _frames(self, data: bytes, writer: asyncio.StreamWriter) -> bytes:
+    def _frames(self, data: bytes, writer: Answering) -> bytes:
         """Deliver every complete frame in ``data``; returns the incomplete rest."""
         pos = 0
         while True:
