@@ -481,6 +481,22 @@ async def test_a_retry_of_a_delivery_whose_channel_closed_is_a_broker_error_and_
         assert await source.fetch(1, 1.0) == []  # past the 200 ms delay queue: no copy
 
 
+async def test_a_retry_whose_copy_cannot_be_sent_goes_back_to_the_queue_at_once(
+    rabbit: RabbitServer,
+) -> None:
+    """The delayed copy fails (its publishing channel closed) while the delivery's own
+    channel lives: the original is requeued now, not left there unanswered (holding its
+    prefetch place until the connection closes, its retry never made)."""
+    async with queued(rabbit, 1, 1) as (source, _):
+        (before,) = await fetched(source, 1)
+        assert source._publisher is not None
+        await source._publisher.close()  # the copy's channel, not the delivery's
+        await before.nak(delay=60.0)
+        (again,) = await fetched(source, 1)  # at once, not in a minute
+        assert json.loads(again.data) == json.loads(before.data)
+        await again.ack()
+
+
 async def test_a_fetch_takes_a_burst_arriving_over_turns_of_the_loop_and_stops_at_a_lull() -> None:
     """What RabbitMQ sends after a batch of acks arrives a frame per turn of the loop: a
     fetch takes all of it once SETTLE_TURNS turns pass with nothing new, not the first

@@ -269,12 +269,7 @@ class Worker:
                 error=(outcome.error or "")[:300],
                 retry_in_s=round(outcome.retry_in_s, 3),
             )
-            try:
-                await message.nak(delay=outcome.retry_in_s)
-            except self.broker_errors:
-                # Not delayed: back at once, if its channel lives (else the broker has it
-                # back already); whoever claims it early is told to wait (fire_busy).
-                await message.nak()
+            await message.nak(delay=outcome.retry_in_s)
         elif outcome.state == CANCELLED:
             await message.term()
         else:

@@ -33,14 +33,9 @@ def _reader(endpoint: AmqpEndpoint) -> FireReader:
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    import aiormq.exceptions
+    from hascheduler.brokers.amqp.consumer import BROKER_ERRORS
 
-    return (
-        aiormq.exceptions.AMQPError,
-        aiormq.exceptions.ChannelInvalidStateError,
-        OSError,
-        TimeoutError,
-    )
+    return BROKER_ERRORS
 
 
 KIND = BrokerKind(

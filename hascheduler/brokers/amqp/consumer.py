@@ -3,7 +3,8 @@ exchange for the worker's target patterns, shared by every worker with that name
 
 RabbitMQ has no delayed redelivery, so ``nak(delay)`` sends a copy through a delay queue
 (a queue-wide TTL that dead-letters back to the consumer's queue) and acknowledges the
-original once RabbitMQ confirms the copy. The delay queues come in steps of a fourth
+original once RabbitMQ confirms the copy; a copy that cannot be sent requeues the
+original at once (its early claim is told to wait). The delay queues come in steps of a fourth
 root of two from 100 ms (a wait is rounded up to the next one: never shorter than asked,
 at most 19 % longer, so a backoff's jitter survives) and every message of one queue has
 the same TTL, so none waits behind a longer one. ``term`` rejects the message to the
@@ -37,6 +38,13 @@ from aiormq.abc import DeliveredMessage
 from hascheduler.brokers.amqp.endpoint import AmqpEndpoint
 from hascheduler.brokers.base import SUBJECT_PREFIX, Arrivals
 
+# What the client raises when RabbitMQ or the connection fails (the broker kind's errors).
+BROKER_ERRORS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    OSError,
+    TimeoutError,
+)
 TARGET_HEADER = "hascheduler-target"  # a delayed copy's target (its routing key changed)
 SUBSCRIBE_TIMEOUT_S = 10.0
 SETTLE_TURNS = 3  # turns of the loop without a delivery: the burst has arrived
@@ -184,7 +192,16 @@ class AmqpDelivery:
         if not delay or delay <= 0:
             await self.consumer.nack(self.tag)
             return
-        await self.owner.delay(self, delay)
+        try:
+            await self.owner.delay(self, delay)
+        except BROKER_ERRORS as exc:
+            if self.consumer.channel.is_closed:
+                raise  # RabbitMQ requeued it with its channel
+            # No copy sent, on a channel that lives: back in the queue at once, or it
+            # would stay there unanswered; a worker claiming it early is told to wait.
+            log.warning("amqp_retry_requeued", tag=self.tag, error=repr(exc)[:200])
+            await self.consumer.nack(self.tag)
+            return
         self.consumer.ack(self.tag)
 
     async def term(self) -> None:
