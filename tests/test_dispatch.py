@@ -287,12 +287,12 @@ async def test_a_backfill_is_worked_only_in_the_quiet_between_regular_fires() ->
         assert backfilling.quiet(term)
         # The queue's first fire is claimed CLAIM_AHEAD_S before it is due: the claims
         # need the path too. Due in a second: its claim is now; in a minute: quiet.
-        list(term.queue.seed(now, {}))
+        list(term.queue.seed(now, {}, {}))
         assert term.queue.first_at() == now + dt.timedelta(seconds=1)
         assert dt.timedelta(seconds=1 - CLAIM_AHEAD_S) < quiet
         assert not backfilling.quiet(term)
         term.queue.clear()
-        list(term.queue.seed(now + dt.timedelta(seconds=2), {}))
+        list(term.queue.seed(now + dt.timedelta(seconds=2), {}, {}))
         assert term.queue.first_at() == now + dt.timedelta(seconds=61)
         assert backfilling.quiet(term)
         term.queue.clear()

@@ -23,7 +23,7 @@ def every(seconds: float, revision: int = 1, paused: bool = False, jitter: float
 
 def seeded(entries: dict[str, Entry], now: dt.datetime) -> FireQueue:
     queue = FireQueue(entries)
-    for _ in queue.seed(now, {}):
+    for _ in queue.seed(now, {}, {}):
         pass
     return queue
 
@@ -102,7 +102,7 @@ def test_a_change_before_the_first_seed_waits_for_it() -> None:
     queue = FireQueue(entries)
     assert not queue.changed("a", entries["a"], None)
     assert len(queue) == 0
-    for _ in queue.seed(at(0), {}):
+    for _ in queue.seed(at(0), {}, {}):
         pass
     assert taken(queue, at(10)) == [("a", 10)]
 
@@ -111,7 +111,7 @@ def test_seeding_steps_and_requeues_a_schedule_changed_meanwhile() -> None:
     entries = {f"s{i:05d}": every(60) for i in range(3 * SEED_STEP)}
     queue = FireQueue(entries)
     steps = 0
-    for _ in queue.seed(at(15), {}):
+    for _ in queue.seed(at(15), {}, {}):
         steps += 1
         if steps == 1:  # s00000 was visited before the first step; now it changes
             entries["s00000"] = every(30, revision=2)

@@ -149,7 +149,7 @@ class SlowLeases:
 
     async def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
         self.sent.append(asyncio.get_running_loop().time())
-        await asyncio.sleep(self.delay_s)
+        await asyncio.sleep(self.delay_s)  # the slow link's latency, the condition under test
         return await self._leases.find_one_and_update(*args, **kwargs)
 
     async def update_one(self, *args: Any, **kwargs: Any) -> Any:

@@ -43,7 +43,7 @@ def test_the_next_fire_of_a_schedule_paused_until_an_instant_is_at_it() -> None:
 def test_the_queue_holds_a_schedule_paused_until_an_instant_and_drops_the_dormant() -> None:
     entries = {"until": entry(True, at(10)), "dormant": entry(True), "running": entry(False)}
     queue = FireQueue(entries)
-    for _ in queue.seed(at(2.5), {}):
+    for _ in queue.seed(at(2.5), {}, {}):
         pass
     taken = queue.take_due(at(10), 100)
     assert [(d.schedule_id, d.nominal) for d in taken if d.schedule_id != "running"] == [

@@ -48,7 +48,7 @@ async def test_a_term_acts_only_while_it_holds_the_lease() -> None:
         lease.term, lease.valid = 4, False  # the renew deadline passed
         with pytest.raises(LeadershipLost):
             term.check()
-        list(term.queue.seed(at(0), {}))
+        list(term.queue.seed(at(0), {}, {}))
         assert list(term.queue.items())
         never = asyncio.Event()
 

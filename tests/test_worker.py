@@ -509,7 +509,7 @@ async def test_workers_killed_and_stalled_on_rabbitmq_leave_every_run_ended(
                 payload["fail_on"] = [1]
             await workers.publish("jobs.soak", event(fire_id, 1, NOW, payload), fire_id)
             fire_ids.append(fire_id)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the fires' pace, ten a second: part of the load
 
     async def stall(worker: asyncio.subprocess.Process) -> None:
         worker.send_signal(signal.SIGSTOP)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import heapq
 from collections.abc import Iterator, Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 from hascheduler.core.entries import Entry, Written
@@ -22,7 +21,6 @@ from hascheduler.core.triggers import fire_times, jitter_offset, made_since
 # seconds at 100k schedules, and the lease must keep renewing meanwhile (a blocked loop
 # misses the renew deadline and leadership thrashes).
 SEED_STEP = 1000
-NOTHING_CREATED: Mapping[str, dt.datetime] = MappingProxyType({})
 
 
 class Due(NamedTuple):
@@ -79,7 +77,7 @@ class FireQueue:
         self,
         now: dt.datetime,
         early_changes: Mapping[str, Written],
-        created_since: Mapping[str, dt.datetime] = NOTHING_CREATED,
+        created_since: Mapping[str, dt.datetime],
     ) -> Iterator[None]:
         """Rebuild the heap with every unpaused schedule's first fire after ``now``, or
         after its creation for one created since: one whose creation the caller saw

@@ -24,7 +24,7 @@ def _note(what: str, run: Run) -> None:
 
 async def _run(run: Run) -> None:
     _note("start", run)
-    await asyncio.sleep(float((run.payload or {}).get("sleep", 0)))
+    await asyncio.sleep(float((run.payload or {}).get("sleep", 0)))  # the run's own work
     _note("end", run)
 
 
