@@ -302,6 +302,8 @@ async def test_the_floor_between_fires_is_the_replicas_setting(mongo: Any) -> No
             ({"kind": "cron", "cron": "*/10 * * * * *"}, 201),
             ({"kind": "interval", "every": 9.5}, 422),
             ({"kind": "interval", "every": "PT10S"}, 201),
+            ({"kind": "interval", "every": "9s"}, 422),
+            ({"kind": "interval", "every": "1m30s"}, 201),
         ]:
             response = await client.post("/schedules", json=cron_schedule(trigger=trigger))
             assert response.status == status, await response.text()

@@ -243,11 +243,14 @@ def test_the_cli_a_kubectl_or_temporal_user_expects(replica: ServerProcess, tmp_
     row = next(line for line in listed.splitlines() if line.startswith(f"id-{tag}"))
     assert "paused" in row
     assert "for the release" in row
-    after = "2031-01-01T00:00:00Z"
+    after = (dt.datetime.now(dt.UTC) + dt.timedelta(days=400)).strftime("%Y-%m-%dT%H:%M:%SZ")
     nexts = json.loads(cli(replica, "next", f"every-{tag}", "--after", after, "--json").stdout)
     assert nexts["times"][0]["nominal"] > after
-    refused = cli(replica, "add", "--name", "x", "--target", "t.x", "--every", "5 minutes")
-    assert refused.returncode == 2
+    for hostile in ("5 minutes", "nan", "inf", "0", "-5", "1e400", "1m" * 20_000):
+        refused = cli(replica, "add", "--name", "x", "--target", "t.x", "--every", hostile)
+        assert refused.returncode == 2, (hostile[:20], refused.stderr[-300:])
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr[-300:]  # one line
+        assert len(refused.stderr) < 300, hostile[:20]  # the input is not echoed whole
     assert "a duration such as" in refused.stderr
     end = dt.datetime.now(dt.UTC).replace(microsecond=0)
     started = cli(replica, "backfill", f"every-{tag}", "--start",

@@ -188,13 +188,42 @@ def test_fire_id_is_schedule_and_utc_nominal_time() -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("PT30S", 30), ("PT1H", 3600), ("P1DT2H", 93600), ("P2W", 1209600), ("PT0.5S", 0.5)],
+    [
+        ("PT30S", 30),
+        ("PT1H", 3600),
+        ("P1DT2H", 93600),
+        ("P2W", 1209600),
+        ("PT0.5S", 0.5),
+        ("30s", 30),
+        ("5m", 300),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("2d", 172800),
+        (" 1.5h ", 5400),
+    ],
 )
-def test_iso_durations(text: str, seconds: float) -> None:
+def test_iso_and_short_durations(text: str, seconds: float) -> None:
     assert triggers.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("bad", ["P1M", "P1Y", "30s", "PT", "P", "P1DT"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "P1M",
+        "P1Y",
+        "PT",
+        "P",
+        "P1DT",
+        "5 minutes",
+        "1h30",
+        "5M",
+        "m5",
+        "-5s",
+        "1m" * 40,
+        "1" * 10_000,
+    ],
+)
 def test_bad_durations(bad: str) -> None:
-    with pytest.raises(triggers.InvalidTrigger):
+    with pytest.raises(triggers.InvalidTrigger) as refused:
         triggers.parse_duration(bad)
+    assert len(str(refused.value)) < 200  # a long input is not echoed whole

@@ -7,11 +7,12 @@ naming the field); 1 the API could not be reached or failed."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import re
 from typing import Any
 
 from hascheduler.client import AsyncClient, NotFound, local_cluster
+from hascheduler.core.triggers import MAX_DURATION_CHARS, InvalidTrigger, parse_duration
 
 EXIT_REFUSED = 2
 EXIT_UNAVAILABLE = 1
@@ -80,25 +81,20 @@ def resolve_api(explicit: str | None) -> str:
         raise Unavailable(str(exc)) from None
 
 
-# What Kubernetes, Temporal and Go users type: 30s, 5m, 1h30m, 2d (units in any order of
-# size, each once); a number alone is seconds; ISO-8601 (PT30S) goes to the API as it is.
-_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)(ms|d|h|m|s))+")
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
-
-
-def duration(text: str, flag: str) -> float | str:
-    """``text`` as seconds (or an ISO-8601 duration, as written). Raises Refused."""
-    value = text.strip()
-    if value.upper().startswith("P"):
-        return value
+def duration(text: str, flag: str) -> float:
+    """``text`` in seconds: a number, or a duration as the API reads one (30s, 1h30m,
+    PT5M: core/triggers.parse_duration). Its bounds are the API's, which names the field;
+    a number JSON cannot carry (NaN, infinite) is refused here. Raises Refused."""
     try:
-        return float(value)
+        seconds = float(text)
     except ValueError:
-        pass
-    if not _DURATION.fullmatch(value):
-        raise Refused(f"{flag} {text!r}: a duration such as 30, 30s, 5m, 1h30m or PT5M")
-    return sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(value))
+        try:
+            seconds = parse_duration(text)
+        except InvalidTrigger as exc:
+            raise Refused(f"{flag}: {exc}") from None
+    if not math.isfinite(seconds):
+        raise Refused(f"{flag} {text[:MAX_DURATION_CHARS]!r}: a finite duration")
+    return seconds
 
 
 async def schedule_handle(api: AsyncClient, handle: str, namespace: str | None) -> str:

@@ -503,16 +503,28 @@ _ISO_DURATION = re.compile(
 )
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in an ISO-8601 duration (weeks, days, hours, minutes, seconds).
+# A duration as Go, Kubernetes and Temporal write one: numbers each with its unit, summed
+# (30s, 5m, 1h30m, 250ms, 2d).
+_SHORT_DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|d|h|m|s))+")
+_SHORT_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
+_SHORT_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+# Longer than any duration a person writes: refused before a pattern reads it.
+MAX_DURATION_CHARS = 64
 
-    Years and months have no fixed length and are refused. Raises InvalidTrigger.
-    """
-    match = _ISO_DURATION.match(text.strip().upper())
-    if not match or text.strip().upper() in {"P", "PT"} or text.strip().upper().endswith("T"):
+
+def parse_duration(text: str) -> float:
+    """Seconds in an ISO-8601 duration (weeks, days, hours, minutes, seconds) or a short
+    one (30s, 5m, 1h30m). Years and months have no fixed length and are refused. Raises
+    InvalidTrigger."""
+    value = text.strip()
+    if len(value) <= MAX_DURATION_CHARS and _SHORT_DURATION.fullmatch(value):
+        return sum(float(n) * _SHORT_UNITS[unit] for n, unit in _SHORT_PART.findall(value))
+    value = value.upper()
+    match = _ISO_DURATION.match(value) if len(value) <= MAX_DURATION_CHARS else None
+    if not match or value in {"P", "PT"} or value.endswith("T"):
         raise InvalidTrigger(
-            f"{text!r} is not an ISO-8601 duration such as 'PT30S' or "
-            "'P1DT2H' (years and months are not allowed)"
+            f"{text[:MAX_DURATION_CHARS]!r} is not a duration such as '30s', '1h30m', "
+            "'PT30S' or 'P1DT2H' (years and months are not allowed)"
         )
     parts = {k: float(v) for k, v in match.groupdict().items() if v}
     return (
