@@ -409,9 +409,10 @@ class Soak:
             await client.close()
 
     async def ledger_of(self, missing: list[tuple[str, dt.datetime]]) -> list[str]:
-        """What the database holds of fires the stream misses: each schedule's write times
-        and each fire's ledger record (state, term, attempts, error), or the skipped range
-        that covers it, to tell a fire never claimed from one claimed and not published. A
+        """What the database holds of fires the stream misses (or holds unexpected): each
+        schedule's write times and each fire's ledger record (state, term, attempts, error),
+        or the skipped range that covers it, to tell a fire never claimed from one claimed
+        and not published, or who claimed one the audit did not expect. A
         fan-out fire is audited as ``<schedule>/<tenant>``: its schedule is the part before
         the slash and its fire id ``<schedule>@<nominal>/<tenant>``."""
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
@@ -1127,11 +1128,10 @@ async def run(args: argparse.Namespace) -> int:
         records = await soak.backfill_records()
         report, messages = await complete_stream(soak, since, until, windows, records)
         backfill_report = audit_backfills(soak.backfills, messages, records)
-        if report.missing or report.fired_and_skipped or backfill_report.missing:
+        odd = report.missing + report.fired_and_skipped + report.unexpected
+        if odd or backfill_report.missing:
             with contextlib.suppress(Exception):
-                missing_records = await soak.ledger_of(
-                    (report.missing + report.fired_and_skipped)[:20] + backfill_report.missing[:5]
-                )
+                missing_records = await soak.ledger_of(odd[:20] + backfill_report.missing[:5])
         fire_ids = {str(e.get("id")) for e, _ in messages if isinstance(e, dict)}
         runs = await settled_runs(soak, fire_ids)
         await history.settle()

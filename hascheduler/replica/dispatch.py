@@ -65,8 +65,8 @@ log = structlog.get_logger("hascheduler.dispatch")
 # fraction of a millisecond away, and claiming at each made an insert of a few fires,
 # and its round trip, thousands of times a second.
 CLAIM_EVERY_S = 0.025
-# How long a term waits to read which schedules were created after its start before
-# seeding without them: an index range, nearly always empty, ahead of the first fire.
+# How long one read of which schedules were created after a term's start may take (read
+# again until it is, ahead of the seed): an index range, nearly always empty.
 AHEAD_READ_S = 1.0
 
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Mapping
 import pymongo
 import structlog
 from pymongo.errors import PyMongoError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from hascheduler.core.catchup import LATE_CHANGE_S, plan_catchups
 from hascheduler.core.claims import Claim
@@ -37,9 +38,10 @@ RETRY_BATCHES_PER_TURN = 20
 # Retry batches awaiting their publish at once: the fires due now keep the publisher's
 # other slots.
 RETRIES_IN_FLIGHT = 2
-# How long a term waits for the schedules' creation times before catching up without them
-# (a first term reads every schedule's, which takes seconds for a large database).
+# How long one read of the schedules' creation times may take (a first term reads every
+# schedule's, which takes seconds for a large database), and the longest wait between two.
 CREATED_READ_S = 60.0
+CREATED_RETRY_MAX_S = 2.0
 
 
 class TakeOver:
@@ -194,20 +196,27 @@ class TakeOver:
     async def created_after(
         self, term: Term, since: dt.datetime | None, within_s: float
     ) -> dict[str, dt.datetime]:
-        """When each schedule created after ``since`` (every one, with none) was created.
-        Not one of the term's reads, bound to its lease: in a first term
-        it reads every schedule, which on a large database outlasts a few ttls, and the
-        term would stop and lead again for ever. Unread within ``within_s``, or failed,
-        each schedule is planned from ``since`` (or the term's start), as it was before
-        creation times were read, and a warning says so."""
+        """When each schedule created after ``since`` (every one, with none) was created,
+        read again until it is, while the term holds: planned without it, a schedule
+        created after ``since`` would fire the instants before its creation. Each attempt
+        is bounded by ``within_s``, not by the term's lease: in a first term it reads every
+        schedule, which on a large database outlasts a few ttls."""
         after = since or dt.datetime.min.replace(tzinfo=dt.UTC)
         began = time.monotonic()
-        try:
-            with pymongo.timeout(within_s):
-                created = await self.store.created_after(after)
-        except PyMongoError as exc:
-            log.warning("creation_times_unread", error=str(exc)[:300], term=term.number)
-            return {}
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(PyMongoError),
+            wait=wait_exponential(multiplier=0.1, max=CREATED_RETRY_MAX_S),
+            before_sleep=lambda state: log.warning(
+                "creation_times_unread",
+                error=str(state.outcome.exception() if state.outcome else None)[:300],
+                attempt=state.attempt_number,
+                term=term.number,
+            ),
+        ):
+            with attempt:
+                term.check()
+                with pymongo.timeout(within_s):
+                    created = await self.store.created_after(after)
         log.info(
             "creation_times_read",
             schedules=len(created),
