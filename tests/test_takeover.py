@@ -177,6 +177,56 @@ async def test_creation_times_that_cannot_be_read_hold_the_catch_up_back_until_t
             await asyncio.gather(lead, return_exceptions=True)
 
 
+async def test_a_schedule_the_mirror_applies_during_the_read_is_not_caught_up_from_the_watermark(
+    fresh_db: Any,
+) -> None:
+    """Against the development server: a schedule created 1.5 s after the previous
+    leader's watermark whose change the mirror applies while the catch-up's read of
+    creation times is in flight, too late for the read to see it, is planned from its
+    creation by its change, never from the watermark by the catch-up."""
+    db = fresh_db
+    second = dt.timedelta(seconds=1)
+    now = dt.datetime.now(dt.UTC)
+    since = now.replace(microsecond=0) - 4 * second
+    created = since + 1.5 * second
+    await Ledger(db.fires).ensure_indexes(3600)
+    entries: dict[str, Entry] = {}
+    dispatchers: list[Dispatcher] = []
+
+    class AppliedDuringTheRead(ScheduleStore):
+        async def created_after(self, after: dt.datetime) -> dict[str, dt.datetime]:
+            read = await super().created_after(after)
+            if after < since:  # the catch-up's: the change lands as its answer comes
+                await db.schedules.insert_one(
+                    {
+                        "_id": "new",
+                        "target": "t.x",
+                        "payload": {},
+                        "revision": 1,
+                        "created_at": created,
+                    }
+                )
+                entries["new"] = Entry(
+                    1, False, Interval(1.0, since - 60 * second), 0.0, "all", 60.0, "t.x"
+                )
+                dispatchers[0].on_change("new", entries["new"], Written(created, created))
+            return read
+
+    sent: list[str] = []
+    lease = FixedLease(term=2, ttl_s=1.0)
+    stores = dataclasses.replace(stores_over(db), store=AppliedDuringTheRead(db.schedules))
+    dispatchers.append(Dispatcher(Mirrored(entries), stores, AckingBroker(sent), lease))
+    view = LeaseView("b", 2, now + second, fired_through=since)
+    lead = asyncio.create_task(dispatchers[0].lead(view))
+    caught_up = {fire_id("new", since + k * second) for k in (2, 3, 4)}
+    try:
+        await wait_until(partial(caught_up.issubset, sent), 10, "its fires from its creation")
+        assert fire_id("new", since + second) not in sent, sent
+    finally:
+        lead.cancel()
+        await asyncio.gather(lead, return_exceptions=True)
+
+
 async def test_a_read_of_creation_times_ends_with_its_term() -> None:
     """Read again while the term holds, never after: a term that lost its lease stops
     reading (LeadershipLost), and the replica can lead again."""

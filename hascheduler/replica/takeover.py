@@ -163,6 +163,10 @@ class TakeOver:
         was due), one written up to LATE_CHANGE_S before it also from its creation
         (plan_catchups), and with no ``since`` (a database's first term) every schedule
         from its creation."""
+        # The schedules as they stand before the read: one the mirror applies while it
+        # runs may be missing from it, and is planned from its creation by its change
+        # (Dispatcher.on_change), not from ``since`` here.
+        entries = [(sid, e) for sid, e in self.entries.items() if not e.completed]
         created = await self.created_after(
             term,
             None if since is None else since - dt.timedelta(seconds=LATE_CHANGE_S),
@@ -171,7 +175,6 @@ class TakeOver:
         term.check()
         # Planned in a thread: counting what a long outage skipped can take a good part of
         # a second for a dense schedule, and the loop must keep renewing the lease.
-        entries = [(sid, e) for sid, e in self.entries.items() if not e.completed]
         to_fire, ranges = await asyncio.to_thread(plan_catchups, entries, since, now, created)
         term.check()
         skipped = [
