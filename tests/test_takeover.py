@@ -227,6 +227,31 @@ async def test_a_schedule_the_mirror_applies_during_the_read_is_not_caught_up_fr
         await asyncio.gather(lead, return_exceptions=True)
 
 
+async def test_a_read_of_creation_times_longer_than_its_first_bound_still_ends(
+    fresh_db: Any,
+) -> None:
+    """Against the development server: a read that takes longer than its first bound (a
+    first term reading every schedule of a large database) is given a longer one each
+    time, and ends: with the same bound each time, it was read again for ever."""
+
+    class Slow(ScheduleStore):
+        reads = 0
+
+        async def created_after(self, after: dt.datetime) -> dict[str, dt.datetime]:
+            self.reads += 1
+            await asyncio.sleep(0.3)  # the read's own length: its bound counts it
+            return await super().created_after(after)
+
+    store = Slow(fresh_db.schedules)
+    lease = FixedLease()
+    stores = dataclasses.replace(stores_over(fresh_db), store=store)
+    dispatcher = Dispatcher(Mirrored({}), stores, AckingBroker([]), lease)
+    async with Term(1, lease, {}) as term:
+        read = dispatcher.takeover.created_after(term, None, 0.1)
+        assert await asyncio.wait_for(read, 10) == {}
+    assert store.reads >= 3  # bounds of 0.1 s and 0.2 s were too short
+
+
 async def test_a_read_of_creation_times_ends_with_its_term() -> None:
     """Read again while the term holds, never after: a term that lost its lease stops
     reading (LeadershipLost), and the replica can lead again."""

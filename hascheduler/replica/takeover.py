@@ -202,8 +202,8 @@ class TakeOver:
         """When each schedule created after ``since`` (every one, with none) was created,
         read again until it is, while the term holds: planned without it, a schedule
         created after ``since`` would fire the instants before its creation. Each attempt
-        is bounded by ``within_s``, not by the term's lease: in a first term it reads every
-        schedule, which on a large database outlasts a few ttls."""
+        is bounded from ``within_s`` on, not by the term's lease: in a first term it reads
+        every schedule, which on a large database outlasts a few ttls."""
         after = since or dt.datetime.min.replace(tzinfo=dt.UTC)
         began = time.monotonic()
         async for attempt in AsyncRetrying(
@@ -218,7 +218,9 @@ class TakeOver:
         ):
             with attempt:
                 term.check()
-                with pymongo.timeout(within_s):
+                # Each bound twice the last: a read longer than the first still ends.
+                tries = attempt.retry_state.attempt_number
+                with pymongo.timeout(within_s * 2 ** min(tries - 1, 5)):
                     created = await self.store.created_after(after)
         log.info(
             "creation_times_read",
