@@ -144,8 +144,7 @@ async def test_creation_times_that_cannot_be_read_hold_the_catch_up_back_until_t
     """Against the development server: a schedule created 1.5 s after the previous
     leader's watermark, whose creation time the catch-up's reads fail to get (a timeout, a
     reset link), is caught up once a read does, from its creation: never from the
-    watermark, which fired the instants before its creation (a CI run of the short soak:
-    two, a catch-up reading over a lossy link)."""
+    watermark, which fired the instants before its creation."""
     db = fresh_db
     second = dt.timedelta(seconds=1)
     now = dt.datetime.now(dt.UTC)
