@@ -462,3 +462,41 @@ async def test_a_stale_reservation_is_withdrawn_when_it_refuses_a_fire_at_its_du
     await gate.ledger.skip([first.fire_id], TERM, "overlap")
     assert await gate.admit([second], targets, term) == [second]
     assert await gate.runs.open_runs([open_key("s", None)]) == {open_key("s", None): second.fire_id}
+
+
+async def test_a_fire_refused_by_a_run_that_ends_before_it_is_named_is_decided_again(
+    gate: OverlapGate, term: Term, db: Any
+) -> None:
+    """A `skip` fire refused by its key's open run, which ends between the refusal and the
+    read that names it: the key is free, and the fire is decided again and goes. Before, it
+    was recorded skipped naming no run (`open_run: ""`)."""
+    now = dt.datetime.now(dt.UTC)
+    gate.entries = {
+        "s": Entry(
+            1,
+            False,
+            compile_trigger({"kind": "cron", "cron": "* * * * *"}),
+            0.0,
+            "none",
+            0.0,
+            "jobs.s",
+            overlap="skip",
+        )
+    }
+    targets = {"s": "jobs.s"}
+    first = await claimed(gate, 1, now)
+    assert await gate.admit([first], targets, term) == [first]
+
+    class EndedWhileNamed(RunLedger):
+        async def open_runs(self, keys: list[str]) -> dict[str, str]:
+            # The open run ends as the read is sent: the read finds none.
+            await db.runs.update_one(
+                {"_id": first.fire_id}, {"$set": {"state": "succeeded"}, "$unset": {"open_key": ""}}
+            )
+            return await super().open_runs(keys)
+
+    gate.runs = EndedWhileNamed(db.runs)
+    second = await claimed(gate, 2, now)
+    assert await gate.admit([second], targets, term) == [second]
+    assert (await db.fires.find_one({"_id": second.fire_id}))["state"] != "skipped"
+    assert (await db.runs.find_one({"_id": second.fire_id}))["open_key"] == "s"

@@ -125,6 +125,7 @@ class OverlapGate:
         term: Fenced,
         released: bool,
         hold: bool,
+        again: bool = False,
     ) -> tuple[list[Claim], list[Claim]]:
         governed = [c for c in claims if self.policy(c) != ALLOW]
         if not governed:
@@ -178,6 +179,10 @@ class OverlapGate:
             held = [c for c in governed if c.fire_id not in went]
             gone = {c.fire_id for c in held}
             return [c for c in claims if c.fire_id not in gone], held
+        if not again and any(not blocker for blocker in refused.values()):
+            # The run that refused a fire ended before it could be named: its key is free
+            # now, and the fires are decided again (once), never skipped naming no run.
+            return await self._admit(claims, targets, term, released, hold, again=True)
         if refused and time.monotonic() >= self._stale_check_at:
             # What refused them may be a reservation no term will publish; withdrawn, the
             # fires are decided again (once: the next look is STALE_CHECK_S away).
