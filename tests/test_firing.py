@@ -25,7 +25,7 @@ from hascheduler.replica.firing import (
 )
 from hascheduler.replica.overlap import Fenced
 from hascheduler.replica.publishing import DispatchSettings, backoff_s
-from hascheduler.replica.term import Term
+from hascheduler.replica.term import LeadershipLost, Term
 from hascheduler.storage.fire_counts import FireCounts
 from hascheduler.storage.fire_records import CLAIMED, PUBLISHED, claim_document
 from hascheduler.storage.fires import Ledger
@@ -230,6 +230,28 @@ async def test_claims_unchanged_since_their_check_are_published_without_another(
         term.add_pending(claims)
         await firing.publish_when_due(claims, {"a": 1, "b": 1}, term)
     assert publisher.published == [(["a@x", "b@x"], True, True)]
+
+
+async def test_claims_whose_admission_runs_out_of_the_terms_time_are_left_to_its_retries() -> None:
+    """The gate's reservation, ahead of the due time, outlasts what remains of the term (a
+    database stepping down) and the term goes on: its claims are no longer this publish's,
+    and the term's retries take them (they passed over a claim still pending, so it stayed
+    claimed, never published)."""
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.3)
+    entries = {"s": Entry(1, False, Interval(60.0, T0), 0.0, "all", 3600.0, "t", overlap="skip")}
+
+    class OutOfTime(NotedPublisher):
+        async def admit(self, claims: list[Claim], term: Fenced) -> tuple[list[Claim], list[Claim]]:
+            raise LeadershipLost
+
+    firing = firing_path(FiringPath, entries, OutOfTime())
+    claims = [Claim("s@x", "s", due, due)]
+    async with Term(1, FixedLease(), entries) as term:
+        term.add_pending(claims)
+        with pytest.raises(LeadershipLost):
+            await firing.publish_when_due(claims, {"s": 1}, term)
+        assert not term.pending
+        assert term.next_publish_at() is None
 
 
 @pytest.mark.alone  # times the admission against the real clock: on an idle machine

@@ -403,7 +403,9 @@ class FiringPath:
                 finally:
                     term.remove_pending(due)
         finally:
-            term.remove_pending(claimed + admitted)
+            # Every one of them, those being admitted too: one left pending would be
+            # passed over by the term's retries for ever, claimed and never published.
+            term.remove_pending(everything)
             self.publisher.discard(everything)
 
     async def _admit(self, coming: list[Claim], term: Term) -> tuple[list[Claim], list[Claim]]:
