@@ -47,7 +47,19 @@ async def gate(db: Any) -> OverlapGate:
     ledger, runs = Ledger(db.fires), RunLedger(db.runs)
     await ledger.ensure_indexes(3600)
     await runs.ensure_indexes(3600)
-    entry = Entry(
+    return OverlapGate(
+        ledger,
+        runs,
+        {"s": every_minute("buffer_all")},
+        10,
+        lambda: dt.datetime.now(dt.UTC),
+        Metrics(),
+    )
+
+
+def every_minute(overlap: str) -> Entry:
+    """Schedule "s", every minute, under ``overlap``."""
+    return Entry(
         1,
         False,
         compile_trigger({"kind": "cron", "cron": "* * * * *"}),
@@ -55,9 +67,8 @@ async def gate(db: Any) -> OverlapGate:
         "none",
         0.0,
         "jobs.s",
-        overlap="buffer_all",
+        overlap=overlap,
     )
-    return OverlapGate(ledger, runs, {"s": entry}, 10, lambda: dt.datetime.now(dt.UTC), Metrics())
 
 
 @pytest.fixture
@@ -471,18 +482,7 @@ async def test_a_fire_refused_by_a_run_that_ends_before_it_is_named_is_decided_a
     read that names it: the key is free, and the fire is decided again and goes. Before, it
     was recorded skipped naming no run (`open_run: ""`)."""
     now = dt.datetime.now(dt.UTC)
-    gate.entries = {
-        "s": Entry(
-            1,
-            False,
-            compile_trigger({"kind": "cron", "cron": "* * * * *"}),
-            0.0,
-            "none",
-            0.0,
-            "jobs.s",
-            overlap="skip",
-        )
-    }
+    gate.entries = {"s": every_minute("skip")}
     targets = {"s": "jobs.s"}
     first = await claimed(gate, 1, now)
     assert await gate.admit([first], targets, term) == [first]
