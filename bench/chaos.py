@@ -92,6 +92,7 @@ from hascheduler.process import logs
 from hascheduler.storage.lease import LeaseTimings
 from hascheduler.storage.lease_history import LeaseHistory
 from hascheduler.storage.reservations import open_key
+from tests.waiting import wait_until
 
 UTC = dt.UTC
 TARGET = "chaos"
@@ -131,6 +132,9 @@ PARTITIONS = (
     "leader-lossy-db",
     "worker-cut-db",
 )
+# How long a healed fault may take to be over (a NATS node restarted, the database primary
+# again) before the soak stops and says which: it never waits for ever.
+RECOVERY_WITHIN_S = 120.0
 # How far a clock-skew fault moves a replica's wall clock, either way: seconds to minutes.
 SKEWS_S = (2.0, 5.0, 30.0, 120.0, 600.0)
 # Faults that can hold a write up between its sending and its applying: a stalled
@@ -798,18 +802,20 @@ class Soak:
 
     async def _nats_back(self, name: str, killed_pid: int) -> None:
         """Until the killed node runs again (restarted by the supervisor)."""
-        while True:
-            if any(
+
+        def back() -> bool:
+            return any(
                 c.name == name and c.alive and c.process.pid != killed_pid
                 for c in self.supervisor.others
-            ):
-                break
-            await asyncio.sleep(0.2)
+            )
+
+        await wait_until(back, RECOVERY_WITHIN_S, f"{name} restarted by the supervisor", 0.2)
         self.busy.discard("nats")
 
     async def _stepped_up(self) -> None:
         """Until the database is primary again."""
-        while True:
+
+        async def primary() -> bool:
             with contextlib.suppress(Exception):
                 client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
                     self.supervisor.mongodb_uri,
@@ -820,9 +826,10 @@ class Soak:
                     hello = await client.admin.command("hello")
                 finally:
                     await client.close()
-                if hello.get("isWritablePrimary"):
-                    break
-            await asyncio.sleep(0.2)
+                return bool(hello.get("isWritablePrimary"))
+            return False
+
+        await wait_until(primary, RECOVERY_WITHIN_S, "the database primary again", 0.2)
         self.busy.discard("devmongo")
 
     async def _start_nats(self, stopped: Child) -> None:
@@ -840,7 +847,8 @@ class Soak:
         task.add_done_callback(self.heals.discard)
 
     async def heal_all(self) -> None:
-        """Let every pending heal finish (they are all bounded by their hold time)."""
+        """Let every pending heal finish (each bounded: its hold time, then RECOVERY_WITHIN_S
+        for what it waits to be over)."""
         while self.heals:
             await asyncio.gather(*list(self.heals))
 
